@@ -1,0 +1,235 @@
+"""Engine configuration: frozen attrs classes, one per component, composed into EngineConfig.
+
+Values are checked when a config is built (validators), and cross-field gates when the
+whole EngineConfig is; every failure raises ConfigError naming the field, value and fix.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+
+from ._components import check_component_name
+from ._errors import ConfigError
+
+MAX_DRAFT_TOKENS = 16
+DTYPES = ("float32", "bfloat16", "float16", "float64")
+METHODS = ("none", "ngram", "draft_model", "early_exit", "mtp_eagle")
+VERIFICATIONS = ("token", "block")
+
+
+def _in(section: str, choices: tuple[str, ...]):
+    def check(instance, attribute, value):
+        if value not in choices:
+            raise ConfigError(f"{section}.{attribute.name}", value, "not a known value",
+                              f"use one of: {', '.join(choices)}")
+    return check
+
+
+def _at_least(section: str, low: int):
+    def check(instance, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ConfigError(f"{section}.{attribute.name}", value,
+                              f"must be an integer >= {low}")
+    return check
+
+
+def _positive_float(section: str):
+    def check(instance, attribute, value):
+        if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            raise ConfigError(f"{section}.{attribute.name}", value,
+                              "must be a finite number > 0")
+    return check
+
+
+@attrs.frozen
+class ModelConfig:
+    """The target model. ``name`` is a registry name (see ``specloop.models``) or a path."""
+
+    name: str = "smollm2-135m-instruct"
+    dtype: str = attrs.field(default="float32", validator=_in("model", DTYPES))
+    device: str = attrs.field(default="cpu")
+    max_seq_len: int = attrs.field(default=2048, validator=_at_least("model", 16))
+    # Apply the model's chat template to string prompts (instruct models want it).
+    chat_template: bool = True
+
+    @device.validator
+    def _check_device(self, attribute, value):
+        kind = value.split(":", 1)[0]
+        if kind not in ("cpu", "cuda", "auto"):
+            raise ConfigError("model.device", value, "not a device",
+                              "use 'cpu', 'cuda', 'cuda:N' or 'auto'")
+
+
+@attrs.frozen
+class SchedulerConfig:
+    max_batch_size: int = attrs.field(default=8, validator=_at_least("scheduler", 1))
+    # Prompt tokens prefilled per iteration; a longer prompt is prefilled in chunks.
+    max_num_tokens: int = attrs.field(default=2048, validator=_at_least("scheduler", 1))
+    # How long an idle rank 0 waits for work before the group exchanges a heartbeat.
+    idle_wait_s: float = attrs.field(default=0.05, validator=_positive_float("scheduler"))
+
+
+@attrs.frozen
+class SpeculativeConfig:
+    method: str = attrs.field(default="ngram", validator=_in("speculative", METHODS))
+    num_draft_tokens: int = attrs.field(default=4)
+    use_rejection_sampling: bool = False
+    verification: str = attrs.field(default="token",
+                                    validator=_in("speculative", VERIFICATIONS))
+    # draft_model: a registry name or path of a model sharing the target's tokenizer.
+    draft_model: str | None = None
+    # early_exit: how many of the target's first layers the drafter runs.
+    early_exit_layers: int | None = None
+    # ngram: longest and shortest suffix looked up in the sequence so far.
+    ngram_max: int = attrs.field(default=3, validator=_at_least("speculative", 1))
+    ngram_min: int = attrs.field(default=1, validator=_at_least("speculative", 1))
+    # mtp_eagle: safetensors file of the head; None = random init (tests only).
+    mtp_weights: str | None = None
+
+    @num_draft_tokens.validator
+    def _check_k(self, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, int) \
+                or not 1 <= value <= MAX_DRAFT_TOKENS:
+            raise ConfigError("speculative.num_draft_tokens", value,
+                              f"must be an integer in [1, {MAX_DRAFT_TOKENS}]",
+                              "set method = 'none' to turn speculation off")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "none"
+
+    @property
+    def k(self) -> int:
+        """Draft tokens per iteration: 0 when speculation is off."""
+        return self.num_draft_tokens if self.enabled else 0
+
+
+@attrs.frozen
+class ParallelConfig:
+    world_size: int = attrs.field(default=1, validator=_at_least("parallel", 1))
+    attention_dp: bool = False
+    lm_head_tp_in_adp: bool = False
+    context_parallel_size: int = attrs.field(default=1, validator=_at_least("parallel", 1))
+    # Exchange a signature before each real-backend collective (turns hangs into errors).
+    checked_collectives: bool = False
+
+
+@attrs.frozen
+class ComponentsConfig:
+    sampler: str = "default"
+    communicator: str = "single"
+    graph_cache: str = "eager"
+    # None: the drafter registered under speculative.method.
+    drafter: str | None = None
+
+
+@attrs.frozen
+class EngineConfig:
+    model: ModelConfig = attrs.Factory(ModelConfig)
+    scheduler: SchedulerConfig = attrs.Factory(SchedulerConfig)
+    speculative: SpeculativeConfig = attrs.Factory(SpeculativeConfig)
+    parallel: ParallelConfig = attrs.Factory(ParallelConfig)
+    components: ComponentsConfig = attrs.Factory(ComponentsConfig)
+
+    def __attrs_post_init__(self) -> None:
+        check_gates(self)
+
+    @property
+    def group_sync_greedy_flag(self) -> bool:
+        """The config gate of the group-synchronised all-greedy flag (DESIGN: SYNC)."""
+        return self.parallel.lm_head_tp_in_adp and self.speculative.use_rejection_sampling
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineConfig:
+        return structure_config(data)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> EngineConfig:
+        path = Path(path)
+        try:
+            data = tomllib.loads(path.read_text())
+        except FileNotFoundError as exc:
+            raise ConfigError("config file", str(path), "not found") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError("config file", str(path), f"invalid TOML: {exc}") from exc
+        return structure_config(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _converter().unstructure(self)
+
+
+def check_gates(config: EngineConfig) -> None:
+    par, spec, comp = config.parallel, config.speculative, config.components
+    if par.lm_head_tp_in_adp and not par.attention_dp:
+        raise ConfigError("parallel.lm_head_tp_in_adp", True,
+                          "the LM-head TP group is the attention-DP group",
+                          "set parallel.attention_dp = true or lm_head_tp_in_adp = false")
+    if spec.use_rejection_sampling and par.context_parallel_size > 1:
+        raise ConfigError(
+            "speculative.use_rejection_sampling", True,
+            "use_rejection_sampling=True is not supported for this configuration: context "
+            "parallelism is active (the draft path resolves only the global argmax, not "
+            "full distributions)",
+            "set parallel.context_parallel_size = 1 or use_rejection_sampling = false")
+    if spec.method == "draft_model" and not spec.draft_model:
+        raise ConfigError("speculative.draft_model", None,
+                          "method 'draft_model' needs a draft model",
+                          "name a registry model or a path sharing the target's tokenizer")
+    if spec.ngram_min > spec.ngram_max:
+        raise ConfigError("speculative.ngram_min", spec.ngram_min,
+                          f"must not exceed ngram_max = {spec.ngram_max}")
+    if spec.early_exit_layers is not None and spec.early_exit_layers < 1:
+        raise ConfigError("speculative.early_exit_layers", spec.early_exit_layers,
+                          "must be >= 1", "or leave it unset for a quarter of the layers")
+    check_component_name("sampler", comp.sampler, "components.sampler")
+    check_component_name("communicator", comp.communicator, "components.communicator")
+    check_component_name("graph_cache", comp.graph_cache, "components.graph_cache")
+    check_component_name("drafter", comp.drafter or spec.method, "components.drafter") \
+        if spec.enabled or comp.drafter else None
+
+
+def _converter() -> cattrs.Converter:
+    return cattrs.Converter(forbid_extra_keys=True)
+
+
+def _first_error(exc: BaseException, path: str = "") -> tuple[str, BaseException]:
+    """Dig the first leaf error and its dotted path out of cattrs' exception groups."""
+    if isinstance(exc, ConfigError):
+        return path, exc
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return path, exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            note = next((n for n in getattr(sub, "__notes__", []) if "attribute" in n), "")
+            name = note.split("@ attribute ")[-1].split()[0] if "@ attribute" in note else ""
+            return _first_error(sub, f"{path}.{name}".strip(".") if name else path)
+    return path, exc
+
+
+def structure_config(data: dict[str, Any]) -> EngineConfig:
+    if not isinstance(data, dict):
+        raise ConfigError("config", data, "must be a table / dict")
+    try:
+        return _converter().structure(data, EngineConfig)
+    except ConfigError:
+        raise
+    except (ClassValidationError, ForbiddenExtraKeysError) as exc:
+        path, leaf = _first_error(exc)
+        if isinstance(leaf, ConfigError):
+            raise leaf from None
+        if isinstance(leaf, ForbiddenExtraKeysError):
+            where = f"{path}." if path else ""
+            keys = ", ".join(sorted(leaf.extra_fields))
+            cls = leaf.cl
+            fields = ", ".join(a.name for a in attrs.fields(cls))
+            raise ConfigError(f"{where}{keys}", keys, "unknown key",
+                              f"known keys here: {fields}") from None
+        raise ConfigError(path or "config", getattr(leaf, "args", [""])[0] if leaf.args else "",
+                          f"wrong type ({leaf})") from None

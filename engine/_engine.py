@@ -1,0 +1,195 @@
+"""AsyncEngine: the embeddable front of specloop, on anyio."""
+
+from __future__ import annotations
+
+import secrets
+from typing import AsyncIterator, Sequence
+
+import anyio
+import structlog
+
+from specloop.samplers import SamplingParams, SpecMetadata
+
+from ._config import EngineConfig
+from ._errors import EngineClosedError, RequestError
+from ._factories import build_communicator, build_drafter, build_graph_cache, build_sampler
+from ._frontdoor_state import FrontDoor
+from ._iteration import IterationMachine, IterationRecord
+from ._request import FinishReason, NewRequest, RequestOutput
+from ._runner import DTYPES, ModelRunner, resolve_device
+from ._states import IterationObserver
+from ._worker import RankWorker
+
+log = structlog.get_logger(__name__)
+
+
+class AsyncEngine:
+    """``async with AsyncEngine(config) as engine: async for out in engine.generate(...)``.
+
+    Multi-rank: every rank builds an engine with its communicator; rank 0 is the front
+    door (``generate``, ``cancel``), the others ``await engine.wait_closed()``.
+    """
+
+    def __init__(self, config: EngineConfig, *, communicator=None,
+                 observers: Sequence[IterationObserver] = (), model=None) -> None:
+        self.config = config
+        self.comm = communicator if communicator is not None else build_communicator(config)
+        self.observers = tuple(observers)
+        self._model = model
+        self.front = FrontDoor() if self.comm.rank == 0 else None
+        self.worker: RankWorker | None = None
+        self.tokenizer = None
+        self._task_group = None
+        self._done = anyio.Event()
+        self._failure: BaseException | None = None
+        self._next_id = 0
+
+    # lifecycle --------------------------------------------------------------------------
+    async def __aenter__(self) -> AsyncEngine:
+        await anyio.to_thread.run_sync(self._build)
+        self._task_group = anyio.create_task_group()
+        await self._task_group.__aenter__()
+        self._task_group.start_soon(self._loop)
+        return self
+
+    async def __aexit__(self, *exc_info) -> bool | None:
+        if self.front is not None:
+            self.front.close()
+        try:
+            return await self._task_group.__aexit__(*exc_info)
+        finally:
+            self._task_group = None
+
+    def _build(self) -> None:
+        from specloop.models import IncrementalDetokenizer, load_model  # noqa: PLC0415
+        from specloop.models.drafters import DrafterDeps  # noqa: PLC0415
+
+        cfg = self.config
+        device = resolve_device(cfg.model.device, self.comm.rank)
+        loaded = self._model or load_model(cfg.model.name, dtype=DTYPES[cfg.model.dtype],
+                                           device=device)
+        self.tokenizer = loaded.tokenizer
+        runner = ModelRunner(loaded, num_slots=cfg.scheduler.max_batch_size,
+                             max_seq_len=cfg.model.max_seq_len,
+                             max_prefill_tokens=cfg.scheduler.max_num_tokens)
+        deps = DrafterDeps(loaded, runner.cache, cfg.scheduler.max_batch_size,
+                           cfg.model.max_seq_len)
+        self.worker = RankWorker(
+            config=cfg, runner=runner, drafter=build_drafter(cfg, deps),
+            sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
+            front=self.front,
+            detokenizer_factory=lambda r: IncrementalDetokenizer(loaded.tokenizer,
+                                                                 r.prompt_ids))
+        log.info("engine_built", rank=self.comm.rank, model=cfg.model.name,
+                 device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
+
+    async def _loop(self) -> None:
+        worker = self.worker
+        machine = IterationMachine(worker.handlers(), rank=self.comm.rank,
+                                   num_draft_tokens=worker.k, observers=self.observers)
+        spec = SpecMetadata(use_rejection_sampling=self.config.speculative.use_rejection_sampling)
+        iteration = 0
+        try:
+            while True:
+                record = await machine.run(IterationRecord(iteration, spec))
+                spec, iteration = record.spec, iteration + 1
+                if record.shutdown:
+                    break
+        except BaseException as exc:
+            self._failure = exc
+            log.error("engine_failed", rank=self.comm.rank, error=repr(exc))
+            if self.front is not None:
+                self.front.close_all(FinishReason.ERROR, f"engine failed: {exc!r}")
+            raise
+        finally:
+            worker.cancel_all()
+            if self.front is not None:
+                self.front.close_all(FinishReason.CANCELLED)
+            self._done.set()
+
+    async def wait_closed(self) -> None:
+        """Until the group shuts down (rank 0 leaving its ``async with``)."""
+        await self._done.wait()
+
+    # front door -------------------------------------------------------------------------
+    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
+                       *, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+        new = self._admit(prompt, params, request_id)
+        receive = self.front.submit(new)
+        finished = False
+        try:
+            async with receive:
+                async for output in receive:
+                    if output.error is not None:
+                        raise EngineClosedError(output.error)
+                    finished = output.finished
+                    yield output
+                    if finished:
+                        return
+        finally:
+            if not finished and self.front is not None:
+                # The consumer left early: free the request's slot and state.
+                self.cancel(new.request_id)
+                self.front.forget(new.request_id)
+
+    def cancel(self, request_id: str) -> None:
+        self._check_front()
+        self.front.cancel(request_id)
+
+    def _check_front(self) -> None:
+        if self.front is None:
+            raise EngineClosedError(f"rank {self.comm.rank} is not the front door; use rank 0")
+        if self.worker is None or self._done.is_set() or self.front.closing:
+            raise EngineClosedError("engine is not running (use `async with AsyncEngine(...)`)"
+                                    if self._failure is None else
+                                    f"engine failed: {self._failure!r}")
+
+    def _admit(self, prompt, params, request_id) -> NewRequest:
+        self._check_front()
+        if params is None:
+            params = SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+        if request_id in self.front.open_request_ids:
+            raise RequestError(f"request_id {request_id!r} is already in use")
+        prompt_ids = self._encode(prompt)
+        room = self.config.model.max_seq_len - self.worker.k - 1
+        if len(prompt_ids) > room:
+            raise RequestError(
+                f"prompt has {len(prompt_ids)} tokens; max_seq_len = "
+                f"{self.config.model.max_seq_len} with {self.worker.k} draft tokens allows "
+                f"at most {room}")
+        seed = params.seed if params.seed is not None else secrets.randbits(62)
+        return NewRequest(request_id, tuple(prompt_ids), params, seed)
+
+    def _encode(self, prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise RequestError("prompt is empty")
+            if self.config.model.chat_template and self.tokenizer.has_chat_template:
+                return self.tokenizer.apply_chat_template(
+                    [{"role": "user", "content": prompt}], add_generation_prompt=True)
+            return self.tokenizer.encode(prompt)
+        if not isinstance(prompt, (list, tuple)):
+            raise RequestError(f"prompt must be a str or a list of token ids, "
+                               f"got {type(prompt).__name__}")
+        if not prompt:
+            raise RequestError("prompt is empty")
+        vocab = self.worker.runner.args.vocab_size
+        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
+               or not 0 <= t < vocab]
+        if bad:
+            raise RequestError(f"prompt token ids must be ints in [0, {vocab}); "
+                               f"got {bad[:5]}")
+        return list(prompt)
+
+    # introspection ----------------------------------------------------------------------
+    @property
+    def stats(self):
+        return self.worker.stats
+
+    @property
+    def num_free_slots(self) -> int:
+        return self.worker.scheduler.slots.num_free

@@ -1,0 +1,31 @@
+"""Building the components an engine is configured with (one place for each)."""
+
+from __future__ import annotations
+
+from ._components import resolve_component
+
+
+def default_sampler(config):
+    from specloop.samplers import DefaultSampler  # noqa: PLC0415
+    return DefaultSampler(method=config.speculative.verification)
+
+
+def build_sampler(config):
+    return resolve_component("sampler", config.components.sampler, "components.sampler")(config)
+
+
+def build_graph_cache(config):
+    return resolve_component("graph_cache", config.components.graph_cache,
+                             "components.graph_cache")(config)
+
+
+def build_communicator(config):
+    return resolve_component("communicator", config.components.communicator,
+                             "components.communicator")(config)
+
+
+def build_drafter(config, deps):
+    if not config.speculative.enabled:
+        return None
+    name = config.components.drafter or config.speculative.method
+    return resolve_component("drafter", name, "components.drafter")(config, deps)

@@ -1,0 +1,95 @@
+"""One iteration per rank as an explicit state machine (DESIGN.md, "One iteration").
+
+Each handler is async, takes the iteration's record and returns the next state; the
+transition table in ``_states`` is checked, and each transition emits one
+``iteration_state`` event to structlog and to the observers.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Awaitable, Callable, Sequence
+
+import attrs
+import structlog
+import torch
+
+from specloop.graphs import GraphKey, SamplingPath
+from specloop.samplers import RejectionResult, SamplingBatch, SpecMetadata
+
+from ._request import Request
+from ._states import IterationObserver, IterationState, TransitionEvent, check_transition
+
+log = structlog.get_logger(__name__)
+S = IterationState
+
+
+@attrs.define
+class IterationRecord:
+    """What one iteration has decided so far; handlers fill it in order."""
+
+    iteration: int
+    spec: SpecMetadata
+    batch: list[Request] = attrs.Factory(list)
+    padded_batch_size: int = 0
+    group_facts: torch.Tensor | None = None      # [world, 4] from SYNC
+    graph_key: GraphKey | None = None
+    sampling: SamplingBatch | None = None
+    draft_token_ids: torch.Tensor | None = None  # [B, K]
+    draft_probs: torch.Tensor | None = None      # [B, K, V] or None
+    result: RejectionResult | None = None
+    finished: list[Request] = attrs.Factory(list)
+    shutdown: bool = False
+
+    @property
+    def sampling_path(self) -> str | None:
+        return self.graph_key.sampling_path.value if self.graph_key else None
+
+
+Handler = Callable[[IterationRecord], Awaitable[IterationState]]
+
+
+class IterationMachine:
+    """Runs the handlers from SCHEDULE to DONE, checking each transition."""
+
+    def __init__(self, handlers: dict[IterationState, Handler], *, rank: int,
+                 num_draft_tokens: int, observers: Sequence[IterationObserver] = ()) -> None:
+        missing = set(S) - {S.DONE} - set(handlers)
+        if missing:
+            raise ValueError(f"no handler for states {sorted(s.value for s in missing)}")
+        self.handlers = handlers
+        self.rank = rank
+        self.num_draft_tokens = num_draft_tokens
+        self.observers = tuple(observers)
+
+    async def run(self, record: IterationRecord) -> IterationRecord:
+        state = S.SCHEDULE
+        while state is not S.DONE:
+            start = time.perf_counter()
+            next_state = await self.handlers[state](record)
+            check_transition(state, next_state)
+            self._emit(record, state, next_state, (time.perf_counter() - start) * 1e6)
+            state = next_state
+        return record
+
+    def _emit(self, record: IterationRecord, state: IterationState,
+              next_state: IterationState, duration_us: float) -> None:
+        accepted = None
+        if state is S.VERIFY and record.result is not None:
+            accepted = tuple(record.result.num_accepted.tolist())
+        event = TransitionEvent(
+            rank=self.rank, iteration=record.iteration, state=state, next_state=next_state,
+            duration_us=round(duration_us, 1), batch_size=len(record.batch),
+            num_draft_tokens=self.num_draft_tokens, sampling_path=record.sampling_path,
+            accepted=accepted)
+        log.debug("iteration_state", rank=event.rank, iteration=event.iteration,
+                  state=state.value, next_state=next_state.value,
+                  duration_us=event.duration_us, batch_size=event.batch_size,
+                  num_draft_tokens=event.num_draft_tokens,
+                  sampling_path=event.sampling_path, accepted=accepted)
+        for observer in self.observers:
+            observer.on_transition(event)
+
+
+def sampling_path_of(spec: SpecMetadata) -> SamplingPath:
+    return SamplingPath.of(spec)

@@ -1,0 +1,72 @@
+"""Requests as the engine tracks them, and the outputs it streams back."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from specloop.samplers import SamplingParams
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"            # an end-of-sequence or stop token
+    LENGTH = "length"        # max_tokens, or the model's max_seq_len
+    CANCELLED = "cancelled"  # cancel(), or the engine shut down first
+    ERROR = "error"          # the engine failed while serving it
+
+
+@attrs.frozen
+class RequestOutput:
+    """One streamed delta of a request."""
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    text: str
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    error: str | None = None
+
+
+@attrs.frozen
+class NewRequest:
+    """What the front door hands to the rank that will serve a request (picklable)."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+
+
+@attrs.define(eq=False)
+class Request:
+    """A request being served on this rank. ``token_ids`` = prompt + generated tokens."""
+
+    request_id: str
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+    seed: int
+    token_ids: list[int]
+    slot: int | None = None
+    # Tokens whose K/V the target cache holds; after prefill it is always len(token_ids)-1.
+    num_cached: int = 0
+    finish_reason: FinishReason | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+    num_iterations: int = 0
+
+    @classmethod
+    def from_new(cls, new: NewRequest) -> Request:
+        return cls(new.request_id, new.prompt_ids, new.params, new.seed, list(new.prompt_ids))
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - len(self.prompt_ids)
+
+    @property
+    def seq_len(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None

@@ -1,0 +1,276 @@
+"""One rank's iteration handlers: SCHEDULE, SYNC, PICK_GRAPH_KEY, DRAFT, VERIFY, RESCAN.
+
+The step variant (with or without a drafter, single rank or group) is chosen once here at
+construction; handlers never re-decide it per step.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import anyio
+import structlog
+import torch
+
+from specloop.graphs import SamplingPath
+from specloop.samplers import SamplingBatch
+
+from ._frontdoor import FrontDoorMessage, RankReport, assign_least_loaded
+from ._iteration import IterationRecord
+from ._request import FinishReason, Request, RequestOutput
+from ._scheduler import Scheduler
+from ._states import IterationState
+
+log = structlog.get_logger(__name__)
+S = IterationState
+
+# SYNC's one all-gather row per rank: what the group must agree on.
+FACT_TOKENS, FACT_BATCH, FACT_REQUESTS, FACT_ALL_GREEDY = range(4)
+
+
+class RankWorker:
+    def __init__(self, *, config, runner, drafter, sampler, comm, graph_cache, front,
+                 detokenizer_factory: Callable[[Request], Any]) -> None:
+        self.config = config
+        self.runner = runner
+        self.drafter = drafter
+        self.sampler = sampler
+        self.comm = comm
+        self.graph_cache = graph_cache
+        self.front = front          # FrontDoor on rank 0, None elsewhere
+        self.k = config.speculative.k
+        self.max_seq_len = config.model.max_seq_len
+        self.scheduler = Scheduler(config.scheduler.max_batch_size,
+                                   config.scheduler.max_num_tokens)
+        self.detokenizer_factory = detokenizer_factory
+        self._detokenizers: dict[str, Any] = {}
+        self._limiter = anyio.CapacityLimiter(1)
+        self._pending_outputs: list[RequestOutput] = []
+        self._loads = [0] * comm.world_size
+        self.stats = EngineStats()
+        self.group_sync = config.group_sync_greedy_flag
+        multi = comm.world_size > 1
+        self.exchange = self._exchange_group if multi else self._exchange_local
+        self.draft_step = self._draft_with_drafter if self.k else self._no_draft
+
+    def handlers(self) -> dict[IterationState, Any]:
+        return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
+                S.PICK_GRAPH_KEY: self.pick_graph_key, S.DRAFT: self.draft,
+                S.VERIFY: self.verify, S.RESCAN: self.rescan}
+
+    async def run_sync(self, fn):
+        return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
+
+    # SCHEDULE ---------------------------------------------------------------------------
+    async def schedule(self, rec: IterationRecord) -> IterationState:
+        message = await self.exchange()
+        rec.shutdown = message.shutdown
+        for rank, new in message.assignments:
+            if rank == self.comm.rank:
+                self.scheduler.add(Request.from_new(new))
+        for request_id in message.cancels:
+            request = self.scheduler.find(request_id)
+            if request is not None:
+                self._finish(request, FinishReason.CANCELLED, ())
+        admitted = self.scheduler.admit()
+        if admitted:
+            await self.run_sync(lambda: self._prefill(admitted))
+        rec.batch = list(self.scheduler.running)
+        return S.SYNC
+
+    def _prefill(self, admitted: list[Request]) -> None:
+        for request in admitted:
+            self.runner.prefill(request)
+            if self.drafter is not None:
+                self.drafter.prefill(request.slot, request.token_ids[:-1])
+
+    async def _exchange_local(self) -> FrontDoorMessage:
+        if self.scheduler.num_requests == 0:
+            await self.front.wait_for_work(timeout=None)
+        return self.front.take_message(lambda new: tuple((0, r) for r in new))
+
+    async def _exchange_group(self) -> FrontDoorMessage:
+        if self.front is not None:
+            if self.scheduler.num_requests == 0 and sum(self._loads) == 0:
+                await self.front.wait_for_work(timeout=self.config.scheduler.idle_wait_s)
+            payload = self.front.take_message(
+                lambda new: assign_least_loaded(new, self._loads))
+        else:
+            payload = RankReport(tuple(self._pending_outputs))
+            self._pending_outputs = []
+        gathered = await self.comm.all_gather_object(payload)
+        if self.front is not None:
+            for report in gathered[1:]:
+                self.front.deliver(report.outputs)
+        return gathered[0]
+
+    # SYNC -------------------------------------------------------------------------------
+    async def sync(self, rec: IterationRecord) -> IterationState:
+        local_greedy = all(r.params.is_greedy for r in rec.batch)
+        rec.spec = rec.spec.evolve(is_all_greedy_sample=local_greedy)
+        facts = torch.tensor([[len(rec.batch) * (self.k + 1), len(rec.batch),
+                               self.scheduler.num_requests, int(local_greedy)]])
+        if self.comm.world_size > 1:
+            # The one collective of SYNC; whether it runs depends on config alone.
+            facts = await self.comm.all_gather(facts[0])
+            if self.group_sync:
+                rec.spec = rec.spec.evolve(
+                    group_all_greedy_sample=bool(facts[:, FACT_ALL_GREEDY].all()))
+        rec.group_facts = facts
+        self._loads = facts[:, FACT_REQUESTS].tolist()
+        rec.padded_batch_size = int(facts[:, FACT_BATCH].max())
+        return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
+
+    # PICK_GRAPH_KEY ---------------------------------------------------------------------
+    async def pick_graph_key(self, rec: IterationRecord) -> IterationState:
+        rec.graph_key = self.graph_cache.pick(rec.padded_batch_size, self.k,
+                                              SamplingPath.of(rec.spec))
+        if rec.batch:
+            rec.sampling = SamplingBatch.from_params(
+                [r.params for r in rec.batch], [r.seed for r in rec.batch],
+                device=self.runner.device)
+        return S.DRAFT
+
+    # DRAFT ------------------------------------------------------------------------------
+    async def draft(self, rec: IterationRecord) -> IterationState:
+        await self.draft_step(rec)
+        return S.VERIFY
+
+    async def _no_draft(self, rec: IterationRecord) -> None:
+        rec.draft_token_ids = None
+
+    async def _draft_with_drafter(self, rec: IterationRecord) -> None:
+        from specloop.models.drafters import DraftContext  # noqa: PLC0415
+
+        if not rec.batch:
+            return
+        device = self.runner.device
+        ctx = DraftContext(
+            token_ids=[r.token_ids for r in rec.batch],
+            seq_lens=torch.tensor([r.seq_len for r in rec.batch], device=device),
+            slots=torch.tensor([r.slot for r in rec.batch], device=device),
+            sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
+            padded_batch_size=rec.padded_batch_size, run_sync=self.run_sync)
+        proposal = await self.drafter.propose(ctx)
+        rec.draft_token_ids, rec.draft_probs = proposal.token_ids, proposal.probs
+
+    # VERIFY -----------------------------------------------------------------------------
+    async def verify(self, rec: IterationRecord) -> IterationState:
+        if rec.batch:
+            rec.result = await self.run_sync(lambda: self._verify(rec))
+        return S.RESCAN
+
+    @torch.inference_mode()
+    def _verify(self, rec: IterationRecord):
+        device = self.runner.device
+        batch = rec.batch
+        seq_lens = torch.tensor([r.seq_len for r in batch], device=device)
+        last = torch.tensor([[r.token_ids[-1]] for r in batch], device=device)
+        drafts = rec.draft_token_ids
+        if drafts is None:
+            drafts = torch.empty((len(batch), 0), dtype=torch.int64, device=device)
+        tokens = torch.cat([last, drafts], dim=1)              # [B, K+1]
+        slots = torch.tensor([r.slot for r in batch], device=device)
+        logits, _ = self.runner.verify_forward(tokens, seq_lens - 1, slots)
+        return self.sampler.verify(drafts, logits, rec.draft_probs, rec.sampling, seq_lens,
+                                   advanced=rec.spec.wants_advanced_draft_sampling)
+
+    # RESCAN -----------------------------------------------------------------------------
+    async def rescan(self, rec: IterationRecord) -> IterationState:
+        if rec.result is not None:
+            tokens = rec.result.token_ids.tolist()
+            accepted = rec.result.num_accepted.tolist()
+            for request, row, n in zip(rec.batch, tokens, accepted):
+                self._append(request, row[:n + 1], n)
+            self.stats.record_iteration(len(rec.batch), self.k, sum(accepted))
+        rec.finished = [r for r in rec.batch if r.finished]
+        remaining = self.scheduler.running
+        # The local flag for whoever reads before the next SYNC; the group override stays.
+        rec.spec = rec.spec.evolve(
+            is_all_greedy_sample=all(r.params.is_greedy for r in remaining))
+        return S.DONE
+
+    def _append(self, request: Request, new_tokens: list[int], num_accepted: int) -> None:
+        request.num_iterations += 1
+        request.num_drafted += self.k
+        request.num_accepted += num_accepted
+        emitted = []
+        reason = None
+        for token in new_tokens:
+            request.token_ids.append(token)
+            emitted.append(token)
+            reason = self._stop_reason(request, token)
+            if reason is not None:
+                break
+        request.num_cached = request.seq_len - 1
+        self.stats.num_generated_tokens += len(emitted)
+        if reason is not None:
+            self._finish(request, reason, emitted)
+        else:
+            self._emit(request, emitted)
+
+    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
+        params = request.params
+        if token in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token in self.runner.loaded.tokenizer.eos_token_ids:
+            return FinishReason.STOP
+        if request.num_generated >= params.max_tokens:
+            return FinishReason.LENGTH
+        # The next VERIFY writes positions up to L - 1 + K: it must stay in the cache.
+        if request.seq_len + self.k >= self.max_seq_len:
+            return FinishReason.LENGTH
+        return None
+
+    def _finish(self, request: Request, reason: FinishReason, emitted) -> None:
+        slot = request.slot
+        self.scheduler.finish(request, reason)
+        if slot is not None and self.drafter is not None:
+            self.drafter.release(slot)
+        self._emit(request, emitted, finished=True)
+        self._detokenizers.pop(request.request_id, None)
+
+    def _emit(self, request: Request, tokens, finished: bool = False) -> None:
+        if not tokens and not finished:
+            return
+        detok = self._detokenizers.get(request.request_id)
+        if detok is None:
+            detok = self._detokenizers[request.request_id] = self.detokenizer_factory(request)
+        text = detok.add(tokens) if tokens else ""
+        if finished:
+            text += detok.flush()
+        output = RequestOutput(request.request_id, tuple(tokens), text, finished,
+                               request.finish_reason if finished else None)
+        if self.front is not None:
+            self.front.deliver((output,))
+        else:
+            self._pending_outputs.append(output)
+
+    def cancel_all(self) -> None:
+        for request in [*self.scheduler.running, *self.scheduler.waiting]:
+            self._finish(request, FinishReason.CANCELLED, ())
+
+
+class EngineStats:
+    """Speculation counters: AL = 1 + accepted / verify rows (vLLM's definition)."""
+
+    def __init__(self) -> None:
+        self.num_iterations = 0
+        self.num_verify_rows = 0
+        self.num_draft_tokens = 0
+        self.num_accepted_tokens = 0
+        self.num_generated_tokens = 0
+
+    def record_iteration(self, rows: int, k: int, accepted: int) -> None:
+        self.num_iterations += 1
+        self.num_verify_rows += rows
+        self.num_draft_tokens += rows * k
+        self.num_accepted_tokens += accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.num_accepted_tokens / max(1, self.num_verify_rows)
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / max(1, self.num_draft_tokens)

@@ -1,0 +1,30 @@
+"""The graph key: what a captured DRAFT + VERIFY graph is specialised on."""
+
+from __future__ import annotations
+
+import enum
+
+import attrs
+
+from specloop.samplers import SpecMetadata
+
+
+class SamplingPath(str, enum.Enum):
+    GREEDY = "greedy"
+    ADVANCED = "advanced"
+
+    @classmethod
+    def of(cls, spec: SpecMetadata) -> SamplingPath:
+        # The one predicate decides; nothing here recomputes it.
+        return cls.ADVANCED if spec.wants_advanced_draft_sampling else cls.GREEDY
+
+
+@attrs.frozen
+class GraphKey:
+    """Frozen and hashable. ``batch_size`` is the padded batch every rank of the group runs."""
+
+    batch_size: int
+    num_draft_tokens: int
+    sampling_path: SamplingPath
+    # False: no captured graph fits (prefill, oversize batch, eager cache): run eagerly.
+    captured: bool = False

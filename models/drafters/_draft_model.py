@@ -1,0 +1,95 @@
+"""A second, smaller model sharing the target's tokenizer, with its own KV cache.
+
+The draft cache is kept aligned with the committed sequence: drafts it wrote that were
+accepted stay valid, and each propose first feeds the tokens it has not seen (1 or 2).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import torch
+
+from ._protocol import DraftContext, DrafterDeps, DraftProposal, sample_draft_step, stack_proposal
+
+
+@attrs.define
+class _SlotState:
+    num_cached: int            # committed tokens whose K/V the draft cache holds
+    written_from: int = 0      # position of the first draft whose K/V it wrote last time
+    written: tuple[int, ...] = ()
+
+
+class DraftModelDrafter:
+    def __init__(self, config, deps: DrafterDeps) -> None:
+        from specloop.models import KVCache, load_model  # noqa: PLC0415
+
+        self.num_draft_tokens = config.speculative.num_draft_tokens
+        target = deps.target
+        device = deps.target_cache.device
+        dtype = next(target.model.parameters()).dtype
+        self.loaded = load_model(config.speculative.draft_model, dtype=dtype, device=device)
+        if self.loaded.args.vocab_size != target.args.vocab_size:
+            from specloop.engine import ConfigError  # noqa: PLC0415
+            raise ConfigError("speculative.draft_model", config.speculative.draft_model,
+                              f"vocab size {self.loaded.args.vocab_size} differs from the "
+                              f"target's {target.args.vocab_size}",
+                              "use a draft model sharing the target's tokenizer")
+        self.model = self.loaded.model
+        self.cache = KVCache(self.loaded.args, deps.num_slots, deps.max_seq_len,
+                             dtype=dtype, device=device)
+        self._slots: dict[int, _SlotState] = {}
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
+        device = self.cache.device
+        if token_ids:
+            self.model(torch.tensor([list(token_ids)], device=device),
+                       torch.tensor([0], device=device), torch.tensor([slot], device=device),
+                       self.cache)
+        self._slots[slot] = _SlotState(num_cached=len(token_ids))
+
+    def release(self, slot: int) -> None:
+        self._slots.pop(slot, None)
+
+    def _valid_prefix(self, state: _SlotState, tokens: Sequence[int]) -> int:
+        valid = state.num_cached
+        for j, tok in enumerate(state.written):
+            pos = state.written_from + j
+            if valid != pos or pos >= len(tokens) - 1 or tokens[pos] != tok:
+                break
+            valid = pos + 1
+        return valid
+
+    @torch.inference_mode()
+    def _draft(self, ctx: DraftContext) -> DraftProposal:
+        device = ctx.slots.device
+        slots = ctx.slots.tolist()
+        states = [self._slots[s] for s in slots]
+        starts = [self._valid_prefix(st, t) for st, t in zip(states, ctx.token_ids)]
+        feeds = [list(t[c:]) for c, t in zip(starts, ctx.token_ids)]
+        width = max(len(f) for f in feeds)
+        # Right-pad: a padded position writes junk K/V at L, which d1 overwrites next.
+        tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds], device=device)
+        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
+        hidden = self.model(tokens, torch.tensor(starts, device=device), ctx.slots, self.cache)
+        rows = torch.arange(len(feeds), device=device)
+        logits = self.model.logits(hidden[rows, last])
+        drafted, probs = [], []
+        for step in range(self.num_draft_tokens):
+            if step:
+                hidden = self.model(drafted[-1][:, None], ctx.seq_lens - 1 + step,
+                                    ctx.slots, self.cache)
+                logits = self.model.logits(hidden[:, -1])
+            token, q = sample_draft_step(ctx, logits, step)
+            drafted.append(token)
+            probs.append(q)
+        proposal = stack_proposal(drafted, probs)
+        written = proposal.token_ids[:, :-1].tolist()
+        for st, length, w in zip(states, ctx.seq_lens.tolist(), written):
+            st.num_cached, st.written_from, st.written = length, length, tuple(w)
+        return proposal
+
+    async def propose(self, ctx: DraftContext) -> DraftProposal:
+        return await ctx.run_sync(lambda: self._draft(ctx))

@@ -1,0 +1,74 @@
+"""The drafter protocol: what DRAFT asks of a drafter, and what it gets back."""
+
+from __future__ import annotations
+
+from typing import Any, Awaitable, Callable, Protocol, Sequence, TypeVar, runtime_checkable
+
+import attrs
+import torch
+
+from specloop.comm import Communicator
+from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
+
+T = TypeVar("T")
+
+
+@attrs.frozen
+class DraftContext:
+    """One DRAFT call. Row i's committed sequence has length L = seq_lens[i]; its last
+    token's K/V are not yet in the target cache; draft j (1-based) sits at L - 1 + j."""
+
+    token_ids: Sequence[Sequence[int]]   # committed tokens per row, B rows
+    seq_lens: torch.Tensor               # [B] int64 (L per row), on the model's device
+    slots: torch.Tensor                  # [B] int64 KV slots
+    sampling: SamplingBatch
+    spec: SpecMetadata
+    sampler: Sampler
+    comm: Communicator
+    padded_batch_size: int               # agreed by the group in SYNC
+    run_sync: Callable[[Callable[[], T]], Awaitable[T]]  # runs compute off the event loop
+
+
+@attrs.frozen
+class DraftProposal:
+    token_ids: torch.Tensor              # [B, K] int64
+    probs: torch.Tensor | None = None    # [B, K, V] q of each draft; None = point mass
+
+
+@attrs.frozen
+class DrafterDeps:
+    """What a drafter factory may use besides the config."""
+
+    target: Any        # specloop.models.LoadedModel
+    target_cache: Any  # specloop.models.KVCache
+    num_slots: int
+    max_seq_len: int
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    num_draft_tokens: int
+
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
+        """A new request's prompt (all but the last token); runs off the event loop."""
+
+    async def propose(self, ctx: DraftContext) -> DraftProposal:
+        """K drafts per row; argmax, or sampled from q when the predicate says advanced."""
+
+    def release(self, slot: int) -> None:
+        """The request in ``slot`` finished; forget its state."""
+
+
+def sample_draft_step(ctx: DraftContext, logits: torch.Tensor, step: int
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Draft ``step`` (0-based) of every row from logits [B, V]: (tokens [B], q [B, V])."""
+    positions = ctx.seq_lens + step
+    sample = ctx.sampler.draft(logits, ctx.sampling, positions,
+                               advanced=ctx.spec.wants_advanced_draft_sampling)
+    return sample.token_ids, sample.probs
+
+
+def stack_proposal(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]
+                   ) -> DraftProposal:
+    q = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
+    return DraftProposal(torch.stack(tokens, dim=1), q)
