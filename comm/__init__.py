@@ -1,1 +1,34 @@
-"""specloop.comm"""
+"""specloop.comm: communicators whose collectives are checked for symmetry.
+
+Private modules behind this thin re-export; everything public is in `__all__`.
+"""
+from ._argmax import distributed_argmax
+from ._call import CollectiveCall
+from ._counter import CollectiveCounter, collective_label
+from ._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, InjectedFault
+from ._local import LocalCommunicator, LocalGroup
+from ._protocol import Communicator, ReduceOp
+from ._registry import communicator_factories, create_communicator
+from ._single import SingleRankCommunicator
+from ._torch_dist import TorchDistributedCommunicator
+from ._torchrun_env import TorchrunEnv
+
+__all__ = [
+    "CollectiveCall",
+    "CollectiveCounter",
+    "CollectiveMismatchError",
+    "CollectiveTimeoutError",
+    "CommError",
+    "Communicator",
+    "InjectedFault",
+    "LocalCommunicator",
+    "LocalGroup",
+    "ReduceOp",
+    "SingleRankCommunicator",
+    "TorchDistributedCommunicator",
+    "TorchrunEnv",
+    "collective_label",
+    "communicator_factories",
+    "create_communicator",
+    "distributed_argmax",
+]

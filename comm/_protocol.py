@@ -1,0 +1,91 @@
+"""The Communicator protocol and the argument checks every implementation shares."""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import torch
+
+ReduceOp = Literal["sum", "max", "min"]
+REDUCE_OPS: tuple[str, ...] = ("sum", "max", "min")
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """A group of ranks that enter the same collectives in the same order.
+
+    Every method except the properties is a collective: all ranks of the group call it,
+    in the same order, with the same shapes and dtypes (see DESIGN.md, "Collective
+    symmetry"). Results are fresh objects, never aliases of another rank's data.
+    """
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def name(self) -> str: ...
+
+    async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[*shape] on every rank -> [world_size, *shape], row r from rank r."""
+        ...
+
+    async def all_gather_object(self, obj: Any) -> list[Any]:
+        """Any picklable object -> list of every rank's object, in rank order."""
+        ...
+
+    async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        """Elementwise reduction over ranks; returns a new tensor, the input is untouched."""
+        ...
+
+    async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank `src`'s object on every rank (other ranks' `obj` is ignored)."""
+        ...
+
+    async def barrier(self) -> None: ...
+
+    async def subgroup(self, ranks: Sequence[int], name: str) -> Communicator:
+        """The sub-communicator of `ranks` (global ranks, this rank among them).
+
+        Every member calls it with the same arguments; non-members do not call it.
+        Inside, ranks are renumbered 0..len(ranks)-1 in the order of `ranks` sorted.
+        """
+        ...
+
+
+def check_tensor(tensor: object) -> torch.Tensor:
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"expected a torch.Tensor, got {type(tensor).__name__}")
+    return tensor
+
+
+def check_reduce_op(op: str) -> str:
+    if op not in REDUCE_OPS:
+        raise ValueError(f"reduce op must be one of {REDUCE_OPS}, got {op!r}")
+    return op
+
+
+def check_src(src: int, world_size: int) -> int:
+    if not isinstance(src, int) or not 0 <= src < world_size:
+        raise ValueError(f"src must be a rank in [0, {world_size}), got {src!r}")
+    return src
+
+
+def check_subgroup(ranks: Sequence[int], name: str, members: Sequence[int], me: int) -> tuple[int, ...]:
+    """Validate a subgroup request; return its global ranks sorted.
+
+    `members` are the parent's global ranks and `me` this rank's global rank.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"subgroup name must be a non-empty string, got {name!r}")
+    chosen = tuple(sorted(ranks))
+    if not chosen or len(set(chosen)) != len(chosen):
+        raise ValueError(f"subgroup {name!r}: ranks must be non-empty and distinct, got {list(ranks)}")
+    outside = [r for r in chosen if r not in members]
+    if outside:
+        raise ValueError(f"subgroup {name!r}: ranks {outside} are not in the parent group {list(members)}")
+    if me not in chosen:
+        raise ValueError(f"subgroup {name!r}: rank {me} is not a member of {list(chosen)}; only members call subgroup()")
+    return chosen

@@ -1,0 +1,225 @@
+"""torch.distributed behind the Communicator protocol: gloo on CPU, NCCL on CUDA."""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import anyio
+import structlog
+import torch
+import torch.distributed as dist
+
+from ._call import CollectiveCall
+from ._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
+from ._protocol import ReduceOp, check_reduce_op, check_src, check_subgroup, check_tensor
+from ._torchrun_env import TorchrunEnv
+
+log = structlog.get_logger(__name__)
+
+_TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+_PEER_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
+
+
+class _Family:
+    """State shared by a world communicator and its subgroups."""
+
+    def __init__(self, device: torch.device, timeout: datetime.timedelta, owns_world: bool) -> None:
+        self.device = device
+        self.timeout = timeout
+        self.owns_world = owns_world
+        # One collective at a time per process, in call order (anyio locks are FIFO):
+        # NCCL and gloo both need every rank to issue group ops in the same order.
+        self.lock = anyio.Lock()
+
+
+class TorchDistributedCommunicator:
+    """One process's rank in a torch.distributed group.
+
+    Tensors go over the backend group (NCCL when the device is CUDA, else gloo); host
+    objects, barriers and checked-mode signatures over a gloo group. Blocking calls run
+    in a worker thread so the event loop keeps serving. With `checked=True` every
+    collective is preceded by an exchange of (seq, op, fingerprint of shape, dtype,
+    group, arguments); a difference raises CollectiveMismatchError on every rank.
+    """
+
+    def __init__(self, *, family: _Family, group: Any, object_group: Any, ranks: Sequence[int],
+                 name: str = "world", checked: bool = False) -> None:
+        self._family = family
+        self._group = group
+        self._object_group = object_group
+        self._ranks = tuple(ranks)
+        self._name = name
+        self._checked = checked
+        self._seq = 0
+        self._me = dist.get_rank()
+
+    @classmethod
+    def from_env(cls, *, device: str | torch.device | None = None, checked: bool = False,
+                 timeout: float = 300.0) -> TorchDistributedCommunicator:
+        """Join the world torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR,
+        MASTER_PORT); blocks until every rank joined. `device` defaults to
+        cuda:LOCAL_RANK when CUDA is available, else cpu. `timeout` (seconds) bounds
+        every collective where the backend allows (gloo; NCCL's watchdog aborts)."""
+        env = TorchrunEnv.read()
+        dev = _pick_device(device, env.local_rank)
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        span = datetime.timedelta(seconds=timeout)
+        owns = not dist.is_initialized()
+        if owns:
+            dist.init_process_group(backend, init_method="env://", rank=env.rank,
+                                    world_size=env.world_size, timeout=span)
+        ranks = tuple(range(dist.get_world_size()))
+        # Under gloo the world group carries objects too; NCCL cannot, so add a gloo group.
+        objects = dist.group.WORLD if backend == "gloo" else dist.new_group(list(ranks), backend="gloo", timeout=span)
+        log.info("torch_distributed_joined", rank=env.rank, world_size=env.world_size, backend=backend,
+                 device=str(dev), checked=checked)
+        return cls(family=_Family(dev, span, owns), group=dist.group.WORLD, object_group=objects,
+                   ranks=ranks, checked=checked)
+
+    @property
+    def rank(self) -> int:
+        return self._ranks.index(self._me)
+
+    @property
+    def world_size(self) -> int:
+        return len(self._ranks)
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    @property
+    def device(self) -> torch.device:
+        return self._family.device
+
+    async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        self._check_device(check_tensor(tensor))
+        return await self._run(CollectiveCall.for_tensor, ("all_gather", tensor), self._all_gather, tensor)
+
+    async def all_gather_object(self, obj: Any) -> list[Any]:
+        return await self._run(CollectiveCall, ("all_gather_object",), self._all_gather_object, obj)
+
+    async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
+        self._check_device(check_tensor(tensor))
+        check_reduce_op(op)
+        return await self._run(CollectiveCall.for_tensor, ("all_reduce", tensor, f"op={op}"), self._all_reduce, tensor, op)
+
+    async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        check_src(src, self.world_size)
+        return await self._run(_object_call, ("broadcast_object", f"src={src}"), self._broadcast_object, obj, src)
+
+    async def barrier(self) -> None:
+        await self._run(CollectiveCall, ("barrier",), dist.barrier, group=self._object_group)
+
+    async def subgroup(self, ranks: Sequence[int], name: str) -> TorchDistributedCommunicator:
+        """Members only call this, in the same order on each (torch names groups by
+        the count each process created, so create subgroups at startup, symmetrically)."""
+        members = check_subgroup(ranks, name, self._ranks, self._me)
+        async with self._family.lock:
+            group, objects = await anyio.to_thread.run_sync(self._new_groups, members, name)
+        return TorchDistributedCommunicator(family=self._family, group=group, object_group=objects,
+                                            ranks=members, name=name, checked=self._checked)
+
+    def close(self) -> None:
+        """Destroy the process groups if from_env created them; the object is unusable after."""
+        if self._family.owns_world and dist.is_initialized():
+            dist.destroy_process_group()
+            log.info("torch_distributed_closed", rank=self._me)
+
+    async def _run(self, make_call: Callable[..., CollectiveCall], call_args: tuple, fn: Callable[..., Any],
+                   *args: Any, **kwargs: Any) -> Any:
+        async with self._family.lock:
+            # Numbered inside the lock so the sequence follows execution order.
+            op, *rest = call_args
+            call = make_call(op, self._name, self._seq, *rest)
+            self._seq += 1
+            return await anyio.to_thread.run_sync(self._blocking, call, fn, args, kwargs)
+
+    def _blocking(self, call: CollectiveCall, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        # Worker threads start on cuda:0; bind this rank's device for NCCL.
+        ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
+        with ctx:
+            try:
+                if self._checked:
+                    self._check_symmetry(call)
+                return fn(*args, **kwargs)
+            except CommError:
+                raise
+            except RuntimeError as exc:
+                raise _translate(exc, call) from exc
+
+    def _check_symmetry(self, call: CollectiveCall) -> None:
+        mine = torch.tensor(call.signature(), dtype=torch.int64)  # [3]
+        table = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        dist.all_gather_into_tensor(table, mine, group=self._object_group)
+        if bool((table.view(self.world_size, -1) == mine).all()):
+            return
+        # Every rank saw the same table, so every rank enters this second exchange.
+        calls: list[Any] = [None] * self.world_size
+        dist.all_gather_object(calls, call, group=self._object_group)
+        error = CollectiveMismatchError(dict(zip(self._ranks, calls)))
+        log.error("collective_mismatch", rank=self._me, error=str(error))
+        raise error
+
+    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        flat = tensor.detach().contiguous().reshape(-1)  # [n]
+        out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        dist.all_gather_into_tensor(out, flat, group=self._group)
+        return out.view(self.world_size, *tensor.shape)
+
+    def _all_gather_object(self, obj: Any) -> list[Any]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self._object_group)
+        return out
+
+    def _all_reduce(self, tensor: torch.Tensor, op: str) -> torch.Tensor:
+        out = tensor.detach().clone().contiguous()  # the caller's tensor stays untouched
+        dist.all_reduce(out, op=_TORCH_OPS[op], group=self._group)
+        return out
+
+    def _broadcast_object(self, obj: Any, src: int) -> Any:
+        box = [pickle.loads(pickle.dumps(obj)) if self.rank == src else None]  # src gets a copy too
+        dist.broadcast_object_list(box, group=self._object_group, group_src=src)
+        return box[0]
+
+    def _new_groups(self, members: tuple[int, ...], name: str) -> tuple[Any, Any]:
+        span = self._family.timeout
+        group = dist.new_group(list(members), timeout=span, use_local_synchronization=True, group_desc=name)
+        if self.device.type != "cuda":
+            return group, group
+        objects = dist.new_group(list(members), backend="gloo", timeout=span,
+                                 use_local_synchronization=True, group_desc=f"{name}_objects")
+        return group, objects
+
+    def _check_device(self, tensor: torch.Tensor) -> None:
+        if tensor.device.type != self.device.type:
+            raise ValueError(f"tensor is on {tensor.device}, but this communicator's device is {self.device}")
+
+
+def _object_call(op: str, group: str, seq: int, detail: str) -> CollectiveCall:
+    return CollectiveCall(op, group, seq, detail=detail)
+
+
+def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    if device is None:
+        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is None:
+        return torch.device("cuda", local_rank)
+    return dev
+
+
+def _translate(exc: RuntimeError, call: CollectiveCall) -> RuntimeError:
+    """Backend errors that mean "a peer never came" become CollectiveTimeoutError."""
+    text = str(exc).lower()
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if "timed out" in text or "timeout" in text:
+        return CollectiveTimeoutError(call, (), f"the backend timed out ({first})")
+    if any(marker in text for marker in _PEER_LOST):
+        return CollectiveTimeoutError(call, (), f"lost the connection to a peer, which probably died ({first})")
+    return exc
