@@ -1,0 +1,156 @@
+"""Per-request sampling parameters and their batched, per-row tensor form."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+INT64_MAX = 2**63 - 1
+
+
+class SamplingParamsError(ValueError):
+    """A sampling parameter is out of range; the message names field, value and fix."""
+
+
+def _fail(field: str, value: object, rule: str, fix: str) -> SamplingParamsError:
+    return SamplingParamsError(f"SamplingParams.{field} = {value!r} is invalid: {rule}; {fix}")
+
+
+def _is_int(value: object) -> bool:
+    # bool is an int subclass, but True as a top_k is a bug, not a value.
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_temperature(_inst, attr, value) -> None:
+    if not _is_real(value) or not math.isfinite(value) or value < 0:
+        raise _fail(attr.name, value, "must be a finite number >= 0",
+                    "use 0 for greedy decoding or a positive value such as 1.0")
+
+
+def _check_top_k(_inst, attr, value) -> None:
+    if not _is_int(value) or value < 0:
+        raise _fail(attr.name, value, "must be an int >= 0", "use 0 to turn top-k off")
+
+
+def _check_top_p(_inst, attr, value) -> None:
+    if not _is_real(value) or not math.isfinite(value) or not 0 < value <= 1:
+        raise _fail(attr.name, value, "must be in (0, 1]", "use 1.0 to turn top-p off")
+
+
+def _check_min_p(_inst, attr, value) -> None:
+    if not _is_real(value) or not math.isfinite(value) or not 0 <= value <= 1:
+        raise _fail(attr.name, value, "must be in [0, 1]", "use 0.0 to turn min-p off")
+
+
+def _check_seed(_inst, attr, value) -> None:
+    if value is not None and (not _is_int(value) or not 0 <= value <= INT64_MAX):
+        raise _fail(attr.name, value, "must be None or an int in [0, 2**63 - 1]",
+                    "pass None to get a seed at admission")
+
+
+def _check_max_tokens(_inst, attr, value) -> None:
+    if not _is_int(value) or value < 1:
+        raise _fail(attr.name, value, "must be an int >= 1", "ask for at least one token")
+
+
+def _check_stop_ids(_inst, attr, value) -> None:
+    if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in value):
+        raise _fail(attr.name, value, "must hold token ids >= 0",
+                    "remove negative or non-integer ids")
+
+
+def _check_bool(_inst, attr, value) -> None:
+    if not isinstance(value, bool):
+        raise _fail(attr.name, value, "must be a bool", "pass True or False")
+
+
+def _to_tuple(value) -> tuple:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise SamplingParamsError(
+            f"SamplingParams.stop_token_ids = {value!r} is invalid: must be a sequence of "
+            "token ids; pass e.g. (2,) or ()")
+    return tuple(value)
+
+
+@attrs.frozen
+class SamplingParams:
+    """What a request asks of the sampler; validated at construction."""
+
+    temperature: float = attrs.field(default=1.0, validator=_check_temperature)
+    top_k: int = attrs.field(default=0, validator=_check_top_k)
+    top_p: float = attrs.field(default=1.0, validator=_check_top_p)
+    min_p: float = attrs.field(default=0.0, validator=_check_min_p)
+    seed: int | None = attrs.field(default=None, validator=_check_seed)
+    max_tokens: int = attrs.field(default=16, validator=_check_max_tokens)
+    stop_token_ids: tuple[int, ...] = attrs.field(
+        default=(), converter=_to_tuple, validator=_check_stop_ids)
+    ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+# Greedy and padding rows carry neutral params so the vectorised math stays finite;
+# `is_greedy` then replaces their probabilities by a one-hot argmax row.
+_SENTINEL = SamplingParams(temperature=1.0)
+
+
+@attrs.frozen(eq=False)
+class SamplingBatch:
+    """Per-row sampling tensors for a batch of B rows (real rows first, then padding)."""
+
+    temperature: torch.Tensor  # [B] f32
+    top_k: torch.Tensor  # [B] i64, 0 = off
+    top_p: torch.Tensor  # [B] f32
+    min_p: torch.Tensor  # [B] f32
+    is_greedy: torch.Tensor  # [B] bool
+    seeds: torch.Tensor  # [B] i64
+    all_greedy: bool  # over the real rows; True when there are none
+    num_real: int
+    needs_sort: bool = False  # some row uses top-k or top-p (Python flag: no device sync)
+    needs_min_p: bool = False
+    any_greedy: bool = True  # some row (padding included) is greedy
+
+    @property
+    def size(self) -> int:
+        return int(self.seeds.shape[0])
+
+    @classmethod
+    def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int], *,
+                    device: torch.device | str = "cpu",
+                    pad_to: int | None = None) -> SamplingBatch:
+        if len(seeds) != len(params):
+            raise ValueError(f"from_params: {len(params)} params but {len(seeds)} seeds; "
+                             "pass one seed per request")
+        for s in seeds:
+            if not _is_int(s) or not 0 <= s <= INT64_MAX:
+                raise ValueError(f"from_params: seed {s!r} is not an int in [0, 2**63 - 1]")
+        size = len(params) if pad_to is None else pad_to
+        if size < len(params):
+            raise ValueError(f"from_params: pad_to={pad_to} < {len(params)} requests; "
+                             "pad to at least the batch size")
+        rows = [_SENTINEL if p.is_greedy else p for p in params]
+        rows += [_SENTINEL] * (size - len(params))
+        greedy = [p.is_greedy for p in params] + [True] * (size - len(params))
+        all_seeds = list(seeds) + [0] * (size - len(params))
+
+        def col(name, dtype):
+            return torch.tensor([getattr(p, name) for p in rows], dtype=dtype, device=device)
+
+        return cls(
+            temperature=col("temperature", torch.float32), top_k=col("top_k", torch.int64),
+            top_p=col("top_p", torch.float32), min_p=col("min_p", torch.float32),
+            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
+            seeds=torch.tensor(all_seeds, dtype=torch.int64, device=device),
+            all_greedy=all(p.is_greedy for p in params), num_real=len(params),
+            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in rows),
+            needs_min_p=any(p.min_p > 0 for p in rows), any_greedy=any(greedy),
+        )

@@ -1,0 +1,86 @@
+"""The Sampler protocol, the default sampler and the sampler registry."""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable, Mapping
+from typing import Protocol, runtime_checkable
+
+import attrs
+import torch
+
+from ._params import SamplingBatch
+from ._probs import compute_probs, sample_tokens
+from ._rejection import METHODS, RejectionResult, rejection_sample
+from ._rng import Stream
+
+
+@attrs.frozen(eq=False)
+class DraftSample:
+    token_ids: torch.Tensor  # [B] i64
+    probs: torch.Tensor | None  # [B, V] f32, the q the token was drawn from; None = argmax
+
+
+@runtime_checkable
+class Sampler(Protocol):
+    def draft(self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, *,
+              advanced: bool) -> DraftSample: ...
+
+    def verify(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
+               draft_probs: torch.Tensor | None, batch: SamplingBatch,
+               positions: torch.Tensor, *, advanced: bool) -> RejectionResult: ...
+
+
+def _target_tokens(target_logits, batch, positions) -> torch.Tensor:
+    """[B, K+1]: argmax for greedy rows, else sampled from p with Stream.BONUS."""
+    if batch.all_greedy:  # padding rows are greedy too
+        return target_logits.argmax(dim=-1)  # same tokens as one-hot rows, no softmax
+    probs = compute_probs(target_logits, batch)
+    steps = torch.arange(target_logits.shape[1], device=positions.device)
+    return sample_tokens(probs, batch.seeds, positions.unsqueeze(1) + steps, Stream.BONUS,
+                         validate=False)
+
+
+def strict_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
+                  batch: SamplingBatch, positions: torch.Tensor) -> RejectionResult:
+    """Accept the longest prefix with d_i == t_i, then emit t at the first mismatch.
+
+    Exact for any p: the emitted token at each position is t_i, drawn from p_i.
+    """
+    t = _target_tokens(target_logits, batch, positions)  # [B, K+1]
+    match = (draft_token_ids == t[:, :-1]).long()
+    n = match.cumprod(dim=1).sum(dim=1)  # [B]
+    steps = torch.arange(t.shape[1], device=t.device)
+    return RejectionResult(token_ids=torch.where(steps <= n.unsqueeze(1), t, -1),
+                           num_accepted=n)
+
+
+@attrs.frozen
+class DefaultSampler:
+    """Argmax drafts and strict verification, or sampled drafts and rejection sampling."""
+
+    method: str = attrs.field(default="token", validator=attrs.validators.in_(METHODS))
+    validate: bool = True
+
+    def draft(self, logits, batch, positions, *, advanced) -> DraftSample:
+        # logits [B, V], positions [B]: the position the drafted token will take.
+        if not advanced:
+            return DraftSample(token_ids=logits.argmax(dim=-1), probs=None)
+        q = compute_probs(logits, batch)
+        tokens = sample_tokens(q, batch.seeds, positions, Stream.DRAFT, validate=False)
+        return DraftSample(token_ids=tokens, probs=q)
+
+    def verify(self, draft_token_ids, target_logits, draft_probs, batch, positions, *,
+               advanced) -> RejectionResult:
+        # target_logits [B, K+1, V]; K = 0 is plain sampling of one token.
+        if not advanced:
+            return strict_verify(draft_token_ids, target_logits, batch, positions)
+        p = compute_probs(target_logits, batch)
+        return rejection_sample(draft_token_ids, p, draft_probs, seeds=batch.seeds,
+                                positions=positions, method=self.method,
+                                validate=self.validate)
+
+
+def sampler_registry() -> Mapping[str, Callable[..., Sampler]]:
+    """Name -> factory. A fresh read-only mapping: no module-level mutable state."""
+    return types.MappingProxyType({"default": DefaultSampler})
