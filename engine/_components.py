@@ -23,8 +23,8 @@ def builtin_components() -> dict[str, dict[str, str]]:
     return {
         "sampler": {"default": "specloop.engine._factories:default_sampler"},
         "communicator": {
-            "single": "specloop.comm:SingleRankCommunicator",
-            "torch_distributed": "specloop.comm:TorchDistributedCommunicator.from_env",
+            "single": "specloop.engine._factories:single_communicator",
+            "torch_distributed": "specloop.engine._factories:torch_distributed_communicator",
         },
         "graph_cache": {
             "eager": "specloop.graphs:EagerGraphCache",

@@ -78,8 +78,7 @@ class AsyncEngine:
             config=cfg, runner=runner, drafter=build_drafter(cfg, deps),
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
             front=self.front,
-            detokenizer_factory=lambda r: IncrementalDetokenizer(loaded.tokenizer,
-                                                                 r.prompt_ids))
+            detokenizer_factory=lambda r: IncrementalDetokenizer(loaded.tokenizer))
         log.info("engine_built", rank=self.comm.rank, model=cfg.model.name,
                  device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
 
@@ -168,9 +167,8 @@ class AsyncEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty")
-            if self.config.model.chat_template and self.tokenizer.has_chat_template:
-                return self.tokenizer.apply_chat_template(
-                    [{"role": "user", "content": prompt}], add_generation_prompt=True)
+            if self.config.model.chat_template and self.tokenizer.chat_template:
+                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
             return self.tokenizer.encode(prompt)
         if not isinstance(prompt, (list, tuple)):
             raise RequestError(f"prompt must be a str or a list of token ids, "

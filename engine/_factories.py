@@ -29,3 +29,21 @@ def build_drafter(config, deps):
         return None
     name = config.components.drafter or config.speculative.method
     return resolve_component("drafter", name, "components.drafter")(config, deps)
+
+
+def single_communicator(config):
+    from specloop.comm import SingleRankCommunicator  # noqa: PLC0415
+    return SingleRankCommunicator()
+
+
+def torch_distributed_communicator(config):
+    from specloop.comm import TorchDistributedCommunicator  # noqa: PLC0415
+    device = "cuda" if config.model.device.startswith("cuda") or (
+        config.model.device == "auto" and _cuda()) else "cpu"
+    return TorchDistributedCommunicator.from_env(device=device,
+                                                 checked=config.parallel.checked_collectives)
+
+
+def _cuda() -> bool:
+    import torch  # noqa: PLC0415
+    return torch.cuda.is_available()

@@ -236,7 +236,7 @@ class RankWorker:
         detok = self._detokenizers.get(request.request_id)
         if detok is None:
             detok = self._detokenizers[request.request_id] = self.detokenizer_factory(request)
-        text = detok.add(tokens) if tokens else ""
+        text = detok.push(tokens) if tokens else ""
         if finished:
             text += detok.flush()
         output = RequestOutput(request.request_id, tuple(tokens), text, finished,

@@ -1,0 +1,61 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specloop.engine import AsyncEngine, EngineConfig
+from specloop.models import load_model
+from specloop.models.testing import write_tiny_checkpoint
+
+# float64: greedy comparisons across batch shapes must not flip on rounding near-ties.
+TINY_DTYPE = "float64"
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory):
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "target", vocab_size=384,
+                                 num_layers=4, hidden=64, seed=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tmp_path_factory):
+    # A different random model sharing the tokenizer: a weak drafter, so drafts get rejected.
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "draft", vocab_size=384,
+                                 num_layers=1, hidden=32, num_heads=2, num_kv_heads=1,
+                                 intermediate=64, seed=2)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_dir):
+    return load_model(tiny_dir, dtype=torch.float64)
+
+
+def make_config(model_dir, *, method="none", k=3, max_batch_size=4, max_seq_len=256,
+                draft_model=None, rejection=False, **sections) -> EngineConfig:
+    spec = {"method": method, "num_draft_tokens": k, "use_rejection_sampling": rejection}
+    if draft_model is not None:
+        spec["draft_model"] = str(draft_model)
+    data = {
+        "model": {"name": str(model_dir), "dtype": TINY_DTYPE, "device": "cpu",
+                  "max_seq_len": max_seq_len, "chat_template": False},
+        "scheduler": {"max_batch_size": max_batch_size, "max_num_tokens": 512},
+        "speculative": {**spec, **sections.pop("speculative", {})},
+    }
+    data.update(sections)
+    return EngineConfig.from_dict(data)
+
+
+async def collect(engine: AsyncEngine, prompt, params, **kw) -> list[int]:
+    tokens: list[int] = []
+    async for out in engine.generate(prompt, params, **kw):
+        tokens.extend(out.token_ids)
+    return tokens
+
+
+PROMPTS = [
+    [5, 17, 99, 3, 42],
+    [200, 201, 202, 203, 200, 201, 202],
+    [7],
+    [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22],
+    [300, 5, 300, 5, 300],
+]
