@@ -88,15 +88,16 @@ class Rendezvous:
         first = next(iter(slot.calls.values()))
         if any(c != first for c in slot.calls.values()):
             self._fail(slot, mismatch=True)
-        elif gone := [r for r in self._missing(slot) if r in self._gone]:
-            self._fail(slot, mismatch=False, reason="; ".join(f"rank {r} {self._gone[r]}" for r in gone))
+        elif gone := tuple(r for r in self._missing(slot) if r in self._gone):
+            reason = "; ".join(f"rank {r} {self._gone[r]}" for r in gone)
+            self._fail(slot, mismatch=False, reason=reason, missing=gone)  # the others may just be late
         elif not self._missing(slot):
             slot.result = slot.combine([slot.payloads[r] for r in self.members])
             slot.payloads.clear()
             slot.done.set()
 
-    def _fail(self, slot: _Slot, *, mismatch: bool, reason: str = "") -> None:
-        slot.failure = _Failure(mismatch, self._missing(slot), reason)
+    def _fail(self, slot: _Slot, *, mismatch: bool, reason: str = "", missing: tuple[int, ...] | None = None) -> None:
+        slot.failure = _Failure(mismatch, self._missing(slot) if missing is None else missing, reason)
         slot.payloads.clear()
         slot.done.set()
         calls = {r: c.describe() for r, c in slot.calls.items()}

@@ -20,6 +20,8 @@ from ._torchrun_env import TorchrunEnv
 log = structlog.get_logger(__name__)
 
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+# all_gather_single is the newer name (torch 2.13); the GPU machines run 2.11.
+_GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
 
 
@@ -156,7 +158,7 @@ class TorchDistributedCommunicator:
     def _check_symmetry(self, call: CollectiveCall) -> None:
         mine = torch.tensor(call.signature(), dtype=torch.int64)  # [3]
         table = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
-        dist.all_gather_into_tensor(table, mine, group=self._object_group)
+        _GATHER_INTO(table, mine, group=self._object_group)
         if bool((table.view(self.world_size, -1) == mine).all()):
             return
         # Every rank saw the same table, so every rank enters this second exchange.
@@ -169,7 +171,7 @@ class TorchDistributedCommunicator:
     def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         flat = tensor.detach().contiguous().reshape(-1)  # [n]
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        dist.all_gather_into_tensor(out, flat, group=self._group)
+        _GATHER_INTO(out, flat, group=self._group)
         return out.view(self.world_size, *tensor.shape)
 
     def _all_gather_object(self, obj: Any) -> list[Any]:

@@ -1,0 +1,90 @@
+"""One rank of the real multi-process tests; started by test_torch_dist.py.
+
+Prints one JSON line (`RESULT {...}`) with what each scenario observed.
+"""
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+import anyio
+import torch
+
+from specloop.comm import (
+    CollectiveMismatchError,
+    CollectiveTimeoutError,
+    TorchDistributedCommunicator,
+    distributed_argmax,
+)
+
+
+async def ops(comm: TorchDistributedCommunicator) -> dict:
+    r = comm.rank
+    out = {
+        "rank": r,
+        "world_size": comm.world_size,
+        "all_gather": (await comm.all_gather(torch.tensor([r, 10 * r]))).tolist(),
+        "all_gather_2d_shape": list((await comm.all_gather(torch.full((2, 3), float(r)))).shape),
+        "sum": (await comm.all_reduce(torch.tensor([1.0, r]))).tolist(),
+        "max": (await comm.all_reduce(torch.tensor([r, -r]), op="max")).tolist(),
+        "min": (await comm.all_reduce(torch.tensor([r, -r]), op="min")).tolist(),
+        "objects": await comm.all_gather_object({"rank": r}),
+        "broadcast": await comm.broadcast_object(f"from {r}", src=1),
+    }
+    await comm.barrier()
+    sub = await comm.subgroup([1, 0], "adp")
+    out["sub_rank"] = sub.rank
+    out["sub_gather"] = (await sub.all_gather(torch.tensor([r]))).tolist()
+    # V = 11 over 2 ranks: S = 6, rank 1 holds 5 real columns and 1 padding column.
+    full = torch.arange(2 * 11, dtype=torch.float32).reshape(2, 11) % 7
+    shard = torch.cat([full, torch.full((2, 1), 99.0)], dim=1)[:, 6 * r: 6 * (r + 1)]
+    out["argmax"] = (await distributed_argmax(sub, shard, vocab_size=11)).tolist()
+    out["argmax_expected"] = torch.argmax(full, dim=1).tolist()
+    return out
+
+
+async def mismatches(comm: TorchDistributedCommunicator) -> dict:
+    r = comm.rank
+    cases = {
+        "shape": lambda: comm.all_gather(torch.zeros(3 + r)),
+        "dtype": lambda: comm.all_gather(torch.zeros(3, dtype=torch.float32 if r == 0 else torch.int64)),
+        "op": lambda: comm.all_gather(torch.zeros(3)) if r == 0 else comm.all_reduce(torch.zeros(3)),
+    }
+    out = {}
+    for name, make in cases.items():
+        start = time.perf_counter()
+        try:
+            await make()
+            out[name] = None
+        except CollectiveMismatchError as exc:
+            out[name] = {"message": str(exc), "elapsed": time.perf_counter() - start}
+    # The exchange kept ranks in step: a symmetric collective still works.
+    out["after"] = (await comm.all_reduce(torch.tensor([1]))).tolist()
+    return out
+
+
+async def timeout(comm: TorchDistributedCommunicator) -> dict:
+    if comm.rank == 1:
+        await anyio.sleep(6)  # skip the barrier; stay alive past rank 0's timeout
+        return {"skipped": True}
+    start = time.perf_counter()
+    try:
+        await comm.barrier()
+        return {"error": None}
+    except CollectiveTimeoutError as exc:
+        return {"error": str(exc), "elapsed": time.perf_counter() - start}
+
+
+async def main(checked: bool) -> None:
+    comm = TorchDistributedCommunicator.from_env(checked=checked, timeout=3.0)
+    result = {"ops": await ops(comm)}
+    if checked:
+        result["mismatches"] = await mismatches(comm)
+        result["timeout"] = await timeout(comm)
+    print("RESULT " + json.dumps(result), flush=True)
+    comm.close()
+
+
+if __name__ == "__main__":
+    anyio.run(main, "--checked" in sys.argv)

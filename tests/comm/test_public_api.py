@@ -1,0 +1,60 @@
+import subprocess
+import sys
+
+import pytest
+
+import specloop.comm as comm
+
+EXPECTED = {
+    "CollectiveCall", "CollectiveCounter", "CollectiveMismatchError", "CollectiveTimeoutError",
+    "CommError", "Communicator", "InjectedFault", "LocalCommunicator", "LocalGroup", "ReduceOp",
+    "SingleRankCommunicator", "TorchDistributedCommunicator", "TorchrunEnv", "collective_label",
+    "communicator_factories", "create_communicator", "distributed_argmax",
+}
+
+
+def test_public_names_are_exactly_all():
+    assert set(comm.__all__) == EXPECTED
+    for name in comm.__all__:
+        assert getattr(comm, name) is not None
+    public = {n for n in vars(comm) if not n.startswith("_")}
+    assert public == EXPECTED, "public module attributes outside __all__"
+
+
+def test_comm_imports_nothing_of_the_project():
+    code = (
+        "import sys, specloop.comm; "
+        "print(sorted(m for m in sys.modules if m.startswith('specloop.') and not m.startswith('specloop.comm')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_implementations_satisfy_the_protocol():
+    group = comm.LocalGroup(2)
+    for c in (comm.SingleRankCommunicator(), group.communicator(0), comm.CollectiveCounter(group.communicator(1))):
+        assert isinstance(c, comm.Communicator)
+
+
+def test_registry_is_a_fresh_dict_with_the_known_names():
+    factories = comm.communicator_factories()
+    assert set(factories) == {"single", "local", "torch_distributed"}
+    factories.clear()
+    assert "single" in comm.communicator_factories()
+    assert isinstance(comm.create_communicator("single"), comm.SingleRankCommunicator)
+
+
+def test_registry_explains_local_and_unknown_names():
+    with pytest.raises(ValueError, match="LocalGroup"):
+        comm.create_communicator("local")
+    with pytest.raises(ValueError, match="unknown communicator 'nccl'"):
+        comm.create_communicator("nccl")
+
+
+def test_torchrun_env_names_what_is_missing():
+    with pytest.raises(RuntimeError, match="MASTER_ADDR, MASTER_PORT"):
+        comm.TorchrunEnv.read({"RANK": "0", "WORLD_SIZE": "2"})
+    env = comm.TorchrunEnv.read({"RANK": "1", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7"})
+    assert (env.rank, env.world_size, env.local_rank, env.master_port) == (1, 2, 1, 7)
+    with pytest.raises(RuntimeError, match="outside"):
+        comm.TorchrunEnv.read({"RANK": "2", "WORLD_SIZE": "2", "MASTER_ADDR": "h", "MASTER_PORT": "7"})

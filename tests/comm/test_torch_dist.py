@@ -1,0 +1,100 @@
+"""Two real processes over gloo, started the way torchrun starts them (env vars)."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.distributed
+
+WORKER = Path(__file__).with_name("dist_worker.py")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(*args: str, world_size: int = 2) -> list[dict]:
+    port = _free_port()
+    procs = []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outputs = []
+    for proc in procs:
+        try:
+            out, _ = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        assert proc.returncode == 0, out
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert lines, out
+        outputs.append(json.loads(lines[-1].removeprefix("RESULT ")))
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def unchecked() -> list[dict]:
+    return _launch()
+
+
+@pytest.fixture(scope="module")
+def checked() -> list[dict]:
+    return _launch("--checked")
+
+
+def _assert_ops(results: list[dict]) -> None:
+    for rank, res in enumerate(results):
+        ops = res["ops"]
+        assert (ops["rank"], ops["world_size"]) == (rank, 2)
+        assert ops["all_gather"] == [[0, 0], [1, 10]]
+        assert ops["all_gather_2d_shape"] == [2, 2, 3]
+        assert ops["sum"] == [2.0, 1.0]
+        assert (ops["max"], ops["min"]) == ([1, 0], [0, -1])
+        assert ops["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert ops["broadcast"] == "from 1"
+        assert ops["sub_rank"] == rank and ops["sub_gather"] == [[0], [1]]
+        assert ops["argmax"] == ops["argmax_expected"]
+
+
+def test_collectives_over_gloo(unchecked):
+    _assert_ops(unchecked)
+
+
+def test_checked_mode_gives_the_same_results(checked):
+    _assert_ops(checked)
+
+
+def test_checked_mode_turns_asymmetry_into_errors_on_both_ranks(checked):
+    expected = {
+        "shape": ("rank 0 called all_gather(shape=(3,), dtype=float32) #8 on group 'world'",
+                  "rank 1 called all_gather(shape=(4,), dtype=float32) #8 on group 'world'"),
+        "dtype": ("rank 0 called all_gather(shape=(3,), dtype=float32) #9",
+                  "rank 1 called all_gather(shape=(3,), dtype=int64) #9"),
+        "op": ("rank 0 called all_gather(shape=(3,), dtype=float32) #10",
+               "rank 1 called all_reduce(op=sum, shape=(3,), dtype=float32) #10"),
+    }
+    for res in checked:
+        mismatches = res["mismatches"]
+        for case, fragments in expected.items():
+            assert mismatches[case] is not None, case
+            for fragment in fragments:
+                assert fragment in mismatches[case]["message"]
+        assert mismatches["after"] == [2]
+
+
+def test_missing_rank_becomes_a_timeout_error(checked):
+    waiting = checked[0]["timeout"]
+    assert waiting["error"] is not None and "did not enter barrier()" in waiting["error"]
+    assert waiting["elapsed"] < 10
