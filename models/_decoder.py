@@ -158,7 +158,8 @@ class DecoderModel(nn.Module):
         self, T: int, start_pos: torch.Tensor, slots: torch.Tensor, cache: KVCache, kv_len: int | None
     ) -> _Step:
         kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
-        dev = start_pos.device
+        dev = self.device
+        start_pos, slots = start_pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True)
         pos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
         # Out-of-range positions write into the scratch slot instead of failing an index.
         in_range = pos < cache.max_seq_len
@@ -188,7 +189,7 @@ class DecoderModel(nn.Module):
         # Query heads sharing a KV head are stacked along the query axis: [B, Hkv, G*T, D].
         q = qk[:, :, :Hq].reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask)
-        o = o.view(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
+        o = o.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
         x = x + F.linear(o, w.wo)
         h = rms_norm(x, w.mlp_norm, a.rms_norm_eps)
         gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each

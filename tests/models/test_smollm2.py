@@ -1,0 +1,87 @@
+"""SmolLM2-135M-Instruct (converted once from its GGUF) against transformers, fp32."""
+
+import pytest
+import torch
+
+from specloop.models import IncrementalDetokenizer
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Tell me about llamas.",
+    "Write a Python function that reverses a string.",
+    "What is the capital of France?",
+    "List three primary colors.",
+    "Explain speculative decoding in one sentence.",
+]
+NEW_TOKENS = 32
+
+
+def greedy_decode(model, prompt_ids: list[int], n: int) -> list[int]:
+    """Prefill, then one token at a time through the KV cache; no speculation."""
+    cache = model.make_cache(num_slots=1, max_seq_len=256)
+    slot = torch.tensor([0])
+    hidden = model(torch.tensor([prompt_ids]), torch.tensor([0]), slot, cache)
+    out = [int(model.logits(hidden[:, -1]).argmax(-1))]
+    for pos in range(len(prompt_ids), len(prompt_ids) + n - 1):
+        hidden = model(torch.tensor([[out[-1]]]), torch.tensor([pos]), slot, cache)
+        out.append(int(model.logits(hidden[:, -1]).argmax(-1)))
+    return out
+
+
+def test_converted_checkpoint(smollm2):
+    args = smollm2.args
+    assert (args.num_layers, args.hidden_size, args.vocab_size) == (30, 576, 49152)
+    assert args.tie_word_embeddings and args.num_kv_heads == 3
+    assert smollm2.tokenizer.token_to_id("<|im_end|>") in smollm2.tokenizer.eos_token_ids
+
+
+def test_greedy_equals_transformers_generate(smollm2, smollm2_hf):
+    tok = smollm2.tokenizer
+    for prompt in PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}])
+        with torch.no_grad():
+            x = torch.tensor([ids])
+            # An explicit mask: the template's <|im_end|> equals the pad id and would be masked.
+            ref = smollm2_hf.generate(
+                x, attention_mask=torch.ones_like(x), max_new_tokens=NEW_TOKENS, do_sample=False
+            )[0, len(ids) :].tolist()
+        assert len(ref) == NEW_TOKENS
+        assert greedy_decode(smollm2.model, ids, NEW_TOKENS) == ref, prompt
+
+
+def test_prefill_logits_close(smollm2, smollm2_hf):
+    ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": PROMPTS[0]}])
+    with torch.no_grad():
+        ref = smollm2_hf(torch.tensor([ids])).logits
+    model = smollm2.model
+    ours = model.logits(model(torch.tensor([ids]), torch.tensor([0]), torch.tensor([0]), model.make_cache(1, 128)))
+    torch.testing.assert_close(ours, ref, atol=1e-3, rtol=1e-4)
+
+
+def test_chat_template_equals_transformers(smollm2, smollm2_dir):
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(smollm2_dir)
+    conversations = [
+        [{"role": "user", "content": "Hi there"}],
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"}],
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+    ]
+    tok = smollm2.tokenizer
+    for messages in conversations:
+        for gen in (True, False):
+            ref = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            assert tok.apply_chat_template(messages, add_generation_prompt=gen) == ref
+        text = tok.apply_chat_template(messages)
+        assert tok.encode(text, add_special_tokens=False) == hf(text, add_special_tokens=False)["input_ids"]
+
+
+def test_tokenizer_round_trip_and_streaming(smollm2):
+    tok = smollm2.tokenizer
+    text = "Llamas (🦙) live in the Andes — “high” places: 日本語, café, naïve."
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.push([i]) for i in ids] + [detok.flush()]
+    assert "".join(deltas) == text and not any("\ufffd" in d for d in deltas)
