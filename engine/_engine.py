@@ -6,8 +6,10 @@ import secrets
 from typing import AsyncIterator, Sequence
 
 import anyio
+import attrs
 import structlog
 
+from specloop.models import IncrementalDetokenizer
 from specloop.samplers import SamplingParams, SpecMetadata
 
 from ._config import EngineConfig
@@ -61,7 +63,7 @@ class AsyncEngine:
             self._task_group = None
 
     def _build(self) -> None:
-        from specloop.models import IncrementalDetokenizer, load_model  # noqa: PLC0415
+        from specloop.models import load_model  # noqa: PLC0415
         from specloop.models.drafters import DrafterDeps  # noqa: PLC0415
 
         cfg = self.config
@@ -77,8 +79,7 @@ class AsyncEngine:
         self.worker = RankWorker(
             config=cfg, runner=runner, drafter=build_drafter(cfg, deps),
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
-            front=self.front,
-            detokenizer_factory=lambda r: IncrementalDetokenizer(loaded.tokenizer))
+            front=self.front)
         log.info("engine_built", rank=self.comm.rank, model=cfg.model.name,
                  device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
 
@@ -115,6 +116,7 @@ class AsyncEngine:
                        *, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         new = self._admit(prompt, params, request_id)
         receive = self.front.submit(new)
+        detokenizer = IncrementalDetokenizer(self.tokenizer)
         finished = False
         try:
             async with receive:
@@ -122,7 +124,10 @@ class AsyncEngine:
                     if output.error is not None:
                         raise EngineClosedError(output.error)
                     finished = output.finished
-                    yield output
+                    text = detokenizer.push(output.token_ids) if output.token_ids else ""
+                    if finished:
+                        text += detokenizer.flush()
+                    yield attrs.evolve(output, text=text)
                     if finished:
                         return
         finally:

@@ -6,7 +6,7 @@ construction; handlers never re-decide it per step.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import anyio
 import structlog
@@ -29,8 +29,8 @@ FACT_TOKENS, FACT_BATCH, FACT_REQUESTS, FACT_ALL_GREEDY = range(4)
 
 
 class RankWorker:
-    def __init__(self, *, config, runner, drafter, sampler, comm, graph_cache, front,
-                 detokenizer_factory: Callable[[Request], Any]) -> None:
+    def __init__(self, *, config, runner, drafter, sampler, comm, graph_cache,
+                 front) -> None:
         self.config = config
         self.runner = runner
         self.drafter = drafter
@@ -42,8 +42,7 @@ class RankWorker:
         self.max_seq_len = config.model.max_seq_len
         self.scheduler = Scheduler(config.scheduler.max_batch_size,
                                    config.scheduler.max_num_tokens)
-        self.detokenizer_factory = detokenizer_factory
-        self._detokenizers: dict[str, Any] = {}
+        self.eos_token_ids = frozenset(runner.loaded.tokenizer.eos_token_ids)
         self._limiter = anyio.CapacityLimiter(1)
         self._pending_outputs: list[RequestOutput] = []
         self._loads = [0] * comm.world_size
@@ -213,7 +212,7 @@ class RankWorker:
         params = request.params
         if token in params.stop_token_ids:
             return FinishReason.STOP
-        if not params.ignore_eos and token in self.runner.loaded.tokenizer.eos_token_ids:
+        if not params.ignore_eos and token in self.eos_token_ids:
             return FinishReason.STOP
         if request.num_generated >= params.max_tokens:
             return FinishReason.LENGTH
@@ -228,18 +227,12 @@ class RankWorker:
         if slot is not None and self.drafter is not None:
             self.drafter.release(slot)
         self._emit(request, emitted, finished=True)
-        self._detokenizers.pop(request.request_id, None)
 
     def _emit(self, request: Request, tokens, finished: bool = False) -> None:
         if not tokens and not finished:
             return
-        detok = self._detokenizers.get(request.request_id)
-        if detok is None:
-            detok = self._detokenizers[request.request_id] = self.detokenizer_factory(request)
-        text = detok.push(tokens) if tokens else ""
-        if finished:
-            text += detok.flush()
-        output = RequestOutput(request.request_id, tuple(tokens), text, finished,
+        # Token ids only: text is decoded by the consumer (generate), off this hot path.
+        output = RequestOutput(request.request_id, tuple(tokens), "", finished,
                                request.finish_reason if finished else None)
         if self.front is not None:
             self.front.deliver((output,))
