@@ -13,7 +13,7 @@ from specloop.models import IncrementalDetokenizer
 from specloop.samplers import SamplingParams, SpecMetadata
 
 from ._config import EngineConfig
-from ._errors import EngineClosedError, RequestError
+from ._errors import ConfigError, EngineClosedError, RequestError
 from ._factories import build_communicator, build_drafter, build_graph_cache, build_sampler
 from ._frontdoor_state import FrontDoor
 from ._iteration import IterationMachine, IterationRecord
@@ -36,6 +36,10 @@ class AsyncEngine:
                  observers: Sequence[IterationObserver] = (), model=None) -> None:
         self.config = config
         self.comm = communicator if communicator is not None else build_communicator(config)
+        if self.comm.world_size != config.parallel.world_size:
+            raise ConfigError("parallel.world_size", config.parallel.world_size,
+                              f"the communicator has {self.comm.world_size} ranks",
+                              "make them agree (torchrun --nproc-per-node, LocalGroup size)")
         self.observers = tuple(observers)
         self._model = model
         self.front = FrontDoor() if self.comm.rank == 0 else None

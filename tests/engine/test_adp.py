@@ -1,0 +1,151 @@
+"""Attention data parallelism in one process: N engines over a LocalGroup."""
+
+import anyio
+import pytest
+
+from specloop.comm import (CollectiveCounter, CollectiveTimeoutError, LocalGroup)
+from specloop.engine import AsyncEngine, ConfigError, EngineClosedError
+from specloop.samplers import SamplingParams
+
+from .conftest import PROMPTS, collect, make_config
+
+PARAMS = [SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True)
+          for i in range(len(PROMPTS))]
+
+
+def adp_config(model_dir, world, **kw):
+    return make_config(model_dir, parallel={"world_size": world, "attention_dp": world > 1},
+                       **kw)
+
+
+async def serve(engine, prompts, params):
+    results = {}
+
+    async def one(i):
+        results[i] = await collect(engine, prompts[i], params[i])
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    return [results[i] for i in range(len(prompts))]
+
+
+async def run_group(world, config, loaded, body, *, wrap=None, observers=None, timeout=5.0):
+    group = LocalGroup(world, timeout=timeout)
+
+    async def rank_main(comm):
+        comm = wrap(comm) if wrap else comm
+        obs = observers(comm) if observers else ()
+        async with AsyncEngine(config, communicator=comm, model=loaded,
+                               observers=obs) as engine:
+            if comm.rank == 0:
+                return await body(engine)
+            await engine.wait_closed()
+            return engine.stats.num_generated_tokens
+
+    return await group.run(rank_main), group
+
+
+async def single_rank(config, loaded):
+    async with AsyncEngine(config, model=loaded) as engine:
+        return await serve(engine, PROMPTS, PARAMS)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("method", ["none", "ngram", "draft_model"])
+async def test_greedy_outputs_equal_single_rank(tiny_dir, tiny_draft_dir, tiny_loaded,
+                                                world, method):
+    draft = tiny_draft_dir if method == "draft_model" else None
+    expected = await single_rank(make_config(tiny_dir, method=method, draft_model=draft),
+                                 tiny_loaded)
+    config = adp_config(tiny_dir, world, method=method, draft_model=draft, max_batch_size=2)
+    results, _ = await run_group(world, config, tiny_loaded,
+                                 lambda e: serve(e, PROMPTS, PARAMS))
+    assert results[0] == expected
+    # The work was spread: every rank served something.
+    assert all(n > 0 for n in results[1:])
+
+
+class LabelByState:
+    """Labels the counter with the state about to run, so counts are per state."""
+
+    def __init__(self, counter):
+        self.counter = counter
+        counter.label = "SCHEDULE"
+
+    def on_transition(self, event):
+        nxt = event.next_state.value
+        self.counter.label = "SCHEDULE" if nxt == "DONE" else nxt
+
+
+@pytest.mark.parametrize("lm_head_tp", [False, True])
+async def test_exactly_one_collective_in_sync(tiny_dir, tiny_loaded, lm_head_tp):
+    counters = {}
+
+    def wrap(comm):
+        counters[comm.rank] = CollectiveCounter(comm)
+        return counters[comm.rank]
+
+    iterations = {}
+
+    class CountIterations(LabelByState):
+        def on_transition(self, event):
+            super().on_transition(event)
+            if event.state.value == "SYNC":
+                iterations[event.rank] = iterations.get(event.rank, 0) + 1
+
+    config = make_config(tiny_dir, method="ngram", rejection=True,
+                         parallel={"world_size": 2, "attention_dp": True,
+                                   "lm_head_tp_in_adp": lm_head_tp})
+    await run_group(2, config, tiny_loaded, lambda e: serve(e, PROMPTS, PARAMS), wrap=wrap,
+                    observers=lambda c: [CountIterations(c)])
+    for rank, counter in counters.items():
+        by_label = counter.by_label()
+        assert counter.count(label="SYNC") == iterations[rank] > 0, by_label
+        assert counter.count("all_gather", label="SYNC") == iterations[rank]
+        for state in ("PICK_GRAPH_KEY", "DRAFT", "VERIFY", "RESCAN"):
+            assert counter.count(label=state) == 0, by_label
+
+
+async def test_dead_rank_surfaces_as_timeout_not_hang(tiny_dir, tiny_loaded):
+    config = adp_config(tiny_dir, 2, method="ngram")
+    long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    group = LocalGroup(2, timeout=1.0)
+    errors = {}
+
+    async def rank_main(comm):
+        try:
+            async with AsyncEngine(config, communicator=comm, model=tiny_loaded) as engine:
+                if comm.rank == 0:
+                    async with anyio.create_task_group() as tg:
+                        tg.start_soon(collect, engine, [1, 2, 3], long)
+                        tg.start_soon(collect, engine, [4, 5, 6], long)
+                        await anyio.sleep(0.3)
+                        group.fail(1)
+                else:
+                    await engine.wait_closed()
+        except BaseException as exc:  # noqa: BLE001 - the test inspects it
+            errors[comm.rank] = exc
+
+    with anyio.fail_after(10):
+        await group.run(rank_main, return_exceptions=True)
+    flat = []
+
+    def walk(e):
+        if isinstance(e, BaseExceptionGroup):
+            for sub in e.exceptions:
+                walk(sub)
+        else:
+            flat.append(e)
+    walk(errors[0])
+    assert any(isinstance(e, (CollectiveTimeoutError, EngineClosedError)) for e in flat), flat
+    assert any("rank 1" in str(e) or "rank(s) 1" in str(e) for e in flat
+               if isinstance(e, CollectiveTimeoutError)) or \
+        any(isinstance(e, EngineClosedError) for e in flat)
+
+
+async def test_world_size_must_match_the_communicator(tiny_dir, tiny_loaded):
+    group = LocalGroup(2)
+    with pytest.raises(ConfigError, match="parallel.world_size"):
+        AsyncEngine(adp_config(tiny_dir, 4), communicator=group.communicator(0),
+                    model=tiny_loaded)
