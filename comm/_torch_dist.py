@@ -156,8 +156,9 @@ class TorchDistributedCommunicator:
                 raise _translate(exc, call) from exc
 
     def _check_symmetry(self, call: CollectiveCall) -> None:
-        mine = torch.tensor(call.signature(), dtype=torch.int64)  # [3]
-        table = torch.empty(self.world_size * mine.numel(), dtype=torch.int64)
+        # Host tensors for the gloo group, whatever default device the caller set.
+        mine = torch.tensor(call.signature(), dtype=torch.int64, device="cpu")  # [3]
+        table = torch.empty(self.world_size * mine.numel(), dtype=torch.int64, device="cpu")
         _GATHER_INTO(table, mine, group=self._object_group)
         if bool((table.view(self.world_size, -1) == mine).all()):
             return

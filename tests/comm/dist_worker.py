@@ -21,6 +21,8 @@ from specloop.comm import (
 
 async def ops(comm: TorchDistributedCommunicator) -> dict:
     r = comm.rank
+    if comm.device.type == "cuda":
+        torch.set_default_device(comm.device)
     out = {
         "rank": r,
         "world_size": comm.world_size,
@@ -76,11 +78,29 @@ async def timeout(comm: TorchDistributedCommunicator) -> dict:
         return {"error": str(exc), "elapsed": time.perf_counter() - start}
 
 
+async def latency(comm: TorchDistributedCommunicator, iters: int = 200) -> dict:
+    """Mean microseconds per call of a SYNC-sized all_gather ([3] int64) and an object gather."""
+    out = {}
+    for name, call in {"all_gather_3xi64": lambda: comm.all_gather(torch.zeros(3, dtype=torch.int64)),
+                       "all_gather_object": lambda: comm.all_gather_object((1, 2, True))}.items():
+        for _ in range(10):
+            await call()
+        start = time.perf_counter()
+        for _ in range(iters):
+            await call()
+        out[name] = round((time.perf_counter() - start) / iters * 1e6, 1)
+    return out
+
+
 async def main(checked: bool) -> None:
-    comm = TorchDistributedCommunicator.from_env(checked=checked, timeout=3.0)
+    device = "cuda" if "--cuda" in sys.argv else "cpu"
+    comm = TorchDistributedCommunicator.from_env(device=device, checked=checked, timeout=3.0)
     result = {"ops": await ops(comm)}
+    if "--latency" in sys.argv:
+        result["latency_us"] = await latency(comm)
     if checked:
         result["mismatches"] = await mismatches(comm)
+    if checked and comm.device.type == "cpu":  # NCCL's watchdog aborts instead
         result["timeout"] = await timeout(comm)
     print("RESULT " + json.dumps(result), flush=True)
     comm.close()
