@@ -45,7 +45,8 @@ def _local_best(real: torch.Tensor, offset: int, n: int) -> torch.Tensor:
 
 def _check(comm: Communicator, shard_logits: torch.Tensor, vocab_size: int) -> tuple[int, int]:
     if not isinstance(shard_logits, torch.Tensor) or shard_logits.dim() != 2:
-        raise ValueError(f"shard_logits must be a 2-D tensor [N, S], got {getattr(shard_logits, 'shape', shard_logits)!r}")
+        got = getattr(shard_logits, "shape", shard_logits)
+        raise ValueError(f"shard_logits must be a 2-D tensor [N, S], got {got!r}")
     if not shard_logits.is_floating_point():
         raise TypeError(f"shard_logits must be floating point, got {shard_logits.dtype}")
     if not isinstance(vocab_size, int) or vocab_size < 1:

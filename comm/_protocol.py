@@ -87,5 +87,7 @@ def check_subgroup(ranks: Sequence[int], name: str, members: Sequence[int], me: 
     if outside:
         raise ValueError(f"subgroup {name!r}: ranks {outside} are not in the parent group {list(members)}")
     if me not in chosen:
-        raise ValueError(f"subgroup {name!r}: rank {me} is not a member of {list(chosen)}; only members call subgroup()")
+        raise ValueError(
+            f"subgroup {name!r}: rank {me} is not a member of {list(chosen)}; only members call subgroup()"
+        )
     return chosen

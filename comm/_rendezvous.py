@@ -76,7 +76,8 @@ class Rendezvous:
         try:
             return self._outcome(call, slot, rank)
         except CollectiveTimeoutError as exc:
-            raise CollectiveTimeoutError(call, exc.missing, f"this rank was stalled on purpose; the others gave up ({exc.reason})") from None
+            reason = f"this rank was stalled on purpose; the others gave up ({exc.reason})"
+            raise CollectiveTimeoutError(call, exc.missing, reason) from None
 
     def rank_gone(self) -> None:
         """Fail at once every open slot that waits on a rank that is gone."""

@@ -109,7 +109,8 @@ class TorchDistributedCommunicator:
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_device(check_tensor(tensor))
         check_reduce_op(op)
-        return await self._run(CollectiveCall.for_tensor, ("all_reduce", tensor, f"op={op}"), self._all_reduce, tensor, op)
+        call_args = ("all_reduce", tensor, f"op={op}")
+        return await self._run(CollectiveCall.for_tensor, call_args, self._all_reduce, tensor, op)
 
     async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         check_src(src, self.world_size)

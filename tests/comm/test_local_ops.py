@@ -17,7 +17,9 @@ async def test_all_gather_stacks_rows_by_rank(group: LocalGroup):
     assert results[1][0, 0, 0] == 0
 
 
-@pytest.mark.parametrize("op,expected", [("sum", lambda g: sum(range(g))), ("max", lambda g: g - 1), ("min", lambda g: 0)])
+@pytest.mark.parametrize(
+    "op,expected", [("sum", lambda g: sum(range(g))), ("max", lambda g: g - 1), ("min", lambda g: 0)]
+)
 async def test_all_reduce(group: LocalGroup, op, expected):
     async def body(c):
         t = torch.tensor([c.rank], dtype=torch.int64)
