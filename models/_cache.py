@@ -36,10 +36,13 @@ class KVCache:
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
         self.num_kv_heads = args.num_kv_heads
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
-        # [1, Hkv, 1]: the head index of a cache write, broadcast against [B, 1, T] slot/pos.
-        self._heads = torch.arange(args.num_kv_heads, device=device).view(1, -1, 1)
+        # Normal (not inference-mode) tensors even when built under inference_mode, so later
+        # in-place writes work in or out of it.
+        with torch.inference_mode(False):
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
+            # [1, Hkv, 1]: the head index of a write, broadcast against [B, 1, T] slot/pos.
+            self._heads = torch.arange(args.num_kv_heads, device=device).view(1, -1, 1)
         log.debug("kv_cache_allocated", shape=shape, dtype=str(dtype), nbytes=self.nbytes)
 
     @property

@@ -98,3 +98,13 @@ def test_forward_embeds_equals_forward(tiny_llama):
     b = model.forward_embeds(model.embed(ids), pos, slot, model.make_cache(1, 64))
     assert torch.equal(a, b)
     assert model.lm_head_weight.shape == (V, model.args.hidden_size)
+
+
+def test_cache_built_in_inference_mode_is_writable_outside(tiny_llama):
+    model = tiny_llama.model
+    with torch.inference_mode():
+        cache = model.make_cache(1, 64)
+    out = _run(model, _ids(3, 10), 0, 0, cache)  # forward runs under no_grad only
+    with torch.inference_mode():
+        again = _run(model, _ids(3, 10), 0, 0, cache)
+    torch.testing.assert_close(out, again)
