@@ -43,17 +43,20 @@ class ModelRunner:
                              device=self.device)
 
     @torch.inference_mode()
-    def prefill(self, request: Request) -> None:
-        """Write K/V for every token but the last; VERIFY forwards the last one."""
+    def prefill(self, request: Request) -> torch.Tensor:
+        """Write K/V for every token but the last (VERIFY forwards the last one), in chunks
+        of max_prefill_tokens; returns their final hidden states [P, H] for the drafter."""
         end = request.seq_len - 1
         slot = torch.tensor([request.slot], device=self.device)
+        hidden = [torch.empty(0, self.args.hidden_size, dtype=self.dtype, device=self.device)]
         while request.num_cached < end:
             chunk = request.token_ids[request.num_cached:
                                       min(end, request.num_cached + self.max_prefill_tokens)]
             tokens = torch.tensor([chunk], device=self.device)
             start = torch.tensor([request.num_cached], device=self.device)
-            self.model(tokens, start, slot, self.cache)
+            hidden.append(self.model(tokens, start, slot, self.cache)[0])
             request.num_cached += len(chunk)
+        return torch.cat(hidden)
 
     @torch.inference_mode()
     def verify_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,

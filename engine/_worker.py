@@ -51,6 +51,9 @@ class RankWorker:
         multi = comm.world_size > 1
         self.exchange = self._exchange_group if multi else self._exchange_local
         self.draft_step = self._draft_with_drafter if self.k else self._no_draft
+        # Drafters whose DRAFT runs collectives (LM-head TP) are called on idle ranks too.
+        self.draft_when_idle = getattr(drafter, "needs_empty_calls", False)
+        self.on_verified = getattr(drafter, "on_verified", None)
 
     def handlers(self) -> dict[IterationState, Any]:
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
@@ -79,9 +82,9 @@ class RankWorker:
 
     def _prefill(self, admitted: list[Request]) -> None:
         for request in admitted:
-            self.runner.prefill(request)
+            hidden = self.runner.prefill(request)
             if self.drafter is not None:
-                self.drafter.prefill(request.slot, request.token_ids[:-1])
+                self.drafter.prefill(request.slot, request.token_ids[:-1], hidden)
 
     async def _exchange_local(self) -> FrontDoorMessage:
         if self.scheduler.num_requests == 0:
@@ -141,13 +144,14 @@ class RankWorker:
     async def _draft_with_drafter(self, rec: IterationRecord) -> None:
         from specloop.models.drafters import DraftContext  # noqa: PLC0415
 
-        if not rec.batch:
+        if not rec.batch and not self.draft_when_idle:
             return
         device = self.runner.device
         ctx = DraftContext(
             token_ids=[r.token_ids for r in rec.batch],
-            seq_lens=torch.tensor([r.seq_len for r in rec.batch], device=device),
-            slots=torch.tensor([r.slot for r in rec.batch], device=device),
+            seq_lens=torch.tensor([r.seq_len for r in rec.batch], dtype=torch.int64,
+                                  device=device),
+            slots=torch.tensor([r.slot for r in rec.batch], dtype=torch.int64, device=device),
             sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
             padded_batch_size=rec.padded_batch_size, run_sync=self.run_sync)
         proposal = await self.drafter.propose(ctx)
@@ -170,9 +174,13 @@ class RankWorker:
             drafts = torch.empty((len(batch), 0), dtype=torch.int64, device=device)
         tokens = torch.cat([last, drafts], dim=1)              # [B, K+1]
         slots = torch.tensor([r.slot for r in batch], device=device)
-        logits, _ = self.runner.verify_forward(tokens, seq_lens - 1, slots)
-        return self.sampler.verify(drafts, logits, rec.draft_probs, rec.sampling, seq_lens,
-                                   advanced=rec.spec.wants_advanced_draft_sampling)
+        logits, hidden = self.runner.verify_forward(tokens, seq_lens - 1, slots)
+        result = self.sampler.verify(drafts, logits, rec.draft_probs, rec.sampling, seq_lens,
+                                     advanced=rec.spec.wants_advanced_draft_sampling)
+        if self.on_verified is not None:
+            self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch], hidden,
+                             result.num_accepted.tolist())
+        return result
 
     # RESCAN -----------------------------------------------------------------------------
     async def rescan(self, rec: IterationRecord) -> IterationState:

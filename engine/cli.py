@@ -42,6 +42,31 @@ def sampling_params(args):
                           min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
 
 
+async def print_completions(engine, prompts, params) -> int:
+    """One prompt streams to stdout as it is generated; several run concurrently (so a
+    group spreads them over its ranks) and print in order once done. Returns new tokens."""
+    if len(prompts) == 1:
+        count = 0
+        async for out in engine.generate(prompts[0], params):
+            count += len(out.token_ids)
+            print(out.text, end="", flush=True)
+        print()
+        return count
+    texts, counts = [""] * len(prompts), [0] * len(prompts)
+
+    async def one(i):
+        async for out in engine.generate(prompts[i], params):
+            texts[i] += out.text
+            counts[i] += len(out.token_ids)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(one, i)
+    for i, text in enumerate(texts):
+        print(f"--- prompt {i}: {prompts[i]!r}\n{text}")
+    return sum(counts)
+
+
 async def run_generate(args) -> None:
     config = load_config(args.config)
     if args.method is not None:
@@ -53,19 +78,15 @@ async def run_generate(args) -> None:
             await engine.wait_closed()
             return
         params = sampling_params(args)
-        start = time.perf_counter()
-        count = 0
         prompts = args.prompt or ["Tell me about llamas."]
-        for prompt in prompts:
-            async for out in engine.generate(prompt, params):
-                count += len(out.token_ids)
-                print(out.text, end="", flush=True)
-            print()
+        start = time.perf_counter()
+        count = await print_completions(engine, prompts, params)
         elapsed = time.perf_counter() - start
         stats = engine.stats
+        scope = " on rank 0" if config.parallel.world_size > 1 else ""
         print(f"[specloop] new tokens {count}, {count / elapsed:.1f} tok/s, "
               f"mean acceptance length {stats.mean_acceptance_length:.2f}, "
-              f"acceptance rate {stats.acceptance_rate:.2f} "
+              f"acceptance rate {stats.acceptance_rate:.2f}{scope} "
               f"(method {config.speculative.method}, K {config.speculative.k})",
               flush=True)
 

@@ -2,8 +2,11 @@
 
 from ._draft_model import DraftModelDrafter
 from ._early_exit import EarlyExitDrafter
+from ._lm_head import DraftHead
+from ._mtp import MtpEagleDrafter, MtpEagleHead
 from ._ngram import NgramDrafter
-from ._protocol import Drafter, DraftContext, DrafterDeps, DraftProposal
+from ._protocol import Drafter, DraftContext, DrafterDeps, DraftProposal, VerifyObserver
 
-__all__ = ["DraftContext", "DraftModelDrafter", "DraftProposal", "Drafter", "DrafterDeps",
-           "EarlyExitDrafter", "NgramDrafter"]
+__all__ = ["DraftContext", "DraftHead", "DraftModelDrafter", "DraftProposal", "Drafter",
+           "DrafterDeps", "EarlyExitDrafter", "MtpEagleDrafter", "MtpEagleHead", "NgramDrafter",
+           "VerifyObserver"]

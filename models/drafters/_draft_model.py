@@ -42,7 +42,7 @@ class DraftModelDrafter:
         self._slots: dict[int, _SlotState] = {}
 
     @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:
         device = self.cache.device
         if token_ids:
             self.model(torch.tensor([list(token_ids)], device=device),

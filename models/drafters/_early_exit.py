@@ -25,7 +25,7 @@ class EarlyExitDrafter:
             raise ConfigError("speculative.early_exit_layers", self.num_layers,
                               f"must be below the target's {total} layers")
 
-    def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:
         """The target's prefill already wrote these layers' K/V."""
 
     def release(self, slot: int) -> None:

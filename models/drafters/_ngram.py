@@ -28,7 +28,7 @@ class NgramDrafter:
         self.device = deps.target_cache.device if deps.target_cache is not None else "cpu"
         self._slots: dict[int, _SlotIndex] = {}
 
-    def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:
         self._slots[slot] = _SlotIndex()
 
     def release(self, slot: int) -> None:

@@ -49,14 +49,24 @@ class DrafterDeps:
 class Drafter(Protocol):
     num_draft_tokens: int
 
-    def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
-        """A new request's prompt (all but the last token); runs off the event loop."""
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None
+                ) -> None:
+        """A new request's prompt (all but the last token) and the target's final hidden
+        states for it, [P, H]; runs off the event loop."""
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         """K drafts per row; argmax, or sampled from q when the predicate says advanced."""
 
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished; forget its state."""
+
+
+class VerifyObserver(Protocol):
+    """Optional drafter hook: the target's hidden states of each VERIFY, [B, K+1, H] at
+    positions start_pos.., of which rows 0..num_accepted are now committed."""
+
+    def on_verified(self, slots: Sequence[int], start_pos: Sequence[int],
+                    hidden: torch.Tensor, num_accepted: Sequence[int]) -> None: ...
 
 
 def sample_draft_step(ctx: DraftContext, logits: torch.Tensor, step: int

@@ -1,0 +1,180 @@
+"""MTP-Eagle drafting: one head applied K times, fed by the target's hidden states.
+
+The head fuses the target's hidden state at position p with the embedding of token p+1
+(``fc([enorm(emb(t_{p+1})); hnorm(h_p)])``), runs one decoder layer with its own KV cache
+and the target's LM head; its output at p predicts token p+2. After each VERIFY the rows
+the target accepted (hidden states and tokens) are fed to the head first, so its cache
+follows the committed sequence; then it drafts autoregressively on its own outputs.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from ._lm_head import DraftHead
+from ._protocol import DraftContext, DrafterDeps, DraftProposal
+
+
+class MtpEagleHead(torch.nn.Module):
+    def __init__(self, target, *, dtype, device) -> None:
+        from specloop.models import DecoderModel  # noqa: PLC0415
+
+        super().__init__()
+        args = attrs.evolve(target.args, num_layers=1)
+        h = args.hidden_size
+        self.block = DecoderModel(args, dtype=dtype, device=device)
+        # Shared with the target: embedding and LM head are not the head's own weights.
+        self.block.embed_tokens = target.embed_tokens
+        if target.lm_head is not None:
+            self.block.lm_head = target.lm_head
+        self.fc = torch.nn.Parameter(torch.empty(h, 2 * h, dtype=dtype, device=device),
+                                     requires_grad=False)
+        self.enorm = torch.nn.Parameter(torch.ones(h, dtype=dtype, device=device),
+                                        requires_grad=False)
+        self.hnorm = torch.nn.Parameter(torch.ones(h, dtype=dtype, device=device),
+                                        requires_grad=False)
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        shared = {"block.embed_tokens", "block.lm_head"}
+        return {k: v for k, v in self.state_dict().items() if k not in shared}
+
+    def init_random(self, seed: int = 0) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in self.own_state().items():
+            if "norm" in name:
+                p.data.fill_(1.0)
+            else:
+                p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.02)
+
+    def load(self, path: str) -> None:
+        tensors = load_file(path)
+        own = self.own_state()
+        missing = sorted(set(own) - set(tensors))
+        if missing:
+            raise ValueError(f"MTP head file {path} lacks {missing}")
+        for name, p in own.items():
+            if tuple(tensors[name].shape) != tuple(p.shape):
+                raise ValueError(f"MTP head file {path}: {name} has shape "
+                                 f"{tuple(tensors[name].shape)}, expected {tuple(p.shape)}")
+            p.data.copy_(tensors[name])
+
+    def save(self, path: str) -> None:
+        save_file({k: v.contiguous() for k, v in self.own_state().items()}, path)
+
+    def forward(self, tokens, hidden, start_pos, slots, cache) -> torch.Tensor:
+        """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos.. ->
+        the head's hidden [B, T, H]; logits come from the shared LM head."""
+        eps = self.block.args.rms_norm_eps
+        from specloop.models._layers import rms_norm  # noqa: PLC0415
+        x = torch.cat([rms_norm(self.block.embed(tokens), self.enorm, eps),
+                       rms_norm(hidden, self.hnorm, eps)], dim=-1)
+        return self.block.forward_embeds(F.linear(x, self.fc), start_pos, slots, cache)
+
+
+class MtpEagleDrafter:
+    def __init__(self, config, deps: DrafterDeps) -> None:
+        from specloop.models import KVCache  # noqa: PLC0415
+
+        target = deps.target.model
+        self.num_draft_tokens = k = config.speculative.num_draft_tokens
+        self.head = MtpEagleHead(target, dtype=target.dtype, device=target.device)
+        if config.speculative.mtp_weights:
+            self.head.load(config.speculative.mtp_weights)
+        else:
+            self.head.init_random()
+        self.cache = KVCache(self.head.block.args, deps.num_slots, deps.max_seq_len,
+                             dtype=target.dtype, device=target.device)
+        self.scratch = self.cache.scratch_slot
+        self.lm = DraftHead(target.lm_head_weight, lm_head_tp=config.parallel.lm_head_tp_in_adp,
+                            max_rows=deps.num_slots)
+        h = target.args.hidden_size
+        # Per slot: the target rows not yet fed to the head (position start.., count rows).
+        self.pending = torch.zeros(deps.num_slots + 1, k + 1, h, dtype=target.dtype,
+                                   device=target.device)
+        self.pending_start = [0] * (deps.num_slots + 1)
+        self.pending_count = [0] * (deps.num_slots + 1)
+
+    @property
+    def needs_empty_calls(self) -> bool:
+        return self.lm.lm_head_tp
+
+    @torch.inference_mode()
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
+        """Feed positions 0..P-2 of the prompt; position P-1 stays pending for DRAFT."""
+        n = len(token_ids)
+        if n >= 2:
+            dev = self.cache.device
+            self.head(torch.tensor([list(token_ids[1:])], device=dev), hidden[None, :n - 1],
+                      torch.tensor([0], device=dev), torch.tensor([slot], device=dev),
+                      self.cache)
+        if n >= 1:
+            self.pending[slot, 0] = hidden[n - 1]
+        self.pending_start[slot] = max(n - 1, 0)
+        self.pending_count[slot] = 1 if n else 0
+
+    def on_verified(self, slots: Sequence[int], start_pos: Sequence[int], hidden: torch.Tensor,
+                    num_accepted: Sequence[int]) -> None:
+        """hidden [B, K+1, H] of VERIFY at positions start_pos..; rows 0..n are committed."""
+        for row, (slot, start, n) in enumerate(zip(slots, start_pos, num_accepted)):
+            self.pending[slot, :n + 1] = hidden[row, :n + 1]
+            self.pending_start[slot], self.pending_count[slot] = start, n + 1
+
+    def release(self, slot: int) -> None:
+        self.pending_count[slot] = 0
+
+    @torch.inference_mode()
+    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
+        """Feed each row's pending target rows; -> the head's hidden at L-2, [B, H]."""
+        dev = ctx.slots.device
+        slots = ctx.slots.tolist()
+        counts = [self.pending_count[s] for s in slots]
+        width = max(max(counts), 1)
+        starts, tokens, write_slots = [], [], []
+        for slot, count, seq in zip(slots, counts, ctx.token_ids):
+            start = self.pending_start[slot]
+            toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
+            tokens.append(toks + [toks[-1]] * (width - len(toks)))
+            starts.append(start)
+            # A 1-token prompt has no target row yet: run on zeros in the scratch slot.
+            write_slots.append(slot if count else self.scratch)
+        index = torch.tensor(slots, device=dev)
+        out = self.head(torch.tensor(tokens, device=dev), self.pending[index, :width],
+                        torch.tensor(starts, device=dev), torch.tensor(write_slots, device=dev),
+                        self.cache)
+        last = torch.tensor([max(c, 1) - 1 for c in counts], device=dev)
+        return out[torch.arange(len(slots), device=dev), last]
+
+    @torch.inference_mode()
+    def _step(self, ctx: DraftContext, tokens: torch.Tensor, hidden: torch.Tensor,
+              step: int) -> torch.Tensor:
+        # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j.
+        return self.head(tokens[:, None], hidden[:, None], ctx.seq_lens - 2 + step, ctx.slots,
+                         self.cache)[:, 0]
+
+    async def propose(self, ctx: DraftContext) -> DraftProposal:
+        rows = len(ctx.token_ids)
+        if rows == 0:
+            # An idle rank still enters every LM-head-TP collective, with dummy rows.
+            hidden = self.pending.new_zeros(0, self.pending.shape[-1])
+            if self.lm.uses_collectives(ctx):
+                for step in range(self.num_draft_tokens):
+                    await self.lm.tokens(ctx, hidden, step)
+            return DraftProposal(torch.zeros(0, self.num_draft_tokens, dtype=torch.int64))
+        hidden = await ctx.run_sync(lambda: self._catch_up(ctx))
+        drafted, probs = [], []
+        for step in range(self.num_draft_tokens):
+            if step:
+                prev = drafted[-1]
+                hidden = await ctx.run_sync(lambda: self._step(ctx, prev, hidden, step))
+            token, q = await self.lm.tokens(ctx, hidden, step)
+            drafted.append(token)
+            probs.append(q)
+        for slot in ctx.slots.tolist():
+            self.pending_count[slot] = 0
+        q = torch.stack(probs, dim=1) if probs[0] is not None else None
+        return DraftProposal(torch.stack(drafted, dim=1), q)

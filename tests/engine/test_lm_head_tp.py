@@ -1,0 +1,134 @@
+"""Rejection sampling under attention DP with a tensor-parallel LM head (mtp_eagle)."""
+
+import anyio
+import pytest
+import torch
+
+from specloop.comm import CollectiveMismatchError, LocalGroup
+from specloop.engine import AsyncEngine, IterationRecord
+from specloop.samplers import SamplingParams, SpecMetadata
+
+from .conftest import collect, make_config
+from .test_engine import reference_greedy
+
+
+def tp_config(model_dir, world, *, rejection=True, k=3, max_batch_size=4):
+    return make_config(model_dir, method="mtp_eagle", k=k, rejection=rejection,
+                       max_batch_size=max_batch_size,
+                       parallel={"world_size": world, "attention_dp": True,
+                                 "lm_head_tp_in_adp": True})
+
+
+def workload(n=16):
+    """Requests arriving over time: greedy ones and seeded sampled ones, varied lengths."""
+    out = []
+    for i in range(n):
+        prompt = [3 + i, 40 + 2 * i, 7, 90 + i]
+        if i % 3 == 1:
+            params = SamplingParams(temperature=0.9, top_k=50, seed=1000 + i,
+                                    max_tokens=10 + 2 * i, ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True)
+        out.append((prompt, params, 0.02 * i))
+    return out
+
+
+async def serve_staggered(engine, reqs):
+    results = {}
+
+    async def one(i, prompt, params, delay):
+        await anyio.sleep(delay)
+        results[i] = await collect(engine, prompt, params, request_id=f"r{i}")
+
+    async with anyio.create_task_group() as tg:
+        for i, (prompt, params, delay) in enumerate(reqs):
+            tg.start_soon(one, i, prompt, params, delay)
+    return [results[i] for i in range(len(reqs))], engine.stats.num_iterations
+
+
+async def run_group(world, config, loaded, reqs, *, disable_sync=False, timeout=5.0):
+    group = LocalGroup(world, timeout=timeout)
+
+    async def rank_main(comm):
+        async with AsyncEngine(config, communicator=comm, model=loaded) as engine:
+            if disable_sync:
+                engine.worker.group_sync = False   # test-only switch: proves the test bites
+            if comm.rank == 0:
+                return await serve_staggered(engine, reqs)
+            await engine.wait_closed()
+
+    return await group.run(rank_main)
+
+
+async def single_rank(config, loaded, reqs):
+    async with AsyncEngine(config, model=loaded) as engine:
+        return await serve_staggered(engine, reqs)
+
+
+async def test_mtp_eagle_single_rank_greedy_is_exact(tiny_dir, tiny_loaded):
+    reqs = [(p, prm, d) for p, prm, d in workload() if prm.is_greedy]
+    config = make_config(tiny_dir, method="mtp_eagle", k=3)
+    outs, _ = await single_rank(config, tiny_loaded, reqs)
+    for (prompt, params, _), out in zip(reqs, outs):
+        assert out == reference_greedy(tiny_loaded, prompt, params.max_tokens)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+async def test_mixed_ranks_never_mismatch_and_match_one_rank(tiny_dir, tiny_loaded, world):
+    reqs = workload()
+    results = await run_group(world, tp_config(tiny_dir, world), tiny_loaded, reqs)
+    outs, iterations = results[0]
+    assert iterations >= 50
+    for (prompt, params, _), out in zip(reqs, outs):
+        if params.is_greedy:
+            assert out == reference_greedy(tiny_loaded, prompt, params.max_tokens)
+    # Seeded sampled requests: the same tokens on one rank (float64, so batch-shape
+    # rounding cannot flip a draw).
+    one, _ = await single_rank(make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True),
+                               tiny_loaded, reqs)
+    assert outs == one
+
+
+@pytest.mark.parametrize("world", [2, 4])
+async def test_without_group_sync_the_collectives_mismatch(tiny_dir, tiny_loaded, world):
+    with pytest.raises(BaseExceptionGroup) as info:
+        with anyio.fail_after(20):
+            await run_group(world, tp_config(tiny_dir, world), tiny_loaded, workload(),
+                            disable_sync=True, timeout=2.0)
+    flat = []
+
+    def walk(e):
+        for sub in getattr(e, "exceptions", [e]):
+            walk(sub) if isinstance(sub, BaseExceptionGroup) else flat.append(sub)
+    walk(info.value)
+    assert any(isinstance(e, CollectiveMismatchError) for e in flat), flat
+
+
+@pytest.mark.parametrize("gate", [False, True])
+async def test_synced_flag_is_the_and_of_the_ranks_flags(tiny_dir, tiny_loaded, gate):
+    """SYNC alone, on 3 ranks whose local batches are greedy, greedy, sampled."""
+    from specloop.engine._request import Request
+    config = make_config(tiny_dir, method="ngram", rejection=True,
+                         parallel={"world_size": 3, "attention_dp": True,
+                                   "lm_head_tp_in_adp": gate})
+    group = LocalGroup(3)
+    flags = [True, True, False]
+
+    async def rank_main(comm):
+        engine = AsyncEngine(config, communicator=comm, model=tiny_loaded)
+        engine._build()                     # the worker alone, no iteration loop
+        params = SamplingParams(temperature=0.0 if flags[comm.rank] else 1.0)
+        rec = IterationRecord(0, SpecMetadata(use_rejection_sampling=True))
+        rec.batch = [Request("x", (1, 2), params, 0, [1, 2])]
+        await engine.worker.sync(rec)
+        return rec.spec
+
+    specs = await group.run(rank_main)
+    for rank, spec in enumerate(specs):
+        assert spec.is_all_greedy_sample == flags[rank]
+        if gate:
+            assert spec.group_all_greedy_sample is False
+            assert spec.wants_advanced_draft_sampling
+        else:
+            assert spec.group_all_greedy_sample is None
+            assert spec.wants_advanced_draft_sampling == (not flags[rank])
