@@ -36,9 +36,10 @@ def compute_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if logits.shape[0] != batch.size:
         raise ValueError(f"compute_probs: logits has {logits.shape[0]} rows, batch has "
                          f"{batch.size}")
-    x = logits.float()
     # Subtract the row max first: a tiny temperature then gives -inf, never inf - inf.
-    x = (x - x.amax(dim=-1, keepdim=True)) / _per_row(batch.temperature, x)
+    lf = logits.float()
+    x = lf - lf.amax(dim=-1, keepdim=True)
+    x.mul_(_per_row(batch.temperature.reciprocal(), x))
     if batch.needs_sort:
         x = x.masked_fill(_sort_mask(x, batch), float("-inf"))
     probs = torch.softmax(x, dim=-1)
@@ -54,7 +55,7 @@ def compute_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def check_probs(probs: torch.Tensor, name: str, *, atol: float = 1e-3) -> None:
     """Raise ValueError unless every row is finite, >= 0 and sums to 1 within atol."""
-    sums = probs.sum(dim=-1, dtype=torch.float64)  # NaN/inf anywhere make the sum non-finite
+    sums = probs.sum(dim=-1)  # NaN/inf anywhere make the sum non-finite
     bad = ~torch.isfinite(sums) | ((sums - 1).abs() > atol)
     if bool(bad.any()):
         row = tuple(bad.nonzero()[0].tolist())
@@ -64,18 +65,40 @@ def check_probs(probs: torch.Tensor, name: str, *, atol: float = 1e-3) -> None:
         raise ValueError(f"{name}: has negative entries; probabilities must be >= 0")
 
 
+_CHUNK = 256  # two-level search: cumsum is sequential per row, chunk sums are not
+
+
+def _search(cdf: torch.Tensor, t: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """i64 [N]: first index with cdf > t [N], clamped to the last index with mass.
+
+    t can round up to the total; the clamp keeps a zero-probability index out.
+    """
+    idx = torch.searchsorted(cdf, t.unsqueeze(-1), right=True).squeeze(-1)
+    last = mass.cumsum(dim=-1).argmax(dim=-1)  # first index reaching the full count
+    return torch.minimum(idx, last)
+
+
 def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """i64 [...]: index drawn with probability weights/sum from weights [..., V] >= 0.
 
-    One uniform u [...] per row, cdf in float64. A row with no mass returns 0.
+    One uniform u [...] per row, float64 sums. A row with no mass returns 0.
+    Works on expanded (stride-0) inputs without copying them.
     """
-    cdf = torch.cumsum(weights.double(), dim=-1)
-    t = (u * cdf[..., -1]).unsqueeze(-1)
-    idx = torch.searchsorted(cdf, t, right=True).squeeze(-1)
-    # t can round up to the total: fall back to the last token with mass, never to a
-    # zero-probability one.
-    last = (weights > 0).cumsum(dim=-1).argmax(dim=-1)
-    return torch.minimum(idx, last)
+    V = weights.shape[-1]
+    if V % _CHUNK:
+        weights = torch.nn.functional.pad(weights, (0, _CHUNK - V % _CHUNK))
+    chunks = weights.unflatten(-1, (-1, _CHUNK))  # [..., V/C, C]
+    sums = chunks.sum(dim=-1).double()  # [..., V/C]; f32 within a chunk avoids a f64 copy
+    chunk_cdf = sums.cumsum(dim=-1)
+    t = u * chunk_cdf[..., -1]
+    c = _search(chunk_cdf, t, (sums > 0).int())
+    # Only the chosen chunk [..., C] gets a sequential cumsum.
+    pick = c.reshape(c.shape + (1, 1)).expand(c.shape + (1, _CHUNK))
+    inner = chunks.gather(-2, pick).squeeze(-2)
+    before = chunk_cdf.gather(-1, (c - 1).clamp_min(0).unsqueeze(-1)).squeeze(-1)
+    before = torch.where(c > 0, before, 0.0)
+    j = _search(inner.double().cumsum(dim=-1), t - before, (inner > 0).int())
+    return c * _CHUNK + j
 
 
 def sample_tokens(probs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from ._probs import inverse_cdf
 from ._rejection import RejectionResult
 from ._rng import Stream, uniform
 
@@ -17,10 +18,7 @@ def _coin(seed: int, pos: int, stream: Stream) -> float:
 
 
 def _draw(row: torch.Tensor, u: float) -> int:
-    cdf = torch.cumsum(row.double(), dim=0)
-    idx = int(torch.searchsorted(cdf, torch.tensor([u * float(cdf[-1])], dtype=torch.float64),
-                                 right=True)[0])
-    return min(idx, int(torch.nonzero(row > 0).max()) if bool((row > 0).any()) else 0)
+    return int(inverse_cdf(row.unsqueeze(0), torch.tensor([u], dtype=torch.float64))[0])
 
 
 def _probs_at(d, target, draft, b, i) -> tuple[float, float]:
@@ -52,8 +50,9 @@ def _block_tau(d, target, draft, b, seed, L) -> tuple[int, float]:
             if draft is None:
                 r = w[i] * (1 - _probs_at(d, target, draft, b, i)[0])
             else:
-                excess = (torch.tensor(w[i], dtype=target.dtype) * target[b, i] - draft[b, i])
-                r = float(excess.clamp_min(0).sum(dtype=torch.float64))
+                excess = torch.addcmul(-draft[b, i], torch.tensor(w[i], dtype=target.dtype),
+                                       target[b, i])
+                r = float(excess.clamp_min(0).sum())
             den = r + 1 - w[i]
             h = r / den if den > 0 else 1.0
         if _coin(seed, L + i - 1, Stream.ACCEPT) <= h:
@@ -71,7 +70,8 @@ def _recover(d, target, draft, b, tau, w, seed, L) -> int:
         resid = wp.clone()
         resid[int(d[b, tau]) % p.shape[0]] = 0.0
     else:
-        resid = (wp - draft[b, tau]).clamp_min(0)
+        resid = torch.addcmul(-draft[b, tau], torch.tensor(w, dtype=target.dtype), p)
+        resid = resid.clamp_min(0)
     if not bool(resid.sum() > 0):
         resid = p
     return _draw(resid, _coin(seed, L + tau, Stream.RESIDUAL))

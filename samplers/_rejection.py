@@ -87,8 +87,8 @@ def _residual_mass(p, q, p_d, w) -> torch.Tensor:
     at the draft, whose mass is then w (1 - p(d)) since w p(d) <= 1."""
     if q is None:
         return w * (1 - p_d)
-    excess = (w.to(p.dtype).unsqueeze(-1) * p - q).clamp_min_(0)
-    return excess.sum(dim=-1, dtype=torch.float64)
+    excess = torch.addcmul(-q, w.to(p.dtype).unsqueeze(-1), p).clamp_min_(0)  # (w p - q)+
+    return excess.sum(dim=-1).double()
 
 
 def _block_accept(target, draft, p_d, q_d, eta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -116,15 +116,18 @@ def _recovery_rows(target, draft, d_safe, tau, weight) -> torch.Tensor:
     if K1 == 1:
         return p
     at = tau.clamp(max=K1 - 2)
-    w = weight.to(p.dtype).unsqueeze(1)
+    bonus = (tau == K1 - 1).unsqueeze(1)
+    w = torch.where(bonus, 1.0, weight.to(p.dtype).unsqueeze(1))  # the bonus row is p
     if draft is None:
         # q is a point mass at the draft: (w p - q)+ is w p with the draft zeroed.
-        resid = (w * p).scatter_(1, d_safe[rows, at].unsqueeze(1), 0.0)
+        wp, idx = w * p, d_safe[rows, at].unsqueeze(1)
+        resid = wp.scatter_(1, idx, wp.gather(1, idx) * bonus)
     else:
-        resid = (w * p - draft[rows, at]).clamp_min_(0)
+        # -q on rejected rows, 0 on bonus rows, in one pass.
+        neg_q = draft[rows, at].mul_(torch.where(bonus, 0.0, -1.0))
+        resid = torch.addcmul(neg_q, w, p).clamp_min_(0)
     # A residual with no mass is reached only through rounding; p keeps it defined.
-    keep_p = (tau == K1 - 1) | (resid.sum(dim=1) <= 0)
-    return torch.where(keep_p.unsqueeze(1), p, resid)
+    return torch.where((resid.sum(dim=1) <= 0).unsqueeze(1), p, resid)
 
 
 def _finish(target, draft, d, d_safe, tau, weight, seeds, positions) -> torch.Tensor:

@@ -35,24 +35,32 @@ def _target_tokens(target_logits, batch, positions) -> torch.Tensor:
     """[B, K+1]: argmax for greedy rows, else sampled from p with Stream.BONUS."""
     if batch.all_greedy:  # padding rows are greedy too
         return target_logits.argmax(dim=-1)  # same tokens as one-hot rows, no softmax
-    probs = compute_probs(target_logits, batch)
-    steps = torch.arange(target_logits.shape[1], device=positions.device)
-    return sample_tokens(probs, batch.seeds, positions.unsqueeze(1) + steps, Stream.BONUS,
+    return target_tokens_from_probs(compute_probs(target_logits, batch), batch.seeds,
+                                    positions)
+
+
+def target_tokens_from_probs(probs, seeds, positions) -> torch.Tensor:
+    """[B, K+1] tokens drawn from probs [B, K+1, V] at positions L..L+K, Stream.BONUS."""
+    steps = torch.arange(probs.shape[1], device=positions.device)
+    return sample_tokens(probs, seeds, positions.unsqueeze(1) + steps, Stream.BONUS,
                          validate=False)
 
 
-def strict_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
-                  batch: SamplingBatch, positions: torch.Tensor) -> RejectionResult:
-    """Accept the longest prefix with d_i == t_i, then emit t at the first mismatch.
-
-    Exact for any p: the emitted token at each position is t_i, drawn from p_i.
-    """
-    t = _target_tokens(target_logits, batch, positions)  # [B, K+1]
+def strict_from_targets(draft_token_ids, t) -> RejectionResult:
+    """Accept the longest prefix with d_i == t_i [B, K+1], then emit t at the mismatch."""
     match = (draft_token_ids == t[:, :-1]).long()
     n = match.cumprod(dim=1).sum(dim=1)  # [B]
     steps = torch.arange(t.shape[1], device=t.device)
     return RejectionResult(token_ids=torch.where(steps <= n.unsqueeze(1), t, -1),
                            num_accepted=n)
+
+
+def strict_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
+                  batch: SamplingBatch, positions: torch.Tensor) -> RejectionResult:
+    """Strict verification: exact for any p, since the token emitted at each position is
+    t_i, drawn from p_i (argmax for greedy rows)."""
+    return strict_from_targets(draft_token_ids,
+                               _target_tokens(target_logits, batch, positions))
 
 
 @attrs.frozen
