@@ -1,0 +1,64 @@
+import math
+
+import pytest
+import torch
+
+from specloop.samplers import SamplingBatch, SamplingParams, SamplingParamsError
+
+BAD = [
+    ("temperature", -0.5), ("temperature", math.nan), ("temperature", math.inf),
+    ("temperature", "1"), ("top_k", -1), ("top_k", 1.5), ("top_k", True),
+    ("top_p", 0.0), ("top_p", 1.5), ("top_p", math.nan), ("min_p", -0.1), ("min_p", 1.1),
+    ("seed", -1), ("seed", 2**63), ("seed", 1.0), ("max_tokens", 0), ("max_tokens", -3),
+    ("stop_token_ids", (1, -2)), ("stop_token_ids", "ab"), ("ignore_eos", 1),
+]
+
+
+@pytest.mark.parametrize("field,value", BAD)
+def test_invalid_values_name_field_value_and_fix(field, value):
+    with pytest.raises(SamplingParamsError) as err:
+        SamplingParams(**{field: value})
+    msg = str(err.value)
+    assert field in msg and repr(value)[:6] in msg and ";" in msg
+    assert isinstance(err.value, ValueError)
+
+
+def test_defaults_and_is_greedy():
+    p = SamplingParams()
+    assert (p.temperature, p.top_k, p.top_p, p.min_p, p.seed, p.max_tokens,
+            p.stop_token_ids, p.ignore_eos) == (1.0, 0, 1.0, 0.0, None, 16, (), False)
+    assert not p.is_greedy
+    assert SamplingParams(temperature=0).is_greedy
+    assert SamplingParams(top_k=1).is_greedy
+    assert SamplingParams(stop_token_ids=[2, 3]).stop_token_ids == (2, 3)
+    with pytest.raises(AttributeError):
+        p.temperature = 0.5  # frozen
+
+
+def test_batch_tensors_padding_and_flags():
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1),
+              SamplingParams(temperature=0)]
+    b = SamplingBatch.from_params(params, [11, 22], pad_to=4)
+    assert b.size == 4 and b.num_real == 2 and not b.all_greedy
+    assert b.temperature.dtype == torch.float32 and b.top_k.dtype == torch.int64
+    assert b.is_greedy.tolist() == [False, True, True, True]
+    assert b.seeds.tolist() == [11, 22, 0, 0]
+    # greedy and padding rows carry neutral sentinel params
+    assert b.temperature.tolist()[1:] == [1.0, 1.0, 1.0] and b.top_k.tolist()[1:] == [0, 0, 0]
+    assert b.needs_sort and b.needs_min_p
+
+
+def test_all_greedy_over_real_rows():
+    assert SamplingBatch.from_params([], []).all_greedy
+    assert SamplingBatch.from_params([], [], pad_to=3).all_greedy
+    assert SamplingBatch.from_params([SamplingParams(top_k=1)], [1], pad_to=2).all_greedy
+    assert not SamplingBatch.from_params([SamplingParams()], [1]).all_greedy
+
+
+def test_batch_errors():
+    with pytest.raises(ValueError, match="seeds"):
+        SamplingBatch.from_params([SamplingParams()], [])
+    with pytest.raises(ValueError, match="pad_to"):
+        SamplingBatch.from_params([SamplingParams()] * 2, [1, 2], pad_to=1)
+    with pytest.raises(ValueError, match="seed"):
+        SamplingBatch.from_params([SamplingParams()], [-1])

@@ -1,0 +1,38 @@
+import subprocess
+import sys
+
+import specloop.samplers as samplers
+
+PUBLIC = {
+    "DefaultSampler", "DraftSample", "RejectionResult", "Sampler", "SamplingBatch",
+    "SamplingParams", "SamplingParamsError", "SpecMetadata", "Stream", "compute_probs",
+    "derive_seed", "rejection_sample", "sample_tokens", "sampler_registry", "strict_verify",
+    "uniform",
+}
+
+
+def test_public_names():
+    assert set(samplers.__all__) == PUBLIC
+    for name in PUBLIC:
+        assert getattr(samplers, name).__module__.startswith("specloop.samplers")
+
+
+def test_imports_nothing_of_the_project():
+    code = ("import sys, specloop.samplers; print(sorted(m for m in sys.modules if "
+            "m.startswith('specloop.') and not m.startswith('specloop.samplers')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True).stdout.strip()
+    assert out == "[]"
+
+
+def test_registry_is_read_only_and_fresh():
+    reg = samplers.sampler_registry()
+    assert isinstance(reg["default"](), samplers.DefaultSampler)
+    assert isinstance(reg["default"](), samplers.Sampler)
+    try:
+        reg["x"] = object  # type: ignore[index]
+    except TypeError:
+        pass
+    else:
+        raise AssertionError("registry is mutable")
+    assert "x" not in samplers.sampler_registry()
