@@ -178,6 +178,15 @@ def check_gates(config: EngineConfig) -> None:
             "parallelism is active (the draft path resolves only the global argmax, not "
             "full distributions)",
             "set parallel.context_parallel_size = 1 or use_rejection_sampling = false")
+    if par.context_parallel_size > 1:
+        raise ConfigError("parallel.context_parallel_size", par.context_parallel_size,
+                          "context parallelism is not implemented in specloop",
+                          "set it to 1")
+    if par.world_size > 1 and not par.attention_dp:
+        raise ConfigError("parallel.attention_dp", False,
+                          f"world_size = {par.world_size} needs a parallel mode; attention "
+                          "data parallelism is the one specloop runs",
+                          "set parallel.attention_dp = true")
     if spec.method == "draft_model" and not spec.draft_model:
         raise ConfigError("speculative.draft_model", None,
                           "method 'draft_model' needs a draft model",
@@ -191,12 +200,38 @@ def check_gates(config: EngineConfig) -> None:
     check_component_name("sampler", comp.sampler, "components.sampler")
     check_component_name("communicator", comp.communicator, "components.communicator")
     check_component_name("graph_cache", comp.graph_cache, "components.graph_cache")
-    check_component_name("drafter", comp.drafter or spec.method, "components.drafter") \
-        if spec.enabled or comp.drafter else None
+    if comp.drafter and not spec.enabled:
+        raise ConfigError("components.drafter", comp.drafter,
+                          "a drafter is named but speculative.method = 'none'",
+                          "choose a speculative.method or remove components.drafter")
+    if spec.enabled:
+        check_component_name("drafter", comp.drafter or spec.method, "components.drafter")
+
+
+class _WrongType(TypeError):
+    def __init__(self, value: Any, expected: str) -> None:
+        self.value, self.expected = value, expected
+        super().__init__(f"expected {expected}, got {type(value).__name__}")
+
+
+def _strict(kind: type, expected: str):
+    # No silent coercion: "false" must not become True, 2.7 must not become 2.
+    def structure(value: Any, _type: Any) -> Any:
+        ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
+        if kind is float:
+            ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not ok:
+            raise _WrongType(value, expected)
+        return float(value) if kind is float else value
+    return structure
 
 
 def _converter() -> cattrs.Converter:
-    return cattrs.Converter(forbid_extra_keys=True)
+    converter = cattrs.Converter(forbid_extra_keys=True)
+    for kind, expected in ((bool, "true or false"), (int, "an integer"),
+                           (float, "a number"), (str, "a string")):
+        converter.register_structure_hook(kind, _strict(kind, expected))
+    return converter
 
 
 def _first_error(exc: BaseException, path: str = "") -> tuple[str, BaseException]:
@@ -231,5 +266,7 @@ def structure_config(data: dict[str, Any]) -> EngineConfig:
             fields = ", ".join(a.name for a in attrs.fields(cls))
             raise ConfigError(f"{where}{keys}", keys, "unknown key",
                               f"known keys here: {fields}") from None
-        raise ConfigError(path or "config", getattr(leaf, "args", [""])[0] if leaf.args else "",
-                          f"wrong type ({leaf})") from None
+        if isinstance(leaf, _WrongType):
+            raise ConfigError(path or "config", leaf.value,
+                              f"wrong type: expected {leaf.expected}") from None
+        raise ConfigError(path or "config", None, f"invalid value ({leaf})") from None

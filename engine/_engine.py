@@ -136,8 +136,9 @@ class AsyncEngine:
                         return
         finally:
             if not finished and self.front is not None:
-                # The consumer left early: free the request's slot and state.
-                self.cancel(new.request_id)
+                # The consumer left early: free the request's slot and state (a closing
+                # engine cancels everything itself).
+                self.front.cancel(new.request_id)
                 self.front.forget(new.request_id)
 
     def cancel(self, request_id: str) -> None:

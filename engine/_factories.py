@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._components import resolve_component
+from ._errors import ConfigError
 
 
 def default_sampler(config):
@@ -25,10 +26,15 @@ def build_communicator(config):
 
 
 def build_drafter(config, deps):
+    from specloop.models.drafters import DrafterConfigError  # noqa: PLC0415
+
     if not config.speculative.enabled:
         return None
     name = config.components.drafter or config.speculative.method
-    return resolve_component("drafter", name, "components.drafter")(config, deps)
+    try:
+        return resolve_component("drafter", name, "components.drafter")(config, deps)
+    except DrafterConfigError as exc:
+        raise ConfigError(exc.field, exc.value, exc.problem, exc.fix) from exc
 
 
 def single_communicator(config):

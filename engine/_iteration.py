@@ -88,7 +88,10 @@ class IterationMachine:
                   num_draft_tokens=event.num_draft_tokens,
                   sampling_path=event.sampling_path, accepted=accepted)
         for observer in self.observers:
-            observer.on_transition(event)
+            try:
+                observer.on_transition(event)
+            except Exception as exc:  # noqa: BLE001 - a broken hook must not stop serving
+                log.error("observer_failed", observer=type(observer).__name__, error=repr(exc))
 
 
 def sampling_path_of(spec: SpecMetadata) -> SamplingPath:

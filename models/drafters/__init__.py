@@ -2,11 +2,12 @@
 
 from ._draft_model import DraftModelDrafter
 from ._early_exit import EarlyExitDrafter
+from ._errors import DrafterConfigError
 from ._lm_head import DraftHead
 from ._mtp import MtpEagleDrafter, MtpEagleHead
 from ._ngram import NgramDrafter
 from ._protocol import Drafter, DraftContext, DrafterDeps, DraftProposal, VerifyObserver
 
 __all__ = ["DraftContext", "DraftHead", "DraftModelDrafter", "DraftProposal", "Drafter",
-           "DrafterDeps", "EarlyExitDrafter", "MtpEagleDrafter", "MtpEagleHead", "NgramDrafter",
+           "DrafterConfigError", "DrafterDeps", "EarlyExitDrafter", "MtpEagleDrafter", "MtpEagleHead", "NgramDrafter",
            "VerifyObserver"]

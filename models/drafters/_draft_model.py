@@ -11,6 +11,7 @@ from typing import Sequence
 import attrs
 import torch
 
+from ._errors import DrafterConfigError
 from ._protocol import DraftContext, DrafterDeps, DraftProposal, sample_draft_step, stack_proposal
 
 
@@ -31,8 +32,7 @@ class DraftModelDrafter:
         dtype = next(target.model.parameters()).dtype
         self.loaded = load_model(config.speculative.draft_model, dtype=dtype, device=device)
         if self.loaded.args.vocab_size != target.args.vocab_size:
-            from specloop.engine import ConfigError  # noqa: PLC0415
-            raise ConfigError("speculative.draft_model", config.speculative.draft_model,
+            raise DrafterConfigError("speculative.draft_model", config.speculative.draft_model,
                               f"vocab size {self.loaded.args.vocab_size} differs from the "
                               f"target's {target.args.vocab_size}",
                               "use a draft model sharing the target's tokenizer")

@@ -10,6 +10,7 @@ from typing import Sequence
 
 import torch
 
+from ._errors import DrafterConfigError
 from ._protocol import DraftContext, DrafterDeps, DraftProposal, sample_draft_step, stack_proposal
 
 
@@ -21,8 +22,7 @@ class EarlyExitDrafter:
         total = deps.target.args.num_layers
         self.num_layers = config.speculative.early_exit_layers or max(1, total // 4)
         if self.num_layers >= total:
-            from specloop.engine import ConfigError  # noqa: PLC0415 (engine imports us)
-            raise ConfigError("speculative.early_exit_layers", self.num_layers,
+            raise DrafterConfigError("speculative.early_exit_layers", self.num_layers,
                               f"must be below the target's {total} layers")
 
     def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:

@@ -44,6 +44,17 @@ def test_from_dict_round_trip():
     ({"scheduler": {"idle_wait_s": -1}}, "scheduler.idle_wait_s", "> 0"),
     ({"parallel": {"world_size": 0}}, "parallel.world_size", ">= 1"),
     ({"model": {"max_seq_ln": 4}}, "model.max_seq_ln", "unknown key"),
+    ({"speculative": {"use_rejection_sampling": "false"}},
+     "speculative.use_rejection_sampling", "true or false"),
+    ({"scheduler": {"max_batch_size": 2.7}}, "scheduler.max_batch_size", "an integer"),
+    ({"scheduler": {"max_batch_size": "4"}}, "scheduler.max_batch_size", "an integer"),
+    ({"speculative": {"num_draft_tokens": True}}, "speculative.num_draft_tokens", "an integer"),
+    ({"model": {"name": 5}}, "model.name", "a string"),
+    ({"parallel": {"world_size": 2}}, "parallel.attention_dp", "attention_dp = true"),
+    ({"parallel": {"context_parallel_size": 2}}, "parallel.context_parallel_size",
+     "not implemented"),
+    ({"speculative": {"method": "none"}, "components": {"drafter": "ngram"}},
+     "components.drafter", "method"),
     ({"modle": {}}, "modle", "unknown key"),
 ])
 def test_gates_and_bad_values_name_the_field(data, field, words):

@@ -28,7 +28,7 @@ def workload(n=16):
             params = SamplingParams(temperature=0.9, top_k=50, seed=1000 + i,
                                     max_tokens=10 + 2 * i, ignore_eos=True)
         else:
-            params = SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True)
+            params = SamplingParams(temperature=0.0, max_tokens=20 + 3 * i, ignore_eos=True)
         out.append((prompt, params, 0.02 * i))
     return out
 
