@@ -1,8 +1,8 @@
 """specloop.engine: config, requests, the iteration state machine, AsyncEngine, CLI."""
 
 from ._components import ENTRY_POINT_GROUP, known_components
-from ._config import (ComponentsConfig, EngineConfig, ModelConfig, ParallelConfig,
-                      SchedulerConfig, SpeculativeConfig)
+from ._config import (ComponentsConfig, EngineConfig, GraphsConfig, ModelConfig,
+                      ParallelConfig, SchedulerConfig, SpeculativeConfig)
 from ._engine import AsyncEngine
 from ._errors import ConfigError, EngineClosedError, IllegalTransitionError, RequestError
 from ._iteration import IterationMachine, IterationRecord
@@ -12,7 +12,7 @@ from ._worker import EngineStats
 
 __all__ = [
     "AsyncEngine", "ComponentsConfig", "ConfigError", "ENTRY_POINT_GROUP", "EngineClosedError",
-    "EngineConfig", "EngineStats", "FinishReason", "IllegalTransitionError",
+    "EngineConfig", "EngineStats", "GraphsConfig", "FinishReason", "IllegalTransitionError",
     "IterationMachine", "IterationObserver", "IterationRecord", "IterationState",
     "ModelConfig", "ParallelConfig", "RequestError", "RequestOutput", "SchedulerConfig",
     "SpeculativeConfig", "TRANSITIONS", "TransitionEvent", "known_components",

@@ -121,6 +121,21 @@ class ParallelConfig:
     checked_collectives: bool = False
 
 
+def _buckets(instance, attribute, value):
+    if not value or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in value):
+        raise ConfigError("graphs.batch_buckets", list(value),
+                          "must be a non-empty list of integers >= 1")
+
+
+@attrs.frozen
+class GraphsConfig:
+    """CUDA-graph capture (components.graph_cache = "cuda"): VERIFY is captured at warmup
+    for each bucket <= max_batch_size (and max_batch_size itself), per sampling variant."""
+
+    batch_buckets: tuple[int, ...] = attrs.field(default=(1, 2, 4, 8, 16, 32, 64, 128),
+                                                 converter=tuple, validator=_buckets)
+
+
 @attrs.frozen
 class ComponentsConfig:
     sampler: str = "default"
@@ -137,6 +152,7 @@ class EngineConfig:
     speculative: SpeculativeConfig = attrs.Factory(SpeculativeConfig)
     parallel: ParallelConfig = attrs.Factory(ParallelConfig)
     components: ComponentsConfig = attrs.Factory(ComponentsConfig)
+    graphs: GraphsConfig = attrs.Factory(GraphsConfig)
 
     def __attrs_post_init__(self) -> None:
         check_gates(self)

@@ -84,6 +84,7 @@ class AsyncEngine:
             config=cfg, runner=runner, drafter=build_drafter(cfg, deps),
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
             front=self.front)
+        self.worker.warmup_graphs()
         log.info("engine_built", rank=self.comm.rank, model=cfg.model.name,
                  device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
 

@@ -8,7 +8,9 @@ from ._errors import ConfigError
 
 def default_sampler(config):
     from specloop.samplers import DefaultSampler  # noqa: PLC0415
-    return DefaultSampler(method=config.speculative.verification)
+    # Input validation syncs with the host, which graph capture forbids.
+    return DefaultSampler(method=config.speculative.verification,
+                          validate=config.components.graph_cache != "cuda")
 
 
 def build_sampler(config):

@@ -13,13 +13,14 @@ import structlog
 import torch
 
 from specloop.graphs import SamplingPath
-from specloop.samplers import SamplingBatch
+from specloop.samplers import RejectionResult, SamplingBatch
 
 from ._frontdoor import FrontDoorMessage, RankReport, assign_least_loaded
 from ._iteration import IterationRecord
 from ._request import FinishReason, Request, RequestOutput
 from ._scheduler import Scheduler
 from ._states import IterationState
+from ._verify import capture_variants, graph_template, make_verify_step, verify_inputs
 
 log = structlog.get_logger(__name__)
 S = IterationState
@@ -125,13 +126,23 @@ class RankWorker:
 
     # PICK_GRAPH_KEY ---------------------------------------------------------------------
     async def pick_graph_key(self, rec: IterationRecord) -> IterationState:
-        rec.graph_key = self.graph_cache.pick(rec.padded_batch_size, self.k,
-                                              SamplingPath.of(rec.spec))
+        rec.graph_key = self.graph_cache.pick(
+            rec.padded_batch_size, self.k, SamplingPath.of(rec.spec), rec.spec.all_greedy,
+            agreed=self._group_agrees(rec))
         if rec.batch:
             rec.sampling = SamplingBatch.from_params(
                 [r.params for r in rec.batch], [r.seed for r in rec.batch],
                 device=self.runner.device)
         return S.DRAFT
+
+    def _group_agrees(self, rec: IterationRecord) -> bool:
+        """Whether every rank derives the same key. With the group sync on, the flag is
+        agreed; otherwise each rank's path follows from its flag in the SYNC facts, so all
+        ranks see whether they differ, and then all run eagerly."""
+        if self.comm.world_size == 1 or rec.spec.group_all_greedy_sample is not None:
+            return True
+        flags = rec.group_facts[:, FACT_ALL_GREEDY]
+        return bool((flags == flags[0]).all())
 
     # DRAFT ------------------------------------------------------------------------------
     async def draft(self, rec: IterationRecord) -> IterationState:
@@ -164,23 +175,54 @@ class RankWorker:
         return S.RESCAN
 
     @torch.inference_mode()
-    def _verify(self, rec: IterationRecord):
-        device = self.runner.device
-        batch = rec.batch
-        seq_lens = torch.tensor([r.seq_len for r in batch], device=device)
-        last = torch.tensor([[r.token_ids[-1]] for r in batch], device=device)
-        drafts = rec.draft_token_ids
-        if drafts is None:
-            drafts = torch.empty((len(batch), 0), dtype=torch.int64, device=device)
-        tokens = torch.cat([last, drafts], dim=1)              # [B, K+1]
-        slots = torch.tensor([r.slot for r in batch], device=device)
-        logits, hidden = self.runner.verify_forward(tokens, seq_lens - 1, slots)
-        result = self.sampler.verify(drafts, logits, rec.draft_probs, rec.sampling, seq_lens,
-                                     advanced=rec.spec.wants_advanced_draft_sampling)
+    def _verify(self, rec: IterationRecord) -> RejectionResult:
+        batch, key, real = rec.batch, rec.graph_key, len(rec.batch)
+        advanced = rec.spec.wants_advanced_draft_sampling
+        if key.captured:
+            sampling = SamplingBatch.from_params(
+                [r.params for r in batch], [r.seed for r in batch],
+                device=self.runner.device, pad_to=key.batch_size)
+            inputs = self._inputs(rec, sampling)
+            out = self.graph_cache.replay(key, inputs)
+        else:
+            step = make_verify_step(self.runner, self.sampler, rec.sampling,
+                                    advanced=advanced, kv_len=None)
+            out = step(self._inputs(rec, rec.sampling))
+        num_accepted = out["num_accepted"][:real]
         if self.on_verified is not None:
-            self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch], hidden,
-                             result.num_accepted.tolist())
-        return result
+            self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch],
+                             out["hidden"][:real], num_accepted.tolist())
+        return RejectionResult(out["token_ids"][:real].clone(), num_accepted.clone())
+
+    def _inputs(self, rec: IterationRecord, sampling: SamplingBatch):
+        return verify_inputs(rec.batch, rec.draft_token_ids, rec.draft_probs, sampling,
+                             k=self.k, scratch_slot=self.runner.cache.scratch_slot,
+                             device=self.runner.device)
+
+    def warmup_graphs(self) -> None:
+        """Capture every VERIFY variant this engine can run, before serving."""
+        point_mass = getattr(self.drafter, "point_mass", self.drafter is None)
+        variants = capture_variants(self.config.speculative.use_rejection_sampling,
+                                    point_mass)
+        has_q = {(path, greedy): q for path, greedy, q in variants}
+        keys = self.graph_cache.keys_to_capture(
+            self.config.scheduler.max_batch_size, self.k, list(has_q))
+        device, v = self.runner.device, self.runner.args.vocab_size
+        for key in keys:
+            template = graph_template(key, key.batch_size, device)
+            q = None
+            if self.k and has_q[(key.sampling_path, key.all_greedy)]:
+                q = torch.zeros(0, self.k, v, device=device)
+            example = verify_inputs([], None, q, template, k=self.k,
+                                    scratch_slot=self.runner.cache.scratch_slot,
+                                    device=device)
+            step = make_verify_step(self.runner, self.sampler, template,
+                                    advanced=key.sampling_path is SamplingPath.ADVANCED,
+                                    kv_len=self.runner.cache.max_seq_len)
+            with torch.inference_mode():
+                self.graph_cache.capture(key, step, example)
+        if hasattr(self.graph_cache, "seal"):
+            self.graph_cache.seal()
 
     # RESCAN -----------------------------------------------------------------------------
     async def rescan(self, rec: IterationRecord) -> IterationState:

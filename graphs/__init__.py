@@ -1,6 +1,8 @@
-"""Graph keys and graph caches (eager now; CUDA graphs plug in behind the same protocol)."""
+"""Graph keys and graph caches: eager, and CUDA graphs captured at warmup."""
 
-from ._cache import EagerGraphCache, GraphCache, bucket_for
+from ._cache import EagerGraphCache, GraphCache, Step, Tensors, bucket_for
+from ._cuda import CudaGraphCache
 from ._key import GraphKey, SamplingPath
 
-__all__ = ["EagerGraphCache", "GraphCache", "GraphKey", "SamplingPath", "bucket_for"]
+__all__ = ["CudaGraphCache", "EagerGraphCache", "GraphCache", "GraphKey", "SamplingPath",
+           "Step", "Tensors", "bucket_for"]

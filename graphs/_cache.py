@@ -1,18 +1,37 @@
-"""Graph caches: which key an iteration runs under, and whether a captured graph serves it."""
+"""Graph caches: which key an iteration runs under, and whether a captured graph serves it.
+
+A step is a function ``fn(inputs) -> outputs`` over dicts of tensors with a static
+shape for a given key; the engine names the keys to warm up, the cache captures them.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Callable, Iterable, Protocol, runtime_checkable
+
+import torch
 
 from ._key import GraphKey, SamplingPath
+
+Tensors = dict[str, torch.Tensor]
+Step = Callable[[Tensors], Tensors]
 
 
 @runtime_checkable
 class GraphCache(Protocol):
-    def pick(self, batch_size: int, num_draft_tokens: int,
-             sampling_path: SamplingPath) -> GraphKey:
-        """The key to run under; ``batch_size`` must already be agreed by the group."""
+    def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
+             all_greedy: bool, *, agreed: bool = True) -> GraphKey:
+        """The key to run under. ``batch_size`` must be agreed by the group; ``agreed``
+        False (ranks differ in path) means every rank runs eagerly."""
         ...
+
+    def keys_to_capture(self, max_batch_size: int, num_draft_tokens: int,
+                        variants: Iterable[tuple[SamplingPath, bool]]) -> list[GraphKey]:
+        """The keys to capture at warmup, for (sampling path, all-greedy) variants."""
+        ...
+
+    def capture(self, key: GraphKey, step: Step, example: Tensors) -> None: ...
+
+    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors: ...
 
 
 class EagerGraphCache:
@@ -21,11 +40,20 @@ class EagerGraphCache:
     def __init__(self, config: Any = None) -> None:
         self.config = config
 
-    def pick(self, batch_size: int, num_draft_tokens: int,
-             sampling_path: SamplingPath) -> GraphKey:
-        return GraphKey(batch_size, num_draft_tokens, sampling_path, captured=False)
+    def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
+             all_greedy: bool, *, agreed: bool = True) -> GraphKey:
+        return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy)
+
+    def keys_to_capture(self, max_batch_size, num_draft_tokens, variants):
+        return []
+
+    def capture(self, key, step, example) -> None:
+        raise RuntimeError("EagerGraphCache captures nothing")
+
+    def replay(self, key, inputs):
+        raise RuntimeError(f"no captured graph for {key}")
 
 
-def bucket_for(batch_size: int, buckets: tuple[int, ...]) -> int | None:
+def bucket_for(batch_size: int, buckets: Iterable[int]) -> int | None:
     """The smallest bucket that holds ``batch_size``, or None when none does."""
     return next((b for b in sorted(buckets) if b >= batch_size), None)

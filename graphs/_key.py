@@ -1,4 +1,4 @@
-"""The graph key: what a captured DRAFT + VERIFY graph is specialised on."""
+"""The graph key: what a captured VERIFY graph is specialised on."""
 
 from __future__ import annotations
 
@@ -21,10 +21,16 @@ class SamplingPath(str, enum.Enum):
 
 @attrs.frozen
 class GraphKey:
-    """Frozen and hashable. ``batch_size`` is the padded batch every rank of the group runs."""
+    """Frozen and hashable. ``batch_size`` is the padded batch every rank of the group runs;
+    ``all_greedy`` lets an all-greedy batch replay the argmax-only variant."""
 
     batch_size: int
     num_draft_tokens: int
     sampling_path: SamplingPath
-    # False: no captured graph fits (prefill, oversize batch, eager cache): run eagerly.
+    all_greedy: bool = False
+    # False: no captured graph serves it (prefill, oversize batch, eager cache): eager.
     captured: bool = False
+
+    def variant(self) -> GraphKey:
+        """The key as stored in a cache (without the runtime ``captured`` answer)."""
+        return attrs.evolve(self, captured=False)

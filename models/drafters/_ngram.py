@@ -21,6 +21,8 @@ class _SlotIndex:
 class NgramDrafter:
     """Model-free; its drafts are point masses (q is None)."""
 
+    point_mass = True
+
     def __init__(self, config, deps: DrafterDeps) -> None:
         spec = config.speculative
         self.num_draft_tokens = spec.num_draft_tokens

@@ -1,0 +1,90 @@
+"""VERIFY as a step over static-shape tensors, so a graph cache can capture and replay it.
+
+inputs: tokens [Bp, K+1] ([last, d1..dK]), start_pos [Bp] (L-1), slots [Bp], the sampling
+columns [Bp] and, on the advanced path with a non-point-mass drafter, draft_probs
+[Bp, K, V]. outputs: token_ids [Bp, K+1], num_accepted [Bp], hidden [Bp, K+1, H].
+Rows past the real batch are padding: scratch slot, position 0, greedy sentinel params.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import attrs
+import torch
+
+from specloop.graphs import GraphKey, SamplingPath, Tensors
+from specloop.samplers import SamplingBatch
+
+from ._request import Request
+
+SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "is_greedy", "seeds")
+
+
+def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
+                  draft_probs: torch.Tensor | None, sampling: SamplingBatch, *, k: int,
+                  scratch_slot: int, device) -> Tensors:
+    """Tensors for ``len(sampling)`` rows; the first ``len(batch)`` are the requests."""
+    rows, real = sampling.size, len(batch)
+    tokens = torch.zeros(rows, k + 1, dtype=torch.int64)
+    tokens[:real, 0] = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.int64)
+    start = torch.zeros(rows, dtype=torch.int64)
+    start[:real] = torch.tensor([r.seq_len - 1 for r in batch], dtype=torch.int64)
+    slots = torch.full((rows,), scratch_slot, dtype=torch.int64)
+    slots[:real] = torch.tensor([r.slot for r in batch], dtype=torch.int64)
+    inputs = {"tokens": tokens.to(device, non_blocking=True),
+              "start_pos": start.to(device, non_blocking=True),
+              "slots": slots.to(device, non_blocking=True)}
+    if k and real:
+        inputs["tokens"][:real, 1:] = drafts
+    inputs.update({name: getattr(sampling, name) for name in SAMPLING_COLUMNS})
+    if draft_probs is not None:
+        inputs["draft_probs"] = pad_draft_probs(draft_probs, rows)
+    return inputs
+
+
+def pad_draft_probs(q: torch.Tensor, rows: int) -> torch.Tensor:
+    """[B, K, V] -> [rows, K, V]; padding rows are one-hot at token 0 (their drafts)."""
+    if q.shape[0] == rows:
+        return q
+    pad = q.new_zeros(rows - q.shape[0], *q.shape[1:])
+    pad[..., 0] = 1.0
+    return torch.cat([q, pad])
+
+
+def graph_template(key: GraphKey, rows: int, device) -> SamplingBatch:
+    """The Python flags a captured variant is specialised on: argmax-only when all greedy,
+    else every sampling feature on (no-op features leave probabilities bit-identical)."""
+    template = SamplingBatch.from_params([], [], device=device, pad_to=rows)
+    if key.all_greedy:
+        return template
+    return attrs.evolve(template, all_greedy=False, needs_sort=True, needs_min_p=True,
+                        any_greedy=True)
+
+
+def make_verify_step(runner, sampler, template: SamplingBatch, *, advanced: bool,
+                     kv_len: int | None):
+    """The step function; ``template`` supplies SamplingBatch's Python flags."""
+
+    def step(inputs: Tensors) -> Tensors:
+        tokens, start = inputs["tokens"], inputs["start_pos"]
+        hidden = runner.model(tokens, start, inputs["slots"], runner.cache, kv_len=kv_len)
+        logits = runner.model.logits(hidden)
+        batch = attrs.evolve(template, **{n: inputs[n] for n in SAMPLING_COLUMNS})
+        result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
+                                start + 1, advanced=advanced)
+        return {"token_ids": result.token_ids, "num_accepted": result.num_accepted,
+                "hidden": hidden}
+
+    return step
+
+
+def capture_variants(use_rejection_sampling: bool, point_mass: bool
+                     ) -> list[tuple[SamplingPath, bool, bool]]:
+    """(path, all_greedy, has_draft_probs) variants an engine can run."""
+    variants = [(SamplingPath.GREEDY, True, False)]
+    if use_rejection_sampling:
+        variants.append((SamplingPath.ADVANCED, False, not point_mass))
+    else:
+        variants.append((SamplingPath.GREEDY, False, False))  # sampled rows, strict verify
+    return variants

@@ -1,0 +1,89 @@
+"""CUDA graphs for VERIFY: one graph per batch bucket x draft length x sampling variant.
+
+Captured at warmup only (never while serving), on one shared memory pool, with static
+input and output buffers: a replay copies the iteration's inputs into the static inputs,
+replays, and hands back the static outputs (valid until the next replay). Randomness is
+read from the seeds and positions in those inputs, so replays do not freeze the RNG.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import structlog
+import torch
+
+from ._cache import Step, Tensors, bucket_for
+from ._key import GraphKey, SamplingPath
+
+log = structlog.get_logger(__name__)
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+class _Captured:
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: Tensors, outputs: Tensors):
+        self.graph, self.inputs, self.outputs = graph, inputs, outputs
+        self.replays = 0
+
+
+class CudaGraphCache:
+    def __init__(self, config: Any = None, *, buckets: Iterable[int] | None = None) -> None:
+        if buckets is None:
+            buckets = getattr(getattr(config, "graphs", None), "batch_buckets", DEFAULT_BUCKETS)
+        self.buckets = tuple(sorted(set(buckets)))
+        self._graphs: dict[GraphKey, _Captured] = {}
+        self._pool = None
+        self.sealed = False  # after warmup nothing is captured
+
+    def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
+             all_greedy: bool, *, agreed: bool = True) -> GraphKey:
+        bucket = bucket_for(batch_size, self.buckets) if agreed else None
+        if bucket is not None:
+            key = GraphKey(bucket, num_draft_tokens, sampling_path, all_greedy)
+            if key in self._graphs:
+                return GraphKey(bucket, num_draft_tokens, sampling_path, all_greedy, True)
+        return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy)
+
+    def keys_to_capture(self, max_batch_size: int, num_draft_tokens: int,
+                        variants: Iterable[tuple[SamplingPath, bool]]) -> list[GraphKey]:
+        # Buckets up to the largest batch, which is always a bucket itself.
+        sizes = sorted({b for b in self.buckets if b < max_batch_size} | {max_batch_size})
+        self.buckets = tuple(sizes)
+        return [GraphKey(b, num_draft_tokens, path, all_greedy)
+                for path, all_greedy in variants for b in sizes]
+
+    def capture(self, key: GraphKey, step: Step, example: Tensors) -> None:
+        if self.sealed:
+            raise RuntimeError(f"capture of {key} after warmup: graphs are captured only "
+                               "at warmup")
+        inputs = {name: t.clone() for name, t in example.items()}
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):       # warm-up runs, as capture requires
+            for _ in range(2):
+                step(inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            outputs = step(inputs)
+        self._graphs[key.variant()] = _Captured(graph, inputs, outputs)
+        log.info("graph_captured", batch_size=key.batch_size, k=key.num_draft_tokens,
+                 sampling_path=key.sampling_path.value, all_greedy=key.all_greedy)
+
+    def seal(self) -> None:
+        self.sealed = True
+
+    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
+        captured = self._graphs[key.variant()]
+        for name, static in captured.inputs.items():
+            static.copy_(inputs[name], non_blocking=True)
+        captured.graph.replay()
+        captured.replays += 1
+        return captured.outputs
+
+    def replay_counts(self) -> dict[GraphKey, int]:
+        """How often each captured key ran (tests assert which variant replayed)."""
+        return {key: c.replays for key, c in self._graphs.items()}

@@ -1,0 +1,95 @@
+"""CUDA graphs on a GPU: replayed outputs equal eager ones; the right variant replays."""
+
+import anyio
+import pytest
+import torch
+
+from specloop.engine import AsyncEngine
+from specloop.graphs import SamplingPath
+from specloop.models import load_model
+from specloop.samplers import SamplingParams
+
+from ..engine.conftest import PROMPTS, make_config
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.fixture(scope="module")
+def gpu_loaded(tiny_dir):
+    return load_model(tiny_dir, dtype=torch.float64, device="cuda")
+
+
+def cfg(tiny_dir, graphs, **kw):
+    base = make_config(tiny_dir, max_batch_size=8, **kw).to_dict()
+    base["model"]["device"] = "cuda"
+    base["components"]["graph_cache"] = "cuda" if graphs else "eager"
+    base["graphs"] = {"batch_buckets": [1, 2, 4, 8]}
+    from specloop.engine import EngineConfig
+    return EngineConfig.from_dict(base)
+
+
+def requests():
+    out = []
+    for i, prompt in enumerate(PROMPTS * 2):
+        if i % 2:
+            params = SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=20,
+                                    ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+        out.append((prompt, params))
+    return out
+
+
+async def run(config, loaded, reqs):
+    async with AsyncEngine(config, model=loaded) as engine:
+        outs = {}
+
+        async def one(i, prompt, params):
+            outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
+
+        async with anyio.create_task_group() as tg:
+            for i, (prompt, params) in enumerate(reqs):
+                tg.start_soon(one, i, prompt, params)
+        counts = getattr(engine.worker.graph_cache, "replay_counts", dict)()
+    return [outs[i] for i in range(len(reqs))], counts
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "none"},
+    {"method": "ngram", "k": 3},
+    {"method": "draft_model", "k": 3, "rejection": True},
+    {"method": "mtp_eagle", "k": 2, "rejection": True},
+])
+async def test_replay_equals_eager(tiny_dir, tiny_draft_dir, gpu_loaded, spec):
+    spec = dict(spec)
+    if spec["method"] == "draft_model":
+        spec["draft_model"] = tiny_draft_dir
+    reqs = requests()
+    eager, _ = await run(cfg(tiny_dir, False, **spec), gpu_loaded, reqs)
+    graphed, counts = await run(cfg(tiny_dir, True, **spec), gpu_loaded, reqs)
+    assert graphed == eager
+    assert sum(counts.values()) > 0
+
+
+async def test_switching_batches_replay_the_right_variant(tiny_dir, gpu_loaded):
+    config = cfg(tiny_dir, True, method="ngram", k=2, rejection=True)
+    greedy = [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+              for p in PROMPTS[:3]]
+    mixed = greedy[:2] + [(PROMPTS[3], SamplingParams(temperature=1.0, seed=3, max_tokens=8,
+                                                      ignore_eos=True))]
+    async with AsyncEngine(config, model=gpu_loaded) as engine:
+        cache = engine.worker.graph_cache
+        for reqs, path, all_greedy in ((greedy, SamplingPath.GREEDY, True),
+                                       (mixed, SamplingPath.ADVANCED, False)):
+            before = dict(cache.replay_counts())
+            async with anyio.create_task_group() as tg:
+                for prompt, params in reqs:
+                    tg.start_soon(_drain, engine, prompt, params)
+            ran = {k for k, n in cache.replay_counts().items() if n > before.get(k, 0)}
+            assert ran and all(k.sampling_path is path and k.all_greedy is all_greedy
+                               for k in ran), ran
+
+
+async def _drain(engine, prompt, params):
+    async for _ in engine.generate(prompt, params):
+        pass
