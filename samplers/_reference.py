@@ -50,9 +50,9 @@ def _block_tau(d, target, draft, b, seed, L) -> tuple[int, float]:
             if draft is None:
                 r = w[i] * (1 - _probs_at(d, target, draft, b, i)[0])
             else:
-                excess = torch.addcmul(-draft[b, i], torch.tensor(w[i], dtype=target.dtype),
-                                       target[b, i])
-                r = float(excess.clamp_min(0).sum())
+                deficit = torch.addcmul(draft[b, i], target[b, i],
+                                        torch.tensor(w[i], dtype=target.dtype), value=-1)
+                r = -float(deficit.clamp_max(0).sum())
             den = r + 1 - w[i]
             h = r / den if den > 0 else 1.0
         if _coin(seed, L + i - 1, Stream.ACCEPT) <= h:

@@ -87,8 +87,9 @@ def _residual_mass(p, q, p_d, w) -> torch.Tensor:
     at the draft, whose mass is then w (1 - p(d)) since w p(d) <= 1."""
     if q is None:
         return w * (1 - p_d)
-    excess = torch.addcmul(-q, w.to(p.dtype).unsqueeze(-1), p).clamp_min_(0)  # (w p - q)+
-    return excess.sum(dim=-1).double()
+    # q - w p, clamped at 0 from above: minus the excess, without a negation pass.
+    deficit = torch.addcmul(q, p, w.to(p.dtype).unsqueeze(-1), value=-1).clamp_max_(0)
+    return -deficit.sum(dim=-1).double()
 
 
 def _block_accept(target, draft, p_d, q_d, eta) -> tuple[torch.Tensor, torch.Tensor]:
@@ -112,7 +113,7 @@ def _recovery_rows(target, draft, d_safe, tau, weight) -> torch.Tensor:
     """[B, V]: (w p - q)+ at tau (not normalised; inverse_cdf scales), or p when tau = K."""
     B, K1, V = target.shape
     rows = torch.arange(B, device=target.device)
-    p = target[rows, tau]
+    p = _take_rows(target, tau)
     if K1 == 1:
         return p
     at = tau.clamp(max=K1 - 2)
@@ -124,10 +125,22 @@ def _recovery_rows(target, draft, d_safe, tau, weight) -> torch.Tensor:
         resid = wp.scatter_(1, idx, wp.gather(1, idx) * bonus)
     else:
         # -q on rejected rows, 0 on bonus rows, in one pass.
-        neg_q = draft[rows, at].mul_(torch.where(bonus, 0.0, -1.0))
+        neg_q = _take_rows(draft, at).mul_(torch.where(bonus, 0.0, -1.0))
         resid = torch.addcmul(neg_q, w, p).clamp_min_(0)
     # A residual with no mass is reached only through rounding; p keeps it defined.
-    return torch.where((resid.sum(dim=1) <= 0).unsqueeze(1), p, resid)
+    empty = resid.sum(dim=1) <= 0
+    if resid.device.type == "cpu" and not bool(empty.any()):
+        return resid  # the usual case; on CPU the check costs no device sync
+    return torch.where(empty.unsqueeze(1), p, resid)
+
+
+def _take_rows(probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """[B, V] copy of probs[b, at[b]] from probs [B, J, V]."""
+    B, J, V = probs.shape
+    if probs.is_contiguous():  # index_select copies whole rows, much faster than indexing
+        rows = torch.arange(B, device=probs.device) * J + at
+        return probs.view(B * J, V).index_select(0, rows)
+    return probs[torch.arange(B, device=probs.device), at]
 
 
 def _finish(target, draft, d, d_safe, tau, weight, seeds, positions) -> torch.Tensor:
@@ -135,8 +148,7 @@ def _finish(target, draft, d, d_safe, tau, weight, seeds, positions) -> torch.Te
     B, K1, _ = target.shape
     pos = positions + tau
     bonus = tau == K1 - 1
-    u = torch.where(bonus, uniform(seeds, pos, Stream.BONUS),
-                    uniform(seeds, pos, Stream.RESIDUAL))
+    u = uniform(seeds, pos, torch.where(bonus, int(Stream.BONUS), int(Stream.RESIDUAL)))
     tok = inverse_cdf(_recovery_rows(target, draft, d_safe, tau, weight), u)
     steps = torch.arange(K1, device=d.device)
     d_pad = torch.nn.functional.pad(d, (0, 1), value=-1)

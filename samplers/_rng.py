@@ -42,11 +42,11 @@ def _words(seeds, positions, stream, index) -> list[torch.Tensor]:
     # the stream id (positions < 2**56, streams < 256).
     s = seeds.reshape(seeds.shape + (1,) * (positions.dim() - 1))
     pos_hi = ((positions >> 32) & 0xFFFFFF) << 8
-    return [s & _M32, (s >> 32) & _M32, positions & _M32, pos_hi | int(stream),
-            index & _M32]
+    stream = stream if isinstance(stream, torch.Tensor) else int(stream)
+    return [s & _M32, (s >> 32) & _M32, positions & _M32, pos_hi | stream, index & _M32]
 
 
-def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
+def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Tensor,
                 index: torch.Tensor | int = 0) -> torch.Tensor:
     """Two 32-bit hashes of the counter: int64 [2, *positions.shape] with values < 2**32."""
     if seeds.dtype != torch.int64 or positions.dtype != torch.int64:
@@ -64,12 +64,12 @@ def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
     return h
 
 
-def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int,
+def uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Tensor,
             index: torch.Tensor | int = 0) -> torch.Tensor:
     """f64 [B, ...] in the open interval (0, 1), a pure function of its arguments.
 
-    seeds [B] i64, positions [B, ...] i64, stream a `Stream`, index (broadcastable to
-    positions) for several draws at one position.
+    seeds [B] i64, positions [B, ...] i64, stream a `Stream` (or an i64 tensor of them
+    broadcastable to positions), index (likewise) for several draws at one position.
     """
     h = random_bits(seeds, positions, stream, index)
     k = (h[0] << 20) | (h[1] >> 12)  # 52 random bits
