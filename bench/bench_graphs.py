@@ -10,6 +10,7 @@ Timing only: weights are random in SmolLM2's shape (30 layers, d=576, vocab 4915
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 import time
 
@@ -75,19 +76,21 @@ def main():
     loaded = load_model(path, dtype=getattr(torch, args.dtype), device="cuda")
     print(f"model: {what}, {args.dtype}, {torch.cuda.get_device_name()}")
     for batch in (1, 8, 64):
-        eager = anyio.run(tokens_per_s, config(path, args.dtype, batch, False), loaded, batch,
-                          args.tokens, repetitive=False)
-        graph = anyio.run(tokens_per_s, config(path, args.dtype, batch, True), loaded, batch,
-                          args.tokens, repetitive=False)
+        run = functools.partial(tokens_per_s, repetitive=False)
+        eager = anyio.run(run, config(path, args.dtype, batch, False), loaded, batch,
+                          args.tokens)
+        graph = anyio.run(run, config(path, args.dtype, batch, True), loaded, batch,
+                          args.tokens)
         print(f"decode batch {batch:3d}: eager {eager[1]:.2f} ms/iter, graph {graph[1]:.2f} "
               f"ms/iter, replay/eager speed {eager[1] / graph[1]:.2f}x "
               f"({graph[0]:.0f} tok/s)", flush=True)
     for batch in (1, 8):
-        base = anyio.run(tokens_per_s, config(path, args.dtype, batch, True), loaded, batch,
-                         args.tokens, repetitive=True)
+        run = functools.partial(tokens_per_s, repetitive=True)
+        base = anyio.run(run, config(path, args.dtype, batch, True), loaded, batch,
+                         args.tokens)
         for method in ("ngram", "early_exit", "mtp_eagle"):
-            spec = anyio.run(tokens_per_s, config(path, args.dtype, batch, True, method),
-                             loaded, batch, args.tokens, repetitive=True)
+            spec = anyio.run(run, config(path, args.dtype, batch, True, method),
+                             loaded, batch, args.tokens)
             print(f"batch {batch}: {method:10s} {spec[0]:7.0f} tok/s vs no speculation "
                   f"{base[0]:7.0f} tok/s = {spec[0] / base[0]:.2f}x (AL {spec[2]:.2f}; "
                   "repetitive prompt, random weights)", flush=True)

@@ -55,9 +55,10 @@ def random_bits(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torc
     if seeds.dim() != 1 or positions.dim() < 1 or positions.shape[0] != seeds.shape[0]:
         raise ValueError(f"uniform: seeds [B] and positions [B, ...] expected, got "
                          f"{tuple(seeds.shape)} and {tuple(positions.shape)}")
-    if not isinstance(index, torch.Tensor):
-        index = torch.tensor(index, dtype=torch.int64, device=positions.device)
-    starts = torch.tensor(_CHAIN_STARTS, dtype=torch.int64, device=positions.device)
+    # No host-to-device copies (CUDA graph capture forbids them): a Python int index stays
+    # a scalar, and the two chain starts come from a device-side arange.
+    first, second = _CHAIN_STARTS
+    starts = first + (second - first) * torch.arange(2, device=positions.device)
     h = starts.reshape((2,) + (1,) * positions.dim())  # [2, 1...]: both chains at once
     for w in _words(seeds, positions, stream, index):
         h = _mix32(h ^ w)
