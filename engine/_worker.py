@@ -114,8 +114,10 @@ class RankWorker:
         facts = torch.tensor([[len(rec.batch) * (self.k + 1), len(rec.batch),
                                self.scheduler.num_requests, int(local_greedy)]])
         if self.comm.world_size > 1:
-            # The one collective of SYNC; whether it runs depends on config alone.
-            facts = await self.comm.all_gather(facts[0])
+            # The one collective of SYNC; whether it runs depends on config alone. On the
+            # model's device, so NCCL carries it on GPUs; read back once on the host.
+            device = self.runner.device
+            facts = (await self.comm.all_gather(facts[0].to(device))).cpu()
             if self.group_sync:
                 rec.spec = rec.spec.evolve(
                     group_all_greedy_sample=bool(facts[:, FACT_ALL_GREEDY].all()))

@@ -1,0 +1,152 @@
+"""A multi-rank run under torchrun: a stream of mixed greedy and seeded sampled requests,
+arriving over time; rank 0 writes the outputs (JSON) and every rank reports its
+per-iteration SYNC cost. Run the same workload with 1 and N processes and compare:
+
+    torchrun --standalone --nproc-per-node 2 bench/adp_run.py --out out2.json [options]
+    torchrun --standalone --nproc-per-node 1 bench/adp_run.py --out out1.json [options]
+    python bench/adp_run.py --compare out1.json out2.json
+
+Weights are random in SmolLM2's shape unless --model names a checkpoint (timing and
+equality only: the outputs are not meaningful text).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import anyio
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import quiet_logs  # noqa: E402
+
+SMOLLM2_SHAPE = dict(vocab_size=49152, num_layers=30, hidden=576, num_heads=9,
+                     num_kv_heads=3, intermediate=1536)
+
+
+class StateCost:
+    def __init__(self):
+        self.us = {}
+
+    def on_transition(self, event):
+        if event.batch_size or event.state.value == "SYNC":
+            self.us.setdefault(event.state.value, []).append(event.duration_us)
+
+
+def workload(n, seed_base=0):
+    from specloop.samplers import SamplingParams
+    reqs = []
+    for i in range(n):
+        prompt = [(7 * i + j) % 1000 + 10 for j in range(8 + i % 13)]
+        if i % 3 == 1:
+            params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed_base + i,
+                                    max_tokens=24 + i % 40, ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=24 + (5 * i) % 48,
+                                    ignore_eos=True)
+        reqs.append((prompt, params, 0.005 * i))
+    return reqs
+
+
+async def serve(engine, reqs):
+    outs = {}
+
+    async def one(i, prompt, params, delay):
+        await anyio.sleep(delay)
+        outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
+
+    async with anyio.create_task_group() as tg:
+        for i, (prompt, params, delay) in enumerate(reqs):
+            tg.start_soon(one, i, prompt, params, delay)
+    return [outs[i] for i in range(len(reqs))]
+
+
+async def main_async(args, path, world):
+    from specloop.engine import AsyncEngine, EngineConfig
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    config = EngineConfig.from_dict({
+        "model": {"name": str(path), "dtype": args.dtype, "device": device,
+                  "max_seq_len": 512, "chat_template": False},
+        "scheduler": {"max_batch_size": args.batch},
+        "speculative": {"method": args.method, "num_draft_tokens": args.k,
+                        "use_rejection_sampling": args.rejection},
+        "parallel": {"world_size": world, "attention_dp": world > 1,
+                     "lm_head_tp_in_adp": args.lm_head_tp and world > 1,
+                     "checked_collectives": args.checked},
+        "components": {"communicator": "torch_distributed" if world > 1 else "single",
+                       "graph_cache": "cuda" if args.graphs and device == "cuda" else "eager"},
+        "graphs": {"batch_buckets": [1, 2, 4, 8, 16, 32]}})
+    cost = StateCost()
+    async with AsyncEngine(config, observers=[cost]) as engine:
+        rank = engine.comm.rank
+        if rank == 0:
+            start = time.perf_counter()
+            outs = await serve(engine, workload(args.requests))
+            elapsed = time.perf_counter() - start
+        else:
+            await engine.wait_closed()
+        iters = engine.stats.num_iterations
+    sync = cost.us.get("SYNC", [0.0])
+    print(f"[rank {rank}] iterations {iters}, SYNC median {statistics.median(sync):.0f} us "
+          f"mean {statistics.mean(sync):.0f} us over {len(sync)}; "
+          + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in cost.us.items()),
+          flush=True)
+    if rank == 0:
+        tokens = sum(len(o) for o in outs)
+        print(f"[rank 0] world {world}: {tokens} tokens in {elapsed:.2f} s = "
+              f"{tokens / elapsed:.0f} tok/s", flush=True)
+        with open(args.out, "w") as f:
+            json.dump({"outputs": outs, "tok_s": tokens / elapsed}, f)
+
+
+def compare(a, b):
+    x, y = json.load(open(a))["outputs"], json.load(open(b))["outputs"]
+    reqs = workload(len(x))
+    greedy = [i for i, r in enumerate(reqs) if r[1].is_greedy]
+    sampled = [i for i in range(len(x)) if i not in greedy]
+    same_g = sum(x[i] == y[i] for i in greedy)
+    same_s = sum(x[i] == y[i] for i in sampled)
+    print(f"compare {a} vs {b}: greedy {same_g}/{len(greedy)} identical, seeded sampled "
+          f"{same_s}/{len(sampled)} identical")
+    return same_g == len(greedy) and same_s == len(sampled)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="adp_out.json")
+    ap.add_argument("--compare", nargs=2)
+    ap.add_argument("--model")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--method", default="mtp_eagle")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--rejection", action="store_true")
+    ap.add_argument("--lm-head-tp", action="store_true")
+    ap.add_argument("--graphs", action="store_true")
+    ap.add_argument("--checked", action="store_true")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--requests", type=int, default=48)
+    ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
+    args = ap.parse_args()
+    if args.compare:
+        sys.exit(0 if compare(*args.compare) else 1)
+    quiet_logs()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    path = args.model
+    if path is None:
+        from specloop.models.testing import write_tiny_checkpoint
+        rank = os.environ.get("RANK", "0")
+        shape = dict(vocab_size=384, num_layers=2) if args.tiny else SMOLLM2_SHAPE
+        path = write_tiny_checkpoint(tempfile.mkdtemp(prefix=f"ckpt{rank}-"), **shape,
+                                     seed=0)
+    anyio.run(main_async, args, path, world)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Real processes over gloo, launched by torchrun (marked ``distributed``)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specloop.models.testing import write_tiny_checkpoint
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def torchrun(n, *args, timeout=240):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={n}", *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("extra", [[], ["--method", "mtp_eagle", "--rejection",
+                                        "--lm-head-tp", "--checked"]])
+def test_two_gloo_ranks_equal_one_rank(tmp_path, extra):
+    if not extra:
+        extra = ["--method", "ngram"]
+    outs = []
+    for n in (1, 2):
+        out = tmp_path / f"out{n}.json"
+        proc = torchrun(n, "bench/adp_run.py", "--tiny", "--requests", "18", "--out", out,
+                        *extra)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        assert "SYNC median" in proc.stdout
+        outs.append(out)
+    cmp = subprocess.run([sys.executable, "bench/adp_run.py", "--compare", *outs], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert cmp.returncode == 0, cmp.stdout
+
+
+def test_cli_under_torchrun(tmp_path):
+    model = write_tiny_checkpoint(tmp_path / "tiny", vocab_size=384)
+    config = tmp_path / "adp2.toml"
+    config.write_text(f"""
+[model]
+name = "{model}"
+device = "cpu"
+max_seq_len = 256
+chat_template = false
+
+[speculative]
+method = "ngram"
+
+[parallel]
+world_size = 2
+attention_dp = true
+
+[components]
+communicator = "torch_distributed"
+""")
+    proc = torchrun(2, "-m", "specloop.engine.cli", "generate", "--config", config,
+                    "--prompt", "hello", "--prompt", "world", "--max-tokens", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("--- prompt") == 2
+    assert "[specloop] new tokens 16" in proc.stdout
