@@ -8,6 +8,7 @@ from typing import AsyncIterator, Sequence
 import anyio
 import attrs
 import structlog
+import torch
 
 from specloop.models import IncrementalDetokenizer
 from specloop.samplers import SamplingParams, SpecMetadata
@@ -72,6 +73,9 @@ class AsyncEngine:
 
         cfg = self.config
         device = resolve_device(cfg.model.device, self.comm.rank)
+        if device.type == "cuda":
+            # Streams and graph captures use the current device: make it this rank's.
+            torch.cuda.set_device(device)
         loaded = self._model or load_model(cfg.model.name, dtype=DTYPES[cfg.model.dtype],
                                            device=device)
         self.tokenizer = loaded.tokenizer
