@@ -48,6 +48,7 @@ class RankWorker:
         self._pending_outputs: list[RequestOutput] = []
         self._loads = [0] * comm.world_size
         self.stats = EngineStats()
+        self._sampling_cache: dict[int | None, tuple] = {}
         self.group_sync = config.group_sync_greedy_flag
         multi = comm.world_size > 1
         self.exchange = self._exchange_group if multi else self._exchange_local
@@ -132,10 +133,19 @@ class RankWorker:
             rec.padded_batch_size, self.k, SamplingPath.of(rec.spec), rec.spec.all_greedy,
             agreed=self._group_agrees(rec))
         if rec.batch:
-            rec.sampling = SamplingBatch.from_params(
-                [r.params for r in rec.batch], [r.seed for r in rec.batch],
-                device=self.runner.device)
+            rec.sampling = self._sampling_batch(rec.batch, None)
         return S.DRAFT
+
+    def _sampling_batch(self, batch: list[Request], pad_to: int | None) -> SamplingBatch:
+        """Per-row sampling tensors, rebuilt only when the batch's requests change (most
+        iterations run the same batch as the one before); one cache per padding."""
+        key = tuple(batch)      # Request compares by identity: a reused id is a new key
+        cached = self._sampling_cache.get(pad_to)
+        if cached is None or cached[0] != key:
+            cached = self._sampling_cache[pad_to] = (key, SamplingBatch.from_params(
+                [r.params for r in batch], [r.seed for r in batch],
+                device=self.runner.device, pad_to=pad_to))
+        return cached[1]
 
     def _group_agrees(self, rec: IterationRecord) -> bool:
         """Whether every rank derives the same key. With the group sync on, the flag is
@@ -181,10 +191,7 @@ class RankWorker:
         batch, key, real = rec.batch, rec.graph_key, len(rec.batch)
         advanced = rec.spec.wants_advanced_draft_sampling
         if key.captured:
-            sampling = SamplingBatch.from_params(
-                [r.params for r in batch], [r.seed for r in batch],
-                device=self.runner.device, pad_to=key.batch_size)
-            inputs = self._inputs(rec, sampling)
+            inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
             out = self.graph_cache.replay(key, inputs)
         else:
             step = make_verify_step(self.runner, self.sampler, rec.sampling,
