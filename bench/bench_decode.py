@@ -31,14 +31,20 @@ PROMPTS = {
 }
 
 
+DRAFTERS = (("none", {}), ("ngram", {"k": 2}), ("ngram", {"k": 4}),
+            ("early_exit", {"k": 2, "early_exit_layers": 15}))
+
+
 def transformers_tps(path, prompt_ids, n, dtype):
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
     ids = torch.tensor([prompt_ids])
+    # An explicit mask: SmolLM2's pad id is <|im_end|>, which the chat prompt contains.
+    mask = torch.ones_like(ids)
     with torch.inference_mode():
-        model.generate(ids, max_new_tokens=4, do_sample=False)
+        model.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         start = time.perf_counter()
-        out = model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False)
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=n, do_sample=False)
         elapsed = time.perf_counter() - start
     return (out.shape[1] - ids.shape[1]) / elapsed, out[0, ids.shape[1]:].tolist()
 
@@ -46,7 +52,7 @@ def transformers_tps(path, prompt_ids, n, dtype):
 async def specloop_tps(config, loaded, prompts_ids, n):
     from specloop.engine import AsyncEngine
     from specloop.samplers import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=n)   # stops at EOS, as transformers
     async with AsyncEngine(config, model=loaded) as engine:
         async for _ in engine.generate(prompts_ids[0], SamplingParams(temperature=0, max_tokens=4)):
             pass
@@ -99,12 +105,13 @@ def main() -> None:
         ids = tok.encode_chat([{"role": "user", "content": text}])
         hf, hf_tokens = transformers_tps(loaded.path, ids, n, dtype)
         row = [f"{name:7s} transformers {hf:6.1f} tok/s"]
-        for method, extra in (("none", {}), ("ngram", {}), ("early_exit", {"early_exit_layers": 8})):
+        for method, extra in DRAFTERS:
             tps, outs, al = anyio.run(specloop_tps, make_config(method, args.dtype, **extra),
                                       loaded, [ids], n)
-            same = "same" if outs[0] == hf_tokens[:len(outs[0])] else "DIFF"
-            row.append(f"{method} {tps:6.1f} ({tps / hf:.2f}x, AL {al:.2f}, {same})")
-        print(" | ".join(row), flush=True)
+            same = "same tokens" if outs[0] == hf_tokens else "DIFF"
+            label = method + "".join(f" {k}={v}" for k, v in extra.items())
+            row.append(f"{label} {tps:5.1f} ({tps / hf:.2f}x, AL {al:.2f}, {same})")
+        print("\n    ".join(row), flush=True)
     ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in PROMPTS.values()]
     batch8 = [ids[i % len(ids)] for i in range(8)]
     one, _, _ = anyio.run(specloop_tps, make_config("none", args.dtype), loaded, batch8[:1], n)
