@@ -17,6 +17,7 @@ from __future__ import annotations
 import attrs
 import torch
 
+from . import _triton_rejection
 from ._probs import check_probs, inverse_cdf
 from ._rng import Stream, uniform
 
@@ -65,6 +66,12 @@ def _check_values(d, target, draft, q_d) -> None:
             raise ValueError(f"rejection_sample: draft_probs[{b}, {i}] is 0 at the drafted "
                              f"token {int(d[b, i])}; q must be the distribution the draft "
                              "was sampled from (pass None for point-mass drafts)")
+
+
+def _validate(d, target, draft) -> None:
+    d_safe = d.clamp(0, target.shape[-1] - 1).unsqueeze(2)
+    q_d = None if draft is None else draft.gather(2, d_safe).squeeze(2)
+    _check_values(d, target, draft, q_d)
 
 
 def _token_accept(p_d, q_d, u) -> torch.Tensor:
@@ -169,6 +176,13 @@ def rejection_sample(draft_token_ids: torch.Tensor, target_probs: torch.Tensor,
     rows are used as given.
     """
     _check_shapes(draft_token_ids, target_probs, draft_probs, seeds, positions, method)
+    if method == "token" and _triton_rejection.usable(draft_token_ids, target_probs,
+                                                      draft_probs):
+        if validate:
+            _validate(draft_token_ids, target_probs, draft_probs)
+        tokens, tau = _triton_rejection.token_rejection_sample(
+            draft_token_ids, target_probs, draft_probs, seeds, positions)
+        return RejectionResult(token_ids=tokens, num_accepted=tau)
     B, K = draft_token_ids.shape
     V = target_probs.shape[-1]
     d = draft_token_ids
