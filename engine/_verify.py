@@ -18,8 +18,6 @@ from specloop.samplers import SamplingBatch
 
 from ._request import Request
 
-SAMPLING_COLUMNS = ("temperature", "top_k", "top_p", "min_p", "is_greedy", "seeds")
-
 
 def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
                   draft_probs: torch.Tensor | None, sampling: SamplingBatch, *, k: int,
@@ -37,7 +35,7 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
               "slots": slots.to(device, non_blocking=True)}
     if k and real:
         inputs["tokens"][:real, 1:] = drafts
-    inputs.update({name: getattr(sampling, name) for name in SAMPLING_COLUMNS})
+    inputs.update(sampling.columns())
     if draft_probs is not None:
         inputs["draft_probs"] = pad_draft_probs(draft_probs, rows)
     return inputs
@@ -70,7 +68,7 @@ def make_verify_step(runner, sampler, template: SamplingBatch, *, advanced: bool
         tokens, start = inputs["tokens"], inputs["start_pos"]
         hidden = runner.model(tokens, start, inputs["slots"], runner.cache, kv_len=kv_len)
         logits = runner.model.logits(hidden)
-        batch = attrs.evolve(template, **{n: inputs[n] for n in SAMPLING_COLUMNS})
+        batch = template.with_columns(inputs)
         result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
                                 start + 1, advanced=advanced)
         return {"token_ids": result.token_ids, "num_accepted": result.num_accepted,

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import attrs
 import structlog
 import torch
 
@@ -176,9 +177,16 @@ class RankWorker:
                                   device=device),
             slots=torch.tensor([r.slot for r in rec.batch], dtype=torch.int64, device=device),
             sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
-            padded_batch_size=rec.padded_batch_size, run_sync=self.run_sync)
+            padded_batch_size=rec.graph_key.batch_size, run_sync=self.run_sync,
+            replay=self._draft_replay(rec.graph_key))
         proposal = await self.drafter.propose(ctx)
         rec.draft_token_ids, rec.draft_probs = proposal.token_ids, proposal.probs
+
+    def _draft_replay(self, key):
+        draft_key = attrs.evolve(key, stage="draft", captured=False)
+        if not key.captured or not self.graph_cache.has(draft_key):
+            return None
+        return lambda inputs: self.graph_cache.replay(draft_key, inputs)
 
     # VERIFY -----------------------------------------------------------------------------
     async def verify(self, rec: IterationRecord) -> IterationState:
@@ -230,8 +238,26 @@ class RankWorker:
                                     kv_len=self.runner.cache.max_seq_len)
             with torch.inference_mode():
                 self.graph_cache.capture(key, step, example)
+                self._capture_draft(key, template)
         if hasattr(self.graph_cache, "seal"):
             self.graph_cache.seal()
+
+    def _capture_draft(self, key, template: SamplingBatch) -> None:
+        """The drafter's whole K-step proposal, when it offers a static step for this
+        variant (not on the LM-head-TP path, whose collectives stay outside graphs)."""
+        from specloop.models.drafters import DraftContext  # noqa: PLC0415
+
+        advanced = key.sampling_path is SamplingPath.ADVANCED
+        drafter = self.drafter
+        if not self.k or not hasattr(drafter, "graph_step") or not drafter.can_graph(advanced):
+            return
+        empty = torch.zeros(0, dtype=torch.int64, device=self.runner.device)
+        ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,
+                           spec=None, sampler=self.sampler, comm=self.comm,
+                           padded_batch_size=key.batch_size, run_sync=None)
+        self.graph_cache.capture(attrs.evolve(key, stage="draft"),
+                                 drafter.graph_step(self.sampler, template, advanced=advanced),
+                                 drafter.graph_inputs(ctx, key.batch_size))
 
     # RESCAN -----------------------------------------------------------------------------
     async def rescan(self, rec: IterationRecord) -> IterationState:

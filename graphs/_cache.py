@@ -31,6 +31,10 @@ class GraphCache(Protocol):
 
     def capture(self, key: GraphKey, step: Step, example: Tensors) -> None: ...
 
+    def has(self, key: GraphKey) -> bool:
+        """Whether ``key`` (any stage) was captured."""
+        ...
+
     def replay(self, key: GraphKey, inputs: Tensors) -> Tensors: ...
 
 
@@ -49,6 +53,9 @@ class EagerGraphCache:
 
     def capture(self, key, step, example) -> None:
         raise RuntimeError("EagerGraphCache captures nothing")
+
+    def has(self, key) -> bool:
+        return False
 
     def replay(self, key, inputs):
         raise RuntimeError(f"no captured graph for {key}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
+import attrs
 import structlog
 import torch
 
@@ -42,8 +43,11 @@ class CudaGraphCache:
         if bucket is not None:
             key = GraphKey(bucket, num_draft_tokens, sampling_path, all_greedy)
             if key in self._graphs:
-                return GraphKey(bucket, num_draft_tokens, sampling_path, all_greedy, True)
+                return attrs.evolve(key, captured=True)
         return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy)
+
+    def has(self, key: GraphKey) -> bool:
+        return key.variant() in self._graphs
 
     def keys_to_capture(self, max_batch_size: int, num_draft_tokens: int,
                         variants: Iterable[tuple[SamplingPath, bool]]) -> list[GraphKey]:

@@ -28,6 +28,8 @@ class GraphKey:
     num_draft_tokens: int
     sampling_path: SamplingPath
     all_greedy: bool = False
+    # "verify" (target forward + sampler) or "draft" (a drafter's whole K-step proposal).
+    stage: str = "verify"
     # False: no captured graph serves it (prefill, oversize batch, eager cache): eager.
     captured: bool = False
 

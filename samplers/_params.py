@@ -119,9 +119,29 @@ class SamplingBatch:
     needs_min_p: bool = False
     any_greedy: bool = True  # some row (padding included) is greedy
 
+    # The per-row tensor fields, in order (graph inputs copy exactly these).
+    COLUMNS = ("temperature", "top_k", "top_p", "min_p", "is_greedy", "seeds")
+
     @property
     def size(self) -> int:
         return int(self.seeds.shape[0])
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        return {name: getattr(self, name) for name in self.COLUMNS}
+
+    def with_columns(self, columns) -> SamplingBatch:
+        """The same Python flags over other per-row tensors (e.g. static graph inputs)."""
+        return attrs.evolve(self, **{name: columns[name] for name in self.COLUMNS})
+
+    def padded(self, rows: int) -> SamplingBatch:
+        """This batch with greedy sentinel rows appended up to ``rows``."""
+        if rows == self.size:
+            return self
+        pad = SamplingBatch.from_params([], [], device=self.seeds.device,
+                                        pad_to=rows - self.size)
+        return attrs.evolve(self, any_greedy=True, **{
+            name: torch.cat([getattr(self, name), getattr(pad, name)])
+            for name in self.COLUMNS})
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int], *,

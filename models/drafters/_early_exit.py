@@ -43,5 +43,51 @@ class EarlyExitDrafter:
             probs.append(q)
         return stack_proposal(drafted, probs)
 
+    def graph_inputs(self, ctx: DraftContext, rows: int):
+        """Static-shape inputs for ``rows`` >= B rows (padding: scratch slot, position 0)."""
+        real, dev = len(ctx.token_ids), ctx.slots.device
+        host = {"last": [t[-1] for t in ctx.token_ids] + [0] * (rows - real),
+                "seq_lens": ctx.seq_lens.tolist() + [1] * (rows - real),
+                "slots": ctx.slots.tolist() + [self.cache.scratch_slot] * (rows - real)}
+        inputs = {n: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
+                  for n, v in host.items()}
+        inputs.update(ctx.sampling.padded(rows).columns())
+        return inputs
+
+    def graph_step(self, sampler, template, *, advanced: bool):
+        """All K draft steps on static tensors, for CUDA-graph capture."""
+        model, cache, k, layers = self.model, self.cache, self.num_draft_tokens, self.num_layers
+
+        def step(inputs):
+            batch = template.with_columns(inputs)
+            tokens, seq_lens, probs, drafted = inputs["last"], inputs["seq_lens"], [], []
+            for j in range(k):
+                hidden = model(tokens[:, None], seq_lens - 1 + j, inputs["slots"], cache,
+                               num_layers=layers, kv_len=cache.max_seq_len)
+                sample = sampler.draft(model.logits(hidden[:, -1]), batch, seq_lens + j,
+                                       advanced=advanced)
+                tokens = sample.token_ids
+                drafted.append(tokens)
+                probs.append(sample.probs)
+            out = {"token_ids": torch.stack(drafted, dim=1)}
+            if advanced:
+                out["probs"] = torch.stack(probs, dim=1)
+            return out
+
+        return step
+
+    def can_graph(self, advanced: bool) -> bool:
+        return True
+
+    @torch.inference_mode()
+    def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
+        rows = len(ctx.token_ids)
+        out = ctx.replay(self.graph_inputs(ctx, ctx.padded_batch_size))
+        q = out["probs"][:rows].clone() if advanced else None
+        return DraftProposal(out["token_ids"][:rows].clone(), q)
+
     async def propose(self, ctx: DraftContext) -> DraftProposal:
+        if ctx.replay is not None:
+            advanced = ctx.spec.wants_advanced_draft_sampling
+            return await ctx.run_sync(lambda: self._replay(ctx, advanced))
         return await ctx.run_sync(lambda: self._draft(ctx))

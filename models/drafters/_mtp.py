@@ -66,14 +66,15 @@ class MtpEagleHead(torch.nn.Module):
     def save(self, path: str) -> None:
         save_file({k: v.contiguous() for k, v in self.own_state().items()}, path)
 
-    def forward(self, tokens, hidden, start_pos, slots, cache) -> torch.Tensor:
+    def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:
         """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos.. ->
         the head's hidden [B, T, H]; logits come from the shared LM head."""
         eps = self.block.args.rms_norm_eps
         from specloop.models._layers import rms_norm  # noqa: PLC0415
         x = torch.cat([rms_norm(self.block.embed(tokens), self.enorm, eps),
                        rms_norm(hidden, self.hnorm, eps)], dim=-1)
-        return self.block.forward_embeds(F.linear(x, self.fc), start_pos, slots, cache)
+        return self.block.forward_embeds(F.linear(x, self.fc), start_pos, slots, cache,
+                                         kv_len=kv_len)
 
 
 class MtpEagleDrafter:
@@ -156,8 +157,77 @@ class MtpEagleDrafter:
         return self.head(tokens[:, None], hidden[:, None], ctx.seq_lens - 2 + step, ctx.slots,
                          self.cache)[:, 0]
 
+    def graph_inputs(self, ctx: DraftContext, rows: int):
+        """Static-shape draft inputs for ``rows`` >= B rows (padding: scratch slot)."""
+        dev, k, real = ctx.slots.device, self.num_draft_tokens, len(ctx.token_ids)
+        slots = ctx.slots.tolist() + [self.scratch] * (rows - real)
+        counts = [self.pending_count[s] for s in slots[:real]] + [1] * (rows - real)
+        tokens, starts, writes = [], [], []
+        for i, (slot, count) in enumerate(zip(slots, counts)):
+            seq = ctx.token_ids[i] if i < real else [0]
+            start = self.pending_start[slot] if i < real else 0
+            toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
+            tokens.append(toks + [toks[-1]] * (k + 1 - len(toks)))
+            starts.append(start)
+            writes.append(slot if count and i < real else self.scratch)
+        seq_lens = ctx.seq_lens.tolist() + [2] * (rows - real)
+        host = {"cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
+                "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots,
+                "seq_lens": seq_lens}
+        inputs = {name: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
+                  for name, v in host.items()}
+        inputs["cu_hidden"] = self.pending[inputs["slots"], :k + 1]
+        inputs.update(ctx.sampling.padded(rows).columns())
+        return inputs
+
+    def graph_step(self, sampler, template, *, advanced: bool):
+        """The whole K-step draft on static tensors (local head: argmax, or sampled with q
+        kept); for CUDA-graph capture. Never used on the LM-head-TP path (collectives)."""
+        k, cache, weight = self.num_draft_tokens, self.cache, self.lm.weight
+
+        def step(inputs):
+            kv_len = cache.max_seq_len
+            out = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
+                            inputs["write_slots"], cache, kv_len=kv_len)
+            rows = torch.arange(out.shape[0], device=out.device)
+            hidden = out[rows, inputs["cu_last"]]
+            batch = template.with_columns(inputs)
+            seq_lens = inputs["seq_lens"]
+            tokens, probs = [], []
+            for j in range(k):
+                if j:
+                    hidden = self.head(tokens[-1][:, None], hidden[:, None],
+                                       seq_lens - 2 + j, inputs["slots"], cache,
+                                       kv_len=kv_len)[:, 0]
+                sample = sampler.draft(F.linear(hidden, weight).float(), batch, seq_lens + j,
+                                       advanced=advanced)
+                tokens.append(sample.token_ids)
+                probs.append(sample.probs)
+            result = {"token_ids": torch.stack(tokens, dim=1)}
+            if advanced:
+                result["probs"] = torch.stack(probs, dim=1)
+            return result
+
+        return step
+
+    @torch.inference_mode()
+    def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
+        rows = len(ctx.token_ids)
+        out = ctx.replay(self.graph_inputs(ctx, ctx.padded_batch_size))
+        for slot in ctx.slots.tolist():
+            self.pending_count[slot] = 0
+        # Static outputs are overwritten by the next replay: keep copies.
+        q = out["probs"][:rows].clone() if advanced else None
+        return DraftProposal(out["token_ids"][:rows].clone(), q)
+
+    def can_graph(self, advanced: bool) -> bool:
+        return advanced or not self.lm.lm_head_tp
+
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         rows = len(ctx.token_ids)
+        advanced = ctx.spec.wants_advanced_draft_sampling
+        if rows and ctx.replay is not None and self.can_graph(advanced):
+            return await ctx.run_sync(lambda: self._replay(ctx, advanced))
         if rows == 0:
             # An idle rank still enters every LM-head-TP collective, with dummy rows.
             hidden = self.pending.new_zeros(0, self.pending.shape[-1])

@@ -27,6 +27,8 @@ class DraftContext:
     comm: Communicator
     padded_batch_size: int               # agreed by the group in SYNC
     run_sync: Callable[[Callable[[], T]], Awaitable[T]]  # runs compute off the event loop
+    # Replays this iteration's captured draft graph (inputs -> outputs), or None: eager.
+    replay: Callable[[dict], dict] | None = None
 
 
 @attrs.frozen

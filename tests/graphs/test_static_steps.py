@@ -1,0 +1,83 @@
+"""The graph path on CPU: a cache that 'captures' a step by keeping the function and
+'replays' it on the static inputs runs everything CUDA graphs run (padding rows, static
+shapes, kv_len = max_seq_len, variant templates, draft graphs) without a GPU."""
+
+import anyio
+import pytest
+
+from specloop.engine import AsyncEngine, EngineConfig
+from specloop.graphs import CudaGraphCache, GraphKey
+from specloop.samplers import SamplingParams
+
+from ..engine.conftest import PROMPTS, make_config
+
+
+class StepReplayCache(CudaGraphCache):
+    def capture(self, key: GraphKey, step, example) -> None:
+        if self.sealed:
+            raise RuntimeError("capture after warmup")
+        self._graphs[key.variant()] = _Kept(step, {n: t.clone() for n, t in example.items()})
+
+    def replay(self, key, inputs):
+        kept = self._graphs[key.variant()]
+        for name, static in kept.inputs.items():
+            static.copy_(inputs[name])
+        kept.replays += 1
+        return kept.step(kept.inputs)
+
+
+class _Kept:
+    def __init__(self, step, inputs):
+        self.step, self.inputs, self.replays = step, inputs, 0
+
+
+def config(tiny_dir, graphs, **kw):
+    data = make_config(tiny_dir, max_batch_size=8, **kw).to_dict()
+    data["components"]["graph_cache"] = ("tests.graphs.test_static_steps:StepReplayCache"
+                                         if graphs else "eager")
+    data["graphs"] = {"batch_buckets": [1, 2, 4, 8]}
+    return EngineConfig.from_dict(data)
+
+
+def requests():
+    out = []
+    for i, prompt in enumerate(PROMPTS * 2):
+        params = (SamplingParams(temperature=0.8, top_p=0.9, seed=i, max_tokens=16,
+                                 ignore_eos=True) if i % 2 else
+                  SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True))
+        out.append((prompt, params))
+    return out
+
+
+async def run(cfg, loaded, reqs):
+    async with AsyncEngine(cfg, model=loaded) as engine:
+        outs = {}
+
+        async def one(i, prompt, params):
+            outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
+
+        async with anyio.create_task_group() as tg:
+            for i, (prompt, params) in enumerate(reqs):
+                tg.start_soon(one, i, prompt, params)
+        counts = engine.worker.graph_cache.replay_counts() if hasattr(
+            engine.worker.graph_cache, "replay_counts") else {}
+    return [outs[i] for i in range(len(reqs))], counts
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "none"},
+    {"method": "ngram", "k": 3, "rejection": True},
+    {"method": "mtp_eagle", "k": 3, "rejection": True},
+    {"method": "mtp_eagle", "k": 2},
+    {"method": "early_exit", "k": 3, "rejection": True},
+    {"method": "early_exit", "k": 2},
+])
+async def test_static_steps_equal_eager(tiny_dir, tiny_loaded, spec):
+    reqs = requests()
+    eager, _ = await run(config(tiny_dir, False, **spec), tiny_loaded, reqs)
+    replayed, counts = await run(config(tiny_dir, True, **spec), tiny_loaded, reqs)
+    assert replayed == eager
+    ran = {k for k, n in counts.items() if n}
+    assert any(k.stage == "verify" for k in ran)
+    if spec["method"] in ("mtp_eagle", "early_exit"):
+        assert any(k.stage == "draft" for k in ran)
