@@ -11,7 +11,8 @@ from typing import Sequence
 import torch
 
 from ._errors import DrafterConfigError
-from ._protocol import DraftContext, DrafterDeps, DraftProposal, sample_draft_step, stack_proposal
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_outputs,
+                        replay_proposal, sample_draft_step, stack_proposal)
 
 
 class EarlyExitDrafter:
@@ -69,25 +70,16 @@ class EarlyExitDrafter:
                 tokens = sample.token_ids
                 drafted.append(tokens)
                 probs.append(sample.probs)
-            out = {"token_ids": torch.stack(drafted, dim=1)}
-            if advanced:
-                out["probs"] = torch.stack(probs, dim=1)
-            return out
+            return graph_outputs(drafted, probs, advanced)
 
         return step
 
     def can_graph(self, advanced: bool) -> bool:
         return True
 
-    @torch.inference_mode()
-    def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
-        rows = len(ctx.token_ids)
-        out = ctx.replay(self.graph_inputs(ctx, ctx.padded_batch_size))
-        q = out["probs"][:rows].clone() if advanced else None
-        return DraftProposal(out["token_ids"][:rows].clone(), q)
-
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         if ctx.replay is not None:
             advanced = ctx.spec.wants_advanced_draft_sampling
-            return await ctx.run_sync(lambda: self._replay(ctx, advanced))
+            inputs = self.graph_inputs(ctx, ctx.padded_batch_size)
+            return await ctx.run_sync(lambda: replay_proposal(ctx, inputs, advanced))
         return await ctx.run_sync(lambda: self._draft(ctx))

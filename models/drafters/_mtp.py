@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ._lm_head import DraftHead
-from ._protocol import DraftContext, DrafterDeps, DraftProposal
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_outputs,
+                        replay_proposal)
 
 
 class MtpEagleHead(torch.nn.Module):
@@ -203,22 +204,16 @@ class MtpEagleDrafter:
                                        advanced=advanced)
                 tokens.append(sample.token_ids)
                 probs.append(sample.probs)
-            result = {"token_ids": torch.stack(tokens, dim=1)}
-            if advanced:
-                result["probs"] = torch.stack(probs, dim=1)
-            return result
+            return graph_outputs(tokens, probs, advanced)
 
         return step
 
-    @torch.inference_mode()
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
-        rows = len(ctx.token_ids)
-        out = ctx.replay(self.graph_inputs(ctx, ctx.padded_batch_size))
+        proposal = replay_proposal(ctx, self.graph_inputs(ctx, ctx.padded_batch_size),
+                                   advanced)
         for slot in ctx.slots.tolist():
             self.pending_count[slot] = 0
-        # Static outputs are overwritten by the next replay: keep copies.
-        q = out["probs"][:rows].clone() if advanced else None
-        return DraftProposal(out["token_ids"][:rows].clone(), q)
+        return proposal
 
     def can_graph(self, advanced: bool) -> bool:
         return advanced or not self.lm.lm_head_tp

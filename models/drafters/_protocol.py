@@ -84,3 +84,23 @@ def stack_proposal(tokens: list[torch.Tensor], probs: list[torch.Tensor | None]
                    ) -> DraftProposal:
     q = torch.stack(probs, dim=1) if probs and probs[0] is not None else None
     return DraftProposal(torch.stack(tokens, dim=1), q)
+
+
+def graph_outputs(tokens: list[torch.Tensor], probs: list[torch.Tensor | None],
+                  advanced: bool) -> dict[str, torch.Tensor]:
+    """A static draft step's outputs: token_ids [Bp, K] and, when sampled, probs [Bp, K, V]."""
+    out = {"token_ids": torch.stack(tokens, dim=1)}
+    if advanced:
+        out["probs"] = torch.stack(probs, dim=1)
+    return out
+
+
+@torch.inference_mode()
+def replay_proposal(ctx: DraftContext, inputs: dict[str, torch.Tensor], advanced: bool
+                    ) -> DraftProposal:
+    """Replay the captured draft graph; copy the real rows out of its static outputs
+    (the next replay overwrites them)."""
+    rows = len(ctx.token_ids)
+    out = ctx.replay(inputs)
+    q = out["probs"][:rows].clone() if advanced else None
+    return DraftProposal(out["token_ids"][:rows].clone(), q)

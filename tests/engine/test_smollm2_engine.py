@@ -9,16 +9,11 @@ import torch
 from specloop.engine import AsyncEngine, EngineConfig
 from specloop.samplers import SamplingParams
 
+from ..models.test_smollm2 import NEW_TOKENS, PROMPTS
+
 pytestmark = pytest.mark.slow
 
-PROMPTS = [
-    "Tell me about llamas.",
-    "Write a Python function that reverses a string.",
-    "What is the capital of France?",
-    "List three primary colors.",
-    "Explain speculative decoding in one sentence.",
-]
-NEW = 32
+NEW = NEW_TOKENS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
 
 

@@ -10,6 +10,7 @@ from specloop.models import load_model
 from specloop.samplers import SamplingParams
 
 from ..engine.conftest import PROMPTS, make_config
+from .test_static_steps import requests, run
 
 pytestmark = pytest.mark.gpu
 
@@ -26,32 +27,6 @@ def cfg(tiny_dir, graphs, **kw):
     base["graphs"] = {"batch_buckets": [1, 2, 4, 8]}
     from specloop.engine import EngineConfig
     return EngineConfig.from_dict(base)
-
-
-def requests():
-    out = []
-    for i, prompt in enumerate(PROMPTS * 2):
-        if i % 2:
-            params = SamplingParams(temperature=0.8, top_p=0.95, seed=i, max_tokens=20,
-                                    ignore_eos=True)
-        else:
-            params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-        out.append((prompt, params))
-    return out
-
-
-async def run(config, loaded, reqs):
-    async with AsyncEngine(config, model=loaded) as engine:
-        outs = {}
-
-        async def one(i, prompt, params):
-            outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
-
-        async with anyio.create_task_group() as tg:
-            for i, (prompt, params) in enumerate(reqs):
-                tg.start_soon(one, i, prompt, params)
-        counts = getattr(engine.worker.graph_cache, "replay_counts", dict)()
-    return [outs[i] for i in range(len(reqs))], counts
 
 
 @pytest.mark.parametrize("spec", [
