@@ -74,6 +74,15 @@ class SchedulerConfig:
     max_num_tokens: int = attrs.field(default=2048, validator=_at_least("scheduler", 1))
     # How long an idle rank 0 waits for work before the group exchanges a heartbeat.
     idle_wait_s: float = attrs.field(default=0.05, validator=_positive_float("scheduler"))
+    # Base seed for requests that bring none (request i gets derive_seed(seed, i)), so a
+    # run is reproducible; None: a fresh random seed per request.
+    seed: int | None = None
+
+    @seed.validator
+    def _check_seed(self, attribute, value):
+        if value is not None and not 0 <= value < 2**63:
+            raise ConfigError("scheduler.seed", value, "must be in [0, 2**63)",
+                              "or leave it unset for random seeds")
 
 
 @attrs.frozen

@@ -11,7 +11,7 @@ import structlog
 import torch
 
 from specloop.models import IncrementalDetokenizer
-from specloop.samplers import SamplingParams, SpecMetadata
+from specloop.samplers import SamplingParams, SpecMetadata, derive_seed
 
 from ._config import EngineConfig
 from ._errors import ConfigError, EngineClosedError, RequestError
@@ -50,6 +50,7 @@ class AsyncEngine:
         self._done = anyio.Event()
         self._failure: BaseException | None = None
         self._next_id = 0
+        self._admitted = 0
 
     # lifecycle --------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
@@ -175,8 +176,15 @@ class AsyncEngine:
                 f"prompt has {len(prompt_ids)} tokens; max_seq_len = "
                 f"{self.config.model.max_seq_len} with {self.worker.k} draft tokens allows "
                 f"at most {room}")
-        seed = params.seed if params.seed is not None else secrets.randbits(62)
-        return NewRequest(request_id, tuple(prompt_ids), params, seed)
+        return NewRequest(request_id, tuple(prompt_ids), params, self._seed_for(params))
+
+    def _seed_for(self, params: SamplingParams) -> int:
+        """The request's own seed, else one derived at admission (DESIGN: Randomness)."""
+        self._admitted += 1
+        if params.seed is not None:
+            return params.seed
+        base = self.config.scheduler.seed
+        return secrets.randbits(62) if base is None else derive_seed(base, self._admitted)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -166,3 +166,21 @@ async def test_shutdown_cancels_open_streams(tiny_dir, tiny_loaded):
             tg.start_soon(consume)
             await anyio.sleep(0.2)
     assert got and got[-1].finished and got[-1].finish_reason is FinishReason.CANCELLED
+
+
+async def test_unseeded_requests_are_reproducible_with_a_base_seed(tiny_dir, tiny_loaded):
+    params = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
+    runs = []
+    for base in (7, 7, 8):
+        config = make_config(tiny_dir, scheduler={"max_batch_size": 4, "seed": base})
+        async with AsyncEngine(config, model=tiny_loaded) as engine:
+            runs.append([await collect(engine, p, params) for p in PROMPTS[:3]])
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+async def test_text_deltas_join_to_the_decoded_tokens(tiny_dir, tiny_loaded):
+    async with AsyncEngine(make_config(tiny_dir), model=tiny_loaded) as engine:
+        outs = [o async for o in engine.generate(PROMPTS[1], GREEDY)]
+    tokens = [t for o in outs for t in o.token_ids]
+    assert "".join(o.text for o in outs) == tiny_loaded.tokenizer.decode(tokens)
