@@ -76,7 +76,7 @@ class SchedulerConfig:
     idle_wait_s: float = attrs.field(default=0.05, validator=_positive_float("scheduler"))
     # Base seed for requests that bring none (request i gets derive_seed(seed, i)), so a
     # run is reproducible; None: a fresh random seed per request.
-    seed: int | None = None
+    seed: int | None = attrs.field(default=None)
 
     @seed.validator
     def _check_seed(self, attribute, value):
