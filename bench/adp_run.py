@@ -43,7 +43,7 @@ def workload(n, seed_base=0):
     from specloop.samplers import SamplingParams
     reqs = []
     for i in range(n):
-        prompt = [(7 * i + j) % 1000 + 10 for j in range(8 + i % 13)]
+        prompt = [(7 * i + j) % 300 + 10 for j in range(8 + i % 13)]   # < the tiny vocab
         if i % 3 == 1:
             params = SamplingParams(temperature=0.8, top_p=0.95, seed=seed_base + i,
                                     max_tokens=24 + i % 40, ignore_eos=True)
