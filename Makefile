@@ -12,5 +12,7 @@ demo: setup
 test: setup
 	$(VENV)/python -m pytest -q -rs tests
 
+# CPU benchmarks (each prints ratios against a baseline run in the same process).
 bench: setup
-	$(VENV)/python bench/run_all.py
+	cd bench && ../$(VENV)/python bench_decode.py && ../$(VENV)/python bench_host_overhead.py \
+	  && ../$(VENV)/python bench_rejection.py && ../$(VENV)/python bench_block_vs_token.py
