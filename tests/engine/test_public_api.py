@@ -1,0 +1,23 @@
+import specloop.engine as engine
+import specloop.graphs as graphs
+import specloop.models.drafters as drafters
+
+ENGINE = {
+    "AsyncEngine", "ComponentsConfig", "ConfigError", "ENTRY_POINT_GROUP", "EngineClosedError",
+    "EngineConfig", "EngineStats", "FinishReason", "GraphsConfig", "IllegalTransitionError",
+    "IterationMachine", "IterationObserver", "IterationRecord", "IterationState",
+    "ModelConfig", "ParallelConfig", "RequestError", "RequestOutput", "SchedulerConfig",
+    "SpeculativeConfig", "TRANSITIONS", "TransitionEvent", "known_components",
+}
+GRAPHS = {"CudaGraphCache", "EagerGraphCache", "GraphCache", "GraphKey", "SamplingPath",
+          "Step", "Tensors", "bucket_for"}
+DRAFTERS = {"DraftContext", "DraftHead", "DraftModelDrafter", "DraftProposal", "Drafter",
+            "DrafterConfigError", "DrafterDeps", "EarlyExitDrafter", "MtpEagleDrafter",
+            "MtpEagleHead", "NgramDrafter", "VerifyObserver"}
+
+
+def test_public_names():
+    for module, names in ((engine, ENGINE), (graphs, GRAPHS), (drafters, DRAFTERS)):
+        assert set(module.__all__) == names, module.__name__
+        for name in names:
+            assert getattr(module, name) is not None
