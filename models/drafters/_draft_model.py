@@ -12,7 +12,12 @@ import attrs
 import torch
 
 from ._errors import DrafterConfigError
-from ._protocol import DraftContext, DrafterDeps, DraftProposal, sample_draft_step, stack_proposal
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_outputs,
+                        replay_proposal, sample_draft_step, stack_proposal)
+
+# Tokens the draft cache can lag behind: the last committed one, plus the bonus token
+# when all K drafts were accepted.
+MAX_FEED = 2
 
 
 @attrs.define
@@ -62,13 +67,25 @@ class DraftModelDrafter:
             valid = pos + 1
         return valid
 
+    def _feeds(self, ctx: DraftContext):
+        """Per row: its state, the first position to feed, and the tokens to feed (1 or 2:
+        the ones the draft cache has not seen)."""
+        states = [self._slots[s] for s in ctx.slots.tolist()]
+        starts = [self._valid_prefix(st, t) for st, t in zip(states, ctx.token_ids)]
+        feeds = [list(t[c:]) for c, t in zip(starts, ctx.token_ids)]
+        return states, starts, feeds
+
+    @staticmethod
+    def _commit(states, ctx: DraftContext, proposal: DraftProposal) -> None:
+        # The draft cache now holds every committed token and drafts d1..d_{K-1}.
+        written = proposal.token_ids[:, :-1].tolist()
+        for st, length, w in zip(states, ctx.seq_lens.tolist(), written):
+            st.num_cached, st.written_from, st.written = length, length, tuple(w)
+
     @torch.inference_mode()
     def _draft(self, ctx: DraftContext) -> DraftProposal:
         device = ctx.slots.device
-        slots = ctx.slots.tolist()
-        states = [self._slots[s] for s in slots]
-        starts = [self._valid_prefix(st, t) for st, t in zip(states, ctx.token_ids)]
-        feeds = [list(t[c:]) for c, t in zip(starts, ctx.token_ids)]
+        states, starts, feeds = self._feeds(ctx)
         width = max(len(f) for f in feeds)
         # Right-pad: a padded position writes junk K/V at L, which d1 overwrites next.
         tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds], device=device)
@@ -86,10 +103,61 @@ class DraftModelDrafter:
             drafted.append(token)
             probs.append(q)
         proposal = stack_proposal(drafted, probs)
-        written = proposal.token_ids[:, :-1].tolist()
-        for st, length, w in zip(states, ctx.seq_lens.tolist(), written):
-            st.num_cached, st.written_from, st.written = length, length, tuple(w)
+        self._commit(states, ctx, proposal)
         return proposal
 
+    def graph_inputs(self, ctx: DraftContext, rows: int, feeds=None, starts=None):
+        """Static inputs for ``rows`` >= B rows: feeds right-padded to MAX_FEED tokens;
+        padding rows feed token 0 at position 0 of the scratch slot."""
+        real, dev = len(ctx.token_ids), ctx.slots.device
+        if feeds is None:
+            _, starts, feeds = self._feeds(ctx)
+        pad = rows - real
+        host = {
+            "feed": [f + [f[-1]] * (MAX_FEED - len(f)) for f in feeds] + [[0] * MAX_FEED] * pad,
+            "feed_start": list(starts) + [0] * pad,
+            "feed_last": [len(f) - 1 for f in feeds] + [0] * pad,
+            "slots": ctx.slots.tolist() + [self.cache.scratch_slot] * pad,
+            "seq_lens": ctx.seq_lens.tolist() + [1] * pad,
+        }
+        inputs = {n: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
+                  for n, v in host.items()}
+        inputs.update(ctx.sampling.padded(rows).columns())
+        return inputs
+
+    def graph_step(self, sampler, template, *, advanced: bool):
+        """Catch-up plus K draft steps on static tensors, for CUDA-graph capture."""
+        model, cache, k = self.model, self.cache, self.num_draft_tokens
+
+        def step(inputs):
+            kv_len, slots, seq_lens = cache.max_seq_len, inputs["slots"], inputs["seq_lens"]
+            batch = template.with_columns(inputs)
+            hidden = model(inputs["feed"], inputs["feed_start"], slots, cache, kv_len=kv_len)
+            rows = torch.arange(hidden.shape[0], device=hidden.device)
+            logits = model.logits(hidden[rows, inputs["feed_last"]])
+            drafted, probs = [], []
+            for j in range(k):
+                if j:
+                    hidden = model(drafted[-1][:, None], seq_lens - 1 + j, slots, cache,
+                                   kv_len=kv_len)
+                    logits = model.logits(hidden[:, -1])
+                sample = sampler.draft(logits, batch, seq_lens + j, advanced=advanced)
+                drafted.append(sample.token_ids)
+                probs.append(sample.probs)
+            return graph_outputs(drafted, probs, advanced)
+
+        return step
+
+    def can_graph(self, advanced: bool) -> bool:
+        return True
+
     async def propose(self, ctx: DraftContext) -> DraftProposal:
+        if ctx.replay is not None:
+            states, starts, feeds = self._feeds(ctx)
+            if max(len(f) for f in feeds) <= MAX_FEED:
+                advanced = ctx.spec.wants_advanced_draft_sampling
+                inputs = self.graph_inputs(ctx, ctx.padded_batch_size, feeds, starts)
+                proposal = await ctx.run_sync(lambda: replay_proposal(ctx, inputs, advanced))
+                self._commit(states, ctx, proposal)
+                return proposal
         return await ctx.run_sync(lambda: self._draft(ctx))

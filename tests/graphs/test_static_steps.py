@@ -71,13 +71,18 @@ async def run(cfg, loaded, reqs):
     {"method": "mtp_eagle", "k": 2},
     {"method": "early_exit", "k": 3, "rejection": True},
     {"method": "early_exit", "k": 2},
+    {"method": "draft_model", "k": 3, "rejection": True},
+    {"method": "draft_model", "k": 2},
 ])
-async def test_static_steps_equal_eager(tiny_dir, tiny_loaded, spec):
+async def test_static_steps_equal_eager(tiny_dir, tiny_draft_dir, tiny_loaded, spec):
+    spec = dict(spec)
+    if spec["method"] == "draft_model":
+        spec["draft_model"] = tiny_draft_dir
     reqs = requests()
     eager, _ = await run(config(tiny_dir, False, **spec), tiny_loaded, reqs)
     replayed, counts = await run(config(tiny_dir, True, **spec), tiny_loaded, reqs)
     assert replayed == eager
     ran = {k for k, n in counts.items() if n}
     assert any(k.stage == "verify" for k in ran)
-    if spec["method"] in ("mtp_eagle", "early_exit"):
+    if spec["method"] != "ngram" and spec["method"] != "none":
         assert any(k.stage == "draft" for k in ran)
