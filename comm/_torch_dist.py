@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import pickle
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -132,6 +133,10 @@ class TorchDistributedCommunicator:
         """Destroy the process groups if from_env created them; the object is unusable after."""
         if self._family.owns_world and dist.is_initialized():
             dist.destroy_process_group()
+            # Drop our references too: a process group freed at interpreter exit can take
+            # its gloo threads down mid-flight ("terminate called ...", SIGABRT).
+            self._group = self._object_group = None
+            gc.collect()
             log.info("torch_distributed_closed", rank=self._me)
 
     async def _run(self, make_call: Callable[..., CollectiveCall], call_args: tuple, fn: Callable[..., Any],

@@ -36,6 +36,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, *, communicator=None,
                  observers: Sequence[IterationObserver] = (), model=None) -> None:
         self.config = config
+        # A communicator the engine built is the engine's to close; an injected one is not.
+        self._owns_comm = communicator is None
         self.comm = communicator if communicator is not None else build_communicator(config)
         if self.comm.world_size != config.parallel.world_size:
             raise ConfigError("parallel.world_size", config.parallel.world_size,
@@ -67,6 +69,9 @@ class AsyncEngine:
             return await self._task_group.__aexit__(*exc_info)
         finally:
             self._task_group = None
+            if self._owns_comm and hasattr(self.comm, "close"):
+                # Process groups left to interpreter exit can abort the process (gloo).
+                await anyio.to_thread.run_sync(self.comm.close)
 
     def _build(self) -> None:
         from specloop.models import load_model  # noqa: PLC0415
@@ -176,7 +181,8 @@ class AsyncEngine:
                 f"prompt has {len(prompt_ids)} tokens; max_seq_len = "
                 f"{self.config.model.max_seq_len} with {self.worker.k} draft tokens allows "
                 f"at most {room}")
-        return NewRequest(request_id, tuple(prompt_ids), params, self._seed_for(params))
+        seed = self._seed_for(params)
+        return NewRequest(request_id, tuple(prompt_ids), params, seed, handle=self._admitted)
 
     def _seed_for(self, params: SamplingParams) -> int:
         """The request's own seed, else one derived at admission (DESIGN: Randomness)."""

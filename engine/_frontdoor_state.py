@@ -17,6 +17,7 @@ class FrontDoor:
         self._inbox: list[NewRequest] = []
         self._cancels: list[str] = []
         self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}
+        self._handles: dict[int, str] = {}      # handle -> request id, while it streams
         self._wake = anyio.Event()
         self.closing = False
 
@@ -28,6 +29,7 @@ class FrontDoor:
         # Unbounded: the engine loop never waits on a slow consumer.
         send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
         self._streams[new.request_id] = send
+        self._handles[new.handle] = new.request_id
         self._inbox.append(new)
         self._wake.set()
         return receive
@@ -69,13 +71,16 @@ class FrontDoor:
                 continue        # its consumer already left
             stream.send_nowait(output)
             if output.finished:
-                del self._streams[output.request_id]
-                stream.close()
+                self.forget(output.request_id)
+
+    def request_id(self, handle: int) -> str | None:
+        return self._handles.get(handle)
 
     def forget(self, request_id: str) -> None:
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream.close()
+            self._handles = {h: r for h, r in self._handles.items() if r != request_id}
 
     def close_all(self, reason: FinishReason, error: str | None = None) -> None:
         for request_id in list(self._streams):

@@ -36,6 +36,7 @@ class NewRequest:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
     seed: int
+    handle: int = 0     # rank 0's integer name for it in the SCHEDULE output blocks
 
 
 @attrs.define(eq=False)
@@ -54,10 +55,12 @@ class Request:
     num_drafted: int = 0
     num_accepted: int = 0
     num_iterations: int = 0
+    handle: int = 0
 
     @classmethod
     def from_new(cls, new: NewRequest) -> Request:
-        return cls(new.request_id, new.prompt_ids, new.params, new.seed, list(new.prompt_ids))
+        return cls(new.request_id, new.prompt_ids, new.params, new.seed, list(new.prompt_ids),
+                   handle=new.handle)
 
     @property
     def num_generated(self) -> int:

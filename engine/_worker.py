@@ -21,6 +21,7 @@ from ._iteration import IterationRecord
 from ._request import FinishReason, Request, RequestOutput
 from ._scheduler import Scheduler
 from ._states import IterationState
+from ._wire import decode_outputs, encode_outputs
 from ._verify import capture_variants, graph_template, make_verify_step, verify_inputs
 
 log = structlog.get_logger(__name__)
@@ -46,7 +47,7 @@ class RankWorker:
                                    config.scheduler.max_num_tokens)
         self.eos_token_ids = frozenset(runner.loaded.tokenizer.eos_token_ids)
         self._limiter = anyio.CapacityLimiter(1)
-        self._pending_outputs: list[RequestOutput] = []
+        self._pending_outputs: list[tuple[int, RequestOutput]] = []
         self._loads = [0] * comm.world_size
         self.stats = EngineStats()
         self._sampling_cache: dict[int | None, tuple] = {}
@@ -95,19 +96,37 @@ class RankWorker:
         return self.front.take_message(lambda new: tuple((0, r) for r in new))
 
     async def _exchange_group(self) -> FrontDoorMessage:
+        """One tensor all-gather: each serving rank's outputs as a fixed-size block, and
+        a flag; only when some rank raised it (rank 0 has requests, cancels or shutdown
+        to send; an output block overflowed) does a pickled object exchange follow. The
+        flags are gathered first, so every rank agrees on whether it happens."""
+        message, pending = FrontDoorMessage(), self._pending_outputs
+        self._pending_outputs = []
         if self.front is not None:
             if self.scheduler.num_requests == 0 and sum(self._loads) == 0:
                 await self.front.wait_for_work(timeout=self.config.scheduler.idle_wait_s)
-            payload = self.front.take_message(
+            message = self.front.take_message(
                 lambda new: assign_least_loaded(new, self._loads))
-        else:
-            payload = RankReport(tuple(self._pending_outputs))
-            self._pending_outputs = []
-        gathered = await self.comm.all_gather_object(payload)
+        rows = self.scheduler.slots.num_slots
+        block = encode_outputs(pending, rows, self.k)
+        flag = (message != FrontDoorMessage()) or block is None
+        if block is None:
+            block = encode_outputs((), rows, self.k)
+        header = torch.cat([torch.tensor([int(flag)]), block]).to(self.runner.device)
+        gathered = (await self.comm.all_gather(header)).cpu()      # [world, 1 + rows*width]
         if self.front is not None:
-            for report in gathered[1:]:
-                self.front.deliver(report.outputs)
-        return gathered[0]
+            for flat in gathered[1:, 1:]:
+                self.front.deliver(decode_outputs(flat, self.k, self.front.request_id))
+        if bool(gathered[:, 0].any()):
+            overflow = () if not pending or not gathered[self.comm.rank, 0] else pending
+            reports = await self.comm.all_gather_object(
+                message if self.front is not None else
+                RankReport(tuple(out for _, out in overflow)))
+            if self.front is not None:
+                for report in reports[1:]:
+                    self.front.deliver(report.outputs)
+            message = reports[0]
+        return message
 
     # SYNC -------------------------------------------------------------------------------
     async def sync(self, rec: IterationRecord) -> IterationState:
@@ -322,7 +341,7 @@ class RankWorker:
         if self.front is not None:
             self.front.deliver((output,))
         else:
-            self._pending_outputs.append(output)
+            self._pending_outputs.append((request.handle, output))
 
     def cancel_all(self) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:
