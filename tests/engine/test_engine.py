@@ -184,3 +184,52 @@ async def test_text_deltas_join_to_the_decoded_tokens(tiny_dir, tiny_loaded):
         outs = [o async for o in engine.generate(PROMPTS[1], GREEDY)]
     tokens = [t for o in outs for t in o.token_ids]
     assert "".join(o.text for o in outs) == tiny_loaded.tokenizer.decode(tokens)
+
+
+class SlowModel(torch.nn.Module):
+    """The tiny model, with every forward blocking its thread for 20 ms."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+        self.args = inner.args
+
+    def forward(self, *args, **kwargs):
+        import time
+        time.sleep(0.02)
+        return self.inner(*args, **kwargs)
+
+    def logits(self, hidden):
+        return self.inner.logits(hidden)
+
+
+async def test_model_compute_runs_off_the_event_loop(tiny_dir, tiny_loaded):
+    import attrs
+    slow = attrs.evolve(tiny_loaded, model=SlowModel(tiny_loaded.model))
+    ticks = 0
+
+    async def ticker():
+        nonlocal ticks
+        while True:
+            await anyio.sleep(0.001)
+            ticks += 1
+
+    async with AsyncEngine(make_config(tiny_dir), model=slow) as engine:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(ticker)
+            await collect(engine, [1, 2, 3], SamplingParams(temperature=0, max_tokens=10))
+            tg.cancel_scope.cancel()
+        iterations = engine.stats.num_iterations
+    # On the loop, a blocking forward would allow about one tick per iteration.
+    assert ticks > 5 * iterations, (ticks, iterations)
+
+
+async def test_shutdown_leaves_no_task_behind(tiny_dir, tiny_loaded):
+    import asyncio
+    before = asyncio.all_tasks()
+    long = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+    async with anyio.create_task_group() as tg:
+        async with AsyncEngine(make_config(tiny_dir), model=tiny_loaded) as engine:
+            tg.start_soon(collect, engine, [1, 2, 3], long)
+            await anyio.sleep(0.1)
+    assert asyncio.all_tasks() == before
