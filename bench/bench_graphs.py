@@ -38,7 +38,6 @@ def config(path, dtype, batch, graphs, method="none", k=4, rejection=False):
 async def tokens_per_s(cfg, loaded, batch, new_tokens, *, repetitive):
     from specloop.engine import AsyncEngine
     from specloop.samplers import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
     base = [11, 12, 13, 14, 15, 16, 17, 18] * 8 if repetitive else list(range(100, 164))
     async with AsyncEngine(cfg, model=loaded) as engine:
         async def one(i, n):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import attrs
 import cattrs

@@ -14,7 +14,7 @@ import attrs
 import structlog
 import torch
 
-from specloop.graphs import GraphKey, SamplingPath
+from specloop.graphs import GraphKey
 from specloop.samplers import RejectionResult, SamplingBatch, SpecMetadata
 
 from ._request import Request
@@ -93,6 +93,3 @@ class IterationMachine:
             except Exception as exc:  # noqa: BLE001 - a broken hook must not stop serving
                 log.error("observer_failed", observer=type(observer).__name__, error=repr(exc))
 
-
-def sampling_path_of(spec: SpecMetadata) -> SamplingPath:
-    return SamplingPath.of(spec)

@@ -57,10 +57,3 @@ class ModelRunner:
             hidden.append(self.model(tokens, start, slot, self.cache)[0])
             request.num_cached += len(chunk)
         return torch.cat(hidden)
-
-    @torch.inference_mode()
-    def verify_forward(self, tokens: torch.Tensor, start_pos: torch.Tensor,
-                       slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, K+1] = [last, d1..dK] at start_pos [B] -> (logits [B,K+1,V], hidden)."""
-        hidden = self.model(tokens, start_pos, slots, self.cache)
-        return self.model.logits(hidden), hidden

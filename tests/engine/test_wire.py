@@ -1,5 +1,3 @@
-import pytest
-
 from specloop.engine import FinishReason, RequestOutput
 from specloop.engine import _wire
 
