@@ -149,3 +149,50 @@ async def test_world_size_must_match_the_communicator(tiny_dir, tiny_loaded):
     with pytest.raises(ConfigError, match="parallel.world_size"):
         AsyncEngine(adp_config(tiny_dir, 4), communicator=group.communicator(0),
                     model=tiny_loaded)
+
+
+async def test_cancel_reaches_the_serving_rank_and_frees_its_slot(tiny_dir, tiny_loaded):
+    """Requests are spread over 2 ranks; cancelling each mid-stream ends it with CANCELLED
+    and every rank's slots come back."""
+    from specloop.engine import FinishReason
+    long = SamplingParams(temperature=0.0, max_tokens=500, ignore_eos=True)
+    free = {}
+
+    async def body(engine):
+        finals = {}
+
+        async def one(i):
+            seen = 0
+            async for out in engine.generate(PROMPTS[i], long, request_id=f"c{i}"):
+                seen += len(out.token_ids)
+                if seen >= 3 and not out.finished:
+                    engine.cancel(f"c{i}")
+                if out.finished:
+                    finals[i] = (out.finish_reason, seen)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(one, i)
+        for _ in range(100):        # the cancels reach rank 1 with the next exchanges
+            await anyio.sleep(0.01)
+            if all(e.num_free_slots == 2 for e in engines.values()):
+                break
+        free.update({rank: e.num_free_slots for rank, e in engines.items()})
+        return finals
+
+    group = LocalGroup(2)
+    engines = {}
+
+    async def rank_main(comm):
+        async with AsyncEngine(adp_config(tiny_dir, 2, max_batch_size=2), communicator=comm,
+                               model=tiny_loaded) as engine:
+            engines[comm.rank] = engine
+            if comm.rank == 0:
+                return await body(engine)
+            await engine.wait_closed()
+            return engine.stats.num_generated_tokens
+
+    finals, served_by_1 = await group.run(rank_main)
+    assert all(reason is FinishReason.CANCELLED and n < 500 for reason, n in finals.values())
+    assert len(finals) == 4 and served_by_1 > 0
+    assert free == {0: 2, 1: 2}
