@@ -110,6 +110,8 @@ class AsyncEngine:
                 spec, iteration = record.spec, iteration + 1
                 if record.shutdown:
                     break
+        except anyio.get_cancelled_exc_class():
+            raise           # cancelled from outside: not a failure; streams end CANCELLED
         except BaseException as exc:
             self._failure = exc
             log.error("engine_failed", rank=self.comm.rank, error=repr(exc))
