@@ -183,16 +183,16 @@ class AsyncEngine:
                 f"prompt has {len(prompt_ids)} tokens; max_seq_len = "
                 f"{self.config.model.max_seq_len} with {self.worker.k} draft tokens allows "
                 f"at most {room}")
-        seed = self._seed_for(params)
-        return NewRequest(request_id, tuple(prompt_ids), params, seed, handle=self._admitted)
+        handle, self._admitted = self._admitted, self._admitted + 1
+        return NewRequest(request_id, tuple(prompt_ids), params,
+                          self._seed_for(params, handle), handle=handle)
 
-    def _seed_for(self, params: SamplingParams) -> int:
+    def _seed_for(self, params: SamplingParams, index: int) -> int:
         """The request's own seed, else one derived at admission (DESIGN: Randomness)."""
-        self._admitted += 1
         if params.seed is not None:
             return params.seed
         base = self.config.scheduler.seed
-        return secrets.randbits(62) if base is None else derive_seed(base, self._admitted)
+        return secrets.randbits(62) if base is None else derive_seed(base, index)
 
     def _encode(self, prompt) -> list[int]:
         if isinstance(prompt, str):

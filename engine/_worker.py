@@ -190,14 +190,16 @@ class RankWorker:
         if not rec.batch and not self.draft_when_idle:
             return
         device = self.runner.device
+        replay = self._draft_replay(rec.graph_key)
         ctx = DraftContext(
             token_ids=[r.token_ids for r in rec.batch],
             seq_lens=torch.tensor([r.seq_len for r in rec.batch], dtype=torch.int64,
                                   device=device),
             slots=torch.tensor([r.slot for r in rec.batch], dtype=torch.int64, device=device),
             sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
-            padded_batch_size=rec.graph_key.batch_size, run_sync=self.run_sync,
-            replay=self._draft_replay(rec.graph_key))
+            run_sync=self.run_sync, replay=replay,
+            graph_sampling=self._sampling_batch(rec.batch, rec.graph_key.batch_size)
+            if replay is not None else None)
         proposal = await self.drafter.propose(ctx)
         rec.draft_token_ids, rec.draft_probs = proposal.token_ids, proposal.probs
 
@@ -272,11 +274,11 @@ class RankWorker:
             return
         empty = torch.zeros(0, dtype=torch.int64, device=self.runner.device)
         ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,
-                           spec=None, sampler=self.sampler, comm=self.comm,
-                           padded_batch_size=key.batch_size, run_sync=None)
+                           spec=None, sampler=self.sampler, comm=self.comm, run_sync=None,
+                           graph_sampling=template)
         self.graph_cache.capture(attrs.evolve(key, stage="draft"),
                                  drafter.graph_step(self.sampler, template, advanced=advanced),
-                                 drafter.graph_inputs(ctx, key.batch_size))
+                                 drafter.graph_inputs(ctx))
 
     # RESCAN -----------------------------------------------------------------------------
     async def rescan(self, rec: IterationRecord) -> IterationState:

@@ -133,16 +133,6 @@ class SamplingBatch:
         """The same Python flags over other per-row tensors (e.g. static graph inputs)."""
         return attrs.evolve(self, **{name: columns[name] for name in self.COLUMNS})
 
-    def padded(self, rows: int) -> SamplingBatch:
-        """This batch with greedy sentinel rows appended up to ``rows``."""
-        if rows == self.size:
-            return self
-        pad = SamplingBatch.from_params([], [], device=self.seeds.device,
-                                        pad_to=rows - self.size)
-        return attrs.evolve(self, any_greedy=True, **{
-            name: torch.cat([getattr(self, name), getattr(pad, name)])
-            for name in self.COLUMNS})
-
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int], *,
                     device: torch.device | str = "cpu",

@@ -12,8 +12,8 @@ import attrs
 import torch
 
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_outputs,
-                        replay_proposal, sample_draft_step, stack_proposal)
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
+                        graph_outputs, replay_proposal, sample_draft_step, stack_proposal)
 
 # Tokens the draft cache can lag behind: the last committed one, plus the bonus token
 # when all K drafts were accepted.
@@ -106,24 +106,19 @@ class DraftModelDrafter:
         self._commit(states, ctx, proposal)
         return proposal
 
-    def graph_inputs(self, ctx: DraftContext, rows: int, feeds=None, starts=None):
-        """Static inputs for ``rows`` >= B rows: feeds right-padded to MAX_FEED tokens;
+    def graph_inputs(self, ctx: DraftContext, feeds=None, starts=None):
+        """Static inputs for the graph's rows: feeds right-padded to MAX_FEED tokens;
         padding rows feed token 0 at position 0 of the scratch slot."""
-        real, dev = len(ctx.token_ids), ctx.slots.device
         if feeds is None:
             _, starts, feeds = self._feeds(ctx)
-        pad = rows - real
-        host = {
+        pad = ctx.graph_sampling.size - len(ctx.token_ids)
+        return graph_int_inputs(ctx, {
             "feed": [f + [f[-1]] * (MAX_FEED - len(f)) for f in feeds] + [[0] * MAX_FEED] * pad,
             "feed_start": list(starts) + [0] * pad,
             "feed_last": [len(f) - 1 for f in feeds] + [0] * pad,
             "slots": ctx.slots.tolist() + [self.cache.scratch_slot] * pad,
             "seq_lens": ctx.seq_lens.tolist() + [1] * pad,
-        }
-        inputs = {n: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
-                  for n, v in host.items()}
-        inputs.update(ctx.sampling.padded(rows).columns())
-        return inputs
+        })
 
     def graph_step(self, sampler, template, *, advanced: bool):
         """Catch-up plus K draft steps on static tensors, for CUDA-graph capture."""
@@ -156,7 +151,7 @@ class DraftModelDrafter:
             states, starts, feeds = self._feeds(ctx)
             if max(len(f) for f in feeds) <= MAX_FEED:
                 advanced = ctx.spec.wants_advanced_draft_sampling
-                inputs = self.graph_inputs(ctx, ctx.padded_batch_size, feeds, starts)
+                inputs = self.graph_inputs(ctx, feeds, starts)
                 proposal = await ctx.run_sync(lambda: replay_proposal(ctx, inputs, advanced))
                 self._commit(states, ctx, proposal)
                 return proposal

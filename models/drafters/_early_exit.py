@@ -11,8 +11,8 @@ from typing import Sequence
 import torch
 
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_outputs,
-                        replay_proposal, sample_draft_step, stack_proposal)
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
+                        graph_outputs, replay_proposal, sample_draft_step, stack_proposal)
 
 
 class EarlyExitDrafter:
@@ -44,16 +44,13 @@ class EarlyExitDrafter:
             probs.append(q)
         return stack_proposal(drafted, probs)
 
-    def graph_inputs(self, ctx: DraftContext, rows: int):
-        """Static-shape inputs for ``rows`` >= B rows (padding: scratch slot, position 0)."""
-        real, dev = len(ctx.token_ids), ctx.slots.device
-        host = {"last": [t[-1] for t in ctx.token_ids] + [0] * (rows - real),
-                "seq_lens": ctx.seq_lens.tolist() + [1] * (rows - real),
-                "slots": ctx.slots.tolist() + [self.cache.scratch_slot] * (rows - real)}
-        inputs = {n: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
-                  for n, v in host.items()}
-        inputs.update(ctx.sampling.padded(rows).columns())
-        return inputs
+    def graph_inputs(self, ctx: DraftContext):
+        """Static-shape inputs for the graph's rows (padding: scratch slot, position 0)."""
+        pad = ctx.graph_sampling.size - len(ctx.token_ids)
+        return graph_int_inputs(ctx, {
+            "last": [t[-1] for t in ctx.token_ids] + [0] * pad,
+            "seq_lens": ctx.seq_lens.tolist() + [1] * pad,
+            "slots": ctx.slots.tolist() + [self.cache.scratch_slot] * pad})
 
     def graph_step(self, sampler, template, *, advanced: bool):
         """All K draft steps on static tensors, for CUDA-graph capture."""
@@ -80,6 +77,6 @@ class EarlyExitDrafter:
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         if ctx.replay is not None:
             advanced = ctx.spec.wants_advanced_draft_sampling
-            inputs = self.graph_inputs(ctx, ctx.padded_batch_size)
+            inputs = self.graph_inputs(ctx)
             return await ctx.run_sync(lambda: replay_proposal(ctx, inputs, advanced))
         return await ctx.run_sync(lambda: self._draft(ctx))

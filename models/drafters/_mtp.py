@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ._lm_head import DraftHead
-from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_outputs,
-                        replay_proposal)
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
+                        graph_outputs, replay_proposal)
 
 
 class MtpEagleHead(torch.nn.Module):
@@ -158,9 +158,9 @@ class MtpEagleDrafter:
         return self.head(tokens[:, None], hidden[:, None], ctx.seq_lens - 2 + step, ctx.slots,
                          self.cache)[:, 0]
 
-    def graph_inputs(self, ctx: DraftContext, rows: int):
-        """Static-shape draft inputs for ``rows`` >= B rows (padding: scratch slot)."""
-        dev, k, real = ctx.slots.device, self.num_draft_tokens, len(ctx.token_ids)
+    def graph_inputs(self, ctx: DraftContext):
+        """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""
+        k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_sampling.size
         slots = ctx.slots.tolist() + [self.scratch] * (rows - real)
         counts = [self.pending_count[s] for s in slots[:real]] + [1] * (rows - real)
         tokens, starts, writes = [], [], []
@@ -172,13 +172,10 @@ class MtpEagleDrafter:
             starts.append(start)
             writes.append(slot if count and i < real else self.scratch)
         seq_lens = ctx.seq_lens.tolist() + [2] * (rows - real)
-        host = {"cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
-                "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots,
-                "seq_lens": seq_lens}
-        inputs = {name: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
-                  for name, v in host.items()}
+        inputs = graph_int_inputs(ctx, {
+            "cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
+            "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots, "seq_lens": seq_lens})
         inputs["cu_hidden"] = self.pending[inputs["slots"], :k + 1]
-        inputs.update(ctx.sampling.padded(rows).columns())
         return inputs
 
     def graph_step(self, sampler, template, *, advanced: bool):
@@ -209,8 +206,7 @@ class MtpEagleDrafter:
         return step
 
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
-        proposal = replay_proposal(ctx, self.graph_inputs(ctx, ctx.padded_batch_size),
-                                   advanced)
+        proposal = replay_proposal(ctx, self.graph_inputs(ctx), advanced)
         for slot in ctx.slots.tolist():
             self.pending_count[slot] = 0
         return proposal

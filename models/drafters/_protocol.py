@@ -25,10 +25,11 @@ class DraftContext:
     spec: SpecMetadata
     sampler: Sampler
     comm: Communicator
-    padded_batch_size: int               # agreed by the group in SYNC
     run_sync: Callable[[Callable[[], T]], Awaitable[T]]  # runs compute off the event loop
     # Replays this iteration's captured draft graph (inputs -> outputs), or None: eager.
     replay: Callable[[dict], dict] | None = None
+    # With ``replay``: the sampling rows padded to the graph's batch (the ones VERIFY uses).
+    graph_sampling: SamplingBatch | None = None
 
 
 @attrs.frozen
@@ -93,6 +94,16 @@ def graph_outputs(tokens: list[torch.Tensor], probs: list[torch.Tensor | None],
     if advanced:
         out["probs"] = torch.stack(probs, dim=1)
     return out
+
+
+def graph_int_inputs(ctx: DraftContext, host: dict[str, list]) -> dict[str, torch.Tensor]:
+    """A draft graph's inputs: the host-side int64 columns (already padded to the graph's
+    rows) on the model's device, plus the padded sampling columns."""
+    dev = ctx.slots.device
+    inputs = {name: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
+              for name, v in host.items()}
+    inputs.update(ctx.graph_sampling.columns())
+    return inputs
 
 
 @torch.inference_mode()
