@@ -38,7 +38,7 @@ class FrontDoor:
         queued = next((n for n in self._inbox if n.request_id == request_id), None)
         if queued is not None:
             self._inbox.remove(queued)
-            self.deliver((RequestOutput(request_id, (), "", True, FinishReason.CANCELLED),))
+            self._end(request_id, FinishReason.CANCELLED)
         elif request_id in self._streams:
             self._cancels.append(request_id)
             self._wake.set()
@@ -59,8 +59,7 @@ class FrontDoor:
         cancels, self._cancels = tuple(self._cancels), []
         if self.closing:
             for request in new:
-                self.deliver((RequestOutput(request.request_id, (), "", True,
-                                            FinishReason.CANCELLED),))
+                self._end(request.request_id, FinishReason.CANCELLED)
             new = []
         return FrontDoorMessage(assign(new), cancels, self.closing)
 
@@ -84,4 +83,8 @@ class FrontDoor:
 
     def close_all(self, reason: FinishReason, error: str | None = None) -> None:
         for request_id in list(self._streams):
-            self.deliver((RequestOutput(request_id, (), "", True, reason, error),))
+            self._end(request_id, reason, error)
+
+    def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
+        """The final, empty output of a request the engine will not serve further."""
+        self.deliver((RequestOutput(request_id, (), "", True, reason, error),))

@@ -24,15 +24,12 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
                   scratch_slot: int, device) -> Tensors:
     """Tensors for ``len(sampling)`` rows; the first ``len(batch)`` are the requests."""
     rows, real = sampling.size, len(batch)
-    tokens = torch.zeros(rows, k + 1, dtype=torch.int64)
-    tokens[:real, 0] = torch.tensor([r.token_ids[-1] for r in batch], dtype=torch.int64)
-    start = torch.zeros(rows, dtype=torch.int64)
-    start[:real] = torch.tensor([r.seq_len - 1 for r in batch], dtype=torch.int64)
-    slots = torch.full((rows,), scratch_slot, dtype=torch.int64)
-    slots[:real] = torch.tensor([r.slot for r in batch], dtype=torch.int64)
-    inputs = {"tokens": tokens.to(device, non_blocking=True),
-              "start_pos": start.to(device, non_blocking=True),
-              "slots": slots.to(device, non_blocking=True)}
+    pad = rows - real
+    host = {"tokens": [[r.token_ids[-1]] + [0] * k for r in batch] + [[0] * (k + 1)] * pad,
+            "start_pos": [r.seq_len - 1 for r in batch] + [0] * pad,
+            "slots": [r.slot for r in batch] + [scratch_slot] * pad}
+    inputs = {name: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
+              for name, v in host.items()}
     if k and real:
         inputs["tokens"][:real, 1:] = drafts
     inputs.update(sampling.columns())
