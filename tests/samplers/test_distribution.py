@@ -9,8 +9,6 @@ deliberately biased twin that must fail the same test.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 import torch
 
@@ -18,6 +16,8 @@ from specloop.samplers import (SamplingBatch, SamplingParams, Stream, compute_pr
                                rejection_sample, sample_tokens)
 from specloop.samplers import _rejection
 from specloop.samplers._sampler import strict_from_targets, target_tokens_from_probs
+
+from ..chi2 import chi2_statistic
 
 V = 4096
 TRIALS = 10 * V
@@ -48,25 +48,16 @@ def run_trials(step) -> torch.Tensor:
 
 
 def chi2_per_position(tokens: torch.Tensor, p: torch.Tensor) -> list[tuple[float, float]]:
-    """(chi2, threshold) for every position reached by at least one trial."""
+    """(chi2, threshold) for every position reached by enough trials to test anything."""
     results = []
     for i in range(tokens.shape[1]):
         col = tokens[:, i]
         reached = col[col >= 0]
         if reached.numel() == 0:
             continue
-        obs = torch.bincount(reached, minlength=V).double()
-        exp = p[i].double() * reached.numel()
-        small = exp < 5
-        obs = torch.cat([obs[~small], obs[small].sum().reshape(1)])
-        exp = torch.cat([exp[~small], exp[small].sum().reshape(1)])
-        if exp[-1] == 0:  # nothing merged: drop the empty bin unless it was hit
-            obs, exp = (obs, exp.clamp_min(1e-12)) if obs[-1] > 0 else (obs[:-1], exp[:-1])
-        df = obs.numel() - 1
-        if df < 1:  # too few trials reached it to test anything
-            continue
-        chi2 = float(((obs - exp) ** 2 / exp).sum())
-        results.append((chi2, df + 10 * math.sqrt(2 * df)))
+        chi2, limit = chi2_statistic(reached, p[i])
+        if limit > 0:  # df = 0: too few trials reached it
+            results.append((chi2, limit))
     return results
 
 
