@@ -116,6 +116,10 @@ class MtpEagleDrafter:
                       self.cache)
         if n >= 1:
             self.pending[slot, 0] = hidden[n - 1]
+        else:
+            # A 1-token prompt has no target row: the head starts from zeros, never from
+            # what the slot's previous user left here.
+            self.pending[slot].zero_()
         self.pending_start[slot] = max(n - 1, 0)
         self.pending_count[slot] = 1 if n else 0
 
@@ -142,8 +146,9 @@ class MtpEagleDrafter:
             toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
             tokens.append(toks + [toks[-1]] * (width - len(toks)))
             starts.append(start)
-            # A 1-token prompt has no target row yet: run on zeros in the scratch slot.
-            write_slots.append(slot if count else self.scratch)
+            # A 1-token prompt has no target row yet: it runs on zeros in its own slot (the
+            # shared scratch slot would let batch neighbours see each other's K/V).
+            write_slots.append(slot)
         index = torch.tensor(slots, device=dev)
         out = self.head(torch.tensor(tokens, device=dev), self.pending[index, :width],
                         torch.tensor(starts, device=dev), torch.tensor(write_slots, device=dev),
@@ -170,7 +175,7 @@ class MtpEagleDrafter:
             toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
             tokens.append(toks + [toks[-1]] * (k + 1 - len(toks)))
             starts.append(start)
-            writes.append(slot if count and i < real else self.scratch)
+            writes.append(slot if i < real else self.scratch)
         seq_lens = ctx.seq_lens.tolist() + [2] * (rows - real)
         inputs = graph_int_inputs(ctx, {
             "cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
