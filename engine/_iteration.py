@@ -82,11 +82,13 @@ class IterationMachine:
             duration_us=round(duration_us, 1), batch_size=len(record.batch),
             num_draft_tokens=self.num_draft_tokens, sampling_path=record.sampling_path,
             accepted=accepted)
-        log.debug("iteration_state", rank=event.rank, iteration=event.iteration,
-                  state=state.value, next_state=next_state.value,
-                  duration_us=event.duration_us, batch_size=event.batch_size,
-                  num_draft_tokens=event.num_draft_tokens,
-                  sampling_path=event.sampling_path, accepted=accepted)
+        # structlog unconfigured prints every level to stdout: a library stays quiet then.
+        if structlog.is_configured():
+            log.debug("iteration_state", rank=event.rank, iteration=event.iteration,
+                      state=state.value, next_state=next_state.value,
+                      duration_us=event.duration_us, batch_size=event.batch_size,
+                      num_draft_tokens=event.num_draft_tokens,
+                      sampling_path=event.sampling_path, accepted=accepted)
         for observer in self.observers:
             try:
                 observer.on_transition(event)

@@ -1,131 +1,92 @@
-"""``specloop`` command line: ``generate`` and ``fetch-model``.
+"""``specloop`` command line: one subcommand per module, dispatched from ``COMMANDS``.
 
-The CLI is the only place that configures structlog; the library never does.
+A command module has ``HELP`` (one line), ``add_arguments(parser)`` and ``run(args) -> int``
+and keeps its heavy imports inside ``run``. Errors come out as one line: exit 2 for usage and
+config errors, 1 for runtime failures, 130 on Ctrl-C; the traceback only with
+``--log-level debug``. The CLI is the only place that configures structlog.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
+import importlib
 import sys
-import time
-from importlib.resources import files
+from importlib.metadata import PackageNotFoundError, version
 
-import anyio
-import structlog
+from ._cli_common import (EXIT_INTERRUPTED, LOG_LEVELS, OneLineParser, configure_logging,
+                          report_failure)
 
-from ._config import EngineConfig
-from ._engine import AsyncEngine
-
-DEFAULT_CONFIG = "smollm2-ngram.toml"
-
-
-def configure_logging(fmt: str, level: str) -> None:
-    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
-                else structlog.dev.ConsoleRenderer(colors=False))
-    structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso"), renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
+# Subcommand name -> module implementing it. A new command plugs in with one line here.
+COMMANDS: dict[str, str] = {
+    "generate": "specloop.engine._cli_generate",
+    "fetch-model": "specloop.engine._cli_fetch",
+}
 
 
-def load_config(path: str | None) -> EngineConfig:
-    if path is None:
-        return EngineConfig.from_toml(files("specloop.engine") / "defaults" / DEFAULT_CONFIG)
-    return EngineConfig.from_toml(path)
+def _version() -> str:
+    try:
+        return version("specloop")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
-def sampling_params(args):
-    from specloop.samplers import SamplingParams  # noqa: PLC0415
-    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens)
-
-
-async def print_completions(engine, prompts, params) -> int:
-    """One prompt streams to stdout as it is generated; several run concurrently (so a
-    group spreads them over its ranks) and print in order once done. Returns new tokens."""
-    if len(prompts) == 1:
-        count = 0
-        async for out in engine.generate(prompts[0], params):
-            count += len(out.token_ids)
-            print(out.text, end="", flush=True)
-        print()
-        return count
-    texts, counts = [""] * len(prompts), [0] * len(prompts)
-
-    async def one(i):
-        async for out in engine.generate(prompts[i], params):
-            texts[i] += out.text
-            counts[i] += len(out.token_ids)
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    for i, text in enumerate(texts):
-        print(f"--- prompt {i}: {prompts[i]!r}\n{text}")
-    return sum(counts)
-
-
-async def run_generate(args) -> None:
-    config = load_config(args.config)
-    if args.method is not None:
-        config = EngineConfig.from_dict(
-            {**config.to_dict(), "speculative": {**config.to_dict()["speculative"],
-                                                 "method": args.method}})
-    async with AsyncEngine(config) as engine:
-        if engine.front is None:          # ranks > 0 under torchrun serve until rank 0 exits
-            await engine.wait_closed()
-            return
-        params = sampling_params(args)
-        prompts = args.prompt or ["Tell me about llamas."]
-        start = time.perf_counter()
-        count = await print_completions(engine, prompts, params)
-        elapsed = time.perf_counter() - start
-        stats = engine.stats
-        scope = " on rank 0" if config.parallel.world_size > 1 else ""
-        print(f"[specloop] new tokens {count}, {count / elapsed:.1f} tok/s, "
-              f"mean acceptance length {stats.mean_acceptance_length:.2f}, "
-              f"acceptance rate {stats.acceptance_rate:.2f}{scope} "
-              f"(method {config.speculative.method}, K {config.speculative.k})",
-              flush=True)
-
-
-def run_fetch_model(args) -> None:
-    from specloop.models import ensure_model_cached  # noqa: PLC0415
-    print(ensure_model_cached(args.name))
+def _common_options() -> argparse.ArgumentParser:
+    common = OneLineParser(add_help=False)
+    common.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
+                        help="debug shows every iteration_state event and full tracebacks")
+    common.add_argument("--log-format", choices=("console", "json"), default="console")
+    return common
 
 
 def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specloop", description=__doc__.splitlines()[0])
-    sub = p.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate a completion for each --prompt")
-    g.add_argument("--config", help="TOML config (default: the embedded SmolLM2 config)")
-    g.add_argument("--prompt", action="append", help="may be repeated")
-    g.add_argument("--method", help="override speculative.method")
-    g.add_argument("--max-tokens", type=int, default=64)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--min-p", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--log-format", choices=("console", "json"), default="console")
-    g.add_argument("--log-level", default="warning", help="e.g. debug shows iteration_state")
-    f = sub.add_parser("fetch-model", help="convert a registry model into the local cache")
-    f.add_argument("name", nargs="?", default="smollm2-135m-instruct")
+    p = OneLineParser(prog="specloop", description=__doc__.splitlines()[0])
+    p.add_argument("--version", action="version", version=f"specloop {_version()}")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND",
+                           parser_class=OneLineParser)
+    common = _common_options()
+    for name, module_name in COMMANDS.items():
+        module = _command_module(name, module_name)
+        command = sub.add_parser(name, help=module.HELP, description=module.HELP,
+                                 parents=[common])
+        module.add_arguments(command)
+        command.set_defaults(run=module.run)
     return p
+
+
+def _command_module(name: str, module_name: str):
+    """The module, or a stand-in that explains what is missing (e.g. an optional extra)."""
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        return _Unavailable(name, exc)
+
+
+class _Unavailable:
+    def __init__(self, name: str, exc: ImportError) -> None:
+        self.HELP = f"(unavailable: {exc})"
+        self._name, self._exc = name, exc
+
+    def add_arguments(self, parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("rest", nargs=argparse.REMAINDER)
+
+    def run(self, args) -> int:
+        from ._cli_common import UsageError  # noqa: PLC0415
+        raise UsageError(f"`specloop {self._name}` cannot load: {self._exc}; install the "
+                         "extra it needs (e.g. pip install 'specloop[serve]')")
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    fmt = getattr(args, "log_format", None) or "console"
-    level = getattr(args, "log_level", None) or "warning"
-    configure_logging(fmt, level)
-    if args.command == "fetch-model":
-        run_fetch_model(args)
-    else:
-        anyio.run(run_generate, args)
-    return 0
+    configure_logging(args.log_format, args.log_level)
+    try:
+        return int(args.run(args) or 0)
+    except KeyboardInterrupt:
+        print("\nspecloop: interrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    except BaseException as exc:  # noqa: BLE001 - every failure becomes one line
+        if isinstance(exc, SystemExit):
+            raise
+        return report_failure(exc, args.command, debug=args.log_level == "debug")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,147 @@
+"""``specloop generate``: complete each --prompt, streaming one, or several concurrently."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import anyio
+import attrs
+
+from ._cli_common import EXIT_INTERRUPTED, UsageError, add_engine_arguments, load_config
+
+HELP = "generate a completion for each --prompt"
+DEFAULT_PROMPT = "Tell me about llamas."
+
+
+def add_arguments(p) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--prompt", action="append", help="may be repeated")
+    p.add_argument("--system", help="a system message (chat template only)")
+    add_sampling_arguments(p, max_tokens=64, temperature=0.0)
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object per prompt (text, token_ids, usage)")
+
+
+def add_sampling_arguments(p, *, max_tokens: int, temperature: float) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=temperature)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID")
+    p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+
+
+def sampling_params(args):
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                          min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
+                          stop_token_ids=tuple(args.stop_token_id),
+                          ignore_eos=args.ignore_eos)
+
+
+@attrs.define
+class Completion:
+    prompt: str
+    text: str = ""
+    token_ids: list = attrs.Factory(list)
+    finish_reason: str | None = None
+
+
+@attrs.define
+class Progress:
+    """What was generated so far: survives Ctrl-C so the summary can still be printed."""
+
+    completions: list[Completion]
+    start: float = attrs.Factory(time.perf_counter)
+    stats: object = None
+    scope: str = ""
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.completions)
+
+
+def run(args) -> int:
+    # Everything checkable is checked before the model loads.
+    config = load_config(args)
+    params = sampling_params(args)
+    prompts = args.prompt or [DEFAULT_PROMPT]
+    if any(not p.strip() for p in prompts):
+        raise UsageError("--prompt is empty; give some text")
+    if args.system is not None and not config.model.chat_template:
+        raise UsageError("--system needs the chat template; drop --no-chat-template or "
+                         "--system")
+    progress = Progress([Completion(p) for p in prompts])
+    try:
+        anyio.run(_generate, config, args, params, progress)
+    except KeyboardInterrupt:
+        print("\n[specloop] interrupted", flush=True)
+        _finish(progress, config, args, interrupted=True)
+        return EXIT_INTERRUPTED
+    return 0
+
+
+async def _generate(config, args, params, progress: Progress) -> None:
+    from ._cli_engine import open_engine  # noqa: PLC0415
+
+    async with open_engine(config) as engine:
+        if engine.front is None:          # ranks > 0 under torchrun: serve until rank 0 exits
+            await engine.wait_closed()
+            return
+        progress.stats = engine.stats
+        progress.scope = " on rank 0" if config.parallel.world_size > 1 else ""
+        progress.start = time.perf_counter()
+        prompts = [_prompt(engine, c.prompt, args.system) for c in progress.completions]
+        stream = len(prompts) == 1 and not args.json
+        async with anyio.create_task_group() as tg:
+            for completion, prompt in zip(progress.completions, prompts):
+                tg.start_soon(_one, engine, prompt, params, completion, stream)
+    _finish(progress, config, args, interrupted=False)
+
+
+def _prompt(engine, text: str, system: str | None):
+    """A string lets the engine apply its own chat template; --system needs the messages."""
+    if system is None:
+        return text
+    if not engine.tokenizer.chat_template:
+        raise UsageError("--system needs a chat template, and this model's tokenizer has none")
+    return engine.tokenizer.encode_chat([{"role": "system", "content": system},
+                                         {"role": "user", "content": text}])
+
+
+async def _one(engine, prompt, params, completion: Completion, stream: bool) -> None:
+    async for out in engine.generate(prompt, params):
+        completion.text += out.text
+        completion.token_ids.extend(out.token_ids)
+        if stream:
+            print(out.text, end="", flush=True)
+        if out.finished:
+            completion.finish_reason = out.finish_reason.value
+    if stream:
+        print(flush=True)
+
+
+def _finish(progress: Progress, config, args, *, interrupted: bool) -> None:
+    if args.json:
+        for c in progress.completions:
+            print(json.dumps({"prompt": c.prompt, "text": c.text, "token_ids": c.token_ids,
+                              "finish_reason": c.finish_reason}), flush=True)
+    elif len(progress.completions) > 1:
+        for i, c in enumerate(progress.completions):
+            print(f"--- prompt {i}: {c.prompt!r}\n{c.text}", flush=True)
+    print(summary_line(progress, config, interrupted), flush=True)
+
+
+def summary_line(progress: Progress, config, interrupted: bool) -> str:
+    count = progress.num_tokens
+    elapsed = max(time.perf_counter() - progress.start, 1e-9)
+    line = f"[specloop] new tokens {count}, {count / elapsed:.1f} tok/s"
+    stats = progress.stats
+    if stats is not None:
+        line += (f", mean acceptance length {stats.mean_acceptance_length:.2f}, "
+                 f"acceptance rate {stats.acceptance_rate:.2f}{progress.scope}")
+    line += f" (method {config.speculative.method}, K {config.speculative.k})"
+    return line + (" [interrupted]" if interrupted else "")

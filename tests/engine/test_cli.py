@@ -1,0 +1,162 @@
+"""The command line as a user meets it, through real subprocesses: one-line errors, exit
+codes (2 usage/config, 1 runtime, 130 Ctrl-C), checks before the model loads, the flags."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import structlog
+
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def specloop(*args, timeout=120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "specloop.engine.cli", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def write_config(path: Path, model, extra: str = "", method: str = "ngram") -> Path:
+    path.write_text(f'[model]\nname = "{model}"\ndevice = "cpu"\nmax_seq_len = 256\n'
+                    f'chat_template = false\n{extra}\n[speculative]\nmethod = "{method}"\n')
+    return path
+
+
+@pytest.fixture(scope="module")
+def poison(tmp_path_factory):
+    """A model directory that fails to load: any error reported against it was found
+    before the model was loaded."""
+    root = tmp_path_factory.mktemp("poison")
+    model = root / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{not json")
+    return write_config(root / "poison.toml", model)
+
+
+USAGE_CASES = {
+    "missing config": (["--config", "/nonexistent/x.toml"], "not found"),
+    "typo key": (["--config", "{typo}"], "nmae"),
+    "gate": (["--config", "{gate}"], "parallel.lm_head_tp_in_adp"),
+    "bad temperature": (["--temperature", "-1"], "temperature"),
+    "max tokens 0": (["--max-tokens", "0"], "max_tokens"),
+    "empty prompt": (["--prompt", " "], "--prompt is empty"),
+    "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
+    "log level": (["--log-level", "verbose"], "invalid choice: 'verbose'"),
+    "untrained drafter": (["--method", "mtp_eagle"], "--allow-untrained-drafter"),
+    "missing draft model": (["--draft-model", "/nonexistent/draft"], "speculative.draft_model"),
+    "bad method": (["--method", "magic"], "speculative.method"),
+    "system without template": (["--system", "be brief", "--no-chat-template"], "--system"),
+}
+
+
+@pytest.fixture
+def cli(capsys):
+    """``main(argv)`` in this process (no torch import per case): (exit code, out, err)."""
+    from specloop.engine import cli as cli_module
+
+    saved = structlog.get_config()
+
+    def run(*argv):
+        try:
+            code = cli_module.main([str(a) for a in argv])
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    yield run
+    structlog.configure(**saved)
+
+
+@pytest.mark.parametrize("case", sorted(USAGE_CASES))
+def test_usage_errors_are_one_line_exit_2_before_loading(cli, poison, tmp_path, case):
+    typo = tmp_path / "typo.toml"
+    typo.write_text('[model]\nnmae = "x"\n')
+    gate = write_config(tmp_path / "gate.toml", poison.parent / "model",
+                        "[parallel]\nlm_head_tp_in_adp = true\n")
+    args, expected = USAGE_CASES[case]
+    args = [a.format(typo=typo, gate=gate) for a in args]
+    if "--config" not in args:
+        args = ["--config", poison, *args]
+    code, out, err = cli("generate", *args)
+    lines = err.strip().splitlines()
+    assert code == 2, err
+    assert len(lines) == 1, err
+    assert expected in lines[0]
+    assert "Traceback" not in err and out == ""
+
+
+def test_usage_error_in_a_real_process(poison):
+    proc = specloop("generate", "--config", poison, "--temperature", "-1")
+    assert proc.returncode == 2
+    assert proc.stderr.count("\n") == 1 and "temperature" in proc.stderr
+
+
+def test_runtime_failure_is_one_line_exit_1_traceback_only_in_debug(poison):
+    plain = specloop("generate", "--config", poison)
+    assert plain.returncode == 1
+    lines = plain.stderr.strip().splitlines()
+    assert len(lines) == 1 and "JSONDecodeError" in lines[0], plain.stderr
+    assert "--log-level debug" in lines[0]
+
+
+def test_traceback_with_debug(cli, poison):
+    code, _, err = cli("generate", "--config", poison, "--log-level", "debug")
+    assert code == 1
+    assert "Traceback" in err
+    assert err.strip().splitlines()[-1].startswith("specloop generate: error:")
+
+
+def test_version_and_help(cli):
+    proc = specloop("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("specloop ")
+    code, out, _ = cli("generate", "--help")
+    assert code == 0
+    for flag in ("--draft-model", "--stop-token-id", "--ignore-eos", "--system",
+                 "--no-chat-template", "--json", "--allow-untrained-drafter"):
+        assert flag in out
+
+
+def test_generate_json_greedy_matches_a_second_run(cli, tiny_dir, tmp_path):
+    config = write_config(tmp_path / "tiny.toml", tiny_dir)
+    args = ["generate", "--config", config, "--prompt", "The quick brown fox",
+            "--prompt", "A llama is", "--max-tokens", "12", "--json", "--ignore-eos"]
+    first = specloop(*args)
+    assert first.returncode == 0, first.stderr
+    rows = [json.loads(line) for line in first.stdout.splitlines() if line.startswith("{")]
+    assert [len(r["token_ids"]) for r in rows] == [12, 12]
+    assert all(r["finish_reason"] == "length" for r in rows)
+    assert "[specloop] new tokens 24" in first.stdout
+    assert first.stderr == ""
+    code, out, _ = cli(*args)
+    assert code == 0 and out.splitlines()[:2] == first.stdout.splitlines()[:2]
+
+
+def test_ctrl_c_prints_partial_text_and_summary_and_exits_130(tiny_dir, tmp_path):
+    config = tmp_path / "long.toml"
+    config.write_text(f'[model]\nname = "{tiny_dir}"\ndevice = "cpu"\nmax_seq_len = 60000\n'
+                      'chat_template = false\n[speculative]\nmethod = "none"\n')
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "specloop.engine.cli", "generate", "--config", str(config),
+         "--prompt", "hello", "--max-tokens", "50000", "--ignore-eos"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    try:
+        first = proc.stdout.read(1)         # generation has started
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    out = first + out
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err
+    summary = [line for line in out.splitlines() if line.startswith("[specloop] new tokens")]
+    assert len(summary) == 1 and summary[0].endswith("[interrupted]")
+    count = int(summary[0].split()[3].rstrip(","))
+    assert 0 < count < 50000
