@@ -80,6 +80,15 @@ class CollectiveCounter:
             out[label] += n
         return dict(out)
 
+    @property
+    def timeout_s(self) -> float | None:
+        return getattr(self.inner, "timeout_s", None)
+
+    def bounded(self, seconds: float) -> CollectiveCounter:
+        """The inner communicator's bounded view, still counted here."""
+        bounded = getattr(self.inner, "bounded", None)
+        return self if bounded is None else CollectiveCounter(bounded(seconds), _tally=self._tally)
+
     def reset(self) -> None:
         self._tally.counts.clear()
 

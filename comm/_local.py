@@ -103,10 +103,21 @@ class LocalGroup:
 class LocalCommunicator:
     """One rank's view of one group of a LocalGroup."""
 
-    def __init__(self, group: LocalGroup, rendezvous: Rendezvous, global_rank: int) -> None:
+    def __init__(self, group: LocalGroup, rendezvous: Rendezvous, global_rank: int,
+                 timeout: float | None = None) -> None:
         self._group = group
         self._rv = rendezvous
         self._me = global_rank
+        self._timeout = group.timeout if timeout is None else timeout
+
+    @property
+    def timeout_s(self) -> float:
+        """The longest this rank waits in one collective for the others."""
+        return self._timeout
+
+    def bounded(self, seconds: float) -> LocalCommunicator:
+        """This rank's view with every wait capped at `seconds` (a shorter own timeout stays)."""
+        return LocalCommunicator(self._group, self._rv, self._me, min(self._timeout, seconds))
 
     @property
     def rank(self) -> int:
@@ -150,7 +161,8 @@ class LocalCommunicator:
 
     async def subgroup(self, ranks: Sequence[int], name: str) -> LocalCommunicator:
         members = check_subgroup(ranks, name, self._rv.members, self._me)
-        return LocalCommunicator(self._group, self._group._rendezvous(name, members), self._me)
+        return LocalCommunicator(self._group, self._group._rendezvous(name, members), self._me,
+                                 self._timeout)
 
     def _call(self, op: str, tensor: torch.Tensor | None = None, detail: str | None = None) -> CollectiveCall:
         seq = self._rv.next_seq(self._me)
@@ -166,4 +178,4 @@ class LocalCommunicator:
         if faulted:
             self._group.mark_gone(self._me, f"died: {exc!r}")
             raise exc
-        return await self._rv.enter(self._me, call, payload, combine)
+        return await self._rv.enter(self._me, call, payload, combine, self._timeout)

@@ -17,6 +17,10 @@ class Communicator(Protocol):
     Every method except the properties is a collective: all ranks of the group call it,
     in the same order, with the same shapes and dtypes (see DESIGN.md, "Collective
     symmetry"). Results are fresh objects, never aliases of another rank's data.
+
+    Optional: `timeout_s` (the longest one collective waits for the other ranks) and
+    `bounded(seconds)` (a view whose waits are capped at `seconds`, or a ValueError when
+    that cannot be done); the engine applies `parallel.collective_timeout_s` through it.
     """
 
     @property

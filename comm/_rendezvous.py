@@ -54,8 +54,11 @@ class Rendezvous:
         self._next_seq[rank] = seq + 1
         return seq
 
-    async def enter(self, rank: int, call: CollectiveCall, payload: Any, combine: Callable[[list[Any]], Any]) -> Any:
-        """Arrive with `call`; return the combined result once every member has arrived."""
+    async def enter(self, rank: int, call: CollectiveCall, payload: Any, combine: Callable[[list[Any]], Any],
+                    timeout: float | None = None) -> Any:
+        """Arrive with `call`; return the combined result once every member has arrived
+        (waiting at most `timeout` seconds, default the group's)."""
+        timeout = self._timeout if timeout is None else timeout
         slot = self._slots.setdefault(call.seq, _Slot())
         if not slot.done.is_set():
             slot.calls[rank] = call
@@ -63,10 +66,10 @@ class Rendezvous:
             slot.combine = combine
             self._settle(slot)
         if not slot.done.is_set():
-            with anyio.move_on_after(self._timeout):
+            with anyio.move_on_after(timeout):
                 await slot.done.wait()
         if not slot.done.is_set():
-            self._fail(slot, mismatch=False, reason=f"no arrival within {self._timeout}s")
+            self._fail(slot, mismatch=False, reason=f"no arrival within {timeout}s")
         return self._outcome(call, slot, rank)
 
     async def stall(self, rank: int, call: CollectiveCall) -> Any:

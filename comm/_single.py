@@ -28,6 +28,13 @@ class SingleRankCommunicator:
     def name(self) -> str:
         return self._name
 
+    @property
+    def timeout_s(self) -> float:
+        return 0.0      # nobody to wait for
+
+    def bounded(self, seconds: float) -> SingleRankCommunicator:
+        return self
+
     async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return check_tensor(tensor).detach().unsqueeze(0).clone()
 

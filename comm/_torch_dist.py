@@ -100,6 +100,20 @@ class TorchDistributedCommunicator:
     def device(self) -> torch.device:
         return self._family.device
 
+    @property
+    def timeout_s(self) -> float:
+        """The process groups' timeout: the longest one collective waits for a peer."""
+        return self._family.timeout.total_seconds()
+
+    def bounded(self, seconds: float) -> TorchDistributedCommunicator:
+        """Self when its groups already time out within `seconds`; a group's timeout is
+        fixed when it is created, so a longer one cannot be shortened here."""
+        if self.timeout_s <= seconds:
+            return self
+        raise ValueError(f"this torch.distributed communicator waits up to {self.timeout_s:g} s "
+                         f"per collective, longer than {seconds:g} s; join with "
+                         f"TorchDistributedCommunicator.from_env(timeout={seconds:g})")
+
     async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check_device(check_tensor(tensor))
         return await self._run(CollectiveCall.for_tensor, ("all_gather", tensor), self._all_gather, tensor)

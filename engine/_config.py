@@ -128,6 +128,10 @@ class ParallelConfig:
     context_parallel_size: int = attrs.field(default=1, validator=_at_least("parallel", 1))
     # Exchange a signature before each real-backend collective (turns hangs into errors).
     checked_collectives: bool = False
+    # The longest any rank waits in one collective for the others (a stalled rank then
+    # surfaces as CollectiveTimeoutError on every other rank); covers model-load skew too.
+    collective_timeout_s: float = attrs.field(default=60.0,
+                                              validator=_positive_float("parallel"))
 
 
 def _buckets(instance, attribute, value):
@@ -212,6 +216,11 @@ def check_gates(config: EngineConfig) -> None:
                           f"world_size = {par.world_size} needs a parallel mode; attention "
                           "data parallelism is the one specloop runs",
                           "set parallel.attention_dp = true")
+    if par.collective_timeout_s <= config.scheduler.idle_wait_s:
+        raise ConfigError("parallel.collective_timeout_s", par.collective_timeout_s,
+                          f"an idle rank 0 waits scheduler.idle_wait_s = "
+                          f"{config.scheduler.idle_wait_s} s between exchanges, so the other "
+                          "ranks would time out", "make it larger than idle_wait_s")
     if spec.method == "draft_model" and not spec.draft_model:
         raise ConfigError("speculative.draft_model", None,
                           "method 'draft_model' needs a draft model",

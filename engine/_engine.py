@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import secrets
 from typing import AsyncIterator, Sequence
 
@@ -14,7 +15,7 @@ from specloop.models import IncrementalDetokenizer
 from specloop.samplers import SamplingParams, SpecMetadata, derive_seed
 
 from ._config import EngineConfig
-from ._errors import ConfigError, EngineClosedError, RequestError
+from ._errors import ConfigError, EngineClosedError, EngineStateError, RequestError
 from ._factories import build_communicator, build_drafter, build_graph_cache, build_sampler
 from ._frontdoor_state import FrontDoor
 from ._iteration import IterationMachine, IterationRecord
@@ -24,6 +25,8 @@ from ._states import IterationObserver
 from ._worker import RankWorker
 
 log = structlog.get_logger(__name__)
+# Automatic request ids are "req-N"; callers may not use that form, so the two never meet.
+_AUTO_ID = re.compile(r"req-[0-9]+")
 
 
 class AsyncEngine:
@@ -38,7 +41,8 @@ class AsyncEngine:
         self.config = config
         # A communicator the engine built is the engine's to close; an injected one is not.
         self._owns_comm = communicator is None
-        self.comm = communicator if communicator is not None else build_communicator(config)
+        self.comm = _bounded(communicator if communicator is not None
+                             else build_communicator(config), config)
         if self.comm.world_size != config.parallel.world_size:
             raise ConfigError("parallel.world_size", config.parallel.world_size,
                               f"the communicator has {self.comm.world_size} ranks",
@@ -53,10 +57,23 @@ class AsyncEngine:
         self._failure: BaseException | None = None
         self._next_id = 0
         self._admitted = 0
+        self._state = "new"     # -> "running" in __aenter__ -> "closed" in __aexit__
 
     # lifecycle --------------------------------------------------------------------------
     async def __aenter__(self) -> AsyncEngine:
-        await anyio.to_thread.run_sync(self._build)
+        # One run per engine: its loop, streams and communicator end with the block.
+        if self._state != "new":
+            raise EngineStateError(
+                "this AsyncEngine is already running; nesting `async with` on one engine "
+                "is not supported" if self._state == "running" else
+                "this AsyncEngine has already run; an engine runs once, build a new one")
+        self._state = "running"
+        try:
+            await anyio.to_thread.run_sync(self._build)
+        except BaseException:
+            self._state = "closed"
+            await self._close_comm()
+            raise
         self._task_group = anyio.create_task_group()
         await self._task_group.__aenter__()
         self._task_group.start_soon(self._loop)
@@ -68,10 +85,13 @@ class AsyncEngine:
         try:
             return await self._task_group.__aexit__(*exc_info)
         finally:
-            self._task_group = None
-            if self._owns_comm and hasattr(self.comm, "close"):
-                # Process groups left to interpreter exit can abort the process (gloo).
-                await anyio.to_thread.run_sync(self.comm.close)
+            self._state, self._task_group = "closed", None
+            await self._close_comm()
+
+    async def _close_comm(self) -> None:
+        if self._owns_comm and hasattr(self.comm, "close"):
+            # Process groups left to interpreter exit can abort the process (gloo).
+            await anyio.to_thread.run_sync(self.comm.close)
 
     def _build(self) -> None:
         from specloop.models import load_model  # noqa: PLC0415
@@ -148,11 +168,10 @@ class AsyncEngine:
                     if finished:
                         return
         finally:
-            if not finished and self.front is not None:
-                # The consumer left early: free the request's slot and state (a closing
-                # engine cancels everything itself).
-                self.front.cancel(new.request_id)
-                self.front.forget(new.request_id)
+            if not finished:
+                # The consumer left early (break, cancel scope, error): cancel the request
+                # and free its slot; its id stays in use until the engine is done with it.
+                self.front.abandon(new.request_id)
 
     def cancel(self, request_id: str) -> None:
         self._check_front()
@@ -172,10 +191,7 @@ class AsyncEngine:
             params = SamplingParams()
         if not isinstance(params, SamplingParams):
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        if request_id is None:
-            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-        if request_id in self.front.open_request_ids:
-            raise RequestError(f"request_id {request_id!r} is already in use")
+        request_id = self._request_id(request_id)
         prompt_ids = self._encode(prompt)
         room = self.config.model.max_seq_len - self.worker.k - 1
         if len(prompt_ids) > room:
@@ -186,6 +202,22 @@ class AsyncEngine:
         handle, self._admitted = self._admitted, self._admitted + 1
         return NewRequest(request_id, tuple(prompt_ids), params,
                           self._seed_for(params, handle), handle=handle)
+
+    def _request_id(self, request_id) -> str:
+        """Caller ids are reusable once their request fully finished; automatic ids are
+        never reused and have a form caller ids may not take."""
+        if request_id is None:
+            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
+            return request_id
+        if not isinstance(request_id, str) or not request_id:
+            raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
+        if _AUTO_ID.fullmatch(request_id):
+            raise RequestError(f"request_id {request_id!r} has the form of the engine's "
+                               "automatic ids ('req-N'); choose another or pass None")
+        if request_id in self.front.open_request_ids:
+            raise RequestError(f"request_id {request_id!r} is already in use (its request "
+                               "has not finished; an id is reusable once it has)")
+        return request_id
 
     def _seed_for(self, params: SamplingParams, index: int) -> int:
         """The request's own seed, else one derived at admission (DESIGN: Randomness)."""
@@ -198,9 +230,12 @@ class AsyncEngine:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty")
-            if self.config.model.chat_template and self.tokenizer.chat_template:
-                return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-            return self.tokenizer.encode(prompt)
+            try:
+                if self.config.model.chat_template and self.tokenizer.chat_template:
+                    return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                return self.tokenizer.encode(prompt)
+            except (ValueError, TypeError) as exc:
+                raise RequestError(f"prompt cannot be tokenized: {exc}") from exc
         if not isinstance(prompt, (list, tuple)):
             raise RequestError(f"prompt must be a str or a list of token ids, "
                                f"got {type(prompt).__name__}")
@@ -222,3 +257,17 @@ class AsyncEngine:
     @property
     def num_free_slots(self) -> int:
         return self.worker.scheduler.slots.num_free
+
+
+def _bounded(comm, config: EngineConfig):
+    """The communicator with every collective wait capped at parallel.collective_timeout_s
+    (communicators without `bounded` are used as they are)."""
+    bounded = getattr(comm, "bounded", None)
+    if bounded is None:
+        log.warning("communicator_unbounded", communicator=type(comm).__name__)
+        return comm
+    try:
+        return bounded(config.parallel.collective_timeout_s)
+    except ValueError as exc:
+        raise ConfigError("parallel.collective_timeout_s", config.parallel.collective_timeout_s,
+                          str(exc), "make the two agree") from exc

@@ -21,5 +21,9 @@ class EngineClosedError(RuntimeError):
     """The engine is not running (not entered, already closed, or it failed)."""
 
 
+class EngineStateError(RuntimeError):
+    """The engine's ``async with`` was used wrongly: nested, or entered a second time."""
+
+
 class IllegalTransitionError(RuntimeError):
     """An iteration handler asked for a state the transition table does not allow."""

@@ -48,8 +48,9 @@ def torch_distributed_communicator(config):
     from specloop.comm import TorchDistributedCommunicator  # noqa: PLC0415
     device = "cuda" if config.model.device.startswith("cuda") or (
         config.model.device == "auto" and _cuda()) else "cpu"
-    return TorchDistributedCommunicator.from_env(device=device,
-                                                 checked=config.parallel.checked_collectives)
+    return TorchDistributedCommunicator.from_env(
+        device=device, checked=config.parallel.checked_collectives,
+        timeout=config.parallel.collective_timeout_s)
 
 
 def _cuda() -> bool:

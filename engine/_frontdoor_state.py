@@ -1,4 +1,9 @@
-"""Rank 0's side of the front door: the inbox, pending cancels and the output streams."""
+"""Rank 0's side of the front door: the inbox, pending cancels and the output streams.
+
+A request is *live* from `submit` until the engine delivers its final output (or the front
+door ends it itself); its id stays reserved that long, even after its consumer left, so a
+reused id can never receive an earlier request's outputs or cancel (issue 10, defect 2).
+"""
 
 from __future__ import annotations
 
@@ -14,34 +19,51 @@ from ._request import FinishReason, NewRequest, RequestOutput
 
 class FrontDoor:
     def __init__(self) -> None:
-        self._inbox: list[NewRequest] = []
-        self._cancels: list[str] = []
-        self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}
-        self._handles: dict[int, str] = {}      # handle -> request id, while it streams
+        self._inbox: dict[str, NewRequest] = {}      # submitted, not yet handed to a rank
+        self._cancels: list[str] = []                # live ids to cancel at their rank
+        self._live: dict[str, int] = {}              # request id -> handle, until final
+        self._ids: dict[int, str] = {}               # handle -> request id, until final
+        self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}  # consumer on
         self._wake = anyio.Event()
         self.closing = False
 
     @property
     def open_request_ids(self) -> set[str]:
-        return set(self._streams)
+        """Ids in use: requests the engine has not finished with, consumer or not."""
+        return set(self._live)
+
+    @property
+    def num_live(self) -> int:
+        return len(self._live)
 
     def submit(self, new: NewRequest) -> MemoryObjectReceiveStream[RequestOutput]:
+        if new.request_id in self._live:
+            raise ValueError(f"request_id {new.request_id!r} is live")  # the engine checks
         # Unbounded: the engine loop never waits on a slow consumer.
         send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
         self._streams[new.request_id] = send
-        self._handles[new.handle] = new.request_id
-        self._inbox.append(new)
+        self._live[new.request_id] = new.handle
+        self._ids[new.handle] = new.request_id
+        self._inbox[new.request_id] = new
         self._wake.set()
         return receive
 
     def cancel(self, request_id: str) -> None:
-        queued = next((n for n in self._inbox if n.request_id == request_id), None)
-        if queued is not None:
-            self._inbox.remove(queued)
+        """End a queued request now; ask its rank to end a running one. Unknown or
+        finished ids are ignored."""
+        if self._inbox.pop(request_id, None) is not None:
             self._end(request_id, FinishReason.CANCELLED)
-        elif request_id in self._streams:
+        elif request_id in self._live and request_id not in self._cancels:
             self._cancels.append(request_id)
             self._wake.set()
+
+    def abandon(self, request_id: str) -> None:
+        """The consumer left before the final output: drop its stream and cancel the
+        request; the id stays reserved until the engine is done with it. Never raises."""
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.close()
+        self.cancel(request_id)
 
     def close(self) -> None:
         self.closing = True
@@ -55,7 +77,7 @@ class FrontDoor:
         self._wake = anyio.Event()
 
     def take_message(self, assign: Callable[[list[NewRequest]], tuple]) -> FrontDoorMessage:
-        new, self._inbox = self._inbox, []
+        new, self._inbox = list(self._inbox.values()), {}
         cancels, self._cancels = tuple(self._cancels), []
         if self.closing:
             for request in new:
@@ -65,26 +87,35 @@ class FrontDoor:
 
     def deliver(self, outputs: Iterable[RequestOutput]) -> None:
         for output in outputs:
+            if output.request_id not in self._live:
+                continue        # not ours (already ended here)
             stream = self._streams.get(output.request_id)
-            if stream is None:
-                continue        # its consumer already left
-            stream.send_nowait(output)
+            if stream is not None:
+                try:
+                    stream.send_nowait(output)
+                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                    self._streams.pop(output.request_id, None)  # consumer gone mid-way
             if output.finished:
-                self.forget(output.request_id)
+                self._release(output.request_id)
 
     def request_id(self, handle: int) -> str | None:
-        return self._handles.get(handle)
-
-    def forget(self, request_id: str) -> None:
-        stream = self._streams.pop(request_id, None)
-        if stream is not None:
-            stream.close()
-            self._handles = {h: r for h, r in self._handles.items() if r != request_id}
+        return self._ids.get(handle)
 
     def close_all(self, reason: FinishReason, error: str | None = None) -> None:
-        for request_id in list(self._streams):
+        self._inbox.clear()
+        for request_id in list(self._live):
             self._end(request_id, reason, error)
 
     def _end(self, request_id: str, reason: FinishReason, error: str | None = None) -> None:
         """The final, empty output of a request the engine will not serve further."""
         self.deliver((RequestOutput(request_id, (), "", True, reason, error),))
+
+    def _release(self, request_id: str) -> None:
+        handle = self._live.pop(request_id)
+        self._ids.pop(handle, None)
+        stream = self._streams.pop(request_id, None)
+        if stream is not None:
+            stream.close()
+        # A cancel not yet sent must not reach a later request that reuses the id.
+        if request_id in self._cancels:
+            self._cancels.remove(request_id)

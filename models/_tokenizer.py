@@ -65,7 +65,17 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
-        """text -> ids (special tokens written in ``text`` are always recognised)."""
+        """text -> ids (special tokens written in ``text`` are always recognised).
+
+        Raises ValueError for text that is not a str of valid Unicode (a lone surrogate
+        such as "\\ud800" cannot be encoded as UTF-8)."""
+        if not isinstance(text, str):
+            raise ValueError(f"text must be a str, got {type(text).__name__}")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"text is not valid Unicode: {exc.reason} at index {exc.start} "
+                             f"({text[exc.start:exc.end]!r})") from None
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:

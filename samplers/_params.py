@@ -9,6 +9,10 @@ import attrs
 import torch
 
 INT64_MAX = 2**63 - 1
+# SamplingBatch holds temperature as float32 and multiplies by its reciprocal: both must be
+# finite and normal there, so a value passing validation can never produce NaN later.
+TEMPERATURE_MIN = 1e-6
+TEMPERATURE_MAX = 1e6
 
 
 class SamplingParamsError(ValueError):
@@ -29,14 +33,18 @@ def _is_real(value: object) -> bool:
 
 
 def _check_temperature(_inst, attr, value) -> None:
-    if not _is_real(value) or not math.isfinite(value) or value < 0:
-        raise _fail(attr.name, value, "must be a finite number >= 0",
+    if not _is_real(value) or not math.isfinite(value) or not (
+            value == 0 or TEMPERATURE_MIN <= value <= TEMPERATURE_MAX):
+        raise _fail(attr.name, value,
+                    f"must be 0 or a number in [{TEMPERATURE_MIN:g}, {TEMPERATURE_MAX:g}]",
                     "use 0 for greedy decoding or a positive value such as 1.0")
 
 
 def _check_top_k(_inst, attr, value) -> None:
-    if not _is_int(value) or value < 0:
-        raise _fail(attr.name, value, "must be an int >= 0", "use 0 to turn top-k off")
+    # Held as int64 in SamplingBatch.top_k; any k >= the vocabulary means "off".
+    if not _is_int(value) or not 0 <= value <= INT64_MAX:
+        raise _fail(attr.name, value, "must be an int in [0, 2**63 - 1]",
+                    "use 0 to turn top-k off")
 
 
 def _check_top_p(_inst, attr, value) -> None:
@@ -56,13 +64,14 @@ def _check_seed(_inst, attr, value) -> None:
 
 
 def _check_max_tokens(_inst, attr, value) -> None:
-    if not _is_int(value) or value < 1:
-        raise _fail(attr.name, value, "must be an int >= 1", "ask for at least one token")
+    if not _is_int(value) or not 1 <= value <= INT64_MAX:
+        raise _fail(attr.name, value, "must be an int in [1, 2**63 - 1]",
+                    "ask for at least one token")
 
 
 def _check_stop_ids(_inst, attr, value) -> None:
     if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in value):
-        raise _fail(attr.name, value, "must hold token ids >= 0",
+        raise _fail(attr.name, value, "must hold int token ids in [0, 2**63 - 1]",
                     "remove negative or non-integer ids")
 
 

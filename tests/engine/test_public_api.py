@@ -4,7 +4,7 @@ import specloop.models.drafters as drafters
 
 ENGINE = {
     "AsyncEngine", "ComponentsConfig", "ConfigError", "ENTRY_POINT_GROUP", "EngineClosedError",
-    "EngineConfig", "EngineStats", "FinishReason", "GraphsConfig", "IllegalTransitionError",
+    "EngineConfig", "EngineStateError", "EngineStats", "FinishReason", "GraphsConfig", "IllegalTransitionError",
     "IterationMachine", "IterationObserver", "IterationRecord", "IterationState",
     "ModelConfig", "ParallelConfig", "RequestError", "RequestOutput", "SchedulerConfig",
     "SpeculativeConfig", "TRANSITIONS", "TransitionEvent", "known_components",
