@@ -30,6 +30,8 @@ def add_sampling_arguments(p, *, max_tokens: int, temperature: float) -> None:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--min-p", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end the completion before this text (may be repeated)")
     p.add_argument("--stop-token-id", action="append", type=int, default=[], metavar="ID")
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
 
@@ -38,7 +40,7 @@ def sampling_params(args):
     from specloop.samplers import SamplingParams  # noqa: PLC0415
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
-                          stop_token_ids=tuple(args.stop_token_id),
+                          stop=tuple(args.stop), stop_token_ids=tuple(args.stop_token_id),
                           ignore_eos=args.ignore_eos)
 
 

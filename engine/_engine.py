@@ -7,11 +7,9 @@ import secrets
 from typing import AsyncIterator, Sequence
 
 import anyio
-import attrs
 import structlog
 import torch
 
-from specloop.models import IncrementalDetokenizer
 from specloop.samplers import SamplingParams, SpecMetadata, derive_seed
 
 from ._config import EngineConfig
@@ -22,6 +20,7 @@ from ._iteration import IterationMachine, IterationRecord
 from ._request import FinishReason, NewRequest, RequestOutput
 from ._runner import DTYPES, ModelRunner, resolve_device
 from ._states import IterationObserver
+from ._stop import TextStream
 from ._worker import RankWorker
 
 log = structlog.get_logger(__name__)
@@ -153,19 +152,17 @@ class AsyncEngine:
                        *, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         new = self._admit(prompt, params, request_id)
         receive = self.front.submit(new)
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
-        finished = False
+        texts = TextStream(self.tokenizer, new.params.stop)
+        finished = False        # by the engine; a stop string ends the stream before that
         try:
             async with receive:
                 async for output in receive:
                     if output.error is not None:
                         raise EngineClosedError(output.error)
                     finished = output.finished
-                    text = detokenizer.push(output.token_ids) if output.token_ids else ""
-                    if finished:
-                        text += detokenizer.flush()
-                    yield attrs.evolve(output, text=text)
-                    if finished:
+                    output = texts.step(output)
+                    yield output
+                    if output.finished:
                         return
         finally:
             if not finished:

@@ -75,6 +75,22 @@ def _check_stop_ids(_inst, attr, value) -> None:
                     "remove negative or non-integer ids")
 
 
+def _to_stop_strings(value) -> tuple:
+    # One string is one stop string, not a sequence of one-character stops.
+    if isinstance(value, str):
+        return (value,)
+    if not isinstance(value, Sequence):
+        raise _fail("stop", value, "must be a string or a sequence of strings",
+                    'pass e.g. "\\n\\n" or ("User:", "###")')
+    return tuple(value)
+
+
+def _check_stop(_inst, attr, value) -> None:
+    if not all(isinstance(s, str) and s for s in value):
+        raise _fail(attr.name, value, "must hold non-empty strings",
+                    "remove empty or non-string entries")
+
+
 def _check_bool(_inst, attr, value) -> None:
     if not isinstance(value, bool):
         raise _fail(attr.name, value, "must be a bool", "pass True or False")
@@ -101,6 +117,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = attrs.field(
         default=(), converter=_to_tuple, validator=_check_stop_ids)
     ignore_eos: bool = attrs.field(default=False, validator=_check_bool)
+    # Stop strings, matched on the detokenized text; the output ends before the match.
+    stop: tuple[str, ...] = attrs.field(default=(), converter=_to_stop_strings,
+                                        validator=_check_stop)
 
     @property
     def is_greedy(self) -> bool:

@@ -51,6 +51,7 @@ USAGE_CASES = {
     "untrained drafter": (["--method", "mtp_eagle"], "--allow-untrained-drafter"),
     "missing draft model": (["--draft-model", "/nonexistent/draft"], "speculative.draft_model"),
     "bad method": (["--method", "magic"], "speculative.method"),
+    "empty stop": (["--stop", ""], "SamplingParams.stop"),
     "system without template": (["--system", "be brief", "--no-chat-template"], "--system"),
 }
 
@@ -118,7 +119,7 @@ def test_version_and_help(cli):
     assert proc.returncode == 0 and proc.stdout.startswith("specloop ")
     code, out, _ = cli("generate", "--help")
     assert code == 0
-    for flag in ("--draft-model", "--stop-token-id", "--ignore-eos", "--system",
+    for flag in ("--draft-model", "--stop", "--stop-token-id", "--ignore-eos", "--system",
                  "--no-chat-template", "--json", "--allow-untrained-drafter"):
         assert flag in out
 
@@ -160,3 +161,16 @@ def test_ctrl_c_prints_partial_text_and_summary_and_exits_130(tiny_dir, tmp_path
     assert len(summary) == 1 and summary[0].endswith("[interrupted]")
     count = int(summary[0].split()[3].rstrip(","))
     assert 0 < count < 50000
+
+
+def test_generate_stop_string(cli, tiny_dir, tmp_path):
+    config = write_config(tmp_path / "tiny.toml", tiny_dir)
+    base = ["generate", "--config", config, "--prompt", "A llama", "--max-tokens", "24",
+            "--ignore-eos", "--json"]
+    code, out, _ = cli(*base)
+    full = json.loads(out.splitlines()[0])["text"]
+    stop = full[5:8]
+    code, out, err = cli(*base, "--stop", stop)
+    row = json.loads(out.splitlines()[0])
+    assert code == 0, err
+    assert row["text"] == full[:full.find(stop)] and row["finish_reason"] == "stop"
