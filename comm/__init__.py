@@ -8,7 +8,6 @@ from ._counter import CollectiveCounter, collective_label
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, InjectedFault
 from ._local import LocalCommunicator, LocalGroup
 from ._protocol import Communicator, ReduceOp
-from ._registry import communicator_factories, create_communicator
 from ._single import SingleRankCommunicator
 from ._torch_dist import TorchDistributedCommunicator
 from ._torchrun_env import TorchrunEnv
@@ -28,7 +27,5 @@ __all__ = [
     "TorchDistributedCommunicator",
     "TorchrunEnv",
     "collective_label",
-    "communicator_factories",
-    "create_communicator",
     "distributed_argmax",
 ]

@@ -1,75 +1,108 @@
-"""Name -> factory registry for the swappable components.
+"""The one component registry: name -> factory, per kind, and the builders that use it.
 
-A component is named in config by a registry name, or by ``"package.module:attr"``.
-Third parties register through the entry-point group ``specloop.components`` with
-entry-point names ``"<kind>.<name>"`` (e.g. ``sampler.fancy``).
+Built-in names and the names installed packages register under the entry-point group
+``specloop.components`` (entry-point name ``"<kind>.<name>"``, e.g. ``drafter.eagle3``)
+form one registry. Config may also name ``"package.module:attr"``. The valid values of
+every ``[components]`` field and of ``speculative.method`` come from here.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from importlib.metadata import entry_points
+from types import MappingProxyType
 from typing import Any
+
+import structlog
 
 from ._errors import ConfigError
 
+log = structlog.get_logger(__name__)
+
 ENTRY_POINT_GROUP = "specloop.components"
 KINDS = ("sampler", "communicator", "graph_cache", "drafter")
+# speculative.method's one value that names no drafter: speculation off.
+NO_DRAFTER = "none"
+
+# Import strings, not objects: importing every component up front would cost time and
+# import cycles; a name is resolved only when an engine is built with it.
+_BUILTINS: Mapping[str, Mapping[str, str]] = MappingProxyType({
+    "sampler": MappingProxyType({"default": f"{__name__}:default_sampler"}),
+    "communicator": MappingProxyType({
+        "single": f"{__name__}:single_communicator",
+        "torch_distributed": f"{__name__}:torch_distributed_communicator",
+    }),
+    "graph_cache": MappingProxyType({
+        "eager": "specloop.graphs:EagerGraphCache",
+        "cuda": "specloop.graphs:CudaGraphCache",
+    }),
+    "drafter": MappingProxyType({
+        "ngram": "specloop.models.drafters:NgramDrafter",
+        "draft_model": "specloop.models.drafters:DraftModelDrafter",
+        "early_exit": "specloop.models.drafters:EarlyExitDrafter",
+        "mtp_eagle": "specloop.models.drafters:MtpEagleDrafter",
+    }),
+})
 
 
-def builtin_components() -> dict[str, dict[str, str]]:
-    # Import strings, not objects: importing every component up front would cost time and
-    # cycles; a name is resolved only when an engine is built with it.
-    return {
-        "sampler": {"default": "specloop.engine._factories:default_sampler"},
-        "communicator": {
-            "single": "specloop.engine._factories:single_communicator",
-            "torch_distributed": "specloop.engine._factories:torch_distributed_communicator",
-        },
-        "graph_cache": {
-            "eager": "specloop.graphs:EagerGraphCache",
-            "cuda": "specloop.graphs:CudaGraphCache",
-        },
-        "drafter": {
-            "ngram": "specloop.models.drafters:NgramDrafter",
-            "draft_model": "specloop.models.drafters:DraftModelDrafter",
-            "early_exit": "specloop.models.drafters:EarlyExitDrafter",
-            "mtp_eagle": "specloop.models.drafters:MtpEagleDrafter",
-        },
-    }
-
-
-def _entry_point_components(kind: str) -> dict[str, str]:
-    found = {}
+def component_registry() -> dict[str, dict[str, str]]:
+    """kind -> {name -> "module:attr"}: built-ins, then entry points (which may not shadow
+    a built-in). Read fresh on each call, so a package installed at run time is seen."""
+    found: dict[str, dict[str, str]] = {kind: {} for kind in KINDS}
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        ep_kind, _, name = ep.name.partition(".")
-        if ep_kind == kind and name:
-            found[name] = ep.value
-    return found
+        kind, _, name = ep.name.partition(".")
+        if kind not in found or not name:
+            log.warning("component_entry_point_ignored", entry_point=ep.name,
+                        reason=f"name must be '<kind>.<name>' with kind in {KINDS}")
+        elif name in _BUILTINS[kind] or name == NO_DRAFTER:
+            log.warning("component_entry_point_ignored", entry_point=ep.name,
+                        reason="a built-in name cannot be shadowed")
+        else:
+            found[kind][name] = ep.value
+    return {kind: {**found[kind], **_BUILTINS[kind]} for kind in KINDS}
 
 
 def known_components(kind: str) -> dict[str, str]:
-    """Every name usable for ``kind``: built-ins, then entry points (which may not shadow)."""
-    return {**_entry_point_components(kind), **builtin_components()[kind]}
+    """Every registered name usable for ``kind`` -> its ``"module:attr"``."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown component kind {kind!r}; kinds are {', '.join(KINDS)}")
+    return component_registry()[kind]
 
 
 def is_import_path(name: str) -> bool:
+    if not isinstance(name, str):
+        return False
     module, sep, attr = name.partition(":")
     return bool(sep and module and attr)
 
 
-def check_component_name(kind: str, name: str, field: str) -> None:
-    if is_import_path(name) or name in known_components(kind):
+def check_component_name(kind: str, name: str, field: str, *,
+                         registry: Mapping[str, Mapping[str, str]] | None = None) -> None:
+    known = (registry or component_registry())[kind]
+    if is_import_path(name) or name in known:
         return
-    known = ", ".join(sorted(known_components(kind)))
     raise ConfigError(field, name, f"unknown {kind}",
-                      f"use one of: {known}; or 'package.module:attr'")
+                      f"use one of: {', '.join(sorted(known))}; or 'package.module:attr'")
+
+
+def check_method(value: str) -> None:
+    """``speculative.method``: ``"none"``, or a drafter as ``components.drafter`` names one."""
+    if value == NO_DRAFTER or is_import_path(value):
+        return
+    known = known_components("drafter")
+    if value not in known:
+        names = ", ".join([NO_DRAFTER, *sorted(known)])
+        raise ConfigError("speculative.method", value, "unknown drafter",
+                          f"use one of: {names}; or 'package.module:attr' (packages "
+                          f"register drafters under the '{ENTRY_POINT_GROUP}' entry points)")
 
 
 def resolve_component(kind: str, name: str, field: str) -> Any:
     """The factory (class or callable) that ``name`` stands for."""
-    check_component_name(kind, name, field)
-    target = name if is_import_path(name) else known_components(kind)[name]
+    registry = component_registry()
+    check_component_name(kind, name, field, registry=registry)
+    target = name if is_import_path(name) else registry[kind][name]
     module_name, _, attr_path = target.partition(":")
     try:
         obj: Any = importlib.import_module(module_name)
@@ -79,3 +112,59 @@ def resolve_component(kind: str, name: str, field: str) -> Any:
         raise ConfigError(field, name, f"cannot import {target}: {exc}",
                           "check the module path and that its package is installed") from exc
     return obj
+
+
+# Builders: one per kind, each the only place that kind is built from config. -----------
+
+def build_sampler(config):
+    return resolve_component("sampler", config.components.sampler, "components.sampler")(config)
+
+
+def build_graph_cache(config):
+    return resolve_component("graph_cache", config.components.graph_cache,
+                             "components.graph_cache")(config)
+
+
+def build_communicator(config):
+    return resolve_component("communicator", config.components.communicator,
+                             "components.communicator")(config)
+
+
+def build_drafter(config, deps):
+    from specloop.models.drafters import DrafterConfigError  # noqa: PLC0415
+
+    if not config.speculative.enabled:
+        return None
+    name = config.components.drafter or config.speculative.method
+    try:
+        return resolve_component("drafter", name, "components.drafter")(config, deps)
+    except DrafterConfigError as exc:
+        raise ConfigError(exc.field, exc.value, exc.problem, exc.fix) from exc
+
+
+# Built-in factories whose component needs more than the config passed through. ---------
+
+def default_sampler(config):
+    from specloop.samplers import DefaultSampler  # noqa: PLC0415
+    # Input validation syncs with the host, which graph capture forbids.
+    return DefaultSampler(method=config.speculative.verification,
+                          validate=config.components.graph_cache != "cuda")
+
+
+def single_communicator(config):
+    from specloop.comm import SingleRankCommunicator  # noqa: PLC0415
+    return SingleRankCommunicator()
+
+
+def torch_distributed_communicator(config):
+    from specloop.comm import TorchDistributedCommunicator  # noqa: PLC0415
+    device = "cuda" if config.model.device.startswith("cuda") or (
+        config.model.device == "auto" and _cuda()) else "cpu"
+    return TorchDistributedCommunicator.from_env(
+        device=device, checked=config.parallel.checked_collectives,
+        timeout=config.parallel.collective_timeout_s)
+
+
+def _cuda() -> bool:
+    import torch  # noqa: PLC0415
+    return torch.cuda.is_available()

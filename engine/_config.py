@@ -15,12 +15,11 @@ import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
-from ._components import check_component_name
+from ._components import check_component_name, check_method, component_registry
 from ._errors import ConfigError
 
 MAX_DRAFT_TOKENS = 16
 DTYPES = ("float32", "bfloat16", "float16", "float64")
-METHODS = ("none", "ngram", "draft_model", "early_exit", "mtp_eagle")
 VERIFICATIONS = ("token", "block")
 
 
@@ -87,7 +86,8 @@ class SchedulerConfig:
 
 @attrs.frozen
 class SpeculativeConfig:
-    method: str = attrs.field(default="ngram", validator=_in("speculative", METHODS))
+    # "none" or a drafter name registered in the component registry (built-in or plugin).
+    method: str = attrs.field(default="ngram")
     num_draft_tokens: int = attrs.field(default=4)
     use_rejection_sampling: bool = False
     verification: str = attrs.field(default="token",
@@ -101,6 +101,10 @@ class SpeculativeConfig:
     ngram_min: int = attrs.field(default=1, validator=_at_least("speculative", 1))
     # mtp_eagle: safetensors file of the head; None = random init (tests only).
     mtp_weights: str | None = None
+
+    @method.validator
+    def _check_method(self, attribute, value):
+        check_method(value)
 
     @num_draft_tokens.validator
     def _check_k(self, attribute, value):
@@ -231,15 +235,17 @@ def check_gates(config: EngineConfig) -> None:
     if spec.early_exit_layers is not None and spec.early_exit_layers < 1:
         raise ConfigError("speculative.early_exit_layers", spec.early_exit_layers,
                           "must be >= 1", "or leave it unset for a quarter of the layers")
-    check_component_name("sampler", comp.sampler, "components.sampler")
-    check_component_name("communicator", comp.communicator, "components.communicator")
-    check_component_name("graph_cache", comp.graph_cache, "components.graph_cache")
+    registry = component_registry()
+    for kind in ("sampler", "communicator", "graph_cache"):
+        check_component_name(kind, getattr(comp, kind), f"components.{kind}",
+                             registry=registry)
     if comp.drafter and not spec.enabled:
         raise ConfigError("components.drafter", comp.drafter,
                           "a drafter is named but speculative.method = 'none'",
                           "choose a speculative.method or remove components.drafter")
     if spec.enabled:
-        check_component_name("drafter", comp.drafter or spec.method, "components.drafter")
+        check_component_name("drafter", comp.drafter or spec.method, "components.drafter",
+                             registry=registry)
 
 
 class _WrongType(TypeError):

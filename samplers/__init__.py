@@ -6,7 +6,7 @@ from ._params import SamplingBatch, SamplingParams, SamplingParamsError
 from ._probs import compute_probs, sample_tokens
 from ._rejection import RejectionResult, rejection_sample
 from ._rng import Stream, derive_seed, uniform
-from ._sampler import DefaultSampler, DraftSample, Sampler, sampler_registry, strict_verify
+from ._sampler import DefaultSampler, DraftSample, Sampler, strict_verify
 
 __all__ = [
     "DefaultSampler",
@@ -22,7 +22,6 @@ __all__ = [
     "derive_seed",
     "rejection_sample",
     "sample_tokens",
-    "sampler_registry",
     "strict_verify",
     "uniform",
 ]

@@ -1,9 +1,7 @@
-"""The Sampler protocol, the default sampler and the sampler registry."""
+"""The Sampler protocol and the default sampler (registered by specloop.engine as "default")."""
 
 from __future__ import annotations
 
-import types
-from collections.abc import Callable, Mapping
 from typing import Protocol, runtime_checkable
 
 import attrs
@@ -88,7 +86,3 @@ class DefaultSampler:
                                 positions=positions, method=self.method,
                                 validate=self.validate)
 
-
-def sampler_registry() -> Mapping[str, Callable[..., Sampler]]:
-    """Name -> factory. A fresh read-only mapping: no module-level mutable state."""
-    return types.MappingProxyType({"default": DefaultSampler})

@@ -9,7 +9,7 @@ EXPECTED = {
     "CollectiveCall", "CollectiveCounter", "CollectiveMismatchError", "CollectiveTimeoutError",
     "CommError", "Communicator", "InjectedFault", "LocalCommunicator", "LocalGroup", "ReduceOp",
     "SingleRankCommunicator", "TorchDistributedCommunicator", "TorchrunEnv", "collective_label",
-    "communicator_factories", "create_communicator", "distributed_argmax",
+    "distributed_argmax",
 }
 
 
@@ -34,21 +34,6 @@ def test_implementations_satisfy_the_protocol():
     group = comm.LocalGroup(2)
     for c in (comm.SingleRankCommunicator(), group.communicator(0), comm.CollectiveCounter(group.communicator(1))):
         assert isinstance(c, comm.Communicator)
-
-
-def test_registry_is_a_fresh_dict_with_the_known_names():
-    factories = comm.communicator_factories()
-    assert set(factories) == {"single", "local", "torch_distributed"}
-    factories.clear()
-    assert "single" in comm.communicator_factories()
-    assert isinstance(comm.create_communicator("single"), comm.SingleRankCommunicator)
-
-
-def test_registry_explains_local_and_unknown_names():
-    with pytest.raises(ValueError, match="LocalGroup"):
-        comm.create_communicator("local")
-    with pytest.raises(ValueError, match="unknown communicator 'nccl'"):
-        comm.create_communicator("nccl")
 
 
 def test_torchrun_env_names_what_is_missing():
