@@ -1,9 +1,11 @@
 """The distribution's shape: installed names, import directions, the built wheel."""
 
 import ast
+import json
 import subprocess
 import sys
 import sysconfig
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -42,10 +44,21 @@ def test_imports_point_one_way(package):
         assert not bad, f"{path.relative_to(ROOT)} imports specloop.{sorted(bad)}"
 
 
-def test_no_generic_top_level_names_installed():
-    import specloop.engine
-    assert not hasattr(sys.modules.get("engine"), "AsyncEngine")
-    assert specloop.engine.__name__ == "specloop.engine"
+def test_no_generic_top_level_names_installed(tmp_path):
+    # Outside the source tree (whose folders are importable from the repo root), only
+    # specloop.* may resolve: an installed top-level "engine" or "comm" would shadow users'
+    # own modules. Each subpackage must come from its folder here.
+    generic = sorted({name.split(".")[0] for name in SUBPACKAGES} | {"serve", "train"})
+    code = ("import importlib.util as u, json;"
+            f"print(json.dumps({{n: u.find_spec(n) is not None for n in {generic!r}}}));"
+            f"print(json.dumps([u.find_spec('specloop.' + n).origin for n in {SUBPACKAGES!r}]))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=tmp_path).stdout.splitlines()
+    found = json.loads(out[0])
+    assert not any(found.values()), f"generic top-level names importable: {found}"
+    origins = json.loads(out[1])
+    for name, origin in zip(SUBPACKAGES, origins, strict=True):
+        assert Path(origin) == ROOT / name.replace(".", "/") / "__init__.py", (name, origin)
 
 
 @pytest.mark.slow
@@ -54,6 +67,8 @@ def test_built_wheel_installs_into_a_fresh_venv(tmp_path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
                     "-w", str(dist), str(ROOT)], check=True, capture_output=True)
     wheel = next(dist.glob("specloop-*.whl"))
+    tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
+    assert tops == {"specloop", "specloop-0.1.0.dist-info"}, tops
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     py = venv / "bin" / "python"

@@ -79,9 +79,12 @@ def test_import_path_components_are_accepted():
 
 def test_rejection_sampling_allowed_under_adp_with_and_without_lm_head_tp():
     for tp in (False, True):
-        EngineConfig.from_dict({"parallel": {"world_size": 2, "attention_dp": True,
-                                             "lm_head_tp_in_adp": tp},
-                                "speculative": {"use_rejection_sampling": True}})
+        config = EngineConfig.from_dict({"parallel": {"world_size": 2, "attention_dp": True,
+                                                      "lm_head_tp_in_adp": tp},
+                                         "speculative": {"use_rejection_sampling": True}})
+        assert config.speculative.use_rejection_sampling and config.parallel.attention_dp
+        # The group-synced greedy flag is gated on exactly LM-head TP + rejection sampling.
+        assert config.group_sync_greedy_flag is tp
 
 
 def test_missing_and_invalid_toml(tmp_path):

