@@ -12,8 +12,8 @@ import torch
 
 from specloop.samplers import SamplingParams, SpecMetadata, derive_seed
 
-from ._config import EngineConfig
 from ._components import build_communicator, build_drafter, build_graph_cache, build_sampler
+from ._config import EngineConfig
 from ._errors import ConfigError, EngineClosedError, EngineStateError, RequestError
 from ._frontdoor_state import FrontDoor
 from ._iteration import IterationMachine, IterationRecord

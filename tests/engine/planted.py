@@ -6,7 +6,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from specloop.engine._factories import default_sampler
+from specloop.engine._components import default_sampler
 
 # Recorders built by engines in this process; a test clears it first (test-only state).
 RECORDERS: list["RecordingSampler"] = []

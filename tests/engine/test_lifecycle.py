@@ -167,7 +167,7 @@ def test_collective_timeout_must_exceed_the_idle_wait(tiny_dir):
 
 def test_the_torch_distributed_factory_gets_the_timeout(tiny_dir, monkeypatch):
     from specloop.comm import TorchDistributedCommunicator
-    from specloop.engine._factories import torch_distributed_communicator
+    from specloop.engine._components import torch_distributed_communicator
     seen = {}
     monkeypatch.setattr(TorchDistributedCommunicator, "from_env",
                         classmethod(lambda cls, **kw: seen.update(kw)))
