@@ -20,6 +20,7 @@ from ._cli_common import (EXIT_INTERRUPTED, LOG_LEVELS, OneLineParser, configure
 COMMANDS: dict[str, str] = {
     "generate": "specloop.engine._cli_generate",
     "fetch-model": "specloop.engine._cli_fetch",
+    "certify": "specloop.engine._certify",
 }
 
 

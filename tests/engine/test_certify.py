@@ -1,0 +1,149 @@
+"""``specloop certify``: passes on correct engines, fails (naming the check) on planted
+bugs, and says "inconclusive" when its control shows the trials lack power.
+
+Planted bugs are injected (monkeypatch, or test-only components named through config in
+tests/engine/planted.py); production code has no test flags."""
+
+import json
+
+import attrs
+import pytest
+
+from specloop.engine._certify import CertifyOptions, certify, main
+
+from . import planted
+from .conftest import make_config
+
+T1 = "temperature=1.0"
+TOP_P = "temperature=0.7,top_p=0.9"
+GREEDY = "temperature=0"
+DRAFTERS = ["ngram", "draft_model", "early_exit", "mtp_eagle"]
+
+
+def config_for(tiny_dir, tiny_draft_dir, method, *, verification="token", **sections):
+    spec = {"verification": verification}
+    return make_config(tiny_dir, method=method, k=3, rejection=True, max_batch_size=64,
+                       max_seq_len=64,
+                       draft_model=tiny_draft_dir if method == "draft_model" else None,
+                       speculative=spec, **sections)
+
+
+def statuses(report):
+    return {c["name"]: c["status"] for c in report["checks"]}
+
+
+def failed(report):
+    return sorted(name for name, s in statuses(report).items() if s == "fail")
+
+
+DIST = CertifyOptions(ranks=(1,), trials=300, positions=2, params=(T1,),
+                      checks=("distribution",))
+INVARIANCE = CertifyOptions(ranks=(1,), params=(T1,), probe_tokens=6,
+                            checks=("invariance",))
+
+
+@pytest.fixture(scope="module")
+def draft_config(tiny_dir, tiny_draft_dir):
+    # A good drafter (q close to p), against which sampler bugs show in a few hundred trials.
+    return config_for(tiny_dir, tiny_dir, "draft_model",
+                      components={"drafter": "tests.engine.planted:near_target_drafter"})
+
+
+async def test_clean_draft_model_distribution_passes(draft_config, tiny_loaded):
+    report = await certify(draft_config, DIST, model=tiny_loaded)
+    assert report["verdict"] == "pass", report["checks"][0]["summary"]
+    rows = report["checks"][0]["details"][0]["rows"]
+    assert [r["position"] for r in rows] == [1, 2]
+    assert all(r["control"]["verdict"] == "fail" for r in rows)
+
+
+async def test_residual_not_renormalised_fails_distribution(draft_config, tiny_loaded,
+                                                             monkeypatch):
+    planted.skip_residual_normalisation(monkeypatch)
+    report = await certify(draft_config, DIST, model=tiny_loaded)
+    assert report["verdict"] == "fail"
+    assert failed(report) == ["distribution"]
+
+
+@pytest.mark.slow
+async def test_shared_noise_stream_fails_distribution(tiny_dir, tiny_draft_dir, tiny_loaded,
+                                                      monkeypatch):
+    """A subtle bias (chi2 / sample ~ 0.1 here): it takes ~2000 trials to see at 10 sigma."""
+    planted.share_one_stream(monkeypatch)
+    config = config_for(tiny_dir, tiny_draft_dir, "early_exit")
+    report = await certify(config, attrs.evolve(DIST, trials=2000), model=tiny_loaded)
+    assert report["verdict"] == "fail"
+    assert failed(report) == ["distribution"]
+
+
+async def test_drafter_leaking_the_slots_previous_user_fails_slot_reuse(
+        tiny_dir, tiny_draft_dir, tiny_loaded):
+    # The target as its own draft model: every draft is accepted unless the leak bites.
+    config = config_for(tiny_dir, tiny_dir, "draft_model",
+                        components={"drafter": "tests.engine.planted:LeakyDraftModelDrafter"})
+    report = await certify(config, INVARIANCE, model=tiny_loaded)
+    assert report["verdict"] == "fail"
+    assert "invariance.kv_slot_reuse" in failed(report)
+    assert statuses(report)["invariance.rank_placement"] == "skipped"
+
+
+async def test_a_rank_sampling_with_seed_plus_one_fails_rank_placement(
+        tiny_dir, tiny_draft_dir, tiny_loaded):
+    planted.SAMPLERS_BUILT.clear()
+    config = config_for(tiny_dir, tiny_draft_dir, "ngram",
+                        components={"sampler": "tests.engine.planted:one_rank_off_by_one"})
+    opts = attrs.evolve(INVARIANCE, ranks=(1, 2))
+    report = await certify(config, opts, model=tiny_loaded)
+    assert "invariance.rank_placement[2]" in failed(report)
+    # Every one-rank scenario agrees; only runs on the group differ.
+    assert set(failed(report)) <= {"invariance.rank_placement[2]",
+                                   "invariance.one_token_prompts"}
+
+
+def test_cli_exit_codes_and_json(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
+    toml = tmp_path / "c.toml"
+    toml.write_text(f"""
+[model]
+name = "{tiny_dir}"
+dtype = "float64"
+max_seq_len = 64
+chat_template = false
+[scheduler]
+max_batch_size = 64
+[speculative]
+method = "draft_model"
+draft_model = "{tiny_dir}"
+num_draft_tokens = 2
+use_rejection_sampling = true
+[components]
+drafter = "tests.engine.planted:near_target_drafter"
+""")
+    out = tmp_path / "r.json"
+    args = ["--config", str(toml), "--ranks", "1", "--checks", "distribution",
+            "--params", T1, "--positions", "1", "--json", str(out)]
+    # 12 samples cannot tell T from 1.5 T: the control passes, so no verdict is given.
+    assert main([*args, "--trials", "12"], model=tiny_loaded) == 3
+    report = json.loads(out.read_text())
+    assert report["verdict"] == "inconclusive"
+    row = report["checks"][0]["details"][0]["rows"][0]
+    assert {"statistic", "df", "threshold", "verdict", "control"} <= set(row)
+    planted.skip_residual_normalisation(monkeypatch)
+    assert main([*args, "--trials", "300"], model=tiny_loaded) == 1
+    assert main(["--config", str(toml), "--checks", "bogus"], model=tiny_loaded) == 2
+    assert main(["--config", str(toml), "--params", "temperature=x"], model=tiny_loaded) == 2
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("params", [GREEDY, T1, TOP_P])
+@pytest.mark.parametrize("verification", ["token", "block"])
+@pytest.mark.parametrize("method", DRAFTERS)
+async def test_certify_passes_every_drafter(tiny_dir, tiny_draft_dir, tiny_loaded, method,
+                                            verification, params):
+    config = config_for(tiny_dir, tiny_draft_dir, method, verification=verification)
+    # 800 trials: the power control fails at every position (600 left one top-p position
+    # inconclusive).
+    opts = CertifyOptions(ranks=(1, 2), trials=800, positions=2, params=(params,),
+                          probe_tokens=6)
+    report = await certify(config, opts, model=tiny_loaded)
+    assert report["verdict"] == "pass", [c["summary"] for c in report["checks"]
+                                         if c["status"] != "pass"]
