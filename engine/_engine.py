@@ -158,7 +158,7 @@ class AsyncEngine:
             async with receive:
                 async for output in receive:
                     if output.error is not None:
-                        raise EngineClosedError(output.error)
+                        raise EngineClosedError(output.error) from self._failure
                     finished = output.finished
                     output = texts.step(output)
                     yield output
