@@ -29,7 +29,8 @@ from ._errors import ConfigError
 
 DEFAULT_PARAMS = ("temperature=1.0", "temperature=0.7,top_p=0.9")
 CHECKS = ("distribution", "greedy", "invariance")
-EXIT = {PASS: 0, SKIPPED: 0, FAIL: 1, INCONCLUSIVE: 3}
+# A certificate where every check was skipped tested nothing: not a pass.
+EXIT = {PASS: 0, FAIL: 1, INCONCLUSIVE: 3, SKIPPED: 3}
 
 
 @attrs.frozen
@@ -151,8 +152,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     from ._cli_common import add_engine_arguments  # noqa: PLC0415
 
     add_engine_arguments(p)
-    p.add_argument("--ranks", default="1,2", help="rank counts to run, e.g. 1,2,3 (the first "
-                   "is the reference; the others are compared with it)")
+    p.add_argument("--ranks", help="rank counts to run, e.g. 1,2,3; the first is the "
+                   "reference, the others are compared with it (default: 1 and the "
+                   "config's parallel.world_size, or 1,2 when that is 1)")
     p.add_argument("--trials", type=int, default=DEFAULTS.trials,
                    help="samples per prompt and params for the distribution check")
     p.add_argument("--positions", type=int, default=DEFAULTS.positions,
@@ -166,13 +168,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the full report here")
 
 
-def options_from_args(args) -> CertifyOptions:
+def options_from_args(args, config: EngineConfig) -> CertifyOptions:
     from ._cli_common import UsageError  # noqa: PLC0415
 
+    world = config.parallel.world_size
+    text = args.ranks or (f"1,{world}" if world > 1 else "1,2")
     try:
-        ranks = tuple(int(r) for r in args.ranks.split(","))
+        ranks = tuple(int(r) for r in text.split(","))
     except ValueError:
-        raise UsageError(f"--ranks {args.ranks!r}: not a list of integers (e.g. 1,2)") from None
+        raise UsageError(f"--ranks {text!r}: not a list of integers (e.g. 1,2)") from None
     checks = tuple(c for c in args.checks.split(",") if c)
     unknown = sorted(set(checks) - set(CHECKS))
     if unknown:
@@ -189,13 +193,14 @@ def options_from_args(args) -> CertifyOptions:
 
 
 def run(args, *, model=None) -> int:
-    """Exit code: 0 every check passed (or was skipped), 1 a check failed, 3 inconclusive
-    (the CLI's usage and config errors are 2)."""
+    """Exit code: 0 every check that ran passed, 1 a check failed, 3 inconclusive or
+    nothing tested (the CLI's usage and config errors are 2)."""
     from ._cli_common import load_config  # noqa: PLC0415
 
     # Exactness does not need a trained drafter: certify any configured one.
     args.allow_untrained_drafter = True
-    config, opts = load_config(args), options_from_args(args)
+    config = load_config(args)
+    opts = options_from_args(args, config)
     report = anyio.run(lambda: certify(config, opts, model=model))
     print(render(report), flush=True)
     if args.json:

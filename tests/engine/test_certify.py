@@ -147,3 +147,16 @@ async def test_certify_passes_every_drafter(tiny_dir, tiny_draft_dir, tiny_loade
     report = await certify(config, opts, model=tiny_loaded)
     assert report["verdict"] == "pass", [c["summary"] for c in report["checks"]
                                          if c["status"] != "pass"]
+
+
+@pytest.mark.slow
+async def test_certify_passes_adp_with_lm_head_tp(tiny_dir, tiny_draft_dir, tiny_loaded):
+    """The configured group (2 ranks, LM-head TP on the greedy draft path) against 1 rank."""
+    config = config_for(tiny_dir, tiny_draft_dir, "mtp_eagle",
+                        parallel={"world_size": 2, "attention_dp": True,
+                                  "lm_head_tp_in_adp": True})
+    opts = CertifyOptions(ranks=(1, 2), trials=800, positions=2, params=(TOP_P,),
+                          probe_tokens=6)
+    report = await certify(config, opts, model=tiny_loaded)
+    assert report["verdict"] == "pass", [c["summary"] for c in report["checks"]
+                                         if c["status"] != "pass"]
