@@ -171,7 +171,10 @@ class AsyncEngine:
                 self.front.abandon(new.request_id)
 
     def cancel(self, request_id: str) -> None:
-        self._check_front()
+        """End a request (see docs/embedding.md); unknown or finished ids are ignored, so
+        is every id once the engine closed (its streams have all ended)."""
+        if self.front is None:
+            raise EngineClosedError(f"rank {self.comm.rank} is not the front door; use rank 0")
         self.front.cancel(request_id)
 
     def _check_front(self) -> None:

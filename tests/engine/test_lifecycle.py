@@ -212,6 +212,26 @@ async def test_nesting_is_refused_and_leaves_other_engines_alone(tiny_dir, tiny_
         assert len(await collect(other, PROMPTS[0], GREEDY)) == GREEDY.max_tokens
 
 
+async def test_cancel_racing_shutdown_is_harmless(tiny_dir, tiny_loaded):
+    engine = AsyncEngine(make_config(tiny_dir), model=tiny_loaded)
+    engine.cancel("early")                      # before the engine started: ignored
+    finals = []
+
+    async def consume():
+        try:
+            async for out in engine.generate(PROMPTS[0], LONG, request_id="late"):
+                finals.append(out.finish_reason)
+        finally:
+            engine.cancel("late")               # e.g. a disconnect handler
+
+    async with anyio.create_task_group() as tg:
+        async with engine:
+            tg.start_soon(consume)
+            await anyio.sleep(0.05)
+    engine.cancel("late")
+    assert finals[-1] is FinishReason.CANCELLED
+
+
 # 8 -----------------------------------------------------------------------------------
 class Broken:
     def __init__(self):
