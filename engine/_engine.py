@@ -7,6 +7,7 @@ import secrets
 from typing import AsyncIterator, Sequence
 
 import anyio
+import anyio.lowlevel
 import structlog
 import torch
 
@@ -136,6 +137,11 @@ class AsyncEngine:
             log.error("engine_failed", rank=self.comm.rank, error=repr(exc))
             if self.front is not None:
                 self.front.close_all(FinishReason.ERROR, f"engine failed: {exc!r}")
+                # Raising cancels the `async with` body: first let the consumers waiting
+                # on a stream take its error, so they end with EngineClosedError.
+                with anyio.CancelScope(shield=True):
+                    for _ in range(3):
+                        await anyio.lowlevel.checkpoint()
             raise
         finally:
             worker.cancel_all()

@@ -10,8 +10,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from specloop.comm import CollectiveTimeoutError, LocalGroup
-from specloop.engine import (AsyncEngine, ConfigError, EngineStateError, FinishReason,
-                             RequestError)
+from specloop.engine import (AsyncEngine, ConfigError, EngineClosedError, EngineStateError,
+                             FinishReason, RequestError)
 from specloop.samplers import SamplingParams, SamplingParamsError
 
 from .conftest import PROMPTS, collect, make_config
@@ -19,6 +19,7 @@ from .test_engine import reference_greedy
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 LONG = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+ENDLESS = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
 DOCS = Path(__file__).resolve().parents[2] / "docs"
 
 
@@ -156,6 +157,38 @@ async def test_collective_timeout_from_config_reaches_an_injected_local_group(
     exc, when = errors[0]
     assert any(isinstance(e, CollectiveTimeoutError) for e in flatten(exc)), exc
     assert when - stalled_at[0] < 5.0       # far below the group's own 60 s
+
+
+async def test_every_stream_ends_when_a_rank_dies(tiny_dir, tiny_loaded):
+    config = make_config(tiny_dir, method="ngram", max_batch_size=2,
+                         parallel={"world_size": 2, "attention_dp": True,
+                                   "collective_timeout_s": 2.0})
+    group = LocalGroup(2)
+    endings = {}
+
+    async def consume(engine, i):
+        try:
+            async for out in engine.generate(PROMPTS[i], ENDLESS, request_id=f"s{i}"):
+                if out.finished:
+                    endings.setdefault(i, []).append(out.finish_reason)
+        except EngineClosedError as exc:
+            endings.setdefault(i, []).append(type(exc))
+
+    async def rank_main(comm):
+        async with AsyncEngine(config, communicator=comm, model=tiny_loaded) as engine:
+            if comm.rank == 1:
+                await engine.wait_closed()
+                return
+            async with anyio.create_task_group() as tg:
+                for i in range(5):          # 2 + 2 served, 1 queued
+                    tg.start_soon(consume, engine, i)
+                await anyio.sleep(0.1)
+                group.fail(1)
+
+    with anyio.fail_after(20):
+        await group.run(rank_main, return_exceptions=True)
+    assert sorted(endings) == list(range(5)) and all(len(e) == 1 for e in endings.values())
+    assert all(e[0] is EngineClosedError for e in endings.values()), endings
 
 
 def test_collective_timeout_must_exceed_the_idle_wait(tiny_dir):
