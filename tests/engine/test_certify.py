@@ -100,6 +100,19 @@ async def test_a_rank_sampling_with_seed_plus_one_fails_rank_placement(
                                    "invariance.one_token_prompts"}
 
 
+async def test_graph_replay_matches_eager_through_a_step_replay_cache(
+        tiny_dir, tiny_draft_dir, tiny_loaded):
+    """The static-step (CUDA-graph) path on CPU, mtp_eagle's draft graph included."""
+    config = config_for(tiny_dir, tiny_draft_dir, "mtp_eagle",
+                        components={"graph_cache":
+                                    "tests.graphs.test_static_steps:StepReplayCache"},
+                        graphs={"batch_buckets": [1, 2, 4, 8, 16, 32, 64]})
+    report = await certify(config, INVARIANCE, model=tiny_loaded)
+    assert statuses(report)["invariance.graph_replay"] == "pass"
+    assert report["verdict"] == "pass", [c["summary"] for c in report["checks"]
+                                         if c["status"] != "pass"]
+
+
 def test_cli_exit_codes_and_json(tmp_path, tiny_dir, tiny_loaded, monkeypatch):
     toml = tmp_path / "c.toml"
     toml.write_text(f"""

@@ -22,10 +22,15 @@ def params(seed):
     return SamplingParams(temperature=1.0, seed=seed, max_tokens=8, ignore_eos=True)
 
 
-def config_for(tiny_dir, tiny_draft_dir, method):
+STEP_REPLAY = "tests.graphs.test_static_steps:StepReplayCache"   # the graph path on CPU
+
+
+def config_for(tiny_dir, tiny_draft_dir, method, graph_cache="eager"):
     return make_config(tiny_dir, method=method, k=3, rejection=True, max_batch_size=4,
                        draft_model=tiny_draft_dir if method == "draft_model" else None,
-                       components={"sampler": "tests.engine.planted:recording_sampler"})
+                       components={"sampler": "tests.engine.planted:recording_sampler",
+                                   "graph_cache": graph_cache},
+                       graphs={"batch_buckets": [1, 2, 4]})
 
 
 async def run_scenario(config, loaded, scenario):
@@ -56,10 +61,11 @@ def assert_same(a, b):
 
 
 
+@pytest.mark.parametrize("graph_cache", ["eager", STEP_REPLAY])
 @pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "mtp_eagle"])
 async def test_one_token_prompt_drafts_ignore_slot_history_and_neighbours(
-        tiny_dir, tiny_draft_dir, tiny_loaded, method):
-    config = config_for(tiny_dir, tiny_draft_dir, method)
+        tiny_dir, tiny_draft_dir, tiny_loaded, method, graph_cache):
+    config = config_for(tiny_dir, tiny_draft_dir, method, graph_cache)
     alone = await run_scenario(config, tiny_loaded, "alone")
     reuse = await run_scenario(config, tiny_loaded, "reuse")
     batched = await run_scenario(config, tiny_loaded, "batched")
