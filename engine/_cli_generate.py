@@ -19,6 +19,9 @@ def add_arguments(p) -> None:
     p.add_argument("--prompt", action="append", help="may be repeated")
     p.add_argument("--system", help="a system message (chat template only)")
     add_sampling_arguments(p, max_tokens=64, temperature=0.0)
+    p.add_argument("--trace", metavar="FILE",
+                   help="write a timeline of every iteration state and collective on every "
+                   "rank (Chrome trace-event JSON; open it in https://ui.perfetto.dev)")
     p.add_argument("--json", action="store_true",
                    help="print one JSON object per prompt (text, token_ids, usage)")
 
@@ -89,7 +92,7 @@ def run(args) -> int:
 async def _generate(config, args, params, progress: Progress) -> None:
     from ._cli_engine import open_engine  # noqa: PLC0415
 
-    async with open_engine(config) as engine:
+    async with open_engine(config, trace=args.trace) as engine:
         if engine.front is None:          # ranks > 0 under torchrun: serve until rank 0 exits
             await engine.wait_closed()
             return

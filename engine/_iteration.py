@@ -68,20 +68,21 @@ class IterationMachine:
             start = time.perf_counter()
             next_state = await self.handlers[state](record)
             check_transition(state, next_state)
-            self._emit(record, state, next_state, (time.perf_counter() - start) * 1e6)
+            self._emit(record, state, next_state, start, time.perf_counter() - start)
             state = next_state
         return record
 
     def _emit(self, record: IterationRecord, state: IterationState,
-              next_state: IterationState, duration_us: float) -> None:
-        accepted = None
+              next_state: IterationState, start: float, duration_s: float) -> None:
+        accepted, request_ids = None, ()
         if state is S.VERIFY and record.result is not None:
             accepted = tuple(record.result.num_accepted.tolist())
+            request_ids = tuple(r.request_id for r in record.batch)
         event = TransitionEvent(
             rank=self.rank, iteration=record.iteration, state=state, next_state=next_state,
-            duration_us=round(duration_us, 1), batch_size=len(record.batch),
+            duration_us=round(duration_s * 1e6, 1), batch_size=len(record.batch),
             num_draft_tokens=self.num_draft_tokens, sampling_path=record.sampling_path,
-            accepted=accepted)
+            accepted=accepted, request_ids=request_ids, started_at=start)
         # structlog unconfigured prints every level to stdout: a library stays quiet then.
         if structlog.is_configured():
             log.debug("iteration_state", rank=event.rank, iteration=event.iteration,

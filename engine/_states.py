@@ -56,6 +56,10 @@ class TransitionEvent:
     num_draft_tokens: int
     sampling_path: str | None
     accepted: tuple[int, ...] | None = None
+    # VERIFY only: the batch's request ids, row for row with ``accepted``.
+    request_ids: tuple[str, ...] = ()
+    # time.perf_counter() when the state began (timelines place slices by it).
+    started_at: float = 0.0
 
 
 @runtime_checkable

@@ -19,6 +19,7 @@ from ._cli_common import (EXIT_INTERRUPTED, LOG_LEVELS, OneLineParser, configure
 # Subcommand name -> module implementing it. A new command plugs in with one line here.
 COMMANDS: dict[str, str] = {
     "generate": "specloop.engine._cli_generate",
+    "serve": "specloop.serve._cli",
     "fetch-model": "specloop.engine._cli_fetch",
     "certify": "specloop.engine._certify",
 }

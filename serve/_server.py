@@ -1,0 +1,128 @@
+"""Running the server: the engine, uvicorn in the same event loop, graceful shutdown.
+
+SIGINT/SIGTERM: stop accepting, let open streams finish for ``shutdown_timeout_s``,
+cancel the rest, close the engine, exit 0. If the engine dies, /health turns 503 and
+requests get 503 until the process is stopped (a supervisor restarts it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import socket
+import threading
+
+import anyio
+import attrs
+import structlog
+import uvicorn
+
+from specloop.engine._cli_engine import open_engine
+
+from ._app import ServerState, build_app
+from ._metrics import ServeMetrics
+from ._spec import SpecTracker
+
+log = structlog.get_logger(__name__)
+
+
+@attrs.frozen
+class ServeOptions:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None
+    max_body_bytes: int = 1 << 20
+    cors_origins: tuple[str, ...] = ()
+    trace: str | None = None
+    shutdown_timeout_s: float = 10.0
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, but a handled SIGINT/SIGTERM is not re-raised afterwards (uvicorn
+    re-raises it, which would turn a clean shutdown into exit 130)."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        saved = {sig: signal.signal(sig, self.handle_exit)
+                 for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in saved.items():
+                signal.signal(sig, handler)
+
+
+def bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
+async def serve(config, options: ServeOptions, sock: socket.socket | None = None) -> None:
+    """Serve until SIGINT/SIGTERM. Ranks > 0 of a torchrun group run their engine until
+    rank 0 shuts the group down."""
+    k = config.speculative.k
+    metrics, spec = ServeMetrics(num_draft_tokens=k), SpecTracker(k)
+    state = ServerState(engine=None, metrics=metrics, spec=spec,
+                        model_name=options.served_model_name or config.model.name,
+                        api_key=options.api_key, max_body_bytes=options.max_body_bytes)
+    ready, stop = anyio.Event(), anyio.Event()
+
+    async def run_engine() -> None:
+        # Its own task: an engine that dies cancels only this, and the server stays up
+        # to answer /health with 503.
+        try:
+            async with open_engine(config, trace=options.trace,
+                                   observers=(metrics, spec)) as engine:
+                state.engine = engine
+                ready.set()
+                if engine.front is None:
+                    with _ignore_signals():     # rank 0 decides when the group stops
+                        await engine.wait_closed()
+                    stop.set()
+                    return
+                metrics.slots_free.set_function(lambda: engine.num_free_slots)
+                await stop.wait()
+        except Exception as exc:
+            if not ready.is_set():
+                raise                           # it never started: the command fails
+            state.failure = f"{type(exc).__name__}: {exc}"
+            log.error("engine_failed_while_serving", error=state.failure)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(run_engine)
+        await ready.wait()
+        if state.engine.front is not None:
+            try:
+                await _serve_http(state, options, sock)
+            finally:
+                stop.set()
+
+
+async def _serve_http(state: ServerState, options: ServeOptions, sock) -> None:
+    sock = sock or bind(options.host, options.port)
+    server = _Server(uvicorn.Config(
+        build_app(state, cors_origins=options.cors_origins), log_level="warning",
+        lifespan="off", timeout_graceful_shutdown=options.shutdown_timeout_s,
+        access_log=False))
+    host, port = sock.getsockname()[:2]
+    print(f"specloop serve: {state.model_name} on http://{host}:{port} "
+          f"(Ctrl-C to stop)", flush=True)
+    await server.serve(sockets=[sock])
+    print("specloop serve: stopped", flush=True)
+
+
+@contextlib.contextmanager
+def _ignore_signals():
+    saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
