@@ -7,7 +7,7 @@ import contextlib
 import anyio
 
 from ._engine import AsyncEngine
-from ._factories import build_communicator
+from ._components import build_communicator
 from ._trace import TraceRecorder
 
 GATHER_TIMEOUT_S = 30.0
