@@ -8,6 +8,7 @@ requests get 503 until the process is stopped (a supervisor restarts it).
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import socket
 import threading
@@ -17,6 +18,7 @@ import attrs
 import structlog
 import uvicorn
 
+from specloop.engine._cli_common import leaf_error
 from specloop.engine._cli_engine import open_engine
 
 from ._app import ServerState, build_app
@@ -92,7 +94,8 @@ async def serve(config, options: ServeOptions, sock: socket.socket | None = None
         except Exception as exc:
             if not ready.is_set():
                 raise                           # it never started: the command fails
-            state.failure = f"{type(exc).__name__}: {exc}"
+            leaf = leaf_error(exc)
+            state.failure = f"{type(leaf).__name__}: {leaf}"
             log.error("engine_failed_while_serving", error=state.failure)
 
     async with anyio.create_task_group() as tg:
@@ -113,7 +116,7 @@ async def _serve_http(state: ServerState, options: ServeOptions, sock) -> None:
         access_log=False))
     host, port = sock.getsockname()[:2]
     print(f"specloop serve: {state.model_name} on http://{host}:{port} "
-          f"(Ctrl-C to stop)", flush=True)
+          f"(pid {os.getpid()}; Ctrl-C to stop)", flush=True)
     await server.serve(sockets=[sock])
     print("specloop serve: stopped", flush=True)
 

@@ -174,3 +174,18 @@ def test_generate_stop_string(cli, tiny_dir, tmp_path):
     row = json.loads(out.splitlines()[0])
     assert code == 0, err
     assert row["text"] == full[:full.find(stop)] and row["finish_reason"] == "stop"
+
+
+def test_generate_system_message_reaches_the_prompt(cli, tiny_dir, tmp_path):
+    config = tmp_path / "chat.toml"
+    config.write_text(f'[model]\nname = "{tiny_dir}"\ndevice = "cpu"\nmax_seq_len = 256\n'
+                      '[speculative]\nmethod = "none"\n')
+    base = ["generate", "--config", config, "--prompt", "A llama", "--max-tokens", "16",
+            "--ignore-eos", "--json"]
+    outs = []
+    for extra in ([], ["--system", "You are terse."], ["--no-chat-template"]):
+        code, out, err = cli(*base, *extra)
+        assert code == 0, err
+        outs.append(json.loads(out.splitlines()[0])["token_ids"])
+    # Each changes the prompt the model sees, so the greedy continuation changes.
+    assert outs[0] != outs[1] and outs[0] != outs[2]

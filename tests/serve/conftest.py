@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import time
 
+import httpx
 import pytest
 
 pytest.importorskip("starlette")
@@ -80,11 +82,27 @@ class Server:
 @pytest.fixture(scope="session")
 def server(serve_config, tmp_path_factory):
     trace = tmp_path_factory.mktemp("trace") / "serve-trace.json"
-    srv = Server(["--config", serve_config, "--api-key", API_KEY, "--trace", str(trace)])
-    srv.trace = trace
+    srv = Server(["--config", serve_config, "--api-key", API_KEY, "--trace", str(trace),
+                  "--shutdown-timeout", "2"])
     yield srv
-    code, _, err = srv.stop()
+    # Graceful shutdown with a stream still open: SIGTERM ends it, the process exits 0
+    # and writes its trace.
+    chunks = []
+    with httpx.stream("POST", f"{srv.url}/v1/completions", timeout=60,
+                      headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"prompt": "hello", "max_tokens": 480, "stream": True,
+                            "ignore_eos": True}) as response:
+        lines = response.iter_lines()
+        chunks.append(next(lines))
+        code, _, err = srv.stop(signal.SIGTERM)
+        try:
+            chunks.extend(lines)
+        except httpx.HTTPError:
+            pass            # the connection closed under the stream: also an end
     assert code == 0, err[-3000:]
+    assert chunks[0].startswith("data: ")
+    doc = json.loads(trace.read_text())
+    assert any(e["name"] == "VERIFY" for e in doc["traceEvents"])
 
 
 def metrics(url: str) -> dict[str, float]:

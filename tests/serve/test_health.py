@@ -1,0 +1,59 @@
+"""/health answers while the engine runs and fails once it has died; requests then get 503
+(the server itself stays up so a supervisor can see it)."""
+
+from __future__ import annotations
+
+import anyio
+import httpx
+
+from specloop.engine import EngineConfig
+from specloop.serve import ServeOptions, serve
+from specloop.serve._server import bind
+
+
+class ExplodingDrafter:
+    """A drafter whose first proposal fails: the engine loop dies mid-request."""
+
+    point_mass = True
+
+    def __init__(self, config, deps) -> None:
+        self.num_draft_tokens = config.speculative.num_draft_tokens
+
+    def prefill(self, slot, token_ids, hidden) -> None:
+        pass
+
+    async def propose(self, ctx):
+        raise RuntimeError("drafter exploded")
+
+    def release(self, slot) -> None:
+        pass
+
+
+async def test_health_fails_once_the_engine_died(serve_model):
+    config = EngineConfig.from_dict({
+        "model": {"name": str(serve_model), "device": "cpu", "max_seq_len": 128},
+        "speculative": {"method": "ngram", "num_draft_tokens": 2},
+        "components": {"drafter": "tests.serve.test_health:ExplodingDrafter"}})
+    sock = bind("127.0.0.1", 0)
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(serve, config, ServeOptions(shutdown_timeout_s=1), sock)
+        async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+            with anyio.fail_after(60):
+                while True:
+                    try:
+                        if (await http.get("/health")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await anyio.sleep(0.05)
+            body = {"prompt": "hello", "max_tokens": 4}
+            failed = await http.post("/v1/completions", json=body)
+            assert failed.status_code in (500, 503), failed.text
+            health = await http.get("/health")
+            assert health.status_code == 503
+            assert "drafter exploded" in health.json()["error"]
+            again = await http.post("/v1/completions", json=body)
+            assert again.status_code == 503
+            assert again.json()["error"]["type"] == "server_error"
+        tg.cancel_scope.cancel()
