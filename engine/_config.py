@@ -55,6 +55,8 @@ class ModelConfig:
     dtype: str = attrs.field(default="float32", validator=_in("model", DTYPES))
     device: str = attrs.field(default="cpu")
     max_seq_len: int = attrs.field(default=2048, validator=_at_least("model", 16))
+    # Positions per KV-cache page: a request holds ceil(length / kv_page_size) pages.
+    kv_page_size: int = attrs.field(default=16, validator=_at_least("model", 1))
     # Apply the model's chat template to string prompts (instruct models want it).
     chat_template: bool = True
 

@@ -107,7 +107,8 @@ class AsyncEngine:
         self.tokenizer = loaded.tokenizer
         runner = ModelRunner(loaded, num_slots=cfg.scheduler.max_batch_size,
                              max_seq_len=cfg.model.max_seq_len,
-                             max_prefill_tokens=cfg.scheduler.max_num_tokens)
+                             max_prefill_tokens=cfg.scheduler.max_num_tokens,
+                             page_size=cfg.model.kv_page_size)
         deps = DrafterDeps(loaded, runner.cache, cfg.scheduler.max_batch_size,
                            cfg.model.max_seq_len)
         self.worker = RankWorker(

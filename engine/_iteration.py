@@ -7,6 +7,7 @@ transition table in ``_states`` is checked, and each transition emits one
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Awaitable, Callable, Sequence
 
@@ -64,15 +65,24 @@ class IterationMachine:
 
     async def run(self, record: IterationRecord) -> IterationRecord:
         state = S.SCHEDULE
+        # One bind per iteration (not per event), under the logging config of the moment;
+        # when debug is filtered out and nobody observes, an event costs nothing.
+        # structlog unconfigured prints every level to stdout: a library stays quiet then.
+        bound = log.bind()
+        debug = structlog.is_configured() and getattr(
+            bound, "is_enabled_for", lambda level: True)(logging.DEBUG)
+        emit = debug or bool(self.observers)
         while state is not S.DONE:
             start = time.perf_counter()
             next_state = await self.handlers[state](record)
             check_transition(state, next_state)
-            self._emit(record, state, next_state, start, time.perf_counter() - start)
+            if emit:
+                self._emit(bound if debug else None, record, state, next_state, start,
+                           time.perf_counter() - start)
             state = next_state
         return record
 
-    def _emit(self, record: IterationRecord, state: IterationState,
+    def _emit(self, bound, record: IterationRecord, state: IterationState,
               next_state: IterationState, start: float, duration_s: float) -> None:
         accepted, request_ids = None, ()
         if state is S.VERIFY and record.result is not None:
@@ -83,13 +93,12 @@ class IterationMachine:
             duration_us=round(duration_s * 1e6, 1), batch_size=len(record.batch),
             num_draft_tokens=self.num_draft_tokens, sampling_path=record.sampling_path,
             accepted=accepted, request_ids=request_ids, started_at=start)
-        # structlog unconfigured prints every level to stdout: a library stays quiet then.
-        if structlog.is_configured():
-            log.debug("iteration_state", rank=event.rank, iteration=event.iteration,
-                      state=state.value, next_state=next_state.value,
-                      duration_us=event.duration_us, batch_size=event.batch_size,
-                      num_draft_tokens=event.num_draft_tokens,
-                      sampling_path=event.sampling_path, accepted=accepted)
+        if bound is not None:
+            bound.debug("iteration_state", rank=event.rank, iteration=event.iteration,
+                        state=state.value, next_state=next_state.value,
+                        duration_us=event.duration_us, batch_size=event.batch_size,
+                        num_draft_tokens=event.num_draft_tokens,
+                        sampling_path=event.sampling_path, accepted=accepted)
         for observer in self.observers:
             try:
                 observer.on_transition(event)

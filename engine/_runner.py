@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 import structlog
 
-from specloop.models import KVCache, LoadedModel
+from specloop.models import KVCache, LoadedModel, PageTable
 
 from ._request import Request
 
@@ -28,10 +28,11 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
 
 
 class ModelRunner:
-    """Owns the target model and its slot-indexed KV cache (one slot per batch row)."""
+    """Owns the target model, its paged KV cache (one slot per batch row) and the page
+    table every cache of the engine shares: a request owns the pages its length needs."""
 
     def __init__(self, loaded: LoadedModel, *, num_slots: int, max_seq_len: int,
-                 max_prefill_tokens: int) -> None:
+                 max_prefill_tokens: int, page_size: int = 16) -> None:
         self.loaded = loaded
         self.model = loaded.model
         self.args = loaded.args
@@ -39,14 +40,47 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
+        self._host: torch.Tensor | None = None  # pinned read-back buffer
+        self._done = None
+        self.pages = PageTable(num_slots, max_seq_len, page_size, device=self.device)
         self.cache = KVCache(loaded.args, num_slots, max_seq_len, dtype=self.dtype,
-                             device=self.device)
+                             device=self.device, pages=self.pages)
+
+    def read_back(self, packed: torch.Tensor) -> torch.Tensor:
+        """The iteration's one device-to-host read: ``packed`` copied into a pinned,
+        preallocated host buffer (grown when a larger batch comes), then waited for."""
+        if packed.device.type == "cpu":
+            return packed.clone()
+        if self._host is None or self._host.numel() < packed.numel():
+            self._host = torch.empty(max(packed.numel(), 1024), dtype=packed.dtype,
+                                     pin_memory=True)
+            self._done = torch.cuda.Event()
+        host = self._host[:packed.numel()].view(packed.shape)
+        host.copy_(packed, non_blocking=True)
+        self._done.record()
+        self._done.synchronize()
+        return host.clone()
+
+    def reserve(self, requests, extra: int) -> None:
+        """Pages for each request's next ``extra`` positions past its length (VERIFY and
+        the drafters write up to seq_len - 1 + K), on the device before the step runs."""
+        for request in requests:
+            self.pages.resize(request.slot, request.seq_len + extra)
+        self.pages.sync()
+
+    def trim(self, request: Request) -> None:
+        """Give back pages past the committed K/V (drafts rejected past a page boundary)."""
+        self.pages.resize(request.slot, request.num_cached)
+
+    def release(self, slot: int) -> None:
+        self.pages.release(slot)
 
     @torch.inference_mode()
     def prefill(self, request: Request) -> torch.Tensor:
         """Write K/V for every token but the last (VERIFY forwards the last one), in chunks
         of max_prefill_tokens; returns their final hidden states [P, H] for the drafter."""
         end = request.seq_len - 1
+        self.pages.resize(request.slot, request.seq_len)
         slot = torch.tensor([request.slot], device=self.device)
         hidden = [torch.empty(0, self.args.hidden_size, dtype=self.dtype, device=self.device)]
         while request.num_cached < end:

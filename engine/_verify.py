@@ -2,7 +2,8 @@
 
 inputs: tokens [Bp, K+1] ([last, d1..dK]), start_pos [Bp] (L-1), slots [Bp], the sampling
 columns [Bp] and, on the advanced path with a non-point-mass drafter, draft_probs
-[Bp, K, V]. outputs: token_ids [Bp, K+1], num_accepted [Bp], hidden [Bp, K+1, H].
+[Bp, K, V]. outputs: token_ids [Bp, K+1], num_accepted [Bp], hidden [Bp, K+1, H], and
+``packed`` [Bp, K+2] (token ids, then the count): what the host reads, in one copy.
 Rows past the real batch are padding: scratch slot, position 0, greedy sentinel params.
 """
 
@@ -25,11 +26,12 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     """Tensors for ``len(sampling)`` rows; the first ``len(batch)`` are the requests."""
     rows, real = sampling.size, len(batch)
     pad = rows - real
-    host = {"tokens": [[r.token_ids[-1]] + [0] * k for r in batch] + [[0] * (k + 1)] * pad,
-            "start_pos": [r.seq_len - 1 for r in batch] + [0] * pad,
-            "slots": [r.slot for r in batch] + [scratch_slot] * pad}
-    inputs = {name: torch.tensor(v, dtype=torch.int64).to(device, non_blocking=True)
-              for name, v in host.items()}
+    # One host row per request, [last, 0 * K, start, slot]: one host-to-device copy.
+    host = torch.tensor([[r.token_ids[-1]] + [0] * k + [r.seq_len - 1, r.slot] for r in batch]
+                        + [[0] * (k + 2) + [scratch_slot]] * pad, dtype=torch.int64)
+    packed = host.to(device, non_blocking=True)
+    inputs = {"tokens": packed[:, :k + 1], "start_pos": packed[:, k + 1],
+              "slots": packed[:, k + 2]}
     if k and real:
         inputs["tokens"][:real, 1:] = drafts
     inputs.update(sampling.columns())
@@ -68,8 +70,9 @@ def make_verify_step(runner, sampler, template: SamplingBatch, *, advanced: bool
         batch = template.with_columns(inputs)
         result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
                                 start + 1, advanced=advanced)
+        packed = torch.cat([result.token_ids, result.num_accepted[:, None]], dim=1)
         return {"token_ids": result.token_ids, "num_accepted": result.num_accepted,
-                "hidden": hidden}
+                "hidden": hidden, "packed": packed}
 
     return step
 

@@ -132,6 +132,10 @@ class RankWorker:
     async def sync(self, rec: IterationRecord) -> IterationState:
         local_greedy = all(r.params.is_greedy for r in rec.batch)
         rec.spec = rec.spec.evolve(is_all_greedy_sample=local_greedy)
+        if self.comm.world_size == 1:  # nothing to agree on: no tensors on the hot path
+            self._loads = [self.scheduler.num_requests]
+            rec.padded_batch_size = len(rec.batch)
+            return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
         facts = torch.tensor([[len(rec.batch) * (self.k + 1), len(rec.batch),
                                self.scheduler.num_requests, int(local_greedy)]])
         if self.comm.world_size > 1:
@@ -178,6 +182,8 @@ class RankWorker:
 
     # DRAFT ------------------------------------------------------------------------------
     async def draft(self, rec: IterationRecord) -> IterationState:
+        # Pages for every position DRAFT and VERIFY will write, before either runs.
+        self.runner.reserve(rec.batch, self.k)
         await self.draft_step(rec)
         return S.VERIFY
 
@@ -191,11 +197,14 @@ class RankWorker:
             return
         device = self.runner.device
         replay = self._draft_replay(rec.graph_key)
+        slots = [r.slot for r in rec.batch]
+        # Host tensors copied without blocking: a blocking host-to-device copy is a sync.
         ctx = DraftContext(
             token_ids=[r.token_ids for r in rec.batch],
-            seq_lens=torch.tensor([r.seq_len for r in rec.batch], dtype=torch.int64,
-                                  device=device),
-            slots=torch.tensor([r.slot for r in rec.batch], dtype=torch.int64, device=device),
+            seq_lens=torch.tensor([r.seq_len for r in rec.batch], dtype=torch.int64).to(
+                device, non_blocking=True),
+            slots=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+            host_slots=slots,
             sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
             run_sync=self.run_sync, replay=replay,
             graph_sampling=self._sampling_batch(rec.batch, rec.graph_key.batch_size)
@@ -217,6 +226,9 @@ class RankWorker:
 
     @torch.inference_mode()
     def _verify(self, rec: IterationRecord) -> RejectionResult:
+        """Queue VERIFY, then read its tokens and counts back in one device-to-host copy
+        (into a pinned buffer); the wait for the GPU happens here, so VERIFY's duration
+        includes its device time and RESCAN reads host memory only."""
         batch, key, real = rec.batch, rec.graph_key, len(rec.batch)
         advanced = rec.spec.wants_advanced_draft_sampling
         if key.captured:
@@ -226,11 +238,12 @@ class RankWorker:
             step = make_verify_step(self.runner, self.sampler, rec.sampling,
                                     advanced=advanced, kv_len=None)
             out = step(self._inputs(rec, rec.sampling))
-        num_accepted = out["num_accepted"][:real]
+        host = self.runner.read_back(out["packed"][:real])
+        result = RejectionResult(host[:, :-1], host[:, -1])
         if self.on_verified is not None:
             self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch],
-                             out["hidden"][:real], num_accepted.tolist())
-        return RejectionResult(out["token_ids"][:real].clone(), num_accepted.clone())
+                             out["hidden"][:real], result.num_accepted.tolist())
+        return result
 
     def _inputs(self, rec: IterationRecord, sampling: SamplingBatch):
         return verify_inputs(rec.batch, rec.draft_token_ids, rec.draft_probs, sampling,
@@ -309,6 +322,7 @@ class RankWorker:
                 break
         request.num_cached = request.seq_len - 1
         self.stats.num_generated_tokens += len(emitted)
+        self.runner.trim(request)
         if reason is not None:
             self._finish(request, reason, emitted)
         else:
@@ -330,6 +344,8 @@ class RankWorker:
     def _finish(self, request: Request, reason: FinishReason, emitted) -> None:
         slot = request.slot
         self.scheduler.finish(request, reason)
+        if slot is not None:
+            self.runner.release(slot)
         if slot is not None and self.drafter is not None:
             self.drafter.release(slot)
         self._emit(request, emitted, finished=True)

@@ -1,7 +1,7 @@
-"""specloop.models: reference Llama/Qwen2 decoder, static KV cache, loading, tokenizer."""
+"""specloop.models: reference Llama/Qwen2 decoder, paged KV cache, loading, tokenizer."""
 
 from ._args import ModelArgs, RopeScaling
-from ._cache import KVCache
+from ._cache import DEFAULT_PAGE_SIZE, CacheFullError, KVCache, PageTable
 from ._decoder import KV_LEN_MULTIPLE, DecoderModel
 from ._detokenizer import IncrementalDetokenizer
 from ._errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
@@ -10,7 +10,9 @@ from ._registry import KNOWN_MODELS, KnownModel, cache_root, ensure_gguf_cached,
 from ._tokenizer import Tokenizer
 
 __all__ = [
+    "DEFAULT_PAGE_SIZE",
     "KNOWN_MODELS",
+    "CacheFullError",
     "KV_LEN_MULTIPLE",
     "DecoderModel",
     "IncrementalDetokenizer",
@@ -20,6 +22,7 @@ __all__ = [
     "ModelArgs",
     "ModelLoadError",
     "ModelNotFoundError",
+    "PageTable",
     "RopeScaling",
     "Tokenizer",
     "UnsupportedModelError",

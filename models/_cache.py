@@ -1,4 +1,11 @@
-"""KVCache: static, slot-indexed key/value buffers shared by the target and early-exit drafts."""
+"""Paged KV cache: K/V live in fixed-size pages; a block table maps each slot's positions.
+
+``PageTable`` is the bookkeeping (which pages a slot owns, on the host, mirrored into one
+device tensor the kernels read); ``KVCache`` is the storage of one model's layers. Caches
+of one engine (the target's, a draft model's, an MTP head's) share one ``PageTable``: a
+slot's positions sit at the same page and offset in each of them, so one allocation serves
+every model that caches that request.
+"""
 
 from __future__ import annotations
 
@@ -9,13 +16,108 @@ from ._args import ModelArgs
 
 log = structlog.get_logger(__name__)
 
+DEFAULT_PAGE_SIZE = 16
+
+
+class CacheFullError(RuntimeError):
+    """No free page is left for a request that grows."""
+
+
+class PageTable:
+    """Pages ``0..num_pages-1`` are handed out; page ``num_pages`` is scratch (padding rows,
+    positions past ``max_seq_len``, and every unallocated table entry point there).
+
+    ``table`` [num_slots + 1, pages_per_slot] int32 on the device: ``table[s, i]`` is the page
+    holding positions ``i*P .. i*P+P-1`` of slot ``s``; row ``num_slots`` (the scratch slot)
+    is all scratch page. Host-side changes reach ``table`` in ``sync`` (one small copy of the
+    changed rows, non-blocking), never inside a captured graph.
+
+    ``preallocate=True`` gives every slot all its pages up front (a standalone cache then
+    behaves like a dense one); the engine's table starts empty and grows per request.
+    """
+
+    def __init__(self, num_slots: int, max_seq_len: int, page_size: int = DEFAULT_PAGE_SIZE,
+                 *, num_pages: int | None = None, device: torch.device | str = "cpu",
+                 preallocate: bool = False) -> None:
+        if num_slots < 1 or max_seq_len < 1 or page_size < 1:
+            raise ValueError(f"num_slots ({num_slots}), max_seq_len ({max_seq_len}) and "
+                             f"page_size ({page_size}) must be >= 1")
+        self.num_slots, self.max_seq_len, self.page_size = num_slots, max_seq_len, page_size
+        self.pages_per_slot = -(-max_seq_len // page_size)
+        self.num_pages = num_slots * self.pages_per_slot if num_pages is None else num_pages
+        self.scratch_page = self.num_pages
+        # LIFO free list: a page freed by a rewind is the next one handed out (warm in cache).
+        self._free = list(range(self.num_pages - 1, -1, -1))
+        self._owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
+        self.host = torch.full((num_slots + 1, self.pages_per_slot), self.scratch_page,
+                               dtype=torch.int32)
+        self._dirty: set[int] = set()
+        with torch.inference_mode(False):
+            self.table = self.host.to(device)
+        if preallocate:
+            for slot in range(num_slots):
+                self.resize(slot, max_seq_len)
+            self.sync()
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def pages_of(self, slot: int) -> tuple[int, ...]:
+        return tuple(self._owned[slot])
+
+    def pages_for(self, length: int) -> int:
+        """Pages that hold positions ``0..length-1`` (capped at a slot's maximum)."""
+        return min(-(-max(length, 0) // self.page_size), self.pages_per_slot)
+
+    def resize(self, slot: int, length: int) -> None:
+        """Own exactly the pages for positions ``< length``: allocate as a request grows,
+        free past a page boundary when it rewinds (or finishes: ``length=0``)."""
+        if not 0 <= slot < self.num_slots:
+            raise ValueError(f"slot {slot} out of range 0..{self.num_slots - 1}")
+        owned, want = self._owned[slot], self.pages_for(length)
+        if want > len(owned) and want - len(owned) > len(self._free):
+            raise CacheFullError(
+                f"slot {slot} needs {want - len(owned)} more KV pages for {length} positions, "
+                f"{len(self._free)} free of {self.num_pages}; raise the page budget or "
+                "lower scheduler.max_batch_size")
+        if want == len(owned):
+            return
+        while len(owned) < want:
+            page = self._free.pop()
+            self.host[slot, len(owned)] = page
+            owned.append(page)
+        while len(owned) > want:
+            self._free.append(owned.pop())
+            self.host[slot, len(owned)] = self.scratch_page
+        self._dirty.add(slot)
+
+    def release(self, slot: int) -> None:
+        self.resize(slot, 0)
+
+    def sync(self) -> None:
+        """Bring the device table up to date (changed rows only; no device sync)."""
+        if not self._dirty:
+            return
+        rows = torch.tensor(sorted(self._dirty), dtype=torch.int64)
+        self._dirty.clear()
+        if self.table.device.type == "cpu":
+            self.table[rows] = self.host[rows]
+            return
+        dev = self.table.device
+        self.table[rows.to(dev, non_blocking=True)] = self.host[rows].to(dev, non_blocking=True)
+
 
 class KVCache:
-    """K and V buffers ``[L, num_slots + 1, num_kv_heads, max_seq_len, head_dim]``.
+    """K and V pages ``[L, num_pages + 1, page_size, num_kv_heads, head_dim]`` of one model.
 
-    Slot ``num_slots`` is scratch for padding rows. Which positions of a slot are valid is
-    the engine's bookkeeping: the decoder only ever attends to positions <= the query's, so
-    rewinding rejected drafts is free (stale entries are masked, then overwritten).
+    Which positions of a slot are valid is the engine's bookkeeping: the decoder only ever
+    attends to positions <= the query's, so rewinding rejected drafts within a page is free
+    (stale entries are masked, then overwritten); pages past the rewind are given back.
     """
 
     def __init__(
@@ -27,11 +129,17 @@ class KVCache:
         device: torch.device | str = "cpu",
         *,
         num_layers: int | None = None,
+        page_size: int = DEFAULT_PAGE_SIZE,
+        pages: PageTable | None = None,
     ) -> None:
-        if num_slots < 1 or max_seq_len < 1:
-            raise ValueError(f"num_slots ({num_slots}) and max_seq_len ({max_seq_len}) must be >= 1")
+        if pages is None:
+            pages = PageTable(num_slots, max_seq_len, page_size, device=device, preallocate=True)
+        if pages.num_slots != num_slots or pages.max_seq_len != max_seq_len:
+            raise ValueError(f"shared page table is for {pages.num_slots} slots x "
+                             f"{pages.max_seq_len} positions, not {num_slots} x {max_seq_len}")
+        self.pages = pages
         layers = args.num_layers if num_layers is None else num_layers
-        shape = (layers, num_slots + 1, args.num_kv_heads, max_seq_len, args.head_dim)
+        shape = (layers, pages.num_pages + 1, pages.page_size, args.num_kv_heads, args.head_dim)
         self.num_layers = layers
         self.num_slots = num_slots
         self.max_seq_len = max_seq_len
@@ -41,13 +149,15 @@ class KVCache:
         with torch.inference_mode(False):
             self.k = torch.zeros(shape, dtype=dtype, device=device)
             self.v = torch.zeros(shape, dtype=dtype, device=device)
-            # [1, Hkv, 1]: the head index of a write, broadcast against [B, 1, T] slot/pos.
-            self._heads = torch.arange(args.num_kv_heads, device=device).view(1, -1, 1)
         log.debug("kv_cache_allocated", shape=shape, dtype=str(dtype), nbytes=self.nbytes)
 
     @property
     def scratch_slot(self) -> int:
         return self.num_slots
+
+    @property
+    def page_size(self) -> int:
+        return self.pages.page_size
 
     @property
     def dtype(self) -> torch.dtype:
@@ -61,26 +171,37 @@ class KVCache:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
-    def write(
-        self,
-        layer: int,
-        slots: torch.Tensor,
-        positions: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-    ) -> None:
-        """Store k, v [B, Hkv, T, D] at (slots [B, 1, T], positions [B, 1, T]) of ``layer``."""
-        index = (slots, self._heads, positions)
-        self.k[layer].index_put_(index, k)
-        self.v[layer].index_put_(index, v)
+    def locate(self, slots: torch.Tensor, positions: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, offset) [B, T] i64 of positions [B, T] in slots [B]; positions past
+        ``max_seq_len`` land in the scratch page instead of failing an index."""
+        P, table = self.page_size, self.pages.table
+        index = (positions // P).clamp(max=self.pages.pages_per_slot - 1)
+        page = table[slots[:, None], index].long()
+        page = torch.where(positions < self.max_seq_len, page, self.pages.scratch_page)
+        return page, positions % P
+
+    def write(self, layer: int, page: torch.Tensor, offset: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """Store k, v [B, T, Hkv, D] in place at (page, offset) [B, T] of ``layer``."""
+        self.k[layer].index_put_((page, offset), k)
+        self.v[layer].index_put_((page, offset), v)
 
     def read(self, layer: int, slots: torch.Tensor, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first ``kv_len`` positions of each row's slot: k, v [B, Hkv, kv_len, D]."""
-        k = self.k[layer, :, :, :kv_len].index_select(0, slots)
-        v = self.v[layer, :, :, :kv_len].index_select(0, slots)
-        return k, v
+        """The first ``kv_len`` positions of each row's slot, gathered from its pages:
+        k, v [B, Hkv, kv_len, D] (the reference path; kernels read pages directly)."""
+        n = self.pages.pages_for(kv_len)
+        pages = self.pages.table[slots, :n].long()  # [B, n]
+        B = pages.shape[0]
+
+        def gather(store: torch.Tensor) -> torch.Tensor:
+            x = store[layer][pages]  # [B, n, P, Hkv, D]
+            return x.reshape(B, n * self.page_size, *x.shape[3:])[:, :kv_len].transpose(1, 2)
+
+        return gather(self.k), gather(self.v)
 
     def clear_slot(self, slot: int) -> None:
-        """Zero one slot (never needed for correctness; useful for debugging stale reads)."""
-        self.k[:, slot].zero_()
-        self.v[:, slot].zero_()
+        """Zero one slot's pages (never needed for correctness; useful for debugging)."""
+        for page in self.pages.pages_of(slot):
+            self.k[:, page].zero_()
+            self.v[:, page].zero_()

@@ -1,7 +1,10 @@
-"""DecoderModel: a Llama / Qwen2 decoder over a static slot-indexed KV cache.
+"""DecoderModel: a Llama / Qwen2 decoder over a paged, slot-indexed KV cache.
 
 Weights are stacked per kind over layers (fused qkv and gate-up) so a forward is one
-short Python loop of plain tensor ops, no nn.Module call per layer.
+short Python loop, no nn.Module call per layer. Two paths compute the same function:
+plain tensor ops (the reference; CPU, float64 tests) and, on CUDA, fused Triton kernels
+(residual add + RMSNorm, RoPE + cache write, paged attention over real lengths, SwiGLU:
+nine kernels per layer with the four GEMMs). ``DecoderModel.kernels`` picks one.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from torch import nn
 from ._args import ModelArgs
 from ._cache import KVCache
 from ._layers import apply_rope, rms_norm, rope_tables
+from . import _kernels
 
 log = structlog.get_logger(__name__)
 
@@ -26,12 +30,14 @@ KV_LEN_MULTIPLE = 64
 class _Step(NamedTuple):
     """Per-forward tensors shared by every layer."""
 
-    cos: torch.Tensor  # [B, T, 1, D]
-    sin: torch.Tensor  # [B, T, 1, D]
-    write_slots: torch.Tensor  # [B, 1, T]
-    write_pos: torch.Tensor  # [B, 1, T]
-    read_slots: torch.Tensor  # [B]
-    mask: torch.Tensor  # [B, 1, G*T, kv_len] bool, True = attend
+    pos: torch.Tensor  # [B, T] absolute positions
+    page: torch.Tensor  # [B, T] cache page of each new token
+    offset: torch.Tensor  # [B, T] its offset in the page
+    slots: torch.Tensor  # [B]
+    start_pos: torch.Tensor  # [B]
+    cos: torch.Tensor | None  # [B, T, 1, D] (reference path)
+    sin: torch.Tensor | None  # [B, T, 1, D]
+    mask: torch.Tensor | None  # [B, 1, G*T, kv_len] bool, True = attend (reference path)
     kv_len: int
 
 
@@ -70,6 +76,8 @@ class DecoderModel(nn.Module):
         self.w_down = _param(L, H, I, **p)
         self.norm = _param(H, **p)
         self.register_parameter("lm_head", None if args.tie_word_embeddings else _param(V, H, **p))
+        # None: fused kernels on CUDA when Triton imports, plain ops elsewhere; tests set it.
+        self.kernels: bool | None = None
         cos, sin = rope_tables(args, args.max_position_embeddings, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin, persistent=False)  # [P, D]
@@ -96,9 +104,10 @@ class DecoderModel(nn.Module):
         with torch.no_grad():
             return F.linear(hidden, self.lm_head_weight).float()
 
-    def make_cache(self, num_slots: int, max_seq_len: int) -> KVCache:
-        """A KVCache for this model, on its device and in its dtype."""
-        return KVCache(self.args, num_slots, max_seq_len, self.dtype, self.device)
+    def make_cache(self, num_slots: int, max_seq_len: int, **kw) -> KVCache:
+        """A KVCache for this model, on its device and in its dtype (``kw``: page_size,
+        pages: see KVCache)."""
+        return KVCache(self.args, num_slots, max_seq_len, self.dtype, self.device, **kw)
 
     def forward(
         self,
@@ -135,11 +144,29 @@ class DecoderModel(nn.Module):
     ) -> torch.Tensor:
         """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input)."""
         n = self._num_layers(num_layers, cache)
-        step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len)
+        fused = self.uses_kernels
+        step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len, fused)
+        weights = self._layer_weights(n)
+        eps = self.args.rms_norm_eps
+        if fused:
+            x, delta = embeds, None  # residual stream, and what is still to be added to it
+            for i, w in enumerate(weights):
+                x, delta = self._fused_layer(i, w, x, delta, step, cache)
+            return _kernels.add_rms_norm(x, delta, self.norm, eps)[0]
         x = embeds  # [B, T, H]
-        for i, w in enumerate(self._layer_weights(n)):
+        for i, w in enumerate(weights):
             x = self._layer(i, w, x, step, cache)
-        return rms_norm(x, self.norm, self.args.rms_norm_eps)
+        return rms_norm(x, self.norm, eps)
+
+    @property
+    def uses_kernels(self) -> bool:
+        """The fused path: ``kernels`` if set, else on CUDA in 16-bit floats when Triton is
+        there (fp32 keeps the reference path: the kernels' dots would run in TF32)."""
+        if self.kernels is not None:
+            return self.kernels
+        d = self.args.head_dim
+        return (self.device.type == "cuda" and self.dtype in (torch.bfloat16, torch.float16)
+                and d >= 16 and d & (d - 1) == 0 and _kernels.available())
 
     def _num_layers(self, num_layers: int | None, cache: KVCache) -> int:
         n = self.args.num_layers if num_layers is None else num_layers
@@ -155,16 +182,18 @@ class DecoderModel(nn.Module):
         return [_LayerWeights(*ws) for ws in zip(*per_kind)]
 
     def _step(
-        self, T: int, start_pos: torch.Tensor, slots: torch.Tensor, cache: KVCache, kv_len: int | None
+        self, T: int, start_pos: torch.Tensor, slots: torch.Tensor, cache: KVCache,
+        kv_len: int | None, fused: bool,
     ) -> _Step:
-        kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
+        if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            cache.pages.sync()
         dev = self.device
         start_pos, slots = start_pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True)
         pos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
-        # Out-of-range positions write into the scratch slot instead of failing an index.
-        in_range = pos < cache.max_seq_len
-        write_slots = torch.where(in_range, slots[:, None], cache.scratch_slot)[:, None, :]
-        write_pos = pos.clamp(max=cache.max_seq_len - 1)[:, None, :]
+        page, offset = cache.locate(slots, pos)
+        if fused:  # kernels read lengths and pages on the device: nothing else to build
+            return _Step(pos, page, offset, slots, start_pos, None, None, None, 0)
+        kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
         rope_pos = pos.clamp(max=self.rope_cos.shape[0] - 1)
         cos = self.rope_cos[rope_pos][:, :, None, :]
         sin = self.rope_sin[rope_pos][:, :, None, :]
@@ -172,9 +201,10 @@ class DecoderModel(nn.Module):
         groups = self.args.num_heads // self.args.num_kv_heads
         B = pos.shape[0]
         mask = mask[:, None, None].expand(B, 1, groups, T, kv_len).reshape(B, 1, groups * T, kv_len)
-        return _Step(cos, sin, write_slots, write_pos, slots, mask, kv_len)
+        return _Step(pos, page, offset, slots, start_pos, cos, sin, mask, kv_len)
 
     def _layer(self, i: int, w: _LayerWeights, x: torch.Tensor, step: _Step, cache: KVCache) -> torch.Tensor:
+        """The reference layer: plain tensor ops, K/V gathered from the pages."""
         a = self.args
         B, T, _ = x.shape
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
@@ -182,10 +212,8 @@ class DecoderModel(nn.Module):
         h = rms_norm(x, w.attn_norm, a.rms_norm_eps)
         qkv = F.linear(h, w.wqkv, w.bqkv).view(B, T, Hq + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, : Hq + Hkv], step.cos, step.sin)  # [B, T, Hq+Hkv, D]
-        k = qk[:, :, Hq:].transpose(1, 2)  # [B, Hkv, T, D]
-        v = qkv[:, :, Hq + Hkv :].transpose(1, 2)  # [B, Hkv, T, D]
-        cache.write(i, step.write_slots, step.write_pos, k, v)
-        keys, values = cache.read(i, step.read_slots, step.kv_len)  # [B, Hkv, kv, D]
+        cache.write(i, step.page, step.offset, qk[:, :, Hq:], qkv[:, :, Hq + Hkv :])
+        keys, values = cache.read(i, step.slots, step.kv_len)  # [B, Hkv, kv, D]
         # Query heads sharing a KV head are stacked along the query axis: [B, Hkv, G*T, D].
         q = qk[:, :, :Hq].reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask)
@@ -194,6 +222,20 @@ class DecoderModel(nn.Module):
         h = rms_norm(x, w.mlp_norm, a.rms_norm_eps)
         gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
         return x + F.linear(F.silu(gate) * up, w.w_down)
+
+    def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
+                     step: _Step, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """The same layer in nine kernels; returns the residual stream and the MLP output
+        still to be added (the next layer's norm kernel adds it)."""
+        a = self.args
+        h, x = _kernels.add_rms_norm(x, delta, w.attn_norm, a.rms_norm_eps)
+        qkv = F.linear(h, w.wqkv, w.bqkv)
+        q = _kernels.rope_cache_write(qkv, step.pos, step.page, step.offset, self.rope_cos,
+                                      self.rope_sin, cache.k[i], cache.v[i], a.num_heads)
+        o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
+                                     step.start_pos)
+        h, x = _kernels.add_rms_norm(x, F.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps)
+        return x, F.linear(_kernels.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
 
 
 def _resolve_kv_len(start_pos: torch.Tensor, T: int, cache: KVCache, kv_len: int | None) -> int:

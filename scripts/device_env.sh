@@ -10,7 +10,7 @@ set -e
 _carry=${DEVICE_CARRY_ROOT:-.}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "$_carry"/.whl/*.whl >/dev/null 2>&1 || echo "device_env: wheel install failed" >&2
-python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile \
+python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
   --target /tmp/site . >/dev/null 2>&1 || echo "device_env: project install failed" >&2
 export PYTHONPATH=/tmp/site:/root/smolpkg${PYTHONPATH:+:$PYTHONPATH}
 export SPECLOOP_CACHE=/root/specloop-cache PYTHONUNBUFFERED=1

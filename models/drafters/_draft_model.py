@@ -43,7 +43,7 @@ class DraftModelDrafter:
                               "use a draft model sharing the target's tokenizer")
         self.model = self.loaded.model
         self.cache = KVCache(self.loaded.args, deps.num_slots, deps.max_seq_len,
-                             dtype=dtype, device=device)
+                             dtype=dtype, device=device, pages=deps.target_cache.pages)
         self._slots: dict[int, _SlotState] = {}
 
     @torch.inference_mode()

@@ -90,7 +90,8 @@ class MtpEagleDrafter:
         else:
             self.head.init_random()
         self.cache = KVCache(self.head.block.args, deps.num_slots, deps.max_seq_len,
-                             dtype=target.dtype, device=target.device)
+                             dtype=target.dtype, device=target.device,
+                             pages=deps.target_cache.pages)
         self.scratch = self.cache.scratch_slot
         self.lm = DraftHead(target.lm_head_weight, lm_head_tp=config.parallel.lm_head_tp_in_adp,
                             max_rows=deps.num_slots)

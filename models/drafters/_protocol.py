@@ -28,6 +28,8 @@ class DraftContext:
     run_sync: Callable[[Callable[[], T]], Awaitable[T]]  # runs compute off the event loop
     # Replays this iteration's captured draft graph (inputs -> outputs), or None: eager.
     replay: Callable[[dict], dict] | None = None
+    # ``slots`` as a host list (reading the device tensor back would sync); () if unknown.
+    host_slots: Sequence[int] = ()
     # With ``replay``: the sampling rows padded to the graph's batch (the ones VERIFY uses).
     graph_sampling: SamplingBatch | None = None
 

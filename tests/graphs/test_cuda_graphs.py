@@ -68,3 +68,24 @@ async def test_switching_batches_replay_the_right_variant(tiny_dir, gpu_loaded):
 async def _drain(engine, prompt, params):
     async for _ in engine.generate(prompt, params):
         pass
+
+
+@pytest.fixture(scope="module")
+def gpu_bf16(tiny_dir):
+    return load_model(tiny_dir, dtype=torch.bfloat16, device="cuda")
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "none"},
+    {"method": "ngram", "k": 3, "rejection": True},
+    {"method": "mtp_eagle", "k": 2, "rejection": True},
+])
+async def test_fused_kernels_replay_equals_eager(tiny_dir, gpu_bf16, spec):
+    """bf16 on the fused Triton path (paged attention over real lengths inside the graph):
+    greedy and seeded sampled rows of ragged lengths in one batch, replay == eager."""
+    assert gpu_bf16.model.uses_kernels
+    reqs = requests()
+    eager, _ = await run(cfg(tiny_dir, False, **spec), gpu_bf16, reqs)
+    graphed, counts = await run(cfg(tiny_dir, True, **spec), gpu_bf16, reqs)
+    assert graphed == eager
+    assert sum(counts.values()) > 0

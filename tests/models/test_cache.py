@@ -15,11 +15,18 @@ def _run(model, ids, start, slot, cache, **kw):
     return model.logits(model(ids, torch.full((B,), start), torch.full((B,), slot), cache, **kw))
 
 
+def _slot_k(cache, slot):
+    """K of every position of a slot, [L, positions, Hkv, D], read through its pages."""
+    return cache.k[:, list(cache.pages.pages_of(slot))].flatten(1, 2)
+
+
 def test_cache_shape_and_scratch(tiny_llama):
     a = tiny_llama.args
-    cache = KVCache(a, num_slots=3, max_seq_len=32)
-    assert cache.k.shape == (a.num_layers, 4, a.num_kv_heads, 32, a.head_dim)
+    cache = KVCache(a, num_slots=3, max_seq_len=32, page_size=16)
+    # A standalone cache owns every slot's pages (2 each) plus the scratch page.
+    assert cache.k.shape == (a.num_layers, 7, 16, a.num_kv_heads, a.head_dim)
     assert cache.scratch_slot == 3 and cache.v.shape == cache.k.shape
+    assert cache.pages.table[3].tolist() == [6, 6] and cache.pages.num_free == 0
 
 
 def test_prefill_then_decode_equals_full_forward(tiny_llama):
@@ -51,14 +58,14 @@ def test_scratch_and_other_slots_do_not_disturb(tiny_llama):
     cache = model.make_cache(2, 64)
     a, b = _ids(12, V, seed=3), _ids(12, V, seed=4)
     _run(model, a[:, :8], 0, 0, cache)
-    snapshot = cache.k[:, 0].clone()
+    snapshot = _slot_k(cache, 0).clone()
     _run(model, b, 0, 1, cache)  # another request in slot 1
-    slot1 = cache.k[:, 1].clone()
+    slot1 = _slot_k(cache, 1).clone()
     # Padding rows go to the scratch slot at arbitrary positions in the same batch.
     batch = torch.cat([a[:, 8:9], b[:, :1], b[:, 1:2]])
     out = model.logits(model(batch, torch.tensor([8, 0, 40]), torch.tensor([0, 2, 2]), cache))
-    assert torch.equal(cache.k[:, 0, :, :8], snapshot[:, :, :8])
-    assert torch.equal(cache.k[:, 1], slot1)
+    assert torch.equal(_slot_k(cache, 0)[:, :8], snapshot[:, :8])
+    assert torch.equal(_slot_k(cache, 1), slot1)
     ref = _run(model, a[:, :9], 0, 0, model.make_cache(1, 64))[0, 8]
     torch.testing.assert_close(out[0, 0], ref, atol=1e-5, rtol=1e-5)
 
@@ -72,15 +79,15 @@ def test_static_kv_len_equals_dynamic(tiny_llama):
 
 
 def test_out_of_range_positions(tiny_llama):
-    """Dynamic path: a clear error. Static path: writes land in the scratch slot, no crash."""
+    """Dynamic path: a clear error. Static path: writes land in the scratch page, no crash."""
     model, V = tiny_llama.model, tiny_llama.args.vocab_size
     cache = model.make_cache(1, 2 * KV_LEN_MULTIPLE)
     with pytest.raises(ValueError, match="max_seq_len"):
         _run(model, _ids(4, V), cache.max_seq_len - 2, 0, cache)
-    before = cache.k[:, 0].clone()
+    before = _slot_k(cache, 0).clone()
     out = _run(model, _ids(4, V), cache.max_seq_len - 2, 0, cache, kv_len=cache.max_seq_len)
     assert torch.isfinite(out).all()
-    assert torch.equal(cache.k[:, 0, :, :-2], before[:, :, :-2])
+    assert torch.equal(_slot_k(cache, 0)[:, :-2], before[:, :-2])
 
 
 def test_num_layers_validation(tiny_llama):

@@ -1,0 +1,235 @@
+"""One GPU, real SmolLM2 weights: specloop against transformers in the same process.
+
+specloop (paged cache, fused kernels, CUDA graphs) with and without n-gram speculation
+(K=4) vs transformers with a static cache and ``torch.compile(mode="reduce-overhead")``:
+bf16, greedy, chat prompts, N new tokens per request (EOS ignored), batch 1 / 8 / 64, each
+measured ``--runs`` times; a throughput curve over batch sizes; and torch.profiler's
+kernels per layer, device syncs per iteration and GPU busy / wall at batch 1.
+
+    python bench/bench_gpu_e2e.py --out results.json [--runs 3] [--tokens 256]
+
+Every figure is appended to the JSON file as soon as it is measured (a run cut short
+keeps what it had); ``bench/plot_curve.py`` draws the curve from it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import anyio
+import torch
+
+from _common import quiet_logs
+
+QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
+             "Explain photosynthesis in two sentences.", "List three prime numbers.",
+             "How do I reverse a list in Python?", "Tell me a fun fact about llamas.",
+             "What causes rain?", "Give me a tip for learning guitar.")
+
+
+def chat_prompts(tokenizer, n: int) -> list[list[int]]:
+    out = []
+    for i in range(n):
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)] + f" ({i})"}],
+            add_generation_prompt=True)
+        out.append(tokenizer.encode(text))
+    return out
+
+
+DEVICE = "cuda"
+
+
+def _sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def engine_config(name, batch, method="none", k=4):
+    from specloop.engine import EngineConfig
+    return EngineConfig.from_dict({
+        "model": {"name": name, "dtype": "bfloat16", "device": DEVICE, "max_seq_len": 512},
+        "scheduler": {"max_batch_size": batch, "max_num_tokens": 8192},
+        "speculative": {"method": method, "num_draft_tokens": k if method != "none" else 4},
+        "components": {"graph_cache": "cuda" if DEVICE == "cuda" else "eager"},
+        "graphs": {"batch_buckets": [batch]}})
+
+
+async def _generate_all(engine, prompts, tokens):
+    from specloop.samplers import SamplingParams
+
+    async def one(p):
+        async for _ in engine.generate(p, SamplingParams(temperature=0.0, max_tokens=tokens,
+                                                         ignore_eos=True)):
+            pass
+
+    async with anyio.create_task_group() as tg:
+        for p in prompts:
+            tg.start_soon(one, p)
+
+
+async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", profile=None):
+    """tok/s, ms/iteration and AL of ``runs`` timed rounds on one engine."""
+    from specloop.engine import AsyncEngine
+    out = []
+    async with AsyncEngine(engine_config(name, len(prompts), method), model=loaded) as engine:
+        await _generate_all(engine, prompts, 8)  # warm-up
+        for _ in range(runs):
+            _sync()
+            it0, acc0 = engine.stats.num_iterations, engine.stats.num_accepted_tokens
+            rows0 = engine.stats.num_verify_rows
+            start = time.perf_counter()
+            await _generate_all(engine, prompts, tokens)
+            _sync()
+            wall = time.perf_counter() - start
+            iters = engine.stats.num_iterations - it0
+            al = 1 + (engine.stats.num_accepted_tokens - acc0) / max(
+                1, engine.stats.num_verify_rows - rows0)
+            out.append({"tok_s": len(prompts) * tokens / wall, "ms_iter": wall / iters * 1e3,
+                        "al": al})
+        if profile is not None:
+            profile.update(await _profile(engine, prompts, loaded.args.num_layers))
+    return out
+
+
+async def _profile(engine, prompts, num_layers, tokens=64):
+    """Kernels per layer, syncs per iteration and GPU busy / wall over ``tokens`` steps."""
+    from torch.profiler import ProfilerActivity, profile
+    await _generate_all(engine, prompts, 8)
+    _sync()
+    it0 = engine.stats.num_iterations
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        await _generate_all(engine, prompts, tokens)
+        _sync()
+        wall = time.perf_counter() - start
+    iters = engine.stats.num_iterations - it0
+    events = prof.events()
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
+    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:  # union of kernel intervals (us)
+        if cur_e is None or s > cur_e:
+            busy += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    busy += 0 if cur_e is None else cur_e - cur_s
+    sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                  "cudaMemcpy")
+    syncs = sum(1 for e in events if e.name in sync_names)
+    return {"iterations": iters, "kernels_per_iteration": len(kernels) / iters,
+            "kernels_per_layer": len(kernels) / iters / num_layers,
+            "syncs_per_iteration": syncs / iters, "gpu_busy_over_wall": busy / 1e6 / wall,
+            "ms_iter_profiled": wall / iters * 1e3,
+            "top_kernels": _top(kernels, iters)}
+
+
+def _top(kernels, iters, n=12):
+    by = {}
+    for e in kernels:
+        c, t = by.get(e.name, (0, 0.0))
+        by[e.name] = (c + 1, t + e.time_range.elapsed_us())
+    rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:n]
+    return [{"name": k[:80], "per_iter": c / iters, "us_per_iter": t / iters}
+            for k, (c, t) in rows]
+
+
+def hf_model(path):
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).to(DEVICE).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 2
+    if DEVICE == "cuda":
+        # generate() compiles the forward itself with a static cache; its CompileConfig's
+        # mode is "reduce-overhead" (CUDA graphs). Wrapping forward in torch.compile by hand
+        # instead trips over cudagraph-owned outputs.
+        from transformers import CompileConfig
+        model.generation_config.compile_config = CompileConfig(mode="reduce-overhead")
+    else:
+        model.generation_config.disable_compile = True
+    return model
+
+
+def hf_runs(model, prompts, tokens, runs):
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[2] * (width - len(p)) + p for p in prompts], device=DEVICE)
+    mask = (torch.arange(width, device=DEVICE)[None] >= torch.tensor(
+        [width - len(p) for p in prompts], device=DEVICE)[:, None]).long()
+    kw = dict(attention_mask=mask, do_sample=False, cache_implementation="static")
+    with torch.inference_mode():
+        for _ in range(2):  # compile + capture for this shape
+            model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+        out = []
+        for _ in range(runs):
+            _sync()
+            start = time.perf_counter()
+            gen = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, **kw)
+            _sync()
+            wall = time.perf_counter() - start
+            assert gen.shape[1] - width == tokens
+            out.append({"tok_s": len(prompts) * tokens / wall})
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="smollm2-135m-instruct")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--curve", default="1,2,4,16,32,128,256")
+    ap.add_argument("--hf-curve", default="256")
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    args = ap.parse_args()
+    global DEVICE
+    DEVICE = args.device
+    quiet_logs()
+    from specloop.models import load_model, resolve_model_path
+    path = resolve_model_path(args.model)
+    loaded = load_model(path, dtype=torch.bfloat16, device=DEVICE)
+    results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+               "tokens": args.tokens, "runs": args.runs, "rows": []}
+
+    def record(**row):
+        results["rows"].append(row)
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+        print(json.dumps(row), flush=True)
+
+    hf = None if args.skip_hf else hf_model(path)
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = chat_prompts(loaded.tokenizer, batch)
+        prof = {} if batch == 1 else None
+        record(system="specloop", method="none", batch=batch,
+               runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
+                              args.runs, "none", prof))
+        if prof is not None:
+            record(system="specloop", method="none", batch=batch, profile=prof)
+        prof = {} if batch == 1 else None
+        record(system="specloop", method="ngram", batch=batch,
+               runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
+                              args.runs, "ngram", prof))
+        if prof is not None:
+            record(system="specloop", method="ngram", batch=batch, profile=prof)
+        if hf is not None:
+            record(system="transformers", method="compiled", batch=batch,
+                   runs=hf_runs(hf, prompts, args.tokens, args.runs))
+    for batch in [int(b) for b in args.curve.split(",") if b]:
+        prompts = chat_prompts(loaded.tokenizer, batch)
+        record(system="specloop", method="none", batch=batch, curve=True,
+               runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens, 1))
+    for batch in [int(b) for b in args.hf_curve.split(",") if b]:
+        if hf is not None:
+            prompts = chat_prompts(loaded.tokenizer, batch)
+            record(system="transformers", method="compiled", batch=batch, curve=True,
+                   runs=hf_runs(hf, prompts, args.tokens, 1))
+
+
+if __name__ == "__main__":
+    main()

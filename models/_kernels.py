@@ -1,0 +1,202 @@
+"""Triton kernels of the fused decoder layer (CUDA; the interpreter runs them on CPU in tests).
+
+Each kernel computes what a few plain tensor ops of the reference layer compute
+(``DecoderModel._layer``), in fp32 registers with one rounding at the store:
+- ``add_rms_norm``: the residual add and the next RMSNorm, one pass over a row;
+- ``rope_cache_write``: RoPE on q and k, and k, v stored in place in their cache pages;
+- ``paged_attention``: causal attention of T queries per row over the row's real length
+  (its ``start_pos`` + T), reading K/V pages through the block table: decode (T = 1),
+  VERIFY (T = K + 1) and prefill chunks alike, with lengths as device tensors so one
+  captured graph serves any lengths;
+- ``silu_mul``: SwiGLU's activation on the fused gate-up output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:  # Triton is optional: without it the decoder runs its reference path.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the install
+    triton = None
+
+
+def available() -> bool:
+    return triton is not None
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+if triton is not None:
+
+    @triton.jit
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, H, eps,
+                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < H
+        x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0)
+        if HAS_DELTA:
+            # Rounded to the stream's dtype like the reference's ``x + y``.
+            x = (x.to(tl.float32) + tl.load(d_ptr + row * H + cols, mask=m, other=0.0)
+                 .to(tl.float32)).to(x.dtype)
+            tl.store(out_ptr + row * H + cols, x, mask=m)
+        xf = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        tl.store(h_ptr + row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
+
+    @triton.jit
+    def _rope_write_kernel(qkv_ptr, pos_ptr, page_ptr, off_ptr, cos_ptr, sin_ptr, q_ptr,
+                           kc_ptr, vc_ptr, max_pos, s_page, s_off,
+                           HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                           BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr):
+        tok = tl.program_id(0)
+        half: tl.constexpr = D // 2
+        pos = tl.minimum(tl.load(pos_ptr + tok), max_pos)
+        page = tl.load(page_ptr + tok)
+        off = tl.load(off_ptr + tok)
+        d = tl.arange(0, half)
+        heads = tl.arange(0, BLOCK_QK)[:, None]
+        hm = heads < HQ + HKV
+        base = qkv_ptr + tok * (HQ + 2 * HKV) * D + heads * D + d[None, :]
+        x1 = tl.load(base, mask=hm, other=0.0).to(tl.float32)
+        x2 = tl.load(base + half, mask=hm, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + pos * D + d).to(tl.float32)[None, :]
+        s = tl.load(sin_ptr + pos * D + d).to(tl.float32)[None, :]
+        o1 = (x1 * c - x2 * s).to(q_ptr.dtype.element_ty)
+        o2 = (x2 * c + x1 * s).to(q_ptr.dtype.element_ty)
+        is_q = heads < HQ
+        q_out = q_ptr + tok * HQ * D + heads * D + d[None, :]
+        tl.store(q_out, o1, mask=is_q)
+        tl.store(q_out + half, o2, mask=is_q)
+        k_out = kc_ptr + page * s_page + off * s_off + (heads - HQ) * D + d[None, :]
+        is_k = hm & (heads >= HQ)
+        tl.store(k_out, o1, mask=is_k)
+        tl.store(k_out + half, o2, mask=is_k)
+        vh = tl.arange(0, BLOCK_V)[:, None]
+        dv = tl.arange(0, D)[None, :]
+        vm = vh < HKV
+        v = tl.load(qkv_ptr + tok * (HQ + 2 * HKV) * D + (HQ + HKV + vh) * D + dv, mask=vm)
+        tl.store(vc_ptr + page * s_page + off * s_off + vh * D + dv, v, mask=vm)
+
+    @triton.jit
+    def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
+                                T, scale, s_page, s_off, s_table, pages_per_slot,
+                                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                                PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr):
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        G: tl.constexpr = HQ // HKV
+        # Query rows of this KV head, token-major: row r is token r // G, head kvh*G + r % G.
+        r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = r // G
+        head = kvh * G + r % G
+        rm = t < T
+        start = tl.load(start_ptr + b)
+        slot = tl.load(slot_ptr + b)
+        d = tl.arange(0, D)
+        q_off = ((b * T + t) * HQ + head)[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=rm[:, None], other=0.0)
+        limit = start + t  # the last position each query row may see (causal)
+        t_last = tl.minimum(T - 1, (tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G)
+        n_end = start + t_last + 1
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for n0 in range(0, n_end, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nm = n < n_end
+            pidx = tl.minimum(n // PAGE, pages_per_slot - 1)
+            page = tl.load(table_ptr + slot * s_table + pidx, mask=nm, other=0).to(tl.int64)
+            kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where((n[None, :] <= limit[:, None]) & nm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            alpha = tl.exp(m_i - m_new)
+            p = tl.exp(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        out = acc / tl.maximum(l_i, 1e-30)[:, None]
+        tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
+
+    @triton.jit
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        m = cols < inter
+        g = tl.load(gu_ptr + row * 2 * inter + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(gu_ptr + row * 2 * inter + inter + cols, mask=m, other=0.0).to(tl.float32)
+        out = g / (1.0 + tl.exp(-g)) * u
+        tl.store(out_ptr + row * inter + cols, out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(x + delta), x + delta) for x, delta [..., H]; delta None: no add."""
+    H = x.shape[-1]
+    x = x.contiguous()
+    rows = x.numel() // H
+    h = torch.empty_like(x)
+    out = torch.empty_like(x) if delta is not None else x
+    d = delta.contiguous() if delta is not None else x
+    _add_rms_norm_kernel[(rows,)](x, d, weight, h, out, H, eps, HAS_DELTA=delta is not None,
+                                  BLOCK=_pow2(H), num_warps=4)
+    return h, out
+
+
+def rope_cache_write(qkv: torch.Tensor, pos: torch.Tensor, page: torch.Tensor,
+                     offset: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
+                     ) -> torch.Tensor:
+    """qkv [B, T, (Hq + 2 Hkv) D] -> rotated q [B, T, Hq, D]; rotated k and v are written
+    into k_cache / v_cache [pages, page_size, Hkv, D] at (page, offset) [B, T]."""
+    B, T = pos.shape
+    _, _, hkv, D = k_cache.shape
+    q = qkv.new_empty(B, T, num_heads, D)
+    _rope_write_kernel[(B * T,)](
+        qkv.contiguous(), pos.contiguous(), page.contiguous(), offset.contiguous(), cos, sin,
+        q, k_cache, v_cache, cos.shape[0] - 1, k_cache.stride(0), k_cache.stride(1),
+        HQ=num_heads, HKV=hkv, D=D, BLOCK_QK=_pow2(num_heads + hkv), BLOCK_V=_pow2(hkv),
+        num_warps=4)
+    return q
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor
+                    ) -> torch.Tensor:
+    """q [B, T, Hq, D] at positions start_pos [B].. of slots [B] -> o [B, T, Hq D]: each
+    query attends to its slot's positions 0..its own, read from pages via ``table``."""
+    B, T, hq, D = q.shape
+    _, page, hkv, _ = k_cache.shape
+    o = torch.empty_like(q)
+    rows = T * (hq // hkv)
+    block_m = 16 if rows <= 16 else 32 if rows <= 256 else 64
+    grid = (B, hkv, triton.cdiv(rows, block_m))
+    _paged_attention_kernel[grid](
+        q, k_cache, v_cache, table, slots.contiguous(), start_pos.contiguous(), o, T,
+        1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+        table.shape[1], HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=64,
+        num_warps=4)
+    return o.view(B, T, hq * D)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[..., 2 I] (gate, up) -> silu(gate) * up [..., I]."""
+    inter = gate_up.shape[-1] // 2
+    gate_up = gate_up.contiguous()
+    rows = gate_up.numel() // (2 * inter)
+    out = gate_up.new_empty(*gate_up.shape[:-1], inter)
+    block = 1024
+    _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block,
+                                                       num_warps=4)
+    return out
