@@ -22,6 +22,7 @@ COMMANDS: dict[str, str] = {
     "serve": "specloop.serve._cli",
     "fetch-model": "specloop.engine._cli_fetch",
     "certify": "specloop.engine._certify",
+    "train-draft": "specloop.train._cli",
 }
 
 

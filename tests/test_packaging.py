@@ -11,11 +11,13 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-SUBPACKAGES = ["engine", "samplers", "comm", "graphs", "models", "models.drafters", "serve"]
+SUBPACKAGES = ["engine", "samplers", "comm", "graphs", "models", "models.drafters", "serve", "train"]
 # DESIGN.md: engine -> models, samplers, comm, graphs; models -> samplers, comm;
-# graphs -> samplers; samplers and comm import nothing of the project.
+# graphs -> samplers; samplers and comm import nothing of the project;
+# train -> engine, models, samplers.
 ALLOWED = {
     "serve": {"serve", "engine", "samplers"},
+    "train": {"train", "engine", "models", "samplers"},
     "engine": {"engine", "models", "samplers", "comm", "graphs"},
     "models": {"models", "samplers", "comm"},
     "graphs": {"graphs", "samplers"},
@@ -106,3 +108,7 @@ def test_built_wheel_installs_into_a_fresh_venv(tmp_path):
                          env={"PYTHONPATH": deps, "PATH": "/usr/bin:/bin"}, cwd=tmp_path)
     assert str(venv) in out.stdout, out.stdout
     assert (venv / "bin" / "specloop").exists()
+    # The shipped heads travel as package data, with their cards.
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle.safetensors" in names
+    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle.json" in names

@@ -4,6 +4,10 @@ Greedy path with LM-head TP (DESIGN.md, DRAFT): every rank pads its rows to M, a
 them to [g*M, H], multiplies by its vocab shard [ceil(V/g), H] and the group takes the
 distributed argmax; each rank keeps its own segment of rows. Advanced path: the local
 full-vocab head (replicated under ADP), sampled with the draft stream, no collective.
+
+A reduced draft vocabulary (``d2t``: draft index -> target id, N << V) keeps only those
+rows of the LM head; logits outside it are -inf, so q is zero there and rejection
+sampling stays exact.
 """
 
 from __future__ import annotations
@@ -19,10 +23,22 @@ from ._protocol import DraftContext, sample_draft_step
 
 
 class DraftHead:
-    def __init__(self, weight: torch.Tensor, *, lm_head_tp: bool, max_rows: int) -> None:
-        self.weight = weight                       # [V, H], shared with the target
+    def __init__(self, weight: torch.Tensor, *, lm_head_tp: bool, max_rows: int,
+                 d2t: torch.Tensor | None = None) -> None:
+        self.vocab_size = weight.shape[0]          # V of the target
+        self.d2t = None if d2t is None else d2t.to(weight.device)   # [N] i64 or None
+        # [V, H] shared with the target, or a gathered copy of the draft rows [N, H].
+        self.weight = weight if d2t is None else weight[self.d2t].contiguous()
         self.lm_head_tp = lm_head_tp
         self.max_rows = max_rows                   # M = max_batch_size
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, H] -> f32 logits over the target vocabulary [B, V]."""
+        logits = F.linear(hidden, self.weight).float()
+        if self.d2t is None:
+            return logits
+        full = logits.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.d2t, logits)
 
     def uses_collectives(self, ctx: DraftContext) -> bool:
         # Reads the one predicate (group-synced when the gate is on); config decides TP.
@@ -33,7 +49,7 @@ class DraftHead:
         """hidden [B, H] -> (draft tokens [B], q [B, V] or None)."""
         if self.uses_collectives(ctx):
             return await self._tp_argmax(ctx, hidden), None
-        logits = await ctx.run_sync(lambda: F.linear(hidden, self.weight).float())
+        logits = await ctx.run_sync(lambda: self.logits(hidden))
         return sample_draft_step(ctx, logits, step)
 
     async def _tp_argmax(self, ctx: DraftContext, hidden: torch.Tensor) -> torch.Tensor:
@@ -45,7 +61,8 @@ class DraftHead:
         shard_logits = await ctx.run_sync(lambda: self._shard_logits(stacked, comm))
         ids = await distributed_argmax(comm, shard_logits, vocab_size=self.weight.shape[0])
         start = comm.rank * m
-        return ids[start:start + rows]                           # this rank's own rows
+        ids = ids[start:start + rows]                            # this rank's own rows
+        return ids if self.d2t is None else self.d2t[ids]
 
     def _shard_logits(self, stacked: torch.Tensor, comm) -> torch.Tensor:
         vocab, g = self.weight.shape[0], comm.world_size

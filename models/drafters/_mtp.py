@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from ._heads import check_sha256, check_target, head_metadata, resolve_head, target_shape
 from ._lm_head import DraftHead
 from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal)
@@ -39,6 +40,9 @@ class MtpEagleHead(torch.nn.Module):
                                         requires_grad=False)
         self.hnorm = torch.nn.Parameter(torch.ones(h, dtype=dtype, device=device),
                                         requires_grad=False)
+        # Reduced draft vocabulary (draft index -> target id, [N] i64), or None: all of V.
+        self.d2t: torch.Tensor | None = None
+        self.target_args = target.args     # the shape a saved head records
 
     def own_state(self) -> dict[str, torch.Tensor]:
         shared = {"block.embed_tokens", "block.lm_head"}
@@ -63,9 +67,14 @@ class MtpEagleHead(torch.nn.Module):
                 raise ValueError(f"MTP head file {path}: {name} has shape "
                                  f"{tuple(tensors[name].shape)}, expected {tuple(p.shape)}")
             p.data.copy_(tensors[name])
+        self.d2t = tensors["d2t"].to(torch.int64) if "d2t" in tensors else None
 
-    def save(self, path: str) -> None:
-        save_file({k: v.contiguous() for k, v in self.own_state().items()}, path)
+    def save(self, path: str, metadata: dict[str, str] | None = None) -> None:
+        tensors = {k: v.contiguous() for k, v in self.own_state().items()}
+        if self.d2t is not None:
+            tensors["d2t"] = self.d2t.contiguous()
+        target = {f"target_{k}": str(v) for k, v in target_shape(self.target_args).items()}
+        save_file(tensors, path, metadata={**target, **(metadata or {})})
 
     def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:
         """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos.. ->
@@ -85,8 +94,12 @@ class MtpEagleDrafter:
         target = deps.target.model
         self.num_draft_tokens = k = config.speculative.num_draft_tokens
         self.head = MtpEagleHead(target, dtype=target.dtype, device=target.device)
-        if config.speculative.mtp_weights:
-            self.head.load(config.speculative.mtp_weights)
+        weights = config.speculative.draft_weights or config.speculative.mtp_weights
+        if weights:
+            path, card = resolve_head(weights)
+            check_sha256(path, card)
+            check_target(path, head_metadata(path), deps.target.args)
+            self.head.load(str(path))
         else:
             self.head.init_random()
         self.cache = KVCache(self.head.block.args, deps.num_slots, deps.max_seq_len,
@@ -94,7 +107,7 @@ class MtpEagleDrafter:
                              pages=deps.target_cache.pages)
         self.scratch = self.cache.scratch_slot
         self.lm = DraftHead(target.lm_head_weight, lm_head_tp=config.parallel.lm_head_tp_in_adp,
-                            max_rows=deps.num_slots)
+                            max_rows=deps.num_slots, d2t=self.head.d2t)
         h = target.args.hidden_size
         # Per slot: the target rows not yet fed to the head (position start.., count rows).
         self.pending = torch.zeros(deps.num_slots + 1, k + 1, h, dtype=target.dtype,
@@ -187,7 +200,7 @@ class MtpEagleDrafter:
     def graph_step(self, sampler, template, *, advanced: bool):
         """The whole K-step draft on static tensors (local head: argmax, or sampled with q
         kept); for CUDA-graph capture. Never used on the LM-head-TP path (collectives)."""
-        k, cache, weight = self.num_draft_tokens, self.cache, self.lm.weight
+        k, cache = self.num_draft_tokens, self.cache
 
         def step(inputs):
             kv_len = cache.max_seq_len
@@ -203,7 +216,7 @@ class MtpEagleDrafter:
                     hidden = self.head(tokens[-1][:, None], hidden[:, None],
                                        seq_lens - 2 + j, inputs["slots"], cache,
                                        kv_len=kv_len)[:, 0]
-                sample = sampler.draft(F.linear(hidden, weight).float(), batch, seq_lens + j,
+                sample = sampler.draft(self.lm.logits(hidden), batch, seq_lens + j,
                                        advanced=advanced)
                 tokens.append(sample.token_ids)
                 probs.append(sample.probs)

@@ -1,0 +1,119 @@
+"""Acceptance per draft position: each trained head against n-gram, on held-out prompts.
+
+Runs the held-out prompts (chat template applied) through the engine for every method x K x
+sampling mode, counts per VERIFY row how many drafts were accepted (an iteration observer),
+and prints acceptance per position and AL = 1 + accepted / verify rows. Saves a PNG of
+acceptance per position (head against head and against n-gram) beside this script.
+
+    python bench/bench_drafters.py [--prompts 16] [--tokens 96] [--device cpu]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from _common import quiet_logs
+
+HELD_OUT_FALLBACK = [   # used when Debian fortunes is not installed
+    "Tell me about llamas.", "What does this saying mean? \"A rolling stone gathers no moss.\"",
+    "Write a short story about a lighthouse keeper.", "Why is the sky blue?",
+    "Rewrite this in formal English: gonna grab food, back in 5",
+    "Give me three tips for learning a new language.",
+    "Explain what a hash table is to a beginner.", "Do you agree that honesty is always the "
+    "best policy? Why or why not?"]
+
+
+def held_out_prompts(n: int) -> list[str]:
+    """The demo's prompt, then the held-out (fortunes) prompts the heads never saw."""
+    import random  # noqa: PLC0415
+
+    from specloop.train._prompts import FORTUNES, fortune_prompts  # noqa: PLC0415
+    if not FORTUNES.is_dir():
+        return HELD_OUT_FALLBACK[:n]
+    held = fortune_prompts(random.Random(0))
+    random.Random(1).shuffle(held)
+    return ["Tell me about llamas."] + [p.text for p in held[:n - 1]]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--ks", default="3,5")
+    ap.add_argument("--png", default=str(Path(__file__).with_name("drafters_acceptance.png")))
+    args = ap.parse_args()
+    quiet_logs()
+    from specloop.engine._runner import DTYPES  # noqa: PLC0415
+    from specloop.models import load_model  # noqa: PLC0415
+    from specloop.models.drafters._heads import shipped_heads  # noqa: PLC0415
+    from specloop.train import engine_acceptance  # noqa: PLC0415
+
+    name = "smollm2-135m-instruct"
+    loaded = load_model(name, dtype=DTYPES[args.dtype], device=args.device)
+    texts = held_out_prompts(args.prompts)
+    ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    methods = {"ngram": {"method": "ngram"}}
+    for head in shipped_heads():
+        methods[head] = {"method": "mtp_eagle", "draft_weights": head}
+    results = []
+    for k in [int(x) for x in args.ks.split(",")]:
+        for label, spec in methods.items():
+            for temp in (0.0, 0.7):
+                start = time.perf_counter()
+                r = engine_acceptance(loaded, name, ids, {**spec, "num_draft_tokens": k},
+                                      temperature=temp, top_p=1.0, max_tokens=args.tokens,
+                                      device=args.device, dtype=args.dtype, batch_size=8)
+                r.update(method=label, seconds=round(time.perf_counter() - start, 1))
+                results.append(r)
+                print(f"{label:32s} K={k} T={temp:.1f}  AL {r['al']:.3f}  per position "
+                      f"{' '.join(f'{a:.3f}' for a in r['per_position'])}  "
+                      f"({r['verify_rows']} verify rows, {r['seconds']} s)", flush=True)
+    _ratios(results)
+    _plot(results, args.png)
+    Path(args.png).with_suffix(".json").write_text(json.dumps(results, indent=1))
+
+
+def _ratios(results) -> None:
+    for r in results:
+        if r["method"] == "ngram":
+            continue
+        base = next(b for b in results if b["method"] == "ngram" and b["k"] == r["k"]
+                    and b["temperature"] == r["temperature"])
+        print(f"{r['method']} K={r['k']} T={r['temperature']}: AL / n-gram AL = "
+              f"{r['al'] / base['al']:.2f}")
+
+
+def _plot(results, path: str) -> None:
+    try:
+        import matplotlib  # noqa: PLC0415
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt  # noqa: PLC0415
+    except ImportError:
+        print("matplotlib not installed: no plot (pip install matplotlib)")
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in results:
+        style = "-" if r["temperature"] == 0 else "--"
+        xs = range(1, len(r["per_position"]) + 1)
+        ax.plot(xs, r["per_position"], style, marker="o",
+                label=f"{r['method']} K={r['k']} T={r['temperature']} (AL {r['al']:.2f})")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("fraction of verify rows accepting it")
+    ax.set_title("SmolLM2-135M-Instruct, held-out prompts: acceptance per position")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"plot: {path}")
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    main()

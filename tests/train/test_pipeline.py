@@ -1,0 +1,107 @@
+"""`specloop train-draft` end to end on a tiny random target (CPU, seconds): loss falls,
+the trained head beats the untrained one on its training distribution, the card's sha256
+matches the file, the head loads by path with its card checked, and a run resumes."""
+
+import json
+
+import pytest
+import torch
+
+from specloop.models import load_model
+from specloop.models.drafters._heads import file_sha256
+from specloop.models.testing import write_tiny_checkpoint
+from specloop.train import TrainableMtpHead, TrainConfig, offline_acceptance, run
+from specloop.train import _trainer
+from specloop.train._distill import load_sequences
+
+WORDS = "cat dog tree river music code fox bread stone cloud paper lamp".split()
+
+
+def _config(tiny_dir, prompts, out, **optim):
+    return TrainConfig.from_dict({
+        "target": {"model": str(tiny_dir), "dtype": "float32", "device": "cpu"},
+        "data": {"num_train_prompts": 32, "num_eval_prompts": 6, "prompts_file": str(prompts)},
+        "generate": {"batch_size": 16, "max_new_tokens": 20, "max_seq_len": 80},
+        "head": {"draft_vocab_size": 96, "ttt_steps": 3},
+        "optim": {"lr": 3e-3, "max_steps": 40, "batch_size": 8, "warmup_steps": 4,
+                  "checkpoint_every": 10, "time_budget_s": 1e6, **optim},
+        "eval": {"k": 3, "engine_prompts": 0},
+        "output": {"dir": str(out), "name": "tiny-eagle"}})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("train")
+    tiny_dir = write_tiny_checkpoint(root / "tiny", vocab_size=384, num_layers=2, hidden=64,
+                                     seed=1)
+    prompts = root / "prompts.jsonl"
+    lines = [{"split": "train", "text": f"Tell me about the {WORDS[i % 12]} number {i}.",
+              "source": "test", "form": "question"} for i in range(32)]
+    lines += [{"split": "eval", "text": f"What is a {WORDS[(5 * i) % 12]}?",
+               "source": "test-eval", "form": "question"} for i in range(6)]
+    prompts.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    out = root / "run"
+    card = run(_config(tiny_dir, prompts, out), command="test", device="cpu")
+    return tiny_dir, prompts, out, card
+
+
+def test_loss_falls_and_head_beats_untrained(setup):
+    tiny_dir, _, out, card = setup
+    training = card["training"]
+    assert training["steps"] == 40
+    assert training["final_loss"] < 0.8 * training["first_loss"]
+    loaded = load_model(tiny_dir)
+    seqs = [s for s in load_sequences(out / "sequences.pt") if s.split == "train"]
+    ckpt = torch.load(out / "checkpoint.pt", weights_only=False)
+    heads = {}
+    for name in ("untrained", "trained"):
+        head = TrainableMtpHead(loaded.args, loaded.model.embed_tokens,
+                                loaded.model.lm_head_weight, ckpt["d2t"], 128)
+        head.init_from_target(loaded.model, 0)
+        if name == "trained":
+            head.load_state_dict(ckpt["head"])
+        heads[name] = offline_acceptance(head, loaded.model, seqs, 3, "cpu")
+    assert heads["trained"]["al"] > heads["untrained"]["al"] + 0.1, heads
+
+
+def test_card_names_data_and_hash(setup):
+    _, _, out, card = setup
+    path = out / "tiny-eagle.safetensors"
+    assert card["sha256"] == file_sha256(path)
+    on_disk = json.loads((out / "tiny-eagle.json").read_text())
+    assert on_disk["sha256"] == card["sha256"]
+    assert set(on_disk["data"]["prompts"]) == {"train:test", "eval:test-eval"}
+    assert len(on_disk["evaluation_held_out"]["offline_greedy"]["per_position"]) == 3
+    assert on_disk["target"] == {"model": on_disk["config"]["target"]["model"],
+                                 "hidden_size": 64, "vocab_size": 384, "num_layers": 2}
+
+
+def test_interrupted_run_resumes_to_the_same_head(setup, tmp_path, monkeypatch):
+    tiny_dir, prompts, out, _ = setup
+    runs = {}
+    for name in ("straight", "resumed"):
+        d = tmp_path / name
+        d.mkdir()
+        for f in ("prompts.jsonl", "sequences.pt"):        # stages resume from files
+            (d / f).write_bytes((out / f).read_bytes())
+        runs[name] = d
+    cfg = _config(tiny_dir, prompts, None, max_steps=12, checkpoint_every=5)
+    run(cfg, command="test", out_dir=str(runs["straight"]), device="cpu")
+    real, calls = _trainer.step_losses, []
+
+    def dies_at_step_8(*a, **kw):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return real(*a, **kw)
+
+    monkeypatch.setattr(_trainer, "step_losses", dies_at_step_8)
+    with pytest.raises(KeyboardInterrupt):
+        run(cfg, command="test", out_dir=str(runs["resumed"]), device="cpu")
+    monkeypatch.setattr(_trainer, "step_losses", real)
+    assert torch.load(runs["resumed"] / "checkpoint.pt", weights_only=False)["step"] == 5
+    run(cfg, command="test", out_dir=str(runs["resumed"]), device="cpu")
+    a, b = (torch.load(d / "checkpoint.pt", weights_only=False) for d in runs.values())
+    assert a["step"] == b["step"] == 12
+    for name, tensor in a["head"].items():
+        torch.testing.assert_close(b["head"][name], tensor, rtol=0, atol=0)

@@ -1,0 +1,138 @@
+"""Training configuration: frozen attrs sections composed into TrainConfig, from TOML."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
+
+from specloop.engine import ConfigError
+
+METHODS = ("mtp_eagle",)
+
+
+def _positive(section: str):
+    def check(instance, attribute, value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{section}.{attribute.name}", value, "must be a number > 0")
+    return check
+
+
+def _fraction(section: str):
+    def check(instance, attribute, value):
+        if not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(f"{section}.{attribute.name}", value, "must be in [0, 1]")
+    return check
+
+
+@attrs.frozen
+class TargetSection:
+    model: str = "smollm2-135m-instruct"    # registry name or checkpoint directory
+    dtype: str = "bfloat16"
+    device: str = "auto"
+
+
+@attrs.frozen
+class DataSection:
+    num_train_prompts: int = attrs.field(default=6000, validator=_positive("data"))
+    num_eval_prompts: int = attrs.field(default=256, validator=_positive("data"))
+    seed: int = 0
+    # A prebuilt prompts JSONL (see specloop.train.build_prompts); "" = build it.
+    prompts_file: str = ""
+
+
+@attrs.frozen
+class GenerateSection:
+    """Self-distillation: the target answers the prompts through specloop's engine."""
+
+    batch_size: int = attrs.field(default=256, validator=_positive("generate"))
+    max_new_tokens: int = attrs.field(default=256, validator=_positive("generate"))
+    max_seq_len: int = attrs.field(default=640, validator=_positive("generate"))
+    sampled_fraction: float = attrs.field(default=0.5, validator=_fraction("generate"))
+    temperature: float = attrs.field(default=0.8, validator=_positive("generate"))
+    # Stop generating after this long; the answers so far (>= 8 tokens) are kept.
+    time_budget_s: float = attrs.field(default=110.0, validator=_positive("generate"))
+
+
+@attrs.frozen
+class HeadSection:
+    method: str = attrs.field(default="mtp_eagle")
+    draft_vocab_size: int = attrs.field(default=8192, validator=_positive("head"))
+    ttt_steps: int = attrs.field(default=5, validator=_positive("head"))
+    step_decay: float = attrs.field(default=0.8, validator=_fraction("head"))
+
+    @method.validator
+    def _check_method(self, attribute, value):
+        if value not in METHODS:
+            raise ConfigError("head.method", value, "not a trainable head",
+                              f"use one of: {', '.join(METHODS)}")
+
+
+@attrs.frozen
+class OptimSection:
+    lr: float = attrs.field(default=6e-4, validator=_positive("optim"))
+    max_steps: int = attrs.field(default=4000, validator=_positive("optim"))
+    batch_size: int = attrs.field(default=32, validator=_positive("optim"))   # sequences
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = attrs.field(default=1.0, validator=_positive("optim"))
+    # Training ends at max_steps or after this long; the LR schedule follows whichever
+    # is further along, so a time-cut run still decays to zero.
+    time_budget_s: float = attrs.field(default=240.0, validator=_positive("optim"))
+    checkpoint_every: int = attrs.field(default=200, validator=_positive("optim"))
+    seed: int = 0
+
+
+@attrs.frozen
+class EvalSection:
+    k: int = attrs.field(default=5, validator=_positive("eval"))
+    # Held-out prompts also run through the engine (greedy and T=0.7): 0 = offline only.
+    engine_prompts: int = 64
+    engine_max_tokens: int = 128
+
+
+@attrs.frozen
+class OutputSection:
+    dir: str = "runs/draft-head"
+    name: str = "draft-head"
+
+
+@attrs.frozen
+class TrainConfig:
+    target: TargetSection = attrs.Factory(TargetSection)
+    data: DataSection = attrs.Factory(DataSection)
+    generate: GenerateSection = attrs.Factory(GenerateSection)
+    head: HeadSection = attrs.Factory(HeadSection)
+    optim: OptimSection = attrs.Factory(OptimSection)
+    eval: EvalSection = attrs.Factory(EvalSection)
+    output: OutputSection = attrs.Factory(OutputSection)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        try:
+            return cattrs.Converter(forbid_extra_keys=True).structure(data, cls)
+        except (ClassValidationError, ForbiddenExtraKeysError) as exc:
+            leaf = _leaf(exc)
+            if isinstance(leaf, ConfigError):
+                raise leaf from None
+            raise ConfigError("train config", None, str(leaf)) from None
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> TrainConfig:
+        try:
+            return cls.from_dict(tomllib.loads(Path(path).read_text()))
+        except FileNotFoundError as exc:
+            raise ConfigError("config file", str(path), "not found") from exc
+
+    def to_dict(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def _leaf(exc: BaseException) -> BaseException:
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc

@@ -1,0 +1,121 @@
+"""Self-distillation: the target answers the prompts through specloop's own engine.
+
+Batched (continuous batching over ``generate.batch_size`` slots), greedy for some prompts
+and sampled at ``generate.temperature`` for the rest, seeded per prompt. The result is a
+list of sequences (prompt ids + answer ids) and where each answer starts.
+"""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import attrs
+import structlog
+import torch
+
+from specloop.engine import AsyncEngine, EngineConfig
+from specloop.samplers import SamplingParams
+
+from ._progress import progress
+
+log = structlog.get_logger(__name__)
+MIN_ANSWER_TOKENS = 8
+
+
+@attrs.frozen
+class Sequence:
+    tokens: tuple[int, ...]
+    prompt_len: int
+    split: str       # "train" or "eval"
+    mode: str        # "greedy" or "sampled"
+
+
+def engine_config(cfg, device: str) -> EngineConfig:
+    gen = cfg.generate
+    return EngineConfig.from_dict({
+        "model": {"name": cfg.target.model, "dtype": cfg.target.dtype, "device": device,
+                  "max_seq_len": gen.max_seq_len, "chat_template": False},
+        "scheduler": {"max_batch_size": gen.batch_size,
+                      "max_num_tokens": max(4096, gen.max_seq_len), "seed": cfg.data.seed},
+        "speculative": {"method": "none"}})
+
+
+def _params(cfg, index: int) -> tuple[SamplingParams, str]:
+    gen = cfg.generate
+    # Every n-th prompt sampled: interleaved, so a time-cut run keeps both kinds.
+    f = gen.sampled_fraction
+    sampled = int((index + 1) * f) > int(index * f)
+    temperature = gen.temperature if sampled else 0.0
+    return (SamplingParams(temperature=temperature, seed=cfg.data.seed * 1_000_003 + index,
+                           max_tokens=gen.max_new_tokens),
+            "sampled" if sampled else "greedy")
+
+
+def encode_prompts(tokenizer, prompts, room: int) -> list[list[int]]:
+    """Chat-templated ids, each cut to ``room`` tokens (the template's tail kept)."""
+    out = []
+    for p in prompts:
+        ids = tokenizer.encode_chat([{"role": "user", "content": p.text}])
+        out.append(ids if len(ids) <= room else ids[:room // 2] + ids[-(room - room // 2):])
+    return out
+
+
+async def _distill(engine, jobs, cfg, bar) -> list[Sequence]:
+    results: list[Sequence | None] = [None] * len(jobs)
+    limiter = anyio.CapacityLimiter(2 * cfg.generate.batch_size)
+
+    async def one(i, split, ids):
+        params, mode = _params(cfg, i)
+        answer: list[int] = []
+        try:
+            async with limiter:
+                if time.monotonic() > deadline:   # budget spent: start no more requests
+                    return
+                async for out in engine.generate(ids, params):
+                    answer.extend(out.token_ids)
+                    bar.update(len(out.token_ids))
+        finally:
+            if len(answer) >= MIN_ANSWER_TOKENS:
+                results[i] = Sequence(tuple(ids) + tuple(answer), len(ids), split, mode)
+
+    # Requests already running finish (a consumer leaving early is not this loop's job).
+    deadline = time.monotonic() + cfg.generate.time_budget_s
+    async with anyio.create_task_group() as tg:
+        for i, (split, ids) in enumerate(jobs):
+            tg.start_soon(one, i, split, ids)
+    return [r for r in results if r is not None]
+
+
+def distill(cfg, splits, *, device: str) -> list[Sequence]:
+    """Answer the eval prompts first (they are few), then the training prompts."""
+    from specloop.models import load_model  # noqa: PLC0415
+    from specloop.engine._runner import DTYPES  # noqa: PLC0415
+
+    econfig = engine_config(cfg, device)
+    loaded = load_model(cfg.target.model, dtype=DTYPES[cfg.target.dtype], device=device)
+    room = cfg.generate.max_seq_len - cfg.generate.max_new_tokens - 2
+    jobs = [(split, ids) for split in ("eval", "train")
+            for ids in encode_prompts(loaded.tokenizer, splits[split], room)]
+
+    async def main():
+        async with AsyncEngine(econfig, model=loaded) as engine:
+            with progress(total=None, desc="distill (tokens)", unit="tok") as bar:
+                return await _distill(engine, jobs, cfg, bar)
+
+    start = time.perf_counter()
+    seqs = anyio.run(main)
+    answered = sum(len(s.tokens) - s.prompt_len for s in seqs)
+    log.info("distilled", sequences=len(seqs), answer_tokens=answered,
+             seconds=round(time.perf_counter() - start, 1))
+    return seqs
+
+
+def save_sequences(path, seqs: list[Sequence]) -> None:
+    torch.save([{**attrs.asdict(s), "tokens": torch.tensor(s.tokens, dtype=torch.int32)}
+                for s in seqs], path)
+
+
+def load_sequences(path) -> list[Sequence]:
+    return [Sequence(**{**d, "tokens": tuple(d["tokens"].tolist())})
+            for d in torch.load(path, weights_only=True)]

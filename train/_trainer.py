@@ -1,0 +1,159 @@
+"""Training loop: teacher forward (no grad) -> TTT-unrolled head -> forward-KL per step.
+
+Loss = sum_j decay^j * soft-CE(target softmax over the draft vocabulary at the predicted
+position, head's draft logits at step j) / sum_j decay^j, averaged over answer tokens.
+Checkpoints (head, optimizer, step, elapsed time, log) let a run resume where it stopped.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import structlog
+import torch
+import torch.nn.functional as F
+
+from ._mtp_head import TrainableMtpHead, _shift, shift_targets
+from ._progress import progress
+
+log = structlog.get_logger(__name__)
+
+
+def draft_vocab(seqs, vocab_size: int, n: int) -> torch.Tensor:
+    """The n most frequent target ids in the training answers (ties: lower id), sorted."""
+    counts = torch.zeros(vocab_size, dtype=torch.int64)
+    for s in seqs:
+        counts += torch.bincount(torch.tensor(s.tokens[s.prompt_len:]), minlength=vocab_size)
+    n = min(n, vocab_size)
+    order = sorted(range(vocab_size), key=lambda i: (-int(counts[i]), i))[:n]
+    return torch.tensor(sorted(order), dtype=torch.int64)
+
+
+def pad_batch(seqs, device):
+    """-> tokens [B, T] (pad 0), answer mask [B, T] (True on answer tokens)."""
+    width = max(len(s.tokens) for s in seqs)
+    tokens = torch.zeros(len(seqs), width, dtype=torch.int64)
+    answer = torch.zeros(len(seqs), width, dtype=torch.bool)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s.tokens)] = torch.tensor(s.tokens)
+        answer[i, s.prompt_len:len(s.tokens)] = True
+    return tokens.to(device), answer.to(device)
+
+
+class Teacher:
+    """The target's final hidden states for padded batches, off the autograd graph."""
+
+    def __init__(self, model, max_batch: int, max_len: int) -> None:
+        self.model = model
+        self.cache = model.make_cache(max_batch, max_len)
+
+    @torch.no_grad()
+    def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        rows = tokens.shape[0]
+        start = torch.zeros(rows, dtype=torch.int64, device=tokens.device)
+        slots = torch.arange(rows, device=tokens.device)
+        return self.model(tokens, start, slots, self.cache)
+
+
+def step_losses(head: TrainableMtpHead, tokens, answer, hidden, steps: int):
+    """-> (per-step soft-CE [steps], per-step top-1 agreement [steps]) over answer tokens."""
+    with torch.no_grad():
+        target_logits = F.linear(hidden.float(), head.draft_lm)            # [B, T, N]
+    losses, accs = [], []
+    for j, logits in enumerate(head.unroll(tokens, hidden, steps)):
+        valid = _shift(answer[:, 1:], j + 1).float()                     # token p+2+j
+        tl = shift_targets(target_logits, j)
+        ce = -(torch.softmax(tl, -1) * torch.log_softmax(logits, -1)).sum(-1)
+        denom = valid.sum().clamp_min(1.0)
+        losses.append((ce * valid).sum() / denom)
+        agree = (logits.argmax(-1) == tl.argmax(-1)).float()
+        accs.append(((agree * valid).sum() / denom).detach())
+    return torch.stack(losses), torch.stack(accs)
+
+
+def lr_at(optim_cfg, step: int, elapsed: float) -> tuple[float, float]:
+    """(lr, progress in [0, 1]): warmup, then cosine over steps or time, whichever leads."""
+    prog = min(1.0, max(step / optim_cfg.max_steps, elapsed / optim_cfg.time_budget_s))
+    warm = min(1.0, (step + 1) / max(1, optim_cfg.warmup_steps))
+    return optim_cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * prog)), prog
+
+
+def _save(path: Path, state: dict) -> None:
+    tmp = path.with_suffix(".tmp")
+    torch.save(state, tmp)
+    os.replace(tmp, path)
+
+
+def train(cfg, target, seqs, out_dir: Path, device) -> tuple[TrainableMtpHead, dict]:
+    """Train (or resume) the head on the training sequences; -> (head, summary)."""
+    ocfg, hcfg = cfg.optim, cfg.head
+    train_seqs = [s for s in seqs if s.split == "train"]
+    max_len = max(len(s.tokens) for s in seqs) + hcfg.ttt_steps + 1
+    ckpt_path = out_dir / "checkpoint.pt"
+    ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
+    d2t = ckpt["d2t"] if ckpt else draft_vocab(train_seqs, target.args.vocab_size,
+                                               hcfg.draft_vocab_size)
+    head = TrainableMtpHead(target.args, target.embed_tokens, target.lm_head_weight, d2t,
+                            max_len).to(device)
+    head.init_from_target(target, ocfg.seed)
+    opt = torch.optim.AdamW(head.parameters(), lr=ocfg.lr, betas=(0.9, 0.95),
+                            weight_decay=ocfg.weight_decay)
+    step, elapsed, history = 0, 0.0, []
+    if ckpt:
+        head.load_state_dict(ckpt["head"])
+        opt.load_state_dict(ckpt["optim"])
+        step, elapsed, history = ckpt["step"], ckpt["elapsed"], ckpt["history"]
+        log.info("train_resumed", step=step, elapsed=round(elapsed, 1))
+    teacher = Teacher(target, ocfg.batch_size, max_len)
+    weights = torch.tensor([hcfg.step_decay ** j for j in range(hcfg.ttt_steps)], device=device)
+    rng = random.Random(ocfg.seed)
+    t0 = time.perf_counter() - elapsed
+
+    def checkpoint() -> None:
+        _save(ckpt_path, {"head": head.state_dict(), "optim": opt.state_dict(), "step": step,
+                          "elapsed": time.perf_counter() - t0, "history": history,
+                          "d2t": d2t})
+
+    with progress(total=ocfg.max_steps, initial=step, desc="train", unit="step") as bar:
+        while True:
+            lr, prog = lr_at(ocfg, step, time.perf_counter() - t0)
+            if prog >= 1.0 or step >= ocfg.max_steps:
+                break
+            for group in opt.param_groups:
+                group["lr"] = lr
+            rng.seed(ocfg.seed * 1_000_003 + step)       # resumable: batch is f(step)
+            tokens, answer = pad_batch(rng.sample(train_seqs, min(ocfg.batch_size,
+                                                                  len(train_seqs))), device)
+            losses, accs = step_losses(head, tokens, answer, teacher.hidden(tokens),
+                                       hcfg.ttt_steps)
+            loss = (losses * weights).sum() / weights.sum()
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), ocfg.grad_clip)
+            opt.step()
+            step += 1
+            bar.update(1)
+            if step % 10 == 0 or step == 1:
+                rec = {"step": step, "loss": round(loss.item(), 4), "lr": lr,
+                       "acc": [round(float(a), 3) for a in accs],
+                       "seconds": round(time.perf_counter() - t0, 1)}
+                history.append(rec)
+                bar.set_postfix(loss=rec["loss"], acc0=rec["acc"][0])
+            if step % ocfg.checkpoint_every == 0:
+                checkpoint()
+    checkpoint()
+    with open(out_dir / "train-log.jsonl", "w") as f:
+        for rec in history:
+            f.write(json.dumps(rec) + "\n")
+    summary = {"steps": step, "seconds": round(history[-1]["seconds"], 1) if history else 0,
+               "final_loss": history[-1]["loss"] if history else None,
+               "first_loss": history[0]["loss"] if history else None,
+               "final_top1_agreement_per_step": history[-1]["acc"] if history else None,
+               "batch_size": ocfg.batch_size, "lr": ocfg.lr,
+               "train_sequences": len(train_seqs)}
+    return head, summary
