@@ -104,6 +104,7 @@ def _plot(results, path: str) -> None:
         xs = range(1, len(r["per_position"]) + 1)
         ax.plot(xs, r["per_position"], style, marker="o",
                 label=f"{r['method']} K={r['k']} T={r['temperature']} (AL {r['al']:.2f})")
+    ax.set_xticks(range(1, max(len(r["per_position"]) for r in results) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("fraction of verify rows accepting it")
     ax.set_title("SmolLM2-135M-Instruct, held-out prompts: acceptance per position")
