@@ -85,6 +85,9 @@ class OptimSection:
     time_budget_s: float = attrs.field(default=240.0, validator=_positive("optim"))
     checkpoint_every: int = attrs.field(default=200, validator=_positive("optim"))
     seed: int = 0
+    # Cap on passes over the training answers (0 = none): with few answers a head
+    # memorises them (the shipped head saw ~50 passes); max_steps shrinks to fit.
+    max_epochs: float = 0.0
 
 
 @attrs.frozen

@@ -14,6 +14,7 @@ import random
 import time
 from pathlib import Path
 
+import attrs
 import structlog
 import torch
 import torch.nn.functional as F
@@ -93,6 +94,9 @@ def train(cfg, target, seqs, out_dir: Path, device) -> tuple[TrainableMtpHead, d
     """Train (or resume) the head on the training sequences; -> (head, summary)."""
     ocfg, hcfg = cfg.optim, cfg.head
     train_seqs = [s for s in seqs if s.split == "train"]
+    if ocfg.max_epochs > 0:
+        cap = max(1, math.ceil(ocfg.max_epochs * len(train_seqs) / ocfg.batch_size))
+        ocfg = attrs.evolve(ocfg, max_steps=min(ocfg.max_steps, cap))
     max_len = max(len(s.tokens) for s in seqs) + hcfg.ttt_steps + 1
     ckpt_path = out_dir / "checkpoint.pt"
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None

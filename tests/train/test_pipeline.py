@@ -105,3 +105,13 @@ def test_interrupted_run_resumes_to_the_same_head(setup, tmp_path, monkeypatch):
     assert a["step"] == b["step"] == 12
     for name, tensor in a["head"].items():
         torch.testing.assert_close(b["head"][name], tensor, rtol=0, atol=0)
+
+
+def test_max_epochs_caps_the_steps(setup, tmp_path):
+    tiny_dir, prompts, out, _ = setup
+    for f in ("prompts.jsonl", "sequences.pt"):
+        (tmp_path / f).write_bytes((out / f).read_bytes())
+    train_answers = sum(s.split == "train" for s in load_sequences(out / "sequences.pt"))
+    cfg = _config(tiny_dir, prompts, None, max_steps=1000, max_epochs=1.0)
+    card = run(cfg, command="test", out_dir=str(tmp_path), device="cpu")
+    assert card["training"]["steps"] == -(-train_answers // 8)       # one pass, batch 8
