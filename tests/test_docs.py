@@ -25,7 +25,10 @@ import attrs
 import pytest
 import structlog
 
-from specloop.engine import EngineConfig
+from specloop.engine import ConfigError, EngineConfig
+
+# An example that unexpectedly loads a real model would stall here: fail it early instead.
+pytestmark = pytest.mark.timeout(120)
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md")])
@@ -130,3 +133,30 @@ def test_shipped_configs_are_valid(path):
         return
     EngineConfig.from_toml(path)
 
+
+
+# configuration.md quotes these errors verbatim (gates table, loading rules, field rows).
+QUOTED_ERRORS = [
+    {"speculative": {"num_draft_tokens": 0}},
+    {"model": {"foo": "foo"}},
+    {"scheduler": {"max_batch_size": "4"}},
+    {"speculative": {"use_rejection_sampling": "false"}},
+    {"parallel": {"lm_head_tp_in_adp": True}},
+    {"speculative": {"use_rejection_sampling": True}, "parallel": {"context_parallel_size": 2}},
+    {"parallel": {"context_parallel_size": 2}},
+    {"parallel": {"world_size": 2}},
+    {"speculative": {"method": "draft_model"}},
+    {"parallel": {"collective_timeout_s": 0.01}},
+    {"speculative": {"ngram_min": 4}},
+    {"speculative": {"early_exit_layers": 0}},
+    {"speculative": {"method": "none"}, "components": {"drafter": "ngram"}},
+    {"components": {"drafter": "eagle9"}},
+]
+
+
+@pytest.mark.parametrize("data", QUOTED_ERRORS, ids=str)
+def test_configuration_md_quotes_the_errors_the_code_gives(data):
+    with pytest.raises(ConfigError) as info:
+        EngineConfig.from_dict(data)
+    text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
+    assert str(info.value) in text, f"configuration.md does not quote: {info.value}"
