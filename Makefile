@@ -1,5 +1,5 @@
 # The two quickstart commands: `make demo` and `make test`. Each sets up what it needs.
-.PHONY: setup demo test test-all bench
+.PHONY: setup demo test test-fast test-all bench
 VENV := .venv/bin
 
 setup:
@@ -11,6 +11,15 @@ demo: setup
 # The whole CPU suite; GPU tests skip without CUDA.
 test: setup
 	$(VENV)/python -m pytest -q -rs tests
+
+# What to run on every change: no slow or multi-process tests. Sets up .venv only when
+# pyproject.toml or setup.sh changed since the last setup (a pip run costs tens of seconds).
+test-fast: .venv/.setup-stamp
+	$(VENV)/python -m pytest -q -rs -m "not slow and not distributed" tests
+
+.venv/.setup-stamp: pyproject.toml scripts/setup.sh
+	bash scripts/setup.sh
+	touch $@
 
 # CPU benchmarks (each prints ratios against a baseline run in the same process).
 bench: setup

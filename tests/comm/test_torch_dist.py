@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.distributed
+# Each module fixture starts two processes that import torch and join gloo: minutes on a
+# loaded 2-core machine, so the per-process limit below is generous and the test's too.
+pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 
@@ -32,10 +34,11 @@ def _launch(*args: str, world_size: int = 2) -> list[dict]:
     outputs = []
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=60)
+            out, _ = proc.communicate(timeout=240)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
+                p.communicate()  # reap it and close its pipe (else a ResourceWarning later)
             raise
         assert proc.returncode == 0, out
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

@@ -9,7 +9,8 @@ import pytest
 
 from specloop.models.testing import write_tiny_checkpoint
 
-pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+# Two torchrun launches per test, each bounded at 240 s by torchrun() below.
+pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

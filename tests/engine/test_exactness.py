@@ -74,6 +74,7 @@ def exact(tiny_loaded):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 @pytest.mark.parametrize("draft", ["other", "same"])
 async def test_draft_model_rejection_sampling_is_exact(tiny_dir, tiny_draft_dir, tiny_loaded,
                                                        exact, draft):
@@ -101,6 +102,7 @@ async def test_the_check_has_power(tiny_dir, tiny_loaded):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(900)
 async def test_adp_lm_head_tp_rejection_is_exact(tiny_dir, tiny_loaded, exact):
     config = make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True,
                          max_batch_size=32,

@@ -8,7 +8,8 @@ from specloop.samplers import SamplingParams
 
 from ..smollm2 import NEW_TOKENS, PROMPTS
 
-pytestmark = pytest.mark.slow
+# The first test may also convert the GGUF and compute the session's shared reference.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
 
 NEW = NEW_TOKENS
 GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)

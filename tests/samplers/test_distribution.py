@@ -19,6 +19,10 @@ from specloop.samplers._sampler import strict_from_targets, target_tokens_from_p
 
 from ..chi2 import chi2_statistic
 
+# 40 960 trials per case, each 1-2 minutes on the 2-core CI machine under load: slow, as
+# docs/testing.md says; `make test-fast` leaves them out, `make test` runs them.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
 V = 4096
 TRIALS = 10 * V
 CHUNK = 4096

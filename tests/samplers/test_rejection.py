@@ -84,6 +84,7 @@ def test_draft_equal_target_accepts_everything(method):
     assert torch.equal(r.token_ids[:, :4], d)
 
 
+@pytest.mark.slow  # a statistical comparison over many trials; the fast subset has the rest
 def test_block_accepts_at_least_as_many_as_token():
     # The paper's example: p = (1/3, 2/3), q = (2/3, 1/3), K = 2: 10/9 vs 11/9 expected.
     N, K = 60000, 2
