@@ -32,8 +32,9 @@ def start_rank(rank, port, config, log_path, level):
     cmd = [sys.executable, "-m", "specloop.engine.cli", "generate", "--config", str(config),
            "--prompt", "hello", "--prompt", "world", "--max-tokens", "3000", "--ignore-eos",
            "--log-level", level]
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=open(log_path, "w"))
+    with open(log_path, "w") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=log)
 
 
 def wait_for(path: Path, text: str, proc, limit: float) -> None:
