@@ -57,8 +57,10 @@ def leaf_error(exc: BaseException) -> BaseException:
 
 
 def _is_cancellation(exc: BaseException) -> bool:
-    import anyio  # noqa: PLC0415
-    return isinstance(exc, anyio.get_cancelled_exc_class())
+    # Called after the event loop has ended, so anyio.get_cancelled_exc_class() is not
+    # available; the engine runs anyio on asyncio, whose cancellation is CancelledError.
+    import asyncio  # noqa: PLC0415
+    return isinstance(exc, asyncio.CancelledError)
 
 
 def report_failure(exc: BaseException, command: str, *, debug: bool) -> int:

@@ -189,3 +189,16 @@ def test_generate_system_message_reaches_the_prompt(cli, tiny_dir, tmp_path):
         outs.append(json.loads(out.splitlines()[0])["token_ids"])
     # Each changes the prompt the model sees, so the greedy continuation changes.
     assert outs[0] != outs[1] and outs[0] != outs[2]
+
+
+def test_runtime_failure_grouped_with_cancellations_is_one_line(capsys):
+    # The engine's task group ends with the real error beside the cancellations of its
+    # siblings; report_failure runs after the event loop ended and must name the real one.
+    import asyncio
+
+    from specloop.engine._cli_common import report_failure
+
+    group = BaseExceptionGroup("engine", [asyncio.CancelledError(), RuntimeError("rank 1 died")])
+    assert report_failure(group, "generate", debug=False) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "RuntimeError: rank 1 died" in err[0]
