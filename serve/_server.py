@@ -98,14 +98,43 @@ async def serve(config, options: ServeOptions, sock: socket.socket | None = None
             state.failure = f"{type(leaf).__name__}: {leaf}"
             log.error("engine_failed_while_serving", error=state.failure)
 
+    interrupted = False
     async with anyio.create_task_group() as tg:
         tg.start_soon(run_engine)
-        await ready.wait()
-        if state.engine.front is not None:
+        if not await _ready_unless_signalled(ready):
+            interrupted = True          # Ctrl-C while the model loads
+            tg.cancel_scope.cancel()
+        elif state.engine.front is not None:
             try:
                 await _serve_http(state, options, sock)
             finally:
                 stop.set()
+    if interrupted:
+        raise KeyboardInterrupt
+
+
+async def _ready_unless_signalled(ready: anyio.Event) -> bool:
+    """True once the engine is ready, False on SIGINT/SIGTERM before that (uvicorn only
+    handles signals once it serves)."""
+    if threading.current_thread() is not threading.main_thread():
+        await ready.wait()
+        return True
+    outcome: list[bool] = []
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with anyio.create_task_group() as tg:
+            async def on_signal() -> None:
+                async for _ in signals:
+                    outcome.append(False)
+                    tg.cancel_scope.cancel()
+
+            async def on_ready() -> None:
+                await ready.wait()
+                outcome.append(True)
+                tg.cancel_scope.cancel()
+
+            tg.start_soon(on_signal)
+            tg.start_soon(on_ready)
+    return outcome[0]
 
 
 async def _serve_http(state: ServerState, options: ServeOptions, sock) -> None:

@@ -57,3 +57,35 @@ async def test_health_fails_once_the_engine_died(serve_model):
             assert again.status_code == 503
             assert again.json()["error"]["type"] == "server_error"
         tg.cancel_scope.cancel()
+
+
+class SlowDrafter(ExplodingDrafter):
+    """Built in the engine's build thread: holds the start-up for a while."""
+
+    def __init__(self, config, deps) -> None:
+        super().__init__(config, deps)
+        import time
+        time.sleep(2.0)
+
+
+async def test_ctrl_c_while_the_model_loads_stops_serve(serve_model):
+    import os
+    import signal
+    import threading
+
+    import pytest
+
+    config = EngineConfig.from_dict({
+        "model": {"name": str(serve_model), "device": "cpu", "max_seq_len": 128},
+        "speculative": {"method": "ngram", "num_draft_tokens": 2},
+        "components": {"drafter": "tests.serve.test_health:SlowDrafter"}})
+    sock = bind("127.0.0.1", 0)
+
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):       # main() turns it into exit 130
+            await serve(config, ServeOptions(), sock)
+    finally:
+        timer.cancel()
+        sock.close()
