@@ -389,3 +389,8 @@ class EngineStats:
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / max(1, self.num_draft_tokens)
+
+    def __repr__(self) -> str:
+        counts = ", ".join(f"{k}={v}" for k, v in vars(self).items())
+        return (f"EngineStats({counts}, mean_acceptance_length="
+                f"{self.mean_acceptance_length:.3f}, acceptance_rate={self.acceptance_rate:.3f})")

@@ -21,3 +21,14 @@ def test_public_names():
         assert set(module.__all__) == names, module.__name__
         for name in names:
             assert getattr(module, name) is not None
+
+
+def test_engine_stats_repr_shows_its_figures():
+    from specloop.engine import EngineStats
+
+    stats = EngineStats()
+    stats.record_iteration(rows=2, k=4, accepted=3)
+    text = repr(stats)
+    assert "object at 0x" not in text
+    assert "num_verify_rows=2" in text and "num_accepted_tokens=3" in text
+    assert "mean_acceptance_length=2.500" in text and "acceptance_rate=0.375" in text
