@@ -8,12 +8,12 @@ whose sha256 differs from its card's or whose target shape differs from the targ
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
 from safetensors import safe_open
 
+from .._registry import sha256_of as file_sha256
 from ._errors import DrafterConfigError
 
 FIELD = "speculative.draft_weights"
@@ -32,14 +32,6 @@ def shipped_heads() -> list[str]:
 
 def card_path(weights: Path) -> Path:
     return weights.with_suffix(".json")
-
-
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def resolve_head(name_or_path: str) -> tuple[Path, dict | None]:
