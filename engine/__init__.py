@@ -9,7 +9,7 @@ from ._errors import (ConfigError, EngineClosedError, EngineStateError, IllegalT
 from ._iteration import IterationMachine, IterationRecord
 from ._request import FinishReason, RequestOutput
 from ._states import TRANSITIONS, IterationObserver, IterationState, TransitionEvent
-from ._worker import EngineStats
+from ._stats import EngineStats
 
 __all__ = [
     "AsyncEngine", "ComponentsConfig", "ConfigError", "ENTRY_POINT_GROUP", "EngineClosedError",

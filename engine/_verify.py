@@ -11,10 +11,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-import attrs
 import torch
 
-from specloop.graphs import GraphKey, SamplingPath, Tensors
+from specloop.graphs import Tensors
 from specloop.samplers import SamplingBatch
 
 from ._request import Request
@@ -49,16 +48,6 @@ def pad_draft_probs(q: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([q, pad])
 
 
-def graph_template(key: GraphKey, rows: int, device) -> SamplingBatch:
-    """The Python flags a captured variant is specialised on: argmax-only when all greedy,
-    else every sampling feature on (no-op features leave probabilities bit-identical)."""
-    template = SamplingBatch.from_params([], [], device=device, pad_to=rows)
-    if key.all_greedy:
-        return template
-    return attrs.evolve(template, all_greedy=False, needs_sort=True, needs_min_p=True,
-                        any_greedy=True)
-
-
 def make_verify_step(runner, sampler, template: SamplingBatch, *, advanced: bool,
                      kv_len: int | None):
     """The step function; ``template`` supplies SamplingBatch's Python flags."""
@@ -75,14 +64,3 @@ def make_verify_step(runner, sampler, template: SamplingBatch, *, advanced: bool
                 "hidden": hidden, "packed": packed}
 
     return step
-
-
-def capture_variants(use_rejection_sampling: bool, point_mass: bool
-                     ) -> list[tuple[SamplingPath, bool, bool]]:
-    """(path, all_greedy, has_draft_probs) variants an engine can run."""
-    variants = [(SamplingPath.GREEDY, True, False)]
-    if use_rejection_sampling:
-        variants.append((SamplingPath.ADVANCED, False, not point_mass))
-    else:
-        variants.append((SamplingPath.GREEDY, False, False))  # sampled rows, strict verify
-    return variants

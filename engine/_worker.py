@@ -1,7 +1,11 @@
 """One rank's iteration handlers: SCHEDULE, SYNC, PICK_GRAPH_KEY, DRAFT, VERIFY, RESCAN.
 
-The step variant (with or without a drafter, single rank or group) is chosen once here at
-construction; handlers never re-decide it per step.
+Read top to bottom, this file is the iteration diagram (docs/architecture.md). What the
+handlers lean on lives beside it: the front-door exchange (``_exchange``), the stop rules
+and outputs (``_outputs``), the counters (``_stats``), VERIFY's step (``_verify``) and the
+warm-up that captures graphs (``_warmup``, on ``graphs``). The step variant (with or
+without a drafter, single rank or group) is chosen once here at construction; handlers
+never re-decide it per step.
 """
 
 from __future__ import annotations
@@ -16,13 +20,15 @@ import torch
 from specloop.graphs import SamplingPath
 from specloop.samplers import RejectionResult, SamplingBatch
 
-from ._frontdoor import FrontDoorMessage, RankReport, assign_least_loaded
+from ._exchange import OutputExchange
 from ._iteration import IterationRecord
-from ._request import FinishReason, Request, RequestOutput
+from ._outputs import Outputs
+from ._request import FinishReason, Request
 from ._scheduler import Scheduler
 from ._states import IterationState
-from ._wire import decode_outputs, encode_outputs
-from ._verify import capture_variants, graph_template, make_verify_step, verify_inputs
+from ._stats import EngineStats
+from ._verify import make_verify_step, verify_inputs
+from ._warmup import warm_up_graphs
 
 log = structlog.get_logger(__name__)
 S = IterationState
@@ -42,18 +48,17 @@ class RankWorker:
         self.graph_cache = graph_cache
         self.front = front          # FrontDoor on rank 0, None elsewhere
         self.k = config.speculative.k
-        self.max_seq_len = config.model.max_seq_len
         self.scheduler = Scheduler(config.scheduler.max_batch_size,
                                    config.scheduler.max_num_tokens)
-        self.eos_token_ids = frozenset(runner.loaded.tokenizer.eos_token_ids)
         self._limiter = anyio.CapacityLimiter(1)
-        self._pending_outputs: list[tuple[int, RequestOutput]] = []
-        self._loads = [0] * comm.world_size
         self.stats = EngineStats()
         self._sampling_cache: dict[int | None, tuple] = {}
         self.group_sync = config.group_sync_greedy_flag
-        multi = comm.world_size > 1
-        self.exchange = self._exchange_group if multi else self._exchange_local
+        self.exchange = OutputExchange(config=config, comm=comm, front=front,
+                                       scheduler=self.scheduler, device=runner.device)
+        self.outputs = Outputs(config=config, scheduler=self.scheduler, runner=runner,
+                               drafter=drafter, stats=self.stats,
+                               deliver=self.exchange.deliver)
         self.draft_step = self._draft_with_drafter if self.k else self._no_draft
         # Drafters whose DRAFT runs collectives (LM-head TP) are called on idle ranks too.
         self.draft_when_idle = getattr(drafter, "needs_empty_calls", False)
@@ -67,6 +72,11 @@ class RankWorker:
     async def run_sync(self, fn):
         return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
 
+    def warmup_graphs(self) -> None:
+        """Capture every VERIFY (and DRAFT) variant this engine can run, before serving."""
+        warm_up_graphs(config=self.config, runner=self.runner, sampler=self.sampler,
+                       drafter=self.drafter, comm=self.comm, graph_cache=self.graph_cache)
+
     # SCHEDULE ---------------------------------------------------------------------------
     async def schedule(self, rec: IterationRecord) -> IterationState:
         message = await self.exchange()
@@ -77,7 +87,7 @@ class RankWorker:
         for request_id in message.cancels:
             request = self.scheduler.find(request_id)
             if request is not None:
-                self._finish(request, FinishReason.CANCELLED, ())
+                self.outputs.finish(request, FinishReason.CANCELLED, ())
         admitted = self.scheduler.admit()
         if admitted:
             await self.run_sync(lambda: self._prefill(admitted))
@@ -90,50 +100,12 @@ class RankWorker:
             if self.drafter is not None:
                 self.drafter.prefill(request.slot, request.token_ids[:-1], hidden)
 
-    async def _exchange_local(self) -> FrontDoorMessage:
-        if self.scheduler.num_requests == 0:
-            await self.front.wait_for_work(timeout=None)
-        return self.front.take_message(lambda new: tuple((0, r) for r in new))
-
-    async def _exchange_group(self) -> FrontDoorMessage:
-        """One tensor all-gather: each serving rank's outputs as a fixed-size block, and
-        a flag; only when some rank raised it (rank 0 has requests, cancels or shutdown
-        to send; an output block overflowed) does a pickled object exchange follow. The
-        flags are gathered first, so every rank agrees on whether it happens."""
-        message, pending = FrontDoorMessage(), self._pending_outputs
-        self._pending_outputs = []
-        if self.front is not None:
-            if self.scheduler.num_requests == 0 and sum(self._loads) == 0:
-                await self.front.wait_for_work(timeout=self.config.scheduler.idle_wait_s)
-            message = self.front.take_message(
-                lambda new: assign_least_loaded(new, self._loads))
-        rows = self.scheduler.slots.num_slots
-        block = encode_outputs(pending, rows, self.k)
-        flag = (message != FrontDoorMessage()) or block is None
-        if block is None:
-            block = encode_outputs((), rows, self.k)
-        header = torch.cat([torch.tensor([int(flag)]), block]).to(self.runner.device)
-        gathered = (await self.comm.all_gather(header)).cpu()      # [world, 1 + rows*width]
-        if self.front is not None:
-            for flat in gathered[1:, 1:]:
-                self.front.deliver(decode_outputs(flat, self.k, self.front.request_id))
-        if bool(gathered[:, 0].any()):
-            overflow = () if not pending or not gathered[self.comm.rank, 0] else pending
-            reports = await self.comm.all_gather_object(
-                message if self.front is not None else
-                RankReport(tuple(out for _, out in overflow)))
-            if self.front is not None:
-                for report in reports[1:]:
-                    self.front.deliver(report.outputs)
-            message = reports[0]
-        return message
-
     # SYNC -------------------------------------------------------------------------------
     async def sync(self, rec: IterationRecord) -> IterationState:
         local_greedy = all(r.params.is_greedy for r in rec.batch)
         rec.spec = rec.spec.evolve(is_all_greedy_sample=local_greedy)
         if self.comm.world_size == 1:  # nothing to agree on: no tensors on the hot path
-            self._loads = [self.scheduler.num_requests]
+            self.exchange.loads = [self.scheduler.num_requests]
             rec.padded_batch_size = len(rec.batch)
             return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
         facts = torch.tensor([[len(rec.batch) * (self.k + 1), len(rec.batch),
@@ -147,7 +119,7 @@ class RankWorker:
                 rec.spec = rec.spec.evolve(
                     group_all_greedy_sample=bool(facts[:, FACT_ALL_GREEDY].all()))
         rec.group_facts = facts
-        self._loads = facts[:, FACT_REQUESTS].tolist()
+        self.exchange.loads = facts[:, FACT_REQUESTS].tolist()
         rec.padded_batch_size = int(facts[:, FACT_BATCH].max())
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
@@ -250,147 +222,16 @@ class RankWorker:
                              k=self.k, scratch_slot=self.runner.cache.scratch_slot,
                              device=self.runner.device)
 
-    def warmup_graphs(self) -> None:
-        """Capture every VERIFY variant this engine can run, before serving."""
-        point_mass = getattr(self.drafter, "point_mass", self.drafter is None)
-        variants = capture_variants(self.config.speculative.use_rejection_sampling,
-                                    point_mass)
-        has_q = {(path, greedy): q for path, greedy, q in variants}
-        keys = self.graph_cache.keys_to_capture(
-            self.config.scheduler.max_batch_size, self.k, list(has_q))
-        device, v = self.runner.device, self.runner.args.vocab_size
-        for key in keys:
-            template = graph_template(key, key.batch_size, device)
-            q = None
-            if self.k and has_q[(key.sampling_path, key.all_greedy)]:
-                q = torch.zeros(0, self.k, v, device=device)
-            example = verify_inputs([], None, q, template, k=self.k,
-                                    scratch_slot=self.runner.cache.scratch_slot,
-                                    device=device)
-            step = make_verify_step(self.runner, self.sampler, template,
-                                    advanced=key.sampling_path is SamplingPath.ADVANCED,
-                                    kv_len=self.runner.cache.max_seq_len)
-            with torch.inference_mode():
-                self.graph_cache.capture(key, step, example)
-                self._capture_draft(key, template)
-        if hasattr(self.graph_cache, "seal"):
-            self.graph_cache.seal()
-
-    def _capture_draft(self, key, template: SamplingBatch) -> None:
-        """The drafter's whole K-step proposal, when it offers a static step for this
-        variant (not on the LM-head-TP path, whose collectives stay outside graphs)."""
-        from specloop.models.drafters import DraftContext  # noqa: PLC0415
-
-        advanced = key.sampling_path is SamplingPath.ADVANCED
-        drafter = self.drafter
-        if not self.k or not hasattr(drafter, "graph_step") or not drafter.can_graph(advanced):
-            return
-        empty = torch.zeros(0, dtype=torch.int64, device=self.runner.device)
-        ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,
-                           spec=None, sampler=self.sampler, comm=self.comm, run_sync=None,
-                           graph_sampling=template)
-        self.graph_cache.capture(attrs.evolve(key, stage="draft"),
-                                 drafter.graph_step(self.sampler, template, advanced=advanced),
-                                 drafter.graph_inputs(ctx))
-
     # RESCAN -----------------------------------------------------------------------------
     async def rescan(self, rec: IterationRecord) -> IterationState:
         if rec.result is not None:
             tokens = rec.result.token_ids.tolist()
             accepted = rec.result.num_accepted.tolist()
             for request, row, n in zip(rec.batch, tokens, accepted):
-                self._append(request, row[:n + 1], n)
+                self.outputs.append(request, row[:n + 1], n)
             self.stats.record_iteration(len(rec.batch), self.k, sum(accepted))
         rec.finished = [r for r in rec.batch if r.finished]
-        remaining = self.scheduler.running
-        # The local flag for whoever reads before the next SYNC; the group override stays.
-        rec.spec = rec.spec.evolve(
-            is_all_greedy_sample=all(r.params.is_greedy for r in remaining))
         return S.DONE
 
-    def _append(self, request: Request, new_tokens: list[int], num_accepted: int) -> None:
-        request.num_iterations += 1
-        request.num_drafted += self.k
-        request.num_accepted += num_accepted
-        emitted = []
-        reason = None
-        for token in new_tokens:
-            request.token_ids.append(token)
-            emitted.append(token)
-            reason = self._stop_reason(request, token)
-            if reason is not None:
-                break
-        request.num_cached = request.seq_len - 1
-        self.stats.num_generated_tokens += len(emitted)
-        self.runner.trim(request)
-        if reason is not None:
-            self._finish(request, reason, emitted)
-        else:
-            self._emit(request, emitted)
-
-    def _stop_reason(self, request: Request, token: int) -> FinishReason | None:
-        params = request.params
-        if token in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token in self.eos_token_ids:
-            return FinishReason.STOP
-        if request.num_generated >= params.max_tokens:
-            return FinishReason.LENGTH
-        # The next VERIFY writes positions up to L - 1 + K: it must stay in the cache.
-        if request.seq_len + self.k >= self.max_seq_len:
-            return FinishReason.LENGTH
-        return None
-
-    def _finish(self, request: Request, reason: FinishReason, emitted) -> None:
-        slot = request.slot
-        self.scheduler.finish(request, reason)
-        if slot is not None:
-            self.runner.release(slot)
-        if slot is not None and self.drafter is not None:
-            self.drafter.release(slot)
-        self._emit(request, emitted, finished=True)
-
-    def _emit(self, request: Request, tokens, finished: bool = False) -> None:
-        if not tokens and not finished:
-            return
-        # Token ids only: text is decoded by the consumer (generate), off this hot path.
-        output = RequestOutput(request.request_id, tuple(tokens), "", finished,
-                               request.finish_reason if finished else None)
-        if self.front is not None:
-            self.front.deliver((output,))
-        else:
-            self._pending_outputs.append((request.handle, output))
-
     def cancel_all(self) -> None:
-        for request in [*self.scheduler.running, *self.scheduler.waiting]:
-            self._finish(request, FinishReason.CANCELLED, ())
-
-
-class EngineStats:
-    """Speculation counters: AL = 1 + accepted / verify rows (vLLM's definition)."""
-
-    def __init__(self) -> None:
-        self.num_iterations = 0
-        self.num_verify_rows = 0
-        self.num_draft_tokens = 0
-        self.num_accepted_tokens = 0
-        self.num_generated_tokens = 0
-
-    def record_iteration(self, rows: int, k: int, accepted: int) -> None:
-        self.num_iterations += 1
-        self.num_verify_rows += rows
-        self.num_draft_tokens += rows * k
-        self.num_accepted_tokens += accepted
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / max(1, self.num_verify_rows)
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / max(1, self.num_draft_tokens)
-
-    def __repr__(self) -> str:
-        counts = ", ".join(f"{k}={v}" for k, v in vars(self).items())
-        return (f"EngineStats({counts}, mean_acceptance_length="
-                f"{self.mean_acceptance_length:.3f}, acceptance_rate={self.acceptance_rate:.3f})")
+        self.outputs.cancel_all()

@@ -34,7 +34,7 @@ async def test_overflowing_blocks_fall_back_to_objects(tiny_dir, tiny_loaded, mo
         every_other_overflows.calls += 1
         return None if outputs and every_other_overflows.calls % 2 else real(outputs, rows, k)
     every_other_overflows.calls = 0
-    monkeypatch.setattr("specloop.engine._worker.encode_outputs", every_other_overflows)
+    monkeypatch.setattr("specloop.engine._exchange.encode_outputs", every_other_overflows)
     results, _ = await run_group(2, adp_config(tiny_dir, 2, method="ngram", max_batch_size=2),
                                  tiny_loaded, lambda e: serve(e, PROMPTS, PARAMS))
     assert results[0] == expected

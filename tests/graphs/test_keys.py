@@ -102,3 +102,20 @@ async def test_adp_ranks_agree_or_all_go_eager(tiny_dir, tiny_loaded, gate):
     else:
         assert keys[0].sampling_path is G and keys[1].sampling_path is A
         assert not any(p[3] for p in picks)       # they differ, so every rank runs eagerly
+
+
+@pytest.mark.parametrize("rejection", [False, True])
+@pytest.mark.parametrize("point_mass", [False, True])
+def test_capture_variants_follow_the_one_predicate(rejection, point_mass):
+    from specloop.graphs._capture import capture_variants
+
+    variants = capture_variants(rejection, point_mass)
+    assert [greedy for _, greedy, _ in variants] == [True, False]
+    for path, greedy, has_q in variants:
+        spec = SpecMetadata(use_rejection_sampling=rejection, is_all_greedy_sample=greedy)
+        assert path is (A if spec.wants_advanced_draft_sampling else G)
+        assert has_q == (path is A and not point_mass)
+    # The engine's real variants: greedy argmax always; sampled rows on the advanced path
+    # exactly when rejection sampling is on.
+    assert variants[0] == (G, True, False)
+    assert variants[1][0] is (A if rejection else G)

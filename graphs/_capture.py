@@ -1,0 +1,67 @@
+"""Capture at warmup: which variants an engine runs, what each is specialised on, and the
+loop that captures every key's VERIFY (and, where a drafter offers one, DRAFT) step.
+
+The engine supplies the steps (it owns the model and the sampler); this module decides
+which keys are captured and seals the cache afterwards, so nothing is captured later.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import attrs
+import torch
+
+from specloop.samplers import SamplingBatch, SpecMetadata
+
+from ._cache import GraphCache, Step, Tensors
+from ._key import GraphKey, SamplingPath
+
+# (key, template, has_draft_probs) -> the VERIFY step and an example of its inputs.
+VerifyBuilder = Callable[[GraphKey, SamplingBatch, bool], tuple[Step, Tensors]]
+# (key, template) -> the drafter's whole-proposal step and example inputs, or None.
+DraftBuilder = Callable[[GraphKey, SamplingBatch], tuple[Step, Tensors] | None]
+
+
+def capture_variants(use_rejection_sampling: bool, point_mass: bool
+                     ) -> list[tuple[SamplingPath, bool, bool]]:
+    """(path, all_greedy, has_draft_probs) for every variant an engine can run: an
+    all-greedy batch and a batch with sampled rows, each on the path the one predicate
+    (``SpecMetadata.wants_advanced_draft_sampling``) gives it."""
+    variants = []
+    for all_greedy in (True, False):
+        spec = SpecMetadata(use_rejection_sampling=use_rejection_sampling,
+                            is_all_greedy_sample=all_greedy)
+        path = SamplingPath.of(spec)
+        variants.append((path, all_greedy, path is SamplingPath.ADVANCED and not point_mass))
+    return variants
+
+
+def graph_template(key: GraphKey, device) -> SamplingBatch:
+    """The Python flags a captured variant is specialised on: argmax-only when all greedy,
+    else every sampling feature on (no-op features leave probabilities bit-identical)."""
+    template = SamplingBatch.from_params([], [], device=device, pad_to=key.batch_size)
+    if key.all_greedy:
+        return template
+    return attrs.evolve(template, all_greedy=False, needs_sort=True, needs_min_p=True,
+                        any_greedy=True)
+
+
+def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int,
+            variants: Iterable[tuple[SamplingPath, bool, bool]], device,
+            verify: VerifyBuilder, draft: DraftBuilder) -> list[GraphKey]:
+    """Capture every key the cache asks for, VERIFY and then DRAFT (stage "draft"), and
+    seal the cache; -> the VERIFY keys captured."""
+    has_q = {(path, greedy): q for path, greedy, q in variants}
+    keys = cache.keys_to_capture(max_batch_size, num_draft_tokens, list(has_q))
+    for key in keys:
+        template = graph_template(key, device)
+        with torch.inference_mode():
+            cache.capture(key, *verify(key, template, has_q[(key.sampling_path,
+                                                              key.all_greedy)]))
+            drafted = draft(key, template)
+            if drafted is not None:
+                cache.capture(attrs.evolve(key, stage="draft"), *drafted)
+    if hasattr(cache, "seal"):
+        cache.seal()
+    return keys
