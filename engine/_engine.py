@@ -158,12 +158,13 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        *, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         new = self._admit(prompt, params, request_id)
-        receive = self.front.submit(new)
+        channel = self.front.submit(new)
         texts = TextStream(self.tokenizer, new.params.stop)
         finished = False        # by the engine; a stop string ends the stream before that
         try:
-            async with receive:
-                async for output in receive:
+            # One wake-up per iteration at most: all outputs sent meanwhile come at once.
+            while outputs := await channel.take():
+                for output in outputs:
                     if output.error is not None:
                         raise EngineClosedError(output.error) from self._failure
                     finished = output.finished

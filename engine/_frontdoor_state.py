@@ -7,14 +7,55 @@ reused id can never receive an earlier request's outputs or cancel (issue 10, de
 
 from __future__ import annotations
 
-import math
+from collections import deque
 from typing import Callable, Iterable
 
 import anyio
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+import anyio.lowlevel
 
 from ._frontdoor import FrontDoorMessage
 from ._request import FinishReason, NewRequest, RequestOutput
+
+
+class OutputChannel:
+    """One request's outputs, engine to consumer, unbounded (the engine never waits on a
+    slow consumer). ``put`` wakes the consumer only when it waits; ``take`` returns all
+    outputs sent since the last one. An anyio memory stream costs a checkpoint and an
+    event per item on both sides, per request per iteration (issue 12)."""
+
+    __slots__ = ("_items", "_waiter", "_closed")
+
+    def __init__(self) -> None:
+        self._items: deque[RequestOutput] = deque()
+        self._waiter: anyio.Event | None = None
+        self._closed = False
+
+    def put(self, output: RequestOutput) -> None:
+        self._items.append(output)
+        self._wake()
+
+    def close(self) -> None:
+        """No more outputs; what was put is still taken."""
+        self._closed = True
+        self._wake()
+
+    async def take(self) -> list[RequestOutput]:
+        """The outputs not yet taken, waiting for one; ``[]`` once closed and drained."""
+        if self._items:
+            await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled consumer stops
+        while not self._items:
+            if self._closed:
+                return []
+            self._waiter = anyio.Event()
+            await self._waiter.wait()
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    def _wake(self) -> None:
+        if self._waiter is not None:
+            self._waiter.set()
+            self._waiter = None
 
 
 class FrontDoor:
@@ -23,7 +64,7 @@ class FrontDoor:
         self._cancels: list[str] = []                # live ids to cancel at their rank
         self._live: dict[str, int] = {}              # request id -> handle, until final
         self._ids: dict[int, str] = {}               # handle -> request id, until final
-        self._streams: dict[str, MemoryObjectSendStream[RequestOutput]] = {}  # consumer on
+        self._streams: dict[str, OutputChannel] = {}  # while its consumer is on
         self._wake = anyio.Event()
         self.closing = False
 
@@ -36,17 +77,15 @@ class FrontDoor:
     def num_live(self) -> int:
         return len(self._live)
 
-    def submit(self, new: NewRequest) -> MemoryObjectReceiveStream[RequestOutput]:
+    def submit(self, new: NewRequest) -> OutputChannel:
         if new.request_id in self._live:
             raise ValueError(f"request_id {new.request_id!r} is live")  # the engine checks
-        # Unbounded: the engine loop never waits on a slow consumer.
-        send, receive = anyio.create_memory_object_stream[RequestOutput](math.inf)
-        self._streams[new.request_id] = send
+        channel = self._streams[new.request_id] = OutputChannel()
         self._live[new.request_id] = new.handle
         self._ids[new.handle] = new.request_id
         self._inbox[new.request_id] = new
         self._wake.set()
-        return receive
+        return channel
 
     def cancel(self, request_id: str) -> None:
         """End a queued request now; ask its rank to end a running one. Unknown or
@@ -91,10 +130,7 @@ class FrontDoor:
                 continue        # not ours (already ended here)
             stream = self._streams.get(output.request_id)
             if stream is not None:
-                try:
-                    stream.send_nowait(output)
-                except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                    self._streams.pop(output.request_id, None)  # consumer gone mid-way
+                stream.put(output)
             if output.finished:
                 self._release(output.request_id)
 

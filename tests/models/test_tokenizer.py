@@ -65,3 +65,40 @@ def test_detokenizer_flush_emits_incomplete_tail(tok):
     detok = IncrementalDetokenizer(tok)
     assert detok.push(ids[:-1]) == ""  # incomplete UTF-8 sequence is held back
     assert detok.flush().endswith("\ufffd")
+
+
+class _RefusingStream:
+    """A DecodeStream that fails on its n-th token (as a refused prefix does)."""
+
+    def __init__(self, inner, n):
+        self.inner, self.n = inner, n
+
+    def step(self, backend, token):
+        self.n -= 1
+        if self.n < 0:
+            raise ValueError("invalid prefix")
+        return self.inner.step(backend, token)
+
+
+@pytest.mark.parametrize("path", ["stream", "window", "stream_fails"])
+def test_detokenizer_any_ids_any_chunking_equals_full_decode(tok, path):
+    """Random ids (special tokens, stray UTF-8 bytes included) in random chunks: the
+    deltas concatenate to the one-shot decode, through the Rust stream, the window
+    algorithm, and a stream that fails mid-way and hands over to the window."""
+    from specloop.models import _detokenizer
+    if path != "window" and _detokenizer.DecodeStream is None:
+        pytest.skip("tokenizers has no DecodeStream")
+    rng = random.Random(1)
+    for _ in range(400):
+        ids = [rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 16))]
+        detok, out, i = IncrementalDetokenizer(tok), [], 0
+        if path == "window":
+            detok._stream = None
+        elif path == "stream_fails":
+            detok._stream = _RefusingStream(detok._stream, rng.randrange(len(ids)))
+        while i < len(ids):
+            size = rng.randint(1, 4)
+            out.append(detok.push(ids[i:i + size]))
+            i += size
+        out.append(detok.flush())
+        assert "".join(out) == tok.decode(ids), ids
