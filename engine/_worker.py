@@ -169,14 +169,13 @@ class RankWorker:
             return
         device = self.runner.device
         replay = self._draft_replay(rec.graph_key)
-        slots = [r.slot for r in rec.batch]
+        slots, seq_lens = [r.slot for r in rec.batch], [r.seq_len for r in rec.batch]
         # Host tensors copied without blocking: a blocking host-to-device copy is a sync.
         ctx = DraftContext(
             token_ids=[r.token_ids for r in rec.batch],
-            seq_lens=torch.tensor([r.seq_len for r in rec.batch], dtype=torch.int64).to(
-                device, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
             slots=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
-            host_slots=slots,
+            host_slots=slots, host_seq_lens=seq_lens,
             sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
             run_sync=self.run_sync, replay=replay,
             graph_sampling=self._sampling_batch(rec.batch, rec.graph_key.batch_size)

@@ -45,6 +45,7 @@ class DraftModelDrafter:
         self.cache = KVCache(self.loaded.args, deps.num_slots, deps.max_seq_len,
                              dtype=dtype, device=device, pages=deps.target_cache.pages)
         self._slots: dict[int, _SlotState] = {}
+        self._unread = None     # (states, [B, K-1] drafts written) of the last propose
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:
@@ -70,17 +71,26 @@ class DraftModelDrafter:
     def _feeds(self, ctx: DraftContext):
         """Per row: its state, the first position to feed, and the tokens to feed (1 or 2:
         the ones the draft cache has not seen)."""
-        states = [self._slots[s] for s in ctx.slots.tolist()]
+        self._read_written()
+        states = [self._slots[s] for s in ctx.slot_list()]
         starts = [self._valid_prefix(st, t) for st, t in zip(states, ctx.token_ids)]
         feeds = [list(t[c:]) for c, t in zip(starts, ctx.token_ids)]
         return states, starts, feeds
 
-    @staticmethod
-    def _commit(states, ctx: DraftContext, proposal: DraftProposal) -> None:
-        # The draft cache now holds every committed token and drafts d1..d_{K-1}.
-        written = proposal.token_ids[:, :-1].tolist()
-        for st, length, w in zip(states, ctx.seq_lens.tolist(), written):
-            st.num_cached, st.written_from, st.written = length, length, tuple(w)
+    def _commit(self, states, ctx: DraftContext, proposal: DraftProposal) -> None:
+        # The draft cache now holds every committed token and drafts d1..d_{K-1}. Which
+        # drafts is read back at the next propose: here it would sync before VERIFY is
+        # queued; then VERIFY's own read-back has already waited for the device.
+        for st, length in zip(states, ctx.seq_len_list()):
+            st.num_cached, st.written_from = length, length
+        self._unread = (states, proposal.token_ids[:, :-1])
+
+    def _read_written(self) -> None:
+        if self._unread is not None:
+            states, written = self._unread
+            self._unread = None
+            for st, w in zip(states, written.tolist()):
+                st.written = tuple(w)
 
     @torch.inference_mode()
     def _draft(self, ctx: DraftContext) -> DraftProposal:
@@ -116,8 +126,8 @@ class DraftModelDrafter:
             "feed": [f + [f[-1]] * (MAX_FEED - len(f)) for f in feeds] + [[0] * MAX_FEED] * pad,
             "feed_start": list(starts) + [0] * pad,
             "feed_last": [len(f) - 1 for f in feeds] + [0] * pad,
-            "slots": ctx.slots.tolist() + [self.cache.scratch_slot] * pad,
-            "seq_lens": ctx.seq_lens.tolist() + [1] * pad,
+            "slots": ctx.slot_list() + [self.cache.scratch_slot] * pad,
+            "seq_lens": ctx.seq_len_list() + [1] * pad,
         })
 
     def graph_step(self, sampler, template, *, advanced: bool):

@@ -49,8 +49,8 @@ class EarlyExitDrafter:
         pad = ctx.graph_sampling.size - len(ctx.token_ids)
         return graph_int_inputs(ctx, {
             "last": [t[-1] for t in ctx.token_ids] + [0] * pad,
-            "seq_lens": ctx.seq_lens.tolist() + [1] * pad,
-            "slots": ctx.slots.tolist() + [self.cache.scratch_slot] * pad})
+            "seq_lens": ctx.seq_len_list() + [1] * pad,
+            "slots": ctx.slot_list() + [self.cache.scratch_slot] * pad})
 
     def graph_step(self, sampler, template, *, advanced: bool):
         """All K draft steps on static tensors, for CUDA-graph capture."""

@@ -151,7 +151,7 @@ class MtpEagleDrafter:
     def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
         """Feed each row's pending target rows; -> the head's hidden at L-2, [B, H]."""
         dev = ctx.slots.device
-        slots = ctx.slots.tolist()
+        slots = ctx.slot_list()
         counts = [self.pending_count[s] for s in slots]
         width = max(max(counts), 1)
         starts, tokens, write_slots = [], [], []
@@ -180,7 +180,7 @@ class MtpEagleDrafter:
     def graph_inputs(self, ctx: DraftContext):
         """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""
         k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_sampling.size
-        slots = ctx.slots.tolist() + [self.scratch] * (rows - real)
+        slots = ctx.slot_list() + [self.scratch] * (rows - real)
         counts = [self.pending_count[s] for s in slots[:real]] + [1] * (rows - real)
         tokens, starts, writes = [], [], []
         for i, (slot, count) in enumerate(zip(slots, counts)):
@@ -190,7 +190,7 @@ class MtpEagleDrafter:
             tokens.append(toks + [toks[-1]] * (k + 1 - len(toks)))
             starts.append(start)
             writes.append(slot if i < real else self.scratch)
-        seq_lens = ctx.seq_lens.tolist() + [2] * (rows - real)
+        seq_lens = ctx.seq_len_list() + [2] * (rows - real)
         inputs = graph_int_inputs(ctx, {
             "cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
             "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots, "seq_lens": seq_lens})
@@ -226,7 +226,7 @@ class MtpEagleDrafter:
 
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
         proposal = replay_proposal(ctx, self.graph_inputs(ctx), advanced)
-        for slot in ctx.slots.tolist():
+        for slot in ctx.slot_list():
             self.pending_count[slot] = 0
         return proposal
 
@@ -254,7 +254,7 @@ class MtpEagleDrafter:
             token, q = await self.lm.tokens(ctx, hidden, step)
             drafted.append(token)
             probs.append(q)
-        for slot in ctx.slots.tolist():
+        for slot in ctx.slot_list():
             self.pending_count[slot] = 0
         q = torch.stack(probs, dim=1) if probs[0] is not None else None
         return DraftProposal(torch.stack(drafted, dim=1), q)

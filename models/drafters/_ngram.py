@@ -57,7 +57,7 @@ class NgramDrafter:
         return [tokens[-1]] * k
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
-        slots = list(ctx.host_slots) if ctx.host_slots else ctx.slots.tolist()
+        slots = ctx.slot_list()
         rows = [self.propose_row(s, t) for s, t in zip(slots, ctx.token_ids)]
         ids = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), self.num_draft_tokens)
         return DraftProposal(ids.to(ctx.slots.device, non_blocking=True))

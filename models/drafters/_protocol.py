@@ -28,10 +28,22 @@ class DraftContext:
     run_sync: Callable[[Callable[[], T]], Awaitable[T]]  # runs compute off the event loop
     # Replays this iteration's captured draft graph (inputs -> outputs), or None: eager.
     replay: Callable[[dict], dict] | None = None
-    # ``slots`` as a host list (reading the device tensor back would sync); () if unknown.
+    # ``slots`` / ``seq_lens`` as host lists (reading the device tensors back would sync);
+    # () if unknown. Read them through ``slot_list`` / ``seq_len_list``.
     host_slots: Sequence[int] = ()
     # With ``replay``: the sampling rows padded to the graph's batch (the ones VERIFY uses).
     graph_sampling: SamplingBatch | None = None
+    host_seq_lens: Sequence[int] = ()
+
+    def slot_list(self) -> list[int]:
+        """``slots`` on the host: the worker's copy, else read back (a device sync)."""
+        return list(self.host_slots) if self.host_slots or not self.token_ids \
+            else self.slots.tolist()
+
+    def seq_len_list(self) -> list[int]:
+        """``seq_lens`` on the host: the worker's copy, else read back (a device sync)."""
+        return list(self.host_seq_lens) if self.host_seq_lens or not self.token_ids \
+            else self.seq_lens.tolist()
 
 
 @attrs.frozen
