@@ -35,6 +35,7 @@ class IterationRecord:
     padded_batch_size: int = 0
     group_facts: torch.Tensor | None = None      # [world, 4] from SYNC
     graph_key: GraphKey | None = None
+    graph_captured: bool = False                 # whether a captured graph serves the key
     sampling: SamplingBatch | None = None
     draft_token_ids: torch.Tensor | None = None  # [B, K]
     draft_probs: torch.Tensor | None = None      # [B, K, V] or None

@@ -125,7 +125,7 @@ class RankWorker:
 
     # PICK_GRAPH_KEY ---------------------------------------------------------------------
     async def pick_graph_key(self, rec: IterationRecord) -> IterationState:
-        rec.graph_key = self.graph_cache.pick(
+        rec.graph_key, rec.graph_captured = self.graph_cache.pick(
             rec.padded_batch_size, self.k, SamplingPath.of(rec.spec), rec.spec.all_greedy,
             agreed=self._group_agrees(rec))
         if rec.batch:
@@ -168,7 +168,7 @@ class RankWorker:
         if not rec.batch and not self.draft_when_idle:
             return
         device = self.runner.device
-        replay = self._draft_replay(rec.graph_key)
+        replay = self._draft_replay(rec)
         slots, seq_lens = [r.slot for r in rec.batch], [r.seq_len for r in rec.batch]
         # Host tensors copied without blocking: a blocking host-to-device copy is a sync.
         ctx = DraftContext(
@@ -183,9 +183,9 @@ class RankWorker:
         proposal = await self.drafter.propose(ctx)
         rec.draft_token_ids, rec.draft_probs = proposal.token_ids, proposal.probs
 
-    def _draft_replay(self, key):
-        draft_key = attrs.evolve(key, stage="draft", captured=False)
-        if not key.captured or not self.graph_cache.has(draft_key):
+    def _draft_replay(self, rec: IterationRecord):
+        draft_key = attrs.evolve(rec.graph_key, stage="draft")
+        if not rec.graph_captured or not self.graph_cache.has(draft_key):
             return None
         return lambda inputs: self.graph_cache.replay(draft_key, inputs)
 
@@ -202,7 +202,7 @@ class RankWorker:
         includes its device time and RESCAN reads host memory only."""
         batch, key, real = rec.batch, rec.graph_key, len(rec.batch)
         advanced = rec.spec.wants_advanced_draft_sampling
-        if key.captured:
+        if rec.graph_captured:
             inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
             out = self.graph_cache.replay(key, inputs)
         else:

@@ -19,9 +19,11 @@ Step = Callable[[Tensors], Tensors]
 @runtime_checkable
 class GraphCache(Protocol):
     def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
-             all_greedy: bool, *, agreed: bool = True) -> GraphKey:
-        """The key to run under. ``batch_size`` must be agreed by the group; ``agreed``
-        False (ranks differ in path) means every rank runs eagerly."""
+             all_greedy: bool, *, agreed: bool = True) -> tuple[GraphKey, bool]:
+        """(the key to run under, whether a captured graph serves it). Captured: the key's
+        ``batch_size`` is the bucket the batch is padded to; else it is ``batch_size`` and
+        the step runs eagerly. ``batch_size`` must be agreed by the group; ``agreed`` False
+        (ranks differ in path) means every rank runs eagerly."""
         ...
 
     def keys_to_capture(self, max_batch_size: int, num_draft_tokens: int,
@@ -32,7 +34,7 @@ class GraphCache(Protocol):
     def capture(self, key: GraphKey, step: Step, example: Tensors) -> None: ...
 
     def has(self, key: GraphKey) -> bool:
-        """Whether ``key`` (any stage) was captured."""
+        """Whether ``key`` (of either stage) was captured."""
         ...
 
     def replay(self, key: GraphKey, inputs: Tensors) -> Tensors: ...
@@ -45,8 +47,8 @@ class EagerGraphCache:
         self.config = config
 
     def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
-             all_greedy: bool, *, agreed: bool = True) -> GraphKey:
-        return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy)
+             all_greedy: bool, *, agreed: bool = True) -> tuple[GraphKey, bool]:
+        return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy), False
 
     def keys_to_capture(self, max_batch_size, num_draft_tokens, variants):
         return []

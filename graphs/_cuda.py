@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-import attrs
 import structlog
 import torch
 
@@ -42,16 +41,16 @@ class CudaGraphCache:
         self.sealed = False  # after warmup nothing is captured
 
     def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
-             all_greedy: bool, *, agreed: bool = True) -> GraphKey:
+             all_greedy: bool, *, agreed: bool = True) -> tuple[GraphKey, bool]:
         bucket = bucket_for(batch_size, self.buckets) if agreed else None
         if bucket is not None:
             key = GraphKey(bucket, num_draft_tokens, sampling_path, all_greedy)
             if key in self._graphs:
-                return attrs.evolve(key, captured=True)
-        return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy)
+                return key, True
+        return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy), False
 
     def has(self, key: GraphKey) -> bool:
-        return key.variant() in self._graphs
+        return key in self._graphs
 
     def keys_to_capture(self, max_batch_size: int, num_draft_tokens: int,
                         variants: Iterable[tuple[SamplingPath, bool]]) -> list[GraphKey]:
@@ -77,7 +76,7 @@ class CudaGraphCache:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = step(inputs)
-        self._graphs[key.variant()] = _Captured(graph, inputs, outputs)
+        self._graphs[key] = _Captured(graph, inputs, outputs)
         log.info("graph_captured", batch_size=key.batch_size, k=key.num_draft_tokens,
                  sampling_path=key.sampling_path.value, all_greedy=key.all_greedy)
 
@@ -85,7 +84,7 @@ class CudaGraphCache:
         self.sealed = True
 
     def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
-        captured = self._graphs[key.variant()]
+        captured = self._graphs[key]
         for name, static in captured.inputs.items():
             source = inputs[name]
             if captured.sources.get(name) is not source:

@@ -30,9 +30,3 @@ class GraphKey:
     all_greedy: bool = False
     # "verify" (target forward + sampler) or "draft" (a drafter's whole K-step proposal).
     stage: str = "verify"
-    # False: no captured graph serves it (prefill, oversize batch, eager cache): eager.
-    captured: bool = False
-
-    def variant(self) -> GraphKey:
-        """The key as stored in a cache (without the runtime ``captured`` answer)."""
-        return attrs.evolve(self, captured=False)

@@ -29,8 +29,8 @@ def cache_with(keys, buckets=(1, 2, 4, 8)):
 
 def test_pick_pads_to_the_nearest_captured_bucket():
     cache = cache_with([GraphKey(4, 3, G, True), GraphKey(8, 3, G, True)])
-    assert cache.pick(3, 3, G, True) == GraphKey(4, 3, G, True, captured=True)
-    assert cache.pick(5, 3, G, True) == GraphKey(8, 3, G, True, captured=True)
+    assert cache.pick(3, 3, G, True) == (GraphKey(4, 3, G, True), True)
+    assert cache.pick(5, 3, G, True) == (GraphKey(8, 3, G, True), True)
 
 
 @pytest.mark.parametrize("args", [
@@ -42,26 +42,26 @@ def test_pick_pads_to_the_nearest_captured_bucket():
 ])
 def test_pick_falls_back_to_eager(args):
     cache = cache_with([GraphKey(4, 3, G, True)])
-    key = cache.pick(*args)
-    assert not key.captured and key.batch_size == args[0]
+    key, captured = cache.pick(*args)
+    assert not captured and key == GraphKey(*args)
 
 
 def test_both_sampling_paths_have_their_own_graphs():
     cache = cache_with([GraphKey(4, 3, G, True), GraphKey(4, 3, A, False)])
-    assert cache.pick(4, 3, G, True).captured
-    assert cache.pick(4, 3, A, False).captured
-    assert not cache.pick(4, 3, A, False, agreed=False).captured
+    assert cache.pick(4, 3, G, True) == (GraphKey(4, 3, G, True), True)
+    assert cache.pick(4, 3, A, False) == (GraphKey(4, 3, A, False), True)
+    assert cache.pick(4, 3, A, False, agreed=False) == (GraphKey(4, 3, A, False), False)
 
 
 def test_keys_to_capture_cover_buckets_up_to_max_batch():
     cache = CudaGraphCache(buckets=(1, 2, 4, 8, 16))
     keys = cache.keys_to_capture(6, 2, [(G, True), (A, False)])
     assert sorted({k.batch_size for k in keys}) == [1, 2, 4, 6]
-    assert len(keys) == 8 and not any(k.captured for k in keys)
+    assert len(keys) == 8 and all(k.stage == "verify" for k in keys)
 
 
 def test_eager_cache_never_captures():
-    assert EagerGraphCache().pick(3, 2, A, False) == GraphKey(3, 2, A, False)
+    assert EagerGraphCache().pick(3, 2, A, False) == (GraphKey(3, 2, A, False), False)
 
 
 class RecordingGraphCache(EagerGraphCache):
