@@ -13,7 +13,7 @@ import torch
 
 from ._errors import DrafterConfigError
 from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
-                        graph_outputs, replay_proposal, sample_draft_step, stack_proposal)
+                        graph_outputs, replay_proposal)
 
 # Tokens the draft cache can lag behind: the last committed one, plus the bonus token
 # when all K drafts were accepted.
@@ -92,27 +92,43 @@ class DraftModelDrafter:
             for st, w in zip(states, written.tolist()):
                 st.written = tuple(w)
 
+    def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler, batch, *,
+                     advanced: bool, kv_len: int | None) -> dict[str, torch.Tensor]:
+        """The one drafting loop, eager and graph alike: feed each row's unseen tokens
+        (catch-up), then K draft steps. inputs: feed [B, W] (right-padded), feed_start [B],
+        feed_last [B] (index of the last real feed token), slots [B], seq_lens [B]."""
+        model, cache = self.model, self.cache
+        slots, seq_lens = inputs["slots"], inputs["seq_lens"]
+        hidden = model(inputs["feed"], inputs["feed_start"], slots, cache, kv_len=kv_len)
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        logits = model.logits(hidden[rows, inputs["feed_last"]])
+        drafted, probs = [], []
+        for j in range(self.num_draft_tokens):
+            if j:
+                hidden = model(drafted[-1][:, None], seq_lens - 1 + j, slots, cache,
+                               kv_len=kv_len)
+                logits = model.logits(hidden[:, -1])
+            sample = sampler.draft(logits, batch, seq_lens + j, advanced=advanced)
+            drafted.append(sample.token_ids)
+            probs.append(sample.probs)
+        return graph_outputs(drafted, probs, advanced)
+
+    @staticmethod
+    def _feed_columns(feeds, starts, width: int) -> dict[str, list]:
+        # Right-pad: a padded position writes junk K/V at L, which d1 overwrites next.
+        return {"feed": [f + [f[-1]] * (width - len(f)) for f in feeds],
+                "feed_start": list(starts), "feed_last": [len(f) - 1 for f in feeds]}
+
     @torch.inference_mode()
     def _draft(self, ctx: DraftContext) -> DraftProposal:
-        device = ctx.slots.device
         states, starts, feeds = self._feeds(ctx)
-        width = max(len(f) for f in feeds)
-        # Right-pad: a padded position writes junk K/V at L, which d1 overwrites next.
-        tokens = torch.tensor([f + [f[-1]] * (width - len(f)) for f in feeds], device=device)
-        last = torch.tensor([len(f) - 1 for f in feeds], device=device)
-        hidden = self.model(tokens, torch.tensor(starts, device=device), ctx.slots, self.cache)
-        rows = torch.arange(len(feeds), device=device)
-        logits = self.model.logits(hidden[rows, last])
-        drafted, probs = [], []
-        for step in range(self.num_draft_tokens):
-            if step:
-                hidden = self.model(drafted[-1][:, None], ctx.seq_lens - 1 + step,
-                                    ctx.slots, self.cache)
-                logits = self.model.logits(hidden[:, -1])
-            token, q = sample_draft_step(ctx, logits, step)
-            drafted.append(token)
-            probs.append(q)
-        proposal = stack_proposal(drafted, probs)
+        device = ctx.slots.device
+        columns = self._feed_columns(feeds, starts, max(len(f) for f in feeds))
+        inputs = {name: torch.tensor(v, device=device) for name, v in columns.items()}
+        inputs.update(slots=ctx.slots, seq_lens=ctx.seq_lens)
+        out = self._draft_steps(inputs, ctx.sampler, ctx.sampling,
+                                advanced=ctx.spec.wants_advanced_draft_sampling, kv_len=None)
+        proposal = DraftProposal(out["token_ids"], out.get("probs"))
         self._commit(states, ctx, proposal)
         return proposal
 
@@ -122,34 +138,21 @@ class DraftModelDrafter:
         if feeds is None:
             _, starts, feeds = self._feeds(ctx)
         pad = ctx.graph_sampling.size - len(ctx.token_ids)
+        columns = self._feed_columns(list(feeds) + [[0]] * pad, list(starts) + [0] * pad,
+                                     MAX_FEED)
         return graph_int_inputs(ctx, {
-            "feed": [f + [f[-1]] * (MAX_FEED - len(f)) for f in feeds] + [[0] * MAX_FEED] * pad,
-            "feed_start": list(starts) + [0] * pad,
-            "feed_last": [len(f) - 1 for f in feeds] + [0] * pad,
+            **columns,
             "slots": ctx.slot_list() + [self.cache.scratch_slot] * pad,
             "seq_lens": ctx.seq_len_list() + [1] * pad,
         })
 
     def graph_step(self, sampler, template, *, advanced: bool):
-        """Catch-up plus K draft steps on static tensors, for CUDA-graph capture."""
-        model, cache, k = self.model, self.cache, self.num_draft_tokens
+        """``_draft_steps`` on static tensors (kv_len fixed), for CUDA-graph capture."""
+        kv_len = self.cache.max_seq_len
 
         def step(inputs):
-            kv_len, slots, seq_lens = cache.max_seq_len, inputs["slots"], inputs["seq_lens"]
-            batch = template.with_columns(inputs)
-            hidden = model(inputs["feed"], inputs["feed_start"], slots, cache, kv_len=kv_len)
-            rows = torch.arange(hidden.shape[0], device=hidden.device)
-            logits = model.logits(hidden[rows, inputs["feed_last"]])
-            drafted, probs = [], []
-            for j in range(k):
-                if j:
-                    hidden = model(drafted[-1][:, None], seq_lens - 1 + j, slots, cache,
-                                   kv_len=kv_len)
-                    logits = model.logits(hidden[:, -1])
-                sample = sampler.draft(logits, batch, seq_lens + j, advanced=advanced)
-                drafted.append(sample.token_ids)
-                probs.append(sample.probs)
-            return graph_outputs(drafted, probs, advanced)
+            return self._draft_steps(inputs, sampler, template.with_columns(inputs),
+                                     advanced=advanced, kv_len=kv_len)
 
         return step
 

@@ -12,7 +12,7 @@ import torch
 
 from ._errors import DrafterConfigError
 from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
-                        graph_outputs, replay_proposal, sample_draft_step, stack_proposal)
+                        graph_outputs, replay_proposal)
 
 
 class EarlyExitDrafter:
@@ -32,17 +32,29 @@ class EarlyExitDrafter:
     def release(self, slot: int) -> None:
         pass
 
+    def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler, batch, *, advanced: bool,
+                    kv_len: int | None) -> dict[str, torch.Tensor]:
+        """The one drafting loop, eager and graph alike: K steps of the first N layers from
+        each row's last token. inputs: last [B], seq_lens [B], slots [B]."""
+        tokens, seq_lens, slots = inputs["last"], inputs["seq_lens"], inputs["slots"]
+        drafted, probs = [], []
+        for j in range(self.num_draft_tokens):
+            hidden = self.model(tokens[:, None], seq_lens - 1 + j, slots, self.cache,
+                                num_layers=self.num_layers, kv_len=kv_len)
+            sample = sampler.draft(self.model.logits(hidden[:, -1]), batch, seq_lens + j,
+                                   advanced=advanced)
+            tokens = sample.token_ids
+            drafted.append(tokens)
+            probs.append(sample.probs)
+        return graph_outputs(drafted, probs, advanced)
+
     @torch.inference_mode()
     def _draft(self, ctx: DraftContext) -> DraftProposal:
-        tokens = torch.tensor([t[-1] for t in ctx.token_ids], device=ctx.slots.device)
-        drafted, probs = [], []
-        for step in range(self.num_draft_tokens):
-            hidden = self.model(tokens[:, None], ctx.seq_lens - 1 + step, ctx.slots,
-                                self.cache, num_layers=self.num_layers)
-            tokens, q = sample_draft_step(ctx, self.model.logits(hidden[:, -1]), step)
-            drafted.append(tokens)
-            probs.append(q)
-        return stack_proposal(drafted, probs)
+        inputs = {"last": torch.tensor([t[-1] for t in ctx.token_ids], device=ctx.slots.device),
+                  "seq_lens": ctx.seq_lens, "slots": ctx.slots}
+        out = self._draft_steps(inputs, ctx.sampler, ctx.sampling,
+                                advanced=ctx.spec.wants_advanced_draft_sampling, kv_len=None)
+        return DraftProposal(out["token_ids"], out.get("probs"))
 
     def graph_inputs(self, ctx: DraftContext):
         """Static-shape inputs for the graph's rows (padding: scratch slot, position 0)."""
@@ -53,21 +65,12 @@ class EarlyExitDrafter:
             "slots": ctx.slot_list() + [self.cache.scratch_slot] * pad})
 
     def graph_step(self, sampler, template, *, advanced: bool):
-        """All K draft steps on static tensors, for CUDA-graph capture."""
-        model, cache, k, layers = self.model, self.cache, self.num_draft_tokens, self.num_layers
+        """``_draft_steps`` on static tensors (kv_len fixed), for CUDA-graph capture."""
+        kv_len = self.cache.max_seq_len
 
         def step(inputs):
-            batch = template.with_columns(inputs)
-            tokens, seq_lens, probs, drafted = inputs["last"], inputs["seq_lens"], [], []
-            for j in range(k):
-                hidden = model(tokens[:, None], seq_lens - 1 + j, inputs["slots"], cache,
-                               num_layers=layers, kv_len=cache.max_seq_len)
-                sample = sampler.draft(model.logits(hidden[:, -1]), batch, seq_lens + j,
-                                       advanced=advanced)
-                tokens = sample.token_ids
-                drafted.append(tokens)
-                probs.append(sample.probs)
-            return graph_outputs(drafted, probs, advanced)
+            return self._draft_steps(inputs, sampler, template.with_columns(inputs),
+                                    advanced=advanced, kv_len=kv_len)
 
         return step
 

@@ -148,38 +148,28 @@ class MtpEagleDrafter:
         self.pending_count[slot] = 0
 
     @torch.inference_mode()
-    def _catch_up(self, ctx: DraftContext) -> torch.Tensor:
-        """Feed each row's pending target rows; -> the head's hidden at L-2, [B, H]."""
-        dev = ctx.slots.device
-        slots = ctx.slot_list()
-        counts = [self.pending_count[s] for s in slots]
-        width = max(max(counts), 1)
-        starts, tokens, write_slots = [], [], []
-        for slot, count, seq in zip(slots, counts, ctx.token_ids):
-            start = self.pending_start[slot]
-            toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
-            tokens.append(toks + [toks[-1]] * (width - len(toks)))
-            starts.append(start)
-            # A 1-token prompt has no target row yet: it runs on zeros in its own slot (the
-            # shared scratch slot would let batch neighbours see each other's K/V).
-            write_slots.append(slot)
-        index = torch.tensor(slots, device=dev)
-        out = self.head(torch.tensor(tokens, device=dev), self.pending[index, :width],
-                        torch.tensor(starts, device=dev), torch.tensor(write_slots, device=dev),
-                        self.cache)
-        last = torch.tensor([max(c, 1) - 1 for c in counts], device=dev)
-        return out[torch.arange(len(slots), device=dev), last]
+    def _draft_steps(self, inputs: dict[str, torch.Tensor], *, kv_len: int | None):
+        """The one drafting loop, eager and graph alike, as a generator: the catch-up (each
+        row's pending target rows), then K steps of the head on its own outputs. It yields
+        the head's hidden state for draft step j, [B, H], and is sent that step's tokens
+        [B]; the caller turns hidden states into tokens (local head, or LM-head TP, whose
+        collectives must run on the event loop). inputs: cu_tokens [B, W], cu_hidden
+        [B, W, H], cu_start [B], write_slots [B], cu_last [B], slots [B], seq_lens [B]."""
+        cache, slots, seq_lens = self.cache, inputs["slots"], inputs["seq_lens"]
+        out = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
+                        inputs["write_slots"], cache, kv_len=kv_len)
+        hidden = out[torch.arange(out.shape[0], device=out.device), inputs["cu_last"]]
+        for j in range(self.num_draft_tokens):
+            if j:
+                # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j.
+                hidden = self.head(tokens[:, None], hidden[:, None], seq_lens - 2 + j, slots,
+                                   cache, kv_len=kv_len)[:, 0]
+            tokens = yield hidden
 
-    @torch.inference_mode()
-    def _step(self, ctx: DraftContext, tokens: torch.Tensor, hidden: torch.Tensor,
-              step: int) -> torch.Tensor:
-        # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j.
-        return self.head(tokens[:, None], hidden[:, None], ctx.seq_lens - 2 + step, ctx.slots,
-                         self.cache)[:, 0]
-
-    def graph_inputs(self, ctx: DraftContext):
-        """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""
-        k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_sampling.size
+    def _catch_up_columns(self, ctx: DraftContext, rows: int, width: int) -> dict[str, list]:
+        """Host columns of the catch-up for ``rows`` rows (the real ones, then padding on
+        the scratch slot), each row's pending target rows right-padded to ``width``."""
+        real = len(ctx.token_ids)
         slots = ctx.slot_list() + [self.scratch] * (rows - real)
         counts = [self.pending_count[s] for s in slots[:real]] + [1] * (rows - real)
         tokens, starts, writes = [], [], []
@@ -187,35 +177,37 @@ class MtpEagleDrafter:
             seq = ctx.token_ids[i] if i < real else [0]
             start = self.pending_start[slot] if i < real else 0
             toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
-            tokens.append(toks + [toks[-1]] * (k + 1 - len(toks)))
+            tokens.append(toks + [toks[-1]] * (width - len(toks)))
             starts.append(start)
+            # A 1-token prompt has no target row yet: it runs on zeros in its own slot (the
+            # shared scratch slot would let batch neighbours see each other's K/V).
             writes.append(slot if i < real else self.scratch)
-        seq_lens = ctx.seq_len_list() + [2] * (rows - real)
-        inputs = graph_int_inputs(ctx, {
-            "cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
-            "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots, "seq_lens": seq_lens})
+        return {"cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
+                "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots}
+
+    def graph_inputs(self, ctx: DraftContext):
+        """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""
+        k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_sampling.size
+        columns = self._catch_up_columns(ctx, rows, k + 1)
+        columns["seq_lens"] = ctx.seq_len_list() + [2] * (rows - real)
+        inputs = graph_int_inputs(ctx, columns)
         inputs["cu_hidden"] = self.pending[inputs["slots"], :k + 1]
         return inputs
 
     def graph_step(self, sampler, template, *, advanced: bool):
-        """The whole K-step draft on static tensors (local head: argmax, or sampled with q
-        kept); for CUDA-graph capture. Never used on the LM-head-TP path (collectives)."""
-        k, cache = self.num_draft_tokens, self.cache
+        """``_draft_steps`` on static tensors, drafting with the local head (argmax, or
+        sampled with q kept); for CUDA-graph capture. Never used on the LM-head-TP path
+        (collectives)."""
+        kv_len = self.cache.max_seq_len
 
         def step(inputs):
-            kv_len = cache.max_seq_len
-            out = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
-                            inputs["write_slots"], cache, kv_len=kv_len)
-            rows = torch.arange(out.shape[0], device=out.device)
-            hidden = out[rows, inputs["cu_last"]]
-            batch = template.with_columns(inputs)
-            seq_lens = inputs["seq_lens"]
+            batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
+            loop = self._draft_steps(inputs, kv_len=kv_len)
+            hidden = next(loop)
             tokens, probs = [], []
-            for j in range(k):
+            for j in range(self.num_draft_tokens):
                 if j:
-                    hidden = self.head(tokens[-1][:, None], hidden[:, None],
-                                       seq_lens - 2 + j, inputs["slots"], cache,
-                                       kv_len=kv_len)[:, 0]
+                    hidden = loop.send(tokens[-1])
                 sample = sampler.draft(self.lm.logits(hidden), batch, seq_lens + j,
                                        advanced=advanced)
                 tokens.append(sample.token_ids)
@@ -223,6 +215,18 @@ class MtpEagleDrafter:
             return graph_outputs(tokens, probs, advanced)
 
         return step
+
+    @torch.inference_mode()
+    def _eager_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
+        """The catch-up padded only to the longest row's pending rows."""
+        real = len(ctx.token_ids)
+        width = max(max(self.pending_count[s] for s in ctx.slot_list()), 1)
+        columns = self._catch_up_columns(ctx, real, width)
+        dev = ctx.slots.device
+        inputs = {name: torch.tensor(v, device=dev) for name, v in columns.items()}
+        inputs["cu_hidden"] = self.pending[inputs["slots"], :width]
+        inputs.update(slots=ctx.slots, seq_lens=ctx.seq_lens)
+        return inputs
 
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
         proposal = replay_proposal(ctx, self.graph_inputs(ctx), advanced)
@@ -245,12 +249,17 @@ class MtpEagleDrafter:
                 for step in range(self.num_draft_tokens):
                     await self.lm.tokens(ctx, hidden, step)
             return DraftProposal(torch.zeros(0, self.num_draft_tokens, dtype=torch.int64))
-        hidden = await ctx.run_sync(lambda: self._catch_up(ctx))
+
+        def start():
+            steps = self._draft_steps(self._eager_inputs(ctx), kv_len=None)
+            return steps, next(steps)
+
+        loop, hidden = await ctx.run_sync(start)
         drafted, probs = [], []
         for step in range(self.num_draft_tokens):
             if step:
                 prev = drafted[-1]
-                hidden = await ctx.run_sync(lambda: self._step(ctx, prev, hidden, step))
+                hidden = await ctx.run_sync(lambda: loop.send(prev))
             token, q = await self.lm.tokens(ctx, hidden, step)
             drafted.append(token)
             probs.append(q)
