@@ -6,6 +6,9 @@ the front door; the other ranks' outputs travel to it in SCHEDULE's one all-gath
 
 from __future__ import annotations
 
+import time
+from collections import deque
+
 import torch
 
 from ._frontdoor import FrontDoorMessage, RankReport, assign_least_loaded
@@ -13,9 +16,29 @@ from ._request import RequestOutput
 from ._wire import decode_outputs, encode_outputs
 
 
+class ExchangeTimes:
+    """Per exchange of a group: how long this rank waited for the last one to arrive
+    (skew: load imbalance, host jitter) and how long the collective took after that (its
+    own cost). Arrival stamps ride the exchange; ranks of one host share the clock."""
+
+    def __init__(self, keep: int = 4096) -> None:
+        self.count = 0
+        self.skew_us_total = 0
+        self.collective_us_total = 0
+        self.recent: deque[tuple[int, int]] = deque(maxlen=keep)   # (skew, collective)
+
+    def record(self, skew_us: int, collective_us: int) -> None:
+        self.count += 1
+        self.skew_us_total += skew_us
+        self.collective_us_total += collective_us
+        self.recent.append((skew_us, collective_us))
+
+
 class OutputExchange:
-    """``await exchange()`` -> the front door's message for this iteration;
-    ``deliver(handle, output)`` hands one output towards the front door."""
+    """``await exchange(facts)`` -> the front door's message for this iteration;
+    ``deliver(handle, output)`` hands one output towards the front door. In a group,
+    ``facts`` (this rank's SYNC row) ride the same all-gather; ``gathered_facts`` then
+    holds every rank's row, [world, len(facts)]."""
 
     def __init__(self, *, config, comm, front, scheduler, device) -> None:
         self.config = config
@@ -28,9 +51,11 @@ class OutputExchange:
         # Requests per rank, as of the last SYNC: where rank 0 assigns new requests.
         self.loads = [0] * comm.world_size
         self._exchange = self._group if comm.world_size > 1 else self._local
+        self.gathered_facts: torch.Tensor | None = None
+        self.times = ExchangeTimes()
 
-    async def __call__(self) -> FrontDoorMessage:
-        return await self._exchange()
+    async def __call__(self, facts: list[int] = ()) -> FrontDoorMessage:
+        return await self._exchange(facts)
 
     def deliver(self, handle: int, output: RequestOutput) -> None:
         if self.front is not None:
@@ -38,16 +63,18 @@ class OutputExchange:
         else:
             self.pending.append((handle, output))
 
-    async def _local(self) -> FrontDoorMessage:
+    async def _local(self, facts) -> FrontDoorMessage:
         if self.scheduler.num_requests == 0:
             await self.front.wait_for_work(timeout=None)
         return self.front.take_message(lambda new: tuple((0, r) for r in new))
 
-    async def _group(self) -> FrontDoorMessage:
-        """One tensor all-gather: each serving rank's outputs as a fixed-size block, and
-        a flag; only when some rank raised it (rank 0 has requests, cancels or shutdown
-        to send; an output block overflowed) does a pickled object exchange follow. The
-        flags are gathered first, so every rank agrees on whether it happens."""
+    async def _group(self, facts) -> FrontDoorMessage:
+        """One tensor all-gather: each serving rank's outputs as a fixed-size block, its
+        SYNC facts, its arrival time and a flag; only when some rank raised the flag
+        (rank 0 has requests, cancels or shutdown to send; an output block overflowed)
+        does a pickled object exchange follow. The flags are gathered first, so every
+        rank agrees on whether it happens. It runs while the device is idle (the last
+        VERIFY was read back; this iteration's work is not queued yet)."""
         message, pending = FrontDoorMessage(), self.pending
         self.pending = []
         if self.front is not None:
@@ -60,10 +87,16 @@ class OutputExchange:
         flag = (message != FrontDoorMessage()) or block is None
         if block is None:
             block = encode_outputs((), rows, self.k)
-        header = torch.cat([torch.tensor([int(flag)]), block]).to(self.device)
-        gathered = (await self.comm.all_gather(header)).cpu()      # [world, 1 + rows*width]
+        width = 2 + len(facts)
+        arrived = time.time_ns() // 1000
+        header = torch.cat([torch.tensor([int(flag), *facts, arrived]), block])
+        # [world, 2 + facts + rows*width]
+        gathered = (await self.comm.all_gather(header.to(self.device))).cpu()
+        last = int(gathered[:, width - 1].max())
+        self.times.record(last - arrived, time.time_ns() // 1000 - last)
+        self.gathered_facts = gathered[:, 1:width - 1]
         if self.front is not None:
-            for flat in gathered[1:, 1:]:
+            for flat in gathered[1:, width:]:
                 self.front.deliver(decode_outputs(flat, self.k, self.front.request_id))
         if bool(gathered[:, 0].any()):
             overflow = () if not pending or not gathered[self.comm.rank, 0] else pending

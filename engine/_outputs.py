@@ -24,14 +24,13 @@ class Outputs:
         request.num_iterations += 1
         request.num_drafted += self.k
         request.num_accepted += num_accepted
-        emitted = []
-        reason = None
-        for token in new_tokens:
-            request.token_ids.append(token)
-            emitted.append(token)
-            reason = self.stop_reason(request, token)
-            if reason is not None:
-                break
+        if self._no_stop_in(request, new_tokens):
+            # Most rows, most iterations: no stop token and no limit reached, so all are
+            # committed at once (the per-token rules cost ~2 us a row at batch 64).
+            request.token_ids.extend(new_tokens)
+            emitted, reason = new_tokens, None
+        else:
+            emitted, reason = self._commit_each(request, new_tokens)
         request.num_cached = request.seq_len - 1
         self.stats.num_generated_tokens += len(emitted)
         self.runner.trim(request)
@@ -39,6 +38,27 @@ class Outputs:
             self.finish(request, reason, emitted)
         else:
             self.emit(request, emitted)
+
+    def _commit_each(self, request: Request, new_tokens: list[int]):
+        emitted = []
+        for token in new_tokens:
+            request.token_ids.append(token)
+            emitted.append(token)
+            reason = self.stop_reason(request, token)
+            if reason is not None:
+                return emitted, reason
+        return emitted, None
+
+    def _no_stop_in(self, request: Request, new_tokens: list[int]) -> bool:
+        """Whether ``stop_reason`` is None after each of ``new_tokens`` (same rules)."""
+        params = request.params
+        limit = min(len(request.prompt_ids) + params.max_tokens, self.max_seq_len - self.k)
+        if len(request.token_ids) + len(new_tokens) >= limit:
+            return False
+        if not params.ignore_eos and not self.eos_token_ids.isdisjoint(new_tokens):
+            return False
+        stops = params.stop_token_ids
+        return not stops or not any(token in stops for token in new_tokens)
 
     def stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params

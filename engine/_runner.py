@@ -42,6 +42,7 @@ class ModelRunner:
         self.max_prefill_tokens = max_prefill_tokens
         self._host: torch.Tensor | None = None  # pinned read-back buffer
         self._done = None
+        self._copying = False   # a start_read_back not yet finished (one at a time)
         self.pages = PageTable(num_slots, max_seq_len, page_size, device=self.device)
         self.cache = KVCache(loaded.args, num_slots, max_seq_len, dtype=self.dtype,
                              device=self.device, pages=self.pages)
@@ -49,6 +50,10 @@ class ModelRunner:
     def read_back(self, packed: torch.Tensor) -> torch.Tensor:
         """The iteration's one device-to-host read: ``packed`` copied into a pinned,
         preallocated host buffer (grown when a larger batch comes), then waited for."""
+        return self.finish_read_back(self.start_read_back(packed))
+
+    def start_read_back(self, packed: torch.Tensor) -> torch.Tensor:
+        """Queue ``read_back``'s copy; -> the host view, valid after ``finish_read_back``."""
         if packed.device.type == "cpu":
             return packed.clone()
         if self._host is None or self._host.numel() < packed.numel():
@@ -58,6 +63,14 @@ class ModelRunner:
         host = self._host[:packed.numel()].view(packed.shape)
         host.copy_(packed, non_blocking=True)
         self._done.record()
+        self._copying = True
+        return host
+
+    def finish_read_back(self, host: torch.Tensor) -> torch.Tensor:
+        """Wait for the queued copy; -> the data, out of the reused pinned buffer."""
+        if not self._copying:
+            return host         # on the CPU: already a copy
+        self._copying = False
         self._done.synchronize()
         return host.clone()
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import attrs
 import structlog
 import torch
@@ -21,6 +22,7 @@ from specloop.graphs import SamplingPath
 from specloop.samplers import RejectionResult, SamplingBatch
 
 from ._exchange import OutputExchange
+from ._frontdoor import FrontDoorMessage
 from ._iteration import IterationRecord
 from ._outputs import Outputs
 from ._request import FinishReason, Request
@@ -60,11 +62,17 @@ class RankWorker:
                                drafter=drafter, stats=self.stats,
                                deliver=self.exchange.deliver)
         self.draft_step = self._draft_with_drafter if self.k else self._no_draft
+        multi = comm.world_size > 1
+        self.schedule = self._schedule_group if multi else self._schedule_local
+        self.sync = self._sync_group if multi else self._sync_local
+        # A group's message applies at the next iteration (see _schedule_group).
+        self._carried = FrontDoorMessage()
         # Drafters whose DRAFT runs collectives (LM-head TP) are called on idle ranks too.
         self.draft_when_idle = getattr(drafter, "needs_empty_calls", False)
         self.on_verified = getattr(drafter, "on_verified", None)
+        self.verify_inline = runner.device.type == "cuda"
 
-    def handlers(self) -> dict[IterationState, Any]:
+    def handlers(self) -> dict[IterationState, Any]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
                 S.PICK_GRAPH_KEY: self.pick_graph_key, S.DRAFT: self.draft,
                 S.VERIFY: self.verify, S.RESCAN: self.rescan}
@@ -78,9 +86,26 @@ class RankWorker:
                        drafter=self.drafter, comm=self.comm, graph_cache=self.graph_cache)
 
     # SCHEDULE ---------------------------------------------------------------------------
-    async def schedule(self, rec: IterationRecord) -> IterationState:
+    async def _schedule_local(self, rec: IterationRecord) -> IterationState:
         message = await self.exchange()
         rec.shutdown = message.shutdown
+        self._apply(message)
+        await self._admit()
+        rec.batch = list(self.scheduler.running)
+        return S.SYNC
+
+    async def _schedule_group(self, rec: IterationRecord) -> IterationState:
+        """The batch is fixed before the exchange, so SYNC's facts ride its one
+        all-gather (one collective per iteration, not two): the requests and cancels
+        it brings apply at the start of the next iteration."""
+        self._apply(self._carried)
+        await self._admit()
+        rec.batch = list(self.scheduler.running)
+        self._carried = await self.exchange(self._facts(rec.batch))
+        rec.shutdown = self._carried.shutdown
+        return S.SYNC
+
+    def _apply(self, message: FrontDoorMessage) -> None:
         for rank, new in message.assignments:
             if rank == self.comm.rank:
                 self.scheduler.add(Request.from_new(new))
@@ -88,11 +113,11 @@ class RankWorker:
             request = self.scheduler.find(request_id)
             if request is not None:
                 self.outputs.finish(request, FinishReason.CANCELLED, ())
+
+    async def _admit(self) -> None:
         admitted = self.scheduler.admit()
         if admitted:
             await self.run_sync(lambda: self._prefill(admitted))
-        rec.batch = list(self.scheduler.running)
-        return S.SYNC
 
     def _prefill(self, admitted: list[Request]) -> None:
         for request in admitted:
@@ -101,25 +126,34 @@ class RankWorker:
                 self.drafter.prefill(request.slot, request.token_ids[:-1], hidden)
 
     # SYNC -------------------------------------------------------------------------------
-    async def sync(self, rec: IterationRecord) -> IterationState:
-        local_greedy = all(r.params.is_greedy for r in rec.batch)
-        rec.spec = rec.spec.evolve(is_all_greedy_sample=local_greedy)
-        if self.comm.world_size == 1:  # nothing to agree on: no tensors on the hot path
-            self.exchange.loads = [self.scheduler.num_requests]
-            rec.padded_batch_size = len(rec.batch)
-            return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
-        facts = torch.tensor([[len(rec.batch) * (self.k + 1), len(rec.batch),
-                               self.scheduler.num_requests, int(local_greedy)]])
-        if self.comm.world_size > 1:
-            # The one collective of SYNC; whether it runs depends on config alone. On the
-            # model's device, so NCCL carries it on GPUs; read back once on the host.
-            device = self.runner.device
-            facts = (await self.comm.all_gather(facts[0].to(device))).cpu()
-            if self.group_sync:
-                rec.spec = rec.spec.evolve(
-                    group_all_greedy_sample=bool(facts[:, FACT_ALL_GREEDY].all()))
-        rec.group_facts = facts
-        self.exchange.loads = facts[:, FACT_REQUESTS].tolist()
+    async def _sync_local(self, rec: IterationRecord) -> IterationState:
+        # Nothing to agree on: no tensors on the hot path.
+        rec.spec = rec.spec.evolve(is_all_greedy_sample=all(
+            r.params.is_greedy for r in rec.batch))
+        self.exchange.loads = [self.scheduler.num_requests]
+        rec.padded_batch_size = len(rec.batch)
+        return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
+
+    def _facts(self, batch: list[Request]) -> list[int]:
+        """This rank's row of what the group agrees on (the FACT_* columns)."""
+        return [len(batch) * (self.k + 1), len(batch), self.scheduler.num_requests,
+                int(all(r.params.is_greedy for r in batch))]
+
+    async def _sync_group(self, rec: IterationRecord) -> IterationState:
+        """Agreement from the facts gathered in SCHEDULE's exchange (no collective)."""
+        facts = rec.group_facts = self.exchange.gathered_facts
+        rec.spec = rec.spec.evolve(
+            is_all_greedy_sample=bool(facts[self.comm.rank, FACT_ALL_GREEDY]))
+        if self.group_sync:
+            rec.spec = rec.spec.evolve(
+                group_all_greedy_sample=bool(facts[:, FACT_ALL_GREEDY].all()))
+        # Where rank 0 assigns next: each rank's requests, counting those assigned in
+        # this exchange (they join at the next iteration; without them rank 0 could
+        # sit idle waiting for work while another rank has some to start).
+        loads = facts[:, FACT_REQUESTS].tolist()
+        for rank, _ in self._carried.assignments:
+            loads[rank] += 1
+        self.exchange.loads = loads
         rec.padded_batch_size = int(facts[:, FACT_BATCH].max())
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
@@ -191,16 +225,28 @@ class RankWorker:
 
     # VERIFY -----------------------------------------------------------------------------
     async def verify(self, rec: IterationRecord) -> IterationState:
-        if rec.batch:
+        if not rec.batch:
+            return S.RESCAN
+        if self.verify_inline:
+            # On a GPU, queueing VERIFY costs the host little: it is queued from the event
+            # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
+            # the consumers run while the GPU works, then the loop waits for the copy.
+            pending = self._queue_verify(rec)
+            await anyio.lowlevel.checkpoint()
+            rec.result = self._collect_verify(rec, pending)
+        else:
             rec.result = await self.run_sync(lambda: self._verify(rec))
         return S.RESCAN
 
-    @torch.inference_mode()
     def _verify(self, rec: IterationRecord) -> RejectionResult:
-        """Queue VERIFY, then read its tokens and counts back in one device-to-host copy
-        (into a pinned buffer); the wait for the GPU happens here, so VERIFY's duration
-        includes its device time and RESCAN reads host memory only."""
-        batch, key, real = rec.batch, rec.graph_key, len(rec.batch)
+        return self._collect_verify(rec, self._queue_verify(rec))
+
+    @torch.inference_mode()
+    def _queue_verify(self, rec: IterationRecord):
+        """Queue VERIFY and the copy of its tokens and counts into a pinned buffer (the
+        iteration's one device-to-host read); ``_collect_verify`` waits for it, so
+        VERIFY's duration includes its device time and RESCAN reads host memory only."""
+        batch, key = rec.batch, rec.graph_key
         advanced = rec.spec.wants_advanced_draft_sampling
         if rec.graph_captured:
             inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
@@ -209,7 +255,13 @@ class RankWorker:
             step = make_verify_step(self.runner, self.sampler, rec.sampling,
                                     advanced=advanced, kv_len=None)
             out = step(self._inputs(rec, rec.sampling))
-        host = self.runner.read_back(out["packed"][:real])
+        return out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
+
+    @torch.inference_mode()
+    def _collect_verify(self, rec: IterationRecord, pending) -> RejectionResult:
+        out, host = pending
+        batch, real = rec.batch, len(rec.batch)
+        host = self.runner.finish_read_back(host)
         result = RejectionResult(host[:, :-1], host[:, -1])
         if self.on_verified is not None:
             self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch],

@@ -1,0 +1,70 @@
+"""The host side of an iteration: the per-request output channel, and VERIFY queued from
+the event loop (the GPU path) equal to VERIFY in the compute thread."""
+
+import anyio
+import pytest
+
+from specloop.engine import AsyncEngine
+from specloop.engine._frontdoor_state import OutputChannel
+from specloop.engine._request import RequestOutput
+from specloop.samplers import SamplingParams
+
+from .conftest import PROMPTS, collect, make_config
+
+
+def _out(i, finished=False):
+    return RequestOutput("r", (i,), "", finished)
+
+
+async def test_channel_takes_everything_sent_in_order_then_ends():
+    channel = OutputChannel()
+    for i in range(3):
+        channel.put(_out(i))
+    assert [o.token_ids for o in await channel.take()] == [(0,), (1,), (2,)]
+    got = []
+
+    async def consumer():
+        while batch := await channel.take():
+            got.extend(o.token_ids[0] for o in batch)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(consumer)
+        await anyio.sleep(0.01)         # the consumer waits on an empty channel
+        channel.put(_out(3))
+        channel.put(_out(4))
+        await anyio.sleep(0.01)
+        channel.put(_out(5, True))
+        channel.close()                 # what was put before close is still taken
+    assert got == [3, 4, 5]
+
+
+async def test_channel_take_honours_cancellation_with_items_pending():
+    channel = OutputChannel()
+    channel.put(_out(0))
+    with anyio.CancelScope() as scope:
+        scope.cancel()
+        await channel.take()
+        pytest.fail("take returned in a cancelled scope")
+    assert scope.cancelled_caught
+    assert len(await channel.take()) == 1     # nothing was lost
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+async def test_verify_from_the_event_loop_equals_the_thread(tiny_dir, tiny_loaded, method):
+    params = [SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=12, ignore_eos=True)] * 2
+
+    async def run(inline):
+        out = {}
+        async with AsyncEngine(make_config(tiny_dir, method=method),
+                               model=tiny_loaded) as engine:
+            engine.worker.verify_inline = inline
+
+            async def one(i):
+                out[i] = await collect(engine, PROMPTS[i], params[i])
+            async with anyio.create_task_group() as tg:
+                for i in range(4):
+                    tg.start_soon(one, i)
+        return [out[i] for i in range(4)]
+
+    assert await run(True) == await run(False)

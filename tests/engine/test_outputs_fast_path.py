@@ -1,0 +1,62 @@
+"""RESCAN's commit: the all-at-once path for rows with no stop equals the per-token rules
+(property-based: random limits, stop tokens, EOS and accepted chunks)."""
+
+import attrs
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specloop.engine._outputs import Outputs
+from specloop.engine._request import Request
+from specloop.engine._scheduler import Scheduler
+from specloop.engine._stats import EngineStats
+from specloop.samplers import SamplingParams
+
+EOS = 2
+
+
+@attrs.define
+class _Runner:
+    trims: list = attrs.Factory(list)
+    loaded: object = None
+
+    def trim(self, request):
+        self.trims.append((request.request_id, request.num_cached))
+
+    def release(self, slot):
+        self.trims.append(("release", slot))
+
+
+def _outputs(k, max_seq_len, fast):
+    runner = _Runner(loaded=attrs.make_class("L", ["tokenizer"])(
+        attrs.make_class("T", ["eos_token_ids"])([EOS])))
+    config = attrs.make_class("C", ["speculative", "model"])(
+        attrs.make_class("S", ["k"])(k), attrs.make_class("M", ["max_seq_len"])(max_seq_len))
+    delivered = []
+    out = Outputs(config=config, scheduler=Scheduler(4, 10**6), runner=runner, drafter=None,
+                  stats=EngineStats(), deliver=lambda handle, o: delivered.append(o))
+    if not fast:
+        out._no_stop_in = lambda request, tokens: False
+    return out, runner, delivered
+
+
+@settings(max_examples=300, deadline=None)
+@given(k=st.integers(0, 4), max_seq_len=st.integers(12, 40), max_tokens=st.integers(1, 20),
+       ignore_eos=st.booleans(), stops=st.lists(st.integers(0, 9), max_size=2),
+       chunks=st.lists(st.lists(st.integers(0, 9), min_size=1, max_size=5), max_size=8))
+def test_fast_commit_equals_per_token_rules(k, max_seq_len, max_tokens, ignore_eos, stops,
+                                            chunks):
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=ignore_eos,
+                            stop_token_ids=tuple(stops))
+    results = []
+    for fast in (True, False):
+        out, runner, delivered = _outputs(k, max_seq_len, fast)
+        request = Request("r", (5, 6, 7), params, 0, [5, 6, 7])
+        out.scheduler.add(request)
+        out.scheduler.admit()
+        for chunk in chunks:
+            if request.finished:
+                break
+            out.append(request, list(chunk[:k + 1]), len(chunk[:k + 1]) - 1)
+        results.append((request.token_ids, request.finish_reason, request.num_cached,
+                        delivered, runner.trims, out.stats.num_generated_tokens))
+    assert results[0] == results[1]
