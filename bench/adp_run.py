@@ -39,8 +39,14 @@ class StateCost:
             self.us.setdefault(event.state.value, []).append(event.duration_us)
 
 
-def workload(n, seed_base=0):
+def workload(n, seed_base=0, balanced_tokens=0):
+    """Mixed greedy / seeded sampled requests of varied lengths arriving 5 ms apart; or,
+    with ``balanced_tokens``, n equal greedy requests (16-token prompts, that many new
+    tokens each) all at once: the same work on every rank."""
     from specloop.samplers import SamplingParams
+    if balanced_tokens:
+        params = SamplingParams(temperature=0.0, max_tokens=balanced_tokens, ignore_eos=True)
+        return [([(7 * i + j) % 300 + 10 for j in range(16)], params, 0.0) for i in range(n)]
     reqs = []
     for i in range(n):
         prompt = [(7 * i + j) % 300 + 10 for j in range(8 + i % 13)]   # < the tiny vocab
@@ -81,22 +87,32 @@ async def main_async(args, path, world):
                      "checked_collectives": args.checked},
         "components": {"communicator": "torch_distributed" if world > 1 else "single",
                        "graph_cache": "cuda" if args.graphs and device == "cuda" else "eager"},
-        "graphs": {"batch_buckets": [1, 2, 4, 8, 16, 32]}})
+        "graphs": {"batch_buckets": [int(b) for b in args.buckets.split(",")]}})
     cost = StateCost()
     async with AsyncEngine(config, observers=[cost]) as engine:
         rank = engine.comm.rank
         if rank == 0:
             start = time.perf_counter()
-            outs = await serve(engine, workload(args.requests))
+            outs = await serve(engine, workload(args.requests,
+                                                balanced_tokens=args.balanced_tokens))
             elapsed = time.perf_counter() - start
         else:
             await engine.wait_closed()
         iters = engine.stats.num_iterations
+        times = engine.worker.exchange.times
     sync = cost.us.get("SYNC", [0.0])
     print(f"[rank {rank}] iterations {iters}, SYNC median {statistics.median(sync):.0f} us "
-          f"mean {statistics.mean(sync):.0f} us over {len(sync)}; "
+          f"mean {statistics.mean(sync):.0f} us over {len(sync)}; median state us: "
           + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in cost.us.items()),
           flush=True)
+    if times.count:
+        skew = [a for a, _ in times.recent]
+        coll = [b for _, b in times.recent]
+        print(f"[rank {rank}] exchange (one all-gather per iteration) over {times.count}: "
+              f"collective after the last rank arrived median {statistics.median(coll):.0f} "
+              f"us, mean {times.collective_us_total / times.count:.0f} us; waiting for the "
+              f"last rank (skew) median {statistics.median(skew):.0f} us, mean "
+              f"{times.skew_us_total / times.count:.0f} us", flush=True)
     if rank == 0:
         tokens = sum(len(o) for o in outs)
         print(f"[rank 0] world {world}: {tokens} tokens in {elapsed:.2f} s = "
@@ -132,6 +148,10 @@ def main():
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
+    ap.add_argument("--balanced-tokens", type=int, default=0,
+                    help="N equal greedy requests of this many new tokens, all at once")
+    ap.add_argument("--buckets", default="1,2,4,8,16,32",
+                    help="CUDA-graph batch buckets")
     args = ap.parse_args()
     if args.compare:
         sys.exit(0 if compare(*args.compare) else 1)

@@ -107,7 +107,8 @@ async def test_without_group_sync_the_collectives_mismatch(tiny_dir, tiny_loaded
 
 @pytest.mark.parametrize("gate", [False, True])
 async def test_synced_flag_is_the_and_of_the_ranks_flags(tiny_dir, tiny_loaded, gate):
-    """SYNC alone, on 3 ranks whose local batches are greedy, greedy, sampled."""
+    """SYNC on 3 ranks whose local batches are greedy, greedy, sampled (after the
+    exchange its facts ride, as SCHEDULE runs it)."""
     from specloop.engine._request import Request
     config = make_config(tiny_dir, method="ngram", rejection=True,
                          parallel={"world_size": 3, "attention_dp": True,
@@ -121,6 +122,7 @@ async def test_synced_flag_is_the_and_of_the_ranks_flags(tiny_dir, tiny_loaded, 
         params = SamplingParams(temperature=0.0 if flags[comm.rank] else 1.0)
         rec = IterationRecord(0, SpecMetadata(use_rejection_sampling=True))
         rec.batch = [Request("x", (1, 2), params, 0, [1, 2])]
+        await engine.worker.exchange(engine.worker._facts(rec.batch))
         await engine.worker.sync(rec)
         return rec.spec
 
