@@ -115,3 +115,73 @@ def test_max_epochs_caps_the_steps(setup, tmp_path):
     cfg = _config(tiny_dir, prompts, None, max_steps=1000, max_epochs=1.0)
     card = run(cfg, command="test", out_dir=str(tmp_path), device="cpu")
     assert card["training"]["steps"] == -(-train_answers // 8)       # one pass, batch 8
+
+
+def _greedy(loaded, model_name, prompts_ids, max_tokens, speculative):
+    """(answers, acceptance summary) of greedy runs through the engine."""
+    import anyio
+    from specloop.engine import AsyncEngine, EngineConfig
+    from specloop.samplers import SamplingParams
+    from specloop.train import AcceptanceCounter
+
+    k = speculative.get("num_draft_tokens", 1)
+    config = EngineConfig.from_dict({
+        "model": {"name": model_name, "dtype": "float32", "device": "cpu",
+                  "max_seq_len": 128, "chat_template": False},
+        "scheduler": {"max_batch_size": 4, "seed": 0}, "speculative": speculative})
+    counter, answers = AcceptanceCounter(k), [[] for _ in prompts_ids]
+
+    async def main():
+        async with AsyncEngine(config, model=loaded, observers=[counter]) as engine:
+            async def one(i, ids):
+                params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                        ignore_eos=True)
+                async for out in engine.generate(ids, params):
+                    answers[i].extend(out.token_ids)
+            async with anyio.create_task_group() as tg:
+                for i, ids in enumerate(prompts_ids):
+                    tg.start_soon(one, i, ids)
+
+    anyio.run(main)
+    return answers, counter
+
+
+def test_engine_acceptance_equals_the_trainers_chains(setup):
+    """Drafting through the engine accepts, iteration by iteration, exactly what the
+    trainer's teacher-forced chains predict: chain p = L - 2 (h_{L-2}, t_{L-1}) drafts
+    tokens L.. . A drafter or trainer one position off from the other fails this."""
+    from safetensors.torch import load_file
+    from specloop.train._trainer import Teacher
+
+    tiny_dir, _, out, _ = setup
+    loaded = load_model(tiny_dir)
+    seqs = [s for s in load_sequences(out / "sequences.pt") if s.split == "train"][:4]
+    prompts = [list(s.tokens[:s.prompt_len]) for s in seqs]
+    k, n = 3, 16
+    truth, _ = _greedy(loaded, str(tiny_dir), prompts, n + k + 1, {"method": "none"})
+    spec = {"method": "mtp_eagle", "num_draft_tokens": k,
+            "draft_weights": str(out / "tiny-eagle.safetensors")}
+    answers, counter = _greedy(loaded, str(tiny_dir), prompts, n, spec)
+    assert answers == [t[:n] for t in truth]
+    state = load_file(str(out / "tiny-eagle.safetensors"))
+    head = TrainableMtpHead(loaded.args, loaded.model.embed_tokens,
+                            loaded.model.lm_head_weight, state["d2t"], 128)
+    head.load_state_dict({name: v.float() if v.is_floating_point() else v
+                          for name, v in state.items()})
+    hits, rows = [0] * k, 0
+    for ids, full in zip(prompts, truth):
+        seq = torch.tensor([ids + full])
+        with torch.no_grad():
+            steps = head.unroll(seq, Teacher(loaded.model, 1, 128).hidden(seq), k)
+        drafts = [head.d2t[s[0].argmax(-1)].tolist() for s in steps]   # [k][chain p]
+        L = len(ids)
+        while L - len(ids) < n:
+            p, accepted = L - 2, 0
+            while accepted < k and drafts[accepted][p] == seq[0, L + accepted]:
+                accepted += 1
+            rows += 1
+            for j in range(accepted):
+                hits[j] += 1
+            L += accepted + 1
+    assert rows == counter.rows and hits == counter.hits, (rows, hits, counter.summary())
+    assert sum(hits) > 0          # the check has something to compare
