@@ -20,7 +20,7 @@ EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 DEFAULT_CONFIG = "smollm2-ngram.toml"
 # Drafters whose proposals carry no trained signal unless given weights.
-UNTRAINED_DRAFTERS = ("mtp_eagle", "early_exit")
+UNTRAINED_DRAFTERS = ("mtp_eagle", "eagle3", "early_exit")
 
 
 class UsageError(Exception):
@@ -122,10 +122,10 @@ def check_drafter_trained(config: EngineConfig, allowed: bool) -> None:
     if spec.method not in UNTRAINED_DRAFTERS or allowed:
         return
     weights = getattr(spec, "mtp_weights", None) or getattr(spec, "draft_weights", None)
-    if spec.method == "mtp_eagle" and weights:
+    if spec.method in ("mtp_eagle", "eagle3") and weights:
         return
-    what = ("has no trained weights (speculative.mtp_weights is unset), so its head would be "
-            "random" if spec.method == "mtp_eagle" else
+    what = ("has no trained weights (speculative.draft_weights is unset), so its head would "
+            "be random" if spec.method in ("mtp_eagle", "eagle3") else
             "exits through untrained layers and predicts the next token poorly")
     raise UsageError(f"speculative.method = {spec.method!r} {what}; use a trained drafter "
                      "(e.g. --method ngram), or pass --allow-untrained-drafter for testing")

@@ -42,6 +42,7 @@ _BUILTINS: Mapping[str, Mapping[str, str]] = MappingProxyType({
         "draft_model": "specloop.models.drafters:DraftModelDrafter",
         "early_exit": "specloop.models.drafters:EarlyExitDrafter",
         "mtp_eagle": "specloop.models.drafters:MtpEagleDrafter",
+        "eagle3": "specloop.models.drafters:Eagle3Drafter",
     }),
 })
 

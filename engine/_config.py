@@ -101,7 +101,7 @@ class SpeculativeConfig:
     # ngram: longest and shortest suffix looked up in the sequence so far.
     ngram_max: int = attrs.field(default=3, validator=_at_least("speculative", 1))
     ngram_min: int = attrs.field(default=1, validator=_at_least("speculative", 1))
-    # mtp_eagle: safetensors file of the head; None = random init (tests only).
+    # mtp_eagle / eagle3: safetensors file of the head; None = random init (tests only).
     mtp_weights: str | None = None
     # A trained head: a shipped registry name (e.g. "smollm2-135m-instruct-eagle") or a
     # .safetensors path; checked against its model card and the target. Wins over

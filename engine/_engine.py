@@ -111,8 +111,10 @@ class AsyncEngine:
                              page_size=cfg.model.kv_page_size)
         deps = DrafterDeps(loaded, runner.cache, cfg.scheduler.max_batch_size,
                            cfg.model.max_seq_len)
+        drafter = build_drafter(cfg, deps)
+        runner.feature_layers = tuple(getattr(drafter, "feature_layers", ()))
         self.worker = RankWorker(
-            config=cfg, runner=runner, drafter=build_drafter(cfg, deps),
+            config=cfg, runner=runner, drafter=drafter,
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
             front=self.front)
         self.worker.warmup_graphs()

@@ -46,6 +46,18 @@ class ModelRunner:
         self.pages = PageTable(num_slots, max_seq_len, page_size, device=self.device)
         self.cache = KVCache(loaded.args, num_slots, max_seq_len, dtype=self.dtype,
                              device=self.device, pages=self.pages)
+        # Layers whose residual streams the drafter reads instead of the final hidden
+        # state (an EAGLE-3 head's low/mid/high features); () = the final hidden state.
+        self.feature_layers: tuple[int, ...] = ()
+
+    def forward(self, tokens, start_pos, slots, *, kv_len=None):
+        """-> (final hidden [B, T, H] for the logits, what the drafter reads: the same
+        tensor, or the feature layers concatenated [B, T, F*H]; no extra work without)."""
+        if not self.feature_layers:
+            hidden = self.model(tokens, start_pos, slots, self.cache, kv_len=kv_len)
+            return hidden, hidden
+        return self.model(tokens, start_pos, slots, self.cache, kv_len=kv_len,
+                          capture=self.feature_layers)
 
     def read_back(self, packed: torch.Tensor) -> torch.Tensor:
         """The iteration's one device-to-host read: ``packed`` copied into a pinned,
@@ -91,16 +103,18 @@ class ModelRunner:
     @torch.inference_mode()
     def prefill(self, request: Request) -> torch.Tensor:
         """Write K/V for every token but the last (VERIFY forwards the last one), in chunks
-        of max_prefill_tokens; returns their final hidden states [P, H] for the drafter."""
+        of max_prefill_tokens; returns what the drafter reads for them, [P, H] (or
+        [P, F*H] with feature layers)."""
         end = request.seq_len - 1
         self.pages.resize(request.slot, request.seq_len)
         slot = torch.tensor([request.slot], device=self.device)
-        hidden = [torch.empty(0, self.args.hidden_size, dtype=self.dtype, device=self.device)]
+        width = self.args.hidden_size * max(1, len(self.feature_layers))
+        hidden = [torch.empty(0, width, dtype=self.dtype, device=self.device)]
         while request.num_cached < end:
             chunk = request.token_ids[request.num_cached:
                                       min(end, request.num_cached + self.max_prefill_tokens)]
             tokens = torch.tensor([chunk], device=self.device)
             start = torch.tensor([request.num_cached], device=self.device)
-            hidden.append(self.model(tokens, start, slot, self.cache)[0])
+            hidden.append(self.forward(tokens, start, slot)[1][0])
             request.num_cached += len(chunk)
         return torch.cat(hidden)

@@ -2,7 +2,8 @@
 
 inputs: tokens [Bp, K+1] ([last, d1..dK]), start_pos [Bp] (L-1), slots [Bp], the sampling
 columns [Bp] and, on the advanced path with a non-point-mass drafter, draft_probs
-[Bp, K, V]. outputs: token_ids [Bp, K+1], num_accepted [Bp], hidden [Bp, K+1, H], and
+[Bp, K, V]. outputs: token_ids [Bp, K+1], num_accepted [Bp], hidden [Bp, K+1, H] (what
+the drafter reads: [Bp, K+1, F*H] when it asked for feature layers), and
 ``packed`` [Bp, K+2] (token ids, then the count): what the host reads, in one copy.
 Rows past the real batch are padding: scratch slot, position 0, greedy sentinel params.
 """
@@ -54,13 +55,13 @@ def make_verify_step(runner, sampler, template: SamplingBatch, *, advanced: bool
 
     def step(inputs: Tensors) -> Tensors:
         tokens, start = inputs["tokens"], inputs["start_pos"]
-        hidden = runner.model(tokens, start, inputs["slots"], runner.cache, kv_len=kv_len)
+        hidden, features = runner.forward(tokens, start, inputs["slots"], kv_len=kv_len)
         logits = runner.model.logits(hidden)
         batch = template.with_columns(inputs)
         result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
                                 start + 1, advanced=advanced)
         packed = torch.cat([result.token_ids, result.num_accepted[:, None]], dim=1)
         return {"token_ids": result.token_ids, "num_accepted": result.num_accepted,
-                "hidden": hidden, "packed": packed}
+                "hidden": features, "packed": packed}
 
     return step

@@ -118,17 +118,21 @@ class DecoderModel(nn.Module):
         *,
         num_layers: int | None = None,
         kv_len: int | None = None,
-    ) -> torch.Tensor:
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] i64 at positions start_pos [B].. of cache slots [B] -> hidden [B, T, H].
 
         Writes K/V for positions start_pos..start_pos+T-1 of each row's slot, then attends
         causally within the slot. ``num_layers`` = early exit after that many layers (then
         the final norm). ``kv_len`` fixes the attended cache length (static shapes, e.g.
         ``cache.max_seq_len`` for graph capture); by default it is the needed prefix rounded
-        up to KV_LEN_MULTIPLE, which reads ``start_pos`` on the host.
+        up to KV_LEN_MULTIPLE, which reads ``start_pos`` on the host. ``capture`` (layer
+        indices, 0-based) also returns the residual stream after each of those layers,
+        concatenated: (hidden, features [B, T, len(capture) * H]), e.g. for an EAGLE-3 head.
         """
         return self.forward_embeds(
-            self.embed(tokens), start_pos, slots, cache, num_layers=num_layers, kv_len=kv_len
+            self.embed(tokens), start_pos, slots, cache, num_layers=num_layers, kv_len=kv_len,
+            capture=capture,
         )
 
     @torch.no_grad()
@@ -141,22 +145,34 @@ class DecoderModel(nn.Module):
         *,
         num_layers: int | None = None,
         kv_len: int | None = None,
-    ) -> torch.Tensor:
+        capture: tuple[int, ...] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input)."""
         n = self._num_layers(num_layers, cache)
         fused = self.uses_kernels
         step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len, fused)
         weights = self._layer_weights(n)
         eps = self.args.rms_norm_eps
+        feats = []  # only when capturing: the residual stream after the captured layers
         if fused:
             x, delta = embeds, None  # residual stream, and what is still to be added to it
             for i, w in enumerate(weights):
                 x, delta = self._fused_layer(i, w, x, delta, step, cache)
-            return _kernels.add_rms_norm(x, delta, self.norm, eps)[0]
-        x = embeds  # [B, T, H]
-        for i, w in enumerate(weights):
-            x = self._layer(i, w, x, step, cache)
-        return rms_norm(x, self.norm, eps)
+                if capture and i in capture:
+                    feats.append(x + delta)
+            out = _kernels.add_rms_norm(x, delta, self.norm, eps)[0]
+        else:
+            x = embeds  # [B, T, H]
+            for i, w in enumerate(weights):
+                x = self._layer(i, w, x, step, cache)
+                if capture and i in capture:
+                    feats.append(x)
+            out = rms_norm(x, self.norm, eps)
+        if not capture:
+            return out
+        if len(feats) != len(capture) or list(capture) != sorted(capture):
+            raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
+        return out, torch.cat(feats, dim=-1)
 
     @property
     def uses_kernels(self) -> bool:

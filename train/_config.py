@@ -12,7 +12,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 
 from specloop.engine import ConfigError
 
-METHODS = ("mtp_eagle",)
+METHODS = ("mtp_eagle", "eagle3")
 
 
 def _positive(section: str):
@@ -56,6 +56,18 @@ class GenerateSection:
     temperature: float = attrs.field(default=0.8, validator=_positive("generate"))
     # Stop generating after this long; the answers so far (>= 8 tokens) are kept.
     time_budget_s: float = attrs.field(default=110.0, validator=_positive("generate"))
+    # "engine": through AsyncEngine (continuous batching); "batched": whole waves of
+    # prompts decoded together (CUDA graph on GPU), ~10x the tokens/s (train/_batched.py).
+    backend: str = attrs.field(default="engine")
+    # Answers per training prompt: the first as sampled_fraction says, the rest sampled
+    # at ``temperature`` with other seeds (more data from the same prompts).
+    answers_per_prompt: int = attrs.field(default=1, validator=_positive("generate"))
+
+    @backend.validator
+    def _check_backend(self, attribute, value):
+        if value not in ("engine", "batched"):
+            raise ConfigError("generate.backend", value, "unknown distillation backend",
+                              "use 'engine' or 'batched'")
 
 
 @attrs.frozen
@@ -64,6 +76,9 @@ class HeadSection:
     draft_vocab_size: int = attrs.field(default=8192, validator=_positive("head"))
     ttt_steps: int = attrs.field(default=5, validator=_positive("head"))
     step_decay: float = attrs.field(default=0.8, validator=_fraction("head"))
+    # eagle3: the target layers (0-based) whose residual streams the head fuses; [] = the
+    # default low / middle / high choice (1, L/2 - 1, L - 4).
+    feature_layers: list[int] = attrs.Factory(list)
 
     @method.validator
     def _check_method(self, attribute, value):
@@ -88,6 +103,9 @@ class OptimSection:
     # Cap on passes over the training answers (0 = none): with few answers a head
     # memorises them (the shipped head saw ~50 passes); max_steps shrinks to fit.
     max_epochs: float = 0.0
+    # The head's forward and loss under bf16 autocast (master weights stay fp32): ~2x
+    # the steps per second on a GPU.
+    bf16_autocast: bool = False
 
 
 @attrs.frozen

@@ -65,8 +65,7 @@ async def _distill(engine, jobs, cfg, bar) -> list[Sequence]:
     results: list[Sequence | None] = [None] * len(jobs)
     limiter = anyio.CapacityLimiter(2 * cfg.generate.batch_size)
 
-    async def one(i, split, ids):
-        params, mode = _params(cfg, i)
+    async def one(i, split, ids, params, mode):
         answer: list[int] = []
         try:
             async with limiter:
@@ -82,33 +81,62 @@ async def _distill(engine, jobs, cfg, bar) -> list[Sequence]:
     # Requests already running finish (a consumer leaving early is not this loop's job).
     deadline = time.monotonic() + cfg.generate.time_budget_s
     async with anyio.create_task_group() as tg:
-        for i, (split, ids) in enumerate(jobs):
-            tg.start_soon(one, i, split, ids)
+        for i, job in enumerate(jobs):
+            tg.start_soon(one, i, *job)
     return [r for r in results if r is not None]
 
 
+def make_jobs(cfg, splits, tokenizer) -> list[tuple]:
+    """(split, ids, SamplingParams, mode) per answer: the held-out prompts first (they are
+    few), then the training prompts; extra answers per training prompt come last, sampled."""
+    room = cfg.generate.max_seq_len - cfg.generate.max_new_tokens - 2
+    prompts = [(split, ids) for split in ("eval", "train")
+               for ids in encode_prompts(tokenizer, splits[split], room)]
+    jobs = [(split, ids, *_params(cfg, i)) for i, (split, ids) in enumerate(prompts)]
+    gen, n = cfg.generate, len(prompts)
+    for extra in range(1, gen.answers_per_prompt):
+        for i, (split, ids) in enumerate(prompts):
+            if split == "train":
+                params = SamplingParams(temperature=gen.temperature,
+                                        seed=cfg.data.seed * 1_000_003 + extra * n + i,
+                                        max_tokens=gen.max_new_tokens)
+                jobs.append((split, ids, params, "sampled"))
+    return jobs
+
+
 def distill(cfg, splits, *, device: str) -> list[Sequence]:
-    """Answer the eval prompts first (they are few), then the training prompts."""
     from specloop.models import load_model  # noqa: PLC0415
     from specloop.engine._runner import DTYPES  # noqa: PLC0415
 
-    econfig = engine_config(cfg, device)
     loaded = load_model(cfg.target.model, dtype=DTYPES[cfg.target.dtype], device=device)
-    room = cfg.generate.max_seq_len - cfg.generate.max_new_tokens - 2
-    jobs = [(split, ids) for split in ("eval", "train")
-            for ids in encode_prompts(loaded.tokenizer, splits[split], room)]
-
-    async def main():
-        async with AsyncEngine(econfig, model=loaded) as engine:
-            with progress(total=None, desc="distill (tokens)", unit="tok") as bar:
-                return await _distill(engine, jobs, cfg, bar)
-
+    jobs = make_jobs(cfg, splits, loaded.tokenizer)
     start = time.perf_counter()
-    seqs = anyio.run(main)
+    with progress(total=None, desc="distill (tokens)", unit="tok") as bar:
+        if cfg.generate.backend == "batched":
+            seqs = _distill_batched(cfg, loaded, jobs, bar)
+        else:
+            async def main():
+                async with AsyncEngine(engine_config(cfg, device), model=loaded) as engine:
+                    return await _distill(engine, jobs, cfg, bar)
+            seqs = anyio.run(main)
     answered = sum(len(s.tokens) - s.prompt_len for s in seqs)
     log.info("distilled", sequences=len(seqs), answer_tokens=answered,
-             seconds=round(time.perf_counter() - start, 1))
+             backend=cfg.generate.backend, seconds=round(time.perf_counter() - start, 1))
     return seqs
+
+
+def _distill_batched(cfg, loaded, jobs, bar) -> list[Sequence]:
+    from ._batched import distill_batched  # noqa: PLC0415
+
+    gen = cfg.generate
+    answers = distill_batched(
+        loaded, [(ids, p.temperature, split != "eval") for split, ids, p, _ in jobs],
+        batch_size=gen.batch_size, max_new_tokens=gen.max_new_tokens,
+        max_seq_len=gen.max_seq_len, time_budget_s=gen.time_budget_s, seed=cfg.data.seed,
+        bar=bar)
+    return [Sequence(tuple(ids) + tuple(a), len(ids), split, mode)
+            for (split, ids, _, mode), a in zip(jobs, answers)
+            if a is not None and len(a) >= MIN_ANSWER_TOKENS]
 
 
 def save_sequences(path, seqs: list[Sequence]) -> None:

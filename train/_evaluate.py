@@ -27,10 +27,11 @@ def offline_acceptance(head, target, seqs, k: int, device, batch_size: int = 16)
     greedy = [s for s in seqs if s.mode == "greedy"]
     if not greedy:
         return {"per_position": [0.0] * k, "al": 1.0, "starts": 0}
-    teacher = Teacher(target, batch_size, max(len(s.tokens) for s in greedy) + k + 1)
+    teacher = Teacher(target, batch_size, max(len(s.tokens) for s in greedy) + k + 1,
+                      head.feature_layers)
     for i in range(0, len(greedy), batch_size):
         tokens, answer = pad_batch(greedy[i:i + batch_size], device)
-        steps = head.unroll(tokens, teacher.hidden(tokens), k)
+        steps = head.unroll(tokens, teacher.both(tokens)[1], k)
         # truth[p] = token p + 2 (the first draft's target), padded to the T - 1 starts.
         truth = torch.cat([tokens[:, 2:], torch.zeros_like(tokens[:, :1])], dim=1)
         # A start counts when all K predicted tokens are answer tokens (p+2 .. p+1+K).

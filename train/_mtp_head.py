@@ -33,6 +33,10 @@ class _Block(nn.Module):
 
 
 class TrainableMtpHead(nn.Module):
+    # The target layers whose residual streams the head reads at step 0 (EAGLE-3);
+    # () = the target's final hidden state.
+    feature_layers: tuple[int, ...] = ()
+
     def __init__(self, args, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor,
                  max_len: int) -> None:
         super().__init__()
@@ -97,13 +101,18 @@ class TrainableMtpHead(nn.Module):
         x = x + F.linear(F.silu(gate) * up, b.w_down[0])
         return rms_norm(x, b.norm, a.rms_norm_eps), keys, values
 
+    def step0_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The target's rows -> the hidden state step 0 reads (here: as they are)."""
+        return hidden
+
     def unroll(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int):
-        """tokens [B, T], target hidden [B, T, H] -> per step j draft logits [B, T-1, N]
-        for chains starting at p = 0..T-2 (step j predicts token p + 2 + j)."""
+        """tokens [B, T], target hidden [B, T, H] (or features [B, T, F*H]) -> per step j
+        draft logits [B, T-1, N] for chains starting at p = 0..T-2 (step j predicts token
+        p + 2 + j)."""
         eps = self.args.rms_norm_eps
         n = tokens.shape[1] - 1
         pos = torch.arange(n, device=tokens.device)
-        feed = hidden[:, :-1].float()
+        feed = self.step0_input(hidden[:, :-1].float())
         keys, values, out = [], [], []
         for j in range(steps):
             tok = _shift(tokens[:, 1:], j)                                 # t_{p+1+j}
@@ -131,3 +140,30 @@ def ttt_mask(n: int, steps: int, device) -> torch.Tensor:
 def shift_targets(x: torch.Tensor, j: int) -> torch.Tensor:
     """Per step j, the row at index p + 1 + j of x [B, T, ...] for p = 0..T-2."""
     return _shift(x[:, 1:], j)
+
+
+class TrainableEagle3Head(TrainableMtpHead):
+    """The eagle3 head with gradients: TrainableMtpHead plus ``fnorm`` [F, H] and ``fc3``
+    [H, F*H] fusing the target's feature layers at step 0 (names as Eagle3Head's)."""
+
+    def __init__(self, args, embed, lm_head, d2t, max_len: int,
+                 feature_layers: tuple[int, ...]) -> None:
+        super().__init__(args, embed, lm_head, d2t, max_len)
+        n, h = len(feature_layers), args.hidden_size
+        self.feature_layers = tuple(feature_layers)
+        self.fc3, self.fnorm = _p(h, n * h), _p(n, h)
+
+    def init_from_target(self, target, seed: int) -> None:
+        """As mtp_eagle's; fc3 starts as the highest feature layer (normed) plus noise."""
+        super().init_from_target(target, seed)
+        n, h = self.fnorm.shape
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(seed + 1)
+            self.fc3.copy_(torch.randn(h, n * h, generator=gen) * 0.02)
+            self.fc3[:, (n - 1) * h:] += torch.eye(h, device=self.fc3.device)
+            self.fnorm.fill_(1.0)
+
+    def step0_input(self, hidden: torch.Tensor) -> torch.Tensor:
+        parts = hidden.unflatten(-1, tuple(self.fnorm.shape))
+        normed = rms_norm(parts, self.fnorm, self.args.rms_norm_eps)
+        return F.linear(normed.flatten(-2), self.fc3)

@@ -61,6 +61,8 @@ def export_head(head, cfg, path: Path, args) -> None:
     meta = {f"target_{k}": str(v) for k, v in target_shape(args).items()}
     meta.update(method=cfg.head.method, draft_vocab_size=str(int(head.d2t.numel())),
                 target_model=cfg.target.model)
+    if head.feature_layers:
+        meta["feature_layers"] = ",".join(map(str, head.feature_layers))
     save_file(tensors, str(path), metadata=meta)
 
 
@@ -75,12 +77,13 @@ def evaluate(cfg, loaded, head, seqs, splits, head_path: Path, device: str) -> d
                          cfg.generate.max_seq_len - cfg.eval.engine_max_tokens - k - 2)
     common = dict(max_tokens=cfg.eval.engine_max_tokens, device=device,
                   dtype=cfg.target.dtype, seed=cfg.data.seed)
+    m = cfg.head.method
     runs = {
-        f"engine_greedy_k{k}": ({"method": "mtp_eagle", "num_draft_tokens": k,
+        f"engine_greedy_k{k}": ({"method": m, "num_draft_tokens": k,
                                  "draft_weights": str(head_path)}, 0.0, 1.0),
-        "engine_greedy_k3": ({"method": "mtp_eagle", "num_draft_tokens": 3,
+        "engine_greedy_k3": ({"method": m, "num_draft_tokens": 3,
                               "draft_weights": str(head_path)}, 0.0, 1.0),
-        f"engine_t0.7_k{k}": ({"method": "mtp_eagle", "num_draft_tokens": k,
+        f"engine_t0.7_k{k}": ({"method": m, "num_draft_tokens": k,
                                "draft_weights": str(head_path)}, 0.7, 1.0),
         f"engine_ngram_greedy_k{k}": ({"method": "ngram", "num_draft_tokens": k}, 0.0, 1.0),
     }

@@ -19,7 +19,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from ._mtp_head import TrainableMtpHead, _shift, shift_targets
+from ._mtp_head import TrainableEagle3Head, TrainableMtpHead, _shift, shift_targets
 from ._progress import progress
 
 log = structlog.get_logger(__name__)
@@ -49,24 +49,50 @@ def pad_batch(seqs, device):
 class Teacher:
     """The target's final hidden states for padded batches, off the autograd graph."""
 
-    def __init__(self, model, max_batch: int, max_len: int) -> None:
+    def __init__(self, model, max_batch: int, max_len: int, capture: tuple[int, ...] = ()
+                 ) -> None:
         self.model = model
         self.cache = model.make_cache(max_batch, max_len)
+        self.capture = tuple(capture)
 
     @torch.no_grad()
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.both(tokens)[0]
+
+    @torch.no_grad()
+    def both(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (final hidden [B, T, H], the head's step-0 input: the same, or the captured
+        feature layers [B, T, F*H])."""
         rows = tokens.shape[0]
         start = torch.zeros(rows, dtype=torch.int64, device=tokens.device)
         slots = torch.arange(rows, device=tokens.device)
-        return self.model(tokens, start, slots, self.cache)
+        if not self.capture:
+            hidden = self.model(tokens, start, slots, self.cache)
+            return hidden, hidden
+        return self.model(tokens, start, slots, self.cache, capture=self.capture)
 
 
-def step_losses(head: TrainableMtpHead, tokens, answer, hidden, steps: int):
-    """-> (per-step soft-CE [steps], per-step top-1 agreement [steps]) over answer tokens."""
-    with torch.no_grad():
+def make_head(cfg, target, d2t, max_len: int) -> TrainableMtpHead:
+    """The trainable head cfg.head.method names, for this target."""
+    from specloop.models.drafters import default_feature_layers  # noqa: PLC0415
+
+    args = target.args
+    if cfg.head.method == "eagle3":
+        layers = tuple(cfg.head.feature_layers) or default_feature_layers(args.num_layers)
+        return TrainableEagle3Head(args, target.embed_tokens, target.lm_head_weight, d2t,
+                                   max_len, layers)
+    return TrainableMtpHead(args, target.embed_tokens, target.lm_head_weight, d2t, max_len)
+
+
+def step_losses(head: TrainableMtpHead, tokens, answer, hidden, steps: int, features=None):
+    """-> (per-step soft-CE [steps], per-step top-1 agreement [steps]) over answer tokens.
+    ``features``: the head's step-0 input when it is not the final hidden (eagle3)."""
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         target_logits = F.linear(hidden.float(), head.draft_lm)            # [B, T, N]
     losses, accs = [], []
-    for j, logits in enumerate(head.unroll(tokens, hidden, steps)):
+    feed = hidden if features is None else features
+    for j, logits in enumerate(head.unroll(tokens, feed, steps)):
+        logits = logits.float()
         valid = _shift(answer[:, 1:], j + 1).float()                     # token p+2+j
         tl = shift_targets(target_logits, j)
         ce = -(torch.softmax(tl, -1) * torch.log_softmax(logits, -1)).sum(-1)
@@ -102,8 +128,7 @@ def train(cfg, target, seqs, out_dir: Path, device) -> tuple[TrainableMtpHead, d
     ckpt = torch.load(ckpt_path, weights_only=False) if ckpt_path.is_file() else None
     d2t = ckpt["d2t"] if ckpt else draft_vocab(train_seqs, target.args.vocab_size,
                                                hcfg.draft_vocab_size)
-    head = TrainableMtpHead(target.args, target.embed_tokens, target.lm_head_weight, d2t,
-                            max_len).to(device)
+    head = make_head(cfg, target, d2t, max_len).to(device)
     head.init_from_target(target, ocfg.seed)
     opt = torch.optim.AdamW(head.parameters(), lr=ocfg.lr, betas=(0.9, 0.95),
                             weight_decay=ocfg.weight_decay)
@@ -113,7 +138,9 @@ def train(cfg, target, seqs, out_dir: Path, device) -> tuple[TrainableMtpHead, d
         opt.load_state_dict(ckpt["optim"])
         step, elapsed, history = ckpt["step"], ckpt["elapsed"], ckpt["history"]
         log.info("train_resumed", step=step, elapsed=round(elapsed, 1))
-    teacher = Teacher(target, ocfg.batch_size, max_len)
+    teacher = Teacher(target, ocfg.batch_size, max_len, head.feature_layers)
+    autocast = torch.autocast(torch.device(device).type, dtype=torch.bfloat16,
+                              enabled=ocfg.bf16_autocast)
     weights = torch.tensor([hcfg.step_decay ** j for j in range(hcfg.ttt_steps)], device=device)
     rng = random.Random(ocfg.seed)
     t0 = time.perf_counter() - elapsed
@@ -133,8 +160,10 @@ def train(cfg, target, seqs, out_dir: Path, device) -> tuple[TrainableMtpHead, d
             rng.seed(ocfg.seed * 1_000_003 + step)       # resumable: batch is f(step)
             tokens, answer = pad_batch(rng.sample(train_seqs, min(ocfg.batch_size,
                                                                   len(train_seqs))), device)
-            losses, accs = step_losses(head, tokens, answer, teacher.hidden(tokens),
-                                       hcfg.ttt_steps)
+            hidden, features = teacher.both(tokens)
+            with autocast:
+                losses, accs = step_losses(head, tokens, answer, hidden, hcfg.ttt_steps,
+                                           features)
             loss = (losses * weights).sum() / weights.sum()
             opt.zero_grad(set_to_none=True)
             loss.backward()

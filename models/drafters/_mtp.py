@@ -44,6 +44,11 @@ class MtpEagleHead(torch.nn.Module):
         self.d2t: torch.Tensor | None = None
         self.target_args = target.args     # the shape a saved head records
 
+    @property
+    def feature_size(self) -> int:
+        """Width of the target rows the head reads at step 0 (here the final hidden)."""
+        return self.block.args.hidden_size
+
     def own_state(self) -> dict[str, torch.Tensor]:
         shared = {"block.embed_tokens", "block.lm_head"}
         return {k: v for k, v in self.state_dict().items() if k not in shared}
@@ -93,27 +98,39 @@ class MtpEagleDrafter:
 
         target = deps.target.model
         self.num_draft_tokens = k = config.speculative.num_draft_tokens
-        self.head = MtpEagleHead(target, dtype=target.dtype, device=target.device)
-        weights = config.speculative.draft_weights or config.speculative.mtp_weights
-        if weights:
-            path, card = resolve_head(weights)
-            check_sha256(path, card)
-            check_target(path, head_metadata(path), deps.target.args)
-            self.head.load(str(path))
-        else:
-            self.head.init_random()
+        self.head = self._make_head(config, deps)
         self.cache = KVCache(self.head.block.args, deps.num_slots, deps.max_seq_len,
                              dtype=target.dtype, device=target.device,
                              pages=deps.target_cache.pages)
         self.scratch = self.cache.scratch_slot
         self.lm = DraftHead(target.lm_head_weight, lm_head_tp=config.parallel.lm_head_tp_in_adp,
                             max_rows=deps.num_slots, d2t=self.head.d2t)
-        h = target.args.hidden_size
         # Per slot: the target rows not yet fed to the head (position start.., count rows).
-        self.pending = torch.zeros(deps.num_slots + 1, k + 1, h, dtype=target.dtype,
-                                   device=target.device)
+        self.pending = torch.zeros(deps.num_slots + 1, k + 1, self.head.feature_size,
+                                   dtype=target.dtype, device=target.device)
         self.pending_start = [0] * (deps.num_slots + 1)
         self.pending_count = [0] * (deps.num_slots + 1)
+
+    @staticmethod
+    def weights_path(config, deps: DrafterDeps):
+        """The checked head file (sha256 against its card, target shape), or None."""
+        weights = config.speculative.draft_weights or config.speculative.mtp_weights
+        if not weights:
+            return None
+        path, card = resolve_head(weights)
+        check_sha256(path, card)
+        check_target(path, head_metadata(path), deps.target.args)
+        return path
+
+    def _make_head(self, config, deps: DrafterDeps) -> MtpEagleHead:
+        target = deps.target.model
+        head = MtpEagleHead(target, dtype=target.dtype, device=target.device)
+        path = self.weights_path(config, deps)
+        if path is not None:
+            head.load(str(path))
+        else:
+            head.init_random()
+        return head
 
     @property
     def needs_empty_calls(self) -> bool:
@@ -244,7 +261,7 @@ class MtpEagleDrafter:
             return await ctx.run_sync(lambda: self._replay(ctx, advanced))
         if rows == 0:
             # An idle rank still enters every LM-head-TP collective, with dummy rows.
-            hidden = self.pending.new_zeros(0, self.pending.shape[-1])
+            hidden = self.pending.new_zeros(0, self.head.block.args.hidden_size)
             if self.lm.uses_collectives(ctx):
                 for step in range(self.num_draft_tokens):
                     await self.lm.tokens(ctx, hidden, step)

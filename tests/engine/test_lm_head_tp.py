@@ -12,8 +12,8 @@ from .conftest import collect, make_config
 from .test_engine import reference_greedy
 
 
-def tp_config(model_dir, world, *, rejection=True, k=3, max_batch_size=4):
-    return make_config(model_dir, method="mtp_eagle", k=k, rejection=rejection,
+def tp_config(model_dir, world, *, rejection=True, k=3, max_batch_size=4, method="mtp_eagle"):
+    return make_config(model_dir, method=method, k=k, rejection=rejection,
                        max_batch_size=max_batch_size,
                        parallel={"world_size": world, "attention_dp": True,
                                  "lm_head_tp_in_adp": True})
@@ -65,19 +65,23 @@ async def single_rank(config, loaded, reqs):
         return await serve_staggered(engine, reqs)
 
 
-async def test_mtp_eagle_single_rank_greedy_is_exact(tiny_dir, tiny_loaded):
+@pytest.mark.parametrize("method", ["mtp_eagle", "eagle3"])
+async def test_mtp_eagle_single_rank_greedy_is_exact(tiny_dir, tiny_loaded, method):
     reqs = [(p, prm, d) for p, prm, d in workload() if prm.is_greedy]
-    config = make_config(tiny_dir, method="mtp_eagle", k=3)
+    config = make_config(tiny_dir, method=method, k=3)
     outs, _ = await single_rank(config, tiny_loaded, reqs)
     for (prompt, params, _), out in zip(reqs, outs):
         assert out == reference_greedy(tiny_loaded, prompt, params.max_tokens)
 
 
 # 4 ranks cost twice the 2-rank case for the same property: slow, so the fast subset keeps 2.
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-async def test_mixed_ranks_never_mismatch_and_match_one_rank(tiny_dir, tiny_loaded, world):
+@pytest.mark.parametrize("world, method", [
+    (2, "mtp_eagle"), (2, "eagle3"), pytest.param(4, "mtp_eagle", marks=pytest.mark.slow)])
+async def test_mixed_ranks_never_mismatch_and_match_one_rank(tiny_dir, tiny_loaded, world,
+                                                             method):
     reqs = workload()
-    results = await run_group(world, tp_config(tiny_dir, world), tiny_loaded, reqs)
+    results = await run_group(world, tp_config(tiny_dir, world, method=method), tiny_loaded,
+                              reqs)
     outs, iterations = results[0]
     assert iterations >= 50
     for (prompt, params, _), out in zip(reqs, outs):
@@ -85,7 +89,7 @@ async def test_mixed_ranks_never_mismatch_and_match_one_rank(tiny_dir, tiny_load
             assert out == reference_greedy(tiny_loaded, prompt, params.max_tokens)
     # Seeded sampled requests: the same tokens on one rank (float64, so batch-shape
     # rounding cannot flip a draw).
-    one, _ = await single_rank(make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True),
+    one, _ = await single_rank(make_config(tiny_dir, method=method, k=3, rejection=True),
                                tiny_loaded, reqs)
     assert outs == one
 

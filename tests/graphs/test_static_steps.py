@@ -69,6 +69,7 @@ async def run(cfg, loaded, reqs):
     {"method": "ngram", "k": 3, "rejection": True},
     {"method": "mtp_eagle", "k": 3, "rejection": True},
     {"method": "mtp_eagle", "k": 2},
+    {"method": "eagle3", "k": 3, "rejection": True},
     {"method": "early_exit", "k": 3, "rejection": True},
     {"method": "early_exit", "k": 2},
     {"method": "draft_model", "k": 3, "rejection": True},

@@ -1,0 +1,96 @@
+"""EAGLE-3 drafting: the mtp_eagle loop on the target's low, middle and high layers.
+
+The head reads, at step 0, the residual streams after three of the target's layers
+(default: SpecForge's choice, layers 1, L/2 - 1 and L - 4, 0-based), each RMS-normed
+(``fnorm``) and fused by one projection ``fc3`` [H, 3H] into the hidden state the
+mtp_eagle input expects: ``fc([enorm(emb(t_{p+1})); hnorm(fc3(features_p))])``, one
+decoder layer, the target's LM head (or a reduced draft vocabulary via ``d2t``). Steps
+j >= 1 read the head's own output, as in mtp_eagle. The target exposes the features
+through ``ModelRunner.feature_layers`` (the engine sets it from ``Eagle3Drafter``), so
+VERIFY and prefill hand the drafter [rows, 3H] instead of the final hidden state; a target
+run without this drafter captures nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+from ._errors import DrafterConfigError
+from ._mtp import MtpEagleDrafter, MtpEagleHead
+from ._protocol import DrafterDeps
+
+
+def default_feature_layers(num_layers: int) -> tuple[int, ...]:
+    """Low, middle, high (0-based, increasing, distinct; fewer on very shallow targets)."""
+    picks = (1, num_layers // 2 - 1, num_layers - 4)
+    return tuple(sorted({min(max(i, 0), num_layers - 1) for i in picks}))
+
+
+class Eagle3Head(MtpEagleHead):
+    def __init__(self, target, *, dtype, device, feature_layers: tuple[int, ...]) -> None:
+        super().__init__(target, dtype=dtype, device=device)
+        h, n = target.args.hidden_size, len(feature_layers)
+        if not 2 <= n or list(feature_layers) != sorted(set(feature_layers)) or \
+                feature_layers[-1] >= target.args.num_layers:
+            raise DrafterConfigError(
+                "speculative.method", "eagle3", f"feature layers {feature_layers} must be "
+                f">= 2 distinct increasing layers of the target's {target.args.num_layers}",
+                "use a target with at least 2 layers, or the head trained for it")
+        self.feature_layers = tuple(feature_layers)
+        self.fc3 = torch.nn.Parameter(torch.empty(h, n * h, dtype=dtype, device=device),
+                                      requires_grad=False)
+        self.fnorm = torch.nn.Parameter(torch.ones(n, h, dtype=dtype, device=device),
+                                        requires_grad=False)
+
+    @property
+    def feature_size(self) -> int:
+        return self.fc3.shape[1]
+
+    def save(self, path: str, metadata: dict[str, str] | None = None) -> None:
+        meta = {"feature_layers": ",".join(map(str, self.feature_layers)), **(metadata or {})}
+        super().save(path, meta)
+
+    def project(self, features: torch.Tensor) -> torch.Tensor:
+        """[..., F*H] target features -> [..., H]."""
+        from specloop.models._layers import rms_norm  # noqa: PLC0415
+
+        parts = features.unflatten(-1, tuple(self.fnorm.shape))
+        normed = rms_norm(parts, self.fnorm, self.block.args.rms_norm_eps)
+        return F.linear(normed.flatten(-2), self.fc3)
+
+    def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:
+        # Target rows carry F*H features (F >= 2); the head's own outputs (steps >= 1), H.
+        if hidden.shape[-1] != self.block.args.hidden_size:
+            hidden = self.project(hidden)
+        return super().forward(tokens, hidden, start_pos, slots, cache, kv_len=kv_len)
+
+
+def file_feature_layers(path) -> tuple[int, ...] | None:
+    with safe_open(str(path), framework="pt") as f:
+        meta = f.metadata() or {}
+    text = meta.get("feature_layers")
+    return tuple(int(x) for x in text.split(",")) if text else None
+
+
+class Eagle3Drafter(MtpEagleDrafter):
+    """MtpEagleDrafter whose head reads the target's feature layers (``feature_layers``,
+    read by the engine to make the target capture them)."""
+
+    def _make_head(self, config, deps: DrafterDeps) -> Eagle3Head:
+        target = deps.target.model
+        path = self.weights_path(config, deps)
+        layers = (file_feature_layers(path) if path is not None else None) or \
+            default_feature_layers(target.args.num_layers)
+        head = Eagle3Head(target, dtype=target.dtype, device=target.device,
+                          feature_layers=layers)
+        if path is not None:
+            head.load(str(path))
+        else:
+            head.init_random()
+        return head
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        return self.head.feature_layers
