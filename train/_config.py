@@ -114,6 +114,8 @@ class EvalSection:
     # Held-out prompts also run through the engine (greedy and T=0.7): 0 = offline only.
     engine_prompts: int = 64
     engine_max_tokens: int = 128
+    # Also run n-gram on the same prompts (K = 3 and eval.k, greedy and T = 0.7).
+    ngram: bool = True
 
 
 @attrs.frozen

@@ -77,16 +77,14 @@ def evaluate(cfg, loaded, head, seqs, splits, head_path: Path, device: str) -> d
                          cfg.generate.max_seq_len - cfg.eval.engine_max_tokens - k - 2)
     common = dict(max_tokens=cfg.eval.engine_max_tokens, device=device,
                   dtype=cfg.target.dtype, seed=cfg.data.seed)
-    m = cfg.head.method
-    runs = {
-        f"engine_greedy_k{k}": ({"method": m, "num_draft_tokens": k,
-                                 "draft_weights": str(head_path)}, 0.0, 1.0),
-        "engine_greedy_k3": ({"method": m, "num_draft_tokens": 3,
-                              "draft_weights": str(head_path)}, 0.0, 1.0),
-        f"engine_t0.7_k{k}": ({"method": m, "num_draft_tokens": k,
-                               "draft_weights": str(head_path)}, 0.7, 1.0),
-        f"engine_ngram_greedy_k{k}": ({"method": "ngram", "num_draft_tokens": k}, 0.0, 1.0),
-    }
+    m, runs = cfg.head.method, {}
+    for kk in sorted({3, k}):
+        for temp, label in ((0.0, "greedy"), (0.7, "t0.7")):
+            runs[f"engine_{label}_k{kk}"] = ({"method": m, "num_draft_tokens": kk,
+                                              "draft_weights": str(head_path)}, temp, 1.0)
+            if cfg.eval.ngram:
+                runs[f"engine_ngram_{label}_k{kk}"] = (
+                    {"method": "ngram", "num_draft_tokens": kk}, temp, 1.0)
     for name, (spec, temp, top_p) in runs.items():
         start = time.perf_counter()
         result[name] = engine_acceptance(loaded, cfg.target.model, ids, spec,

@@ -114,7 +114,7 @@ def test_pipeline_trains_and_serves_an_eagle3_head(tmp_path):
         "head": {"method": "eagle3", "draft_vocab_size": 96, "ttt_steps": 2},
         "optim": {"lr": 3e-3, "max_steps": 12, "batch_size": 8, "warmup_steps": 2,
                   "checkpoint_every": 100, "time_budget_s": 1e6, "bf16_autocast": True},
-        "eval": {"k": 2, "engine_prompts": 2, "engine_max_tokens": 8},
+        "eval": {"k": 2, "engine_prompts": 2, "engine_max_tokens": 8, "ngram": False},
         "output": {"dir": str(tmp_path / "run"), "name": "tiny-eagle3"}})
     card = run(cfg, command="test", device="cpu")
     assert card["method"] == "eagle3"
