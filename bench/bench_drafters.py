@@ -6,6 +6,8 @@ and prints acceptance per position and AL = 1 + accepted / verify rows. Saves a 
 acceptance per position (head against head and against n-gram) beside this script.
 
     python bench/bench_drafters.py [--prompts 16] [--tokens 96] [--device cpu]
+    python bench/bench_drafters.py --from-cards     # no run: the heads' cards' engine
+                                                    # figures (held-out, from training)
 """
 
 from __future__ import annotations
@@ -47,8 +49,25 @@ def main() -> None:
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--ks", default="3,5")
-    ap.add_argument("--png", default=str(Path(__file__).with_name("drafters_acceptance.png")))
+    ap.add_argument("--png", default=None, help="default: drafters_acceptance[_cards].png "
+                    "beside this script")
+    ap.add_argument("--from-cards", action="store_true",
+                    help="plot the engine figures the shipped heads' model cards hold")
     args = ap.parse_args()
+    here = Path(__file__).parent
+    if args.from_cards:
+        results = _from_cards()
+        png = args.png or str(here / "drafters_acceptance_cards.png")
+        for r in results:
+            print(f"{r['method']:32s} K={r['k']} T={r['temperature']:.1f}  AL {r['al']:.3f}  "
+                  f"per position {' '.join(f'{a:.3f}' for a in r['per_position'])}  "
+                  f"({r['verify_rows']} verify rows, {r['prompts']} prompts x "
+                  f"{r['max_tokens']} tokens)")
+        _ratios(results)
+        _plot(results, png)
+        Path(png).with_suffix(".json").write_text(json.dumps(results, indent=1))
+        return
+    args.png = args.png or str(here / "drafters_acceptance.png")
     quiet_logs()
     from specloop.engine._runner import DTYPES  # noqa: PLC0415
     from specloop.models import load_model  # noqa: PLC0415
@@ -61,7 +80,7 @@ def main() -> None:
     ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
     methods = {"ngram": {"method": "ngram"}}
     for head in shipped_heads():
-        methods[head] = {"method": "mtp_eagle", "draft_weights": head}
+        methods[head] = {"method": _card(head).get("method", "mtp_eagle"), "draft_weights": head}
     results = []
     for k in [int(x) for x in args.ks.split(",")]:
         for label, spec in methods.items():
@@ -78,6 +97,30 @@ def main() -> None:
     _ratios(results)
     _plot(results, args.png)
     Path(args.png).with_suffix(".json").write_text(json.dumps(results, indent=1))
+
+
+def _card(head: str) -> dict:
+    from specloop.models.drafters._heads import heads_dir  # noqa: PLC0415
+    return json.loads((heads_dir() / f"{head}.json").read_text())
+
+
+def _from_cards() -> list[dict]:
+    """The engine runs recorded in each shipped head's card (n-gram from whichever card
+    ran it on the same prompts), as this script's result rows."""
+    from specloop.models.drafters._heads import shipped_heads  # noqa: PLC0415
+
+    results, seen = [], set()
+    for head in shipped_heads():
+        for name, r in _card(head)["evaluation_held_out"].items():
+            if not name.startswith("engine_"):
+                continue
+            label = "ngram" if name.startswith("engine_ngram_") else head
+            key = (label, r["k"], r["temperature"])
+            if key not in seen:
+                seen.add(key)
+                results.append({**r, "method": label})
+    return sorted(results, key=lambda r: (r["k"], r["method"] != "ngram", r["method"],
+                                          r["temperature"]))
 
 
 def _ratios(results) -> None:
@@ -107,7 +150,8 @@ def _plot(results, path: str) -> None:
     ax.set_xticks(range(1, max(len(r["per_position"]) for r in results) + 1))
     ax.set_xlabel("draft position")
     ax.set_ylabel("fraction of verify rows accepting it")
-    ax.set_title("SmolLM2-135M-Instruct, held-out prompts: acceptance per position")
+    ax.set_title("SmolLM2-135M-Instruct, held-out prompts: acceptance per position",
+                 fontsize=10)
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     fig.tight_layout()

@@ -10,6 +10,7 @@ prints min-max tokens/s and the ratio of medians to transformers.
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 import anyio
@@ -29,15 +30,17 @@ def main() -> None:
     quiet_logs()
     from specloop.engine import EngineConfig  # noqa: PLC0415
     from specloop.models import load_model  # noqa: PLC0415
-    from specloop.models.drafters._heads import shipped_heads  # noqa: PLC0415
+    from specloop.models.drafters._heads import heads_dir, shipped_heads  # noqa: PLC0415
 
     loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     configs = {"none": make_config("none", "float32", batch=1),
                "ngram K=4": make_config("ngram", "float32", k=4, batch=1)}
     for head in shipped_heads():
+        method = json.loads((heads_dir() / f"{head}.json").read_text()).get("method",
+                                                                             "mtp_eagle")
         for k in (2, 3):
-            data = make_config("mtp_eagle", "float32", k=k, batch=1).to_dict()
+            data = make_config(method, "float32", k=k, batch=1).to_dict()
             data["speculative"]["draft_weights"] = head
             configs[f"{head} K={k}"] = EngineConfig.from_dict(data)
     tps = {name: [] for name in ["transformers", *configs]}

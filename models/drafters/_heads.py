@@ -75,3 +75,13 @@ def check_target(path: Path, meta: dict[str, str], args) -> None:
             FIELD, str(path), f"this head was trained for a target with {fmt(want)}, but "
             f"the target model has {fmt(have)}",
             "use a head trained for this target (train one with `specloop train-draft`)")
+
+
+def check_method(path: Path, meta: dict[str, str], method: str) -> None:
+    """Refuse a head trained for another drafter (an eagle3 head read as mtp_eagle would
+    ignore its feature projection and draft garbage)."""
+    trained = meta.get("method")
+    if trained and trained != method:
+        raise DrafterConfigError(
+            FIELD, str(path), f"this head was trained for speculative.method = {trained!r}, "
+            f"not {method!r}", f"set speculative.method = {trained!r}")

@@ -16,7 +16,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from ._heads import check_sha256, check_target, head_metadata, resolve_head, target_shape
+from ._heads import (check_method, check_sha256, check_target, head_metadata, resolve_head,
+                     target_shape)
 from ._lm_head import DraftHead
 from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal)
@@ -119,7 +120,9 @@ class MtpEagleDrafter:
             return None
         path, card = resolve_head(weights)
         check_sha256(path, card)
-        check_target(path, head_metadata(path), deps.target.args)
+        meta = head_metadata(path)
+        check_target(path, meta, deps.target.args)
+        check_method(path, meta, config.speculative.method)
         return path
 
     def _make_head(self, config, deps: DrafterDeps) -> MtpEagleHead:

@@ -72,10 +72,23 @@ async def test_unknown_head_name_lists_the_shipped_ones(two_targets):
 
 
 def test_shipped_heads_match_their_cards():
-    assert "smollm2-135m-instruct-eagle" in shipped_heads()
+    assert {"smollm2-135m-instruct-eagle", "smollm2-135m-instruct-eagle3"} <= set(shipped_heads())
     for name in shipped_heads():
         path = heads_dir() / f"{name}.safetensors"
         card = json.loads(path.with_suffix(".json").read_text())
         assert card["sha256"] == file_sha256(path), name
         assert card["target"]["hidden_size"] > 0 and card["command"].startswith("specloop")
         assert path.stat().st_size < 16 * 2**20          # a head, not a model
+
+
+async def test_eagle3_head_read_as_mtp_eagle_is_refused(two_targets, tmp_path):
+    from specloop.models.drafters import Eagle3Head
+
+    a, _ = two_targets
+    head = Eagle3Head(load_model(a).model, dtype=torch.float32, device="cpu",
+                      feature_layers=(0, 1))
+    head.init_random()
+    path = tmp_path / "e3.safetensors"
+    head.save(str(path), {"method": "eagle3"})
+    with pytest.raises(ConfigError, match="trained for speculative.method = 'eagle3'"):
+        await _build(a, path)                              # _config asks for mtp_eagle

@@ -1,4 +1,4 @@
-"""The shipped SmolLM2 head on the real weights (CPU, fp32): greedy with speculation equals
+"""The shipped SmolLM2 heads (mtp_eagle and eagle3) on the real weights (CPU, fp32): greedy with speculation equals
 greedy without, token for token, 5 prompts x 48 tokens, K in {1, 3, 5}; one reference run
 shared by every K."""
 
@@ -12,7 +12,7 @@ from ..smollm2 import PROMPTS
 
 pytestmark = pytest.mark.slow
 NEW = 48
-HEAD = "smollm2-135m-instruct-eagle"
+HEADS = {"mtp_eagle": "smollm2-135m-instruct-eagle", "eagle3": "smollm2-135m-instruct-eagle3"}
 
 
 def config(method="none", k=1, **spec):
@@ -39,8 +39,9 @@ def reference(smollm2):
     return anyio.run(run, config(), smollm2)[0]
 
 
+@pytest.mark.parametrize("method", list(HEADS))
 @pytest.mark.parametrize("k", [1, 3, 5])
-async def test_trained_head_greedy_equals_no_speculation(smollm2, reference, k):
-    outs, stats = await run(config("mtp_eagle", k, draft_weights=HEAD), smollm2)
+async def test_trained_head_greedy_equals_no_speculation(smollm2, reference, k, method):
+    outs, stats = await run(config(method, k, draft_weights=HEADS[method]), smollm2)
     assert outs == reference
     assert stats.num_accepted_tokens > 0       # the trained head's drafts do get accepted
