@@ -74,7 +74,7 @@ class Teacher:
 
 def make_head(cfg, target, d2t, max_len: int) -> TrainableMtpHead:
     """The trainable head cfg.head.method names, for this target."""
-    from specloop.models.drafters import default_feature_layers  # noqa: PLC0415
+    from specloop.models.drafters._eagle3 import default_feature_layers  # noqa: PLC0415
 
     args = target.args
     if cfg.head.method == "eagle3":

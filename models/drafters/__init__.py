@@ -1,7 +1,7 @@
 """Drafters: propose K tokens per request for the target to verify."""
 
 from ._draft_model import DraftModelDrafter
-from ._eagle3 import Eagle3Drafter, Eagle3Head, default_feature_layers
+from ._eagle3 import Eagle3Drafter, Eagle3Head
 from ._early_exit import EarlyExitDrafter
 from ._errors import DrafterConfigError
 from ._lm_head import DraftHead
@@ -9,6 +9,6 @@ from ._mtp import MtpEagleDrafter, MtpEagleHead
 from ._ngram import NgramDrafter
 from ._protocol import Drafter, DraftContext, DrafterDeps, DraftProposal, VerifyObserver
 
-__all__ = ["DraftContext", "Eagle3Drafter", "Eagle3Head", "default_feature_layers", "DraftHead", "DraftModelDrafter", "DraftProposal", "Drafter",
+__all__ = ["DraftContext", "Eagle3Drafter", "Eagle3Head", "DraftHead", "DraftModelDrafter", "DraftProposal", "Drafter",
            "DrafterConfigError", "DrafterDeps", "EarlyExitDrafter", "MtpEagleDrafter", "MtpEagleHead", "NgramDrafter",
            "VerifyObserver"]

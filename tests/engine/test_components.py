@@ -14,7 +14,7 @@ BUILTINS = {
     "sampler": {"default"},
     "communicator": {"single", "torch_distributed"},
     "graph_cache": {"eager", "cuda"},
-    "drafter": {"ngram", "draft_model", "early_exit", "mtp_eagle"},
+    "drafter": {"ngram", "draft_model", "early_exit", "mtp_eagle", "eagle3"},
 }
 
 PLUGIN = '''

@@ -13,7 +13,7 @@ GRAPHS = {"CudaGraphCache", "EagerGraphCache", "GraphCache", "GraphKey", "Sampli
           "Step", "Tensors", "bucket_for"}
 DRAFTERS = {"DraftContext", "DraftHead", "DraftModelDrafter", "DraftProposal", "Drafter",
             "DrafterConfigError", "DrafterDeps", "EarlyExitDrafter", "MtpEagleDrafter",
-            "MtpEagleHead", "NgramDrafter", "VerifyObserver"}
+            "MtpEagleHead", "NgramDrafter", "VerifyObserver", "Eagle3Drafter", "Eagle3Head"}
 
 
 def test_public_names():

@@ -9,7 +9,8 @@ from safetensors.torch import save_file
 
 from specloop.models import load_model
 from specloop.models._layers import rms_norm
-from specloop.models.drafters import Eagle3Head, default_feature_layers
+from specloop.models.drafters import Eagle3Head
+from specloop.models.drafters._eagle3 import default_feature_layers
 from specloop.models.testing import write_tiny_checkpoint
 from specloop.train import TrainableEagle3Head, TrainConfig, run
 from specloop.train._trainer import Teacher
