@@ -29,10 +29,13 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     # One host row per request, [last, 0 * K, start, slot]: one host-to-device copy.
     host = torch.tensor([[r.token_ids[-1]] + [0] * k + [r.seq_len - 1, r.slot] for r in batch]
                         + [[0] * (k + 2) + [scratch_slot]] * pad, dtype=torch.int64)
+    on_host = k and real and drafts.device.type == "cpu"
+    if on_host:     # drafts proposed on the host (n-gram) travel in the same copy
+        host[:real, 1:k + 1] = drafts
     packed = host.to(device, non_blocking=True)
     inputs = {"tokens": packed[:, :k + 1], "start_pos": packed[:, k + 1],
               "slots": packed[:, k + 2]}
-    if k and real:
+    if k and real and not on_host:
         inputs["tokens"][:real, 1:] = drafts
     inputs.update(sampling.columns())
     if draft_probs is not None:

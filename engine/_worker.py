@@ -101,6 +101,9 @@ class RankWorker:
         self._apply(self._carried)
         await self._admit()
         rec.batch = list(self.scheduler.running)
+        # Consumers woken by the last RESCAN run now, not while the collective's thread
+        # waits for the GIL (on rank 0 they are every rank's consumers).
+        await anyio.lowlevel.checkpoint()
         self._carried = await self.exchange(self._facts(rec.batch))
         rec.shutdown = self._carried.shutdown
         return S.SYNC

@@ -59,5 +59,6 @@ class NgramDrafter:
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         slots = ctx.slot_list()
         rows = [self.propose_row(s, t) for s, t in zip(slots, ctx.token_ids)]
-        ids = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), self.num_draft_tokens)
-        return DraftProposal(ids.to(ctx.slots.device, non_blocking=True))
+        # On the host: VERIFY's one input copy takes them along (no copy of their own).
+        return DraftProposal(torch.tensor(rows, dtype=torch.int64).reshape(
+            len(rows), self.num_draft_tokens))

@@ -48,7 +48,7 @@ class DraftContext:
 
 @attrs.frozen
 class DraftProposal:
-    token_ids: torch.Tensor              # [B, K] int64
+    token_ids: torch.Tensor              # [B, K] int64, on the device or the host
     probs: torch.Tensor | None = None    # [B, K, V] q of each draft; None = point mass
 
 
