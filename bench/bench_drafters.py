@@ -104,17 +104,25 @@ def _card(head: str) -> dict:
     return json.loads((heads_dir() / f"{head}.json").read_text())
 
 
+# The same run's mtp_eagle head: not shipped (size), its card holds the n-gram figures.
+EXTRA_CARDS = ("results/h200_train_run3_mtp_card.json",)
+
+
 def _from_cards() -> list[dict]:
-    """The engine runs recorded in each shipped head's card (n-gram from whichever card
-    ran it on the same prompts), as this script's result rows."""
+    """The engine runs recorded in each shipped head's card and EXTRA_CARDS (n-gram from
+    whichever card ran it on the same prompts), as this script's result rows."""
     from specloop.models.drafters._heads import shipped_heads  # noqa: PLC0415
 
+    cards = [_card(head) for head in shipped_heads()]
+    cards += [json.loads((Path(__file__).parent / p).read_text()) for p in EXTRA_CARDS
+              if (Path(__file__).parent / p).is_file()]
     results, seen = [], set()
-    for head in shipped_heads():
-        for name, r in _card(head)["evaluation_held_out"].items():
+    for card in cards:
+        for name, r in card["evaluation_held_out"].items():
             if not name.startswith("engine_"):
                 continue
-            label = "ngram" if name.startswith("engine_ngram_") else head
+            label = "ngram" if name.startswith("engine_ngram_") else card["name"] + (
+                "" if card["name"] in shipped_heads() else " (not shipped)")
             key = (label, r["k"], r["temperature"])
             if key not in seen:
                 seen.add(key)

@@ -103,7 +103,7 @@ class SpeculativeConfig:
     ngram_min: int = attrs.field(default=1, validator=_at_least("speculative", 1))
     # mtp_eagle / eagle3: safetensors file of the head; None = random init (tests only).
     mtp_weights: str | None = None
-    # A trained head: a shipped registry name (e.g. "smollm2-135m-instruct-eagle") or a
+    # A trained head: a shipped registry name (e.g. "smollm2-135m-instruct-eagle3") or a
     # .safetensors path; checked against its model card and the target. Wins over
     # mtp_weights.
     draft_weights: str | None = None

@@ -110,5 +110,5 @@ def test_built_wheel_installs_into_a_fresh_venv(tmp_path):
     assert (venv / "bin" / "specloop").exists()
     # The shipped heads travel as package data, with their cards.
     names = zipfile.ZipFile(wheel).namelist()
-    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle.safetensors" in names
-    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle.json" in names
+    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle3.safetensors" in names
+    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle3.json" in names

@@ -28,7 +28,7 @@ def _guard(tensor):
     return tensor
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "mtp_eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "mtp_eagle", "eagle3"])
 def test_drafters_use_host_lists_and_stay_exact(monkeypatch, tiny_dir, tiny_draft_dir,
                                                 tiny_loaded, method):
     real = drafters.DraftContext

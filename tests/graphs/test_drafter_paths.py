@@ -60,7 +60,7 @@ async def drafts(cfg, loaded, sampled: bool):
     return seen
 
 
-@pytest.mark.parametrize("method", ["draft_model", "early_exit", "mtp_eagle"])
+@pytest.mark.parametrize("method", ["draft_model", "early_exit", "mtp_eagle", "eagle3"])
 @pytest.mark.parametrize("rejection,sampled", [(False, False), (True, True)])
 async def test_eager_and_graph_step_give_identical_drafts(tiny_dir, tiny_draft_dir,
                                                          tiny_loaded, method, rejection,

@@ -1,4 +1,4 @@
-"""The shipped SmolLM2 heads (mtp_eagle and eagle3) on the real weights (CPU, fp32): greedy with speculation equals
+"""The shipped SmolLM2 head (eagle3) on the real weights (CPU, fp32): greedy with speculation equals
 greedy without, token for token, 5 prompts x 48 tokens, K in {1, 3, 5}; one reference run
 shared by every K."""
 
@@ -12,7 +12,8 @@ from ..smollm2 import PROMPTS
 
 pytestmark = pytest.mark.slow
 NEW = 48
-HEADS = {"mtp_eagle": "smollm2-135m-instruct-eagle", "eagle3": "smollm2-135m-instruct-eagle3"}
+# The shipped heads by method (one: each head file travels in every device call's tree).
+HEADS = {"eagle3": "smollm2-135m-instruct-eagle3"}
 
 
 def config(method="none", k=1, **spec):
