@@ -8,14 +8,19 @@ setup:
 demo: setup
 	$(VENV)/specloop generate --prompt "Tell me about llamas." --max-tokens 64
 
+# Tests run on one pytest-xdist worker per core (one torch thread each, tests/conftest.py);
+# tests sharing an expensive session fixture, and the multi-process ones, are grouped onto
+# one worker (`--dist loadgroup`). Plain `pytest` without -n runs everything in-process.
+PYTEST := $(VENV)/python -m pytest -q -rs -n auto --dist loadgroup
+
 # The whole CPU suite; GPU tests skip without CUDA.
 test: setup
-	$(VENV)/python -m pytest -q -rs tests
+	$(PYTEST) tests
 
 # What to run on every change: no slow or multi-process tests. Sets up .venv only when
 # pyproject.toml or setup.sh changed since the last setup (a pip run costs tens of seconds).
 test-fast: .venv/.setup-stamp
-	$(VENV)/python -m pytest -q -rs -m "not slow and not distributed" tests
+	$(PYTEST) -m "not slow and not distributed" tests
 
 .venv/.setup-stamp: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh

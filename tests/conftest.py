@@ -1,18 +1,116 @@
 import logging
+import os
+import resource
+import time
 
-import pytest
-import structlog
-import torch
+# One torch (OpenMP) thread per test process, children included. The tests' tensors are
+# small: a second thread mostly spins waiting for work, and on a loaded 2-core machine it
+# made a module 5x the CPU and wall time (test_paged_cache: 21 s CPU with 2 threads, 4 s
+# with 1). Parallelism comes from pytest-xdist workers instead (`make test` runs -n auto).
+os.environ["OMP_NUM_THREADS"] = "1"
 
-from . import smollm2 as smol
+import pytest  # noqa: E402
+import structlog  # noqa: E402
+import torch  # noqa: E402
+
+from . import smollm2 as smol  # noqa: E402
+
+torch.set_num_threads(1)
+
+# Tests that share an expensive session fixture run on one xdist worker (`--dist
+# loadgroup`), so it is built once: the SmolLM2 model and its transformers reference, the
+# live `specloop serve`. Tests that start several processes run one at a time on their own
+# worker, so they do not oversubscribe the cores (or each other's timeouts).
+SHARED_GROUPS = {
+    "smollm2": {"smollm2", "smollm2_dir", "smollm2_hf", "smollm2_reference"},
+    "serve": {"server"},
+}
 
 
+@pytest.hookimpl(tryfirst=True)   # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
-    if not torch.cuda.is_available():
-        for item in items:
-            if "gpu" in item.keywords:
-                item.add_marker(skip_gpu)
+    cuda = torch.cuda.is_available()
+    grouping = config.pluginmanager.hasplugin("xdist")
+    for item in items:
+        if "gpu" in item.keywords and not cuda:
+            item.add_marker(skip_gpu)
+        names = set(getattr(item, "fixturenames", ()))
+        group = next((g for g, fixtures in SHARED_GROUPS.items() if names & fixtures), None)
+        if group is None and "distributed" in item.keywords:
+            group = "distributed"
+        if group is not None and grouping:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+# ---- CPU seconds per test -----------------------------------------------------------------
+# Wall time on a shared machine says little; CPU seconds (user + sys, of this process and
+# of the children it waited for) do. Each report carries its phase's CPU seconds, so the
+# totals also add up across xdist workers. `--cpu-durations=N` lists the N largest.
+CPU_MARK = pytest.StashKey[float]()
+
+
+def _cpu_seconds() -> float:
+    own, children = (resource.getrusage(resource.RUSAGE_SELF),
+                     resource.getrusage(resource.RUSAGE_CHILDREN))
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+def pytest_addoption(parser):
+    parser.addoption("--cpu-durations", type=int, default=0, metavar="N",
+                     help="list the N tests that used the most CPU seconds (children "
+                          "included); the total is always shown")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    item.stash[CPU_MARK] = _cpu_seconds()
+    return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item, call):
+    report = yield
+    now = _cpu_seconds()
+    report.user_properties.append(("cpu_s", now - item.stash.get(CPU_MARK, now)))
+    item.stash[CPU_MARK] = now
+    return report
+
+
+class CpuTally:
+    """On the controller (or the only process): CPU seconds per test, summed over phases."""
+
+    def __init__(self, top: int) -> None:
+        self.top = top
+        self.by_test: dict[str, float] = {}
+        self.start = time.monotonic()
+        self.load_start = os.getloadavg()[0]
+
+    def pytest_runtest_logreport(self, report):
+        for key, value in report.user_properties:
+            if key == "cpu_s":
+                self.by_test[report.nodeid] = self.by_test.get(report.nodeid, 0.0) + value
+
+    def pytest_terminal_summary(self, terminalreporter):
+        if not self.by_test:
+            return
+        wall = time.monotonic() - self.start
+        total = sum(self.by_test.values())
+        if self.top:
+            terminalreporter.write_sep("=", f"{self.top} largest CPU users (user+sys, s)")
+            ranked = sorted(self.by_test.items(), key=lambda kv: -kv[1])[:self.top]
+            for nodeid, seconds in ranked:
+                terminalreporter.write_line(f"{seconds:8.2f}  {nodeid}")
+        terminalreporter.write_line(
+            f"CPU {total:.0f} s (user+sys, children included) in {len(self.by_test)} tests; "
+            f"wall {wall:.0f} s; load average {self.load_start:.1f} at start, "
+            f"{os.getloadavg()[0]:.1f} at end")
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput"):   # an xdist worker reports to the controller
+        config.pluginmanager.register(CpuTally(config.getoption("cpu_durations")),
+                                      "specloop-cpu-tally")
 
 
 @pytest.fixture(autouse=True, scope="session")

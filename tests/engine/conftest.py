@@ -45,6 +45,31 @@ def make_config(model_dir, *, method="none", k=3, max_batch_size=4, max_seq_len=
     return EngineConfig.from_dict(data)
 
 
+def write_gloo_config(path, model, *, max_seq_len=256, collective_timeout_s=None):
+    """A TOML config for 2 torch.distributed (gloo) ranks with ADP and n-gram drafting, as
+    the CLI reads it under torchrun; returns ``path``."""
+    timeout = "" if collective_timeout_s is None else \
+        f"collective_timeout_s = {collective_timeout_s}\n"
+    path.write_text(f"""
+[model]
+name = "{model}"
+device = "cpu"
+max_seq_len = {max_seq_len}
+chat_template = false
+
+[speculative]
+method = "ngram"
+
+[parallel]
+world_size = 2
+attention_dp = true
+{timeout}
+[components]
+communicator = "torch_distributed"
+""")
+    return path
+
+
 async def collect(engine: AsyncEngine, prompt, params, **kw) -> list[int]:
     tokens: list[int] = []
     async for out in engine.generate(prompt, params, **kw):

@@ -9,6 +9,8 @@ import pytest
 
 from specloop.models.testing import write_tiny_checkpoint
 
+from .conftest import write_gloo_config
+
 # Two torchrun launches per test, each bounded at 240 s by torchrun() below.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,24 +43,7 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, extra):
 
 def test_cli_under_torchrun(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "tiny", vocab_size=384)
-    config = tmp_path / "adp2.toml"
-    config.write_text(f"""
-[model]
-name = "{model}"
-device = "cpu"
-max_seq_len = 256
-chat_template = false
-
-[speculative]
-method = "ngram"
-
-[parallel]
-world_size = 2
-attention_dp = true
-
-[components]
-communicator = "torch_distributed"
-""")
+    config = write_gloo_config(tmp_path / "adp2.toml", model)
     proc = torchrun(2, "-m", "specloop.engine.cli", "generate", "--config", config,
                     "--prompt", "hello", "--prompt", "world", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]

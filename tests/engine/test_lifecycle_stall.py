@@ -13,6 +13,8 @@ import pytest
 
 from specloop.models.testing import write_tiny_checkpoint
 
+from .conftest import write_gloo_config
+
 pytestmark = [pytest.mark.distributed]
 ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 3.0
@@ -49,25 +51,8 @@ def wait_for(path: Path, text: str, proc, limit: float) -> None:
 
 def test_a_stopped_rank_times_out_the_survivor(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "tiny", vocab_size=384)
-    config = tmp_path / "adp2.toml"
-    config.write_text(f"""
-[model]
-name = "{model}"
-device = "cpu"
-max_seq_len = 4096
-chat_template = false
-
-[speculative]
-method = "ngram"
-
-[parallel]
-world_size = 2
-attention_dp = true
-collective_timeout_s = {TIMEOUT_S}
-
-[components]
-communicator = "torch_distributed"
-""")
+    config = write_gloo_config(tmp_path / "adp2.toml", model, max_seq_len=4096,
+                               collective_timeout_s=TIMEOUT_S)
     port = free_port()
     logs = [tmp_path / "rank0.log", tmp_path / "rank1.log"]
     procs = [start_rank(0, port, config, logs[0], "warning"),

@@ -52,56 +52,61 @@ async def _wait_idle(url):
 
 
 async def test_200_streams_50_disconnected(server):
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
-                                timeout=120)
-    model = (await client.models.list()).data[0].id
-    before = await _wait_idle(server.url)
-    results = {}
+    # Closed at the end: an unclosed client leaks its sockets (ResourceWarning).
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0,
+                                  timeout=120) as client:
+        model = (await client.models.list()).data[0].id
+        before = await _wait_idle(server.url)
+        results = {}
 
-    async def one(i):
-        leave = 2 if i % 4 == 0 else None          # 50 of 200 leave after two chunks
-        results[i] = await _stream(client, model, i, max_tokens=400 if leave else 12,
-                                   leave_after=leave)
+        async def one(i):
+            leave = 2 if i % 4 == 0 else None          # 50 of 200 leave after two chunks
+            results[i] = await _stream(client, model, i, max_tokens=400 if leave else 12,
+                                       leave_after=leave)
 
-    async with anyio.create_task_group() as tg:
-        for i in range(200):
-            tg.start_soon(one, i)
-    stayed = [r for r in results.values() if r[1] != "left"]
-    assert len(stayed) == 150 and all(r[1] == "length" for r in stayed)
-    assert all(r[2].completion_tokens == 12 for r in stayed)
-    after = await _wait_idle(server.url)              # every slot came back
+        async with anyio.create_task_group() as tg:
+            for i in range(200):
+                tg.start_soon(one, i)
+        stayed = [r for r in results.values() if r[1] != "left"]
+        assert len(stayed) == 150 and all(r[1] == "length" for r in stayed)
+        assert all(r[2].completion_tokens == 12 for r in stayed)
+        after = await _wait_idle(server.url)              # every slot came back
 
-    def delta(key):
-        return after.get(key, 0) - before.get(key, 0)
+        def delta(key):
+            return after.get(key, 0) - before.get(key, 0)
 
-    assert delta(finished("length")) == 150
-    assert delta(finished("abort")) == 50
-    # Abandoned requests drafted too, so the totals are at least what responses report.
-    reported = [r[2].spec_decode for r in stayed]
-    assert delta(DRAFTS) >= sum(s["num_drafts"] for s in reported)
-    assert delta(ACCEPTED) >= sum(s["num_accepted_tokens"] for s in reported)
+        assert delta(finished("length")) == 150
+        assert delta(finished("abort")) == 50
+        # Abandoned requests drafted too, so the totals are at least what responses report.
+        reported = [r[2].spec_decode for r in stayed]
+        assert delta(DRAFTS) >= sum(s["num_drafts"] for s in reported)
+        assert delta(ACCEPTED) >= sum(s["num_accepted_tokens"] for s in reported)
 
 
 async def test_metrics_equal_what_responses_report(server):
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
-    model = (await client.models.list()).data[0].id
-    before = await _wait_idle(server.url)
-    results = []
+    # Closed at the end: an unclosed client leaks its sockets (ResourceWarning).
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
+                                  max_retries=0) as client:
+        model = (await client.models.list()).data[0].id
+        before = await _wait_idle(server.url)
+        results = []
 
-    async def one(i):
-        results.append(await _stream(client, model, i, max_tokens=10 + i))
+        async def one(i):
+            results.append(await _stream(client, model, i, max_tokens=10 + i))
 
-    async with anyio.create_task_group() as tg:
-        for i in range(24):
-            tg.start_soon(one, i)
-    after = await _wait_idle(server.url)
-    spec = [r[2].spec_decode for r in results]
-    assert after[DRAFTS] - before[DRAFTS] == sum(s["num_drafts"] for s in spec)
-    assert after[DRAFT_TOKENS] - before[DRAFT_TOKENS] == K * sum(s["num_drafts"] for s in spec)
-    assert after[ACCEPTED] - before[ACCEPTED] == sum(s["num_accepted_tokens"] for s in spec)
-    for pos in range(K):
-        assert after[per_pos(pos)] - before[per_pos(pos)] == \
-            sum(s["accepted_per_position"][pos] for s in spec)
-    assert after[finished("length")] - before.get(finished("length"), 0) == 24
-    generated = "specloop:generation_tokens_total"
-    assert after[generated] - before[generated] == sum(r[2].completion_tokens for r in results)
+        async with anyio.create_task_group() as tg:
+            for i in range(24):
+                tg.start_soon(one, i)
+        after = await _wait_idle(server.url)
+        spec = [r[2].spec_decode for r in results]
+        assert after[DRAFTS] - before[DRAFTS] == sum(s["num_drafts"] for s in spec)
+        assert after[DRAFT_TOKENS] - before[DRAFT_TOKENS] == \
+            K * sum(s["num_drafts"] for s in spec)
+        assert after[ACCEPTED] - before[ACCEPTED] == sum(s["num_accepted_tokens"] for s in spec)
+        for pos in range(K):
+            assert after[per_pos(pos)] - before[per_pos(pos)] == \
+                sum(s["accepted_per_position"][pos] for s in spec)
+        assert after[finished("length")] - before.get(finished("length"), 0) == 24
+        generated = "specloop:generation_tokens_total"
+        assert after[generated] - before[generated] == \
+            sum(r[2].completion_tokens for r in results)

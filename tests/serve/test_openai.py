@@ -17,8 +17,11 @@ PROMPT = "The quick brown fox"
 
 
 @pytest.fixture
-def client(server):
-    return openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY, max_retries=0)
+async def client(server):
+    # Closed after the test: an unclosed client leaks its sockets (ResourceWarning).
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
+                                  max_retries=0) as client:
+        yield client
 
 
 @pytest.fixture(scope="module")
@@ -58,13 +61,14 @@ def test_greedy_chat_equals_specloop_generate(server, serve_config, model_id):
     reference = json.loads(proc.stdout.splitlines()[0])
 
     async def main():
-        client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
-        # Other requests in the batch must not change a greedy one.
-        async with anyio.create_task_group() as tg:
-            for t in (0.7, 1.0):
-                tg.start_soon(lambda t=t: chat(client, model_id, temperature=t, max_tokens=40))
-            reply = await chat(client, model_id, temperature=0,
-                               extra_body={"ignore_eos": True})
+        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY) as client:
+            # Other requests in the batch must not change a greedy one.
+            async with anyio.create_task_group() as tg:
+                for t in (0.7, 1.0):
+                    tg.start_soon(lambda t=t: chat(client, model_id, temperature=t,
+                                                   max_tokens=40))
+                reply = await chat(client, model_id, temperature=0,
+                                   extra_body={"ignore_eos": True})
         return reply
 
     reply = anyio.run(main)
@@ -134,8 +138,8 @@ async def test_models_health_auth_and_metrics(server, model_id):
         wrong = await http.post("/v1/completions", json={"prompt": "x"},
                                 headers={"Authorization": "Bearer nope"})
         assert wrong.status_code == 401
-    client = openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY)
-    assert [m.id for m in (await client.models.list()).data] == [model_id]
+    async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY) as client:
+        assert [m.id for m in (await client.models.list()).data] == [model_id]
     m = metrics(server.url)
     assert m["specloop:kv_slots_free"] == MAX_BATCH
     for pos in range(K):
