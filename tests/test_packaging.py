@@ -47,6 +47,7 @@ def test_imports_point_one_way(package):
         assert not bad, f"{path.relative_to(ROOT)} imports specloop.{sorted(bad)}"
 
 
+@pytest.mark.slow  # a fresh interpreter (imports torch, ~3 s CPU)
 def test_no_generic_top_level_names_installed(tmp_path):
     # Outside the source tree (whose folders are importable from the repo root), only
     # specloop.* may resolve: an installed top-level "engine" or "comm" would shadow users'

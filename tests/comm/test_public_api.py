@@ -21,6 +21,9 @@ def test_public_names_are_exactly_all():
     assert public == EXPECTED, "public module attributes outside __all__"
 
 
+# A fresh interpreter (imports torch, ~3 s CPU): slow; test_packaging's
+# test_imports_point_one_way checks the same imports statically in the fast subset.
+@pytest.mark.slow
 def test_comm_imports_nothing_of_the_project():
     code = (
         "import sys, specloop.comm; "

@@ -147,19 +147,24 @@ drafter = "tests.engine.planted:near_target_drafter"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("params", [GREEDY, T1, TOP_P])
 @pytest.mark.parametrize("verification", ["token", "block"])
 @pytest.mark.parametrize("method", DRAFTERS)
 async def test_certify_passes_every_drafter(tiny_dir, tiny_draft_dir, tiny_loaded, method,
-                                            verification, params):
+                                            verification):
     config = config_for(tiny_dir, tiny_draft_dir, method, verification=verification)
+    # All three params in one certificate: the distribution check runs its T1 and top-p
+    # trials in one engine run, and the invariance scenarios probe greedy, T1 and top-p
+    # rows together (mixed batches), instead of one certificate per params.
     # 800 trials: the power control fails at every position (600 left one top-p position
     # inconclusive).
-    opts = CertifyOptions(ranks=(1, 2), trials=800, positions=2, params=(params,),
+    opts = CertifyOptions(ranks=(1, 2), trials=800, positions=2, params=(GREEDY, T1, TOP_P),
                           probe_tokens=6)
     report = await certify(config, opts, model=tiny_loaded)
     assert report["verdict"] == "pass", [c["summary"] for c in report["checks"]
                                          if c["status"] != "pass"]
+    rows = [r for c in report["checks"] if c["name"] == "distribution"
+            for d in c["details"] for r in d["rows"]]
+    assert len(rows) == 2 * 2 * 2       # 2 prompts x (T1, top-p) x 2 positions, all tested
 
 
 @pytest.mark.slow

@@ -93,12 +93,14 @@ def test_usage_errors_are_one_line_exit_2_before_loading(cli, poison, tmp_path, 
     assert "Traceback" not in err and out == ""
 
 
+@pytest.mark.slow  # a real process (imports torch): the in-process twin is fast
 def test_usage_error_in_a_real_process(poison):
     proc = specloop("generate", "--config", poison, "--temperature", "-1")
     assert proc.returncode == 2
     assert proc.stderr.count("\n") == 1 and "temperature" in proc.stderr
 
 
+@pytest.mark.slow  # a real process (imports torch): the in-process twin is fast
 def test_runtime_failure_is_one_line_exit_1_traceback_only_in_debug(poison):
     plain = specloop("generate", "--config", poison)
     assert plain.returncode == 1
@@ -108,6 +110,10 @@ def test_runtime_failure_is_one_line_exit_1_traceback_only_in_debug(poison):
 
 
 def test_traceback_with_debug(cli, poison):
+    code, _, err = cli("generate", "--config", poison)
+    lines = err.strip().splitlines()
+    assert code == 1 and len(lines) == 1 and "JSONDecodeError" in lines[0], err
+    assert "--log-level debug" in lines[0]
     code, _, err = cli("generate", "--config", poison, "--log-level", "debug")
     assert code == 1
     assert "Traceback" in err
@@ -115,8 +121,8 @@ def test_traceback_with_debug(cli, poison):
 
 
 def test_version_and_help(cli):
-    proc = specloop("--version")
-    assert proc.returncode == 0 and proc.stdout.startswith("specloop ")
+    code, out, _ = cli("--version")
+    assert code == 0 and out.startswith("specloop ")
     code, out, _ = cli("generate", "--help")
     assert code == 0
     for flag in ("--draft-model", "--stop", "--stop-token-id", "--ignore-eos", "--system",
@@ -124,6 +130,7 @@ def test_version_and_help(cli):
         assert flag in out
 
 
+@pytest.mark.slow  # a real process (imports torch): the in-process twin is fast
 def test_generate_json_greedy_matches_a_second_run(cli, tiny_dir, tmp_path):
     config = write_config(tmp_path / "tiny.toml", tiny_dir)
     args = ["generate", "--config", config, "--prompt", "The quick brown fox",

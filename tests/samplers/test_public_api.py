@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import pytest
+
 import specloop.samplers as samplers
 
 PUBLIC = {
@@ -17,6 +19,9 @@ def test_public_names():
         assert getattr(samplers, name).__module__.startswith("specloop.samplers")
 
 
+# A fresh interpreter (imports torch, ~3 s CPU): slow; test_packaging's
+# test_imports_point_one_way checks the same imports statically in the fast subset.
+@pytest.mark.slow
 def test_imports_nothing_of_the_project():
     code = ("import sys, specloop.samplers; print(sorted(m for m in sys.modules if "
             "m.startswith('specloop.') and not m.startswith('specloop.samplers')))")
