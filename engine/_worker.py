@@ -207,11 +207,11 @@ class RankWorker:
         device = self.runner.device
         replay = self._draft_replay(rec)
         slots, seq_lens = [r.slot for r in rec.batch], [r.seq_len for r in rec.batch]
-        # Host tensors copied without blocking: a blocking host-to-device copy is a sync.
+        # Both in one copy, without blocking (a blocking host-to-device copy is a sync).
+        both = torch.tensor([seq_lens, slots], dtype=torch.int64).reshape(2, -1).to(
+            device, non_blocking=True)
         ctx = DraftContext(
-            token_ids=[r.token_ids for r in rec.batch],
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int64).to(device, non_blocking=True),
-            slots=torch.tensor(slots, dtype=torch.int64).to(device, non_blocking=True),
+            token_ids=[r.token_ids for r in rec.batch], seq_lens=both[0], slots=both[1],
             host_slots=slots, host_seq_lens=seq_lens,
             sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
             run_sync=self.run_sync, replay=replay,
