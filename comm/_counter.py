@@ -19,7 +19,7 @@ class _Tally:
         self.counts: collections.Counter[tuple[str | None, str, str]] = collections.Counter()
 
 
-class CollectiveCounter:
+class CollectiveCounter(Communicator):
     """A Communicator that forwards to `inner` and counts each collective it enters.
 
     Counts are keyed by (label, op, group). Set `label` (or use `labelled(...)`) to
@@ -82,12 +82,14 @@ class CollectiveCounter:
 
     @property
     def timeout_s(self) -> float | None:
-        return getattr(self.inner, "timeout_s", None)
+        return self.inner.timeout_s
 
     def bounded(self, seconds: float) -> CollectiveCounter:
         """The inner communicator's bounded view, still counted here."""
-        bounded = getattr(self.inner, "bounded", None)
-        return self if bounded is None else CollectiveCounter(bounded(seconds), _tally=self._tally)
+        return CollectiveCounter(self.inner.bounded(seconds), _tally=self._tally)
+
+    def close(self) -> None:
+        self.inner.close()
 
     def reset(self) -> None:
         self._tally.counts.clear()

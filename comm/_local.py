@@ -11,7 +11,7 @@ import torch
 
 from ._call import CollectiveCall
 from ._errors import InjectedFault
-from ._protocol import ReduceOp, check_reduce_op, check_src, check_subgroup, check_tensor
+from ._protocol import Communicator, ReduceOp, check_reduce_op, check_src, check_subgroup, check_tensor
 from ._rendezvous import Rendezvous
 
 log = structlog.get_logger(__name__)
@@ -100,7 +100,7 @@ class LocalGroup:
         return True, self._faults.pop(rank)
 
 
-class LocalCommunicator:
+class LocalCommunicator(Communicator):
     """One rank's view of one group of a LocalGroup."""
 
     def __init__(self, group: LocalGroup, rendezvous: Rendezvous, global_rank: int,

@@ -14,13 +14,14 @@ REDUCE_OPS: tuple[str, ...] = ("sum", "max", "min")
 class Communicator(Protocol):
     """A group of ranks that enter the same collectives in the same order.
 
-    Every method except the properties is a collective: all ranks of the group call it,
-    in the same order, with the same shapes and dtypes (see DESIGN.md, "Collective
+    The collectives (`all_gather` .. `subgroup`): all ranks of the group call them, in
+    the same order, with the same shapes and dtypes (see DESIGN.md, "Collective
     symmetry"). Results are fresh objects, never aliases of another rank's data.
 
-    Optional: `timeout_s` (the longest one collective waits for the other ranks) and
-    `bounded(seconds)` (a view whose waits are capped at `seconds`, or a ValueError when
-    that cannot be done); the engine applies `parallel.collective_timeout_s` through it.
+    Subclass it to inherit the defaults of `timeout_s` (None: waits are not bounded),
+    `bounded` (returns self: cannot bound; the engine then logs `communicator_unbounded`)
+    and `close` (does nothing), or implement every member. The factory named in config is
+    called as `factory(config)`.
     """
 
     @property
@@ -31,6 +32,22 @@ class Communicator(Protocol):
 
     @property
     def name(self) -> str: ...
+
+    @property
+    def timeout_s(self) -> float | None:
+        """The longest one collective waits for the other ranks; None: no bound."""
+        return None
+
+    def bounded(self, seconds: float) -> Communicator:
+        """A view whose waits are capped at `seconds`, or a ValueError when that cannot be
+        done; the engine applies `parallel.collective_timeout_s` through it. Not a
+        collective. Default: self (unbounded, `timeout_s` stays None)."""
+        return self
+
+    def close(self) -> None:
+        """Release what the communicator holds (process groups); called once, by the
+        engine that built it, when it stops. Not a collective. Default: nothing."""
+        return None
 
     async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[*shape] on every rank -> [world_size, *shape], row r from rank r."""

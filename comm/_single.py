@@ -7,10 +7,10 @@ from typing import Any
 
 import torch
 
-from ._protocol import ReduceOp, check_reduce_op, check_src, check_subgroup, check_tensor
+from ._protocol import Communicator, ReduceOp, check_reduce_op, check_src, check_subgroup, check_tensor
 
 
-class SingleRankCommunicator:
+class SingleRankCommunicator(Communicator):
     """Rank 0 of a world of 1; results are copies, as with more ranks."""
 
     def __init__(self, name: str = "world") -> None:

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from ._call import CollectiveCall
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError
-from ._protocol import ReduceOp, check_reduce_op, check_src, check_subgroup, check_tensor
+from ._protocol import Communicator, ReduceOp, check_reduce_op, check_src, check_subgroup, check_tensor
 from ._torchrun_env import TorchrunEnv
 
 log = structlog.get_logger(__name__)
@@ -38,7 +38,7 @@ class _Family:
         self.lock = anyio.Lock()
 
 
-class TorchDistributedCommunicator:
+class TorchDistributedCommunicator(Communicator):
     """One process's rank in a torch.distributed group.
 
     Tensors go over the backend group (NCCL when the device is CUDA, else gloo); host

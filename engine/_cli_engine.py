@@ -40,8 +40,7 @@ async def _write_trace(recorder: TraceRecorder, comm, path: str) -> None:
         recorder.write(path)
         return
     # Every rank reaches this only after a clean exit, so all of them enter the gather.
-    bounded = getattr(comm, "bounded", None)
-    comm = bounded(GATHER_TIMEOUT_S) if bounded is not None else comm
+    comm = comm.bounded(GATHER_TIMEOUT_S)
     gathered = await comm.all_gather_object(recorder.events)
     if comm.rank == 0:
         recorder.write(path, [e for events in gathered for e in events])

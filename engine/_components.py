@@ -9,6 +9,7 @@ every ``[components]`` field and of ``speculative.method`` come from here.
 from __future__ import annotations
 
 import importlib
+import inspect
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from types import MappingProxyType
@@ -115,20 +116,66 @@ def resolve_component(kind: str, name: str, field: str) -> Any:
     return obj
 
 
+# Each kind's protocol, as "module:attr" (imported only when a component is checked).
+PROTOCOLS: Mapping[str, str] = MappingProxyType({
+    "sampler": "specloop.samplers:Sampler",
+    "communicator": "specloop.comm:Communicator",
+    "graph_cache": "specloop.graphs:GraphCache",
+    "drafter": "specloop.models.drafters:Drafter",
+})
+
+
+def protocol_of(kind: str) -> type:
+    module, _, attr = PROTOCOLS[kind].partition(":")
+    return vars(importlib.import_module(module))[attr]
+
+
+def protocol_members(protocol: type) -> frozenset[str]:
+    """The public members a protocol declares (methods, properties and annotated
+    attributes), its protocol bases' included."""
+    names: set[str] = set()
+    for cls in protocol.__mro__:
+        if cls.__dict__.get("_is_protocol") and cls.__module__ != "typing":
+            names.update(cls.__dict__, cls.__dict__.get("__annotations__", {}))
+    return frozenset(n for n in names if not n.startswith("_"))
+
+
+def missing_members(obj: object, protocol: type) -> list[str]:
+    """The protocol's members ``obj`` lacks. Static lookup: no property is evaluated."""
+    absent = object()
+    return sorted(n for n in protocol_members(protocol)
+                  if inspect.getattr_static(obj, n, absent) is absent)
+
+
+def check_component(kind: str, obj: Any, field: str, name: str) -> Any:
+    """``obj`` when it has every member of its kind's protocol; else a ConfigError that
+    names the missing ones (the engine calls them all, without probing)."""
+    missing = missing_members(obj, protocol_of(kind))
+    if missing:
+        public = PROTOCOLS[kind].replace(":", ".")
+        raise ConfigError(field, name, f"the {kind} built by it lacks {', '.join(missing)}",
+                          f"implement them, or subclass {public} to inherit the defaults")
+    return obj
+
+
+def _build(kind: str, name: str, field: str, *args: Any) -> Any:
+    return check_component(kind, resolve_component(kind, name, field)(*args), field, name)
+
+
 # Builders: one per kind, each the only place that kind is built from config. -----------
 
 def build_sampler(config):
-    return resolve_component("sampler", config.components.sampler, "components.sampler")(config)
+    return _build("sampler", config.components.sampler, "components.sampler", config)
 
 
 def build_graph_cache(config):
-    return resolve_component("graph_cache", config.components.graph_cache,
-                             "components.graph_cache")(config)
+    return _build("graph_cache", config.components.graph_cache, "components.graph_cache",
+                  config)
 
 
 def build_communicator(config):
-    return resolve_component("communicator", config.components.communicator,
-                             "components.communicator")(config)
+    return _build("communicator", config.components.communicator,
+                  "components.communicator", config)
 
 
 def build_drafter(config, deps):
@@ -138,7 +185,7 @@ def build_drafter(config, deps):
         return None
     name = config.components.drafter or config.speculative.method
     try:
-        return resolve_component("drafter", name, "components.drafter")(config, deps)
+        return _build("drafter", name, "components.drafter", config, deps)
     except DrafterConfigError as exc:
         raise ConfigError(exc.field, exc.value, exc.problem, exc.fix) from exc
 

@@ -89,7 +89,7 @@ class AsyncEngine:
             await self._close_comm()
 
     async def _close_comm(self) -> None:
-        if self._owns_comm and hasattr(self.comm, "close"):
+        if self._owns_comm:
             # Process groups left to interpreter exit can abort the process (gloo).
             await anyio.to_thread.run_sync(self.comm.close)
 
@@ -271,13 +271,12 @@ class AsyncEngine:
 
 def _bounded(comm, config: EngineConfig):
     """The communicator with every collective wait capped at parallel.collective_timeout_s
-    (communicators without `bounded` are used as they are)."""
-    bounded = getattr(comm, "bounded", None)
-    if bounded is None:
-        log.warning("communicator_unbounded", communicator=type(comm).__name__)
-        return comm
+    (one that cannot bound its waits, ``timeout_s`` None, is used as it is)."""
     try:
-        return bounded(config.parallel.collective_timeout_s)
+        bounded = comm.bounded(config.parallel.collective_timeout_s)
     except ValueError as exc:
         raise ConfigError("parallel.collective_timeout_s", config.parallel.collective_timeout_s,
                           str(exc), "make the two agree") from exc
+    if bounded.timeout_s is None:
+        log.warning("communicator_unbounded", communicator=type(comm).__name__)
+    return bounded

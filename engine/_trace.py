@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from specloop.comm import Communicator
+
 from ._states import TransitionEvent
 
 ITERATION_TID, COLLECTIVES_TID = 0, 1
@@ -88,7 +90,7 @@ class TraceRecorder:
         self.written = True
 
 
-class TracedCommunicator:
+class TracedCommunicator(Communicator):
     """Forwards to ``inner`` and records each collective as a slice on the rank's track."""
 
     def __init__(self, inner, recorder: TraceRecorder) -> None:
@@ -109,17 +111,13 @@ class TracedCommunicator:
 
     @property
     def timeout_s(self) -> float | None:
-        return getattr(self.inner, "timeout_s", None)
+        return self.inner.timeout_s
 
     def bounded(self, seconds: float) -> TracedCommunicator:
-        bounded = getattr(self.inner, "bounded", None)
-        return self if bounded is None else TracedCommunicator(bounded(seconds),
-                                                               self._recorder)
+        return TracedCommunicator(self.inner.bounded(seconds), self._recorder)
 
     def close(self) -> None:
-        close = getattr(self.inner, "close", None)
-        if close is not None:
-            close()
+        self.inner.close()
 
     async def _traced(self, op: str, call, shape=None):
         start = _now_us()

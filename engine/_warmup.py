@@ -19,7 +19,7 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache) -> No
     """Capture every VERIFY variant this engine can run (and its DRAFT), before serving."""
     k = config.speculative.k
     device = runner.device
-    point_mass = getattr(drafter, "point_mass", drafter is None)
+    point_mass = drafter is None or drafter.point_mass
 
     def verify(key: GraphKey, template: SamplingBatch, has_q: bool):
         q = None
@@ -38,7 +38,7 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache) -> No
         from specloop.models.drafters import DraftContext  # noqa: PLC0415
 
         advanced = key.sampling_path is SamplingPath.ADVANCED
-        if not k or not hasattr(drafter, "graph_step") or not drafter.can_graph(advanced):
+        if not k or drafter is None or not drafter.can_graph(advanced):
             return None
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,

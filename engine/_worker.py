@@ -68,8 +68,8 @@ class RankWorker:
         # A group's message applies at the next iteration (see _schedule_group).
         self._carried = FrontDoorMessage()
         # Drafters whose DRAFT runs collectives (LM-head TP) are called on idle ranks too.
-        self.draft_when_idle = getattr(drafter, "needs_empty_calls", False)
-        self.on_verified = getattr(drafter, "on_verified", None)
+        self.draft_when_idle = drafter is not None and drafter.needs_empty_calls
+        self.on_verified = drafter.on_verified if drafter is not None else None
         self.verify_inline = runner.device.type == "cuda"
 
     def handlers(self) -> dict[IterationState, Any]:  # schedule/sync: set in __init__

@@ -18,6 +18,10 @@ Step = Callable[[Tensors], Tensors]
 
 @runtime_checkable
 class GraphCache(Protocol):
+    """Everything the engine calls on a graph cache. The factory named in config is
+    called as ``factory(config)``. Subclass it to inherit the default of ``seal`` (does
+    nothing), or implement every member."""
+
     def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
              all_greedy: bool, *, agreed: bool = True) -> tuple[GraphKey, bool]:
         """(the key to run under, whether a captured graph serves it). Captured: the key's
@@ -37,10 +41,18 @@ class GraphCache(Protocol):
         """Whether ``key`` (of either stage) was captured."""
         ...
 
-    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors: ...
+    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
+        """Run the captured ``key`` on ``inputs``; the outputs may be static buffers that
+        the next replay overwrites."""
+        ...
+
+    def seal(self) -> None:
+        """Warmup is over: nothing is captured after this (the engine calls it once,
+        after the last ``capture``). Default: nothing."""
+        return None
 
 
-class EagerGraphCache:
+class EagerGraphCache(GraphCache):
     """Captures nothing: every key runs eagerly at the batch size asked for."""
 
     def __init__(self, config: Any = None) -> None:
@@ -50,16 +62,17 @@ class EagerGraphCache:
              all_greedy: bool, *, agreed: bool = True) -> tuple[GraphKey, bool]:
         return GraphKey(batch_size, num_draft_tokens, sampling_path, all_greedy), False
 
-    def keys_to_capture(self, max_batch_size, num_draft_tokens, variants):
+    def keys_to_capture(self, max_batch_size: int, num_draft_tokens: int,
+                        variants: Iterable[tuple[SamplingPath, bool]]) -> list[GraphKey]:
         return []
 
-    def capture(self, key, step, example) -> None:
+    def capture(self, key: GraphKey, step: Step, example: Tensors) -> None:
         raise RuntimeError("EagerGraphCache captures nothing")
 
-    def has(self, key) -> bool:
+    def has(self, key: GraphKey) -> bool:
         return False
 
-    def replay(self, key, inputs):
+    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
         raise RuntimeError(f"no captured graph for {key}")
 
 

@@ -62,6 +62,5 @@ def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int,
             drafted = draft(key, template)
             if drafted is not None:
                 cache.capture(attrs.evolve(key, stage="draft"), *drafted)
-    if hasattr(cache, "seal"):
-        cache.seal()
+    cache.seal()
     return keys

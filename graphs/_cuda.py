@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import structlog
 import torch
 
-from ._cache import Step, Tensors, bucket_for
+from ._cache import GraphCache, Step, Tensors, bucket_for
 from ._key import GraphKey, SamplingPath
 
 log = structlog.get_logger(__name__)
@@ -31,10 +31,10 @@ class _Captured:
         self.sources: dict[str, torch.Tensor] = {}
 
 
-class CudaGraphCache:
+class CudaGraphCache(GraphCache):
     def __init__(self, config: Any = None, *, buckets: Iterable[int] | None = None) -> None:
         if buckets is None:
-            buckets = getattr(getattr(config, "graphs", None), "batch_buckets", DEFAULT_BUCKETS)
+            buckets = DEFAULT_BUCKETS if config is None else config.graphs.batch_buckets
         self.buckets = tuple(sorted(set(buckets)))
         self._graphs: dict[GraphKey, _Captured] = {}
         self._pool = None

@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
+from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal)
 
 # Tokens the draft cache can lag behind: the last committed one, plus the bonus token
@@ -27,7 +27,7 @@ class _SlotState:
     written: tuple[int, ...] = ()
 
 
-class DraftModelDrafter:
+class DraftModelDrafter(Drafter):
     def __init__(self, config, deps: DrafterDeps) -> None:
         from specloop.models import KVCache, load_model  # noqa: PLC0415
 

@@ -11,11 +11,11 @@ from typing import Sequence
 import torch
 
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
+from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal)
 
 
-class EarlyExitDrafter:
+class EarlyExitDrafter(Drafter):
     def __init__(self, config, deps: DrafterDeps) -> None:
         self.num_draft_tokens = config.speculative.num_draft_tokens
         self.model = deps.target.model

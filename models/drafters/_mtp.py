@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from ._heads import (check_method, check_sha256, check_target, head_metadata, resolve_head,
                      target_shape)
 from ._lm_head import DraftHead
-from ._protocol import (DraftContext, DrafterDeps, DraftProposal, graph_int_inputs,
+from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal)
 
 
@@ -93,7 +93,7 @@ class MtpEagleHead(torch.nn.Module):
                                          kv_len=kv_len)
 
 
-class MtpEagleDrafter:
+class MtpEagleDrafter(Drafter):
     def __init__(self, config, deps: DrafterDeps) -> None:
         from specloop.models import KVCache  # noqa: PLC0415
 

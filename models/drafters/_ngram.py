@@ -7,7 +7,7 @@ from typing import Sequence
 import attrs
 import torch
 
-from ._protocol import DraftContext, DrafterDeps, DraftProposal
+from ._protocol import DraftContext, Drafter, DrafterDeps, DraftProposal
 
 
 @attrs.define
@@ -18,7 +18,7 @@ class _SlotIndex:
     indexed_upto: int = 0   # n-grams ending before this position are in the table
 
 
-class NgramDrafter:
+class NgramDrafter(Drafter):
     """Model-free; its drafts are point masses (q is None)."""
 
     point_mass = True

@@ -64,23 +64,74 @@ class DrafterDeps:
 
 @runtime_checkable
 class Drafter(Protocol):
+    """Everything the engine calls on or reads from a drafter.
+
+    Subclass it to inherit the defaults of the optional members (a drafter that is model
+    free and never runs in a CUDA graph then writes only ``num_draft_tokens``, ``prefill``,
+    ``propose`` and ``release``), or implement every member yourself. The factory named
+    in config is called as ``factory(config, deps: DrafterDeps)``.
+
+    Defaults: ``point_mass`` False (proposals carry q), ``needs_empty_calls`` False,
+    ``on_verified`` does nothing, ``can_graph`` False (so ``graph_step`` and
+    ``graph_inputs``, which raise, are never called).
+    """
+
     num_draft_tokens: int
 
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None
                 ) -> None:
         """A new request's prompt (all but the last token) and the target's final hidden
         states for it, [P, H]; runs off the event loop."""
+        ...
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         """K drafts per row; argmax, or sampled from q when the predicate says advanced."""
+        ...
 
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished; forget its state."""
+        ...
+
+    @property
+    def point_mass(self) -> bool:
+        """True when every proposal's ``probs`` is None (drafts are point masses): VERIFY
+        graphs are then captured without a q input. Default False."""
+        return False
+
+    @property
+    def needs_empty_calls(self) -> bool:
+        """True when ``propose`` runs collectives (e.g. LM-head TP), so it is called on
+        ranks with no rows too (an empty ``ctx``). Default False."""
+        return False
+
+    def on_verified(self, slots: Sequence[int], start_pos: Sequence[int],
+                    hidden: torch.Tensor, num_accepted: Sequence[int]) -> None:
+        """After each VERIFY (off the event loop): the target's hidden states [B, K+1, H]
+        at positions start_pos.., of which rows 0..num_accepted are now committed.
+        Default: nothing."""
+        return None
+
+    def can_graph(self, advanced: bool) -> bool:
+        """Whether the K-step proposal on this sampling path can be captured in a CUDA
+        graph (``graph_step``/``graph_inputs``); read once per variant at warmup, and a
+        captured draft graph is replayed through ``ctx.replay``. Default False."""
+        return False
+
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool
+                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The whole K-step proposal as a function over static tensors (inputs as
+        ``graph_inputs`` builds them -> ``token_ids`` [Bp, K] and, when advanced,
+        ``probs`` [Bp, K, V]); called only where ``can_graph`` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")
+
+    def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
+        """The static inputs of ``graph_step`` for ``ctx``'s rows padded to
+        ``ctx.graph_sampling.size``; called only where ``can_graph`` is True."""
+        raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")
 
 
 class VerifyObserver(Protocol):
-    """Optional drafter hook: the target's hidden states of each VERIFY, [B, K+1, H] at
-    positions start_pos.., of which rows 0..num_accepted are now committed."""
+    """The ``on_verified`` member of a drafter, alone (kept for existing imports)."""
 
     def on_verified(self, slots: Sequence[int], start_pos: Sequence[int],
                     hidden: torch.Tensor, num_accepted: Sequence[int]) -> None: ...

@@ -7,11 +7,12 @@ import anyio
 import httpx
 
 from specloop.engine import EngineConfig
+from specloop.models.drafters import Drafter
 from specloop.serve import ServeOptions, serve
 from specloop.serve._server import bind
 
 
-class ExplodingDrafter:
+class ExplodingDrafter(Drafter):
     """A drafter whose first proposal fails: the engine loop dies mid-request."""
 
     point_mass = True
