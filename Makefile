@@ -1,5 +1,5 @@
 # The two quickstart commands: `make demo` and `make test`. Each sets up what it needs.
-.PHONY: setup demo test test-fast test-all bench
+.PHONY: setup demo test test-fast test-all bench typecheck
 VENV := .venv/bin
 
 setup:
@@ -25,6 +25,11 @@ test-fast: .venv/.setup-stamp
 .venv/.setup-stamp: pyproject.toml scripts/setup.sh
 	bash scripts/setup.sh
 	touch $@
+
+# mypy on the component protocols and built-ins (pyproject.toml [tool.mypy]); also run by
+# tests/test_typecheck.py in test and test-fast.
+typecheck: .venv/.setup-stamp
+	$(VENV)/python scripts/typecheck.py
 
 # CPU benchmarks (each prints ratios against a baseline run in the same process).
 bench: setup

@@ -79,7 +79,7 @@ class LocalGroup:
             raise ExceptionGroup(f"{len(errors)} of {self.world_size} ranks failed", errors)
         return results
 
-    async def _run_rank(self, rank: int, fn: Callable[..., Awaitable[Any]], args: tuple, results: list) -> None:
+    async def _run_rank(self, rank: int, fn: Callable[..., Awaitable[Any]], args: tuple[Any, ...], results: list[Any]) -> None:
         try:
             results[rank] = await fn(self.communicator(rank), *args)
             self.mark_gone(rank, "returned from its function")
@@ -175,7 +175,7 @@ class LocalCommunicator(Communicator):
         if faulted and exc is None:
             log.info("local_rank_stalled", rank=self._me, call=call.describe())
             return await self._rv.stall(self._me, call)
-        if faulted:
+        if exc is not None:
             self._group.mark_gone(self._me, f"died: {exc!r}")
             raise exc
         return await self._rv.enter(self._me, call, payload, combine, self._timeout)

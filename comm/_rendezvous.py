@@ -96,6 +96,7 @@ class Rendezvous:
             reason = "; ".join(f"rank {r} {self._gone[r]}" for r in gone)
             self._fail(slot, mismatch=False, reason=reason, missing=gone)  # the others may just be late
         elif not self._missing(slot):
+            assert slot.combine is not None    # set by the first arrival
             slot.result = slot.combine([slot.payloads[r] for r in self.members])
             slot.payloads.clear()
             slot.done.set()

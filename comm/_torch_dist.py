@@ -119,7 +119,9 @@ class TorchDistributedCommunicator(Communicator):
         return await self._run(CollectiveCall.for_tensor, ("all_gather", tensor), self._all_gather, tensor)
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
-        return await self._run(CollectiveCall, ("all_gather_object",), self._all_gather_object, obj)
+        gathered: list[Any] = await self._run(CollectiveCall, ("all_gather_object",),
+                                              self._all_gather_object, obj)
+        return gathered
 
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_device(check_tensor(tensor))
@@ -153,7 +155,7 @@ class TorchDistributedCommunicator(Communicator):
             gc.collect()
             log.info("torch_distributed_closed", rank=self._me)
 
-    async def _run(self, make_call: Callable[..., CollectiveCall], call_args: tuple, fn: Callable[..., Any],
+    async def _run(self, make_call: Callable[..., CollectiveCall], call_args: tuple[Any, ...], fn: Callable[..., Any],
                    *args: Any, **kwargs: Any) -> Any:
         async with self._family.lock:
             # Numbered inside the lock so the sequence follows execution order.
@@ -162,7 +164,8 @@ class TorchDistributedCommunicator(Communicator):
             self._seq += 1
             return await anyio.to_thread.run_sync(self._blocking, call, fn, args, kwargs)
 
-    def _blocking(self, call: CollectiveCall, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+    def _blocking(self, call: CollectiveCall, fn: Callable[..., Any], args: tuple[Any, ...],
+                  kwargs: dict[str, Any]) -> Any:
         # Worker threads start on cuda:0; bind this rank's device for NCCL.
         ctx = torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext()
         with ctx:

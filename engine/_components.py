@@ -13,16 +13,25 @@ import inspect
 from collections.abc import Mapping
 from importlib.metadata import entry_points
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import structlog
 
 from ._errors import ConfigError
 
+if TYPE_CHECKING:
+    from specloop.comm import Communicator
+    from specloop.graphs import GraphCache
+    from specloop.models.drafters import Drafter, DrafterDeps
+    from specloop.samplers import Sampler
+
+    from ._config import EngineConfig
+    from ._states import IterationObserver
+
 log = structlog.get_logger(__name__)
 
 ENTRY_POINT_GROUP = "specloop.components"
-KINDS = ("sampler", "communicator", "graph_cache", "drafter")
+KINDS = ("sampler", "communicator", "graph_cache", "drafter", "observer")
 # speculative.method's one value that names no drafter: speculation off.
 NO_DRAFTER = "none"
 
@@ -45,6 +54,9 @@ _BUILTINS: Mapping[str, Mapping[str, str]] = MappingProxyType({
         "mtp_eagle": "specloop.models.drafters:MtpEagleDrafter",
         "eagle3": "specloop.models.drafters:Eagle3Drafter",
     }),
+    # Iteration observers (components.observers, a list): none built in; the trace
+    # recorder needs a path and is added by the CLI's --trace.
+    "observer": MappingProxyType({}),
 })
 
 
@@ -84,8 +96,9 @@ def check_component_name(kind: str, name: str, field: str, *,
     known = (registry or component_registry())[kind]
     if is_import_path(name) or name in known:
         return
+    names = ", ".join(sorted(known)) or "(none registered)"
     raise ConfigError(field, name, f"unknown {kind}",
-                      f"use one of: {', '.join(sorted(known))}; or 'package.module:attr'")
+                      f"use one of: {names}; or 'package.module:attr'")
 
 
 def check_method(value: str) -> None:
@@ -122,12 +135,13 @@ PROTOCOLS: Mapping[str, str] = MappingProxyType({
     "communicator": "specloop.comm:Communicator",
     "graph_cache": "specloop.graphs:GraphCache",
     "drafter": "specloop.models.drafters:Drafter",
+    "observer": "specloop.engine:IterationObserver",
 })
 
 
 def protocol_of(kind: str) -> type:
     module, _, attr = PROTOCOLS[kind].partition(":")
-    return vars(importlib.import_module(module))[attr]
+    return cast(type, vars(importlib.import_module(module))[attr])
 
 
 def protocol_members(protocol: type) -> frozenset[str]:
@@ -164,47 +178,60 @@ def _build(kind: str, name: str, field: str, *args: Any) -> Any:
 
 # Builders: one per kind, each the only place that kind is built from config. -----------
 
-def build_sampler(config):
-    return _build("sampler", config.components.sampler, "components.sampler", config)
+def build_sampler(config: EngineConfig) -> Sampler:
+    sampler: Sampler = _build("sampler", config.components.sampler, "components.sampler",
+                              config)
+    return sampler
 
 
-def build_graph_cache(config):
-    return _build("graph_cache", config.components.graph_cache, "components.graph_cache",
-                  config)
+def build_graph_cache(config: EngineConfig) -> GraphCache:
+    cache: GraphCache = _build("graph_cache", config.components.graph_cache,
+                               "components.graph_cache", config)
+    return cache
 
 
-def build_communicator(config):
-    return _build("communicator", config.components.communicator,
-                  "components.communicator", config)
+def build_communicator(config: EngineConfig) -> Communicator:
+    comm: Communicator = _build("communicator", config.components.communicator,
+                                "components.communicator", config)
+    return comm
 
 
-def build_drafter(config, deps):
+def build_observers(config: EngineConfig) -> list[IterationObserver]:
+    """One observer per name in ``components.observers``, in order."""
+    built: list[IterationObserver] = [
+        _build("observer", name, "components.observers", config)
+        for name in config.components.observers]
+    return built
+
+
+def build_drafter(config: EngineConfig, deps: DrafterDeps) -> Drafter | None:
     from specloop.models.drafters import DrafterConfigError  # noqa: PLC0415
 
     if not config.speculative.enabled:
         return None
     name = config.components.drafter or config.speculative.method
     try:
-        return _build("drafter", name, "components.drafter", config, deps)
+        drafter: Drafter = _build("drafter", name, "components.drafter", config, deps)
+        return drafter
     except DrafterConfigError as exc:
         raise ConfigError(exc.field, exc.value, exc.problem, exc.fix) from exc
 
 
 # Built-in factories whose component needs more than the config passed through. ---------
 
-def default_sampler(config):
+def default_sampler(config: EngineConfig) -> Sampler:
     from specloop.samplers import DefaultSampler  # noqa: PLC0415
     # Input validation syncs with the host, which graph capture forbids.
     return DefaultSampler(method=config.speculative.verification,
                           validate=config.components.graph_cache != "cuda")
 
 
-def single_communicator(config):
+def single_communicator(config: EngineConfig) -> Communicator:
     from specloop.comm import SingleRankCommunicator  # noqa: PLC0415
     return SingleRankCommunicator()
 
 
-def torch_distributed_communicator(config):
+def torch_distributed_communicator(config: EngineConfig) -> Communicator:
     from specloop.comm import TorchDistributedCommunicator  # noqa: PLC0415
     device = "cuda" if config.model.device.startswith("cuda") or (
         config.model.device == "auto" and _cuda()) else "cpu"
@@ -215,4 +242,4 @@ def torch_distributed_communicator(config):
 
 def _cuda() -> bool:
     import torch  # noqa: PLC0415
-    return torch.cuda.is_available()
+    return bool(torch.cuda.is_available())

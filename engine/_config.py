@@ -166,6 +166,8 @@ class ComponentsConfig:
     graph_cache: str = "eager"
     # None: the drafter registered under speculative.method.
     drafter: str | None = None
+    # Iteration observers every rank's engine builds (before those passed to AsyncEngine).
+    observers: tuple[str, ...] = ()
 
 
 @attrs.frozen
@@ -245,6 +247,8 @@ def check_gates(config: EngineConfig) -> None:
     for kind in ("sampler", "communicator", "graph_cache"):
         check_component_name(kind, getattr(comp, kind), f"components.{kind}",
                              registry=registry)
+    for name in comp.observers:
+        check_component_name("observer", name, "components.observers", registry=registry)
     if comp.drafter and not spec.enabled:
         raise ConfigError("components.drafter", comp.drafter,
                           "a drafter is named but speculative.method = 'none'",
@@ -277,7 +281,15 @@ def _converter() -> cattrs.Converter:
     for kind, expected in ((bool, "true or false"), (int, "an integer"),
                            (float, "a number"), (str, "a string")):
         converter.register_structure_hook(kind, _strict(kind, expected))
+    # A lone string would otherwise become a tuple of its characters.
+    converter.register_structure_hook_func(lambda t: t == tuple[str, ...], _names)
     return converter
+
+
+def _names(value: Any, _type: Any) -> tuple[str, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise _WrongType(value, "a list of strings")
+    return tuple(value)
 
 
 def _first_error(exc: BaseException, path: str = "") -> tuple[str, BaseException]:

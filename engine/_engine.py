@@ -13,7 +13,8 @@ import torch
 
 from specloop.samplers import SamplingParams, SpecMetadata, derive_seed
 
-from ._components import build_communicator, build_drafter, build_graph_cache, build_sampler
+from ._components import (build_communicator, build_drafter, build_graph_cache,
+                          build_observers, build_sampler)
 from ._config import EngineConfig
 from ._errors import ConfigError, EngineClosedError, EngineStateError, RequestError
 from ._frontdoor_state import FrontDoor
@@ -118,6 +119,8 @@ class AsyncEngine:
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
             front=self.front)
         self.worker.warmup_graphs()
+        # components.observers first, then those passed in.
+        self.observers = (*build_observers(cfg), *self.observers)
         log.info("engine_built", rank=self.comm.rank, model=cfg.model.name,
                  device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
 

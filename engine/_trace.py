@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from specloop.comm import Communicator
+from specloop.comm import Communicator, ReduceOp
 
 from ._states import TransitionEvent
 
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
 ITERATION_TID, COLLECTIVES_TID = 0, 1
 
 
@@ -44,7 +48,7 @@ class TraceRecorder:
         start = event.started_at * 1e6
         # duration_us is rounded to 0.1 us: round down so slices never overlap.
         end = start + max(event.duration_us - 0.05, 0.0)
-        args = {"iteration": event.iteration, "batch_size": event.batch_size,
+        args: dict[str, Any] = {"iteration": event.iteration, "batch_size": event.batch_size,
                 "k": event.num_draft_tokens, "sampling_path": event.sampling_path,
                 "next_state": event.next_state.value}
         if event.accepted is not None:
@@ -61,7 +65,7 @@ class TraceRecorder:
         self._add({"name": op, "cat": "collective", "ph": "X", "ts": start,
                    "dur": end - start, "pid": rank, "tid": COLLECTIVES_TID, "args": args})
 
-    def communicator(self, inner) -> TracedCommunicator:
+    def communicator(self, inner: Communicator) -> TracedCommunicator:
         return TracedCommunicator(inner, self)
 
     def _add(self, event: dict[str, Any]) -> None:
@@ -93,7 +97,7 @@ class TraceRecorder:
 class TracedCommunicator(Communicator):
     """Forwards to ``inner`` and records each collective as a slice on the rank's track."""
 
-    def __init__(self, inner, recorder: TraceRecorder) -> None:
+    def __init__(self, inner: Communicator, recorder: TraceRecorder) -> None:
         self.inner = inner
         self._recorder = recorder
 
@@ -119,29 +123,30 @@ class TracedCommunicator(Communicator):
     def close(self) -> None:
         self.inner.close()
 
-    async def _traced(self, op: str, call, shape=None):
+    async def _traced(self, op: str, call: Awaitable[T],
+                      shape: tuple[int, ...] | None = None) -> T:
         start = _now_us()
         try:
             return await call
         finally:
             self._recorder.collective(self.rank, op, self.name, start, _now_us(), shape)
 
-    async def all_gather(self, tensor):
+    async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         return await self._traced("all_gather", self.inner.all_gather(tensor),
                                   tuple(tensor.shape))
 
-    async def all_gather_object(self, obj):
+    async def all_gather_object(self, obj: Any) -> list[Any]:
         return await self._traced("all_gather_object", self.inner.all_gather_object(obj))
 
-    async def all_reduce(self, tensor, op="sum"):
+    async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return await self._traced("all_reduce", self.inner.all_reduce(tensor, op),
                                   tuple(tensor.shape))
 
-    async def broadcast_object(self, obj, src: int = 0):
+    async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
         return await self._traced("broadcast_object", self.inner.broadcast_object(obj, src))
 
     async def barrier(self) -> None:
         await self._traced("barrier", self.inner.barrier())
 
-    async def subgroup(self, ranks, name: str) -> TracedCommunicator:
+    async def subgroup(self, ranks: Sequence[int], name: str) -> TracedCommunicator:
         return TracedCommunicator(await self.inner.subgroup(ranks, name), self._recorder)

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import attrs
 
 
-def _optional_bool(_inst, attr, value) -> None:
+def _optional_bool(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if value is not None and not isinstance(value, bool):
         raise TypeError(f"SpecMetadata.{attr.name} = {value!r}: must be None or a bool")
 
@@ -35,5 +37,5 @@ class SpecMetadata:
         # all read it; nothing recomputes it.
         return self.use_rejection_sampling and not self.all_greedy
 
-    def evolve(self, **changes) -> SpecMetadata:
+    def evolve(self, **changes: Any) -> SpecMetadata:
         return attrs.evolve(self, **changes)

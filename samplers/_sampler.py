@@ -29,7 +29,8 @@ class Sampler(Protocol):
                positions: torch.Tensor, *, advanced: bool) -> RejectionResult: ...
 
 
-def _target_tokens(target_logits, batch, positions) -> torch.Tensor:
+def _target_tokens(target_logits: torch.Tensor, batch: SamplingBatch,
+                   positions: torch.Tensor) -> torch.Tensor:
     """[B, K+1]: argmax for greedy rows, else sampled from p with Stream.BONUS."""
     if batch.all_greedy:  # padding rows are greedy too
         return target_logits.argmax(dim=-1)  # same tokens as one-hot rows, no softmax
@@ -37,14 +38,15 @@ def _target_tokens(target_logits, batch, positions) -> torch.Tensor:
                                     positions)
 
 
-def target_tokens_from_probs(probs, seeds, positions) -> torch.Tensor:
+def target_tokens_from_probs(probs: torch.Tensor, seeds: torch.Tensor,
+                             positions: torch.Tensor) -> torch.Tensor:
     """[B, K+1] tokens drawn from probs [B, K+1, V] at positions L..L+K, Stream.BONUS."""
     steps = torch.arange(probs.shape[1], device=positions.device)
     return sample_tokens(probs, seeds, positions.unsqueeze(1) + steps, Stream.BONUS,
                          validate=False)
 
 
-def strict_from_targets(draft_token_ids, t) -> RejectionResult:
+def strict_from_targets(draft_token_ids: torch.Tensor, t: torch.Tensor) -> RejectionResult:
     """Accept the longest prefix with d_i == t_i [B, K+1], then emit t at the mismatch."""
     match = (draft_token_ids == t[:, :-1]).long()
     n = match.cumprod(dim=1).sum(dim=1)  # [B]
@@ -68,7 +70,8 @@ class DefaultSampler:
     method: str = attrs.field(default="token", validator=attrs.validators.in_(METHODS))
     validate: bool = True
 
-    def draft(self, logits, batch, positions, *, advanced) -> DraftSample:
+    def draft(self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, *,
+              advanced: bool) -> DraftSample:
         # logits [B, V], positions [B]: the position the drafted token will take.
         if not advanced:
             return DraftSample(token_ids=logits.argmax(dim=-1), probs=None)
@@ -76,8 +79,9 @@ class DefaultSampler:
         tokens = sample_tokens(q, batch.seeds, positions, Stream.DRAFT, validate=False)
         return DraftSample(token_ids=tokens, probs=q)
 
-    def verify(self, draft_token_ids, target_logits, draft_probs, batch, positions, *,
-               advanced) -> RejectionResult:
+    def verify(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
+               draft_probs: torch.Tensor | None, batch: SamplingBatch,
+               positions: torch.Tensor, *, advanced: bool) -> RejectionResult:
         # target_logits [B, K+1, V]; K = 0 is plain sampling of one token.
         if not advanced:
             return strict_verify(draft_token_ids, target_logits, batch, positions)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -23,14 +23,15 @@ class NgramDrafter(Drafter):
 
     point_mass = True
 
-    def __init__(self, config, deps: DrafterDeps) -> None:
+    def __init__(self, config: Any, deps: DrafterDeps) -> None:
         spec = config.speculative
         self.num_draft_tokens = spec.num_draft_tokens
         self.ngram_min, self.ngram_max = spec.ngram_min, spec.ngram_max
         self.device = deps.target_cache.device if deps.target_cache is not None else "cpu"
         self._slots: dict[int, _SlotIndex] = {}
 
-    def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:
+    def prefill(self, slot: int, token_ids: Sequence[int],
+                hidden: torch.Tensor | None = None) -> None:
         self._slots[slot] = _SlotIndex()
 
     def release(self, slot: int) -> None:

@@ -27,7 +27,9 @@ class DraftContext:
     comm: Communicator
     run_sync: Callable[[Callable[[], T]], Awaitable[T]]  # runs compute off the event loop
     # Replays this iteration's captured draft graph (inputs -> outputs), or None: eager.
-    replay: Callable[[dict], dict] | None = None
+    # Call it under torch.inference_mode() (its static tensors are inference tensors),
+    # off the event loop (run_sync); its outputs are overwritten by the next replay.
+    replay: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None
     # ``slots`` / ``seq_lens`` as host lists (reading the device tensors back would sync);
     # () if unknown. Read them through ``slot_list`` / ``seq_len_list``.
     host_slots: Sequence[int] = ()
@@ -122,12 +124,14 @@ class Drafter(Protocol):
         """The whole K-step proposal as a function over static tensors (inputs as
         ``graph_inputs`` builds them -> ``token_ids`` [Bp, K] and, when advanced,
         ``probs`` [Bp, K, V]); called only where ``can_graph`` is True."""
-        raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")
+        raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
+                           "(its can_graph is False)")
 
     def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """The static inputs of ``graph_step`` for ``ctx``'s rows padded to
         ``ctx.graph_sampling.size``; called only where ``can_graph`` is True."""
-        raise NotImplementedError(f"{type(self).__name__} does not run in CUDA graphs")
+        raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
+                           "(its can_graph is False)")
 
 
 class VerifyObserver(Protocol):
@@ -161,9 +165,12 @@ def graph_outputs(tokens: list[torch.Tensor], probs: list[torch.Tensor | None],
     return out
 
 
-def graph_int_inputs(ctx: DraftContext, host: dict[str, list]) -> dict[str, torch.Tensor]:
+def graph_int_inputs(ctx: DraftContext, host: dict[str, list[Any]]
+                     ) -> dict[str, torch.Tensor]:
     """A draft graph's inputs: the host-side int64 columns (already padded to the graph's
     rows) on the model's device, plus the padded sampling columns."""
+    if ctx.graph_sampling is None:
+        raise ValueError("graph inputs need ctx.graph_sampling (the graph's padded rows)")
     dev = ctx.slots.device
     inputs = {name: torch.tensor(v, dtype=torch.int64).to(dev, non_blocking=True)
               for name, v in host.items()}
@@ -171,12 +178,14 @@ def graph_int_inputs(ctx: DraftContext, host: dict[str, list]) -> dict[str, torc
     return inputs
 
 
-@torch.inference_mode()
 def replay_proposal(ctx: DraftContext, inputs: dict[str, torch.Tensor], advanced: bool
                     ) -> DraftProposal:
     """Replay the captured draft graph; copy the real rows out of its static outputs
     (the next replay overwrites them)."""
+    if ctx.replay is None:
+        raise ValueError("no captured draft graph to replay (ctx.replay is None)")
     rows = len(ctx.token_ids)
-    out = ctx.replay(inputs)
-    q = out["probs"][:rows].clone() if advanced else None
-    return DraftProposal(out["token_ids"][:rows].clone(), q)
+    with torch.inference_mode():
+        out = ctx.replay(inputs)
+        q = out["probs"][:rows].clone() if advanced else None
+        return DraftProposal(out["token_ids"][:rows].clone(), q)

@@ -15,6 +15,7 @@ BUILTINS = {
     "communicator": {"single", "torch_distributed"},
     "graph_cache": {"eager", "cuda"},
     "drafter": {"ngram", "draft_model", "early_exit", "mtp_eagle", "eagle3"},
+    "observer": set(),
 }
 
 PLUGIN = '''
@@ -25,6 +26,16 @@ class ToyDrafter(NgramDrafter):
     """A plugin drafter: n-gram drafts under another name."""
 
 
+class Counting:
+    """A plugin observer: counts each state it sees."""
+
+    def __init__(self, config):
+        self.states = {}
+
+    def on_transition(self, event):
+        self.states[event.state.value] = self.states.get(event.state.value, 0) + 1
+
+
 def shadow(*args):
     raise AssertionError("an entry point shadowed a built-in")
 '''
@@ -32,6 +43,7 @@ def shadow(*args):
 ENTRY_POINTS = f'''
 [{ENTRY_POINT_GROUP}]
 drafter.toy = toy_specloop:ToyDrafter
+observer.counting = toy_specloop:Counting
 sampler.default = toy_specloop:shadow
 drafter.ngram = toy_specloop:shadow
 drafter.none = toy_specloop:shadow
@@ -63,7 +75,7 @@ def test_builtins_are_registered_and_resolve(kind):
 
 def test_unknown_kind_is_an_error():
     with pytest.raises(ValueError, match="drafter"):
-        known_components("observer")
+        known_components("scheduler")
 
 
 def test_entry_point_drafter_is_registered_and_nameable_as_method(plugin):
@@ -100,6 +112,40 @@ def test_unknown_component_error_lists_every_registered_name(kind):
     assert str(info.value).startswith(f"components.{kind} = 'nope': unknown {kind}")
     for name in BUILTINS[kind]:
         assert name in str(info.value)
+
+
+def test_observers_are_a_list_of_registered_names(plugin):
+    config = EngineConfig.from_dict({"components": {"observers": ["counting", "a.b:C"]}})
+    assert config.components.observers == ("counting", "a.b:C")
+    assert known_components("observer") == {"counting": "toy_specloop:Counting"}
+    with pytest.raises(ConfigError, match=r"components.observers = 'nope': unknown observer; "
+                                          r"use one of: counting;"):
+        EngineConfig.from_dict({"components": {"observers": ["counting", "nope"]}})
+    with pytest.raises(ConfigError, match="expected a list of strings"):
+        EngineConfig.from_dict({"components": {"observers": "counting"}})
+
+
+async def test_config_observers_see_every_iteration_before_passed_ones(plugin, tiny_dir,
+                                                                      tiny_loaded):
+    from specloop.engine import IterationState
+
+    class Passed:
+        def __init__(self):
+            self.states = {}
+
+        def on_transition(self, event):
+            self.states[event.state.value] = self.states.get(event.state.value, 0) + 1
+
+    passed = Passed()
+    config = make_config(tiny_dir, method="toy",
+                         components={"observers": ["counting", "toy_specloop:Counting"]})
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    async with AsyncEngine(config, model=tiny_loaded, observers=(passed,)) as engine:
+        await collect(engine, PROMPTS[0], greedy)
+    first, second, last = engine.observers
+    assert type(first).__name__ == type(second).__name__ == "Counting" and last is passed
+    assert first.states[IterationState.VERIFY.value] >= 2
+    assert first.states == second.states == passed.states
 
 
 def test_method_without_plugin_is_unknown():

@@ -23,6 +23,7 @@ USED = {
     "drafter": {"num_draft_tokens", "prefill", "propose", "release", "point_mass",
                 "needs_empty_calls", "on_verified", "can_graph", "graph_step",
                 "graph_inputs"},
+    "observer": {"on_transition"},
 }
 
 
@@ -41,6 +42,7 @@ def test_builtin_samplers_and_communicators_are_complete():
     from specloop.comm import SingleRankCommunicator
 
     assert missing_members(build_sampler(EngineConfig()), protocol_of("sampler")) == []
+    assert missing_members(TraceRecorder(), protocol_of("observer")) == []
     comm = protocol_of("communicator")
     local = LocalGroup(2).communicator(0)
     for obj in (SingleRankCommunicator(), local, local.bounded(1.0), CollectiveCounter(local),

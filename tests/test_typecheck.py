@@ -1,0 +1,119 @@
+"""The type check runs in `make test`: mypy, strict on the component protocols and the
+built-in components (configured in pyproject.toml, run by scripts/typecheck.py), passes;
+and it is not vacuous: a built-in that loses or changes a member fails it."""
+
+from __future__ import annotations
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "scripts" / "typecheck.py"
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def typecheck(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, str(SCRIPT), *args], cwd=ROOT, text=True,
+                          capture_output=True, timeout=170)
+
+
+def test_mypy_passes_on_the_protocols_and_builtins():
+    result = typecheck()
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.startswith("Success"), result.stdout
+
+
+def _without_method(source: str, cls: str, name: str) -> str:
+    """``source`` with the method ``cls.name`` removed."""
+    tree = ast.parse(source)
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    kept = [n for n in node.body if getattr(n, "name", None) != name]
+    assert len(kept) == len(node.body) - 1
+    node.body = kept
+    return ast.unparse(tree) + "\n"
+
+
+def test_a_builtin_that_loses_or_changes_a_member_fails(tmp_path):
+    ngram = (ROOT / "models/drafters/_ngram.py").read_text()
+    ngram = ngram.replace("from ._protocol", "from specloop.models.drafters._protocol")
+    assert "async def propose" in ngram
+    lost = _without_method(ngram, "NgramDrafter", "propose")
+    (tmp_path / "lost_propose.py").write_text(lost + '''
+
+def conform(config: Any, deps: DrafterDeps) -> Drafter:
+    return NgramDrafter(config, deps)
+''')
+    (tmp_path / "changed_members.py").write_text('''
+from typing import Any, Callable, Sequence
+
+import torch
+
+from specloop.samplers import Sampler, SamplingBatch
+
+from specloop.comm import SingleRankCommunicator
+from specloop.graphs import EagerGraphCache, GraphCache
+from specloop.models.drafters import Drafter, DraftContext, DraftProposal
+
+
+class SealTakesAnArgument(EagerGraphCache):
+    def seal(self, force: bool) -> None:
+        pass
+
+
+class CloseIsAsync(SingleRankCommunicator):
+    async def close(self) -> None:
+        pass
+
+
+class Structural:
+    """Every Drafter member but needs_empty_calls, without subclassing the protocol."""
+
+    num_draft_tokens = 2
+    point_mass = True
+
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None
+                ) -> None:
+        pass
+
+    async def propose(self, ctx: DraftContext) -> DraftProposal:
+        raise NotImplementedError
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def on_verified(self, slots: Sequence[int], start_pos: Sequence[int],
+                    hidden: torch.Tensor, num_accepted: Sequence[int]) -> None:
+        pass
+
+    def can_graph(self, advanced: bool) -> bool:
+        return False
+
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool
+                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
+    def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+
+def conform() -> None:
+    cache: GraphCache = SealTakesAnArgument()
+    drafter: Drafter = Structural()
+''')
+    result = typecheck(str(tmp_path / "lost_propose.py"), str(tmp_path / "changed_members.py"))
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert re.search(r'lost_propose.py:\d+: error: Cannot instantiate abstract class '
+                     r'"NgramDrafter" with abstract attribute "propose"', out), out
+    assert re.search(r'changed_members.py:\d+: error: Signature of "seal" incompatible', out), out
+    assert re.search(r'changed_members.py:\d+: error: .*"close"', out), out
+    assert re.search(r'changed_members.py:\d+: error: Incompatible types in assignment '
+                     r'\(expression has type "Structural", variable has type "Drafter"\)', out), out
+    assert re.search(r'note: "Structural" is missing following "Drafter" protocol member:\n'
+                     r'.*note: +needs_empty_calls\n', out), out
