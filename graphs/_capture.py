@@ -37,7 +37,7 @@ def capture_variants(use_rejection_sampling: bool, point_mass: bool
     return variants
 
 
-def graph_template(key: GraphKey, device) -> SamplingBatch:
+def graph_template(key: GraphKey, device: torch.device | str) -> SamplingBatch:
     """The Python flags a captured variant is specialised on: argmax-only when all greedy,
     else every sampling feature on (no-op features leave probabilities bit-identical)."""
     template = SamplingBatch.from_params([], [], device=device, pad_to=key.batch_size)
@@ -48,7 +48,7 @@ def graph_template(key: GraphKey, device) -> SamplingBatch:
 
 
 def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int,
-            variants: Iterable[tuple[SamplingPath, bool, bool]], device,
+            variants: Iterable[tuple[SamplingPath, bool, bool]], device: torch.device | str,
             verify: VerifyBuilder, draft: DraftBuilder) -> list[GraphKey]:
     """Capture every key the cache asks for, VERIFY and then DRAFT (stage "draft"), and
     seal the cache; -> the VERIFY keys captured."""

@@ -45,7 +45,8 @@ class DraftModelDrafter(Drafter):
         self.cache = KVCache(self.loaded.args, deps.num_slots, deps.max_seq_len,
                              dtype=dtype, device=device, pages=deps.target_cache.pages)
         self._slots: dict[int, _SlotState] = {}
-        self._unread = None     # (states, [B, K-1] drafts written) of the last propose
+        # (states, [B, K-1] drafts written) of the last propose
+        self._unread: tuple[list[_SlotState], torch.Tensor] | None = None
 
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:

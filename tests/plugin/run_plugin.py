@@ -34,10 +34,10 @@ class KeepStepCache(CudaGraphCache):
     def capture(self, key: GraphKey, step: Step, example: Tensors) -> None:
         if self.sealed:
             raise RuntimeError("capture after warmup")
-        self._graphs[key.variant()] = _Kept(step, {n: t.clone() for n, t in example.items()})
+        self._graphs[key] = _Kept(step, {n: t.clone() for n, t in example.items()})
 
     def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
-        kept = self._graphs[key.variant()]
+        kept = self._graphs[key]
         for name, static in kept.inputs.items():
             static.copy_(inputs[name])
         kept.replays += 1

@@ -58,16 +58,16 @@ class SuccessorDrafter(Drafter):
     def graph_inputs(self, ctx: DraftContext) -> Tensors:
         rows = ctx.graph_sampling.size if ctx.graph_sampling is not None else len(ctx.token_ids)
         pad = rows - len(ctx.token_ids)
-        return self._inputs([*self._slots(ctx), *[self.scratch] * pad],
+        return self._inputs([*ctx.slot_list(), *[self.scratch] * pad],
                             [*(t[-1] for t in ctx.token_ids), *[0] * pad])
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
-        self._learn(self._slots(ctx), ctx.token_ids)
+        self._learn(ctx.slot_list(), ctx.token_ids)
         rows = len(ctx.token_ids)
         if ctx.replay is not None:      # the engine captured graph_step for this batch
             inputs = self.graph_inputs(ctx)
             return DraftProposal(await ctx.run_sync(lambda: self._replay(ctx, inputs, rows)))
-        inputs = self._inputs(self._slots(ctx), [t[-1] for t in ctx.token_ids])
+        inputs = self._inputs(ctx.slot_list(), [t[-1] for t in ctx.token_ids])
         return DraftProposal(self._follow(inputs)["token_ids"])
 
     @staticmethod
@@ -92,10 +92,6 @@ class SuccessorDrafter(Drafter):
         host = torch.tensor([slots, last], dtype=torch.int64)
         both = host.to(self.device, non_blocking=True)
         return {"slots": both[0], "last": both[1]}
-
-    @staticmethod
-    def _slots(ctx: DraftContext) -> list[int]:
-        return list(ctx.host_slots) if ctx.host_slots else ctx.slots.tolist()
 
     def _learn(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]]) -> None:
         """Add each row's new successor pairs: one indexed write for the whole batch (each
