@@ -113,7 +113,7 @@ class AsyncEngine:
         deps = DrafterDeps(loaded, runner.cache, cfg.scheduler.max_batch_size,
                            cfg.model.max_seq_len)
         drafter = build_drafter(cfg, deps)
-        runner.feature_layers = tuple(getattr(drafter, "feature_layers", ()))
+        runner.feature_layers = () if drafter is None else tuple(drafter.feature_layers)
         self.worker = RankWorker(
             config=cfg, runner=runner, drafter=drafter,
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),

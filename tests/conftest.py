@@ -24,6 +24,7 @@ torch.set_num_threads(1)
 SHARED_GROUPS = {
     "smollm2": {"smollm2", "smollm2_dir", "smollm2_hf", "smollm2_reference"},
     "serve": {"server"},
+    "plugin": {"plugin_venv"},
 }
 
 

@@ -15,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "scripts" / "typecheck.py"
 
-pytestmark = pytest.mark.timeout(180)
+# One worker at a time uses the mypy cache (.cache/mypy).
+pytestmark = [pytest.mark.timeout(180), pytest.mark.xdist_group("typecheck")]
 
 
 def typecheck(*args: str) -> subprocess.CompletedProcess[str]:
@@ -76,6 +77,7 @@ class Structural:
 
     num_draft_tokens = 2
     point_mass = True
+    feature_layers: tuple[int, ...] = ()
 
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None
                 ) -> None:

@@ -74,8 +74,9 @@ class Drafter(Protocol):
     in config is called as ``factory(config, deps: DrafterDeps)``.
 
     Defaults: ``point_mass`` False (proposals carry q), ``needs_empty_calls`` False,
-    ``on_verified`` does nothing, ``can_graph`` False (so ``graph_step`` and
-    ``graph_inputs``, which raise, are never called).
+    ``feature_layers`` () (no target features), ``on_verified`` does nothing,
+    ``can_graph`` False (so ``graph_step`` and ``graph_inputs``, which raise, are never
+    called).
     """
 
     num_draft_tokens: int
@@ -105,6 +106,13 @@ class Drafter(Protocol):
         """True when ``propose`` runs collectives (e.g. LM-head TP), so it is called on
         ranks with no rows too (an empty ``ctx``). Default False."""
         return False
+
+    @property
+    def feature_layers(self) -> tuple[int, ...]:
+        """Target layers whose outputs the drafter reads (EAGLE-3): the engine makes the
+        target capture them, and ``prefill``/``on_verified`` get them concatenated as
+        ``hidden``. Read once, when the engine is built. Default () (final hidden only)."""
+        return ()
 
     def on_verified(self, slots: Sequence[int], start_pos: Sequence[int],
                     hidden: torch.Tensor, num_accepted: Sequence[int]) -> None:

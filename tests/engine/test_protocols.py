@@ -21,8 +21,8 @@ USED = {
                      "bounded", "close"},
     "graph_cache": {"pick", "keys_to_capture", "capture", "has", "replay", "seal"},
     "drafter": {"num_draft_tokens", "prefill", "propose", "release", "point_mass",
-                "needs_empty_calls", "on_verified", "can_graph", "graph_step",
-                "graph_inputs"},
+                "needs_empty_calls", "feature_layers", "on_verified", "can_graph",
+                "graph_step", "graph_inputs"},
     "observer": {"on_transition"},
 }
 
@@ -50,7 +50,8 @@ def test_builtin_samplers_and_communicators_are_complete():
         assert missing_members(obj, comm) == [], type(obj).__name__
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "mtp_eagle"])
+@pytest.mark.parametrize("method", ["ngram", "draft_model", "early_exit", "mtp_eagle",
+                                    "eagle3"])
 def test_builtin_drafters_are_complete(tiny_dir, tiny_draft_dir, tiny_loaded, method):
     config = make_config(tiny_dir, method=method, k=2,
                          draft_model=tiny_draft_dir if method == "draft_model" else None)
@@ -60,6 +61,7 @@ def test_builtin_drafters_are_complete(tiny_dir, tiny_draft_dir, tiny_loaded, me
     assert missing_members(drafter, protocol_of("drafter")) == []
     assert drafter.point_mass is (method == "ngram")
     assert drafter.needs_empty_calls is False
+    assert (len(drafter.feature_layers) >= 2) is (method == "eagle3")
 
 
 class HalfDrafter:
@@ -84,8 +86,8 @@ def test_incomplete_component_is_refused_naming_what_it_lacks(tiny_dir, tiny_loa
     with pytest.raises(ConfigError) as err:
         AsyncEngine(config, model=tiny_loaded)._build()
     message = str(err.value)
-    for member in ("can_graph", "graph_inputs", "graph_step", "needs_empty_calls",
-                   "on_verified", "point_mass"):
+    for member in ("can_graph", "feature_layers", "graph_inputs", "graph_step",
+                   "needs_empty_calls", "on_verified", "point_mass"):
         assert member in message
     assert "specloop.models.drafters.Drafter" in message
 

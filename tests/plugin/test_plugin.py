@@ -9,10 +9,12 @@ from __future__ import annotations
 import ast
 import json
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
 import textwrap
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -24,18 +26,38 @@ PLUGIN = ROOT / "examples" / "plugin"
 RUNNER = Path(__file__).with_name("run_plugin.py")
 
 pytestmark = pytest.mark.timeout(600)
-EXCERPT = re.compile(r"^```python no-run: excerpt of (?P<path>\S+)\n(?P<code>.*?)^```$", re.M | re.S)
+EXCERPT = re.compile(r"^```python no-run: excerpt of (?P<path>\S+)\n(?P<code>.*?)^```$",
+                     re.M | re.S)
+
+
+_BUILT = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__")
+
+
+def _copy_project(dest: Path) -> Path:
+    """What building specloop reads: pyproject, README and the package folders."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    for folder in {f.split("/")[0] for f in meta["tool"]["setuptools"]["package-dir"].values()}:
+        shutil.copytree(ROOT / folder, dest / folder, ignore=_BUILT)
+    return dest
 
 
 @pytest.fixture(scope="module")
-def venv(tmp_path_factory) -> Path:
+def plugin_venv(tmp_path_factory) -> Path:
     """A fresh venv with specloop and the plugin installed from wheels; torch & co. come
     from this environment's site-packages through a .pth file (not reinstalled)."""
     tmp = tmp_path_factory.mktemp("plugin")
     dist = tmp / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                    "--no-build-isolation", "-w", str(dist), str(ROOT), str(PLUGIN)],
-                   check=True, capture_output=True)
+    # Built from copies: setuptools writes build/ and *.egg-info next to the sources, and
+    # another test (test_packaging) may be building the tree at the same time.
+    sources = [_copy_project(tmp / "specloop"),
+               shutil.copytree(PLUGIN, tmp / "plugin", ignore=_BUILT)]
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                            "--no-build-isolation", "-w", str(dist), *map(str, sources)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
     wheels = sorted(dist.glob("*.whl"))
     assert [w.name.split("-")[0] for w in wheels] == ["specloop", "specloop_example_plugin"]
     venv = tmp / "venv"
@@ -109,7 +131,8 @@ def check_observer(rank: dict) -> None:
 
 
 @pytest.mark.slow
-def test_plugin_is_installed_and_registered(venv):
+def test_plugin_is_installed_and_registered(plugin_venv):
+    venv = plugin_venv
     code = ("import json, specloop.engine as e, specloop_example_plugin as p; print(json.dumps("
             "[e.__file__, p.__file__, e.known_components('drafter'), "
             "e.known_components('observer')]))")
@@ -147,9 +170,10 @@ def test_plugin_uses_only_the_public_api():
 
 
 @pytest.mark.slow
-def test_greedy_exact_observed_and_graphs_where_the_drafter_says(venv, configs):
-    none, plugin, graphs, nographs = run(venv, "single", configs["none"], configs["plugin"],
-                                         configs["graphs"], configs["nographs"])
+def test_greedy_exact_observed_and_graphs_where_the_drafter_says(plugin_venv, configs):
+    none, plugin, graphs, nographs = run(plugin_venv, "single", configs["none"],
+                                         configs["plugin"], configs["graphs"],
+                                         configs["nographs"])
     assert none["ranks"][0]["drafter"] is None
     for result in (plugin, graphs, nographs):
         assert result["tokens"] == none["tokens"]
@@ -170,8 +194,9 @@ def test_greedy_exact_observed_and_graphs_where_the_drafter_says(venv, configs):
 
 
 @pytest.mark.slow
-def test_two_ranks_with_adp(venv, configs):
-    none, adp2 = run(venv, "single", configs["none"])[0], run(venv, "adp2", configs["adp2"])[0]
+def test_two_ranks_with_adp(plugin_venv, configs):
+    none = run(plugin_venv, "single", configs["none"])[0]
+    adp2 = run(plugin_venv, "adp2", configs["adp2"])[0]
     assert adp2["tokens"] == none["tokens"]
     for rank in adp2["ranks"]:
         assert rank["drafter"] == "specloop_example_plugin._drafter.SuccessorDrafter"
@@ -182,7 +207,7 @@ def test_two_ranks_with_adp(venv, configs):
 
 @pytest.mark.slow
 @pytest.mark.gpu
-def test_cuda_graphs_capture_and_replay_the_drafter(venv, configs, tmp_path):
+def test_cuda_graphs_capture_and_replay_the_drafter(plugin_venv, configs, tmp_path):
     config = tmp_path / "cuda.toml"
     text = configs["plugin"].read_text().replace('device = "cpu"', 'device = "cuda"')
     config.write_text(text.replace('dtype = "float64"', 'dtype = "float32"')
@@ -190,7 +215,7 @@ def test_cuda_graphs_capture_and_replay_the_drafter(venv, configs, tmp_path):
     none = tmp_path / "none-cuda.toml"
     none.write_text(configs["none"].read_text().replace('device = "cpu"', 'device = "cuda"')
                     .replace('dtype = "float64"', 'dtype = "float32"'))
-    plain, graphs = run(venv, "single", none, config)
+    plain, graphs = run(plugin_venv, "single", none, config)
     assert graphs["tokens"] == plain["tokens"]
     check_observer(graphs["ranks"][0])
     draft = {k: n for k, n in graphs["ranks"][0]["graphs"].items() if k.startswith("draft/")}

@@ -13,8 +13,8 @@ from specloop.engine._components import (build_communicator, build_drafter, buil
                                          torch_distributed_communicator)
 from specloop.engine._trace import TraceRecorder, TracedCommunicator
 from specloop.graphs import CudaGraphCache, EagerGraphCache, GraphCache
-from specloop.models.drafters import (DraftModelDrafter, Drafter, DrafterDeps, EarlyExitDrafter,
-                                      MtpEagleDrafter, NgramDrafter)
+from specloop.models.drafters import (DraftModelDrafter, Drafter, DrafterDeps, Eagle3Drafter,
+                                      EarlyExitDrafter, MtpEagleDrafter, NgramDrafter)
 from specloop.samplers import DefaultSampler, Sampler
 
 
@@ -38,6 +38,7 @@ def communicators(config: EngineConfig, group: LocalGroup) -> list[Communicator]
 def drafters(config: EngineConfig, deps: DrafterDeps) -> list[Drafter | None]:
     return [NgramDrafter(config, deps), DraftModelDrafter(config, deps),
             EarlyExitDrafter(config, deps), MtpEagleDrafter(config, deps),
+            Eagle3Drafter(config, deps),
             build_drafter(config, deps)]
 
 
