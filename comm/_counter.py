@@ -123,6 +123,5 @@ class CollectiveCounter(Communicator):
 
 def collective_label(comm: object, label: str | None) -> contextlib.AbstractContextManager[None]:
     """`with collective_label(comm, "SYNC"):` labels collectives when `comm` counts them
-    (anything with a `labelled` method) and does nothing otherwise; cheap per state."""
-    labelled = getattr(comm, "labelled", None)
-    return labelled(label) if labelled is not None else contextlib.nullcontext()
+    (a CollectiveCounter) and does nothing otherwise; cheap per state."""
+    return comm.labelled(label) if isinstance(comm, CollectiveCounter) else contextlib.nullcontext()

@@ -6,7 +6,7 @@ accepted stay valid, and each propose first feeds the tokens it has not seen (1 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -103,7 +103,8 @@ class DraftModelDrafter(Drafter):
         hidden = model(inputs["feed"], inputs["feed_start"], slots, cache, kv_len=kv_len)
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         logits = model.logits(hidden[rows, inputs["feed_last"]])
-        drafted, probs = [], []
+        drafted: list[torch.Tensor] = []
+        probs: list[torch.Tensor | None] = []
         for j in range(self.num_draft_tokens):
             if j:
                 hidden = model(drafted[-1][:, None], seq_lens - 1 + j, slots, cache,
@@ -115,7 +116,7 @@ class DraftModelDrafter(Drafter):
         return graph_outputs(drafted, probs, advanced)
 
     @staticmethod
-    def _feed_columns(feeds, starts, width: int) -> dict[str, list]:
+    def _feed_columns(feeds, starts, width: int) -> dict[str, list[Any]]:
         # Right-pad: a padded position writes junk K/V at L, which d1 overwrites next.
         return {"feed": [f + [f[-1]] * (width - len(f)) for f in feeds],
                 "feed_start": list(starts), "feed_last": [len(f) - 1 for f in feeds]}
@@ -138,7 +139,7 @@ class DraftModelDrafter(Drafter):
         padding rows feed token 0 at position 0 of the scratch slot."""
         if feeds is None:
             _, starts, feeds = self._feeds(ctx)
-        pad = ctx.graph_sampling.size - len(ctx.token_ids)
+        pad = ctx.graph_rows - len(ctx.token_ids)
         columns = self._feed_columns(list(feeds) + [[0]] * pad, list(starts) + [0] * pad,
                                      MAX_FEED)
         return graph_int_inputs(ctx, {

@@ -58,7 +58,7 @@ class EarlyExitDrafter(Drafter):
 
     def graph_inputs(self, ctx: DraftContext):
         """Static-shape inputs for the graph's rows (padding: scratch slot, position 0)."""
-        pad = ctx.graph_sampling.size - len(ctx.token_ids)
+        pad = ctx.graph_rows - len(ctx.token_ids)
         return graph_int_inputs(ctx, {
             "last": [t[-1] for t in ctx.token_ids] + [0] * pad,
             "seq_lens": ctx.seq_len_list() + [1] * pad,

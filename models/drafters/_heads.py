@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from safetensors import safe_open
 
@@ -34,7 +35,7 @@ def card_path(weights: Path) -> Path:
     return weights.with_suffix(".json")
 
 
-def resolve_head(name_or_path: str) -> tuple[Path, dict | None]:
+def resolve_head(name_or_path: str) -> tuple[Path, dict[str, Any] | None]:
     """(weights file, its model card or None) for a registry name or a file path."""
     shipped = heads_dir() / f"{name_or_path}.safetensors"
     path = shipped if shipped.is_file() else Path(name_or_path).expanduser()
@@ -46,7 +47,7 @@ def resolve_head(name_or_path: str) -> tuple[Path, dict | None]:
     return path, (json.loads(card.read_text()) if card.is_file() else None)
 
 
-def check_sha256(path: Path, card: dict | None) -> None:
+def check_sha256(path: Path, card: dict[str, Any] | None) -> None:
     if card is None or "sha256" not in card:
         return
     actual = file_sha256(path)

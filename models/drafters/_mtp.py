@@ -9,7 +9,7 @@ follows the committed sequence; then it drafts autoregressively on its own outpu
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -142,6 +142,8 @@ class MtpEagleDrafter(Drafter):
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
         """Feed positions 0..P-2 of the prompt; position P-1 stays pending for DRAFT."""
+        if hidden is None:
+            raise ValueError(f"{type(self).__name__} needs the target's hidden states")
         n = len(token_ids)
         if n >= 2:
             dev = self.cache.device
@@ -179,6 +181,7 @@ class MtpEagleDrafter(Drafter):
         out = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
                         inputs["write_slots"], cache, kv_len=kv_len)
         hidden = out[torch.arange(out.shape[0], device=out.device), inputs["cu_last"]]
+        tokens: torch.Tensor    # sent in by the caller after each step
         for j in range(self.num_draft_tokens):
             if j:
                 # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j.
@@ -186,7 +189,8 @@ class MtpEagleDrafter(Drafter):
                                    cache, kv_len=kv_len)[:, 0]
             tokens = yield hidden
 
-    def _catch_up_columns(self, ctx: DraftContext, rows: int, width: int) -> dict[str, list]:
+    def _catch_up_columns(self, ctx: DraftContext, rows: int, width: int
+                          ) -> dict[str, list[Any]]:
         """Host columns of the catch-up for ``rows`` rows (the real ones, then padding on
         the scratch slot), each row's pending target rows right-padded to ``width``."""
         real = len(ctx.token_ids)
@@ -207,7 +211,7 @@ class MtpEagleDrafter(Drafter):
 
     def graph_inputs(self, ctx: DraftContext):
         """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""
-        k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_sampling.size
+        k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_rows
         columns = self._catch_up_columns(ctx, rows, k + 1)
         columns["seq_lens"] = ctx.seq_len_list() + [2] * (rows - real)
         inputs = graph_int_inputs(ctx, columns)
@@ -275,7 +279,8 @@ class MtpEagleDrafter(Drafter):
             return steps, next(steps)
 
         loop, hidden = await ctx.run_sync(start)
-        drafted, probs = [], []
+        drafted: list[torch.Tensor] = []
+        probs: list[torch.Tensor | None] = []
         for step in range(self.num_draft_tokens):
             if step:
                 prev = drafted[-1]

@@ -37,6 +37,14 @@ class DraftContext:
     graph_sampling: SamplingBatch | None = None
     host_seq_lens: Sequence[int] = ()
 
+    @property
+    def graph_rows(self) -> int:
+        """The captured graph's rows (the batch padded to its bucket): with ``replay`` or
+        while a draft graph is captured; a ValueError otherwise."""
+        if self.graph_sampling is None:
+            raise ValueError("no draft graph: ctx.graph_sampling is None")
+        return self.graph_sampling.size
+
     def slot_list(self) -> list[int]:
         """``slots`` on the host: the worker's copy, else read back (a device sync)."""
         return list(self.host_slots) if self.host_slots or not self.token_ids \
@@ -137,7 +145,7 @@ class Drafter(Protocol):
 
     def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """The static inputs of ``graph_step`` for ``ctx``'s rows padded to
-        ``ctx.graph_sampling.size``; called only where ``can_graph`` is True."""
+        ``ctx.graph_rows``; called only where ``can_graph`` is True."""
         raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
                            "(its can_graph is False)")
 
