@@ -7,6 +7,7 @@ import logging
 import sys
 import traceback
 from importlib.resources import files
+from pathlib import Path
 
 import structlog
 
@@ -86,6 +87,9 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-model", help="override speculative.draft_model (a registry name "
                    "or a checkpoint path sharing the target's tokenizer); implies "
                    "--method draft_model unless --method is given")
+    p.add_argument("--draft-weights", help="override speculative.draft_weights: a trained "
+                   "head's registry name (e.g. smollm2-135m-instruct-eagle3, with --method "
+                   "eagle3) or a .safetensors path")
     p.add_argument("--no-chat-template", action="store_true",
                    help="send prompts as raw text (model.chat_template = false)")
     p.add_argument("--allow-untrained-drafter", action="store_true",
@@ -107,6 +111,8 @@ def load_config(args) -> EngineConfig:
         data["speculative"]["draft_model"] = args.draft_model
         if args.method is None:
             data["speculative"]["method"] = "draft_model"
+    if getattr(args, "draft_weights", None) is not None:
+        data["speculative"]["draft_weights"] = args.draft_weights
     if args.no_chat_template:
         data["model"]["chat_template"] = False
     config = EngineConfig.from_dict(data)
@@ -114,7 +120,21 @@ def load_config(args) -> EngineConfig:
     check_model_name(config.model.name, "model.name")
     if config.speculative.method == "draft_model":
         check_model_name(config.speculative.draft_model, "speculative.draft_model")
+    check_head_name(config.speculative.draft_weights)
     return config
+
+
+def check_head_name(name: str | None) -> None:
+    """A shipped head or an existing file; checked before the model loads (without
+    importing the drafters, which would import torch)."""
+    if not name:
+        return
+    heads = Path(__file__).resolve().parents[1] / "models" / "drafters" / "heads"
+    if (heads / f"{name}.safetensors").is_file() or Path(name).expanduser().is_file():
+        return
+    shipped = ", ".join(sorted(p.stem for p in heads.glob("*.safetensors"))) or "none"
+    raise ConfigError("speculative.draft_weights", name, "neither a shipped head nor a file",
+                      f"shipped heads: {shipped}; or the path of a .safetensors head")
 
 
 def check_drafter_trained(config: EngineConfig, allowed: bool) -> None:

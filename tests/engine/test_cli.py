@@ -49,6 +49,9 @@ USAGE_CASES = {
     "unknown flag": (["--bogus"], "unrecognized arguments: --bogus"),
     "log level": (["--log-level", "verbose"], "invalid choice: 'verbose'"),
     "untrained drafter": (["--method", "mtp_eagle"], "--allow-untrained-drafter"),
+    "untrained eagle3": (["--method", "eagle3"], "--allow-untrained-drafter"),
+    "missing head": (["--method", "eagle3", "--draft-weights", "no-such-head"],
+                     "shipped heads: smollm2-135m-instruct-eagle3"),
     "missing draft model": (["--draft-model", "/nonexistent/draft"], "speculative.draft_model"),
     "bad method": (["--method", "magic"], "speculative.method"),
     "empty stop": (["--stop", ""], "SamplingParams.stop"),
@@ -209,3 +212,27 @@ def test_runtime_failure_grouped_with_cancellations_is_one_line(capsys):
     assert report_failure(group, "generate", debug=False) == 1
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "RuntimeError: rank 1 died" in err[0]
+
+
+def test_generate_with_an_eagle3_head_by_path(cli, tiny_dir, tmp_path):
+    """--method eagle3 --draft-weights FILE: the head loads and drafts (greedy output equals
+    the no-speculation output; the summary line reports acceptance)."""
+    import torch
+
+    from specloop.models import load_model
+    from specloop.models.drafters import Eagle3Head
+
+    head = Eagle3Head(load_model(tiny_dir).model, dtype=torch.float32, device="cpu",
+                      feature_layers=(0, 1))
+    head.init_random(3)
+    weights = tmp_path / "e3.safetensors"
+    head.save(str(weights), {"method": "eagle3"})
+    config = write_config(tmp_path / "tiny.toml", tiny_dir)
+    base = ["generate", "--config", config, "--prompt", "A llama is", "--max-tokens", "10",
+            "--json", "--ignore-eos"]
+    code, plain, err = cli(*base, "--method", "none")
+    assert code == 0, err
+    code, out, err = cli(*base, "--method", "eagle3", "--draft-weights", weights)
+    assert code == 0, err
+    assert out.splitlines()[0] == plain.splitlines()[0]
+    assert "mean acceptance length" in out
