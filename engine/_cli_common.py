@@ -19,7 +19,7 @@ from ._errors import ConfigError, RequestError
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-DEFAULT_CONFIG = "smollm2-ngram.toml"
+DEFAULT_CONFIG = "smollm2-eagle3.toml"
 # Drafters whose proposals carry no trained signal unless given weights.
 UNTRAINED_DRAFTERS = ("mtp_eagle", "eagle3", "early_exit")
 

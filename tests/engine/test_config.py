@@ -2,7 +2,7 @@ import pytest
 
 from specloop.engine import ConfigError, EngineConfig, known_components
 
-EXAMPLES = ["examples/smollm2-ngram.toml"]
+EXAMPLES = ["examples/smollm2-ngram.toml", "examples/smollm2-eagle3.toml"]
 
 
 @pytest.mark.parametrize("path", EXAMPLES)
