@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 
 from ._errors import DrafterConfigError
-from ._mtp import MtpEagleDrafter, MtpEagleHead
+from ._mtp import MtpEagleDrafter, MtpEagleHead, load_or_init
 from ._protocol import DrafterDeps
 
 
@@ -83,13 +83,8 @@ class Eagle3Drafter(MtpEagleDrafter):
         path = self.weights_path(config, deps)
         layers = (file_feature_layers(path) if path is not None else None) or \
             default_feature_layers(target.args.num_layers)
-        head = Eagle3Head(target, dtype=target.dtype, device=target.device,
-                          feature_layers=layers)
-        if path is not None:
-            head.load(str(path))
-        else:
-            head.init_random()
-        return head
+        return load_or_init(Eagle3Head(target, dtype=target.dtype, device=target.device,
+                                       feature_layers=layers), path)
 
     @property
     def feature_layers(self) -> tuple[int, ...]:

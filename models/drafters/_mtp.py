@@ -93,6 +93,16 @@ class MtpEagleHead(torch.nn.Module):
                                          kv_len=kv_len)
 
 
+def load_or_init(head, path):
+    """The head with its trained weights from ``path``, or random ones (tests, training)
+    when there is none."""
+    if path is not None:
+        head.load(str(path))
+    else:
+        head.init_random()
+    return head
+
+
 class MtpEagleDrafter(Drafter):
     def __init__(self, config, deps: DrafterDeps) -> None:
         from specloop.models import KVCache  # noqa: PLC0415
@@ -127,13 +137,8 @@ class MtpEagleDrafter(Drafter):
 
     def _make_head(self, config, deps: DrafterDeps) -> MtpEagleHead:
         target = deps.target.model
-        head = MtpEagleHead(target, dtype=target.dtype, device=target.device)
-        path = self.weights_path(config, deps)
-        if path is not None:
-            head.load(str(path))
-        else:
-            head.init_random()
-        return head
+        return load_or_init(MtpEagleHead(target, dtype=target.dtype, device=target.device),
+                            self.weights_path(config, deps))
 
     @property
     def needs_empty_calls(self) -> bool:
