@@ -148,5 +148,9 @@ def summary_line(progress: Progress, config, interrupted: bool) -> str:
     if stats is not None:
         line += (f", mean acceptance length {stats.mean_acceptance_length:.2f}, "
                  f"acceptance rate {stats.acceptance_rate:.2f}{progress.scope}")
-    line += f" (method {config.speculative.method}, K {config.speculative.k})"
+    k = f"K {config.speculative.k}"
+    if config.speculative.adaptive and config.speculative.k:
+        per_k = dict(sorted(stats.iterations_per_k.items())) if stats is not None else {}
+        k = f"adaptive K <= {config.speculative.k}, iterations per K {per_k}"
+    line += f" (method {config.speculative.method}, {k})"
     return line + (" [interrupted]" if interrupted else "")

@@ -107,6 +107,11 @@ class SpeculativeConfig:
     # .safetensors path; checked against its model card and the target. Wins over
     # mtp_weights.
     draft_weights: str | None = None
+    # Choose K per iteration (0 .. num_draft_tokens, which becomes the maximum) by the rule
+    # in docs/configuration.md, "Adaptive K": drafting only where it pays.
+    adaptive: bool = False
+    # The K values adaptive chooses among (each captured as graphs); None: 0 .. K.
+    adaptive_k: tuple[int, ...] | None = attrs.field(default=None)
 
     @method.validator
     def _check_method(self, attribute, value):
@@ -120,9 +125,31 @@ class SpeculativeConfig:
                               f"must be an integer in [1, {MAX_DRAFT_TOKENS}]",
                               "set method = 'none' to turn speculation off")
 
+    @adaptive_k.validator
+    def _check_adaptive_k(self, attribute, value):
+        if value is None:
+            return
+        if not value or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
+                            for k in value) or max(value) > self.num_draft_tokens:
+            raise ConfigError("speculative.adaptive_k", list(value),
+                              f"must be a non-empty list of integers in [0, "
+                              f"num_draft_tokens = {self.num_draft_tokens}]",
+                              "or leave it unset for 0 .. num_draft_tokens")
+
     @property
     def enabled(self) -> bool:
         return self.method != "none"
+
+    @property
+    def k_values(self) -> tuple[int, ...]:
+        """The K values an iteration may run: (k,) fixed, several when adaptive."""
+        if not self.enabled:
+            return (0,)
+        if not self.adaptive:
+            return (self.num_draft_tokens,)
+        chosen = range(self.num_draft_tokens + 1) if self.adaptive_k is None else \
+            self.adaptive_k
+        return tuple(sorted(set(chosen) | {self.num_draft_tokens}))
 
     @property
     def k(self) -> int:

@@ -131,6 +131,7 @@ class AsyncEngine:
         spec = SpecMetadata(use_rejection_sampling=self.config.speculative.use_rejection_sampling)
         iteration = 0
         try:
+            await worker.agree_costs()      # adaptive K under ADP: one table for all ranks
             while True:
                 record = await machine.run(IterationRecord(iteration, spec))
                 spec, iteration = record.spec, iteration + 1

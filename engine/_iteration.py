@@ -33,7 +33,9 @@ class IterationRecord:
     spec: SpecMetadata
     batch: list[Request] = attrs.Factory(list)
     padded_batch_size: int = 0
-    group_facts: torch.Tensor | None = None      # [world, 4] from SYNC
+    group_facts: torch.Tensor | None = None      # [world, 4 (+ adaptive K's)] from SYNC
+    # K this iteration drafts: SYNC's choice under adaptive K, else the configured K.
+    num_draft_tokens: int | None = None
     graph_key: GraphKey | None = None
     graph_captured: bool = False                 # whether a captured graph serves the key
     sampling: SamplingBatch | None = None
@@ -92,7 +94,8 @@ class IterationMachine:
         event = TransitionEvent(
             rank=self.rank, iteration=record.iteration, state=state, next_state=next_state,
             duration_us=round(duration_s * 1e6, 1), batch_size=len(record.batch),
-            num_draft_tokens=self.num_draft_tokens, sampling_path=record.sampling_path,
+            num_draft_tokens=self.num_draft_tokens if record.num_draft_tokens is None
+            else record.num_draft_tokens, sampling_path=record.sampling_path,
             accepted=accepted, request_ids=request_ids, started_at=start)
         if bound is not None:
             bound.debug("iteration_state", rank=event.rank, iteration=event.iteration,

@@ -20,9 +20,11 @@ class Outputs:
         self.deliver = deliver
         self.eos_token_ids = frozenset(runner.loaded.tokenizer.eos_token_ids)
 
-    def append(self, request: Request, new_tokens: list[int], num_accepted: int) -> None:
+    def append(self, request: Request, new_tokens: list[int], num_accepted: int,
+               k: int | None = None) -> None:
+        """``k``: the drafts this iteration proposed (adaptive K); None: the configured K."""
         request.num_iterations += 1
-        request.num_drafted += self.k
+        request.num_drafted += self.k if k is None else k
         request.num_accepted += num_accepted
         if self._no_stop_in(request, new_tokens):
             # Most rows, most iterations: no stop token and no limit reached, so all are

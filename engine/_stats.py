@@ -2,30 +2,62 @@
 
 from __future__ import annotations
 
+import collections
+from typing import Sequence
+
 
 class EngineStats:
-    """Speculation counters: AL = 1 + accepted / verify rows (vLLM's definition)."""
+    """Speculation counters: AL = 1 + accepted / rows that drafted (vLLM's definition;
+    rows of K = 0 iterations, adaptive K's "no drafting", draft nothing and do not count).
+    Per draft position j (0-based): ``drafted_per_position[j]`` rows drafted it (K > j),
+    ``accepted_per_position[j]`` had it accepted, so acceptance per position stays right
+    when K varies (adaptive K); ``iterations_per_k`` counts iterations by the K drafted."""
 
     def __init__(self) -> None:
         self.num_iterations = 0
         self.num_verify_rows = 0
+        self.num_drafting_rows = 0
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_generated_tokens = 0
+        self.drafted_per_position: list[int] = []
+        self.accepted_per_position: list[int] = []
+        self.iterations_per_k: collections.Counter[int] = collections.Counter()
 
-    def record_iteration(self, rows: int, k: int, accepted: int) -> None:
+    def record_iteration(self, rows: int, k: int, accepted: int,
+                         per_row: Sequence[int] | None = None) -> None:
         self.num_iterations += 1
         self.num_verify_rows += rows
+        self.num_drafting_rows += rows if k else 0
         self.num_draft_tokens += rows * k
         self.num_accepted_tokens += accepted
+        self.iterations_per_k[k] += 1
+        if per_row is None or not k:
+            return
+        grow = k - len(self.drafted_per_position)
+        if grow > 0:
+            self.drafted_per_position += [0] * grow
+            self.accepted_per_position += [0] * grow
+        hist = collections.Counter(per_row)
+        at_least = rows
+        for j in range(k):
+            self.drafted_per_position[j] += rows
+            at_least -= hist.get(j, 0)
+            self.accepted_per_position[j] += at_least
 
     @property
     def mean_acceptance_length(self) -> float:
-        return 1.0 + self.num_accepted_tokens / max(1, self.num_verify_rows)
+        return 1.0 + self.num_accepted_tokens / max(1, self.num_drafting_rows)
 
     @property
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / max(1, self.num_draft_tokens)
+
+    @property
+    def acceptance_per_position(self) -> list[float]:
+        """Of the rows that drafted position j, the share whose draft j was accepted."""
+        return [a / max(1, d) for a, d in zip(self.accepted_per_position,
+                                              self.drafted_per_position)]
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{k}={v}" for k, v in vars(self).items())

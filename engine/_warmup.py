@@ -6,23 +6,26 @@ the steps, since they need the model runner, the sampler and the drafter.
 
 from __future__ import annotations
 
+import time
+
+import attrs
 import torch
 
 from specloop.graphs import GraphKey, SamplingPath
-from specloop.graphs._capture import capture_variants, warm_up
+from specloop.graphs._capture import capture_variants, graph_template, warm_up
 from specloop.samplers import SamplingBatch
 
 from ._verify import make_verify_step, verify_inputs
 
 
-def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache) -> None:
-    """Capture every VERIFY variant this engine can run (and its DRAFT), before serving."""
-    k = config.speculative.k
+def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache):
+    """Capture every VERIFY variant this engine can run (and its DRAFT), for each K it
+    may run, before serving; -> the step builders (verify, draft), for ``calibrate``."""
     device = runner.device
     point_mass = drafter is None or drafter.point_mass
 
     def verify(key: GraphKey, template: SamplingBatch, has_q: bool):
-        q = None
+        k, q = key.num_draft_tokens, None
         if k and has_q:
             q = torch.zeros(0, k, runner.args.vocab_size, device=device)
         example = verify_inputs([], None, q, template, k=k,
@@ -37,16 +40,77 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache) -> No
         variant (not on the LM-head-TP path, whose collectives stay outside graphs)."""
         from specloop.models.drafters import DraftContext  # noqa: PLC0415
 
-        advanced = key.sampling_path is SamplingPath.ADVANCED
-        if not k or drafter is None or not drafter.can_graph(advanced):
+        advanced, k = key.sampling_path is SamplingPath.ADVANCED, key.num_draft_tokens
+        if drafter is None or not drafter.can_graph(advanced):
             return None
+        if k != drafter.num_draft_tokens and not drafter.variable_k:
+            return None     # the engine drafts the maximum and keeps the first k
+        if not k:
+            return None     # K = 0: the engine does not call the drafter
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,
                            spec=None, sampler=sampler, comm=comm, run_sync=None,
                            graph_sampling=template)
-        return (drafter.graph_step(sampler, template, advanced=advanced),
+        kw = {"num_draft_tokens": k} if drafter.variable_k else {}
+        return (drafter.graph_step(sampler, template, advanced=advanced, **kw),
                 drafter.graph_inputs(ctx))
 
-    warm_up(graph_cache, max_batch_size=config.scheduler.max_batch_size, num_draft_tokens=k,
+    ks = config.speculative.k_values
+    warm_up(graph_cache, max_batch_size=config.scheduler.max_batch_size, num_draft_tokens=ks,
             variants=capture_variants(config.speculative.use_rejection_sampling, point_mass),
             device=device, verify=verify, draft=draft)
+    return verify, draft
+
+
+def calibrate(*, config, runner, drafter, graph_cache, verify, draft,
+              reps: int | None = None):
+    """The cost table of adaptive K: VERIFY + DRAFT seconds per (batch bucket, K), timed
+    on padding rows (the scratch slot) by replaying the captured graphs of the all-greedy
+    variant, or running the steps eagerly where nothing was captured (then only the
+    smallest and the largest batch, to keep warm-up short)."""
+    from ._adaptive import CostTable  # noqa: PLC0415
+
+    device, ks = runner.device, config.speculative.k_values
+    max_batch = config.scheduler.max_batch_size
+    k_max = max(ks)
+    captured = graph_cache.has(GraphKey(max_batch, k_max, SamplingPath.GREEDY, True))
+    buckets = sorted({b for b in config.graphs.batch_buckets if b < max_batch} | {max_batch}) \
+        if captured else sorted({1, max_batch})
+    reps = reps or (5 if device.type == "cuda" else 2)
+    table = {}
+    for bucket in buckets:
+        for k in ks:
+            key = GraphKey(bucket, k, SamplingPath.GREEDY, True)
+            template = graph_template(key, device)
+            step, example = verify(key, template, False)
+            seconds = _time(_runner_of(graph_cache, key, step, example), device, reps)
+            # A drafter without variable K drafts the maximum every iteration.
+            dk = k if drafter is None or drafter.variable_k else k_max
+            drafted = draft(attrs.evolve(key, num_draft_tokens=dk), template) \
+                if drafter is not None else None
+            if drafted is not None:
+                stage = attrs.evolve(key, num_draft_tokens=dk, stage="draft")
+                seconds += _time(_runner_of(graph_cache, stage, *drafted), device, reps)
+            # Drafting more never costs less: timing noise must not make it look so.
+            table[(bucket, k)] = max([seconds] + [t for (b, _), t in table.items()
+                                                  if b == bucket])
+    return CostTable(table)
+
+
+def _runner_of(graph_cache, key, step, example):
+    if graph_cache.has(key):
+        return lambda: graph_cache.replay(key, example)
+    return lambda: step(example)
+
+
+@torch.inference_mode()
+def _time(fn, device, reps: int) -> float:
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return (time.perf_counter() - start) / reps

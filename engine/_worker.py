@@ -10,6 +10,7 @@ never re-decide it per step.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import anyio
@@ -21,6 +22,7 @@ import torch
 from specloop.graphs import SamplingPath
 from specloop.samplers import RejectionResult, SamplingBatch
 
+from ._adaptive import AdaptiveK
 from ._exchange import OutputExchange
 from ._frontdoor import FrontDoorMessage
 from ._iteration import IterationRecord
@@ -30,13 +32,15 @@ from ._scheduler import Scheduler
 from ._states import IterationState
 from ._stats import EngineStats
 from ._verify import make_verify_step, verify_inputs
-from ._warmup import warm_up_graphs
+from ._warmup import calibrate, warm_up_graphs
 
 log = structlog.get_logger(__name__)
 S = IterationState
 
-# SYNC's one all-gather row per rank: what the group must agree on.
+# SYNC's one all-gather row per rank: what the group must agree on (with adaptive K, the
+# rule's inputs follow: AdaptiveK.facts).
 FACT_TOKENS, FACT_BATCH, FACT_REQUESTS, FACT_ALL_GREEDY = range(4)
+NUM_FACTS = 4
 
 
 class RankWorker:
@@ -49,7 +53,12 @@ class RankWorker:
         self.comm = comm
         self.graph_cache = graph_cache
         self.front = front          # FrontDoor on rank 0, None elsewhere
-        self.k = config.speculative.k
+        self.k = config.speculative.k      # the largest K an iteration may draft
+        # Set at warm-up when speculative.adaptive: the per-iteration choice of K.
+        self.adaptive: AdaptiveK | None = None
+        # Adaptive K's clock: perf_counter() after SCHEDULE's exchange, and the prefill
+        # time since (neither waiting for work nor prefill depends on K).
+        self._started, self._prefill_s = 0.0, 0.0
         self.scheduler = Scheduler(config.scheduler.max_batch_size,
                                    config.scheduler.max_num_tokens)
         self._limiter = anyio.CapacityLimiter(1)
@@ -81,13 +90,33 @@ class RankWorker:
         return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
 
     def warmup_graphs(self) -> None:
-        """Capture every VERIFY (and DRAFT) variant this engine can run, before serving."""
-        warm_up_graphs(config=self.config, runner=self.runner, sampler=self.sampler,
-                       drafter=self.drafter, comm=self.comm, graph_cache=self.graph_cache)
+        """Capture every VERIFY (and DRAFT) variant this engine can run, before serving;
+        with adaptive K, time them for its cost table."""
+        verify, draft = warm_up_graphs(
+            config=self.config, runner=self.runner, sampler=self.sampler,
+            drafter=self.drafter, comm=self.comm, graph_cache=self.graph_cache)
+        spec = self.config.speculative
+        if spec.adaptive and self.k:
+            cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
+                             graph_cache=self.graph_cache, verify=verify, draft=draft)
+            self.adaptive = AdaptiveK(spec.k_values, cost)
+
+    async def agree_costs(self) -> None:
+        """Before the first iteration: every rank takes the slowest rank's warm-up time
+        for each (bucket, K), so all hold the same cost table (one collective, once)."""
+        if self.adaptive is None or self.comm.world_size == 1:
+            return
+        cost = self.adaptive.cost
+        keys = sorted(cost.device)
+        gathered = await self.comm.all_gather(cost.as_tensor(keys).to(self.runner.device))
+        agreed = gathered.cpu().reshape(self.comm.world_size, -1).max(dim=0).values
+        cost.device = {key: int(v) / 1e7 for key, v in zip(keys, agreed.tolist())}
 
     # SCHEDULE ---------------------------------------------------------------------------
     async def _schedule_local(self, rec: IterationRecord) -> IterationState:
         message = await self.exchange()
+        # Adaptive K times the iteration from here: not the wait for work, not prefill.
+        self._started, self._prefill_s = time.perf_counter(), 0.0
         rec.shutdown = message.shutdown
         self._apply(message)
         await self._admit()
@@ -105,6 +134,7 @@ class RankWorker:
         # waits for the GIL (on rank 0 they are every rank's consumers).
         await anyio.lowlevel.checkpoint()
         self._carried = await self.exchange(self._facts(rec.batch))
+        self._started, self._prefill_s = time.perf_counter(), 0.0
         rec.shutdown = self._carried.shutdown
         return S.SYNC
 
@@ -120,7 +150,9 @@ class RankWorker:
     async def _admit(self) -> None:
         admitted = self.scheduler.admit()
         if admitted:
+            start = time.perf_counter()
             await self.run_sync(lambda: self._prefill(admitted))
+            self._prefill_s += time.perf_counter() - start
 
     def _prefill(self, admitted: list[Request]) -> None:
         for request in admitted:
@@ -135,12 +167,16 @@ class RankWorker:
             r.params.is_greedy for r in rec.batch))
         self.exchange.loads = [self.scheduler.num_requests]
         rec.padded_batch_size = len(rec.batch)
+        if self.adaptive is not None and rec.batch:
+            rec.num_draft_tokens = self.adaptive.choose(
+                torch.tensor([self.adaptive.facts()]), rec.padded_batch_size)
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     def _facts(self, batch: list[Request]) -> list[int]:
         """This rank's row of what the group agrees on (the FACT_* columns)."""
-        return [len(batch) * (self.k + 1), len(batch), self.scheduler.num_requests,
-                int(all(r.params.is_greedy for r in batch))]
+        row = [len(batch) * (self.k + 1), len(batch), self.scheduler.num_requests,
+               int(all(r.params.is_greedy for r in batch))]
+        return row + self.adaptive.facts() if self.adaptive is not None else row
 
     async def _sync_group(self, rec: IterationRecord) -> IterationState:
         """Agreement from the facts gathered in SCHEDULE's exchange (no collective)."""
@@ -158,12 +194,19 @@ class RankWorker:
             loads[rank] += 1
         self.exchange.loads = loads
         rec.padded_batch_size = int(facts[:, FACT_BATCH].max())
+        if self.adaptive is not None and rec.padded_batch_size:
+            # From gathered values only: every rank computes the same K.
+            rec.num_draft_tokens = self.adaptive.choose(facts[:, NUM_FACTS:],
+                                                        rec.padded_batch_size)
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     # PICK_GRAPH_KEY ---------------------------------------------------------------------
     async def pick_graph_key(self, rec: IterationRecord) -> IterationState:
+        if rec.num_draft_tokens is None:
+            rec.num_draft_tokens = self.k
         rec.graph_key, rec.graph_captured = self.graph_cache.pick(
-            rec.padded_batch_size, self.k, SamplingPath.of(rec.spec), rec.spec.all_greedy,
+            rec.padded_batch_size, rec.num_draft_tokens, SamplingPath.of(rec.spec),
+            rec.spec.all_greedy,
             agreed=self._group_agrees(rec))
         if rec.batch:
             rec.sampling = self._sampling_batch(rec.batch, None)
@@ -204,6 +247,10 @@ class RankWorker:
 
         if not rec.batch and not self.draft_when_idle:
             return
+        k, variable = rec.num_draft_tokens, self.drafter.variable_k
+        if not k and variable:      # adaptive K chose not to draft: on every rank alike
+            rec.draft_token_ids = rec.draft_probs = None
+            return
         device = self.runner.device
         replay = self._draft_replay(rec)
         slots, seq_lens = [r.slot for r in rec.batch], [r.seq_len for r in rec.batch]
@@ -211,6 +258,7 @@ class RankWorker:
         both = torch.tensor([seq_lens, slots], dtype=torch.int64).reshape(2, -1).to(
             device, non_blocking=True)
         ctx = DraftContext(
+            num_draft_tokens=k if variable else None,
             token_ids=[r.token_ids for r in rec.batch], seq_lens=both[0], slots=both[1],
             host_slots=slots, host_seq_lens=seq_lens,
             sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
@@ -218,10 +266,17 @@ class RankWorker:
             graph_sampling=self._sampling_batch(rec.batch, rec.graph_key.batch_size)
             if replay is not None else None)
         proposal = await self.drafter.propose(ctx)
-        rec.draft_token_ids, rec.draft_probs = proposal.token_ids, proposal.probs
+        tokens, probs = proposal.token_ids, proposal.probs
+        if not variable and k < self.k:     # adaptive K: keep the first k drafts
+            tokens, probs = tokens[:, :k], None if probs is None else probs[:, :k]
+        if not k:
+            tokens, probs = None, None
+        rec.draft_token_ids, rec.draft_probs = tokens, probs
 
     def _draft_replay(self, rec: IterationRecord):
         draft_key = attrs.evolve(rec.graph_key, stage="draft")
+        if not self.drafter.variable_k:     # it drafts all K; its graph is the K key's
+            draft_key = attrs.evolve(draft_key, num_draft_tokens=self.k)
         if not rec.graph_captured or not self.graph_cache.has(draft_key):
             return None
         return lambda inputs: self.graph_cache.replay(draft_key, inputs)
@@ -273,7 +328,7 @@ class RankWorker:
 
     def _inputs(self, rec: IterationRecord, sampling: SamplingBatch):
         return verify_inputs(rec.batch, rec.draft_token_ids, rec.draft_probs, sampling,
-                             k=self.k, scratch_slot=self.runner.cache.scratch_slot,
+                             k=rec.num_draft_tokens, scratch_slot=self.runner.cache.scratch_slot,
                              device=self.runner.device)
 
     # RESCAN -----------------------------------------------------------------------------
@@ -281,9 +336,14 @@ class RankWorker:
         if rec.result is not None:
             tokens = rec.result.token_ids.tolist()
             accepted = rec.result.num_accepted.tolist()
+            k = rec.num_draft_tokens
             for request, row, n in zip(rec.batch, tokens, accepted):
-                self.outputs.append(request, row[:n + 1], n)
-            self.stats.record_iteration(len(rec.batch), self.k, sum(accepted))
+                self.outputs.append(request, row[:n + 1], n, k)
+            self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)
+            if self.adaptive is not None:
+                self.adaptive.record(k, accepted)
+        if self.adaptive is not None:
+            self.adaptive.measured(time.perf_counter() - self._started - self._prefill_s)
         rec.finished = [r for r in rec.batch if r.finished]
         return S.DONE
 

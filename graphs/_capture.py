@@ -47,13 +47,15 @@ def graph_template(key: GraphKey, device: torch.device | str) -> SamplingBatch:
                         any_greedy=True)
 
 
-def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int,
+def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | Iterable[int],
             variants: Iterable[tuple[SamplingPath, bool, bool]], device: torch.device | str,
             verify: VerifyBuilder, draft: DraftBuilder) -> list[GraphKey]:
     """Capture every key the cache asks for, VERIFY and then DRAFT (stage "draft"), and
-    seal the cache; -> the VERIFY keys captured."""
+    seal the cache; -> the VERIFY keys captured. Several ``num_draft_tokens`` (adaptive K):
+    the keys of each."""
     has_q = {(path, greedy): q for path, greedy, q in variants}
-    keys = cache.keys_to_capture(max_batch_size, num_draft_tokens, list(has_q))
+    ks = [num_draft_tokens] if isinstance(num_draft_tokens, int) else list(num_draft_tokens)
+    keys = [key for k in ks for key in cache.keys_to_capture(max_batch_size, k, list(has_q))]
     for key in keys:
         template = graph_template(key, device)
         with torch.inference_mode():

@@ -33,6 +33,10 @@ class ServeMetrics:
             P + "spec_decode_num_accepted_tokens_per_pos",
             "Draft tokens accepted at each draft position (0 = first)", ["position"],
             registry=r)
+        self.iterations_per_k = Counter(
+            P + "spec_decode_iterations_per_k",
+            "Iterations by the number of tokens drafted (adaptive K varies it)", ["k"],
+            registry=r)
         self.requests = Counter(P + "request_success", "Finished requests by reason",
                                 ["finished_reason"], registry=r)
         self.prompt_tokens = Counter(P + "prompt_tokens", "Prompt tokens", registry=r)
@@ -67,15 +71,17 @@ class ServeMetrics:
         if event.state is IterationState.PICK_GRAPH_KEY and event.sampling_path:
             self.sampling_path.labels(path=event.sampling_path).inc()
             self.batch_size.observe(event.batch_size)
-        if event.state is IterationState.VERIFY and event.accepted and self.k:
-            self._record_acceptance(event.accepted)
+        if event.state is IterationState.VERIFY and event.accepted is not None and self.k:
+            self.iterations_per_k.labels(k=str(event.num_draft_tokens)).inc()
+            if event.accepted and event.num_draft_tokens:
+                self._record_acceptance(event.accepted, event.num_draft_tokens)
 
-    def _record_acceptance(self, accepted) -> None:
+    def _record_acceptance(self, accepted, k: int) -> None:
         rows = len(accepted)
         self.num_drafts.inc(rows)
-        self.num_draft_tokens.inc(rows * self.k)
+        self.num_draft_tokens.inc(rows * k)
         self.num_accepted.inc(sum(accepted))
-        for position in range(self.k):
+        for position in range(k):
             hits = sum(1 for n in accepted if n > position)
             if hits:
                 self.accepted_per_pos.labels(position=str(position)).inc(hits)

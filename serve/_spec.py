@@ -15,15 +15,21 @@ class RequestSpec:
     k: int
     num_drafts: int = 0
     accepted_per_position: list[int] = attrs.Factory(list)
+    num_draft_tokens: int = 0
 
-    def record(self, accepted: int) -> None:
+    def record(self, accepted: int, k: int | None = None) -> None:
+        """One VERIFY row: ``k`` drafts (this iteration's K; None: the configured K)."""
+        k = self.k if k is None else k
+        if not k:
+            return
         self.num_drafts += 1
+        self.num_draft_tokens += k
         for position in range(accepted):
             self.accepted_per_position[position] += 1
 
     def usage(self) -> dict[str, Any]:
         accepted = sum(self.accepted_per_position)
-        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_drafts * self.k,
+        return {"num_drafts": self.num_drafts, "num_draft_tokens": self.num_draft_tokens,
                 "num_accepted_tokens": accepted,
                 "mean_acceptance_length": round(1 + accepted / max(self.num_drafts, 1), 4),
                 "accepted_per_position": list(self.accepted_per_position)}
@@ -50,4 +56,4 @@ class SpecTracker:
         for request_id, accepted in zip(event.request_ids, event.accepted):
             spec = self._open.get(request_id)
             if spec is not None:
-                spec.record(accepted)
+                spec.record(accepted, event.num_draft_tokens)

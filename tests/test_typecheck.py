@@ -78,6 +78,7 @@ class Structural:
     num_draft_tokens = 2
     point_mass = True
     feature_layers: tuple[int, ...] = ()
+    variable_k: bool = False
 
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None
                 ) -> None:

@@ -103,6 +103,10 @@ def load_or_init(head, path):
     return head
 
 
+# Target rows a slot keeps beyond K + 1 under adaptive K (K = 0 iterations in a row).
+LAZY_ROWS = 32
+
+
 class MtpEagleDrafter(Drafter):
     def __init__(self, config, deps: DrafterDeps) -> None:
         from specloop.models import KVCache  # noqa: PLC0415
@@ -117,7 +121,10 @@ class MtpEagleDrafter(Drafter):
         self.lm = DraftHead(target.lm_head_weight, lm_head_tp=config.parallel.lm_head_tp_in_adp,
                             max_rows=deps.num_slots, d2t=self.head.d2t)
         # Per slot: the target rows not yet fed to the head (position start.., count rows).
-        self.pending = torch.zeros(deps.num_slots + 1, k + 1, self.head.feature_size,
+        # Adaptive K does not call propose at K = 0: rows of such iterations pile up here
+        # (LAZY_ROWS more) and the next drafting iteration feeds them all at once.
+        rows = k + 1 + (LAZY_ROWS if config.speculative.adaptive else 0)
+        self.pending = torch.zeros(deps.num_slots + 1, rows, self.head.feature_size,
                                    dtype=target.dtype, device=target.device)
         self.pending_start = [0] * (deps.num_slots + 1)
         self.pending_count = [0] * (deps.num_slots + 1)
@@ -144,6 +151,10 @@ class MtpEagleDrafter(Drafter):
     def needs_empty_calls(self) -> bool:
         return self.lm.lm_head_tp
 
+    @property
+    def variable_k(self) -> bool:
+        return True
+
     @torch.inference_mode()
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
         """Feed positions 0..P-2 of the prompt; position P-1 stays pending for DRAFT."""
@@ -166,28 +177,41 @@ class MtpEagleDrafter(Drafter):
 
     def on_verified(self, slots: Sequence[int], start_pos: Sequence[int], hidden: torch.Tensor,
                     num_accepted: Sequence[int]) -> None:
-        """hidden [B, K+1, H] of VERIFY at positions start_pos..; rows 0..n are committed."""
+        """hidden [B, K+1, H] of VERIFY at positions start_pos..; rows 0..n are committed.
+        Rows not yet fed (no propose since: adaptive K's K = 0) are kept and these appended
+        after them; when the buffer is full the older ones are dropped (the head then
+        drafts with a gap in its cache: weaker drafts, never wrong outputs)."""
+        cap = self.pending.shape[1]
         for row, (slot, start, n) in enumerate(zip(slots, start_pos, num_accepted)):
-            self.pending[slot, :n + 1] = hidden[row, :n + 1]
-            self.pending_start[slot], self.pending_count[slot] = start, n + 1
+            count = self.pending_count[slot]
+            if count and self.pending_start[slot] + count == start and count + n + 1 <= cap:
+                self.pending[slot, count:count + n + 1] = hidden[row, :n + 1]
+                self.pending_count[slot] = count + n + 1
+            else:
+                self.pending[slot, :n + 1] = hidden[row, :n + 1]
+                self.pending_start[slot], self.pending_count[slot] = start, n + 1
 
     def release(self, slot: int) -> None:
         self.pending_count[slot] = 0
 
     @torch.inference_mode()
-    def _draft_steps(self, inputs: dict[str, torch.Tensor], *, kv_len: int | None):
+    def _draft_steps(self, inputs: dict[str, torch.Tensor], *, kv_len: int | None,
+                     k: int):
         """The one drafting loop, eager and graph alike, as a generator: the catch-up (each
         row's pending target rows), then K steps of the head on its own outputs. It yields
         the head's hidden state for draft step j, [B, H], and is sent that step's tokens
         [B]; the caller turns hidden states into tokens (local head, or LM-head TP, whose
         collectives must run on the event loop). inputs: cu_tokens [B, W], cu_hidden
-        [B, W, H], cu_start [B], write_slots [B], cu_last [B], slots [B], seq_lens [B]."""
+        [B, W, H], cu_start [B], write_slots [B], cu_last [B], slots [B], seq_lens [B].
+        With k = 0 it yields the catch-up's hidden state once (the caller drafts nothing)."""
         cache, slots, seq_lens = self.cache, inputs["slots"], inputs["seq_lens"]
         out = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
                         inputs["write_slots"], cache, kv_len=kv_len)
         hidden = out[torch.arange(out.shape[0], device=out.device), inputs["cu_last"]]
         tokens: torch.Tensor    # sent in by the caller after each step
-        for j in range(self.num_draft_tokens):
+        # k = 0 (adaptive K): the catch-up alone (yielded once, never sent to), so the
+        # head's cache stays current.
+        for j in range(max(k, 1)):
             if j:
                 # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j.
                 hidden = self.head(tokens[:, None], hidden[:, None], seq_lens - 2 + j, slots,
@@ -223,18 +247,22 @@ class MtpEagleDrafter(Drafter):
         inputs["cu_hidden"] = self.pending[inputs["slots"], :k + 1]
         return inputs
 
-    def graph_step(self, sampler, template, *, advanced: bool):
+    def graph_step(self, sampler, template, *, advanced: bool,
+                   num_draft_tokens: int | None = None):
         """``_draft_steps`` on static tensors, drafting with the local head (argmax, or
         sampled with q kept); for CUDA-graph capture. Never used on the LM-head-TP path
         (collectives)."""
         kv_len = self.cache.max_seq_len
+        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
 
         def step(inputs):
             batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
-            loop = self._draft_steps(inputs, kv_len=kv_len)
+            loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
+            if not k:
+                return {"token_ids": seq_lens.new_zeros(seq_lens.shape[0], 0)}
             tokens, probs = [], []
-            for j in range(self.num_draft_tokens):
+            for j in range(k):
                 if j:
                     hidden = loop.send(tokens[-1])
                 sample = sampler.draft(self.lm.logits(hidden), batch, seq_lens + j,
@@ -258,7 +286,8 @@ class MtpEagleDrafter(Drafter):
         return inputs
 
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
-        proposal = replay_proposal(ctx, self.graph_inputs(ctx), advanced)
+        proposal = replay_proposal(ctx, self.graph_inputs(ctx),
+                                   advanced and ctx.draft_count(self) > 0)
         for slot in ctx.slot_list():
             self.pending_count[slot] = 0
         return proposal
@@ -267,26 +296,29 @@ class MtpEagleDrafter(Drafter):
         return advanced or not self.lm.lm_head_tp
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
-        rows = len(ctx.token_ids)
+        rows, k = len(ctx.token_ids), ctx.draft_count(self)
         advanced = ctx.spec.wants_advanced_draft_sampling
-        if rows and ctx.replay is not None and self.can_graph(advanced):
+        # The graph's catch-up is K + 1 rows wide: more pending rows (after K = 0
+        # iterations) take the eager path once.
+        if rows and ctx.replay is not None and self.can_graph(advanced) and max(
+                self.pending_count[s] for s in ctx.slot_list()) <= self.num_draft_tokens + 1:
             return await ctx.run_sync(lambda: self._replay(ctx, advanced))
         if rows == 0:
             # An idle rank still enters every LM-head-TP collective, with dummy rows.
             hidden = self.pending.new_zeros(0, self.head.block.args.hidden_size)
             if self.lm.uses_collectives(ctx):
-                for step in range(self.num_draft_tokens):
+                for step in range(k):
                     await self.lm.tokens(ctx, hidden, step)
-            return DraftProposal(torch.zeros(0, self.num_draft_tokens, dtype=torch.int64))
+            return DraftProposal(torch.zeros(0, k, dtype=torch.int64))
 
         def start():
-            steps = self._draft_steps(self._eager_inputs(ctx), kv_len=None)
+            steps = self._draft_steps(self._eager_inputs(ctx), kv_len=None, k=k)
             return steps, next(steps)
 
         loop, hidden = await ctx.run_sync(start)
         drafted: list[torch.Tensor] = []
         probs: list[torch.Tensor | None] = []
-        for step in range(self.num_draft_tokens):
+        for step in range(k):
             if step:
                 prev = drafted[-1]
                 hidden = await ctx.run_sync(lambda: loop.send(prev))
@@ -295,5 +327,7 @@ class MtpEagleDrafter(Drafter):
             probs.append(q)
         for slot in ctx.slot_list():
             self.pending_count[slot] = 0
+        if not k:
+            return DraftProposal(torch.zeros(rows, 0, dtype=torch.int64, device=hidden.device))
         q = torch.stack(probs, dim=1) if probs[0] is not None else None
         return DraftProposal(torch.stack(drafted, dim=1), q)

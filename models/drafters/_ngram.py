@@ -22,6 +22,7 @@ class NgramDrafter(Drafter):
     """Model-free; its drafts are point masses (q is None)."""
 
     point_mass = True
+    variable_k = True
 
     def __init__(self, config: Any, deps: DrafterDeps) -> None:
         spec = config.speculative
@@ -45,10 +46,13 @@ class NgramDrafter(Drafter):
                 index.table[tuple(tokens[end - n + 1:end + 1])] = end + 1
         index.indexed_upto = max(index.indexed_upto, last)
 
-    def propose_row(self, slot: int, tokens: Sequence[int]) -> list[int]:
+    def propose_row(self, slot: int, tokens: Sequence[int], k: int | None = None
+                    ) -> list[int]:
         index = self._slots.setdefault(slot, _SlotIndex())
         self._index(index, tokens)
-        k = self.num_draft_tokens
+        k = self.num_draft_tokens if k is None else k
+        if k == 0:
+            return []
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
             start = index.table.get(tuple(tokens[-n:]))
             if start is not None:
@@ -59,7 +63,7 @@ class NgramDrafter(Drafter):
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         slots = ctx.slot_list()
-        rows = [self.propose_row(s, t) for s, t in zip(slots, ctx.token_ids)]
+        k = ctx.draft_count(self)
+        rows = [self.propose_row(s, t, k) for s, t in zip(slots, ctx.token_ids)]
         # On the host: VERIFY's one input copy takes them along (no copy of their own).
-        return DraftProposal(torch.tensor(rows, dtype=torch.int64).reshape(
-            len(rows), self.num_draft_tokens))
+        return DraftProposal(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k))

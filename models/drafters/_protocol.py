@@ -36,6 +36,14 @@ class DraftContext:
     # With ``replay``: the sampling rows padded to the graph's batch (the ones VERIFY uses).
     graph_sampling: SamplingBatch | None = None
     host_seq_lens: Sequence[int] = ()
+    # Drafts this call (adaptive K, 0 .. the drafter's num_draft_tokens); None: all of
+    # them. Only drafters whose ``variable_k`` is True are given a number.
+    num_draft_tokens: int | None = None
+
+    def draft_count(self, drafter: Drafter) -> int:
+        """How many drafts ``drafter`` proposes in this call."""
+        return drafter.num_draft_tokens if self.num_draft_tokens is None \
+            else self.num_draft_tokens
 
     @property
     def graph_rows(self) -> int:
@@ -81,7 +89,8 @@ class Drafter(Protocol):
     ``propose`` and ``release``), or implement every member yourself. The factory named
     in config is called as ``factory(config, deps: DrafterDeps)``.
 
-    Defaults: ``point_mass`` False (proposals carry q), ``needs_empty_calls`` False,
+    Defaults: ``point_mass`` False (proposals carry q), ``variable_k`` False,
+    ``needs_empty_calls`` False,
     ``feature_layers`` () (no target features), ``on_verified`` does nothing,
     ``can_graph`` False (so ``graph_step`` and ``graph_inputs``, which raise, are never
     called).
@@ -107,6 +116,15 @@ class Drafter(Protocol):
     def point_mass(self) -> bool:
         """True when every proposal's ``probs`` is None (drafts are point masses): VERIFY
         graphs are then captured without a q input. Default False."""
+        return False
+
+    @property
+    def variable_k(self) -> bool:
+        """True when ``propose`` honours ``ctx.num_draft_tokens`` (any K from 1 to
+        ``num_draft_tokens``) and ``graph_step`` takes ``num_draft_tokens=``; at K = 0 the
+        engine then does not call ``propose`` (``on_verified`` still runs, with one row per
+        request: keep what the next ``propose`` needs). Default False: under adaptive K
+        the engine asks for all ``num_draft_tokens`` and keeps the first K."""
         return False
 
     @property

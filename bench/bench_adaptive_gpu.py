@@ -1,0 +1,169 @@
+"""Adaptive K against no speculation and fixed K, per batch size (the issue-13 bar: adaptive
+÷ max(none, fixed K) >= 0.97 at every batch). Real SmolLM2 (bf16, CUDA graphs, one bucket
+per batch), the shipped eagle3 head, greedy, held-out chat prompts, EOS ignored.
+
+For each batch size every config's engine is built first (all stay open), one warm-up
+round each, then ``--runs`` rounds in which the configs take turns (so drift hits all
+alike). Prints one JSON row per (batch, config): tokens/s per round, the median, the ratio
+to no speculation, AL, iterations per K; then adaptive ÷ max(others) per batch.
+``--plot rows.jsonl`` draws tokens/s per batch (PNG) from earlier rows, without a GPU.
+
+    python bench/bench_adaptive_gpu.py --prompts prompts.jsonl --out rows.jsonl
+    python bench/bench_adaptive_gpu.py --plot rows.jsonl --png bench/adaptive_h200.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+
+import anyio
+import torch
+
+from _common import quiet_logs
+
+HEAD = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
+CONFIGS = {"none": {"method": "none"},
+           "K=3": {**HEAD, "num_draft_tokens": 3},
+           "K=5": {**HEAD, "num_draft_tokens": 5},
+           "adaptive<=3": {**HEAD, "num_draft_tokens": 3, "adaptive": True},
+           "adaptive<=5": {**HEAD, "num_draft_tokens": 5, "adaptive": True}}
+
+
+def engine_config(spec, batch, device):
+    from specloop.engine import EngineConfig
+    return EngineConfig.from_dict({
+        "model": {"name": "smollm2-135m-instruct", "device": device,
+                  "dtype": "bfloat16" if device == "cuda" else "float32",
+                  "max_seq_len": 1024, "chat_template": False},
+        "scheduler": {"max_batch_size": batch}, "speculative": spec,
+        "components": {"graph_cache": "cuda" if device == "cuda" else "eager"},
+        "graphs": {"batch_buckets": [batch]}})
+
+
+async def measure_batch(names, loaded, prompts, tokens, runs, device):
+    from specloop.engine import AsyncEngine
+    from specloop.samplers import SamplingParams
+    batch = len(prompts)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    rates = {name: [] for name in names}
+    async with contextlib.AsyncExitStack() as stack:
+        engines = {}
+        for name in names:
+            engines[name] = await stack.enter_async_context(
+                AsyncEngine(engine_config(CONFIGS[name], batch, device), model=loaded))
+
+        async def round_(engine, n):
+            async def one(ids):
+                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+                async for _ in engine.generate(ids, params):
+                    pass
+            async with anyio.create_task_group() as tg:
+                for ids in prompts:
+                    tg.start_soon(one, ids)
+
+        for engine in engines.values():
+            await round_(engine, 16)
+        for _ in range(runs):
+            for name, engine in engines.items():
+                sync()
+                start = time.perf_counter()
+                await round_(engine, tokens)
+                sync()
+                rates[name].append(batch * tokens / (time.perf_counter() - start))
+        extra = {}
+        for name, engine in engines.items():
+            stats, adaptive = engine.stats, engine.worker.adaptive
+            extra[name] = {
+                "al": round(stats.mean_acceptance_length, 3),
+                "per_position": [round(a, 3) for a in stats.acceptance_per_position],
+                "iterations_per_k": dict(sorted(stats.iterations_per_k.items())),
+                "cost_ms": None if adaptive is None else {
+                    f"{b}/{k}": round(s * 1e3, 3) for (b, k), s in adaptive.cost.device.items()},
+                "rest_ms": None if adaptive is None else {
+                    b: round(s * 1e3, 3) for b, s in adaptive.cost.rest.items()}}
+    return rates, extra
+
+
+def run(args) -> None:
+    quiet_logs()
+    from specloop.models import load_model
+    cuda = args.device == "cuda"
+    loaded = load_model("smollm2-135m-instruct", device=args.device,
+                        dtype=torch.bfloat16 if cuda else torch.float32)
+    texts = [json.loads(x)["text"] for x in open(args.prompts)
+             if json.loads(x)["split"] == "eval"]
+    names = args.configs.split(",")
+    for batch in [int(b) for b in args.batches.split(",")]:
+        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}])[:400]
+                   for t in (texts * (batch // len(texts) + 1))[:batch]]
+        start = time.perf_counter()
+        rates, extra = anyio.run(measure_batch, names, loaded, prompts, args.tokens,
+                                 args.runs, args.device)
+        medians = {name: statistics.median(r) for name, r in rates.items()}
+        for name in names:
+            row = {"batch": batch, "config": name, "tok_s": [round(r, 1) for r in rates[name]],
+                   "median": round(medians[name], 1),
+                   "vs_none": round(medians[name] / medians.get("none", medians[name]), 3),
+                   **extra[name], "tokens": args.tokens, "runs": args.runs,
+                   "device": torch.cuda.get_device_name() if cuda else "cpu"}
+            print(json.dumps(row), flush=True)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        for name in names:
+            if name.startswith("adaptive"):
+                others = [m for n, m in medians.items() if not n.startswith("adaptive")]
+                print(f"batch {batch}: {name} / max(fixed, none) = "
+                      f"{medians[name] / max(others):.3f}  ({time.perf_counter() - start:.0f} s)",
+                      flush=True)
+
+
+def plot(rows_path: str, png: str) -> None:
+    import matplotlib  # noqa: PLC0415
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+    rows = [json.loads(x) for x in open(rows_path)]
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    names = list(dict.fromkeys(r["config"] for r in rows))
+    for name in names:
+        mine = sorted((r for r in rows if r["config"] == name), key=lambda r: r["batch"])
+        xs = [r["batch"] for r in mine]
+        ax.plot(xs, [r["median"] for r in mine], marker="o", label=name)
+        ax2.plot(xs, [r["vs_none"] for r in mine], marker="o", label=name)
+    for a, title in ((ax, "tokens/s (median)"), (ax2, "÷ no speculation")):
+        a.set_xscale("log", base=2)
+        a.set_xlabel("batch")
+        a.set_title(title)
+        a.grid(alpha=0.3)
+    ax2.axhline(1.0, color="gray", lw=0.8)
+    ax.set_yscale("log")
+    ax.legend()
+    fig.suptitle("SmolLM2-135M bf16, H200, CUDA graphs, eagle3 head: adaptive K vs fixed K")
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print("wrote", png)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts")
+    ap.add_argument("--out", default="adaptive_rows.jsonl")
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--batches", default="1,8,32,64,128,256")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
+    ap.add_argument("--png", default="adaptive_h200.png")
+    args = ap.parse_args()
+    if args.plot:
+        plot(args.plot, args.png)
+    else:
+        run(args)
+
+
+if __name__ == "__main__":
+    main()

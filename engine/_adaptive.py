@@ -1,0 +1,165 @@
+"""Adaptive K: how many tokens to draft this iteration (docs/configuration.md, "Adaptive K").
+
+The rule: among the K values the engine captured (0 .. num_draft_tokens), pick the one with
+the most expected tokens per unit of time at the padded batch b,
+
+    E(k) / T(b, k),   E(k) = 1 + sum_{j=1..k} a_1 * ... * a_j,
+
+a_j being the acceptance of draft j given drafts 1..j-1 were accepted (decayed counts of
+recent iterations, pooled over the group's ranks), T(b, k) the iteration's time: VERIFY and
+DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work),
+learned online per batch bucket. Ties go to the smaller K. Every input is agreed by the
+group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
+warm-up table is agreed once before the first iteration; so every rank picks the same K.
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import Sequence
+
+import attrs
+import torch
+
+from specloop.graphs import bucket_for
+
+# Counts travel as integers in 1/SCALE units (the exchange is an int64 tensor).
+SCALE = 16
+# Per-iteration decay of the counts (an iteration with drafts only): ~50 iterations' memory.
+DECAY = 0.98
+# Prior: PRIOR_ROWS pseudo-rows at acceptance PRIOR_ACCEPT for every position, so a
+# position never drafted yet looks worth a try, and one lucky row does not decide.
+PRIOR_ROWS, PRIOR_ACCEPT = 2.0, 0.5
+# Weight of a new measurement of the rest of the iteration (an exponential average).
+REST_WEIGHT = 0.2
+
+
+def expected_tokens(acceptance: Sequence[float], k: int) -> float:
+    """E(k): tokens one row gains in an iteration drafting k (the bonus/correction token
+    plus each accepted draft), with ``acceptance`` the conditional a_1, a_2, ..."""
+    total, chain = 1.0, 1.0
+    for a in acceptance[:k]:
+        chain *= a
+        total += chain
+    return total
+
+
+def choose_k(candidates: Sequence[int], acceptance: Sequence[float],
+             times: dict[int, float]) -> int:
+    """The rule: the candidate with the largest E(k) / T(k); the smaller K on a tie."""
+    best, best_rate = None, -1.0
+    for k in sorted(candidates):
+        rate = expected_tokens(acceptance, k) / max(times[k], 1e-9)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best
+
+
+def acceptance_from_counts(reached: Sequence[float], accepted: Sequence[float]
+                           ) -> list[float]:
+    return [(a + PRIOR_ACCEPT * PRIOR_ROWS) / (r + PRIOR_ROWS)
+            for r, a in zip(reached, accepted)]
+
+
+@attrs.define
+class CostTable:
+    """T(b, k) in seconds: ``device`` (VERIFY + DRAFT at warm-up) per (bucket, k), plus
+    ``rest`` per bucket, learned from measured iterations; ``learn`` False keeps it fixed
+    (tests force K to switch with a table of their own)."""
+
+    device: dict[tuple[int, int], float]
+    rest: dict[int, float] = attrs.Factory(dict)
+    learn: bool = True
+
+    @property
+    def buckets(self) -> list[int]:
+        return sorted({b for b, _ in self.device})
+
+    def bucket(self, batch_size: int) -> int:
+        buckets = self.buckets
+        found = bucket_for(batch_size, buckets)
+        return buckets[-1] if found is None else found
+
+    def time(self, bucket: int, k: int) -> float:
+        return self.device[(bucket, k)] + self._rest(bucket)
+
+    def _rest(self, bucket: int) -> float:
+        if bucket in self.rest:
+            return self.rest[bucket]
+        if not self.rest:
+            return 0.0
+        # A bucket not run yet: the nearest one measured (host work grows with rows).
+        nearest = min(self.rest, key=lambda b: (abs(b - bucket), b))
+        return self.rest[nearest]
+
+    def observe(self, bucket: int, k: int, seconds: float) -> None:
+        if not self.learn or (bucket, k) not in self.device:
+            return
+        rest = max(seconds - self.device[(bucket, k)], 0.0)
+        old = self.rest.get(bucket)
+        self.rest[bucket] = rest if old is None else old + REST_WEIGHT * (rest - old)
+
+    def as_tensor(self, keys: list[tuple[int, int]]) -> torch.Tensor:
+        return torch.tensor([round(self.device[key] * 1e7) for key in keys], dtype=torch.int64)
+
+
+class AdaptiveK:
+    """One rank's side of the rule: its decayed per-position counts and last measured
+    iteration time (``facts``, its columns of the SYNC row), and ``choose``, which every
+    rank runs on the gathered columns of all ranks, so all get the same K."""
+
+    def __init__(self, candidates: Sequence[int], cost: CostTable) -> None:
+        self.candidates = tuple(sorted(set(candidates)))
+        self.k_max = self.candidates[-1]
+        self.cost = cost
+        self.reached = [0.0] * self.k_max
+        self.accepted = [0.0] * self.k_max
+        self._measured_us = 0       # the last iteration's time, sent once in ``facts``
+        self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
+        self.chosen: collections.Counter[int] = collections.Counter()
+
+    @property
+    def num_columns(self) -> int:
+        return 2 * self.k_max + 1
+
+    def facts(self) -> list[int]:
+        """[reached_1..K, accepted_1..K (x SCALE), measured iteration time in us]."""
+        row = [round(x * SCALE) for x in self.reached + self.accepted] + [self._measured_us]
+        self._measured_us = 0
+        return row
+
+    def record(self, k: int, num_accepted: Sequence[int]) -> None:
+        """After VERIFY: each row drafted k and had ``num_accepted`` of them accepted."""
+        if k == 0 or not num_accepted:
+            return
+        hist = collections.Counter(num_accepted)
+        at_least = len(num_accepted)    # rows with n >= j, for j = 0, 1, ...
+        for j in range(k):
+            reached = at_least          # draft j+1 was looked at: drafts 1..j accepted
+            at_least -= hist.get(j, 0)
+            self.reached[j] = self.reached[j] * DECAY + reached
+            self.accepted[j] = self.accepted[j] * DECAY + at_least
+        for j in range(k, self.k_max):
+            self.reached[j] *= DECAY
+            self.accepted[j] *= DECAY
+
+    def measured(self, seconds: float) -> None:
+        """The iteration just run took ``seconds`` (prefill excluded)."""
+        self._measured_us = max(1, round(seconds * 1e6))
+
+    def choose(self, columns: torch.Tensor, padded_batch_size: int) -> int:
+        """columns [world, num_columns]: every rank's ``facts``. Learn the last
+        iteration's time (the slowest rank's), pool the counts, apply the rule."""
+        rows = columns.tolist()
+        measured = max(row[-1] for row in rows)
+        if measured and self._last is not None:
+            self.cost.observe(*self._last, measured / 1e6)
+        n = self.k_max
+        reached = [sum(row[j] for row in rows) / SCALE for j in range(n)]
+        accepted = [sum(row[n + j] for row in rows) / SCALE for j in range(n)]
+        bucket = self.cost.bucket(padded_batch_size)
+        times = {k: self.cost.time(bucket, k) for k in self.candidates}
+        k = choose_k(self.candidates, acceptance_from_counts(reached, accepted), times)
+        self._last = (bucket, k)
+        self.chosen[k] += 1
+        return k

@@ -1,0 +1,245 @@
+"""Adaptive K: the rule, greedy exactness while K varies, and the group's agreement on K."""
+
+import collections
+
+import anyio
+import pytest
+import torch
+
+from specloop.comm import CollectiveMismatchError, LocalGroup
+from specloop.engine import AsyncEngine
+from specloop.engine._adaptive import (SCALE, AdaptiveK, CostTable, acceptance_from_counts,
+                                       choose_k, expected_tokens)
+from specloop.engine._states import IterationState
+from specloop.engine._errors import ConfigError
+from specloop.samplers import SamplingParams
+
+from .conftest import collect, make_config
+from .test_engine import reference_greedy
+
+KS = (0, 1, 2, 3)
+
+
+# The rule ---------------------------------------------------------------------------------
+def test_expected_tokens_is_the_chain_of_conditional_acceptances():
+    assert expected_tokens([0.5, 0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5, 0.5], 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens([1.0, 0.0, 1.0], 3) == 2.0
+
+
+def test_rule_picks_zero_when_drafting_cannot_pay():
+    # Drafting adds 30 % per draft; acceptance 0.2 gains at most 25 %.
+    times = {k: 1.0 + 0.3 * k for k in KS}
+    assert choose_k(KS, [0.2, 0.2, 0.2], times) == 0
+    # Free drafts, nothing accepted: the tie goes to the smaller K.
+    assert choose_k(KS, [0.0, 0.0, 0.0], {k: 1.0 for k in KS}) == 0
+
+
+def test_rule_picks_the_max_when_acceptance_is_high_and_drafting_cheap():
+    times = {k: 1.0 + 0.05 * k for k in KS}
+    assert choose_k(KS, [0.9, 0.85, 0.8], times) == 3
+
+
+def test_rule_stops_where_the_next_draft_costs_more_than_it_brings():
+    # E(k) = 1, 1.9, 2.44, 2.548 over T(k) = 1, 1.2, 1.4, 1.6: rates 1, 1.58, 1.74, 1.59.
+    times = {k: 1.0 + 0.2 * k for k in KS}
+    rates = {k: expected_tokens([0.9, 0.6, 0.2], k) / times[k] for k in KS}
+    assert choose_k(KS, [0.9, 0.6, 0.2], times) == max(rates, key=rates.get) == 2
+
+
+def brute_counts(rows, k):
+    """Per position j: rows that looked at draft j+1, rows that had it accepted."""
+    reached = [sum(1 for n in rows if n >= j) for j in range(k)]
+    accepted = [sum(1 for n in rows if n > j) for j in range(k)]
+    return reached, accepted
+
+
+def test_counts_are_the_conditional_acceptance_per_position():
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 for k in KS}))
+    adaptive.record(3, [0, 3, 1, 2, 3, 0])
+    reached, accepted = brute_counts([0, 3, 1, 2, 3, 0], 3)
+    assert adaptive.reached == reached and adaptive.accepted == accepted
+    adaptive.record(1, [1, 0])      # a K = 1 iteration: later positions only decay
+    assert adaptive.reached[0] == pytest.approx(6 * 0.98 + 2)
+    assert adaptive.accepted[0] == pytest.approx(4 * 0.98 + 1)
+    assert adaptive.reached[2] == pytest.approx(3 * 0.98)
+    adaptive.record(0, [])          # K = 0: nothing learned, nothing forgotten
+    assert adaptive.reached[0] == pytest.approx(6 * 0.98 + 2)
+
+
+def test_choice_depends_only_on_the_gathered_columns():
+    """Two ranks with different local state, handed the same columns, choose alike; the
+    group's acceptance is the pooled counts'."""
+    cost = {(b, k): 1.0 + 0.2 * k * b for b in (1, 2, 4) for k in KS}
+    a = AdaptiveK(KS, CostTable(dict(cost), learn=False))
+    b = AdaptiveK(KS, CostTable(dict(cost), learn=False))
+    a.record(3, [3, 3, 3, 2])
+    b.record(3, [0, 0, 1])
+    columns = torch.tensor([a.facts(), b.facts()])
+    for batch in (1, 2, 3, 4):
+        assert a.choose(columns, batch) == b.choose(columns, batch)
+    n = 3
+    pooled = acceptance_from_counts(
+        [(columns[:, j].sum() / SCALE).item() for j in range(n)],
+        [(columns[:, n + j].sum() / SCALE).item() for j in range(n)])
+    times = {k: cost[(1, k)] for k in KS}
+    assert a.choose(columns, 1) == choose_k(KS, pooled, times)
+
+
+def test_measured_time_teaches_the_rest_of_the_iteration():
+    cost = CostTable({(1, k): 0.001 * (1 + k) for k in KS})
+    adaptive = AdaptiveK(KS, cost)
+    adaptive.record(3, [0] * 8)     # nothing accepted
+    first = adaptive.choose(torch.tensor([adaptive.facts()]), 1)
+    adaptive.measured(0.011)        # the iteration took 11 ms, 10 of them host work
+    adaptive.choose(torch.tensor([adaptive.facts()]), 1)
+    assert cost.rest[1] == pytest.approx(0.011 - cost.device[(1, first)])
+    # Sent once: the next exchange carries no measurement.
+    assert adaptive.facts()[-1] == 0
+
+
+def test_config():
+    spec = make_config("x", method="ngram", k=4,
+                       speculative={"adaptive": True}).speculative
+    assert spec.k_values == (0, 1, 2, 3, 4)
+    spec = make_config("x", method="ngram", k=4,
+                       speculative={"adaptive": True, "adaptive_k": [0, 2]}).speculative
+    assert spec.k_values == (0, 2, 4)
+    assert make_config("x", method="ngram", k=4).speculative.k_values == (4,)
+    with pytest.raises(ConfigError, match="speculative.adaptive_k"):
+        make_config("x", method="ngram", k=2, speculative={"adaptive": True,
+                                                            "adaptive_k": [0, 3]})
+
+
+# The engine -------------------------------------------------------------------------------
+def switching_cost():
+    """A fixed table that makes K depend on the padded batch: free drafts at batch 1,
+    priced by acceptance at 2, too dear at 3 and 4 (buckets 1, 2, 4)."""
+    per_draft = {1: 0.001, 2: 0.3, 4: 3.0}
+    return CostTable({(b, k): 1.0 + per_draft[b] * k for b in per_draft for k in KS},
+                     learn=False)
+
+
+class KLog:
+    """Observer: (iteration, K) of each iteration this rank verified or drafted for."""
+
+    def __init__(self) -> None:
+        self.ks: list[tuple[int, int]] = []
+
+    def on_transition(self, event) -> None:
+        if event.state is IterationState.PICK_GRAPH_KEY:
+            self.ks.append((event.iteration, event.num_draft_tokens))
+
+
+def staggered(n=10):
+    out = []
+    for i in range(n):
+        prompt = [3 + i, 40 + 2 * i, 7, 90 + i, 3 + i, 40 + 2 * i]
+        if i % 4 == 3:
+            params = SamplingParams(temperature=0.9, seed=100 + i, max_tokens=12 + i,
+                                    ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=14 + 3 * i, ignore_eos=True)
+        out.append((prompt, params, 0.03 * (i % 5)))
+    return out
+
+
+async def serve(engine, reqs):
+    results = {}
+
+    async def one(i, prompt, params, delay):
+        await anyio.sleep(delay)
+        results[i] = await collect(engine, prompt, params, request_id=f"r{i}")
+
+    async with anyio.create_task_group() as tg:
+        for i, req in enumerate(reqs):
+            tg.start_soon(one, i, *req)
+    return [results[i] for i in range(len(reqs))]
+
+
+def check_greedy(loaded, reqs, outs):
+    for (prompt, params, _), out in zip(reqs, outs):
+        if params.is_greedy:
+            assert out == reference_greedy(loaded, prompt, params.max_tokens)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp_eagle"])
+async def test_greedy_with_adaptive_k_equals_greedy_without(tiny_dir, tiny_loaded, method):
+    reqs = [(p, prm, d) for p, prm, d in staggered() if prm.is_greedy]
+    config = make_config(tiny_dir, method=method, k=3, speculative={"adaptive": True})
+    klog = KLog()
+    async with AsyncEngine(config, model=tiny_loaded, observers=[klog]) as engine:
+        engine.worker.adaptive.cost = switching_cost()
+        outs = await serve(engine, reqs)
+        stats = engine.stats
+    check_greedy(tiny_loaded, reqs, outs)
+    ks = collections.Counter(k for _, k in klog.ks)
+    assert ks[0] and len(ks) >= 2, ks          # K did switch, K = 0 included
+    assert stats.iterations_per_k == ks
+    assert sum(stats.drafted_per_position) == stats.num_draft_tokens
+    assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
+
+
+async def run_group(world, config, loaded, reqs, *, local_only=False, timeout=5.0):
+    group = LocalGroup(world, timeout=timeout)
+
+    async def rank_main(comm):
+        klog = KLog()
+        async with AsyncEngine(config, communicator=comm, model=loaded,
+                               observers=[klog]) as engine:
+            adaptive = engine.worker.adaptive
+            adaptive.cost = switching_cost()
+            if local_only:
+                # The bug the agreement prevents: each rank decides from its own facts.
+                choose = adaptive.choose
+                adaptive.choose = lambda columns, batch: choose(
+                    columns[comm.rank:comm.rank + 1],
+                    len(engine.worker.scheduler.running) or 1)
+            if comm.rank == 0:
+                outs = await serve(engine, reqs)
+            else:
+                outs = None
+                await engine.wait_closed()
+        return outs, klog.ks
+
+    return await group.run(rank_main)
+
+
+def lm_head_tp(tiny_dir, world, method="mtp_eagle"):
+    # LM-head TP: DRAFT's greedy path runs collectives per draft step, so ranks running
+    # different K would enter different collectives (LocalGroup checks each one).
+    return make_config(tiny_dir, method=method, k=3, rejection=True,
+                       speculative={"adaptive": True},
+                       parallel={"world_size": world, "attention_dp": True,
+                                 "lm_head_tp_in_adp": True})
+
+
+@pytest.mark.parametrize("world", [2, 3])
+async def test_group_runs_one_k_per_iteration_and_matches_one_rank(tiny_dir, tiny_loaded,
+                                                                  world):
+    reqs = staggered()
+    results = await run_group(world, lm_head_tp(tiny_dir, world), tiny_loaded, reqs)
+    outs = results[0][0]
+    check_greedy(tiny_loaded, reqs, outs)
+    logs = [dict(ks) for _, ks in results]
+    for rank in range(1, world):
+        common = logs[0].keys() & logs[rank].keys()
+        assert len(common) >= 20
+        assert all(logs[0][i] == logs[rank][i] for i in common)
+    assert len(set(logs[0].values())) >= 2 and 0 in logs[0].values(), logs[0]
+
+
+async def test_ranks_choosing_alone_enter_different_collectives(tiny_dir, tiny_loaded):
+    """The biased twin: K from each rank's own batch and counts makes the ranks' DRAFT
+    collectives differ, which LocalGroup's check reports."""
+    with pytest.raises(BaseExceptionGroup) as info:
+        with anyio.fail_after(30):
+            await run_group(2, lm_head_tp(tiny_dir, 2), tiny_loaded, staggered(),
+                            local_only=True, timeout=2.0)
+    flat = []
+
+    def walk(e):
+        for sub in getattr(e, "exceptions", [e]):
+            walk(sub) if isinstance(sub, BaseExceptionGroup) else flat.append(sub)
+    walk(info.value)
+    assert any(isinstance(e, CollectiveMismatchError) for e in flat), flat
