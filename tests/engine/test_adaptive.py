@@ -243,3 +243,49 @@ async def test_ranks_choosing_alone_enter_different_collectives(tiny_dir, tiny_l
             walk(sub) if isinstance(sub, BaseExceptionGroup) else flat.append(sub)
     walk(info.value)
     assert any(isinstance(e, CollectiveMismatchError) for e in flat), flat
+
+
+def cycle_k(adaptive, pattern):
+    """Replace the rule by a fixed cycle of K (the exactness and state tests want K to
+    change at chosen iterations, whatever the timings)."""
+    calls = iter(range(10**9))
+    adaptive.choose = lambda columns, batch: pattern[next(calls) % len(pattern)]
+
+
+@pytest.mark.parametrize("method", ["mtp_eagle", "eagle3"])
+async def test_head_cache_stays_current_across_k0_iterations(tiny_dir, tiny_loaded, method):
+    """K = 0 iterations skip the drafter; the rows they verified are fed at the next
+    drafting iteration. Every first draft must then equal the head run afresh over the
+    whole committed sequence (so no position was lost or fed twice), including after
+    stretches of K = 0 longer than K + 1 (the eager catch-up) and the plain graph ones."""
+    config = make_config(tiny_dir, method=method, k=3, speculative={"adaptive": True})
+    prompt, n = [5, 17, 99, 3, 42], 60
+    seen = []
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        cycle_k(engine.worker.adaptive, [3, 0, 0, 2, 0, 0, 0, 0, 0, 0, 1, 3, 3, 0])
+        drafter = engine.worker.drafter
+        propose = drafter.propose
+
+        async def recording(ctx):
+            proposal = await propose(ctx)
+            seen.append((list(ctx.token_ids[0]), int(proposal.token_ids[0, 0])))
+            return proposal
+        drafter.propose = recording
+        out = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                           ignore_eos=True))
+    assert out == reference_greedy(tiny_loaded, prompt, n)
+    model, head = tiny_loaded.model, drafter.head
+    full = torch.tensor([prompt + out])
+    with torch.inference_mode():
+        # The target's rows (what VERIFY hands the drafter) at every position.
+        start, slot, target_cache = torch.tensor([0]), torch.tensor([0]), model.make_cache(1, 256)
+        layers = drafter.feature_layers
+        features = model(full, start, slot, target_cache, capture=layers)[1] if layers \
+            else model(full, start, slot, target_cache)
+        for committed, first_draft in seen:
+            length = len(committed)
+            cache = head.block.make_cache(1, 256)
+            h = head(full[:, 1:length], features[:, :length - 1], start, slot, cache)
+            expected = int(drafter.lm.logits(h[:, -1]).argmax())
+            assert first_draft == expected, (length, first_draft, expected)
+    assert len(seen) >= 8
