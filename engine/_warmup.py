@@ -24,7 +24,8 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache):
     device = runner.device
     point_mass = drafter is None or drafter.point_mass
 
-    def verify(key: GraphKey, template: SamplingBatch, has_q: bool):
+    def verify(key: GraphKey, template: SamplingBatch, has_q: bool,
+               kv_len: int | None = runner.cache.max_seq_len):
         k, q = key.num_draft_tokens, None
         if k and has_q:
             q = torch.zeros(0, k, runner.args.vocab_size, device=device)
@@ -32,7 +33,7 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache):
                                 scratch_slot=runner.cache.scratch_slot, device=device)
         step = make_verify_step(runner, sampler, template,
                                 advanced=key.sampling_path is SamplingPath.ADVANCED,
-                                kv_len=runner.cache.max_seq_len)
+                                kv_len=kv_len)
         return step, example
 
     def draft(key: GraphKey, template: SamplingBatch):
@@ -82,7 +83,9 @@ def calibrate(*, config, runner, drafter, graph_cache, verify, draft,
         for k in ks:
             key = GraphKey(bucket, k, SamplingPath.GREEDY, True)
             template = graph_template(key, device)
-            step, example = verify(key, template, False)
+            # Eager: attention over the positions written, not max_seq_len (as served).
+            step, example = verify(key, template, False,
+                                   **({} if graph_cache.has(key) else {"kv_len": None}))
             seconds = _time(_runner_of(graph_cache, key, step, example), device, reps)
             # A drafter without variable K drafts the maximum every iteration.
             dk = k if drafter is None or drafter.variable_k else k_max
