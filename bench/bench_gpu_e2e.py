@@ -3,7 +3,8 @@
 specloop (paged cache, fused kernels, CUDA graphs) with and without n-gram speculation
 (K=4) vs transformers with a static cache and ``torch.compile(mode="reduce-overhead")``:
 bf16, greedy, chat prompts, N new tokens per request (EOS ignored), batch 1 / 8 / 64, each
-measured ``--runs`` times; a throughput curve over batch sizes; and torch.profiler's
+measured ``--runs`` times, read by one ``generate`` per request and by one
+``generate_batch`` (``--consumers``); a throughput curve over batch sizes; and torch.profiler's
 kernels per layer, device syncs per iteration and GPU busy / wall at batch 1.
 
     python bench/bench_gpu_e2e.py --out results.json [--runs 3] [--tokens 256]
@@ -57,12 +58,18 @@ def engine_config(name, batch, method="none", k=4):
         "graphs": {"batch_buckets": [batch]}})
 
 
-async def _generate_all(engine, prompts, tokens):
+async def _generate_all(engine, prompts, tokens, consumer="stream"):
+    """stream: one ``generate`` task per request (a server's path); batch: one
+    ``generate_batch`` for all (a batch job's path, like transformers' ``generate``)."""
     from specloop.samplers import SamplingParams
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    if consumer == "batch":
+        async for _ in engine.generate_batch(prompts, params):
+            pass
+        return
 
     async def one(p):
-        async for _ in engine.generate(p, SamplingParams(temperature=0.0, max_tokens=tokens,
-                                                         ignore_eos=True)):
+        async for _ in engine.generate(p, params):
             pass
 
     async with anyio.create_task_group() as tg:
@@ -70,27 +77,35 @@ async def _generate_all(engine, prompts, tokens):
             tg.start_soon(one, p)
 
 
-async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", profile=None):
-    """tok/s, ms/iteration and AL of ``runs`` timed rounds on one engine."""
+async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", profile=None,
+                        consumers=("stream",)):
+    """{consumer: tok/s, ms/iteration and AL of ``runs`` timed rounds}, on one engine."""
     from specloop.engine import AsyncEngine
-    out = []
+    by = {}
     async with AsyncEngine(engine_config(name, len(prompts), method), model=loaded) as engine:
         await _generate_all(engine, prompts, 8)  # warm-up
-        for _ in range(runs):
-            _sync()
-            it0, acc0 = engine.stats.num_iterations, engine.stats.num_accepted_tokens
-            rows0 = engine.stats.num_verify_rows
-            start = time.perf_counter()
-            await _generate_all(engine, prompts, tokens)
-            _sync()
-            wall = time.perf_counter() - start
-            iters = engine.stats.num_iterations - it0
-            al = 1 + (engine.stats.num_accepted_tokens - acc0) / max(
-                1, engine.stats.num_verify_rows - rows0)
-            out.append({"tok_s": len(prompts) * tokens / wall, "ms_iter": wall / iters * 1e3,
-                        "al": al})
+        for consumer in consumers:
+            by[consumer] = await _timed(engine, prompts, tokens, runs, consumer)
         if profile is not None:
             profile.update(await _profile(engine, prompts, loaded.args.num_layers))
+    return by
+
+
+async def _timed(engine, prompts, tokens, runs, consumer):
+    out = []
+    for _ in range(runs):
+        _sync()
+        it0, acc0 = engine.stats.num_iterations, engine.stats.num_accepted_tokens
+        rows0 = engine.stats.num_verify_rows
+        start = time.perf_counter()
+        await _generate_all(engine, prompts, tokens, consumer)
+        _sync()
+        wall = time.perf_counter() - start
+        iters = engine.stats.num_iterations - it0
+        al = 1 + (engine.stats.num_accepted_tokens - acc0) / max(
+            1, engine.stats.num_verify_rows - rows0)
+        out.append({"tok_s": len(prompts) * tokens / wall, "ms_iter": wall / iters * 1e3,
+                    "al": al})
     return out
 
 
@@ -136,6 +151,10 @@ def _top(kernels, iters, n=12):
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:n]
     return [{"name": k[:80], "per_iter": c / iters, "us_per_iter": t / iters}
             for k, (c, t) in rows]
+
+
+def _system(consumer):
+    return "specloop" if consumer == "stream" else f"specloop ({consumer} consumer)"
 
 
 def hf_model(path):
@@ -185,6 +204,10 @@ def main():
     ap.add_argument("--curve", default="1,2,4,16,32,128,256")
     ap.add_argument("--hf-curve", default="256")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--hf-batches", default=None,
+                    help="batch sizes transformers runs at (default: --batches)")
+    ap.add_argument("--consumers", default="stream,batch",
+                    help="stream: a generate task per request; batch: one generate_batch")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     args = ap.parse_args()
     global DEVICE
@@ -203,27 +226,26 @@ def main():
         print(json.dumps(row), flush=True)
 
     hf = None if args.skip_hf else hf_model(path)
+    consumers = tuple(args.consumers.split(","))
+    hf_batches = {int(b) for b in (args.hf_batches or args.batches).split(",") if b}
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(loaded.tokenizer, batch)
-        prof = {} if batch == 1 else None
-        record(system="specloop", method="none", batch=batch,
-               runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
-                              args.runs, "none", prof))
-        if prof is not None:
-            record(system="specloop", method="none", batch=batch, profile=prof)
-        prof = {} if batch == 1 else None
-        record(system="specloop", method="ngram", batch=batch,
-               runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
-                              args.runs, "ngram", prof))
-        if prof is not None:
-            record(system="specloop", method="ngram", batch=batch, profile=prof)
-        if hf is not None:
+        for method in ("none", "ngram"):
+            prof = {} if batch == 1 else None
+            by = anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
+                           args.runs, method, prof, consumers)
+            for consumer, runs in by.items():
+                record(system=_system(consumer), method=method, batch=batch, runs=runs)
+            if prof is not None:
+                record(system="specloop", method=method, batch=batch, profile=prof)
+        if hf is not None and batch in hf_batches:
             record(system="transformers", method="compiled", batch=batch,
                    runs=hf_runs(hf, prompts, args.tokens, args.runs))
     for batch in [int(b) for b in args.curve.split(",") if b]:
         prompts = chat_prompts(loaded.tokenizer, batch)
         record(system="specloop", method="none", batch=batch, curve=True,
-               runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens, 1))
+               runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens, 1)[
+                   "stream"])
     for batch in [int(b) for b in args.hf_curve.split(",") if b]:
         if hf is not None:
             prompts = chat_prompts(loaded.tokenizer, batch)

@@ -3,7 +3,7 @@
 The stand-in's forward and LM head cost ~nothing, so the time per iteration is the
 engine's own: scheduling, SYNC, the graph key, drafting, sampling and RESCAN.
 
-    python bench/bench_host_overhead.py [--batch 64] [--iterations 300]
+    python bench/bench_host_overhead.py [--batch 64] [--iterations 300] [--consumers stream,batch]
 """
 
 from __future__ import annotations
@@ -54,7 +54,9 @@ class StateTimes:
             self.total_us[key] = self.total_us.get(key, 0.0) + event.duration_us
 
 
-async def measure(config, loaded, batch, iterations):
+async def measure(config, loaded, batch, iterations, consumer="stream"):
+    """-> (wall us, process CPU us) per iteration, state times, K. ``consumer``: one
+    ``generate`` task per request ("stream") or one ``generate_batch`` ("batch")."""
     from specloop.engine import AsyncEngine
     from specloop.samplers import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
@@ -66,20 +68,30 @@ async def measure(config, loaded, batch, iterations):
         async def one(i):
             async for out in engine.generate([1, 2, 3, 4], params, request_id=f"r{i}"):
                 counts.append(len(out.token_ids))
+
+        async def all_at_once():
+            async for item in engine.generate_batch([[1, 2, 3, 4]] * batch, params):
+                for out in item:
+                    counts.append(len(out.token_ids))
         async with anyio.create_task_group() as tg:
-            for i in range(batch):
-                tg.start_soon(one, i)
+            if consumer == "batch":
+                tg.start_soon(all_at_once)
+            else:
+                for i in range(batch):
+                    tg.start_soon(one, i)
             while engine.stats.num_iterations < 20:
                 await anyio.sleep(0.01)
             start_it, start = engine.stats.num_iterations, time.perf_counter()
+            cpu = time.process_time()
             times.total_us.clear()
             while engine.stats.num_iterations < start_it + iterations:
                 await anyio.sleep(0.01)
             done = engine.stats.num_iterations - start_it
             per_it = (time.perf_counter() - start) / done
+            cpu_it = (time.process_time() - cpu) / done
             states = {k_: v / done for k_, v in times.total_us.items()}
             tg.cancel_scope.cancel()
-    return per_it * 1e6, sum(states.values()), states, k
+    return per_it * 1e6, cpu_it * 1e6, sum(states.values()), states, k
 
 
 async def direct_handlers_us(config, loaded, batch, iterations):
@@ -124,26 +136,30 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--iterations", type=int, default=300)
+    ap.add_argument("--consumers", default="stream,batch",
+                    help="stream: a generate task per request; batch: one generate_batch")
+    ap.add_argument("--methods", default="none,ngram")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         loaded = stand_in(tmp)
-        for method in ("none", "ngram"):
+        for method in args.methods.split(","):
             config = EngineConfig.from_dict({
                 "model": {"name": str(loaded.path), "max_seq_len": 4096, "chat_template": False},
                 "scheduler": {"max_batch_size": args.batch},
                 "speculative": {"method": method, "num_draft_tokens": 4}})
             direct = anyio.run(direct_handlers_us, config, loaded, args.batch,
                                args.iterations)
-            wall, engine_us, states, k = anyio.run(measure, config, loaded, args.batch,
-                                                   args.iterations)
-            split = ", ".join(f"{s_} {v:.0f}" for s_, v in states.items())
-            print(f"host overhead, batch {args.batch}, method {method} (K={k}): engine "
-                  f"handlers {direct:.0f} us/iteration (goal <= 200); in the running engine "
-                  f"with {args.batch} streaming consumers and compute off the event loop "
-                  f"{wall:.0f} us/iteration [state times incl. consumers run meanwhile: "
-                  f"{split}]")
+            for consumer in args.consumers.split(","):
+                wall, cpu, engine_us, states, k = anyio.run(
+                    measure, config, loaded, args.batch, args.iterations, consumer)
+                split = ", ".join(f"{s_} {v:.0f}" for s_, v in states.items())
+                print(f"host overhead, batch {args.batch}, method {method} (K={k}): engine "
+                      f"handlers {direct:.0f} us/iteration (goal <= 200); in the running "
+                      f"engine with {consumer} consumers and compute off the event loop "
+                      f"{wall:.0f} us/iteration wall, {cpu:.0f} us process CPU [state "
+                      f"times incl. consumers run meanwhile: {split}]", flush=True)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from ._components import (build_communicator, build_drafter, build_graph_cache,
                           build_observers, build_sampler)
 from ._config import EngineConfig
 from ._errors import ConfigError, EngineClosedError, EngineStateError, RequestError
-from ._frontdoor_state import FrontDoor
+from ._frontdoor_state import FrontDoor, OutputChannel
 from ._iteration import IterationMachine, IterationRecord
 from ._request import FinishReason, NewRequest, RequestOutput
 from ._runner import DTYPES, ModelRunner, resolve_device
@@ -183,6 +183,47 @@ class AsyncEngine:
                 # The consumer left early (break, cancel scope, error): cancel the request
                 # and free its slot; its id stays in use until the engine is done with it.
                 self.front.abandon(new.request_id)
+
+    async def generate_batch(self, prompts: Sequence[str | list[int]],
+                             params: SamplingParams | Sequence[SamplingParams] | None = None
+                             ) -> AsyncIterator[list[RequestOutput]]:
+        """Several requests as one stream: each item is every output the engine produced
+        for them since the last item, at most one item per iteration (``generate``'s
+        outputs, same fields, automatic ids in prompt order). One consumer for the whole
+        batch: no task wake-up per request per iteration (a batch job's path). Every
+        prompt is checked before any is submitted; leaving early cancels the requests
+        not finished yet."""
+        many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        if len(many) != len(prompts):
+            raise RequestError(f"{len(prompts)} prompts but {len(many)} params")
+        news = [self._admit(prompt, p, None) for prompt, p in zip(prompts, many)]
+        if not news:
+            return
+        channel = OutputChannel(len(news))
+        texts = {}
+        for new in news:
+            self.front.submit(new, channel)
+            texts[new.request_id] = TextStream(self.tokenizer, new.params.stop)
+        live = set(texts)       # ids whose last output the caller has not had yet
+        try:
+            while live and (outputs := await channel.take()):
+                item = []
+                for output in outputs:
+                    if output.request_id not in live:
+                        continue        # ended here by a stop string
+                    if output.error is not None:
+                        raise EngineClosedError(output.error) from self._failure
+                    text = texts[output.request_id].step(output)
+                    item.append(text)
+                    if text.finished:
+                        live.discard(output.request_id)
+                        if not output.finished:     # a stop string: end it in the engine
+                            self.front.abandon(output.request_id)
+                if item:
+                    yield item
+        finally:
+            for request_id in live:
+                self.front.abandon(request_id)
 
     def cancel(self, request_id: str) -> None:
         """End a request (see docs/embedding.md); unknown or finished ids are ignored, so

@@ -23,21 +23,27 @@ class OutputChannel:
     outputs sent since the last one. An anyio memory stream costs a checkpoint and an
     event per item on both sides, per request per iteration (issue 12)."""
 
-    __slots__ = ("_items", "_waiter", "_closed")
+    __slots__ = ("_items", "_waiter", "_closed", "_open")
 
-    def __init__(self) -> None:
+    def __init__(self, requests: int = 1) -> None:
         self._items: deque[RequestOutput] = deque()
         self._waiter: anyio.Event | None = None
         self._closed = False
+        # Requests that still put here: one channel may carry a batch's requests
+        # (``AsyncEngine.generate_batch``); it closes when the last of them closes it.
+        self._open = requests
 
     def put(self, output: RequestOutput) -> None:
         self._items.append(output)
         self._wake()
 
     def close(self) -> None:
-        """No more outputs; what was put is still taken."""
-        self._closed = True
-        self._wake()
+        """One request puts no more (its last close ends the channel); what was put is
+        still taken."""
+        self._open -= 1
+        if self._open <= 0:
+            self._closed = True
+            self._wake()
 
     async def take(self) -> list[RequestOutput]:
         """The outputs not yet taken, waiting for one; ``[]`` once closed and drained."""
@@ -77,10 +83,11 @@ class FrontDoor:
     def num_live(self) -> int:
         return len(self._live)
 
-    def submit(self, new: NewRequest) -> OutputChannel:
+    def submit(self, new: NewRequest, channel: OutputChannel | None = None) -> OutputChannel:
+        """``channel``: a shared one (made for all its requests), else a new one."""
         if new.request_id in self._live:
             raise ValueError(f"request_id {new.request_id!r} is live")  # the engine checks
-        channel = self._streams[new.request_id] = OutputChannel()
+        channel = self._streams[new.request_id] = channel or OutputChannel()
         self._live[new.request_id] = new.handle
         self._ids[new.handle] = new.request_id
         self._inbox[new.request_id] = new

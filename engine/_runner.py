@@ -5,8 +5,9 @@ Everything here is synchronous tensor work; the state machine runs it off the ev
 
 from __future__ import annotations
 
-import torch
+import attrs
 import structlog
+import torch
 
 from specloop.models import KVCache, LoadedModel, PageTable
 
@@ -27,6 +28,14 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
+@attrs.frozen
+class ReadBack:
+    """A queued device-to-host copy: ``host`` is valid once ``done`` (None: already)."""
+
+    host: torch.Tensor
+    done: object | None
+
+
 class ModelRunner:
     """Owns the target model, its paged KV cache (one slot per batch row) and the page
     table every cache of the engine shares: a request owns the pages its length needs."""
@@ -40,9 +49,9 @@ class ModelRunner:
         self.dtype = next(self.model.parameters()).dtype
         self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
-        self._host: torch.Tensor | None = None  # pinned read-back buffer
-        self._done = None
-        self._copying = False   # a start_read_back not yet finished (one at a time)
+        # Pages kept past the committed K/V at a trim: 1 while a step queued ahead
+        # writes the next position (the worker sets it; see RankWorker._queue_ahead).
+        self.keep_ahead = 0
         self.pages = PageTable(num_slots, max_seq_len, page_size, device=self.device)
         self.cache = KVCache(loaded.args, num_slots, max_seq_len, dtype=self.dtype,
                              device=self.device, pages=self.pages)
@@ -60,31 +69,37 @@ class ModelRunner:
                           capture=self.feature_layers)
 
     def read_back(self, packed: torch.Tensor) -> torch.Tensor:
-        """The iteration's one device-to-host read: ``packed`` copied into a pinned,
-        preallocated host buffer (grown when a larger batch comes), then waited for."""
+        """The iteration's one device-to-host read: ``packed`` copied into pinned host
+        memory, then waited for."""
         return self.finish_read_back(self.start_read_back(packed))
 
-    def start_read_back(self, packed: torch.Tensor) -> torch.Tensor:
-        """Queue ``read_back``'s copy; -> the host view, valid after ``finish_read_back``."""
+    def start_read_back(self, packed: torch.Tensor) -> ReadBack:
+        """Queue ``read_back``'s copy; -> a handle, its data valid after
+        ``finish_read_back``. Several may be in flight (a step queued ahead, issue 12):
+        each has its own pinned buffer from torch's caching host allocator, which does
+        not hand a buffer out again before the copy into it is done, so a handle that is
+        dropped unread is safe."""
         if packed.device.type == "cpu":
-            return packed.clone()
-        if self._host is None or self._host.numel() < packed.numel():
-            self._host = torch.empty(max(packed.numel(), 1024), dtype=packed.dtype,
-                                     pin_memory=True)
-            self._done = torch.cuda.Event()
-        host = self._host[:packed.numel()].view(packed.shape)
+            return ReadBack(packed.clone(), None)
+        host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
-        self._done.record()
-        self._copying = True
-        return host
+        done = torch.cuda.Event()
+        done.record()
+        return ReadBack(host, done)
 
-    def finish_read_back(self, host: torch.Tensor) -> torch.Tensor:
-        """Wait for the queued copy; -> the data, out of the reused pinned buffer."""
-        if not self._copying:
-            return host         # on the CPU: already a copy
-        self._copying = False
-        self._done.synchronize()
-        return host.clone()
+    def finish_read_back(self, pending: ReadBack) -> torch.Tensor:
+        """Wait for the queued copy; -> the data (the handle's own buffer)."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        return pending.host
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A host tensor's copy on this device, queued without waiting: from pinned memory
+        on a GPU (a copy from pageable memory may wait for the queued work, which would
+        stall the host behind a step queued ahead)."""
+        if self.device.type == "cpu":
+            return host
+        return host.pin_memory().to(self.device, non_blocking=True)
 
     def reserve(self, requests, extra: int) -> None:
         """Pages for each request's next ``extra`` positions past its length (VERIFY and
@@ -95,7 +110,7 @@ class ModelRunner:
 
     def trim(self, request: Request) -> None:
         """Give back pages past the committed K/V (drafts rejected past a page boundary)."""
-        self.pages.resize(request.slot, request.num_cached)
+        self.pages.resize(request.slot, request.num_cached + self.keep_ahead)
 
     def release(self, slot: int) -> None:
         self.pages.release(slot)

@@ -32,6 +32,8 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     on_host = k and real and drafts.device.type == "cpu"
     if on_host:     # drafts proposed on the host (n-gram) travel in the same copy
         host[:real, 1:k + 1] = drafts
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()    # queued without waiting for the work ahead of it
     packed = host.to(device, non_blocking=True)
     inputs = {"tokens": packed[:, :k + 1], "start_pos": packed[:, k + 1],
               "slots": packed[:, k + 2]}
@@ -40,6 +42,23 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     inputs.update(sampling.columns())
     if draft_probs is not None:
         inputs["draft_probs"] = pad_draft_probs(draft_probs, rows)
+    return inputs
+
+
+def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
+                 sampling: SamplingBatch, *, scratch_slot: int, device) -> Tensors:
+    """No speculation: the inputs of the step after the one just queued, for the same
+    ``batch``, before the host knows its tokens: row i forwards ``last_tokens[i, 0]`` (that
+    step's output, still on the device) at position ``seq_len`` (one past that step's)."""
+    rows, real = sampling.size, len(batch)
+    host = torch.tensor([[0, r.seq_len, r.slot] for r in batch]
+                        + [[0, 0, scratch_slot]] * (rows - real), dtype=torch.int64)
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    packed = host.to(device, non_blocking=True)
+    inputs = {"tokens": packed[:, :1], "start_pos": packed[:, 1], "slots": packed[:, 2]}
+    inputs["tokens"][:real] = last_tokens[:real, :1]
+    inputs.update(sampling.columns())
     return inputs
 
 

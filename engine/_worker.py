@@ -10,6 +10,7 @@ never re-decide it per step.
 
 from __future__ import annotations
 
+import operator
 import time
 from typing import Any
 
@@ -31,7 +32,7 @@ from ._request import FinishReason, Request
 from ._scheduler import Scheduler
 from ._states import IterationState
 from ._stats import EngineStats
-from ._verify import make_verify_step, verify_inputs
+from ._verify import ahead_inputs, make_verify_step, verify_inputs
 from ._warmup import calibrate, warm_up_graphs
 
 log = structlog.get_logger(__name__)
@@ -41,6 +42,17 @@ S = IterationState
 # rule's inputs follow: AdaptiveK.facts).
 FACT_TOKENS, FACT_BATCH, FACT_REQUESTS, FACT_ALL_GREEDY = range(4)
 NUM_FACTS = 4
+
+
+@attrs.frozen
+class _Ahead:
+    """A VERIFY step queued one iteration ahead (``RankWorker._queue_ahead``)."""
+
+    batch: tuple[Request, ...]
+    seq_lens: list[int]         # each request's length when the step is its own
+    key: Any
+    captured: bool
+    pending: tuple              # (outputs, ReadBack), as _queue_verify returns
 
 
 class RankWorker:
@@ -80,6 +92,10 @@ class RankWorker:
         self.draft_when_idle = drafter is not None and drafter.needs_empty_calls
         self.on_verified = drafter.on_verified if drafter is not None else None
         self.verify_inline = runner.device.type == "cuda"
+        # No speculation on one GPU rank: each VERIFY also queues the next iteration's
+        # step (see _queue_ahead); the GPU then works while the host runs an iteration.
+        self.run_ahead = self.verify_inline and self.k == 0 and not multi
+        self._ahead: _Ahead | None = None
 
     def handlers(self) -> dict[IterationState, Any]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
@@ -255,8 +271,8 @@ class RankWorker:
         replay = self._draft_replay(rec)
         slots, seq_lens = [r.slot for r in rec.batch], [r.seq_len for r in rec.batch]
         # Both in one copy, without blocking (a blocking host-to-device copy is a sync).
-        both = torch.tensor([seq_lens, slots], dtype=torch.int64).reshape(2, -1).to(
-            device, non_blocking=True)
+        both = self.runner.to_device(
+            torch.tensor([seq_lens, slots], dtype=torch.int64).reshape(2, -1))
         ctx = DraftContext(
             num_draft_tokens=k if variable else None,
             token_ids=[r.token_ids for r in rec.batch], seq_lens=both[0], slots=both[1],
@@ -289,7 +305,8 @@ class RankWorker:
             # On a GPU, queueing VERIFY costs the host little: it is queued from the event
             # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
             # the consumers run while the GPU works, then the loop waits for the copy.
-            pending = self._queue_verify(rec)
+            pending = self._take_ahead(rec) or self._queue_verify(rec)
+            self._ahead = self._queue_ahead(rec, pending) if self.run_ahead else None
             await anyio.lowlevel.checkpoint()
             rec.result = self._collect_verify(rec, pending)
         else:
@@ -300,31 +317,71 @@ class RankWorker:
         return self._collect_verify(rec, self._queue_verify(rec))
 
     @torch.inference_mode()
-    def _queue_verify(self, rec: IterationRecord):
-        """Queue VERIFY and the copy of its tokens and counts into a pinned buffer (the
+    def _queue_verify(self, rec: IterationRecord, inputs=None):
+        """Queue VERIFY and the copy of its tokens and counts into pinned host memory (the
         iteration's one device-to-host read); ``_collect_verify`` waits for it, so
-        VERIFY's duration includes its device time and RESCAN reads host memory only."""
+        VERIFY's duration includes its device time and RESCAN reads host memory only.
+        ``inputs``: given for a step queued ahead (else built from the batch)."""
         batch, key = rec.batch, rec.graph_key
         advanced = rec.spec.wants_advanced_draft_sampling
         if rec.graph_captured:
-            inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
-            out = self.graph_cache.replay(key, inputs)
+            sampling = self._sampling_batch(batch, key.batch_size)
+            out = self.graph_cache.replay(key, inputs or self._inputs(rec, sampling))
         else:
             step = make_verify_step(self.runner, self.sampler, rec.sampling,
                                     advanced=advanced, kv_len=None)
-            out = step(self._inputs(rec, rec.sampling))
+            out = step(inputs or self._inputs(rec, rec.sampling))
         return out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
 
     @torch.inference_mode()
     def _collect_verify(self, rec: IterationRecord, pending) -> RejectionResult:
-        out, host = pending
+        out, read_back = pending
         batch, real = rec.batch, len(rec.batch)
-        host = self.runner.finish_read_back(host)
+        host = self.runner.finish_read_back(read_back)
         result = RejectionResult(host[:, :-1], host[:, -1])
         if self.on_verified is not None:
             self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch],
                              out["hidden"][:real], result.num_accepted.tolist())
         return result
+
+    def _queue_ahead(self, rec: IterationRecord, pending) -> _Ahead | None:
+        """Queue the next iteration's step for this batch now, before this one is read
+        back: its tokens are this step's outputs, still on the device; its position is
+        one further. The host then reads this step back and runs the next iteration's
+        SCHEDULE..DRAFT while the GPU computes that step (issue 12: GPU busy at batch 1).
+        The next VERIFY uses it when nothing changed (same requests, lengths and graph
+        key), else drops it: its K/V writes then either hold the same values the real
+        step writes, or land in pages freed after it on the same stream (a finished
+        request's), so dropping it is safe. Not queued when a request may end by length
+        here (its next position may lie past the cache)."""
+        batch = rec.batch
+        limit = self.config.model.max_seq_len
+        for r in batch:
+            if len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens, limit):
+                self.runner.keep_ahead = 0
+                return None
+        # Pages for the position it writes, kept by RESCAN's trim.
+        self.runner.reserve(batch, 1)
+        self.runner.keep_ahead = 1
+        sampling = (self._sampling_batch(batch, rec.graph_key.batch_size)
+                    if rec.graph_captured else rec.sampling)
+        with torch.inference_mode():
+            inputs = ahead_inputs(batch, pending[0]["token_ids"], sampling,
+                                  scratch_slot=self.runner.cache.scratch_slot,
+                                  device=self.runner.device)
+        return _Ahead(tuple(batch), [r.seq_len + 1 for r in batch], rec.graph_key,
+                      rec.graph_captured, self._queue_verify(rec, inputs))
+
+    def _take_ahead(self, rec: IterationRecord):
+        """The step queued ahead by the last VERIFY, if it is this iteration's step."""
+        ahead, self._ahead = self._ahead, None
+        if (ahead is None or ahead.key != rec.graph_key
+                or ahead.captured != rec.graph_captured
+                or len(ahead.batch) != len(rec.batch)
+                or not all(map(operator.is_, ahead.batch, rec.batch))
+                or ahead.seq_lens != [r.seq_len for r in rec.batch]):
+            return None
+        return ahead.pending
 
     def _inputs(self, rec: IterationRecord, sampling: SamplingBatch):
         return verify_inputs(rec.batch, rec.draft_token_ids, rec.draft_probs, sampling,

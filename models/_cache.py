@@ -112,8 +112,11 @@ class PageTable:
         if self.table.device.type == "cpu":
             self.table[rows] = self.host[rows]
             return
+        # From pinned memory: a copy from pageable memory may wait for the work already
+        # queued (a step queued ahead of the host, issue 12) instead of just queueing.
         dev = self.table.device
-        self.table[rows.to(dev, non_blocking=True)] = self.host[rows].to(dev, non_blocking=True)
+        self.table[rows.pin_memory().to(dev, non_blocking=True)] = \
+            self.host[rows].pin_memory().to(dev, non_blocking=True)
 
 
 class KVCache:

@@ -68,3 +68,58 @@ async def test_verify_from_the_event_loop_equals_the_thread(tiny_dir, tiny_loade
         return [out[i] for i in range(4)]
 
     assert await run(True) == await run(False)
+
+
+async def test_step_queued_ahead_equals_the_thread(tiny_dir, tiny_loaded):
+    """No speculation, VERIFY queueing the next step before reading this one back: equal
+    to the thread path token for token with rows ending at different iterations (stop
+    tokens, EOS, lengths), requests waiting for a slot, a consumer leaving early and
+    seeded sampled rows; the step queued ahead is used, and dropped when the batch
+    changes; every page is free at the end."""
+    stops = tuple(range(40, 80))            # ~10% of the vocabulary: rows end early
+    params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=5, max_tokens=20, stop_token_ids=stops),
+              SamplingParams(temperature=0.0, max_tokens=9, stop_token_ids=stops),
+              SamplingParams(temperature=0.7, seed=9, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+              SamplingParams(temperature=1.0, seed=2, max_tokens=25),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(params))]
+
+    async def run(ahead):
+        out, used = {}, []
+        # max_seq_len 48: the last row ends by the cache's length, not max_tokens.
+        async with AsyncEngine(make_config(tiny_dir, max_seq_len=48),
+                               model=tiny_loaded) as engine:
+            worker = engine.worker
+            worker.verify_inline = worker.run_ahead = ahead
+            take = worker._take_ahead
+
+            def counted(rec):
+                pending = take(rec)
+                used.append(pending is not None)
+                return pending
+            worker._take_ahead = counted
+
+            async def one(i):
+                out[i] = await collect(engine, prompts[i], params[i])
+
+            async def leaves_early():
+                async for _ in engine.generate(PROMPTS[1], params[3]):
+                    break
+            async with anyio.create_task_group() as tg:
+                for i in range(len(params)):
+                    tg.start_soon(one, i)
+                tg.start_soon(leaves_early)
+            for _ in range(50):             # the early leaver's cancel lands
+                if worker.scheduler.num_requests == 0:
+                    break
+                await anyio.sleep(0.01)
+            pages = worker.runner.pages
+            assert pages.num_free == pages.num_pages
+        return [out[i] for i in range(len(params))], used
+
+    thread, _ = await run(False)
+    ahead, used = await run(True)
+    assert ahead == thread
+    assert any(used) and not all(used)
