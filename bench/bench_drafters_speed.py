@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 import anyio
@@ -26,8 +27,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--ks", default="2,3", help="draft lengths for each head")
+    ap.add_argument("--threads", type=int, default=0,
+                    help="torch intra-op threads for every configuration (0: torch's default)")
     args = ap.parse_args()
     quiet_logs()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()}")
     from specloop.engine import EngineConfig  # noqa: PLC0415
     from specloop.models import load_model  # noqa: PLC0415
     from specloop.models.drafters._heads import heads_dir, shipped_heads  # noqa: PLC0415
@@ -39,7 +46,7 @@ def main() -> None:
     for head in shipped_heads():
         method = json.loads((heads_dir() / f"{head}.json").read_text()).get("method",
                                                                              "mtp_eagle")
-        for k in (2, 3):
+        for k in map(int, args.ks.split(",")):
             data = make_config(method, "float32", k=k, batch=1).to_dict()
             data["speculative"]["draft_weights"] = head
             configs[f"{head} K={k}"] = EngineConfig.from_dict(data)
@@ -58,6 +65,7 @@ def main() -> None:
         al = f", AL {als[name]:.2f}" if name in als else ""
         print(f"{name:38s} {min(rates):6.1f}-{max(rates):6.1f} tok/s, median {med:6.1f} "
               f"({med / base:.2f}x transformers{al})")
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":

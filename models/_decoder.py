@@ -19,6 +19,7 @@ from torch import nn
 from ._args import ModelArgs
 from ._cache import KVCache
 from ._layers import apply_rope, rms_norm, rope_tables
+from ._linear import PackedLinear
 from . import _kernels
 
 log = structlog.get_logger(__name__)
@@ -78,6 +79,9 @@ class DecoderModel(nn.Module):
         self.register_parameter("lm_head", None if args.tie_word_embeddings else _param(V, H, **p))
         # None: fused kernels on CUDA when Triton imports, plain ops elsewhere; tests set it.
         self.kernels: bool | None = None
+        # The reference path's matmuls: F.linear, but VERIFY-sized row counts on the CPU
+        # run on oneDNN-packed weights (see _linear; packed on first use).
+        self.linear = PackedLinear()
         cos, sin = rope_tables(args, args.max_position_embeddings, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
         self.register_buffer("rope_sin", sin, persistent=False)  # [P, D]
@@ -102,7 +106,7 @@ class DecoderModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [..., H] -> f32 logits [..., V]."""
         with torch.no_grad():
-            return F.linear(hidden, self.lm_head_weight).float()
+            return self.linear(hidden, self.lm_head_weight).float()
 
     def make_cache(self, num_slots: int, max_seq_len: int, **kw) -> KVCache:
         """A KVCache for this model, on its device and in its dtype (``kw``: page_size,
@@ -226,7 +230,7 @@ class DecoderModel(nn.Module):
         Hq, Hkv, D = a.num_heads, a.num_kv_heads, a.head_dim
         G = Hq // Hkv
         h = rms_norm(x, w.attn_norm, a.rms_norm_eps)
-        qkv = F.linear(h, w.wqkv, w.bqkv).view(B, T, Hq + 2 * Hkv, D)
+        qkv = self.linear(h, w.wqkv, w.bqkv).view(B, T, Hq + 2 * Hkv, D)
         qk = apply_rope(qkv[:, :, : Hq + Hkv], step.cos, step.sin)  # [B, T, Hq+Hkv, D]
         cache.write(i, step.page, step.offset, qk[:, :, Hq:], qkv[:, :, Hq + Hkv :])
         keys, values = cache.read(i, step.slots, step.kv_len)  # [B, Hkv, kv, D]
@@ -234,10 +238,10 @@ class DecoderModel(nn.Module):
         q = qk[:, :, :Hq].reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
         o = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask)
         o = o.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, Hq * D)
-        x = x + F.linear(o, w.wo)
+        x = x + self.linear(o, w.wo)
         h = rms_norm(x, w.mlp_norm, a.rms_norm_eps)
-        gate, up = F.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
-        return x + F.linear(F.silu(gate) * up, w.w_down)
+        gate, up = self.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
+        return x + self.linear(F.silu(gate) * up, w.w_down)
 
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:

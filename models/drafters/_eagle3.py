@@ -14,7 +14,6 @@ run without this drafter captures nothing.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from safetensors import safe_open
 
 from ._errors import DrafterConfigError
@@ -58,7 +57,7 @@ class Eagle3Head(MtpEagleHead):
 
         parts = features.unflatten(-1, tuple(self.fnorm.shape))
         normed = rms_norm(parts, self.fnorm, self.block.args.rms_norm_eps)
-        return F.linear(normed.flatten(-2), self.fc3)
+        return self.block.linear(normed.flatten(-2), self.fc3)
 
     def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:
         # Target rows carry F*H features (F >= 2); the head's own outputs (steps >= 1), H.

@@ -13,7 +13,6 @@ from typing import Any, Sequence
 
 import attrs
 import torch
-import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from ._heads import (check_method, check_sha256, check_target, head_metadata, resolve_head,
@@ -89,7 +88,7 @@ class MtpEagleHead(torch.nn.Module):
         from specloop.models._layers import rms_norm  # noqa: PLC0415
         x = torch.cat([rms_norm(self.block.embed(tokens), self.enorm, eps),
                        rms_norm(hidden, self.hnorm, eps)], dim=-1)
-        return self.block.forward_embeds(F.linear(x, self.fc), start_pos, slots, cache,
+        return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,
                                          kv_len=kv_len)
 
 
