@@ -7,7 +7,7 @@ sgemm at 1.5-2.5x its cost: SmolLM2's LM head [49152, 576], one thread, 8.2 ms f
 20.5 ms for 4, 24.6 ms for 8 — so verifying K+1 tokens cost about twice a decode step,
 which ate most of what speculation saves on the CPU. oneDNN's kernel on a weight reordered
 once into its blocked layout takes 10.1 ms for 4 rows and 14.3 ms for 8 (bench figures in
-docs/performance.md). Outside that window (1 row; prefill chunks; CUDA; autograd) this is
+docs/performance.md, "On the CPU"). Outside that window (1 row; prefill chunks; CUDA; autograd) this is
 ``F.linear`` itself, so a decode step without speculation and prefill are bit-for-bit what
 they were.
 """
@@ -73,3 +73,11 @@ class PackedLinear:
 
     def clear(self) -> None:
         self._packed.clear()
+
+    # A copied (or pickled) model has weights of its own: it starts with an empty cache
+    # (packed tensors are opaque and cannot be copied anyway).
+    def __deepcopy__(self, memo) -> "PackedLinear":
+        return PackedLinear(enabled=self.enabled)
+
+    def __getstate__(self) -> dict:
+        return {"enabled": self.enabled, "_packed": {}}

@@ -53,6 +53,19 @@ def test_in_place_weight_write_is_noticed():
     torch.testing.assert_close(lin(x, a), F.linear(x, a), rtol=1e-5, atol=1e-5)
 
 
+@needs_packing
+def test_a_used_model_still_deep_copies_and_pickles():
+    import copy
+    import pickle
+
+    x, w, _ = _case(4)
+    lin = PackedLinear()
+    lin(x, w)
+    for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert clone.enabled == lin.enabled and not clone._packed
+        torch.testing.assert_close(clone(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
+
+
 def test_autograd_and_other_dtypes_fall_back():
     x, w, _ = _case(4)
     lin = PackedLinear()
@@ -66,7 +79,9 @@ def test_autograd_and_other_dtypes_fall_back():
 @needs_packing
 def test_decoder_verify_rows_match_unpacked(tiny_llama):
     """A tiny model's K+1-token forward and LM head with packing == without (fp32)."""
-    model = tiny_llama.model.float()
+    import copy
+
+    model = copy.deepcopy(tiny_llama.model).float()
     cache = KVCache(model.args, 1, 64)
     gen = torch.Generator().manual_seed(0)
     prompt = torch.randint(0, model.args.vocab_size, (1, 9), generator=gen)
@@ -77,10 +92,7 @@ def test_decoder_verify_rows_match_unpacked(tiny_llama):
         with torch.inference_mode():
             return model.logits(model(prompt, zero, slot, cache))
 
-    try:
-        packed, plain = run(True), run(False)
-    finally:
-        model.linear.enabled = packing_available()
+    packed, plain = run(True), run(False)
     assert model.linear._packed                       # the packed path did run
     torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
