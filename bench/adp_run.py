@@ -89,7 +89,10 @@ async def main_async(args, path, world):
                        "graph_cache": "cuda" if args.graphs and device == "cuda" else "eager"},
         "graphs": {"batch_buckets": [int(b) for b in args.buckets.split(",")]}})
     cost = StateCost()
-    async with AsyncEngine(config, observers=[cost]) as engine:
+    engine = AsyncEngine(config, observers=[cost])
+    if args.inline_collectives and hasattr(engine.comm, "inline"):
+        engine.comm.inline = True       # NCCL collectives issued on the loop and polled
+    async with engine:
         rank = engine.comm.rank
         if rank == 0:
             rates = []
@@ -149,6 +152,8 @@ def main():
     ap.add_argument("--lm-head-tp", action="store_true")
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--checked", action="store_true")
+    ap.add_argument("--inline-collectives", action="store_true",
+                    help="tensor collectives issued on the event loop and polled, no thread")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")

@@ -5,10 +5,12 @@ import contextlib
 import datetime
 import gc
 import pickle
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
+import attrs
 import structlog
 import torch
 import torch.distributed as dist
@@ -23,6 +25,9 @@ log = structlog.get_logger(__name__)
 _TORCH_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 # all_gather_single is the newer name (torch 2.13); the GPU machines run 2.11.
 _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# Inline waits: poll back-to-back this long, then at this interval (asyncio's timer
+# resolution is ~1 ms anyway).
+_SPIN_S, _POLL_S = 0.005, 0.001
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
 
 
@@ -43,7 +48,9 @@ class TorchDistributedCommunicator(Communicator):
 
     Tensors go over the backend group (NCCL when the device is CUDA, else gloo); host
     objects, barriers and checked-mode signatures over a gloo group. Blocking calls run
-    in a worker thread so the event loop keeps serving. With `checked=True` every
+    in a worker thread so the event loop keeps serving; with ``inline`` set (opt-in),
+    tensor collectives are issued on the loop and polled instead, bounded by
+    ``timeout_s``. With `checked=True` every
     collective is preceded by an exchange of (seq, op, fingerprint of shape, dtype,
     group, arguments); a difference raises CollectiveMismatchError on every rank.
     """
@@ -58,6 +65,12 @@ class TorchDistributedCommunicator(Communicator):
         self._checked = checked
         self._seq = 0
         self._me = dist.get_rank()
+        # Tensor collectives issued on the event loop's thread and waited for there
+        # (`_run_inline`) rather than in a worker thread, where NCCL's calls only enqueue
+        # (a thread hop per collective cost ~0.2-0.5 ms, issue 12). Opt-in until measured
+        # on NCCL (bench/adp_run.py --inline-collectives); tested over gloo. Checked mode
+        # always keeps the thread.
+        self.inline = False
 
     @classmethod
     def from_env(cls, *, device: str | torch.device | None = None, checked: bool = False,
@@ -116,6 +129,9 @@ class TorchDistributedCommunicator(Communicator):
 
     async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         self._check_device(check_tensor(tensor))
+        if self.inline and not self._checked:
+            return await self._run_inline(CollectiveCall.for_tensor(
+                "all_gather", self._name, self._seq, tensor), lambda: self._all_gather_async(tensor))
         return await self._run(CollectiveCall.for_tensor, ("all_gather", tensor), self._all_gather, tensor)
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
@@ -127,6 +143,10 @@ class TorchDistributedCommunicator(Communicator):
         self._check_device(check_tensor(tensor))
         check_reduce_op(op)
         call_args = ("all_reduce", tensor, f"op={op}")
+        if self.inline and not self._checked:
+            return await self._run_inline(CollectiveCall.for_tensor(
+                "all_reduce", self._name, self._seq, tensor, f"op={op}"),
+                lambda: self._all_reduce_async(tensor, op))
         return await self._run(CollectiveCall.for_tensor, call_args, self._all_reduce, tensor, op)
 
     async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
@@ -164,6 +184,49 @@ class TorchDistributedCommunicator(Communicator):
             self._seq += 1
             return await anyio.to_thread.run_sync(self._blocking, call, fn, args, kwargs)
 
+    async def _run_inline(self, call: CollectiveCall,
+                          start: Callable[[], tuple[Any, torch.Tensor]]) -> torch.Tensor:
+        """Issue the collective here (``start`` -> (work, result)), then poll it, letting
+        other tasks run, until it completed or ``timeout_s`` passed. Once issued it is seen
+        through, like the thread path (a cancel waits for it): every rank must finish it
+        or the group's order breaks. ``call`` was numbered before the lock: renumbered
+        inside it, so the sequence follows execution order."""
+        async with self._family.lock:
+            call = attrs.evolve(call, seq=self._seq)
+            self._seq += 1
+            with anyio.CancelScope(shield=True):
+                try:
+                    with self._device_context():
+                        work, result = start()
+                    await self._wait(work, call)
+                except CommError:
+                    raise
+                except RuntimeError as exc:
+                    raise _translate(exc, call) from exc
+            return result
+
+    async def _wait(self, work: Any, call: CollectiveCall) -> None:
+        """Poll ``work`` (an event query), yielding to the loop: back-to-back for the first
+        ``_SPIN_S`` (a collective of a balanced group completes within it), then every
+        ``_POLL_S``; past ``timeout_s`` raise. ``work.wait()`` then surfaces the backend's
+        error and (NCCL) orders the current stream after the collective."""
+        now = time.monotonic()
+        deadline, spin_until = now + self.timeout_s, now + _SPIN_S
+        while not work.is_completed():
+            now = time.monotonic()
+            if now > deadline:
+                raise CollectiveTimeoutError(call, (), f"not completed within {self.timeout_s:g} s")
+            await anyio.sleep(0 if now < spin_until else _POLL_S)
+        with self._device_context():
+            work.wait()
+
+    def _device_context(self) -> contextlib.AbstractContextManager[Any]:
+        # The loop's and worker threads start on cuda:0; NCCL needs this rank's device.
+        context: contextlib.AbstractContextManager[Any] = (
+            torch.cuda.device(self.device) if self.device.type == "cuda"
+            else contextlib.nullcontext())
+        return context
+
     def _blocking(self, call: CollectiveCall, fn: Callable[..., Any], args: tuple[Any, ...],
                   kwargs: dict[str, Any]) -> Any:
         # Worker threads start on cuda:0; bind this rank's device for NCCL.
@@ -197,6 +260,16 @@ class TorchDistributedCommunicator(Communicator):
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
         _GATHER_INTO(out, flat, group=self._group)
         return out.view(self.world_size, *tensor.shape)
+
+    def _all_gather_async(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        flat = tensor.detach().contiguous().reshape(-1)  # [n]
+        out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
+        work = _GATHER_INTO(out, flat, group=self._group, async_op=True)
+        return work, out.view(self.world_size, *tensor.shape)
+
+    def _all_reduce_async(self, tensor: torch.Tensor, op: str) -> tuple[Any, torch.Tensor]:
+        out = tensor.detach().clone().contiguous()  # the caller's tensor stays untouched
+        return dist.all_reduce(out, op=_TORCH_OPS[op], group=self._group, async_op=True), out
 
     def _all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

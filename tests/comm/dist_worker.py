@@ -78,6 +78,19 @@ async def timeout(comm: TorchDistributedCommunicator) -> dict:
         return {"error": str(exc), "elapsed": time.perf_counter() - start}
 
 
+async def inline_timeout(comm: TorchDistributedCommunicator) -> dict:
+    """A tensor collective issued inline (not in a thread) that rank 1 never enters."""
+    if comm.rank == 1:
+        await anyio.sleep(6)
+        return {"skipped": True}
+    start = time.perf_counter()
+    try:
+        await comm.all_gather(torch.zeros(3))
+        return {"error": None}
+    except CollectiveTimeoutError as exc:
+        return {"error": str(exc), "elapsed": time.perf_counter() - start}
+
+
 async def latency(comm: TorchDistributedCommunicator, iters: int = 200) -> dict:
     """Mean microseconds per call of a SYNC-sized all_gather ([3] int64) and an object gather."""
     out = {}
@@ -95,13 +108,17 @@ async def latency(comm: TorchDistributedCommunicator, iters: int = 200) -> dict:
 async def main(checked: bool) -> None:
     device = "cuda" if "--cuda" in sys.argv else "cpu"
     comm = TorchDistributedCommunicator.from_env(device=device, checked=checked, timeout=3.0)
-    result = {"ops": await ops(comm)}
+    if "--inline" in sys.argv:
+        comm.inline = True      # gloo: issued on the loop and polled, as NCCL by default
+    result = {"ops": await ops(comm), "inline": comm.inline}
     if "--latency" in sys.argv:
         result["latency_us"] = await latency(comm)
     if checked:
         result["mismatches"] = await mismatches(comm)
     if checked and comm.device.type == "cpu":  # NCCL's watchdog aborts instead
         result["timeout"] = await timeout(comm)
+    if "--inline" in sys.argv and comm.device.type == "cpu":
+        result["timeout"] = await inline_timeout(comm)
     print("RESULT " + json.dumps(result), flush=True)
     comm.close()
 

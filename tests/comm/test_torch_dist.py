@@ -57,6 +57,11 @@ def checked() -> list[dict]:
     return _launch("--checked")
 
 
+@pytest.fixture(scope="module")
+def inline() -> list[dict]:
+    return _launch("--inline")
+
+
 def _assert_ops(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         ops = res["ops"]
@@ -100,4 +105,14 @@ def test_checked_mode_turns_asymmetry_into_errors_on_both_ranks(checked):
 def test_missing_rank_becomes_a_timeout_error(checked):
     waiting = checked[0]["timeout"]
     assert waiting["error"] is not None and "did not enter barrier()" in waiting["error"]
+    assert waiting["elapsed"] < 10
+
+
+def test_collectives_issued_inline_give_the_same_results(inline):
+    """Tensor collectives issued on the event loop and polled (NCCL's default path), here
+    over gloo: same results; a rank that never enters is a timeout error, not a hang."""
+    _assert_ops(inline)
+    assert all(res["inline"] for res in inline)
+    waiting = inline[0]["timeout"]
+    assert waiting["error"] is not None and "did not enter all_gather" in waiting["error"]
     assert waiting["elapsed"] < 10

@@ -24,7 +24,10 @@ def torchrun(n, *args, timeout=240):
 
 
 @pytest.mark.parametrize("extra", [[], ["--method", "mtp_eagle", "--rejection",
-                                        "--lm-head-tp", "--checked"]])
+                                        "--lm-head-tp", "--checked"],
+                                   # collectives issued on the loop and polled (gloo here)
+                                   ["--method", "mtp_eagle", "--rejection", "--lm-head-tp",
+                                    "--inline-collectives"]])
 def test_two_gloo_ranks_equal_one_rank(tmp_path, extra):
     if not extra:
         extra = ["--method", "ngram"]
