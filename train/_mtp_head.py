@@ -109,6 +109,11 @@ class TrainableMtpHead(nn.Module):
         """tokens [B, T], target hidden [B, T, H] (or features [B, T, F*H]) -> per step j
         draft logits [B, T-1, N] for chains starting at p = 0..T-2 (step j predicts token
         p + 2 + j)."""
+        return [F.linear(h, self.draft_lm) for h in self.unroll_hidden(tokens, hidden, steps)]
+
+    def unroll_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int):
+        """As ``unroll``, but the head's output hidden states [B, T-1, H] per step (the
+        draft LM head not applied: the trainer applies it to the labelled rows only)."""
         eps = self.args.rms_norm_eps
         n = tokens.shape[1] - 1
         pos = torch.arange(n, device=tokens.device)
@@ -119,7 +124,7 @@ class TrainableMtpHead(nn.Module):
             x = torch.cat([rms_norm(F.embedding(tok, self.embed), self.enorm, eps),
                            rms_norm(feed, self.hnorm, eps)], dim=-1)
             feed, keys, values = self._layer(F.linear(x, self.fc), pos + j, keys, values)
-            out.append(F.linear(feed, self.draft_lm))
+            out.append(feed)
         return out
 
 
@@ -135,11 +140,6 @@ def ttt_mask(n: int, steps: int, device) -> torch.Tensor:
     idx = torch.arange(n, device=device)
     blocks = [idx[None, :] <= idx[:, None]] + [idx[None, :] == idx[:, None]] * (steps - 1)
     return torch.cat(blocks, dim=1)
-
-
-def shift_targets(x: torch.Tensor, j: int) -> torch.Tensor:
-    """Per step j, the row at index p + 1 + j of x [B, T, ...] for p = 0..T-2."""
-    return _shift(x[:, 1:], j)
 
 
 class TrainableEagle3Head(TrainableMtpHead):

@@ -99,14 +99,26 @@ def evaluate(cfg, loaded, head, seqs, splits, head_path: Path, device: str) -> d
     return result
 
 
+def vocab_coverage(d2t: torch.Tensor, seqs, vocab_size: int) -> float | None:
+    """Share of the held-out greedy answers' tokens inside the draft vocabulary (a draft
+    chain cannot get past a token outside it)."""
+    tokens = [t for s in seqs if s.mode == "greedy" for t in s.tokens[s.prompt_len:]]
+    if not tokens:
+        return None
+    inside = torch.zeros(vocab_size, dtype=torch.bool)
+    inside[d2t.cpu()] = True
+    return round(float(inside[torch.tensor(tokens)].float().mean()), 4)
+
+
 def write_card(cfg, path: Path, head_path: Path, *, args, splits, seqs, summary, evals,
-               command: str, device: str) -> dict:
+               command: str, device: str, coverage: float | None = None) -> dict:
     answers = [len(s.tokens) - s.prompt_len for s in seqs]
     card = {
         "name": cfg.output.name, "method": cfg.head.method, "format": "safetensors, bf16",
         "file": head_path.name, "sha256": file_sha256(head_path),
         "target": {"model": cfg.target.model, **target_shape(args)},
-        "draft_vocab_size": cfg.head.draft_vocab_size, "ttt_steps": cfg.head.ttt_steps,
+        "draft_vocab_size": cfg.head.draft_vocab_size,
+        "draft_vocab_coverage_held_out": coverage, "ttt_steps": cfg.head.ttt_steps,
         "step_decay": cfg.head.step_decay, "loss": "forward KL (soft cross-entropy) "
         "against the target's softmax over the draft vocabulary",
         "data": {"sources": SOURCES, "prompts": source_counts(splits),
@@ -151,6 +163,8 @@ def run(cfg, *, command: str, out_dir: str | None = None, device: str | None = N
     head_path = out / f"{cfg.output.name}.safetensors"
     export_head(head, cfg, head_path, loaded.args)
     evals = evaluate(cfg, loaded, head, seqs, splits, head_path, device)
+    coverage = vocab_coverage(head.d2t, [s for s in seqs if s.split == "eval"],
+                              loaded.args.vocab_size)
     return write_card(cfg, out / f"{cfg.output.name}.json", head_path, args=loaded.args,
                       splits=splits, seqs=seqs, summary=summary, evals=evals,
-                      command=command, device=device)
+                      command=command, device=device, coverage=coverage)

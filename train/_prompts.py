@@ -46,6 +46,16 @@ NOUN_FORMS = [("question", "Tell me about {w}."), ("question", "What is {a} {w}?
               ("instruction", "Write a short poem about {w}."),
               ("question", "Why does {w} matter? Answer in a short paragraph."),
               ("rewrite", "Rewrite this definition in plain words: {w} is {gloss}.")]
+# Open-chat forms (stories, opinions, letters, dialogue, how-to), added to the noun forms
+# for training sets over 6,000 prompts: chat users ask for such answers (the held-out split
+# does too, from another source: fortunes).
+OPEN_FORMS = [("instruction", "Write a short story about {a} {w}."),
+              ("question", "What are the advantages and disadvantages of {w}?"),
+              ("instruction", "Describe {w} in a few sentences."),
+              ("instruction", "Write a short, polite email to a colleague about {w}."),
+              ("question", "What is your opinion of {w}? Explain your reasoning."),
+              ("instruction", "Write a dialogue between two friends who disagree about {w}."),
+              ("instruction", "Explain step by step how {w} works.")]
 VERB_FORMS = [("question", "What does it mean to {w}?"),
               ("instruction", "Write two example sentences using the verb \"{w}\"."),
               ("question", "How do people usually {w}? Explain briefly.")]
@@ -88,13 +98,14 @@ def _glosses(pos: str) -> dict[int, str]:
     return out
 
 
-def wordnet_prompts(rng: random.Random) -> list[Prompt]:
+def wordnet_prompts(rng: random.Random, min_tagged_nouns: int = 2,
+                    noun_forms=tuple(NOUN_FORMS)) -> list[Prompt]:
     prompts = []
     glosses = _glosses("noun")
-    for lemma, offset in _wordnet_index("noun", 2):
+    for lemma, offset in _wordnet_index("noun", min_tagged_nouns):
         if lemma in EXCLUDED_TOPICS:
             continue
-        form, tpl = rng.choice(NOUN_FORMS)
+        form, tpl = rng.choice(noun_forms)
         text = tpl.format(w=lemma, a=_article(lemma), gloss=glosses.get(offset, lemma))
         prompts.append(Prompt(text, "wordnet", form))
     for lemma, _ in _wordnet_index("verb", 3):
@@ -180,16 +191,29 @@ def fortune_prompts(rng: random.Random) -> list[Prompt]:
     return prompts
 
 
-def build_prompts(num_train: int, num_eval: int, seed: int) -> dict[str, list[Prompt]]:
-    """{"train": [...], "eval": [...]}: distinct prompts; eval from a source train lacks."""
-    rng = random.Random(seed)
+def _train_prompts(rng: random.Random, num_train: int, nouns: int, noun_forms
+                   ) -> list[Prompt]:
     builders: list[Callable[[], list[Prompt]]] = [
-        lambda: wordnet_prompts(rng), lambda: docstring_prompts(rng),
+        lambda: wordnet_prompts(rng, nouns, noun_forms), lambda: docstring_prompts(rng),
         lambda: debian_prompts(rng, max(num_train // 3, 1))]
     train = _distinct(p for build in builders for p in build())
     rng.shuffle(train)
+    return train
+
+
+def build_prompts(num_train: int, num_eval: int, seed: int) -> dict[str, list[Prompt]]:
+    """{"train": [...], "eval": [...]}: distinct prompts; eval from a source train lacks.
+
+    Up to 6,000 training prompts: nouns WordNet tags at least twice, the first seven noun
+    forms. More: every tagged noun and the open-chat forms too, drawn from their own
+    random stream, so the held-out split stays the one the smaller sets have."""
+    rng = random.Random(seed)
+    train = _train_prompts(rng, num_train, 2, tuple(NOUN_FORMS))
     held = _distinct(fortune_prompts(rng))
     rng.shuffle(held)
+    if num_train > 6000:
+        train = _train_prompts(random.Random(seed + 1), num_train, 1,
+                               tuple(NOUN_FORMS + OPEN_FORMS))
     if len(train) < num_train:
         raise ValueError(f"only {len(train)} distinct training prompts, {num_train} asked")
     return {"train": train[:num_train], "eval": held[:num_eval]}

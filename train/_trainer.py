@@ -19,7 +19,7 @@ import structlog
 import torch
 import torch.nn.functional as F
 
-from ._mtp_head import TrainableEagle3Head, TrainableMtpHead, _shift, shift_targets
+from ._mtp_head import TrainableEagle3Head, TrainableMtpHead
 from ._progress import progress
 
 log = structlog.get_logger(__name__)
@@ -86,21 +86,46 @@ def make_head(cfg, target, d2t, max_len: int) -> TrainableMtpHead:
 
 def step_losses(head: TrainableMtpHead, tokens, answer, hidden, steps: int, features=None):
     """-> (per-step soft-CE [steps], per-step top-1 agreement [steps]) over answer tokens.
-    ``features``: the head's step-0 input when it is not the final hidden (eagle3)."""
+    ``features``: the head's step-0 input when it is not the final hidden (eagle3).
+
+    Only the rows that carry a label go through the draft LM head: target row r (whose
+    next token r + 1 is an answer token) labels chain p = r - 1 - j at every step j. The
+    target's softmax over the draft vocabulary is computed once per batch for those rows,
+    and soft-CE = logsumexp(z) - sum(p * z) (p sums to 1) needs no [B, T, N] tensors —
+    on padded batches of long prompts most rows carry no label."""
+    label = answer[:, 1:].nonzero()                                      # [n, 2]: (b, r)
+    b, r = label[:, 0], label[:, 1]
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
-        target_logits = F.linear(hidden.float(), head.draft_lm)            # [B, T, N]
+        target_logits = F.linear(hidden[b, r].float(), head.draft_lm)      # [n, N]
+        probs, best = torch.softmax(target_logits, -1), target_logits.argmax(-1)
     losses, accs = [], []
     feed = hidden if features is None else features
-    for j, logits in enumerate(head.unroll(tokens, feed, steps)):
-        logits = logits.float()
-        valid = _shift(answer[:, 1:], j + 1).float()                     # token p+2+j
-        tl = shift_targets(target_logits, j)
-        ce = -(torch.softmax(tl, -1) * torch.log_softmax(logits, -1)).sum(-1)
-        denom = valid.sum().clamp_min(1.0)
-        losses.append((ce * valid).sum() / denom)
-        agree = (logits.argmax(-1) == tl.argmax(-1)).float()
-        accs.append(((agree * valid).sum() / denom).detach())
+    for j, out in enumerate(head.unroll_hidden(tokens, feed, steps)):     # [B, T-1, H]
+        keep = r >= j + 1                                                # chain p >= 0
+        logits = F.linear(out[b[keep], r[keep] - 1 - j], head.draft_lm).float()
+        ce = torch.logsumexp(logits, -1) - (probs[keep] * logits).sum(-1)
+        denom = max(int(keep.sum()), 1)
+        losses.append(ce.sum() / denom)
+        accs.append(((logits.argmax(-1) == best[keep]).float().sum() / denom).detach())
     return torch.stack(losses), torch.stack(accs)
+
+
+def batch_at(train_seqs, ocfg, step: int, rng: random.Random) -> list:
+    """The sequences of training step ``step`` (a function of the step: resumable).
+    With ``optim.length_buckets`` = n > 1, every n steps draw n batches' worth of random
+    sequences, sort them by length and hand out one length-homogeneous batch per step
+    (random order): the batches pad little, and each sequence still appears once per draw."""
+    size, n = min(ocfg.batch_size, len(train_seqs)), ocfg.length_buckets
+    if n <= 1:
+        rng.seed(ocfg.seed * 1_000_003 + step)
+        return rng.sample(train_seqs, size)
+    rng.seed(ocfg.seed * 1_000_003 + step // n)
+    pool = sorted(rng.sample(train_seqs, min(n * size, len(train_seqs))),
+                  key=lambda s: len(s.tokens))
+    chunks = [pool[i:i + size] for i in range(0, len(pool), size)]
+    order = list(range(len(chunks)))
+    rng.shuffle(order)
+    return chunks[order[(step % n) % len(chunks)]]
 
 
 def lr_at(optim_cfg, step: int, elapsed: float) -> tuple[float, float]:
@@ -157,9 +182,7 @@ def train(cfg, target, seqs, out_dir: Path, device) -> tuple[TrainableMtpHead, d
                 break
             for group in opt.param_groups:
                 group["lr"] = lr
-            rng.seed(ocfg.seed * 1_000_003 + step)       # resumable: batch is f(step)
-            tokens, answer = pad_batch(rng.sample(train_seqs, min(ocfg.batch_size,
-                                                                  len(train_seqs))), device)
+            tokens, answer = pad_batch(batch_at(train_seqs, ocfg, step, rng), device)
             hidden, features = teacher.both(tokens)
             with autocast:
                 losses, accs = step_losses(head, tokens, answer, hidden, hcfg.ttt_steps,

@@ -36,17 +36,18 @@ def setup(tmp_path_factory):
     return head, tokens, answer, hidden
 
 
-def _oracle(hidden, lm, shift: int):
-    """Step j, chain p -> the target's logits at position p + shift + j (explicit loops)."""
+def _oracle(hidden, shift: int):
+    """Step j, chain p -> the target's hidden state at position p + shift + j (explicit
+    loops), so the draft LM head gives the target's own logits there."""
     B, n = hidden.shape[0], hidden.shape[1] - 1
     out = []
     for j in range(STEPS):
-        logits = torch.zeros(B, n, lm.shape[0], dtype=hidden.dtype)
+        rows = torch.zeros(B, n, hidden.shape[2], dtype=hidden.dtype)
         for p in range(n):
             q = p + shift + j
             if q < hidden.shape[1]:
-                logits[:, p] = F.linear(hidden[:, q], lm)
-        out.append(logits)
+                rows[:, p] = hidden[:, q]
+        out.append(rows)
     return out
 
 
@@ -69,8 +70,8 @@ def _expected_loss(hidden, lm, answer):
 @pytest.mark.parametrize("shift, aligned", [(1, True), (2, False), (0, False)])
 def test_labels_are_the_targets_next_token_at_p_plus_2(setup, monkeypatch, shift, aligned):
     head, tokens, answer, hidden = setup
-    oracle = _oracle(hidden, head.draft_lm, shift)
-    monkeypatch.setattr(head, "unroll", lambda *a, **kw: oracle)
+    oracle = _oracle(hidden, shift)
+    monkeypatch.setattr(head, "unroll_hidden", lambda *a, **kw: oracle)
     losses, accs = step_losses(head, tokens, answer, hidden, STEPS)
     entropy = _expected_loss(hidden, head.draft_lm, answer)
     if aligned:
@@ -79,3 +80,29 @@ def test_labels_are_the_targets_next_token_at_p_plus_2(setup, monkeypatch, shift
     else:   # the biased twin: one position off must be caught by both checks
         assert max(accs.tolist()) < 0.5, accs
         assert bool((losses.double() > entropy + 0.05).all()), (losses, entropy)
+
+
+def test_gathered_loss_equals_the_dense_formula(setup):
+    """step_losses (labelled rows only, logsumexp form) == the dense per-position soft-CE
+    -(softmax(target) * log_softmax(draft)).sum over every (chain p, step j) whose token
+    p + 2 + j is an answer token, with the real unrolled head (explicit loops here)."""
+    head, tokens, answer, hidden = setup
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    with torch.no_grad():
+        losses, accs = step_losses(head, tokens, answer, hidden, STEPS)
+        steps = head.unroll(tokens, hidden, STEPS)
+    for j in range(STEPS):
+        total, hits, count = 0.0, 0, 0
+        for b in range(tokens.shape[0]):
+            for p in range(tokens.shape[1] - 1):
+                if p + 2 + j < tokens.shape[1] and answer[b, p + 2 + j]:
+                    tl = F.linear(hidden[b, p + 1 + j], head.draft_lm).double()
+                    z = steps[j][b, p].double()
+                    total += float(-(tl.softmax(-1) * z.log_softmax(-1)).sum())
+                    hits += int(z.argmax() == tl.argmax())
+                    count += 1
+        assert abs(float(losses[j]) - total / count) < 1e-4, (j, losses, total / count)
+        assert abs(float(accs[j]) - hits / count) < 1e-6
