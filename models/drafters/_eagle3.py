@@ -42,10 +42,14 @@ class Eagle3Head(MtpEagleHead):
                                       requires_grad=False)
         self.fnorm = torch.nn.Parameter(torch.ones(n, h, dtype=dtype, device=device),
                                         requires_grad=False)
+        # Ones [H]: the fused norm's weight when each feature part has its own (project).
+        self.register_buffer("unit", torch.ones(h, dtype=dtype, device=device),
+                             persistent=False)
 
     @property
     def feature_size(self) -> int:
         return self.fc3.shape[1]
+
 
     def save(self, path: str, metadata: dict[str, str] | None = None) -> None:
         meta = {"feature_layers": ",".join(map(str, self.feature_layers)), **(metadata or {})}
@@ -53,10 +57,13 @@ class Eagle3Head(MtpEagleHead):
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """[..., F*H] target features -> [..., H]."""
-        from specloop.models._layers import rms_norm  # noqa: PLC0415
-
-        parts = features.unflatten(-1, tuple(self.fnorm.shape))
-        normed = rms_norm(parts, self.fnorm, self.block.args.rms_norm_eps)
+        parts = features.unflatten(-1, tuple(self.fnorm.shape))        # [..., F, H]
+        if self.block.uses_kernels:
+            # Each part normed as a row of its own (one kernel), then scaled by its
+            # weight, as rms_norm does (normalise in fp32, cast, multiply).
+            normed = self.norm(parts, self.unit) * self.fnorm
+        else:
+            normed = self.norm(parts, self.fnorm)
         return self.block.linear(normed.flatten(-2), self.fc3)
 
     def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:

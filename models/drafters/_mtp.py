@@ -81,13 +81,21 @@ class MtpEagleHead(torch.nn.Module):
         target = {f"target_{k}": str(v) for k, v in target_shape(self.target_args).items()}
         save_file(tensors, path, metadata={**target, **(metadata or {})})
 
+    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm over the last dim: one fused kernel where the block runs its kernels
+        (a draft step is launch-bound on the GPU: the plain ops are ~7 kernels each)."""
+        eps = self.block.args.rms_norm_eps
+        if self.block.uses_kernels:
+            from specloop.models import _kernels  # noqa: PLC0415
+            return _kernels.add_rms_norm(x, None, weight, eps)[0]
+        from specloop.models._layers import rms_norm  # noqa: PLC0415
+        return rms_norm(x, weight, eps)
+
     def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:
         """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos.. ->
         the head's hidden [B, T, H]; logits come from the shared LM head."""
-        eps = self.block.args.rms_norm_eps
-        from specloop.models._layers import rms_norm  # noqa: PLC0415
-        x = torch.cat([rms_norm(self.block.embed(tokens), self.enorm, eps),
-                       rms_norm(hidden, self.hnorm, eps)], dim=-1)
+        x = torch.cat([self.norm(self.block.embed(tokens), self.enorm),
+                       self.norm(hidden, self.hnorm)], dim=-1)
         return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,
                                          kv_len=kv_len)
 

@@ -34,6 +34,7 @@ def cfg(tiny_dir, graphs, **kw):
     {"method": "ngram", "k": 3},
     {"method": "draft_model", "k": 3, "rejection": True},
     {"method": "mtp_eagle", "k": 2, "rejection": True},
+    {"method": "eagle3", "k": 3, "rejection": True},
 ])
 async def test_replay_equals_eager(tiny_dir, tiny_draft_dir, gpu_loaded, spec):
     spec = dict(spec)
@@ -110,6 +111,7 @@ def gpu_bf16(tiny_dir):
     {"method": "none"},
     {"method": "ngram", "k": 3, "rejection": True},
     {"method": "mtp_eagle", "k": 2, "rejection": True},
+    {"method": "eagle3", "k": 3, "rejection": True},
 ])
 async def test_fused_kernels_replay_equals_eager(tiny_dir, gpu_bf16, spec):
     """bf16 on the fused Triton path (paged attention over real lengths inside the graph):

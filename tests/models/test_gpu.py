@@ -96,3 +96,30 @@ def test_fused_kernels_match_reference_bf16(tiny_dirs, T):
     err_ref = (out["ref"] - out["fp32"]).abs().max().item()
     err_fused = (out["fused"] - out["fp32"]).abs().max().item()
     assert err_fused <= 1.5 * err_ref + 1e-3, (err_fused, err_ref)
+
+
+def test_eagle3_head_fused_norms_match_reference_bf16(tiny_dirs):
+    """The eagle3 head's enorm/hnorm/fnorm as one fused kernel each == the plain ops."""
+    from specloop.models import KVCache
+    from specloop.models.drafters._eagle3 import Eagle3Head
+
+    target = load_model(tiny_dirs["llama"], dtype=torch.bfloat16, device="cuda").model
+    head = Eagle3Head(target, dtype=torch.bfloat16, device="cuda", feature_layers=(0, 1))
+    head.init_random()
+    with torch.no_grad():
+        head.fnorm.copy_(torch.rand_like(head.fnorm) + 0.5)
+        head.hnorm.copy_(torch.rand_like(head.hnorm) + 0.5)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h = target.args.hidden_size
+    feats = torch.randn(2, 3, 2 * h, device="cuda", generator=gen).to(torch.bfloat16) * 4
+    tokens = torch.randint(0, target.args.vocab_size, (2, 3), device="cuda", generator=gen)
+    start, slots = torch.tensor([0, 5], device="cuda"), torch.tensor([0, 1], device="cuda")
+    outs = []
+    for fused in (False, True):
+        head.block.kernels = fused
+        cache = KVCache(head.block.args, 2, 64, dtype=torch.bfloat16, device="cuda")
+        with torch.inference_mode():
+            outs.append((head.project(feats), head(tokens, feats, start, slots, cache)))
+    head.block.kernels = None
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
