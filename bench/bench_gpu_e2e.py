@@ -204,6 +204,8 @@ def main():
     ap.add_argument("--curve", default="1,2,4,16,32,128,256")
     ap.add_argument("--hf-curve", default="256")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile-batches", default="1",
+                    help="batch sizes profiled (kernels, syncs, GPU busy)")
     ap.add_argument("--hf-batches", default=None,
                     help="batch sizes transformers runs at (default: --batches)")
     ap.add_argument("--consumers", default="stream,batch",
@@ -228,10 +230,11 @@ def main():
     hf = None if args.skip_hf else hf_model(path)
     consumers = tuple(args.consumers.split(","))
     hf_batches = {int(b) for b in (args.hf_batches or args.batches).split(",") if b}
+    profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(loaded.tokenizer, batch)
         for method in ("none", "ngram"):
-            prof = {} if batch == 1 else None
+            prof = {} if batch in profile_batches else None
             by = anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
                            args.runs, method, prof, consumers)
             for consumer, runs in by.items():

@@ -80,6 +80,11 @@ class FrontDoor:
         return set(self._live)
 
     @property
+    def has_news(self) -> bool:
+        """Requests or cancels the next SCHEDULE takes."""
+        return bool(self._inbox or self._cancels)
+
+    @property
     def num_live(self) -> int:
         return len(self._live)
 

@@ -45,19 +45,20 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     return inputs
 
 
-def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
+def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor, source_rows,
                  sampling: SamplingBatch, *, scratch_slot: int, device) -> Tensors:
-    """No speculation: the inputs of the step after the one just queued, for the same
-    ``batch``, before the host knows its tokens: row i forwards ``last_tokens[i, 0]`` (that
-    step's output, still on the device) at position ``seq_len`` (one past that step's)."""
+    """No speculation: the inputs of the step after the one just queued, for ``batch``,
+    before the host knows its tokens: row i forwards ``last_tokens[source_rows[i], 0]``
+    (that step's output, still on the device) at position ``seq_len`` (one past that
+    step's)."""
     rows, real = sampling.size, len(batch)
-    host = torch.tensor([[0, r.seq_len, r.slot] for r in batch]
-                        + [[0, 0, scratch_slot]] * (rows - real), dtype=torch.int64)
+    host = torch.tensor([[0, r.seq_len, r.slot, row] for r, row in zip(batch, source_rows)]
+                        + [[0, 0, scratch_slot, 0]] * (rows - real), dtype=torch.int64)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     packed = host.to(device, non_blocking=True)
     inputs = {"tokens": packed[:, :1], "start_pos": packed[:, 1], "slots": packed[:, 2]}
-    inputs["tokens"][:real] = last_tokens[:real, :1]
+    inputs["tokens"][:real] = last_tokens.index_select(0, packed[:real, 3])[:, :1]
     inputs.update(sampling.columns())
     return inputs
 

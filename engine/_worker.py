@@ -10,7 +10,6 @@ never re-decide it per step.
 
 from __future__ import annotations
 
-import operator
 import time
 from typing import Any
 
@@ -50,8 +49,6 @@ class _Ahead:
 
     batch: tuple[Request, ...]
     seq_lens: list[int]         # each request's length when the step is its own
-    key: Any
-    captured: bool
     pending: tuple              # (outputs, ReadBack), as _queue_verify returns
 
 
@@ -305,10 +302,12 @@ class RankWorker:
             # On a GPU, queueing VERIFY costs the host little: it is queued from the event
             # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
             # the consumers run while the GPU works, then the loop waits for the copy.
-            pending = self._take_ahead(rec) or self._queue_verify(rec)
-            self._ahead = self._queue_ahead(rec, pending) if self.run_ahead else None
+            pending, rows = self._take_ahead(rec)
+            if pending is None:
+                pending, rows = self._queue_verify(rec), range(len(rec.batch))
+            self._ahead = self._queue_ahead(rec, pending, rows) if self.run_ahead else None
             await anyio.lowlevel.checkpoint()
-            rec.result = self._collect_verify(rec, pending)
+            rec.result = self._collect_verify(rec, pending, rows)
         else:
             rec.result = await self.run_sync(lambda: self._verify(rec))
         return S.RESCAN
@@ -334,54 +333,69 @@ class RankWorker:
         return out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
 
     @torch.inference_mode()
-    def _collect_verify(self, rec: IterationRecord, pending) -> RejectionResult:
+    def _collect_verify(self, rec: IterationRecord, pending, rows=None) -> RejectionResult:
+        """``rows``: which rows of the step are the batch's (a step queued ahead for a
+        batch some requests have left since); None: all, in order."""
         out, read_back = pending
         batch, real = rec.batch, len(rec.batch)
         host = self.runner.finish_read_back(read_back)
+        if rows is not None and len(rows) != host.shape[0]:
+            host = host[list(rows)]
         result = RejectionResult(host[:, :-1], host[:, -1])
         if self.on_verified is not None:
             self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch],
                              out["hidden"][:real], result.num_accepted.tolist())
         return result
 
-    def _queue_ahead(self, rec: IterationRecord, pending) -> _Ahead | None:
+    def _queue_ahead(self, rec: IterationRecord, pending, rows) -> _Ahead | None:
         """Queue the next iteration's step for this batch now, before this one is read
-        back: its tokens are this step's outputs, still on the device; its position is
-        one further. The host then reads this step back and runs the next iteration's
-        SCHEDULE..DRAFT while the GPU computes that step (issue 12: GPU busy at batch 1).
-        The next VERIFY uses it when nothing changed (same requests, lengths and graph
-        key), else drops it: its K/V writes then either hold the same values the real
-        step writes, or land in pages freed after it on the same stream (a finished
-        request's), so dropping it is safe. Not queued when a request may end by length
-        here (its next position may lie past the cache)."""
+        back: its tokens are this step's outputs (rows ``rows`` of ``pending``), still on
+        the device; its positions one further. The host then reads this step back and
+        runs the next iteration's SCHEDULE..DRAFT while the GPU computes that step (issue
+        12: GPU busy at batch 1). The next VERIFY uses it when that iteration's batch is
+        this one, or this one less requests that have left, each one token longer;
+        otherwise (a request joined) it drops it: its K/V writes then either hold the
+        values the real step writes again, or land in pages freed after it on the same
+        stream (a finished request's), so dropping it is safe. Not queued when a request
+        may end by length here (its next position may lie past the cache), nor when the
+        next iteration will likely admit a request (it would be dropped)."""
         batch = rec.batch
         limit = self.config.model.max_seq_len
-        for r in batch:
-            if len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens, limit):
-                self.runner.keep_ahead = 0
-                return None
+        joining = self.scheduler.slots.num_free and (
+            self.scheduler.waiting or (self.front is not None and self.front.has_news))
+        if joining or any(len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens,
+                                                      limit) for r in batch):
+            self.runner.keep_ahead = 0
+            return None
         # Pages for the position it writes, kept by RESCAN's trim.
         self.runner.reserve(batch, 1)
         self.runner.keep_ahead = 1
         sampling = (self._sampling_batch(batch, rec.graph_key.batch_size)
                     if rec.graph_captured else rec.sampling)
         with torch.inference_mode():
-            inputs = ahead_inputs(batch, pending[0]["token_ids"], sampling,
+            inputs = ahead_inputs(batch, pending[0]["token_ids"], rows, sampling,
                                   scratch_slot=self.runner.cache.scratch_slot,
                                   device=self.runner.device)
-        return _Ahead(tuple(batch), [r.seq_len + 1 for r in batch], rec.graph_key,
-                      rec.graph_captured, self._queue_verify(rec, inputs))
+        return _Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
+                      self._queue_verify(rec, inputs))
 
     def _take_ahead(self, rec: IterationRecord):
-        """The step queued ahead by the last VERIFY, if it is this iteration's step."""
+        """-> (the step queued ahead by the last VERIFY, the rows of it that are this
+        batch's) when this batch is that step's less requests that left (same order,
+        each one token longer); else (None, None). Sampling draws by (seed, position),
+        so a row's result does not depend on the rows beside it."""
         ahead, self._ahead = self._ahead, None
-        if (ahead is None or ahead.key != rec.graph_key
-                or ahead.captured != rec.graph_captured
-                or len(ahead.batch) != len(rec.batch)
-                or not all(map(operator.is_, ahead.batch, rec.batch))
-                or ahead.seq_lens != [r.seq_len for r in rec.batch]):
-            return None
-        return ahead.pending
+        if ahead is None or len(rec.batch) > len(ahead.batch):
+            return None, None
+        rows, i, old = [], 0, ahead.batch
+        for request in rec.batch:
+            while i < len(old) and old[i] is not request:
+                i += 1
+            if i == len(old) or request.seq_len != ahead.seq_lens[i]:
+                return None, None
+            rows.append(i)
+            i += 1
+        return ahead.pending, rows
 
     def _inputs(self, rec: IterationRecord, sampling: SamplingBatch):
         return verify_inputs(rec.batch, rec.draft_token_ids, rec.draft_probs, sampling,

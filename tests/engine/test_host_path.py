@@ -74,8 +74,9 @@ async def test_step_queued_ahead_equals_the_thread(tiny_dir, tiny_loaded):
     """No speculation, VERIFY queueing the next step before reading this one back: equal
     to the thread path token for token with rows ending at different iterations (stop
     tokens, EOS, lengths), requests waiting for a slot, a consumer leaving early and
-    seeded sampled rows; the step queued ahead is used, and dropped when the batch
-    changes; every page is free at the end."""
+    seeded sampled rows; the step queued ahead is used, also for the rows left when
+    requests finished, and not queued when a request is about to join; every page is
+    free at the end."""
     stops = tuple(range(40, 80))            # ~10% of the vocabulary: rows end early
     params = [SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True),
               SamplingParams(temperature=0.9, seed=5, max_tokens=20, stop_token_ids=stops),
@@ -96,9 +97,12 @@ async def test_step_queued_ahead_equals_the_thread(tiny_dir, tiny_loaded):
             take = worker._take_ahead
 
             def counted(rec):
-                pending = take(rec)
-                used.append(pending is not None)
-                return pending
+                queued = worker._ahead
+                pending, rows = take(rec)
+                # None: queued nothing; then whether it was used, and for fewer rows.
+                used.append(None if queued is None else (
+                    pending is not None, pending is not None and len(rows) < len(queued.batch)))
+                return pending, rows
             worker._take_ahead = counted
 
             async def one(i):
@@ -122,4 +126,7 @@ async def test_step_queued_ahead_equals_the_thread(tiny_dir, tiny_loaded):
     thread, _ = await run(False)
     ahead, used = await run(True)
     assert ahead == thread
-    assert any(used) and not all(used)
+    taken = [u for u in used if u is not None]
+    assert any(u[0] for u in taken)                     # used as queued
+    assert any(u[1] for u in taken)                     # used after requests left
+    assert None in used                                 # not queued: a request joins
