@@ -181,14 +181,25 @@ class SamplingBatch:
         all_seeds = list(seeds) + [0] * (size - len(params))
 
         def col(name, dtype):
-            return torch.tensor([getattr(p, name) for p in rows], dtype=dtype, device=device)
+            return _column([getattr(p, name) for p in rows], dtype, device)
 
         return cls(
             temperature=col("temperature", torch.float32), top_k=col("top_k", torch.int64),
             top_p=col("top_p", torch.float32), min_p=col("min_p", torch.float32),
-            is_greedy=torch.tensor(greedy, dtype=torch.bool, device=device),
-            seeds=torch.tensor(all_seeds, dtype=torch.int64, device=device),
+            is_greedy=_column(greedy, torch.bool, device),
+            seeds=_column(all_seeds, torch.int64, device),
             all_greedy=all(p.is_greedy for p in params), num_real=len(params),
             needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in rows),
             needs_min_p=any(p.min_p > 0 for p in rows), any_greedy=any(greedy),
         )
+
+
+def _column(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A column on ``device``; to a GPU from pinned memory without waiting (a copy from
+    pageable memory may wait for the work already queued, e.g. the engine's step queued
+    ahead, issue 12; torch's caching host allocator keeps the pinned buffer until the
+    copy is done)."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
