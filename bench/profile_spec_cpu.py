@@ -7,13 +7,15 @@ Two views, one process:
 - engine: time per iteration state (SCHEDULE ... RESCAN) through the engine's observers,
   for no speculation and eagle3 K=3, plus tokens/s.
 
-    python bench/profile_spec_cpu.py [--tokens 64] [--k 3] [--reps 20]
+    python bench/profile_spec_cpu.py [--tokens 64] [--k 3] [--reps 20] [--threads 1]
+        [--skip-ops] [--repeats 3 --compare-packing]
 """
 
 from __future__ import annotations
 
 import argparse
 import collections
+import os
 import statistics
 import time
 
@@ -135,6 +137,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--skip-ops", action="store_true")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: default)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--compare-packing", action="store_true",
+                    help="also run each configuration with PackedLinear off (F.linear only)")
     args = ap.parse_args()
     quiet_logs()
     from specloop.engine import EngineConfig  # noqa: PLC0415
@@ -142,7 +147,7 @@ def main() -> None:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}")
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()}")
     loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
     ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     if not args.skip_ops:
@@ -152,10 +157,22 @@ def main() -> None:
     data["speculative"]["draft_weights"] = HEAD
     configs = {"none": make_config("none", "float32", batch=1),
                f"eagle3 K={args.k}": EngineConfig.from_dict(data)}
-    for name, config in configs.items():
-        tps, al, per, it_ms = anyio.run(engine_states, config, loaded, ids, args.tokens)
-        states = " ".join(f"{s}={ms:.2f}" for s, ms in per.items())
-        print(f"{name:12s} {tps:6.1f} tok/s AL {al:.2f} iteration {it_ms:.2f} ms: {states}")
+    import specloop.models._linear as linear  # noqa: PLC0415
+
+    available = linear.packing_available
+    for _ in range(args.repeats):
+        for packing in (True, False) if args.compare_packing else (True,):
+            # Off: every PackedLinear built from here on (the head's) and the target's.
+            linear.packing_available = available if packing else (lambda: False)
+            loaded.model.linear.enabled = packing and available()
+            for name, config in configs.items():
+                tps, al, per, it_ms = anyio.run(engine_states, config, loaded, ids, args.tokens)
+                states = " ".join(f"{s}={ms:.2f}" for s, ms in per.items())
+                tag = "" if not args.compare_packing else (" packed" if packing else " plain")
+                print(f"{name + tag:20s} {tps:6.1f} tok/s AL {al:.2f} iteration {it_ms:.2f} ms:"
+                      f" {states}", flush=True)
+    linear.packing_available = available
+    print(f"load average {os.getloadavg()}")
 
 
 if __name__ == "__main__":

@@ -96,3 +96,21 @@ def test_decoder_verify_rows_match_unpacked(tiny_llama):
     assert model.linear._packed                       # the packed path did run
     torch.testing.assert_close(packed, plain, rtol=1e-4, atol=1e-4)
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_reduced_draft_head_logits_on_the_cpu_paths(rows):
+    """DraftHead with a d2t on the CPU (1 row: transposed copy; several: packed) gives
+    F.linear's logits on the draft vocabulary and -inf elsewhere."""
+    from specloop.models.drafters._lm_head import DraftHead
+
+    gen = torch.Generator().manual_seed(rows)
+    weight = torch.randn(50, 16, generator=gen)
+    d2t = torch.tensor([1, 4, 7, 30, 49])
+    hidden = torch.randn(rows, 16, generator=gen)
+    head = DraftHead(weight, lm_head_tp=False, max_rows=4, d2t=d2t)
+    with torch.inference_mode():
+        got = head.logits(hidden)
+    want = torch.full((rows, 50), float("-inf"))
+    want[:, d2t] = F.linear(hidden, weight[d2t])
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
