@@ -41,6 +41,7 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 DEVICE = "cuda"
+STATE_TIMES = False
 
 
 def _sync():
@@ -88,7 +89,36 @@ async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", prof
             by[consumer] = await _timed(engine, prompts, tokens, runs, consumer)
         if profile is not None:
             profile.update(await _profile(engine, prompts, loaded.args.num_layers))
+    if profile is not None and STATE_TIMES:
+        profile["state_us_per_iteration"] = await _state_times(name, loaded, prompts, method)
     return by
+
+
+class _StateTimes:
+    """Each state's handler time summed over the iterations with requests (µs)."""
+
+    def __init__(self):
+        self.on, self.us, self.iterations = False, {}, 0
+
+    def on_transition(self, event):
+        if self.on and event.batch_size:
+            self.us[event.state.value] = self.us.get(event.state.value, 0.0) + event.duration_us
+            self.iterations += event.state.value == "RESCAN"
+
+
+async def _state_times(name, loaded, prompts, method, tokens=64):
+    """Where an iteration's wall time goes, per state, on a separate engine (an observer
+    costs a little per transition), read by one ``generate_batch``: VERIFY's time is its
+    queueing, the consumer's turn (the loop runs other tasks once) and the wait for the
+    GPU that the host's work did not cover; the other states are the engine's host work."""
+    from specloop.engine import AsyncEngine
+    times = _StateTimes()
+    config = engine_config(name, len(prompts), method)
+    async with AsyncEngine(config, model=loaded, observers=[times]) as engine:
+        await _generate_all(engine, prompts, 8)
+        times.on = True
+        await _generate_all(engine, prompts, tokens, "batch")
+    return {k: round(v / max(1, times.iterations), 1) for k, v in times.us.items()}
 
 
 async def _timed(engine, prompts, tokens, runs, consumer):
@@ -206,14 +236,16 @@ def main():
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-batches", default="1",
                     help="batch sizes profiled (kernels, syncs, GPU busy)")
+    ap.add_argument("--state-times", action="store_true",
+                    help="at the profiled batch sizes, also each state's time per iteration")
     ap.add_argument("--hf-batches", default=None,
                     help="batch sizes transformers runs at (default: --batches)")
     ap.add_argument("--consumers", default="stream,batch",
                     help="stream: a generate task per request; batch: one generate_batch")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     args = ap.parse_args()
-    global DEVICE
-    DEVICE = args.device
+    global DEVICE, STATE_TIMES
+    DEVICE, STATE_TIMES = args.device, args.state_times
     quiet_logs()
     from specloop.models import load_model, resolve_model_path
     path = resolve_model_path(args.model)
