@@ -147,10 +147,11 @@ class AdaptiveK:
         """The iteration just run took ``seconds`` (prefill excluded)."""
         self._measured_us = max(1, round(seconds * 1e6))
 
-    def choose(self, columns: torch.Tensor, padded_batch_size: int) -> int:
-        """columns [world, num_columns]: every rank's ``facts``. Learn the last
-        iteration's time (the slowest rank's), pool the counts, apply the rule."""
-        rows = columns.tolist()
+    def choose(self, columns: torch.Tensor | list[list[int]], padded_batch_size: int) -> int:
+        """columns [world, num_columns]: every rank's ``facts`` (a tensor, or rows as
+        lists). Learn the last iteration's time (the slowest rank's), pool the counts,
+        apply the rule."""
+        rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
         measured = max(row[-1] for row in rows)
         if measured and self._last is not None:
             self.cost.observe(*self._last, measured / 1e6)

@@ -181,8 +181,8 @@ class RankWorker:
         self.exchange.loads = [self.scheduler.num_requests]
         rec.padded_batch_size = len(rec.batch)
         if self.adaptive is not None and rec.batch:
-            rec.num_draft_tokens = self.adaptive.choose(
-                torch.tensor([self.adaptive.facts()]), rec.padded_batch_size)
+            rec.num_draft_tokens = self.adaptive.choose([self.adaptive.facts()],
+                                                        rec.padded_batch_size)
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     def _facts(self, batch: list[Request]) -> list[int]:

@@ -289,3 +289,21 @@ async def test_head_cache_stays_current_across_k0_iterations(tiny_dir, tiny_load
             expected = int(drafter.lm.logits(h[:, -1]).argmax())
             assert first_draft == expected, (length, first_draft, expected)
     assert len(seen) >= 8
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+async def test_rejection_sampling_stays_exact_when_k_changes(tiny_dir, tiny_loaded):
+    """The existing chi-square harness (test_exactness: first and second token of many
+    seeded requests against the target's exact distributions) with K cycling 0, 3, 1, 2
+    between iterations, so a request's two tokens come from iterations of different K."""
+    from .test_exactness import T, assert_matches, exact_distributions, sample_many
+    config = make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True,
+                         max_batch_size=64, speculative={"adaptive": True})
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        cycle_k(engine.worker.adaptive, [0, 3, 1, 2])
+        firsts, seconds, greedy = await sample_many(engine, 3000, greedy_every=10)
+        per_k = engine.stats.iterations_per_k
+    assert all(per_k[k] > 10 for k in KS), per_k
+    assert_matches(firsts, seconds, *exact_distributions(tiny_loaded, T))
+    assert len(set(map(tuple, greedy))) == 1
