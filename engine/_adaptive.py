@@ -7,8 +7,9 @@ the most expected tokens per unit of time at the padded batch b,
 
 a_j being the acceptance of draft j given drafts 1..j-1 were accepted (decayed counts of
 recent iterations, pooled over the group's ranks), T(b, k) the iteration's time: VERIFY and
-DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work),
-learned online per batch bucket. Ties go to the smaller K. Every input is agreed by the
+DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
+until iterations at (b, k) have been measured, then their average; one choice in
+EXPLORE_EVERY tries the K values in turn. Ties go to the smaller K. Every input is agreed by the
 group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
 warm-up table is agreed once before the first iteration; so every rank picks the same K.
 """
@@ -30,8 +31,12 @@ DECAY = 0.98
 # Prior: PRIOR_ROWS pseudo-rows at acceptance PRIOR_ACCEPT for every position, so a
 # position never drafted yet looks worth a try, and one lucky row does not decide.
 PRIOR_ROWS, PRIOR_ACCEPT = 2.0, 0.5
-# Weight of a new measurement of the rest of the iteration (an exponential average).
+# Weight of a new measurement of an iteration's time (an exponential average).
 REST_WEIGHT = 0.2
+# Every EXPLORE_EVERY-th choice takes the next K in turn instead of the rule's, so every K
+# gets measured and every position's acceptance learned, whatever warm-up said (1/64 of the
+# iterations: at most a few tenths of a percent of throughput).
+EXPLORE_EVERY = 64
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -63,13 +68,16 @@ def acceptance_from_counts(reached: Sequence[float], accepted: Sequence[float]
 
 @attrs.define
 class CostTable:
-    """T(b, k) in seconds: ``device`` (VERIFY + DRAFT at warm-up) per (bucket, k), plus
-    ``rest`` per bucket, learned from measured iterations; ``learn`` False keeps it fixed
+    """T(b, k) in seconds: the measured iterations at (bucket, k) (``measured``, an
+    exponential average) once there are some; before that ``device`` (VERIFY + DRAFT at
+    warm-up) plus ``rest`` (what the iterations measured so far at this bucket took beyond
+    their warm-up time). ``learn`` False keeps the table fixed and turns exploration off
     (tests force K to switch with a table of their own)."""
 
     device: dict[tuple[int, int], float]
     rest: dict[int, float] = attrs.Factory(dict)
     learn: bool = True
+    measured: dict[tuple[int, int], float] = attrs.Factory(dict)
 
     @property
     def buckets(self) -> list[int]:
@@ -81,7 +89,8 @@ class CostTable:
         return buckets[-1] if found is None else found
 
     def time(self, bucket: int, k: int) -> float:
-        return self.device[(bucket, k)] + self._rest(bucket)
+        seen = self.measured.get((bucket, k))
+        return self.device[(bucket, k)] + self._rest(bucket) if seen is None else seen
 
     def _rest(self, bucket: int) -> float:
         if bucket in self.rest:
@@ -95,12 +104,16 @@ class CostTable:
     def observe(self, bucket: int, k: int, seconds: float) -> None:
         if not self.learn or (bucket, k) not in self.device:
             return
-        rest = max(seconds - self.device[(bucket, k)], 0.0)
-        old = self.rest.get(bucket)
-        self.rest[bucket] = rest if old is None else old + REST_WEIGHT * (rest - old)
+        _average(self.rest, bucket, max(seconds - self.device[(bucket, k)], 0.0))
+        _average(self.measured, (bucket, k), seconds)
 
     def as_tensor(self, keys: list[tuple[int, int]]) -> torch.Tensor:
         return torch.tensor([round(self.device[key] * 1e7) for key in keys], dtype=torch.int64)
+
+
+def _average(table: dict, key, value: float) -> None:
+    old = table.get(key)
+    table[key] = value if old is None else old + REST_WEIGHT * (value - old)
 
 
 class AdaptiveK:
@@ -116,6 +129,7 @@ class AdaptiveK:
         self.accepted = [0.0] * self.k_max
         self._measured_us = 0       # the last iteration's time, sent once in ``facts``
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
+        self._calls = 0             # choices so far: the same count on every rank
         self.chosen: collections.Counter[int] = collections.Counter()
 
     @property
@@ -161,6 +175,9 @@ class AdaptiveK:
         bucket = self.cost.bucket(padded_batch_size)
         times = {k: self.cost.time(bucket, k) for k in self.candidates}
         k = choose_k(self.candidates, acceptance_from_counts(reached, accepted), times)
+        self._calls += 1
+        if self.cost.learn and self._calls % EXPLORE_EVERY == 0:
+            k = self.candidates[(self._calls // EXPLORE_EVERY) % len(self.candidates)]
         self._last = (bucket, k)
         self.chosen[k] += 1
         return k

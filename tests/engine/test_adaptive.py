@@ -94,8 +94,24 @@ def test_measured_time_teaches_the_rest_of_the_iteration():
     adaptive.measured(0.011)        # the iteration took 11 ms, 10 of them host work
     adaptive.choose(torch.tensor([adaptive.facts()]), 1)
     assert cost.rest[1] == pytest.approx(0.011 - cost.device[(1, first)])
+    assert cost.time(1, first) == pytest.approx(0.011)     # measured wins over warm-up
+    others = [k for k in KS if k != first]
+    assert all(cost.time(1, k) == pytest.approx(cost.device[(1, k)] + cost.rest[1])
+               for k in others)
     # Sent once: the next exchange carries no measurement.
     assert adaptive.facts()[-1] == 0
+
+
+def test_every_k_gets_explored_in_turn():
+    """Whatever warm-up said, one choice in EXPLORE_EVERY tries each K in turn (so a K
+    that looked too dear is measured, and positions never drafted get counts)."""
+    from specloop.engine._adaptive import EXPLORE_EVERY
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}))
+    picks = [adaptive.choose([adaptive.facts()], 1) for _ in range(EXPLORE_EVERY * 4)]
+    assert collections.Counter(picks)[0] == EXPLORE_EVERY * 4 - 3
+    assert sorted(set(picks)) == list(KS)
+    fixed = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}, learn=False))
+    assert {fixed.choose([fixed.facts()], 1) for _ in range(EXPLORE_EVERY * 4)} == {0}
 
 
 def test_config():
