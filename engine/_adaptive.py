@@ -8,8 +8,9 @@ the most expected tokens per unit of time at the padded batch b,
 a_j being the acceptance of draft j given drafts 1..j-1 were accepted (decayed counts of
 recent iterations, pooled over the group's ranks), T(b, k) the iteration's time: VERIFY and
 DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
-until iterations at (b, k) have been measured, then their average; one choice in
-EXPLORE_EVERY tries the K values in turn. Ties go to the smaller K. Every input is agreed by the
+until iterations at (b, k) have been measured, then their average (each K is run once at
+each bucket before the rule is trusted, and one choice in EXPLORE_EVERY tries the K
+values in turn). Ties go to the smaller K. Every input is agreed by the
 group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
 warm-up table is agreed once before the first iteration; so every rank picks the same K.
 """
@@ -176,8 +177,14 @@ class AdaptiveK:
         times = {k: self.cost.time(bucket, k) for k in self.candidates}
         k = choose_k(self.candidates, acceptance_from_counts(reached, accepted), times)
         self._calls += 1
-        if self.cost.learn and self._calls % EXPLORE_EVERY == 0:
-            k = self.candidates[(self._calls // EXPLORE_EVERY) % len(self.candidates)]
+        if self.cost.learn:
+            # Host work differs by K (drafting's own), which warm-up cannot time: each K
+            # runs once at each bucket before the rule is trusted, and again in turn.
+            untried = [c for c in self.candidates if (bucket, c) not in self.cost.measured]
+            if untried:
+                k = untried[0]
+            elif self._calls % EXPLORE_EVERY == 0:
+                k = self.candidates[(self._calls // EXPLORE_EVERY) % len(self.candidates)]
         self._last = (bucket, k)
         self.chosen[k] += 1
         return k

@@ -86,6 +86,18 @@ def test_choice_depends_only_on_the_gathered_columns():
     assert a.choose(columns, 1) == choose_k(KS, pooled, times)
 
 
+def test_measured_time_decides_over_warm_up():
+    """Drafting's host work (which warm-up does not time) makes K = 3 dear: once each K was
+    measured, the rule follows the measurements, not the warm-up table."""
+    cost = CostTable({(1, k): 0.001 * (1 + 0.1 * k) for k in KS})
+    adaptive = AdaptiveK(KS, cost)
+    adaptive.record(3, [3, 3, 2, 1, 0, 3])   # good acceptance: warm-up would say K = 3
+    for _ in KS:
+        k = adaptive.choose([adaptive.facts()], 1)
+        adaptive.measured(0.002 if k == 0 else 0.006 + 0.001 * k)
+    assert adaptive.choose([adaptive.facts()], 1) == 0
+
+
 def test_measured_time_teaches_the_rest_of_the_iteration():
     cost = CostTable({(1, k): 0.001 * (1 + k) for k in KS})
     adaptive = AdaptiveK(KS, cost)
@@ -103,13 +115,19 @@ def test_measured_time_teaches_the_rest_of_the_iteration():
 
 
 def test_every_k_gets_explored_in_turn():
-    """Whatever warm-up said, one choice in EXPLORE_EVERY tries each K in turn (so a K
-    that looked too dear is measured, and positions never drafted get counts)."""
+    """Whatever warm-up said, each K runs once at a new bucket, then one choice in
+    EXPLORE_EVERY tries each K in turn (so a K that looked too dear is measured again,
+    and positions never drafted get counts)."""
     from specloop.engine._adaptive import EXPLORE_EVERY
     adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}))
-    picks = [adaptive.choose([adaptive.facts()], 1) for _ in range(EXPLORE_EVERY * 4)]
-    assert collections.Counter(picks)[0] == EXPLORE_EVERY * 4 - 3
-    assert sorted(set(picks)) == list(KS)
+    picks = []
+    for _ in range(EXPLORE_EVERY * 4):
+        k = adaptive.choose([adaptive.facts()], 1)
+        adaptive.measured(1.0 + 10.0 * k)       # the time warm-up predicted
+        picks.append(k)
+    assert picks[:4] == list(KS)                # each K once at a new bucket
+    assert collections.Counter(picks[4:])[0] == EXPLORE_EVERY * 4 - 4 - 3
+    assert sorted(set(picks[4:])) == list(KS)
     fixed = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}, learn=False))
     assert {fixed.choose([fixed.facts()], 1) for _ in range(EXPLORE_EVERY * 4)} == {0}
 
