@@ -214,7 +214,8 @@ async def test_greedy_with_adaptive_k_equals_greedy_without(tiny_dir, tiny_loade
     assert sum(stats.accepted_per_position) == stats.num_accepted_tokens
 
 
-async def run_group(world, config, loaded, reqs, *, local_only=False, timeout=5.0):
+async def run_group(world, config, loaded, reqs, *, local_only=False, timeout=5.0,
+                    fixed_cost=True):
     group = LocalGroup(world, timeout=timeout)
 
     async def rank_main(comm):
@@ -222,7 +223,8 @@ async def run_group(world, config, loaded, reqs, *, local_only=False, timeout=5.
         async with AsyncEngine(config, communicator=comm, model=loaded,
                                observers=[klog]) as engine:
             adaptive = engine.worker.adaptive
-            adaptive.cost = switching_cost()
+            if fixed_cost:
+                adaptive.cost = switching_cost()
             if local_only:
                 # The bug the agreement prevents: each rank decides from its own facts.
                 choose = adaptive.choose
@@ -261,6 +263,19 @@ async def test_group_runs_one_k_per_iteration_and_matches_one_rank(tiny_dir, tin
         assert len(common) >= 20
         assert all(logs[0][i] == logs[rank][i] for i in common)
     assert len(set(logs[0].values())) >= 2 and 0 in logs[0].values(), logs[0]
+
+
+async def test_group_agrees_on_k_from_its_own_timings(tiny_dir, tiny_loaded):
+    """The engine's own table, learning from each rank's measured times (which differ):
+    the agreed values (the slowest rank's time) keep K equal on every rank."""
+    reqs = staggered(6)
+    results = await run_group(2, lm_head_tp(tiny_dir, 2), tiny_loaded, reqs,
+                              fixed_cost=False)
+    check_greedy(tiny_loaded, reqs, results[0][0])
+    logs = [dict(ks) for _, ks in results]
+    common = logs[0].keys() & logs[1].keys()
+    assert len(common) >= 10 and all(logs[0][i] == logs[1][i] for i in common)
+    assert len(set(logs[0].values())) >= 2       # each K is tried at a new bucket
 
 
 async def test_ranks_choosing_alone_enter_different_collectives(tiny_dir, tiny_loaded):
