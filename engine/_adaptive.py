@@ -8,9 +8,9 @@ the most expected tokens per unit of time at the padded batch b,
 a_j being the acceptance of draft j given drafts 1..j-1 were accepted (decayed counts of
 recent iterations, pooled over the group's ranks), T(b, k) the iteration's time: VERIFY and
 DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
-until iterations at (b, k) have been measured, then their average (each K is run once at
-each bucket before the rule is trusted, and one choice in EXPLORE_EVERY tries the K
-values in turn). Ties go to the smaller K. Every input is agreed by the
+until iterations at (b, k) have been measured, then their average (each K runs
+FIRST_SAMPLES times at each bucket before the rule decides there, and one choice in
+EXPLORE_EVERY tries the K values in turn). Ties go to the smaller K. Every input is agreed by the
 group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
 warm-up table is agreed once before the first iteration; so every rank picks the same K.
 """
@@ -39,6 +39,9 @@ REST_WEIGHT = 0.2
 # measurements said. One iteration in 128, which after a long K = 0 stretch drafts eagerly
 # (a few ms): about 1 % of throughput at worst.
 EXPLORE_EVERY = 128
+# Iterations each K runs at a new bucket before the rule decides there (one measurement
+# could be a pause of the host); their mean starts the average.
+FIRST_SAMPLES = 3
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -80,6 +83,7 @@ class CostTable:
     rest: dict[int, float] = attrs.Factory(dict)
     learn: bool = True
     measured: dict[tuple[int, int], float] = attrs.Factory(dict)
+    samples: dict[tuple[int, int], int] = attrs.Factory(dict)
 
     @property
     def buckets(self) -> list[int]:
@@ -106,16 +110,20 @@ class CostTable:
     def observe(self, bucket: int, k: int, seconds: float) -> None:
         if not self.learn or (bucket, k) not in self.device:
             return
+        n = self.samples[(bucket, k)] = self.samples.get((bucket, k), 0) + 1
         _average(self.rest, bucket, max(seconds - self.device[(bucket, k)], 0.0))
-        _average(self.measured, (bucket, k), seconds)
+        _average(self.measured, (bucket, k), seconds, 1 / n)
 
     def as_tensor(self, keys: list[tuple[int, int]]) -> torch.Tensor:
         return torch.tensor([round(self.device[key] * 1e7) for key in keys], dtype=torch.int64)
 
 
-def _average(table: dict, key, value: float) -> None:
+def _average(table: dict, key, value: float, first: float = 0.0) -> None:
+    """Exponential average (weight REST_WEIGHT), a plain mean while ``first`` (1/n) is
+    larger."""
     old = table.get(key)
-    table[key] = value if old is None else old + REST_WEIGHT * (value - old)
+    weight = max(REST_WEIGHT, first)
+    table[key] = value if old is None else old + weight * (value - old)
 
 
 class AdaptiveK:
@@ -180,10 +188,12 @@ class AdaptiveK:
         self._calls += 1
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K
-            # runs once at each bucket before the rule is trusted, and again in turn.
-            untried = [c for c in self.candidates if (bucket, c) not in self.cost.measured]
-            if untried:
-                k = untried[0]
+            # runs FIRST_SAMPLES times at each bucket before the rule decides there, and
+            # again in turn.
+            untried = [c for c in self.candidates
+                       if self.cost.samples.get((bucket, c), 0) < FIRST_SAMPLES]
+            if untried:     # in turn: K = 0, 1, 2, 3, 0, 1, ...
+                k = min(untried, key=lambda c: (self.cost.samples.get((bucket, c), 0), c))
             elif self._calls % EXPLORE_EVERY == 0:
                 k = self.candidates[(self._calls // EXPLORE_EVERY) % len(self.candidates)]
         self._last = (bucket, k)

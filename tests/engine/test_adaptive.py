@@ -92,9 +92,12 @@ def test_measured_time_decides_over_warm_up():
     cost = CostTable({(1, k): 0.001 * (1 + 0.1 * k) for k in KS})
     adaptive = AdaptiveK(KS, cost)
     adaptive.record(3, [3, 3, 2, 1, 0, 3])   # good acceptance: warm-up would say K = 3
-    for _ in KS:
+    for i in range(3 * len(KS)):
         k = adaptive.choose([adaptive.facts()], 1)
-        adaptive.measured(0.002 if k == 0 else 0.006 + 0.001 * k)
+        # K = 0's first iteration met a host pause (10 ms instead of 2).
+        adaptive.measured((0.010 if i == 0 else 0.002) if k == 0 else 0.012 + 0.001 * k)
+    # The pause is averaged with K = 0's other first measurements, not taken alone.
+    assert cost.measured[(1, 0)] == pytest.approx((0.010 + 0.002 + 0.002) / 3)
     assert adaptive.choose([adaptive.facts()], 1) == 0
 
 
@@ -115,19 +118,20 @@ def test_measured_time_teaches_the_rest_of_the_iteration():
 
 
 def test_every_k_gets_explored_in_turn():
-    """Whatever warm-up said, each K runs once at a new bucket, then one choice in
-    EXPLORE_EVERY tries each K in turn (so a K that looked too dear is measured again,
-    and positions never drafted get counts)."""
-    from specloop.engine._adaptive import EXPLORE_EVERY
+    """Whatever warm-up said, each K runs FIRST_SAMPLES times at a new bucket, then one
+    choice in EXPLORE_EVERY tries each K in turn (so a K that looked too dear is measured
+    again, and positions never drafted get counts)."""
+    from specloop.engine._adaptive import EXPLORE_EVERY, FIRST_SAMPLES
     adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}))
     picks = []
     for _ in range(EXPLORE_EVERY * 4):
         k = adaptive.choose([adaptive.facts()], 1)
         adaptive.measured(1.0 + 10.0 * k)       # the time warm-up predicted
         picks.append(k)
-    assert picks[:4] == list(KS)                # each K once at a new bucket
-    assert collections.Counter(picks[4:])[0] == EXPLORE_EVERY * 4 - 4 - 3
-    assert sorted(set(picks[4:])) == list(KS)
+    first = FIRST_SAMPLES * len(KS)
+    assert picks[:first] == list(KS) * FIRST_SAMPLES    # each K in turn at a new bucket
+    assert collections.Counter(picks[first:])[0] == EXPLORE_EVERY * 4 - first - 3
+    assert sorted(set(picks[first:])) == list(KS)
     fixed = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}, learn=False))
     assert {fixed.choose([fixed.facts()], 1) for _ in range(EXPLORE_EVERY * 4)} == {0}
 
