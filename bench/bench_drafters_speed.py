@@ -2,7 +2,8 @@
 transformers' ``generate`` on the same SmolLM2 weights, in one process.
 
 Each configuration runs ``--repeats`` times, interleaved (this machine is shared and noisy);
-prints min-max tokens/s and the ratio of medians to transformers.
+prints min-max tokens/s and the ratio of medians to transformers, both per wall-clock second
+and per process CPU second (with ``--threads 1`` the latter is what an idle core would do).
 
     python bench/bench_drafters_speed.py [--tokens 64] [--repeats 3]
 """
@@ -13,14 +14,53 @@ import argparse
 import json
 import os
 import statistics
+import time
 
 import anyio
 import torch
 
 from _common import quiet_logs
-from bench_decode import make_config, specloop_tps, transformers_tps
+from bench_decode import make_config
 
 PROMPT = "Tell me about llamas."
+
+
+def timed(fn):
+    """-> (fn's result, wall seconds, process CPU seconds). With one torch thread the
+    CPU time is what the run would take on an idle core: a shared machine's load
+    deschedules the process (wall time) but adds little CPU time."""
+    wall, cpu = time.perf_counter(), time.process_time()
+    out = fn()
+    return out, time.perf_counter() - wall, time.process_time() - cpu
+
+
+def transformers_rates(model, ids, n):
+    prompt = torch.tensor([ids])
+    # An explicit mask: SmolLM2's pad id is <|im_end|>, which the chat prompt contains.
+    mask = torch.ones_like(prompt)
+    with torch.inference_mode():
+        model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        out, wall, cpu = timed(lambda: model.generate(prompt, attention_mask=mask,
+                                                      max_new_tokens=n, do_sample=False))
+    tokens = out.shape[1] - prompt.shape[1]
+    return tokens / wall, tokens / cpu, None
+
+
+async def specloop_rates(config, loaded, ids, n):
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+
+    async with AsyncEngine(config, model=loaded) as engine:
+        async for _ in engine.generate(ids, SamplingParams(temperature=0, max_tokens=4)):
+            pass
+        engine.stats.__init__()
+        tokens = 0
+        wall, cpu = time.perf_counter(), time.process_time()
+        # Stops at EOS, as transformers does.
+        async for out in engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=n)):
+            tokens += len(out.token_ids)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        return tokens / wall, tokens / cpu, engine.stats.mean_acceptance_length
 
 
 def main() -> None:
@@ -50,21 +90,29 @@ def main() -> None:
             data = make_config(method, "float32", k=k, batch=1).to_dict()
             data["speculative"]["draft_weights"] = head
             configs[f"{head} K={k}"] = EngineConfig.from_dict(data)
-    tps = {name: [] for name in ["transformers", *configs]}
+    from transformers import AutoModelForCausalLM  # noqa: PLC0415
+
+    hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
+    wall = {name: [] for name in ["transformers", *configs]}
+    cpu = {name: [] for name in wall}
     als = {}
-    for _ in range(args.repeats):
-        tps["transformers"].append(transformers_tps(loaded.path, ids, args.tokens,
-                                                    torch.float32)[0])
-        for name, config in configs.items():
-            rate, _, al = anyio.run(specloop_tps, config, loaded, [ids], args.tokens)
-            tps[name].append(rate)
+    for _ in range(args.repeats):   # interleaved: each round runs every configuration
+        for name in wall:
+            if name == "transformers":
+                w, c, al = transformers_rates(hf, ids, args.tokens)
+            else:
+                w, c, al = anyio.run(specloop_rates, configs[name], loaded, ids, args.tokens)
+            wall[name].append(w)
+            cpu[name].append(c)
             als[name] = al
-    base = statistics.median(tps["transformers"])
-    for name, rates in tps.items():
-        med = statistics.median(rates)
-        al = f", AL {als[name]:.2f}" if name in als else ""
-        print(f"{name:38s} {min(rates):6.1f}-{max(rates):6.1f} tok/s, median {med:6.1f} "
-              f"({med / base:.2f}x transformers{al})")
+    for label, rates in (("wall-clock", wall), ("per process CPU second", cpu)):
+        base = statistics.median(rates["transformers"])
+        print(f"tokens/s, {label}: min-max, median (ratio of medians to transformers)")
+        for name, r in rates.items():
+            med = statistics.median(r)
+            al = f", AL {als[name]:.2f}" if als.get(name) else ""
+            print(f"  {name:38s} {min(r):6.1f}-{max(r):6.1f}, median {med:6.1f} "
+                  f"({med / base:.2f}x{al})")
     print(f"load average {os.getloadavg()}")
 
 
