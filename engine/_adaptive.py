@@ -84,15 +84,21 @@ class CostTable:
     learn: bool = True
     measured: dict[tuple[int, int], float] = attrs.Factory(dict)
     samples: dict[tuple[int, int], int] = attrs.Factory(dict)
+    _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
 
     @property
     def buckets(self) -> list[int]:
         return sorted({b for b, _ in self.device})
 
     def bucket(self, batch_size: int) -> int:
-        buckets = self.buckets
-        found = bucket_for(batch_size, buckets)
-        return buckets[-1] if found is None else found
+        # Once per iteration: remembered per batch size (the table's keys never change
+        # after warm-up agreement).
+        found = self._bucket_of.get(batch_size)
+        if found is None:
+            buckets = self.buckets
+            found = bucket_for(batch_size, buckets) or buckets[-1]
+            self._bucket_of[batch_size] = found
+        return found
 
     def time(self, bucket: int, k: int) -> float:
         seen = self.measured.get((bucket, k))
@@ -140,6 +146,7 @@ class AdaptiveK:
         self._measured_us = 0       # the last iteration's time, sent once in ``facts``
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
         self._calls = 0             # choices so far: the same count on every rank
+        self._settled: set[int] = set()     # buckets where every K has its first samples
         self.chosen: collections.Counter[int] = collections.Counter()
 
     @property
@@ -190,11 +197,15 @@ class AdaptiveK:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K
             # runs FIRST_SAMPLES times at each bucket before the rule decides there, and
             # again in turn.
-            untried = [c for c in self.candidates
-                       if self.cost.samples.get((bucket, c), 0) < FIRST_SAMPLES]
-            if untried:     # in turn: K = 0, 1, 2, 3, 0, 1, ...
-                k = min(untried, key=lambda c: (self.cost.samples.get((bucket, c), 0), c))
-            elif self._calls % EXPLORE_EVERY == 0:
+            if bucket not in self._settled:
+                samples = self.cost.samples
+                untried = [c for c in self.candidates
+                           if samples.get((bucket, c), 0) < FIRST_SAMPLES]
+                if untried:     # in turn: K = 0, 1, 2, 3, 0, 1, ...
+                    k = min(untried, key=lambda c: (samples.get((bucket, c), 0), c))
+                else:
+                    self._settled.add(bucket)
+            if bucket in self._settled and self._calls % EXPLORE_EVERY == 0:
                 k = self.candidates[(self._calls // EXPLORE_EVERY) % len(self.candidates)]
         self._last = (bucket, k)
         self.chosen[k] += 1
