@@ -7,9 +7,10 @@ sgemm at 1.5-2.5x its cost: SmolLM2's LM head [49152, 576], one thread, 8.2 ms f
 20.5 ms for 4, 24.6 ms for 8 — so verifying K+1 tokens cost about twice a decode step,
 which ate most of what speculation saves on the CPU. oneDNN's kernel on a weight reordered
 once into its blocked layout takes 10.1 ms for 4 rows and 14.3 ms for 8 (bench figures in
-docs/performance.md, "On the CPU"). Outside that window (1 row; prefill chunks; CUDA; autograd) this is
-``F.linear`` itself, so a decode step without speculation and prefill are bit-for-bit what
-they were.
+docs/performance.md, "On the CPU"). Outside that window (1 row; prefill chunks over 32
+rows; CUDA; autograd) this is ``F.linear`` itself, so a decode step without speculation is
+bit-for-bit what it was (short prompts' prefill now runs packed: fp32 rounding-level
+differences, as between any two GEMM kernels).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 # Rows (all leading dims) for which the packed kernel beats MKL (measured 2..32; from 64
-# rows on both cost the same, and prefill keeps MKL's numerics).
+# rows on both cost the same, and long prefill chunks keep MKL's numerics).
 MIN_ROWS, MAX_ROWS = 2, 32
 
 
