@@ -176,7 +176,7 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.k.numel() * self.k.element_size()
+        return int(2 * self.k.numel() * self.k.element_size())
 
     def locate(self, slots: torch.Tensor, positions: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor]:

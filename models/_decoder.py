@@ -9,7 +9,7 @@ nine kernels per layer with the four GEMMs). ``DecoderModel.kernels`` picks one.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import structlog
 import torch
@@ -21,6 +21,7 @@ from ._cache import KVCache
 from ._layers import apply_rope, rms_norm, rope_tables
 from ._linear import PackedLinear
 from . import _kernels
+from ._grad import no_grad
 
 log = structlog.get_logger(__name__)
 
@@ -108,7 +109,7 @@ class DecoderModel(nn.Module):
         with torch.no_grad():
             return self.linear(hidden, self.lm_head_weight).float()
 
-    def make_cache(self, num_slots: int, max_seq_len: int, **kw) -> KVCache:
+    def make_cache(self, num_slots: int, max_seq_len: int, **kw: Any) -> KVCache:
         """A KVCache for this model, on its device and in its dtype (``kw``: page_size,
         pages: see KVCache)."""
         return KVCache(self.args, num_slots, max_seq_len, self.dtype, self.device, **kw)
@@ -139,7 +140,7 @@ class DecoderModel(nn.Module):
             capture=capture,
         )
 
-    @torch.no_grad()
+    @no_grad
     def forward_embeds(
         self,
         embeds: torch.Tensor,

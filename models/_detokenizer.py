@@ -9,7 +9,7 @@ from ._tokenizer import Tokenizer
 try:  # tokenizers >= 0.21: the same prefix/read-offset algorithm, in Rust (~1 us a token)
     from tokenizers.decoders import DecodeStream
 except ImportError:  # pragma: no cover - older tokenizers: the window algorithm below
-    DecodeStream = None
+    DecodeStream = None  # type: ignore[assignment,misc]  # the class is absent there
 
 _REPLACEMENT = "\ufffd"
 # Tokens decoded before the new ones, so context-dependent decoders (leading-space
@@ -49,7 +49,7 @@ class IncrementalDetokenizer:
         if self._stream is None:
             self._ids.extend(ids)
             return self._push_window()
-        pieces = []
+        pieces: list[str] = []
         for i, token in enumerate(ids):
             self._ids.append(token)
             try:

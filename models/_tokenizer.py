@@ -10,6 +10,7 @@ from typing import Any
 
 import structlog
 import tokenizers
+from jinja2 import Template
 from jinja2.exceptions import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -46,11 +47,12 @@ class Tokenizer:
             raise ModelNotFoundError(f"{path} not found: the checkpoint needs a tokenizers tokenizer.json")
         backend = tokenizers.Tokenizer.from_file(str(path))
         config = _read_json(directory / "tokenizer_config.json")
-        special = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
-        special = {k: v for k, v in special.items() if v is not None}
+        texts = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        special = {k: v for k, v in texts.items() if v is not None}
         eos = set(extra_eos_token_ids)
-        if "eos_token" in special and backend.token_to_id(special["eos_token"]) is not None:
-            eos.add(backend.token_to_id(special["eos_token"]))
+        eos_id = backend.token_to_id(special["eos_token"]) if "eos_token" in special else None
+        if eos_id is not None:
+            eos.add(eos_id)
         bos = backend.token_to_id(special["bos_token"]) if "bos_token" in special else None
         return cls(
             backend,
@@ -113,7 +115,7 @@ def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, *
     return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, **kw)
 
 
-def _compile_template(source: str):
+def _compile_template(source: str) -> Template:
     # Same environment options as transformers' apply_chat_template.
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = _tojson

@@ -7,6 +7,7 @@ import re
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 import structlog
 import torch
@@ -65,7 +66,7 @@ def _targets(model: DecoderModel) -> Iterator[tuple[str, torch.Tensor]]:
 def load_safetensors_weights(model: DecoderModel, files: list[Path]) -> None:
     """Copy every needed tensor from ``files`` into ``model`` (casting to its dtype/device)."""
     with ExitStack() as stack:
-        handles = {}
+        handles: dict[str, Any] = {}     # name -> its file's safe_open handle
         for f in files:
             h = stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
             handles.update((name, h) for name in h.keys())
@@ -84,6 +85,6 @@ def load_safetensors_weights(model: DecoderModel, files: list[Path]) -> None:
             log.debug("checkpoint_tensors_unused", count=len(unused), first=unused[:4])
 
 
-def _natural_key(name: str) -> tuple:
+def _natural_key(name: str) -> tuple[int, str]:
     m = _LAYER_RE.match(name)
     return (int(m.group(1)), m.group(2)) if m else (-1, name)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -46,7 +47,7 @@ def tiny_tokenizer(vocab_size: int) -> HFTokenizer:
 
 
 def _config(family: str, *, vocab_size: int, hidden: int, num_layers: int, num_heads: int,
-            num_kv_heads: int, intermediate: int, tie: bool, max_pos: int) -> dict:
+            num_kv_heads: int, intermediate: int, tie: bool, max_pos: int) -> dict[str, Any]:
     arch = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}[family]
     config = {
         "architectures": [arch],
@@ -74,7 +75,7 @@ def _config(family: str, *, vocab_size: int, hidden: int, num_layers: int, num_h
     return config
 
 
-def _weights(config: dict, *, seed: int) -> dict[str, torch.Tensor]:
+def _weights(config: dict[str, Any], *, seed: int) -> dict[str, torch.Tensor]:
     # Embeddings with std 0.4 give logits of std ~0.4*sqrt(H) (~3 at H=64): peaked but
     # far from one-hot, so temperature-1 sampling has moderate entropy.
     g = torch.Generator().manual_seed(seed)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, TypeGuard
 
 import attrs
 import torch
@@ -23,16 +24,16 @@ def _fail(field: str, value: object, rule: str, fix: str) -> SamplingParamsError
     return SamplingParamsError(f"SamplingParams.{field} = {value!r} is invalid: {rule}; {fix}")
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     # bool is an int subclass, but True as a top_k is a bug, not a value.
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_real(value: object) -> bool:
+def _is_real(value: object) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
-def _check_temperature(_inst, attr, value) -> None:
+def _check_temperature(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if not _is_real(value) or not math.isfinite(value) or not (
             value == 0 or TEMPERATURE_MIN <= value <= TEMPERATURE_MAX):
         raise _fail(attr.name, value,
@@ -40,42 +41,43 @@ def _check_temperature(_inst, attr, value) -> None:
                     "use 0 for greedy decoding or a positive value such as 1.0")
 
 
-def _check_top_k(_inst, attr, value) -> None:
+def _check_top_k(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     # Held as int64 in SamplingBatch.top_k; any k >= the vocabulary means "off".
     if not _is_int(value) or not 0 <= value <= INT64_MAX:
         raise _fail(attr.name, value, "must be an int in [0, 2**63 - 1]",
                     "use 0 to turn top-k off")
 
 
-def _check_top_p(_inst, attr, value) -> None:
+def _check_top_p(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if not _is_real(value) or not math.isfinite(value) or not 0 < value <= 1:
         raise _fail(attr.name, value, "must be in (0, 1]", "use 1.0 to turn top-p off")
 
 
-def _check_min_p(_inst, attr, value) -> None:
+def _check_min_p(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if not _is_real(value) or not math.isfinite(value) or not 0 <= value <= 1:
         raise _fail(attr.name, value, "must be in [0, 1]", "use 0.0 to turn min-p off")
 
 
-def _check_seed(_inst, attr, value) -> None:
+def _check_seed(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if value is not None and (not _is_int(value) or not 0 <= value <= INT64_MAX):
         raise _fail(attr.name, value, "must be None or an int in [0, 2**63 - 1]",
                     "pass None to get a seed at admission")
 
 
-def _check_max_tokens(_inst, attr, value) -> None:
+def _check_max_tokens(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if not _is_int(value) or not 1 <= value <= INT64_MAX:
         raise _fail(attr.name, value, "must be an int in [1, 2**63 - 1]",
                     "ask for at least one token")
 
 
-def _check_stop_ids(_inst, attr, value) -> None:
+def _check_stop_ids(_inst: object, attr: attrs.Attribute[Any], value: tuple[object, ...]
+                    ) -> None:
     if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in value):
         raise _fail(attr.name, value, "must hold int token ids in [0, 2**63 - 1]",
                     "remove negative or non-integer ids")
 
 
-def _to_stop_strings(value) -> tuple:
+def _to_stop_strings(value: object) -> tuple[Any, ...]:
     # One string is one stop string, not a sequence of one-character stops.
     if isinstance(value, str):
         return (value,)
@@ -85,18 +87,19 @@ def _to_stop_strings(value) -> tuple:
     return tuple(value)
 
 
-def _check_stop(_inst, attr, value) -> None:
+def _check_stop(_inst: object, attr: attrs.Attribute[Any], value: tuple[object, ...]
+                ) -> None:
     if not all(isinstance(s, str) and s for s in value):
         raise _fail(attr.name, value, "must hold non-empty strings",
                     "remove empty or non-string entries")
 
 
-def _check_bool(_inst, attr, value) -> None:
+def _check_bool(_inst: object, attr: attrs.Attribute[Any], value: object) -> None:
     if not isinstance(value, bool):
         raise _fail(attr.name, value, "must be a bool", "pass True or False")
 
 
-def _to_tuple(value) -> tuple:
+def _to_tuple(value: object) -> tuple[Any, ...]:
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise SamplingParamsError(
             f"SamplingParams.stop_token_ids = {value!r} is invalid: must be a sequence of "
@@ -157,7 +160,7 @@ class SamplingBatch:
     def columns(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.COLUMNS}
 
-    def with_columns(self, columns) -> SamplingBatch:
+    def with_columns(self, columns: Mapping[str, torch.Tensor]) -> SamplingBatch:
         """The same Python flags over other per-row tensors (e.g. static graph inputs)."""
         return attrs.evolve(self, **{name: columns[name] for name in self.COLUMNS})
 
@@ -180,7 +183,7 @@ class SamplingBatch:
         greedy = [p.is_greedy for p in params] + [True] * (size - len(params))
         all_seeds = list(seeds) + [0] * (size - len(params))
 
-        def col(name, dtype):
+        def col(name: str, dtype: torch.dtype) -> torch.Tensor:
             return _column([getattr(p, name) for p in rows], dtype, device)
 
         return cls(

@@ -7,6 +7,7 @@ so the vectorised version can be checked token for token against it.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from ._probs import inverse_cdf
 from ._rejection import RejectionResult
@@ -21,22 +22,25 @@ def _draw(row: torch.Tensor, u: float) -> int:
     return int(inverse_cdf(row.unsqueeze(0), torch.tensor([u], dtype=torch.float64))[0])
 
 
-def _probs_at(d, target, draft, b, i) -> tuple[float, float]:
+def _probs_at(d: Tensor, target: Tensor, draft: Tensor | None, b: int, i: int
+              ) -> tuple[float, float]:
     x = int(d[b, i])
     if not 0 <= x < target.shape[-1]:
         return 0.0, 1.0
     return float(target[b, i, x]), 1.0 if draft is None else float(draft[b, i, x])
 
 
-def _token_tau(d, target, draft, b, seed, L) -> int:
+def _token_tau(d: Tensor, target: Tensor, draft: Tensor | None, b: int, seed: int, L: int
+               ) -> int:
     for i in range(d.shape[1]):
         p, q = _probs_at(d, target, draft, b, i)
         if not (p > 0 and _coin(seed, L + i, Stream.ACCEPT) * q <= p):
             return i
-    return d.shape[1]
+    return int(d.shape[1])
 
 
-def _block_tau(d, target, draft, b, seed, L) -> tuple[int, float]:
+def _block_tau(d: Tensor, target: Tensor, draft: Tensor | None, b: int, seed: int, L: int
+               ) -> tuple[int, float]:
     K = d.shape[1]
     w = [1.0]
     for i in range(K):
@@ -60,7 +64,8 @@ def _block_tau(d, target, draft, b, seed, L) -> tuple[int, float]:
     return 0, 1.0
 
 
-def _recover(d, target, draft, b, tau, w, seed, L) -> int:
+def _recover(d: Tensor, target: Tensor, draft: Tensor | None, b: int, tau: int, w: float,
+             seed: int, L: int) -> int:
     K = d.shape[1]
     p = target[b, tau]
     if tau == K:
@@ -77,8 +82,10 @@ def _recover(d, target, draft, b, tau, w, seed, L) -> int:
     return _draw(resid, _coin(seed, L + tau, Stream.RESIDUAL))
 
 
-def reference_rejection_sample(draft_token_ids, target_probs, draft_probs=None, *, seeds,
-                               positions, method="token") -> RejectionResult:
+def reference_rejection_sample(draft_token_ids: Tensor, target_probs: Tensor,
+                               draft_probs: Tensor | None = None, *, seeds: Tensor,
+                               positions: Tensor, method: str = "token"
+                               ) -> RejectionResult:
     d = draft_token_ids
     B, K = d.shape
     out = torch.full((B, K + 1), -1, dtype=torch.int64)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import attrs
 import torch
+from torch import Tensor
 
 from . import _triton_rejection
 from ._probs import check_probs, inverse_cdf
@@ -30,7 +31,8 @@ class RejectionResult:
     num_accepted: torch.Tensor  # [B] i64
 
 
-def _check_shapes(d, target, draft, seeds, positions, method) -> None:
+def _check_shapes(d: Tensor, target: Tensor, draft: Tensor | None, seeds: Tensor,
+                  positions: Tensor, method: str) -> None:
     if method not in METHODS:
         raise ValueError(f"rejection_sample: method={method!r}; use one of {METHODS}")
     if d.dtype != torch.int64 or d.dim() != 2:
@@ -53,7 +55,7 @@ def _check_shapes(d, target, draft, seeds, positions, method) -> None:
                              f"{t.dtype} {tuple(t.shape)}")
 
 
-def _check_values(d, target, draft, q_d) -> None:
+def _check_values(d: Tensor, target: Tensor, draft: Tensor | None, q_d: Tensor) -> None:
     V = target.shape[-1]
     if d.numel() and (int(d.min()) < 0 or int(d.max()) >= V):
         raise ValueError(f"rejection_sample: draft_token_ids outside the vocab [0, {V}): "
@@ -68,19 +70,19 @@ def _check_values(d, target, draft, q_d) -> None:
                              "was sampled from (pass None for point-mass drafts)")
 
 
-def _validate(d, target, draft) -> None:
+def _validate(d: Tensor, target: Tensor, draft: Tensor | None) -> None:
     d_safe = d.clamp(0, target.shape[-1] - 1).unsqueeze(2)
     q_d = None if draft is None else draft.gather(2, d_safe).squeeze(2)
     _check_values(d, target, draft, q_d)
 
 
-def _token_accept(p_d, q_d, u) -> torch.Tensor:
+def _token_accept(p_d: Tensor, q_d: Tensor, u: Tensor) -> Tensor:
     """[B]: leading drafts whose coin u [B,K] passes u <= p/q (p > 0 keeps p = 0 out)."""
     ok = (u * q_d <= p_d) & (p_d > 0)
     return ok.long().cumprod(dim=-1).sum(dim=-1)
 
 
-def _block_weights(p_d, q_d) -> torch.Tensor:
+def _block_weights(p_d: Tensor, q_d: Tensor) -> Tensor:
     """f64 [B, K+1]: w_0 = 1, w_i = min(1, w_{i-1} p(d_i)/q(d_i)); q = 0 < p counts as inf."""
     ratio = torch.where(p_d > 0, p_d / q_d, 0.0)
     w = [torch.ones_like(p_d[:, 0])]
@@ -89,7 +91,7 @@ def _block_weights(p_d, q_d) -> torch.Tensor:
     return torch.stack(w, dim=1)
 
 
-def _residual_mass(p, q, p_d, w) -> torch.Tensor:
+def _residual_mass(p: Tensor, q: Tensor | None, p_d: Tensor, w: Tensor) -> Tensor:
     """f64 [B, J]: sum_x (w p(x) - q(x))+ over rows p, q [B, J, V]; q None = point mass
     at the draft, whose mass is then w (1 - p(d)) since w p(d) <= 1."""
     if q is None:
@@ -99,7 +101,8 @@ def _residual_mass(p, q, p_d, w) -> torch.Tensor:
     return -deficit.sum(dim=-1).double()
 
 
-def _block_accept(target, draft, p_d, q_d, eta) -> tuple[torch.Tensor, torch.Tensor]:
+def _block_accept(target: Tensor, draft: Tensor | None, p_d: Tensor, q_d: Tensor, eta: Tensor
+                  ) -> tuple[Tensor, Tensor]:
     """(tau [B] i64, w_tau [B] f64) for block verification; eta [B, K] are the coins."""
     B, K = p_d.shape
     w = _block_weights(p_d, q_d)
@@ -116,7 +119,8 @@ def _block_accept(target, draft, p_d, q_d, eta) -> tuple[torch.Tensor, torch.Ten
     return tau, w.gather(1, tau.unsqueeze(1)).squeeze(1)
 
 
-def _recovery_rows(target, draft, d_safe, tau, weight) -> torch.Tensor:
+def _recovery_rows(target: Tensor, draft: Tensor | None, d_safe: Tensor, tau: Tensor,
+                   weight: Tensor) -> Tensor:
     """[B, V]: (w p - q)+ at tau (not normalised; inverse_cdf scales), or p when tau = K."""
     B, K1, V = target.shape
     rows = torch.arange(B, device=target.device)
@@ -150,7 +154,8 @@ def _take_rows(probs: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
     return probs[torch.arange(B, device=probs.device), at]
 
 
-def _finish(target, draft, d, d_safe, tau, weight, seeds, positions) -> torch.Tensor:
+def _finish(target: Tensor, draft: Tensor | None, d: Tensor, d_safe: Tensor, tau: Tensor,
+            weight: Tensor, seeds: Tensor, positions: Tensor) -> Tensor:
     """[B, K+1] tokens: d_1..d_tau, the recovered or bonus token, then -1."""
     B, K1, _ = target.shape
     pos = positions + tau

@@ -37,7 +37,8 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 15)
 
 
-def _words(seeds, positions, stream, index) -> list[torch.Tensor]:
+def _words(seeds: torch.Tensor, positions: torch.Tensor, stream: int | torch.Tensor,
+           index: torch.Tensor | int) -> list[torch.Tensor]:
     # seeds [B] broadcast against positions [B, ...]; position high bits share a word with
     # the stream id (positions < 2**56, streams < 256).
     s = seeds.reshape(seeds.shape + (1,) * (positions.dim() - 1))
@@ -83,4 +84,4 @@ def derive_seed(base_seed: int, request_index: int) -> int:
     seeds = torch.tensor([base_seed & (2**63 - 1)], dtype=torch.int64)
     pos = torch.tensor([request_index & (2**56 - 1)], dtype=torch.int64)
     h = random_bits(seeds, pos, 0)[:, 0].tolist()
-    return ((h[0] << 31) | (h[1] >> 1)) & (2**63 - 1)
+    return int(((h[0] << 31) | (h[1] >> 1)) & (2**63 - 1))

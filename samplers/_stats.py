@@ -28,7 +28,7 @@ class Chi2Result:
     def passed(self) -> bool:
         return self.statistic < self.threshold
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, object]:
         return {"statistic": round(self.statistic, 3), "df": self.df,
                 "threshold": round(self.threshold, 3), "num_samples": self.num_samples,
                 "verdict": "pass" if self.passed else "fail"}

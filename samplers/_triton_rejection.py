@@ -16,8 +16,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:   # bound at run time by _kernels(), on first use
+    import triton.language as tl
 
 from ._probs import _CHUNK
 from ._rng import _CHAIN_STARTS, Stream
@@ -183,7 +187,7 @@ _JIT = ("_mix32", "_chain", "_uniform", "_accepted", "_residual", "_chunk_sums_k
 
 
 @functools.cache
-def _kernels():
+def _kernels() -> tuple[Any, Any]:
     """Compile-on-first-use: jit the functions above in place (Triton resolves callees and
     `tl` through module globals, the interpreter included); without triton, never runs."""
     import triton
@@ -197,7 +201,8 @@ def _kernels():
 
 
 def token_rejection_sample(d: torch.Tensor, target: torch.Tensor, draft: torch.Tensor | None,
-                           seeds: torch.Tensor, positions: torch.Tensor):
+                           seeds: torch.Tensor, positions: torch.Tensor
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """(token_ids [B, K+1] i64, num_accepted [B] i64), as rejection_sample(method="token",
     validate=False) returns them; inputs as `usable` accepts."""
     import triton

@@ -6,8 +6,9 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import attrs
 from starlette.applications import Starlette
@@ -18,9 +19,19 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from ._metrics import ServeMetrics
-from ._protocol import ApiError, parse
+from ._protocol import ApiError, ParsedRequest, parse
 from ._run import RequestRun, finish_reason
 from ._spec import SpecTracker
+
+
+class _Tokenizer(Protocol):
+    """What the handlers use of the engine's tokenizer (serve does not import models)."""
+
+    chat_template: str | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, str]]) -> list[int]: ...
 
 
 @attrs.define
@@ -66,7 +77,11 @@ async def _metrics(state: ServerState, request: Request) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-async def _guard(state: ServerState, handler, kind: str | None, request: Request) -> Response:
+Handler = Callable[["ServerState", Request, Any], Awaitable[Response]]
+
+
+async def _guard(state: ServerState, handler: Handler, kind: str | None, request: Request
+                 ) -> Response:
     """API key, engine health and ApiError -> an OpenAI-style error response."""
     try:
         if state.api_key is not None:
@@ -103,18 +118,20 @@ async def _read_json(request: Request, limit: int) -> Any:
         raise ApiError(400, f"body: not valid JSON ({exc})", "body") from None
 
 
-def _prompt_ids(state: ServerState, parsed) -> list[int]:
-    tokenizer = state.engine.tokenizer
+def _prompt_ids(state: ServerState, parsed: ParsedRequest) -> list[int]:
+    tokenizer: _Tokenizer = state.engine.tokenizer
     if parsed.kind == "chat":
         if not tokenizer.chat_template:
             raise ApiError(400, "messages: this model has no chat template; use "
                            "/v1/completions", "messages")
+        assert parsed.messages is not None      # parse() sets them for chat
         return tokenizer.encode_chat(list(parsed.messages))
     if isinstance(parsed.prompt, str):
         try:
             return tokenizer.encode(parsed.prompt)
         except (TypeError, ValueError) as exc:
             raise ApiError(400, f"prompt: cannot be tokenized ({exc})", "prompt") from None
+    assert parsed.prompt is not None            # parse() sets it for completions
     return list(parsed.prompt)
 
 
@@ -132,7 +149,8 @@ async def _completion(state: ServerState, request: Request, kind: str) -> Respon
     return JSONResponse(_full_response(run, kind))
 
 
-def _choice(run: RequestRun, kind: str, text: str, token_ids, reason, *, delta: bool):
+def _choice(run: RequestRun, kind: str, text: str, token_ids: Sequence[int], reason: str | None,
+            *, delta: bool) -> dict[str, Any]:
     if kind == "chat":
         key = "delta" if delta else "message"
         content: dict[str, Any] = {"content": text} if delta else {"role": "assistant",
@@ -157,8 +175,8 @@ def _full_response(run: RequestRun, kind: str) -> dict[str, Any]:
     return {**_envelope(run, kind, False), "choices": [choice], "usage": run.usage()}
 
 
-async def _sse(run: RequestRun, kind: str):
-    def event(payload: dict) -> str:
+async def _sse(run: RequestRun, kind: str) -> AsyncGenerator[str, None]:
+    def event(payload: dict[str, Any]) -> str:
         return f"data: {json.dumps(payload)}\n\n"
 
     try:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from specloop.engine._cli_common import UsageError, add_engine_arguments, load_config
@@ -9,7 +10,7 @@ from specloop.engine._cli_common import UsageError, add_engine_arguments, load_c
 HELP = "serve an OpenAI-compatible API (completions, chat, /metrics, /health)"
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--host", default="127.0.0.1", help="default: localhost only")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port")
@@ -27,7 +28,7 @@ def add_arguments(p) -> None:
                    "collective on every rank (Chrome trace-event JSON, for Perfetto)")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     config = load_config(args)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port; use 0..65535")

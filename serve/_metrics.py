@@ -3,6 +3,8 @@ server's view of each request. One registry per server (no global state)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
@@ -20,7 +22,8 @@ class ServeMetrics:
     """``on_transition`` is an IterationObserver (rank 0's iterations); the ``request_*``
     methods are called by the request handlers."""
 
-    def __init__(self, *, num_draft_tokens: int, free_slots=None) -> None:
+    def __init__(self, *, num_draft_tokens: int,
+                 free_slots: Callable[[], float] | None = None) -> None:
         r = self.registry = CollectorRegistry()
         self.k = num_draft_tokens
         self.num_drafts = Counter(
@@ -76,7 +79,7 @@ class ServeMetrics:
             if event.accepted and event.num_draft_tokens:
                 self._record_acceptance(event.accepted, event.num_draft_tokens)
 
-    def _record_acceptance(self, accepted, k: int) -> None:
+    def _record_acceptance(self, accepted: Sequence[int], k: int) -> None:
         rows = len(accepted)
         self.num_drafts.inc(rows)
         self.num_draft_tokens.inc(rows * k)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, overload
 
 import attrs
 
@@ -36,14 +36,20 @@ def bad(param: str, message: str) -> ApiError:
 class ParsedRequest:
     kind: str                          # "chat" or "completion"
     prompt: str | tuple[int, ...] | None
-    messages: tuple[dict, ...] | None
+    messages: tuple[dict[str, str], ...] | None
     params: SamplingParams
     stream: bool
     include_usage: bool
     return_token_ids: bool
 
 
-def _number(body, name, default, *, low=None, high=None, low_open=False):
+# A request body is parsed JSON: its values are whatever the client sent (Any), and each
+# reader below checks the type of the one it takes.
+Body = dict[str, Any]
+
+
+def _number(body: Body, name: str, default: float, *, low: float | None = None,
+            high: float | None = None, low_open: bool = False) -> float:
     value = body.get(name, default)
     if value is None:
         return default
@@ -57,7 +63,13 @@ def _number(body, name, default, *, low=None, high=None, low_open=False):
     return value
 
 
-def _integer(body, name, default, *, low=None):
+@overload
+def _integer(body: Body, name: str, default: int, *, low: int | None = None) -> int: ...
+@overload
+def _integer(body: Body, name: str, default: None, *, low: int | None = None
+             ) -> int | None: ...
+def _integer(body: Body, name: str, default: int | None, *, low: int | None = None
+             ) -> int | None:
     value = body.get(name, default)
     if value is None:
         return default
@@ -68,7 +80,7 @@ def _integer(body, name, default, *, low=None):
     return value
 
 
-def _bool(body, name, default=False) -> bool:
+def _bool(body: Body, name: str, default: bool = False) -> bool:
     value = body.get(name, default)
     if value is None:
         return default
@@ -77,7 +89,7 @@ def _bool(body, name, default=False) -> bool:
     return value
 
 
-def _stop(body) -> tuple[str, ...]:
+def _stop(body: Body) -> tuple[str, ...]:
     value = body.get("stop")
     if value is None:
         return ()
@@ -88,7 +100,7 @@ def _stop(body) -> tuple[str, ...]:
     return tuple(value)
 
 
-def _token_ids(body, name) -> tuple[int, ...]:
+def _token_ids(body: Body, name: str) -> tuple[int, ...]:
     value = body.get(name) or []
     if not isinstance(value, list) or not all(
             isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in value):
@@ -96,7 +108,7 @@ def _token_ids(body, name) -> tuple[int, ...]:
     return tuple(value)
 
 
-def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
+def sampling_params(body: Body, default_max_tokens: int) -> SamplingParams:
     max_tokens = _integer(body, "max_completion_tokens", None, low=1)
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", default_max_tokens, low=1)
@@ -115,7 +127,7 @@ def sampling_params(body: dict, default_max_tokens: int) -> SamplingParams:
         raise ApiError(400, str(exc), field) from None
 
 
-def _messages(body) -> tuple[dict, ...]:
+def _messages(body: Body) -> tuple[dict[str, str], ...]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise bad("messages", "must be a non-empty list of {role, content} objects")
@@ -137,7 +149,7 @@ def _messages(body) -> tuple[dict, ...]:
     return tuple(out)
 
 
-def _prompt(body) -> str | tuple[int, ...]:
+def _prompt(body: Body) -> str | tuple[int, ...]:
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
         prompt = prompt[0]                  # a batch of one

@@ -5,23 +5,35 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any
+from collections.abc import AsyncGenerator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any, overload
 
 import anyio
 
-from specloop.engine import EngineClosedError, FinishReason, RequestError
+from specloop.engine import EngineClosedError, FinishReason, RequestError, RequestOutput
 
-from ._protocol import ApiError
+from ._protocol import ApiError, ParsedRequest
+
+if TYPE_CHECKING:
+    from starlette.requests import Request
+
+    from ._app import ServerState
+    from ._spec import RequestSpec
 
 FINISH_REASONS = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length",
                   FinishReason.CANCELLED: "abort", FinishReason.ERROR: "error"}
 
 
+@overload
+def finish_reason(reason: FinishReason) -> str: ...
+@overload
+def finish_reason(reason: None) -> None: ...
 def finish_reason(reason: FinishReason | None) -> str | None:
     return None if reason is None else FINISH_REASONS[reason]
 
 
-async def until_disconnect(request, work) -> tuple[bool, Any]:
+async def until_disconnect(request: Request, work: Callable[[], Awaitable[Any]]
+                           ) -> tuple[bool, Any]:
     """``(True, await work())``, or ``(False, None)`` once the client has gone (then
     ``work`` is cancelled, which cancels its engine request)."""
     result: list[Any] = []
@@ -47,22 +59,24 @@ async def until_disconnect(request, work) -> tuple[bool, Any]:
 
 
 class RequestRun:
-    def __init__(self, state, parsed, prompt_ids: list[int]) -> None:
+    def __init__(self, state: ServerState, parsed: ParsedRequest, prompt_ids: list[int]
+                 ) -> None:
         self.state, self.parsed, self.prompt_ids = state, parsed, prompt_ids
         prefix = "chatcmpl" if parsed.kind == "chat" else "cmpl"
         self.response_id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.text, self.token_ids = "", []
+        self.text, self.token_ids = "", list[int]()
         self.reason: FinishReason | None = None
         self.error: str | None = None
         self._arrival = self._last = time.perf_counter()
-        self._outputs = None
-        self._first = None
-        self._spec = None
+        # Set by start(), which every other method follows.
+        self._outputs: AsyncGenerator[RequestOutput, None] | None = None
+        self._first: RequestOutput | None = None
+        self._spec: RequestSpec | None = None
         self._closed = False
 
     # lifecycle --------------------------------------------------------------------------
-    async def start(self, request) -> bool:
+    async def start(self, request: Request) -> bool:
         """Admit the request and wait for its first output; False if the client left."""
         self._spec = self.state.spec.track(self.response_id)
         self._outputs = self.state.engine.generate(self.prompt_ids, self.parsed.params,
@@ -85,8 +99,9 @@ class RequestRun:
         self._consume(first)
         return True
 
-    async def stream(self):
+    async def stream(self) -> AsyncGenerator[RequestOutput, None]:
         """The outputs, the first one included; an engine failure ends it with ``error``."""
+        assert self._first is not None and self._outputs is not None, "start() first"
         yield self._first
         if self._first.finished:
             return
@@ -97,7 +112,7 @@ class RequestRun:
         except EngineClosedError as exc:
             self.error = str(exc)
 
-    async def collect(self, request) -> bool:
+    async def collect(self, request: Request) -> bool:
         async def drain() -> None:
             async for _ in self.stream():
                 pass
@@ -115,6 +130,7 @@ class RequestRun:
         if self._closed:
             return
         self._closed = True
+        assert self._outputs is not None, "start() first"
         with anyio.CancelScope(shield=True):
             await self._outputs.aclose()
         self.state.spec.forget(self.response_id)
@@ -124,11 +140,12 @@ class RequestRun:
     async def _discard(self) -> None:
         self._closed = True
         self.state.spec.forget(self.response_id)
+        assert self._outputs is not None, "start() first"
         with anyio.CancelScope(shield=True):
             await self._outputs.aclose()
 
     # outputs ----------------------------------------------------------------------------
-    def _consume(self, out) -> None:
+    def _consume(self, out: RequestOutput) -> None:
         now = time.perf_counter()
         self.state.metrics.request_tokens(len(out.token_ids), now - self._last,
                                           first=not self.token_ids)

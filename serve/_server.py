@@ -12,6 +12,8 @@ import os
 import signal
 import socket
 import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
@@ -24,6 +26,9 @@ from specloop.engine._cli_engine import open_engine
 from ._app import ServerState, build_app
 from ._metrics import ServeMetrics
 from ._spec import SpecTracker
+
+if TYPE_CHECKING:
+    from specloop.engine import EngineConfig
 
 log = structlog.get_logger(__name__)
 
@@ -45,7 +50,7 @@ class _Server(uvicorn.Server):
     re-raises it, which would turn a clean shutdown into exit 130)."""
 
     @contextlib.contextmanager
-    def capture_signals(self):
+    def capture_signals(self) -> Iterator[None]:
         if threading.current_thread() is not threading.main_thread():
             yield
             return
@@ -70,7 +75,8 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(config, options: ServeOptions, sock: socket.socket | None = None) -> None:
+async def serve(config: EngineConfig, options: ServeOptions,
+                sock: socket.socket | None = None) -> None:
     """Serve until SIGINT/SIGTERM. Ranks > 0 of a torchrun group run their engine until
     rank 0 shuts the group down."""
     k = config.speculative.k
@@ -141,11 +147,14 @@ async def _ready_unless_signalled(ready: anyio.Event) -> bool:
     return outcome[0]
 
 
-async def _serve_http(state: ServerState, options: ServeOptions, sock) -> None:
+async def _serve_http(state: ServerState, options: ServeOptions, sock: socket.socket | None
+                      ) -> None:
     sock = sock or bind(options.host, options.port)
     server = _Server(uvicorn.Config(
         build_app(state, cors_origins=options.cors_origins), log_level="warning",
-        lifespan="off", timeout_graceful_shutdown=options.shutdown_timeout_s,
+        lifespan="off",
+        # uvicorn passes it to asyncio.wait_for, which takes a float; its annotation says int.
+        timeout_graceful_shutdown=options.shutdown_timeout_s,  # type: ignore[arg-type]
         access_log=False))
     host, port = sock.getsockname()[:2]
     print(f"specloop serve: {state.model_name} on http://{host}:{port} "
@@ -155,7 +164,7 @@ async def _serve_http(state: ServerState, options: ServeOptions, sock) -> None:
 
 
 @contextlib.contextmanager
-def _ignore_signals():
+def _ignore_signals() -> Iterator[None]:
     saved = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
         yield

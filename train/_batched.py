@@ -13,9 +13,18 @@ sampled rows the Gumbel-max sample at the row's temperature (a seeded generator 
 from __future__ import annotations
 
 import time
+from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
 import structlog
 import torch
+
+from specloop.models._grad import inference_mode
+
+if TYPE_CHECKING:
+    from specloop.models import DecoderModel, KVCache, LoadedModel
+
+    from ._progress import Progress
 
 log = structlog.get_logger(__name__)
 
@@ -23,7 +32,7 @@ log = structlog.get_logger(__name__)
 class _Decoder:
     """One decode step for a fixed batch (rows, slots 0..rows-1), eager or a CUDA graph."""
 
-    def __init__(self, model, cache, rows: int) -> None:
+    def __init__(self, model: DecoderModel, cache: KVCache, rows: int) -> None:
         self.model, self.cache, self.rows = model, cache, rows
         dev = model.device
         self.tokens = torch.zeros(rows, 1, dtype=torch.int64, device=dev)
@@ -72,9 +81,10 @@ def _sample(logits: torch.Tensor, temps: torch.Tensor, gen: torch.Generator) -> 
     return torch.where(temps > 0, sampled, greedy)
 
 
-@torch.inference_mode()
-def generate_wave(model, cache, decoder, prompts: list[list[int]], temps: list[float], *,
-                  max_new_tokens: int, eos_ids, seed: int) -> list[list[int]]:
+@inference_mode
+def generate_wave(model: DecoderModel, cache: KVCache, decoder: _Decoder,
+                  prompts: list[list[int]], temps: list[float], *, max_new_tokens: int,
+                  eos_ids: Collection[int], seed: int) -> list[list[int]]:
     """Answers (target ids, EOS included when emitted) for up to ``decoder.rows`` prompts."""
     dev, rows, n = model.device, decoder.rows, len(prompts)
     width = max(len(p) for p in prompts)
@@ -107,8 +117,10 @@ def generate_wave(model, cache, decoder, prompts: list[list[int]], temps: list[f
     return answers
 
 
-def distill_batched(loaded, jobs, *, batch_size: int, max_new_tokens: int, max_seq_len: int,
-                    time_budget_s: float, seed: int, bar) -> list[list[int] | None]:
+def distill_batched(loaded: LoadedModel, jobs: Sequence[tuple[list[int], float, bool]], *,
+                    batch_size: int, max_new_tokens: int, max_seq_len: int,
+                    time_budget_s: float, seed: int, bar: Progress
+                    ) -> list[list[int] | None]:
     """jobs: (prompt ids, temperature, group) -> answer per job (None: not reached in the
     budget). Groups run in order (the held-out split first); within a group, jobs run in
     order of prompt length, so a wave pads little."""

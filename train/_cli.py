@@ -13,7 +13,7 @@ from pathlib import Path
 HELP = "train a draft head: prompts, self-distilled answers, training, held-out acceptance"
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--config", required=True, help="training TOML (see examples/train-*.toml)")
     p.add_argument("--out", help="run directory (default: output.dir of the config)")
     p.add_argument("--device", help="override target.device (cpu, cuda, auto)")
@@ -21,7 +21,7 @@ def add_arguments(p) -> None:
     p.add_argument("--fresh", action="store_true", help="delete the run directory first")
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     import attrs  # noqa: PLC0415
 
     from ._config import TrainConfig  # noqa: PLC0415
@@ -42,7 +42,7 @@ def run(args) -> int:
     return 0
 
 
-def _argv(args) -> list[str]:
+def _argv(args: argparse.Namespace) -> list[str]:
     out = ["--config", args.config]
     for flag in ("out", "device", "prompts"):
         if getattr(args, flag):

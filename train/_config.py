@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import tomllib
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -15,15 +16,15 @@ from specloop.engine import ConfigError
 METHODS = ("mtp_eagle", "eagle3")
 
 
-def _positive(section: str):
-    def check(instance, attribute, value):
+def _positive(section: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{section}.{attribute.name}", value, "must be a number > 0")
     return check
 
 
-def _fraction(section: str):
-    def check(instance, attribute, value):
+def _fraction(section: str) -> Callable[[object, attrs.Attribute[Any], object], None]:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if not isinstance(value, (int, float)) or not 0 <= value <= 1:
             raise ConfigError(f"{section}.{attribute.name}", value, "must be in [0, 1]")
     return check
@@ -64,7 +65,7 @@ class GenerateSection:
     answers_per_prompt: int = attrs.field(default=1, validator=_positive("generate"))
 
     @backend.validator
-    def _check_backend(self, attribute, value):
+    def _check_backend(self, attribute: attrs.Attribute[str], value: str) -> None:
         if value not in ("engine", "batched"):
             raise ConfigError("generate.backend", value, "unknown distillation backend",
                               "use 'engine' or 'batched'")
@@ -81,7 +82,7 @@ class HeadSection:
     feature_layers: list[int] = attrs.Factory(list)
 
     @method.validator
-    def _check_method(self, attribute, value):
+    def _check_method(self, attribute: attrs.Attribute[str], value: str) -> None:
         if value not in METHODS:
             raise ConfigError("head.method", value, "not a trainable head",
                               f"use one of: {', '.join(METHODS)}")

@@ -8,6 +8,9 @@ list of sequences (prompt ids + answer ids) and where each answer starts.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from os import PathLike
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
@@ -17,10 +20,18 @@ import torch
 from specloop.engine import AsyncEngine, EngineConfig
 from specloop.samplers import SamplingParams
 
-from ._progress import progress
+from ._progress import Progress, progress
+
+if TYPE_CHECKING:
+    from specloop.models import LoadedModel, Tokenizer
+
+    from ._config import TrainConfig
+    from ._prompts import Prompt
 
 log = structlog.get_logger(__name__)
 MIN_ANSWER_TOKENS = 8
+# One answer to generate: (split, prompt ids, sampling params, "greedy" or "sampled").
+Job = tuple[str, list[int], SamplingParams, str]
 
 
 @attrs.frozen
@@ -31,7 +42,7 @@ class Sequence:
     mode: str        # "greedy" or "sampled"
 
 
-def engine_config(cfg, device: str) -> EngineConfig:
+def engine_config(cfg: TrainConfig, device: str) -> EngineConfig:
     gen = cfg.generate
     return EngineConfig.from_dict({
         "model": {"name": cfg.target.model, "dtype": cfg.target.dtype, "device": device,
@@ -41,7 +52,7 @@ def engine_config(cfg, device: str) -> EngineConfig:
         "speculative": {"method": "none"}})
 
 
-def _params(cfg, index: int) -> tuple[SamplingParams, str]:
+def _params(cfg: TrainConfig, index: int) -> tuple[SamplingParams, str]:
     gen = cfg.generate
     # Every n-th prompt sampled: interleaved, so a time-cut run keeps both kinds.
     f = gen.sampled_fraction
@@ -52,7 +63,8 @@ def _params(cfg, index: int) -> tuple[SamplingParams, str]:
             "sampled" if sampled else "greedy")
 
 
-def encode_prompts(tokenizer, prompts, room: int) -> list[list[int]]:
+def encode_prompts(tokenizer: Tokenizer, prompts: Iterable[Prompt], room: int
+                   ) -> list[list[int]]:
     """Chat-templated ids, each cut to ``room`` tokens (the template's tail kept)."""
     out = []
     for p in prompts:
@@ -61,11 +73,13 @@ def encode_prompts(tokenizer, prompts, room: int) -> list[list[int]]:
     return out
 
 
-async def _distill(engine, jobs, cfg, bar) -> list[Sequence]:
+async def _distill(engine: AsyncEngine, jobs: list[Job], cfg: TrainConfig, bar: Progress
+                  ) -> list[Sequence]:
     results: list[Sequence | None] = [None] * len(jobs)
     limiter = anyio.CapacityLimiter(2 * cfg.generate.batch_size)
 
-    async def one(i, split, ids, params, mode):
+    async def one(i: int, split: str, ids: list[int], params: SamplingParams, mode: str
+                  ) -> None:
         answer: list[int] = []
         try:
             async with limiter:
@@ -86,7 +100,8 @@ async def _distill(engine, jobs, cfg, bar) -> list[Sequence]:
     return [r for r in results if r is not None]
 
 
-def make_jobs(cfg, splits, tokenizer) -> list[tuple]:
+def make_jobs(cfg: TrainConfig, splits: dict[str, list[Prompt]], tokenizer: Tokenizer
+              ) -> list[Job]:
     """(split, ids, SamplingParams, mode) per answer: the held-out prompts first (they are
     few), then the training prompts; extra answers per training prompt come last, sampled."""
     room = cfg.generate.max_seq_len - cfg.generate.max_new_tokens - 2
@@ -104,7 +119,8 @@ def make_jobs(cfg, splits, tokenizer) -> list[tuple]:
     return jobs
 
 
-def distill(cfg, splits, *, device: str) -> list[Sequence]:
+def distill(cfg: TrainConfig, splits: dict[str, list[Prompt]], *, device: str
+            ) -> list[Sequence]:
     from specloop.models import load_model  # noqa: PLC0415
     from specloop.engine._runner import DTYPES  # noqa: PLC0415
 
@@ -115,7 +131,7 @@ def distill(cfg, splits, *, device: str) -> list[Sequence]:
         if cfg.generate.backend == "batched":
             seqs = _distill_batched(cfg, loaded, jobs, bar)
         else:
-            async def main():
+            async def main() -> list[Sequence]:
                 async with AsyncEngine(engine_config(cfg, device), model=loaded) as engine:
                     return await _distill(engine, jobs, cfg, bar)
             seqs = anyio.run(main)
@@ -125,7 +141,8 @@ def distill(cfg, splits, *, device: str) -> list[Sequence]:
     return seqs
 
 
-def _distill_batched(cfg, loaded, jobs, bar) -> list[Sequence]:
+def _distill_batched(cfg: TrainConfig, loaded: LoadedModel, jobs: list[Job], bar: Progress
+                     ) -> list[Sequence]:
     from ._batched import distill_batched  # noqa: PLC0415
 
     gen = cfg.generate
@@ -139,11 +156,11 @@ def _distill_batched(cfg, loaded, jobs, bar) -> list[Sequence]:
             if a is not None and len(a) >= MIN_ANSWER_TOKENS]
 
 
-def save_sequences(path, seqs: list[Sequence]) -> None:
+def save_sequences(path: str | PathLike[str], seqs: list[Sequence]) -> None:
     torch.save([{**attrs.asdict(s), "tokens": torch.tensor(s.tokens, dtype=torch.int32)}
                 for s in seqs], path)
 
 
-def load_sequences(path) -> list[Sequence]:
+def load_sequences(path: str | PathLike[str]) -> list[Sequence]:
     return [Sequence(**{**d, "tokens": tuple(d["tokens"].tolist())})
             for d in torch.load(path, weights_only=True)]

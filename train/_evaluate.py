@@ -9,18 +9,30 @@ iteration observer counts, per VERIFY row, how many drafts were accepted.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
 import anyio
 import torch
 
-from specloop.engine import AsyncEngine, EngineConfig
+from specloop.engine import AsyncEngine, EngineConfig, TransitionEvent
+from specloop.models._grad import no_grad
 from specloop.samplers import SamplingParams
 
 from ._mtp_head import _shift
 from ._trainer import Teacher, pad_batch
 
+if TYPE_CHECKING:
+    from specloop.models import DecoderModel, LoadedModel
 
-@torch.no_grad()
-def offline_acceptance(head, target, seqs, k: int, device, batch_size: int = 16) -> dict:
+    from ._distill import Sequence as Answer
+    from ._mtp_head import TrainableMtpHead
+
+
+@no_grad
+def offline_acceptance(head: TrainableMtpHead, target: DecoderModel, seqs: Sequence[Answer],
+                       k: int, device: torch.device | str, batch_size: int = 16
+                       ) -> dict[str, Any]:
     """-> {"per_position": [acc_1..acc_K], "al": 1 + sum, "starts": count}."""
     hits = torch.zeros(k, dtype=torch.float64)
     starts = 0
@@ -53,7 +65,7 @@ class AcceptanceCounter:
         self.k, self.rows = k, 0
         self.hits = [0] * k
 
-    def on_transition(self, event) -> None:
+    def on_transition(self, event: TransitionEvent) -> None:
         if event.accepted is None:
             return
         for n in event.accepted:
@@ -61,15 +73,16 @@ class AcceptanceCounter:
             for j in range(min(n, self.k)):
                 self.hits[j] += 1
 
-    def summary(self) -> dict:
+    def summary(self) -> dict[str, Any]:
         per = [h / max(self.rows, 1) for h in self.hits]
         return {"per_position": [round(a, 4) for a in per], "al": round(1 + sum(per), 3),
                 "verify_rows": self.rows}
 
 
-def engine_acceptance(loaded, model_name: str, prompts_ids, speculative: dict, *,
+def engine_acceptance(loaded: LoadedModel, model_name: str, prompts_ids: Sequence[list[int]],
+                      speculative: dict[str, Any], *,
                       temperature: float, top_p: float, max_tokens: int, device: str,
-                      dtype: str, batch_size: int = 64, seed: int = 0) -> dict:
+                      dtype: str, batch_size: int = 64, seed: int = 0) -> dict[str, Any]:
     """Run the prompts through the engine with ``speculative``; -> acceptance summary."""
     k = speculative.get("num_draft_tokens", 4)
     config = EngineConfig.from_dict({
@@ -81,9 +94,9 @@ def engine_acceptance(loaded, model_name: str, prompts_ids, speculative: dict, *
         "speculative": {"use_rejection_sampling": temperature > 0, **speculative}})
     counter = AcceptanceCounter(k)
 
-    async def main():
+    async def main() -> None:
         async with AsyncEngine(config, model=loaded, observers=[counter]) as engine:
-            async def one(i, ids):
+            async def one(i: int, ids: list[int]) -> None:
                 params = SamplingParams(temperature=temperature, top_p=top_p,
                                         max_tokens=max_tokens, seed=seed + i)
                 async for _ in engine.generate(ids, params):

@@ -9,11 +9,16 @@ its own chain's keys of steps 1..j (EAGLE-3's TTT mask) — the KV cache draftin
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specloop.models._layers import apply_rope, rms_norm, rope_tables
+
+if TYPE_CHECKING:
+    from specloop.models import DecoderModel, ModelArgs
 
 
 def _p(*shape: int) -> nn.Parameter:
@@ -23,7 +28,7 @@ def _p(*shape: int) -> nn.Parameter:
 class _Block(nn.Module):
     """One decoder layer's weights, stacked over a layer axis of size 1 like DecoderModel."""
 
-    def __init__(self, args) -> None:
+    def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         h, qkv, inter = args.hidden_size, args.q_size + 2 * args.kv_size, args.intermediate_size
         self.attn_norm, self.mlp_norm, self.norm = _p(1, h), _p(1, h), _p(h)
@@ -37,7 +42,7 @@ class TrainableMtpHead(nn.Module):
     # () = the target's final hidden state.
     feature_layers: tuple[int, ...] = ()
 
-    def __init__(self, args, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor,
+    def __init__(self, args: ModelArgs, embed: torch.Tensor, lm_head: torch.Tensor, d2t: torch.Tensor,
                  max_len: int) -> None:
         super().__init__()
         h = args.hidden_size
@@ -52,7 +57,7 @@ class TrainableMtpHead(nn.Module):
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
 
-    def init_from_target(self, target, seed: int) -> None:
+    def init_from_target(self, target: DecoderModel, seed: int) -> None:
         """Decoder layer and final norm from the target's last layer; fc passes h through."""
         last = target.args.num_layers - 1
         b = self.block
@@ -77,7 +82,9 @@ class TrainableMtpHead(nn.Module):
         """The drafter's own_state() names -> tensors, plus d2t."""
         return {k: v.detach() for k, v in self.state_dict().items()}
 
-    def _layer(self, x, pos, keys, values):
+    def _layer(self, x: torch.Tensor, pos: torch.Tensor, keys: list[torch.Tensor],
+               values: list[torch.Tensor]
+               ) -> tuple[torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
         """x [B, T, H] at positions pos [T]; keys/values: earlier steps' [B, Hkv, T, D]."""
         a, b = self.args, self.block
         B, T, _ = x.shape
@@ -105,7 +112,8 @@ class TrainableMtpHead(nn.Module):
         """The target's rows -> the hidden state step 0 reads (here: as they are)."""
         return hidden
 
-    def unroll(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int):
+    def unroll(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int
+               ) -> list[torch.Tensor]:
         """tokens [B, T], target hidden [B, T, H] (or features [B, T, F*H]) -> per step j
         draft logits [B, T-1, N] for chains starting at p = 0..T-2 (step j predicts token
         p + 2 + j)."""
@@ -118,7 +126,9 @@ class TrainableMtpHead(nn.Module):
         n = tokens.shape[1] - 1
         pos = torch.arange(n, device=tokens.device)
         feed = self.step0_input(hidden[:, :-1].float())
-        keys, values, out = [], [], []
+        keys: list[torch.Tensor] = []
+        values: list[torch.Tensor] = []
+        out: list[torch.Tensor] = []
         for j in range(steps):
             tok = _shift(tokens[:, 1:], j)                                 # t_{p+1+j}
             x = torch.cat([rms_norm(F.embedding(tok, self.embed), self.enorm, eps),
@@ -135,7 +145,7 @@ def _shift(x: torch.Tensor, j: int) -> torch.Tensor:
     return torch.cat([x[:, j:], x.new_zeros(x.shape[0], j, *x.shape[2:])], dim=1)
 
 
-def ttt_mask(n: int, steps: int, device) -> torch.Tensor:
+def ttt_mask(n: int, steps: int, device: torch.device | str) -> torch.Tensor:
     """bool [n, steps*n]: causal over step-0 keys, then each later step's own diagonal."""
     idx = torch.arange(n, device=device)
     blocks = [idx[None, :] <= idx[:, None]] + [idx[None, :] == idx[:, None]] * (steps - 1)
@@ -146,14 +156,15 @@ class TrainableEagle3Head(TrainableMtpHead):
     """The eagle3 head with gradients: TrainableMtpHead plus ``fnorm`` [F, H] and ``fc3``
     [H, F*H] fusing the target's feature layers at step 0 (names as Eagle3Head's)."""
 
-    def __init__(self, args, embed, lm_head, d2t, max_len: int,
+    def __init__(self, args: ModelArgs, embed: torch.Tensor, lm_head: torch.Tensor,
+                 d2t: torch.Tensor, max_len: int,
                  feature_layers: tuple[int, ...]) -> None:
         super().__init__(args, embed, lm_head, d2t, max_len)
         n, h = len(feature_layers), args.hidden_size
         self.feature_layers = tuple(feature_layers)
         self.fc3, self.fnorm = _p(h, n * h), _p(n, h)
 
-    def init_from_target(self, target, seed: int) -> None:
+    def init_from_target(self, target: DecoderModel, seed: int) -> None:
         """As mtp_eagle's; fc3 starts as the highest feature layer (normed) plus noise."""
         super().init_from_target(target, seed)
         n, h = self.fnorm.shape

@@ -9,18 +9,28 @@ import platform
 import time
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import structlog
 import torch
 from safetensors.torch import save_file
 
 from specloop.models import load_model
-from specloop.models.drafters._heads import file_sha256, target_shape
+from specloop.models._registry import sha256_of as file_sha256
+from specloop.models.drafters._heads import target_shape
 
 from ._distill import distill, encode_prompts, load_sequences, save_sequences
 from ._evaluate import engine_acceptance, offline_acceptance
 from ._prompts import SOURCES, build_prompts, read_prompts, source_counts, write_prompts
 from ._trainer import train
+
+if TYPE_CHECKING:
+    from specloop.models import LoadedModel, ModelArgs
+
+    from ._config import TrainConfig
+    from ._distill import Sequence as Answer
+    from ._mtp_head import TrainableMtpHead
+    from ._prompts import Prompt
 
 log = structlog.get_logger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -33,7 +43,7 @@ def resolve_device(name: str) -> str:
     return name
 
 
-def stage_prompts(cfg, out: Path):
+def stage_prompts(cfg: TrainConfig, out: Path) -> dict[str, list[Prompt]]:
     path = out / "prompts.jsonl"
     if not path.is_file():
         if cfg.data.prompts_file:
@@ -47,7 +57,8 @@ def stage_prompts(cfg, out: Path):
     return read_prompts(path)
 
 
-def stage_distill(cfg, out: Path, splits, device: str):
+def stage_distill(cfg: TrainConfig, out: Path, splits: dict[str, list[Prompt]], device: str
+                  ) -> list[Answer]:
     path = out / "sequences.pt"
     if not path.is_file():
         start = time.perf_counter()
@@ -59,7 +70,8 @@ def stage_distill(cfg, out: Path, splits, device: str):
     return load_sequences(path)
 
 
-def export_head(head, cfg, path: Path, args) -> None:
+def export_head(head: TrainableMtpHead, cfg: TrainConfig, path: Path, args: ModelArgs
+                ) -> None:
     """bf16 float weights + int64 d2t, target shape in the safetensors metadata."""
     tensors = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v).contiguous().cpu()
                for k, v in head.export_state().items()}
@@ -71,7 +83,9 @@ def export_head(head, cfg, path: Path, args) -> None:
     save_file(tensors, str(path), metadata=meta)
 
 
-def evaluate(cfg, loaded, head, seqs, splits, head_path: Path, device: str) -> dict:
+def evaluate(cfg: TrainConfig, loaded: LoadedModel, head: TrainableMtpHead, seqs: list[Answer],
+             splits: dict[str, list[Prompt]], head_path: Path, device: str
+             ) -> dict[str, Any]:
     k = cfg.eval.k
     held = [s for s in seqs if s.split == "eval"]
     result = {"offline_greedy": offline_acceptance(head, loaded.model, held, k, device)}
@@ -80,7 +94,7 @@ def evaluate(cfg, loaded, head, seqs, splits, head_path: Path, device: str) -> d
         return result
     ids = encode_prompts(loaded.tokenizer, splits["eval"][:n],
                          cfg.generate.max_seq_len - cfg.eval.engine_max_tokens - k - 2)
-    common = dict(max_tokens=cfg.eval.engine_max_tokens, device=device,
+    common: dict[str, Any] = dict(max_tokens=cfg.eval.engine_max_tokens, device=device,
                   dtype=cfg.target.dtype, seed=cfg.data.seed)
     m, runs = cfg.head.method, {}
     for kk in sorted({3, k}):
@@ -99,7 +113,7 @@ def evaluate(cfg, loaded, head, seqs, splits, head_path: Path, device: str) -> d
     return result
 
 
-def vocab_coverage(d2t: torch.Tensor, seqs, vocab_size: int) -> float | None:
+def vocab_coverage(d2t: torch.Tensor, seqs: list[Answer], vocab_size: int) -> float | None:
     """Share of the held-out greedy answers' tokens inside the draft vocabulary (a draft
     chain cannot get past a token outside it)."""
     tokens = [t for s in seqs if s.mode == "greedy" for t in s.tokens[s.prompt_len:]]
@@ -110,8 +124,10 @@ def vocab_coverage(d2t: torch.Tensor, seqs, vocab_size: int) -> float | None:
     return round(float(inside[torch.tensor(tokens)].float().mean()), 4)
 
 
-def write_card(cfg, path: Path, head_path: Path, *, args, splits, seqs, summary, evals,
-               command: str, device: str, coverage: float | None = None) -> dict:
+def write_card(cfg: TrainConfig, path: Path, head_path: Path, *, args: ModelArgs,
+               splits: dict[str, list[Prompt]], seqs: list[Answer], summary: dict[str, Any],
+               evals: dict[str, Any], command: str, device: str,
+               coverage: float | None = None) -> dict[str, Any]:
     answers = [len(s.tokens) - s.prompt_len for s in seqs]
     card = {
         "name": cfg.output.name, "method": cfg.head.method, "format": "safetensors, bf16",
@@ -139,7 +155,7 @@ def write_card(cfg, path: Path, head_path: Path, *, args, splits, seqs, summary,
     return card
 
 
-def _read_json(path: Path):
+def _read_json(path: Path) -> Any:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
@@ -150,7 +166,8 @@ def _version() -> str:
         return "unknown"
 
 
-def run(cfg, *, command: str, out_dir: str | None = None, device: str | None = None) -> dict:
+def run(cfg: TrainConfig, *, command: str, out_dir: str | None = None,
+        device: str | None = None) -> dict[str, Any]:
     out = Path(out_dir or cfg.output.dir)
     out.mkdir(parents=True, exist_ok=True)
     device = resolve_device(device or cfg.target.device)

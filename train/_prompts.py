@@ -15,7 +15,7 @@ import random
 import re
 import subprocess
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import attrs
 
@@ -219,7 +219,7 @@ def build_prompts(num_train: int, num_eval: int, seed: int) -> dict[str, list[Pr
     return {"train": train[:num_train], "eval": held[:num_eval]}
 
 
-def _distinct(prompts) -> list[Prompt]:
+def _distinct(prompts: Iterable[Prompt]) -> list[Prompt]:
     seen, out = set(), []
     for p in prompts:
         if p.text not in seen:

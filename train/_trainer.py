@@ -12,20 +12,30 @@ import math
 import os
 import random
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import structlog
 import torch
 import torch.nn.functional as F
 
+from specloop.models._grad import no_grad
+
 from ._mtp_head import TrainableEagle3Head, TrainableMtpHead
 from ._progress import progress
+
+if TYPE_CHECKING:
+    from specloop.models import DecoderModel
+
+    from ._config import OptimSection, TrainConfig
+    from ._distill import Sequence as Answer
 
 log = structlog.get_logger(__name__)
 
 
-def draft_vocab(seqs, vocab_size: int, n: int) -> torch.Tensor:
+def draft_vocab(seqs: Sequence[Answer], vocab_size: int, n: int) -> torch.Tensor:
     """The n most frequent target ids in the training answers (ties: lower id), sorted."""
     counts = torch.zeros(vocab_size, dtype=torch.int64)
     for s in seqs:
@@ -35,7 +45,8 @@ def draft_vocab(seqs, vocab_size: int, n: int) -> torch.Tensor:
     return torch.tensor(sorted(order), dtype=torch.int64)
 
 
-def pad_batch(seqs, device):
+def pad_batch(seqs: Sequence[Answer], device: torch.device | str
+              ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> tokens [B, T] (pad 0), answer mask [B, T] (True on answer tokens)."""
     width = max(len(s.tokens) for s in seqs)
     tokens = torch.zeros(len(seqs), width, dtype=torch.int64)
@@ -49,17 +60,17 @@ def pad_batch(seqs, device):
 class Teacher:
     """The target's final hidden states for padded batches, off the autograd graph."""
 
-    def __init__(self, model, max_batch: int, max_len: int, capture: tuple[int, ...] = ()
+    def __init__(self, model: DecoderModel, max_batch: int, max_len: int, capture: tuple[int, ...] = ()
                  ) -> None:
         self.model = model
         self.cache = model.make_cache(max_batch, max_len)
         self.capture = tuple(capture)
 
-    @torch.no_grad()
+    @no_grad
     def hidden(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.both(tokens)[0]
 
-    @torch.no_grad()
+    @no_grad
     def both(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (final hidden [B, T, H], the head's step-0 input: the same, or the captured
         feature layers [B, T, F*H])."""
@@ -69,10 +80,12 @@ class Teacher:
         if not self.capture:
             hidden = self.model(tokens, start, slots, self.cache)
             return hidden, hidden
-        return self.model(tokens, start, slots, self.cache, capture=self.capture)
+        hidden, features = self.model(tokens, start, slots, self.cache, capture=self.capture)
+        return hidden, features
 
 
-def make_head(cfg, target, d2t, max_len: int) -> TrainableMtpHead:
+def make_head(cfg: TrainConfig, target: DecoderModel, d2t: torch.Tensor, max_len: int
+              ) -> TrainableMtpHead:
     """The trainable head cfg.head.method names, for this target."""
     from specloop.models.drafters._eagle3 import default_feature_layers  # noqa: PLC0415
 
@@ -84,7 +97,9 @@ def make_head(cfg, target, d2t, max_len: int) -> TrainableMtpHead:
     return TrainableMtpHead(args, target.embed_tokens, target.lm_head_weight, d2t, max_len)
 
 
-def step_losses(head: TrainableMtpHead, tokens, answer, hidden, steps: int, features=None):
+def step_losses(head: TrainableMtpHead, tokens: torch.Tensor, answer: torch.Tensor,
+                hidden: torch.Tensor, steps: int, features: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (per-step soft-CE [steps], per-step top-1 agreement [steps]) over answer tokens.
     ``features``: the head's step-0 input when it is not the final hidden (eagle3).
 
@@ -110,7 +125,8 @@ def step_losses(head: TrainableMtpHead, tokens, answer, hidden, steps: int, feat
     return torch.stack(losses), torch.stack(accs)
 
 
-def batch_at(train_seqs, ocfg, step: int, rng: random.Random) -> list:
+def batch_at(train_seqs: list[Answer], ocfg: OptimSection, step: int, rng: random.Random
+             ) -> list[Answer]:
     """The sequences of training step ``step`` (a function of the step: resumable).
     With ``optim.length_buckets`` = n > 1, every n steps draw n batches' worth of random
     sequences, sort them by length and hand out one length-homogeneous batch per step
@@ -128,20 +144,21 @@ def batch_at(train_seqs, ocfg, step: int, rng: random.Random) -> list:
     return chunks[order[(step % n) % len(chunks)]]
 
 
-def lr_at(optim_cfg, step: int, elapsed: float) -> tuple[float, float]:
+def lr_at(optim_cfg: OptimSection, step: int, elapsed: float) -> tuple[float, float]:
     """(lr, progress in [0, 1]): warmup, then cosine over steps or time, whichever leads."""
     prog = min(1.0, max(step / optim_cfg.max_steps, elapsed / optim_cfg.time_budget_s))
     warm = min(1.0, (step + 1) / max(1, optim_cfg.warmup_steps))
     return optim_cfg.lr * warm * 0.5 * (1 + math.cos(math.pi * prog)), prog
 
 
-def _save(path: Path, state: dict) -> None:
+def _save(path: Path, state: dict[str, Any]) -> None:
     tmp = path.with_suffix(".tmp")
     torch.save(state, tmp)
     os.replace(tmp, path)
 
 
-def train(cfg, target, seqs, out_dir: Path, device) -> tuple[TrainableMtpHead, dict]:
+def train(cfg: TrainConfig, target: DecoderModel, seqs: Sequence[Answer], out_dir: Path,
+          device: torch.device | str) -> tuple[TrainableMtpHead, dict[str, Any]]:
     """Train (or resume) the head on the training sequences; -> (head, summary)."""
     ocfg, hcfg = cfg.optim, cfg.head
     train_seqs = [s for s in seqs if s.split == "train"]

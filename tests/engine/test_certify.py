@@ -57,12 +57,22 @@ async def test_clean_draft_model_distribution_passes(draft_config, tiny_loaded):
     assert all(r["control"]["verdict"] == "fail" for r in rows)
 
 
+# 150 trials are plenty for this bug (half of DIST's, which the clean case above keeps for
+# its controls' sake): at position 1 chi2 = 138 against a threshold of 32.3 (4.3x), and
+# that row's own control still fails (139 > 32.3), so the trials had power; at 300 trials
+# it was 385 against 57.9.
+BUG_TRIALS = 150
+
+
 async def test_residual_not_renormalised_fails_distribution(draft_config, tiny_loaded,
                                                              monkeypatch):
     planted.skip_residual_normalisation(monkeypatch)
-    report = await certify(draft_config, DIST, model=tiny_loaded)
+    report = await certify(draft_config, attrs.evolve(DIST, trials=BUG_TRIALS),
+                           model=tiny_loaded)
     assert report["verdict"] == "fail"
     assert failed(report) == ["distribution"]
+    row = report["checks"][0]["details"][0]["rows"][0]
+    assert row["verdict"] == "fail" and row["control"]["verdict"] == "fail", row
 
 
 @pytest.mark.slow
@@ -141,7 +151,7 @@ drafter = "tests.engine.planted:near_target_drafter"
     row = report["checks"][0]["details"][0]["rows"][0]
     assert {"statistic", "df", "threshold", "verdict", "control"} <= set(row)
     planted.skip_residual_normalisation(monkeypatch)
-    assert main([*args, "--trials", "300"], model=tiny_loaded) == 1
+    assert main([*args, "--trials", str(BUG_TRIALS)], model=tiny_loaded) == 1
     assert main(["--config", str(toml), "--checks", "bogus"], model=tiny_loaded) == 2
     assert main(["--config", str(toml), "--params", "temperature=x"], model=tiny_loaded) == 2
 

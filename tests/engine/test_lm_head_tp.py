@@ -11,6 +11,30 @@ from specloop.samplers import SamplingParams, SpecMetadata
 from .conftest import collect, make_config
 from .test_engine import reference_greedy
 
+# One worker runs the module, so its memos below are computed once per run: the greedy
+# references (full recomputation, ~2 s CPU for the workload) and each method's one-rank run.
+pytestmark = pytest.mark.xdist_group("lm_head_tp")
+
+
+@pytest.fixture(scope="module")
+def references(tiny_loaded):
+    """reference_greedy(prompt, n), memoized over the module's tests."""
+    memo = {}
+
+    def get(prompt, n):
+        key = (tuple(prompt), n)
+        if key not in memo:
+            memo[key] = reference_greedy(tiny_loaded, prompt, n)
+        return memo[key]
+    return get
+
+
+@pytest.fixture(scope="module")
+def one_rank_runs():
+    """method -> the workload's outputs on one rank (rejection sampling on), filled by the
+    first test that needs them: the 2- and 4-rank cases compare against the same run."""
+    return {}
+
 
 def tp_config(model_dir, world, *, rejection=True, k=3, max_batch_size=4, method="mtp_eagle"):
     return make_config(model_dir, method=method, k=k, rejection=rejection,
@@ -66,12 +90,13 @@ async def single_rank(config, loaded, reqs):
 
 
 @pytest.mark.parametrize("method", ["mtp_eagle", "eagle3"])
-async def test_mtp_eagle_single_rank_greedy_is_exact(tiny_dir, tiny_loaded, method):
+async def test_mtp_eagle_single_rank_greedy_is_exact(tiny_dir, tiny_loaded, references,
+                                                      method):
     reqs = [(p, prm, d) for p, prm, d in workload() if prm.is_greedy]
     config = make_config(tiny_dir, method=method, k=3)
     outs, _ = await single_rank(config, tiny_loaded, reqs)
     for (prompt, params, _), out in zip(reqs, outs):
-        assert out == reference_greedy(tiny_loaded, prompt, params.max_tokens)
+        assert out == references(prompt, params.max_tokens)
 
 
 # 4 ranks cost twice the 2-rank case for the same property: slow, so the fast subset keeps 2.
@@ -80,8 +105,8 @@ async def test_mtp_eagle_single_rank_greedy_is_exact(tiny_dir, tiny_loaded, meth
 @pytest.mark.parametrize("world, method", [
     (2, "mtp_eagle"), pytest.param(2, "eagle3", marks=pytest.mark.slow),
     pytest.param(4, "mtp_eagle", marks=pytest.mark.slow)])
-async def test_mixed_ranks_never_mismatch_and_match_one_rank(tiny_dir, tiny_loaded, world,
-                                                             method):
+async def test_mixed_ranks_never_mismatch_and_match_one_rank(tiny_dir, tiny_loaded, references,
+                                                             one_rank_runs, world, method):
     reqs = workload()
     results = await run_group(world, tp_config(tiny_dir, world, method=method), tiny_loaded,
                               reqs)
@@ -89,12 +114,13 @@ async def test_mixed_ranks_never_mismatch_and_match_one_rank(tiny_dir, tiny_load
     assert iterations >= 50
     for (prompt, params, _), out in zip(reqs, outs):
         if params.is_greedy:
-            assert out == reference_greedy(tiny_loaded, prompt, params.max_tokens)
+            assert out == references(prompt, params.max_tokens)
     # Seeded sampled requests: the same tokens on one rank (float64, so batch-shape
     # rounding cannot flip a draw).
-    one, _ = await single_rank(make_config(tiny_dir, method=method, k=3, rejection=True),
-                               tiny_loaded, reqs)
-    assert outs == one
+    if method not in one_rank_runs:
+        one_rank_runs[method], _ = await single_rank(
+            make_config(tiny_dir, method=method, k=3, rejection=True), tiny_loaded, reqs)
+    assert outs == one_rank_runs[method]
 
 
 @pytest.mark.parametrize("world", [2, 4])

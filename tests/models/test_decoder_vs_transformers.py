@@ -5,12 +5,15 @@ import torch
 
 from specloop.models import load_model
 
-transformers = pytest.importorskip("transformers")
+# transformers' model classes cost ~5 s CPU to import: imported on first use (not at
+# collection), and the module's tests run on one xdist worker, so only one pays it.
+pytestmark = pytest.mark.xdist_group("transformers")
 
 FAMILIES = ["llama", "llama_untied", "qwen2", "llama3_rope"]
 
 
 def _hf(directory):
+    transformers = pytest.importorskip("transformers")
     return transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
