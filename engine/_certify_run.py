@@ -8,6 +8,8 @@ from typing import Any, Awaitable, Callable, Sequence
 import anyio
 import attrs
 
+from specloop.comm import Communicator
+from specloop.models import LoadedModel
 from specloop.samplers import SamplingParams
 
 from ._config import EngineConfig
@@ -41,7 +43,7 @@ def evolve(config: EngineConfig, section: str, **fields: Any) -> EngineConfig:
     return EngineConfig.from_dict(data)
 
 
-async def on_engine(config: EngineConfig, model, fn: Callable[[AsyncEngine], Awaitable[Any]],
+async def on_engine(config: EngineConfig, model: LoadedModel | None, fn: Callable[[AsyncEngine], Awaitable[Any]],
                     *, timeout: float = 60.0) -> Any:
     """``fn(engine)`` on rank 0 of a fresh engine (group) built from ``config``."""
     world = config.parallel.world_size
@@ -50,7 +52,7 @@ async def on_engine(config: EngineConfig, model, fn: Callable[[AsyncEngine], Awa
             return await fn(engine)
     from specloop.comm import LocalGroup  # noqa: PLC0415
 
-    async def rank_main(comm):
+    async def rank_main(comm: Communicator) -> Any:
         async with AsyncEngine(config, communicator=comm, model=model) as engine:
             if comm.rank == 0:
                 return await fn(engine)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import AsyncIterator, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -10,11 +12,19 @@ from ._engine import AsyncEngine
 from ._components import build_communicator
 from ._trace import TraceRecorder
 
+if TYPE_CHECKING:
+    from specloop.comm import Communicator
+
+    from ._config import EngineConfig
+    from ._states import IterationObserver
+
 GATHER_TIMEOUT_S = 30.0
 
 
 @contextlib.asynccontextmanager
-async def open_engine(config, *, trace: str | None = None, observers=()):
+async def open_engine(config: EngineConfig, *, trace: str | None = None,
+                      observers: Sequence[IterationObserver] = ()
+                      ) -> AsyncIterator[AsyncEngine]:
     """``async with open_engine(config, trace="t.json") as engine``. With a trace, the
     communicator is wrapped so collectives show; under torchrun rank 0 gathers every
     rank's events at the end and writes one file."""
@@ -35,7 +45,7 @@ async def open_engine(config, *, trace: str | None = None, observers=()):
         await anyio.to_thread.run_sync(comm.close)
 
 
-async def _write_trace(recorder: TraceRecorder, comm, path: str) -> None:
+async def _write_trace(recorder: TraceRecorder, comm: Communicator, path: str) -> None:
     if comm.world_size == 1:
         recorder.write(path)
         return

@@ -127,7 +127,8 @@ class FrontDoor:
             await self._wake.wait()
         self._wake = anyio.Event()
 
-    def take_message(self, assign: Callable[[list[NewRequest]], tuple]) -> FrontDoorMessage:
+    def take_message(self, assign: Callable[[list[NewRequest]], tuple[tuple[int, NewRequest], ...]]
+                     ) -> FrontDoorMessage:
         new, self._inbox = list(self._inbox.values()), {}
         cancels, self._cancels = tuple(self._cancels), []
         if self.closing:

@@ -85,9 +85,11 @@ class IterationMachine:
             state = next_state
         return record
 
-    def _emit(self, bound, record: IterationRecord, state: IterationState,
+    def _emit(self, bound: structlog.typing.FilteringBoundLogger | None,
+              record: IterationRecord, state: IterationState,
               next_state: IterationState, start: float, duration_s: float) -> None:
-        accepted, request_ids = None, ()
+        accepted: tuple[int, ...] | None = None
+        request_ids: tuple[str, ...] = ()
         if state is S.VERIFY and record.result is not None:
             accepted = tuple(record.result.num_accepted.tolist())
             request_ids = tuple(r.request_id for r in record.batch)

@@ -11,7 +11,7 @@ from typing import Sequence
 
 import attrs
 
-from specloop.models import IncrementalDetokenizer
+from specloop.models import IncrementalDetokenizer, Tokenizer
 
 from ._request import FinishReason, RequestOutput
 
@@ -57,7 +57,7 @@ class TextStream:
     the token that completed the match (usage then counts the tokens that were produced).
     """
 
-    def __init__(self, tokenizer, stops: Sequence[str]) -> None:
+    def __init__(self, tokenizer: Tokenizer, stops: Sequence[str]) -> None:
         self._detokenizer = IncrementalDetokenizer(tokenizer)
         self._matcher = StopMatcher(stops) if stops else None
         self.stopped = False

@@ -40,7 +40,9 @@ class PackedLinear:
 
     def __init__(self, *, enabled: bool | None = None) -> None:
         self.enabled = packing_available() if enabled is None else enabled
-        self._packed: dict[tuple, tuple[torch.Tensor, int, torch.Tensor]] = {}
+        # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
+        self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
+                           tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -77,8 +79,8 @@ class PackedLinear:
 
     # A copied (or pickled) model has weights of its own: it starts with an empty cache
     # (packed tensors are opaque and cannot be copied anyway).
-    def __deepcopy__(self, memo) -> "PackedLinear":
+    def __deepcopy__(self, memo: dict[int, object]) -> "PackedLinear":
         return PackedLinear(enabled=self.enabled)
 
-    def __getstate__(self) -> dict:
+    def __getstate__(self) -> dict[str, object]:
         return {"enabled": self.enabled, "_packed": {}}

@@ -6,11 +6,14 @@ accepted stay valid, and each propose first feeds the tokens it has not seen (1 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
 
+from specloop.samplers import Sampler, SamplingBatch
+
+from .._grad import inference_mode
 from ._errors import DrafterConfigError
 from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal)
@@ -28,7 +31,7 @@ class _SlotState:
 
 
 class DraftModelDrafter(Drafter):
-    def __init__(self, config, deps: DrafterDeps) -> None:
+    def __init__(self, config: Any, deps: DrafterDeps) -> None:
         from specloop.models import KVCache, load_model  # noqa: PLC0415
 
         self.num_draft_tokens = config.speculative.num_draft_tokens
@@ -48,8 +51,9 @@ class DraftModelDrafter(Drafter):
         # (states, [B, K-1] drafts written) of the last propose
         self._unread: tuple[list[_SlotState], torch.Tensor] | None = None
 
-    @torch.inference_mode()
-    def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:
+    @inference_mode
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None = None
+                ) -> None:
         device = self.cache.device
         if token_ids:
             self.model(torch.tensor([list(token_ids)], device=device),
@@ -69,7 +73,8 @@ class DraftModelDrafter(Drafter):
             valid = pos + 1
         return valid
 
-    def _feeds(self, ctx: DraftContext):
+    def _feeds(self, ctx: DraftContext
+               ) -> tuple[list[_SlotState], list[int], list[list[int]]]:
         """Per row: its state, the first position to feed, and the tokens to feed (1 or 2:
         the ones the draft cache has not seen)."""
         self._read_written()
@@ -78,7 +83,7 @@ class DraftModelDrafter(Drafter):
         feeds = [list(t[c:]) for c, t in zip(starts, ctx.token_ids)]
         return states, starts, feeds
 
-    def _commit(self, states, ctx: DraftContext, proposal: DraftProposal) -> None:
+    def _commit(self, states: list[_SlotState], ctx: DraftContext, proposal: DraftProposal) -> None:
         # The draft cache now holds every committed token and drafts d1..d_{K-1}. Which
         # drafts is read back at the next propose: here it would sync before VERIFY is
         # queued; then VERIFY's own read-back has already waited for the device.
@@ -93,7 +98,8 @@ class DraftModelDrafter(Drafter):
             for st, w in zip(states, written.tolist()):
                 st.written = tuple(w)
 
-    def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler, batch, *,
+    def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler: Sampler,
+                     batch: SamplingBatch, *,
                      advanced: bool, kv_len: int | None) -> dict[str, torch.Tensor]:
         """The one drafting loop, eager and graph alike: feed each row's unseen tokens
         (catch-up), then K draft steps. inputs: feed [B, W] (right-padded), feed_start [B],
@@ -116,12 +122,13 @@ class DraftModelDrafter(Drafter):
         return graph_outputs(drafted, probs, advanced)
 
     @staticmethod
-    def _feed_columns(feeds, starts, width: int) -> dict[str, list[Any]]:
+    def _feed_columns(feeds: Sequence[list[int]], starts: Sequence[int], width: int
+                      ) -> dict[str, list[Any]]:
         # Right-pad: a padded position writes junk K/V at L, which d1 overwrites next.
         return {"feed": [f + [f[-1]] * (width - len(f)) for f in feeds],
                 "feed_start": list(starts), "feed_last": [len(f) - 1 for f in feeds]}
 
-    @torch.inference_mode()
+    @inference_mode
     def _draft(self, ctx: DraftContext) -> DraftProposal:
         states, starts, feeds = self._feeds(ctx)
         device = ctx.slots.device
@@ -134,11 +141,13 @@ class DraftModelDrafter(Drafter):
         self._commit(states, ctx, proposal)
         return proposal
 
-    def graph_inputs(self, ctx: DraftContext, feeds=None, starts=None):
+    def graph_inputs(self, ctx: DraftContext, feeds: Sequence[list[int]] | None = None,
+                     starts: Sequence[int] | None = None) -> dict[str, torch.Tensor]:
         """Static inputs for the graph's rows: feeds right-padded to MAX_FEED tokens;
         padding rows feed token 0 at position 0 of the scratch slot."""
         if feeds is None:
             _, starts, feeds = self._feeds(ctx)
+        assert starts is not None, "feeds and starts come together"
         pad = ctx.graph_rows - len(ctx.token_ids)
         columns = self._feed_columns(list(feeds) + [[0]] * pad, list(starts) + [0] * pad,
                                      MAX_FEED)
@@ -148,11 +157,12 @@ class DraftModelDrafter(Drafter):
             "seq_lens": ctx.seq_len_list() + [1] * pad,
         })
 
-    def graph_step(self, sampler, template, *, advanced: bool):
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool
+                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """``_draft_steps`` on static tensors (kv_len fixed), for CUDA-graph capture."""
         kv_len = self.cache.max_seq_len
 
-        def step(inputs):
+        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return self._draft_steps(inputs, sampler, template.with_columns(inputs),
                                      advanced=advanced, kv_len=kv_len)
 

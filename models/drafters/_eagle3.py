@@ -13,12 +13,18 @@ run without this drafter captures nothing.
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
 import torch
 from safetensors import safe_open
 
 from ._errors import DrafterConfigError
 from ._mtp import MtpEagleDrafter, MtpEagleHead, load_or_init
 from ._protocol import DrafterDeps
+
+if TYPE_CHECKING:
+    from specloop.models import DecoderModel, KVCache
 
 
 def default_feature_layers(num_layers: int) -> tuple[int, ...]:
@@ -28,7 +34,8 @@ def default_feature_layers(num_layers: int) -> tuple[int, ...]:
 
 
 class Eagle3Head(MtpEagleHead):
-    def __init__(self, target, *, dtype, device, feature_layers: tuple[int, ...]) -> None:
+    def __init__(self, target: DecoderModel, *, dtype: torch.dtype, device: torch.device | str,
+                 feature_layers: tuple[int, ...]) -> None:
         super().__init__(target, dtype=dtype, device=device)
         h, n = target.args.hidden_size, len(feature_layers)
         if not 2 <= n or list(feature_layers) != sorted(set(feature_layers)) or \
@@ -48,7 +55,7 @@ class Eagle3Head(MtpEagleHead):
 
     @property
     def feature_size(self) -> int:
-        return self.fc3.shape[1]
+        return int(self.fc3.shape[1])
 
 
     def save(self, path: str, metadata: dict[str, str] | None = None) -> None:
@@ -66,14 +73,16 @@ class Eagle3Head(MtpEagleHead):
             normed = self.norm(parts, self.fnorm)
         return self.block.linear(normed.flatten(-2), self.fc3)
 
-    def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
+                slots: torch.Tensor, cache: KVCache, kv_len: int | None = None
+                ) -> torch.Tensor:
         # Target rows carry F*H features (F >= 2); the head's own outputs (steps >= 1), H.
         if hidden.shape[-1] != self.block.args.hidden_size:
             hidden = self.project(hidden)
         return super().forward(tokens, hidden, start_pos, slots, cache, kv_len=kv_len)
 
 
-def file_feature_layers(path) -> tuple[int, ...] | None:
+def file_feature_layers(path: str | Path) -> tuple[int, ...] | None:
     with safe_open(str(path), framework="pt") as f:
         meta = f.metadata() or {}
     text = meta.get("feature_layers")
@@ -84,7 +93,9 @@ class Eagle3Drafter(MtpEagleDrafter):
     """MtpEagleDrafter whose head reads the target's feature layers (``feature_layers``,
     read by the engine to make the target capture them)."""
 
-    def _make_head(self, config, deps: DrafterDeps) -> Eagle3Head:
+    head: Eagle3Head
+
+    def _make_head(self, config: Any, deps: DrafterDeps) -> Eagle3Head:
         target = deps.target.model
         path = self.weights_path(config, deps)
         layers = (file_feature_layers(path) if path is not None else None) or \

@@ -6,17 +6,20 @@ equal the target's, so drafts write into the target cache and VERIFY overwrites 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 
+from specloop.samplers import Sampler, SamplingBatch
+
+from .._grad import inference_mode
 from ._errors import DrafterConfigError
 from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal)
 
 
 class EarlyExitDrafter(Drafter):
-    def __init__(self, config, deps: DrafterDeps) -> None:
+    def __init__(self, config: Any, deps: DrafterDeps) -> None:
         self.num_draft_tokens = config.speculative.num_draft_tokens
         self.model = deps.target.model
         self.cache = deps.target_cache
@@ -26,18 +29,21 @@ class EarlyExitDrafter(Drafter):
             raise DrafterConfigError("speculative.early_exit_layers", self.num_layers,
                               f"must be below the target's {total} layers")
 
-    def prefill(self, slot: int, token_ids: Sequence[int], hidden=None) -> None:
+    def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None = None
+                ) -> None:
         """The target's prefill already wrote these layers' K/V."""
 
     def release(self, slot: int) -> None:
         pass
 
-    def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler, batch, *, advanced: bool,
+    def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler: Sampler,
+                     batch: SamplingBatch, *, advanced: bool,
                     kv_len: int | None) -> dict[str, torch.Tensor]:
         """The one drafting loop, eager and graph alike: K steps of the first N layers from
         each row's last token. inputs: last [B], seq_lens [B], slots [B]."""
         tokens, seq_lens, slots = inputs["last"], inputs["seq_lens"], inputs["slots"]
-        drafted, probs = [], []
+        drafted: list[torch.Tensor] = []
+        probs: list[torch.Tensor | None] = []
         for j in range(self.num_draft_tokens):
             hidden = self.model(tokens[:, None], seq_lens - 1 + j, slots, self.cache,
                                 num_layers=self.num_layers, kv_len=kv_len)
@@ -48,7 +54,7 @@ class EarlyExitDrafter(Drafter):
             probs.append(sample.probs)
         return graph_outputs(drafted, probs, advanced)
 
-    @torch.inference_mode()
+    @inference_mode
     def _draft(self, ctx: DraftContext) -> DraftProposal:
         inputs = {"last": torch.tensor([t[-1] for t in ctx.token_ids], device=ctx.slots.device),
                   "seq_lens": ctx.seq_lens, "slots": ctx.slots}
@@ -56,7 +62,7 @@ class EarlyExitDrafter(Drafter):
                                 advanced=ctx.spec.wants_advanced_draft_sampling, kv_len=None)
         return DraftProposal(out["token_ids"], out.get("probs"))
 
-    def graph_inputs(self, ctx: DraftContext):
+    def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """Static-shape inputs for the graph's rows (padding: scratch slot, position 0)."""
         pad = ctx.graph_rows - len(ctx.token_ids)
         return graph_int_inputs(ctx, {
@@ -64,11 +70,12 @@ class EarlyExitDrafter(Drafter):
             "seq_lens": ctx.seq_len_list() + [1] * pad,
             "slots": ctx.slot_list() + [self.cache.scratch_slot] * pad})
 
-    def graph_step(self, sampler, template, *, advanced: bool):
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool
+                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """``_draft_steps`` on static tensors (kv_len fixed), for CUDA-graph capture."""
         kv_len = self.cache.max_seq_len
 
-        def step(inputs):
+        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             return self._draft_steps(inputs, sampler, template.with_columns(inputs),
                                     advanced=advanced, kv_len=kv_len)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from safetensors import safe_open
 
+from .._args import ModelArgs
 from .._registry import sha256_of as file_sha256
 from ._errors import DrafterConfigError
 
@@ -62,16 +63,17 @@ def head_metadata(path: Path) -> dict[str, str]:
         return dict(f.metadata() or {})
 
 
-def target_shape(args) -> dict[str, int]:
+def target_shape(args: ModelArgs) -> dict[str, int]:
     return {key: int(getattr(args, key)) for key in TARGET_KEYS}
 
 
-def check_target(path: Path, meta: dict[str, str], args) -> None:
+def check_target(path: Path, meta: dict[str, str], args: ModelArgs) -> None:
     """Refuse a head trained for a target of another shape, naming both shapes."""
     have = target_shape(args)
     want = {k: int(meta[f"target_{k}"]) for k in TARGET_KEYS if f"target_{k}" in meta}
     if want and want != {k: have[k] for k in want}:
-        fmt = lambda d: ", ".join(f"{k}={v}" for k, v in d.items())  # noqa: E731
+        def fmt(d: dict[str, int]) -> str:
+            return ", ".join(f"{k}={v}" for k, v in d.items())
         raise DrafterConfigError(
             FIELD, str(path), f"this head was trained for a target with {fmt(want)}, but "
             f"the target model has {fmt(have)}",

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from specloop.comm import distributed_argmax
+from specloop.comm import Communicator, distributed_argmax
 from specloop.models._linear import PackedLinear
 
 from ._protocol import DraftContext, sample_draft_step
@@ -80,7 +80,7 @@ class DraftHead:
         ids = ids[start:start + rows]                            # this rank's own rows
         return ids if self.d2t is None else self.d2t[ids]
 
-    def _shard_logits(self, stacked: torch.Tensor, comm) -> torch.Tensor:
+    def _shard_logits(self, stacked: torch.Tensor, comm: Communicator) -> torch.Tensor:
         vocab, g = self.weight.shape[0], comm.world_size
         size = math.ceil(vocab / g)
         lo, hi = comm.rank * size, min((comm.rank + 1) * size, vocab)

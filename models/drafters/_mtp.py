@@ -9,21 +9,33 @@ follows the committed sequence; then it drafts autoregressively on its own outpu
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence, TypeVar
 
 import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
+from specloop.samplers import Sampler, SamplingBatch
+
+from .._grad import inference_mode
 from ._heads import (check_method, check_sha256, check_target, head_metadata, resolve_head,
                      target_shape)
 from ._lm_head import DraftHead
 from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal, sample_draft_step, stack_proposal)
 
+if TYPE_CHECKING:
+    from specloop.models import DecoderModel, KVCache
+
+HeadT = TypeVar("HeadT", bound="MtpEagleHead")
+# The drafting loop: yields the head's hidden state per step, is sent that step's tokens.
+DraftLoop = Generator[torch.Tensor, torch.Tensor, None]
+
 
 class MtpEagleHead(torch.nn.Module):
-    def __init__(self, target, *, dtype, device) -> None:
+    def __init__(self, target: DecoderModel, *, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         from specloop.models import DecoderModel  # noqa: PLC0415
 
         super().__init__()
@@ -91,7 +103,9 @@ class MtpEagleHead(torch.nn.Module):
         from specloop.models._layers import rms_norm  # noqa: PLC0415
         return rms_norm(x, weight, eps)
 
-    def forward(self, tokens, hidden, start_pos, slots, cache, kv_len=None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
+                slots: torch.Tensor, cache: KVCache, kv_len: int | None = None
+                ) -> torch.Tensor:
         """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos.. ->
         the head's hidden [B, T, H]; logits come from the shared LM head."""
         x = torch.cat([self.norm(self.block.embed(tokens), self.enorm),
@@ -100,7 +114,7 @@ class MtpEagleHead(torch.nn.Module):
                                          kv_len=kv_len)
 
 
-def load_or_init(head, path):
+def load_or_init(head: HeadT, path: str | Path | None) -> HeadT:
     """The head with its trained weights from ``path``, or random ones (tests, training)
     when there is none."""
     if path is not None:
@@ -115,7 +129,7 @@ LAZY_ROWS = 32
 
 
 class MtpEagleDrafter(Drafter):
-    def __init__(self, config, deps: DrafterDeps) -> None:
+    def __init__(self, config: Any, deps: DrafterDeps) -> None:
         from specloop.models import KVCache  # noqa: PLC0415
 
         target = deps.target.model
@@ -137,7 +151,7 @@ class MtpEagleDrafter(Drafter):
         self.pending_count = [0] * (deps.num_slots + 1)
 
     @staticmethod
-    def weights_path(config, deps: DrafterDeps):
+    def weights_path(config: Any, deps: DrafterDeps) -> Path | None:
         """The checked head file (sha256 against its card, target shape), or None."""
         weights = config.speculative.draft_weights or config.speculative.mtp_weights
         if not weights:
@@ -149,7 +163,7 @@ class MtpEagleDrafter(Drafter):
         check_method(path, meta, config.speculative.method)
         return path
 
-    def _make_head(self, config, deps: DrafterDeps) -> MtpEagleHead:
+    def _make_head(self, config: Any, deps: DrafterDeps) -> MtpEagleHead:
         target = deps.target.model
         return load_or_init(MtpEagleHead(target, dtype=target.dtype, device=target.device),
                             self.weights_path(config, deps))
@@ -162,7 +176,7 @@ class MtpEagleDrafter(Drafter):
     def variable_k(self) -> bool:
         return True
 
-    @torch.inference_mode()
+    @inference_mode
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
         """Feed positions 0..P-2 of the prompt; position P-1 stays pending for DRAFT."""
         if hidden is None:
@@ -217,9 +231,9 @@ class MtpEagleDrafter(Drafter):
     def release(self, slot: int) -> None:
         self.pending_count[slot] = 0
 
-    @torch.inference_mode()
+    @inference_mode
     def _draft_steps(self, inputs: dict[str, torch.Tensor], *, kv_len: int | None,
-                     k: int):
+                     k: int) -> DraftLoop:
         """The one drafting loop, eager and graph alike, as a generator: the catch-up (each
         row's pending target rows), then K steps of the head on its own outputs. It yields
         the head's hidden state for draft step j, [B, H], and is sent that step's tokens
@@ -248,7 +262,9 @@ class MtpEagleDrafter(Drafter):
         real = len(ctx.token_ids)
         slots = ctx.slot_list() + [self.scratch] * (rows - real)
         counts = [self.pending_count[s] for s in slots[:real]] + [1] * (rows - real)
-        tokens, starts, writes = [], [], []
+        tokens: list[list[int]] = []
+        starts: list[int] = []
+        writes: list[int] = []
         for i, (slot, count) in enumerate(zip(slots, counts)):
             seq = ctx.token_ids[i] if i < real else [0]
             start = self.pending_start[slot] if i < real else 0
@@ -261,7 +277,7 @@ class MtpEagleDrafter(Drafter):
         return {"cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
                 "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots}
 
-    def graph_inputs(self, ctx: DraftContext):
+    def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""
         k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_rows
         columns = self._catch_up_columns(ctx, rows, k + 1)
@@ -270,21 +286,23 @@ class MtpEagleDrafter(Drafter):
         inputs["cu_hidden"] = self.pending[inputs["slots"], :k + 1]
         return inputs
 
-    def graph_step(self, sampler, template, *, advanced: bool,
-                   num_draft_tokens: int | None = None):
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
+                   num_draft_tokens: int | None = None
+                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """``_draft_steps`` on static tensors, drafting with the local head (argmax, or
         sampled with q kept); for CUDA-graph capture. Never used on the LM-head-TP path
         (collectives)."""
         kv_len = self.cache.max_seq_len
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
 
-        def step(inputs):
+        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
             loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
             if not k:
                 return {"token_ids": seq_lens.new_zeros(seq_lens.shape[0], 0)}
-            tokens, probs = [], []
+            tokens: list[torch.Tensor] = []
+            probs: list[torch.Tensor | None] = []
             for j in range(k):
                 if j:
                     hidden = loop.send(tokens[-1])
@@ -296,7 +314,7 @@ class MtpEagleDrafter(Drafter):
 
         return step
 
-    @torch.inference_mode()
+    @inference_mode
     def _eager_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """The catch-up padded only to the longest row's pending rows."""
         real = len(ctx.token_ids)
@@ -342,7 +360,7 @@ class MtpEagleDrafter(Drafter):
             # The whole proposal in one hop into the compute thread (not 2K + 1).
             return await ctx.run_sync(lambda: self._draft_local(ctx, k))
 
-        def start():
+        def start() -> tuple[DraftLoop, torch.Tensor]:
             steps = self._draft_steps(self._eager_inputs(ctx), kv_len=None, k=k)
             return steps, next(steps)
 
@@ -363,7 +381,7 @@ class MtpEagleDrafter(Drafter):
         q = torch.stack(probs, dim=1) if probs[0] is not None else None
         return DraftProposal(torch.stack(drafted, dim=1), q)
 
-    @torch.inference_mode()
+    @inference_mode
     def _draft_local(self, ctx: DraftContext, k: int) -> DraftProposal:
         """The eager K-step proposal with the local head, on the compute thread: the
         same steps, logits and draft sampling as the LM-head-TP loop above."""
