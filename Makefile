@@ -26,7 +26,7 @@ test-fast: .venv/.setup-stamp
 	bash scripts/setup.sh
 	touch $@
 
-# mypy on the component protocols and built-ins (pyproject.toml [tool.mypy]); also run by
+# mypy, strict on the public packages (pyproject.toml [tool.mypy]); also run by
 # tests/test_typecheck.py in test and test-fast.
 typecheck: .venv/.setup-stamp
 	$(VENV)/python scripts/typecheck.py

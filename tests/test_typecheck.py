@@ -1,5 +1,6 @@
-"""The type check runs in `make test`: mypy, strict on the component protocols and the
-built-in components (configured in pyproject.toml, run by scripts/typecheck.py), passes;
+"""The type check runs in `make test`: mypy, strict on the public packages, the component
+protocols and the built-in components (configured in pyproject.toml, run by
+scripts/typecheck.py), passes;
 and it is not vacuous: a built-in that loses or changes a member fails it."""
 
 from __future__ import annotations
