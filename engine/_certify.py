@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 import anyio
 import attrs
 import torch
 
+from specloop.models import LoadedModel
 from specloop.samplers import SamplingParams
 
 from ._certify_checks import (FAIL, INCONCLUSIVE, PASS, SKIPPED, CheckResult,
@@ -50,7 +51,7 @@ DEFAULTS = CertifyOptions()
 
 def parse_params(text: str) -> SamplingParams:
     """"temperature=0.7,top_p=0.9" -> SamplingParams (validated by its own checks)."""
-    fields = {}
+    fields: dict[str, Any] = {}     # SamplingParams checks each value
     for item in filter(None, (part.strip() for part in text.split(","))):
         name, sep, value = item.partition("=")
         if not sep or name.strip() not in ("temperature", "top_k", "top_p", "min_p"):
@@ -74,9 +75,11 @@ def seeded(params: SamplingParams, seed: int, max_tokens: int) -> SamplingParams
     return attrs.evolve(params, seed=seed, max_tokens=max_tokens, ignore_eos=True)
 
 
-async def run_distribution(config, loaded, opts: CertifyOptions) -> CheckResult:
+async def run_distribution(config: EngineConfig, loaded: LoadedModel, opts: CertifyOptions
+                           ) -> CheckResult:
     vocab = loaded.args.vocab_size
-    groups, jobs = [], []
+    groups: list[dict[str, Any]] = []
+    jobs: list[Job] = []
     for pi, prompt in enumerate(prompts(vocab, (1, 6), seed=1)):
         for text in opts.params:
             params = parse_params(text)
@@ -102,7 +105,7 @@ async def run_distribution(config, loaded, opts: CertifyOptions) -> CheckResult:
     return distribution_check(groups)
 
 
-def load_target(config: EngineConfig):
+def load_target(config: EngineConfig) -> LoadedModel:
     """The target once, shared by every engine certify builds and its reference forwards."""
     from specloop.models import load_model  # noqa: PLC0415
 
@@ -113,7 +116,8 @@ def load_target(config: EngineConfig):
                       device=torch.device(device))
 
 
-async def certify(config: EngineConfig, opts: CertifyOptions, *, model=None) -> dict:
+async def certify(config: EngineConfig, opts: CertifyOptions, *,
+                  model: LoadedModel | None = None) -> dict[str, Any]:
     """The whole certificate as a JSON-able dict; ``verdict`` is its worst check."""
     start = time.perf_counter()
     loaded = model or load_target(config)
@@ -134,7 +138,7 @@ async def certify(config: EngineConfig, opts: CertifyOptions, *, model=None) -> 
             "checks": [c.as_dict() for c in checks]}
 
 
-def render(report: dict) -> str:
+def render(report: dict[str, Any]) -> str:
     spec = report["config"]["speculative"]
     lines = [f"specloop certificate: {report['verdict'].upper()}  "
              f"(method {spec['method']}, K {spec['num_draft_tokens']}, verification "
@@ -168,7 +172,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", metavar="FILE", help="write the full report here")
 
 
-def options_from_args(args, config: EngineConfig) -> CertifyOptions:
+def options_from_args(args: argparse.Namespace, config: EngineConfig) -> CertifyOptions:
     from ._cli_common import UsageError  # noqa: PLC0415
 
     world = config.parallel.world_size
@@ -192,7 +196,7 @@ def options_from_args(args, config: EngineConfig) -> CertifyOptions:
                           params=params, control_ratio=args.control_ratio, checks=checks)
 
 
-def run(args, *, model=None) -> int:
+def run(args: argparse.Namespace, *, model: LoadedModel | None = None) -> int:
     """Exit code: 0 every check that ran passed, 1 a check failed, 3 inconclusive or
     nothing tested (the CLI's usage and config errors are 2)."""
     from ._cli_common import load_config  # noqa: PLC0415
@@ -209,7 +213,7 @@ def run(args, *, model=None) -> int:
     return EXIT[report["verdict"]]
 
 
-def main(argv: list[str] | None = None, *, model=None) -> int:
+def main(argv: list[str] | None = None, *, model: LoadedModel | None = None) -> int:
     """``specloop certify ...`` without the CLI's dispatch (tests pass a loaded model)."""
     from ._cli_common import OneLineParser, report_failure  # noqa: PLC0415
 

@@ -13,6 +13,8 @@ from typing import Any, Sequence
 import attrs
 import torch
 
+from specloop.models import LoadedModel
+from specloop.models._grad import inference_mode
 from specloop.samplers import SamplingBatch, SamplingParams, compute_probs
 from specloop.samplers._stats import Chi2Result, chi2_counts
 
@@ -26,7 +28,7 @@ class CheckResult:
     summary: str
     details: Any = None
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return {"name": self.name, "status": self.status, "summary": self.summary,
                 "details": self.details}
 
@@ -40,8 +42,8 @@ def worst(statuses: Sequence[str]) -> str:
 
 
 # Distribution ---------------------------------------------------------------------------
-@torch.inference_mode()
-def expected_counts(loaded, prompt: Sequence[int], samples: torch.Tensor,
+@inference_mode
+def expected_counts(loaded: LoadedModel, prompt: Sequence[int], samples: torch.Tensor,
                     params: SamplingParams, *, chunk: int = 64) -> torch.Tensor:
     """f64 [P, V]: sum over samples [N, P] of the target's p(. | prompt, sample[:j]) at each
     generated position j, with ``params`` applied (temperature, top-k/p, min-p)."""
@@ -70,8 +72,8 @@ def position_verdict(result: Chi2Result, control: Chi2Result) -> str:
     return PASS if not control.passed else INCONCLUSIVE
 
 
-def distribution_rows(loaded, prompt, params: SamplingParams, samples: torch.Tensor,
-                      control_ratio: float) -> list[dict]:
+def distribution_rows(loaded: LoadedModel, prompt: Sequence[int], params: SamplingParams,
+                      samples: torch.Tensor, control_ratio: float) -> list[dict[str, Any]]:
     """One row per generated position: statistic, df, threshold, verdict, and the control."""
     wrong = attrs.evolve(params, temperature=params.temperature * control_ratio)
     exact = expected_counts(loaded, prompt, samples, params)
@@ -86,7 +88,7 @@ def distribution_rows(loaded, prompt, params: SamplingParams, samples: torch.Ten
     return rows
 
 
-def distribution_check(groups: list[dict]) -> CheckResult:
+def distribution_check(groups: list[dict[str, Any]]) -> CheckResult:
     """groups: {"prompt", "params", "rows"} per (prompt, params) tested."""
     if not groups:
         return CheckResult("distribution", SKIPPED,
@@ -103,10 +105,11 @@ def distribution_check(groups: list[dict]) -> CheckResult:
 
 
 # Greedy and invariance --------------------------------------------------------------------
-def compare_outputs(name: str, reference: Sequence, observed: Sequence, labels: Sequence[str],
-                    what: str) -> CheckResult:
+def compare_outputs(name: str, reference: Sequence[Sequence[int]],
+                    observed: Sequence[Sequence[int]], labels: Sequence[str], what: str
+                    ) -> CheckResult:
     """Token-for-token equality of each job's output with the reference."""
-    mismatches = [{"job": label, "expected": list(a), "got": list(b)}
+    mismatches: list[dict[str, Any]] = [{"job": label, "expected": list(a), "got": list(b)}
                   for label, a, b in zip(labels, reference, observed) if tuple(a) != tuple(b)]
     status = FAIL if mismatches else PASS
     summary = (f"{len(reference) - len(mismatches)}/{len(reference)} {what} identical"

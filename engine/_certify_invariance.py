@@ -10,19 +10,31 @@ in-process ranks) and ``graph_replay`` (captured graphs vs eager, where CUDA is 
 
 from __future__ import annotations
 
+from functools import partial
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Iterable, Sequence
+
 import attrs
 import torch
 
+from specloop.models import LoadedModel
 from specloop.samplers import SamplingParams
 
 from ._certify_checks import (FAIL, PASS, CheckResult, compare_outputs, skipped)
 from ._certify_run import Job, evolve, generate, generate_all, generate_each, on_engine, \
     with_ranks
+from ._config import EngineConfig
+from ._engine import AsyncEngine
+
+if TYPE_CHECKING:
+    from ._certify import CertifyOptions
+
+Output = tuple[int, ...]          # a job's generated tokens
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def make_jobs(params_list, prompt_set, seed_base: int, max_tokens: int) -> list[Job]:
+def make_jobs(params_list: Iterable[SamplingParams], prompt_set: Sequence[tuple[int, ...]],
+              seed_base: int, max_tokens: int) -> list[Job]:
     jobs = []
     for k, params in enumerate(list(params_list) + [GREEDY]):
         for i, prompt in enumerate(prompt_set):
@@ -38,7 +50,7 @@ def label(job: Job) -> str:
     return f"prompt len {len(job.prompt)} {list(job.prompt)[:4]} {kind}"
 
 
-def no_speculation(config):
+def no_speculation(config: EngineConfig) -> EngineConfig:
     data = config.to_dict()
     data["speculative"] = {**data["speculative"], "method": "none",
                            "use_rejection_sampling": False}
@@ -47,54 +59,59 @@ def no_speculation(config):
 
 
 class Scenarios:
-    def __init__(self, config, loaded, opts, probes, fillers) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, opts: CertifyOptions,
+                 probes: list[Job], fillers: list[Job]) -> None:
         self.config, self.loaded, self.opts = config, loaded, opts
         self.probes, self.fillers = probes, fillers
         self.base = with_ranks(config, opts.ranks[0])
 
-    def run(self, config, fn):
+    def run(self, config: EngineConfig, fn: Callable[[AsyncEngine], Awaitable[Any]]
+            ) -> Awaitable[Any]:
         return on_engine(config, self.loaded, fn, timeout=self.opts.timeout_s)
 
-    def width(self, config) -> int:
+    def width(self, config: EngineConfig) -> int:
         return config.scheduler.max_batch_size * config.parallel.world_size
 
-    async def alone(self, config=None):
+    async def alone(self, config: EngineConfig | None = None) -> list[Output]:
         config = config or self.base
-        return [(await self.run(config, lambda e, j=job: generate(e, j))) for job in self.probes]
+        return [(await self.run(config, partial(generate, job=job))) for job in self.probes]
 
-    async def batched(self, config=None):
+    async def batched(self, config: EngineConfig | None = None) -> list[Output]:
         config = config or self.base
         jobs = self.probes + self.fillers
-        out = await self.run(config, lambda e: generate_all(e, jobs,
+        out: list[Output] = await self.run(config, lambda e: generate_all(e, jobs,
                                                             concurrency=self.width(config)))
         return out[:len(self.probes)]
 
-    async def reuse(self):
+    async def reuse(self) -> list[Output]:
         jobs = [j for probe, filler in zip(self.probes, self._cycle()) for j in (filler, probe)]
-        out = await self.run(self.base, lambda e: generate_each(e, jobs))
+        out: list[Output] = await self.run(self.base, lambda e: generate_each(e, jobs))
         return out[1::2]
 
-    async def warm_up(self):
+    async def warm_up(self) -> list[Output]:
         greedy = [j for j in self.fillers if j.params.is_greedy]
 
-        async def fn(engine):
+        async def fn(engine: AsyncEngine) -> list[Output]:
             await generate_all(engine, greedy, concurrency=len(greedy))
             return await generate_all(engine, self.probes, concurrency=self.width(self.base))
 
-        return await self.run(self.base, fn)
+        out: list[Output] = await self.run(self.base, fn)
+        return out
 
-    def _cycle(self):
+    def _cycle(self) -> list[Job]:
         return [self.fillers[i % len(self.fillers)] for i in range(len(self.probes))]
 
 
-def graphs_available(config) -> bool:
+def graphs_available(config: EngineConfig) -> bool:
     """A graph cache is configured and can run here (any cache but eager; "cuda" needs a
     GPU): then the whole certificate runs on it and graph_replay compares with eager."""
     cache = config.components.graph_cache
     return cache != "eager" and (cache != "cuda" or torch.cuda.is_available())
 
 
-async def run_invariance(config, loaded, opts, params_list, prompt_fn) -> list[CheckResult]:
+async def run_invariance(config: EngineConfig, loaded: LoadedModel, opts: CertifyOptions,
+                         params_list: Sequence[SamplingParams],
+                         prompt_fn: Callable[..., list[tuple[int, ...]]]) -> list[CheckResult]:
     vocab = loaded.args.vocab_size
     probes = make_jobs(params_list, prompt_fn(vocab, (1, 1, 2, 5, 11), seed=2), 17,
                        opts.probe_tokens)
@@ -128,7 +145,8 @@ async def run_invariance(config, loaded, opts, params_list, prompt_fn) -> list[C
     return checks
 
 
-def one_token_check(probes, alone, outputs, labels) -> CheckResult:
+def one_token_check(probes: list[Job], alone: list[Output], outputs: dict[str, list[Output]],
+                    labels: list[str]) -> CheckResult:
     """The 1-token probes across every scenario (issue 14's mtp_eagle bug lived here)."""
     rows = [i for i, job in enumerate(probes) if len(job.prompt) == 1]
     mismatches = [f"{name}: {labels[i]}" for name, out in outputs.items() for i in rows
@@ -140,7 +158,8 @@ def one_token_check(probes, alone, outputs, labels) -> CheckResult:
                        summary, {"mismatches": mismatches})
 
 
-async def greedy_check(sc: Scenarios, probes, labels, outputs) -> CheckResult:
+async def greedy_check(sc: Scenarios, probes: list[Job], labels: list[str],
+                       outputs: dict[str, list[Output]]) -> CheckResult:
     rows = [i for i, job in enumerate(probes) if job.params.is_greedy]
     ref_config = no_speculation(sc.base)
     greedy_jobs = [probes[i] for i in rows]

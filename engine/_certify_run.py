@@ -43,7 +43,8 @@ def evolve(config: EngineConfig, section: str, **fields: Any) -> EngineConfig:
     return EngineConfig.from_dict(data)
 
 
-async def on_engine(config: EngineConfig, model: LoadedModel | None, fn: Callable[[AsyncEngine], Awaitable[Any]],
+async def on_engine(config: EngineConfig, model: LoadedModel | None,
+                    fn: Callable[[AsyncEngine], Awaitable[Any]],
                     *, timeout: float = 60.0) -> Any:
     """``fn(engine)`` on rank 0 of a fresh engine (group) built from ``config``."""
     world = config.parallel.world_size
