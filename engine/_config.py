@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import attrs
 import cattrs
@@ -18,29 +18,32 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from ._components import check_component_name, check_method, component_registry
 from ._errors import ConfigError
 
+# An attrs validator: (instance, attribute, value) -> None, raising ConfigError.
+Validator = Callable[[object, attrs.Attribute[Any], object], None]
+
 MAX_DRAFT_TOKENS = 16
 DTYPES = ("float32", "bfloat16", "float16", "float64")
 VERIFICATIONS = ("token", "block")
 
 
-def _in(section: str, choices: tuple[str, ...]):
-    def check(instance, attribute, value):
+def _in(section: str, choices: tuple[str, ...]) -> Validator:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if value not in choices:
             raise ConfigError(f"{section}.{attribute.name}", value, "not a known value",
                               f"use one of: {', '.join(choices)}")
     return check
 
 
-def _at_least(section: str, low: int):
-    def check(instance, attribute, value):
+def _at_least(section: str, low: int) -> Validator:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) or value < low:
             raise ConfigError(f"{section}.{attribute.name}", value,
                               f"must be an integer >= {low}")
     return check
 
 
-def _positive_float(section: str):
-    def check(instance, attribute, value):
+def _positive_float(section: str) -> Validator:
+    def check(instance: object, attribute: attrs.Attribute[Any], value: object) -> None:
         if not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
             raise ConfigError(f"{section}.{attribute.name}", value,
                               "must be a finite number > 0")
@@ -61,7 +64,7 @@ class ModelConfig:
     chat_template: bool = True
 
     @device.validator
-    def _check_device(self, attribute, value):
+    def _check_device(self, attribute: attrs.Attribute[Any], value: str) -> None:
         kind = value.split(":", 1)[0]
         if kind not in ("cpu", "cuda", "auto"):
             raise ConfigError("model.device", value, "not a device",
@@ -80,7 +83,7 @@ class SchedulerConfig:
     seed: int | None = attrs.field(default=None)
 
     @seed.validator
-    def _check_seed(self, attribute, value):
+    def _check_seed(self, attribute: attrs.Attribute[Any], value: int | None) -> None:
         if value is not None and not 0 <= value < 2**63:
             raise ConfigError("scheduler.seed", value, "must be in [0, 2**63)",
                               "or leave it unset for random seeds")
@@ -114,11 +117,11 @@ class SpeculativeConfig:
     adaptive_k: tuple[int, ...] | None = attrs.field(default=None)
 
     @method.validator
-    def _check_method(self, attribute, value):
+    def _check_method(self, attribute: attrs.Attribute[Any], value: str) -> None:
         check_method(value)
 
     @num_draft_tokens.validator
-    def _check_k(self, attribute, value):
+    def _check_k(self, attribute: attrs.Attribute[Any], value: object) -> None:
         if isinstance(value, bool) or not isinstance(value, int) \
                 or not 1 <= value <= MAX_DRAFT_TOKENS:
             raise ConfigError("speculative.num_draft_tokens", value,
@@ -126,7 +129,8 @@ class SpeculativeConfig:
                               "set method = 'none' to turn speculation off")
 
     @adaptive_k.validator
-    def _check_adaptive_k(self, attribute, value):
+    def _check_adaptive_k(self, attribute: attrs.Attribute[Any], value: tuple[int, ...] | None
+                          ) -> None:
         if value is None:
             return
         if not value or any(isinstance(k, bool) or not isinstance(k, int) or k < 0
@@ -171,7 +175,7 @@ class ParallelConfig:
                                               validator=_positive_float("parallel"))
 
 
-def _buckets(instance, attribute, value):
+def _buckets(instance: object, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:
     if not value or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in value):
         raise ConfigError("graphs.batch_buckets", list(value),
                           "must be a non-empty list of integers >= 1")
@@ -230,7 +234,8 @@ class EngineConfig:
         return structure_config(data)
 
     def to_dict(self) -> dict[str, Any]:
-        return _converter().unstructure(self)
+        data: dict[str, Any] = _converter().unstructure(self)
+        return data
 
 
 def check_gates(config: EngineConfig) -> None:
@@ -291,7 +296,7 @@ class _WrongType(TypeError):
         super().__init__(f"expected {expected}, got {type(value).__name__}")
 
 
-def _strict(kind: type, expected: str):
+def _strict(kind: type, expected: str) -> Callable[[Any, Any], Any]:
     # No silent coercion: "false" must not become True, 2.7 must not become 2.
     def structure(value: Any, _type: Any) -> Any:
         ok = isinstance(value, kind) and not (kind is not bool and isinstance(value, bool))
