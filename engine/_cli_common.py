@@ -8,6 +8,7 @@ import sys
 import traceback
 from importlib.resources import files
 from pathlib import Path
+from typing import NoReturn
 
 import structlog
 
@@ -35,7 +36,7 @@ USAGE_ERRORS = (UsageError, ConfigError, RequestError, SamplingParamsError)
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but a usage error is one line (``--help`` still shows the usage)."""
 
-    def error(self, message: str):
+    def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
@@ -97,11 +98,13 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
                    "early_exit (an untrained exit)")
 
 
-def load_config(args) -> EngineConfig:
+def load_config(args: argparse.Namespace) -> EngineConfig:
     """The config file (or the embedded default) with the command-line overrides applied,
     checked before any model is loaded."""
     if args.config is None:
-        config = EngineConfig.from_toml(files("specloop.engine") / "defaults" / DEFAULT_CONFIG)
+        # A regular package's resources are files on disk (a Path, as str).
+        default = files("specloop.engine") / "defaults" / DEFAULT_CONFIG
+        config = EngineConfig.from_toml(str(default))
     else:
         config = EngineConfig.from_toml(args.config)
     data = config.to_dict()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from types import ModuleType
 from importlib.metadata import PackageNotFoundError, version
 
 from ._cli_common import (EXIT_INTERRUPTED, LOG_LEVELS, OneLineParser, configure_logging,
@@ -33,7 +34,7 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
-def _common_options() -> argparse.ArgumentParser:
+def _common_options() -> OneLineParser:
     common = OneLineParser(add_help=False)
     common.add_argument("--log-level", choices=LOG_LEVELS, default="warning",
                         help="debug shows every iteration_state event and full tracebacks")
@@ -56,7 +57,7 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def _command_module(name: str, module_name: str):
+def _command_module(name: str, module_name: str) -> ModuleType | _Unavailable:
     """The module, or a stand-in that explains what is missing (e.g. an optional extra)."""
     try:
         return importlib.import_module(module_name)
@@ -72,7 +73,7 @@ class _Unavailable:
     def add_arguments(self, parser: argparse.ArgumentParser) -> None:
         parser.add_argument("rest", nargs=argparse.REMAINDER)
 
-    def run(self, args) -> int:
+    def run(self, args: argparse.Namespace) -> int:
         from ._cli_common import UsageError  # noqa: PLC0415
         raise UsageError(f"`specloop {self._name}` cannot load: {self._exc}; install the "
                          "extra it needs (e.g. pip install 'specloop[serve]')")
