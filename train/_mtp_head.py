@@ -119,7 +119,8 @@ class TrainableMtpHead(nn.Module):
         p + 2 + j)."""
         return [F.linear(h, self.draft_lm) for h in self.unroll_hidden(tokens, hidden, steps)]
 
-    def unroll_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int):
+    def unroll_hidden(self, tokens: torch.Tensor, hidden: torch.Tensor, steps: int
+                      ) -> list[torch.Tensor]:
         """As ``unroll``, but the head's output hidden states [B, T-1, H] per step (the
         draft LM head not applied: the trainer applies it to the labelled rows only)."""
         eps = self.args.rms_norm_eps

@@ -15,7 +15,7 @@ import random
 import re
 import subprocess
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Callable, Iterable, Iterator, Sequence
 
 import attrs
 
@@ -99,7 +99,7 @@ def _glosses(pos: str) -> dict[int, str]:
 
 
 def wordnet_prompts(rng: random.Random, min_tagged_nouns: int = 2,
-                    noun_forms=tuple(NOUN_FORMS)) -> list[Prompt]:
+                    noun_forms: Sequence[tuple[str, str]] = tuple(NOUN_FORMS)) -> list[Prompt]:
     prompts = []
     glosses = _glosses("noun")
     for lemma, offset in _wordnet_index("noun", min_tagged_nouns):
@@ -191,8 +191,8 @@ def fortune_prompts(rng: random.Random) -> list[Prompt]:
     return prompts
 
 
-def _train_prompts(rng: random.Random, num_train: int, nouns: int, noun_forms
-                   ) -> list[Prompt]:
+def _train_prompts(rng: random.Random, num_train: int, nouns: int,
+                   noun_forms: Sequence[tuple[str, str]]) -> list[Prompt]:
     builders: list[Callable[[], list[Prompt]]] = [
         lambda: wordnet_prompts(rng, nouns, noun_forms), lambda: docstring_prompts(rng),
         lambda: debian_prompts(rng, max(num_train // 3, 1))]
