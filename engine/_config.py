@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import tomllib
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import attrs
 import cattrs
@@ -18,8 +18,9 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError
 from ._components import check_component_name, check_method, component_registry
 from ._errors import ConfigError
 
-# An attrs validator: (instance, attribute, value) -> None, raising ConfigError.
-Validator = Callable[[object, attrs.Attribute[Any], object], None]
+if TYPE_CHECKING:
+    # An attrs validator: (instance, attribute, value) -> None, raising ConfigError.
+    Validator = Callable[[object, attrs.Attribute[Any], object], None]
 
 MAX_DRAFT_TOKENS = 16
 DTYPES = ("float32", "bfloat16", "float16", "float64")
