@@ -197,7 +197,7 @@ class SamplingBatch:
         )
 
 
-def _column(values: list, dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def _column(values: list[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
     """A column on ``device``; to a GPU from pinned memory without waiting (a copy from
     pageable memory may wait for the work already queued, e.g. the engine's step queued
     ahead, issue 12; torch's caching host allocator keeps the pinned buffer until the
