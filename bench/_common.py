@@ -1,10 +1,15 @@
-"""Shared bench helpers: quiet logging, timing, and a memory-copy bandwidth probe."""
+"""Shared bench helpers: quiet logging, timing, a memory-copy bandwidth probe, and the set-up
+the SmolLM2 engine benches share (model, held-out chat prompts, engine config, timed rounds)."""
 
 from __future__ import annotations
 
+import json
 import logging
+import os
+import statistics
 import time
 
+import anyio
 import structlog
 import torch
 
@@ -28,3 +33,118 @@ def copy_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
 
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+# --- SmolLM2 engine benches (bench_heads_gpu, bench_adaptive_gpu, profile_spec_gpu/_cpu,
+# bench_drafters_speed): one copy of the set-up they share.
+
+MODEL = "smollm2-135m-instruct"
+PROMPT = "Tell me about llamas."
+
+
+def load_smol(device: str):
+    """SmolLM2 on ``device``: bf16 on CUDA, fp32 elsewhere (the CPU smoke modes)."""
+    from specloop.models import load_model  # noqa: PLC0415
+    return load_model(MODEL, device=device,
+                      dtype=torch.bfloat16 if device == "cuda" else torch.float32)
+
+
+def cpu_smol(threads: int):
+    """Torch threads set (0: torch's default) and printed with the load average; SmolLM2
+    fp32 on the CPU -> (loaded, chat-template ids of PROMPT)."""
+    from specloop.models import load_model  # noqa: PLC0415
+    if threads:
+        torch.set_num_threads(threads)
+    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()}")
+    loaded = load_model(MODEL, dtype=torch.float32)
+    return loaded, loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+
+
+def held_out_texts(prompts_path: str) -> list[str]:
+    """The texts of a prompts.jsonl's eval split."""
+    with open(prompts_path) as f:
+        rows = [json.loads(line) for line in f]
+    return [r["text"] for r in rows if r["split"] == "eval"]
+
+
+def chat_prompts(tokenizer, texts, batch: int, cycle: bool = False) -> list[list[int]]:
+    """The first ``batch`` texts as chat-template ids (at most 400 each). With ``cycle`` the
+    texts repeat to fill the batch; without, fewer texts give a smaller batch."""
+    pool = texts * (batch // max(len(texts), 1) + 1) if cycle else texts
+    return [tokenizer.encode_chat([{"role": "user", "content": t}])[:400] for t in pool[:batch]]
+
+
+def engine_config(spec: dict, batch: int, device: str):
+    """One engine per (speculative config, batch): CUDA graphs with one bucket on CUDA,
+    eager elsewhere; the prompts are already chat-templated."""
+    from specloop.engine import EngineConfig  # noqa: PLC0415
+    cuda = device == "cuda"
+    return EngineConfig.from_dict({
+        "model": {"name": MODEL, "device": device,
+                  "dtype": "bfloat16" if cuda else "float32",
+                  "max_seq_len": 1024, "chat_template": False},
+        "scheduler": {"max_batch_size": batch}, "speculative": spec,
+        "components": {"graph_cache": "cuda" if cuda else "eager"},
+        "graphs": {"batch_buckets": [batch]}})
+
+
+def device_sync(device: str):
+    return torch.cuda.synchronize if device == "cuda" else (lambda: None)
+
+
+async def generate_round(engine, prompts, n: int) -> None:
+    """Every prompt at once: greedy, ``n`` tokens each, EOS ignored."""
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+
+    async def one(ids):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        async for _ in engine.generate(ids, params):
+            pass
+
+    async with anyio.create_task_group() as tg:
+        for ids in prompts:
+            tg.start_soon(one, ids)
+
+
+async def timed_round(engine, prompts, n: int, sync) -> float:
+    """Wall seconds of one generate_round, the device synchronized on both sides."""
+    sync()
+    start = time.perf_counter()
+    await generate_round(engine, prompts, n)
+    sync()
+    return time.perf_counter() - start
+
+
+def emit_row(row: dict, out_path: str) -> None:
+    """Print a result row and append it to ``out_path`` (JSON lines)."""
+    print(json.dumps(row), flush=True)
+    with open(out_path, "a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def add_round_args(ap, batches: str = "1,32") -> None:
+    """The options of the benches that time rounds over held-out prompts, one engine a config."""
+    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--batches", default=batches)
+
+
+def speed_row(batch: int, name: str, rates, base: float, al, tokens: int, device: str,
+              **extra) -> dict:
+    """One (batch, config) row: tokens/s per round, the median and its ratio to ``base``."""
+    med = statistics.median(rates)
+    return {"batch": batch, "config": name, "tok_s": [round(r, 1) for r in rates],
+            "median": round(med, 1), "vs_none": round(med / base, 3),
+            "al": round(al, 3) if al else None, "tokens": tokens, **extra,
+            "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+
+
+def held_out_batches(args, cycle: bool = False):
+    """SmolLM2 on ``args.device``, then for each size in ``args.batches``:
+    (loaded, batch, that many held-out chat prompts from ``args.prompts``)."""
+    loaded = load_smol(args.device)
+    texts = held_out_texts(args.prompts)
+    for batch in [int(b) for b in args.batches.split(",")]:
+        yield loaded, batch, chat_prompts(loaded.tokenizer, texts, batch, cycle)

@@ -23,7 +23,8 @@ import time
 import anyio
 import torch
 
-from _common import quiet_logs
+from _common import (device_sync, emit_row, engine_config, generate_round, held_out_batches,
+                     quiet_logs, timed_round)
 
 HEAD = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
 CONFIGS = {"none": {"method": "none"},
@@ -33,47 +34,21 @@ CONFIGS = {"none": {"method": "none"},
            "adaptive<=5": {**HEAD, "num_draft_tokens": 5, "adaptive": True}}
 
 
-def engine_config(spec, batch, device):
-    from specloop.engine import EngineConfig
-    return EngineConfig.from_dict({
-        "model": {"name": "smollm2-135m-instruct", "device": device,
-                  "dtype": "bfloat16" if device == "cuda" else "float32",
-                  "max_seq_len": 1024, "chat_template": False},
-        "scheduler": {"max_batch_size": batch}, "speculative": spec,
-        "components": {"graph_cache": "cuda" if device == "cuda" else "eager"},
-        "graphs": {"batch_buckets": [batch]}})
-
-
 async def measure_batch(names, loaded, prompts, tokens, runs, device):
     from specloop.engine import AsyncEngine
-    from specloop.samplers import SamplingParams
-    batch = len(prompts)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    batch, sync = len(prompts), device_sync(device)
     rates = {name: [] for name in names}
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name in names:
             engines[name] = await stack.enter_async_context(
                 AsyncEngine(engine_config(CONFIGS[name], batch, device), model=loaded))
-
-        async def round_(engine, n):
-            async def one(ids):
-                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                async for _ in engine.generate(ids, params):
-                    pass
-            async with anyio.create_task_group() as tg:
-                for ids in prompts:
-                    tg.start_soon(one, ids)
-
         for engine in engines.values():
-            await round_(engine, 16)
+            await generate_round(engine, prompts, 16)
         for _ in range(runs):
             for name, engine in engines.items():
-                sync()
-                start = time.perf_counter()
-                await round_(engine, tokens)
-                sync()
-                rates[name].append(batch * tokens / (time.perf_counter() - start))
+                rates[name].append(batch * tokens / await timed_round(engine, prompts, tokens,
+                                                                      sync))
         extra = {}
         for name, engine in engines.items():
             stats, adaptive = engine.stats, engine.worker.adaptive
@@ -90,29 +65,20 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device):
 
 def run(args) -> None:
     quiet_logs()
-    from specloop.models import load_model
     cuda = args.device == "cuda"
-    loaded = load_model("smollm2-135m-instruct", device=args.device,
-                        dtype=torch.bfloat16 if cuda else torch.float32)
-    texts = [json.loads(x)["text"] for x in open(args.prompts)
-             if json.loads(x)["split"] == "eval"]
     names = args.configs.split(",")
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}])[:400]
-                   for t in (texts * (batch // len(texts) + 1))[:batch]]
+    for loaded, batch, prompts in held_out_batches(args, cycle=True):
         start = time.perf_counter()
         rates, extra = anyio.run(measure_batch, names, loaded, prompts, args.tokens,
                                  args.runs, args.device)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         for name in names:
-            row = {"batch": batch, "config": name, "tok_s": [round(r, 1) for r in rates[name]],
-                   "median": round(medians[name], 1),
-                   "vs_none": round(medians[name] / medians.get("none", medians[name]), 3),
-                   **extra[name], "tokens": args.tokens, "runs": args.runs,
-                   "device": torch.cuda.get_device_name() if cuda else "cpu"}
-            print(json.dumps(row), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            emit_row({"batch": batch, "config": name,
+                      "tok_s": [round(r, 1) for r in rates[name]],
+                      "median": round(medians[name], 1),
+                      "vs_none": round(medians[name] / medians.get("none", medians[name]), 3),
+                      **extra[name], "tokens": args.tokens, "runs": args.runs,
+                      "device": torch.cuda.get_device_name() if cuda else "cpu"}, args.out)
         for name in names:
             if name.startswith("adaptive"):
                 others = [m for n, m in medians.items() if not n.startswith("adaptive")]

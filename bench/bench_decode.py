@@ -75,11 +75,13 @@ async def specloop_tps(config, loaded, prompts_ids, n):
     return total / elapsed, [outs[i] for i in range(len(prompts_ids))], al
 
 
-def make_config(method, dtype, k=4, batch=8, early_exit_layers=None):
+def make_config(method, dtype, k=4, batch=8, early_exit_layers=None, draft_weights=None):
     from specloop.engine import EngineConfig
     spec = {"method": method, "num_draft_tokens": k}
     if early_exit_layers:
         spec["early_exit_layers"] = early_exit_layers
+    if draft_weights:
+        spec["draft_weights"] = draft_weights
     return EngineConfig.from_dict({
         "model": {"name": "smollm2-135m-instruct", "dtype": dtype, "max_seq_len": 1024},
         "scheduler": {"max_batch_size": batch}, "speculative": spec})

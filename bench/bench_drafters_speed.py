@@ -19,10 +19,8 @@ import time
 import anyio
 import torch
 
-from _common import quiet_logs
+from _common import cpu_smol, quiet_logs
 from bench_decode import make_config
-
-PROMPT = "Tell me about llamas."
 
 
 def timed(fn):
@@ -72,24 +70,17 @@ def main() -> None:
                     help="torch intra-op threads for every configuration (0: torch's default)")
     args = ap.parse_args()
     quiet_logs()
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()}")
-    from specloop.engine import EngineConfig  # noqa: PLC0415
-    from specloop.models import load_model  # noqa: PLC0415
+    loaded, ids = cpu_smol(args.threads)
     from specloop.models.drafters._heads import heads_dir, shipped_heads  # noqa: PLC0415
 
-    loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
     configs = {"none": make_config("none", "float32", batch=1),
                "ngram K=4": make_config("ngram", "float32", k=4, batch=1)}
     for head in shipped_heads():
         method = json.loads((heads_dir() / f"{head}.json").read_text()).get("method",
                                                                              "mtp_eagle")
         for k in map(int, args.ks.split(",")):
-            data = make_config(method, "float32", k=k, batch=1).to_dict()
-            data["speculative"]["draft_weights"] = head
-            configs[f"{head} K={k}"] = EngineConfig.from_dict(data)
+            configs[f"{head} K={k}"] = make_config(method, "float32", k=k, batch=1,
+                                                   draft_weights=head)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()

@@ -22,10 +22,9 @@ import time
 import anyio
 import torch
 
-from _common import quiet_logs
+from _common import cpu_smol, quiet_logs
 from bench_decode import make_config
 
-PROMPT = "Tell me about llamas."
 HEAD = "smollm2-135m-instruct-eagle3"
 
 
@@ -142,21 +141,13 @@ def main() -> None:
                     help="also run each configuration with PackedLinear off (F.linear only)")
     args = ap.parse_args()
     quiet_logs()
-    from specloop.engine import EngineConfig  # noqa: PLC0415
-    from specloop.models import load_model  # noqa: PLC0415
-
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    print(f"torch threads {torch.get_num_threads()}, load average {os.getloadavg()}")
-    loaded = load_model("smollm2-135m-instruct", dtype=torch.float32)
-    ids = loaded.tokenizer.encode_chat([{"role": "user", "content": PROMPT}])
+    loaded, ids = cpu_smol(args.threads)
     if not args.skip_ops:
         for name, ms in op_times(loaded, ids, args.k, args.reps).items():
             print(f"{name:42s} {ms:8.2f} ms")
-    data = make_config("eagle3", "float32", k=args.k, batch=1).to_dict()
-    data["speculative"]["draft_weights"] = HEAD
     configs = {"none": make_config("none", "float32", batch=1),
-               f"eagle3 K={args.k}": EngineConfig.from_dict(data)}
+               f"eagle3 K={args.k}": make_config("eagle3", "float32", k=args.k, batch=1,
+                                                 draft_weights=HEAD)}
     import specloop.models._linear as linear  # noqa: PLC0415
 
     available = linear.packing_available

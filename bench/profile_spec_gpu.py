@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import argparse
 import collections
-import json
 import statistics
-import time
 
 import anyio
 import torch
 
-from _common import quiet_logs
+from _common import (add_round_args, device_sync, emit_row, engine_config, generate_round,
+                     held_out_batches, quiet_logs, speed_row, timed_round)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -54,40 +53,17 @@ def summarize_profile(prof, iterations):
 
 
 async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):
-    from specloop.engine import AsyncEngine, EngineConfig  # noqa: PLC0415
-    from specloop.samplers import SamplingParams  # noqa: PLC0415
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
 
-    batch, cuda = len(prompts), device == "cuda"
-    cfg = EngineConfig.from_dict({
-        "model": {"name": "smollm2-135m-instruct", "device": device,
-                  "dtype": "bfloat16" if cuda else "float32",
-                  "max_seq_len": 1024, "chat_template": False},
-        "scheduler": {"max_batch_size": batch}, "speculative": spec,
-        "components": {"graph_cache": "cuda" if cuda else "eager"},
-        "graphs": {"batch_buckets": [batch]}})
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
     obs = StateTimes()
-    async with AsyncEngine(cfg, model=loaded, observers=[obs]) as engine:
-        async def round_(n):
-            async def one(ids):
-                params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-                async for _ in engine.generate(ids, params):
-                    pass
-            async with anyio.create_task_group() as tg:
-                for ids in prompts:
-                    tg.start_soon(one, ids)
-
-        await round_(8)
-        rates, walls = [], []
+    async with AsyncEngine(engine_config(spec, batch, device), model=loaded,
+                           observers=[obs]) as engine:
+        await generate_round(engine, prompts, 8)
         obs.us.clear()
         obs.iterations = 0
-        for _ in range(runs):
-            sync()
-            start = time.perf_counter()
-            await round_(tokens)
-            sync()
-            walls.append(time.perf_counter() - start)
-            rates.append(batch * tokens / walls[-1])
+        walls = [await timed_round(engine, prompts, tokens, sync) for _ in range(runs)]
+        rates = [batch * tokens / wall for wall in walls]
         iters = max(obs.iterations, 1)
         states = {s: round(us / iters / 1e3, 3) for s, us in obs.us.items()}
         wall_ms = sum(walls) * 1e3 / iters
@@ -96,7 +72,7 @@ async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         with profile(activities=activities) as prof:
-            await round_(32)
+            await generate_round(engine, prompts, 32)
             sync()
         prof_summary = summarize_profile(prof, obs.iterations)
         if trace:
@@ -107,41 +83,22 @@ async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--tokens", type=int, default=128)
-    ap.add_argument("--runs", type=int, default=3)
-    ap.add_argument("--batches", default="1,32")
+    add_round_args(ap)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--trace-dir", default="", help="chrome traces of eagle3 K=3 here")
     args = ap.parse_args()
     quiet_logs()
-    from specloop.models import load_model  # noqa: PLC0415
-
-    cuda = args.device == "cuda"
-    loaded = load_model("smollm2-135m-instruct", device=args.device,
-                        dtype=torch.bfloat16 if cuda else torch.float32)
-    texts = [json.loads(x)["text"] for x in open(args.prompts)
-             if json.loads(x)["split"] == "eval"]
-    for batch in [int(b) for b in args.batches.split(",")]:
-        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}])[:400]
-                   for t in texts[:batch]]
+    for loaded, batch, prompts in held_out_batches(args):
         base = None
         for name in args.configs.split(","):
             trace = f"{args.trace_dir}/trace_b{batch}_{name.replace(' ', '').replace('=', '')}.json" \
                 if args.trace_dir and batch == 1 else ""
             rates, al, prof = anyio.run(measure, CONFIGS[name], loaded, prompts, args.tokens,
                                         args.runs, trace, args.device)
-            med = statistics.median(rates)
-            base = base or med
-            row = {"batch": batch, "config": name, "tok_s": [round(r, 1) for r in rates],
-                   "median": round(med, 1), "vs_none": round(med / base, 3),
-                   "al": round(al, 3) if al else None, "tokens": args.tokens, **prof,
-                   "device": torch.cuda.get_device_name() if cuda else "cpu"}
-            print(json.dumps(row), flush=True)
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
+            base = base or statistics.median(rates)
+            emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device, **prof),
+                     args.out)
 
 
 if __name__ == "__main__":
