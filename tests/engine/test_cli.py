@@ -149,6 +149,10 @@ def test_generate_json_greedy_matches_a_second_run(cli, tiny_dir, tmp_path):
     assert code == 0 and out.splitlines()[:2] == first.stdout.splitlines()[:2]
 
 
+def _sigint_default() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_prints_partial_text_and_summary_and_exits_130(tiny_dir, tmp_path):
     config = tmp_path / "long.toml"
     config.write_text(f'[model]\nname = "{tiny_dir}"\ndevice = "cpu"\nmax_seq_len = 60000\n'
@@ -156,7 +160,11 @@ def test_ctrl_c_prints_partial_text_and_summary_and_exits_130(tiny_dir, tmp_path
     proc = subprocess.Popen(
         [sys.executable, "-m", "specloop.engine.cli", "generate", "--config", str(config),
          "--prompt", "hello", "--max-tokens", "50000", "--ignore-eos"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
+        # As from a terminal: a suite started in the background (`make test &`, some CI
+        # runners) ignores SIGINT, the child would inherit that, and Python (rightly)
+        # leaves an ignored SIGINT ignored, so the Ctrl-C under test would never arrive.
+        preexec_fn=_sigint_default)
     try:
         first = proc.stdout.read(1)         # generation has started
         time.sleep(0.5)
@@ -164,6 +172,7 @@ def test_ctrl_c_prints_partial_text_and_summary_and_exits_130(tiny_dir, tmp_path
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
+        proc.wait()
         proc.wait()      # reaped here: its CPU counts here, and no ResourceWarning later
     out = first + out
     assert proc.returncode == 130, err
