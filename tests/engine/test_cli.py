@@ -172,7 +172,6 @@ def test_ctrl_c_prints_partial_text_and_summary_and_exits_130(tiny_dir, tmp_path
         out, err = proc.communicate(timeout=60)
     finally:
         proc.kill()
-        proc.wait()
         proc.wait()      # reaped here: its CPU counts here, and no ResourceWarning later
     out = first + out
     assert proc.returncode == 130, err
