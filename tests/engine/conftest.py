@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import anyio
 import pytest
 import torch
 
@@ -75,6 +76,21 @@ async def collect(engine: AsyncEngine, prompt, params, **kw) -> list[int]:
     async for out in engine.generate(prompt, params, **kw):
         tokens.extend(out.token_ids)
     return tokens
+
+
+async def serve_staggered(engine: AsyncEngine, reqs) -> list[list[int]]:
+    """Each (prompt, params, delay) submitted after its delay, all concurrently; the tokens
+    of each, in order."""
+    results: dict[int, list[int]] = {}
+
+    async def one(i, prompt, params, delay):
+        await anyio.sleep(delay)
+        results[i] = await collect(engine, prompt, params, request_id=f"r{i}")
+
+    async with anyio.create_task_group() as tg:
+        for i, (prompt, params, delay) in enumerate(reqs):
+            tg.start_soon(one, i, prompt, params, delay)
+    return [results[i] for i in range(len(reqs))]
 
 
 PROMPTS = [

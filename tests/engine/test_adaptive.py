@@ -14,7 +14,7 @@ from specloop.engine._states import IterationState
 from specloop.engine._errors import ConfigError
 from specloop.samplers import SamplingParams
 
-from .conftest import collect, make_config
+from .conftest import collect, make_config, serve_staggered
 from .test_engine import reference_greedy
 
 KS = (0, 1, 2, 3)
@@ -182,19 +182,6 @@ def staggered(n=10):
     return out
 
 
-async def serve(engine, reqs):
-    results = {}
-
-    async def one(i, prompt, params, delay):
-        await anyio.sleep(delay)
-        results[i] = await collect(engine, prompt, params, request_id=f"r{i}")
-
-    async with anyio.create_task_group() as tg:
-        for i, req in enumerate(reqs):
-            tg.start_soon(one, i, *req)
-    return [results[i] for i in range(len(reqs))]
-
-
 def check_greedy(loaded, reqs, outs):
     for (prompt, params, _), out in zip(reqs, outs):
         if params.is_greedy:
@@ -208,7 +195,7 @@ async def test_greedy_with_adaptive_k_equals_greedy_without(tiny_dir, tiny_loade
     klog = KLog()
     async with AsyncEngine(config, model=tiny_loaded, observers=[klog]) as engine:
         engine.worker.adaptive.cost = switching_cost()
-        outs = await serve(engine, reqs)
+        outs = await serve_staggered(engine, reqs)
         stats = engine.stats
     check_greedy(tiny_loaded, reqs, outs)
     ks = collections.Counter(k for _, k in klog.ks)
@@ -236,7 +223,7 @@ async def run_group(world, config, loaded, reqs, *, local_only=False, timeout=5.
                     columns[comm.rank:comm.rank + 1],
                     len(engine.worker.scheduler.running) or 1)
             if comm.rank == 0:
-                outs = await serve(engine, reqs)
+                outs = await serve_staggered(engine, reqs)
             else:
                 outs = None
                 await engine.wait_closed()

@@ -8,7 +8,7 @@ from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine, IterationRecord
 from specloop.samplers import SamplingParams, SpecMetadata
 
-from .conftest import collect, make_config
+from .conftest import make_config, serve_staggered
 from .test_engine import reference_greedy
 
 # One worker runs the module, so its memos below are computed once per run: the greedy
@@ -57,19 +57,6 @@ def workload(n=16):
     return out
 
 
-async def serve_staggered(engine, reqs):
-    results = {}
-
-    async def one(i, prompt, params, delay):
-        await anyio.sleep(delay)
-        results[i] = await collect(engine, prompt, params, request_id=f"r{i}")
-
-    async with anyio.create_task_group() as tg:
-        for i, (prompt, params, delay) in enumerate(reqs):
-            tg.start_soon(one, i, prompt, params, delay)
-    return [results[i] for i in range(len(reqs))], engine.stats.num_iterations
-
-
 async def run_group(world, config, loaded, reqs, *, disable_sync=False, timeout=5.0):
     group = LocalGroup(world, timeout=timeout)
 
@@ -78,7 +65,7 @@ async def run_group(world, config, loaded, reqs, *, disable_sync=False, timeout=
             if disable_sync:
                 engine.worker.group_sync = False   # test-only switch: proves the test bites
             if comm.rank == 0:
-                return await serve_staggered(engine, reqs)
+                return await serve_staggered(engine, reqs), engine.stats.num_iterations
             await engine.wait_closed()
 
     return await group.run(rank_main)
@@ -86,7 +73,7 @@ async def run_group(world, config, loaded, reqs, *, disable_sync=False, timeout=
 
 async def single_rank(config, loaded, reqs):
     async with AsyncEngine(config, model=loaded) as engine:
-        return await serve_staggered(engine, reqs)
+        return await serve_staggered(engine, reqs), engine.stats.num_iterations
 
 
 @pytest.mark.parametrize("method", ["mtp_eagle", "eagle3"])
@@ -185,10 +172,10 @@ async def test_mtp_head_weights_load_from_safetensors(tiny_dir, tiny_loaded, tmp
         loaded_head = engine.worker.drafter.head
         for name, tensor in head.own_state().items():
             assert torch.equal(loaded_head.own_state()[name], tensor), name
-        out_saved, _ = await serve_staggered(engine, reqs)
+        out_saved = await serve_staggered(engine, reqs)
         drafted_saved = engine.stats.num_accepted_tokens
     async with AsyncEngine(random0, model=tiny_loaded) as engine:
-        out_seed0, _ = await serve_staggered(engine, reqs)
+        out_seed0 = await serve_staggered(engine, reqs)
     # Exact either way; the sampled continuations differ because the drafts differ.
     greedy = [i for i, (_, prm, _) in enumerate(reqs) if prm.is_greedy]
     assert [out_saved[i] for i in greedy] == [out_seed0[i] for i in greedy]
