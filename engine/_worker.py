@@ -324,8 +324,9 @@ class RankWorker:
         batch, key = rec.batch, rec.graph_key
         advanced = rec.spec.wants_advanced_draft_sampling
         if rec.graph_captured:
-            sampling = self._sampling_batch(batch, key.batch_size)
-            out = self.graph_cache.replay(key, inputs or self._inputs(rec, sampling))
+            if inputs is None:      # a step queued ahead brings its own
+                inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
+            out = self.graph_cache.replay(key, inputs)
         else:
             step = make_verify_step(self.runner, self.sampler, rec.sampling,
                                     advanced=advanced, kv_len=None)
