@@ -10,7 +10,8 @@ import torch
 from specloop.engine import AsyncEngine
 from specloop.models import load_model
 
-from ..engine.test_adaptive import KLog, serve, staggered, switching_cost
+from ..engine.conftest import serve_staggered
+from ..engine.test_adaptive import KLog, staggered, switching_cost
 from .test_cuda_graphs import cfg as cuda_cfg
 from .test_static_steps import config as step_cfg
 
@@ -23,7 +24,7 @@ async def check_adaptive_graphs(config, plain, loaded):
         assert sorted(engine.worker.adaptive.cost.device) == [
             (b, k) for b in (1, 2, 4, 8) for k in (0, 1, 2, 3)]
         engine.worker.adaptive.cost = switching_cost()
-        outs = await serve(engine, reqs)
+        outs = await serve_staggered(engine, reqs)
         ran = {key for key, n in cache.replay_counts().items() if n}
     ks = collections.Counter(k for _, k in klog.ks)
     assert len(ks) >= 2 and ks[0], ks
@@ -36,7 +37,7 @@ async def check_adaptive_graphs(config, plain, loaded):
         assert 0 not in drafted and drafted and drafted <= verify_ks - {0}
     # Greedy rows equal the engine's without speculation.
     async with AsyncEngine(plain, model=loaded) as engine:
-        reference = await serve(engine, reqs)
+        reference = await serve_staggered(engine, reqs)
     for (_, params, _), out, ref in zip(reqs, outs, reference):
         if params.is_greedy:
             assert out == ref
