@@ -73,3 +73,10 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def batch_slot(self) -> int:
+        """``slot`` of a request in the batch: set from admission (``Scheduler.admit``)
+        until it finishes."""
+        assert self.slot is not None, f"request {self.request_id!r} is not in the batch"
+        return self.slot

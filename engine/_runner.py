@@ -5,11 +5,14 @@ Everything here is synchronous tensor work; the state machine runs it off the ev
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import attrs
 import structlog
 import torch
 
 from specloop.models import KVCache, LoadedModel, PageTable
+from specloop.models._grad import inference_mode
 
 from ._request import Request
 
@@ -33,7 +36,7 @@ class ReadBack:
     """A queued device-to-host copy: ``host`` is valid once ``done`` (None: already)."""
 
     host: torch.Tensor
-    done: object | None
+    done: torch.cuda.Event | None
 
 
 class ModelRunner:
@@ -59,14 +62,17 @@ class ModelRunner:
         # state (an EAGLE-3 head's low/mid/high features); () = the final hidden state.
         self.feature_layers: tuple[int, ...] = ()
 
-    def forward(self, tokens, start_pos, slots, *, kv_len=None):
+    def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
+                *, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (final hidden [B, T, H] for the logits, what the drafter reads: the same
         tensor, or the feature layers concatenated [B, T, F*H]; no extra work without)."""
         if not self.feature_layers:
-            hidden = self.model(tokens, start_pos, slots, self.cache, kv_len=kv_len)
+            hidden: torch.Tensor = self.model(tokens, start_pos, slots, self.cache,
+                                              kv_len=kv_len)
             return hidden, hidden
-        return self.model(tokens, start_pos, slots, self.cache, kv_len=kv_len,
-                          capture=self.feature_layers)
+        both: tuple[torch.Tensor, torch.Tensor] = self.model(
+            tokens, start_pos, slots, self.cache, kv_len=kv_len, capture=self.feature_layers)
+        return both
 
     def read_back(self, packed: torch.Tensor) -> torch.Tensor:
         """The iteration's one device-to-host read: ``packed`` copied into pinned host
@@ -101,28 +107,28 @@ class ModelRunner:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def reserve(self, requests, extra: int) -> None:
+    def reserve(self, requests: Iterable[Request], extra: int) -> None:
         """Pages for each request's next ``extra`` positions past its length (VERIFY and
         the drafters write up to seq_len - 1 + K), on the device before the step runs."""
         for request in requests:
-            self.pages.resize(request.slot, request.seq_len + extra)
+            self.pages.resize(request.batch_slot, request.seq_len + extra)
         self.pages.sync()
 
     def trim(self, request: Request) -> None:
         """Give back pages past the committed K/V (drafts rejected past a page boundary)."""
-        self.pages.resize(request.slot, request.num_cached + self.keep_ahead)
+        self.pages.resize(request.batch_slot, request.num_cached + self.keep_ahead)
 
     def release(self, slot: int) -> None:
         self.pages.release(slot)
 
-    @torch.inference_mode()
+    @inference_mode
     def prefill(self, request: Request) -> torch.Tensor:
         """Write K/V for every token but the last (VERIFY forwards the last one), in chunks
         of max_prefill_tokens; returns what the drafter reads for them, [P, H] (or
         [P, F*H] with feature layers)."""
         end = request.seq_len - 1
-        self.pages.resize(request.slot, request.seq_len)
-        slot = torch.tensor([request.slot], device=self.device)
+        self.pages.resize(request.batch_slot, request.seq_len)
+        slot = torch.tensor([request.batch_slot], device=self.device)
         width = self.args.hidden_size * max(1, len(self.feature_layers))
         hidden = [torch.empty(0, width, dtype=self.dtype, device=self.device)]
         while request.num_cached < end:

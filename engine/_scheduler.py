@@ -71,7 +71,7 @@ class Scheduler:
         request.finish_reason = request.finish_reason or reason
         if request in self.running:
             self.running.remove(request)
-            self.slots.free(request.slot)
+            self.slots.free(request.batch_slot)
             request.slot = None
         elif request in self.waiting:
             self.waiting.remove(request)

@@ -7,25 +7,47 @@ the steps, since they need the model runner, the sampler and the drafter.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
+import anyio.to_thread
 import attrs
 import torch
 
-from specloop.graphs import GraphKey, SamplingPath
-from specloop.graphs._capture import capture_variants, graph_template, warm_up
-from specloop.samplers import SamplingBatch
+from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
+from specloop.graphs._capture import DraftBuilder, capture_variants, graph_template, warm_up
+from specloop.models._grad import inference_mode
+from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
 
 from ._verify import make_verify_step, verify_inputs
 
+if TYPE_CHECKING:
+    from specloop.comm import Communicator
+    from specloop.models.drafters import Drafter
 
-def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache):
+    from ._adaptive import CostTable
+    from ._config import EngineConfig
+    from ._runner import ModelRunner
+
+
+class VerifyBuilder(Protocol):
+    """graphs' ``VerifyBuilder``, and the attended cache length: the cache's whole length
+    by default (static, for capture), None for the positions written (eager)."""
+
+    def __call__(self, key: GraphKey, template: SamplingBatch, has_q: bool,
+                 kv_len: int | None = ...) -> tuple[Step, Tensors]: ...
+
+
+def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sampler,
+                   drafter: Drafter | None, comm: Communicator, graph_cache: GraphCache
+                   ) -> tuple[VerifyBuilder, DraftBuilder]:
     """Capture every VERIFY variant this engine can run (and its DRAFT), for each K it
     may run, before serving; -> the step builders (verify, draft), for ``calibrate``."""
     device = runner.device
     point_mass = drafter is None or drafter.point_mass
 
     def verify(key: GraphKey, template: SamplingBatch, has_q: bool,
-               kv_len: int | None = runner.cache.max_seq_len):
+               kv_len: int | None = runner.cache.max_seq_len) -> tuple[Step, Tensors]:
         k, q = key.num_draft_tokens, None
         if k and has_q:
             q = torch.zeros(0, k, runner.args.vocab_size, device=device)
@@ -36,7 +58,7 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache):
                                 kv_len=kv_len)
         return step, example
 
-    def draft(key: GraphKey, template: SamplingBatch):
+    def draft(key: GraphKey, template: SamplingBatch) -> tuple[Step, Tensors] | None:
         """The drafter's whole K-step proposal, when it offers a static step for this
         variant (not on the LM-head-TP path, whose collectives stay outside graphs)."""
         from specloop.models.drafters import DraftContext  # noqa: PLC0415
@@ -49,9 +71,12 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache):
         if not k:
             return None     # K = 0: the engine does not call the drafter
         empty = torch.zeros(0, dtype=torch.int64, device=device)
+        # No rows: graph_inputs reads shapes only (the spec is the key's variant's).
+        spec = SpecMetadata(use_rejection_sampling=config.speculative.use_rejection_sampling,
+                            is_all_greedy_sample=key.all_greedy)
         ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,
-                           spec=None, sampler=sampler, comm=comm, run_sync=None,
-                           graph_sampling=template)
+                           spec=spec, sampler=sampler, comm=comm,
+                           run_sync=anyio.to_thread.run_sync, graph_sampling=template)
         kw = {"num_draft_tokens": k} if drafter.variable_k else {}
         return (drafter.graph_step(sampler, template, advanced=advanced, **kw),
                 drafter.graph_inputs(ctx))
@@ -63,8 +88,9 @@ def warm_up_graphs(*, config, runner, sampler, drafter, comm, graph_cache):
     return verify, draft
 
 
-def calibrate(*, config, runner, drafter, graph_cache, verify, draft,
-              reps: int | None = None):
+def calibrate(*, config: EngineConfig, runner: ModelRunner, drafter: Drafter | None,
+              graph_cache: GraphCache, verify: VerifyBuilder, draft: DraftBuilder,
+              reps: int | None = None) -> CostTable:
     """The cost table of adaptive K: VERIFY + DRAFT seconds per (batch bucket, K), timed
     on padding rows (the scratch slot) by replaying the captured graphs of the all-greedy
     variant, or running the steps eagerly where nothing was captured (then only the
@@ -78,7 +104,7 @@ def calibrate(*, config, runner, drafter, graph_cache, verify, draft,
     buckets = sorted({b for b in config.graphs.batch_buckets if b < max_batch} | {max_batch}) \
         if captured else sorted({1, max_batch})
     reps = reps or (5 if device.type == "cuda" else 2)
-    table = {}
+    table: dict[tuple[int, int], float] = {}
     for bucket in buckets:
         for k in ks:
             key = GraphKey(bucket, k, SamplingPath.GREEDY, True)
@@ -100,14 +126,15 @@ def calibrate(*, config, runner, drafter, graph_cache, verify, draft,
     return CostTable(table)
 
 
-def _runner_of(graph_cache, key, step, example):
+def _runner_of(graph_cache: GraphCache, key: GraphKey, step: Step, example: Tensors
+               ) -> Callable[[], Tensors]:
     if graph_cache.has(key):
         return lambda: graph_cache.replay(key, example)
     return lambda: step(example)
 
 
-@torch.inference_mode()
-def _time(fn, device, reps: int) -> float:
+@inference_mode
+def _time(fn: Callable[[], Tensors], device: torch.device, reps: int) -> float:
     fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
