@@ -2,19 +2,28 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
+from typing import TYPE_CHECKING
 
 import anyio
 import attrs
 
 from ._cli_common import EXIT_INTERRUPTED, UsageError, add_engine_arguments, load_config
 
+if TYPE_CHECKING:
+    from specloop.samplers import SamplingParams
+
+    from ._config import EngineConfig
+    from ._engine import AsyncEngine
+    from ._stats import EngineStats
+
 HELP = "generate a completion for each --prompt"
 DEFAULT_PROMPT = "Tell me about llamas."
 
 
-def add_arguments(p) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     add_engine_arguments(p)
     p.add_argument("--prompt", action="append", help="may be repeated")
     p.add_argument("--system", help="a system message (chat template only)")
@@ -26,7 +35,8 @@ def add_arguments(p) -> None:
                    help="print one JSON object per prompt (text, token_ids, usage)")
 
 
-def add_sampling_arguments(p, *, max_tokens: int, temperature: float) -> None:
+def add_sampling_arguments(p: argparse.ArgumentParser, *, max_tokens: int,
+                           temperature: float) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=temperature)
     p.add_argument("--top-k", type=int, default=0)
@@ -39,7 +49,7 @@ def add_sampling_arguments(p, *, max_tokens: int, temperature: float) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
 
 
-def sampling_params(args):
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
     from specloop.samplers import SamplingParams  # noqa: PLC0415
     return SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                           min_p=args.min_p, seed=args.seed, max_tokens=args.max_tokens,
@@ -51,7 +61,7 @@ def sampling_params(args):
 class Completion:
     prompt: str
     text: str = ""
-    token_ids: list = attrs.Factory(list)
+    token_ids: list[int] = attrs.Factory(list)
     finish_reason: str | None = None
 
 
@@ -61,7 +71,7 @@ class Progress:
 
     completions: list[Completion]
     start: float = attrs.Factory(time.perf_counter)
-    stats: object = None
+    stats: EngineStats | None = None
     scope: str = ""
 
     @property
@@ -69,7 +79,7 @@ class Progress:
         return sum(len(c.token_ids) for c in self.completions)
 
 
-def run(args) -> int:
+def run(args: argparse.Namespace) -> int:
     # Everything checkable is checked before the model loads.
     config = load_config(args)
     params = sampling_params(args)
@@ -89,7 +99,8 @@ def run(args) -> int:
     return 0
 
 
-async def _generate(config, args, params, progress: Progress) -> None:
+async def _generate(config: EngineConfig, args: argparse.Namespace, params: SamplingParams,
+                    progress: Progress) -> None:
     from ._cli_engine import open_engine  # noqa: PLC0415
 
     async with open_engine(config, trace=args.trace) as engine:
@@ -107,29 +118,33 @@ async def _generate(config, args, params, progress: Progress) -> None:
     _finish(progress, config, args, interrupted=False)
 
 
-def _prompt(engine, text: str, system: str | None):
+def _prompt(engine: AsyncEngine, text: str, system: str | None) -> str | list[int]:
     """A string lets the engine apply its own chat template; --system needs the messages."""
     if system is None:
         return text
-    if not engine.tokenizer.chat_template:
+    tokenizer = engine.tokenizer
+    assert tokenizer is not None, "open_engine returns a built engine"
+    if not tokenizer.chat_template:
         raise UsageError("--system needs a chat template, and this model's tokenizer has none")
-    return engine.tokenizer.encode_chat([{"role": "system", "content": system},
-                                         {"role": "user", "content": text}])
+    return tokenizer.encode_chat([{"role": "system", "content": system},
+                                  {"role": "user", "content": text}])
 
 
-async def _one(engine, prompt, params, completion: Completion, stream: bool) -> None:
+async def _one(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
+               completion: Completion, stream: bool) -> None:
     async for out in engine.generate(prompt, params):
         completion.text += out.text
         completion.token_ids.extend(out.token_ids)
         if stream:
             print(out.text, end="", flush=True)
-        if out.finished:
+        if out.finish_reason is not None:      # set on the finished output alone
             completion.finish_reason = out.finish_reason.value
     if stream:
         print(flush=True)
 
 
-def _finish(progress: Progress, config, args, *, interrupted: bool) -> None:
+def _finish(progress: Progress, config: EngineConfig, args: argparse.Namespace, *,
+            interrupted: bool) -> None:
     if args.json:
         for c in progress.completions:
             print(json.dumps({"prompt": c.prompt, "text": c.text, "token_ids": c.token_ids,
@@ -140,7 +155,7 @@ def _finish(progress: Progress, config, args, *, interrupted: bool) -> None:
     print(summary_line(progress, config, interrupted), flush=True)
 
 
-def summary_line(progress: Progress, config, interrupted: bool) -> str:
+def summary_line(progress: Progress, config: EngineConfig, interrupted: bool) -> str:
     count = progress.num_tokens
     elapsed = max(time.perf_counter() - progress.start, 1e-9)
     line = f"[specloop] new tokens {count}, {count / elapsed:.1f} tok/s"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import re
 import secrets
-from typing import AsyncIterator, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, AsyncIterator, Sequence
 
 import anyio
+import anyio.abc
 import anyio.lowlevel
 import structlog
 import torch
@@ -22,8 +24,13 @@ from ._iteration import IterationMachine, IterationRecord
 from ._request import FinishReason, NewRequest, RequestOutput
 from ._runner import DTYPES, ModelRunner, resolve_device
 from ._states import IterationObserver
+from ._stats import EngineStats
 from ._stop import TextStream
 from ._worker import RankWorker
+
+if TYPE_CHECKING:
+    from specloop.comm import Communicator
+    from specloop.models import LoadedModel, Tokenizer
 
 log = structlog.get_logger(__name__)
 # Automatic request ids are "req-N"; callers may not use that form, so the two never meet.
@@ -37,8 +44,9 @@ class AsyncEngine:
     door (``generate``, ``cancel``), the others ``await engine.wait_closed()``.
     """
 
-    def __init__(self, config: EngineConfig, *, communicator=None,
-                 observers: Sequence[IterationObserver] = (), model=None) -> None:
+    def __init__(self, config: EngineConfig, *, communicator: Communicator | None = None,
+                 observers: Sequence[IterationObserver] = (), model: LoadedModel | None = None
+                 ) -> None:
         self.config = config
         # A communicator the engine built is the engine's to close; an injected one is not.
         self._owns_comm = communicator is None
@@ -52,8 +60,8 @@ class AsyncEngine:
         self._model = model
         self.front = FrontDoor() if self.comm.rank == 0 else None
         self.worker: RankWorker | None = None
-        self.tokenizer = None
-        self._task_group = None
+        self.tokenizer: Tokenizer | None = None       # both set in __aenter__ (_build)
+        self._task_group: anyio.abc.TaskGroup | None = None
         self._done = anyio.Event()
         self._failure: BaseException | None = None
         self._next_id = 0
@@ -75,16 +83,19 @@ class AsyncEngine:
             self._state = "closed"
             await self._close_comm()
             raise
-        self._task_group = anyio.create_task_group()
-        await self._task_group.__aenter__()
-        self._task_group.start_soon(self._loop)
+        task_group = self._task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        task_group.start_soon(self._loop)
         return self
 
-    async def __aexit__(self, *exc_info) -> bool | None:
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+        task_group = self._task_group
+        assert task_group is not None, "__aexit__ follows a successful __aenter__"
         if self.front is not None:
             self.front.close()
         try:
-            return await self._task_group.__aexit__(*exc_info)
+            return await task_group.__aexit__(exc_type, exc, tb)
         finally:
             self._state, self._task_group = "closed", None
             await self._close_comm()
@@ -125,7 +136,7 @@ class AsyncEngine:
                  device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
 
     async def _loop(self) -> None:
-        worker = self.worker
+        worker = self._built
         machine = IterationMachine(worker.handlers(), rank=self.comm.rank,
                                    num_draft_tokens=worker.k, observers=self.observers)
         spec = SpecMetadata(use_rejection_sampling=self.config.speculative.use_rejection_sampling)
@@ -164,8 +175,8 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        *, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
         new = self._admit(prompt, params, request_id)
-        channel = self.front.submit(new)
-        texts = TextStream(self.tokenizer, new.params.stop)
+        channel = self._front_door.submit(new)
+        texts = TextStream(self._tokenizer, new.params.stop)
         finished = False        # by the engine; a stop string ends the stream before that
         try:
             # One wake-up per iteration at most: all outputs sent meanwhile come at once.
@@ -182,7 +193,7 @@ class AsyncEngine:
             if not finished:
                 # The consumer left early (break, cancel scope, error): cancel the request
                 # and free its slot; its id stays in use until the engine is done with it.
-                self.front.abandon(new.request_id)
+                self._front_door.abandon(new.request_id)
 
     async def generate_batch(self, prompts: Sequence[str | list[int]],
                              params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -193,21 +204,24 @@ class AsyncEngine:
         batch: no task wake-up per request per iteration (a batch job's path). Every
         prompt is checked before any is submitted; leaving early cancels the requests
         not finished yet."""
-        many = params if isinstance(params, (list, tuple)) else [params] * len(prompts)
+        # Each item is checked in _admit (as generate's params are).
+        many: Sequence[object] = params if isinstance(params, (list, tuple)) \
+            else [params] * len(prompts)
         if len(many) != len(prompts):
             raise RequestError(f"{len(prompts)} prompts but {len(many)} params")
         news = [self._admit(prompt, p, None) for prompt, p in zip(prompts, many)]
         if not news:
             return
         channel = OutputChannel(len(news))
-        texts = {}
+        texts: dict[str, TextStream] = {}
+        front, tokenizer = self._front_door, self._tokenizer
         for new in news:
-            self.front.submit(new, channel)
-            texts[new.request_id] = TextStream(self.tokenizer, new.params.stop)
+            front.submit(new, channel)
+            texts[new.request_id] = TextStream(tokenizer, new.params.stop)
         live = set(texts)       # ids whose last output the caller has not had yet
         try:
             while live and (outputs := await channel.take()):
-                item = []
+                item: list[RequestOutput] = []
                 for output in outputs:
                     if output.request_id not in live:
                         continue        # ended here by a stop string
@@ -218,29 +232,45 @@ class AsyncEngine:
                     if text.finished:
                         live.discard(output.request_id)
                         if not output.finished:     # a stop string: end it in the engine
-                            self.front.abandon(output.request_id)
+                            front.abandon(output.request_id)
                 if item:
                     yield item
         finally:
             for request_id in live:
-                self.front.abandon(request_id)
+                front.abandon(request_id)
 
     def cancel(self, request_id: str) -> None:
         """End a request (see docs/embedding.md); unknown or finished ids are ignored, so
         is every id once the engine closed (its streams have all ended)."""
+        self._front_door.cancel(request_id)
+
+    @property
+    def _front_door(self) -> FrontDoor:
+        """Rank 0's front door; other ranks have none to take requests with."""
         if self.front is None:
             raise EngineClosedError(f"rank {self.comm.rank} is not the front door; use rank 0")
-        self.front.cancel(request_id)
+        return self.front
+
+    @property
+    def _built(self) -> RankWorker:
+        """The worker; the request paths get here after _check_front, so it is built."""
+        assert self.worker is not None, "the engine is built in `async with` (__aenter__)"
+        return self.worker
+
+    @property
+    def _tokenizer(self) -> Tokenizer:
+        assert self.tokenizer is not None, "the engine is built in `async with` (__aenter__)"
+        return self.tokenizer
 
     def _check_front(self) -> None:
-        if self.front is None:
-            raise EngineClosedError(f"rank {self.comm.rank} is not the front door; use rank 0")
-        if self.worker is None or self._done.is_set() or self.front.closing:
+        front = self._front_door
+        if self.worker is None or self._done.is_set() or front.closing:
             raise EngineClosedError("engine is not running (use `async with AsyncEngine(...)`)"
                                     if self._failure is None else
                                     f"engine failed: {self._failure!r}")
 
-    def _admit(self, prompt, params, request_id) -> NewRequest:
+    def _admit(self, prompt: object, params: object, request_id: object) -> NewRequest:
+        """The request as submitted, every argument checked (callers' types unchecked)."""
         self._check_front()
         if params is None:
             params = SamplingParams()
@@ -248,17 +278,18 @@ class AsyncEngine:
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = self._request_id(request_id)
         prompt_ids = self._encode(prompt)
-        room = self.config.model.max_seq_len - self.worker.k - 1
+        k = self._built.k
+        room = self.config.model.max_seq_len - k - 1
         if len(prompt_ids) > room:
             raise RequestError(
                 f"prompt has {len(prompt_ids)} tokens; max_seq_len = "
-                f"{self.config.model.max_seq_len} with {self.worker.k} draft tokens allows "
+                f"{self.config.model.max_seq_len} with {k} draft tokens allows "
                 f"at most {room}")
         handle, self._admitted = self._admitted, self._admitted + 1
         return NewRequest(request_id, tuple(prompt_ids), params,
                           self._seed_for(params, handle), handle=handle)
 
-    def _request_id(self, request_id) -> str:
+    def _request_id(self, request_id: object) -> str:
         """Caller ids are reusable once their request fully finished; automatic ids are
         never reused and have a form caller ids may not take."""
         if request_id is None:
@@ -269,7 +300,7 @@ class AsyncEngine:
         if _AUTO_ID.fullmatch(request_id):
             raise RequestError(f"request_id {request_id!r} has the form of the engine's "
                                "automatic ids ('req-N'); choose another or pass None")
-        if request_id in self.front.open_request_ids:
+        if request_id in self._front_door.open_request_ids:
             raise RequestError(f"request_id {request_id!r} is already in use (its request "
                                "has not finished; an id is reusable once it has)")
         return request_id
@@ -281,14 +312,15 @@ class AsyncEngine:
         base = self.config.scheduler.seed
         return secrets.randbits(62) if base is None else derive_seed(base, index)
 
-    def _encode(self, prompt) -> list[int]:
+    def _encode(self, prompt: object) -> list[int]:
         if isinstance(prompt, str):
             if not prompt:
                 raise RequestError("prompt is empty")
+            tokenizer = self._tokenizer
             try:
-                if self.config.model.chat_template and self.tokenizer.chat_template:
-                    return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-                return self.tokenizer.encode(prompt)
+                if self.config.model.chat_template and tokenizer.chat_template:
+                    return tokenizer.encode_chat([{"role": "user", "content": prompt}])
+                return tokenizer.encode(prompt)
             except (ValueError, TypeError) as exc:
                 raise RequestError(f"prompt cannot be tokenized: {exc}") from exc
         if not isinstance(prompt, (list, tuple)):
@@ -296,7 +328,7 @@ class AsyncEngine:
                                f"got {type(prompt).__name__}")
         if not prompt:
             raise RequestError("prompt is empty")
-        vocab = self.worker.runner.args.vocab_size
+        vocab = self._built.runner.args.vocab_size
         bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
                or not 0 <= t < vocab]
         if bad:
@@ -306,15 +338,15 @@ class AsyncEngine:
 
     # introspection ----------------------------------------------------------------------
     @property
-    def stats(self):
-        return self.worker.stats
+    def stats(self) -> EngineStats:
+        return self._built.stats
 
     @property
     def num_free_slots(self) -> int:
-        return self.worker.scheduler.slots.num_free
+        return self._built.scheduler.slots.num_free
 
 
-def _bounded(comm, config: EngineConfig):
+def _bounded(comm: Communicator, config: EngineConfig) -> Communicator:
     """The communicator with every collective wait capped at parallel.collective_timeout_s
     (one that cannot bound its waits, ``timeout_s`` None, is used as it is)."""
     try:

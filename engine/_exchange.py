@@ -8,12 +8,21 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 
 from ._frontdoor import FrontDoorMessage, RankReport, assign_least_loaded
 from ._request import RequestOutput
 from ._wire import decode_outputs, encode_outputs
+
+if TYPE_CHECKING:
+    from specloop.comm import Communicator
+
+    from ._config import EngineConfig
+    from ._frontdoor_state import FrontDoor
+    from ._scheduler import Scheduler
 
 
 class ExchangeTimes:
@@ -40,7 +49,8 @@ class OutputExchange:
     ``facts`` (this rank's SYNC row) ride the same all-gather; ``gathered_facts`` then
     holds every rank's row, [world, len(facts)]."""
 
-    def __init__(self, *, config, comm, front, scheduler, device) -> None:
+    def __init__(self, *, config: EngineConfig, comm: Communicator, front: FrontDoor | None,
+                 scheduler: Scheduler, device: torch.device) -> None:
         self.config = config
         self.comm = comm
         self.front = front          # FrontDoor on rank 0, None elsewhere
@@ -54,7 +64,7 @@ class OutputExchange:
         self.gathered_facts: torch.Tensor | None = None
         self.times = ExchangeTimes()
 
-    async def __call__(self, facts: list[int] = ()) -> FrontDoorMessage:
+    async def __call__(self, facts: Sequence[int] = ()) -> FrontDoorMessage:
         return await self._exchange(facts)
 
     def deliver(self, handle: int, output: RequestOutput) -> None:
@@ -63,12 +73,14 @@ class OutputExchange:
         else:
             self.pending.append((handle, output))
 
-    async def _local(self, facts) -> FrontDoorMessage:
+    async def _local(self, facts: Sequence[int]) -> FrontDoorMessage:
+        front = self.front
+        assert front is not None, "a single rank is rank 0, which holds the front door"
         if self.scheduler.num_requests == 0:
-            await self.front.wait_for_work(timeout=None)
-        return self.front.take_message(lambda new: tuple((0, r) for r in new))
+            await front.wait_for_work(timeout=None)
+        return front.take_message(lambda new: tuple((0, r) for r in new))
 
-    async def _group(self, facts) -> FrontDoorMessage:
+    async def _group(self, facts: Sequence[int]) -> FrontDoorMessage:
         """One tensor all-gather: each serving rank's outputs as a fixed-size block, its
         SYNC facts, its arrival time and a flag; only when some rank raised the flag
         (rank 0 has requests, cancels or shutdown to send; an output block overflowed)
