@@ -18,7 +18,7 @@ warm-up table is agreed once before the first iteration; so every rank picks the
 from __future__ import annotations
 
 import collections
-from typing import Sequence
+from typing import Hashable, Sequence, TypeVar
 
 import attrs
 import torch
@@ -57,8 +57,9 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 def choose_k(candidates: Sequence[int], acceptance: Sequence[float],
              times: dict[int, float]) -> int:
     """The rule: the candidate with the largest E(k) / T(k); the smaller K on a tie."""
-    best, best_rate = None, -1.0
-    for k in sorted(candidates):
+    ks = sorted(candidates)
+    best, best_rate = ks[0], -1.0
+    for k in ks:
         rate = expected_tokens(acceptance, k) / max(times[k], 1e-9)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
@@ -124,7 +125,10 @@ class CostTable:
         return torch.tensor([round(self.device[key] * 1e7) for key in keys], dtype=torch.int64)
 
 
-def _average(table: dict, key, value: float, first: float = 0.0) -> None:
+Key = TypeVar("Key", bound=Hashable)
+
+
+def _average(table: dict[Key, float], key: Key, value: float, first: float = 0.0) -> None:
     """Exponential average (weight REST_WEIGHT), a plain mean while ``first`` (1/n) is
     larger."""
     old = table.get(key)

@@ -3,13 +3,22 @@ and free a finished request's slot (in the runner and the drafter)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from ._request import FinishReason, Request, RequestOutput
 
+if TYPE_CHECKING:
+    from specloop.models.drafters import Drafter
+
+    from ._config import EngineConfig
+    from ._runner import ModelRunner
+    from ._scheduler import Scheduler
+    from ._stats import EngineStats
+
 
 class Outputs:
-    def __init__(self, *, config, scheduler, runner, drafter, stats,
+    def __init__(self, *, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner,
+                 drafter: Drafter | None, stats: EngineStats,
                  deliver: Callable[[int, RequestOutput], None]) -> None:
         self.k = config.speculative.k
         self.max_seq_len = config.model.max_seq_len
@@ -41,8 +50,9 @@ class Outputs:
         else:
             self.emit(request, emitted)
 
-    def _commit_each(self, request: Request, new_tokens: list[int]):
-        emitted = []
+    def _commit_each(self, request: Request, new_tokens: list[int]
+                     ) -> tuple[list[int], FinishReason | None]:
+        emitted: list[int] = []
         for token in new_tokens:
             request.token_ids.append(token)
             emitted.append(token)
@@ -75,7 +85,7 @@ class Outputs:
             return FinishReason.LENGTH
         return None
 
-    def finish(self, request: Request, reason: FinishReason, emitted) -> None:
+    def finish(self, request: Request, reason: FinishReason, emitted: Sequence[int]) -> None:
         slot = request.slot
         self.scheduler.finish(request, reason)
         if slot is not None:
@@ -84,7 +94,7 @@ class Outputs:
             self.drafter.release(slot)
         self.emit(request, emitted, finished=True)
 
-    def emit(self, request: Request, tokens, finished: bool = False) -> None:
+    def emit(self, request: Request, tokens: Sequence[int], finished: bool = False) -> None:
         if not tokens and not finished:
             return
         # Token ids only: text is decoded by the consumer (generate), off this hot path.

@@ -10,26 +10,35 @@ Rows past the real batch are padding: scratch slot, position 0, greedy sentinel 
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import torch
 
-from specloop.graphs import Tensors
+from specloop.graphs import Step, Tensors
 from specloop.samplers import SamplingBatch
 
 from ._request import Request
 
+if TYPE_CHECKING:
+    from specloop.samplers import Sampler
+
+    from ._runner import ModelRunner
+
 
 def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
                   draft_probs: torch.Tensor | None, sampling: SamplingBatch, *, k: int,
-                  scratch_slot: int, device) -> Tensors:
+                  scratch_slot: int, device: torch.device | str) -> Tensors:
     """Tensors for ``len(sampling)`` rows; the first ``len(batch)`` are the requests."""
     rows, real = sampling.size, len(batch)
     pad = rows - real
     # One host row per request, [last, 0 * K, start, slot]: one host-to-device copy.
-    host = torch.tensor([[r.token_ids[-1]] + [0] * k + [r.seq_len - 1, r.slot] for r in batch]
+    host = torch.tensor([[r.token_ids[-1]] + [0] * k + [r.seq_len - 1, r.batch_slot]
+                         for r in batch]
                         + [[0] * (k + 2) + [scratch_slot]] * pad, dtype=torch.int64)
-    on_host = k and real and drafts.device.type == "cpu"
+    on_host = False
+    if k and real:
+        assert drafts is not None, "K > 0 with rows: DRAFT proposed K tokens per row"
+        on_host = drafts.device.type == "cpu"
     if on_host:     # drafts proposed on the host (n-gram) travel in the same copy
         host[:real, 1:k + 1] = drafts
     if torch.device(device).type == "cuda":
@@ -45,14 +54,16 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     return inputs
 
 
-def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor, source_rows,
-                 sampling: SamplingBatch, *, scratch_slot: int, device) -> Tensors:
+def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
+                 source_rows: Sequence[int], sampling: SamplingBatch, *, scratch_slot: int,
+                 device: torch.device | str) -> Tensors:
     """No speculation: the inputs of the step after the one just queued, for ``batch``,
     before the host knows its tokens: row i forwards ``last_tokens[source_rows[i], 0]``
     (that step's output, still on the device) at position ``seq_len`` (one past that
     step's)."""
     rows, real = sampling.size, len(batch)
-    host = torch.tensor([[0, r.seq_len, r.slot, row] for r, row in zip(batch, source_rows)]
+    host = torch.tensor([[0, r.seq_len, r.batch_slot, row]
+                         for r, row in zip(batch, source_rows)]
                         + [[0, 0, scratch_slot, 0]] * (rows - real), dtype=torch.int64)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
@@ -72,8 +83,8 @@ def pad_draft_probs(q: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([q, pad])
 
 
-def make_verify_step(runner, sampler, template: SamplingBatch, *, advanced: bool,
-                     kv_len: int | None):
+def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBatch, *,
+                     advanced: bool, kv_len: int | None) -> Step:
     """The step function; ``template`` supplies SamplingBatch's Python flags."""
 
     def step(inputs: Tensors) -> Tensors:
