@@ -49,6 +49,28 @@ class IterationRecord:
     def sampling_path(self) -> str | None:
         return self.graph_key.sampling_path.value if self.graph_key else None
 
+    # The fields as read by the states after the one that sets them (the transition
+    # table orders the states, so each is set by then).
+    @property
+    def facts(self) -> torch.Tensor:
+        assert self.group_facts is not None, "a group's SYNC sets group_facts"
+        return self.group_facts
+
+    @property
+    def k(self) -> int:
+        assert self.num_draft_tokens is not None, "PICK_GRAPH_KEY sets num_draft_tokens"
+        return self.num_draft_tokens
+
+    @property
+    def key(self) -> GraphKey:
+        assert self.graph_key is not None, "PICK_GRAPH_KEY sets graph_key"
+        return self.graph_key
+
+    @property
+    def batch_sampling(self) -> SamplingBatch:
+        assert self.sampling is not None, "PICK_GRAPH_KEY sets sampling (for a batch)"
+        return self.sampling
+
 
 Handler = Callable[[IterationRecord], Awaitable[IterationState]]
 

@@ -11,7 +11,7 @@ never re-decide it per step.
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 import anyio
 import anyio.lowlevel
@@ -19,23 +19,36 @@ import attrs
 import structlog
 import torch
 
-from specloop.graphs import SamplingPath
-from specloop.samplers import RejectionResult, SamplingBatch
+from specloop.graphs import GraphCache, SamplingPath, Tensors
+from specloop.models._grad import inference_mode
+from specloop.samplers import RejectionResult, Sampler, SamplingBatch
 
 from ._adaptive import AdaptiveK
 from ._exchange import OutputExchange
 from ._frontdoor import FrontDoorMessage
-from ._iteration import IterationRecord
+from ._iteration import Handler, IterationRecord
 from ._outputs import Outputs
 from ._request import FinishReason, Request
+from ._runner import ReadBack
 from ._scheduler import Scheduler
 from ._states import IterationState
 from ._stats import EngineStats
 from ._verify import ahead_inputs, make_verify_step, verify_inputs
 from ._warmup import calibrate, warm_up_graphs
 
+if TYPE_CHECKING:
+    from specloop.comm import Communicator
+    from specloop.models.drafters import Drafter
+
+    from ._config import EngineConfig
+    from ._frontdoor_state import FrontDoor
+    from ._runner import ModelRunner
+
 log = structlog.get_logger(__name__)
 S = IterationState
+T = TypeVar("T")
+# A queued VERIFY: its outputs (on the device) and the read-back of its packed tokens.
+Pending = tuple[Tensors, ReadBack]
 
 # SYNC's one all-gather row per rank: what the group must agree on (with adaptive K, the
 # rule's inputs follow: AdaptiveK.facts).
@@ -49,12 +62,13 @@ class _Ahead:
 
     batch: tuple[Request, ...]
     seq_lens: list[int]         # each request's length when the step is its own
-    pending: tuple              # (outputs, ReadBack), as _queue_verify returns
+    pending: Pending            # as _queue_verify returns
 
 
 class RankWorker:
-    def __init__(self, *, config, runner, drafter, sampler, comm, graph_cache,
-                 front) -> None:
+    def __init__(self, *, config: EngineConfig, runner: ModelRunner, drafter: Drafter | None,
+                 sampler: Sampler, comm: Communicator, graph_cache: GraphCache,
+                 front: FrontDoor | None) -> None:
         self.config = config
         self.runner = runner
         self.drafter = drafter
@@ -72,7 +86,7 @@ class RankWorker:
                                    config.scheduler.max_num_tokens)
         self._limiter = anyio.CapacityLimiter(1)
         self.stats = EngineStats()
-        self._sampling_cache: dict[int | None, tuple] = {}
+        self._sampling_cache: dict[int | None, tuple[tuple[Request, ...], SamplingBatch]] = {}
         self.group_sync = config.group_sync_greedy_flag
         self.exchange = OutputExchange(config=config, comm=comm, front=front,
                                        scheduler=self.scheduler, device=runner.device)
@@ -94,12 +108,12 @@ class RankWorker:
         self.run_ahead = self.verify_inline and self.k == 0 and not multi
         self._ahead: _Ahead | None = None
 
-    def handlers(self) -> dict[IterationState, Any]:  # schedule/sync: set in __init__
+    def handlers(self) -> dict[IterationState, Handler]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
                 S.PICK_GRAPH_KEY: self.pick_graph_key, S.DRAFT: self.draft,
                 S.VERIFY: self.verify, S.RESCAN: self.rescan}
 
-    async def run_sync(self, fn):
+    async def run_sync(self, fn: Callable[[], T]) -> T:
         return await anyio.to_thread.run_sync(fn, limiter=self._limiter)
 
     def warmup_graphs(self) -> None:
@@ -171,7 +185,7 @@ class RankWorker:
         for request in admitted:
             hidden = self.runner.prefill(request)
             if self.drafter is not None:
-                self.drafter.prefill(request.slot, request.token_ids[:-1], hidden)
+                self.drafter.prefill(request.batch_slot, request.token_ids[:-1], hidden)
 
     # SYNC -------------------------------------------------------------------------------
     async def _sync_local(self, rec: IterationRecord) -> IterationState:
@@ -194,6 +208,7 @@ class RankWorker:
     async def _sync_group(self, rec: IterationRecord) -> IterationState:
         """Agreement from the facts gathered in SCHEDULE's exchange (no collective)."""
         facts = rec.group_facts = self.exchange.gathered_facts
+        assert facts is not None, "a group's SCHEDULE exchange gathers them"
         rec.spec = rec.spec.evolve(
             is_all_greedy_sample=bool(facts[self.comm.rank, FACT_ALL_GREEDY]))
         if self.group_sync:
@@ -242,7 +257,7 @@ class RankWorker:
         ranks see whether they differ, and then all run eagerly."""
         if self.comm.world_size == 1 or rec.spec.group_all_greedy_sample is not None:
             return True
-        flags = rec.group_facts[:, FACT_ALL_GREEDY]
+        flags = rec.facts[:, FACT_ALL_GREEDY]
         return bool((flags == flags[0]).all())
 
     # DRAFT ------------------------------------------------------------------------------
@@ -258,15 +273,17 @@ class RankWorker:
     async def _draft_with_drafter(self, rec: IterationRecord) -> None:
         from specloop.models.drafters import DraftContext  # noqa: PLC0415
 
+        drafter = self.drafter
+        assert drafter is not None, "draft_step drafts only with a drafter (K > 0)"
         if not rec.batch and not self.draft_when_idle:
             return
-        k, variable = rec.num_draft_tokens, self.drafter.variable_k
+        k, variable = rec.k, drafter.variable_k
         if not k and variable:      # adaptive K chose not to draft: on every rank alike
             rec.draft_token_ids = rec.draft_probs = None
             return
         device = self.runner.device
         replay = self._draft_replay(rec)
-        slots, seq_lens = [r.slot for r in rec.batch], [r.seq_len for r in rec.batch]
+        slots, seq_lens = [r.batch_slot for r in rec.batch], [r.seq_len for r in rec.batch]
         # Both in one copy, without blocking (a blocking host-to-device copy is a sync).
         both = self.runner.to_device(
             torch.tensor([seq_lens, slots], dtype=torch.int64).reshape(2, -1))
@@ -274,11 +291,13 @@ class RankWorker:
             num_draft_tokens=k if variable else None,
             token_ids=[r.token_ids for r in rec.batch], seq_lens=both[0], slots=both[1],
             host_slots=slots, host_seq_lens=seq_lens,
-            sampling=rec.sampling, spec=rec.spec, sampler=self.sampler, comm=self.comm,
-            run_sync=self.run_sync, replay=replay,
-            graph_sampling=self._sampling_batch(rec.batch, rec.graph_key.batch_size)
+            # An idle rank's call (needs_empty_calls): the empty batch's sampling rows.
+            sampling=rec.sampling if rec.sampling is not None
+            else self._sampling_batch([], None), spec=rec.spec,
+            sampler=self.sampler, comm=self.comm, run_sync=self.run_sync, replay=replay,
+            graph_sampling=self._sampling_batch(rec.batch, rec.key.batch_size)
             if replay is not None else None)
-        proposal = await self.drafter.propose(ctx)
+        proposal = await drafter.propose(ctx)
         tokens, probs = proposal.token_ids, proposal.probs
         if not variable and k < self.k:     # adaptive K: keep the first k drafts
             tokens, probs = tokens[:, :k], None if probs is None else probs[:, :k]
@@ -286,9 +305,11 @@ class RankWorker:
             tokens, probs = None, None
         rec.draft_token_ids, rec.draft_probs = tokens, probs
 
-    def _draft_replay(self, rec: IterationRecord):
-        draft_key = attrs.evolve(rec.graph_key, stage="draft")
-        if not self.drafter.variable_k:     # it drafts all K; its graph is the K key's
+    def _draft_replay(self, rec: IterationRecord) -> Callable[[Tensors], Tensors] | None:
+        drafter = self.drafter
+        assert drafter is not None, "only DRAFT with a drafter replays its graph"
+        draft_key = attrs.evolve(rec.key, stage="draft")
+        if not drafter.variable_k:     # it drafts all K; its graph is the K key's
             draft_key = attrs.evolve(draft_key, num_draft_tokens=self.k)
         if not rec.graph_captured or not self.graph_cache.has(draft_key):
             return None
@@ -303,7 +324,7 @@ class RankWorker:
             # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
             # the consumers run while the GPU works, then the loop waits for the copy.
             pending, rows = self._take_ahead(rec)
-            if pending is None:
+            if pending is None or rows is None:     # both None, or neither
                 pending, rows = self._queue_verify(rec), range(len(rec.batch))
             self._ahead = self._queue_ahead(rec, pending, rows) if self.run_ahead else None
             await anyio.lowlevel.checkpoint()
@@ -315,26 +336,27 @@ class RankWorker:
     def _verify(self, rec: IterationRecord) -> RejectionResult:
         return self._collect_verify(rec, self._queue_verify(rec))
 
-    @torch.inference_mode()
-    def _queue_verify(self, rec: IterationRecord, inputs=None):
+    @inference_mode
+    def _queue_verify(self, rec: IterationRecord, inputs: Tensors | None = None) -> Pending:
         """Queue VERIFY and the copy of its tokens and counts into pinned host memory (the
         iteration's one device-to-host read); ``_collect_verify`` waits for it, so
         VERIFY's duration includes its device time and RESCAN reads host memory only.
         ``inputs``: given for a step queued ahead (else built from the batch)."""
-        batch, key = rec.batch, rec.graph_key
+        batch, key = rec.batch, rec.key
         advanced = rec.spec.wants_advanced_draft_sampling
         if rec.graph_captured:
             if inputs is None:      # a step queued ahead brings its own
                 inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
             out = self.graph_cache.replay(key, inputs)
         else:
-            step = make_verify_step(self.runner, self.sampler, rec.sampling,
+            step = make_verify_step(self.runner, self.sampler, rec.batch_sampling,
                                     advanced=advanced, kv_len=None)
-            out = step(inputs or self._inputs(rec, rec.sampling))
+            out = step(inputs or self._inputs(rec, rec.batch_sampling))
         return out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
 
-    @torch.inference_mode()
-    def _collect_verify(self, rec: IterationRecord, pending, rows=None) -> RejectionResult:
+    @inference_mode
+    def _collect_verify(self, rec: IterationRecord, pending: Pending,
+                        rows: Sequence[int] | None = None) -> RejectionResult:
         """``rows``: which rows of the step are the batch's (a step queued ahead for a
         batch some requests have left since); None: all, in order."""
         out, read_back = pending
@@ -344,11 +366,12 @@ class RankWorker:
             host = host[list(rows)]
         result = RejectionResult(host[:, :-1], host[:, -1])
         if self.on_verified is not None:
-            self.on_verified([r.slot for r in batch], [r.seq_len - 1 for r in batch],
+            self.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
                              out["hidden"][:real], result.num_accepted.tolist())
         return result
 
-    def _queue_ahead(self, rec: IterationRecord, pending, rows) -> _Ahead | None:
+    def _queue_ahead(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]
+                     ) -> _Ahead | None:
         """Queue the next iteration's step for this batch now, before this one is read
         back: its tokens are this step's outputs (rows ``rows`` of ``pending``), still on
         the device; its positions one further. The host then reads this step back and
@@ -371,8 +394,8 @@ class RankWorker:
         # Pages for the position it writes, kept by RESCAN's trim.
         self.runner.reserve(batch, 1)
         self.runner.keep_ahead = 1
-        sampling = (self._sampling_batch(batch, rec.graph_key.batch_size)
-                    if rec.graph_captured else rec.sampling)
+        sampling = (self._sampling_batch(batch, rec.key.batch_size)
+                    if rec.graph_captured else rec.batch_sampling)
         with torch.inference_mode():
             inputs = ahead_inputs(batch, pending[0]["token_ids"], rows, sampling,
                                   scratch_slot=self.runner.cache.scratch_slot,
@@ -380,7 +403,8 @@ class RankWorker:
         return _Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
                       self._queue_verify(rec, inputs))
 
-    def _take_ahead(self, rec: IterationRecord):
+    def _take_ahead(self, rec: IterationRecord
+                    ) -> tuple[Pending, Sequence[int]] | tuple[None, None]:
         """-> (the step queued ahead by the last VERIFY, the rows of it that are this
         batch's) when this batch is that step's less requests that left (same order,
         each one token longer); else (None, None). Sampling draws by (seed, position),
@@ -398,9 +422,9 @@ class RankWorker:
             i += 1
         return ahead.pending, rows
 
-    def _inputs(self, rec: IterationRecord, sampling: SamplingBatch):
+    def _inputs(self, rec: IterationRecord, sampling: SamplingBatch) -> Tensors:
         return verify_inputs(rec.batch, rec.draft_token_ids, rec.draft_probs, sampling,
-                             k=rec.num_draft_tokens, scratch_slot=self.runner.cache.scratch_slot,
+                             k=rec.k, scratch_slot=self.runner.cache.scratch_slot,
                              device=self.runner.device)
 
     # RESCAN -----------------------------------------------------------------------------
@@ -408,7 +432,7 @@ class RankWorker:
         if rec.result is not None:
             tokens = rec.result.token_ids.tolist()
             accepted = rec.result.num_accepted.tolist()
-            k = rec.num_draft_tokens
+            k = rec.k
             for request, row, n in zip(rec.batch, tokens, accepted):
                 self.outputs.append(request, row[:n + 1], n, k)
             self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)

@@ -9,6 +9,7 @@ import ast
 import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -29,6 +30,17 @@ def test_mypy_passes_on_the_protocols_and_builtins():
     result = typecheck()
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.startswith("Success"), result.stdout
+
+
+def test_every_package_is_checked_whole():
+    """Strict on all of specloop: each top-level package of the layout is a target as a
+    folder (a new module is checked without being listed)."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    packages = {p.split(".")[1] for p in config["tool"]["setuptools"]["package-dir"]}
+    files = config["tool"]["mypy"]["files"]
+    assert {"engine", "models", "serve"} <= packages
+    assert [f for f in files if "/specloop/" in f] == sorted(
+        f".cache/typecheck/specloop/{p}" for p in packages)
 
 
 def _without_method(source: str, cls: str, name: str) -> str:
