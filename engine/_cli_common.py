@@ -144,7 +144,7 @@ def check_drafter_trained(config: EngineConfig, allowed: bool) -> None:
     spec = config.speculative
     if spec.method not in UNTRAINED_DRAFTERS or allowed:
         return
-    weights = getattr(spec, "mtp_weights", None) or getattr(spec, "draft_weights", None)
+    weights = spec.mtp_weights or spec.draft_weights
     if spec.method in ("mtp_eagle", "eagle3") and weights:
         return
     what = ("has no trained weights (speculative.draft_weights is unset), so its head would "

@@ -160,3 +160,26 @@ def test_configuration_md_quotes_the_errors_the_code_gives(data):
         EngineConfig.from_dict(data)
     text = " ".join((ROOT / "docs" / "configuration.md").read_text().split())
     assert str(info.value) in text, f"configuration.md does not quote: {info.value}"
+
+
+def test_docs_name_what_the_component_protocols_declare():
+    """configuration.md's factory table names every member of each protocol it lists member
+    by member; every doc that writes pick's signature gives the pair it returns; the
+    drafter list of internal-api.md names every built-in drafter and its registered name."""
+    from specloop.engine._components import _BUILTINS, protocol_members, protocol_of  # noqa: PLC0415
+
+    table = (ROOT / "docs" / "configuration.md").read_text().splitlines()
+    for kind in ("sampler", "graph_cache", "drafter", "observer"):
+        row = next(line for line in table
+                   if line.startswith(f"| `{kind}` | `factory("))
+        missing = [m for m in sorted(protocol_members(protocol_of(kind))) if f"`{m}" not in row]
+        assert not missing, f"configuration.md's {kind} row omits {missing}"
+    picks = [(path.name, m[1]) for path in DOCS
+             for m in re.finditer(r"pick\(batch_size[^)]*\)\s*->\s*(\S+ \S+|\S+)",
+                                  path.read_text())]
+    assert len(picks) >= 3 and all(result.startswith("(GraphKey, captured)")
+                                   for _, result in picks), picks
+    api = " ".join((ROOT / "docs" / "internal-api.md").read_text().split())
+    drafters = api[api.index("- drafters (`models/drafters`)"):].split(" - ")[0]
+    for name, target in _BUILTINS["drafter"].items():
+        assert f"`{name}`" in drafters and f"`{target.split(':')[1]}`" in drafters, name

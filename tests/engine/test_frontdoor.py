@@ -1,0 +1,136 @@
+"""Unit tests of rank 0's front door (engine/_frontdoor.py, _frontdoor_state.py), without an
+engine: routing new requests to ranks, cancels, abandoned streams, shutdown, and how long a
+request id stays reserved."""
+
+import anyio
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specloop.engine._frontdoor import assign_least_loaded
+from specloop.engine._frontdoor_state import FrontDoor, OutputChannel
+from specloop.engine._request import FinishReason, NewRequest, RequestOutput
+from specloop.samplers import SamplingParams
+
+
+def new(i: int, request_id: str | None = None) -> NewRequest:
+    return NewRequest(request_id or f"r{i}", (1, 2, 3), SamplingParams(), seed=i, handle=i)
+
+
+def one_rank(batch: list[NewRequest]) -> tuple[tuple[int, NewRequest], ...]:
+    return tuple((0, n) for n in batch)
+
+
+def ids(message) -> list[str]:
+    return [n.request_id for _, n in message.assignments]
+
+
+def final(request_id: str, reason: FinishReason = FinishReason.STOP) -> RequestOutput:
+    return RequestOutput(request_id, (7,), "", True, reason)
+
+
+async def take(channel: OutputChannel) -> list[RequestOutput]:
+    with anyio.fail_after(1):
+        return await channel.take()
+
+
+async def test_submitted_requests_go_out_once_in_order_and_ids_stay_reserved():
+    door = FrontDoor()
+    channels = [door.submit(new(i)) for i in range(3)]
+    assert door.has_news and door.open_request_ids == {"r0", "r1", "r2"}
+    message = door.take_message(one_rank)
+    assert ids(message) == ["r0", "r1", "r2"] and not message.shutdown
+    assert not door.has_news and ids(door.take_message(one_rank)) == []
+    with pytest.raises(ValueError, match="live"):
+        door.submit(new(9, "r1"))           # still being served
+    door.deliver([RequestOutput("r1", (5,), "", False)])
+    assert "r1" in door.open_request_ids and door.request_id(1) == "r1"
+    door.deliver([final("r1")])
+    assert "r1" not in door.open_request_ids and door.request_id(1) is None
+    assert [o.token_ids for o in await take(channels[1])] == [(5,), (7,)]
+    assert await take(channels[1]) == []    # closed by the final output
+    door.deliver([RequestOutput("r1", (8,), "", False)])    # not live: dropped
+    door.submit(new(4, "r1"))               # reusable once final
+
+
+async def test_cancel_ends_a_queued_request_here_and_sends_a_running_ones_once():
+    door = FrontDoor()
+    running = door.submit(new(0))
+    door.take_message(one_rank)
+    queued = door.submit(new(1))
+    door.cancel("r1")                       # never handed out: ended here, at once
+    (out,) = await take(queued)
+    assert out.finished and out.finish_reason is FinishReason.CANCELLED
+    door.cancel("r0")
+    door.cancel("r0")                       # asked twice, sent once
+    door.cancel("unknown")                  # ignored
+    message = door.take_message(one_rank)
+    assert ids(message) == [] and message.cancels == ("r0",)
+    assert "r0" in door.open_request_ids    # until its rank sends the final output
+    door.deliver([final("r0", FinishReason.CANCELLED)])
+    assert (await take(running))[-1].finish_reason is FinishReason.CANCELLED
+
+
+async def test_a_cancel_not_yet_sent_never_reaches_a_request_reusing_the_id():
+    door = FrontDoor()
+    door.submit(new(0))
+    door.take_message(one_rank)
+    door.cancel("r0")
+    door.deliver([final("r0")])             # it finished before the cancel went out
+    door.submit(new(1, "r0"))
+    assert door.take_message(one_rank).cancels == ()
+
+
+async def test_abandon_closes_the_stream_cancels_and_keeps_the_id_until_final():
+    door = FrontDoor()
+    channel = door.submit(new(0))
+    door.take_message(one_rank)
+    door.abandon("r0")
+    door.abandon("r0")                      # never raises
+    assert await take(channel) == []        # the consumer's stream ended
+    assert door.take_message(one_rank).cancels == ("r0",)
+    assert "r0" in door.open_request_ids
+    door.deliver([final("r0", FinishReason.CANCELLED)])
+    assert door.open_request_ids == set()
+
+
+async def test_closing_cancels_what_was_not_handed_out_and_shuts_the_group_down():
+    door = FrontDoor()
+    running = door.submit(new(0))
+    door.take_message(one_rank)
+    late = door.submit(new(1))
+    door.close()
+    message = door.take_message(one_rank)
+    assert message.shutdown and ids(message) == []
+    assert (await take(late))[0].finish_reason is FinishReason.CANCELLED
+    door.close_all(FinishReason.ERROR, "boom")
+    (out,) = await take(running)
+    assert (out.finished, out.finish_reason, out.error) == (True, FinishReason.ERROR, "boom")
+    assert door.open_request_ids == set()
+
+
+async def test_wait_for_work_returns_on_news_and_times_out_without():
+    door = FrontDoor()
+    with anyio.fail_after(1):
+        await door.wait_for_work(timeout=0.01)      # nothing: the timeout ends it
+    door.submit(new(0))
+    with anyio.fail_after(0.5):
+        await door.wait_for_work(timeout=None)      # news: at once
+
+
+def test_assignment_goes_to_the_least_loaded_rank_lowest_on_ties():
+    got = assign_least_loaded([new(i) for i in range(4)], [2, 0, 1])
+    assert [rank for rank, _ in got] == [1, 1, 2, 0]
+    assert [n.request_id for _, n in got] == ["r0", "r1", "r2", "r3"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(loads=st.lists(st.integers(0, 6), min_size=1, max_size=5), count=st.integers(0, 12))
+def test_each_assignment_takes_a_least_loaded_rank(loads, count):
+    got = assign_least_loaded([new(i) for i in range(count)], loads)
+    current = list(loads)
+    for rank, _ in got:
+        assert current[rank] == min(current)
+        assert rank == current.index(min(current))
+        current[rank] += 1
+    assert len(got) == count
