@@ -242,6 +242,7 @@ def main():
                     help="batch sizes transformers runs at (default: --batches)")
     ap.add_argument("--consumers", default="stream,batch",
                     help="stream: a generate task per request; batch: one generate_batch")
+    ap.add_argument("--methods", default="none,ngram", help="none and/or ngram (K=4)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     args = ap.parse_args()
     global DEVICE, STATE_TIMES
@@ -265,7 +266,7 @@ def main():
     profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(loaded.tokenizer, batch)
-        for method in ("none", "ngram"):
+        for method in args.methods.split(","):
             prof = {} if batch in profile_batches else None
             by = anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
                            args.runs, method, prof, consumers)

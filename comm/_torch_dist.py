@@ -47,7 +47,8 @@ class TorchDistributedCommunicator(Communicator):
     """One process's rank in a torch.distributed group.
 
     Tensors go over the backend group (NCCL when the device is CUDA, else gloo); host
-    objects, barriers and checked-mode signatures over a gloo group. Blocking calls run
+    objects, barriers, checked-mode signatures and the all-gather of host (CPU) tensors
+    over a gloo group. Blocking calls run
     in a worker thread so the event loop keeps serving; with ``inline`` set (opt-in),
     tensor collectives are issued on the loop and polled instead, bounded by
     ``timeout_s``. With `checked=True` every
@@ -71,6 +72,10 @@ class TorchDistributedCommunicator(Communicator):
         # on NCCL (bench/adp_run.py --inline-collectives); tested over gloo. Checked mode
         # always keeps the thread.
         self.inline = False
+
+    # all_gather takes host tensors on any device (over gloo): the engine's SCHEDULE
+    # exchange then never touches the device (issue 12).
+    host_tensors = True
 
     @classmethod
     def from_env(cls, *, device: str | torch.device | None = None, checked: bool = False,
@@ -128,11 +133,15 @@ class TorchDistributedCommunicator(Communicator):
                          f"TorchDistributedCommunicator.from_env(timeout={seconds:g})")
 
     async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._check_device(check_tensor(tensor))
+        """A host (CPU) tensor goes over the gloo group whatever the device: no copy to
+        the device and back, and no wait behind work queued there (``host_tensors``)."""
+        group = self._group_for(check_tensor(tensor))
         if self.inline and not self._checked:
             return await self._run_inline(CollectiveCall.for_tensor(
-                "all_gather", self._name, self._seq, tensor), lambda: self._all_gather_async(tensor))
-        return await self._run(CollectiveCall.for_tensor, ("all_gather", tensor), self._all_gather, tensor)
+                "all_gather", self._name, self._seq, tensor),
+                lambda: self._all_gather_async(tensor, group))
+        return await self._run(CollectiveCall.for_tensor, ("all_gather", tensor), self._all_gather,
+                               tensor, group)
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = await self._run(CollectiveCall, ("all_gather_object",),
@@ -255,16 +264,22 @@ class TorchDistributedCommunicator(Communicator):
         log.error("collective_mismatch", rank=self._me, error=str(error))
         raise error
 
-    def _all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+    def _group_for(self, tensor: torch.Tensor) -> Any:
+        if tensor.device.type == "cpu":
+            return self._object_group      # gloo (the world group itself on a CPU device)
+        self._check_device(tensor)
+        return self._group
+
+    def _all_gather(self, tensor: torch.Tensor, group: Any) -> torch.Tensor:
         flat = tensor.detach().contiguous().reshape(-1)  # [n]
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        _GATHER_INTO(out, flat, group=self._group)
+        _GATHER_INTO(out, flat, group=group)
         return out.view(self.world_size, *tensor.shape)
 
-    def _all_gather_async(self, tensor: torch.Tensor) -> tuple[Any, torch.Tensor]:
+    def _all_gather_async(self, tensor: torch.Tensor, group: Any) -> tuple[Any, torch.Tensor]:
         flat = tensor.detach().contiguous().reshape(-1)  # [n]
         out = torch.empty(self.world_size * flat.numel(), dtype=flat.dtype, device=flat.device)
-        work = _GATHER_INTO(out, flat, group=self._group, async_op=True)
+        work = _GATHER_INTO(out, flat, group=group, async_op=True)
         return work, out.view(self.world_size, *tensor.shape)
 
     def _all_reduce_async(self, tensor: torch.Tensor, op: str) -> tuple[Any, torch.Tensor]:

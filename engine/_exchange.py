@@ -55,7 +55,11 @@ class OutputExchange:
         self.comm = comm
         self.front = front          # FrontDoor on rank 0, None elsewhere
         self.scheduler = scheduler
-        self.device = device
+        # The exchange's tensors stay on the host when the communicator gathers host
+        # tensors (torch.distributed: over gloo): then it neither syncs the device nor
+        # waits behind a step queued there (RankWorker.run_ahead in a group).
+        self.on_host = bool(getattr(comm, "host_tensors", False))
+        self.device = torch.device("cpu") if self.on_host else device
         self.k = config.speculative.k
         self.pending: list[tuple[int, RequestOutput]] = []
         # Requests per rank, as of the last SYNC: where rank 0 assigns new requests.
@@ -85,8 +89,8 @@ class OutputExchange:
         SYNC facts, its arrival time and a flag; only when some rank raised the flag
         (rank 0 has requests, cancels or shutdown to send; an output block overflowed)
         does a pickled object exchange follow. The flags are gathered first, so every
-        rank agrees on whether it happens. It runs while the device is idle (the last
-        VERIFY was read back; this iteration's work is not queued yet)."""
+        rank agrees on whether it happens. On the device (``on_host`` False) it runs while
+        the device is idle (the last VERIFY was read back; no step is queued ahead)."""
         message, pending = FrontDoorMessage(), self.pending
         self.pending = []
         if self.front is not None:

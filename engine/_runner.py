@@ -61,6 +61,10 @@ class ModelRunner:
         # Layers whose residual streams the drafter reads instead of the final hidden
         # state (an EAGLE-3 head's low/mid/high features); () = the final hidden state.
         self.feature_layers: tuple[int, ...] = ()
+        # Requests admitted together share prefill forwards (``prefill_many``): on a GPU
+        # an eager forward costs ~10 ms of kernel launches whatever its rows (issue 12).
+        # The CPU is compute-bound, so it keeps one forward per request (same numerics).
+        self.batch_prefill = self.device.type == "cuda"
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
                 *, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -120,6 +124,53 @@ class ModelRunner:
 
     def release(self, slot: int) -> None:
         self.pages.release(slot)
+
+    def prefill_many(self, requests: list[Request]) -> list[torch.Tensor]:
+        """``prefill`` of each request, in order. With ``batch_prefill``, requests whose
+        prompt fits one chunk share forwards of at most ``max_prefill_tokens`` tokens
+        counting the padding (rows right-padded to the longest); longer prompts are
+        prefilled alone, in chunks."""
+        if not self.batch_prefill:
+            return [self.prefill(r) for r in requests]
+        out: dict[int, torch.Tensor] = {}
+        group: list[tuple[int, Request, int]] = []   # (index, request, tokens to write)
+        for i, request in enumerate(requests):
+            n = request.seq_len - 1 - request.num_cached
+            if not 0 < n <= self.max_prefill_tokens:
+                out[i] = self.prefill(request)
+                continue
+            width = max([n] + [m for *_, m in group])
+            ends = [r.num_cached + width for _, r, _ in group] + [request.num_cached + width]
+            if group and ((len(group) + 1) * width > self.max_prefill_tokens
+                          or max(ends) > self.max_seq_len):
+                out.update(self._prefill_rows(group))
+                group = []
+            group.append((i, request, n))
+        if group:
+            out.update(self._prefill_rows(group))
+        return [out[i] for i in range(len(requests))]
+
+    @inference_mode
+    def _prefill_rows(self, group: list[tuple[int, Request, int]]) -> dict[int, torch.Tensor]:
+        """One forward over [B, T]: row b writes its request's next n_b prompt tokens. The
+        padding (token 0) past them writes K/V into the row's own last page, past its
+        length (its next steps overwrite those positions before any query reads them), or
+        into the scratch page (unowned table entries point there)."""
+        width = max(n for *_, n in group)
+        tokens = torch.zeros(len(group), width, dtype=torch.int64)
+        for row, (_, request, n) in enumerate(group):
+            self.pages.resize(request.batch_slot, request.seq_len)
+            tokens[row, :n] = torch.tensor(
+                request.token_ids[request.num_cached:request.num_cached + n])
+        starts = torch.tensor([[r.num_cached for _, r, _ in group],
+                               [r.batch_slot for _, r, _ in group]], dtype=torch.int64)
+        starts = self.to_device(starts)
+        features = self.forward(self.to_device(tokens), starts[0], starts[1])[1]
+        out = {}
+        for row, (i, request, n) in enumerate(group):
+            out[i] = features[row, :n]          # [n, H] (or [n, F*H])
+            request.num_cached += n
+        return out
 
     @inference_mode
     def prefill(self, request: Request) -> torch.Tensor:

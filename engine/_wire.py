@@ -26,14 +26,13 @@ def encode_outputs(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: i
     width = block_width(k)
     if len(outputs) > rows or any(len(o.token_ids) > k + 1 for _, o in outputs):
         return None
-    block = torch.full((rows, width), -1, dtype=torch.int64)
-    block[:, 0] = 0
-    for row, (handle, out) in enumerate(outputs):
-        reason = REASONS.index(out.finish_reason) if out.finish_reason is not None else -1
-        block[row, :4] = torch.tensor([handle + 1, len(out.token_ids), int(out.finished),
-                                       reason])
-        block[row, 4:4 + len(out.token_ids)] = torch.tensor(out.token_ids, dtype=torch.int64)
-    return block.reshape(-1)
+    # Built as lists, one tensor at the end: per-row tensor writes cost ~0.5 ms at 64 rows.
+    block = [[handle + 1, len(out.token_ids), int(out.finished),
+              -1 if out.finish_reason is None else REASONS.index(out.finish_reason),
+              *out.token_ids] + [-1] * (k + 1 - len(out.token_ids))
+             for handle, out in outputs]
+    block += [[0] + [-1] * (width - 1)] * (rows - len(outputs))
+    return torch.tensor(block, dtype=torch.int64).reshape(-1)
 
 
 def decode_outputs(flat: torch.Tensor, k: int, request_id: Callable[[int], str | None]

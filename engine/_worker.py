@@ -103,9 +103,12 @@ class RankWorker:
         self.draft_when_idle = drafter is not None and drafter.needs_empty_calls
         self.on_verified = drafter.on_verified if drafter is not None else None
         self.verify_inline = runner.device.type == "cuda"
-        # No speculation on one GPU rank: each VERIFY also queues the next iteration's
-        # step (see _queue_ahead); the GPU then works while the host runs an iteration.
-        self.run_ahead = self.verify_inline and self.k == 0 and not multi
+        # No speculation on a GPU: each VERIFY also queues the next iteration's step (see
+        # _queue_ahead); the GPU then works while the host runs an iteration. In a group
+        # too when SCHEDULE's exchange runs on the host (else it would wait behind that
+        # step on the device): the step holds no collective without a drafter.
+        self.run_ahead = self.verify_inline and self.k == 0 and (
+            not multi or self.exchange.on_host)
         self._ahead: _Ahead | None = None
 
     def handlers(self) -> dict[IterationState, Handler]:  # schedule/sync: set in __init__
@@ -182,10 +185,10 @@ class RankWorker:
             self._prefill_s += time.perf_counter() - start
 
     def _prefill(self, admitted: list[Request]) -> None:
-        for request in admitted:
-            hidden = self.runner.prefill(request)
-            if self.drafter is not None:
-                self.drafter.prefill(request.batch_slot, request.token_ids[:-1], hidden)
+        hidden = self.runner.prefill_many(admitted)
+        if self.drafter is not None:
+            for request, h in zip(admitted, hidden):
+                self.drafter.prefill(request.batch_slot, request.token_ids[:-1], h)
 
     # SYNC -------------------------------------------------------------------------------
     async def _sync_local(self, rec: IterationRecord) -> IterationState:
@@ -386,7 +389,8 @@ class RankWorker:
         batch = rec.batch
         limit = self.config.model.max_seq_len
         joining = self.scheduler.slots.num_free and (
-            self.scheduler.waiting or (self.front is not None and self.front.has_news))
+            self.scheduler.waiting or self._carried.assignments
+            or (self.front is not None and self.front.has_news))
         if joining or any(len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens,
                                                       limit) for r in batch):
             self.runner.keep_ahead = 0

@@ -200,3 +200,36 @@ async def test_cancel_reaches_the_serving_rank_and_frees_its_slot(tiny_dir, tiny
     assert all(reason is FinishReason.CANCELLED and n < 500 for reason, n in finals.values())
     assert len(finals) == 4 and served_by_1 > 0
     assert free == {0: 2, 1: 2}
+
+
+async def test_step_queued_ahead_in_a_group_equals_single_rank(tiny_dir, tiny_loaded):
+    """No speculation, each rank queueing its next step before reading this one back (the
+    GPU path; the group's exchange then runs on the host): outputs equal one rank's, greedy
+    and seeded sampled, with requests waiting for slots; every rank used steps queued
+    ahead."""
+    params = [SamplingParams(temperature=0.0, max_tokens=10 + 3 * i, ignore_eos=True)
+              if i % 2 else SamplingParams(temperature=0.9, seed=i, max_tokens=12 + i)
+              for i in range(len(PROMPTS))]
+    async with AsyncEngine(make_config(tiny_dir), model=tiny_loaded) as engine:
+        expected = await serve(engine, PROMPTS, params)
+    config = adp_config(tiny_dir, 2, max_batch_size=2)
+    used = [0, 0]
+
+    async def rank_main(comm):
+        async with AsyncEngine(config, communicator=comm, model=tiny_loaded) as engine:
+            worker = engine.worker
+            worker.verify_inline = worker.run_ahead = True
+            take = worker._take_ahead
+
+            def counted(rec):
+                pending, rows = take(rec)
+                used[comm.rank] += pending is not None
+                return pending, rows
+            worker._take_ahead = counted
+            if comm.rank == 0:
+                return await serve(engine, PROMPTS, params)
+            await engine.wait_closed()
+
+    results = await LocalGroup(2, timeout=5.0).run(rank_main)
+    assert results[0] == expected
+    assert all(used), used
