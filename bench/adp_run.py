@@ -100,6 +100,8 @@ async def main_async(args, path, world):
     engine = AsyncEngine(config, observers=[cost])
     if args.inline_collectives and hasattr(engine.comm, "inline"):
         engine.comm.inline = True       # NCCL collectives issued on the loop and polled
+    if args.shared_memory_exchange and hasattr(engine.comm, "shared_memory"):
+        engine.comm.shared_memory = True    # host all-gathers through shared memory
     async with engine:
         rank = engine.comm.rank
         if rank == 0:
@@ -166,6 +168,8 @@ def main():
     ap.add_argument("--checked", action="store_true")
     ap.add_argument("--inline-collectives", action="store_true",
                     help="tensor collectives issued on the event loop and polled, no thread")
+    ap.add_argument("--shared-memory-exchange", action="store_true",
+                    help="SCHEDULE's host all-gather through shared memory, not gloo")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")

@@ -91,6 +91,29 @@ async def inline_timeout(comm: TorchDistributedCommunicator) -> dict:
         return {"error": str(exc), "elapsed": time.perf_counter() - start}
 
 
+async def shared_memory(comm: TorchDistributedCommunicator) -> dict:
+    """Host all-gathers through shared memory: 300 in a row, each row's content new
+    (both buffers reused many times over), checked against what every rank sent; then
+    rank 1 skips one: rank 0 times out instead of hanging."""
+    wrong = 0
+    for i in range(300):
+        mine = torch.arange(5, dtype=torch.int64) * (i + 1) + 1000 * comm.rank
+        got = await comm.all_gather(mine)
+        want = torch.stack([torch.arange(5) * (i + 1) + 1000 * r for r in range(2)])
+        wrong += not torch.equal(got, want)
+    out = {"wrong": wrong, "sizes": sorted(k for k, v in comm._shared.items() if v)}
+    if comm.rank == 1:
+        await anyio.sleep(6)
+        return out
+    start = time.perf_counter()
+    try:
+        await comm.all_gather(torch.zeros(5, dtype=torch.int64))
+        out["error"] = None
+    except CollectiveTimeoutError as exc:
+        out.update(error=str(exc), elapsed=time.perf_counter() - start)
+    return out
+
+
 async def latency(comm: TorchDistributedCommunicator, iters: int = 200) -> dict:
     """Mean microseconds per call of a SYNC-sized all_gather ([3] int64) and an object gather."""
     out = {}
@@ -110,6 +133,7 @@ async def main(checked: bool) -> None:
     comm = TorchDistributedCommunicator.from_env(device=device, checked=checked, timeout=3.0)
     if "--inline" in sys.argv:
         comm.inline = True      # gloo: issued on the loop and polled, as NCCL by default
+    comm.shared_memory = "--shm" in sys.argv
     result = {"ops": await ops(comm), "inline": comm.inline}
     if "--latency" in sys.argv:
         result["latency_us"] = await latency(comm)
@@ -119,6 +143,8 @@ async def main(checked: bool) -> None:
         result["timeout"] = await timeout(comm)
     if "--inline" in sys.argv and comm.device.type == "cpu":
         result["timeout"] = await inline_timeout(comm)
+    if comm.shared_memory:
+        result["shared_memory"] = await shared_memory(comm)
     print("RESULT " + json.dumps(result), flush=True)
     comm.close()
 

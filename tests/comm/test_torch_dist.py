@@ -62,6 +62,11 @@ def inline() -> list[dict]:
     return _launch("--inline")
 
 
+@pytest.fixture(scope="module")
+def shared() -> list[dict]:
+    return _launch("--shm")
+
+
 def _assert_ops(results: list[dict]) -> None:
     for rank, res in enumerate(results):
         ops = res["ops"]
@@ -115,4 +120,17 @@ def test_collectives_issued_inline_give_the_same_results(inline):
     assert all(res["inline"] for res in inline)
     waiting = inline[0]["timeout"]
     assert waiting["error"] is not None and "did not enter all_gather" in waiting["error"]
+    assert waiting["elapsed"] < 10
+
+
+def test_host_all_gathers_through_shared_memory(shared):
+    """Host tensors' all_gather through a file in shared memory: the same results; 300
+    calls in a row with new contents each, all right; a rank that skips one is a timeout
+    error on the other, not a hang."""
+    _assert_ops(shared)
+    for res in shared:
+        assert res["shared_memory"]["wrong"] == 0
+        assert res["shared_memory"]["sizes"] == [16, 24, 40]   # [2] i64, [2, 3] f32, [5] i64
+    waiting = shared[0]["shared_memory"]
+    assert waiting["error"] is not None and "not completed within 3 s" in waiting["error"]
     assert waiting["elapsed"] < 10
