@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import secrets
 from types import TracebackType
-from typing import TYPE_CHECKING, AsyncIterator, Sequence
+from typing import TYPE_CHECKING, AsyncGenerator, Sequence
 
 import anyio
 import anyio.abc
@@ -173,7 +173,7 @@ class AsyncEngine:
 
     # front door -------------------------------------------------------------------------
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       *, request_id: str | None = None) -> AsyncIterator[RequestOutput]:
+                       *, request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         new = self._admit(prompt, params, request_id)
         channel = self._front_door.submit(new)
         texts = TextStream(self._tokenizer, new.params.stop)
@@ -197,7 +197,7 @@ class AsyncEngine:
 
     async def generate_batch(self, prompts: Sequence[str | list[int]],
                              params: SamplingParams | Sequence[SamplingParams] | None = None
-                             ) -> AsyncIterator[list[RequestOutput]]:
+                             ) -> AsyncGenerator[list[RequestOutput], None]:
         """Several requests as one stream: each item is every output the engine produced
         for them since the last item, at most one item per iteration (``generate``'s
         outputs, same fields, automatic ids in prompt order). One consumer for the whole

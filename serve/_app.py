@@ -8,7 +8,7 @@ import secrets
 import time
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 from starlette.applications import Starlette
@@ -22,6 +22,9 @@ from ._metrics import ServeMetrics
 from ._protocol import ApiError, ParsedRequest, parse
 from ._run import RequestRun, finish_reason
 from ._spec import SpecTracker
+
+if TYPE_CHECKING:
+    from specloop.engine import AsyncEngine
 
 
 class _Tokenizer(Protocol):
@@ -38,7 +41,7 @@ class _Tokenizer(Protocol):
 class ServerState:
     """What the handlers share: the engine (rank 0's), options and the observers."""
 
-    engine: Any
+    engine: AsyncEngine | None       # set once built; HTTP is served only after that
     model_name: str
     metrics: ServeMetrics
     spec: SpecTracker
@@ -46,6 +49,11 @@ class ServerState:
     max_body_bytes: int = 1 << 20
     failure: str | None = None       # set once the engine has died
     created: int = attrs.Factory(lambda: int(time.time()))
+
+    @property
+    def built_engine(self) -> AsyncEngine:
+        assert self.engine is not None, "serve() builds the engine before serving HTTP"
+        return self.engine
 
 
 def build_app(state: ServerState, *, cors_origins: tuple[str, ...] = ()) -> Starlette:
@@ -99,7 +107,7 @@ async def _guard(state: ServerState, handler: Handler, kind: str | None, request
 async def _models(state: ServerState, request: Request, kind: None) -> Response:
     return JSONResponse({"object": "list", "data": [
         {"id": state.model_name, "object": "model", "created": state.created,
-         "owned_by": "specloop", "max_model_len": state.engine.config.model.max_seq_len}]})
+         "owned_by": "specloop", "max_model_len": state.built_engine.config.model.max_seq_len}]})
 
 
 async def _read_json(request: Request, limit: int) -> Any:
@@ -119,7 +127,8 @@ async def _read_json(request: Request, limit: int) -> Any:
 
 
 def _prompt_ids(state: ServerState, parsed: ParsedRequest) -> list[int]:
-    tokenizer: _Tokenizer = state.engine.tokenizer
+    tokenizer: _Tokenizer | None = state.built_engine.tokenizer
+    assert tokenizer is not None, "a built engine has its tokenizer"
     if parsed.kind == "chat":
         if not tokenizer.chat_template:
             raise ApiError(400, "messages: this model has no chat template; use "
@@ -138,7 +147,7 @@ def _prompt_ids(state: ServerState, parsed: ParsedRequest) -> list[int]:
 async def _completion(state: ServerState, request: Request, kind: str) -> Response:
     body = await _read_json(request, state.max_body_bytes)
     parsed = parse(body, kind, model_name=state.model_name,
-                   default_max_tokens=state.engine.config.model.max_seq_len)
+                   default_max_tokens=state.built_engine.config.model.max_seq_len)
     run = RequestRun(state, parsed, _prompt_ids(state, parsed))
     if not await run.start(request):
         return Response(status_code=499)            # the client left; nobody reads this

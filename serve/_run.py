@@ -79,7 +79,7 @@ class RequestRun:
     async def start(self, request: Request) -> bool:
         """Admit the request and wait for its first output; False if the client left."""
         self._spec = self.state.spec.track(self.response_id)
-        self._outputs = self.state.engine.generate(self.prompt_ids, self.parsed.params,
+        self._outputs = self.state.built_engine.generate(self.prompt_ids, self.parsed.params,
                                                    request_id=self.response_id)
         try:
             present, first = await until_disconnect(request, self._outputs.__anext__)

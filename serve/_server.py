@@ -114,7 +114,7 @@ async def serve(config: EngineConfig, options: ServeOptions,
         if not await _ready_unless_signalled(ready):
             interrupted = True          # Ctrl-C while the model loads
             tg.cancel_scope.cancel()
-        elif state.engine.front is not None:
+        elif state.built_engine.front is not None:
             try:
                 await _serve_http(state, options, sock)
             finally:
