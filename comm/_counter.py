@@ -84,6 +84,10 @@ class CollectiveCounter(Communicator):
     def timeout_s(self) -> float | None:
         return self.inner.timeout_s
 
+    @property
+    def host_tensors(self) -> bool:
+        return self.inner.host_tensors
+
     def bounded(self, seconds: float) -> CollectiveCounter:
         """The inner communicator's bounded view, still counted here."""
         return CollectiveCounter(self.inner.bounded(seconds), _tally=self._tally)

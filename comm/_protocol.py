@@ -19,8 +19,8 @@ class Communicator(Protocol):
     symmetry"). Results are fresh objects, never aliases of another rank's data.
 
     Subclass it to inherit the defaults of `timeout_s` (None: waits are not bounded),
-    `bounded` (returns self: cannot bound; the engine then logs `communicator_unbounded`)
-    and `close` (does nothing), or implement every member. The factory named in config is
+    `bounded` (returns self: cannot bound; the engine then logs `communicator_unbounded`),
+    `close` (does nothing) and `host_tensors` (False), or implement every member. The factory named in config is
     called as `factory(config)`.
     """
 
@@ -48,6 +48,13 @@ class Communicator(Protocol):
         """Release what the communicator holds (process groups); called once, by the
         engine that built it, when it stops. Not a collective. Default: nothing."""
         return None
+
+    @property
+    def host_tensors(self) -> bool:
+        """True when `all_gather` takes host (CPU) tensors whatever the group's device
+        (gathering them on the host): the engine then keeps SCHEDULE's exchange on the
+        host. Default False (the exchange's tensors go to the device)."""
+        return False
 
     async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[*shape] on every rank -> [world_size, *shape], row r from rank r."""

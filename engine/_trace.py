@@ -117,6 +117,10 @@ class TracedCommunicator(Communicator):
     def timeout_s(self) -> float | None:
         return self.inner.timeout_s
 
+    @property
+    def host_tensors(self) -> bool:
+        return self.inner.host_tensors
+
     def bounded(self, seconds: float) -> TracedCommunicator:
         return TracedCommunicator(self.inner.bounded(seconds), self._recorder)
 

@@ -18,7 +18,7 @@ USED = {
     "sampler": {"draft", "verify"},
     "communicator": {"rank", "world_size", "name", "all_gather", "all_gather_object",
                      "all_reduce", "broadcast_object", "barrier", "subgroup", "timeout_s",
-                     "bounded", "close"},
+                     "bounded", "close", "host_tensors"},
     "graph_cache": {"pick", "keys_to_capture", "capture", "has", "replay", "seal"},
     "drafter": {"num_draft_tokens", "prefill", "propose", "release", "point_mass",
                 "needs_empty_calls", "feature_layers", "on_verified", "can_graph",
@@ -30,6 +30,20 @@ USED = {
 @pytest.mark.parametrize("kind", sorted(USED))
 def test_protocols_declare_what_the_engine_uses(kind):
     assert protocol_members(protocol_of(kind)) == USED[kind]
+
+
+def test_wrapped_communicators_report_the_inner_ones_host_tensors():
+    """SCHEDULE's exchange reads ``host_tensors`` off the communicator it is given, which
+    --trace and the collective counter wrap."""
+    from specloop.comm import SingleRankCommunicator
+
+    class OnHost(SingleRankCommunicator):
+        host_tensors = True
+
+    for inner, want in ((SingleRankCommunicator(), False), (OnHost(), True)):
+        for wrapped in (CollectiveCounter(inner), TraceRecorder().communicator(inner)):
+            assert wrapped.host_tensors is want
+            assert wrapped.bounded(5.0).host_tensors is want
 
 
 @pytest.mark.parametrize("name", sorted(known_components("graph_cache")))
