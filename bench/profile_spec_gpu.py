@@ -24,7 +24,10 @@ from _common import (add_round_args, device_sync, emit_row, engine_config, gener
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
            "eagle3 K=2": {"method": "eagle3", "num_draft_tokens": 2, "draft_weights": HEAD},
-           "eagle3 K=3": {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD}}
+           "eagle3 K=3": {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD},
+           # The same engine with DRAFT and VERIFY not chained on the device (before).
+           "eagle3 K=3 unchained": {"method": "eagle3", "num_draft_tokens": 3,
+                                    "draft_weights": HEAD, "unchained": True}}
 RUNTIME = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize",
            "cudaEventSynchronize", "cudaDeviceSynchronize", "cuLaunchKernel")
 
@@ -57,8 +60,12 @@ async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):
 
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
     obs = StateTimes()
+    spec = dict(spec)
+    unchained = spec.pop("unchained", False)
     async with AsyncEngine(engine_config(spec, batch, device), model=loaded,
                            observers=[obs]) as engine:
+        if unchained:
+            engine.worker.chain = None
         await generate_round(engine, prompts, 8)
         obs.us.clear()
         obs.iterations = 0
@@ -77,7 +84,10 @@ async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):
         prof_summary = summarize_profile(prof, obs.iterations)
         if trace:
             prof.export_chrome_trace(trace)
+        chain = engine.worker.chain
+        chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
     return rates, al, {"iteration_ms": round(wall_ms, 3), "states_ms": states,
+                       "chain_queued_taken": chained,
                        **prof_summary}
 
 

@@ -24,6 +24,7 @@ from specloop.models._grad import inference_mode
 from specloop.samplers import RejectionResult, Sampler, SamplingBatch
 
 from ._adaptive import AdaptiveK
+from ._chain import DeviceChain
 from ._exchange import OutputExchange
 from ._frontdoor import FrontDoorMessage
 from ._iteration import Handler, IterationRecord
@@ -110,6 +111,11 @@ class RankWorker:
         self.run_ahead = self.verify_inline and self.k == 0 and (
             not multi or self.exchange.on_host)
         self._ahead: _Ahead | None = None
+        # Speculation on one GPU rank with a fixed K: each VERIFY also queues the next
+        # iteration's DRAFT and VERIFY, chained on the device (engine/_chain.py).
+        self.chain = DeviceChain(worker=self) if (
+            self.verify_inline and self.k and not multi and drafter is not None
+            and drafter.can_chain and not config.speculative.adaptive) else None
 
     def handlers(self) -> dict[IterationState, Handler]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
@@ -280,6 +286,10 @@ class RankWorker:
         assert drafter is not None, "draft_step drafts only with a drafter (K > 0)"
         if not rec.batch and not self.draft_when_idle:
             return
+        if self.chain is not None and self.chain.matches(rec):
+            # Queued on the device by the last VERIFY; VERIFY takes it.
+            rec.draft_token_ids = rec.draft_probs = None
+            return
         k, variable = rec.k, drafter.variable_k
         if not k and variable:      # adaptive K chose not to draft: on every rank alike
             rec.draft_token_ids = rec.draft_probs = None
@@ -327,11 +337,16 @@ class RankWorker:
             # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
             # the consumers run while the GPU works, then the loop waits for the copy.
             pending, rows = self._take_ahead(rec)
+            if (pending is None or rows is None) and self.chain is not None:
+                pending, rows = self.chain.take()
             if pending is None or rows is None:     # both None, or neither
                 pending, rows = self._queue_verify(rec), range(len(rec.batch))
             self._ahead = self._queue_ahead(rec, pending, rows) if self.run_ahead else None
+            hidden = self.chain.queue(rec, pending, rows) if self.chain is not None else None
             await anyio.lowlevel.checkpoint()
-            rec.result = self._collect_verify(rec, pending, rows)
+            rec.result = self._collect_verify(rec, pending, rows, hidden)
+            if self.chain is not None:
+                self.chain.collected(rec)
         else:
             rec.result = await self.run_sync(lambda: self._verify(rec))
         return S.RESCAN
@@ -359,18 +374,23 @@ class RankWorker:
 
     @inference_mode
     def _collect_verify(self, rec: IterationRecord, pending: Pending,
-                        rows: Sequence[int] | None = None) -> RejectionResult:
+                        rows: Sequence[int] | None = None,
+                        hidden: torch.Tensor | None = None) -> RejectionResult:
         """``rows``: which rows of the step are the batch's (a step queued ahead for a
-        batch some requests have left since); None: all, in order."""
+        batch some requests have left since); None: all, in order. ``hidden``: the
+        batch's feature rows copied out before a chained step overwrote the outputs."""
         out, read_back = pending
         batch, real = rec.batch, len(rec.batch)
         host = self.runner.finish_read_back(read_back)
-        if rows is not None and len(rows) != host.shape[0]:
-            host = host[list(rows)]
+        subset = None if rows is None or len(rows) == host.shape[0] else list(rows)
+        if subset is not None:
+            host = host[subset]
         result = RejectionResult(host[:, :-1], host[:, -1])
         if self.on_verified is not None:
+            if hidden is None:      # the batch's rows of the step (a chained one: fewer)
+                hidden = out["hidden"][:real] if subset is None else out["hidden"][subset]
             self.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
-                             out["hidden"][:real], result.num_accepted.tolist())
+                             hidden, result.num_accepted.tolist())
         return result
 
     def _queue_ahead(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]

@@ -117,6 +117,16 @@ class Structural:
     def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    can_chain: bool = False
+
+    def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
+                       slots: Sequence[int], sampling: SamplingBatch
+                       ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def chained_consumed(self, slots: Sequence[int]) -> None:
+        pass
+
 
 def conform() -> None:
     cache: GraphCache = SealTakesAnArgument()

@@ -326,6 +326,40 @@ class MtpEagleDrafter(Drafter):
         inputs.update(slots=ctx.slots, seq_lens=ctx.seq_lens)
         return inputs
 
+    @property
+    def can_chain(self) -> bool:
+        return True
+
+    @inference_mode
+    def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
+                       slots: Sequence[int], sampling: SamplingBatch
+                       ) -> dict[str, torch.Tensor]:
+        """The catch-up of each row is that VERIFY's K + 1 rows at ``start`` (rows
+        0..n committed; the rest sit at positions >= the new length - 1, which the draft
+        steps and the next catch-up write before any query reads them, as the graph's
+        own padding rows do), its tokens (-1 past the bonus: any valid id), cu_last n,
+        the new length start + n + 2. Padding rows as ``graph_inputs`` pads them
+        (scratch slot, start 0, cu_last 0, length 2)."""
+        rows, real = sampling.size, len(start)
+        pad = rows - real
+        host = torch.tensor([list(start) + [0] * pad, list(slots) + [self.scratch] * pad,
+                             [0] * real + [1] * pad], dtype=torch.int64)
+        dev = self.pending.device
+        packed = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+        cu_start, row_slots, is_pad = packed[0], packed[1], packed[2]
+        accepted = verified["num_accepted"] * (1 - is_pad)
+        tokens = verified["token_ids"].clamp(min=0)
+        inputs = {"cu_tokens": tokens, "cu_hidden": verified["hidden"][:],
+                  "cu_start": cu_start, "write_slots": row_slots, "cu_last": accepted,
+                  "slots": row_slots, "seq_lens": cu_start + accepted + 2,
+                  "bonus": tokens.gather(1, accepted[:, None]), "pad": is_pad}
+        inputs.update(sampling.columns())
+        return inputs
+
+    def chained_consumed(self, slots: Sequence[int]) -> None:
+        for slot in slots:
+            self.pending_count[slot] = 0
+
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
         proposal = replay_proposal(ctx, self.graph_inputs(ctx),
                                    advanced and ctx.draft_count(self) > 0)

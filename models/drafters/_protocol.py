@@ -167,6 +167,28 @@ class Drafter(Protocol):
         raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
                            "(its can_graph is False)")
 
+    @property
+    def can_chain(self) -> bool:
+        """True when ``chained_inputs`` builds the next iteration's draft-graph inputs on
+        the device from VERIFY's outputs, so the engine may queue DRAFT and VERIFY of
+        iteration n+1 before reading VERIFY n back (engine/_chain.py). Default False."""
+        return False
+
+    def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
+                       slots: Sequence[int], sampling: SamplingBatch
+                       ) -> dict[str, torch.Tensor]:
+        """``graph_inputs`` of the iteration after a VERIFY whose rows sat at ``start``
+        (L - 1) in ``slots``, built on the device from its outputs (``token_ids``,
+        ``num_accepted``, ``hidden``) for ``sampling.size`` rows, plus ``bonus``
+        [Bp, 1] (VERIFY n+1's first token) and ``pad`` [Bp] (1 on padding rows); only
+        called where ``can_chain`` is True."""
+        raise RuntimeError(f"{type(self).__name__} does not chain (its can_chain is False)")
+
+    def chained_consumed(self, slots: Sequence[int]) -> None:
+        """The chained draft of these slots ran (as ``propose`` would have). Default:
+        nothing."""
+        return None
+
 
 class VerifyObserver(Protocol):
     """The ``on_verified`` member of a drafter, alone (kept for existing imports)."""

@@ -22,7 +22,8 @@ USED = {
     "graph_cache": {"pick", "keys_to_capture", "capture", "has", "replay", "seal"},
     "drafter": {"num_draft_tokens", "prefill", "propose", "release", "point_mass",
                 "needs_empty_calls", "feature_layers", "on_verified", "can_graph",
-                "graph_step", "graph_inputs", "variable_k"},
+                "graph_step", "graph_inputs", "variable_k", "can_chain", "chained_inputs",
+                "chained_consumed"},
     "observer": {"on_transition"},
 }
 

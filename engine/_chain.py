@@ -1,0 +1,173 @@
+"""Speculation with the next iteration chained on the device (one GPU rank, CUDA graphs).
+
+After VERIFY n is queued and before it is read back, the next iteration's DRAFT and VERIFY
+are queued too, their inputs built on the GPU from VERIFY n's outputs: the head's
+catch-up is VERIFY n's K + 1 feature rows and tokens (``Drafter.chained_inputs``), its K
+drafts and VERIFY n's bonus token are VERIFY n+1's tokens, one position past the accepted
+ones. The host then reads VERIFY n back and runs RESCAN, SCHEDULE .. DRAFT of n+1 while
+the GPU computes n+1, as the no-speculation step queued ahead does (``RankWorker.
+_queue_ahead``); nothing waits for the host between the stages.
+
+Iteration n+1 uses the chained step when its batch is the same requests in the same order,
+each exactly as long as VERIFY n made it, under the same graph key; DRAFT then skips the
+drafter and VERIFY takes the queued step. Otherwise it is dropped: its K/V writes (target
+and head) lie at positions the real steps of n+1 write again before any query reads them,
+or in pages freed after it on the same stream (a finished request's), so dropping it is
+safe, and the drafter still has VERIFY n's rows (``on_verified`` runs either way).
+Exactness: the chained draft reads the same rows, tokens and positions the drafter's own
+replay would (the rows past the accepted ones differ, and no real row reads them), and
+the same captured graphs run, so outputs are those of the unchained path bit for bit.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import attrs
+import torch
+
+from specloop.graphs import GraphKey
+
+from ._request import Request
+
+if TYPE_CHECKING:
+    from ._iteration import IterationRecord
+    from ._worker import Pending
+
+
+@attrs.frozen
+class _Chained:
+    """A DRAFT + VERIFY queued one iteration ahead."""
+
+    batch: tuple[Request, ...]
+    key: GraphKey
+    pending: Pending            # (VERIFY's outputs, ReadBack), as _queue_verify returns
+    seq_lens: tuple[int, ...]   # each request's length when the step is its own
+
+
+class DeviceChain:
+    """The worker's chained DRAFT + VERIFY (see the module doc). ``queue`` right after
+    VERIFY n is queued, ``collected`` once it is read back; at n+1 ``matches`` in DRAFT,
+    ``take`` in VERIFY."""
+
+    def __init__(self, *, worker: Any) -> None:
+        self.worker = worker
+        self.drafter = worker.drafter
+        self.k = self.drafter.num_draft_tokens
+        # (batch, key, pending) until VERIFY n is read back
+        self._queued: tuple[tuple[Request, ...], GraphKey, Pending] | None = None
+        self._chained: _Chained | None = None
+        self._matched: tuple[Pending, list[int]] | None = None
+        # For tests and benches: steps queued, taken, taken for fewer requests.
+        self.queued_steps = self.taken_steps = self.subset_steps = 0
+
+    # iteration n ------------------------------------------------------------------------
+    def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]
+              ) -> torch.Tensor | None:
+        """Queue DRAFT + VERIFY of iteration n+1 behind VERIFY n (``pending``, whose rows
+        ``rows`` are the batch's: fewer than its own when requests left); -> VERIFY n's
+        feature rows of the batch [B, K+1, F*H] copied out (the chained VERIFY overwrites
+        its static outputs before the host hands them to ``on_verified``), or None when
+        nothing was queued."""
+        w = self.worker
+        self._queued = self._chained = self._matched = None
+        if not self._can_queue(rec):
+            w.runner.keep_ahead = 0
+            return None
+        batch, key = rec.batch, rec.key
+        real, padded, k = len(batch), key.batch_size, self.k
+        # Pages for every position n+1 may write: up to K + 1 accepted now, then K + 1
+        # more rows; RESCAN's trim keeps K + 1 past the committed K/V.
+        w.runner.reserve(batch, 2 * k + 1)
+        w.runner.keep_ahead = k + 1
+        with torch.inference_mode():
+            out = self._rows(pending[0], rows, padded)
+            hidden = out["hidden"][:real].clone()
+            sampling = w._sampling_batch(batch, padded)
+            start = [r.seq_len - 1 for r in batch]
+            draft_in = self.drafter.chained_inputs(
+                out, start, [r.batch_slot for r in batch], sampling)
+            draft_key = attrs.evolve(key, stage="draft")
+            drafted = w.graph_cache.replay(draft_key, draft_in)
+            inputs = {"tokens": torch.cat([draft_in["bonus"], drafted["token_ids"]], dim=1),
+                      "start_pos": draft_in["seq_lens"] - 1 - draft_in["pad"],
+                      "slots": draft_in["slots"], **sampling.columns()}
+            if "probs" in drafted:      # a fresh view: replay copies inputs it has not seen
+                inputs["draft_probs"] = drafted["probs"][:]
+            next_out = w.graph_cache.replay(key, inputs)
+            read = w.runner.start_read_back(next_out["packed"][:real])
+        self._queued = (tuple(batch), key, (next_out, read))
+        self.queued_steps += 1
+        return hidden
+
+    @staticmethod
+    def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int
+              ) -> dict[str, torch.Tensor]:
+        """VERIFY's outputs the chain reads, with the batch's rows first when requests
+        left since that VERIFY was queued (its padding rows after them: any row)."""
+        names = ("token_ids", "num_accepted", "hidden")
+        if list(rows) == list(range(len(rows))):
+            return {name: out[name] for name in names}
+        index = list(rows) + [0] * (padded - len(rows))
+        at = torch.tensor(index, dtype=torch.int64)
+        at = (at.pin_memory() if out["hidden"].is_cuda else at).to(out["hidden"].device,
+                                                                   non_blocking=True)
+        return {name: out[name].index_select(0, at) for name in names}
+
+    def _can_queue(self, rec: IterationRecord) -> bool:
+        """Not when the next iteration will likely admit a request (it would be dropped),
+        when a position it writes may lie past the cache, off the captured graphs, or at
+        another K than the drafter's (its catch-up is K + 1 rows wide)."""
+        w, k = self.worker, self.k
+        if not rec.graph_captured or rec.k != k or not rec.batch:
+            return False
+        if not w.graph_cache.has(attrs.evolve(rec.key, stage="draft")):
+            return False
+        limit = w.config.model.max_seq_len
+        if any(r.seq_len + 2 * k + 2 > limit for r in rec.batch):
+            return False
+        scheduler = w.scheduler
+        return not (scheduler.slots.num_free and (
+            scheduler.waiting or (w.front is not None and w.front.has_news)))
+
+    def collected(self, rec: IterationRecord) -> None:
+        """VERIFY n is read back: the lengths the chained step assumed are now known."""
+        if self._queued is None or rec.result is None:
+            return
+        batch, key, pending = self._queued
+        self._queued = None
+        grown = rec.result.num_accepted.tolist()
+        self._chained = _Chained(batch, key, pending,
+                                 tuple(r.seq_len + n + 1 for r, n in zip(batch, grown)))
+
+    # iteration n+1 ----------------------------------------------------------------------
+    def matches(self, rec: IterationRecord) -> bool:
+        """In DRAFT: whether the chained step is this iteration's: its batch, or its
+        batch less requests that left, in the same order, each as long as VERIFY n made
+        it (then the drafter is not called: its catch-up rows were fed on the device; a
+        row's draft and VERIFY do not depend on the rows beside it). Drops it otherwise."""
+        chained, self._chained, self._matched = self._chained, None, None
+        if chained is None or rec.key != chained.key or \
+                len(rec.batch) > len(chained.batch):
+            return False
+        rows, i, old = [], 0, chained.batch
+        for request in rec.batch:
+            while i < len(old) and old[i] is not request:
+                i += 1
+            if i == len(old) or request.seq_len != chained.seq_lens[i]:
+                return False
+            rows.append(i)
+            i += 1
+        self.drafter.chained_consumed([r.batch_slot for r in rec.batch])
+        self._matched = (chained.pending, rows)
+        self.subset_steps += len(rows) < len(old)
+        return True
+
+    def take(self) -> tuple[Pending, list[int]] | tuple[None, None]:
+        """In VERIFY: (the chained step's (outputs, ReadBack), the rows of it that are
+        this batch's) when DRAFT matched it, else (None, None)."""
+        matched, self._matched = self._matched, None
+        if matched is None:
+            return None, None
+        self.taken_steps += 1
+        return matched

@@ -1,0 +1,165 @@
+"""DRAFT and VERIFY of the next iteration chained on the device (engine/_chain.py), on the
+CPU: a graph cache whose replays write static outputs (as CUDA graphs do: the chained
+VERIFY overwrites the outputs the host has not handed to the drafter yet) runs the chained
+path; outputs must equal the eager engine's token for token, greedy and sampled rows,
+requests stopping at different iterations (the chained step is then dropped)."""
+
+import anyio
+import pytest
+import torch
+
+from specloop.engine import AsyncEngine
+from specloop.engine._chain import DeviceChain
+from specloop.samplers import SamplingParams
+
+from ..engine import planted
+from ..engine.conftest import PROMPTS
+from .test_static_steps import StepReplayCache, config
+
+
+class StaticOutputCache(StepReplayCache):
+    """Replays write into one set of output tensors per key, as a CUDA graph's."""
+
+    def replay(self, key, inputs):
+        fresh = super().replay(key, inputs)
+        kept = self._graphs[key]
+        if not hasattr(kept, "outputs"):
+            kept.outputs = {n: t.clone() for n, t in fresh.items()}
+        for name, t in fresh.items():
+            kept.outputs[name].copy_(t)
+        return kept.outputs
+
+
+def chain_config(tiny_dir, graphs, **spec):
+    cfg = config(tiny_dir, graphs, **spec).to_dict()
+    if graphs:
+        cfg["components"]["graph_cache"] = "tests.graphs.test_chain:StaticOutputCache"
+        cfg["components"]["sampler"] = "tests.engine.planted:recording_sampler"
+    from specloop.engine import EngineConfig
+    return EngineConfig.from_dict(cfg)
+
+
+SEEDS = range(100, 104)     # padding rows draw with seed 0: not compared
+
+
+def requests():
+    stops = tuple(range(40, 90))
+    return [(p, SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=SEEDS[i],
+                               max_tokens=10 + 3 * i, stop_token_ids=stops if i % 3 == 1 else (),
+                               ignore_eos=True))
+            for i, p in enumerate(PROMPTS[:4])]
+
+
+async def serve(cfg, loaded, reqs, chained):
+    outs = {}
+    async with AsyncEngine(cfg, model=loaded) as engine:
+        worker = engine.worker
+        if chained:     # the chain runs on CUDA only; here it is forced on
+            worker.verify_inline = True
+            worker.chain = chain = DeviceChain(worker=worker)
+            # Some steps not queued (as when a request is about to join): every third,
+            # and each right after a step taken for fewer requests, which is then read
+            # back without a chained copy of its rows.
+            can_queue, calls, seen = chain._can_queue, iter(range(10 ** 6)), [0]
+
+            def sometimes(rec):
+                subset, seen[0] = chain.subset_steps > seen[0], chain.subset_steps
+                return next(calls) % 3 != 2 and not subset and can_queue(rec)
+            chain._can_queue = sometimes
+
+        async def one(i, prompt, params):
+            outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
+
+        async with anyio.create_task_group() as tg:
+            for i, (prompt, params) in enumerate(reqs):
+                tg.start_soon(one, i, prompt, params)
+        chain = worker.chain
+    return [outs[i] for i in range(len(reqs))], chain
+
+
+def calls(records, seed, size):
+    """A request's records in call order, ``size`` per draft or VERIFY call."""
+    rows = records.get(seed, [])
+    return [rows[i:i + size] for i in range(0, len(rows), size)]
+
+
+def same_call(a, b):
+    return all(pa == pb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb)
+               for (pa, va), (pb, vb) in zip(a, b))
+
+
+def unmatched(plain, chained):
+    """Walks the chained run's calls: each either is the plain run's next call (equal
+    positions and values) or is skipped (a dropped chained step); -> the plain run's
+    calls left unmatched and the number skipped."""
+    i, skipped = 0, 0
+    for call in chained:
+        if i < len(plain) and same_call(call, plain[i]):
+            i += 1
+        else:
+            skipped += 1
+    return len(plain) - i, skipped
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "eagle3", "k": 3, "rejection": True},
+    {"method": "mtp_eagle", "k": 2},
+])
+async def test_chained_equals_eager(tiny_dir, tiny_loaded, spec):
+    reqs = requests()
+    eager, _ = await serve(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs, False)
+    planted.RECORDERS.clear()
+    graphs, _ = await serve(chain_config(tiny_dir, True, **spec), tiny_loaded, reqs, False)
+    chained, chain = await serve(chain_config(tiny_dir, True, **spec), tiny_loaded, reqs, True)
+    assert chained == eager == graphs
+    # The same draft distributions and drafts at every position the unchained replays
+    # drafted (a random head's drafts are rarely accepted: outputs alone would not tell).
+    plain, with_chain = planted.RECORDERS
+    dropped = chain.queued_steps - chain.taken_steps
+    for seed in SEEDS:
+        for name, size in (("drafts", spec["k"]), ("verified", 1)):
+            left, skipped = unmatched(calls(getattr(plain, name), seed, size),
+                                      calls(getattr(with_chain, name), seed, size))
+            assert left == 0 and skipped <= dropped, (name, seed, left, skipped, dropped)
+    # Chained steps were taken, and some dropped (requests stopped or finished).
+    assert chain.taken_steps > 0 and chain.queued_steps > chain.taken_steps
+    assert chain.subset_steps > 0      # some taken after requests left
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+async def test_chained_equals_unchained_on_cuda(tiny_dir, dtype):
+    """Real CUDA graphs (bf16: the fused Triton path): the chained path (on by default)
+    gives the outputs of the same graphs run unchained, and of the eager engine."""
+    from specloop.models import load_model
+
+    from .test_cuda_graphs import cfg
+
+    loaded = load_model(tiny_dir, dtype=dtype, device="cuda")
+    spec = {"method": "eagle3", "k": 3, "rejection": True}
+    reqs = requests()
+
+    async def go(graphs, chained):
+        outs = {}
+        async with AsyncEngine(cfg(tiny_dir, graphs, **spec), model=loaded) as engine:
+            worker = engine.worker
+            if not chained:
+                worker.chain = None
+
+            async def one(i, prompt, params):
+                outs[i] = [t async for o in engine.generate(prompt, params)
+                           for t in o.token_ids]
+
+            async with anyio.create_task_group() as tg:
+                for i, (prompt, params) in enumerate(reqs):
+                    tg.start_soon(one, i, prompt, params)
+            taken = worker.chain.taken_steps if worker.chain is not None else 0
+        return [outs[i] for i in range(len(reqs))], taken
+
+    eager, _ = await go(False, False)
+    unchained, _ = await go(True, False)
+    chained, taken = await go(True, True)
+    assert taken > 0
+    assert chained == unchained
+    if dtype == torch.float64:
+        assert chained == eager
