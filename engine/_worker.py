@@ -193,8 +193,8 @@ class RankWorker:
     def _prefill(self, admitted: list[Request]) -> None:
         hidden = self.runner.prefill_many(admitted)
         if self.drafter is not None:
-            for request, h in zip(admitted, hidden):
-                self.drafter.prefill(request.batch_slot, request.token_ids[:-1], h)
+            self.drafter.prefill_many([r.batch_slot for r in admitted],
+                                      [r.token_ids[:-1] for r in admitted], hidden)
 
     # SYNC -------------------------------------------------------------------------------
     async def _sync_local(self, rec: IterationRecord) -> IterationState:

@@ -119,6 +119,10 @@ class Structural:
 
     can_chain: bool = False
 
+    def prefill_many(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]],
+                     hidden: Sequence[torch.Tensor | None]) -> None:
+        pass
+
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
                        slots: Sequence[int], sampling: SamplingBatch
                        ) -> dict[str, torch.Tensor]:

@@ -126,6 +126,8 @@ def load_or_init(head: HeadT, path: str | Path | None) -> HeadT:
 
 # Target rows a slot keeps beyond K + 1 under adaptive K (K = 0 iterations in a row).
 LAZY_ROWS = 32
+# At most this many tokens (counting the padding) per shared head prefill forward.
+PREFILL_TOKENS = 8192
 
 
 class MtpEagleDrafter(Drafter):
@@ -149,6 +151,8 @@ class MtpEagleDrafter(Drafter):
                                    dtype=target.dtype, device=target.device)
         self.pending_start = [0] * (deps.num_slots + 1)
         self.pending_count = [0] * (deps.num_slots + 1)
+        # prefill_many shares the head's forwards between prompts (on a GPU; tests set it).
+        self.batch_prefill = self.cache.device.type == "cuda"
 
     @staticmethod
     def weights_path(config: Any, deps: DrafterDeps) -> Path | None:
@@ -187,6 +191,50 @@ class MtpEagleDrafter(Drafter):
             self.head(torch.tensor([list(token_ids[1:])], device=dev), hidden[None, :n - 1],
                       torch.tensor([0], device=dev), torch.tensor([slot], device=dev),
                       self.cache)
+        self._start_pending(slot, n, hidden)
+
+    @inference_mode
+    def prefill_many(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]],
+                     hidden: Sequence[torch.Tensor | None]) -> None:
+        """With ``batch_prefill`` (on a GPU, where an eager head forward costs its
+        kernel launches whatever its rows), the head's forwards over several prompts are
+        shared, at most PREFILL_TOKENS tokens each counting the padding: rows
+        right-padded to the longest, whose padding writes head K/V past each row's own
+        positions (the catch-up writes them again before any query reads them) or into
+        the scratch page. Elsewhere one forward per request, as ``prefill``."""
+        if any(h is None for h in hidden):
+            raise ValueError(f"{type(self).__name__} needs the target's hidden states")
+        rows = [(s, t, h) for s, t, h in zip(slots, token_ids, hidden) if h is not None]
+        fed = [row for row in rows if len(row[1]) >= 2]
+        if not self.batch_prefill or len(fed) < 2:
+            for slot, ids, h in rows:
+                self.prefill(slot, ids, h)
+            return
+        group: list[tuple[int, Sequence[int], torch.Tensor]] = []
+        for row in sorted(fed, key=lambda r: len(r[1])):
+            if group and (len(group) + 1) * (len(row[1]) - 1) > PREFILL_TOKENS:
+                self._prefill_rows(group)
+                group = []
+            group.append(row)
+        self._prefill_rows(group)
+        for slot, ids, h in rows:
+            self._start_pending(slot, len(ids), h)
+
+    def _prefill_rows(self, group: list[tuple[int, Sequence[int], torch.Tensor]]) -> None:
+        """One head forward over [B, W]: row b feeds its prompt's positions 0..n_b - 2."""
+        width = max(len(ids) - 1 for _, ids, _ in group)
+        host = torch.zeros(len(group), width + 1, dtype=torch.int64)
+        for row, (slot, ids, _) in enumerate(group):
+            host[row, 0] = slot
+            host[row, 1:len(ids)] = torch.tensor(list(ids[1:]), dtype=torch.int64)
+        dev = self.cache.device
+        host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+        features = torch.nn.utils.rnn.pad_sequence(
+            [h[:len(ids) - 1] for _, ids, h in group], batch_first=True)
+        self.head(host[:, 1:], features, torch.zeros_like(host[:, 0]), host[:, 0], self.cache)
+
+    def _start_pending(self, slot: int, n: int, hidden: torch.Tensor) -> None:
+        """Position n - 1 of an n-row prompt (its last target row) waits for DRAFT."""
         if n >= 1:
             self.pending[slot, 0] = hidden[n - 1]
         else:

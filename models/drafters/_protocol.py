@@ -108,6 +108,13 @@ class Drafter(Protocol):
         """K drafts per row; argmax, or sampled from q when the predicate says advanced."""
         ...
 
+    def prefill_many(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]],
+                     hidden: Sequence[torch.Tensor | None]) -> None:
+        """``prefill`` of requests admitted together (a drafter may share its forwards
+        between them). Default: ``prefill`` of each."""
+        for slot, ids, h in zip(slots, token_ids, hidden):
+            self.prefill(slot, ids, h)
+
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished; forget its state."""
         ...

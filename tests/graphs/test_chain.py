@@ -163,3 +163,35 @@ async def test_chained_equals_unchained_on_cuda(tiny_dir, dtype):
     assert chained == unchained
     if dtype == torch.float64:
         assert chained == eager
+
+
+@pytest.mark.parametrize("method", ["eagle3", "mtp_eagle"])
+async def test_shared_head_prefill_equals_one_per_prompt(tiny_dir, tiny_loaded, method):
+    """The head's prefill forwards shared between prompts admitted together (padded rows,
+    as on a GPU) give the draft distributions of one forward per prompt, to rounding, and
+    the same outputs."""
+    reqs = requests()
+    runs = []
+    for shared in (False, True):
+        planted.RECORDERS.clear()
+        cfg = chain_config(tiny_dir, True, method=method, k=2).to_dict()
+        from specloop.engine import EngineConfig
+        async with AsyncEngine(EngineConfig.from_dict(cfg), model=tiny_loaded) as engine:
+            engine.worker.drafter.batch_prefill = shared
+            outs = {}
+
+            async def one(i, prompt, params):
+                outs[i] = [t async for o in engine.generate(prompt, params)
+                           for t in o.token_ids]
+
+            async with anyio.create_task_group() as tg:
+                for i, (prompt, params) in enumerate(reqs):
+                    tg.start_soon(one, i, prompt, params)
+        (recorder,) = planted.RECORDERS
+        runs.append(([outs[i] for i in range(len(reqs))], recorder.drafts))
+    (plain, plain_drafts), (shared_outs, shared_drafts) = runs
+    assert shared_outs == plain
+    for seed in SEEDS:
+        a, b = plain_drafts[seed], shared_drafts[seed]
+        assert [p for p, _ in a] == [p for p, _ in b]
+        assert all(torch.allclose(x, y, atol=1e-9) for (_, x), (_, y) in zip(a, b)), seed
