@@ -12,6 +12,10 @@ demo: setup
 # tests sharing an expensive session fixture, and the multi-process ones, are grouped onto
 # one worker (`--dist loadgroup`). Plain `pytest` without -n runs everything in-process.
 PYTEST := $(VENV)/python -m pytest -q -rs -n auto --dist loadgroup
+# Bytecode caching on for the test run, even where the environment turns it off: else every
+# process the suite starts (2 workers, ~30 CLI/torchrun/serve children) compiles the
+# project and the assertion-rewritten test modules afresh (~4 s of CPU per worker).
+unexport PYTHONDONTWRITEBYTECODE
 
 # The whole CPU suite; GPU tests skip without CUDA.
 test: setup

@@ -337,7 +337,8 @@ async def test_rejection_sampling_stays_exact_when_k_changes(tiny_dir, tiny_load
     """The existing chi-square harness (test_exactness: first and second token of many
     seeded requests against the target's exact distributions) with K cycling 0, 3, 1, 2
     between iterations, so a request's two tokens come from iterations of different K."""
-    from .test_exactness import T, assert_matches, exact_distributions, sample_many
+    from .test_exactness import (T, WRONG_T, assert_matches, exact_distributions,
+                                 sample_many)
     config = make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True,
                          max_batch_size=64, speculative={"adaptive": True})
     async with AsyncEngine(config, model=tiny_loaded) as engine:
@@ -345,5 +346,6 @@ async def test_rejection_sampling_stays_exact_when_k_changes(tiny_dir, tiny_load
         firsts, seconds, greedy = await sample_many(engine, 3000, greedy_every=10)
         per_k = engine.stats.iterations_per_k
     assert all(per_k[k] > 10 for k in KS), per_k
-    assert_matches(firsts, seconds, *exact_distributions(tiny_loaded, T))
+    assert_matches(firsts, seconds, *exact_distributions(tiny_loaded, T),
+                   wrong=exact_distributions(tiny_loaded, WRONG_T))
     assert len(set(map(tuple, greedy))) == 1

@@ -1,5 +1,6 @@
 """Real processes over gloo, launched by torchrun (marked ``distributed``)."""
 
+import json
 import os
 import subprocess
 import sys
@@ -52,9 +53,11 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, extra, one_rank_runs):
         outs.append(out)
         if n == 1:
             one_rank_runs[key] = out
-    cmp = subprocess.run([sys.executable, "bench/adp_run.py", "--compare", *outs], cwd=ROOT,
-                         capture_output=True, text=True)
-    assert cmp.returncode == 0, cmp.stdout
+    # What `bench/adp_run.py --compare` checks (every greedy and seeded sampled request's
+    # tokens identical), read here rather than in a fourth process that imports torch.
+    one, two = (json.loads(Path(out).read_text())["outputs"] for out in outs)
+    assert len(one) == 18 and all(one), one
+    assert two == one
 
 
 def test_cli_under_torchrun(tmp_path):
