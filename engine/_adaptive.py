@@ -8,9 +8,12 @@ the most expected tokens per unit of time at the padded batch b,
 a_j being the acceptance of draft j given drafts 1..j-1 were accepted (decayed counts of
 recent iterations, pooled over the group's ranks), T(b, k) the iteration's time: VERIFY and
 DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
-until iterations at (b, k) have been measured, then their average (each K runs
-FIRST_SAMPLES times at each bucket before the rule decides there, and one choice in
-EXPLORE_EVERY tries the K values in turn). Ties go to the smaller K. Every input is agreed by the
+until iterations at (b, k) have been measured (whole iterations, start to start, less
+prefill and waits: the worker's clock), then their average (each K runs FIRST_SAMPLES
+times in a row at each bucket before the rule decides there, and one choice in
+EXPLORE_EVERY tries the K values in turn). On one GPU rank ``commit_zero`` takes the next
+choice early when it is K = 0, so the worker can queue that step ahead as without
+speculation. Ties go to the smaller K. Every input is agreed by the
 group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
 warm-up table is agreed once before the first iteration; so every rank picks the same K.
 """
@@ -18,6 +21,7 @@ warm-up table is agreed once before the first iteration; so every rank picks the
 from __future__ import annotations
 
 import collections
+import statistics
 from typing import Hashable, Sequence, TypeVar
 
 import attrs
@@ -36,12 +40,20 @@ PRIOR_ROWS, PRIOR_ACCEPT = 2.0, 0.5
 REST_WEIGHT = 0.2
 # Every EXPLORE_EVERY-th choice takes the next K in turn instead of the rule's, so every K
 # gets measured again and every position's acceptance learned, whatever the first
-# measurements said. One iteration in 128, which after a long K = 0 stretch drafts eagerly
-# (a few ms): about 1 % of throughput at worst.
-EXPLORE_EVERY = 128
-# Iterations each K runs at a new bucket before the rule decides there (one measurement
-# could be a pause of the host); their mean starts the average.
+# measurements said. One iteration in 256, which after a long K = 0 stretch drafts eagerly
+# (3-4 ms at batch 1 on the H200, a K = 0 iteration ~1 ms): ~1 % at worst. A K whose
+# expected rate is below EXPLORE_RATE of the best's is tried at one of its turns in
+# EXPLORE_RARELY only: on the H200 a drafting iteration at batch >= 64 costs 3-4x a
+# K = 0 one.
+EXPLORE_EVERY = 256
+EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
+# Iterations each K runs at a new bucket before the rule decides there; their median
+# starts the average (the first drafting iteration after a K = 0 stretch catches the head
+# up eagerly; a host pause or a kernel's first launch can take 100 ms on the H200).
 FIRST_SAMPLES = 3
+# Later, a measurement counts at most OUTLIER times the average (a real change still
+# doubles it per iteration; one pause does not make a K look dear for hundreds).
+OUTLIER = 2.0
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -85,6 +97,8 @@ class CostTable:
     learn: bool = True
     measured: dict[tuple[int, int], float] = attrs.Factory(dict)
     samples: dict[tuple[int, int], int] = attrs.Factory(dict)
+    _first: dict[tuple[int, int], list[float]] = attrs.field(factory=dict, init=False,
+                                                             repr=False)
     _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
 
     @property
@@ -117,9 +131,15 @@ class CostTable:
     def observe(self, bucket: int, k: int, seconds: float) -> None:
         if not self.learn or (bucket, k) not in self.device:
             return
-        n = self.samples[(bucket, k)] = self.samples.get((bucket, k), 0) + 1
-        _average(self.rest, bucket, max(seconds - self.device[(bucket, k)], 0.0))
-        _average(self.measured, (bucket, k), seconds, 1 / n)
+        key = (bucket, k)
+        n = self.samples[key] = self.samples.get(key, 0) + 1
+        _average(self.rest, bucket, max(seconds - self.device[key], 0.0))
+        if n <= FIRST_SAMPLES:
+            first = self._first.setdefault(key, [])
+            first.append(seconds)
+            self.measured[key] = statistics.median_low(first)
+        else:
+            _average(self.measured, key, min(seconds, OUTLIER * self.measured[key]))
 
     def as_tensor(self, keys: list[tuple[int, int]]) -> torch.Tensor:
         return torch.tensor([round(self.device[key] * 1e7) for key in keys], dtype=torch.int64)
@@ -128,12 +148,10 @@ class CostTable:
 Key = TypeVar("Key", bound=Hashable)
 
 
-def _average(table: dict[Key, float], key: Key, value: float, first: float = 0.0) -> None:
-    """Exponential average (weight REST_WEIGHT), a plain mean while ``first`` (1/n) is
-    larger."""
+def _average(table: dict[Key, float], key: Key, value: float) -> None:
+    """Exponential average (weight REST_WEIGHT)."""
     old = table.get(key)
-    weight = max(REST_WEIGHT, first)
-    table[key] = value if old is None else old + weight * (value - old)
+    table[key] = value if old is None else old + REST_WEIGHT * (value - old)
 
 
 class AdaptiveK:
@@ -151,6 +169,7 @@ class AdaptiveK:
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
         self._calls = 0             # choices so far: the same count on every rank
         self._settled: set[int] = set()     # buckets where every K has its first samples
+        self._committed = False     # commit_zero: the next choice is K = 0
         self.chosen: collections.Counter[int] = collections.Counter()
 
     @property
@@ -182,35 +201,65 @@ class AdaptiveK:
         """The iteration just run took ``seconds`` (prefill excluded)."""
         self._measured_us = max(1, round(seconds * 1e6))
 
+    def commit_zero(self, padded_batch_size: int, *, force: bool = False) -> bool:
+        """One rank only: whether the next iteration runs K = 0, decided now (by the rule on
+        this rank's counts and the times learned so far, the next iteration's own choice
+        taken early) so that its step can be queued ahead, as without speculation. True
+        fixes the next ``choose`` to 0. ``force``: commit whatever the rule says (a K = 0
+        iteration not queued ahead is followed by one that is, so K = 0 gets timed as it
+        runs in a stretch)."""
+        bucket = self.cost.bucket(padded_batch_size)
+        if force or self._rule([self._row()], bucket, self._calls + 1) == 0:
+            self._committed = True
+        return self._committed
+
     def choose(self, columns: torch.Tensor | list[list[int]], padded_batch_size: int) -> int:
         """columns [world, num_columns]: every rank's ``facts`` (a tensor, or rows as
         lists). Learn the last iteration's time (the slowest rank's), pool the counts,
-        apply the rule."""
+        apply the rule (or take the K = 0 committed by ``commit_zero``)."""
         rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
         measured = max(row[-1] for row in rows)
         if measured and self._last is not None:
             self.cost.observe(*self._last, measured / 1e6)
+        bucket = self.cost.bucket(padded_batch_size)
+        self._calls += 1
+        if self._committed:
+            k, self._committed = 0, False
+        else:
+            k = self._rule(rows, bucket, self._calls)
+        self._last = (bucket, k)
+        self.chosen[k] += 1
+        return k
+
+    def _row(self) -> list[int]:
+        return [round(x * SCALE) for x in self.reached + self.accepted] + [0]
+
+    def _rule(self, rows: list[list[int]], bucket: int, calls: int) -> int:
+        """The choice of the ``calls``-th iteration at ``bucket`` from the gathered rows."""
         n = self.k_max
         reached = [sum(row[j] for row in rows) / SCALE for j in range(n)]
         accepted = [sum(row[n + j] for row in rows) / SCALE for j in range(n)]
-        bucket = self.cost.bucket(padded_batch_size)
         times = {k: self.cost.time(bucket, k) for k in self.candidates}
-        k = choose_k(self.candidates, acceptance_from_counts(reached, accepted), times)
-        self._calls += 1
+        acceptance = acceptance_from_counts(reached, accepted)
+        k = choose_k(self.candidates, acceptance, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K
-            # runs FIRST_SAMPLES times at each bucket before the rule decides there, and
+            # runs FIRST_SAMPLES times at each bucket before the rule decides there (K = 0
+            # first, then 1, ...: a K's iterations in a row, as it runs when chosen), and
             # again in turn.
             if bucket not in self._settled:
                 samples = self.cost.samples
                 untried = [c for c in self.candidates
                            if samples.get((bucket, c), 0) < FIRST_SAMPLES]
-                if untried:     # in turn: K = 0, 1, 2, 3, 0, 1, ...
-                    k = min(untried, key=lambda c: (samples.get((bucket, c), 0), c))
-                else:
-                    self._settled.add(bucket)
-            if bucket in self._settled and self._calls % EXPLORE_EVERY == 0:
-                k = self.candidates[(self._calls // EXPLORE_EVERY) % len(self.candidates)]
-        self._last = (bucket, k)
-        self.chosen[k] += 1
+                if untried:
+                    return untried[0]
+                self._settled.add(bucket)
+            if calls % EXPLORE_EVERY == 0:
+                turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
+                explore = self.candidates[turn % n_k]
+                rate = {c: expected_tokens(acceptance, c) / max(times[c], 1e-9)
+                        for c in (k, explore)}
+                if rate[explore] >= EXPLORE_RATE * rate[k] or \
+                        (turn // n_k) % EXPLORE_RARELY == 0:
+                    k = explore
         return k

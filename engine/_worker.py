@@ -80,9 +80,10 @@ class RankWorker:
         self.k = config.speculative.k      # the largest K an iteration may draft
         # Set at warm-up when speculative.adaptive: the per-iteration choice of K.
         self.adaptive: AdaptiveK | None = None
-        # Adaptive K's clock: perf_counter() after SCHEDULE's exchange, and the prefill
-        # time since (neither waiting for work nor prefill depends on K).
-        self._started, self._prefill_s = 0.0, 0.0
+        # Adaptive K's clock: one iteration is from the start of its SCHEDULE to the start
+        # of the next, less what does not depend on K (prefill, waiting for work, waiting
+        # for the group's last rank); ``_timed``: this iteration chose K (and is timed).
+        self._started, self._excluded_s, self._timed = 0.0, 0.0, False
         self.scheduler = Scheduler(config.scheduler.max_batch_size,
                                    config.scheduler.max_num_tokens)
         self._limiter = anyio.CapacityLimiter(1)
@@ -110,6 +111,8 @@ class RankWorker:
         # step on the device): the step holds no collective without a drafter.
         self.run_ahead = self.verify_inline and self.k == 0 and (
             not multi or self.exchange.on_host)
+        # Adaptive K on one GPU rank (set at warm-up): K = 0 stretches queue ahead too.
+        self.ahead_at_k0 = False
         self._ahead: _Ahead | None = None
         # Speculation on one GPU rank with a fixed K: each VERIFY also queues the next
         # iteration's DRAFT and VERIFY, chained on the device (engine/_chain.py).
@@ -136,6 +139,7 @@ class RankWorker:
             cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
             self.adaptive = AdaptiveK(spec.k_values, cost)
+            self.ahead_at_k0 = self.verify_inline and self.comm.world_size == 1
 
     async def agree_costs(self) -> None:
         """Before the first iteration: every rank takes the slowest rank's warm-up time
@@ -150,9 +154,11 @@ class RankWorker:
 
     # SCHEDULE ---------------------------------------------------------------------------
     async def _schedule_local(self, rec: IterationRecord) -> IterationState:
+        self._clock()
+        idle = self.scheduler.num_requests == 0
         message = await self.exchange()
-        # Adaptive K times the iteration from here: not the wait for work, not prefill.
-        self._started, self._prefill_s = time.perf_counter(), 0.0
+        if idle:    # it waited for work
+            self._excluded_s += time.perf_counter() - self._started
         rec.shutdown = message.shutdown
         self._apply(message)
         await self._admit()
@@ -163,6 +169,7 @@ class RankWorker:
         """The batch is fixed before the exchange, so SYNC's facts ride its one
         all-gather (one collective per iteration, not two): the requests and cancels
         it brings apply at the start of the next iteration."""
+        self._clock()
         self._apply(self._carried)
         await self._admit()
         rec.batch = list(self.scheduler.running)
@@ -170,9 +177,20 @@ class RankWorker:
         # waits for the GIL (on rank 0 they are every rank's consumers).
         await anyio.lowlevel.checkpoint()
         self._carried = await self.exchange(self._facts(rec.batch))
-        self._started, self._prefill_s = time.perf_counter(), 0.0
+        if self.adaptive is not None:   # waiting for the last rank: not this rank's time
+            self._excluded_s += self.exchange.times.recent[-1][0] / 1e6
         rec.shutdown = self._carried.shutdown
         return S.SYNC
+
+    def _clock(self) -> None:
+        """Adaptive K: the last iteration ends where this one starts; its time (less
+        prefill and waits) is what the rule learns T(b, k) from."""
+        if self.adaptive is None:
+            return
+        now = time.perf_counter()
+        if self._timed:
+            self.adaptive.measured(now - self._started - self._excluded_s)
+        self._started, self._excluded_s, self._timed = now, 0.0, False
 
     def _apply(self, message: FrontDoorMessage) -> None:
         for rank, new in message.assignments:
@@ -188,7 +206,7 @@ class RankWorker:
         if admitted:
             start = time.perf_counter()
             await self.run_sync(lambda: self._prefill(admitted))
-            self._prefill_s += time.perf_counter() - start
+            self._excluded_s += time.perf_counter() - start
 
     def _prefill(self, admitted: list[Request]) -> None:
         hidden = self.runner.prefill_many(admitted)
@@ -206,6 +224,7 @@ class RankWorker:
         if self.adaptive is not None and rec.batch:
             rec.num_draft_tokens = self.adaptive.choose([self.adaptive.facts()],
                                                         rec.padded_batch_size)
+            self._timed = True
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     def _facts(self, batch: list[Request]) -> list[int]:
@@ -235,6 +254,7 @@ class RankWorker:
             # From gathered values only: every rank computes the same K.
             rec.num_draft_tokens = self.adaptive.choose(facts[:, NUM_FACTS:],
                                                         rec.padded_batch_size)
+            self._timed = True
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     # PICK_GRAPH_KEY ---------------------------------------------------------------------
@@ -337,14 +357,21 @@ class RankWorker:
             # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
             # the consumers run while the GPU works, then the loop waits for the copy.
             pending, rows = self._take_ahead(rec)
+            queued_ahead = pending is not None
             if (pending is None or rows is None) and self.chain is not None:
                 pending, rows = self.chain.take()
             if pending is None or rows is None:     # both None, or neither
                 pending, rows = self._queue_verify(rec), range(len(rec.batch))
-            self._ahead = self._queue_ahead(rec, pending, rows) if self.run_ahead else None
+            fed = self.ahead_at_k0 and rec.k == 0
+            if fed:
+                self._feed_k0(rec, pending[0], rows, queued_ahead)
+            self._ahead = self._queue_ahead(rec, pending, rows) \
+                if self.run_ahead or (fed and self._ahead_at_k0(rec, queued_ahead)) else None
+            if self._ahead is None and self.ahead_at_k0:
+                self.runner.keep_ahead = 0
             hidden = self.chain.queue(rec, pending, rows) if self.chain is not None else None
             await anyio.lowlevel.checkpoint()
-            rec.result = self._collect_verify(rec, pending, rows, hidden)
+            rec.result = self._collect_verify(rec, pending, rows, hidden, fed=fed)
             if self.chain is not None:
                 self.chain.collected(rec)
         else:
@@ -372,13 +399,44 @@ class RankWorker:
             out = step(inputs or self._inputs(rec, rec.batch_sampling))
         return out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
 
+    def _ahead_at_k0(self, rec: IterationRecord, queued_ahead: bool) -> bool:
+        """Adaptive K at K = 0: whether to queue the next step now, as without
+        speculation; then the next iteration is committed to K = 0 (``commit_zero``)."""
+        assert self.adaptive is not None, "ahead_at_k0 is set with adaptive K"
+        if self._ahead_blocked(rec.batch):
+            return False
+        return self.adaptive.commit_zero(rec.padded_batch_size, force=not queued_ahead)
+
+    @inference_mode
+    def _feed_k0(self, rec: IterationRecord, out: Tensors, rows: Sequence[int],
+                 queued_ahead: bool) -> None:
+        """A K = 0 iteration of adaptive K on one GPU rank: hand the drafter its rows now
+        (every count is 0), before a step queued ahead reuses the graph's output buffers.
+        Its time is learned only when its step was queued ahead: a lone K = 0 iteration
+        is not what a K = 0 stretch costs."""
+        self._timed = self._timed and queued_ahead
+        if self.on_verified is None:
+            return
+        batch, hidden = rec.batch, out["hidden"]
+        if list(rows) == list(range(len(batch))):
+            hidden = hidden[:len(batch)]
+        else:   # requests left since the step was queued (no blocking copy: no sync)
+            index = torch.tensor(list(rows), dtype=torch.int64)
+            if hidden.device.type == "cuda":
+                index = index.pin_memory()
+            hidden = hidden.index_select(0, index.to(hidden.device, non_blocking=True))
+        self.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
+                         hidden, [0] * len(batch))
+
     @inference_mode
     def _collect_verify(self, rec: IterationRecord, pending: Pending,
                         rows: Sequence[int] | None = None,
-                        hidden: torch.Tensor | None = None) -> RejectionResult:
+                        hidden: torch.Tensor | None = None, *,
+                        fed: bool = False) -> RejectionResult:
         """``rows``: which rows of the step are the batch's (a step queued ahead for a
         batch some requests have left since); None: all, in order. ``hidden``: the
-        batch's feature rows copied out before a chained step overwrote the outputs."""
+        batch's feature rows copied out before a chained step overwrote the outputs.
+        ``fed``: the drafter had its rows already (``_feed_k0``)."""
         out, read_back = pending
         batch, real = rec.batch, len(rec.batch)
         host = self.runner.finish_read_back(read_back)
@@ -386,7 +444,7 @@ class RankWorker:
         if subset is not None:
             host = host[subset]
         result = RejectionResult(host[:, :-1], host[:, -1])
-        if self.on_verified is not None:
+        if self.on_verified is not None and not fed:
             if hidden is None:      # the batch's rows of the step (a chained one: fewer)
                 hidden = out["hidden"][:real] if subset is None else out["hidden"][subset]
             self.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
@@ -407,13 +465,7 @@ class RankWorker:
         may end by length here (its next position may lie past the cache), nor when the
         next iteration will likely admit a request (it would be dropped)."""
         batch = rec.batch
-        limit = self.config.model.max_seq_len
-        joining = self.scheduler.slots.num_free and (
-            self.scheduler.waiting or self._carried.assignments
-            or (self.front is not None and self.front.has_news))
-        if joining or any(len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens,
-                                                      limit) for r in batch):
-            self.runner.keep_ahead = 0
+        if self._ahead_blocked(batch):
             return None
         # Pages for the position it writes, kept by RESCAN's trim.
         self.runner.reserve(batch, 1)
@@ -427,6 +479,18 @@ class RankWorker:
         return _Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
                       self._queue_verify(rec, inputs))
 
+    def _ahead_blocked(self, batch: list[Request]) -> bool:
+        """Whether no step may be queued ahead for ``batch`` (see ``_queue_ahead``)."""
+        limit = self.config.model.max_seq_len
+        joining = self.scheduler.slots.num_free and (
+            self.scheduler.waiting or self._carried.assignments
+            or (self.front is not None and self.front.has_news))
+        if joining or any(len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens,
+                                                      limit) for r in batch):
+            self.runner.keep_ahead = 0
+            return True
+        return False
+
     def _take_ahead(self, rec: IterationRecord
                     ) -> tuple[Pending, Sequence[int]] | tuple[None, None]:
         """-> (the step queued ahead by the last VERIFY, the rows of it that are this
@@ -434,7 +498,7 @@ class RankWorker:
         each one token longer); else (None, None). Sampling draws by (seed, position),
         so a row's result does not depend on the rows beside it."""
         ahead, self._ahead = self._ahead, None
-        if ahead is None or len(rec.batch) > len(ahead.batch):
+        if ahead is None or len(rec.batch) > len(ahead.batch) or rec.num_draft_tokens:
             return None, None
         rows, i, old = [], 0, ahead.batch
         for request in rec.batch:
@@ -462,8 +526,6 @@ class RankWorker:
             self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)
             if self.adaptive is not None:
                 self.adaptive.record(k, accepted)
-        if self.adaptive is not None:
-            self.adaptive.measured(time.perf_counter() - self._started - self._prefill_s)
         rec.finished = [r for r in rec.batch if r.finished]
         return S.DONE
 

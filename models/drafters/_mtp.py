@@ -250,6 +250,9 @@ class MtpEagleDrafter(Drafter):
         Rows not yet fed (no propose since: adaptive K's K = 0) are kept and these appended
         after them; when the buffer is full the older ones are dropped (the head then
         drafts with a gap in its cache: weaker drafts, never wrong outputs)."""
+        if not any(num_accepted):
+            self._append_last_rows(slots, start_pos, hidden)
+            return
         cap = self.pending.shape[1]
         # (slot, pending row) <- (batch row, VERIFY position)
         dst: list[tuple[int, int]] = []
@@ -265,6 +268,26 @@ class MtpEagleDrafter(Drafter):
             dst.extend((slot, first + i) for i in range(n + 1))
             src.extend((row, i) for i in range(n + 1))
         self._store_pending(dst, src, hidden)
+
+    def _append_last_rows(self, slots: Sequence[int], start_pos: Sequence[int],
+                          hidden: torch.Tensor) -> None:
+        """``on_verified`` when no draft was accepted (adaptive K's K = 0 iterations: each
+        batch row one pending row), with one index row per request: the same bookkeeping,
+        a fraction of the host time at a large batch."""
+        cap, count_of, start_of = self.pending.shape[1], self.pending_count, self.pending_start
+        rows: list[int] = []
+        for slot, start in zip(slots, start_pos):
+            count = count_of[slot]
+            if count and start_of[slot] + count == start and count < cap:
+                count_of[slot] = count + 1
+            else:
+                start_of[slot], count_of[slot], count = start, 1, 0
+            rows.append(count)
+        index = torch.tensor([list(slots), rows], dtype=torch.int64)
+        if self.pending.device.type == "cuda":
+            index = index.pin_memory()      # queued without waiting for the device
+        index = index.to(self.pending.device, non_blocking=True)
+        self.pending[index[0], index[1]] = hidden[:len(rows), 0]
 
     def _store_pending(self, dst: list[tuple[int, int]], src: list[tuple[int, int]],
                        hidden: torch.Tensor) -> None:

@@ -8,8 +8,9 @@ import torch
 
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
-from specloop.engine._adaptive import (SCALE, AdaptiveK, CostTable, acceptance_from_counts,
-                                       choose_k, expected_tokens)
+from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_RARELY, FIRST_SAMPLES,
+                                       REST_WEIGHT, SCALE, AdaptiveK, CostTable,
+                                       acceptance_from_counts, choose_k, expected_tokens)
 from specloop.engine._states import IterationState
 from specloop.engine._errors import ConfigError
 from specloop.samplers import SamplingParams
@@ -96,9 +97,13 @@ def test_measured_time_decides_over_warm_up():
         k = adaptive.choose([adaptive.facts()], 1)
         # K = 0's first iteration met a host pause (10 ms instead of 2).
         adaptive.measured((0.010 if i == 0 else 0.002) if k == 0 else 0.012 + 0.001 * k)
-    # The pause is averaged with K = 0's other first measurements, not taken alone.
-    assert cost.measured[(1, 0)] == pytest.approx((0.010 + 0.002 + 0.002) / 3)
+    # The pause is not taken: the median of K = 0's first measurements.
+    assert cost.measured[(1, 0)] == pytest.approx(0.002)
     assert adaptive.choose([adaptive.facts()], 1) == 0
+    # Later, one pause moves the average as a doubling would, no more.
+    adaptive.measured(0.2)
+    adaptive.choose([adaptive.facts()], 1)
+    assert cost.measured[(1, 0)] == pytest.approx(0.002 + REST_WEIGHT * 0.002)
 
 
 def test_measured_time_teaches_the_rest_of_the_iteration():
@@ -118,10 +123,10 @@ def test_measured_time_teaches_the_rest_of_the_iteration():
 
 
 def test_every_k_gets_explored_in_turn():
-    """Whatever warm-up said, each K runs FIRST_SAMPLES times at a new bucket, then one
-    choice in EXPLORE_EVERY tries each K in turn (so a K that looked too dear is measured
-    again, and positions never drafted get counts)."""
-    from specloop.engine._adaptive import EXPLORE_EVERY, FIRST_SAMPLES
+    """Whatever warm-up said, each K runs FIRST_SAMPLES times in a row at a new bucket
+    (as it runs when chosen: K = 0 stretches queue their steps ahead), then one choice in
+    EXPLORE_EVERY tries each K in turn (so a K that looked too dear is measured again, and
+    positions never drafted get counts)."""
     adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}))
     picks = []
     for _ in range(EXPLORE_EVERY * 4):
@@ -129,11 +134,33 @@ def test_every_k_gets_explored_in_turn():
         adaptive.measured(1.0 + 10.0 * k)       # the time warm-up predicted
         picks.append(k)
     first = FIRST_SAMPLES * len(KS)
-    assert picks[:first] == list(KS) * FIRST_SAMPLES    # each K in turn at a new bucket
+    assert picks[:first] == [k for k in KS for _ in range(FIRST_SAMPLES)]
     assert collections.Counter(picks[first:])[0] == EXPLORE_EVERY * 4 - first - 3
     assert sorted(set(picks[first:])) == list(KS)
     fixed = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}, learn=False))
     assert {fixed.choose([fixed.facts()], 1) for _ in range(EXPLORE_EVERY * 4)} == {0}
+
+
+def test_a_k_far_behind_is_explored_rarely():
+    """Exploration tries a K whose expected rate is far below the best's (drafting at a
+    large batch) at one of its turns in EXPLORE_RARELY; a K close to the best at each."""
+    turns = len(KS) * EXPLORE_RARELY * 2
+
+    def explored(per_draft):
+        times = {k: 1.0 + per_draft * k for k in KS}
+        adaptive = AdaptiveK(KS, CostTable(dict(((1, k), t) for k, t in times.items())))
+        picks = []
+        for _ in range(EXPLORE_EVERY * turns):
+            k = adaptive.choose([adaptive.facts()], 1)
+            adaptive.measured(times[k])
+            picks.append(k)
+        return collections.Counter(picks[FIRST_SAMPLES * len(KS):])
+
+    # Prior acceptance 0.5: E(k) = 1.5, 1.75, 1.875 against T(k) = 1 + 10 k: far behind.
+    far = explored(10.0)
+    assert sum(far[k] for k in (1, 2, 3)) == 3 * 2      # cycles 0 and 8 of 16
+    near = explored(0.3)                                # rates 1.15, 1.09, 0.99 of K=0's
+    assert all(near[k] >= turns // len(KS) for k in (1, 2, 3)), near
 
 
 def test_config():
@@ -288,8 +315,43 @@ async def test_ranks_choosing_alone_enter_different_collectives(tiny_dir, tiny_l
 def cycle_k(adaptive, pattern):
     """Replace the rule by a fixed cycle of K (the exactness and state tests want K to
     change at chosen iterations, whatever the timings)."""
-    calls = iter(range(10**9))
-    adaptive.choose = lambda columns, batch: pattern[next(calls) % len(pattern)]
+    calls = [0]
+
+    def choose(columns, batch):
+        calls[0] += 1
+        return pattern[(calls[0] - 1) % len(pattern)]
+    adaptive.choose = choose
+    # One GPU rank queues a K = 0 step ahead when the next K is 0 too (whatever ``force``).
+    adaptive.commit_zero = lambda batch, force=False: pattern[calls[0] % len(pattern)] == 0
+
+
+def record_first_drafts(drafter, seen):
+    """Wrap ``drafter.propose``: (committed tokens of row 0, its first draft) per call."""
+    propose = drafter.propose
+
+    async def recording(ctx):
+        proposal = await propose(ctx)
+        seen.append((list(ctx.token_ids[0]), int(proposal.token_ids[0, 0])))
+        return proposal
+    drafter.propose = recording
+
+
+def check_first_drafts(loaded, drafter, prompt, out, seen):
+    """Every first draft equals the head run afresh over the committed sequence."""
+    model, head = loaded.model, drafter.head
+    full = torch.tensor([prompt + out])
+    with torch.inference_mode():
+        # The target's rows (what VERIFY hands the drafter) at every position.
+        start, slot, target_cache = torch.tensor([0]), torch.tensor([0]), model.make_cache(1, 256)
+        layers = drafter.feature_layers
+        features = model(full, start, slot, target_cache, capture=layers)[1] if layers \
+            else model(full, start, slot, target_cache)
+        for committed, first_draft in seen:
+            length = len(committed)
+            cache = head.block.make_cache(1, 256)
+            h = head(full[:, 1:length], features[:, :length - 1], start, slot, cache)
+            expected = int(drafter.lm.logits(h[:, -1]).argmax())
+            assert first_draft == expected, (length, first_draft, expected)
 
 
 @pytest.mark.parametrize("method", ["mtp_eagle", "eagle3"])
@@ -304,30 +366,11 @@ async def test_head_cache_stays_current_across_k0_iterations(tiny_dir, tiny_load
     async with AsyncEngine(config, model=tiny_loaded) as engine:
         cycle_k(engine.worker.adaptive, [3, 0, 0, 2, 0, 0, 0, 0, 0, 0, 1, 3, 3, 0])
         drafter = engine.worker.drafter
-        propose = drafter.propose
-
-        async def recording(ctx):
-            proposal = await propose(ctx)
-            seen.append((list(ctx.token_ids[0]), int(proposal.token_ids[0, 0])))
-            return proposal
-        drafter.propose = recording
+        record_first_drafts(drafter, seen)
         out = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=n,
                                                            ignore_eos=True))
     assert out == reference_greedy(tiny_loaded, prompt, n)
-    model, head = tiny_loaded.model, drafter.head
-    full = torch.tensor([prompt + out])
-    with torch.inference_mode():
-        # The target's rows (what VERIFY hands the drafter) at every position.
-        start, slot, target_cache = torch.tensor([0]), torch.tensor([0]), model.make_cache(1, 256)
-        layers = drafter.feature_layers
-        features = model(full, start, slot, target_cache, capture=layers)[1] if layers \
-            else model(full, start, slot, target_cache)
-        for committed, first_draft in seen:
-            length = len(committed)
-            cache = head.block.make_cache(1, 256)
-            h = head(full[:, 1:length], features[:, :length - 1], start, slot, cache)
-            expected = int(drafter.lm.logits(h[:, -1]).argmax())
-            assert first_draft == expected, (length, first_draft, expected)
+    check_first_drafts(tiny_loaded, drafter, prompt, out, seen)
     assert len(seen) >= 8
 
 

@@ -1,0 +1,177 @@
+"""Adaptive K's K = 0 as cheap as no speculation: the whole iteration is timed, and on one
+GPU rank a K = 0 stretch queues each step ahead (the next iteration committed to K = 0)."""
+
+import copy
+
+import anyio
+import torch
+
+from specloop.engine import AsyncEngine, EngineConfig
+from specloop.engine._adaptive import EXPLORE_EVERY, AdaptiveK, CostTable
+from specloop.samplers import SamplingParams
+
+from ..graphs.test_static_steps import StepReplayCache
+from .conftest import PROMPTS, collect, make_config
+from .test_adaptive import KS, check_first_drafts, cycle_k, record_first_drafts
+from .test_engine import reference_greedy
+
+
+class StaticOutputs(StepReplayCache):
+    """As a CUDA graph: every replay of a key writes into the same output tensors (a
+    step queued ahead overwrites the outputs of the one before it)."""
+
+    def replay(self, key, inputs):
+        out = super().replay(key, inputs)
+        kept = self._graphs[key]
+        if getattr(kept, "outputs", None) is None:
+            kept.outputs = {name: t.clone() for name, t in out.items()}
+        else:
+            for name, t in out.items():
+                kept.outputs[name].copy_(t)
+        return kept.outputs
+
+
+def ahead_config(tiny_dir, method, **kw):
+    data = make_config(tiny_dir, method=method, k=3, speculative={"adaptive": True},
+                       **kw).to_dict()
+    data["components"]["graph_cache"] = "tests.engine.test_adaptive_ahead:StaticOutputs"
+    data["graphs"] = {"batch_buckets": [1, 2, 4]}
+    return EngineConfig.from_dict(data)
+
+
+def queue_ahead_on_cpu(worker, used):
+    """The one-GPU-rank path on CPU; ``used`` gets, per VERIFY, whether it took a step
+    queued ahead."""
+    worker.verify_inline = worker.ahead_at_k0 = True
+    take = worker._take_ahead
+
+    def counted(rec):
+        pending, rows = take(rec)
+        used.append(pending is not None)
+        return pending, rows
+    worker._take_ahead = counted
+
+
+# The rule's side --------------------------------------------------------------------------
+def test_commit_zero_is_the_next_choice():
+    """commit_zero(b) is True exactly when the next choice, taken now (this iteration's
+    time not known yet), is K = 0 (first samples, the rule, exploration alike); the next
+    choice is then 0; ``force`` commits anyway."""
+    cost = CostTable({(b, k): 0.001 * (1 + 0.2 * k * b) for b in (1, 8) for k in KS})
+    adaptive = AdaptiveK(KS, cost)
+    adaptive.record(3, [3, 2, 3, 1, 0, 3, 2])
+    committed, ks = 0, set()
+    for i in range(EXPLORE_EVERY + 40):
+        batch = 1 if i < EXPLORE_EVERY // 2 else 8        # the rule's choice flips
+        twin = copy.deepcopy(adaptive)
+        twin._measured_us = 0                   # the time not known yet
+        early = twin.choose([twin.facts()], batch)
+        commit = adaptive.commit_zero(batch)
+        assert commit == (early == 0), i
+        k = adaptive.choose([adaptive.facts()], batch)
+        assert k == 0 or not commit
+        adaptive.measured(0.001 * (1 + 0.2 * k * batch))
+        committed += commit
+        ks.add(k)
+    assert 0 < committed < EXPLORE_EVERY and ks == set(KS)
+    # K = 3 wins at batch 1 with this acceptance, yet ``force`` commits K = 0.
+    fresh = AdaptiveK(KS, CostTable({(1, k): 1.0 + 0.01 * k for k in KS}, learn=False))
+    fresh.record(3, [3] * 8)
+    assert not fresh.commit_zero(1) and fresh.choose([fresh.facts()], 1) == 3
+    assert fresh.commit_zero(1, force=True) and fresh.choose([fresh.facts()], 1) == 0
+    assert fresh.choose([fresh.facts()], 1) == 3      # one choice only
+
+
+# The worker's side ------------------------------------------------------------------------
+async def test_iteration_is_timed_start_to_start_without_prefill(tiny_dir, tiny_loaded):
+    """T(b, k) is one iteration from the start of SCHEDULE to the start of the next: the
+    front-door exchange and the outputs' delivery count, prefill does not."""
+    config = make_config(tiny_dir, method="ngram", k=3, speculative={"adaptive": True})
+    times = []
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        worker = engine.worker
+        measured, exchange, prefill = (worker.adaptive.measured, worker.exchange,
+                                       worker._prefill)
+
+        async def slow_exchange(*args):
+            if worker.scheduler.num_requests:
+                await anyio.sleep(0.02)         # delivering outputs, taking new requests
+            return await exchange(*args)
+
+        def slow_prefill(admitted):
+            anyio.from_thread.run(anyio.sleep, 0.3)
+            prefill(admitted)
+        worker.exchange, worker._prefill = slow_exchange, slow_prefill
+        worker.adaptive.measured = lambda s: (times.append(s), measured(s))
+        await collect(engine, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
+                                                         ignore_eos=True))
+    # The first iteration's exchange waited for the request: all of it left out.
+    assert len(times) >= 3 and all(t < 0.3 for t in times), times
+    assert all(t >= 0.02 for t in times[1:]), times
+
+
+async def test_k0_stretch_queues_ahead_and_keeps_the_head_current(tiny_dir, tiny_loaded):
+    """One GPU rank's path (on CPU, outputs reused by every replay as CUDA graphs do):
+    K = 0 iterations followed by K = 0 take a step queued ahead; greedy equals no
+    speculation and every first draft equals the head run afresh (the rows of steps
+    queued ahead reach the head, none lost to the next step's outputs)."""
+    prompt, n = [5, 17, 99, 3, 42], 60
+    seen, used = [], []
+    async with AsyncEngine(ahead_config(tiny_dir, "eagle3"), model=tiny_loaded) as engine:
+        queue_ahead_on_cpu(engine.worker, used)
+        # K = 0 first: the first draft catches the head up over every row since the prompt.
+        cycle_k(engine.worker.adaptive, [0, 0, 0, 0, 0, 3, 0, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0,
+                                         1, 3])
+        worker, drafter = engine.worker, engine.worker.drafter
+        record_first_drafts(drafter, seen)
+        on_verified, rows = worker.on_verified, []
+
+        def recording(slots, start_pos, hidden, accepted):
+            rows.append((start_pos[0], hidden[0, :accepted[0] + 1].clone()))
+            on_verified(slots, start_pos, hidden, accepted)
+        worker.on_verified = recording
+        out = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=n,
+                                                           ignore_eos=True))
+    assert out == reference_greedy(tiny_loaded, prompt, n)
+    check_first_drafts(tiny_loaded, drafter, prompt, out, seen)
+    assert len(seen) >= 6 and sum(used) >= 15, (len(seen), sum(used))
+    # The rows the head was handed are the target's at their positions.
+    model, full = tiny_loaded.model, torch.tensor([prompt + out])
+    with torch.inference_mode():
+        features = model(full, torch.tensor([0]), torch.tensor([0]), model.make_cache(1, 256),
+                         capture=drafter.feature_layers)[1][0]
+    assert len(rows) >= 40
+    for start, got in rows:
+        torch.testing.assert_close(got, features[start:start + len(got)])
+
+
+async def test_steps_queued_ahead_change_no_token(tiny_dir, tiny_loaded):
+    """The same K per iteration with and without steps queued ahead: the same tokens for
+    every request, seeded sampled ones with rejection sampling included, and requests
+    ending at different iterations (the step queued ahead is then used for fewer rows)."""
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.7, seed=8, max_tokens=21, ignore_eos=True)]
+    pattern = [2, 0, 0, 0, 0, 1, 0, 0, 3, 0, 0, 0, 0, 0, 0]
+
+    async def run(ahead):
+        used = []
+        config = ahead_config(tiny_dir, "mtp_eagle", rejection=True)
+        async with AsyncEngine(config, model=tiny_loaded) as engine:
+            if ahead:
+                queue_ahead_on_cpu(engine.worker, used)
+            cycle_k(engine.worker.adaptive, pattern)
+            tokens = {}
+            async for outs in engine.generate_batch(PROMPTS[:4], params):
+                for o in outs:
+                    tokens.setdefault(o.request_id, []).extend(o.token_ids)
+        return [tokens[i] for i in sorted(tokens)], used
+
+    plain, _ = await run(False)
+    ahead, used = await run(True)
+    assert ahead == plain
+    assert sum(used) >= 10
+    for prompt, p, out in zip(PROMPTS, params, ahead):
+        if p.is_greedy:
+            assert out == reference_greedy(tiny_loaded, prompt, p.max_tokens)
