@@ -90,7 +90,7 @@ class DeviceChain:
             draft_key = attrs.evolve(key, stage="draft")
             drafted = w.graph_cache.replay(draft_key, draft_in)
             inputs = {"tokens": torch.cat([draft_in["bonus"], drafted["token_ids"]], dim=1),
-                      "start_pos": draft_in["seq_lens"] - 1 - draft_in["pad"],
+                      "start_pos": draft_in["start_pos"],
                       "slots": draft_in["slots"], **sampling.columns()}
             if "probs" in drafted:      # a fresh view: replay copies inputs it has not seen
                 inputs["draft_probs"] = drafted["probs"][:]

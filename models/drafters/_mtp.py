@@ -315,14 +315,17 @@ class MtpEagleDrafter(Drafter):
         cache, slots, seq_lens = self.cache, inputs["slots"], inputs["seq_lens"]
         out = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
                         inputs["write_slots"], cache, kv_len=kv_len)
-        hidden = out[torch.arange(out.shape[0], device=out.device), inputs["cu_last"]]
+        # Each row's last catch-up row (one gather: a draft step is launch-bound on a GPU).
+        last = inputs["cu_last"].view(-1, 1, 1).expand(-1, 1, out.shape[-1])
+        hidden = out.gather(1, last)[:, 0]
         tokens: torch.Tensor    # sent in by the caller after each step
+        before = seq_lens - 2 if k > 1 else seq_lens
         # k = 0 (adaptive K): the catch-up alone (yielded once, never sent to), so the
         # head's cache stays current.
         for j in range(max(k, 1)):
             if j:
                 # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j.
-                hidden = self.head(tokens[:, None], hidden[:, None], seq_lens - 2 + j, slots,
+                hidden = self.head(tokens[:, None], hidden[:, None], before + j, slots,
                                    cache, kv_len=kv_len)[:, 0]
             tokens = yield hidden
 
@@ -413,17 +416,22 @@ class MtpEagleDrafter(Drafter):
         (scratch slot, start 0, cu_last 0, length 2)."""
         rows, real = sampling.size, len(start)
         pad = rows - real
-        host = torch.tensor([list(start) + [0] * pad, list(slots) + [self.scratch] * pad,
-                             [0] * real + [1] * pad], dtype=torch.int64)
+        start = list(start)
+        # One copy: the columns, each row's new length and VERIFY n+1's position less the
+        # accepted count (padding rows: length 2, position 0, accepted count 0).
+        host = torch.tensor([start + [0] * pad, list(slots) + [self.scratch] * pad,
+                             [1] * real + [0] * pad, [s + 2 for s in start] + [2] * pad,
+                             [s + 1 for s in start] + [0] * pad], dtype=torch.int64)
         dev = self.pending.device
         packed = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
-        cu_start, row_slots, is_pad = packed[0], packed[1], packed[2]
-        accepted = verified["num_accepted"] * (1 - is_pad)
+        cu_start, row_slots, is_real, length, position = packed
+        accepted = verified["num_accepted"] * is_real
         tokens = verified["token_ids"].clamp(min=0)
         inputs = {"cu_tokens": tokens, "cu_hidden": verified["hidden"][:],
                   "cu_start": cu_start, "write_slots": row_slots, "cu_last": accepted,
-                  "slots": row_slots, "seq_lens": cu_start + accepted + 2,
-                  "bonus": tokens.gather(1, accepted[:, None]), "pad": is_pad}
+                  "slots": row_slots, "seq_lens": length + accepted,
+                  "bonus": tokens.gather(1, accepted[:, None]),
+                  "start_pos": position + accepted}
         inputs.update(sampling.columns())
         return inputs
 

@@ -187,8 +187,8 @@ class Drafter(Protocol):
         """``graph_inputs`` of the iteration after a VERIFY whose rows sat at ``start``
         (L - 1) in ``slots``, built on the device from its outputs (``token_ids``,
         ``num_accepted``, ``hidden``) for ``sampling.size`` rows, plus ``bonus``
-        [Bp, 1] (VERIFY n+1's first token) and ``pad`` [Bp] (1 on padding rows); only
-        called where ``can_chain`` is True."""
+        [Bp, 1] (VERIFY n+1's first token) and ``start_pos`` [Bp] (VERIFY n+1's; 0 on
+        padding rows); only called where ``can_chain`` is True."""
         raise RuntimeError(f"{type(self).__name__} does not chain (its can_chain is False)")
 
     def chained_consumed(self, slots: Sequence[int]) -> None:
