@@ -1,7 +1,7 @@
 """Adaptive K: how many tokens to draft this iteration (docs/configuration.md, "Adaptive K").
 
 The rule: among the K values the engine captured (0 .. num_draft_tokens), pick the one with
-the most expected tokens per unit of time at the padded batch b,
+the most expected tokens per unit of time at batch b (its power-of-two class),
 
     E(k) / T(b, k),   E(k) = 1 + sum_{j=1..k} a_1 * ... * a_j,
 
@@ -86,11 +86,13 @@ def acceptance_from_counts(reached: Sequence[float], accepted: Sequence[float]
 
 @attrs.define
 class CostTable:
-    """T(b, k) in seconds: the measured iterations at (bucket, k) (``measured``, an
-    exponential average) once there are some; before that ``device`` (VERIFY + DRAFT at
-    warm-up) plus ``rest`` (what the iterations measured so far at this bucket took beyond
-    their warm-up time). ``learn`` False keeps the table fixed and turns exploration off
-    (tests force K to switch with a table of their own)."""
+    """T(b, k) in seconds, b a batch class (``bucket``: the batch rounded up to a power of
+    two, at most the largest graph bucket): the measured iterations at (b, k)
+    (``measured``, an exponential average) once there are some; before that ``device``
+    (VERIFY + DRAFT at warm-up, per graph bucket) plus ``rest`` (what the iterations
+    measured so far at this class took beyond their warm-up time). ``learn`` False keeps
+    the table fixed and turns exploration off (tests force K to switch with a table of
+    their own)."""
 
     device: dict[tuple[int, int], float]
     rest: dict[int, float] = attrs.Factory(dict)
@@ -100,24 +102,39 @@ class CostTable:
     _first: dict[tuple[int, int], list[float]] = attrs.field(factory=dict, init=False,
                                                              repr=False)
     _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
+    _graph_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
 
     @property
     def buckets(self) -> list[int]:
         return sorted({b for b, _ in self.device})
 
     def bucket(self, batch_size: int) -> int:
+        """The class an iteration of ``batch_size`` rows is learned in: host work grows
+        with the rows whatever graph bucket pads them (with one bucket per engine, the
+        last rows of a round would otherwise count as a full batch)."""
         # Once per iteration: remembered per batch size (the table's keys never change
         # after warm-up agreement).
         found = self._bucket_of.get(batch_size)
         if found is None:
-            buckets = self.buckets
-            found = bucket_for(batch_size, buckets) or buckets[-1]
+            found = min(1 << max(batch_size - 1, 0).bit_length(), self.buckets[-1])
             self._bucket_of[batch_size] = found
         return found
 
+    def _device(self, bucket: int, k: int) -> float | None:
+        """Warm-up's time of the graph bucket that serves class ``bucket``."""
+        graph = self._graph_of.get(bucket)
+        if graph is None:
+            buckets = self.buckets
+            graph = self._graph_of[bucket] = bucket_for(bucket, buckets) or buckets[-1]
+        return self.device.get((graph, k))
+
     def time(self, bucket: int, k: int) -> float:
         seen = self.measured.get((bucket, k))
-        return self.device[(bucket, k)] + self._rest(bucket) if seen is None else seen
+        if seen is not None:
+            return seen
+        device = self._device(bucket, k)
+        assert device is not None, f"no warm-up time for K = {k}"
+        return device + self._rest(bucket)
 
     def _rest(self, bucket: int) -> float:
         if bucket in self.rest:
@@ -129,11 +146,12 @@ class CostTable:
         return self.rest[nearest]
 
     def observe(self, bucket: int, k: int, seconds: float) -> None:
-        if not self.learn or (bucket, k) not in self.device:
+        device = self._device(bucket, k)
+        if not self.learn or device is None:
             return
         key = (bucket, k)
         n = self.samples[key] = self.samples.get(key, 0) + 1
-        _average(self.rest, bucket, max(seconds - self.device[key], 0.0))
+        _average(self.rest, bucket, max(seconds - device, 0.0))
         if n <= FIRST_SAMPLES:
             first = self._first.setdefault(key, [])
             first.append(seconds)

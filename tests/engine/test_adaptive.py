@@ -141,6 +141,18 @@ def test_every_k_gets_explored_in_turn():
     assert {fixed.choose([fixed.facts()], 1) for _ in range(EXPLORE_EVERY * 4)} == {0}
 
 
+def test_times_are_learned_per_power_of_two_of_rows():
+    """One graph bucket (8) serves batches 1..8, but host work grows with the rows: a
+    batch of 3 and a batch of 8 learn their own T; warm-up's bucket-8 time stands in."""
+    cost = CostTable({(8, k): 0.001 * (1 + k) for k in KS})
+    assert [cost.bucket(b) for b in (1, 2, 3, 5, 8, 9)] == [1, 2, 4, 8, 8, 8]
+    for _ in range(FIRST_SAMPLES):
+        cost.observe(4, 3, 0.002)
+        cost.observe(8, 3, 0.010)
+    assert cost.time(4, 3) == pytest.approx(0.002) and cost.time(8, 3) == pytest.approx(0.010)
+    assert cost.time(2, 0) == pytest.approx(cost.device[(8, 0)] + cost.rest[4])
+
+
 def test_a_k_far_behind_is_explored_rarely():
     """Exploration tries a K whose expected rate is far below the best's (drafting at a
     large batch) at one of its turns in EXPLORE_RARELY; a K close to the best at each."""
