@@ -32,9 +32,10 @@ KV_LEN_MULTIPLE = 64
 class _Step(NamedTuple):
     """Per-forward tensors shared by every layer."""
 
-    pos: torch.Tensor  # [B, T] absolute positions
-    page: torch.Tensor  # [B, T] cache page of each new token
-    offset: torch.Tensor  # [B, T] its offset in the page
+    # The reference path's (the fused kernels compute them from start_pos and slots):
+    pos: torch.Tensor | None  # [B, T] absolute positions
+    page: torch.Tensor | None  # [B, T] cache page of each new token
+    offset: torch.Tensor | None  # [B, T] its offset in the page
     slots: torch.Tensor  # [B]
     start_pos: torch.Tensor  # [B]
     cos: torch.Tensor | None  # [B, T, 1, D] (reference path)
@@ -210,10 +211,10 @@ class DecoderModel(nn.Module):
             cache.pages.sync()
         dev = self.device
         start_pos, slots = start_pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True)
+        if fused:  # the kernels find positions, pages and lengths on the device
+            return _Step(None, None, None, slots, start_pos, None, None, None, 0)
         pos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
         page, offset = cache.locate(slots, pos)
-        if fused:  # kernels read lengths and pages on the device: nothing else to build
-            return _Step(pos, page, offset, slots, start_pos, None, None, None, 0)
         kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
         rope_pos = pos.clamp(max=self.rope_cos.shape[0] - 1)
         cos = self.rope_cos[rope_pos][:, :, None, :]
@@ -251,8 +252,10 @@ class DecoderModel(nn.Module):
         a = self.args
         h, x = _kernels.add_rms_norm(x, delta, w.attn_norm, a.rms_norm_eps)
         qkv = F.linear(h, w.wqkv, w.bqkv)
-        q = _kernels.rope_cache_write(qkv, step.pos, step.page, step.offset, self.rope_cos,
-                                      self.rope_sin, cache.k[i], cache.v[i], a.num_heads)
+        q = _kernels.rope_cache_write(qkv, step.start_pos, step.slots, cache.pages.table,
+                                      cache.max_seq_len, cache.pages.scratch_page,
+                                      self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],
+                                      a.num_heads)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos)
         h, x = _kernels.add_rms_norm(x, F.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps)

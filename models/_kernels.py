@@ -52,15 +52,23 @@ if triton is not None:
         tl.store(h_ptr + row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit
-    def _rope_write_kernel(qkv_ptr, pos_ptr, page_ptr, off_ptr, cos_ptr, sin_ptr, q_ptr,
-                           kc_ptr, vc_ptr, max_pos, s_page, s_off,
+    def _rope_write_kernel(qkv_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr, sin_ptr, q_ptr,
+                           kc_ptr, vc_ptr, T, max_pos, s_page, s_off, s_table,
+                           pages_per_slot, max_seq_len, scratch_page,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                           BLOCK_QK: tl.constexpr, BLOCK_V: tl.constexpr):
+                           PAGE: tl.constexpr, BLOCK_QK: tl.constexpr,
+                           BLOCK_V: tl.constexpr):
         tok = tl.program_id(0)
         half: tl.constexpr = D // 2
-        pos = tl.minimum(tl.load(pos_ptr + tok), max_pos)
-        page = tl.load(page_ptr + tok)
-        off = tl.load(off_ptr + tok)
+        # The token's position and its cache page and offset (KVCache.locate, here, so a
+        # forward builds no index tensors): positions past max_seq_len go to scratch.
+        row = tok // T
+        p = tl.load(start_ptr + row) + tok % T
+        index = tl.minimum(p // PAGE, pages_per_slot - 1)
+        page = tl.load(table_ptr + tl.load(slot_ptr + row) * s_table + index).to(tl.int64)
+        page = tl.where(p < max_seq_len, page, scratch_page)
+        off = p % PAGE
+        pos = tl.minimum(p, max_pos)
         d = tl.arange(0, half)
         heads = tl.arange(0, BLOCK_QK)[:, None]
         hm = heads < HQ + HKV
@@ -154,20 +162,23 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     return h, out
 
 
-def rope_cache_write(qkv: torch.Tensor, pos: torch.Tensor, page: torch.Tensor,
-                     offset: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     k_cache: torch.Tensor, v_cache: torch.Tensor, num_heads: int
-                     ) -> torch.Tensor:
-    """qkv [B, T, (Hq + 2 Hkv) D] -> rotated q [B, T, Hq, D]; rotated k and v are written
-    into k_cache / v_cache [pages, page_size, Hkv, D] at (page, offset) [B, T]."""
-    B, T = pos.shape
-    _, _, hkv, D = k_cache.shape
+def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
+                     table: torch.Tensor, max_seq_len: int, scratch_page: int,
+                     cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """qkv [B, T, (Hq + 2 Hkv) D] of positions start_pos [B].. in slots [B] -> rotated q
+    [B, T, Hq, D]; rotated k and v are written into k_cache / v_cache [pages, page_size,
+    Hkv, D] at each position's page (through the block table ``table``; positions past
+    ``max_seq_len``: ``scratch_page``) and offset, as ``KVCache.locate`` finds them."""
+    B, T = qkv.shape[:2]
+    _, page_size, hkv, D = k_cache.shape
     q = qkv.new_empty(B, T, num_heads, D)
     _rope_write_kernel[(B * T,)](
-        qkv.contiguous(), pos.contiguous(), page.contiguous(), offset.contiguous(), cos, sin,
-        q, k_cache, v_cache, cos.shape[0] - 1, k_cache.stride(0), k_cache.stride(1),
-        HQ=num_heads, HKV=hkv, D=D, BLOCK_QK=_pow2(num_heads + hkv), BLOCK_V=_pow2(hkv),
-        num_warps=4)
+        qkv.contiguous(), start_pos.contiguous(), slots.contiguous(), table, cos, sin,
+        q, k_cache, v_cache, T, cos.shape[0] - 1, k_cache.stride(0), k_cache.stride(1),
+        table.stride(0), table.shape[1], max_seq_len, scratch_page,
+        HQ=num_heads, HKV=hkv, D=D, PAGE=page_size, BLOCK_QK=_pow2(num_heads + hkv),
+        BLOCK_V=_pow2(hkv), num_warps=4)
     return q
 
 

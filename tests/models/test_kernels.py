@@ -38,6 +38,18 @@ for T in (1, 5, 9):  # decode, VERIFY with K=4, a prefill chunk
                                         cache))
     torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)
     assert not torch.equal(out[True][0], out[True][1])
+# A row whose last positions lie past max_seq_len (a padding row near the end): their K/V
+# go to the scratch page, not over the row's own last page (positions 60..63 here).
+out = {}
+for fused in (False, True):
+    model.kernels = fused
+    pages = PageTable(2, 64, 4)
+    cache = model.make_cache(2, 64, pages=pages)
+    pages.resize(1, 64)
+    model(torch.arange(60)[None] % V, torch.tensor([0]), torch.tensor([1]), cache)
+    out[fused] = model.logits(model(torch.arange(8)[None] % V, torch.tensor([60]),
+                                    torch.tensor([1]), cache, kv_len=64))[0, :4]
+torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)
 print("ok")
 """
 
