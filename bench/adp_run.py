@@ -33,10 +33,14 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, num_layers=30, hidden=576, num_heads=9,
 class StateCost:
     def __init__(self):
         self.us = {}
+        self.events = []        # (iteration, state, duration us): --trace-out
+        self.last = -1          # the last iteration seen
 
     def on_transition(self, event):
+        self.last = event.iteration
         if event.batch_size or event.state.value == "SYNC":
             self.us.setdefault(event.state.value, []).append(event.duration_us)
+            self.events.append((event.iteration, event.state.value, event.duration_us))
 
 
 def workload(n, seed_base=0, balanced_tokens=0):
@@ -100,8 +104,12 @@ async def main_async(args, path, world):
     engine = AsyncEngine(config, observers=[cost])
     if args.inline_collectives and hasattr(engine.comm, "inline"):
         engine.comm.inline = True       # NCCL collectives issued on the loop and polled
-    if args.shared_memory_exchange and hasattr(engine.comm, "shared_memory"):
-        engine.comm.shared_memory = True    # host all-gathers through shared memory
+    if hasattr(engine.comm, "shared_memory"):
+        if args.shared_memory_exchange:
+            engine.comm.shared_memory = True    # host all-gathers through shared memory
+        if args.gloo_exchange:
+            engine.comm.shared_memory = False   # host all-gathers over gloo
+    rounds = []     # rank 0: (consumer, first iteration, exchanges before, tok/s)
     async with engine:
         rank = engine.comm.rank
         if rank == 0:
@@ -109,12 +117,15 @@ async def main_async(args, path, world):
             for consumer in consumers:
                 rates[consumer] = []
                 for _ in range(args.rounds):    # the same workload again, warm engine
+                    first = cost.last + 1
+                    exchanges = engine.worker.exchange.times.count
                     start = time.perf_counter()
                     got = await serve(engine, workload(args.requests,
                                                        balanced_tokens=args.balanced_tokens),
                                       consumer)
                     elapsed = time.perf_counter() - start
                     rates[consumer].append(sum(len(o) for o in got) / elapsed)
+                    rounds.append((consumer, first, exchanges, rates[consumer][-1]))
                     if consumer == consumers[0]:
                         outs = got
         else:
@@ -134,6 +145,12 @@ async def main_async(args, path, world):
               f"us, mean {times.collective_us_total / times.count:.0f} us; waiting for the "
               f"last rank (skew) median {statistics.median(skew):.0f} us, mean "
               f"{times.skew_us_total / times.count:.0f} us", flush=True)
+    if args.trace_out:
+        os.makedirs(args.trace_out, exist_ok=True)
+        with open(os.path.join(args.trace_out, f"trace_w{world}_r{rank}.json"), "w") as f:
+            json.dump({"world": world, "rank": rank, "rounds": rounds,
+                       "exchange_count": times.count,
+                       "exchange": list(times.recent), "states": cost.events}, f)
     if rank == 0:
         for consumer, per in rates.items():
             print(f"[rank 0] world {world}, {consumer} consumer: tok/s per round: "
@@ -170,6 +187,11 @@ def main():
                     help="tensor collectives issued on the event loop and polled, no thread")
     ap.add_argument("--shared-memory-exchange", action="store_true",
                     help="SCHEDULE's host all-gather through shared memory, not gloo")
+    ap.add_argument("--gloo-exchange", action="store_true",
+                    help="SCHEDULE's host all-gather over gloo (whatever the default)")
+    ap.add_argument("--trace-out",
+                    help="folder: each rank's per-iteration state times and exchange "
+                         "times (skew, collective), rank 0's round boundaries (JSON)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--requests", type=int, default=48)
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")

@@ -43,7 +43,7 @@ class _Family:
         self.owns_world = owns_world
         # One collective at a time per process, in call order (anyio locks are FIFO):
         # NCCL and gloo both need every rank to issue group ops in the same order.
-        self.lock = anyio.Lock()
+        self.lock = _fast_lock()
 
 
 class TorchDistributedCommunicator(Communicator):
@@ -367,6 +367,15 @@ class TorchDistributedCommunicator(Communicator):
     def _check_device(self, tensor: torch.Tensor) -> None:
         if tensor.device.type != self.device.type:
             raise ValueError(f"tensor is on {tensor.device}, but this communicator's device is {self.device}")
+
+
+def _fast_lock() -> anyio.Lock:
+    """A lock whose uncontended acquire does not yield to the loop (anyio >= 4.5): a
+    collective is then posted before other tasks run (issue 12: rank 0 posting late)."""
+    try:
+        return anyio.Lock(fast_acquire=True)
+    except TypeError:       # older anyio
+        return anyio.Lock()
 
 
 def _object_call(op: str, group: str, seq: int, detail: str) -> CollectiveCall:

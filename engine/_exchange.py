@@ -67,9 +67,27 @@ class OutputExchange:
         self._exchange = self._group if comm.world_size > 1 else self._local
         self.gathered_facts: torch.Tensor | None = None
         self.times = ExchangeTimes()
+        # Rank 0: the other ranks' output blocks of the last exchange, not yet decoded
+        # and delivered (``hand_over``); the empty block it sends itself, built once.
+        self._held: torch.Tensor | None = None
+        self._empty: torch.Tensor | None = None
 
-    async def __call__(self, facts: Sequence[int] = ()) -> FrontDoorMessage:
-        return await self._exchange(facts)
+    async def __call__(self, facts: Sequence[int] = (), *, defer: bool = False
+                       ) -> FrontDoorMessage:
+        """``defer``: rank 0 keeps the other ranks' outputs until ``hand_over`` (the
+        worker calls it once this iteration's step is queued), so decoding them and the
+        consumers they wake do not delay the step; the next exchange hands them over
+        first if nothing else did."""
+        return await self._exchange(facts, defer)
+
+    def hand_over(self) -> None:
+        """Rank 0: decode and deliver the outputs held from the last exchange."""
+        held, self._held = self._held, None
+        front = self.front
+        if held is None or front is None:
+            return
+        for flat in held:
+            front.deliver(decode_outputs(flat, self.k, front.request_id))
 
     def deliver(self, handle: int, output: RequestOutput) -> None:
         if self.front is not None:
@@ -77,32 +95,35 @@ class OutputExchange:
         else:
             self.pending.append((handle, output))
 
-    async def _local(self, facts: Sequence[int]) -> FrontDoorMessage:
+    async def _local(self, facts: Sequence[int], defer: bool) -> FrontDoorMessage:
         front = self.front
         assert front is not None, "a single rank is rank 0, which holds the front door"
         if self.scheduler.num_requests == 0:
             await front.wait_for_work(timeout=None)
         return front.take_message(lambda new: tuple((0, r) for r in new))
 
-    async def _group(self, facts: Sequence[int]) -> FrontDoorMessage:
+    async def _group(self, facts: Sequence[int], defer: bool) -> FrontDoorMessage:
         """One tensor all-gather: each serving rank's outputs as a fixed-size block, its
         SYNC facts, its arrival time and a flag; only when some rank raised the flag
         (rank 0 has requests, cancels or shutdown to send; an output block overflowed)
         does a pickled object exchange follow. The flags are gathered first, so every
         rank agrees on whether it happens. On the device (``on_host`` False) it runs while
-        the device is idle (the last VERIFY was read back; no step is queued ahead)."""
+        the device is idle (the last VERIFY was read back; no step is queued ahead).
+        Rank 0 delivers the other ranks' block outputs here, or at ``hand_over`` with
+        ``defer`` (a flagged exchange delivers at once)."""
         message, pending = FrontDoorMessage(), self.pending
         self.pending = []
+        self.hand_over()        # a request's outputs reach its consumer in order
         if self.front is not None:
             if self.scheduler.num_requests == 0 and sum(self.loads) == 0:
                 await self.front.wait_for_work(timeout=self.config.scheduler.idle_wait_s)
             message = self.front.take_message(
                 lambda new: assign_least_loaded(new, self.loads))
-        rows = self.scheduler.slots.num_slots
-        block = encode_outputs(pending, rows, self.k)
+        block = encode_outputs(pending, self.scheduler.slots.num_slots, self.k) \
+            if pending else self._empty_block()
         flag = (message != FrontDoorMessage()) or block is None
         if block is None:
-            block = encode_outputs((), rows, self.k)
+            block = self._empty_block()
         width = 2 + len(facts)
         arrived = time.time_ns() // 1000
         header = torch.cat([torch.tensor([int(flag), *facts, arrived]), block])
@@ -112,9 +133,11 @@ class OutputExchange:
         self.times.record(last - arrived, time.time_ns() // 1000 - last)
         self.gathered_facts = gathered[:, 1:width - 1]
         if self.front is not None:
-            for flat in gathered[1:, width:]:
-                self.front.deliver(decode_outputs(flat, self.k, self.front.request_id))
-        if bool(gathered[:, 0].any()):
+            self._held = gathered[1:, width:]
+        flagged = bool(gathered[:, 0].any())
+        if not defer or flagged:
+            self.hand_over()
+        if flagged:
             overflow = () if not pending or not gathered[self.comm.rank, 0] else pending
             reports = await self.comm.all_gather_object(
                 message if self.front is not None else
@@ -124,3 +147,10 @@ class OutputExchange:
                     self.front.deliver(report.outputs)
             message = reports[0]
         return message
+
+    def _empty_block(self) -> torch.Tensor:
+        """A block with no outputs (rank 0's every iteration; ~30 us to build)."""
+        if self._empty is None:
+            self._empty = encode_outputs((), self.scheduler.slots.num_slots, self.k)
+        assert self._empty is not None, "no outputs always fit"
+        return self._empty

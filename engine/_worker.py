@@ -173,10 +173,17 @@ class RankWorker:
         self._apply(self._carried)
         await self._admit()
         rec.batch = list(self.scheduler.running)
-        # Consumers woken by the last RESCAN run now, not while the collective's thread
-        # waits for the GIL (on rank 0 they are every rank's consumers).
-        await anyio.lowlevel.checkpoint()
-        self._carried = await self.exchange(self._facts(rec.batch))
+        if self.run_ahead:
+            # Inline host exchange: rank 0 posts its row first; the consumers woken by
+            # the last RESCAN and the other ranks' outputs (``defer``) wait for VERIFY,
+            # which runs them once the next step is queued (issue 12: rank 0 was late).
+            self._carried = await self.exchange(self._facts(rec.batch),
+                                                defer=bool(rec.batch))
+        else:
+            # Consumers woken by the last RESCAN run now, not while the collective's
+            # thread waits for the GIL (on rank 0 they are every rank's consumers).
+            await anyio.lowlevel.checkpoint()
+            self._carried = await self.exchange(self._facts(rec.batch))
         if self.adaptive is not None:   # waiting for the last rank: not this rank's time
             self._excluded_s += self.exchange.times.recent[-1][0] / 1e6
         rec.shutdown = self._carried.shutdown
@@ -370,6 +377,7 @@ class RankWorker:
             if self._ahead is None and self.ahead_at_k0:
                 self.runner.keep_ahead = 0
             hidden = self.chain.queue(rec, pending, rows) if self.chain is not None else None
+            self.exchange.hand_over()   # the outputs SCHEDULE held back (rank 0 of a group)
             await anyio.lowlevel.checkpoint()
             rec.result = self._collect_verify(rec, pending, rows, hidden, fed=fed)
             if self.chain is not None:

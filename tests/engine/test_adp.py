@@ -233,3 +233,46 @@ async def test_step_queued_ahead_in_a_group_equals_single_rank(tiny_dir, tiny_lo
     results = await LocalGroup(2, timeout=5.0).run(rank_main)
     assert results[0] == expected
     assert all(used), used
+
+
+async def test_rank0_defers_other_ranks_outputs_until_hand_over(tiny_dir):
+    """``exchange(defer=True)`` on rank 0 keeps rank 1's outputs out of the front door
+    until ``hand_over`` (VERIFY calls it once the step is queued); an exchange that
+    follows without one hands the held outputs over first, so a request's outputs reach
+    its consumer complete and in order. Without ``defer`` they arrive in the exchange."""
+    import torch
+
+    from specloop.engine._exchange import OutputExchange
+    from specloop.engine._frontdoor_state import FrontDoor
+    from specloop.engine._request import NewRequest, RequestOutput
+    from specloop.engine._scheduler import Scheduler
+
+    config = adp_config(tiny_dir, 2)
+    front = FrontDoor()
+    channel = front.submit(NewRequest("r", (1, 2), SamplingParams(), 0, handle=5))
+    front.take_message(lambda new: ())     # as if assigned already: no flagged exchange
+    got: list[tuple[int, ...]] = []
+
+    async def rank_main(comm):
+        ex = OutputExchange(config=config, comm=comm, front=front if comm.rank == 0 else None,
+                            scheduler=Scheduler(4, 512), device=torch.device("cpu"))
+        ex.loads = [0, 1]       # rank 0 does not wait for work
+        for n, defer in enumerate((True, True, False)):
+            if comm.rank == 1:
+                ex.deliver(5, RequestOutput("r", (10 + n,), "", False, None))
+            await ex(defer=defer)
+            if comm.rank == 0:
+                got.append(tuple(t for o in await _drain(channel) for t in o.token_ids))
+        if comm.rank == 0:
+            ex.hand_over()
+            got.append(tuple(t for o in await _drain(channel) for t in o.token_ids))
+
+    await LocalGroup(2, timeout=5.0).run(rank_main)
+    assert got == [(), (10,), (11, 12), ()]
+
+
+async def _drain(channel):
+    """What the channel holds now (without waiting)."""
+    with anyio.move_on_after(0.01):
+        return await channel.take()
+    return []

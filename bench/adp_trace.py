@@ -1,0 +1,67 @@
+"""Summarise ``bench/adp_run.py --trace-out DIR``: per consumer, medians over its rounds'
+iterations of each rank's state times and of the exchange's skew and collective time.
+
+    python bench/adp_trace.py DIR
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import sys
+
+
+def load(folder):
+    runs = {}
+    for path in sorted(glob.glob(os.path.join(folder, "trace_w*_r*.json"))):
+        with open(path) as f:
+            data = json.load(f)
+        runs.setdefault(data["world"], {})[data["rank"]] = data
+    return runs
+
+
+def spans(rounds, end):
+    """consumer -> [(first iteration, last + 1, first exchange, last + 1)] per round."""
+    out = {}
+    for i, (consumer, first_it, first_ex, _) in enumerate(rounds):
+        nxt = rounds[i + 1] if i + 1 < len(rounds) else (None, end[0], end[1], None)
+        out.setdefault(consumer, []).append((first_it, nxt[1], first_ex, nxt[2]))
+    return out
+
+
+def med(values):
+    return f"{statistics.median(values):.0f}" if values else "-"
+
+
+def summarise(world, ranks):
+    rounds = ranks[0]["rounds"]
+    last_it = max(it for r in ranks.values() for it, _, _ in r["states"]) + 1
+    for consumer, parts in spans(rounds, (last_it, ranks[0]["exchange_count"])).items():
+        rates = [f"{tok_s:.0f}" for c, _, _, tok_s in rounds if c == consumer]
+        print(f"world {world}, {consumer}: tok/s per round {', '.join(rates)}")
+        for rank, data in sorted(ranks.items()):
+            states, its = {}, set()
+            for it, state, us in data["states"]:
+                if any(a <= it < b for a, b, _, _ in parts):
+                    states.setdefault(state, []).append(us)
+                    its.add(it)
+            line = ", ".join(f"{s} {med(v)}" for s, v in states.items())
+            # The deque keeps the last exchanges: index from the end.
+            ex, count = data["exchange"], data["exchange_count"]
+            picked = [ex[i - (count - len(ex))] for a, b, c, d in parts for i in range(c, d)
+                      if 0 <= i - (count - len(ex)) < len(ex)]
+            exch = (f"; exchange skew median {med([s for s, _ in picked])} us, collective "
+                    f"median {med([c for _, c in picked])} us over {len(picked)}"
+                    if picked else "")
+            print(f"  rank {rank}: {len(its)} iterations; median state us: {line}{exch}")
+
+
+def main():
+    for world, ranks in sorted(load(sys.argv[1]).items()):
+        summarise(world, ranks)
+
+
+if __name__ == "__main__":
+    main()
