@@ -45,7 +45,10 @@ class IncrementalDetokenizer:
         return list(self._ids)
 
     def push(self, ids: Iterable[int]) -> str:
-        ids = list(ids)
+        ids = ids if isinstance(ids, (list, tuple)) else list(ids)
+        stream = self._stream
+        if stream is not None and len(ids) == 1:
+            return self._push_one(stream, ids[0])
         if self._stream is None:
             self._ids.extend(ids)
             return self._push_window()
@@ -62,6 +65,21 @@ class IncrementalDetokenizer:
                 pieces.append(piece)
                 self._read_offset = len(self._ids)
         return "".join(pieces)
+
+    def _push_one(self, stream: DecodeStream, token: int) -> str:
+        """``push`` of one token through the stream: the common case (a decoding step per
+        request per iteration, every request's on the front door's rank), without the
+        general loop's copies (~1 us of the ~1.7 us a push cost)."""
+        self._ids.append(token)
+        try:
+            piece = stream.step(self._backend, token)
+        except Exception:  # noqa: BLE001 - the stream refused its prefix: window from here
+            self._leave_stream()
+            return self._push_window()
+        if piece is None:
+            return ""
+        self._read_offset = len(self._ids)
+        return piece
 
     def flush(self) -> str:
         """Emit held-back text (possibly ending in U+FFFD) at the end of a stream."""
