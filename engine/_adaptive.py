@@ -51,6 +51,8 @@ EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
 # starts the average (the first drafting iteration after a K = 0 stretch catches the head
 # up eagerly; a host pause or a kernel's first launch can take 100 ms on the H200).
 FIRST_SAMPLES = 3
+# Once settled, the rule leaves the last K only for one whose rate is SWITCH_MARGIN better.
+SWITCH_MARGIN = 0.03
 # Later, a measurement counts at most OUTLIER times the average (a real change still
 # doubles it per iteration; one pause does not make a K look dear for hundreds).
 OUTLIER = 2.0
@@ -252,6 +254,16 @@ class AdaptiveK:
     def _row(self) -> list[int]:
         return [round(x * SCALE) for x in self.reached + self.accepted] + [0]
 
+    def _stay(self, k: int, acceptance: list[float], times: dict[int, float]) -> int:
+        """The last iteration's K unless ``k`` beats it by SWITCH_MARGIN: measured rates
+        within noise of each other would flip K, and the first drafting iteration after
+        K = 0 ones pays an eager catch-up (the last K is agreed: every rank's is the same)."""
+        last = None if self._last is None else self._last[1]
+        if last is None or last == k:
+            return k
+        rate = {c: expected_tokens(acceptance, c) / max(times[c], 1e-9) for c in (k, last)}
+        return k if rate[k] > rate[last] * (1 + SWITCH_MARGIN) else last
+
     def _rule(self, rows: list[list[int]], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket`` from the gathered rows."""
         n = self.k_max
@@ -272,6 +284,7 @@ class AdaptiveK:
                 if untried:
                     return untried[0]
                 self._settled.add(bucket)
+            k = self._stay(k, acceptance, times)
             if calls % EXPLORE_EVERY == 0:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
                 explore = self.candidates[turn % n_k]

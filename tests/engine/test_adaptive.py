@@ -153,6 +153,25 @@ def test_times_are_learned_per_power_of_two_of_rows():
     assert cost.time(2, 0) == pytest.approx(cost.device[(8, 0)] + cost.rest[4])
 
 
+def test_the_last_k_stays_unless_another_is_clearly_better():
+    """Once settled, rates within SWITCH_MARGIN keep the last K (no flipping on noise);
+    a K clearly better takes over."""
+    cost = CostTable({(1, k): 1.0 for k in KS})
+    adaptive = AdaptiveK(KS, cost)
+    adaptive.record(3, [1, 0, 1, 0])               # acceptance ~0.5: E(1) ~ 1.5
+    for k in KS:                                   # settle with K = 1 the best by far
+        for _ in range(FIRST_SAMPLES):
+            cost.observe(1, k, 1.0 if k == 0 else (1.2 if k == 1 else 3.0))
+    assert adaptive.choose([adaptive.facts()], 1) == 1
+    e1 = expected_tokens(acceptance_from_counts(adaptive.reached, adaptive.accepted), 1)
+    cost.measured[(1, 0)] = 1.2 / e1 * 0.99        # K = 0 now 1 % better: stay at 1
+    assert adaptive.choose([adaptive.facts()], 1) == 1
+    cost.measured[(1, 0)] = 1.2 / e1 * 0.9         # 11 % better: switch
+    assert adaptive.choose([adaptive.facts()], 1) == 0
+    cost.measured[(1, 0)] = 1.2 / e1 * 1.01        # K = 1 1 % better: stay at 0
+    assert adaptive.choose([adaptive.facts()], 1) == 0
+
+
 def test_a_k_far_behind_is_explored_rarely():
     """Exploration tries a K whose expected rate is far below the best's (drafting at a
     large batch) at one of its turns in EXPLORE_RARELY; a K close to the best at each."""
