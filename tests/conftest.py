@@ -42,6 +42,23 @@ def pytest_collection_modifyitems(config, items):
             group = "distributed"
         if group is not None and grouping:
             item.add_marker(pytest.mark.xdist_group(group))
+    if grouping and config.getvalue("loadgroup"):      # an xdist worker, --dist loadgroup
+        _suffix_groups(items)
+
+
+def _suffix_groups(items) -> None:
+    """What pytest-xdist's loadgroup does to each grouped test's node id (``id@group``, the
+    controller's scheduling unit), done so that pytest >= 9.2 sees it: xdist 3.8 assigns
+    ``item._nodeid``, which pytest 9.2 no longer reads (the id is ``item._id``), and then
+    no group stays on one worker: SmolLM2 was loaded on both, two `specloop serve`s started,
+    the gloo tests ran side by side."""
+    from _pytest.nodeid import NodeId  # noqa: PLC0415 (pytest >= 9.2 only)
+
+    for item in items:
+        names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
+                        for m in item.iter_markers("xdist_group")})
+        if names and "@" not in item.nodeid.rpartition("]")[2]:
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(names)}")
 
 
 # ---- CPU seconds per test -----------------------------------------------------------------

@@ -49,6 +49,9 @@ def draft_config(tiny_dir, tiny_draft_dir):
                       components={"drafter": "tests.engine.planted:near_target_drafter"})
 
 
+# Slow: passing certificates are the slow every-drafter cases' job; the fast subset keeps
+# the failing ones (a planted sampler bug, a rank off by one) and the CLI's exit codes.
+@pytest.mark.slow
 async def test_clean_draft_model_distribution_passes(draft_config, tiny_loaded):
     report = await certify(draft_config, DIST, model=tiny_loaded)
     assert report["verdict"] == "pass", report["checks"][0]["summary"]
@@ -86,6 +89,7 @@ async def test_shared_noise_stream_fails_distribution(tiny_dir, tiny_draft_dir, 
     assert failed(report) == ["distribution"]
 
 
+@pytest.mark.slow   # fast twin: tests/engine/test_slot_invariance.py (the property itself)
 async def test_drafter_leaking_the_slots_previous_user_fails_slot_reuse(
         tiny_dir, tiny_draft_dir, tiny_loaded):
     # The target as its own draft model: every draft is accepted unless the leak bites.
@@ -110,6 +114,7 @@ async def test_a_rank_sampling_with_seed_plus_one_fails_rank_placement(
                                    "invariance.one_token_prompts"}
 
 
+@pytest.mark.slow   # fast twin: tests/graphs/test_static_steps.py (the same replay cache)
 async def test_graph_replay_matches_eager_through_a_step_replay_cache(
         tiny_dir, tiny_draft_dir, tiny_loaded):
     """The static-step (CUDA-graph) path on CPU, mtp_eagle's draft graph included."""

@@ -153,6 +153,7 @@ def _sigint_default() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+@pytest.mark.slow  # a real process (imports torch, then generates until the SIGINT)
 def test_ctrl_c_prints_partial_text_and_summary_and_exits_130(tiny_dir, tmp_path):
     config = tmp_path / "long.toml"
     config.write_text(f'[model]\nname = "{tiny_dir}"\ndevice = "cpu"\nmax_seq_len = 60000\n'

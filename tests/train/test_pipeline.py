@@ -15,8 +15,10 @@ from specloop.train import _trainer
 from specloop.train._distill import load_sequences
 
 # The module's tests share one trained head (the `setup` fixture, ~4 s CPU): one xdist
-# worker runs them all, so it is trained once per run, not once per worker.
-pytestmark = pytest.mark.xdist_group("train_pipeline")
+# worker runs them all, so it is trained once per run, not once per worker. Slow (~11 s of
+# CPU in all): training runs; the fast subset keeps tests/train/test_eagle3.py's pipeline
+# run (trains and serves a head) and the trainer's unit tests.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_pipeline")]
 
 WORDS = "cat dog tree river music code fox bread stone cloud paper lamp".split()
 
