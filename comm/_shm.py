@@ -45,30 +45,34 @@ class SharedGather:
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), _size(world, nbytes))
         self._seq = memoryview(self._map)[:8 * world].cast("q")   # [world] int64
-        rows = torch.frombuffer(self._map, dtype=torch.uint8)[8 * world:]
-        self._rows = rows.view(2, world, nbytes)
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._n = 0
 
+    def _buffer(self, n: int) -> int:
+        """Byte offset of call ``n``'s buffer (rows of ``nbytes``, rank order)."""
+        return 8 * self.world + (n % 2) * self.world * self.nbytes
+
     def post(self, tensor: torch.Tensor) -> None:
-        """Write this rank's row of the next call, then announce it."""
+        """Write this rank's row of the next call, then announce it. Plain memory copies
+        through the map: torch ops on a small tensor cost microseconds each (issue 12)."""
         self._n += 1
-        data = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        self._rows[self._n % 2, self.rank].copy_(data)
+        start = self._buffer(self._n) + self.rank * self.nbytes
+        data = memoryview(tensor.detach().contiguous().numpy()).cast("B")
+        self._map[start:start + self.nbytes] = data
         self._seq[self.rank] = self._n
 
     def ready(self) -> bool:
         """Whether every rank has posted the current call."""
-        n, seq = self._n, self._seq
-        return all(seq[r] >= n for r in range(self.world))
+        return min(self._seq) >= self._n
 
     def result(self, like: torch.Tensor) -> torch.Tensor:
         """[world, *like.shape]: every rank's row of the current call (a copy)."""
-        return self._rows[self._n % 2].clone().view(like.dtype).view(self.world, *like.shape)
+        start = self._buffer(self._n)
+        rows = bytearray(self._map[start:start + self.world * self.nbytes])
+        return torch.frombuffer(rows, dtype=like.dtype).view(self.world, *like.shape)
 
     def close(self) -> None:
         self._seq.release()
-        del self._rows
         try:
             self._map.close()
         except BufferError:     # a view still alive: the map goes with it

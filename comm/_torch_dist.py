@@ -76,10 +76,12 @@ class TorchDistributedCommunicator(Communicator):
         # always keeps the thread.
         self.inline = False
         # Host tensors' all_gather through a file in shared memory when every rank runs
-        # on this host (``_shm``), not gloo (~0.5 ms a call): opt-in, and every rank of
-        # the group must set it alike (the first call of each size sets the file up,
-        # collectively). Not with ``checked``.
-        self.shared_memory = False
+        # on this host (``_shm``), not gloo (~0.5 ms a call); every rank of the group
+        # must set it alike (the first call of each size sets the file up, collectively).
+        # Not with ``checked``. On by default on CUDA ranks, whose hosts have cores for
+        # the polling ranks (2 H200s: see docs/performance.md); off on the CPU, where
+        # ranks polling compete with the compute for cores (gloo sleeps in a syscall).
+        self.shared_memory = family.device.type == "cuda"
         self._shared: dict[int, _shm.SharedGather | None] = {}
 
     # all_gather takes host tensors on any device (over gloo): the engine's SCHEDULE
@@ -150,8 +152,7 @@ class TorchDistributedCommunicator(Communicator):
         if tensor.device.type == "cpu" and self.shared_memory and not self._checked:
             shared = await self._shared_gather(tensor.numel() * tensor.element_size())
             if shared is not None:
-                return await self._run_shared(CollectiveCall.for_tensor(
-                    "all_gather", self._name, self._seq, tensor), shared, tensor)
+                return await self._run_shared(shared, tensor)
         host = tensor.device.type == "cpu" and self.device.type == "cuda"
         if (self.inline or host) and not self._checked:
             return await self._run_inline(CollectiveCall.for_tensor(
@@ -253,14 +254,18 @@ class TorchDistributedCommunicator(Communicator):
         self._shared[nbytes] = shared
         return shared
 
-    async def _run_shared(self, call: CollectiveCall, shared: _shm.SharedGather,
-                          tensor: torch.Tensor) -> torch.Tensor:
+    async def _run_shared(self, shared: _shm.SharedGather, tensor: torch.Tensor
+                          ) -> torch.Tensor:
+        """Post, then poll until every rank has; the last rank to arrive finds the call
+        complete and never yields (nor builds the call's record, needed for a timeout)."""
         async with self._family.lock:
-            call = attrs.evolve(call, seq=self._seq)
+            seq = self._seq
             self._seq += 1
             shared.post(tensor)
-            with anyio.CancelScope(shield=True):    # seen through, as the other paths
-                await self._poll(shared.ready, call)
+            if not shared.ready():
+                call = CollectiveCall.for_tensor("all_gather", self._name, seq, tensor)
+                with anyio.CancelScope(shield=True):    # seen through, as the other paths
+                    await self._poll(shared.ready, call)
             return shared.result(tensor)
 
     async def _poll(self, done: Callable[[], bool], call: CollectiveCall) -> None:

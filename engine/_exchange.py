@@ -129,16 +129,18 @@ class OutputExchange:
         header = torch.cat([torch.tensor([int(flag), *facts, arrived]), block])
         # [world, 2 + facts + rows*width]
         gathered = (await self.comm.all_gather(header.to(self.device))).cpu()
-        last = int(gathered[:, width - 1].max())
+        # The flags and stamps as Python ints: one read, not a tensor op for each.
+        head = gathered[:, :width].tolist()
+        last = max(row[width - 1] for row in head)
         self.times.record(last - arrived, time.time_ns() // 1000 - last)
         self.gathered_facts = gathered[:, 1:width - 1]
         if self.front is not None:
             self._held = gathered[1:, width:]
-        flagged = bool(gathered[:, 0].any())
+        flagged = any(row[0] for row in head)
         if not defer or flagged:
             self.hand_over()
         if flagged:
-            overflow = () if not pending or not gathered[self.comm.rank, 0] else pending
+            overflow = () if not pending or not head[self.comm.rank][0] else pending
             reports = await self.comm.all_gather_object(
                 message if self.front is not None else
                 RankReport(tuple(out for _, out in overflow)))

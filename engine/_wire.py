@@ -7,6 +7,7 @@ finish reason index, then up to K + 1 token ids (-1 padded).
 
 from __future__ import annotations
 
+from array import array
 from typing import Callable, Sequence
 
 import torch
@@ -24,15 +25,24 @@ def encode_outputs(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: i
                    ) -> torch.Tensor | None:
     """[rows * width] int64, or None when the outputs do not fit (send them as objects)."""
     width = block_width(k)
-    if len(outputs) > rows or any(len(o.token_ids) > k + 1 for _, o in outputs):
+    if len(outputs) > rows:
         return None
-    # Built as lists, one tensor at the end: per-row tensor writes cost ~0.5 ms at 64 rows.
-    block = [[handle + 1, len(out.token_ids), int(out.finished),
-              -1 if out.finish_reason is None else REASONS.index(out.finish_reason),
-              *out.token_ids] + [-1] * (k + 1 - len(out.token_ids))
-             for handle, out in outputs]
-    block += [[0] + [-1] * (width - 1)] * (rows - len(outputs))
-    return torch.tensor(block, dtype=torch.int64).reshape(-1)
+    # One flat int64 array, one tensor over it at the end: per-row tensor writes cost
+    # ~0.5 ms at 64 rows, a nested list through torch.tensor ~0.1 ms (issue 12).
+    flat = array("q")
+    add = flat.extend
+    for handle, out in outputs:
+        tokens, reason = out.token_ids, out.finish_reason
+        if len(tokens) > k + 1:
+            return None
+        add((handle + 1, len(tokens), int(out.finished),
+             -1 if reason is None else REASONS.index(reason)))
+        add(tokens)
+        add((-1,) * (k + 1 - len(tokens)))
+    add(((0,) + (-1,) * (width - 1)) * (rows - len(outputs)))
+    if not flat:
+        return torch.empty(0, dtype=torch.int64)    # frombuffer refuses an empty buffer
+    return torch.frombuffer(flat, dtype=torch.int64)     # keeps ``flat`` alive
 
 
 def decode_outputs(flat: torch.Tensor, k: int, request_id: Callable[[int], str | None]
