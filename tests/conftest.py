@@ -22,7 +22,8 @@ torch.set_num_threads(1)
 # live `specloop serve`. Tests that start several processes run one at a time on their own
 # worker, so they do not oversubscribe the cores (or each other's timeouts).
 SHARED_GROUPS = {
-    "smollm2": {"smollm2", "smollm2_dir", "smollm2_hf", "smollm2_reference"},
+    "smollm2": {"smollm2", "smollm2_dir", "smollm2_hf", "smollm2_reference",
+                "smollm2_engine_reference"},
     "serve": {"server"},
     "plugin": {"plugin_venv"},
 }
@@ -42,7 +43,7 @@ def pytest_collection_modifyitems(config, items):
             group = "distributed"
         if group is not None and grouping:
             item.add_marker(pytest.mark.xdist_group(group))
-    if grouping and config.getvalue("loadgroup"):      # an xdist worker, --dist loadgroup
+    if getattr(config.option, "loadgroup", False):     # an xdist worker, --dist loadgroup
         _suffix_groups(items)
 
 
@@ -166,3 +167,15 @@ def smollm2_hf(smollm2_dir):
 def smollm2_reference(smollm2, smollm2_hf):
     """transformers' greedy tokens for smol.PROMPTS, smol.NEW_TOKENS each."""
     return smol.hf_greedy(smollm2_hf, smollm2.tokenizer)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_reference(smollm2, smollm2_reference):
+    """The transformers tokens (EOS ignored) cut after the first EOS: there the engine,
+    whose requests do not ignore EOS, stops. What every SmolLM2 engine run must equal."""
+    eos = smollm2.tokenizer.eos_token_ids
+    cut = []
+    for ref in smollm2_reference:
+        ends = [i for i, t in enumerate(ref) if t in eos]
+        cut.append(ref[:ends[0] + 1] if ends else ref)
+    return cut
