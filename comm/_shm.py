@@ -57,7 +57,11 @@ class SharedGather:
         through the map: torch ops on a small tensor cost microseconds each (issue 12)."""
         self._n += 1
         start = self._buffer(self._n) + self.rank * self.nbytes
-        data = memoryview(tensor.detach().contiguous().numpy()).cast("B")
+        flat = tensor.detach().contiguous()
+        try:
+            data = memoryview(flat.numpy()).cast("B")
+        except TypeError:   # a dtype numpy lacks (bfloat16): its bytes
+            data = memoryview(flat.reshape(-1).view(torch.uint8).numpy())
         self._map[start:start + self.nbytes] = data
         self._seq[self.rank] = self._n
 

@@ -66,6 +66,8 @@ class OutputExchange:
         self.loads = [0] * comm.world_size
         self._exchange = self._group if comm.world_size > 1 else self._local
         self.gathered_facts: torch.Tensor | None = None
+        # The same rows as Python ints (SYNC's agreement reads them without tensor ops).
+        self.gathered_rows: list[list[int]] = []
         self.times = ExchangeTimes()
         # Rank 0: the other ranks' output blocks of the last exchange, not yet decoded
         # and delivered (``hand_over``); the empty block it sends itself, built once.
@@ -134,6 +136,7 @@ class OutputExchange:
         last = max(row[width - 1] for row in head)
         self.times.record(last - arrived, time.time_ns() // 1000 - last)
         self.gathered_facts = gathered[:, 1:width - 1]
+        self.gathered_rows = [row[1:width - 1] for row in head]
         if self.front is not None:
             self._held = gathered[1:, width:]
         flagged = any(row[0] for row in head)

@@ -101,6 +101,9 @@ async def shared_memory(comm: TorchDistributedCommunicator) -> dict:
         got = await comm.all_gather(mine)
         want = torch.stack([torch.arange(5) * (i + 1) + 1000 * r for r in range(2)])
         wrong += not torch.equal(got, want)
+    # A dtype numpy lacks goes through as bytes.
+    half = await comm.all_gather(torch.full((4,), comm.rank + 0.5, dtype=torch.bfloat16))
+    wrong += not torch.equal(half, torch.tensor([[0.5] * 4, [1.5] * 4], dtype=torch.bfloat16))
     out = {"wrong": wrong, "sizes": sorted(k for k, v in comm._shared.items() if v)}
     if comm.rank == 1:
         await anyio.sleep(6)

@@ -130,7 +130,8 @@ def test_host_all_gathers_through_shared_memory(shared):
     _assert_ops(shared)
     for res in shared:
         assert res["shared_memory"]["wrong"] == 0
-        assert res["shared_memory"]["sizes"] == [16, 24, 40]   # [2] i64, [2, 3] f32, [5] i64
+        # [4] bf16, [2] i64, [2, 3] f32, [5] i64
+        assert res["shared_memory"]["sizes"] == [8, 16, 24, 40]
     waiting = shared[0]["shared_memory"]
     assert waiting["error"] is not None and "not completed within 3 s" in waiting["error"]
     assert waiting["elapsed"] < 10
