@@ -75,8 +75,13 @@ async def test_200_streams_50_disconnected(server):
         def delta(key):
             return after.get(key, 0) - before.get(key, 0)
 
-        assert delta(finished("length")) == 150
-        assert delta(finished("abort")) == 50
+        # Every request finishes once. A leaver is aborted when the server sees the
+        # disconnect; on a loaded machine the client may close after the server already
+        # produced all 400 tokens, and that request then finished by length (seen: 2 of 50).
+        # Most leavers must still be aborted: without disconnect handling all 50 finish.
+        aborted = delta(finished("abort"))
+        assert delta(finished("length")) + aborted == 200
+        assert 25 <= aborted <= 50
         # Abandoned requests drafted too, so the totals are at least what responses report.
         reported = [r[2].spec_decode for r in stayed]
         assert delta(DRAFTS) >= sum(s["num_drafts"] for s in reported)
