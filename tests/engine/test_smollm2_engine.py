@@ -16,15 +16,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW)
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2, smollm2_reference):
-    """The session's transformers tokens (EOS ignored), cut after the first EOS: there the
-    engine, whose requests do not ignore EOS, stops."""
-    eos = smollm2.tokenizer.eos_token_ids
-    cut = []
-    for ref in smollm2_reference:
-        ends = [i for i, t in enumerate(ref) if t in eos]
-        cut.append(ref[:ends[0] + 1] if ends else ref)
-    return cut
+def reference(smollm2_engine_reference):
+    """The session's transformers tokens, cut after the first EOS (tests/conftest.py)."""
+    return smollm2_engine_reference
 
 
 def config(method="none", k=3, **spec):
