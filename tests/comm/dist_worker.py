@@ -134,10 +134,14 @@ async def latency(comm: TorchDistributedCommunicator, iters: int = 200) -> dict:
 async def main(checked: bool) -> None:
     device = "cuda" if "--cuda" in sys.argv else "cpu"
     comm = TorchDistributedCommunicator.from_env(device=device, checked=checked, timeout=3.0)
+    result = {}
     if "--inline" in sys.argv:
+        # First the default path (unchecked, from a thread): the plain run, in this launch
+        # rather than a fourth pair of processes importing torch.
+        result["ops_plain"] = await ops(comm)
         comm.inline = True      # gloo: issued on the loop and polled, as NCCL by default
     comm.shared_memory = "--shm" in sys.argv
-    result = {"ops": await ops(comm), "inline": comm.inline}
+    result.update({"ops": await ops(comm), "inline": comm.inline})
     if "--latency" in sys.argv:
         result["latency_us"] = await latency(comm)
     if checked:

@@ -4,6 +4,9 @@ drafter and observer; prints what the test checks as JSON. Imports nothing of te
 
     python run_plugin.py single CONFIG.toml [CONFIG.toml ...]
     python run_plugin.py adp2 CONFIG.toml           # 2 LocalGroup ranks, ADP
+    python run_plugin.py all SINGLE.toml [...] ADP2.toml
+        # one process for the lot: {"registry": where specloop and the plugin were
+        # imported from and what the registry lists, "single": [...], "adp2": [...]}
 
 Also the import targets of two test components: ``run_plugin:KeepStepCache`` (a graph cache
 that "captures" a step by keeping the function and "replays" it on the static inputs, so
@@ -108,7 +111,21 @@ async def adp2(path: str) -> dict[str, Any]:
     return {"config": path, "tokens": tokens, "ranks": [reports[0], reports[1]]}
 
 
+def registry() -> dict[str, Any]:
+    import specloop.engine as engine
+    import specloop_example_plugin as plugin
+
+    return {"engine_file": engine.__file__, "plugin_file": plugin.__file__,
+            "drafters": engine.known_components("drafter"),
+            "observers": engine.known_components("observer")}
+
+
 async def main(mode: str, paths: list[str]) -> None:
+    if mode == "all":
+        print(json.dumps({"registry": registry(),
+                          "single": [await single(p) for p in paths[:-1]],
+                          "adp2": [await adp2(paths[-1])]}))
+        return
     run = single if mode == "single" else adp2
     print(json.dumps([await run(p) for p in paths]))
 

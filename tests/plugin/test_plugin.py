@@ -16,6 +16,7 @@ import sysconfig
 import textwrap
 import tomllib
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -109,7 +110,7 @@ num_draft_tokens = 3
     return out
 
 
-def run(venv: Path, mode: str, *paths: Path) -> list[dict]:
+def run(venv: Path, mode: str, *paths: Path) -> Any:
     result = subprocess.run([str(venv / "bin" / "python"), str(RUNNER), mode, *map(str, paths)],
                             capture_output=True, text=True, timeout=500, cwd=RUNNER.parent)
     assert result.returncode == 0, result.stderr[-4000:]
@@ -130,18 +131,22 @@ def check_observer(rank: dict) -> None:
     assert sum(n * c for n, c in enumerate(histogram)) == stats["num_accepted_tokens"]
 
 
+@pytest.fixture(scope="module")
+def runs(plugin_venv, configs) -> dict:
+    """Every CPU run in one process of the venv (each process imports torch): where
+    specloop and the plugin come from, the four single-rank configs, the ADP one."""
+    return run(plugin_venv, "all", *(configs[n] for n in ("none", "plugin", "graphs",
+                                                          "nographs", "adp2")))
+
+
 @pytest.mark.slow
-def test_plugin_is_installed_and_registered(plugin_venv):
-    venv = plugin_venv
-    code = ("import json, specloop.engine as e, specloop_example_plugin as p; print(json.dumps("
-            "[e.__file__, p.__file__, e.known_components('drafter'), "
-            "e.known_components('observer')]))")
-    out = subprocess.run([str(venv / "bin" / "python"), "-c", code], check=True,
-                         capture_output=True, text=True, cwd=venv).stdout
-    engine_file, plugin_file, drafters, observers = json.loads(out)
-    assert engine_file.startswith(str(venv)) and plugin_file.startswith(str(venv))
-    assert drafters["successor"] == "specloop_example_plugin:SuccessorDrafter"
-    assert observers == {"acceptance": "specloop_example_plugin:AcceptanceObserver"}
+def test_plugin_is_installed_and_registered(plugin_venv, runs):
+    venv, found = plugin_venv, runs["registry"]
+    # Imported from the venv's wheels, in the very process that ran the engine.
+    assert found["engine_file"].startswith(str(venv)), found
+    assert found["plugin_file"].startswith(str(venv)), found
+    assert found["drafters"]["successor"] == "specloop_example_plugin:SuccessorDrafter"
+    assert found["observers"] == {"acceptance": "specloop_example_plugin:AcceptanceObserver"}
 
 
 def test_docs_excerpts_match_the_plugin_source():
@@ -170,10 +175,8 @@ def test_plugin_uses_only_the_public_api():
 
 
 @pytest.mark.slow
-def test_greedy_exact_observed_and_graphs_where_the_drafter_says(plugin_venv, configs):
-    none, plugin, graphs, nographs = run(plugin_venv, "single", configs["none"],
-                                         configs["plugin"], configs["graphs"],
-                                         configs["nographs"])
+def test_greedy_exact_observed_and_graphs_where_the_drafter_says(runs):
+    none, plugin, graphs, nographs = runs["single"]
     assert none["ranks"][0]["drafter"] is None
     for result in (plugin, graphs, nographs):
         assert result["tokens"] == none["tokens"]
@@ -194,9 +197,8 @@ def test_greedy_exact_observed_and_graphs_where_the_drafter_says(plugin_venv, co
 
 
 @pytest.mark.slow
-def test_two_ranks_with_adp(plugin_venv, configs):
-    none = run(plugin_venv, "single", configs["none"])[0]
-    adp2 = run(plugin_venv, "adp2", configs["adp2"])[0]
+def test_two_ranks_with_adp(runs):
+    none, (adp2,) = runs["single"][0], runs["adp2"]
     assert adp2["tokens"] == none["tokens"]
     for rank in adp2["ranks"]:
         assert rank["drafter"] == "specloop_example_plugin._drafter.SuccessorDrafter"
