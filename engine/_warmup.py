@@ -77,8 +77,7 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
         ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,
                            spec=spec, sampler=sampler, comm=comm,
                            run_sync=anyio.to_thread.run_sync, graph_sampling=template)
-        kw = {"num_draft_tokens": k} if drafter.variable_k else {}
-        return (drafter.graph_step(sampler, template, advanced=advanced, **kw),
+        return (drafter.graph_step(sampler, template, advanced=advanced, num_draft_tokens=k),
                 drafter.graph_inputs(ctx))
 
     ks = config.speculative.k_values

@@ -15,8 +15,8 @@ from specloop.samplers import Sampler, SamplingBatch
 
 from .._grad import inference_mode
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
-                        graph_outputs, replay_proposal)
+from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, check_fixed_k,
+                        graph_int_inputs, graph_outputs, replay_proposal)
 
 # Tokens the draft cache can lag behind: the last committed one, plus the bonus token
 # when all K drafts were accepted.
@@ -157,9 +157,11 @@ class DraftModelDrafter(Drafter):
             "seq_lens": ctx.seq_len_list() + [1] * pad,
         })
 
-    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
+                   num_draft_tokens: int | None = None
                    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """``_draft_steps`` on static tensors (kv_len fixed), for CUDA-graph capture."""
+        check_fixed_k(self, num_draft_tokens)
         kv_len = self.cache.max_seq_len
 
         def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -160,11 +160,15 @@ class Drafter(Protocol):
         captured draft graph is replayed through ``ctx.replay``. Default False."""
         return False
 
-    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
+                   num_draft_tokens: int | None = None
                    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """The whole K-step proposal as a function over static tensors (inputs as
         ``graph_inputs`` builds them -> ``token_ids`` [Bp, K] and, when advanced,
-        ``probs`` [Bp, K, V]); called only where ``can_graph`` is True."""
+        ``probs`` [Bp, K, V]); called only where ``can_graph`` is True. The engine
+        passes the step's K as ``num_draft_tokens``: any K from 1 to
+        ``self.num_draft_tokens`` when ``variable_k`` is True (adaptive K captures one
+        step per K), else always ``self.num_draft_tokens`` (``check_fixed_k``)."""
         raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
                            "(its can_graph is False)")
 
@@ -195,6 +199,15 @@ class Drafter(Protocol):
         """The chained draft of these slots ran (as ``propose`` would have). Default:
         nothing."""
         return None
+
+
+def check_fixed_k(drafter: Drafter, num_draft_tokens: int | None) -> None:
+    """For a drafter whose ``variable_k`` is False: a ``graph_step`` asked for another K
+    than the drafter's own is a caller's bug, not something to draft silently."""
+    if num_draft_tokens not in (None, drafter.num_draft_tokens):
+        raise ValueError(f"{type(drafter).__name__} drafts a fixed K = "
+                         f"{drafter.num_draft_tokens} (its variable_k is False); "
+                         f"graph_step got num_draft_tokens = {num_draft_tokens}")
 
 
 class VerifyObserver(Protocol):

@@ -77,6 +77,10 @@ def test_builtin_drafters_are_complete(tiny_dir, tiny_draft_dir, tiny_loaded, me
     assert drafter.point_mass is (method == "ngram")
     assert drafter.needs_empty_calls is False
     assert (len(drafter.feature_layers) >= 2) is (method == "eagle3")
+    if not drafter.variable_k:      # a fixed-K drafter's graph step refuses another K
+        assert method in ("draft_model", "early_exit")
+        with pytest.raises(ValueError, match="fixed K = 2 .*num_draft_tokens = 1"):
+            drafter.graph_step(None, None, advanced=False, num_draft_tokens=1)
 
 
 class HalfDrafter:

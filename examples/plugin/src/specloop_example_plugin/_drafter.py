@@ -51,8 +51,9 @@ class SuccessorDrafter(Drafter):
         # Table lookups only: no sampling, no host reads, no collectives, on either path.
         return True
 
-    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool
-                   ) -> Callable[[Tensors], Tensors]:
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
+                   num_draft_tokens: int | None = None) -> Callable[[Tensors], Tensors]:
+        # num_draft_tokens is always this drafter's own K: its variable_k is False.
         return self._follow
 
     def graph_inputs(self, ctx: DraftContext) -> Tensors:
