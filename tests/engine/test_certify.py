@@ -101,6 +101,7 @@ async def test_drafter_leaking_the_slots_previous_user_fails_slot_reuse(
     assert statuses(report)["invariance.rank_placement"] == "skipped"
 
 
+@pytest.mark.slow   # fast twins: test_adp / test_lm_head_tp (seeded rows match one rank)
 async def test_a_rank_sampling_with_seed_plus_one_fails_rank_placement(
         tiny_dir, tiny_draft_dir, tiny_loaded):
     planted.SAMPLERS_BUILT.clear()

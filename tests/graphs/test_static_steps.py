@@ -71,9 +71,11 @@ async def run(cfg, loaded, reqs):
     {"method": "mtp_eagle", "k": 2},
     {"method": "eagle3", "k": 3, "rejection": True},
     {"method": "early_exit", "k": 3, "rejection": True},
-    {"method": "early_exit", "k": 2},
+    # Slow: the strict path's graphs are mtp_eagle K=2's case in the fast subset, and these
+    # drafters' draft graphs their K=3 cases (and tests/graphs/test_drafter_paths.py).
+    pytest.param({"method": "early_exit", "k": 2}, marks=pytest.mark.slow),
     {"method": "draft_model", "k": 3, "rejection": True},
-    {"method": "draft_model", "k": 2},
+    pytest.param({"method": "draft_model", "k": 2}, marks=pytest.mark.slow),
 ])
 async def test_static_steps_equal_eager(tiny_dir, tiny_draft_dir, tiny_loaded, spec):
     spec = dict(spec)
