@@ -51,16 +51,29 @@ nokind = toy_specloop:shadow
 '''
 
 
-@pytest.fixture
-def plugin(tmp_path, monkeypatch):
-    """An installed distribution registering drafter 'toy' (and trying to shadow built-ins)."""
-    (tmp_path / "toy_specloop.py").write_text(PLUGIN)
-    info = tmp_path / "toy_specloop-0.1.dist-info"
+def _install_toy(folder):
+    (folder / "toy_specloop.py").write_text(PLUGIN)
+    info = folder / "toy_specloop-0.1.dist-info"
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: toy-specloop\nVersion: 0.1\n")
     (info / "entry_points.txt").write_text(textwrap.dedent(ENTRY_POINTS))
+
+
+@pytest.fixture
+def plugin(tmp_path, monkeypatch):
+    """An installed distribution registering drafter 'toy' (and trying to shadow built-ins)."""
+    _install_toy(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     return "toy"
+
+
+def test_a_package_installed_after_a_read_is_seen(tmp_path, monkeypatch):
+    # The registry is memoized per state of sys.path's folders: installing into a folder
+    # already on the path must still be seen (its new .dist-info changes the folder).
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert "toy" not in known_components("drafter")
+    _install_toy(tmp_path)
+    assert known_components("drafter")["toy"] == "toy_specloop:ToyDrafter"
 
 
 @pytest.mark.parametrize("kind", sorted(BUILTINS))
