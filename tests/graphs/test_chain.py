@@ -13,7 +13,7 @@ from specloop.engine._chain import DeviceChain
 from specloop.samplers import SamplingParams
 
 from ..engine import planted
-from ..engine.conftest import PROMPTS
+from ..engine.conftest import PROMPTS, serve_staggered
 from .test_static_steps import StepReplayCache, config
 
 
@@ -140,21 +140,14 @@ async def test_chained_equals_unchained_on_cuda(tiny_dir, dtype):
     reqs = requests()
 
     async def go(graphs, chained):
-        outs = {}
         async with AsyncEngine(cfg(tiny_dir, graphs, **spec), model=loaded) as engine:
             worker = engine.worker
             if not chained:
                 worker.chain = None
 
-            async def one(i, prompt, params):
-                outs[i] = [t async for o in engine.generate(prompt, params)
-                           for t in o.token_ids]
-
-            async with anyio.create_task_group() as tg:
-                for i, (prompt, params) in enumerate(reqs):
-                    tg.start_soon(one, i, prompt, params)
+            outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
             taken = worker.chain.taken_steps if worker.chain is not None else 0
-        return [outs[i] for i in range(len(reqs))], taken
+        return outs, taken
 
     eager, _ = await go(False, False)
     unchained, _ = await go(True, False)
@@ -178,17 +171,9 @@ async def test_shared_head_prefill_equals_one_per_prompt(tiny_dir, tiny_loaded, 
         from specloop.engine import EngineConfig
         async with AsyncEngine(EngineConfig.from_dict(cfg), model=tiny_loaded) as engine:
             engine.worker.drafter.batch_prefill = shared
-            outs = {}
-
-            async def one(i, prompt, params):
-                outs[i] = [t async for o in engine.generate(prompt, params)
-                           for t in o.token_ids]
-
-            async with anyio.create_task_group() as tg:
-                for i, (prompt, params) in enumerate(reqs):
-                    tg.start_soon(one, i, prompt, params)
+            outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
         (recorder,) = planted.RECORDERS
-        runs.append(([outs[i] for i in range(len(reqs))], recorder.drafts))
+        runs.append((outs, recorder.drafts))
     (plain, plain_drafts), (shared_outs, shared_drafts) = runs
     assert shared_outs == plain
     for seed in SEEDS:
