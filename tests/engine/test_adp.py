@@ -7,7 +7,7 @@ from specloop.comm import (CollectiveCounter, CollectiveTimeoutError, LocalGroup
 from specloop.engine import AsyncEngine, ConfigError, EngineClosedError
 from specloop.samplers import SamplingParams
 
-from .conftest import PROMPTS, collect, make_config
+from .conftest import PROMPTS, collect, make_config, serve_staggered
 
 PARAMS = [SamplingParams(temperature=0.0, max_tokens=12 + 3 * i, ignore_eos=True)
           for i in range(len(PROMPTS))]
@@ -19,15 +19,7 @@ def adp_config(model_dir, world, **kw):
 
 
 async def serve(engine, prompts, params):
-    results = {}
-
-    async def one(i):
-        results[i] = await collect(engine, prompts[i], params[i])
-
-    async with anyio.create_task_group() as tg:
-        for i in range(len(prompts)):
-            tg.start_soon(one, i)
-    return [results[i] for i in range(len(prompts))]
+    return await serve_staggered(engine, [(p, q, 0) for p, q in zip(prompts, params)])
 
 
 async def run_group(world, config, loaded, body, *, wrap=None, observers=None, timeout=5.0):

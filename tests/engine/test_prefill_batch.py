@@ -8,7 +8,7 @@ import torch
 from specloop.engine import AsyncEngine
 from specloop.samplers import SamplingParams
 
-from .conftest import collect, make_config
+from .conftest import make_config, serve_staggered
 
 # Lengths 1 (nothing to prefill), 30 (over the 24-token budget: alone, in chunks) and
 # short ones that share forwards, padded to the longest of their group.
@@ -36,16 +36,10 @@ async def test_batched_prefill_equals_one_forward_per_request(tiny_dir, tiny_loa
                 prefill = drafter.prefill
                 drafter.prefill = lambda slot, ids, h: (
                     hidden.__setitem__(tuple(ids), h.clone()), prefill(slot, ids, h))
-            out = {}
-
-            async def one(i):
-                out[i] = await collect(engine, prompts[i], params[i])
-            async with anyio.create_task_group() as tg:
-                for i in range(len(prompts)):
-                    tg.start_soon(one, i)
+            out = await serve_staggered(engine, [(p, q, 0) for p, q in zip(prompts, params)])
             await anyio.sleep(0.05)
             assert runner.pages.num_free == runner.pages.num_pages
-        return [out[i] for i in range(len(prompts))], rows, hidden
+        return out, rows, hidden
 
     (want, none, want_h), (got, rows, got_h) = await run(False), await run(True)
     assert got == want
