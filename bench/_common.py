@@ -92,12 +92,19 @@ def device_sync(device: str):
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-async def generate_round(engine, prompts, n: int) -> None:
-    """Every prompt at once: greedy, ``n`` tokens each, EOS ignored."""
+async def generate_round(engine, prompts, n: int, consumer: str = "stream") -> None:
+    """Every prompt at once: greedy, ``n`` tokens each, EOS ignored. consumer "stream":
+    one ``generate`` task per request (a server's path); "batch": one ``generate_batch``
+    for all (a batch job's path, like transformers' ``generate``)."""
     from specloop.samplers import SamplingParams  # noqa: PLC0415
 
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    if consumer == "batch":
+        async for _ in engine.generate_batch(prompts, params):
+            pass
+        return
+
     async def one(ids):
-        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         async for _ in engine.generate(ids, params):
             pass
 

@@ -21,20 +21,18 @@ import anyio
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
-from _common import quiet_logs  # noqa: E402
+from _common import generate_round, quiet_logs  # noqa: E402
 from bench_host_overhead import StateTimes, stand_in  # noqa: E402
 
 
 async def run(args, loaded, world):
     from specloop.engine import AsyncEngine, EngineConfig
-    from specloop.samplers import SamplingParams
     config = EngineConfig.from_dict({
         "model": {"name": str(loaded.path), "max_seq_len": 4096, "chat_template": False},
         "scheduler": {"max_batch_size": args.batch},
         "speculative": {"method": "none"},
         "parallel": {"world_size": world, "attention_dp": world > 1},
         "components": {"communicator": "torch_distributed" if world > 1 else "single"}})
-    params = SamplingParams(temperature=0.0, max_tokens=args.tokens, ignore_eos=True)
     times = StateTimes()
     engine = AsyncEngine(config, model=loaded, observers=[times])
     if args.shared_memory and hasattr(engine.comm, "shared_memory"):
@@ -48,16 +46,7 @@ async def run(args, loaded, world):
             profiler.enable()
         if rank == 0:
             prompts = [[1, 2, 3, (i % 50) + 4] for i in range(args.requests)]
-            if args.consumer == "batch":
-                async for _ in engine.generate_batch(prompts, params):
-                    pass
-            else:
-                async def one(prompt):
-                    async for _ in engine.generate(prompt, params):
-                        pass
-                async with anyio.create_task_group() as tg:
-                    for prompt in prompts:
-                        tg.start_soon(one, prompt)
+            await generate_round(engine, prompts, args.tokens, args.consumer)
         else:
             await engine.wait_closed()
         if profiler is not None:

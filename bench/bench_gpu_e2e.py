@@ -22,7 +22,7 @@ import time
 import anyio
 import torch
 
-from _common import quiet_logs
+from _common import generate_round, quiet_logs
 
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
              "Explain photosynthesis in two sentences.", "List three prime numbers.",
@@ -59,23 +59,6 @@ def engine_config(name, batch, method="none", k=4):
         "graphs": {"batch_buckets": [batch]}})
 
 
-async def _generate_all(engine, prompts, tokens, consumer="stream"):
-    """stream: one ``generate`` task per request (a server's path); batch: one
-    ``generate_batch`` for all (a batch job's path, like transformers' ``generate``)."""
-    from specloop.samplers import SamplingParams
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    if consumer == "batch":
-        async for _ in engine.generate_batch(prompts, params):
-            pass
-        return
-
-    async def one(p):
-        async for _ in engine.generate(p, params):
-            pass
-
-    async with anyio.create_task_group() as tg:
-        for p in prompts:
-            tg.start_soon(one, p)
 
 
 async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", profile=None,
@@ -84,7 +67,7 @@ async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", prof
     from specloop.engine import AsyncEngine
     by = {}
     async with AsyncEngine(engine_config(name, len(prompts), method), model=loaded) as engine:
-        await _generate_all(engine, prompts, 8)  # warm-up
+        await generate_round(engine, prompts, 8)  # warm-up
         for consumer in consumers:
             by[consumer] = await _timed(engine, prompts, tokens, runs, consumer)
         if profile is not None:
@@ -115,9 +98,9 @@ async def _state_times(name, loaded, prompts, method, tokens=64):
     times = _StateTimes()
     config = engine_config(name, len(prompts), method)
     async with AsyncEngine(config, model=loaded, observers=[times]) as engine:
-        await _generate_all(engine, prompts, 8)
+        await generate_round(engine, prompts, 8)
         times.on = True
-        await _generate_all(engine, prompts, tokens, "batch")
+        await generate_round(engine, prompts, tokens, "batch")
     return {k: round(v / max(1, times.iterations), 1) for k, v in times.us.items()}
 
 
@@ -128,7 +111,7 @@ async def _timed(engine, prompts, tokens, runs, consumer):
         it0, acc0 = engine.stats.num_iterations, engine.stats.num_accepted_tokens
         rows0 = engine.stats.num_verify_rows
         start = time.perf_counter()
-        await _generate_all(engine, prompts, tokens, consumer)
+        await generate_round(engine, prompts, tokens, consumer)
         _sync()
         wall = time.perf_counter() - start
         iters = engine.stats.num_iterations - it0
@@ -142,12 +125,12 @@ async def _timed(engine, prompts, tokens, runs, consumer):
 async def _profile(engine, prompts, num_layers, tokens=64):
     """Kernels per layer, syncs per iteration and GPU busy / wall over ``tokens`` steps."""
     from torch.profiler import ProfilerActivity, profile
-    await _generate_all(engine, prompts, 8)
+    await generate_round(engine, prompts, 8)
     _sync()
     it0 = engine.stats.num_iterations
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         start = time.perf_counter()
-        await _generate_all(engine, prompts, tokens)
+        await generate_round(engine, prompts, tokens)
         _sync()
         wall = time.perf_counter() - start
     iters = engine.stats.num_iterations - it0

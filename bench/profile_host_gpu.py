@@ -19,8 +19,8 @@ import time
 import anyio
 import torch
 
-from _common import quiet_logs
-from bench_gpu_e2e import _generate_all, chat_prompts, engine_config
+from _common import generate_round, quiet_logs
+from bench_gpu_e2e import chat_prompts, engine_config
 
 
 class _PerIteration:
@@ -45,14 +45,14 @@ async def one_batch(name, loaded, batch, tokens, runs, method, use_cprofile):
     out = {"batch": batch, "method": method, "runs": []}
     async with AsyncEngine(engine_config(name, batch, method), model=loaded,
                            observers=[per]) as engine:
-        await _generate_all(engine, prompts, 8)
+        await generate_round(engine, prompts, 8)
         for consumer in ("batch", "stream"):
             for _ in range(runs):
                 torch.cuda.synchronize()
                 it0 = engine.stats.num_iterations
                 per.rows, per.on = [], True
                 start = time.perf_counter()
-                await _generate_all(engine, prompts, tokens, consumer)
+                await generate_round(engine, prompts, tokens, consumer)
                 torch.cuda.synchronize()
                 wall = time.perf_counter() - start
                 per.on = False
@@ -72,7 +72,7 @@ async def one_batch(name, loaded, batch, tokens, runs, method, use_cprofile):
         if use_cprofile:
             prof = cProfile.Profile()
             prof.enable()
-            await _generate_all(engine, prompts, tokens, "batch")
+            await generate_round(engine, prompts, tokens, "batch")
             prof.disable()
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats("tottime").print_stats(40)
