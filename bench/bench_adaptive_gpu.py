@@ -43,7 +43,6 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device):
         for name in names:
             engines[name] = await stack.enter_async_context(
                 AsyncEngine(engine_config(CONFIGS[name], batch, device), model=loaded))
-        ahead = {name: count_steps_ahead(engine.worker) for name, engine in engines.items()}
         for engine in engines.values():
             await generate_round(engine, prompts, 16)
         for _ in range(runs):
@@ -57,7 +56,7 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device):
                 "al": round(stats.mean_acceptance_length, 3),
                 "per_position": [round(a, 3) for a in stats.acceptance_per_position],
                 "iterations_per_k": dict(sorted(stats.iterations_per_k.items())),
-                "steps_queued_ahead": ahead[name][0],
+                "steps_queued_ahead": engine.worker.ahead.taken_steps,
                 "cost_ms": None if adaptive is None else {
                     f"{b}/{k}": round(s * 1e3, 3) for (b, k), s in adaptive.cost.device.items()},
                 "rest_ms": None if adaptive is None else {
@@ -67,18 +66,6 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device):
                     f"{b}/{k}": round(s * 1e3, 3)
                     for (b, k), s in sorted(adaptive.cost.measured.items())}}
     return rates, extra
-
-
-def count_steps_ahead(worker) -> list[int]:
-    """[VERIFYs that took a step queued ahead], counted by wrapping the worker's hook."""
-    count, take = [0], worker._take_ahead
-
-    def counted(rec):
-        pending, rows = take(rec)
-        count[0] += pending is not None
-        return pending, rows
-    worker._take_ahead = counted
-    return count
 
 
 def run(args) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import statistics
+import time
 from typing import Hashable, Sequence, TypeVar
 
 import attrs
@@ -294,3 +295,28 @@ class AdaptiveK:
                         (turn // n_k) % EXPLORE_RARELY == 0:
                     k = explore
         return k
+
+
+@attrs.define
+class IterationClock:
+    """Adaptive K's clock (the worker's): one iteration is from the start of its SCHEDULE
+    to the start of the next (``tick``), less what does not depend on K (``exclude``:
+    prefill, waiting for work, waiting for the group's last rank). ``timed``: this
+    iteration chose K and its time is learned. Without ``adaptive`` it keeps no time."""
+
+    adaptive: AdaptiveK | None = None
+    started: float = 0.0
+    excluded_s: float = 0.0
+    timed: bool = False
+
+    def tick(self) -> None:
+        """The last iteration ends where this one starts: hand its time to the rule."""
+        if self.adaptive is None:
+            return
+        now = time.perf_counter()
+        if self.timed:
+            self.adaptive.measured(now - self.started - self.excluded_s)
+        self.started, self.excluded_s, self.timed = now, 0.0, False
+
+    def exclude(self, seconds: float) -> None:
+        self.excluded_s += seconds

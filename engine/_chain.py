@@ -5,8 +5,8 @@ are queued too, their inputs built on the GPU from VERIFY n's outputs: the head'
 catch-up is VERIFY n's K + 1 feature rows and tokens (``Drafter.chained_inputs``), its K
 drafts and VERIFY n's bonus token are VERIFY n+1's tokens, one position past the accepted
 ones. The host then reads VERIFY n back and runs RESCAN, SCHEDULE .. DRAFT of n+1 while
-the GPU computes n+1, as the no-speculation step queued ahead does (``RankWorker.
-_queue_ahead``); nothing waits for the host between the stages.
+the GPU computes n+1, as the no-speculation step queued ahead does (``RunAhead``,
+engine/_ahead.py); nothing waits for the host between the stages.
 
 Iteration n+1 uses the chained step when its batch is the same requests in the same order,
 each exactly as long as VERIFY n made it, under the same graph key; DRAFT then skips the

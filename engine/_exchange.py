@@ -57,7 +57,7 @@ class OutputExchange:
         self.scheduler = scheduler
         # The exchange's tensors stay on the host when the communicator gathers host
         # tensors (torch.distributed: over gloo): then it neither syncs the device nor
-        # waits behind a step queued there (RankWorker.run_ahead in a group).
+        # waits behind a step queued there (RunAhead.always in a group).
         self.on_host = comm.host_tensors
         self.device = torch.device("cpu") if self.on_host else device
         self.k = config.speculative.k

@@ -53,7 +53,7 @@ class ModelRunner:
         self.max_seq_len = max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
         # Pages kept past the committed K/V at a trim: 1 while a step queued ahead
-        # writes the next position (the worker sets it; see RankWorker._queue_ahead).
+        # writes the next position (the worker sets it; see engine/_ahead.py).
         self.keep_ahead = 0
         self.pages = PageTable(num_slots, max_seq_len, page_size, device=self.device)
         self.cache = KVCache(loaded.args, num_slots, max_seq_len, dtype=self.dtype,

@@ -2,8 +2,10 @@
 
 Read top to bottom, this file is the iteration diagram (docs/architecture.md). What the
 handlers lean on lives beside it: the front-door exchange (``_exchange``), the stop rules
-and outputs (``_outputs``), the counters (``_stats``), VERIFY's step (``_verify``) and the
-warm-up that captures graphs (``_warmup``, on ``graphs``). The step variant (with or
+and outputs (``_outputs``), the counters (``_stats``), VERIFY's step (``_verify``), the
+step queued ahead (``_ahead``), DRAFT + VERIFY chained on the device (``_chain``), adaptive
+K and its clock (``_adaptive``) and the warm-up that captures graphs (``_warmup``, on
+``graphs``). The step variant (with or
 without a drafter, single rank or group) is chosen once here at construction; handlers
 never re-decide it per step.
 """
@@ -23,7 +25,8 @@ from specloop.graphs import GraphCache, SamplingPath, Tensors
 from specloop.models._grad import inference_mode
 from specloop.samplers import RejectionResult, Sampler, SamplingBatch
 
-from ._adaptive import AdaptiveK
+from ._adaptive import AdaptiveK, IterationClock
+from ._ahead import RunAhead
 from ._chain import DeviceChain
 from ._exchange import OutputExchange
 from ._frontdoor import FrontDoorMessage
@@ -34,7 +37,7 @@ from ._runner import ReadBack
 from ._scheduler import Scheduler
 from ._states import IterationState
 from ._stats import EngineStats
-from ._verify import ahead_inputs, make_verify_step, verify_inputs
+from ._verify import make_verify_step, verify_inputs
 from ._warmup import calibrate, warm_up_graphs
 
 if TYPE_CHECKING:
@@ -57,15 +60,6 @@ FACT_TOKENS, FACT_BATCH, FACT_REQUESTS, FACT_ALL_GREEDY = range(4)
 NUM_FACTS = 4
 
 
-@attrs.frozen
-class _Ahead:
-    """A VERIFY step queued one iteration ahead (``RankWorker._queue_ahead``)."""
-
-    batch: tuple[Request, ...]
-    seq_lens: list[int]         # each request's length when the step is its own
-    pending: Pending            # as _queue_verify returns
-
-
 class RankWorker:
     def __init__(self, *, config: EngineConfig, runner: ModelRunner, drafter: Drafter | None,
                  sampler: Sampler, comm: Communicator, graph_cache: GraphCache,
@@ -80,10 +74,7 @@ class RankWorker:
         self.k = config.speculative.k      # the largest K an iteration may draft
         # Set at warm-up when speculative.adaptive: the per-iteration choice of K.
         self.adaptive: AdaptiveK | None = None
-        # Adaptive K's clock: one iteration is from the start of its SCHEDULE to the start
-        # of the next, less what does not depend on K (prefill, waiting for work, waiting
-        # for the group's last rank); ``_timed``: this iteration chose K (and is timed).
-        self._started, self._excluded_s, self._timed = 0.0, 0.0, False
+        self.clock = IterationClock()       # adaptive K's (keeps no time without it)
         self.scheduler = Scheduler(config.scheduler.max_batch_size,
                                    config.scheduler.max_num_tokens)
         self._limiter = anyio.CapacityLimiter(1)
@@ -105,15 +96,13 @@ class RankWorker:
         self.draft_when_idle = drafter is not None and drafter.needs_empty_calls
         self.on_verified = drafter.on_verified if drafter is not None else None
         self.verify_inline = runner.device.type == "cuda"
-        # No speculation on a GPU: each VERIFY also queues the next iteration's step (see
-        # _queue_ahead); the GPU then works while the host runs an iteration. In a group
-        # too when SCHEDULE's exchange runs on the host (else it would wait behind that
-        # step on the device): the step holds no collective without a drafter.
-        self.run_ahead = self.verify_inline and self.k == 0 and (
-            not multi or self.exchange.on_host)
+        # No speculation on a GPU: each VERIFY also queues the next iteration's step
+        # (engine/_ahead.py); the GPU then works while the host runs an iteration. In a
+        # group too when SCHEDULE's exchange runs on the host (else it would wait behind
+        # that step on the device): the step holds no collective without a drafter.
         # Adaptive K on one GPU rank (set at warm-up): K = 0 stretches queue ahead too.
-        self.ahead_at_k0 = False
-        self._ahead: _Ahead | None = None
+        self.ahead = RunAhead(worker=self, always=self.verify_inline and self.k == 0 and (
+            not multi or self.exchange.on_host))
         # Speculation on one GPU rank with a fixed K: each VERIFY also queues the next
         # iteration's DRAFT and VERIFY, chained on the device (engine/_chain.py).
         self.chain = DeviceChain(worker=self) if (
@@ -139,7 +128,8 @@ class RankWorker:
             cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
             self.adaptive = AdaptiveK(spec.k_values, cost)
-            self.ahead_at_k0 = self.verify_inline and self.comm.world_size == 1
+            self.clock = IterationClock(self.adaptive)
+            self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 
     async def agree_costs(self) -> None:
         """Before the first iteration: every rank takes the slowest rank's warm-up time
@@ -154,11 +144,11 @@ class RankWorker:
 
     # SCHEDULE ---------------------------------------------------------------------------
     async def _schedule_local(self, rec: IterationRecord) -> IterationState:
-        self._clock()
+        self.clock.tick()
         idle = self.scheduler.num_requests == 0
         message = await self.exchange()
         if idle:    # it waited for work
-            self._excluded_s += time.perf_counter() - self._started
+            self.clock.exclude(time.perf_counter() - self.clock.started)
         rec.shutdown = message.shutdown
         self._apply(message)
         await self._admit()
@@ -169,11 +159,11 @@ class RankWorker:
         """The batch is fixed before the exchange, so SYNC's facts ride its one
         all-gather (one collective per iteration, not two): the requests and cancels
         it brings apply at the start of the next iteration."""
-        self._clock()
+        self.clock.tick()
         self._apply(self._carried)
         await self._admit()
         rec.batch = list(self.scheduler.running)
-        if self.run_ahead:
+        if self.ahead.always:
             # Inline host exchange: rank 0 posts its row first; the consumers woken by
             # the last RESCAN and the other ranks' outputs (``defer``) wait for VERIFY,
             # which runs them once the next step is queued (issue 12: rank 0 was late).
@@ -185,19 +175,9 @@ class RankWorker:
             await anyio.lowlevel.checkpoint()
             self._carried = await self.exchange(self._facts(rec.batch))
         if self.adaptive is not None:   # waiting for the last rank: not this rank's time
-            self._excluded_s += self.exchange.times.recent[-1][0] / 1e6
+            self.clock.exclude(self.exchange.times.recent[-1][0] / 1e6)
         rec.shutdown = self._carried.shutdown
         return S.SYNC
-
-    def _clock(self) -> None:
-        """Adaptive K: the last iteration ends where this one starts; its time (less
-        prefill and waits) is what the rule learns T(b, k) from."""
-        if self.adaptive is None:
-            return
-        now = time.perf_counter()
-        if self._timed:
-            self.adaptive.measured(now - self._started - self._excluded_s)
-        self._started, self._excluded_s, self._timed = now, 0.0, False
 
     def _apply(self, message: FrontDoorMessage) -> None:
         for rank, new in message.assignments:
@@ -213,7 +193,7 @@ class RankWorker:
         if admitted:
             start = time.perf_counter()
             await self.run_sync(lambda: self._prefill(admitted))
-            self._excluded_s += time.perf_counter() - start
+            self.clock.exclude(time.perf_counter() - start)
 
     def _prefill(self, admitted: list[Request]) -> None:
         hidden = self.runner.prefill_many(admitted)
@@ -231,7 +211,7 @@ class RankWorker:
         if self.adaptive is not None and rec.batch:
             rec.num_draft_tokens = self.adaptive.choose([self.adaptive.facts()],
                                                         rec.padded_batch_size)
-            self._timed = True
+            self.clock.timed = True
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     def _facts(self, batch: list[Request]) -> list[int]:
@@ -264,7 +244,7 @@ class RankWorker:
             # From gathered values only: every rank computes the same K.
             rec.num_draft_tokens = self.adaptive.choose(facts[:, NUM_FACTS:],
                                                         rec.padded_batch_size)
-            self._timed = True
+            self.clock.timed = True
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     # PICK_GRAPH_KEY ---------------------------------------------------------------------
@@ -366,19 +346,13 @@ class RankWorker:
             # On a GPU, queueing VERIFY costs the host little: it is queued from the event
             # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
             # the consumers run while the GPU works, then the loop waits for the copy.
-            pending, rows = self._take_ahead(rec)
-            queued_ahead = pending is not None
+            pending, rows = self.ahead.take(rec)
+            taken = pending is not None
             if (pending is None or rows is None) and self.chain is not None:
                 pending, rows = self.chain.take()
             if pending is None or rows is None:     # both None, or neither
                 pending, rows = self._queue_verify(rec), range(len(rec.batch))
-            fed = self.ahead_at_k0 and rec.k == 0
-            if fed:
-                self._feed_k0(rec, pending[0], rows, queued_ahead)
-            self._ahead = self._queue_ahead(rec, pending, rows) \
-                if self.run_ahead or (fed and self._ahead_at_k0(rec, queued_ahead)) else None
-            if self._ahead is None and self.ahead_at_k0:
-                self.runner.keep_ahead = 0
+            fed = self.ahead.after_verify(rec, pending, rows, taken)
             hidden = self.chain.queue(rec, pending, rows) if self.chain is not None else None
             self.exchange.hand_over()   # the outputs SCHEDULE held back (rank 0 of a group)
             await anyio.lowlevel.checkpoint()
@@ -410,35 +384,6 @@ class RankWorker:
             out = step(inputs or self._inputs(rec, rec.batch_sampling))
         return out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
 
-    def _ahead_at_k0(self, rec: IterationRecord, queued_ahead: bool) -> bool:
-        """Adaptive K at K = 0: whether to queue the next step now, as without
-        speculation; then the next iteration is committed to K = 0 (``commit_zero``)."""
-        assert self.adaptive is not None, "ahead_at_k0 is set with adaptive K"
-        if self._ahead_blocked(rec.batch):
-            return False
-        return self.adaptive.commit_zero(rec.padded_batch_size, force=not queued_ahead)
-
-    @inference_mode
-    def _feed_k0(self, rec: IterationRecord, out: Tensors, rows: Sequence[int],
-                 queued_ahead: bool) -> None:
-        """A K = 0 iteration of adaptive K on one GPU rank: hand the drafter its rows now
-        (every count is 0), before a step queued ahead reuses the graph's output buffers.
-        Its time is learned only when its step was queued ahead: a lone K = 0 iteration
-        is not what a K = 0 stretch costs."""
-        self._timed = self._timed and queued_ahead
-        if self.on_verified is None:
-            return
-        batch, hidden = rec.batch, out["hidden"]
-        if list(rows) == list(range(len(batch))):
-            hidden = hidden[:len(batch)]
-        else:   # requests left since the step was queued (no blocking copy: no sync)
-            index = torch.tensor(list(rows), dtype=torch.int64)
-            if hidden.device.type == "cuda":
-                index = index.pin_memory()
-            hidden = hidden.index_select(0, index.to(hidden.device, non_blocking=True))
-        self.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
-                         hidden, [0] * len(batch))
-
     @inference_mode
     def _collect_verify(self, rec: IterationRecord, pending: Pending,
                         rows: Sequence[int] | None = None,
@@ -447,7 +392,7 @@ class RankWorker:
         """``rows``: which rows of the step are the batch's (a step queued ahead for a
         batch some requests have left since); None: all, in order. ``hidden``: the
         batch's feature rows copied out before a chained step overwrote the outputs.
-        ``fed``: the drafter had its rows already (``_feed_k0``)."""
+        ``fed``: the drafter had its rows already (``RunAhead.feed_k0``)."""
         out, read_back = pending
         batch, real = rec.batch, len(rec.batch)
         host = self.runner.finish_read_back(read_back)
@@ -461,65 +406,6 @@ class RankWorker:
             self.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
                              hidden, result.num_accepted.tolist())
         return result
-
-    def _queue_ahead(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]
-                     ) -> _Ahead | None:
-        """Queue the next iteration's step for this batch now, before this one is read
-        back: its tokens are this step's outputs (rows ``rows`` of ``pending``), still on
-        the device; its positions one further. The host then reads this step back and
-        runs the next iteration's SCHEDULE..DRAFT while the GPU computes that step (issue
-        12: GPU busy at batch 1). The next VERIFY uses it when that iteration's batch is
-        this one, or this one less requests that have left, each one token longer;
-        otherwise (a request joined) it drops it: its K/V writes then either hold the
-        values the real step writes again, or land in pages freed after it on the same
-        stream (a finished request's), so dropping it is safe. Not queued when a request
-        may end by length here (its next position may lie past the cache), nor when the
-        next iteration will likely admit a request (it would be dropped)."""
-        batch = rec.batch
-        if self._ahead_blocked(batch):
-            return None
-        # Pages for the position it writes, kept by RESCAN's trim.
-        self.runner.reserve(batch, 1)
-        self.runner.keep_ahead = 1
-        sampling = (self._sampling_batch(batch, rec.key.batch_size)
-                    if rec.graph_captured else rec.batch_sampling)
-        with torch.inference_mode():
-            inputs = ahead_inputs(batch, pending[0]["token_ids"], rows, sampling,
-                                  scratch_slot=self.runner.cache.scratch_slot,
-                                  device=self.runner.device)
-        return _Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
-                      self._queue_verify(rec, inputs))
-
-    def _ahead_blocked(self, batch: list[Request]) -> bool:
-        """Whether no step may be queued ahead for ``batch`` (see ``_queue_ahead``)."""
-        limit = self.config.model.max_seq_len
-        joining = self.scheduler.slots.num_free and (
-            self.scheduler.waiting or self._carried.assignments
-            or (self.front is not None and self.front.has_news))
-        if joining or any(len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens,
-                                                      limit) for r in batch):
-            self.runner.keep_ahead = 0
-            return True
-        return False
-
-    def _take_ahead(self, rec: IterationRecord
-                    ) -> tuple[Pending, Sequence[int]] | tuple[None, None]:
-        """-> (the step queued ahead by the last VERIFY, the rows of it that are this
-        batch's) when this batch is that step's less requests that left (same order,
-        each one token longer); else (None, None). Sampling draws by (seed, position),
-        so a row's result does not depend on the rows beside it."""
-        ahead, self._ahead = self._ahead, None
-        if ahead is None or len(rec.batch) > len(ahead.batch) or rec.num_draft_tokens:
-            return None, None
-        rows, i, old = [], 0, ahead.batch
-        for request in rec.batch:
-            while i < len(old) and old[i] is not request:
-                i += 1
-            if i == len(old) or request.seq_len != ahead.seq_lens[i]:
-                return None, None
-            rows.append(i)
-            i += 1
-        return ahead.pending, rows
 
     def _inputs(self, rec: IterationRecord, sampling: SamplingBatch) -> Tensors:
         return verify_inputs(rec.batch, rec.draft_token_ids, rec.draft_probs, sampling,

@@ -42,14 +42,14 @@ def ahead_config(tiny_dir, method, **kw):
 def queue_ahead_on_cpu(worker, used):
     """The one-GPU-rank path on CPU; ``used`` gets, per VERIFY, whether it took a step
     queued ahead."""
-    worker.verify_inline = worker.ahead_at_k0 = True
-    take = worker._take_ahead
+    worker.verify_inline = worker.ahead.at_k0 = True
+    take = worker.ahead.take
 
     def counted(rec):
         pending, rows = take(rec)
         used.append(pending is not None)
         return pending, rows
-    worker._take_ahead = counted
+    worker.ahead.take = counted
 
 
 # The rule's side --------------------------------------------------------------------------

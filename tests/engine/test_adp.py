@@ -210,14 +210,14 @@ async def test_step_queued_ahead_in_a_group_equals_single_rank(tiny_dir, tiny_lo
     async def rank_main(comm):
         async with AsyncEngine(config, communicator=comm, model=tiny_loaded) as engine:
             worker = engine.worker
-            worker.verify_inline = worker.run_ahead = True
-            take = worker._take_ahead
+            worker.verify_inline = worker.ahead.always = True
+            take = worker.ahead.take
 
             def counted(rec):
                 pending, rows = take(rec)
                 used[comm.rank] += pending is not None
                 return pending, rows
-            worker._take_ahead = counted
+            worker.ahead.take = counted
             if comm.rank == 0:
                 return await serve(engine, PROMPTS, params)
             await engine.wait_closed()

@@ -93,17 +93,17 @@ async def test_step_queued_ahead_equals_the_thread(tiny_dir, tiny_loaded):
         async with AsyncEngine(make_config(tiny_dir, max_seq_len=48),
                                model=tiny_loaded) as engine:
             worker = engine.worker
-            worker.verify_inline = worker.run_ahead = ahead
-            take = worker._take_ahead
+            worker.verify_inline = worker.ahead.always = ahead
+            take = worker.ahead.take
 
             def counted(rec):
-                queued = worker._ahead
+                queued = worker.ahead.queued
                 pending, rows = take(rec)
                 # None: queued nothing; then whether it was used, and for fewer rows.
                 used.append(None if queued is None else (
                     pending is not None, pending is not None and len(rows) < len(queued.batch)))
                 return pending, rows
-            worker._take_ahead = counted
+            worker.ahead.take = counted
 
             async def one(i):
                 out[i] = await collect(engine, prompts[i], params[i])

@@ -80,16 +80,16 @@ async def test_step_queued_ahead_equals_reading_back_first(tiny_dir, gpu_loaded)
         outs, used = {}, []
         async with AsyncEngine(cfg(tiny_dir, True), model=gpu_loaded) as engine:
             worker = engine.worker
-            worker.run_ahead = ahead
-            take = worker._take_ahead
+            worker.ahead.always = ahead
+            take = worker.ahead.take
 
             def counted(rec):
-                queued = worker._ahead
+                queued = worker.ahead.queued
                 pending, rows = take(rec)
                 if queued is not None and pending is not None:
                     used.append(len(rows) < len(queued.batch))   # after requests left
                 return pending, rows
-            worker._take_ahead = counted
+            worker.ahead.take = counted
 
             async def one(i, prompt, params):
                 outs[i] = [t async for o in engine.generate(prompt, params)

@@ -1,0 +1,155 @@
+"""The step queued one iteration ahead (no speculation, or adaptive K's K = 0; one GPU rank
+or a group whose exchange runs on the host).
+
+After VERIFY n is queued and before it is read back, the next iteration's step for the same
+batch is queued too (``queue``): its tokens are step n's outputs, still on the device, its
+positions one further. The host then reads step n back and runs the next iteration's
+SCHEDULE .. DRAFT while the GPU computes that step (issue 12: GPU busy at batch 1). The
+next VERIFY uses it (``take``) when that iteration's batch is this one, or this one less
+requests that have left, each one token longer; otherwise (a request joined) it is
+dropped: its K/V writes then either hold the values the real step writes again, or land
+in pages freed after it on the same stream (a finished request's), so dropping it is safe.
+docs/architecture.md, "One step ahead".
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Sequence
+
+import attrs
+import torch
+
+from specloop.models._grad import inference_mode
+
+from ._request import Request
+from ._verify import ahead_inputs
+
+if TYPE_CHECKING:
+    from specloop.graphs import Tensors
+
+    from ._iteration import IterationRecord
+    from ._worker import Pending
+
+
+@attrs.frozen
+class Ahead:
+    """A VERIFY step queued one iteration ahead."""
+
+    batch: tuple[Request, ...]
+    seq_lens: list[int]         # each request's length when the step is its own
+    pending: Pending            # as RankWorker._queue_verify returns
+
+
+class RunAhead:
+    """The worker's step queued ahead. ``always``: after every VERIFY (no speculation);
+    ``at_k0``: after a K = 0 VERIFY of adaptive K (one GPU rank), when the next iteration
+    is committed to K = 0 too. ``take`` in VERIFY n+1, ``queue`` in VERIFY n; ``queued``:
+    the step not taken yet (tests)."""
+
+    def __init__(self, *, worker: Any, always: bool) -> None:
+        self.worker = worker
+        self.always = always
+        self.at_k0 = False          # set at warm-up with adaptive K on one GPU rank
+        self.queued: Ahead | None = None
+        # For tests and benches: steps taken by a VERIFY.
+        self.taken_steps = 0
+
+    def take(self, rec: IterationRecord) -> tuple[Pending, Sequence[int]] | tuple[None, None]:
+        """-> (the step queued ahead by the last VERIFY, the rows of it that are this
+        batch's) when this batch is that step's less requests that left (same order,
+        each one token longer); else (None, None), and the step is dropped. Sampling
+        draws by (seed, position), so a row's result does not depend on the rows beside
+        it."""
+        ahead, self.queued = self.queued, None
+        if ahead is None or len(rec.batch) > len(ahead.batch) or rec.num_draft_tokens:
+            return None, None
+        rows, i, old = [], 0, ahead.batch
+        for request in rec.batch:
+            while i < len(old) and old[i] is not request:
+                i += 1
+            if i == len(old) or request.seq_len != ahead.seq_lens[i]:
+                return None, None
+            rows.append(i)
+            i += 1
+        self.taken_steps += 1
+        return ahead.pending, rows
+
+    def after_verify(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
+                     taken: bool) -> bool:
+        """VERIFY n is queued (``taken``: it was a step queued ahead): hand a K = 0 step's
+        rows to the drafter, then queue the next step when this path queues one; ->
+        whether the drafter was fed here (``feed_k0``)."""
+        w = self.worker
+        fed = self.at_k0 and rec.k == 0
+        if fed:
+            self.feed_k0(rec, pending[0], rows, taken)
+        if self.always or (fed and self._commit_k0(rec, taken)):
+            self.queue(rec, pending, rows)
+        elif self.at_k0:
+            w.runner.keep_ahead = 0
+        return fed
+
+    def _commit_k0(self, rec: IterationRecord, taken: bool) -> bool:
+        """Adaptive K at K = 0: whether to queue the next step now, as without
+        speculation; then the next iteration is committed to K = 0 (``commit_zero``)."""
+        adaptive = self.worker.adaptive
+        assert adaptive is not None, "at_k0 is set with adaptive K"
+        if self.blocked(rec.batch):
+            return False
+        return bool(adaptive.commit_zero(rec.padded_batch_size, force=not taken))
+
+    def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]) -> None:
+        """Queue the next iteration's step for this batch, its tokens rows ``rows`` of
+        ``pending``'s outputs. Not when a request may end by length here (its next
+        position may lie past the cache), nor when the next iteration will likely admit
+        a request (it would be dropped)."""
+        w, batch = self.worker, rec.batch
+        if self.blocked(batch):
+            return
+        # Pages for the position it writes, kept by RESCAN's trim.
+        w.runner.reserve(batch, 1)
+        w.runner.keep_ahead = 1
+        sampling = (w._sampling_batch(batch, rec.key.batch_size)
+                    if rec.graph_captured else rec.batch_sampling)
+        with torch.inference_mode():
+            inputs = ahead_inputs(batch, pending[0]["token_ids"], rows, sampling,
+                                  scratch_slot=w.runner.cache.scratch_slot,
+                                  device=w.runner.device)
+        self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
+                            w._queue_verify(rec, inputs))
+
+    def blocked(self, batch: list[Request]) -> bool:
+        """Whether no step may be queued ahead for ``batch`` (see ``queue``)."""
+        w = self.worker
+        limit = w.config.model.max_seq_len
+        scheduler = w.scheduler
+        joining = scheduler.slots.num_free and (
+            scheduler.waiting or w._carried.assignments
+            or (w.front is not None and w.front.has_news))
+        if joining or any(len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens,
+                                                      limit) for r in batch):
+            w.runner.keep_ahead = 0
+            return True
+        return False
+
+    @inference_mode
+    def feed_k0(self, rec: IterationRecord, out: Tensors, rows: Sequence[int],
+                taken: bool) -> None:
+        """A K = 0 iteration of adaptive K on one GPU rank: hand the drafter its rows now
+        (every count is 0), before a step queued ahead reuses the graph's output buffers.
+        Its time is learned only when its step was queued ahead: a lone K = 0 iteration
+        is not what a K = 0 stretch costs."""
+        w = self.worker
+        w.clock.timed = w.clock.timed and taken
+        if w.on_verified is None:
+            return
+        batch, hidden = rec.batch, out["hidden"]
+        if list(rows) == list(range(len(batch))):
+            hidden = hidden[:len(batch)]
+        else:   # requests left since the step was queued (no blocking copy: no sync)
+            index = torch.tensor(list(rows), dtype=torch.int64)
+            if hidden.device.type == "cuda":
+                index = index.pin_memory()
+            hidden = hidden.index_select(0, index.to(hidden.device, non_blocking=True))
+        w.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
+                      hidden, [0] * len(batch))
