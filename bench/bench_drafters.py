@@ -104,25 +104,18 @@ def _card(head: str) -> dict:
     return json.loads((heads_dir() / f"{head}.json").read_text())
 
 
-# The same run's mtp_eagle head: not shipped (size), its card holds the n-gram figures.
-EXTRA_CARDS = ("results/h200_train_run3_mtp_card.json",)
-
-
 def _from_cards() -> list[dict]:
-    """The engine runs recorded in each shipped head's card and EXTRA_CARDS (n-gram from
-    whichever card ran it on the same prompts), as this script's result rows."""
+    """The engine runs recorded in each shipped head's card (n-gram from whichever card ran
+    it on the same prompts: the eagle3 card), as this script's result rows."""
     from specloop.models.drafters._heads import shipped_heads  # noqa: PLC0415
 
     cards = [_card(head) for head in shipped_heads()]
-    cards += [json.loads((Path(__file__).parent / p).read_text()) for p in EXTRA_CARDS
-              if (Path(__file__).parent / p).is_file()]
     results, seen = [], set()
     for card in cards:
         for name, r in card["evaluation_held_out"].items():
             if not name.startswith("engine_"):
                 continue
-            label = "ngram" if name.startswith("engine_ngram_") else card["name"] + (
-                "" if card["name"] in shipped_heads() else " (not shipped)")
+            label = "ngram" if name.startswith("engine_ngram_") else card["name"]
             key = (label, r["k"], r["temperature"])
             if key not in seen:
                 seen.add(key)
@@ -150,10 +143,15 @@ def _plot(results, path: str) -> None:
         print("matplotlib not installed: no plot (pip install matplotlib)")
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    # One colour per method, line style per temperature, marker per K (12+ lines would
+    # wrap matplotlib's 10-colour cycle and give two methods one colour).
+    methods = list(dict.fromkeys(r["method"] for r in results))
+    markers = dict(zip(sorted({r["k"] for r in results}), "os^vD"))
     for r in results:
         style = "-" if r["temperature"] == 0 else "--"
         xs = range(1, len(r["per_position"]) + 1)
-        ax.plot(xs, r["per_position"], style, marker="o",
+        ax.plot(xs, r["per_position"], style, marker=markers.get(r["k"], "o"),
+                color=f"C{methods.index(r['method']) % 10}",
                 label=f"{r['method']} K={r['k']} T={r['temperature']} (AL {r['al']:.2f})")
     ax.set_xticks(range(1, max(len(r["per_position"]) for r in results) + 1))
     ax.set_xlabel("draft position")

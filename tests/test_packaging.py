@@ -113,5 +113,6 @@ def test_built_wheel_installs_into_a_fresh_venv(tmp_path):
     assert (venv / "bin" / "specloop").exists()
     # The shipped heads travel as package data, with their cards.
     names = zipfile.ZipFile(wheel).namelist()
-    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle3.safetensors" in names
-    assert "specloop/models/drafters/heads/smollm2-135m-instruct-eagle3.json" in names
+    for head in ("smollm2-135m-instruct-eagle3", "smollm2-135m-instruct-eagle"):
+        assert f"specloop/models/drafters/heads/{head}.safetensors" in names
+        assert f"specloop/models/drafters/heads/{head}.json" in names

@@ -6,11 +6,12 @@ import shutil
 
 import pytest
 import torch
+from safetensors import safe_open
 
 from specloop.engine import AsyncEngine, ConfigError, EngineConfig
 from specloop.models import load_model
 from specloop.models.drafters import MtpEagleHead
-from specloop.models.drafters._heads import file_sha256, heads_dir, shipped_heads
+from specloop.models.drafters._heads import file_sha256, head_metadata, heads_dir, shipped_heads
 from specloop.models.testing import write_tiny_checkpoint
 
 
@@ -23,28 +24,40 @@ def two_targets(tmp_path_factory):
     return a, b
 
 
-def _config(model_dir, weights):
+def _config(model_dir, weights, method="mtp_eagle"):
     return EngineConfig.from_dict({
         "model": {"name": str(model_dir), "device": "cpu", "max_seq_len": 64,
                   "chat_template": False},
-        "speculative": {"method": "mtp_eagle", "num_draft_tokens": 2,
+        "speculative": {"method": method, "num_draft_tokens": 2,
                         "draft_weights": str(weights)}})
 
 
-async def _build(model_dir, weights):
-    async with AsyncEngine(_config(model_dir, weights)) as engine:
+async def _build(model_dir, weights, method="mtp_eagle"):
+    async with AsyncEngine(_config(model_dir, weights, method)) as engine:
         return engine.worker.drafter
 
 
-async def test_head_for_another_target_is_refused_naming_both_shapes(two_targets, tmp_path):
-    a, b = two_targets
-    head = MtpEagleHead(load_model(a).model, dtype=torch.float32, device="cpu")
+def _random_head(method, model_dir, path):
+    from specloop.models.drafters import Eagle3Head
+
+    target = load_model(model_dir).model
+    if method == "eagle3":
+        head = Eagle3Head(target, dtype=torch.float32, device="cpu", feature_layers=(0, 1))
+    else:
+        head = MtpEagleHead(target, dtype=torch.float32, device="cpu")
     head.init_random()
-    path = tmp_path / "for-a.safetensors"
-    head.save(str(path))
-    assert (await _build(a, path)).head.d2t is None       # its own target loads it
+    head.save(str(path), {"method": method})
+    return path
+
+
+@pytest.mark.parametrize("method", ["mtp_eagle", "eagle3"])
+async def test_head_for_another_target_is_refused_naming_both_shapes(two_targets, tmp_path,
+                                                                     method):
+    a, b = two_targets
+    path = _random_head(method, a, tmp_path / "for-a.safetensors")
+    assert (await _build(a, path, method)).head.d2t is None     # its own target loads it
     with pytest.raises(ConfigError) as err:
-        await _build(b, path)
+        await _build(b, path, method)
     msg = str(err.value)
     assert "speculative.draft_weights" in msg
     assert "hidden_size=64, vocab_size=384, num_layers=2" in msg      # the head's target
@@ -72,13 +85,32 @@ async def test_unknown_head_name_lists_the_shipped_ones(two_targets):
 
 
 def test_shipped_heads_match_their_cards():
-    assert "smollm2-135m-instruct-eagle3" in shipped_heads()
+    assert {"smollm2-135m-instruct-eagle3", "smollm2-135m-instruct-eagle"} <= set(shipped_heads())
     for name in shipped_heads():
         path = heads_dir() / f"{name}.safetensors"
         card = json.loads(path.with_suffix(".json").read_text())
         assert card["sha256"] == file_sha256(path), name
         assert card["target"]["hidden_size"] > 0 and card["command"].startswith("specloop")
         assert path.stat().st_size < 16 * 2**20          # a head, not a model
+        assert card["method"] == head_metadata(path)["method"]
+
+
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct-eagle3", "smollm2-135m-instruct-eagle"])
+def test_shipped_head_holds_only_its_own_bf16_weights(name):
+    """No target embedding or LM head in the file (the drafter reads the target's rows
+    through d2t): no tensor has a vocabulary-sized dimension, every float is bf16, and d2t
+    maps the draft vocabulary to distinct target ids."""
+    path = heads_dir() / f"{name}.safetensors"
+    meta = head_metadata(path)
+    vocab = int(meta["target_vocab_size"])
+    with safe_open(str(path), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    for key, t in tensors.items():
+        assert vocab not in t.shape, key
+        assert t.dtype == (torch.int64 if key == "d2t" else torch.bfloat16), key
+    d2t = tensors["d2t"]
+    assert d2t.numel() == int(meta["draft_vocab_size"]) < vocab
+    assert d2t.unique().numel() == d2t.numel() and 0 <= int(d2t.min()) <= int(d2t.max()) < vocab
 
 
 async def test_eagle3_head_read_as_mtp_eagle_is_refused(two_targets, tmp_path):

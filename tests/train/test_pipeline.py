@@ -82,6 +82,21 @@ def test_card_names_data_and_hash(setup):
                                  "hidden_size": 64, "vocab_size": 384, "num_layers": 2}
 
 
+def test_exported_head_holds_only_the_drafters_own_weights(setup):
+    """The file holds exactly what MtpEagleHead loads (its own_state, bf16) plus d2t: no
+    target embedding or LM head, which the drafter shares with the target."""
+    from safetensors.torch import load_file
+
+    from specloop.models.drafters import MtpEagleHead
+
+    tiny_dir, _, out, _ = setup
+    tensors = load_file(str(out / "tiny-eagle.safetensors"))
+    own = MtpEagleHead(load_model(tiny_dir).model, dtype=torch.float32, device="cpu").own_state()
+    assert set(tensors) == set(own) | {"d2t"}
+    assert all(t.dtype == torch.bfloat16 for k, t in tensors.items() if k != "d2t")
+    assert tensors["d2t"].shape == (96,)
+
+
 def test_interrupted_run_resumes_to_the_same_head(setup, tmp_path, monkeypatch):
     tiny_dir, prompts, out, _ = setup
     runs = {}
