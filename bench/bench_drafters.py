@@ -59,7 +59,7 @@ def main() -> None:
         results = _from_cards()
         png = args.png or str(here / "drafters_acceptance_cards.png")
         for r in results:
-            print(f"{r['method']:32s} K={r['k']} T={r['temperature']:.1f}  AL {r['al']:.3f}  "
+            print(f"{r['method']:42s} K={r['k']} T={r['temperature']:.1f}  AL {r['al']:.3f}  "
                   f"per position {' '.join(f'{a:.3f}' for a in r['per_position'])}  "
                   f"({r['verify_rows']} verify rows, {r['prompts']} prompts x "
                   f"{r['max_tokens']} tokens)")
@@ -80,7 +80,8 @@ def main() -> None:
     ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
     methods = {"ngram": {"method": "ngram"}}
     for head in shipped_heads():
-        methods[head] = {"method": _card(head).get("method", "mtp_eagle"), "draft_weights": head}
+        method = _card(head).get("method", "mtp_eagle")
+        methods[f"{head} ({method})"] = {"method": method, "draft_weights": head}
     results = []
     for k in [int(x) for x in args.ks.split(",")]:
         for label, spec in methods.items():
@@ -91,7 +92,7 @@ def main() -> None:
                                       device=args.device, dtype=args.dtype, batch_size=8)
                 r.update(method=label, seconds=round(time.perf_counter() - start, 1))
                 results.append(r)
-                print(f"{label:32s} K={k} T={temp:.1f}  AL {r['al']:.3f}  per position "
+                print(f"{label:42s} K={k} T={temp:.1f}  AL {r['al']:.3f}  per position "
                       f"{' '.join(f'{a:.3f}' for a in r['per_position'])}  "
                       f"({r['verify_rows']} verify rows, {r['seconds']} s)", flush=True)
     _ratios(results)
@@ -115,7 +116,8 @@ def _from_cards() -> list[dict]:
         for name, r in card["evaluation_held_out"].items():
             if not name.startswith("engine_"):
                 continue
-            label = "ngram" if name.startswith("engine_ngram_") else card["name"]
+            label = ("ngram" if name.startswith("engine_ngram_")
+                     else f"{card['name']} ({card['method']})")
             key = (label, r["k"], r["temperature"])
             if key not in seen:
                 seen.add(key)
