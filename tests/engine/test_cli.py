@@ -51,7 +51,7 @@ USAGE_CASES = {
     "untrained drafter": (["--method", "mtp_eagle"], "--allow-untrained-drafter"),
     "untrained eagle3": (["--method", "eagle3"], "--allow-untrained-drafter"),
     "missing head": (["--method", "eagle3", "--draft-weights", "no-such-head"],
-                     "shipped heads: smollm2-135m-instruct-eagle3"),
+                     "shipped heads: smollm2-135m-instruct-eagle, smollm2-135m-instruct-eagle3"),
     "missing draft model": (["--draft-model", "/nonexistent/draft"], "speculative.draft_model"),
     "bad method": (["--method", "magic"], "speculative.method"),
     "empty stop": (["--stop", ""], "SamplingParams.stop"),
