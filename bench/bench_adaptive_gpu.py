@@ -57,6 +57,9 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device):
                 "per_position": [round(a, 3) for a in stats.acceptance_per_position],
                 "iterations_per_k": dict(sorted(stats.iterations_per_k.items())),
                 "steps_queued_ahead": engine.worker.ahead.taken_steps,
+                # DRAFT + VERIFY chained on the device and taken (engine/_chain.py).
+                "chained_steps": 0 if engine.worker.chain is None
+                else engine.worker.chain.taken_steps,
                 "cost_ms": None if adaptive is None else {
                     f"{b}/{k}": round(s * 1e3, 3) for (b, k), s in adaptive.cost.device.items()},
                 "rest_ms": None if adaptive is None else {

@@ -11,9 +11,9 @@ DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host w
 until iterations at (b, k) have been measured (whole iterations, start to start, less
 prefill and waits: the worker's clock), then their average (each K runs FIRST_SAMPLES
 times in a row at each bucket before the rule decides there, and one choice in
-EXPLORE_EVERY tries the K values in turn). On one GPU rank ``commit_zero`` takes the next
-choice early when it is K = 0, so the worker can queue that step ahead as without
-speculation. Ties go to the smaller K. Every input is agreed by the
+EXPLORE_EVERY tries the K values in turn). On one GPU rank ``next_k`` takes the next
+choice early and ``commit`` holds the next iteration to it, so the worker can queue that
+step ahead (K = 0: as without speculation; K > 0: DRAFT + VERIFY chained on the device). Ties go to the smaller K. Every input is agreed by the
 group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
 warm-up table is agreed once before the first iteration; so every rank picks the same K.
 """
@@ -190,7 +190,7 @@ class AdaptiveK:
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
         self._calls = 0             # choices so far: the same count on every rank
         self._settled: set[int] = set()     # buckets where every K has its first samples
-        self._committed = False     # commit_zero: the next choice is K = 0
+        self._committed: int | None = None     # ``commit``: the next choice
         self.chosen: collections.Counter[int] = collections.Counter()
 
     @property
@@ -222,30 +222,33 @@ class AdaptiveK:
         """The iteration just run took ``seconds`` (prefill excluded)."""
         self._measured_us = max(1, round(seconds * 1e6))
 
-    def commit_zero(self, padded_batch_size: int, *, force: bool = False) -> bool:
-        """One rank only: whether the next iteration runs K = 0, decided now (by the rule on
-        this rank's counts and the times learned so far, the next iteration's own choice
-        taken early) so that its step can be queued ahead, as without speculation. True
-        fixes the next ``choose`` to 0. ``force``: commit whatever the rule says (a K = 0
-        iteration not queued ahead is followed by one that is, so K = 0 gets timed as it
-        runs in a stretch)."""
-        bucket = self.cost.bucket(padded_batch_size)
-        if force or self._rule([self._row()], bucket, self._calls + 1) == 0:
-            self._committed = True
-        return self._committed
+    def next_k(self, padded_batch_size: int, k: int, *, stay: bool = False) -> int:
+        """One rank only: the next iteration's K, decided now (by the rule on this rank's
+        counts and the times learned so far: the next iteration's own choice taken early),
+        so that its step can be queued before this one (at ``k``) is read back. ``stay``:
+        ``k`` again, whatever the rule says (an iteration whose step was not queued ahead
+        is followed by one that is, so a K gets timed as it runs in a stretch). Commits
+        nothing: ``commit`` does, once the step is queued."""
+        if stay:
+            return k
+        return self._rule([self._row()], self.cost.bucket(padded_batch_size), self._calls + 1)
+
+    def commit(self, k: int) -> None:
+        """The next ``choose`` returns ``k`` without running the rule (one rank only)."""
+        self._committed = k
 
     def choose(self, columns: torch.Tensor | list[list[int]], padded_batch_size: int) -> int:
         """columns [world, num_columns]: every rank's ``facts`` (a tensor, or rows as
         lists). Learn the last iteration's time (the slowest rank's), pool the counts,
-        apply the rule (or take the K = 0 committed by ``commit_zero``)."""
+        apply the rule (or take the K held by ``commit``)."""
         rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
         measured = max(row[-1] for row in rows)
         if measured and self._last is not None:
             self.cost.observe(*self._last, measured / 1e6)
         bucket = self.cost.bucket(padded_batch_size)
         self._calls += 1
-        if self._committed:
-            k, self._committed = 0, False
+        if self._committed is not None:
+            k, self._committed = self._committed, None
         else:
             k = self._rule(rows, bucket, self._calls)
         self._last = (bucket, k)

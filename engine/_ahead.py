@@ -1,5 +1,7 @@
 """The step queued one iteration ahead (no speculation, or adaptive K's K = 0; one GPU rank
-or a group whose exchange runs on the host).
+or a group whose exchange runs on the host), and, under adaptive K on one GPU rank, what
+VERIFY queues for the next iteration (``RunAhead.after_verify``: this step, or DRAFT +
+VERIFY chained at the next K, engine/_chain.py).
 
 After VERIFY n is queued and before it is read back, the next iteration's step for the same
 batch is queued too (``queue``): its tokens are step n's outputs, still on the device, its
@@ -42,8 +44,9 @@ class Ahead:
 
 class RunAhead:
     """The worker's step queued ahead. ``always``: after every VERIFY (no speculation);
-    ``at_k0``: after a K = 0 VERIFY of adaptive K (one GPU rank), when the next iteration
-    is committed to K = 0 too. ``take`` in VERIFY n+1, ``queue`` in VERIFY n; ``queued``:
+    ``at_k0``: adaptive K on one GPU rank, where this also decides what the chain queues
+    (``_adaptive_next``): the step ahead after a K = 0 VERIFY whose next iteration is
+    committed to K = 0 too. ``take`` in VERIFY n+1, ``queue`` in VERIFY n; ``queued``:
     the step not taken yet (tests)."""
 
     def __init__(self, *, worker: Any, always: bool) -> None:
@@ -51,6 +54,7 @@ class RunAhead:
         self.always = always
         self.at_k0 = False          # set at warm-up with adaptive K on one GPU rank
         self.queued: Ahead | None = None
+        self._expected = False      # adaptive K: the last VERIFY queued this one's step
         # For tests and benches: steps taken by a VERIFY.
         self.taken_steps = 0
 
@@ -75,28 +79,50 @@ class RunAhead:
         return ahead.pending, rows
 
     def after_verify(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
-                     taken: bool) -> bool:
-        """VERIFY n is queued (``taken``: it was a step queued ahead): hand a K = 0 step's
-        rows to the drafter, then queue the next step when this path queues one; ->
-        whether the drafter was fed here (``feed_k0``)."""
+                     taken: bool) -> tuple[bool, torch.Tensor | None]:
+        """VERIFY n is queued, not read back (``taken``: it is a step queued ahead or
+        chained by the last VERIFY): hand a K = 0 step's rows to the drafter, then queue
+        what the next iteration runs when this path queues it; -> (whether the drafter
+        was fed here, ``feed_k0``; VERIFY n's feature rows copied out when DRAFT + VERIFY
+        were chained, ``DeviceChain.queue``)."""
         w = self.worker
         fed = self.at_k0 and rec.k == 0
         if fed:
-            self.feed_k0(rec, pending[0], rows, taken)
-        if self.always or (fed and self._commit_k0(rec, taken)):
+            self.feed_k0(rec, pending[0], rows)
+        if self.always:
             self.queue(rec, pending, rows)
-        elif self.at_k0:
-            w.runner.keep_ahead = 0
-        return fed
+            return fed, None
+        if not self.at_k0:      # a fixed K: chained when the drafter chains
+            return fed, w.chain.queue(rec, pending, rows) if w.chain is not None else None
+        return fed, self._adaptive_next(rec, pending, rows, taken)
 
-    def _commit_k0(self, rec: IterationRecord, taken: bool) -> bool:
-        """Adaptive K at K = 0: whether to queue the next step now, as without
-        speculation; then the next iteration is committed to K = 0 (``commit_zero``)."""
-        adaptive = self.worker.adaptive
+    def _adaptive_next(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
+                       taken: bool) -> torch.Tensor | None:
+        """Adaptive K on one GPU rank: the rule takes the next iteration's K now; when its
+        step can be queued (K = 0 after K = 0: the step ahead; K > 0 after K > 0: DRAFT +
+        VERIFY chained, engine/_chain.py), it is, and the next iteration is held to that
+        K (``AdaptiveK.commit``). An iteration whose step was not queued ahead is followed
+        by one at its own K that is (``stay``); it is not timed then, nor is one whose
+        queued step was dropped (the device ran that one too): T(b, k) is what a stretch
+        at k costs. -> as ``DeviceChain.queue``."""
+        w, k = self.worker, rec.k
+        adaptive = w.adaptive
         assert adaptive is not None, "at_k0 is set with adaptive K"
-        if self.blocked(rec.batch):
-            return False
-        return bool(adaptive.commit_zero(rec.padded_batch_size, force=not taken))
+        nxt = adaptive.next_k(rec.padded_batch_size, k, stay=not taken)
+        hidden, queued = None, False
+        if nxt == 0 and k == 0:
+            self.queue(rec, pending, rows)
+            queued = self.queued is not None
+        elif nxt and k and w.chain is not None:
+            hidden = w.chain.queue(rec, pending, rows, nxt)
+            queued = hidden is not None
+        if queued:
+            adaptive.commit(nxt)
+        else:
+            w.runner.keep_ahead = 0
+        dropped, self._expected = self._expected and not taken, queued
+        w.clock.timed = w.clock.timed and not dropped and (taken or not queued)
+        return hidden
 
     def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]) -> None:
         """Queue the next iteration's step for this batch, its tokens rows ``rows`` of
@@ -133,14 +159,10 @@ class RunAhead:
         return False
 
     @inference_mode
-    def feed_k0(self, rec: IterationRecord, out: Tensors, rows: Sequence[int],
-                taken: bool) -> None:
+    def feed_k0(self, rec: IterationRecord, out: Tensors, rows: Sequence[int]) -> None:
         """A K = 0 iteration of adaptive K on one GPU rank: hand the drafter its rows now
-        (every count is 0), before a step queued ahead reuses the graph's output buffers.
-        Its time is learned only when its step was queued ahead: a lone K = 0 iteration
-        is not what a K = 0 stretch costs."""
+        (every count is 0), before a step queued ahead reuses the graph's output buffers."""
         w = self.worker
-        w.clock.timed = w.clock.timed and taken
         if w.on_verified is None:
             return
         batch, hidden = rec.batch, out["hidden"]

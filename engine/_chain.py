@@ -62,27 +62,31 @@ class DeviceChain:
         self.queued_steps = self.taken_steps = self.subset_steps = 0
 
     # iteration n ------------------------------------------------------------------------
-    def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]
-              ) -> torch.Tensor | None:
-        """Queue DRAFT + VERIFY of iteration n+1 behind VERIFY n (``pending``, whose rows
+    def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
+              k: int | None = None) -> torch.Tensor | None:
+        """Queue DRAFT + VERIFY of iteration n+1, drafting ``k`` (adaptive K's next
+        choice; by default the drafter's K), behind VERIFY n (``pending``, whose rows
         ``rows`` are the batch's: fewer than its own when requests left); -> VERIFY n's
-        feature rows of the batch [B, K+1, F*H] copied out (the chained VERIFY overwrites
-        its static outputs before the host hands them to ``on_verified``), or None when
-        nothing was queued."""
+        feature rows of the batch [B, K_n+1, F*H] copied out (the chained VERIFY
+        overwrites its static outputs before the host hands them to ``on_verified``), or
+        None when nothing was queued."""
         w = self.worker
         self._queued = self._chained = self._matched = None
-        if not self._can_queue(rec):
+        k = self.k if k is None else k
+        if not self._can_queue(rec, k):
             w.runner.keep_ahead = 0
             return None
-        batch, key = rec.batch, rec.key
-        real, padded, k = len(batch), key.batch_size, self.k
-        # Pages for every position n+1 may write: up to K + 1 accepted now, then K + 1
-        # more rows; RESCAN's trim keeps K + 1 past the committed K/V.
-        w.runner.reserve(batch, 2 * k + 1)
-        w.runner.keep_ahead = k + 1
+        batch = rec.batch
+        key = attrs.evolve(rec.key, num_draft_tokens=k)
+        real, padded = len(batch), key.batch_size
+        # Pages for every position n+1 may write: up to K + 1 accepted now, then the
+        # catch-up's K + 1 rows (K the drafter's: its graph's width); RESCAN's trim keeps
+        # K + 1 past the committed K/V.
+        w.runner.reserve(batch, 2 * self.k + 1)
+        w.runner.keep_ahead = self.k + 1
         with torch.inference_mode():
-            out = self._rows(pending[0], rows, padded)
-            hidden = out["hidden"][:real].clone()
+            out = self._rows(pending[0], rows, padded, self.k + 1)
+            hidden = out["hidden"][:real, :rec.k + 1].clone()
             sampling = w._sampling_batch(batch, padded)
             start = [r.seq_len - 1 for r in batch]
             draft_in = self.drafter.chained_inputs(
@@ -101,28 +105,43 @@ class DeviceChain:
         return hidden
 
     @staticmethod
-    def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int
+    def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int, width: int
               ) -> dict[str, torch.Tensor]:
         """VERIFY's outputs the chain reads, with the batch's rows first when requests
-        left since that VERIFY was queued (its padding rows after them: any row)."""
+        left since that VERIFY was queued (its padding rows after them: any row), its
+        columns padded to the draft graph's catch-up ``width`` (adaptive K: VERIFY n
+        drafted fewer; the padding columns lie past the accepted row, as the graph's own
+        padding: token 0, zero features)."""
         names = ("token_ids", "num_accepted", "hidden")
-        if list(rows) == list(range(len(rows))):
-            return {name: out[name] for name in names}
-        index = list(rows) + [0] * (padded - len(rows))
-        at = torch.tensor(index, dtype=torch.int64)
-        at = (at.pin_memory() if out["hidden"].is_cuda else at).to(out["hidden"].device,
-                                                                   non_blocking=True)
-        return {name: out[name].index_select(0, at) for name in names}
+        picked = {name: out[name] for name in names}
+        if list(rows) != list(range(len(rows))):
+            index = list(rows) + [0] * (padded - len(rows))
+            at = torch.tensor(index, dtype=torch.int64)
+            at = (at.pin_memory() if out["hidden"].is_cuda else at).to(out["hidden"].device,
+                                                                       non_blocking=True)
+            picked = {name: t.index_select(0, at) for name, t in picked.items()}
+        short = width - picked["token_ids"].shape[1]
+        if short > 0:
+            tokens, hidden = picked["token_ids"], picked["hidden"]
+            picked["token_ids"] = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], short)],
+                                            dim=1)
+            picked["hidden"] = torch.cat(
+                [hidden, hidden.new_zeros(hidden.shape[0], short, hidden.shape[2])], dim=1)
+        return picked
 
-    def _can_queue(self, rec: IterationRecord) -> bool:
+    def _can_queue(self, rec: IterationRecord, k: int) -> bool:
         """Not when the next iteration will likely admit a request (it would be dropped),
-        when a position it writes may lie past the cache, off the captured graphs, or at
-        another K than the drafter's (its catch-up is K + 1 rows wide)."""
-        w, k = self.worker, self.k
-        if not rec.graph_captured or rec.k != k or not rec.batch:
+        when a position it writes may lie past the cache, off the captured graphs (at
+        the next K), or after a VERIFY that drafted nothing (adaptive K's K = 0: the head
+        then has more rows to catch up on than VERIFY n's) or before one (K = 0: the
+        step queued ahead without a drafter, engine/_ahead.py)."""
+        w = self.worker
+        if not rec.graph_captured or not rec.k or not k or not rec.batch:
             return False
-        if not w.graph_cache.has(attrs.evolve(rec.key, stage="draft")):
+        key = attrs.evolve(rec.key, num_draft_tokens=k)
+        if not (w.graph_cache.has(key) and w.graph_cache.has(attrs.evolve(key, stage="draft"))):
             return False
+        k = self.k
         limit = w.config.model.max_seq_len
         if any(r.seq_len + 2 * k + 2 > limit for r in rec.batch):
             return False

@@ -103,11 +103,13 @@ class RankWorker:
         # Adaptive K on one GPU rank (set at warm-up): K = 0 stretches queue ahead too.
         self.ahead = RunAhead(worker=self, always=self.verify_inline and self.k == 0 and (
             not multi or self.exchange.on_host))
-        # Speculation on one GPU rank with a fixed K: each VERIFY also queues the next
-        # iteration's DRAFT and VERIFY, chained on the device (engine/_chain.py).
+        # Speculation on one GPU rank: each VERIFY also queues the next iteration's DRAFT
+        # and VERIFY, chained on the device (engine/_chain.py); under adaptive K for a
+        # drafter drafting any K (its draft graphs are per K), at the next K, taken early.
         self.chain = DeviceChain(worker=self) if (
             self.verify_inline and self.k and not multi and drafter is not None
-            and drafter.can_chain and not config.speculative.adaptive) else None
+            and drafter.can_chain
+            and (drafter.variable_k or not config.speculative.adaptive)) else None
 
     def handlers(self) -> dict[IterationState, Handler]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
@@ -346,14 +348,14 @@ class RankWorker:
             # On a GPU, queueing VERIFY costs the host little: it is queued from the event
             # loop (a hop into the compute thread and back costs ~0.2 ms per iteration);
             # the consumers run while the GPU works, then the loop waits for the copy.
+            # The step queued ahead, or chained, by the last VERIFY, when it is this one's.
             pending, rows = self.ahead.take(rec)
-            taken = pending is not None
-            if (pending is None or rows is None) and self.chain is not None:
+            if pending is None and self.chain is not None:
                 pending, rows = self.chain.take()
+            taken = pending is not None
             if pending is None or rows is None:     # both None, or neither
                 pending, rows = self._queue_verify(rec), range(len(rec.batch))
-            fed = self.ahead.after_verify(rec, pending, rows, taken)
-            hidden = self.chain.queue(rec, pending, rows) if self.chain is not None else None
+            fed, hidden = self.ahead.after_verify(rec, pending, rows, taken)
             self.exchange.hand_over()   # the outputs SCHEDULE held back (rank 0 of a group)
             await anyio.lowlevel.checkpoint()
             rec.result = self._collect_verify(rec, pending, rows, hidden, fed=fed)

@@ -353,8 +353,8 @@ def cycle_k(adaptive, pattern):
         calls[0] += 1
         return pattern[(calls[0] - 1) % len(pattern)]
     adaptive.choose = choose
-    # One GPU rank queues a K = 0 step ahead when the next K is 0 too (whatever ``force``).
-    adaptive.commit_zero = lambda batch, force=False: pattern[calls[0] % len(pattern)] == 0
+    # One GPU rank takes the next K early to queue its step (whatever ``stay``).
+    adaptive.next_k = lambda batch, k, stay=False: pattern[calls[0] % len(pattern)]
 
 
 def record_first_drafts(drafter, seen):

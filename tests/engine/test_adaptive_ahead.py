@@ -53,33 +53,35 @@ def queue_ahead_on_cpu(worker, used):
 
 
 # The rule's side --------------------------------------------------------------------------
-def test_commit_zero_is_the_next_choice():
-    """commit_zero(b) is True exactly when the next choice, taken now (this iteration's
-    time not known yet), is K = 0 (first samples, the rule, exploration alike); the next
-    choice is then 0; ``force`` commits anyway."""
+def test_next_k_is_the_next_choice():
+    """next_k(b, k) is the next choice taken now (this iteration's time not known yet):
+    first samples, the rule, exploration alike; ``commit`` holds the next choice to it
+    (one choice only); ``stay`` gives k whatever the rule says."""
     cost = CostTable({(b, k): 0.001 * (1 + 0.2 * k * b) for b in (1, 8) for k in KS})
     adaptive = AdaptiveK(KS, cost)
     adaptive.record(3, [3, 2, 3, 1, 0, 3, 2])
-    committed, ks = 0, set()
+    ks, k = set(), 0
     for i in range(EXPLORE_EVERY + 40):
         batch = 1 if i < EXPLORE_EVERY // 2 else 8        # the rule's choice flips
         twin = copy.deepcopy(adaptive)
         twin._measured_us = 0                   # the time not known yet
         early = twin.choose([twin.facts()], batch)
-        commit = adaptive.commit_zero(batch)
-        assert commit == (early == 0), i
+        assert adaptive.next_k(batch, k) == early, i
+        if i % 2:
+            adaptive.commit(early)
         k = adaptive.choose([adaptive.facts()], batch)
-        assert k == 0 or not commit
+        assert k == early or not i % 2, i
         adaptive.measured(0.001 * (1 + 0.2 * k * batch))
-        committed += commit
         ks.add(k)
-    assert 0 < committed < EXPLORE_EVERY and ks == set(KS)
-    # K = 3 wins at batch 1 with this acceptance, yet ``force`` commits K = 0.
+    assert ks == set(KS)
+    # K = 3 wins at batch 1 with this acceptance, yet ``stay`` keeps K = 1, and a
+    # commitment to it holds one choice.
     fresh = AdaptiveK(KS, CostTable({(1, k): 1.0 + 0.01 * k for k in KS}, learn=False))
     fresh.record(3, [3] * 8)
-    assert not fresh.commit_zero(1) and fresh.choose([fresh.facts()], 1) == 3
-    assert fresh.commit_zero(1, force=True) and fresh.choose([fresh.facts()], 1) == 0
-    assert fresh.choose([fresh.facts()], 1) == 3      # one choice only
+    assert fresh.next_k(1, 1) == 3 and fresh.next_k(1, 1, stay=True) == 1
+    fresh.commit(1)
+    assert fresh.choose([fresh.facts()], 1) == 1
+    assert fresh.choose([fresh.facts()], 1) == 3
 
 
 # The worker's side ------------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""DRAFT and VERIFY chained on the device under adaptive K (engine/_chain.py at the next
+iteration's K, taken early; engine/_ahead.py for K = 0), on the CPU with replays that
+write static outputs as CUDA graphs do: the same K per iteration with and without the
+chain gives the same tokens, drafts and verified rows, with K changing between
+iterations (K > 0 to another K > 0 chained, K = 0 stretches queued ahead)."""
+
+import pytest
+import torch
+
+from specloop.engine import AsyncEngine
+from specloop.engine._chain import DeviceChain
+
+from ..engine import planted
+from ..engine.conftest import serve_staggered
+from ..engine.test_adaptive import cycle_k
+from .test_chain import SEEDS, chain_config, requests
+
+# Chained steps at 3 -> 3, 3 -> 2, 2 -> 2, 2 -> 3, 3 -> 1, 1 -> 1, 1 -> 3; K = 0 after
+# each kind; K = 0 -> 0 queued ahead.
+PATTERN = [3, 3, 2, 2, 3, 1, 1, 3, 0, 0, 2, 0, 1, 3]
+
+
+async def serve(tiny_dir, loaded, chained, pattern=PATTERN, drop=False, times=None):
+    cfg = chain_config(tiny_dir, True, method="eagle3", k=3, rejection=True,
+                       speculative={"adaptive": True})
+    steps = {"taken": [], "queued": [], "ahead": 0}
+    async with AsyncEngine(cfg, model=loaded) as engine:
+        worker = engine.worker
+        worker.verify_inline = worker.ahead.at_k0 = True     # one CUDA rank's path
+        worker.chain = DeviceChain(worker=worker) if chained else None
+        cycle_k(worker.adaptive, pattern)
+        if times is not None:
+            measured = worker.adaptive.measured
+            worker.adaptive.measured = lambda s: (times.append(s), measured(s))
+        if chained:
+            chain, queue, take = worker.chain, worker.chain.queue, worker.chain.take
+            if drop:
+                # Every chained step dropped (as if a request joined each time), and
+                # every other iteration queues none (as when one is about to join).
+                chain.matches = lambda rec: bool(setattr(chain, "_chained", None))
+                can_queue, calls = chain._can_queue, iter(range(10 ** 6))
+                chain._can_queue = lambda rec, k: next(calls) % 2 == 0 and can_queue(rec, k)
+
+            def queued(rec, pending, rows, k=None):
+                hidden = queue(rec, pending, rows, k)
+                steps["queued"].append(None if hidden is None else (rec.k, k))
+                return hidden
+
+            def taken():
+                pending, rows = take()
+                if pending is not None:
+                    steps["taken"].append(steps["queued"][-1])
+                return pending, rows
+            chain.queue, chain.take = queued, taken
+        outs = await serve_staggered(engine, [(p, params, 0) for p, params in requests()])
+        steps["ahead"] = worker.ahead.taken_steps
+    return outs, steps
+
+
+def same(a, b):
+    (pa, va), (pb, vb) = a, b
+    return pa == pb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb)
+
+
+def extra_records(plain, chained):
+    """The chained run's records per seed, walked in order: each is the plain run's next
+    or an extra one (a dropped chained step's); -> (plain records left unmatched,
+    extras)."""
+    i, extra = 0, 0
+    for record in chained:
+        if i < len(plain) and same(record, plain[i]):
+            i += 1
+        else:
+            extra += 1
+    return len(plain) - i, extra
+
+
+async def test_chained_under_adaptive_equals_unchained(tiny_dir, tiny_loaded):
+    planted.RECORDERS.clear()
+    plain, plain_steps = await serve(tiny_dir, tiny_loaded, False)
+    chained, steps = await serve(tiny_dir, tiny_loaded, True)
+    assert chained == plain
+    recorded_plain, recorded_chained = planted.RECORDERS
+    dropped = sum(s is not None for s in steps["queued"]) - len(steps["taken"])
+    for seed in SEEDS:
+        for name in ("drafts", "verified"):
+            left, extra = extra_records(getattr(recorded_plain, name).get(seed, []),
+                                        getattr(recorded_chained, name).get(seed, []))
+            # A dropped step drafted and verified at most 3 positions per row.
+            assert left == 0 and extra <= 3 * dropped, (name, seed, left, extra, dropped)
+    # Chained steps were taken at a K change (the next K committed early), at an
+    # unchanged K, and K = 0 stretches took their steps ahead.
+    taken = steps["taken"]
+    assert any(a != b for a, b in taken) and any(a == b for a, b in taken), taken
+    assert steps["ahead"] > 0 and plain_steps["ahead"] > 0
+
+
+@pytest.mark.parametrize("drop", [False, True])
+async def test_dropped_chained_steps_are_not_timed(tiny_dir, tiny_loaded, drop):
+    """K = 3 throughout: chained steps taken make timed iterations; when every chained
+    step is dropped (the device ran it besides the iteration's own step), no iteration is
+    timed: each either dropped one or is the first of a stretch (the next one queued)."""
+    times = []
+    outs, steps = await serve(tiny_dir, tiny_loaded, True, pattern=[3], drop=drop,
+                              times=times)
+    assert sum(s is not None for s in steps["queued"]) >= 8
+    if drop:
+        assert times == [] and steps["taken"] == []
+    else:
+        assert len(times) >= len(steps["taken"]) >= 10, (len(times), steps["taken"])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+async def test_chained_under_adaptive_on_cuda(tiny_dir, dtype):
+    """Real CUDA graphs (bf16: the fused Triton path), the chain on by default under
+    adaptive K: the same tokens as the same K per iteration unchained, and chained steps
+    taken at K changes."""
+    from specloop.models import load_model
+
+    from .test_cuda_graphs import cfg
+
+    loaded = load_model(tiny_dir, dtype=dtype, device="cuda")
+    config = cfg(tiny_dir, True, method="eagle3", k=3, rejection=True,
+                 speculative={"adaptive": True})
+
+    async def go(chained):
+        async with AsyncEngine(config, model=loaded) as engine:
+            worker = engine.worker
+            assert worker.chain is not None and worker.ahead.at_k0
+            if not chained:
+                worker.chain = None
+            cycle_k(worker.adaptive, PATTERN)
+            outs = await serve_staggered(engine, [(p, params, 0) for p, params in requests()])
+            return outs, (worker.chain.taken_steps if chained else 0), worker.ahead.taken_steps
+
+    plain, _, _ = await go(False)
+    chained, taken, ahead = await go(True)
+    assert chained == plain
+    assert taken >= 5 and ahead > 0, (taken, ahead)
