@@ -96,7 +96,7 @@ async def main_async(args, path, world):
                         "use_rejection_sampling": args.rejection},
         "parallel": {"world_size": world, "attention_dp": world > 1,
                      "lm_head_tp_in_adp": args.lm_head_tp and world > 1,
-                     "checked_collectives": args.checked},
+                     "checked_collectives": args.checked, "pin_host_cores": args.pin},
         "components": {"communicator": "torch_distributed" if world > 1 else "single",
                        "graph_cache": "cuda" if args.graphs and device == "cuda" else "eager"},
         "graphs": {"batch_buckets": [int(b) for b in args.buckets.split(",")]}})
@@ -112,6 +112,8 @@ async def main_async(args, path, world):
     rounds = []     # rank 0: (consumer, first iteration, exchanges before, tok/s)
     async with engine:
         rank = engine.comm.rank
+        print(f"[rank {rank}] pin_host_cores={args.pin}: loop thread on CPUs "
+              f"{sorted(os.sched_getaffinity(0))}", flush=True)
         if rank == 0:
             rates, consumers = {}, args.consumer.split(",")
             for consumer in consumers:
@@ -189,6 +191,8 @@ def main():
                     help="SCHEDULE's host all-gather through shared memory, not gloo")
     ap.add_argument("--gloo-exchange", action="store_true",
                     help="SCHEDULE's host all-gather over gloo (whatever the default)")
+    ap.add_argument("--pin", default="auto", choices=("auto", "on", "off"),
+                    help="parallel.pin_host_cores: each rank's loop thread on its own core")
     ap.add_argument("--trace-out",
                     help="folder: each rank's per-iteration state times and exchange "
                          "times (skew, collective), rank 0's round boundaries (JSON)")

@@ -58,9 +58,53 @@ def summarise(world, ranks):
             print(f"  rank {rank}: {len(its)} iterations; median state us: {line}{exch}")
 
 
+def per_round(world, ranks):
+    """Round by round: each rank's median iteration (sum of its states' times) and its
+    exchange's median skew and collective."""
+    rounds = ranks[0]["rounds"]
+    last_it = max(it for r in ranks.values() for it, _, _ in r["states"]) + 1
+    ends = [(r[1], r[2]) for r in rounds[1:]] + [(last_it, ranks[0]["exchange_count"])]
+    for n, ((consumer, first_it, first_ex, tok_s), (end_it, end_ex)) in enumerate(
+            zip(rounds, ends)):
+        cells = []
+        for rank, data in sorted(ranks.items()):
+            iters = {}
+            for it, _, us in data["states"]:
+                if first_it <= it < end_it:
+                    iters[it] = iters.get(it, 0) + us
+            ex, count = data["exchange"], data["exchange_count"]
+            picked = [ex[i - (count - len(ex))] for i in range(first_ex, end_ex)
+                      if 0 <= i - (count - len(ex)) < len(ex)]
+            cell = f"r{rank} it {med(list(iters.values()))}"
+            if picked:
+                cell += (f" skew {med([a for a, _ in picked])} coll "
+                         f"{med([b for _, b in picked])}")
+            cells.append(cell)
+        print(f"  round {n} {consumer}: {tok_s:.0f} tok/s; median us: " + "; ".join(cells))
+
+
+def ratios(runs):
+    """N ranks / 1 rank tokens/s, round by round (same consumer, same round index)."""
+    if 1 not in runs:
+        return
+    base = runs[1][0]["rounds"]
+    for world, ranks in sorted(runs.items()):
+        if world == 1:
+            continue
+        rows = {}
+        for (c1, _, _, one), (c2, _, _, many) in zip(base, ranks[0]["rounds"]):
+            if c1 == c2:
+                rows.setdefault(c1, []).append(f"{many / one:.2f}")
+        for consumer, values in rows.items():
+            print(f"{world} ranks / 1 rank, {consumer}: per round " + " / ".join(values))
+
+
 def main():
-    for world, ranks in sorted(load(sys.argv[1]).items()):
+    runs = load(sys.argv[1])
+    for world, ranks in sorted(runs.items()):
         summarise(world, ranks)
+        per_round(world, ranks)
+    ratios(runs)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 Private modules behind this thin re-export; everything public is in `__all__`.
 """
+from ._affinity import pin_loop_thread
 from ._argmax import distributed_argmax
 from ._call import CollectiveCall
 from ._counter import CollectiveCounter, collective_label
@@ -28,4 +29,5 @@ __all__ = [
     "TorchrunEnv",
     "collective_label",
     "distributed_argmax",
+    "pin_loop_thread",
 ]

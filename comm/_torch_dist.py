@@ -257,8 +257,16 @@ class TorchDistributedCommunicator(Communicator):
     async def _run_shared(self, shared: _shm.SharedGather, tensor: torch.Tensor
                           ) -> torch.Tensor:
         """Post, then poll until every rank has; the last rank to arrive finds the call
-        complete and never yields (nor builds the call's record, needed for a timeout)."""
-        async with self._family.lock:
+        complete and never yields (nor builds the call's record, needed for a timeout).
+        The lock is taken without yielding when free, whatever anyio's version (before
+        4.5 ``acquire`` always yields: rank 0's consumers could then run between its
+        arrival stamp and its post, and the other ranks waited for them)."""
+        lock = self._family.lock
+        try:
+            lock.acquire_nowait()
+        except anyio.WouldBlock:
+            await lock.acquire()
+        try:
             seq = self._seq
             self._seq += 1
             shared.post(tensor)
@@ -267,6 +275,8 @@ class TorchDistributedCommunicator(Communicator):
                 with anyio.CancelScope(shield=True):    # seen through, as the other paths
                     await self._poll(shared.ready, call)
             return shared.result(tensor)
+        finally:
+            lock.release()
 
     async def _poll(self, done: Callable[[], bool], call: CollectiveCall) -> None:
         """Until ``done()``, yielding to the loop: back-to-back for the first ``_SPIN_S``,

@@ -174,6 +174,11 @@ class ParallelConfig:
     # surfaces as CollectiveTimeoutError on every other rank); covers model-load skew too.
     collective_timeout_s: float = attrs.field(default=60.0,
                                               validator=_positive_float("parallel"))
+    # Each rank's event-loop thread on a physical core of its own, the process's other
+    # threads off the ranks' loop cores (comm/_affinity.py): "auto" pins CUDA ranks under
+    # torchrun when there are enough cores, "on" wherever Linux allows, "off" never.
+    pin_host_cores: str = attrs.field(default="auto",
+                                      validator=_in("parallel", ("auto", "on", "off")))
 
 
 def _buckets(instance: object, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:

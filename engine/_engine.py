@@ -13,6 +13,7 @@ import anyio.lowlevel
 import structlog
 import torch
 
+from specloop.comm import pin_loop_thread
 from specloop.samplers import SamplingParams, SpecMetadata, derive_seed
 
 from ._components import (build_communicator, build_drafter, build_graph_cache,
@@ -31,6 +32,8 @@ from ._worker import RankWorker
 if TYPE_CHECKING:
     from specloop.comm import Communicator
     from specloop.models import LoadedModel, Tokenizer
+
+    from ._exchange import OutputExchange
 
 log = structlog.get_logger(__name__)
 # Automatic request ids are "req-N"; callers may not use that form, so the two never meet.
@@ -61,6 +64,7 @@ class AsyncEngine:
         self.front = FrontDoor() if self.comm.rank == 0 else None
         self.worker: RankWorker | None = None
         self.tokenizer: Tokenizer | None = None       # both set in __aenter__ (_build)
+        self._exchange: OutputExchange | None = None  # the worker's (set in _build too)
         self._task_group: anyio.abc.TaskGroup | None = None
         self._done = anyio.Event()
         self._failure: BaseException | None = None
@@ -79,6 +83,9 @@ class AsyncEngine:
         self._state = "running"
         try:
             await anyio.to_thread.run_sync(self._build)
+            # The loop thread on a core of its own, now that the build's threads exist.
+            pin_loop_thread(self.config.parallel.pin_host_cores,
+                            self._built.runner.device.type)
         except BaseException:
             self._state = "closed"
             await self._close_comm()
@@ -130,13 +137,15 @@ class AsyncEngine:
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
             front=self.front)
         self.worker.warmup_graphs()
+        self._exchange = self.worker.exchange   # the loop's end hands over what it held
         # components.observers first, then those passed in.
         self.observers = (*build_observers(cfg), *self.observers)
         log.info("engine_built", rank=self.comm.rank, model=cfg.model.name,
                  device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
 
     async def _loop(self) -> None:
-        worker = self._built
+        worker, exchange = self._built, self._exchange
+        assert exchange is not None, "set in _build, with the worker"
         machine = IterationMachine(worker.handlers(), rank=self.comm.rank,
                                    num_draft_tokens=worker.k, observers=self.observers)
         spec = SpecMetadata(use_rejection_sampling=self.config.speculative.use_rejection_sampling)
@@ -163,6 +172,7 @@ class AsyncEngine:
             raise
         finally:
             worker.cancel_all()
+            exchange.hand_over()    # outputs rank 0 still held (after a deferred exchange)
             if self.front is not None:
                 self.front.close_all(FinishReason.CANCELLED)
             self._done.set()
@@ -175,9 +185,11 @@ class AsyncEngine:
     async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
                        *, request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
         new = self._admit(prompt, params, request_id)
-        channel = self._front_door.submit(new)
-        texts = TextStream(self._tokenizer, new.params.stop)
-        finished = False        # by the engine; a stop string ends the stream before that
+        # The front door detokenizes as it delivers (and ends the request at a stop
+        # string): what the channel holds is what the caller gets.
+        channel = self._front_door.submit(new, text=TextStream(self._tokenizer,
+                                                               new.params.stop))
+        finished = False        # the last output was (the engine's, or a stop string's)
         try:
             # One wake-up per iteration at most: all outputs sent meanwhile come at once.
             while outputs := await channel.take():
@@ -185,9 +197,8 @@ class AsyncEngine:
                     if output.error is not None:
                         raise EngineClosedError(output.error) from self._failure
                     finished = output.finished
-                    output = texts.step(output)
                     yield output
-                    if output.finished:
+                    if finished:
                         return
         finally:
             if not finished:
@@ -213,28 +224,19 @@ class AsyncEngine:
         if not news:
             return
         channel = OutputChannel(len(news))
-        texts: dict[str, TextStream] = {}
         front, tokenizer = self._front_door, self._tokenizer
         for new in news:
-            front.submit(new, channel)
-            texts[new.request_id] = TextStream(tokenizer, new.params.stop)
-        live = set(texts)       # ids whose last output the caller has not had yet
+            # Detokenized as delivered; a stop string ends its request at the front door.
+            front.submit(new, channel, TextStream(tokenizer, new.params.stop))
+        live = {new.request_id for new in news}     # whose last output is not out yet
         try:
             while live and (outputs := await channel.take()):
-                item: list[RequestOutput] = []
                 for output in outputs:
-                    if output.request_id not in live:
-                        continue        # ended here by a stop string
                     if output.error is not None:
                         raise EngineClosedError(output.error) from self._failure
-                    text = texts[output.request_id].step(output)
-                    item.append(text)
-                    if text.finished:
+                    if output.finished:
                         live.discard(output.request_id)
-                        if not output.finished:     # a stop string: end it in the engine
-                            front.abandon(output.request_id)
-                if item:
-                    yield item
+                yield outputs
         finally:
             for request_id in live:
                 front.abandon(request_id)

@@ -7,6 +7,7 @@ the front door; the other ranks' outputs travel to it in SCHEDULE's one all-gath
 from __future__ import annotations
 
 import time
+from array import array
 from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -15,7 +16,7 @@ import torch
 
 from ._frontdoor import FrontDoorMessage, RankReport, assign_least_loaded
 from ._request import RequestOutput
-from ._wire import decode_outputs, encode_outputs
+from ._wire import decode_outputs, encode_rows
 
 if TYPE_CHECKING:
     from specloop.comm import Communicator
@@ -23,6 +24,10 @@ if TYPE_CHECKING:
     from ._config import EngineConfig
     from ._frontdoor_state import FrontDoor
     from ._scheduler import Scheduler
+
+
+# Rank 0's message when it has nothing to send (no flag raised for it).
+_NO_MESSAGE = FrontDoorMessage()
 
 
 class ExchangeTimes:
@@ -72,7 +77,12 @@ class OutputExchange:
         # Rank 0: the other ranks' output blocks of the last exchange, not yet decoded
         # and delivered (``hand_over``); the empty block it sends itself, built once.
         self._held: torch.Tensor | None = None
-        self._empty: torch.Tensor | None = None
+        self._empty: array[int] | None = None
+        # Rank 0, once an exchange was deferred: its own outputs wait for ``hand_over``
+        # too, so no consumer is woken between RESCAN and the next exchange (they would
+        # run while rank 0 polls for the other ranks' rows, or before it posts its own).
+        self._deferring = False
+        self._own: list[RequestOutput] = []
 
     async def __call__(self, facts: Sequence[int] = (), *, defer: bool = False
                        ) -> FrontDoorMessage:
@@ -83,7 +93,15 @@ class OutputExchange:
         return await self._exchange(facts, defer)
 
     def hand_over(self) -> None:
-        """Rank 0: decode and deliver the outputs held from the last exchange."""
+        """Rank 0: decode and deliver the outputs held from the last exchange, and its
+        own held since (in the order each was produced: a request's outputs are all
+        from one rank)."""
+        self._hand_over_blocks()
+        if self._own and self.front is not None:
+            own, self._own = self._own, []
+            self.front.deliver(own)
+
+    def _hand_over_blocks(self) -> None:
         held, self._held = self._held, None
         front = self.front
         if held is None or front is None:
@@ -92,10 +110,12 @@ class OutputExchange:
             front.deliver(decode_outputs(flat, self.k, front.request_id))
 
     def deliver(self, handle: int, output: RequestOutput) -> None:
-        if self.front is not None:
-            self.front.deliver((output,))
-        else:
+        if self.front is None:
             self.pending.append((handle, output))
+        elif self._deferring:
+            self._own.append(output)
+        else:
+            self.front.deliver((output,))
 
     async def _local(self, facts: Sequence[int], defer: bool) -> FrontDoorMessage:
         front = self.front
@@ -115,20 +135,29 @@ class OutputExchange:
         ``defer`` (a flagged exchange delivers at once)."""
         message, pending = FrontDoorMessage(), self.pending
         self.pending = []
-        self.hand_over()        # a request's outputs reach its consumer in order
+        # A request's outputs reach its consumer in order: what the last exchange held
+        # goes first (when no VERIFY handed it over); rank 0's own wait on with ``defer``.
+        if defer:
+            self._hand_over_blocks()
+        else:
+            self.hand_over()
+        self._deferring = defer
         if self.front is not None:
             if self.scheduler.num_requests == 0 and sum(self.loads) == 0:
                 await self.front.wait_for_work(timeout=self.config.scheduler.idle_wait_s)
             message = self.front.take_message(
                 lambda new: assign_least_loaded(new, self.loads))
-        block = encode_outputs(pending, self.scheduler.slots.num_slots, self.k) \
+        block = encode_rows(pending, self.scheduler.slots.num_slots, self.k) \
             if pending else self._empty_block()
-        flag = (message != FrontDoorMessage()) or block is None
+        flag = message != _NO_MESSAGE or block is None
         if block is None:
             block = self._empty_block()
         width = 2 + len(facts)
-        arrived = time.time_ns() // 1000
-        header = torch.cat([torch.tensor([int(flag), *facts, arrived]), block])
+        # One int64 array, one tensor over it (torch.tensor + cat cost ~10 us); the
+        # arrival stamp goes in last, just before the collective.
+        row = array("q", (int(flag), *facts, 0)) + block
+        row[width - 1] = arrived = time.time_ns() // 1000
+        header = torch.frombuffer(row, dtype=torch.int64)
         # [world, 2 + facts + rows*width]
         gathered = (await self.comm.all_gather(header.to(self.device))).cpu()
         # The flags and stamps as Python ints: one read, not a tensor op for each.
@@ -153,9 +182,9 @@ class OutputExchange:
             message = reports[0]
         return message
 
-    def _empty_block(self) -> torch.Tensor:
+    def _empty_block(self) -> array[int]:
         """A block with no outputs (rank 0's every iteration; ~30 us to build)."""
         if self._empty is None:
-            self._empty = encode_outputs((), self.scheduler.slots.num_slots, self.k)
+            self._empty = encode_rows((), self.scheduler.slots.num_slots, self.k)
         assert self._empty is not None, "no outputs always fit"
         return self._empty

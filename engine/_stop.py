@@ -62,6 +62,19 @@ class TextStream:
         self._matcher = StopMatcher(stops) if stops else None
         self.stopped = False
 
+    def fill(self, output: RequestOutput) -> RequestOutput:
+        """``step`` for an output nobody else holds yet (fresh from the engine, on its way
+        through the front door): without stop strings its text is set in place — a
+        frozen class, but not yet seen by anyone — instead of building the output a second
+        time (~1.2 us each, for every request every iteration; issue 12)."""
+        if self._matcher is not None:
+            return self.step(output)
+        text = self._detokenizer.push(output.token_ids) if output.token_ids else ""
+        if output.finished:
+            text += self._detokenizer.flush()
+        object.__setattr__(output, "text", text)
+        return output
+
     def step(self, output: RequestOutput) -> RequestOutput:
         if self._matcher is None:
             text = self._detokenizer.push(output.token_ids) if output.token_ids else ""

@@ -24,6 +24,18 @@ def block_width(k: int) -> int:
 def encode_outputs(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: int
                    ) -> torch.Tensor | None:
     """[rows * width] int64, or None when the outputs do not fit (send them as objects)."""
+    flat = encode_rows(outputs, rows, k)
+    if flat is None:
+        return None
+    if not flat:
+        return torch.empty(0, dtype=torch.int64)    # frombuffer refuses an empty buffer
+    return torch.frombuffer(flat, dtype=torch.int64)     # keeps ``flat`` alive
+
+
+def encode_rows(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: int
+                ) -> array[int] | None:
+    """``encode_outputs``' block as an int64 ``array`` (the exchange appends it to its
+    header without tensor ops), or None when the outputs do not fit."""
     width = block_width(k)
     if len(outputs) > rows:
         return None
@@ -40,9 +52,7 @@ def encode_outputs(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: i
         add(tokens)
         add((-1,) * (k + 1 - len(tokens)))
     add(((0,) + (-1,) * (width - 1)) * (rows - len(outputs)))
-    if not flat:
-        return torch.empty(0, dtype=torch.int64)    # frombuffer refuses an empty buffer
-    return torch.frombuffer(flat, dtype=torch.int64)     # keeps ``flat`` alive
+    return flat
 
 
 def decode_outputs(flat: torch.Tensor, k: int, request_id: Callable[[int], str | None]

@@ -263,6 +263,54 @@ async def test_rank0_defers_other_ranks_outputs_until_hand_over(tiny_dir):
     assert got == [(), (10,), (11, 12), ()]
 
 
+async def test_rank0_holds_its_own_outputs_after_a_deferred_exchange(tiny_dir):
+    """Once an exchange was deferred, rank 0's own outputs (RESCAN's) wait for
+    ``hand_over`` too: no consumer wakes between RESCAN and the next exchange, where it
+    would run while rank 0 polls for the other rows or before rank 0 posts its own. An
+    exchange without ``defer`` hands them over first and stops holding."""
+    import torch
+
+    from specloop.engine._exchange import OutputExchange
+    from specloop.engine._frontdoor_state import FrontDoor
+    from specloop.engine._request import NewRequest, RequestOutput
+    from specloop.engine._scheduler import Scheduler
+
+    config = adp_config(tiny_dir, 2)
+    front = FrontDoor()
+    channel = front.submit(NewRequest("own", (1, 2), SamplingParams(), 0, handle=6))
+    front.take_message(lambda new: ())
+    got: list[tuple[int, ...]] = []
+
+    async def seen():
+        got.append(tuple(t for o in await _drain(channel) for t in o.token_ids))
+
+    async def rank_main(comm):
+        ex = OutputExchange(config=config, comm=comm, front=front if comm.rank == 0 else None,
+                            scheduler=Scheduler(4, 512), device=torch.device("cpu"))
+        ex.loads = [1, 0]
+        own = (lambda t: ex.deliver(6, RequestOutput("own", (t,), "", False, None))) \
+            if comm.rank == 0 else (lambda t: None)
+        own(20)
+        if comm.rank == 0:
+            await seen()                        # no exchange deferred yet: at once
+        await ex(defer=True)
+        own(21)
+        if comm.rank == 0:
+            await seen()                        # held
+            ex.hand_over()
+            await seen()                        # VERIFY's hand-over
+        own(22)
+        await ex(defer=False)
+        if comm.rank == 0:
+            await seen()                        # handed over before the exchange
+        own(23)
+        if comm.rank == 0:
+            await seen()                        # not deferring any more: at once
+
+    await LocalGroup(2, timeout=5.0).run(rank_main)
+    assert got == [(20,), (), (21,), (22,), (23,)]
+
+
 async def _drain(channel):
     """What the channel holds now (without waiting)."""
     with anyio.move_on_after(0.01):

@@ -28,7 +28,7 @@ def test_outputs_of_a_consumer_that_left_are_dropped():
 
 async def test_overflowing_blocks_fall_back_to_objects(tiny_dir, tiny_loaded, monkeypatch):
     expected = await single_rank(adp_config(tiny_dir, 1, method="ngram"), tiny_loaded)
-    real = _wire.encode_outputs
+    real = _wire.encode_rows
 
     def every_other_overflows(outputs, rows, k):
         every_other_overflows.calls += 1
@@ -37,7 +37,7 @@ async def test_overflowing_blocks_fall_back_to_objects(tiny_dir, tiny_loaded, mo
             return None
         return real(outputs, rows, k)
     every_other_overflows.calls = every_other_overflows.overflows = 0
-    monkeypatch.setattr("specloop.engine._exchange.encode_outputs", every_other_overflows)
+    monkeypatch.setattr("specloop.engine._exchange.encode_rows", every_other_overflows)
     results, _ = await run_group(2, adp_config(tiny_dir, 2, method="ngram", max_batch_size=2),
                                  tiny_loaded, lambda e: serve(e, PROMPTS, PARAMS))
     assert results[0] == expected
