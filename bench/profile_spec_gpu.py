@@ -1,10 +1,10 @@
 """H200, real SmolLM2 (bf16, CUDA graphs): where a speculative iteration's time goes.
 
-For each batch and configuration (no speculation, eagle3 K=2/3), in one process: tokens/s
+For each batch and configuration (no speculation, eagle3 K=2/3/5), in one process: tokens/s
 over ``--runs`` timed rounds (ratio of medians to no speculation), time per iteration
 state through the engine's observers, and one profiled round (torch.profiler, CPU + CUDA):
-kernels, GPU busy time, graph launches, copies and host waits per iteration, and the top
-kernels. Greedy, held-out chat prompts, EOS ignored. Rows go to --out (JSON lines).
+kernels, GPU busy time, graph launches, copies and host waits per iteration, the top
+kernels by time, and every kernel's launches and time per iteration. Greedy, held-out chat prompts, EOS ignored. Rows go to --out (JSON lines).
 
     python bench/profile_spec_gpu.py --prompts prompts.jsonl --out rows.jsonl
 """
@@ -25,6 +25,7 @@ HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
            "eagle3 K=2": {"method": "eagle3", "num_draft_tokens": 2, "draft_weights": HEAD},
            "eagle3 K=3": {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD},
+           "eagle3 K=5": {"method": "eagle3", "num_draft_tokens": 5, "draft_weights": HEAD},
            # The same engine with DRAFT and VERIFY not chained on the device (before).
            "eagle3 K=3 unchained": {"method": "eagle3", "num_draft_tokens": 3,
                                     "draft_weights": HEAD, "unchained": True}}
@@ -48,11 +49,16 @@ def summarize_profile(prof, iterations):
     gpu_us = sum(e.self_device_time_total for e in kernels)
     calls = {e.key: e.count for e in prof.key_averages() if e.key in RUNTIME}
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
+    # Every kernel name with its launches and GPU time per iteration (where the count is).
+    by_count = sorted(kernels, key=lambda e: -e.count)
     return {"kernels_per_iter": round(sum(e.count for e in kernels) / per, 1),
             "gpu_busy_ms_per_iter": round(gpu_us / per / 1e3, 3),
             "runtime_calls_per_iter": {k: round(v / per, 2) for k, v in calls.items()},
             "top_kernels_us_per_iter": {e.key[:60]: round(e.self_device_time_total / per, 1)
-                                        for e in top}}
+                                        for e in top},
+            "kernels_by_count_per_iter": {
+                e.key[:70]: [round(e.count / per, 2), round(e.self_device_time_total / per, 1)]
+                for e in by_count}}
 
 
 async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):

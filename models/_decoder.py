@@ -42,6 +42,7 @@ class _Step(NamedTuple):
     sin: torch.Tensor | None  # [B, T, 1, D]
     mask: torch.Tensor | None  # [B, 1, G*T, kv_len] bool, True = attend (reference path)
     kv_len: int
+    pos_offset: int  # added to start_pos by the fused kernels (the reference path's is in)
 
 
 class _LayerWeights(NamedTuple):
@@ -152,33 +153,40 @@ class DecoderModel(nn.Module):
         num_layers: int | None = None,
         kv_len: int | None = None,
         capture: tuple[int, ...] = (),
+        pos_offset: int = 0,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input)."""
+        """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input).
+        ``pos_offset``: the rows sit at start_pos + pos_offset.. (the fused kernels add it
+        themselves: a draft step needs no position tensor of its own)."""
         n = self._num_layers(num_layers, cache)
+        if list(capture) != sorted(set(capture)) or any(not 0 <= i < n for i in capture):
+            raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
         fused = self.uses_kernels
-        step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len, fused)
+        if pos_offset and not fused:
+            start_pos = start_pos + pos_offset
+        step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len, fused, pos_offset)
         weights = self._layer_weights(n)
         eps = self.args.rms_norm_eps
-        feats = []  # only when capturing: the residual stream after the captured layers
         if fused:
+            H = self.args.hidden_size
+            # The residual stream after captured layer i is the sum the next norm kernel
+            # forms (layer i + 1's, or the final norm's): that kernel also stores it here.
+            feats = embeds.new_empty(*embeds.shape[:-1], len(capture) * H) if capture else None
+            into = {i: feats[..., j * H:(j + 1) * H] for j, i in enumerate(capture)} \
+                if feats is not None else {}
             x, delta = embeds, None  # residual stream, and what is still to be added to it
             for i, w in enumerate(weights):
-                x, delta = self._fused_layer(i, w, x, delta, step, cache)
-                if capture and i in capture:
-                    feats.append(x + delta)
-            out = _kernels.add_rms_norm(x, delta, self.norm, eps)[0]
-        else:
-            x = embeds  # [B, T, H]
-            for i, w in enumerate(weights):
-                x = self._layer(i, w, x, step, cache)
-                if capture and i in capture:
-                    feats.append(x)
-            out = rms_norm(x, self.norm, eps)
-        if not capture:
-            return out
-        if len(feats) != len(capture) or list(capture) != sorted(capture):
-            raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
-        return out, torch.cat(feats, dim=-1)
+                x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1))
+            out = _kernels.add_rms_norm(x, delta, self.norm, eps, into.get(n - 1))[0]
+            return (out, feats) if feats is not None else out
+        x = embeds  # [B, T, H]
+        captured = []  # the residual stream after the captured layers
+        for i, w in enumerate(weights):
+            x = self._layer(i, w, x, step, cache)
+            if i in capture:
+                captured.append(x)
+        out = rms_norm(x, self.norm, eps)
+        return (out, torch.cat(captured, dim=-1)) if capture else out
 
     @property
     def uses_kernels(self) -> bool:
@@ -205,14 +213,14 @@ class DecoderModel(nn.Module):
 
     def _step(
         self, T: int, start_pos: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-        kv_len: int | None, fused: bool,
+        kv_len: int | None, fused: bool, pos_offset: int = 0,
     ) -> _Step:
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             cache.pages.sync()
         dev = self.device
         start_pos, slots = start_pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True)
         if fused:  # the kernels find positions, pages and lengths on the device
-            return _Step(None, None, None, slots, start_pos, None, None, None, 0)
+            return _Step(None, None, None, slots, start_pos, None, None, None, 0, pos_offset)
         pos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
         page, offset = cache.locate(slots, pos)
         kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
@@ -223,7 +231,7 @@ class DecoderModel(nn.Module):
         groups = self.args.num_heads // self.args.num_kv_heads
         B = pos.shape[0]
         mask = mask[:, None, None].expand(B, 1, groups, T, kv_len).reshape(B, 1, groups * T, kv_len)
-        return _Step(pos, page, offset, slots, start_pos, cos, sin, mask, kv_len)
+        return _Step(pos, page, offset, slots, start_pos, cos, sin, mask, kv_len, 0)
 
     def _layer(self, i: int, w: _LayerWeights, x: torch.Tensor, step: _Step, cache: KVCache) -> torch.Tensor:
         """The reference layer: plain tensor ops, K/V gathered from the pages."""
@@ -246,18 +254,20 @@ class DecoderModel(nn.Module):
         return x + self.linear(F.silu(gate) * up, w.w_down)
 
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
-                     step: _Step, cache: KVCache) -> tuple[torch.Tensor, torch.Tensor]:
+                     step: _Step, cache: KVCache, capture: torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer in nine kernels; returns the residual stream and the MLP output
-        still to be added (the next layer's norm kernel adds it)."""
+        still to be added (the next layer's norm kernel adds it). ``capture``: where the
+        first norm kernel also stores its input stream x + delta (the last layer's output)."""
         a = self.args
-        h, x = _kernels.add_rms_norm(x, delta, w.attn_norm, a.rms_norm_eps)
+        h, x = _kernels.add_rms_norm(x, delta, w.attn_norm, a.rms_norm_eps, capture)
         qkv = F.linear(h, w.wqkv, w.bqkv)
         q = _kernels.rope_cache_write(qkv, step.start_pos, step.slots, cache.pages.table,
                                       cache.max_seq_len, cache.pages.scratch_page,
                                       self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],
-                                      a.num_heads)
+                                      a.num_heads, step.pos_offset)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
-                                     step.start_pos)
+                                     step.start_pos, step.pos_offset)
         h, x = _kernels.add_rms_norm(x, F.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps)
         return x, F.linear(_kernels.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
 

@@ -10,7 +10,10 @@ Each kernel computes what a few plain tensor ops of the reference layer compute
   (its ``start_pos`` + T), reading K/V pages through the block table: decode (T = 1),
   VERIFY (T = K + 1) and prefill chunks alike, with lengths as device tensors so one
   captured graph serves any lengths;
-- ``silu_mul``: SwiGLU's activation on the fused gate-up output.
+- ``silu_mul``: SwiGLU's activation on the fused gate-up output;
+- ``eagle_prologue``: an EAGLE head's input norms (embedding gather, two RMSNorms, concat);
+- ``argmax_map``: a draft step's greedy token (argmax over the reduced vocabulary, mapped
+  to a target id) in one kernel.
 """
 
 from __future__ import annotations
@@ -37,8 +40,9 @@ def _pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, H, eps,
-                             HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, copy_ptr, H, copy_stride,
+                             eps, W_ROWS: tl.constexpr, HAS_DELTA: tl.constexpr,
+                             HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < H
@@ -48,14 +52,63 @@ if triton is not None:
             x = (x.to(tl.float32) + tl.load(d_ptr + row * H + cols, mask=m, other=0.0)
                  .to(tl.float32)).to(x.dtype)
             tl.store(out_ptr + row * H + cols, x, mask=m)
+        if HAS_COPY:
+            # The sum also into a strided buffer (an EAGLE-3 head's captured features).
+            tl.store(copy_ptr + row * copy_stride + cols, x, mask=m)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0)
+        # W_ROWS > 1: row r is scaled by weight row r % W_ROWS (one weight per feature part).
+        w = tl.load(w_ptr + (row % W_ROWS) * H + cols, mask=m, other=0.0)
         tl.store(h_ptr + row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit
+    def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, H, eps,
+                               BLOCK: tl.constexpr):
+        # One token row of an EAGLE head's input: [enorm(emb(t)); hnorm(h)] (each norm as
+        # _add_rms_norm_kernel computes it, so the bits are the unfused kernels').
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < H
+        tok = tl.load(tok_ptr + row).to(tl.int64)
+        e = tl.load(emb_ptr + tok * H + cols, mask=m, other=0.0)
+        ef = e.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(ef * ef, axis=0) / H + eps)
+        w = tl.load(ew_ptr + cols, mask=m, other=0.0)
+        tl.store(out_ptr + row * 2 * H + cols, w * (ef * inv).to(e.dtype), mask=m)
+        x = tl.load(hid_ptr + row * H + cols, mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
+        w = tl.load(hw_ptr + cols, mask=m, other=0.0)
+        tl.store(out_ptr + row * 2 * H + H + cols, w * (xf * inv).to(x.dtype), mask=m)
+
+    @triton.jit
+    def _argmax_map_kernel(x_ptr, map_ptr, out_ptr, N, out_stride, HAS_MAP: tl.constexpr,
+                           BLOCK: tl.constexpr):
+        # Row-wise argmax of x [B, N], mapped through map [N] (draft index -> target id);
+        # ties go to the smallest mapped id: torch.argmax over the target vocabulary with
+        # -inf outside the map, whatever the map's order.
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
+        best_id = tl.max(tl.full([BLOCK], -1, tl.int64), axis=0)
+        for n0 in range(0, N, BLOCK):
+            n = n0 + cols
+            m = n < N
+            v = tl.load(x_ptr + row * N + n, mask=m, other=float("-inf")).to(tl.float32)
+            if HAS_MAP:
+                ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
+            else:
+                ids = n.to(tl.int64)
+            top = tl.max(v, axis=0)
+            cand = tl.min(tl.where(m & (v == top), ids, 9223372036854775807), axis=0)
+            take = (top > best) | ((top == best) & (cand < best_id)) | (best_id < 0)
+            best_id = tl.where(take, cand, best_id)
+            best = tl.where(take, top, best)
+        tl.store(out_ptr + row * out_stride, best_id)
+
+    @triton.jit
     def _rope_write_kernel(qkv_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr, sin_ptr, q_ptr,
-                           kc_ptr, vc_ptr, T, max_pos, s_page, s_off, s_table,
+                           kc_ptr, vc_ptr, T, pos_offset, max_pos, s_page, s_off, s_table,
                            pages_per_slot, max_seq_len, scratch_page,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            PAGE: tl.constexpr, BLOCK_QK: tl.constexpr,
@@ -65,7 +118,7 @@ if triton is not None:
         # The token's position and its cache page and offset (KVCache.locate, here, so a
         # forward builds no index tensors): positions past max_seq_len go to scratch.
         row = tok // T
-        p = tl.load(start_ptr + row) + tok % T
+        p = tl.load(start_ptr + row) + pos_offset + tok % T
         index = tl.minimum(p // PAGE, pages_per_slot - 1)
         page = tl.load(table_ptr + tl.load(slot_ptr + row) * s_table + index).to(tl.int64)
         page = tl.where(p < max_seq_len, page, scratch_page)
@@ -97,7 +150,7 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
-                                T, scale, s_page, s_off, s_table, pages_per_slot,
+                                T, pos_offset, scale, s_page, s_off, s_table, pages_per_slot,
                                 HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                                 PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
                                 BLOCK_N: tl.constexpr):
@@ -109,7 +162,7 @@ if triton is not None:
         t = r // G
         head = kvh * G + r % G
         rm = t < T
-        start = tl.load(start_ptr + b)
+        start = tl.load(start_ptr + b) + pos_offset
         slot = tl.load(slot_ptr + b)
         d = tl.arange(0, D)
         q_off = ((b * T + t) * HQ + head)[:, None] * D + d[None, :]
@@ -151,25 +204,65 @@ if triton is not None:
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """-> (rms_norm(x + delta), x + delta) for x, delta [..., H]; delta None: no add."""
+                 eps: float, copy_to: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(x + delta), x + delta) for x, delta [..., H]; delta None: no add.
+    ``weight`` [H], or [W, H]: row r of x scaled by weight row r % W. ``copy_to`` [..., H]
+    (rows strided, last dim contiguous): also receives x + delta (same store)."""
     H = x.shape[-1]
     x = x.contiguous()
     rows = x.numel() // H
     h = torch.empty_like(x)
     out = torch.empty_like(x) if delta is not None else x
     d = delta.contiguous() if delta is not None else x
-    _add_rms_norm_kernel[(rows,)](x, d, weight, h, out, H, eps, HAS_DELTA=delta is not None,
+    copy_stride = 0
+    if copy_to is not None:
+        if copy_to.stride(-1) != 1 or copy_to.numel() != x.numel():
+            raise ValueError("add_rms_norm: copy_to must hold x's rows, last dim contiguous")
+        copy_stride = copy_to.stride(-2) if copy_to.dim() > 1 else H
+        if copy_to.dim() > 2 and copy_to.stride(-3) != copy_stride * copy_to.shape[-2]:
+            raise ValueError("add_rms_norm: copy_to's rows must be evenly strided")
+    _add_rms_norm_kernel[(rows,)](x, d, weight, h, out, x if copy_to is None else copy_to, H,
+                                  copy_stride, eps, W_ROWS=weight.numel() // H,
+                                  HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None,
                                   BLOCK=_pow2(H), num_warps=4)
     return h, out
+
+
+def eagle_prologue(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor,
+                   enorm: torch.Tensor, hnorm: torch.Tensor, eps: float) -> torch.Tensor:
+    """tokens [..., ] i64, hidden [..., H] -> [..., 2H] = [rms_norm(embedding[tokens],
+    enorm); rms_norm(hidden, hnorm)] in one kernel (an EAGLE head's fc input)."""
+    H = embedding.shape[1]
+    hidden = hidden.contiguous()
+    out = hidden.new_empty(*hidden.shape[:-1], 2 * H)
+    rows = hidden.numel() // H
+    _eagle_prologue_kernel[(rows,)](tokens.contiguous(), embedding, hidden, enorm, hnorm,
+                                    out, H, eps, BLOCK=_pow2(H), num_warps=4)
+    return out
+
+
+def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [B, N] -> i64 [B]: index_map[argmax] (argmax itself without a map); ties go to
+    the smallest mapped id. ``out``: a [B] view to write (e.g. a column of [B, K])."""
+    B, N = x.shape
+    x = x.contiguous()
+    if out is None:
+        out = torch.empty(B, dtype=torch.int64, device=x.device)
+    _argmax_map_kernel[(B,)](x, x if index_map is None else index_map, out, N,
+                             out.stride(0), HAS_MAP=index_map is not None, BLOCK=2048,
+                             num_warps=8)
+    return out
 
 
 def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
                      table: torch.Tensor, max_seq_len: int, scratch_page: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """qkv [B, T, (Hq + 2 Hkv) D] of positions start_pos [B].. in slots [B] -> rotated q
-    [B, T, Hq, D]; rotated k and v are written into k_cache / v_cache [pages, page_size,
+                     v_cache: torch.Tensor, num_heads: int, pos_offset: int = 0
+                     ) -> torch.Tensor:
+    """qkv [B, T, (Hq + 2 Hkv) D] of positions start_pos [B] + pos_offset.. in slots [B]
+    -> rotated q [B, T, Hq, D]; rotated k and v are written into k_cache / v_cache [pages, page_size,
     Hkv, D] at each position's page (through the block table ``table``; positions past
     ``max_seq_len``: ``scratch_page``) and offset, as ``KVCache.locate`` finds them."""
     B, T = qkv.shape[:2]
@@ -177,7 +270,8 @@ def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
     q = qkv.new_empty(B, T, num_heads, D)
     _rope_write_kernel[(B * T,)](
         qkv.contiguous(), start_pos.contiguous(), slots.contiguous(), table, cos, sin,
-        q, k_cache, v_cache, T, cos.shape[0] - 1, k_cache.stride(0), k_cache.stride(1),
+        q, k_cache, v_cache, T, pos_offset, cos.shape[0] - 1, k_cache.stride(0),
+        k_cache.stride(1),
         table.stride(0), table.shape[1], max_seq_len, scratch_page,
         HQ=num_heads, HKV=hkv, D=D, PAGE=page_size, BLOCK_QK=_pow2(num_heads + hkv),
         BLOCK_V=_pow2(hkv), num_warps=4)
@@ -185,10 +279,10 @@ def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor
-                    ) -> torch.Tensor:
-    """q [B, T, Hq, D] at positions start_pos [B].. of slots [B] -> o [B, T, Hq D]: each
-    query attends to its slot's positions 0..its own, read from pages via ``table``."""
+                    table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+                    pos_offset: int = 0) -> torch.Tensor:
+    """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
+    Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``."""
     B, T, hq, D = q.shape
     _, page, hkv, _ = k_cache.shape
     o = torch.empty_like(q)
@@ -197,7 +291,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     grid = (B, hkv, triton.cdiv(rows, block_m))
     _paged_attention_kernel[grid](
         q, k_cache, v_cache, table, slots.contiguous(), start_pos.contiguous(), o, T,
-        1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1), table.stride(0),
+        pos_offset, 1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1), table.stride(0),
         table.shape[1], HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=64,
         num_warps=4)
     return o.view(B, T, hq * D)

@@ -49,9 +49,6 @@ class Eagle3Head(MtpEagleHead):
                                       requires_grad=False)
         self.fnorm = torch.nn.Parameter(torch.ones(n, h, dtype=dtype, device=device),
                                         requires_grad=False)
-        # Ones [H]: the fused norm's weight when each feature part has its own (project).
-        self.register_buffer("unit", torch.ones(h, dtype=dtype, device=device),
-                             persistent=False)
 
     @property
     def feature_size(self) -> int:
@@ -65,21 +62,19 @@ class Eagle3Head(MtpEagleHead):
     def project(self, features: torch.Tensor) -> torch.Tensor:
         """[..., F*H] target features -> [..., H]."""
         parts = features.unflatten(-1, tuple(self.fnorm.shape))        # [..., F, H]
-        if self.block.uses_kernels:
-            # Each part normed as a row of its own (one kernel), then scaled by its
-            # weight, as rms_norm does (normalise in fp32, cast, multiply).
-            normed = self.norm(parts, self.unit) * self.fnorm
-        else:
-            normed = self.norm(parts, self.fnorm)
+        # Each part normed with its own weight row (fused: one kernel, weight row r % F
+        # for row r, as rms_norm does: normalise in fp32, cast, multiply).
+        normed = self.norm(parts, self.fnorm)
         return self.block.linear(normed.flatten(-2), self.fc3)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
-                slots: torch.Tensor, cache: KVCache, kv_len: int | None = None
-                ) -> torch.Tensor:
+                slots: torch.Tensor, cache: KVCache, kv_len: int | None = None,
+                pos_offset: int = 0) -> torch.Tensor:
         # Target rows carry F*H features (F >= 2); the head's own outputs (steps >= 1), H.
         if hidden.shape[-1] != self.block.args.hidden_size:
             hidden = self.project(hidden)
-        return super().forward(tokens, hidden, start_pos, slots, cache, kv_len=kv_len)
+        return super().forward(tokens, hidden, start_pos, slots, cache, kv_len=kv_len,
+                               pos_offset=pos_offset)
 
 
 def file_feature_layers(path: str | Path) -> tuple[int, ...] | None:

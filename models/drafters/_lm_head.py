@@ -49,6 +49,18 @@ class DraftHead:
         full = logits.new_full((hidden.shape[0], self.vocab_size), float("-inf"))
         return full.index_copy_(1, self.d2t, logits)
 
+    def greedy(self, hidden: torch.Tensor, *, out: torch.Tensor | None = None,
+               fused: bool = False) -> torch.Tensor:
+        """hidden [B, H] -> argmax draft tokens [B] (target ids; into ``out`` when given):
+        ``logits(hidden).argmax(-1)``. ``fused`` (CUDA): the draft rows' logits then one
+        kernel for the argmax and the map to target ids (ties to the smallest target id,
+        as argmax over the -inf-padded vocabulary), not a [B, V] scatter and an argmax."""
+        if fused:
+            from specloop.models import _kernels  # noqa: PLC0415
+            return _kernels.argmax_map(self._matmul(hidden), self.d2t, out)
+        tokens = self.logits(hidden).argmax(dim=-1)
+        return tokens if out is None else out.copy_(tokens)
+
     def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._weight_t is None:
             return F.linear(hidden, self.weight)

@@ -16,7 +16,7 @@ import attrs
 import torch
 from safetensors.torch import load_file, save_file
 
-from specloop.samplers import Sampler, SamplingBatch
+from specloop.samplers import DefaultSampler, Sampler, SamplingBatch
 
 from .._grad import inference_mode
 from ._heads import (check_method, check_sha256, check_target, head_metadata, resolve_head,
@@ -104,14 +104,21 @@ class MtpEagleHead(torch.nn.Module):
         return rms_norm(x, weight, eps)
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
-                slots: torch.Tensor, cache: KVCache, kv_len: int | None = None
-                ) -> torch.Tensor:
-        """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos.. ->
-        the head's hidden [B, T, H]; logits come from the shared LM head."""
-        x = torch.cat([self.norm(self.block.embed(tokens), self.enorm),
-                       self.norm(hidden, self.hnorm)], dim=-1)
+                slots: torch.Tensor, cache: KVCache, kv_len: int | None = None,
+                pos_offset: int = 0) -> torch.Tensor:
+        """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos +
+        pos_offset.. -> the head's hidden [B, T, H]; logits come from the shared LM head."""
+        if self.block.uses_kernels:
+            # Embedding gather, both norms and the concat in one kernel (the same bits as
+            # a norm kernel each: a draft step is launch-bound on the GPU).
+            from specloop.models import _kernels  # noqa: PLC0415
+            x = _kernels.eagle_prologue(tokens, self.block.embed_tokens, hidden, self.enorm,
+                                        self.hnorm, self.block.args.rms_norm_eps)
+        else:
+            x = torch.cat([self.norm(self.block.embed(tokens), self.enorm),
+                           self.norm(hidden, self.hnorm)], dim=-1)
         return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,
-                                         kv_len=kv_len)
+                                         kv_len=kv_len, pos_offset=pos_offset)
 
 
 def load_or_init(head: HeadT, path: str | Path | None) -> HeadT:
@@ -319,14 +326,14 @@ class MtpEagleDrafter(Drafter):
         last = inputs["cu_last"].view(-1, 1, 1).expand(-1, 1, out.shape[-1])
         hidden = out.gather(1, last)[:, 0]
         tokens: torch.Tensor    # sent in by the caller after each step
-        before = seq_lens - 2 if k > 1 else seq_lens
         # k = 0 (adaptive K): the catch-up alone (yielded once, never sent to), so the
         # head's cache stays current.
         for j in range(max(k, 1)):
             if j:
-                # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j.
-                hidden = self.head(tokens[:, None], hidden[:, None], before + j, slots,
-                                   cache, kv_len=kv_len)[:, 0]
+                # Draft step j >= 1: input (own hidden, d_j) at position L - 2 + j (the
+                # offset goes to the kernels as a constant: no position tensor per step).
+                hidden = self.head(tokens[:, None], hidden[:, None], seq_lens, slots,
+                                   cache, kv_len=kv_len, pos_offset=j - 2)[:, 0]
             tokens = yield hidden
 
     def _catch_up_columns(self, ctx: DraftContext, rows: int, width: int
@@ -369,12 +376,21 @@ class MtpEagleDrafter(Drafter):
         kv_len = self.cache.max_seq_len
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
 
+        greedy = not advanced and type(sampler).draft is DefaultSampler.draft
+
         def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
             loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
             if not k:
                 return {"token_ids": seq_lens.new_zeros(seq_lens.shape[0], 0)}
+            if greedy:      # argmax drafts, each written into its column of the output
+                ids = seq_lens.new_empty(seq_lens.shape[0], k)
+                for j in range(k):
+                    if j:
+                        hidden = loop.send(ids[:, j - 1])
+                    self.lm.greedy(hidden, out=ids[:, j], fused=self.head.block.uses_kernels)
+                return {"token_ids": ids}
             tokens: list[torch.Tensor] = []
             probs: list[torch.Tensor | None] = []
             for j in range(k):

@@ -123,3 +123,41 @@ def test_eagle3_head_fused_norms_match_reference_bf16(tiny_dirs):
     head.block.kernels = None
     for ref, got in zip(*outs):
         torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)
+
+
+def test_draft_greedy_kernel_equals_argmax_bf16(tiny_dirs):
+    """The fused greedy draft token (argmax over the reduced rows, mapped to target ids
+    in one kernel) == argmax over the -inf-padded target vocabulary, ties included."""
+    from specloop.models.drafters._lm_head import DraftHead
+
+    target = load_model(tiny_dirs["llama"], dtype=torch.bfloat16, device="cuda").model
+    V, H = target.args.vocab_size, target.args.hidden_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for d2t in (torch.arange(1, V, 3, device="cuda"),
+                torch.randperm(V, device="cuda", generator=gen)[:300]):
+        lm = DraftHead(target.lm_head_weight, lm_head_tp=False, max_rows=32, d2t=d2t)
+        hidden = torch.randn(32, H, device="cuda", generator=gen).to(torch.bfloat16)
+        out = torch.zeros(32, 2, dtype=torch.int64, device="cuda")
+        lm.greedy(hidden, out=out[:, 1], fused=True)
+        assert torch.equal(out[:, 1], lm.logits(hidden).argmax(dim=-1))
+        logits = lm._matmul(hidden)
+        logits[:8, 5] = logits[:8, 200] = 100.0                  # ties
+        from specloop.models import _kernels
+        got = _kernels.argmax_map(logits, d2t)
+        full = logits.float().new_full((32, V), float("-inf")).index_copy_(1, d2t,
+                                                                             logits.float())
+        assert torch.equal(got, full.argmax(dim=-1))
+
+
+def test_fused_feature_capture_bf16(tiny_dirs):
+    """Features stored by the next norm kernel == the reference path's (bf16 rounding)."""
+    model = load_model(tiny_dirs["llama"], dtype=torch.bfloat16, device="cuda").model
+    tokens = torch.randint(0, model.args.vocab_size, (2, 4), device="cuda")
+    start, slots = torch.tensor([0, 3], device="cuda"), torch.tensor([0, 1], device="cuda")
+    outs = []
+    for fused in (False, True):
+        model.kernels = fused
+        outs.append(model(tokens, start, slots, model.make_cache(2, 64), capture=(0, 1)))
+    model.kernels = None
+    for ref, got in zip(*outs):
+        torch.testing.assert_close(got.float(), ref.float(), atol=3e-2, rtol=3e-2)

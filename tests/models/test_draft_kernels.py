@@ -1,0 +1,89 @@
+"""The fused EAGLE draft step's kernels equal the plain ops (Triton's interpreter on CPU,
+float32, in a child process: the interpreter is chosen before Triton is imported).
+
+Covered: the target's feature capture stored by the next norm kernel, positions given as
+start + pos_offset inside the kernels, the head's prologue kernel (embedding, enorm,
+hnorm, concat), the per-part fnorm, and the greedy draft token as one argmax-and-map
+kernel (ties to the smallest target id, whatever the map's order). The same comparisons
+run on CUDA in bf16 in tests/models/test_gpu.py.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("triton")
+
+CHILD = r"""
+import sys, torch
+from specloop.models import KVCache, PageTable, load_model, _kernels
+from specloop.models.drafters._eagle3 import Eagle3Head
+from specloop.models.drafters._lm_head import DraftHead
+
+torch.manual_seed(0)
+model = load_model(sys.argv[1]).model
+V, H = model.args.vocab_size, model.args.hidden_size
+starts, slots = torch.tensor([0, 5, 9]), torch.tensor([0, 1, 2])
+tokens = torch.randint(0, V, (3, 4))
+
+def run(fused, fn):
+    model.kernels = fused
+    pages = PageTable(3, 64, 4)
+    for s in range(3):
+        pages.resize(s, 20)
+    return fn(model.make_cache(3, 64, pages=pages))
+
+# Target: features captured after layers 0 and 1 (the last: by the final norm kernel).
+ref, got = (run(f, lambda c: model(tokens, starts, slots, c, capture=(0, 1)))
+            for f in (False, True))
+for a, b in zip(ref, got):
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+assert got[1].shape == (3, 4, 2 * H)
+
+# Head: catch-up on features, then a step at start + pos_offset (offset in the kernels).
+head = Eagle3Head(model, dtype=torch.float32, device="cpu", feature_layers=(0, 1))
+head.init_random()
+with torch.no_grad():
+    head.fnorm.copy_(torch.rand_like(head.fnorm) + 0.5)
+    head.enorm.copy_(torch.rand_like(head.enorm) + 0.5)
+feats = got[1] * 3
+outs = {}
+for fused in (False, True):
+    head.block.kernels = fused
+    cache = KVCache(head.block.args, 3, 64, dtype=torch.float32, device="cpu")
+    cu = head(tokens, feats, starts, slots, cache)
+    step = head(tokens[:, :1], cu[:, -1:], starts + 6, slots, cache, pos_offset=-2)
+    # The step's K/V went to position start + 4 (after the catch-up's 0..3).
+    page, off = cache.locate(slots, (starts + 4)[:, None])
+    outs[fused] = (cu, step, cache.k[0][page, off], cache.v[0][page, off])
+for a, b in zip(outs[False], outs[True]):
+    torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+assert outs[True][2].abs().sum() > 0
+
+# Greedy token: argmax over the draft rows mapped to target ids == argmax over the
+# target vocabulary (-inf outside the map), ties included, map in any order.
+d2t = torch.randperm(V)[:200]
+lm = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=8, d2t=d2t)
+hidden = torch.randn(8, H)
+logits = lm._matmul(hidden)
+logits[:4, 10] = logits[:4, 150] = logits[:4].max(dim=1).values + 1    # ties
+full = torch.full((8, V), float("-inf")).index_copy_(1, d2t, logits)
+want = full.argmax(dim=-1)
+out = torch.zeros(8, 3, dtype=torch.int64)
+_kernels.argmax_map(logits, d2t, out[:, 1])
+assert torch.equal(out[:, 1], want), (out[:, 1], want)
+assert torch.equal(out[:4, 1], torch.minimum(d2t[10], d2t[150]).expand(4))
+assert torch.equal(_kernels.argmax_map(full, None), want)
+assert torch.equal(lm.greedy(hidden, fused=True), lm.greedy(hidden, fused=False))
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_fused_draft_kernels_equal_plain_ops(tiny_dirs):
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_dirs["llama"])], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
