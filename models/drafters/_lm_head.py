@@ -28,6 +28,8 @@ class DraftHead:
                  d2t: torch.Tensor | None = None) -> None:
         self.vocab_size = weight.shape[0]          # V of the target
         self.d2t = None if d2t is None else d2t.to(weight.device)   # [N] i64 or None
+        # An increasing map (a trained head's is): the fused argmax reads it once.
+        self.d2t_increasing = d2t is not None and bool((d2t[1:] > d2t[:-1]).all())
         # [V, H] shared with the target, or a gathered copy of the draft rows [N, H].
         self.weight = weight if d2t is None else weight[self.d2t].contiguous()
         # CPU fp32 with a private (reduced) copy: 1 row runs fastest against the weight
@@ -57,7 +59,8 @@ class DraftHead:
         as argmax over the -inf-padded vocabulary), not a [B, V] scatter and an argmax."""
         if fused:
             from specloop.models import _kernels  # noqa: PLC0415
-            return _kernels.argmax_map(self._matmul(hidden), self.d2t, out)
+            return _kernels.argmax_map(self._matmul(hidden), self.d2t, out,
+                                       increasing=self.d2t_increasing)
         tokens = self.logits(hidden).argmax(dim=-1)
         return tokens if out is None else out.copy_(tokens)
 

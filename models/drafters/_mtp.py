@@ -303,6 +303,11 @@ class MtpEagleDrafter(Drafter):
         if not dst:
             return
         index = torch.tensor([[*d, *s] for d, s in zip(dst, src)], dtype=torch.int64)
+        if self.pending.device.type == "cuda":
+            # Pinned: a copy from pageable memory first waits for the stream, i.e. for the
+            # DRAFT + VERIFY chained behind this VERIFY (the GPU then idles while the host
+            # runs up to the next chained step: ~0.3 ms an iteration at batch 1).
+            index = index.pin_memory()
         index = index.to(self.pending.device, non_blocking=True)
         self.pending[index[:, 0], index[:, 1]] = hidden[index[:, 2], index[:, 3]]
 

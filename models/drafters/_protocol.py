@@ -250,6 +250,8 @@ def graph_int_inputs(ctx: DraftContext, host: dict[str, list[Any]]
     # One host-to-device copy for all columns (a copy each cost a launch each).
     columns = {name: torch.tensor(v, dtype=torch.int64) for name, v in host.items()}
     flat = torch.cat([c.reshape(-1) for c in columns.values()])
+    if ctx.slots.device.type == "cuda":
+        flat = flat.pin_memory()    # queued without waiting for the work ahead of it
     packed = flat.to(ctx.slots.device, non_blocking=True)
     inputs, at = {}, 0
     for name, c in columns.items():

@@ -77,6 +77,17 @@ assert torch.equal(out[:, 1], want), (out[:, 1], want)
 assert torch.equal(out[:4, 1], torch.minimum(d2t[10], d2t[150]).expand(4))
 assert torch.equal(_kernels.argmax_map(full, None), want)
 assert torch.equal(lm.greedy(hidden, fused=True), lm.greedy(hidden, fused=False))
+# An increasing map (ties decided on the index, the map read once).
+inc = torch.sort(d2t).values
+full = torch.full((8, V), float("-inf")).index_copy_(1, inc, logits)
+assert torch.equal(_kernels.argmax_map(logits, inc, increasing=True), full.argmax(dim=-1))
+# Rows longer than one pass (16k): the passes' maxima and ties combine.
+x = torch.randn(2, 40000)
+x[0, 39000] = x[0, 7] = x[1, 20000] = 9.0
+assert _kernels.argmax_map(x, None).tolist() == [7, 20000]
+big = torch.arange(40000) * 2 + 1
+assert _kernels.argmax_map(x, big, increasing=True).tolist() == [15, 40001]
+assert _kernels.argmax_map(x, big.flip(0)).tolist() == [1 + 2 * (39999 - 39000), 40001 - 2]
 print("ok")
 """
 
