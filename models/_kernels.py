@@ -90,9 +90,8 @@ if triton is not None:
         # is the smallest id: the map is read once); 2: any order (ids read with x).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
-        big = 2147483647 if MAP < 2 else 9223372036854775807
         best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
-        best_id = tl.max(tl.full([BLOCK], -1, tl.int32 if MAP < 2 else tl.int64), axis=0)
+        best_id = tl.max(tl.full([BLOCK], -1, tl.int64), axis=0)
         for n0 in range(0, N, BLOCK):
             n = n0 + cols
             m = n < N
@@ -100,15 +99,15 @@ if triton is not None:
             if MAP == 2:
                 ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
             else:
-                ids = n
+                ids = n.to(tl.int64)
             top = tl.max(v, axis=0)
-            cand = tl.min(tl.where(m & (v == top), ids, big), axis=0)
+            cand = tl.min(tl.where(m & (v == top), ids, 9223372036854775807), axis=0)
             take = (top > best) | ((top == best) & (cand < best_id)) | (best_id < 0)
             best_id = tl.where(take, cand, best_id)
             best = tl.where(take, top, best)
         if MAP == 1:
             best_id = tl.load(map_ptr + best_id)
-        tl.store(out_ptr + row * out_stride, best_id.to(tl.int64))
+        tl.store(out_ptr + row * out_stride, best_id)
 
     @triton.jit
     def _rope_write_kernel(qkv_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr, sin_ptr, q_ptr,
