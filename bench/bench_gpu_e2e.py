@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import anyio
@@ -110,6 +111,8 @@ async def _timed(engine, prompts, tokens, runs, consumer):
         _sync()
         it0, acc0 = engine.stats.num_iterations, engine.stats.num_accepted_tokens
         rows0 = engine.stats.num_verify_rows
+        chain = engine.worker.chain     # DRAFT + VERIFY chained on the device, or None
+        taken0 = chain.taken_steps if chain is not None else 0
         start = time.perf_counter()
         await generate_round(engine, prompts, tokens, consumer)
         _sync()
@@ -117,43 +120,109 @@ async def _timed(engine, prompts, tokens, runs, consumer):
         iters = engine.stats.num_iterations - it0
         al = 1 + (engine.stats.num_accepted_tokens - acc0) / max(
             1, engine.stats.num_verify_rows - rows0)
+        chained = (chain.taken_steps - taken0) / iters if chain is not None else 0.0
         out.append({"tok_s": len(prompts) * tokens / wall, "ms_iter": wall / iters * 1e3,
-                    "al": al})
+                    "al": al, "chained": round(chained, 3)})
     return out
 
 
 async def _profile(engine, prompts, num_layers, tokens=64):
-    """Kernels per layer, syncs per iteration and GPU busy / wall over ``tokens`` steps."""
-    from torch.profiler import ProfilerActivity, profile
+    """Kernels per layer and syncs per iteration (torch.profiler, CPU and CUDA), then GPU
+    busy / wall and where the GPU idles, from a second round traced on the device only
+    (recording every CPU op slows the host by ~20%, which shows as GPU idle time)."""
+    from torch.profiler import ProfilerActivity
+    full, wall, iters = await _traced(engine, prompts, tokens,
+                                      [ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    events = full.events()
+    kernels = _kernels(events)
+    sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                  "cudaMemcpy")
+    syncs = sum(1 for e in events if e.name in sync_names)
+    out = {"iterations": iters, "kernels_per_iteration": len(kernels) / iters,
+           "kernels_per_layer": len(kernels) / iters / num_layers,
+           "syncs_per_iteration": syncs / iters,
+           "gpu_busy_over_wall_cpu_traced": _union(kernels) / 1e6 / wall,
+           "ms_iter_cpu_traced": wall / iters * 1e3,
+           "top_kernels": _top(kernels, iters)}
+    lean, wall, iters = await _traced(engine, prompts, tokens, [ProfilerActivity.CUDA])
+    out.update(_idle(lean.events(), wall, iters))
+    return out
+
+
+async def _traced(engine, prompts, tokens, activities):
+    """One round of ``tokens`` steps under torch.profiler -> (profile, wall s, iterations)."""
+    from torch.profiler import profile
     await generate_round(engine, prompts, 8)
     _sync()
     it0 = engine.stats.num_iterations
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=activities) as prof:
         start = time.perf_counter()
         await generate_round(engine, prompts, tokens)
         _sync()
         wall = time.perf_counter() - start
-    iters = engine.stats.num_iterations - it0
-    events = prof.events()
-    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-               and "memcpy" not in e.name.lower() and "memset" not in e.name.lower()]
-    spans = sorted((e.time_range.start, e.time_range.end) for e in kernels)
+    return prof, wall, engine.stats.num_iterations - it0
+
+
+def _kernels(events, copies=False):
+    """The device's events: kernels (and memcpy / memset with ``copies``)."""
+    out = []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        copy = "memcpy" in e.name.lower() or "memset" in e.name.lower()
+        if copies or not copy:
+            out.append(e)
+    return out
+
+
+def _union(events):
+    """The union of the events' time ranges (µs)."""
     busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:  # union of kernel intervals (us)
+    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events):
         if cur_e is None or s > cur_e:
             busy += 0 if cur_e is None else cur_e - cur_s
             cur_s, cur_e = s, e
         else:
             cur_e = max(cur_e, e)
-    busy += 0 if cur_e is None else cur_e - cur_s
-    sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
-                  "cudaMemcpy")
-    syncs = sum(1 for e in events if e.name in sync_names)
-    return {"iterations": iters, "kernels_per_iteration": len(kernels) / iters,
-            "kernels_per_layer": len(kernels) / iters / num_layers,
-            "syncs_per_iteration": syncs / iters, "gpu_busy_over_wall": busy / 1e6 / wall,
+    return busy + (0 if cur_e is None else cur_e - cur_s)
+
+
+GAP_BUCKETS_US = (1, 2, 5, 20, 100)
+
+
+def _idle(events, wall, iters):
+    """GPU busy / wall (kernels; kernels and copies) and the device's idle gaps between
+    consecutive events, by size (per iteration) and the largest by the kernels around
+    them: short gaps inside a captured graph are its launch latency, long ones a wait for
+    the host."""
+    kernels, every = _kernels(events), _kernels(events, copies=True)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in every)
+    counts = [0] * (len(GAP_BUCKETS_US) + 1)
+    totals = [0.0] * (len(GAP_BUCKETS_US) + 1)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    end, before = None, ""
+    for s, e, name in spans:
+        if end is not None and s > end:
+            gap = s - end
+            i = next((i for i, b in enumerate(GAP_BUCKETS_US) if gap < b),
+                     len(GAP_BUCKETS_US))
+            counts[i] += 1
+            totals[i] += gap
+            if gap >= 5:
+                pairs.setdefault((before[:50], name[:50]), []).append(gap)
+        if end is None or e > end:
+            end, before = e, name
+    labels = [f"<{b}us" for b in GAP_BUCKETS_US] + [f">={GAP_BUCKETS_US[-1]}us"]
+    largest = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:8]
+    return {"gpu_busy_over_wall": _union(kernels) / 1e6 / wall,
+            "gpu_busy_over_wall_with_copies": _union(every) / 1e6 / wall,
             "ms_iter_profiled": wall / iters * 1e3,
-            "top_kernels": _top(kernels, iters)}
+            "kernel_us_per_iteration": sum(e.time_range.elapsed_us() for e in kernels) / iters,
+            "gaps_per_iteration": {lab: [round(c / iters, 1), round(t / iters, 1)]
+                                   for lab, c, t in zip(labels, counts, totals)},
+            "largest_gaps": [{"after": a, "before": b, "per_iter": len(g) / iters,
+                              "us_per_iter": round(sum(g) / iters, 1)}
+                             for (a, b), g in largest]}
 
 
 def _top(kernels, iters, n=12):
@@ -164,6 +233,21 @@ def _top(kernels, iters, n=12):
     rows = sorted(by.items(), key=lambda kv: -kv[1][1])[:n]
     return [{"name": k[:80], "per_iter": c / iters, "us_per_iter": t / iters}
             for k, (c, t) in rows]
+
+
+def _ratios(none, ngram):
+    """Per consumer: n-gram tok/s over no speculation's (medians of the runs, and the
+    range of run-by-run ratios), and the same over n-gram's AL (the bar: >= 0.8 x AL)."""
+    out = {}
+    for consumer, runs in ngram.items():
+        base = statistics.median(r["tok_s"] for r in none[consumer])
+        rates = [r["tok_s"] / n["tok_s"] for r, n in zip(runs, none[consumer])]
+        al = statistics.mean(r["al"] for r in runs)
+        ratio = statistics.median(r["tok_s"] for r in runs) / base
+        out[consumer] = {"ratio": round(ratio, 3), "al": round(al, 3),
+                         "ratio_over_al": round(ratio / al, 3),
+                         "run_ratios_over_al": [round(x / al, 3) for x in rates]}
+    return out
 
 
 def _system(consumer):
@@ -249,14 +333,18 @@ def main():
     profile_batches = {int(b) for b in args.profile_batches.split(",") if b}
     for batch in [int(b) for b in args.batches.split(",")]:
         prompts = chat_prompts(loaded.tokenizer, batch)
+        measured = {}
         for method in args.methods.split(","):
             prof = {} if batch in profile_batches else None
-            by = anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens,
-                           args.runs, method, prof, consumers)
+            by = measured[method] = anyio.run(specloop_runs, args.model, loaded, prompts,
+                                              args.tokens, args.runs, method, prof, consumers)
             for consumer, runs in by.items():
                 record(system=_system(consumer), method=method, batch=batch, runs=runs)
             if prof is not None:
                 record(system="specloop", method=method, batch=batch, profile=prof)
+        if "none" in measured and "ngram" in measured:
+            record(system="summary", method="ngram / none", batch=batch,
+                   ratios=_ratios(measured["none"], measured["ngram"]))
         if hf is not None and batch in hf_batches:
             record(system="transformers", method="compiled", batch=batch,
                    runs=hf_runs(hf, prompts, args.tokens, args.runs))

@@ -1,12 +1,21 @@
-"""Prompt-lookup (n-gram) drafting: continue the latest earlier match of the suffix."""
+"""Prompt-lookup (n-gram) drafting: continue the latest earlier match of the suffix.
+
+DRAFT proposes on the host (``propose_row``). A step chained on the device behind VERIFY
+(engine/_chain.py, one GPU rank, fixed K) drafts on the device instead, from each
+request's tokens kept in a device buffer (``_ngram_device``): the same drafts, but the GPU
+no longer waits for the host to read VERIFY back and draft (issue 12, n-gram at batch 1).
+"""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import attrs
 import torch
 
+from specloop.samplers import Sampler, SamplingBatch
+
+from ._ngram_device import ROW, chain_step
 from ._protocol import DraftContext, Drafter, DrafterDeps, DraftProposal
 
 
@@ -30,13 +39,40 @@ class NgramDrafter(Drafter):
         self.ngram_min, self.ngram_max = spec.ngram_min, spec.ngram_max
         self.device = deps.target_cache.device if deps.target_cache is not None else "cpu"
         self._slots: dict[int, _SlotIndex] = {}
+        # Chaining (not with adaptive K: the engine chains at a fixed K only).
+        self.chainable = not spec.adaptive and deps.target_cache is not None
+        if self.chainable:
+            self._init_device_history(deps)
+
+    def _init_device_history(self, deps: DrafterDeps) -> None:
+        """Each slot's committed tokens on the device (row ``num_slots``: padding), and
+        the chained step's bonus / position outputs, read by VERIFY n+1."""
+        self.scratch = deps.num_slots
+        width = deps.max_seq_len + self.num_draft_tokens + 2
+        with torch.inference_mode(False):   # written in place in and out of it
+            self.history = torch.zeros(deps.num_slots + 1, width, dtype=torch.int64,
+                                       device=self.device)
+            self._bonus = torch.zeros(deps.num_slots + 1, dtype=torch.int64,
+                                      device=self.device)
+            self._start_pos = torch.zeros_like(self._bonus)
+        # Per slot: positions below this hold the slot's tokens on the device.
+        self._on_device: dict[int, int] = {}
+        # Per slot: the tokens DRAFT saw (the request's list), until a chained step
+        # copies what the device lacks of them.
+        self._seen: dict[int, Sequence[int]] = {}
 
     def prefill(self, slot: int, token_ids: Sequence[int],
                 hidden: torch.Tensor | None = None) -> None:
         self._slots[slot] = _SlotIndex()
+        if self.chainable:
+            self._on_device[slot] = 0
+            self._seen.pop(slot, None)
 
     def release(self, slot: int) -> None:
         self._slots.pop(slot, None)
+        if self.chainable:
+            self._on_device.pop(slot, None)
+            self._seen.pop(slot, None)
 
     def _index(self, index: _SlotIndex, tokens: Sequence[int]) -> None:
         # The suffix itself must not match itself: index n-grams ending before the last token.
@@ -65,5 +101,75 @@ class NgramDrafter(Drafter):
         slots = ctx.slot_list()
         k = ctx.draft_count(self)
         rows = [self.propose_row(s, t, k) for s, t in zip(slots, ctx.token_ids)]
+        if self.chainable:      # a chained step copies what the device lacks of them
+            self._seen.update(zip(slots, ctx.token_ids))
         # On the host: VERIFY's one input copy takes them along (no copy of their own).
         return DraftProposal(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k))
+
+    # Chained on the device (engine/_chain.py) -----------------------------------------
+    def can_graph(self, advanced: bool) -> bool:
+        # The draft graph is the chained step's (DRAFT itself drafts on the host).
+        return self.chainable
+
+    @property
+    def can_chain(self) -> bool:
+        return self.chainable
+
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
+                   num_draft_tokens: int | None = None
+                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """The chained draft: inputs ``verified`` [Bp, K+1] and ``accepted`` [Bp] (VERIFY
+        n's outputs), ``meta`` [4, Bp] (``_ngram_device``) -> ``token_ids`` [Bp, k]."""
+        k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+
+        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            rows = inputs["accepted"].shape[0]
+            drafts = chain_step(self.history, inputs["verified"], inputs["accepted"],
+                                inputs["meta"], k=k, ngram_min=self.ngram_min,
+                                ngram_max=self.ngram_max, bonus=self._bonus[:rows],
+                                start_pos=self._start_pos[:rows])
+            return {"token_ids": drafts}
+
+        return step
+
+    def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
+        """Padding rows only (warm-up's capture: shapes); real rows come from
+        ``chained_inputs``."""
+        rows, width = ctx.graph_rows, self.num_draft_tokens + 1
+        meta = torch.zeros(4, rows, dtype=torch.int64, device=self.device)
+        meta[ROW] = self.scratch
+        return {"verified": torch.zeros(rows, width, dtype=torch.int64, device=self.device),
+                "accepted": torch.zeros(rows, dtype=torch.int64, device=self.device),
+                "meta": meta}
+
+    def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
+                       slots: Sequence[int], sampling: SamplingBatch
+                       ) -> dict[str, torch.Tensor]:
+        """The chained draft's inputs (VERIFY n's rows), after copying to the device the
+        tokens it lacks of each row's first ``start + 1`` (those DRAFT saw on the host
+        since the last chained step; a row whose DRAFT was chained already has them);
+        ``bonus`` and ``start_pos`` are the graph's outputs, valid once it has run."""
+        rows, real = sampling.size, len(start)
+        pad = rows - real
+        meta = [list(start) + [0] * pad, list(slots) + [self.scratch] * pad,
+                [1] * real + [0] * pad, [s + 1 for s in start] + [0] * pad]
+        at: list[int] = []
+        values: list[int] = []
+        stride = self.history.shape[1]
+        for slot, s in zip(slots, start):
+            seen, have = self._seen.pop(slot, None), self._on_device.get(slot, 0)
+            if seen is not None and have < s + 1:
+                at.extend(range(slot * stride + have, slot * stride + s + 1))
+                values.extend(seen[have:s + 1])
+            self._on_device[slot] = s + 1
+        host = torch.tensor([v for column in meta for v in column] + at + values,
+                            dtype=torch.int64)
+        dev = self.history.device
+        packed = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+        if at:
+            tail = packed[4 * rows:]
+            self.history.view(-1).index_copy_(0, tail[:len(at)], tail[len(at):])
+        meta_dev = packed[:4 * rows].view(4, rows)
+        return {"verified": verified["token_ids"][:], "accepted": verified["num_accepted"][:],
+                "meta": meta_dev, "slots": meta_dev[ROW], "bonus": self._bonus[:rows, None],
+                "start_pos": self._start_pos[:rows]}

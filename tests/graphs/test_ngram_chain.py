@@ -1,0 +1,306 @@
+"""n-gram drafting chained on the device (models/drafters/_ngram_device.py): the device's
+drafts equal the host drafter's token for token, and an engine whose n-gram steps are
+chained gives the outputs (and VERIFY's draft rows) of the unchained and eager engines."""
+
+import os
+import random
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specloop.models.drafters._ngram import NgramDrafter
+from specloop.models.drafters._ngram_device import chain_step_ops
+from specloop.samplers import SamplingParams
+
+from ..engine import planted
+from .test_chain import SEEDS, chain_config, serve
+
+
+def host_drafts(tokens, k, ngram_min, ngram_max):
+    """The host drafter's K drafts after ``tokens`` (built incrementally, as served: its
+    table is filled a prefix at a time)."""
+    spec = types.SimpleNamespace(num_draft_tokens=k, ngram_min=ngram_min,
+                                 ngram_max=ngram_max, adaptive=True)
+    drafter = NgramDrafter(types.SimpleNamespace(speculative=spec),
+                           types.SimpleNamespace(target_cache=None))
+    for cut in range(1, len(tokens), 3):
+        drafter.propose_row(0, tokens[:cut], k)
+    return drafter.propose_row(0, tokens, k)
+
+
+def random_case(rng: random.Random, rows: int, width: int = 48):
+    """Rows with histories (garbage past each length), VERIFY n's outputs (-1 past the
+    bonus) and the expected (drafts, bonus, position); the last row is padding."""
+    k1 = rng.randint(1, 5)
+    vocab = rng.choice([2, 3, 5, 50])     # small vocabularies: many and multiple matches
+    history = torch.randint(0, vocab, (rows + 1, width))
+    verified = torch.full((rows + 1, k1), -1, dtype=torch.int64)
+    accepted = torch.randint(0, k1, (rows + 1,))
+    meta = torch.zeros(4, rows + 1, dtype=torch.int64)
+    meta[1, rows] = rows                     # padding: the scratch row, not real
+    full = []
+    for b in range(rows):
+        length = rng.choice([1, 2, 3, rng.randint(1, width - k1 - 2)])
+        tokens = history[b, :length].tolist()
+        n = int(accepted[b])
+        new = [rng.randrange(vocab) for _ in range(n + 1)]
+        verified[b, :n + 1] = torch.tensor(new)
+        meta[:, b] = torch.tensor([length - 1, b, 1, length])
+        full.append(tokens + new)
+    verified[rows] = torch.randint(0, vocab, (k1,))
+    return history, verified, accepted, meta, full
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 4), k=st.integers(1, 5),
+       ngram_min=st.integers(1, 3), extra=st.integers(0, 2))
+def test_device_drafts_equal_host_drafts(seed, rows, k, ngram_min, extra):
+    rng = random.Random(seed)
+    history, verified, accepted, meta, full = random_case(rng, rows)
+    ngram_max = ngram_min + extra
+    bonus, start_pos = torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(rows + 1,
+                                                                             dtype=torch.int64)
+    drafts = chain_step_ops(history, verified, accepted, meta, k=k, ngram_min=ngram_min,
+                            ngram_max=ngram_max, bonus=bonus, start_pos=start_pos)
+    for b, tokens in enumerate(full):
+        assert drafts[b].tolist() == host_drafts(tokens, k, ngram_min, ngram_max), b
+        assert history[b, :len(tokens)].tolist() == tokens
+        assert int(bonus[b]) == tokens[-1] and int(start_pos[b]) == len(tokens) - 1
+    # Padding: nothing accepted, position 0, writes only in the scratch row.
+    assert int(start_pos[rows]) == 0 and int(bonus[rows]) == int(verified[rows, 0])
+
+
+@pytest.mark.parametrize(("tokens", "lo", "hi", "expected"), [
+    ([1, 5, 2, 1, 6, 1], 1, 1, [6, 1, 1]),    # two earlier matches: the latest
+    ([1, 2, 3, 1, 2, 3, 9], 1, 3, [9, 9, 9]),  # none: the last token (never itself)
+    ([1, 2, 9, 2, 1, 2], 1, 2, [9, 2, 1]),     # [1, 2] beats the later [2]: longest first
+    ([1, 2, 9, 2, 1, 2], 1, 1, [1, 2, 2]),
+    ([2, 3, 2], 1, 3, [3, 2, 2]),              # short: runs past the end, last repeated
+    ([6], 1, 3, [6, 6, 6]),
+])
+def test_known_drafts(tokens, lo, hi, expected):
+    """Known answers, host and device alike (a drafter taking the first match, or the
+    shortest n first, or letting the suffix match itself fails one of these)."""
+    assert host_drafts(tokens, 3, lo, hi) == expected
+    width = len(tokens) + 6
+    history = torch.zeros(2, width, dtype=torch.int64)
+    history[0, :len(tokens) - 1] = torch.tensor(tokens[:-1])
+    verified = torch.tensor([[tokens[-1], -1], [0, 0]])
+    meta = torch.tensor([[len(tokens) - 2, 0], [0, 1], [1, 0], [len(tokens) - 1, 0]])
+    zeros = torch.zeros(2, dtype=torch.int64)
+    if len(tokens) == 1:    # VERIFY n committed the only token: history starts empty
+        meta[0, 0], meta[3, 0] = -1, 0
+    drafts = chain_step_ops(history, verified, torch.tensor([0, 0]), meta, k=3,
+                            ngram_min=lo, ngram_max=hi, bonus=zeros.clone(),
+                            start_pos=zeros.clone())
+    assert drafts[0].tolist() == expected
+
+
+def device_drafter(k, num_slots=3, max_seq_len=64):
+    spec = types.SimpleNamespace(num_draft_tokens=k, ngram_min=1, ngram_max=3,
+                                 adaptive=False)
+    deps = types.SimpleNamespace(target_cache=types.SimpleNamespace(device="cpu"),
+                                 num_slots=num_slots, max_seq_len=max_seq_len)
+    return NgramDrafter(types.SimpleNamespace(speculative=spec), deps)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 2 ** 32 - 1), k=st.integers(1, 4))
+def test_chained_drafts_equal_host_drafts_as_requests_come_and_go(seed, k):
+    """The drafter driven as the engine drives it, at random: requests join (prefill, a
+    slot reused) and leave (release); each iteration DRAFT proposes on the host unless it
+    takes the step chained in the last one; VERIFY commits 1 .. K + 1 random tokens; a
+    step is chained behind it (or not), for the batch padded to a bucket. Every chained
+    draft must equal the host drafter's for the tokens VERIFY committed."""
+    import asyncio
+
+    rng = random.Random(seed)
+    drafter = device_drafter(k)
+    tokens: dict[int, list[int]] = {}
+    chained: set[int] = set()            # slots whose step chained last iteration is live
+    vocab = rng.choice([3, 6, 40])
+    step = drafter.graph_step(None, None, advanced=False)
+    for _ in range(30):
+        for slot in list(tokens):        # leave
+            if rng.random() < 0.1 or len(tokens[slot]) > 40:
+                drafter.release(slot)
+                del tokens[slot]
+                chained.discard(slot)
+        for slot in range(3):            # join (a freed slot is reused)
+            if slot not in tokens and rng.random() < 0.5:
+                tokens[slot] = [rng.randrange(vocab) for _ in range(rng.randint(1, 8))]
+                drafter.prefill(slot, tokens[slot][:-1])
+        batch = sorted(tokens)
+        if not batch:
+            continue
+        taken = [s for s in batch if s in chained and rng.random() < 0.8]
+        if taken and len(taken) < len(batch):
+            taken = []                   # a chained step serves its whole batch or none
+        if taken:
+            drafter.chained_consumed(taken)
+        else:
+            ctx = types.SimpleNamespace(slot_list=lambda: batch,
+                                        token_ids=[tokens[s] for s in batch],
+                                        draft_count=lambda d: k)
+            asyncio.run(drafter.propose(ctx))
+        start = [len(tokens[s]) - 1 for s in batch]
+        rows = rng.choice([len(batch), 4])
+        new = [[rng.randrange(vocab) for _ in range(rng.randint(1, k + 1))] for _ in batch]
+        verified = torch.full((rows, k + 1), -1, dtype=torch.int64)
+        accepted = torch.zeros(rows, dtype=torch.int64)
+        for i, row in enumerate(new):
+            verified[i, :len(row)] = torch.tensor(row)
+            accepted[i] = len(row) - 1
+        chained = set()
+        if rng.random() < 0.7:           # a step chained behind VERIFY
+            inputs = drafter.chained_inputs(
+                {"token_ids": verified, "num_accepted": accepted}, start, batch,
+                types.SimpleNamespace(size=rows))
+            drafts = step(inputs)["token_ids"]
+            for i, s in enumerate(batch):
+                assert drafts[i].tolist() == host_drafts(tokens[s] + new[i], k, 1, 3)
+                assert int(inputs["bonus"][i, 0]) == new[i][-1]
+                assert int(inputs["start_pos"][i]) == len(tokens[s]) + len(new[i]) - 1
+            chained = set(batch)
+        for s, row in zip(batch, new):
+            tokens[s] += row
+
+
+KERNEL_CHILD = """
+import random, sys, torch
+sys.path.insert(0, sys.argv[1])
+from tests.graphs.test_ngram_chain import host_drafts, random_case
+from specloop.models.drafters._ngram_device import _chain_step_triton
+rng = random.Random(7)
+for trial in range(12):
+    rows, k, lo = rng.randint(1, 3), rng.randint(1, 5), rng.randint(1, 2)
+    hi = lo + rng.randint(0, 2)
+    history, verified, accepted, meta, full = random_case(rng, rows)
+    bonus, pos = torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(rows + 1, dtype=torch.int64)
+    drafts = _chain_step_triton(history, verified, accepted, meta, k=k, ngram_min=lo,
+                                ngram_max=hi, bonus=bonus, start_pos=pos)
+    for b, tokens in enumerate(full):
+        assert drafts[b].tolist() == host_drafts(tokens, k, lo, hi), (trial, b)
+        assert history[b, :len(tokens)].tolist() == tokens
+        assert int(bonus[b]) == tokens[-1] and int(pos[b]) == len(tokens) - 1
+print("ok")
+"""
+
+
+@pytest.mark.slow   # a fresh interpreter with Triton's (~5 s CPU)
+def test_kernel_equals_host_drafts_interpreted():
+    pytest.importorskip("triton")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    done = subprocess.run([sys.executable, "-c", KERNEL_CHILD, root],
+                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+@pytest.mark.gpu
+def test_kernel_equals_host_drafts_on_cuda():
+    from specloop.models.drafters._ngram_device import chain_step
+    rng = random.Random(11)
+    for trial in range(40):
+        rows, k, lo = rng.randint(1, 8), rng.randint(1, 5), rng.randint(1, 3)
+        hi = lo + rng.randint(0, 2)
+        history, verified, accepted, meta, full = (
+            t.cuda() if isinstance(t, torch.Tensor) else t for t in random_case(rng, rows))
+        bonus = torch.zeros(rows + 1, dtype=torch.int64, device="cuda")
+        pos = torch.zeros_like(bonus)
+        drafts = chain_step(history, verified, accepted, meta, k=k, ngram_min=lo,
+                            ngram_max=hi, bonus=bonus, start_pos=pos)
+        for b, tokens in enumerate(full):
+            assert drafts[b].tolist() == host_drafts(tokens, k, lo, hi), (trial, b)
+            assert int(bonus[b]) == tokens[-1] and int(pos[b]) == len(tokens) - 1
+
+
+def ngram_config(tiny_dir, graphs, max_batch_size):
+    from specloop.engine import EngineConfig
+    cfg = chain_config(tiny_dir, graphs, method="ngram", k=3, rejection=True).to_dict()
+    cfg["scheduler"]["max_batch_size"] = max_batch_size
+    cfg["graphs"] = {"batch_buckets": [b for b in (1, 2, 4, 8) if b <= max_batch_size]}
+    return EngineConfig.from_dict(cfg)
+
+
+def ngram_requests():
+    """Repetitive prompts (n-gram drafts get accepted), greedy and sampled rows, stops."""
+    stops = tuple(range(40, 90))
+    prompts = [[5, 6, 7, 5, 6, 7, 5, 6], [9, 9, 9, 9], [1, 2, 3, 4, 1, 2, 3],
+               [300, 5, 300, 5, 300], [7], [11, 12, 13, 11, 12]]
+    return [(p, SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.9,
+                               seed=SEEDS[0] + i, max_tokens=12 + 5 * i,
+                               stop_token_ids=stops if i % 3 == 1 else (), ignore_eos=True))
+            for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 2])     # 2: requests wait, slots reused
+async def test_chained_ngram_equals_eager(tiny_dir, tiny_loaded, max_batch_size):
+    """Greedy and sampled rows, requests stopping at different iterations (chained steps
+    dropped, or taken for fewer rows), requests joining and slots reused: the chained
+    engine's outputs equal the eager engine's and the unchained graph engine's, and
+    VERIFY saw the same draft rows at every position (a chained step's drafts are the
+    device's; the others the host's)."""
+    reqs = ngram_requests()
+    eager, _ = await serve(ngram_config(tiny_dir, False, max_batch_size), tiny_loaded, reqs,
+                           False)
+    planted.RECORDERS.clear()
+    graphs, _ = await serve(ngram_config(tiny_dir, True, max_batch_size), tiny_loaded, reqs,
+                            False)
+    chained, chain = await serve(ngram_config(tiny_dir, True, max_batch_size), tiny_loaded,
+                                 reqs, True)
+    assert chained == eager == graphs
+    plain, with_chain = planted.RECORDERS
+    checked = 0
+    for recorder in (plain, with_chain):
+        for i, (prompt, _) in enumerate(reqs):
+            full = prompt + chained[i]
+            # Every VERIFY's drafts (the host's, a chained step's, a dropped one's) are
+            # the host drafter's for the committed tokens at that length.
+            for length, drafts in recorder.verified.get(SEEDS[0] + i, []):
+                if length <= len(full):
+                    assert drafts == host_drafts(full[:length], 3, 1, 3), (i, length)
+                    checked += 1
+    assert checked > 2 * sum(len(out) for out in chained) // 3
+    assert chain.taken_steps > 0 and chain.queued_steps > chain.taken_steps
+    # Drafts were accepted (else equal outputs would say little about the drafts).
+    assert chain.worker.stats.num_accepted_tokens > 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+async def test_chained_ngram_on_cuda(tiny_dir, dtype):
+    """Real CUDA graphs and the Triton draft kernel (chained by default on one GPU): the
+    outputs of the same graphs run unchained, and (float64) of the eager engine."""
+    from specloop.engine import AsyncEngine
+    from specloop.models import load_model
+
+    from ..engine.conftest import serve_staggered
+    from .test_cuda_graphs import cfg
+
+    loaded = load_model(tiny_dir, dtype=dtype, device="cuda")
+    reqs = [(p, params, 0.002 * i) for i, (p, params) in enumerate(ngram_requests())]
+
+    async def go(graphs, chained):
+        config = cfg(tiny_dir, graphs, method="ngram", k=3, rejection=True)
+        async with AsyncEngine(config, model=loaded) as engine:
+            worker = engine.worker
+            if not chained:
+                worker.chain = None
+            outs = await serve_staggered(engine, reqs)
+            taken = worker.chain.taken_steps if worker.chain is not None else 0
+            accepted = worker.stats.num_accepted_tokens
+        return outs, taken, accepted
+
+    eager, _, _ = await go(False, False)
+    unchained, _, _ = await go(True, False)
+    chained, taken, accepted = await go(True, True)
+    assert taken > 0 and accepted > 0
+    assert chained == unchained
+    if dtype == torch.float64:
+        assert chained == eager
