@@ -109,16 +109,15 @@ if triton is not None:
         length = start + acc + 2
         best = length
         found = length < 0      # False
-        for i in tl.static_range(NMAX - NMIN + 1):
-            n: tl.constexpr = NMAX - i
+        for i in tl.static_range(NMAX - NMIN + 1):     # n = NMAX - i, longest first
             cand = length * 0 - 1
             for blk in range(0, S, BLOCK):   # the positions past length: masked
                 p = blk + tl.arange(0, BLOCK)
-                ok = (p >= n) & (p <= length - 1)
-                for m in tl.static_range(n):
-                    want = tl.load(base + length - n + m, mask=length - n + m >= 0,
-                                   other=-1)
-                    have = tl.load(base + p - n + m, mask=ok, other=-2)
+                ok = (p >= NMAX - i) & (p <= length - 1)
+                for m in tl.static_range(NMAX - i):
+                    want = tl.load(base + length - (NMAX - i) + m,
+                                   mask=length - (NMAX - i) + m >= 0, other=-1)
+                    have = tl.load(base + p - (NMAX - i) + m, mask=ok, other=-2)
                     ok = ok & (have == want)
                 cand = tl.maximum(cand, tl.max(tl.where(ok, p, -1), axis=0))
             take = (cand >= 0) & (found == 0)
