@@ -45,21 +45,28 @@ class NgramDrafter(Drafter):
             self._init_device_history(deps)
 
     def _init_device_history(self, deps: DrafterDeps) -> None:
-        """Each slot's committed tokens on the device (row ``num_slots``: padding), and
-        the chained step's bonus / position outputs, read by VERIFY n+1."""
         self.scratch = deps.num_slots
-        width = deps.max_seq_len + self.num_draft_tokens + 2
-        with torch.inference_mode(False):   # written in place in and out of it
-            self.history = torch.zeros(deps.num_slots + 1, width, dtype=torch.int64,
-                                       device=self.device)
-            self._bonus = torch.zeros(deps.num_slots + 1, dtype=torch.int64,
-                                      device=self.device)
-            self._start_pos = torch.zeros_like(self._bonus)
+        self._rows = deps.num_slots + 1
+        self._width = deps.max_seq_len + self.num_draft_tokens + 2
+        # Allocated when a draft graph is built (``_device_buffers``): an engine that
+        # never chains (CPU, eager) holds none.
+        self.history: torch.Tensor | None = None
         # Per slot: positions below this hold the slot's tokens on the device.
         self._on_device: dict[int, int] = {}
         # Per slot: the tokens DRAFT saw (the request's list), until a chained step
         # copies what the device lacks of them.
         self._seen: dict[int, Sequence[int]] = {}
+
+    def _device_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Each slot's committed tokens on the device (row ``num_slots``: padding), and
+        the chained step's bonus / position outputs, read by VERIFY n+1."""
+        if self.history is None:
+            with torch.inference_mode(False):   # written in place in and out of it
+                self.history = torch.zeros(self._rows, self._width, dtype=torch.int64,
+                                           device=self.device)
+                self._bonus = torch.zeros(self._rows, dtype=torch.int64, device=self.device)
+                self._start_pos = torch.zeros_like(self._bonus)
+        return self.history, self._bonus, self._start_pos
 
     def prefill(self, slot: int, token_ids: Sequence[int],
                 hidden: torch.Tensor | None = None) -> None:
@@ -121,13 +128,14 @@ class NgramDrafter(Drafter):
         """The chained draft: inputs ``verified`` [Bp, K+1] and ``accepted`` [Bp] (VERIFY
         n's outputs), ``meta`` [4, Bp] (``_ngram_device``) -> ``token_ids`` [Bp, k]."""
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        history, bonus, start_pos = self._device_buffers()
 
         def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             rows = inputs["accepted"].shape[0]
-            drafts = chain_step(self.history, inputs["verified"], inputs["accepted"],
+            drafts = chain_step(history, inputs["verified"], inputs["accepted"],
                                 inputs["meta"], k=k, ngram_min=self.ngram_min,
-                                ngram_max=self.ngram_max, bonus=self._bonus[:rows],
-                                start_pos=self._start_pos[:rows])
+                                ngram_max=self.ngram_max, bonus=bonus[:rows],
+                                start_pos=start_pos[:rows])
             return {"token_ids": drafts}
 
         return step
@@ -136,6 +144,7 @@ class NgramDrafter(Drafter):
         """Padding rows only (warm-up's capture: shapes); real rows come from
         ``chained_inputs``."""
         rows, width = ctx.graph_rows, self.num_draft_tokens + 1
+        self._device_buffers()
         meta = torch.zeros(4, rows, dtype=torch.int64, device=self.device)
         meta[ROW] = self.scratch
         return {"verified": torch.zeros(rows, width, dtype=torch.int64, device=self.device),
@@ -153,9 +162,10 @@ class NgramDrafter(Drafter):
         pad = rows - real
         meta = [list(start) + [0] * pad, list(slots) + [self.scratch] * pad,
                 [1] * real + [0] * pad, [s + 1 for s in start] + [0] * pad]
+        history, bonus, start_pos = self._device_buffers()
         at: list[int] = []
         values: list[int] = []
-        stride = self.history.shape[1]
+        stride = history.shape[1]
         for slot, s in zip(slots, start):
             seen, have = self._seen.pop(slot, None), self._on_device.get(slot, 0)
             if seen is not None and have < s + 1:
@@ -164,12 +174,12 @@ class NgramDrafter(Drafter):
             self._on_device[slot] = s + 1
         host = torch.tensor([v for column in meta for v in column] + at + values,
                             dtype=torch.int64)
-        dev = self.history.device
+        dev = history.device
         packed = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
         if at:
             tail = packed[4 * rows:]
-            self.history.view(-1).index_copy_(0, tail[:len(at)], tail[len(at):])
+            history.view(-1).index_copy_(0, tail[:len(at)], tail[len(at):])
         meta_dev = packed[:4 * rows].view(4, rows)
         return {"verified": verified["token_ids"][:], "accepted": verified["num_accepted"][:],
-                "meta": meta_dev, "slots": meta_dev[ROW], "bonus": self._bonus[:rows, None],
-                "start_pos": self._start_pos[:rows]}
+                "meta": meta_dev, "slots": meta_dev[ROW], "bonus": bonus[:rows, None],
+                "start_pos": start_pos[:rows]}

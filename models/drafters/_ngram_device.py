@@ -141,6 +141,7 @@ def _chain_step_triton(history: torch.Tensor, verified: torch.Tensor, accepted: 
     assert history.is_contiguous() and verified.is_contiguous() and meta.is_contiguous()
     _ngram_chain_kernel[(rows,)](
         history, history.stride(0), verified, accepted.contiguous(), meta, out, bonus,
-        start_pos, rows, S=history.shape[1], W=width, WP=_pow2(width), K=k, KP=_pow2(max(k, 1)),
+        start_pos, rows, S=history.shape[1], W=width, WP=_pow2(width), K=k,
+        KP=_pow2(max(k, 1)),
         NMIN=ngram_min, NMAX=ngram_max, BLOCK=512)
     return out
