@@ -1,7 +1,7 @@
 """Prompt-lookup (n-gram) drafting: continue the latest earlier match of the suffix.
 
 DRAFT proposes on the host (``propose_row``). A step chained on the device behind VERIFY
-(engine/_chain.py, one GPU rank, fixed K) drafts on the device instead, from each
+(engine/_chain.py, one GPU rank; adaptive K too) drafts on the device instead, from each
 request's tokens kept in a device buffer (``_ngram_device``): the same drafts, but the GPU
 no longer waits for the host to read VERIFY back and draft (issue 12, n-gram at batch 1).
 """
@@ -39,8 +39,8 @@ class NgramDrafter(Drafter):
         self.ngram_min, self.ngram_max = spec.ngram_min, spec.ngram_max
         self.device = deps.target_cache.device if deps.target_cache is not None else "cpu"
         self._slots: dict[int, _SlotIndex] = {}
-        # Chaining (not with adaptive K: the engine chains at a fixed K only).
-        self.chainable = not spec.adaptive and deps.target_cache is not None
+        # Chaining: its draft graph and device buffers (any K; adaptive K chains too).
+        self.chainable = deps.target_cache is not None
         if self.chainable:
             self._init_device_history(deps)
 
@@ -169,8 +169,10 @@ class NgramDrafter(Drafter):
         for slot, s in zip(slots, start):
             seen, have = self._seen.pop(slot, None), self._on_device.get(slot, 0)
             if seen is not None and have < s + 1:
-                at.extend(range(slot * stride + have, slot * stride + s + 1))
-                values.extend(seen[have:s + 1])
+                # The request's own list (appended in place): it holds s + 1 tokens now.
+                tail = list(seen[have:s + 1])
+                at.extend(range(slot * stride + have, slot * stride + have + len(tail)))
+                values.extend(tail)
             self._on_device[slot] = s + 1
         host = torch.tensor([v for column in meta for v in column] + at + values,
                             dtype=torch.int64)

@@ -255,28 +255,66 @@ async def test_chained_ngram_equals_eager(tiny_dir, tiny_loaded, max_batch_size)
     chained, chain = await serve(ngram_config(tiny_dir, True, max_batch_size), tiny_loaded,
                                  reqs, True)
     assert chained == eager == graphs
-    plain, with_chain = planted.RECORDERS
-    checked = 0
-    for recorder in (plain, with_chain):
-        for i, (prompt, _) in enumerate(reqs):
-            full = prompt + chained[i]
-            # Every VERIFY's drafts (the host's, a chained step's, a dropped one's) are
-            # the host drafter's for the committed tokens at that length.
-            for length, drafts in recorder.verified.get(SEEDS[0] + i, []):
-                if length <= len(full):
-                    assert drafts == host_drafts(full[:length], 3, 1, 3), (i, length)
-                    checked += 1
+    checked = assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained)
     assert checked > 2 * sum(len(out) for out in chained) // 3
     assert chain.taken_steps > 0 and chain.queued_steps > chain.taken_steps
     # Drafts were accepted (else equal outputs would say little about the drafts).
     assert chain.worker.stats.num_accepted_tokens > 0
 
 
+def assert_drafts_are_the_hosts(recorders, reqs, outs):
+    """Every VERIFY's draft row (the host's, a chained step's, a dropped one's) is the host
+    drafter's for the committed tokens at that length, at that row's K; -> rows checked."""
+    checked = 0
+    for recorder in recorders:
+        for i, (prompt, _) in enumerate(reqs):
+            full = prompt + outs[i]
+            for length, drafts in recorder.verified.get(SEEDS[0] + i, []):
+                if length <= len(full):
+                    assert drafts == host_drafts(full[:length], len(drafts), 1, 3), (i, length)
+                    checked += 1
+    return checked
+
+
+async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
+    """Adaptive K (the chain queues the next iteration's K, K = 0 stretches step ahead
+    without the drafter, so DRAFT skips iterations): the same outputs as the same K per
+    iteration unchained, and every VERIFY's drafts are the host drafter's at its K."""
+    from specloop.engine import AsyncEngine
+    from specloop.engine._chain import DeviceChain
+
+    from ..engine.conftest import serve_staggered
+    from ..engine.test_adaptive import cycle_k
+
+    reqs = ngram_requests()
+    pattern = [3, 3, 2, 2, 3, 1, 1, 3, 0, 0, 2, 0, 1, 3]
+
+    async def go(chained):
+        cfg = chain_config(tiny_dir, True, method="ngram", k=3, rejection=True,
+                           speculative={"adaptive": True})
+        async with AsyncEngine(cfg, model=tiny_loaded) as engine:
+            worker = engine.worker
+            worker.verify_inline = worker.ahead.at_k0 = True     # one CUDA rank's path
+            worker.chain = DeviceChain(worker=worker) if chained else None
+            cycle_k(worker.adaptive, pattern)
+            outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
+            return outs, worker.chain.taken_steps if chained else 0
+
+    planted.RECORDERS.clear()
+    plain, _ = await go(False)
+    chained, taken = await go(True)
+    assert chained == plain and taken >= 5
+    assert assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained) > 50
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-async def test_chained_ngram_on_cuda(tiny_dir, dtype):
-    """Real CUDA graphs and the Triton draft kernel (chained by default on one GPU): the
-    outputs of the same graphs run unchained, and (float64) of the eager engine."""
+@pytest.mark.parametrize(("dtype", "adaptive"), [(torch.float64, False),
+                                                 (torch.bfloat16, False),
+                                                 (torch.bfloat16, True)])
+async def test_chained_ngram_on_cuda(tiny_dir, dtype, adaptive):
+    """Real CUDA graphs and the Triton draft kernel (chained by default on one GPU, also
+    under adaptive K, K cycled): the outputs of the same graphs run unchained, and
+    (float64) of the eager engine."""
     from specloop.engine import AsyncEngine
     from specloop.models import load_model
 
@@ -287,20 +325,24 @@ async def test_chained_ngram_on_cuda(tiny_dir, dtype):
     reqs = [(p, params, 0.002 * i) for i, (p, params) in enumerate(ngram_requests())]
 
     async def go(graphs, chained):
-        config = cfg(tiny_dir, graphs, method="ngram", k=3, rejection=True)
+        config = cfg(tiny_dir, graphs, method="ngram", k=3, rejection=True,
+                     speculative={"adaptive": adaptive})
         async with AsyncEngine(config, model=loaded) as engine:
             worker = engine.worker
             if not chained:
                 worker.chain = None
+            if adaptive:
+                from ..engine.test_adaptive import cycle_k
+                cycle_k(worker.adaptive, [3, 3, 2, 0, 1, 3, 3])
             outs = await serve_staggered(engine, reqs)
             taken = worker.chain.taken_steps if worker.chain is not None else 0
             accepted = worker.stats.num_accepted_tokens
         return outs, taken, accepted
 
-    eager, _, _ = await go(False, False)
     unchained, _, _ = await go(True, False)
     chained, taken, accepted = await go(True, True)
     assert taken > 0 and accepted > 0
     assert chained == unchained
     if dtype == torch.float64:
+        eager, _, _ = await go(False, False)
         assert chained == eager
