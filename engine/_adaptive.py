@@ -10,11 +10,12 @@ recent iterations, pooled over the group's ranks), T(b, k) the iteration's time:
 DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
 until iterations at (b, k) have been measured (whole iterations, start to start, less
 prefill and waits: the worker's clock), then their average (each K runs FIRST_SAMPLES
-times in a row at each bucket before the rule decides there, and one choice in
-EXPLORE_EVERY tries the K values in turn). On one GPU rank ``next_k`` takes the next
-choice early and ``commit`` holds the next iteration to it, so the worker can queue that
-step ahead (K = 0: as without speculation; K > 0: DRAFT + VERIFY chained on the device). Ties go to the smaller K. Every input is agreed by the
-group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
+times in a row at the first bucket before the rule decides there, later buckets borrow
+its times scaled to their own, and one choice in EXPLORE_EVERY tries the K values in
+turn). On one GPU rank ``next_k`` takes the next choice early and ``commit`` holds the
+next iteration to it, so the worker can queue that step ahead (K = 0: as without
+speculation; K > 0: DRAFT + VERIFY chained on the device). Ties go to the smaller K.
+Every input is agreed by the group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
 warm-up table is agreed once before the first iteration; so every rank picks the same K.
 """
 
@@ -48,8 +49,8 @@ REST_WEIGHT = 0.2
 # K = 0 one.
 EXPLORE_EVERY = 256
 EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
-# Iterations each K runs at a new bucket before the rule decides there; their median
-# starts the average (the first drafting iteration after a K = 0 stretch catches the head
+# Iterations each K runs at the first bucket before the rule decides there (later buckets
+# borrow its times until each K has as many of its own); their median starts the average (the first drafting iteration after a K = 0 stretch catches the head
 # up eagerly; a host pause or a kernel's first launch can take 100 ms on the H200).
 FIRST_SAMPLES = 3
 # Once settled, the rule leaves the last K only for one whose rate is SWITCH_MARGIN better.
@@ -268,6 +269,21 @@ class AdaptiveK:
         rate = {c: expected_tokens(acceptance, c) / max(times[c], 1e-9) for c in (k, last)}
         return k if rate[k] > rate[last] * (1 + SWITCH_MARGIN) else last
 
+    def _borrowed(self, bucket: int) -> dict[int, float]:
+        """T(bucket, k) at a bucket not settled, from the nearest settled one's measured
+        times, scaled by this bucket's to that one's at the K measured most here (1 when
+        none is): learning each K afresh at every power of two a round's rows pass
+        through cost ~1/4 of a short round's iterations on the H200 (run 5)."""
+        cost = self.cost
+        near = min(self._settled,
+                   key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        here = [c for c in self.candidates if (bucket, c) in cost.measured]
+        scale = 1.0
+        if here:
+            most = max(here, key=lambda c: (cost.samples.get((bucket, c), 0), c))
+            scale = cost.measured[(bucket, most)] / max(cost.measured[(near, most)], 1e-9)
+        return {c: cost.measured[(near, c)] * scale for c in self.candidates}
+
     def _rule(self, rows: list[list[int]], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket`` from the gathered rows."""
         n = self.k_max
@@ -278,16 +294,20 @@ class AdaptiveK:
         k = choose_k(self.candidates, acceptance, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K
-            # runs FIRST_SAMPLES times at each bucket before the rule decides there (K = 0
-            # first, then 1, ...: a K's iterations in a row, as it runs when chosen), and
-            # again in turn.
+            # runs FIRST_SAMPLES times at the first bucket before the rule decides there
+            # (K = 0 first, then 1, ...: a K's iterations in a row, as it runs when
+            # chosen), and again in turn; other buckets borrow the settled one's times.
             if bucket not in self._settled:
                 samples = self.cost.samples
                 untried = [c for c in self.candidates
                            if samples.get((bucket, c), 0) < FIRST_SAMPLES]
-                if untried:
+                if not untried:
+                    self._settled.add(bucket)
+                elif not self._settled:
                     return untried[0]
-                self._settled.add(bucket)
+                else:
+                    times = self._borrowed(bucket)
+                    k = choose_k(self.candidates, acceptance, times)
             k = self._stay(k, acceptance, times)
             if calls % EXPLORE_EVERY == 0:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)

@@ -153,6 +153,31 @@ def test_times_are_learned_per_power_of_two_of_rows():
     assert cost.time(2, 0) == pytest.approx(cost.device[(8, 0)] + cost.rest[4])
 
 
+def test_a_new_bucket_borrows_the_settled_ones_times():
+    """Each K runs FIRST_SAMPLES times at the first bucket only; at the next one the rule
+    decides at once on the first bucket's times, scaled by the ratio of the two at the K
+    measured there."""
+    cost = CostTable({(8, k): 1.0 for k in KS})
+    adaptive = AdaptiveK(KS, cost)
+    adaptive.record(3, [3, 3, 2, 3])                # high acceptance: K = 3 wins ...
+    times = {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}        # ... at bucket 1
+    picks = []
+    for _ in range(FIRST_SAMPLES * len(KS) + 1):
+        k = adaptive.choose([adaptive.facts()], 1)
+        adaptive.measured(times[k])
+        picks.append(k)
+    assert picks == [k for k in KS for _ in range(FIRST_SAMPLES)] + [3]
+    # Bucket 8: no K measured there yet, and no first samples: the rule's K at once.
+    assert adaptive.choose([adaptive.facts()], 8) == 3
+    cost.observe(8, 3, 13.0)                        # K = 3 ten times dearer at 8
+    assert adaptive._borrowed(8) == pytest.approx({k: 10 * t for k, t in times.items()})
+    # K = 0 measured at 8 too, cheap: the scale still comes from the K measured most.
+    cost.observe(8, 3, 13.0)
+    cost.observe(8, 0, 2.0)
+    assert adaptive._borrowed(8)[0] == pytest.approx(10.0)
+    assert adaptive.choose([adaptive.facts()], 8) == 3
+
+
 def test_the_last_k_stays_unless_another_is_clearly_better():
     """Once settled, rates within SWITCH_MARGIN keep the last K (no flipping on noise);
     a K clearly better takes over."""
