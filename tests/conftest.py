@@ -164,18 +164,36 @@ def smollm2_hf(smollm2_dir):
 
 
 @pytest.fixture(scope="session")
-def smollm2_reference(smollm2, smollm2_hf):
-    """transformers' greedy tokens for smol.PROMPTS, smol.NEW_TOKENS each."""
-    return smol.hf_greedy(smollm2_hf, smollm2.tokenizer)
+def smollm2_reference_long(smollm2, smollm2_hf):
+    """transformers' greedy tokens for smol.PROMPTS, smol.HEAD_TOKENS each."""
+    return smol.hf_greedy(smollm2_hf, smollm2.tokenizer, n=smol.HEAD_TOKENS)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_reference_long):
+    """transformers' greedy tokens for smol.PROMPTS, smol.NEW_TOKENS each: the long
+    reference's prefix (greedy decoding does not depend on how far it will run)."""
+    return [ref[:smol.NEW_TOKENS] for ref in smollm2_reference_long]
+
+
+def _cut_at_eos(references, eos):
+    """Each reference cut after its first EOS: there the engine, whose requests do not
+    ignore EOS, stops."""
+    cut = []
+    for ref in references:
+        ends = [i for i, t in enumerate(ref) if t in eos]
+        cut.append(ref[:ends[0] + 1] if ends else ref)
+    return cut
 
 
 @pytest.fixture(scope="session")
 def smollm2_engine_reference(smollm2, smollm2_reference):
-    """The transformers tokens (EOS ignored) cut after the first EOS: there the engine,
-    whose requests do not ignore EOS, stops. What every SmolLM2 engine run must equal."""
-    eos = smollm2.tokenizer.eos_token_ids
-    cut = []
-    for ref in smollm2_reference:
-        ends = [i for i, t in enumerate(ref) if t in eos]
-        cut.append(ref[:ends[0] + 1] if ends else ref)
-    return cut
+    """The transformers tokens (EOS ignored) cut after the first EOS. What every SmolLM2
+    engine run of smol.NEW_TOKENS must equal."""
+    return _cut_at_eos(smollm2_reference, smollm2.tokenizer.eos_token_ids)
+
+
+@pytest.fixture(scope="session")
+def smollm2_engine_reference_long(smollm2, smollm2_reference_long):
+    """As smollm2_engine_reference, for runs of smol.HEAD_TOKENS."""
+    return _cut_at_eos(smollm2_reference_long, smollm2.tokenizer.eos_token_ids)
