@@ -158,6 +158,11 @@ class MtpEagleDrafter(Drafter):
                                    dtype=target.dtype, device=target.device)
         self.pending_start = [0] * (deps.num_slots + 1)
         self.pending_count = [0] * (deps.num_slots + 1)
+        # on_verified's stores not yet made (slots, dst, src, hidden): a chained step
+        # usually consumes them first (chained_consumed drops them: no host or GPU work),
+        # else the next access to ``pending`` makes them, in order (_flush_pending).
+        self._deferred: list[tuple[set[int], list[tuple[int, int]],
+                                   list[tuple[int, int]], torch.Tensor]] = []
         # prefill_many shares the head's forwards between prompts (on a GPU; tests set it).
         self.batch_prefill = self.cache.device.type == "cuda"
 
@@ -242,6 +247,7 @@ class MtpEagleDrafter(Drafter):
 
     def _start_pending(self, slot: int, n: int, hidden: torch.Tensor) -> None:
         """Position n - 1 of an n-row prompt (its last target row) waits for DRAFT."""
+        self._flush_pending()
         if n >= 1:
             self.pending[slot, 0] = hidden[n - 1]
         else:
@@ -256,7 +262,12 @@ class MtpEagleDrafter(Drafter):
         """hidden [B, K+1, H] of VERIFY at positions start_pos..; rows 0..n are committed.
         Rows not yet fed (no propose since: adaptive K's K = 0) are kept and these appended
         after them; when the buffer is full the older ones are dropped (the head then
-        drafts with a gap in its cache: weaker drafts, never wrong outputs)."""
+        drafts with a gap in its cache: weaker drafts, never wrong outputs).
+
+        With accepted drafts the store itself is deferred (``_deferred``): ``hidden`` is
+        the chain's copy, a fresh eager output, or a captured VERIFY's static output that
+        only a replay of the same graph overwrites, and that replay comes after DRAFT's
+        ``propose`` (which makes the stores first) or is the chained step (copy)."""
         if not any(num_accepted):
             self._append_last_rows(slots, start_pos, hidden)
             return
@@ -274,13 +285,22 @@ class MtpEagleDrafter(Drafter):
                 self.pending_start[slot], self.pending_count[slot] = start, n + 1
             dst.extend((slot, first + i) for i in range(n + 1))
             src.extend((row, i) for i in range(n + 1))
-        self._store_pending(dst, src, hidden)
+        self._deferred.append((set(slots), dst, src, hidden))
+
+    def _flush_pending(self) -> None:
+        """Make on_verified's deferred stores, oldest first (before any read or other
+        write of ``pending``)."""
+        deferred, self._deferred = self._deferred, []
+        for _, dst, src, hidden in deferred:
+            self._store_pending(dst, src, hidden)
 
     def _append_last_rows(self, slots: Sequence[int], start_pos: Sequence[int],
                           hidden: torch.Tensor) -> None:
         """``on_verified`` when no draft was accepted (adaptive K's K = 0 iterations: each
         batch row one pending row), with one index row per request: the same bookkeeping,
-        a fraction of the host time at a large batch."""
+        a fraction of the host time at a large batch. Made now: ``hidden`` may be a step
+        queued ahead's output, which the next one overwrites."""
+        self._flush_pending()
         cap, count_of, start_of = self.pending.shape[1], self.pending_count, self.pending_start
         rows: list[int] = []
         for slot, start in zip(slots, start_pos):
@@ -369,6 +389,7 @@ class MtpEagleDrafter(Drafter):
         columns = self._catch_up_columns(ctx, rows, k + 1)
         columns["seq_lens"] = ctx.seq_len_list() + [2] * (rows - real)
         inputs = graph_int_inputs(ctx, columns)
+        self._flush_pending()
         inputs["cu_hidden"] = self.pending[inputs["slots"], :k + 1]
         return inputs
 
@@ -417,6 +438,7 @@ class MtpEagleDrafter(Drafter):
         columns = self._catch_up_columns(ctx, real, width)
         dev = ctx.slots.device
         inputs = {name: torch.tensor(v, device=dev) for name, v in columns.items()}
+        self._flush_pending()
         inputs["cu_hidden"] = self.pending[inputs["slots"], :width]
         inputs.update(slots=ctx.slots, seq_lens=ctx.seq_lens)
         return inputs
@@ -457,8 +479,13 @@ class MtpEagleDrafter(Drafter):
         return inputs
 
     def chained_consumed(self, slots: Sequence[int]) -> None:
+        """The chained step fed these slots' rows: they are dead, and so are deferred
+        stores whose slots all hold none now (a slot's rows are read only up to its count,
+        and the next store into an empty slot starts at row 0)."""
         for slot in slots:
             self.pending_count[slot] = 0
+        count = self.pending_count
+        self._deferred = [d for d in self._deferred if any(count[s] for s in d[0])]
 
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
         proposal = replay_proposal(ctx, self.graph_inputs(ctx),

@@ -1,0 +1,102 @@
+"""The EAGLE drafters' pending target rows with on_verified's deferred stores.
+
+on_verified records which VERIFY rows go to which (slot, row) of ``pending`` and makes the
+store at the next access (a chained step usually consumes the rows first: then nothing is
+stored). Whatever the order of calls, what the drafter reads must be what storing at once
+would have left: checked against a twin drafter that stores at once (its deferral undone).
+"""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from specloop.models import load_model
+from specloop.models.drafters._mtp import MtpEagleDrafter
+from specloop.models.drafters._protocol import DrafterDeps
+from specloop.models.testing import write_tiny_checkpoint
+
+
+class _AtOnce(MtpEagleDrafter):
+    """The same drafter with every store made at once (the reference)."""
+
+    def on_verified(self, *args, **kw):
+        super().on_verified(*args, **kw)
+        self._flush_pending()
+
+
+@pytest.fixture(scope="module")
+def loaded(tmp_path_factory):
+    return load_model(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "m"))
+
+
+def _drafter(cls, loaded):
+    spec = SimpleNamespace(num_draft_tokens=3, adaptive=True, draft_weights=None,
+                           mtp_weights=None, method="mtp_eagle")
+    config = SimpleNamespace(speculative=spec, parallel=SimpleNamespace(lm_head_tp_in_adp=False))
+    cache = loaded.model.make_cache(4, 128)
+    return cls(config, DrafterDeps(loaded, cache, 4, 128))
+
+
+def _rows(d, slot):
+    d._flush_pending()
+    return d.pending[slot, :d.pending_count[slot]].clone()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_deferred_stores_leave_what_stores_at_once_leave(loaded, seed):
+    """Random sequences of prompts, VERIFY results (accepted or not, rows continuing a
+    slot's or not), chained consumptions of all or some slots and releases: the rows each
+    slot holds up to its count equal the at-once twin's."""
+    g = torch.Generator().manual_seed(seed)
+    ours, ref = _drafter(MtpEagleDrafter, loaded), _drafter(_AtOnce, loaded)
+    H = loaded.args.hidden_size
+    length = [0] * 4
+    for d in (ours, ref):
+        for slot in range(4):
+            d._start_pending(slot, 3, torch.full((3, H), float(slot)))
+    length = [3] * 4
+    for step in range(40):
+        op = int(torch.randint(0, 10, (1,), generator=g))
+        slots = [s for s in range(4) if torch.rand(1, generator=g) < 0.7] or [0]
+        if op < 6:          # a VERIFY: rows at each slot's last position
+            hidden = torch.randn(len(slots), 4, H, generator=g)
+            accepted = [int(torch.randint(0, 4 if op < 5 else 1, (1,), generator=g))
+                        for _ in slots]
+            starts = [length[s] - 1 for s in slots]
+            for d in (ours, ref):
+                d.on_verified(slots, starts, hidden, accepted)
+            for s, n in zip(slots, accepted):
+                length[s] += n + 1
+        elif op < 8:        # a chained step took these slots' rows
+            for d in (ours, ref):
+                d.chained_consumed(slots)
+        elif op < 9:        # a request left, another took its slot
+            s = slots[0]
+            for d in (ours, ref):
+                d.release(s)
+                d._start_pending(s, 5, torch.full((5, H), 100.0 + step))
+            length[s] = 5
+        else:               # DRAFT read the rows (the graph's inputs)
+            for s in slots:
+                assert torch.equal(_rows(ours, s), _rows(ref, s)), (step, s)
+        for s in range(4):
+            assert ours.pending_count[s] == ref.pending_count[s]
+    for s in range(4):
+        assert torch.equal(_rows(ours, s), _rows(ref, s)), s
+
+
+def test_chained_consumption_drops_the_store(loaded):
+    """Rows a chained step consumed are never stored (no work), rows of a slot it did not
+    consume are."""
+    d = _drafter(MtpEagleDrafter, loaded)
+    H = loaded.args.hidden_size
+    for slot in (0, 1):
+        d._start_pending(slot, 4, torch.zeros(4, H))
+    d.on_verified([0, 1], [3, 3], torch.ones(2, 4, H), [2, 1])
+    d.chained_consumed([0, 1])
+    assert d._deferred == []
+    d.on_verified([0, 1], [6, 5], torch.full((2, 4, H), 2.0), [1, 2])
+    d.chained_consumed([0])
+    assert len(d._deferred) == 1
+    assert torch.equal(_rows(d, 1), torch.full((3, H), 2.0))
