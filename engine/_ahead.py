@@ -11,7 +11,10 @@ next VERIFY uses it (``take``) when that iteration's batch is this one, or this 
 requests that have left, each one token longer; otherwise (a request joined) it is
 dropped: its K/V writes then either hold the values the real step writes again, or land
 in pages freed after it on the same stream (a finished request's), so dropping it is safe.
-docs/architecture.md, "One step ahead".
+When VERIFY n was the captured graph's last replay, for this very batch under the same key
+(no request left or joined), the graph wrote the step's inputs itself (engine/_verify.py,
+``feeds_itself``) and the step replays it with none (``in_graph``): nothing is copied
+between the two graphs. docs/architecture.md, "One step ahead".
 """
 
 from __future__ import annotations
@@ -27,9 +30,10 @@ from ._request import Request
 from ._verify import ahead_inputs
 
 if TYPE_CHECKING:
-    from specloop.graphs import Tensors
+    from specloop.graphs import GraphKey, Tensors
 
     from ._iteration import IterationRecord
+    from ._runner import ReadBack
     from ._worker import Pending
 
 
@@ -57,6 +61,11 @@ class RunAhead:
         self._expected = False      # adaptive K: the last VERIFY queued this one's step
         # For tests and benches: steps taken by a VERIFY.
         self.taken_steps = 0
+        # The captured K = 0 graph writes a step's inputs (``in_graph``); False: never read.
+        self.in_graph = True
+        self.in_graph_steps = 0     # steps queued with the inputs the graph wrote
+        # (key, batch, read-back) of the last VERIFY replayed from a captured graph.
+        self._replayed: tuple[GraphKey, tuple[Request, ...], ReadBack] | None = None
 
     def take(self, rec: IterationRecord) -> tuple[Pending, Sequence[int]] | tuple[None, None]:
         """-> (the step queued ahead by the last VERIFY, the rows of it that are this
@@ -135,6 +144,11 @@ class RunAhead:
         # Pages for the position it writes, kept by RESCAN's trim.
         w.runner.reserve(batch, 1)
         w.runner.keep_ahead = 1
+        if self._fed_in_graph(rec, pending):
+            self.in_graph_steps += 1
+            self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
+                                w._queue_verify(rec, in_graph=True))
+            return
         sampling = (w._sampling_batch(batch, rec.key.batch_size)
                     if rec.graph_captured else rec.batch_sampling)
         with torch.inference_mode():
@@ -143,6 +157,22 @@ class RunAhead:
                                   device=w.runner.device)
         self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
                             w._queue_verify(rec, inputs))
+
+    def replayed(self, rec: IterationRecord, pending: Pending) -> None:
+        """``_queue_verify`` queued VERIFY (``pending``) for ``rec``."""
+        self._replayed = (rec.key, tuple(rec.batch), pending[1]) if rec.graph_captured \
+            else None
+
+    def _fed_in_graph(self, rec: IterationRecord, pending: Pending) -> bool:
+        """Whether the captured K = 0 graph already holds the step's inputs: VERIFY n
+        (``pending``) was its last replay, for this batch (every row, in order: no
+        request left since) under this key; its padding rows are then this batch's too,
+        and it wrote each row's token and next position (``make_verify_step``)."""
+        last, cache = self._replayed, self.worker.graph_cache
+        feeds = getattr(cache, "feeds_itself", None)     # optional (graphs.GraphCache)
+        return (self.in_graph and rec.graph_captured and not rec.k and last is not None
+                and last[2] is pending[1] and last[0] == rec.key
+                and last[1] == tuple(rec.batch) and feeds is not None and feeds(rec.key))
 
     def blocked(self, batch: list[Request]) -> bool:
         """Whether no step may be queued ahead for ``batch`` (see ``queue``)."""

@@ -6,6 +6,11 @@ columns [Bp] and, on the advanced path with a non-point-mass drafter, draft_prob
 the drafter reads: [Bp, K+1, F*H] when it asked for feature layers), and
 ``packed`` [Bp, K+2] (token ids, then the count): what the host reads, in one copy.
 Rows past the real batch are padding: scratch slot, position 0, greedy sentinel params.
+
+At K = 0 a captured step also writes the next step's inputs for the same rows into its own
+``tokens`` and ``start_pos`` (``feeds_itself``): its token, one position further (padding
+rows stay at position 0). A step queued ahead for an unchanged batch (engine/_ahead.py)
+then replays the graph with no inputs: no copy runs between the two graphs.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ from typing import TYPE_CHECKING, Sequence
 import torch
 
 from specloop.graphs import Step, Tensors
+from specloop.graphs._cache import FeedsItself
 from specloop.samplers import SamplingBatch
 
 from ._request import Request
@@ -84,8 +90,11 @@ def pad_draft_probs(q: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBatch, *,
-                     advanced: bool, kv_len: int | None) -> Step:
-    """The step function; ``template`` supplies SamplingBatch's Python flags."""
+                     advanced: bool, kv_len: int | None, feeds_itself: bool = False) -> Step:
+    """The step function; ``template`` supplies SamplingBatch's Python flags.
+    ``feeds_itself`` (K = 0, for capture): a ``FeedsItself`` step that also writes its
+    next inputs (see the module doc)."""
+    scratch = runner.cache.scratch_slot
 
     def step(inputs: Tensors) -> Tensors:
         tokens, start = inputs["tokens"], inputs["start_pos"]
@@ -95,7 +104,11 @@ def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBa
         result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
                                 start + 1, advanced=advanced)
         packed = torch.cat([result.token_ids, result.num_accepted[:, None]], dim=1)
+        if feeds_itself:    # last: everything above read this step's inputs
+            assert tokens.shape[1] == 1, "only a K = 0 step feeds itself"
+            tokens.copy_(result.token_ids)
+            start.add_(inputs["slots"].lt(scratch))     # padding rows stay at 0
         return {"token_ids": result.token_ids, "num_accepted": result.num_accepted,
                 "hidden": features, "packed": packed}
 
-    return step
+    return FeedsItself(step, ("tokens", "start_pos")) if feeds_itself else step

@@ -53,9 +53,11 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
             q = torch.zeros(0, k, runner.args.vocab_size, device=device)
         example = verify_inputs([], None, q, template, k=k,
                                 scratch_slot=runner.cache.scratch_slot, device=device)
+        # Captured (a static kv_len) at K = 0: the graph writes the inputs of a step queued
+        # ahead for the same batch itself (engine/_verify.py, engine/_ahead.py).
         step = make_verify_step(runner, sampler, template,
                                 advanced=key.sampling_path is SamplingPath.ADVANCED,
-                                kv_len=kv_len)
+                                kv_len=kv_len, feeds_itself=not k and kv_len is not None)
         return step, example
 
     def draft(key: GraphKey, template: SamplingBatch) -> tuple[Step, Tensors] | None:

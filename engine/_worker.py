@@ -369,22 +369,26 @@ class RankWorker:
         return self._collect_verify(rec, self._queue_verify(rec))
 
     @inference_mode
-    def _queue_verify(self, rec: IterationRecord, inputs: Tensors | None = None) -> Pending:
+    def _queue_verify(self, rec: IterationRecord, inputs: Tensors | None = None, *,
+                      in_graph: bool = False) -> Pending:
         """Queue VERIFY and the copy of its tokens and counts into pinned host memory (the
         iteration's one device-to-host read); ``_collect_verify`` waits for it, so
         VERIFY's duration includes its device time and RESCAN reads host memory only.
-        ``inputs``: given for a step queued ahead (else built from the batch)."""
+        ``inputs``: given for a step queued ahead (else built from the batch);
+        ``in_graph``: a step queued ahead whose inputs the graph's last replay wrote."""
         batch, key = rec.batch, rec.key
         advanced = rec.spec.wants_advanced_draft_sampling
         if rec.graph_captured:
-            if inputs is None:      # a step queued ahead brings its own
+            if inputs is None and not in_graph:      # a step queued ahead brings its own
                 inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
             out = self.graph_cache.replay(key, inputs)
         else:
             step = make_verify_step(self.runner, self.sampler, rec.batch_sampling,
                                     advanced=advanced, kv_len=None)
             out = step(inputs or self._inputs(rec, rec.batch_sampling))
-        return out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
+        pending = out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
+        self.ahead.replayed(rec, pending)
+        return pending
 
     @inference_mode
     def _collect_verify(self, rec: IterationRecord, pending: Pending,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Protocol, runtime_checkable
 
+import attrs
 import torch
 
 from ._key import GraphKey, SamplingPath
@@ -16,11 +17,39 @@ Tensors = dict[str, torch.Tensor]
 Step = Callable[[Tensors], Tensors]
 
 
+@attrs.frozen
+class FeedsItself:
+    """A step that also writes, in place, the inputs ``writes`` of the step after it for
+    the same rows (VERIFY at K = 0: its token and the next position, engine/_verify.py).
+    A cache that captured one replays it again with no inputs (``replay(key, None)``):
+    nothing is copied in between. Called as the step itself."""
+
+    fn: Step
+    writes: tuple[str, ...]
+
+    def __call__(self, inputs: Tensors) -> Tensors:
+        return self.fn(inputs)
+
+
+def inputs_written(step: Step) -> tuple[str, ...]:
+    """The inputs ``step`` writes for its next replay (``FeedsItself``); () for others."""
+    return step.writes if isinstance(step, FeedsItself) else ()
+
+
+def check_feeds_itself(key: GraphKey, writes: tuple[str, ...]) -> None:
+    """``replay(key, None)`` needs a step that wrote its own next inputs."""
+    if not writes:
+        raise RuntimeError(f"replay of {key} without inputs: its step does not write its "
+                           "next inputs (only a FeedsItself step does)")
+
+
 @runtime_checkable
 class GraphCache(Protocol):
     """Everything the engine calls on a graph cache. The factory named in config is
     called as ``factory(config)``. Subclass it to inherit the default of ``seal`` (does
-    nothing), or implement every member."""
+    nothing), or implement every member. Optional: ``feeds_itself(key) -> bool``, True
+    where ``replay(key, None)`` replays the inputs a ``FeedsItself`` step wrote (the
+    engine asks before it replays without inputs; without the method it never does)."""
 
     def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
              all_greedy: bool, *, agreed: bool = True) -> tuple[GraphKey, bool]:
@@ -41,9 +70,11 @@ class GraphCache(Protocol):
         """Whether ``key`` (of either stage) was captured."""
         ...
 
-    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
+    def replay(self, key: GraphKey, inputs: Tensors | None) -> Tensors:
         """Run the captured ``key`` on ``inputs``; the outputs may be static buffers that
-        the next replay overwrites."""
+        the next replay overwrites. ``inputs`` None (where ``feeds_itself(key)``): run on
+        the inputs its last replay wrote (the caller knows they are the ones it wants:
+        the same rows, nothing else replayed ``key`` since)."""
         ...
 
     def seal(self) -> None:
@@ -72,7 +103,7 @@ class EagerGraphCache(GraphCache):
     def has(self, key: GraphKey) -> bool:
         return False
 
-    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
+    def replay(self, key: GraphKey, inputs: Tensors | None) -> Tensors:
         raise RuntimeError(f"no captured graph for {key}")
 
 

@@ -2,8 +2,10 @@
 
 Captured at warmup only (never while serving), on one shared memory pool, with static
 input and output buffers: a replay copies the iteration's inputs into the static inputs,
-replays, and hands back the static outputs (valid until the next replay). Randomness is
-read from the seeds and positions in those inputs, so replays do not freeze the RNG.
+replays, and hands back the static outputs (valid until the next replay). A step that
+writes its next inputs itself (``FeedsItself``: VERIFY at K = 0) is replayed again with no
+inputs, so nothing runs between the two graphs. Randomness is read from the seeds and
+positions in those inputs, so replays do not freeze the RNG.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any, Iterable
 import structlog
 import torch
 
-from ._cache import GraphCache, Step, Tensors, bucket_for
+from ._cache import GraphCache, Step, Tensors, bucket_for, check_feeds_itself, inputs_written
 from ._key import GraphKey, SamplingPath
 
 log = structlog.get_logger(__name__)
@@ -22,8 +24,10 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
 
 
 class _Captured:
-    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: Tensors, outputs: Tensors):
+    def __init__(self, graph: torch.cuda.CUDAGraph, inputs: Tensors, outputs: Tensors,
+                 writes: tuple[str, ...]):
         self.graph, self.inputs, self.outputs = graph, inputs, outputs
+        self.writes = writes    # inputs the graph writes for its next replay
         self.replays = 0
         # The source tensor last copied into each static input: inputs that are the very
         # same tensor as last time (sampling columns of an unchanged batch) are not copied
@@ -76,23 +80,37 @@ class CudaGraphCache(GraphCache):
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             outputs = step(inputs)
-        self._graphs[key] = _Captured(graph, inputs, outputs)
+        self._graphs[key] = _Captured(graph, inputs, outputs, inputs_written(step))
         log.info("graph_captured", batch_size=key.batch_size, k=key.num_draft_tokens,
                  sampling_path=key.sampling_path.value, all_greedy=key.all_greedy)
 
     def seal(self) -> None:
         self.sealed = True
 
-    def replay(self, key: GraphKey, inputs: Tensors) -> Tensors:
+    def replay(self, key: GraphKey, inputs: Tensors | None) -> Tensors:
         captured = self._graphs[key]
-        for name, static in captured.inputs.items():
-            source = inputs[name]
-            if captured.sources.get(name) is not source:
-                static.copy_(source, non_blocking=True)
-                captured.sources[name] = source
+        if inputs is None:
+            check_feeds_itself(key, captured.writes)
+        else:
+            for name, static in captured.inputs.items():
+                source = inputs[name]
+                if captured.sources.get(name) is not source:
+                    static.copy_(source, non_blocking=True)
+                    captured.sources[name] = source
         captured.graph.replay()
         captured.replays += 1
+        for name in captured.writes:    # changed by the graph: the next inputs are copied
+            captured.sources.pop(name, None)
         return captured.outputs
+
+    def feeds_itself(self, key: GraphKey) -> bool:
+        """Whether ``key``'s graph writes its next inputs (``replay(key, None)`` then runs
+        on them). A subclass keeping its own records says False unless it overrides this."""
+        return bool(getattr(self._graphs.get(key), "writes", ()))
+
+    def static_inputs(self, key: GraphKey) -> Tensors:
+        """The static inputs of ``key`` (tests compare what the graph wrote)."""
+        return self._graphs[key].inputs
 
     def replay_counts(self) -> dict[GraphKey, int]:
         """How often each captured key ran (tests assert which variant replayed)."""
