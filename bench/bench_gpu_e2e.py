@@ -113,6 +113,8 @@ async def _timed(engine, prompts, tokens, runs, consumer):
         rows0 = engine.stats.num_verify_rows
         chain = engine.worker.chain     # DRAFT + VERIFY chained on the device, or None
         taken0 = chain.taken_steps if chain is not None else 0
+        ahead = engine.worker.ahead     # steps queued ahead with inputs the graph wrote
+        in_graph0 = ahead.in_graph_steps
         start = time.perf_counter()
         await generate_round(engine, prompts, tokens, consumer)
         _sync()
@@ -122,7 +124,8 @@ async def _timed(engine, prompts, tokens, runs, consumer):
             1, engine.stats.num_verify_rows - rows0)
         chained = (chain.taken_steps - taken0) / iters if chain is not None else 0.0
         out.append({"tok_s": len(prompts) * tokens / wall, "ms_iter": wall / iters * 1e3,
-                    "al": al, "chained": round(chained, 3)})
+                    "al": al, "chained": round(chained, 3),
+                    "ahead_in_graph": round((ahead.in_graph_steps - in_graph0) / iters, 3)})
     return out
 
 

@@ -68,19 +68,21 @@ async def test_switching_batches_replay_the_right_variant(tiny_dir, gpu_loaded):
 
 async def test_step_queued_ahead_equals_reading_back_first(tiny_dir, gpu_loaded):
     """Replayed graphs with the next step queued ahead (its tokens read from the last
-    replay's static outputs, which the next replay overwrites) equal the same graphs
-    read back before the next step; rows stop at different iterations, and the step
-    queued ahead is also used for the rows left after requests finished."""
+    replay's static outputs, which the next replay overwrites; for an unchanged batch
+    written by the K = 0 graph into its own inputs) equal the same graphs read back
+    before the next step, and the steps queued ahead with their inputs copied in; rows
+    stop at different iterations, and the step queued ahead is also used for the rows
+    left after requests finished."""
     stops = tuple(range(40, 80))
     reqs = [(p, SamplingParams(temperature=0.0 if i % 2 else 0.9, seed=i, max_tokens=24,
                                stop_token_ids=stops if i % 3 else ()))
             for i, p in enumerate(PROMPTS * 2)]
 
-    async def go(ahead):
+    async def go(ahead, in_graph=True):
         outs, used = {}, []
         async with AsyncEngine(cfg(tiny_dir, True), model=gpu_loaded) as engine:
             worker = engine.worker
-            worker.ahead.always = ahead
+            worker.ahead.always, worker.ahead.in_graph = ahead, in_graph
             take = worker.ahead.take
 
             def counted(rec):
@@ -97,12 +99,15 @@ async def test_step_queued_ahead_equals_reading_back_first(tiny_dir, gpu_loaded)
             async with anyio.create_task_group() as tg:
                 for i, (prompt, params) in enumerate(reqs):
                     tg.start_soon(one, i, prompt, params)
-        return [outs[i] for i in range(len(reqs))], used
+        return [outs[i] for i in range(len(reqs))], used, worker.ahead.in_graph_steps
 
-    before, _ = await go(False)
-    after, used = await go(True)
-    assert after == before
+    before, _, _ = await go(False)
+    after, used, in_graph = await go(True)
+    copied, _, none_in_graph = await go(True, in_graph=False)
+    assert after == before == copied
     assert used and any(used)
+    # Steps queued ahead with the inputs the K = 0 graph wrote (unchanged batches).
+    assert in_graph > 0 and none_in_graph == 0
 
 
 async def _drain(engine, prompt, params):
