@@ -74,9 +74,12 @@ def chat_prompts(tokenizer, texts, batch: int, cycle: bool = False) -> list[list
     return [tokenizer.encode_chat([{"role": "user", "content": t}])[:400] for t in pool[:batch]]
 
 
-def engine_config(spec: dict, batch: int, device: str):
-    """One engine per (speculative config, batch): CUDA graphs with one bucket on CUDA,
-    eager elsewhere; the prompts are already chat-templated."""
+def engine_config(spec: dict, batch: int, device: str, buckets: str = "batch"):
+    """One engine per (speculative config, batch): CUDA graphs on CUDA, eager elsewhere;
+    the prompts are already chat-templated. ``buckets``: "batch" captures graphs for the
+    batch size only (quick to build: every iteration replays at the full batch, also the
+    last ones of a round when few rows are left); "serving" the engine's default buckets
+    up to the batch (powers of two and the batch), as a server would run."""
     from specloop.engine import EngineConfig  # noqa: PLC0415
     cuda = device == "cuda"
     return EngineConfig.from_dict({
@@ -85,7 +88,8 @@ def engine_config(spec: dict, batch: int, device: str):
                   "max_seq_len": 1024, "chat_template": False},
         "scheduler": {"max_batch_size": batch}, "speculative": spec,
         "components": {"graph_cache": "cuda" if cuda else "eager"},
-        "graphs": {"batch_buckets": [batch]}})
+        "graphs": {"batch_buckets": [batch] if buckets == "batch"
+                   else [b for b in (1, 2, 4, 8, 16, 32, 64, 128) if b < batch] + [batch]}})
 
 
 def device_sync(device: str):

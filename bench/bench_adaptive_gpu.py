@@ -1,6 +1,8 @@
 """Adaptive K against no speculation and fixed K, per batch size (the issue-13 bar: adaptive
-÷ max(none, fixed K) >= 0.97 at every batch). Real SmolLM2 (bf16, CUDA graphs, one bucket
-per batch), the shipped eagle3 head, greedy, held-out chat prompts, EOS ignored.
+÷ max(none, fixed K) >= 0.97 at every batch). Real SmolLM2 (bf16, CUDA graphs: one bucket
+per batch, or with ``--buckets serving`` buckets for every power of two up to the batch, so
+a round's last iterations, when few rows are left, replay small graphs), the shipped eagle3
+head, greedy, held-out chat prompts, EOS ignored.
 
 For each batch size every config's engine is built first (all stay open), one warm-up
 round each, then ``--runs`` rounds in which the configs take turns (so drift hits all
@@ -34,7 +36,7 @@ CONFIGS = {"none": {"method": "none"},
            "adaptive<=5": {**HEAD, "num_draft_tokens": 5, "adaptive": True}}
 
 
-async def measure_batch(names, loaded, prompts, tokens, runs, device):
+async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets):
     from specloop.engine import AsyncEngine
     batch, sync = len(prompts), device_sync(device)
     rates = {name: [] for name in names}
@@ -42,7 +44,7 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device):
         engines = {}
         for name in names:
             engines[name] = await stack.enter_async_context(
-                AsyncEngine(engine_config(CONFIGS[name], batch, device), model=loaded))
+                AsyncEngine(engine_config(CONFIGS[name], batch, device, buckets), model=loaded))
         for engine in engines.values():
             await generate_round(engine, prompts, 16)
         for _ in range(runs):
@@ -78,7 +80,7 @@ def run(args) -> None:
     for loaded, batch, prompts in held_out_batches(args, cycle=True):
         start = time.perf_counter()
         rates, extra = anyio.run(measure_batch, names, loaded, prompts, args.tokens,
-                                 args.runs, args.device)
+                                 args.runs, args.device, args.buckets)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         for name in names:
             emit_row({"batch": batch, "config": name,
@@ -86,6 +88,7 @@ def run(args) -> None:
                       "median": round(medians[name], 1),
                       "vs_none": round(medians[name] / medians.get("none", medians[name]), 3),
                       **extra[name], "tokens": args.tokens, "runs": args.runs,
+                      "buckets": args.buckets,
                       "device": torch.cuda.get_device_name() if cuda else "cpu"}, args.out)
         for name in names:
             if name.startswith("adaptive"):
@@ -130,6 +133,8 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,64,128,256")
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
+                    help="graph buckets: the batch only, or every power of two up to it")
     ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
     ap.add_argument("--png", default="adaptive_h200.png")
     args = ap.parse_args()
