@@ -11,8 +11,9 @@ import torch
 from specloop.engine import AsyncEngine, EngineConfig
 from specloop.engine._runner import ModelRunner
 from specloop.engine._verify import ahead_inputs, make_verify_step, verify_inputs
-from specloop.graphs import GraphKey, SamplingPath
-from specloop.graphs._cache import inputs_written
+from specloop.graphs import CudaGraphCache, GraphKey, SamplingPath
+from specloop.graphs._cache import FeedsItself, inputs_written
+from specloop.graphs._cuda import _Captured
 from specloop.graphs._capture import graph_template
 from specloop.samplers import DefaultSampler, SamplingParams
 
@@ -145,3 +146,40 @@ def test_replay_without_inputs_needs_a_step_that_feeds_itself(tiny_dir, tiny_loa
     cache.replay(GraphKey(2, 0, SamplingPath.GREEDY, True), None)
     with pytest.raises(RuntimeError, match="does not write its next inputs"):
         cache.replay(GraphKey(2, 2, SamplingPath.GREEDY, True), None)
+
+
+class _StepAsGraph:
+    """Stands in for a captured torch.cuda.CUDAGraph on the CPU: ``replay`` runs the step
+    on the static inputs and writes the static outputs."""
+
+    def __init__(self, step, inputs):
+        self.step, self.inputs = step, inputs
+        self.outputs = {n: t.clone() for n, t in step({n: t.clone() for n, t in
+                                                        inputs.items()}).items()}
+
+    def replay(self):
+        for name, t in self.step(self.inputs).items():
+            self.outputs[name].copy_(t)
+
+
+def test_cuda_cache_copies_again_what_the_graph_wrote():
+    """CudaGraphCache skips copying an input that is the very tensor it copied last time,
+    except those the graph writes itself: replaying the same inputs twice runs the same
+    step twice; ``replay(key, None)`` runs on what the graph wrote."""
+    def fn(inputs):
+        out = {"next": inputs["tokens"] * 2 + inputs["scale"]}
+        inputs["tokens"].copy_(out["next"])
+        return out
+    step = FeedsItself(fn, ("tokens",))
+    key = GraphKey(2, 0, SamplingPath.GREEDY, True)
+    static = {name: torch.zeros(2, dtype=torch.int64) for name in ("tokens", "scale")}
+    graph = _StepAsGraph(step, static)
+    cache = CudaGraphCache(buckets=[2])
+    cache._graphs[key] = _Captured(graph, static, graph.outputs, inputs_written(step))
+    assert cache.feeds_itself(key)
+    assert not cache.feeds_itself(GraphKey(2, 1, SamplingPath.GREEDY))
+    inputs = {"tokens": torch.tensor([1, 2]), "scale": torch.tensor([10, 20])}
+    assert cache.replay(key, inputs)["next"].tolist() == [12, 24]
+    assert cache.replay(key, inputs)["next"].tolist() == [12, 24]      # copied again
+    assert cache.replay(key, None)["next"].tolist() == [34, 68]         # what it wrote
+    assert cache.replay(key, inputs)["next"].tolist() == [12, 24]
