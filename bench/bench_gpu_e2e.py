@@ -43,6 +43,7 @@ def chat_prompts(tokenizer, n: int) -> list[list[int]]:
 
 DEVICE = "cuda"
 STATE_TIMES = False
+AHEAD_IN_GRAPH = True   # --ahead-copied: the step queued ahead copies its inputs in (A/B)
 
 
 def _sync():
@@ -68,6 +69,7 @@ async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", prof
     from specloop.engine import AsyncEngine
     by = {}
     async with AsyncEngine(engine_config(name, len(prompts), method), model=loaded) as engine:
+        engine.worker.ahead.in_graph = AHEAD_IN_GRAPH
         await generate_round(engine, prompts, 8)  # warm-up
         for consumer in consumers:
             by[consumer] = await _timed(engine, prompts, tokens, runs, consumer)
@@ -319,15 +321,20 @@ def main():
                     help="stream: a generate task per request; batch: one generate_batch")
     ap.add_argument("--methods", default="none,ngram", help="none and/or ngram (K=4)")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    ap.add_argument("--ahead-copied", action="store_true",
+                    help="the step queued ahead always copies its inputs in (as before the "
+                    "K = 0 graph wrote them itself): an A/B of that change")
     args = ap.parse_args()
-    global DEVICE, STATE_TIMES
+    global DEVICE, STATE_TIMES, AHEAD_IN_GRAPH
     DEVICE, STATE_TIMES = args.device, args.state_times
+    AHEAD_IN_GRAPH = not args.ahead_copied
     quiet_logs()
     from specloop.models import load_model, resolve_model_path
     path = resolve_model_path(args.model)
     loaded = load_model(path, dtype=torch.bfloat16, device=DEVICE)
     results = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
-               "tokens": args.tokens, "runs": args.runs, "rows": []}
+               "tokens": args.tokens, "runs": args.runs, "ahead_copied": args.ahead_copied,
+               "rows": []}
 
     def record(**row):
         results["rows"].append(row)
