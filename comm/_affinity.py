@@ -113,11 +113,12 @@ def pin_loop_thread(mode: str, device_type: str, environ: Mapping[str, str] | No
 
 def apply_plan(plan: CorePlan, loop_tid: int, tids: Iterable[int]) -> None:
     """``loop_tid`` onto ``plan.loop``, each other thread of ``tids`` onto
-    ``plan.others``; a thread that ended meanwhile is skipped."""
+    ``plan.others``; a thread that ended meanwhile, or one the system will not move, is
+    skipped (pinning is a speed-up, never a reason to fail)."""
     for tid in tids:
         try:
             os.sched_setaffinity(tid, plan.loop if tid == loop_tid else plan.others)
-        except (ProcessLookupError, PermissionError):
+        except OSError:
             pass
 
 
