@@ -1,0 +1,167 @@
+"""Host time per chained eagle3 iteration (engine/_chain.py) on the CPU, without the model.
+
+The GPU's part is taken away: a graph cache whose replays copy their inputs into static
+tensors (as ``CudaGraphCache.replay``) and return the outputs captured at warm-up without
+computing anything (each VERIFY accepts 1 draft per row). What is left is what the host
+does per iteration on the H200: SCHEDULE, PICK_GRAPH_KEY, DRAFT (the chain's match),
+VERIFY (queueing the chained DRAFT + VERIFY, the read-back, on_verified), RESCAN. A tiny
+random target (models/testing.py) with a random eagle3 head, fp32, chain forced on.
+
+    python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
+        [--method eagle3] [--k 3] [--profile prof.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+
+import anyio
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from _common import quiet_logs  # noqa: E402
+from bench_host_overhead import StateTimes  # noqa: E402
+
+from specloop.graphs import CudaGraphCache, GraphKey  # noqa: E402
+from specloop.graphs._cache import inputs_written  # noqa: E402
+
+
+class _Kept:
+    def __init__(self, inputs, outputs, writes):
+        self.inputs, self.outputs, self.writes, self.replays = inputs, outputs, writes, 0
+        self.sources: dict = {}
+
+
+class FrozenReplayCache(CudaGraphCache):
+    """Captures by running the step once; replays copy inputs, compute nothing."""
+
+    def capture(self, key: GraphKey, step, example) -> None:
+        inputs = {n: t.clone() for n, t in example.items()}
+        outputs = step(inputs)
+        if "num_accepted" in outputs and key.num_draft_tokens:
+            outputs["num_accepted"].fill_(1)
+            outputs["token_ids"].fill_(7)
+            outputs["packed"][:, :-1] = 7
+            outputs["packed"][:, -1] = 1
+        self._graphs[key] = _Kept(inputs, outputs, inputs_written(step))
+
+    def replay(self, key, inputs):
+        kept = self._graphs[key]
+        if inputs is not None:
+            for name, static in kept.inputs.items():
+                source = inputs[name]
+                if kept.sources.get(name) is not source:
+                    static.copy_(source, non_blocking=True)
+                    kept.sources[name] = source
+        kept.replays += 1
+        for name in kept.writes:
+            kept.sources.pop(name, None)
+        return kept.outputs
+
+    def feeds_itself(self, key):
+        return False
+
+
+def config(path, method, k, batch):
+    from specloop.engine import EngineConfig  # noqa: PLC0415
+    return EngineConfig.from_dict({
+        "model": {"name": str(path), "dtype": "float32", "device": "cpu",
+                  "max_seq_len": 1 << 15, "chat_template": False},
+        "scheduler": {"max_batch_size": batch, "max_num_tokens": 4096},
+        "speculative": {"method": method, "num_draft_tokens": k},
+        "graphs": {"batch_buckets": [batch]},
+        "components": {"graph_cache": "bench_chain_host:FrozenReplayCache"}})
+
+
+async def measure(cfg, loaded, batch, iterations, profiler):
+    """-> (wall us per iteration, {state: us per iteration}, chained steps taken share)."""
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+    params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
+    times = StateTimes()
+    async with AsyncEngine(cfg, model=loaded, observers=[times]) as engine:
+        worker = engine.worker
+        worker.verify_inline = True     # the chain runs on CUDA only; here forced on
+        if worker.drafter is not None and worker.drafter.can_chain:
+            worker.chain = DeviceChain(worker=worker)
+
+        async def one(i):
+            async for _ in engine.generate([1, 2, 3, 4, 5, 6], params, request_id=f"r{i}"):
+                pass
+        async with anyio.create_task_group() as tg:
+            for i in range(batch):
+                tg.start_soon(one, i)
+            while engine.stats.num_iterations < 30:
+                await anyio.sleep(0.005)
+            first = engine.stats.num_iterations
+            taken = worker.chain.taken_steps if worker.chain is not None else 0
+            times.total_us.clear()
+            if profiler is not None:
+                profiler.enable()
+            start = time.perf_counter()
+            while engine.stats.num_iterations < first + iterations:
+                await anyio.sleep(0.005)
+            elapsed = time.perf_counter() - start
+            if profiler is not None:
+                profiler.disable()
+            done = engine.stats.num_iterations - first
+            states = {s: v / done for s, v in times.total_us.items()}
+            share = ((worker.chain.taken_steps - taken) / done
+                     if worker.chain is not None else 0.0)
+            tg.cancel_scope.cancel()
+    return elapsed / done * 1e6, states, share
+
+
+def main() -> None:
+    from specloop.models import load_model  # noqa: PLC0415
+    from specloop.models.testing import write_tiny_checkpoint  # noqa: PLC0415
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--iterations", type=int, default=400)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--method", default="eagle3")
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--profile", default="", help="write cProfile stats (last batch) here")
+    args = ap.parse_args()
+    quiet_logs()
+    torch.set_num_threads(1)
+    print(f"load average {os.getloadavg()}")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_checkpoint(tmp, vocab_size=384, num_layers=2, hidden=64, seed=1)
+        loaded = load_model(path, dtype=torch.float32)
+        for batch in map(int, args.batches.split(",")):
+            cfg = config(path, args.method, args.k, batch)
+            walls, per_state = [], {}
+            profiler = cProfile.Profile() if args.profile else None
+            for _ in range(args.runs):
+                wall, states, share = anyio.run(measure, cfg, loaded, batch,
+                                                args.iterations, profiler)
+                walls.append(wall)
+                for s, v in states.items():
+                    per_state.setdefault(s, []).append(v)
+                print(f"  batch {batch}: {wall:.0f} us/iteration wall, chained {share:.2f}; "
+                      + " ".join(f"{s} {v:.0f}" for s, v in states.items()), flush=True)
+            summary = " ".join(f"{s} {statistics.median(v):.0f}" for s, v in per_state.items())
+            handlers = sum(statistics.median(v) for v in per_state.values())
+            print(f"{args.method} K={args.k} batch {batch}: wall {min(walls):.0f}-"
+                  f"{max(walls):.0f} us/iteration; handlers {handlers:.0f} (median: "
+                  f"{summary})", flush=True)
+            if profiler is not None:
+                out = io.StringIO()
+                pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(45)
+                pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(r"engine|drafters|_cache|graphs", 60)
+                with open(args.profile, "w") as f:
+                    f.write(out.getvalue())
+
+
+if __name__ == "__main__":
+    main()
