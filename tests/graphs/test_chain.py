@@ -83,18 +83,23 @@ def calls(records, seed, size):
     return [rows[i:i + size] for i in range(0, len(rows), size)]
 
 
+def same_record(a, b):
+    """Equal positions and values (tensors compared exactly)."""
+    (pa, va), (pb, vb) = a, b
+    return pa == pb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb)
+
+
 def same_call(a, b):
-    return all(pa == pb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb)
-               for (pa, va), (pb, vb) in zip(a, b))
+    return all(map(same_record, a, b))
 
 
-def unmatched(plain, chained):
-    """Walks the chained run's calls: each either is the plain run's next call (equal
-    positions and values) or is skipped (a dropped chained step); -> the plain run's
-    calls left unmatched and the number skipped."""
+def unmatched(plain, chained, same=same_call):
+    """Walks the chained run's items (calls, or records with ``same=same_record``): each
+    either is the plain run's next (``same``) or is skipped (a dropped chained step's);
+    -> the plain run's items left unmatched and the number skipped."""
     i, skipped = 0, 0
-    for call in chained:
-        if i < len(plain) and same_call(call, plain[i]):
+    for item in chained:
+        if i < len(plain) and same(item, plain[i]):
             i += 1
         else:
             skipped += 1

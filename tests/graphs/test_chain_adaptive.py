@@ -13,7 +13,7 @@ from specloop.engine._chain import DeviceChain
 from ..engine import planted
 from ..engine.conftest import serve_staggered
 from ..engine.test_adaptive import cycle_k
-from .test_chain import SEEDS, chain_config, requests
+from .test_chain import SEEDS, chain_config, requests, same_record, unmatched
 
 # Chained steps at 3 -> 3, 3 -> 2, 2 -> 2, 2 -> 3, 3 -> 1, 1 -> 1, 1 -> 3; K = 0 after
 # each kind; K = 0 -> 0 queued ahead.
@@ -57,24 +57,6 @@ async def serve(tiny_dir, loaded, chained, pattern=PATTERN, drop=False, times=No
     return outs, steps
 
 
-def same(a, b):
-    (pa, va), (pb, vb) = a, b
-    return pa == pb and (torch.equal(va, vb) if isinstance(va, torch.Tensor) else va == vb)
-
-
-def extra_records(plain, chained):
-    """The chained run's records per seed, walked in order: each is the plain run's next
-    or an extra one (a dropped chained step's); -> (plain records left unmatched,
-    extras)."""
-    i, extra = 0, 0
-    for record in chained:
-        if i < len(plain) and same(record, plain[i]):
-            i += 1
-        else:
-            extra += 1
-    return len(plain) - i, extra
-
-
 async def test_chained_under_adaptive_equals_unchained(tiny_dir, tiny_loaded):
     planted.RECORDERS.clear()
     plain, plain_steps = await serve(tiny_dir, tiny_loaded, False)
@@ -84,8 +66,10 @@ async def test_chained_under_adaptive_equals_unchained(tiny_dir, tiny_loaded):
     dropped = sum(s is not None for s in steps["queued"]) - len(steps["taken"])
     for seed in SEEDS:
         for name in ("drafts", "verified"):
-            left, extra = extra_records(getattr(recorded_plain, name).get(seed, []),
-                                        getattr(recorded_chained, name).get(seed, []))
+            # Each chained record is the plain run's next or an extra one (a dropped
+            # chained step's).
+            left, extra = unmatched(getattr(recorded_plain, name).get(seed, []),
+                                    getattr(recorded_chained, name).get(seed, []), same_record)
             # A dropped step drafted and verified at most 3 positions per row.
             assert left == 0 and extra <= 3 * dropped, (name, seed, left, extra, dropped)
     # Chained steps were taken at a K change (the next K committed early), at an

@@ -4,8 +4,6 @@ chained gives the outputs (and VERIFY's draft rows) of the unchained and eager e
 
 import os
 import random
-import subprocess
-import sys
 import types
 
 import pytest
@@ -18,6 +16,7 @@ from specloop.models.drafters._ngram_device import chain_step_ops
 from specloop.samplers import SamplingParams
 
 from ..engine import planted
+from ..interpreted import run_interpreted
 from .test_chain import SEEDS, chain_config, serve
 
 
@@ -196,10 +195,7 @@ print("ok")
 def test_kernel_equals_host_drafts_interpreted():
     pytest.importorskip("triton")
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    done = subprocess.run([sys.executable, "-c", KERNEL_CHILD, root],
-                          env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_interpreted(KERNEL_CHILD, root)
 
 
 @pytest.mark.gpu

@@ -5,11 +5,9 @@ a child process. Skipped without Triton; the same comparison runs on CUDA in bf1
 tests/models/test_gpu.py.
 """
 
-import os
-import subprocess
-import sys
-
 import pytest
+
+from ..interpreted import run_interpreted
 
 pytest.importorskip("triton")
 
@@ -56,7 +54,4 @@ print("ok")
 
 @pytest.mark.slow
 def test_fused_layer_equals_reference(tiny_dirs):
-    env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", CHILD, str(tiny_dirs["llama"])], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    run_interpreted(CHILD, str(tiny_dirs["llama"]))
