@@ -304,9 +304,12 @@ async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
 
 
 @pytest.mark.gpu
+# Under adaptive K the chained and unchained runs verify a position at different K (a
+# dropped chained step shifts the cycle), and bf16 logits depend on the VERIFY shape (GEMM
+# tiling): only float64 makes their outputs comparable token for token.
 @pytest.mark.parametrize(("dtype", "adaptive"), [(torch.float64, False),
                                                  (torch.bfloat16, False),
-                                                 (torch.bfloat16, True)])
+                                                 (torch.float64, True)])
 async def test_chained_ngram_on_cuda(tiny_dir, dtype, adaptive):
     """Real CUDA graphs and the Triton draft kernel (chained by default on one GPU, also
     under adaptive K, K cycled): the outputs of the same graphs run unchained, and
