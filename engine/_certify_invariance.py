@@ -26,7 +26,7 @@ from ._config import EngineConfig
 from ._engine import AsyncEngine
 
 if TYPE_CHECKING:
-    from ._certify import CertifyOptions
+    from ._certify_options import CertifyOptions
 
 Output = tuple[int, ...]          # a job's generated tokens
 

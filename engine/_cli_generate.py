@@ -80,12 +80,13 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
-    # Everything checkable is checked before the model loads.
-    config = load_config(args)
+    # Everything checkable is checked before the model loads: the flags first, before the
+    # config (whose model-name check imports the model registry, and so torch).
     params = sampling_params(args)
     prompts = args.prompt or [DEFAULT_PROMPT]
     if any(not p.strip() for p in prompts):
         raise UsageError("--prompt is empty; give some text")
+    config = load_config(args)
     if args.system is not None and not config.model.chat_template:
         raise UsageError("--system needs the chat template; drop --no-chat-template or "
                          "--system")

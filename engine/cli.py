@@ -22,7 +22,7 @@ COMMANDS: dict[str, str] = {
     "generate": "specloop.engine._cli_generate",
     "serve": "specloop.serve._cli",
     "fetch-model": "specloop.engine._cli_fetch",
-    "certify": "specloop.engine._certify",
+    "certify": "specloop.engine._cli_certify",
     "train-draft": "specloop.train._cli",
 }
 

@@ -1,23 +1,26 @@
-"""Per-request sampling parameters and their batched, per-row tensor form."""
+"""Per-request sampling parameters and their batched, per-row tensor form.
+
+torch is imported where a batch is built, not at module level: the CLI validates
+SamplingParams (``specloop generate --temperature -1``) without importing torch."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import attrs
-import torch
+
+from ._errors import SamplingParamsError
+
+if TYPE_CHECKING:
+    import torch
 
 INT64_MAX = 2**63 - 1
 # SamplingBatch holds temperature as float32 and multiplies by its reciprocal: both must be
 # finite and normal there, so a value passing validation can never produce NaN later.
 TEMPERATURE_MIN = 1e-6
 TEMPERATURE_MAX = 1e6
-
-
-class SamplingParamsError(ValueError):
-    """A sampling parameter is out of range; the message names field, value and fix."""
 
 
 def _fail(field: str, value: object, rule: str, fix: str) -> SamplingParamsError:
@@ -168,6 +171,8 @@ class SamplingBatch:
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int], *,
                     device: torch.device | str = "cpu",
                     pad_to: int | None = None) -> SamplingBatch:
+        import torch  # noqa: PLC0415 - see the module docstring
+
         if len(seeds) != len(params):
             raise ValueError(f"from_params: {len(params)} params but {len(seeds)} seeds; "
                              "pass one seed per request")
@@ -202,6 +207,8 @@ def _column(values: list[Any], dtype: torch.dtype, device: torch.device | str) -
     pageable memory may wait for the work already queued, e.g. the engine's step queued
     ahead, issue 12; torch's caching host allocator keeps the pinned buffer until the
     copy is done)."""
+    import torch  # noqa: PLC0415 - see the module docstring
+
     host = torch.tensor(values, dtype=dtype)
     if torch.device(device).type != "cuda":
         return host.to(device)

@@ -29,13 +29,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = load_config(args)
+    # The flags first, before the config (whose model check imports torch).
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port {args.port} is not a port; use 0..65535")
     if args.max_body_bytes < 1024:
         raise UsageError(f"--max-body-bytes {args.max_body_bytes} is too small; use >= 1024")
     if args.api_key == "":
         raise UsageError("--api-key is empty; give a key or leave it out")
+    config = load_config(args)
     try:
         import anyio  # noqa: PLC0415
 

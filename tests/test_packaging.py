@@ -104,8 +104,10 @@ def test_built_wheel_installs_into_a_fresh_venv(tmp_path):
     # Dependencies (torch, attrs, ...) come from this environment's site-packages through
     # PYTHONPATH, which skips .pth files: the editable source tree stays out of reach.
     deps = sysconfig.get_paths()["purelib"]
+    # Every public name, resolved (most load on first use): each module is in the wheel.
     code = ("import importlib, specloop.engine as e;"
-            f"[importlib.import_module('specloop.' + n) for n in {SUBPACKAGES!r}];"
+            f"[getattr(m, a) for m in map(importlib.import_module, "
+            f"('specloop.' + n for n in {SUBPACKAGES!r})) for a in m.__all__];"
             "print(e.__file__)")
     out = subprocess.run([str(py), "-c", code], check=True, capture_output=True, text=True,
                          env={"PYTHONPATH": deps, "PATH": "/usr/bin:/bin"}, cwd=tmp_path)

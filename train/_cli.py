@@ -25,9 +25,10 @@ def run(args: argparse.Namespace) -> int:
     import attrs  # noqa: PLC0415
 
     from ._config import TrainConfig  # noqa: PLC0415
+
+    cfg = TrainConfig.from_toml(args.config)     # checked before the pipeline imports torch
     from ._pipeline import run as run_pipeline  # noqa: PLC0415
 
-    cfg = TrainConfig.from_toml(args.config)
     if args.prompts:
         cfg = attrs.evolve(cfg, data=attrs.evolve(cfg.data, prompts_file=args.prompts))
     out = Path(args.out or cfg.output.dir)

@@ -9,7 +9,9 @@ import json
 import attrs
 import pytest
 
-from specloop.engine._certify import CertifyOptions, certify, main
+from specloop.engine._certify import certify
+from specloop.engine._certify_options import CertifyOptions
+from specloop.engine._cli_certify import main
 
 from . import planted
 from .conftest import make_config

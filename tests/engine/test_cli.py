@@ -96,11 +96,50 @@ def test_usage_errors_are_one_line_exit_2_before_loading(cli, poison, tmp_path, 
     assert "Traceback" not in err and out == ""
 
 
-@pytest.mark.slow  # a real process (imports torch): the in-process twin is fast
-def test_usage_error_in_a_real_process(poison):
-    proc = specloop("generate", "--config", poison, "--temperature", "-1")
-    assert proc.returncode == 2
-    assert proc.stderr.count("\n") == 1 and "temperature" in proc.stderr
+# argv -> (exit code, what its one line of stderr says, or what stdout starts with).
+NO_TORCH_CASES = [
+    (["--help"], 0, "usage: specloop [-h] [--version] COMMAND"),
+    (["generate", "--help"], 0, "usage: specloop generate [-h]"),
+    (["generate", "--temperature", "-1"], 2, "SamplingParams.temperature = -1.0 is invalid"),
+    (["generate", "--bogus"], 2, "unrecognized arguments: --bogus"),
+    (["generate", "--config", "/nonexistent/x.toml"], 2, "'/nonexistent/x.toml': not found"),
+    (["generate", "--method", "eagle3", "--draft-weights", "no-such-head"], 2,
+     "neither a shipped head nor a file"),
+    (["certify", "--params", "top_p=0"], 2, "SamplingParams.top_p = 0.0 is invalid"),
+    (["serve", "--port", "70000"], 2, "--port 70000 is not a port"),
+    (["train-draft", "--config", "/nonexistent/t.toml"], 2, "not found"),
+]
+
+
+def test_help_and_usage_errors_import_no_torch():
+    """In a real process (fast: it imports no torch), each case in turn: its exit code, one
+    line, and torch still not imported after it (so the case that imports it is named)."""
+    code = """
+import contextlib, io, json, sys
+from specloop.engine.cli import main
+for argv in json.loads(sys.argv[1]):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            rc = main(argv)
+        except SystemExit as exc:
+            rc = exc.code
+    print(json.dumps([rc, out.getvalue(), err.getvalue(), "torch" in sys.modules]))
+"""
+    argvs = [argv for argv, _, _ in NO_TORCH_CASES]
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], capture_output=True,
+                          text=True, timeout=60, env=ENV)
+    assert proc.returncode == 0, proc.stderr
+    results = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(results) == len(NO_TORCH_CASES)
+    for (argv, expected_rc, expected), (rc, out, err, torch_loaded) in zip(NO_TORCH_CASES,
+                                                                           results):
+        assert rc == expected_rc, (argv, err)
+        if rc == 0:
+            assert out.startswith(expected) and err == "", (argv, out, err)
+        else:
+            assert err.count("\n") == 1 and expected in err and out == "", (argv, err)
+        assert not torch_loaded, f"specloop {' '.join(argv)} imported torch"
 
 
 @pytest.mark.slow  # a real process (imports torch): the in-process twin is fast
