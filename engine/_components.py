@@ -164,7 +164,8 @@ PROTOCOLS: Mapping[str, str] = MappingProxyType({
 
 def protocol_of(kind: str) -> type:
     module, _, attr = PROTOCOLS[kind].partition(":")
-    return cast(type, vars(importlib.import_module(module))[attr])
+    # getattr, not vars(): a package's public names load on first use (samplers._lazy).
+    return cast(type, getattr(importlib.import_module(module), attr))
 
 
 def protocol_members(protocol: type) -> frozenset[str]:
