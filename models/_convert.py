@@ -15,11 +15,16 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import structlog
-import torch
 
 from ._errors import ModelLoadError
+
+# torch loads only when a conversion runs: the registry (and so the CLI's config errors)
+# imports this module.
+if TYPE_CHECKING:
+    import torch
 
 log = structlog.get_logger(__name__)
 
@@ -43,8 +48,10 @@ def file_lock(path: Path) -> Iterator[None]:
             fcntl.flock(f.fileno(), fcntl.LOCK_UN)
 
 
-def convert_gguf_once(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = torch.float32) -> Path:
-    """Convert ``gguf_path`` into ``out_dir`` unless already done; returns ``out_dir``."""
+def convert_gguf_once(gguf_path: Path, out_dir: Path, *,
+                      dtype: torch.dtype | None = None) -> Path:
+    """Convert ``gguf_path`` into ``out_dir`` unless already done (as ``dtype``, float32 by
+    default); returns ``out_dir``."""
     if is_converted(out_dir):
         return out_dir
     with file_lock(out_dir.with_name(out_dir.name + ".lock")):
@@ -62,7 +69,10 @@ def convert_gguf_once(gguf_path: Path, out_dir: Path, *, dtype: torch.dtype = to
     return out_dir
 
 
-def _convert_into(gguf_path: Path, out: Path, dtype: torch.dtype) -> None:
+def _convert_into(gguf_path: Path, out: Path, dtype: torch.dtype | None) -> None:
+    import torch
+
+    dtype = torch.float32 if dtype is None else dtype
     try:
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as exc:

@@ -108,12 +108,15 @@ NO_TORCH_CASES = [
     (["certify", "--params", "top_p=0"], 2, "SamplingParams.top_p = 0.0 is invalid"),
     (["serve", "--port", "70000"], 2, "--port 70000 is not a port"),
     (["train-draft", "--config", "/nonexistent/t.toml"], 2, "not found"),
+    (["generate", "--config", "{unknown_model}"], 2, "neither a registry model nor an existing path"),
 ]
 
 
-def test_help_and_usage_errors_import_no_torch():
+def test_help_and_usage_errors_import_no_torch(tmp_path):
     """In a real process (fast: it imports no torch), each case in turn: its exit code, one
     line, and torch still not imported after it (so the case that imports it is named)."""
+    unknown_model = tmp_path / "unknown_model.toml"
+    unknown_model.write_text('[model]\nname = "no-such-model"\n')
     code = """
 import contextlib, io, json, sys
 from specloop.engine.cli import main
@@ -126,7 +129,8 @@ for argv in json.loads(sys.argv[1]):
             rc = exc.code
     print(json.dumps([rc, out.getvalue(), err.getvalue(), "torch" in sys.modules]))
 """
-    argvs = [argv for argv, _, _ in NO_TORCH_CASES]
+    argvs = [[a.format(unknown_model=unknown_model) for a in argv]
+             for argv, _, _ in NO_TORCH_CASES]
     proc = subprocess.run([sys.executable, "-c", code, json.dumps(argvs)], capture_output=True,
                           text=True, timeout=60, env=ENV)
     assert proc.returncode == 0, proc.stderr
