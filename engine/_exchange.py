@@ -117,6 +117,16 @@ class OutputExchange:
         else:
             self.front.deliver((output,))
 
+    def deliver_many(self, outputs: list[tuple[int, RequestOutput]]) -> None:
+        """``deliver`` of each (handle, output), in order: RESCAN's outputs of one
+        iteration, handed over in one call."""
+        if self.front is None:
+            self.pending.extend(outputs)
+        elif self._deferring:
+            self._own.extend(output for _, output in outputs)
+        else:
+            self.front.deliver([output for _, output in outputs])
+
     async def _local(self, facts: Sequence[int], defer: bool) -> FrontDoorMessage:
         front = self.front
         assert front is not None, "a single rank is rank 0, which holds the front door"
