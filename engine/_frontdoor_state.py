@@ -37,7 +37,8 @@ class OutputChannel:
 
     def put(self, output: RequestOutput) -> None:
         self._items.append(output)
-        self._wake()
+        if self._waiter is not None:    # _wake's test inline: called per request per iteration
+            self._wake()
 
     def close(self) -> None:
         """One request puts no more (its last close ends the channel); what was put is
@@ -89,8 +90,9 @@ class FrontDoor:
         self._cancels: list[str] = []                # live ids to cancel at their rank
         self._live: dict[str, int] = {}              # request id -> handle, until final
         self._ids: dict[int, str] = {}               # handle -> request id, until final
-        self._streams: dict[str, OutputChannel] = {}  # while its consumer is on
-        self._texts: dict[str, TextStream] = {}      # each stream's text (same life)
+        # While its consumer is on: the request's channel and the text stream its outputs
+        # go through (None: as the engine produced them). One entry, one look-up a delivery.
+        self._streams: dict[str, tuple[OutputChannel, TextStream | None]] = {}
         self._wake = anyio.Event()
         self.closing = False
 
@@ -115,9 +117,8 @@ class FrontDoor:
         strings) as they are delivered; without it, as the engine produced them."""
         if new.request_id in self._live:
             raise ValueError(f"request_id {new.request_id!r} is live")  # the engine checks
-        channel = self._streams[new.request_id] = channel or OutputChannel()
-        if text is not None:
-            self._texts[new.request_id] = text
+        channel = channel or OutputChannel()
+        self._streams[new.request_id] = (channel, text)
         self._live[new.request_id] = new.handle
         self._ids[new.handle] = new.request_id
         self._inbox[new.request_id] = new
@@ -137,9 +138,8 @@ class FrontDoor:
         """The consumer left before the final output: drop its stream and cancel the
         request; the id stays reserved until the engine is done with it. Never raises."""
         stream = self._streams.pop(request_id, None)
-        self._texts.pop(request_id, None)
         if stream is not None:
-            stream.close()
+            stream[0].close()
         self.cancel(request_id)
 
     def close(self) -> None:
@@ -170,18 +170,18 @@ class FrontDoor:
         rank 0 does this for every rank's requests). The outputs are the front door's
         from here on (``TextStream.fill`` sets their text in place). A stop string that
         ends the text ends the request here too (its consumer sees a finished output)."""
-        texts = self._texts
+        streams, live = self._streams, self._live
         for output in outputs:
             request_id = output.request_id
-            if request_id not in self._live:
-                continue        # not ours (already ended here)
-            stream = self._streams.get(request_id)
+            stream = streams.get(request_id)    # a stream's request is live
             if stream is not None:
-                text = texts.get(request_id)
+                channel, text = stream
                 shown = output if text is None else text.fill(output)
-                stream.put(shown)
+                channel.put(shown)
                 if shown.finished and not output.finished:
                     self.abandon(request_id)    # a stop string: end it in the engine
+            elif request_id not in live:
+                continue        # not ours (already ended here)
             if output.finished:
                 self._release(request_id)
 
@@ -200,10 +200,9 @@ class FrontDoor:
     def _release(self, request_id: str) -> None:
         handle = self._live.pop(request_id)
         self._ids.pop(handle, None)
-        self._texts.pop(request_id, None)
         stream = self._streams.pop(request_id, None)
         if stream is not None:
-            stream.close()
+            stream[0].close()
         # A cancel not yet sent must not reach a later request that reuses the id.
         if request_id in self._cancels:
             self._cancels.remove(request_id)

@@ -19,7 +19,11 @@ if TYPE_CHECKING:
 class Outputs:
     def __init__(self, *, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner,
                  drafter: Drafter | None, stats: EngineStats,
-                 deliver: Callable[[int, RequestOutput], None]) -> None:
+                 deliver: Callable[[int, RequestOutput], None],
+                 deliver_many: Callable[[list[tuple[int, RequestOutput]]], None] | None = None
+                 ) -> None:
+        """``deliver``: one (handle, output) towards the front door; ``deliver_many``: a
+        list of them, in order (default: ``deliver`` each)."""
         self.k = config.speculative.k
         self.max_seq_len = config.model.max_seq_len
         self.scheduler = scheduler
@@ -27,28 +31,76 @@ class Outputs:
         self.drafter = drafter
         self.stats = stats
         self.deliver = deliver
+        self.deliver_many = deliver_many or self._deliver_each
         self.eos_token_ids = frozenset(runner.loaded.tokenizer.eos_token_ids)
+
+    def rules(self, request: Request) -> tuple[int, frozenset[int]]:
+        """The request's stop rules as RESCAN checks them per row (``stop_reason``'s,
+        derived once): a commit leaving the request ``stop_length`` tokens long or longer
+        may end it by length; any of ``stop_tokens`` may end it by a stop."""
+        tokens = request.stop_tokens
+        if tokens is None:
+            params = request.params
+            # The next VERIFY writes positions up to L - 1 + K: it must stay in the cache.
+            request.stop_length = min(len(request.prompt_ids) + params.max_tokens,
+                                      self.max_seq_len - self.k)
+            tokens = request.stop_tokens = frozenset(params.stop_token_ids).union(
+                () if params.ignore_eos else self.eos_token_ids)
+        return request.stop_length, tokens
 
     def append(self, request: Request, new_tokens: list[int], num_accepted: int,
                k: int | None = None) -> None:
-        """``k``: the drafts this iteration proposed (adaptive K); None: the configured K."""
-        request.num_iterations += 1
-        request.num_drafted += self.k if k is None else k
-        request.num_accepted += num_accepted
-        if self._no_stop_in(request, new_tokens):
-            # Most rows, most iterations: no stop token and no limit reached, so all are
-            # committed at once (the per-token rules cost ~2 us a row at batch 64).
-            request.token_ids.extend(new_tokens)
-            emitted, reason = new_tokens, None
-        else:
-            emitted, reason = self._commit_each(request, new_tokens)
-        request.num_cached = request.seq_len - 1
-        self.stats.num_generated_tokens += len(emitted)
-        self.runner.trim(request)
-        if reason is not None:
-            self.finish(request, reason, emitted)
-        else:
-            self.emit(request, emitted)
+        """One request's new tokens (``commit`` for a batch of one).
+        ``k``: the drafts this iteration proposed (adaptive K); None: the configured K."""
+        self.commit((request,), (new_tokens,), (num_accepted,), self.k if k is None else k,
+                    cut=False)
+
+    def commit(self, batch: Sequence[Request], rows: Sequence[Sequence[int]],
+               accepted: Sequence[int], k: int, *, cut: bool = True) -> list[Request]:
+        """RESCAN's commit of a whole batch: request i's new tokens are
+        ``rows[i][:accepted[i] + 1]`` (``cut``; else all of ``rows[i]``), ``k`` the drafts
+        the iteration proposed. Per row only what the row needs: most rows, most
+        iterations, no stop can match (no stop token among the new ones, no limit
+        reached), and all are committed at once (the per-token rules cost ~2 us a row at
+        batch 64). The outputs reach ``deliver`` in batch order once every row is
+        committed (no consumer runs before RESCAN ends either way). -> the requests
+        that finished."""
+        outputs: list[tuple[int, RequestOutput]] = []
+        finished: list[Request] = []
+        generated = 0
+        trim = self.runner.trim
+        try:
+            for request, row, n in zip(batch, rows, accepted):
+                new = row[:n + 1] if cut else row
+                request.num_iterations += 1
+                request.num_drafted += k
+                request.num_accepted += n
+                token_ids = request.token_ids
+                stops = request.stop_tokens
+                if stops is None:
+                    stops = self.rules(request)[1]
+                if len(token_ids) + len(new) < request.stop_length and (
+                        not stops or stops.isdisjoint(new)):
+                    token_ids.extend(new)
+                    emitted, reason = new, None
+                else:
+                    emitted, reason = self._commit_each(request, new)
+                request.num_cached = len(token_ids) - 1
+                generated += len(emitted)
+                trim(request)
+                if reason is None:
+                    if emitted:
+                        outputs.append((request.handle, RequestOutput(
+                            request.request_id, tuple(emitted), "", False, None)))
+                else:
+                    finished.append(request)
+                    self._end(request, reason)
+                    outputs.append((request.handle, self._output(request, emitted, True)))
+        finally:
+            self.stats.num_generated_tokens += generated
+            if outputs:
+                self.deliver_many(outputs)
+        return finished
 
     def _commit_each(self, request: Request, new_tokens: list[int]
                      ) -> tuple[list[int], FinishReason | None]:
@@ -60,17 +112,6 @@ class Outputs:
             if reason is not None:
                 return emitted, reason
         return emitted, None
-
-    def _no_stop_in(self, request: Request, new_tokens: list[int]) -> bool:
-        """Whether ``stop_reason`` is None after each of ``new_tokens`` (same rules)."""
-        params = request.params
-        limit = min(len(request.prompt_ids) + params.max_tokens, self.max_seq_len - self.k)
-        if len(request.token_ids) + len(new_tokens) >= limit:
-            return False
-        if not params.ignore_eos and not self.eos_token_ids.isdisjoint(new_tokens):
-            return False
-        stops = params.stop_token_ids
-        return not stops or not any(token in stops for token in new_tokens)
 
     def stop_reason(self, request: Request, token: int) -> FinishReason | None:
         params = request.params
@@ -86,21 +127,32 @@ class Outputs:
         return None
 
     def finish(self, request: Request, reason: FinishReason, emitted: Sequence[int]) -> None:
+        self._end(request, reason)
+        self.emit(request, emitted, finished=True)
+
+    def _end(self, request: Request, reason: FinishReason) -> None:
+        """Out of the batch: its slot freed in the scheduler, the runner and the drafter."""
         slot = request.slot
         self.scheduler.finish(request, reason)
         if slot is not None:
             self.runner.release(slot)
         if slot is not None and self.drafter is not None:
             self.drafter.release(slot)
-        self.emit(request, emitted, finished=True)
 
     def emit(self, request: Request, tokens: Sequence[int], finished: bool = False) -> None:
         if not tokens and not finished:
             return
+        self.deliver(request.handle, self._output(request, tokens, finished))
+
+    @staticmethod
+    def _output(request: Request, tokens: Sequence[int], finished: bool) -> RequestOutput:
         # Token ids only: text is decoded by the consumer (generate), off this hot path.
-        output = RequestOutput(request.request_id, tuple(tokens), "", finished,
-                               request.finish_reason if finished else None)
-        self.deliver(request.handle, output)
+        return RequestOutput(request.request_id, tuple(tokens), "", finished,
+                             request.finish_reason if finished else None)
+
+    def _deliver_each(self, outputs: list[tuple[int, RequestOutput]]) -> None:
+        for handle, output in outputs:
+            self.deliver(handle, output)
 
     def cancel_all(self) -> None:
         for request in [*self.scheduler.running, *self.scheduler.waiting]:

@@ -56,6 +56,11 @@ class Request:
     num_accepted: int = 0
     num_iterations: int = 0
     handle: int = 0
+    # RESCAN's stop rules in the form its per-row check reads (``Outputs.rules``): the
+    # length at which a limit ends the request, and the tokens that end it (stop ids, EOS
+    # unless ignored). Derived from the params on the request's first commit.
+    stop_length: int = 0
+    stop_tokens: frozenset[int] | None = None
 
     @classmethod
     def from_new(cls, new: NewRequest) -> Request:

@@ -85,7 +85,8 @@ class RankWorker:
                                        scheduler=self.scheduler, device=runner.device)
         self.outputs = Outputs(config=config, scheduler=self.scheduler, runner=runner,
                                drafter=drafter, stats=self.stats,
-                               deliver=self.exchange.deliver)
+                               deliver=self.exchange.deliver,
+                               deliver_many=self.exchange.deliver_many)
         self.draft_step = self._draft_with_drafter if self.k else self._no_draft
         multi = comm.world_size > 1
         self.schedule = self._schedule_group if multi else self._schedule_local
@@ -421,15 +422,13 @@ class RankWorker:
     # RESCAN -----------------------------------------------------------------------------
     async def rescan(self, rec: IterationRecord) -> IterationState:
         if rec.result is not None:
-            tokens = rec.result.token_ids.tolist()
             accepted = rec.result.num_accepted.tolist()
             k = rec.k
-            for request, row, n in zip(rec.batch, tokens, accepted):
-                self.outputs.append(request, row[:n + 1], n, k)
+            rec.finished = self.outputs.commit(rec.batch, rec.result.token_ids.tolist(),
+                                               accepted, k)
             self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)
             if self.adaptive is not None:
                 self.adaptive.record(k, accepted)
-        rec.finished = [r for r in rec.batch if r.finished]
         return S.DONE
 
     def cancel_all(self) -> None:

@@ -34,8 +34,6 @@ def _outputs(k, max_seq_len, fast):
     delivered = []
     out = Outputs(config=config, scheduler=Scheduler(4, 10**6), runner=runner, drafter=None,
                   stats=EngineStats(), deliver=lambda handle, o: delivered.append(o))
-    if not fast:
-        out._no_stop_in = lambda request, tokens: False
     return out, runner, delivered
 
 
@@ -51,6 +49,8 @@ def test_fast_commit_equals_per_token_rules(k, max_seq_len, max_tokens, ignore_e
     for fast in (True, False):
         out, runner, delivered = _outputs(k, max_seq_len, fast)
         request = Request("r", (5, 6, 7), params, 0, [5, 6, 7])
+        if not fast:    # every commit "may stop": the per-token rules for every token
+            request.stop_length, request.stop_tokens = 0, frozenset()
         out.scheduler.add(request)
         out.scheduler.admit()
         for chunk in chunks:
@@ -59,4 +59,43 @@ def test_fast_commit_equals_per_token_rules(k, max_seq_len, max_tokens, ignore_e
             out.append(request, list(chunk[:k + 1]), len(chunk[:k + 1]) - 1)
         results.append((request.token_ids, request.finish_reason, request.num_cached,
                         delivered, runner.trims, out.stats.num_generated_tokens))
+    assert results[0] == results[1]
+
+
+@settings(max_examples=150, deadline=None)
+@given(k=st.integers(0, 3), max_seq_len=st.integers(12, 40),
+       requests=st.lists(st.tuples(st.integers(1, 12), st.booleans(),
+                                   st.lists(st.integers(0, 9), max_size=2)),
+                         min_size=1, max_size=4),
+       steps=st.lists(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=4, max_size=4),
+                                         st.integers(0, 3)), min_size=4, max_size=4),
+                      max_size=6))
+def test_batch_commit_equals_a_row_at_a_time(k, max_seq_len, requests, steps):
+    """RESCAN's ``commit`` of a batch == ``append`` of each row in batch order: the same
+    tokens, finish reasons, counters, trims and releases, and the same outputs in the same
+    order (finished requests leave the next iteration's batch)."""
+    results = []
+    for batched in (True, False):
+        out, runner, delivered = _outputs(k, max_seq_len, True)
+        for i, (max_tokens, ignore_eos, stops) in enumerate(requests):
+            params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                    ignore_eos=ignore_eos, stop_token_ids=tuple(stops))
+            out.scheduler.add(Request(f"r{i}", (5, 6, 7), params, 0, [5, 6, 7], handle=i))
+        out.scheduler.admit()
+        finished = []
+        for step in steps:
+            batch = list(out.scheduler.running)
+            rows = [row for row, _ in step[:len(batch)]]
+            accepted = [min(n, k) for _, n in step[:len(batch)]]
+            if batched:
+                finished.append(out.commit(batch, rows, accepted, k))
+            else:
+                for request, row, n in zip(batch, rows, accepted):
+                    out.append(request, row[:n + 1], n, k)
+                finished.append([r for r in batch if r.finished])
+        state = [(r.token_ids, r.finish_reason, r.num_cached, r.num_iterations, r.num_drafted,
+                  r.num_accepted) for r in out.scheduler.running + [
+                      r for f in finished for r in f]]
+        results.append((state, [[r.request_id for r in f] for f in finished], delivered,
+                        runner.trims, out.stats.num_generated_tokens))
     assert results[0] == results[1]
