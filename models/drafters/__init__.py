@@ -5,7 +5,8 @@ from ._eagle3 import Eagle3Drafter, Eagle3Head
 from ._early_exit import EarlyExitDrafter
 from ._errors import DrafterConfigError
 from ._lm_head import DraftHead
-from ._mtp import MtpEagleDrafter, MtpEagleHead
+from ._mtp import MtpEagleDrafter
+from ._mtp_head import MtpEagleHead
 from ._ngram import NgramDrafter
 from ._protocol import Drafter, DraftContext, DrafterDeps, DraftProposal, VerifyObserver
 

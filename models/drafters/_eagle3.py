@@ -20,7 +20,8 @@ import torch
 from safetensors import safe_open
 
 from ._errors import DrafterConfigError
-from ._mtp import MtpEagleDrafter, MtpEagleHead, load_or_init
+from ._mtp import MtpEagleDrafter
+from ._mtp_head import MtpEagleHead, load_or_init
 from ._protocol import DrafterDeps
 
 if TYPE_CHECKING:

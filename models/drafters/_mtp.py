@@ -1,135 +1,33 @@
-"""MTP-Eagle drafting: one head applied K times, fed by the target's hidden states.
+"""MTP-Eagle drafting: one head (_mtp_head.py) applied K times, fed by the target's rows.
 
-The head fuses the target's hidden state at position p with the embedding of token p+1
-(``fc([enorm(emb(t_{p+1})); hnorm(h_p)])``), runs one decoder layer with its own KV cache
-and the target's LM head; its output at p predicts token p+2. After each VERIFY the rows
-the target accepted (hidden states and tokens) are fed to the head first, so its cache
-follows the committed sequence; then it drafts autoregressively on its own outputs.
+After each VERIFY the rows the target accepted (hidden states and tokens) wait for the
+next DRAFT (_pending_rows.py), which feeds them to the head first (the catch-up), so its
+cache follows the committed sequence; then it drafts autoregressively on its own outputs.
+One drafting loop (``_draft_steps``) serves the eager path, the captured draft graph and,
+with inputs built on the device from VERIFY's outputs, the chained step
+(``chained_inputs``, engine/_chain.py).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Generator, Sequence, TypeVar
+from typing import Any, Callable, Generator, Sequence
 
-import attrs
 import torch
-from safetensors.torch import load_file, save_file
 
 from specloop.samplers import DefaultSampler, Sampler, SamplingBatch
 
 from .._grad import inference_mode
-from ._heads import (check_method, check_sha256, check_target, head_metadata, resolve_head,
-                     target_shape)
+from .._host import int64_tensor
+from ._heads import check_method, check_sha256, check_target, head_metadata, resolve_head
 from ._lm_head import DraftHead
+from ._mtp_head import MtpEagleHead, load_or_init
+from ._pending_rows import PendingRows
 from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
                         graph_outputs, replay_proposal, sample_draft_step, stack_proposal)
 
-if TYPE_CHECKING:
-    from specloop.models import DecoderModel, KVCache
-
-HeadT = TypeVar("HeadT", bound="MtpEagleHead")
 # The drafting loop: yields the head's hidden state per step, is sent that step's tokens.
 DraftLoop = Generator[torch.Tensor, torch.Tensor, None]
-
-
-class MtpEagleHead(torch.nn.Module):
-    def __init__(self, target: DecoderModel, *, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
-        from specloop.models import DecoderModel  # noqa: PLC0415
-
-        super().__init__()
-        args = attrs.evolve(target.args, num_layers=1)
-        h = args.hidden_size
-        self.block = DecoderModel(args, dtype=dtype, device=device)
-        # Shared with the target: embedding and LM head are not the head's own weights.
-        self.block.embed_tokens = target.embed_tokens
-        if target.lm_head is not None:
-            self.block.lm_head = target.lm_head
-        self.fc = torch.nn.Parameter(torch.empty(h, 2 * h, dtype=dtype, device=device),
-                                     requires_grad=False)
-        self.enorm = torch.nn.Parameter(torch.ones(h, dtype=dtype, device=device),
-                                        requires_grad=False)
-        self.hnorm = torch.nn.Parameter(torch.ones(h, dtype=dtype, device=device),
-                                        requires_grad=False)
-        # Reduced draft vocabulary (draft index -> target id, [N] i64), or None: all of V.
-        self.d2t: torch.Tensor | None = None
-        self.target_args = target.args     # the shape a saved head records
-
-    @property
-    def feature_size(self) -> int:
-        """Width of the target rows the head reads at step 0 (here the final hidden)."""
-        return self.block.args.hidden_size
-
-    def own_state(self) -> dict[str, torch.Tensor]:
-        shared = {"block.embed_tokens", "block.lm_head"}
-        return {k: v for k, v in self.state_dict().items() if k not in shared}
-
-    def init_random(self, seed: int = 0) -> None:
-        gen = torch.Generator().manual_seed(seed)
-        for name, p in self.own_state().items():
-            if "norm" in name:
-                p.data.fill_(1.0)
-            else:
-                p.data.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) * 0.02)
-
-    def load(self, path: str) -> None:
-        tensors = load_file(path)
-        own = self.own_state()
-        missing = sorted(set(own) - set(tensors))
-        if missing:
-            raise ValueError(f"MTP head file {path} lacks {missing}")
-        for name, p in own.items():
-            if tuple(tensors[name].shape) != tuple(p.shape):
-                raise ValueError(f"MTP head file {path}: {name} has shape "
-                                 f"{tuple(tensors[name].shape)}, expected {tuple(p.shape)}")
-            p.data.copy_(tensors[name])
-        self.d2t = tensors["d2t"].to(torch.int64) if "d2t" in tensors else None
-
-    def save(self, path: str, metadata: dict[str, str] | None = None) -> None:
-        tensors = {k: v.contiguous() for k, v in self.own_state().items()}
-        if self.d2t is not None:
-            tensors["d2t"] = self.d2t.contiguous()
-        target = {f"target_{k}": str(v) for k, v in target_shape(self.target_args).items()}
-        save_file(tensors, path, metadata={**target, **(metadata or {})})
-
-    def norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        """RMSNorm over the last dim: one fused kernel where the block runs its kernels
-        (a draft step is launch-bound on the GPU: the plain ops are ~7 kernels each)."""
-        eps = self.block.args.rms_norm_eps
-        if self.block.uses_kernels:
-            from specloop.models import _kernels  # noqa: PLC0415
-            return _kernels.add_rms_norm(x, None, weight, eps)[0]
-        from specloop.models._layers import rms_norm  # noqa: PLC0415
-        return rms_norm(x, weight, eps)
-
-    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
-                slots: torch.Tensor, cache: KVCache, kv_len: int | None = None,
-                pos_offset: int = 0) -> torch.Tensor:
-        """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos +
-        pos_offset.. -> the head's hidden [B, T, H]; logits come from the shared LM head."""
-        if self.block.uses_kernels:
-            # Embedding gather, both norms and the concat in one kernel (the same bits as
-            # a norm kernel each: a draft step is launch-bound on the GPU).
-            from specloop.models import _kernels  # noqa: PLC0415
-            x = _kernels.eagle_prologue(tokens, self.block.embed_tokens, hidden, self.enorm,
-                                        self.hnorm, self.block.args.rms_norm_eps)
-        else:
-            x = torch.cat([self.norm(self.block.embed(tokens), self.enorm),
-                           self.norm(hidden, self.hnorm)], dim=-1)
-        return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,
-                                         kv_len=kv_len, pos_offset=pos_offset)
-
-
-def load_or_init(head: HeadT, path: str | Path | None) -> HeadT:
-    """The head with its trained weights from ``path``, or random ones (tests, training)
-    when there is none."""
-    if path is not None:
-        head.load(str(path))
-    else:
-        head.init_random()
-    return head
-
 
 # Target rows a slot keeps beyond K + 1 under adaptive K (K = 0 iterations in a row).
 LAZY_ROWS = 32
@@ -150,19 +48,15 @@ class MtpEagleDrafter(Drafter):
         self.scratch = self.cache.scratch_slot
         self.lm = DraftHead(target.lm_head_weight, lm_head_tp=config.parallel.lm_head_tp_in_adp,
                             max_rows=deps.num_slots, d2t=self.head.d2t)
-        # Per slot: the target rows not yet fed to the head (position start.., count rows).
-        # Adaptive K does not call propose at K = 0: rows of such iterations pile up here
-        # (LAZY_ROWS more) and the next drafting iteration feeds them all at once.
+        # Per slot: the target rows not yet fed to the head. Adaptive K does not call
+        # propose at K = 0: rows of such iterations pile up (LAZY_ROWS more) and the next
+        # drafting iteration feeds them all at once.
         rows = k + 1 + (LAZY_ROWS if config.speculative.adaptive else 0)
-        self.pending = torch.zeros(deps.num_slots + 1, rows, self.head.feature_size,
+        self.pending = PendingRows(deps.num_slots, rows, self.head.feature_size,
                                    dtype=target.dtype, device=target.device)
-        self.pending_start = [0] * (deps.num_slots + 1)
-        self.pending_count = [0] * (deps.num_slots + 1)
-        # on_verified's stores not yet made (slots, dst, src, hidden): a chained step
-        # usually consumes them first (chained_consumed drops them: no host or GPU work),
-        # else the next access to ``pending`` makes them, in order (_flush_pending).
-        self._deferred: list[tuple[set[int], list[tuple[int, int]],
-                                   list[tuple[int, int]], torch.Tensor]] = []
+        # (the batch's slots, padding rows) -> chained_inputs' per-batch device rows
+        self._chain_rows_of: tuple[tuple[tuple[int, ...], int],
+                                   tuple[torch.Tensor, torch.Tensor]] | None = None
         # prefill_many shares the head's forwards between prompts (on a GPU; tests set it).
         self.batch_prefill = self.cache.device.type == "cuda"
 
@@ -203,7 +97,7 @@ class MtpEagleDrafter(Drafter):
             self.head(torch.tensor([list(token_ids[1:])], device=dev), hidden[None, :n - 1],
                       torch.tensor([0], device=dev), torch.tensor([slot], device=dev),
                       self.cache)
-        self._start_pending(slot, n, hidden)
+        self.pending.prompt(slot, n, hidden)
 
     @inference_mode
     def prefill_many(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]],
@@ -230,7 +124,7 @@ class MtpEagleDrafter(Drafter):
             group.append(row)
         self._prefill_rows(group)
         for slot, ids, h in rows:
-            self._start_pending(slot, len(ids), h)
+            self.pending.prompt(slot, len(ids), h)
 
     def _prefill_rows(self, group: list[tuple[int, Sequence[int], torch.Tensor]]) -> None:
         """One head forward over [B, W]: row b feeds its prompt's positions 0..n_b - 2."""
@@ -245,94 +139,14 @@ class MtpEagleDrafter(Drafter):
             [h[:len(ids) - 1] for _, ids, h in group], batch_first=True)
         self.head(host[:, 1:], features, torch.zeros_like(host[:, 0]), host[:, 0], self.cache)
 
-    def _start_pending(self, slot: int, n: int, hidden: torch.Tensor) -> None:
-        """Position n - 1 of an n-row prompt (its last target row) waits for DRAFT."""
-        self._flush_pending()
-        if n >= 1:
-            self.pending[slot, 0] = hidden[n - 1]
-        else:
-            # A 1-token prompt has no target row: the head starts from zeros, never from
-            # what the slot's previous user left here.
-            self.pending[slot].zero_()
-        self.pending_start[slot] = max(n - 1, 0)
-        self.pending_count[slot] = 1 if n else 0
-
     def on_verified(self, slots: Sequence[int], start_pos: Sequence[int], hidden: torch.Tensor,
                     num_accepted: Sequence[int]) -> None:
-        """hidden [B, K+1, H] of VERIFY at positions start_pos..; rows 0..n are committed.
-        Rows not yet fed (no propose since: adaptive K's K = 0) are kept and these appended
-        after them; when the buffer is full the older ones are dropped (the head then
-        drafts with a gap in its cache: weaker drafts, never wrong outputs).
-
-        With accepted drafts the store itself is deferred (``_deferred``): ``hidden`` is
-        the chain's copy, a fresh eager output, or a captured VERIFY's static output that
-        only a replay of the same graph overwrites, and that replay comes after DRAFT's
-        ``propose`` (which makes the stores first) or is the chained step (copy)."""
-        if not any(num_accepted):
-            self._append_last_rows(slots, start_pos, hidden)
-            return
-        cap = self.pending.shape[1]
-        # (slot, pending row) <- (batch row, VERIFY position)
-        dst: list[tuple[int, int]] = []
-        src: list[tuple[int, int]] = []
-        for row, (slot, start, n) in enumerate(zip(slots, start_pos, num_accepted)):
-            count = self.pending_count[slot]
-            if count and self.pending_start[slot] + count == start and count + n + 1 <= cap:
-                first = count
-                self.pending_count[slot] = count + n + 1
-            else:
-                first = 0
-                self.pending_start[slot], self.pending_count[slot] = start, n + 1
-            dst.extend((slot, first + i) for i in range(n + 1))
-            src.extend((row, i) for i in range(n + 1))
-        self._deferred.append((set(slots), dst, src, hidden))
-
-    def _flush_pending(self) -> None:
-        """Make on_verified's deferred stores, oldest first (before any read or other
-        write of ``pending``)."""
-        deferred, self._deferred = self._deferred, []
-        for _, dst, src, hidden in deferred:
-            self._store_pending(dst, src, hidden)
-
-    def _append_last_rows(self, slots: Sequence[int], start_pos: Sequence[int],
-                          hidden: torch.Tensor) -> None:
-        """``on_verified`` when no draft was accepted (adaptive K's K = 0 iterations: each
-        batch row one pending row), with one index row per request: the same bookkeeping,
-        a fraction of the host time at a large batch. Made now: ``hidden`` may be a step
-        queued ahead's output, which the next one overwrites."""
-        self._flush_pending()
-        cap, count_of, start_of = self.pending.shape[1], self.pending_count, self.pending_start
-        rows: list[int] = []
-        for slot, start in zip(slots, start_pos):
-            count = count_of[slot]
-            if count and start_of[slot] + count == start and count < cap:
-                count_of[slot] = count + 1
-            else:
-                start_of[slot], count_of[slot], count = start, 1, 0
-            rows.append(count)
-        index = torch.tensor([list(slots), rows], dtype=torch.int64)
-        if self.pending.device.type == "cuda":
-            index = index.pin_memory()      # queued without waiting for the device
-        index = index.to(self.pending.device, non_blocking=True)
-        self.pending[index[0], index[1]] = hidden[:len(rows), 0]
-
-    def _store_pending(self, dst: list[tuple[int, int]], src: list[tuple[int, int]],
-                       hidden: torch.Tensor) -> None:
-        """pending[dst] = hidden[src]: one gather and one scatter whatever the batch (a
-        copy per row cost a launch per row on the GPU), after one host-to-device copy."""
-        if not dst:
-            return
-        index = torch.tensor([[*d, *s] for d, s in zip(dst, src)], dtype=torch.int64)
-        if self.pending.device.type == "cuda":
-            # Pinned: a copy from pageable memory first waits for the stream, i.e. for the
-            # DRAFT + VERIFY chained behind this VERIFY (the GPU then idles while the host
-            # runs up to the next chained step: ~0.3 ms an iteration at batch 1).
-            index = index.pin_memory()
-        index = index.to(self.pending.device, non_blocking=True)
-        self.pending[index[:, 0], index[:, 1]] = hidden[index[:, 2], index[:, 3]]
+        """hidden [B, K+1, H] of VERIFY at positions start_pos..; rows 0..n are committed:
+        kept for the next catch-up (stored lazily: _pending_rows.py)."""
+        self.pending.verified(slots, start_pos, hidden, num_accepted)
 
     def release(self, slot: int) -> None:
-        self.pending_count[slot] = 0
+        self.pending.zero([slot])
 
     @inference_mode
     def _draft_steps(self, inputs: dict[str, torch.Tensor], *, kv_len: int | None,
@@ -367,13 +181,14 @@ class MtpEagleDrafter(Drafter):
         the scratch slot), each row's pending target rows right-padded to ``width``."""
         real = len(ctx.token_ids)
         slots = ctx.slot_list() + [self.scratch] * (rows - real)
-        counts = [self.pending_count[s] for s in slots[:real]] + [1] * (rows - real)
+        counts = self.pending.counts(slots[:real]) + [1] * (rows - real)
+        first = self.pending.starts(slots[:real])
         tokens: list[list[int]] = []
         starts: list[int] = []
         writes: list[int] = []
         for i, (slot, count) in enumerate(zip(slots, counts)):
             seq = ctx.token_ids[i] if i < real else [0]
-            start = self.pending_start[slot] if i < real else 0
+            start = first[i] if i < real else 0
             toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
             tokens.append(toks + [toks[-1]] * (width - len(toks)))
             starts.append(start)
@@ -389,8 +204,7 @@ class MtpEagleDrafter(Drafter):
         columns = self._catch_up_columns(ctx, rows, k + 1)
         columns["seq_lens"] = ctx.seq_len_list() + [2] * (rows - real)
         inputs = graph_int_inputs(ctx, columns)
-        self._flush_pending()
-        inputs["cu_hidden"] = self.pending[inputs["slots"], :k + 1]
+        inputs["cu_hidden"] = self.pending.rows(inputs["slots"], k + 1)
         return inputs
 
     def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
@@ -434,12 +248,11 @@ class MtpEagleDrafter(Drafter):
     def _eager_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """The catch-up padded only to the longest row's pending rows."""
         real = len(ctx.token_ids)
-        width = max(max(self.pending_count[s] for s in ctx.slot_list()), 1)
+        width = max(max(self.pending.counts(ctx.slot_list())), 1)
         columns = self._catch_up_columns(ctx, real, width)
         dev = ctx.slots.device
         inputs = {name: torch.tensor(v, device=dev) for name, v in columns.items()}
-        self._flush_pending()
-        inputs["cu_hidden"] = self.pending[inputs["slots"], :width]
+        inputs["cu_hidden"] = self.pending.rows(inputs["slots"], width)
         inputs.update(slots=ctx.slots, seq_lens=ctx.seq_lens)
         return inputs
 
@@ -459,39 +272,46 @@ class MtpEagleDrafter(Drafter):
         (scratch slot, start 0, cu_last 0, length 2)."""
         rows, real = sampling.size, len(start)
         pad = rows - real
-        start = list(start)
-        # One copy: the columns, each row's new length and VERIFY n+1's position less the
-        # accepted count (padding rows: length 2, position 0, accepted count 0).
-        host = torch.tensor([start + [0] * pad, list(slots) + [self.scratch] * pad,
-                             [1] * real + [0] * pad, [s + 2 for s in start] + [2] * pad,
-                             [s + 1 for s in start] + [0] * pad], dtype=torch.int64)
-        dev = self.pending.device
-        packed = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
-        cu_start, row_slots, is_real, length, position = packed
+        slot_row, is_real = self._chain_rows(slots, rows)
+        # One copy: each row's start, new length and VERIFY n+1's position, each less the
+        # accepted count (padding rows: start 0, length 2, position 0).
+        host = int64_tensor([*start, *[0] * pad, *[s + 2 for s in start], *[2] * pad,
+                             *[s + 1 for s in start], *[0] * pad])
+        dev = self.pending.buffer.device
+        host = host.pin_memory() if dev.type == "cuda" else host
+        cu_start, length, position = host.to(dev, non_blocking=True).view(3, rows)
         accepted = verified["num_accepted"] * is_real
         tokens = verified["token_ids"].clamp(min=0)
         inputs = {"cu_tokens": tokens, "cu_hidden": verified["hidden"][:],
-                  "cu_start": cu_start, "write_slots": row_slots, "cu_last": accepted,
-                  "slots": row_slots, "seq_lens": length + accepted,
+                  "cu_start": cu_start, "write_slots": slot_row, "cu_last": accepted,
+                  "slots": slot_row, "seq_lens": length + accepted,
                   "bonus": tokens.gather(1, accepted[:, None]),
                   "start_pos": position + accepted}
         inputs.update(sampling.columns())
         return inputs
 
+    def _chain_rows(self, slots: Sequence[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """([rows] each row's slot, padding rows the scratch slot; [rows] 1 on real rows)
+        on the device, made once per batch: while the batch stays, the same tensors go
+        in, and a replay does not copy an input it was given last time again."""
+        key = (tuple(slots), rows)
+        if self._chain_rows_of is None or self._chain_rows_of[0] != key:
+            pad = rows - len(slots)
+            host = int64_tensor([*slots, *[self.scratch] * pad, *[1] * len(slots), *[0] * pad])
+            dev = self.pending.buffer.device
+            host = host.pin_memory() if dev.type == "cuda" else host
+            slot_row, is_real = host.to(dev, non_blocking=True).view(2, rows)
+            self._chain_rows_of = (key, (slot_row, is_real))
+        return self._chain_rows_of[1]
+
     def chained_consumed(self, slots: Sequence[int]) -> None:
-        """The chained step fed these slots' rows: they are dead, and so are deferred
-        stores whose slots all hold none now (a slot's rows are read only up to its count,
-        and the next store into an empty slot starts at row 0)."""
-        for slot in slots:
-            self.pending_count[slot] = 0
-        count = self.pending_count
-        self._deferred = [d for d in self._deferred if any(count[s] for s in d[0])]
+        """The chained step fed these slots' rows (as ``propose`` would have)."""
+        self.pending.zero(slots)
 
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
         proposal = replay_proposal(ctx, self.graph_inputs(ctx),
                                    advanced and ctx.draft_count(self) > 0)
-        for slot in ctx.slot_list():
-            self.pending_count[slot] = 0
+        self.pending.zero(ctx.slot_list())
         return proposal
 
     def can_graph(self, advanced: bool) -> bool:
@@ -503,7 +323,7 @@ class MtpEagleDrafter(Drafter):
         # The graph's catch-up is K + 1 rows wide: more pending rows (after K = 0
         # iterations) take the eager path once.
         if rows and ctx.replay is not None and self.can_graph(advanced) and max(
-                self.pending_count[s] for s in ctx.slot_list()) <= self.num_draft_tokens + 1:
+                self.pending.counts(ctx.slot_list())) <= self.num_draft_tokens + 1:
             if self.cache.device.type == "cuda":
                 # Queueing a replay costs the host little: no hop into the compute thread
                 # and back (~0.1-0.2 ms per iteration), as VERIFY on CUDA.
@@ -511,7 +331,7 @@ class MtpEagleDrafter(Drafter):
             return await ctx.run_sync(lambda: self._replay(ctx, advanced))
         if rows == 0:
             # An idle rank still enters every LM-head-TP collective, with dummy rows.
-            hidden = self.pending.new_zeros(0, self.head.block.args.hidden_size)
+            hidden = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size)
             if self.lm.uses_collectives(ctx):
                 for step in range(k):
                     await self.lm.tokens(ctx, hidden, step)
@@ -535,8 +355,7 @@ class MtpEagleDrafter(Drafter):
             token, q = await self.lm.tokens(ctx, hidden, step)
             drafted.append(token)
             probs.append(q)
-        for slot in ctx.slot_list():
-            self.pending_count[slot] = 0
+        self.pending.zero(ctx.slot_list())
         if not k:
             return DraftProposal(torch.zeros(rows, 0, dtype=torch.int64, device=hidden.device))
         q = torch.stack(probs, dim=1) if probs[0] is not None else None
@@ -556,8 +375,7 @@ class MtpEagleDrafter(Drafter):
             token, q = sample_draft_step(ctx, self.lm.logits(hidden), step)
             drafted.append(token)
             probs.append(q)
-        for slot in ctx.slot_list():
-            self.pending_count[slot] = 0
+        self.pending.zero(ctx.slot_list())
         if not k:
             return DraftProposal(torch.zeros(len(ctx.token_ids), 0, dtype=torch.int64,
                                              device=hidden.device))

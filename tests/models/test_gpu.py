@@ -194,6 +194,6 @@ def test_on_verified_does_not_wait_for_the_gpu(tiny_dirs):
         assert not queued.query(), "on_verified waited for the queued GPU work"
         torch.cuda.synchronize()
     # Slot 0 holds VERIFY's rows 0..2 (first call), then row 0 appended (second call).
-    assert torch.equal(drafter.pending[0, :3], hidden[0, :3])
-    assert torch.equal(drafter.pending[0, 3], hidden[0, 0])
-    assert drafter.pending_count[0] == 4
+    assert drafter.pending.counts([0]) == [4]
+    assert torch.equal(drafter.pending.buffer[0, :3], hidden[0, :3])
+    assert torch.equal(drafter.pending.buffer[0, 3], hidden[0, 0])

@@ -1,9 +1,10 @@
 """The EAGLE drafters' pending target rows with on_verified's deferred stores.
 
-on_verified records which VERIFY rows go to which (slot, row) of ``pending`` and makes the
-store at the next access (a chained step usually consumes the rows first: then nothing is
-stored). Whatever the order of calls, what the drafter reads must be what storing at once
-would have left: checked against a twin drafter that stores at once (its deferral undone).
+on_verified records the call and makes its bookkeeping and store at the next read (a
+chained step usually consumes the rows first: then nothing is stored,
+models/drafters/_pending_rows.py). Whatever the order of calls, what the drafter reads
+must be what storing at once would have left: checked against a twin drafter that stores
+at once (its deferral undone).
 """
 
 from types import SimpleNamespace
@@ -22,7 +23,8 @@ class _AtOnce(MtpEagleDrafter):
 
     def on_verified(self, *args, **kw):
         super().on_verified(*args, **kw)
-        self._flush_pending()
+        assert self.pending.deferred <= 1
+        self.pending.flush()
 
 
 @pytest.fixture(scope="module")
@@ -39,8 +41,7 @@ def _drafter(cls, loaded):
 
 
 def _rows(d, slot):
-    d._flush_pending()
-    return d.pending[slot, :d.pending_count[slot]].clone()
+    return d.pending.buffer[slot, :d.pending.counts([slot])[0]].clone()
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -54,7 +55,7 @@ def test_deferred_stores_leave_what_stores_at_once_leave(loaded, seed):
     length = [0] * 4
     for d in (ours, ref):
         for slot in range(4):
-            d._start_pending(slot, 3, torch.full((3, H), float(slot)))
+            d.pending.prompt(slot, 3, torch.full((3, H), float(slot)))
     length = [3] * 4
     for step in range(40):
         op = int(torch.randint(0, 10, (1,), generator=g))
@@ -75,13 +76,13 @@ def test_deferred_stores_leave_what_stores_at_once_leave(loaded, seed):
             s = slots[0]
             for d in (ours, ref):
                 d.release(s)
-                d._start_pending(s, 5, torch.full((5, H), 100.0 + step))
+                d.pending.prompt(s, 5, torch.full((5, H), 100.0 + step))
             length[s] = 5
         else:               # DRAFT read the rows (the graph's inputs)
             for s in slots:
                 assert torch.equal(_rows(ours, s), _rows(ref, s)), (step, s)
-        for s in range(4):
-            assert ours.pending_count[s] == ref.pending_count[s]
+            held = [s for s in slots if ours.pending.counts([s])[0]]   # else start unused
+            assert ours.pending.starts(held) == ref.pending.starts(held), step
     for s in range(4):
         assert torch.equal(_rows(ours, s), _rows(ref, s)), s
 
@@ -92,11 +93,17 @@ def test_chained_consumption_drops_the_store(loaded):
     d = _drafter(MtpEagleDrafter, loaded)
     H = loaded.args.hidden_size
     for slot in (0, 1):
-        d._start_pending(slot, 4, torch.zeros(4, H))
+        d.pending.prompt(slot, 4, torch.zeros(4, H))
     d.on_verified([0, 1], [3, 3], torch.ones(2, 4, H), [2, 1])
     d.chained_consumed([0, 1])
-    assert d._deferred == []
+    assert d.pending.deferred == 0
     d.on_verified([0, 1], [6, 5], torch.full((2, 4, H), 2.0), [1, 2])
     d.chained_consumed([0])
-    assert len(d._deferred) == 1
+    assert d.pending.deferred == 1
+    assert d.pending.counts([0, 1]) == [0, 3]
     assert torch.equal(_rows(d, 1), torch.full((3, H), 2.0))
+    # A released slot is dropped from the deferred call too; the call goes when empty.
+    d.on_verified([0, 1], [8, 8], torch.full((2, 4, H), 3.0), [1, 1])
+    d.release(1)
+    d.chained_consumed([0])
+    assert d.pending.deferred == 0 and d.pending.counts([0, 1]) == [0, 0]

@@ -91,7 +91,7 @@ def test_engine_captures_only_for_eagle3(tiny, method, layers):
             "scheduler": {"max_batch_size": 2}, "speculative": {"method": method, "num_draft_tokens": 2}})
         async with AsyncEngine(config, model=loaded) as engine:
             runner, drafter = engine.worker.runner, engine.worker.drafter
-            return runner.feature_layers, drafter.pending.shape[-1]
+            return runner.feature_layers, drafter.pending.buffer.shape[-1]
 
     got, width = anyio.run(main)
     assert got == layers

@@ -1,0 +1,21 @@
+"""Host-side int64 tensors from Python ints, for the per-iteration index and input columns.
+
+``torch.tensor(list)`` converts element by element (~0.2 µs an int: ~30 µs for a batch of
+32 rows of 5 columns); packing the ints into an ``array`` first and viewing its buffer is
+~4x faster. The tensor holds a reference to the array, so the memory lives as long as it.
+"""
+
+from __future__ import annotations
+
+import array
+from typing import Iterable
+
+import torch
+
+
+def int64_tensor(values: Iterable[int]) -> torch.Tensor:
+    """[N] int64 on the host (an empty input gives an empty tensor)."""
+    packed = array.array("q", values)
+    if not packed:
+        return torch.zeros(0, dtype=torch.int64)
+    return torch.frombuffer(packed, dtype=torch.int64)
