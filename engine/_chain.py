@@ -27,6 +27,7 @@ import attrs
 import torch
 
 from specloop.graphs import GraphKey
+from specloop.models._host import int64_tensor
 
 from ._request import Request
 
@@ -36,13 +37,22 @@ if TYPE_CHECKING:
 
 
 @attrs.frozen
-class _Chained:
-    """A DRAFT + VERIFY queued one iteration ahead."""
+class _Queued:
+    """A DRAFT + VERIFY queued one iteration ahead, before VERIFY n is read back."""
 
     batch: tuple[Request, ...]
+    slots: list[int]            # the batch's slots
+    start: list[int]            # each request's length - 1 at VERIFY n
     key: GraphKey
     pending: Pending            # (VERIFY's outputs, ReadBack), as _queue_verify returns
-    seq_lens: tuple[int, ...]   # each request's length when the step is its own
+
+
+@attrs.frozen
+class _Chained:
+    """A queued DRAFT + VERIFY once VERIFY n is read back."""
+
+    queued: _Queued
+    seq_lens: list[int]         # each request's length when the step is its own
 
 
 class DeviceChain:
@@ -54,10 +64,12 @@ class DeviceChain:
         self.worker = worker
         self.drafter = worker.drafter
         self.k = self.drafter.num_draft_tokens
-        # (batch, key, pending) until VERIFY n is read back
-        self._queued: tuple[tuple[Request, ...], GraphKey, Pending] | None = None
+        self._queued: _Queued | None = None     # until VERIFY n is read back
         self._chained: _Chained | None = None
-        self._matched: tuple[Pending, list[int]] | None = None
+        self._matched: tuple[Pending, Sequence[int]] | None = None
+        # (VERIFY's key, K) -> (the chained VERIFY's key, its draft graph's key)
+        self._keys: dict[tuple[GraphKey, int], tuple[GraphKey, GraphKey]] = {}
+        self._slots: tuple[tuple[Request, ...], list[int]] = ((), [])  # the last batch's
         # For tests and benches: steps queued, taken, taken for fewer requests.
         self.queued_steps = self.taken_steps = self.subset_steps = 0
 
@@ -73,25 +85,26 @@ class DeviceChain:
         w = self.worker
         self._queued = self._chained = self._matched = None
         k = self.k if k is None else k
-        if not self._can_queue(rec, k):
+        batch = tuple(rec.batch)
+        lengths = [len(r.token_ids) for r in batch]     # seq_len
+        if not self._can_queue(rec, k, lengths):
             w.runner.keep_ahead = 0
             return None
-        batch = rec.batch
-        key = attrs.evolve(rec.key, num_draft_tokens=k)
+        key, draft_key = self._keys_for(rec.key, k)
         real, padded = len(batch), key.batch_size
         # Pages for every position n+1 may write: up to K + 1 accepted now, then the
-        # catch-up's K + 1 rows (K the drafter's: its graph's width); RESCAN's trim keeps
-        # K + 1 past the committed K/V.
+        # catch-up's K + 1 rows (K the drafter's: its graph's width). RESCAN's trim keeps
+        # as many past the committed K/V (n+1 writes K + 1 of them), so that a page is
+        # not given back at each RESCAN and taken again here (churn; a page table sync).
         w.runner.reserve(batch, 2 * self.k + 1)
-        w.runner.keep_ahead = self.k + 1
+        w.runner.keep_ahead = 2 * self.k + 2
         with torch.inference_mode():
             out = self._rows(pending[0], rows, padded, self.k + 1)
             hidden = out["hidden"][:real, :rec.k + 1].clone()
-            sampling = w._sampling_batch(batch, padded)
-            start = [r.seq_len - 1 for r in batch]
-            draft_in = self.drafter.chained_inputs(
-                out, start, [r.batch_slot for r in batch], sampling)
-            draft_key = attrs.evolve(key, stage="draft")
+            sampling = w._sampling_batch(rec.batch, padded)
+            start = [n - 1 for n in lengths]
+            slots = self._slots_of(batch)
+            draft_in = self.drafter.chained_inputs(out, start, slots, sampling)
             drafted = w.graph_cache.replay(draft_key, draft_in)
             inputs = {"tokens": torch.cat([draft_in["bonus"], drafted["token_ids"]], dim=1),
                       "start_pos": draft_in["start_pos"],
@@ -100,7 +113,7 @@ class DeviceChain:
                 inputs["draft_probs"] = drafted["probs"][:]
             next_out = w.graph_cache.replay(key, inputs)
             read = w.runner.start_read_back(next_out["packed"][:real])
-        self._queued = (tuple(batch), key, (next_out, read))
+        self._queued = _Queued(batch, slots, start, key, (next_out, read))
         self.queued_steps += 1
         return hidden
 
@@ -114,9 +127,8 @@ class DeviceChain:
         padding: token 0, zero features)."""
         names = ("token_ids", "num_accepted", "hidden")
         picked = {name: out[name] for name in names}
-        if list(rows) != list(range(len(rows))):
-            index = list(rows) + [0] * (padded - len(rows))
-            at = torch.tensor(index, dtype=torch.int64)
+        if not in_order(rows):
+            at = int64_tensor([*rows, *[0] * (padded - len(rows))])
             at = (at.pin_memory() if out["hidden"].is_cuda else at).to(out["hidden"].device,
                                                                        non_blocking=True)
             picked = {name: t.index_select(0, at) for name, t in picked.items()}
@@ -129,21 +141,33 @@ class DeviceChain:
                 [hidden, hidden.new_zeros(hidden.shape[0], short, hidden.shape[2])], dim=1)
         return picked
 
-    def _can_queue(self, rec: IterationRecord, k: int) -> bool:
+    def _slots_of(self, batch: tuple[Request, ...]) -> list[int]:
+        """The batch's slots (one list per batch: most iterations run the last one's)."""
+        if self._slots[0] != batch:
+            self._slots = (batch, [r.batch_slot for r in batch])
+        return self._slots[1]
+
+    def _keys_for(self, key: GraphKey, k: int) -> tuple[GraphKey, GraphKey]:
+        """(the chained VERIFY's key at K = ``k``, its draft graph's key)."""
+        keys = self._keys.get((key, k))
+        if keys is None:
+            chained = attrs.evolve(key, num_draft_tokens=k)
+            keys = self._keys[key, k] = (chained, attrs.evolve(chained, stage="draft"))
+        return keys
+
+    def _can_queue(self, rec: IterationRecord, k: int, lengths: list[int]) -> bool:
         """Not when the next iteration will likely admit a request (it would be dropped),
         when a position it writes may lie past the cache, off the captured graphs (at
         the next K), or after a VERIFY that drafted nothing (adaptive K's K = 0: the head
         then has more rows to catch up on than VERIFY n's) or before one (K = 0: the
-        step queued ahead without a drafter, engine/_ahead.py)."""
+        step queued ahead without a drafter, engine/_ahead.py). ``lengths``: the batch's."""
         w = self.worker
         if not rec.graph_captured or not rec.k or not k or not rec.batch:
             return False
-        key = attrs.evolve(rec.key, num_draft_tokens=k)
-        if not (w.graph_cache.has(key) and w.graph_cache.has(attrs.evolve(key, stage="draft"))):
+        key, draft_key = self._keys_for(rec.key, k)
+        if not (w.graph_cache.has(key) and w.graph_cache.has(draft_key)):
             return False
-        k = self.k
-        limit = w.config.model.max_seq_len
-        if any(r.seq_len + 2 * k + 2 > limit for r in rec.batch):
+        if max(lengths) + 2 * self.k + 2 > w.config.model.max_seq_len:
             return False
         scheduler = w.scheduler
         return not (scheduler.slots.num_free and (
@@ -151,13 +175,11 @@ class DeviceChain:
 
     def collected(self, rec: IterationRecord) -> None:
         """VERIFY n is read back: the lengths the chained step assumed are now known."""
-        if self._queued is None or rec.result is None:
+        queued, self._queued = self._queued, None
+        if queued is None or rec.result is None:
             return
-        batch, key, pending = self._queued
-        self._queued = None
         grown = rec.result.num_accepted.tolist()
-        self._chained = _Chained(batch, key, pending,
-                                 tuple(r.seq_len + n + 1 for r, n in zip(batch, grown)))
+        self._chained = _Chained(queued, [s + n + 2 for s, n in zip(queued.start, grown)])
 
     # iteration n+1 ----------------------------------------------------------------------
     def matches(self, rec: IterationRecord) -> bool:
@@ -166,23 +188,38 @@ class DeviceChain:
         it (then the drafter is not called: its catch-up rows were fed on the device; a
         row's draft and VERIFY do not depend on the rows beside it). Drops it otherwise."""
         chained, self._chained, self._matched = self._chained, None, None
-        if chained is None or rec.key != chained.key or \
-                len(rec.batch) > len(chained.batch):
+        if chained is None or not rec.batch:
             return False
-        rows, i, old = [], 0, chained.batch
-        for request in rec.batch:
-            while i < len(old) and old[i] is not request:
-                i += 1
-            if i == len(old) or request.seq_len != chained.seq_lens[i]:
+        queued, batch = chained.queued, rec.batch
+        if rec.key != queued.key or len(batch) > len(queued.batch):
+            return False
+        if len(batch) == len(queued.batch):     # the same batch (the usual case)
+            rows: Sequence[int] = range(len(batch))
+            if tuple(batch) != queued.batch or \
+                    [len(r.token_ids) for r in batch] != chained.seq_lens:
                 return False
-            rows.append(i)
-            i += 1
-        self.drafter.chained_consumed([r.batch_slot for r in rec.batch])
-        self._matched = (chained.pending, rows)
-        self.subset_steps += len(rows) < len(old)
+            slots = queued.slots
+        else:
+            rows, i, old = [], 0, queued.batch
+            for request in batch:
+                while i < len(old) and old[i] is not request:
+                    i += 1
+                if i == len(old) or request.seq_len != chained.seq_lens[i]:
+                    return False
+                rows.append(i)
+                i += 1
+            slots = [queued.slots[i] for i in rows]
+            self.subset_steps += 1
+        self.drafter.chained_consumed(slots)
+        self._matched = (queued.pending, rows)
         return True
 
-    def take(self) -> tuple[Pending, list[int]] | tuple[None, None]:
+    @property
+    def matched(self) -> bool:
+        """Whether this iteration's DRAFT matched the chained step (``matches``)."""
+        return self._matched is not None
+
+    def take(self) -> tuple[Pending, Sequence[int]] | tuple[None, None]:
         """In VERIFY: (the chained step's (outputs, ReadBack), the rows of it that are
         this batch's) when DRAFT matched it, else (None, None)."""
         matched, self._matched = self._matched, None
@@ -190,3 +227,10 @@ class DeviceChain:
             return None, None
         self.taken_steps += 1
         return matched
+
+
+def in_order(rows: Sequence[int]) -> bool:
+    """Whether ``rows`` are 0, 1, .. (every row of the step, in order)."""
+    if isinstance(rows, range):
+        return rows.start == 0 and rows.step == 1
+    return list(rows) == list(range(len(rows)))

@@ -62,9 +62,9 @@ async def serve(cfg, loaded, reqs, chained):
             # back without a chained copy of its rows.
             can_queue, calls, seen = chain._can_queue, iter(range(10 ** 6)), [0]
 
-            def sometimes(rec, k):
+            def sometimes(rec, *args):
                 subset, seen[0] = chain.subset_steps > seen[0], chain.subset_steps
-                return next(calls) % 3 != 2 and not subset and can_queue(rec, k)
+                return next(calls) % 3 != 2 and not subset and can_queue(rec, *args)
             chain._can_queue = sometimes
 
         async def one(i, prompt, params):

@@ -39,7 +39,7 @@ async def serve(tiny_dir, loaded, chained, pattern=PATTERN, drop=False, times=No
                 # every other iteration queues none (as when one is about to join).
                 chain.matches = lambda rec: bool(setattr(chain, "_chained", None))
                 can_queue, calls = chain._can_queue, iter(range(10 ** 6))
-                chain._can_queue = lambda rec, k: next(calls) % 2 == 0 and can_queue(rec, k)
+                chain._can_queue = lambda rec, *a: next(calls) % 2 == 0 and can_queue(rec, *a)
 
             def queued(rec, pending, rows, k=None):
                 hidden = queue(rec, pending, rows, k)
