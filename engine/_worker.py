@@ -284,8 +284,10 @@ class RankWorker:
 
     # DRAFT ------------------------------------------------------------------------------
     async def draft(self, rec: IterationRecord) -> IterationState:
-        # Pages for every position DRAFT and VERIFY will write, before either runs.
-        self.runner.reserve(rec.batch, self.k)
+        # Pages for every position DRAFT and VERIFY will write, before either runs (a
+        # chained step that matches had them reserved when it was queued).
+        if not (self.chain is not None and self.chain.matches(rec)):
+            self.runner.reserve(rec.batch, self.k)
         await self.draft_step(rec)
         return S.VERIFY
 
@@ -299,7 +301,7 @@ class RankWorker:
         assert drafter is not None, "draft_step drafts only with a drafter (K > 0)"
         if not rec.batch and not self.draft_when_idle:
             return
-        if self.chain is not None and self.chain.matches(rec):
+        if self.chain is not None and self.chain.matched:
             # Queued on the device by the last VERIFY; VERIFY takes it.
             rec.draft_token_ids = rec.draft_probs = None
             return
