@@ -8,7 +8,6 @@ reused id can never receive an earlier request's outputs or cancel (issue 10, de
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from typing import Callable, Iterable
 
 import anyio
@@ -28,7 +27,7 @@ class OutputChannel:
     __slots__ = ("_items", "_waiter", "_closed", "_open")
 
     def __init__(self, requests: int = 1) -> None:
-        self._items: deque[RequestOutput] = deque()
+        self._items: list[RequestOutput] = []
         self._waiter: asyncio.Future[None] | anyio.Event | None = None
         self._closed = False
         # Requests that still put here: one channel may carry a batch's requests
@@ -60,8 +59,7 @@ class OutputChannel:
                 await waiter
             else:
                 await waiter.wait()
-        items = list(self._items)
-        self._items.clear()
+        items, self._items = self._items, []     # handed over whole, not copied
         return items
 
     def _wake(self) -> None:
