@@ -102,7 +102,7 @@ class Outputs:
                 self.deliver_many(outputs)
         return finished
 
-    def _commit_each(self, request: Request, new_tokens: list[int]
+    def _commit_each(self, request: Request, new_tokens: Sequence[int]
                      ) -> tuple[list[int], FinishReason | None]:
         emitted: list[int] = []
         for token in new_tokens:
