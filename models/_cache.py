@@ -51,6 +51,9 @@ class PageTable:
         self._owned: list[list[int]] = [[] for _ in range(num_slots + 1)]
         self.host = torch.full((num_slots + 1, self.pages_per_slot), self.scratch_page,
                                dtype=torch.int32)
+        # The same memory as numpy: resize writes one entry at a time, ~0.1 us each here
+        # against ~3 us through torch indexing (reserve and trim run every iteration).
+        self._host_rows = self.host.numpy()
         self._dirty: set[int] = set()
         with torch.inference_mode(False):
             self.table = self.host.to(device)
@@ -91,13 +94,14 @@ class PageTable:
                 f"slot {slot} needs {want - len(owned)} more KV pages for {length} positions, "
                 f"{len(self._free)} free of {self.num_pages}; raise the page budget or "
                 "lower scheduler.max_batch_size")
+        row = self._host_rows[slot]
         while len(owned) < want:
             page = self._free.pop()
-            self.host[slot, len(owned)] = page
+            row[len(owned)] = page
             owned.append(page)
         while len(owned) > want:
             self._free.append(owned.pop())
-            self.host[slot, len(owned)] = self.scratch_page
+            row[len(owned)] = self.scratch_page
         self._dirty.add(slot)
 
     def release(self, slot: int) -> None:
