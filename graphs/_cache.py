@@ -49,7 +49,10 @@ class GraphCache(Protocol):
     called as ``factory(config)``. Subclass it to inherit the default of ``seal`` (does
     nothing), or implement every member. Optional: ``feeds_itself(key) -> bool``, True
     where ``replay(key, None)`` replays the inputs a ``FeedsItself`` step wrote (the
-    engine asks before it replays without inputs; without the method it never does)."""
+    engine asks before it replays without inputs; without the method it never does);
+    ``static_inputs(key) -> Tensors``, the captured key's static inputs, which a caller may
+    write in place and hand back as the inputs themselves (a replay then copies nothing
+    for them; without the method the engine hands over tensors to copy)."""
 
     def pick(self, batch_size: int, num_draft_tokens: int, sampling_path: SamplingPath,
              all_greedy: bool, *, agreed: bool = True) -> tuple[GraphKey, bool]:

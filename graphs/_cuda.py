@@ -95,7 +95,8 @@ class CudaGraphCache(GraphCache):
             for name, static in captured.inputs.items():
                 source = inputs[name]
                 if captured.sources.get(name) is not source:
-                    static.copy_(source, non_blocking=True)
+                    if source is not static:    # else written in place (static_inputs)
+                        static.copy_(source, non_blocking=True)
                     captured.sources[name] = source
         captured.graph.replay()
         captured.replays += 1
@@ -109,7 +110,10 @@ class CudaGraphCache(GraphCache):
         return bool(getattr(self._graphs.get(key), "writes", ()))
 
     def static_inputs(self, key: GraphKey) -> Tensors:
-        """The static inputs of ``key`` (tests compare what the graph wrote)."""
+        """The static inputs of ``key``: a caller may write an input there in place
+        (queued on the stream, behind the replays that read the old value) and hand that
+        very tensor to ``replay``, which then copies nothing for it (the chained step's
+        glue, engine/_chain.py); tests compare what the graph wrote."""
         return self._graphs[key].inputs
 
     def replay_counts(self) -> dict[GraphKey, int]:

@@ -262,14 +262,16 @@ class MtpEagleDrafter(Drafter):
 
     @inference_mode
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
-                       slots: Sequence[int], sampling: SamplingBatch
+                       slots: Sequence[int], sampling: SamplingBatch,
+                       into: dict[str, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
         """The catch-up of each row is that VERIFY's K + 1 rows at ``start`` (rows
         0..n committed; the rest sit at positions >= the new length - 1, which the draft
         steps and the next catch-up write before any query reads them, as the graph's
         own padding rows do), its tokens (-1 past the bonus: any valid id), cu_last n,
         the new length start + n + 2. Padding rows as ``graph_inputs`` pads them
-        (scratch slot, start 0, cu_last 0, length 2)."""
+        (scratch slot, start 0, cu_last 0, length 2). Written ``into`` the tensors given
+        (the graphs' static inputs: no copy at the replay) where the names match."""
         rows, real = sampling.size, len(start)
         pad = rows - real
         slot_row, is_real = self._chain_rows(slots, rows)
@@ -280,13 +282,16 @@ class MtpEagleDrafter(Drafter):
         dev = self.pending.buffer.device
         host = host.pin_memory() if dev.type == "cuda" else host
         cu_start, length, position = host.to(dev, non_blocking=True).view(3, rows)
-        accepted = verified["num_accepted"] * is_real
-        tokens = verified["token_ids"].clamp(min=0)
+        to = _writable(into)
+        accepted = torch.mul(verified["num_accepted"], is_real, out=to("cu_last", [rows]))
+        tokens = torch.clamp(verified["token_ids"], min=0,
+                             out=to("cu_tokens", verified["token_ids"].shape))
         inputs = {"cu_tokens": tokens, "cu_hidden": verified["hidden"][:],
                   "cu_start": cu_start, "write_slots": slot_row, "cu_last": accepted,
-                  "slots": slot_row, "seq_lens": length + accepted,
+                  "slots": slot_row,
+                  "seq_lens": torch.add(length, accepted, out=to("seq_lens", [rows])),
                   "bonus": tokens.gather(1, accepted[:, None]),
-                  "start_pos": position + accepted}
+                  "start_pos": torch.add(position, accepted, out=to("start_pos", [rows]))}
         inputs.update(sampling.columns())
         return inputs
 
@@ -380,3 +385,13 @@ class MtpEagleDrafter(Drafter):
             return DraftProposal(torch.zeros(len(ctx.token_ids), 0, dtype=torch.int64,
                                              device=hidden.device))
         return stack_proposal(drafted, probs)
+
+
+def _writable(into: dict[str, torch.Tensor] | None
+              ) -> Callable[[str, Sequence[int]], torch.Tensor | None]:
+    """name, shape -> the tensor of ``into`` to write that input into (same shape), or
+    None (a new tensor); an out= of another shape would resize a graph's static input."""
+    def to(name: str, shape: Sequence[int]) -> torch.Tensor | None:
+        t = None if into is None else into.get(name)
+        return t if t is not None and t.shape == tuple(shape) else None
+    return to

@@ -152,12 +152,14 @@ class NgramDrafter(Drafter):
                 "meta": meta}
 
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
-                       slots: Sequence[int], sampling: SamplingBatch
+                       slots: Sequence[int], sampling: SamplingBatch,
+                       into: dict[str, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
         """The chained draft's inputs (VERIFY n's rows), after copying to the device the
         tokens it lacks of each row's first ``start + 1`` (those DRAFT saw on the host
         since the last chained step; a row whose DRAFT was chained already has them);
-        ``bonus`` and ``start_pos`` are the graph's outputs, valid once it has run."""
+        ``bonus`` and ``start_pos`` are the graph's outputs, valid once it has run.
+        ``into`` is not used (the inputs are views of the device buffers)."""
         rows, real = sampling.size, len(start)
         pad = rows - real
         meta = [list(start) + [0] * pad, list(slots) + [self.scratch] * pad,
