@@ -18,6 +18,9 @@ from ._request import FinishReason, NewRequest, RequestOutput
 from ._stop import TextStream
 
 
+_NOTHING = FrontDoorMessage()
+
+
 class OutputChannel:
     """One request's outputs, engine to consumer, unbounded (the engine never waits on a
     slow consumer). ``put`` wakes the consumer only when it waits; ``take`` returns all
@@ -153,6 +156,8 @@ class FrontDoor:
 
     def take_message(self, assign: Callable[[list[NewRequest]], tuple[tuple[int, NewRequest], ...]]
                      ) -> FrontDoorMessage:
+        if not (self._inbox or self._cancels or self.closing):
+            return _NOTHING      # most iterations: no news, one shared empty message
         new, self._inbox = list(self._inbox.values()), {}
         cancels, self._cancels = tuple(self._cancels), []
         if self.closing:
