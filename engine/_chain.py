@@ -100,7 +100,6 @@ class DeviceChain:
         w.runner.keep_ahead = 2 * self.k + 2
         with torch.inference_mode():
             out = self._rows(pending[0], rows, padded, self.k + 1)
-            hidden = out["hidden"][:real, :rec.k + 1].clone()
             sampling = w._sampling_batch(rec.batch, padded)
             start = [n - 1 for n in lengths]
             slots = self._slots_of(batch)
@@ -113,6 +112,7 @@ class DeviceChain:
                 into = {**statics(draft_key), "start_pos": verify_in["start_pos"]}
             draft_in = self.drafter.chained_inputs(out, start, slots, sampling, into=into)
             drafted = w.graph_cache.replay(draft_key, draft_in)
+            hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1)
             pair = [draft_in["bonus"], drafted["token_ids"]]
             width = pair[0].shape[1] + pair[1].shape[1]
             tokens = verify_in.get("tokens") if verify_in is not None else None
@@ -129,6 +129,19 @@ class DeviceChain:
         self._queued = _Queued(batch, slots, start, key, (next_out, read))
         self.queued_steps += 1
         return hidden
+
+    @staticmethod
+    def _hidden_kept(verified: torch.Tensor, into: dict[str, torch.Tensor] | None,
+                     real: int, width: int) -> torch.Tensor:
+        """VERIFY n's feature rows of the batch [real, width, F*H], kept past the chained
+        VERIFY (which overwrites ``verified``): the draft graph's static ``cu_hidden``
+        holds them once replayed (only its next replay overwrites it, and that comes
+        after DRAFT n+1 read or dropped the rows ``on_verified`` recorded:
+        models/drafters/_pending_rows.py), else a copy."""
+        static = None if into is None else into.get("cu_hidden")
+        if static is not None and static.shape == verified.shape:
+            return static[:real, :width]
+        return verified[:real, :width].clone()
 
     @staticmethod
     def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int, width: int

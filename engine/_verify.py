@@ -21,6 +21,7 @@ import torch
 
 from specloop.graphs import Step, Tensors
 from specloop.graphs._cache import FeedsItself
+from specloop.models._host import int64_tensor
 from specloop.samplers import SamplingBatch
 
 from ._request import Request
@@ -38,9 +39,13 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     rows, real = sampling.size, len(batch)
     pad = rows - real
     # One host row per request, [last, 0 * K, start, slot]: one host-to-device copy.
-    host = torch.tensor([[r.token_ids[-1]] + [0] * k + [r.seq_len - 1, r.batch_slot]
-                         for r in batch]
-                        + [[0] * (k + 2) + [scratch_slot]] * pad, dtype=torch.int64)
+    zeros = [0] * k
+    flat: list[int] = []
+    for r in batch:
+        ids = r.token_ids
+        flat += (ids[-1], *zeros, len(ids) - 1, r.batch_slot)
+    flat += [*zeros, 0, 0, scratch_slot] * pad
+    host = int64_tensor(flat).view(rows, k + 3)
     on_host = False
     if k and real:
         assert drafts is not None, "K > 0 with rows: DRAFT proposed K tokens per row"
@@ -68,9 +73,10 @@ def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
     (that step's output, still on the device) at position ``seq_len`` (one past that
     step's)."""
     rows, real = sampling.size, len(batch)
-    host = torch.tensor([[0, r.seq_len, r.batch_slot, row]
-                         for r, row in zip(batch, source_rows)]
-                        + [[0, 0, scratch_slot, 0]] * (rows - real), dtype=torch.int64)
+    flat: list[int] = []
+    for r, row in zip(batch, source_rows):
+        flat += (0, len(r.token_ids), r.batch_slot, row)
+    host = int64_tensor(flat + [0, 0, scratch_slot, 0] * (rows - real)).view(rows, 4)
     if torch.device(device).type == "cuda":
         host = host.pin_memory()
     packed = host.to(device, non_blocking=True)

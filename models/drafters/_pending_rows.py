@@ -11,9 +11,12 @@ next read (DRAFT's inputs, a prompt's first row, a K = 0 row) makes the deferred
 in order; a chained step that fed a slot's rows on the device (``zero``, engine/_chain.py)
 takes the slot out of every deferred call, and a call with no slot left is dropped. So a
 taken chained step costs neither host nor GPU work here. ``hidden`` of a deferred call is
-the chain's copy, a fresh eager output, or a captured VERIFY's static output that only a
-replay of the same graph overwrites, and that replay comes after DRAFT's read (which makes
-the stores first) or is the chained step (the copy).
+a fresh eager output, or a static tensor that only a replay of its graph overwrites, and
+that replay comes after DRAFT's read (which makes the stores first) or after DRAFT dropped
+the call: a captured VERIFY's output (the next replay of that VERIFY graph is queued by
+DRAFT's successor), or, chained, the draft graph's static copy of VERIFY's rows (every
+slot of the call is then consumed by the chained step, or released, or read by the
+drafter's own DRAFT before its replay).
 """
 
 from __future__ import annotations

@@ -10,6 +10,8 @@ import torch
 from specloop.comm import Communicator
 from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
 
+from .._host import int64_tensor
+
 T = TypeVar("T")
 
 
@@ -251,16 +253,30 @@ def graph_int_inputs(ctx: DraftContext, host: dict[str, list[Any]]
     rows) on the model's device, plus the padded sampling columns."""
     if ctx.graph_sampling is None:
         raise ValueError("graph inputs need ctx.graph_sampling (the graph's padded rows)")
-    # One host-to-device copy for all columns (a copy each cost a launch each).
-    columns = {name: torch.tensor(v, dtype=torch.int64) for name, v in host.items()}
-    flat = torch.cat([c.reshape(-1) for c in columns.values()])
+    # One host-to-device copy for all columns (a copy each cost a launch each); a column
+    # is a list of ints [B] or of equal-length rows [B, W].
+    values: list[int] = []
+    shapes: list[tuple[int, ...]] = []
+    for column in host.values():
+        if column and isinstance(column[0], (list, tuple)):
+            width = len(column[0])
+            shapes.append((len(column), width))
+            for row in column:
+                if len(row) != width:
+                    raise ValueError(f"graph input rows of lengths {width} and {len(row)}")
+                values += row
+        else:
+            shapes.append((len(column),))
+            values += column
+    flat = int64_tensor(values)
     if ctx.slots.device.type == "cuda":
         flat = flat.pin_memory()    # queued without waiting for the work ahead of it
     packed = flat.to(ctx.slots.device, non_blocking=True)
     inputs, at = {}, 0
-    for name, c in columns.items():
-        inputs[name] = packed[at:at + c.numel()].view(c.shape)
-        at += c.numel()
+    for name, shape in zip(host, shapes):
+        size = shape[0] * (shape[1] if len(shape) > 1 else 1)
+        inputs[name] = packed[at:at + size].view(shape)
+        at += size
     inputs.update(ctx.graph_sampling.columns())
     return inputs
 
