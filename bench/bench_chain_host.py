@@ -9,6 +9,10 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
         [--method eagle3] [--k 3] [--profile prof.txt]
+
+Per run: each state's mean time per iteration, and (``per-iteration medians``) the median
+of its per-iteration times, which a shared, loaded host disturbs far less (a preempted
+iteration moves a mean, not the median).
 """
 
 from __future__ import annotations
@@ -38,6 +42,17 @@ class _Kept:
     def __init__(self, inputs, outputs, writes):
         self.inputs, self.outputs, self.writes, self.replays = inputs, outputs, writes, 0
         self.sources: dict = {}
+
+
+class IterationTimes:
+    """Each state's time in every iteration with a batch (for per-iteration medians)."""
+
+    def __init__(self):
+        self.us: dict[str, list[float]] = {}
+
+    def on_transition(self, event):
+        if event.batch_size:
+            self.us.setdefault(event.state.value, []).append(event.duration_us)
 
 
 class FrozenReplayCache(CudaGraphCache):
@@ -82,13 +97,14 @@ def config(path, method, k, batch):
 
 
 async def measure(cfg, loaded, batch, iterations, profiler):
-    """-> (wall us per iteration, {state: us per iteration}, chained steps taken share)."""
+    """-> (wall us per iteration, {state: us per iteration}, chained steps taken share,
+    {state: median us of an iteration})."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     from specloop.engine._chain import DeviceChain  # noqa: PLC0415
     from specloop.samplers import SamplingParams  # noqa: PLC0415
     params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
-    times = StateTimes()
-    async with AsyncEngine(cfg, model=loaded, observers=[times]) as engine:
+    times, each = StateTimes(), IterationTimes()
+    async with AsyncEngine(cfg, model=loaded, observers=[times, each]) as engine:
         worker = engine.worker
         worker.verify_inline = True     # the chain runs on CUDA only; here forced on
         if worker.drafter is not None and worker.drafter.can_chain:
@@ -105,6 +121,7 @@ async def measure(cfg, loaded, batch, iterations, profiler):
             first = engine.stats.num_iterations
             taken = worker.chain.taken_steps if worker.chain is not None else 0
             times.total_us.clear()
+            each.us.clear()
             if profiler is not None:
                 profiler.enable()
             start = time.perf_counter()
@@ -115,10 +132,11 @@ async def measure(cfg, loaded, batch, iterations, profiler):
                 profiler.disable()
             done = engine.stats.num_iterations - first
             states = {s: v / done for s, v in times.total_us.items()}
+            medians = {s: statistics.median(v) for s, v in each.us.items()}
             share = ((worker.chain.taken_steps - taken) / done
                      if worker.chain is not None else 0.0)
             tg.cancel_scope.cancel()
-    return elapsed / done * 1e6, states, share
+    return elapsed / done * 1e6, states, share, medians
 
 
 def main() -> None:
@@ -140,21 +158,27 @@ def main() -> None:
         loaded = load_model(path, dtype=torch.float32)
         for batch in map(int, args.batches.split(",")):
             cfg = config(path, args.method, args.k, batch)
-            walls, per_state = [], {}
+            walls, per_state, per_median = [], {}, {}
             profiler = cProfile.Profile() if args.profile else None
             for _ in range(args.runs):
-                wall, states, share = anyio.run(measure, cfg, loaded, batch,
-                                                args.iterations, profiler)
+                wall, states, share, medians = anyio.run(measure, cfg, loaded, batch,
+                                                         args.iterations, profiler)
                 walls.append(wall)
                 for s, v in states.items():
                     per_state.setdefault(s, []).append(v)
+                for s, v in medians.items():
+                    per_median.setdefault(s, []).append(v)
                 print(f"  batch {batch}: {wall:.0f} us/iteration wall, chained {share:.2f}; "
-                      + " ".join(f"{s} {v:.0f}" for s, v in states.items()), flush=True)
+                      + " ".join(f"{s} {v:.0f}" for s, v in states.items())
+                      + "; per-iteration medians: "
+                      + " ".join(f"{s} {v:.0f}" for s, v in medians.items()), flush=True)
             summary = " ".join(f"{s} {statistics.median(v):.0f}" for s, v in per_state.items())
             handlers = sum(statistics.median(v) for v in per_state.values())
             print(f"{args.method} K={args.k} batch {batch}: wall {min(walls):.0f}-"
                   f"{max(walls):.0f} us/iteration; handlers {handlers:.0f} (median: "
-                  f"{summary})", flush=True)
+                  f"{summary}); per-iteration medians, min-max over runs: "
+                  + " ".join(f"{s} {min(v):.0f}-{max(v):.0f}" for s, v in per_median.items()),
+                  flush=True)
             if profiler is not None:
                 out = io.StringIO()
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(45)
