@@ -117,15 +117,15 @@ class OutputExchange:
         else:
             self.front.deliver((output,))
 
-    def deliver_many(self, outputs: list[tuple[int, RequestOutput]]) -> None:
-        """``deliver`` of each (handle, output), in order: RESCAN's outputs of one
-        iteration, handed over in one call."""
+    def deliver_many(self, handles: list[int], outputs: list[RequestOutput]) -> None:
+        """``deliver`` of each (handle, output), row for row, in order: RESCAN's outputs
+        of one iteration, handed over in one call."""
         if self.front is None:
-            self.pending.extend(outputs)
+            self.pending.extend(zip(handles, outputs))
         elif self._deferring:
-            self._own.extend(output for _, output in outputs)
+            self._own.extend(outputs)
         else:
-            self.front.deliver([output for _, output in outputs])
+            self.front.deliver(outputs)
 
     async def _local(self, facts: Sequence[int], defer: bool) -> FrontDoorMessage:
         front = self.front

@@ -20,10 +20,10 @@ class Outputs:
     def __init__(self, *, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner,
                  drafter: Drafter | None, stats: EngineStats,
                  deliver: Callable[[int, RequestOutput], None],
-                 deliver_many: Callable[[list[tuple[int, RequestOutput]]], None] | None = None
+                 deliver_many: Callable[[list[int], list[RequestOutput]], None] | None = None
                  ) -> None:
-        """``deliver``: one (handle, output) towards the front door; ``deliver_many``: a
-        list of them, in order (default: ``deliver`` each)."""
+        """``deliver``: one (handle, output) towards the front door; ``deliver_many``:
+        (handles, outputs), row for row, in order (default: ``deliver`` each)."""
         self.k = config.speculative.k
         self.max_seq_len = config.model.max_seq_len
         self.scheduler = scheduler
@@ -65,7 +65,8 @@ class Outputs:
         batch 64). The outputs reach ``deliver`` in batch order once every row is
         committed (no consumer runs before RESCAN ends either way). -> the requests
         that finished."""
-        outputs: list[tuple[int, RequestOutput]] = []
+        handles: list[int] = []
+        outputs: list[RequestOutput] = []
         finished: list[Request] = []
         generated = 0
         trim = self.runner.trim
@@ -90,16 +91,18 @@ class Outputs:
                 trim(request)
                 if reason is None:
                     if emitted:
-                        outputs.append((request.handle, RequestOutput(
-                            request.request_id, tuple(emitted), "", False, None)))
+                        handles.append(request.handle)
+                        outputs.append(RequestOutput(request.request_id, tuple(emitted), "",
+                                                     False, None))
                 else:
                     finished.append(request)
                     self._end(request, reason)
-                    outputs.append((request.handle, self._output(request, emitted, True)))
+                    handles.append(request.handle)
+                    outputs.append(self._output(request, emitted, True))
         finally:
             self.stats.num_generated_tokens += generated
             if outputs:
-                self.deliver_many(outputs)
+                self.deliver_many(handles, outputs)
         return finished
 
     def _commit_each(self, request: Request, new_tokens: Sequence[int]
@@ -150,8 +153,8 @@ class Outputs:
         return RequestOutput(request.request_id, tuple(tokens), "", finished,
                              request.finish_reason if finished else None)
 
-    def _deliver_each(self, outputs: list[tuple[int, RequestOutput]]) -> None:
-        for handle, output in outputs:
+    def _deliver_each(self, handles: list[int], outputs: list[RequestOutput]) -> None:
+        for handle, output in zip(handles, outputs):
             self.deliver(handle, output)
 
     def cancel_all(self) -> None:
