@@ -179,24 +179,21 @@ class MtpEagleDrafter(Drafter):
                           ) -> dict[str, list[Any]]:
         """Host columns of the catch-up for ``rows`` rows (the real ones, then padding on
         the scratch slot), each row's pending target rows right-padded to ``width``."""
-        real = len(ctx.token_ids)
-        slots = ctx.slot_list() + [self.scratch] * (rows - real)
-        counts = self.pending.counts(slots[:real]) + [1] * (rows - real)
-        first = self.pending.starts(slots[:real])
+        real, pad = len(ctx.token_ids), rows - len(ctx.token_ids)
+        own = ctx.slot_list()
+        counts = self.pending.counts(own)
+        starts = self.pending.starts(own)
         tokens: list[list[int]] = []
-        starts: list[int] = []
-        writes: list[int] = []
-        for i, (slot, count) in enumerate(zip(slots, counts)):
-            seq = ctx.token_ids[i] if i < real else [0]
-            start = first[i] if i < real else 0
+        for seq, start, count in zip(ctx.token_ids, starts, counts):
             toks = list(seq[start + 1:start + 1 + count]) or [seq[-1]]
             tokens.append(toks + [toks[-1]] * (width - len(toks)))
-            starts.append(start)
-            # A 1-token prompt has no target row yet: it runs on zeros in its own slot (the
-            # shared scratch slot would let batch neighbours see each other's K/V).
-            writes.append(slot if i < real else self.scratch)
-        return {"cu_tokens": tokens, "cu_start": starts, "write_slots": writes,
-                "cu_last": [max(c, 1) - 1 for c in counts], "slots": slots}
+        # Padding rows: token 0 at position 0 of the scratch slot. A 1-token prompt has no
+        # target row yet: it runs on zeros in its own slot (the shared scratch slot would
+        # let batch neighbours see each other's K/V).
+        slots = own + [self.scratch] * pad
+        return {"cu_tokens": tokens + [[0] * width] * pad, "cu_start": starts + [0] * pad,
+                "write_slots": slots, "cu_last": [max(c, 1) - 1 for c in counts] + [0] * pad,
+                "slots": slots}
 
     def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""

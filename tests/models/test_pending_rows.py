@@ -107,3 +107,26 @@ def test_chained_consumption_drops_the_store(loaded):
     d.release(1)
     d.chained_consumed([0])
     assert d.pending.deferred == 0 and d.pending.counts([0, 1]) == [0, 0]
+
+
+@pytest.mark.parametrize("sliced", [False, True])
+def test_rows_hold_the_committed_verify_rows(loaded, sliced):
+    """What a slot holds is its prompt's last row, then each VERIFY's committed rows in
+    order (rows continuing the slot's positions are appended, others start over);
+    ``sliced``: VERIFY's rows are a slice of wider rows (adaptive K's chained copy)."""
+    d = _drafter(MtpEagleDrafter, loaded)
+    H = loaded.args.hidden_size
+    prompt = torch.randn(3, H)
+    for slot in (0, 2):
+        d.pending.prompt(slot, 3, prompt + slot)
+    wide = torch.randn(2, 6, H)
+    hidden = wide[:, :4] if sliced else wide[:, :4].contiguous()
+    d.on_verified([2, 0], [3, 3], hidden, [1, 3])           # both continue position 2
+    assert torch.equal(_rows(d, 2), torch.cat([prompt[2:] + 2, hidden[0, :2]]))
+    assert torch.equal(_rows(d, 0), torch.cat([prompt[2:], hidden[1, :4]]))
+    later = torch.randn(1, 4, H)
+    d.on_verified([0], [9], later, [0])                      # not after slot 0's rows
+    assert torch.equal(_rows(d, 0), later[0, :1])
+    d.chained_consumed([2])
+    d.on_verified([2], [5], later, [2])
+    assert torch.equal(_rows(d, 2), later[0, :3])
