@@ -209,7 +209,7 @@ class RankWorker:
         # Nothing to agree on: no tensors on the hot path. The flag from the batch's
         # sampling rows (built once per batch, PICK_GRAPH_KEY's too), the record's flags
         # rebuilt only when it changes (an attrs evolve is ~4 us; most iterations keep it).
-        greedy = self._sampling_batch(rec.batch, None).all_greedy if rec.batch else True
+        greedy = self._all_greedy(rec.batch)
         if rec.spec.is_all_greedy_sample != greedy:
             rec.spec = rec.spec.evolve(is_all_greedy_sample=greedy)
         self.exchange.loads = [self.scheduler.num_requests]
@@ -220,10 +220,15 @@ class RankWorker:
             self.clock.timed = True
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
+    def _all_greedy(self, batch: list[Request]) -> bool:
+        """Whether every request of ``batch`` samples greedily: from the batch's sampling
+        rows (built once per batch; PICK_GRAPH_KEY's), not a pass over its params."""
+        return self._sampling_batch(batch, None).all_greedy if batch else True
+
     def _facts(self, batch: list[Request]) -> list[int]:
         """This rank's row of what the group agrees on (the FACT_* columns)."""
         row = [len(batch) * (self.k + 1), len(batch), self.scheduler.num_requests,
-               int(all(r.params.is_greedy for r in batch))]
+               int(self._all_greedy(batch))]
         return row + self.adaptive.facts() if self.adaptive is not None else row
 
     async def _sync_group(self, rec: IterationRecord) -> IterationState:
@@ -233,11 +238,10 @@ class RankWorker:
         # Read as Python ints: a tensor op per fact cost ~50 us per iteration (issue 12).
         rows = self.exchange.gathered_rows
         greedy = [row[FACT_ALL_GREEDY] for row in rows]
-        if self.group_sync:
-            rec.spec = rec.spec.evolve(is_all_greedy_sample=bool(greedy[self.comm.rank]),
-                                       group_all_greedy_sample=all(greedy))
-        else:
-            rec.spec = rec.spec.evolve(is_all_greedy_sample=bool(greedy[self.comm.rank]))
+        mine = bool(greedy[self.comm.rank])
+        group = all(greedy) if self.group_sync else None
+        if (rec.spec.is_all_greedy_sample, rec.spec.group_all_greedy_sample) != (mine, group):
+            rec.spec = rec.spec.evolve(is_all_greedy_sample=mine, group_all_greedy_sample=group)
         # Where rank 0 assigns next: each rank's requests, counting those assigned in
         # this exchange (they join at the next iteration; without them rank 0 could
         # sit idle waiting for work while another rank has some to start).
