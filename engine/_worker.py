@@ -23,6 +23,7 @@ import torch
 
 from specloop.graphs import GraphCache, SamplingPath, Tensors
 from specloop.models._grad import inference_mode
+from specloop.models._host import int64_tensor
 from specloop.samplers import RejectionResult, Sampler, SamplingBatch
 
 from ._adaptive import AdaptiveK, IterationClock
@@ -320,8 +321,7 @@ class RankWorker:
         replay = self._draft_replay(rec)
         slots, seq_lens = [r.batch_slot for r in rec.batch], [r.seq_len for r in rec.batch]
         # Both in one copy, without blocking (a blocking host-to-device copy is a sync).
-        both = self.runner.to_device(
-            torch.tensor([seq_lens, slots], dtype=torch.int64).reshape(2, -1))
+        both = self.runner.to_device(int64_tensor(seq_lens + slots).reshape(2, -1))
         ctx = DraftContext(
             num_draft_tokens=k if variable else None,
             token_ids=[r.token_ids for r in rec.batch], seq_lens=both[0], slots=both[1],
