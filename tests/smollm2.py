@@ -35,14 +35,17 @@ def load_hf(model_dir):
 
 
 def hf_greedy(hf, tokenizer, prompts=PROMPTS, n=NEW_TOKENS) -> list[list[int]]:
-    """transformers' greedy continuation of each chat-templated prompt, n tokens."""
-    out = []
-    for prompt in prompts:
-        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        x = torch.tensor([ids])
-        with torch.no_grad():
-            # An explicit mask: the template's <|im_end|> equals the pad id and would be masked.
-            gen = hf.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=n,
-                              do_sample=False)
-        out.append(gen[0, len(ids):].tolist())
-    return out
+    """transformers' greedy continuation of each chat-templated prompt, n tokens: the
+    prompts as one left-padded batch (masked pads; transformers derives the positions from
+    the mask). A step costs about what a one-row step does on the CPU (it reads the weights
+    once), so this is ~3x cheaper than one prompt at a time (6 s of CPU instead of 17-22 s
+    for the session's 5 x 48 tokens), and gave the same tokens for every prompt."""
+    ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
+    width = max(map(len, ids))
+    pad = hf.generation_config.pad_token_id
+    x = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
+    # An explicit mask: the template's <|im_end|> equals the pad id and would be masked.
+    mask = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+    with torch.no_grad():
+        gen = hf.generate(x, attention_mask=mask, max_new_tokens=n, do_sample=False)
+    return [row[width:].tolist() for row in gen]

@@ -37,8 +37,9 @@ def test_converted_checkpoint(smollm2):
 
 
 def test_greedy_equals_transformers_generate(smollm2, smollm2_reference):
-    # The reference is the session's (transformers, one prompt at a time); ours decodes the
-    # five prompts as one batch of rows at different positions, as the engine does.
+    # The reference is the session's (transformers, the prompts left-padded and masked);
+    # ours decodes the five prompts as one batch of rows at different positions, no
+    # padding, as the engine does.
     tok = smollm2.tokenizer
     prompts = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     ours = greedy_decode(smollm2.model, prompts, NEW_TOKENS)
