@@ -433,6 +433,7 @@ async def test_head_cache_stays_current_across_k0_iterations(tiny_dir, tiny_load
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 async def test_rejection_sampling_stays_exact_when_k_changes(tiny_dir, tiny_loaded):
     """The existing chi-square harness (test_exactness: first and second token of many
     seeded requests against the target's exact distributions) with K cycling 0, 3, 1, 2

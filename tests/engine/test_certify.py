@@ -54,6 +54,7 @@ def draft_config(tiny_dir, tiny_draft_dir):
 # Slow: passing certificates are the slow every-drafter cases' job; the fast subset keeps
 # the failing ones (a planted sampler bug, a rank off by one) and the CLI's exit codes.
 @pytest.mark.slow
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 async def test_clean_draft_model_distribution_passes(draft_config, tiny_loaded):
     report = await certify(draft_config, DIST, model=tiny_loaded)
     assert report["verdict"] == "pass", report["checks"][0]["summary"]
@@ -81,6 +82,7 @@ async def test_residual_not_renormalised_fails_distribution(draft_config, tiny_l
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 async def test_shared_noise_stream_fails_distribution(tiny_dir, tiny_draft_dir, tiny_loaded,
                                                       monkeypatch):
     """A subtle bias (chi2 / sample ~ 0.1 here): it takes ~2000 trials to see at 10 sigma."""
@@ -169,6 +171,7 @@ drafter = "tests.engine.planted:near_target_drafter"
 # reads only the drafts, q and p, so which drafter made a q of either form adds nothing
 # (and each certificate costs ~20 s of CPU in the full suite).
 @pytest.mark.slow
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 @pytest.mark.parametrize("method, verification",
                          [(m, "token") for m in DRAFTERS]
                          + [("draft_model", "block"), ("ngram", "block")])
@@ -191,6 +194,7 @@ async def test_certify_passes_every_drafter(tiny_dir, tiny_draft_dir, tiny_loade
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 async def test_certify_passes_adp_with_lm_head_tp(tiny_dir, tiny_draft_dir, tiny_loaded):
     """The configured group (2 ranks, LM-head TP on the greedy draft path) against 1 rank."""
     config = config_for(tiny_dir, tiny_draft_dir, "mtp_eagle",

@@ -94,6 +94,7 @@ def wrong(tiny_loaded):
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 @pytest.mark.parametrize("draft", ["other", "same"])
 async def test_draft_model_rejection_sampling_is_exact(tiny_dir, tiny_draft_dir, tiny_loaded,
                                                        exact, wrong, draft):
@@ -111,6 +112,7 @@ async def test_draft_model_rejection_sampling_is_exact(tiny_dir, tiny_draft_dir,
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 async def test_adp_lm_head_tp_rejection_is_exact(tiny_dir, tiny_loaded, exact, wrong):
     config = make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True,
                          max_batch_size=32,

@@ -44,6 +44,7 @@ def reduced_head(tiny_loaded, tmp_path_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
 @pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
 async def test_reduced_vocab_rejection_sampling_is_exact(tiny_dir, tiny_loaded, reduced_head,
                                                          temperature, top_p):
