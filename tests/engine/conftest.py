@@ -7,6 +7,7 @@ import torch
 from specloop.engine import AsyncEngine, EngineConfig
 from specloop.engine._runner import ModelRunner
 from specloop.models import load_model
+from specloop.models.drafters._mtp import MtpEagleDrafter
 from specloop.models.testing import write_tiny_checkpoint
 
 # float64: greedy comparisons across batch shapes must not flip on rounding near-ties.
@@ -35,18 +36,23 @@ def tiny_loaded(tiny_dir):
 @pytest.fixture
 def batched_prefill(monkeypatch):
     """Every engine the test builds prefills the requests admitted together in shared
-    forwards (``ModelRunner.batch_prefill``, the GPU's default; the CPU's, one forward per
-    request, is what every other engine test runs). For the chi-square tests: their
-    thousands of requests of one short prompt spent ~40% of their CPU in one prefill
-    forward each (test_exactness and the K-change case: 41 s -> 26 s). What they test,
-    the sampled tokens' distribution, does not depend on how the prompt's forward was
-    batched (equal to one forward per request: tests/engine/test_prefill_batch.py)."""
-    init = ModelRunner.__init__
+    forwards, the target's and the MTP/EAGLE-3 head's (``batch_prefill``, the GPU's
+    default; the CPU's, one forward per request, is what every other engine test runs).
+    For the chi-square tests: their thousands of requests of one short prompt spent ~40%
+    of their CPU in one prefill forward each (test_exactness and the K-change case: 41 s
+    -> 26 s with the target's shared). What they test, the sampled tokens' distribution,
+    does not depend on how the prompt's forwards were batched (the same tokens and drafts
+    as one forward per request: tests/engine/test_prefill_batch.py,
+    tests/graphs/test_chain.py's shared head prefill)."""
+    for cls in (ModelRunner, MtpEagleDrafter):
+        monkeypatch.setattr(cls, "__init__", _batching(cls.__init__))
 
+
+def _batching(init):
     def batched(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.batch_prefill = True
-    monkeypatch.setattr(ModelRunner, "__init__", batched)
+    return batched
 
 
 def make_config(model_dir, *, method="none", k=3, max_batch_size=4, max_seq_len=256,
