@@ -122,6 +122,12 @@ class ModelRunner:
         """Give back pages past the committed K/V (drafts rejected past a page boundary)."""
         self.pages.resize(request.batch_slot, request.num_cached + self.keep_ahead)
 
+    def trim_many(self, requests: Iterable[Request]) -> None:
+        """``trim`` of each request, in order (RESCAN's rows, one call between releases)."""
+        resize, keep = self.pages.resize, self.keep_ahead
+        for request in requests:
+            resize(request.batch_slot, request.num_cached + keep)
+
     def release(self, slot: int) -> None:
         self.pages.release(slot)
 
