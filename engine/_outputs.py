@@ -69,7 +69,9 @@ class Outputs:
         outputs: list[RequestOutput] = []
         finished: list[Request] = []
         generated = 0
-        trim = self.runner.trim
+        # Rows to trim, in batch order; trimmed in one call before a finished row's slot
+        # is released, so trims and releases keep the order of a row at a time.
+        trims: list[Request] = []
         try:
             for request, row, n in zip(batch, rows, accepted):
                 new = row[:n + 1] if cut else row
@@ -88,7 +90,7 @@ class Outputs:
                     emitted, reason = self._commit_each(request, new)
                 request.num_cached = len(token_ids) - 1
                 generated += len(emitted)
-                trim(request)
+                trims.append(request)
                 if reason is None:
                     if emitted:
                         handles.append(request.handle)
@@ -96,10 +98,14 @@ class Outputs:
                                                      False, None))
                 else:
                     finished.append(request)
+                    self.runner.trim_many(trims)
+                    trims = []
                     self._end(request, reason)
                     handles.append(request.handle)
                     outputs.append(self._output(request, emitted, True))
         finally:
+            if trims:
+                self.runner.trim_many(trims)
             self.stats.num_generated_tokens += generated
             if outputs:
                 self.deliver_many(handles, outputs)

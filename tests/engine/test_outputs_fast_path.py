@@ -19,8 +19,8 @@ class _Runner:
     trims: list = attrs.Factory(list)
     loaded: object = None
 
-    def trim(self, request):
-        self.trims.append((request.request_id, request.num_cached))
+    def trim_many(self, requests):
+        self.trims.extend((r.request_id, r.num_cached) for r in requests)
 
     def release(self, slot):
         self.trims.append(("release", slot))
