@@ -48,18 +48,14 @@ class Outputs:
                 () if params.ignore_eos else self.eos_token_ids)
         return request.stop_length, tokens
 
-    def append(self, request: Request, new_tokens: list[int], num_accepted: int,
-               k: int | None = None) -> None:
-        """One request's new tokens (``commit`` for a batch of one).
-        ``k``: the drafts this iteration proposed (adaptive K); None: the configured K."""
-        self.commit((request,), (new_tokens,), (num_accepted,), self.k if k is None else k,
-                    cut=False)
+    def append(self, request: Request, new_tokens: Sequence[int]) -> None:
+        """One request's new tokens (``commit`` of a batch of one)."""
+        self.commit((request,), (new_tokens,), (len(new_tokens) - 1,))
 
     def commit(self, batch: Sequence[Request], rows: Sequence[Sequence[int]],
-               accepted: Sequence[int], k: int, *, cut: bool = True) -> list[Request]:
+               accepted: Sequence[int]) -> list[Request]:
         """RESCAN's commit of a whole batch: request i's new tokens are
-        ``rows[i][:accepted[i] + 1]`` (``cut``; else all of ``rows[i]``), ``k`` the drafts
-        the iteration proposed. Per row only what the row needs: most rows, most
+        ``rows[i][:accepted[i] + 1]``. Per row only what the row needs: most rows, most
         iterations, no stop can match (no stop token among the new ones, no limit
         reached), and all are committed at once (the per-token rules cost ~2 us a row at
         batch 64). The outputs reach ``deliver`` in batch order once every row is
@@ -74,10 +70,7 @@ class Outputs:
         trims: list[Request] = []
         try:
             for request, row, n in zip(batch, rows, accepted):
-                new = row[:n + 1] if cut else row
-                request.num_iterations += 1
-                request.num_drafted += k
-                request.num_accepted += n
+                new = row[:n + 1]
                 token_ids = request.token_ids
                 stops = request.stop_tokens
                 if stops is None:

@@ -52,9 +52,6 @@ class Request:
     # Tokens whose K/V the target cache holds; after prefill it is always len(token_ids)-1.
     num_cached: int = 0
     finish_reason: FinishReason | None = None
-    num_drafted: int = 0
-    num_accepted: int = 0
-    num_iterations: int = 0
     handle: int = 0
     # RESCAN's stop rules in the form its per-row check reads (``Outputs.rules``): the
     # length at which a limit ends the request, and the tokens that end it (stop ids, EOS

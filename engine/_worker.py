@@ -434,7 +434,7 @@ class RankWorker:
             accepted = rec.result.num_accepted.tolist()
             k = rec.k
             rec.finished = self.outputs.commit(rec.batch, rec.result.token_ids.tolist(),
-                                               accepted, k)
+                                               accepted)
             self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)
             if self.adaptive is not None:
                 self.adaptive.record(k, accepted)

@@ -56,7 +56,7 @@ def test_fast_commit_equals_per_token_rules(k, max_seq_len, max_tokens, ignore_e
         for chunk in chunks:
             if request.finished:
                 break
-            out.append(request, list(chunk[:k + 1]), len(chunk[:k + 1]) - 1)
+            out.append(request, list(chunk[:k + 1]))
         results.append((request.token_ids, request.finish_reason, request.num_cached,
                         delivered, runner.trims, out.stats.num_generated_tokens))
     assert results[0] == results[1]
@@ -72,7 +72,7 @@ def test_fast_commit_equals_per_token_rules(k, max_seq_len, max_tokens, ignore_e
                       max_size=6))
 def test_batch_commit_equals_a_row_at_a_time(k, max_seq_len, requests, steps):
     """RESCAN's ``commit`` of a batch == ``append`` of each row in batch order: the same
-    tokens, finish reasons, counters, trims and releases, and the same outputs in the same
+    tokens, finish reasons, trims and releases, and the same outputs in the same
     order (finished requests leave the next iteration's batch)."""
     results = []
     for batched in (True, False):
@@ -88,13 +88,12 @@ def test_batch_commit_equals_a_row_at_a_time(k, max_seq_len, requests, steps):
             rows = [row for row, _ in step[:len(batch)]]
             accepted = [min(n, k) for _, n in step[:len(batch)]]
             if batched:
-                finished.append(out.commit(batch, rows, accepted, k))
+                finished.append(out.commit(batch, rows, accepted))
             else:
                 for request, row, n in zip(batch, rows, accepted):
-                    out.append(request, row[:n + 1], n, k)
+                    out.append(request, row[:n + 1])
                 finished.append([r for r in batch if r.finished])
-        state = [(r.token_ids, r.finish_reason, r.num_cached, r.num_iterations, r.num_drafted,
-                  r.num_accepted) for r in out.scheduler.running + [
+        state = [(r.token_ids, r.finish_reason, r.num_cached) for r in out.scheduler.running + [
                       r for f in finished for r in f]]
         results.append((state, [[r.request_id for r in f] for f in finished], delivered,
                         runner.trims, out.stats.num_generated_tokens))
