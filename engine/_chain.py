@@ -70,6 +70,8 @@ class DeviceChain:
         # (VERIFY's key, K) -> (the chained VERIFY's key, its draft graph's key)
         self._keys: dict[tuple[GraphKey, int], tuple[GraphKey, GraphKey]] = {}
         self._slots: tuple[tuple[Request, ...], list[int]] = ((), [])  # the last batch's
+        # The chained step taken (its outputs): its requests hold the next step's pages.
+        self._kept: Pending | None = None
         # For tests and benches: steps queued, taken, taken for fewer requests.
         self.queued_steps = self.taken_steps = self.subset_steps = 0
 
@@ -84,6 +86,7 @@ class DeviceChain:
         None when nothing was queued."""
         w = self.worker
         self._queued = self._chained = self._matched = None
+        kept, self._kept = self._kept is pending, None
         k = self.k if k is None else k
         batch = tuple(rec.batch)
         lengths = [len(r.token_ids) for r in batch]     # seq_len
@@ -96,7 +99,12 @@ class DeviceChain:
         # catch-up's K + 1 rows (K the drafter's: its graph's width). RESCAN's trim keeps
         # as many past the committed K/V (n+1 writes K + 1 of them), so that a page is
         # not given back at each RESCAN and taken again here (churn; a page table sync).
-        w.runner.reserve(batch, 2 * self.k + 1)
+        # After a taken chained step every request of the batch holds them already (it
+        # was in that step's batch, and RESCAN trimmed it to them): the table's sync only.
+        if kept:
+            w.runner.pages.sync()
+        else:
+            w.runner.reserve(batch, 2 * self.k + 1)
         w.runner.keep_ahead = 2 * self.k + 2
         with torch.inference_mode():
             out = self._rows(pending[0], rows, padded, self.k + 1)
@@ -251,6 +259,8 @@ class DeviceChain:
         matched, self._matched = self._matched, None
         if matched is None:
             return None, None
+        if self.worker.runner.keep_ahead == 2 * self.k + 2:     # RESCAN trimmed to them
+            self._kept = matched[0]
         self.taken_steps += 1
         return matched
 
