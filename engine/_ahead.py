@@ -25,6 +25,7 @@ import attrs
 import torch
 
 from specloop.models._grad import inference_mode
+from specloop.models._host import int64_tensor, to_device
 
 from ._request import Request
 from ._verify import ahead_inputs
@@ -199,9 +200,7 @@ class RunAhead:
         if list(rows) == list(range(len(batch))):
             hidden = hidden[:len(batch)]
         else:   # requests left since the step was queued (no blocking copy: no sync)
-            index = torch.tensor(list(rows), dtype=torch.int64)
-            if hidden.device.type == "cuda":
-                index = index.pin_memory()
-            hidden = hidden.index_select(0, index.to(hidden.device, non_blocking=True))
+            index = to_device(int64_tensor(rows), hidden.device)
+            hidden = hidden.index_select(0, index)
         w.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
                       hidden, [0] * len(batch))

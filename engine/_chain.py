@@ -27,7 +27,7 @@ import attrs
 import torch
 
 from specloop.graphs import GraphKey
-from specloop.models._host import int64_tensor
+from specloop.models._host import int64_tensor, to_device
 
 from ._request import Request
 
@@ -64,6 +64,9 @@ class DeviceChain:
         self.worker = worker
         self.drafter = worker.drafter
         self.k = self.drafter.num_draft_tokens
+        # Pages RESCAN keeps past the committed K/V while chaining: the K + 1 positions a
+        # chained step writes for the accepted tokens, then its catch-up's K + 1 rows.
+        self.keep_ahead = 2 * self.k + 2
         self._queued: _Queued | None = None     # until VERIFY n is read back
         self._chained: _Chained | None = None
         self._matched: tuple[Pending, Sequence[int]] | None = None
@@ -104,8 +107,8 @@ class DeviceChain:
         if kept:
             w.runner.pages.sync()
         else:
-            w.runner.reserve(batch, 2 * self.k + 1)
-        w.runner.keep_ahead = 2 * self.k + 2
+            w.runner.reserve(batch, self.keep_ahead - 1)
+        w.runner.keep_ahead = self.keep_ahead
         with torch.inference_mode():
             out = self._rows(pending[0], rows, padded, self.k + 1)
             sampling = w._sampling_batch(rec.batch, padded)
@@ -163,8 +166,7 @@ class DeviceChain:
         picked = {name: out[name] for name in names}
         if not in_order(rows):
             at = int64_tensor([*rows, *[0] * (padded - len(rows))])
-            at = (at.pin_memory() if out["hidden"].is_cuda else at).to(out["hidden"].device,
-                                                                       non_blocking=True)
+            at = to_device(at, out["hidden"].device)
             picked = {name: t.index_select(0, at) for name, t in picked.items()}
         short = width - picked["token_ids"].shape[1]
         if short > 0:
@@ -201,7 +203,7 @@ class DeviceChain:
         key, draft_key = self._keys_for(rec.key, k)
         if not (w.graph_cache.has(key) and w.graph_cache.has(draft_key)):
             return False
-        if max(lengths) + 2 * self.k + 2 > w.config.model.max_seq_len:
+        if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
         scheduler = w.scheduler
         return not (scheduler.slots.num_free and (
@@ -259,7 +261,7 @@ class DeviceChain:
         matched, self._matched = self._matched, None
         if matched is None:
             return None, None
-        if self.worker.runner.keep_ahead == 2 * self.k + 2:     # RESCAN trimmed to them
+        if self.worker.runner.keep_ahead == self.keep_ahead:    # RESCAN trimmed to them
             self._kept = matched[0]
         self.taken_steps += 1
         return matched

@@ -13,6 +13,7 @@ import torch
 
 from specloop.models import KVCache, LoadedModel, PageTable
 from specloop.models._grad import inference_mode
+from specloop.models._host import to_device
 
 from ._request import Request
 
@@ -107,9 +108,7 @@ class ModelRunner:
         """A host tensor's copy on this device, queued without waiting: from pinned memory
         on a GPU (a copy from pageable memory may wait for the queued work, which would
         stall the host behind a step queued ahead)."""
-        if self.device.type == "cpu":
-            return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        return to_device(host, self.device)
 
     def reserve(self, requests: Iterable[Request], extra: int) -> None:
         """Pages for each request's next ``extra`` positions past its length (VERIFY and

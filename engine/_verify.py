@@ -21,7 +21,7 @@ import torch
 
 from specloop.graphs import Step, Tensors
 from specloop.graphs._cache import FeedsItself
-from specloop.models._host import int64_tensor
+from specloop.models._host import int64_tensor, to_device
 from specloop.samplers import SamplingBatch
 
 from ._request import Request
@@ -52,9 +52,7 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
         on_host = drafts.device.type == "cpu"
     if on_host:     # drafts proposed on the host (n-gram) travel in the same copy
         host[:real, 1:k + 1] = drafts
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()    # queued without waiting for the work ahead of it
-    packed = host.to(device, non_blocking=True)
+    packed = to_device(host, device)
     inputs = {"tokens": packed[:, :k + 1], "start_pos": packed[:, k + 1],
               "slots": packed[:, k + 2]}
     if k and real and not on_host:
@@ -77,9 +75,7 @@ def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
     for r, row in zip(batch, source_rows):
         flat += (0, len(r.token_ids), r.batch_slot, row)
     host = int64_tensor(flat + [0, 0, scratch_slot, 0] * (rows - real)).view(rows, 4)
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    packed = host.to(device, non_blocking=True)
+    packed = to_device(host, device)
     inputs = {"tokens": packed[:, :1], "start_pos": packed[:, 1], "slots": packed[:, 2]}
     inputs["tokens"][:real] = last_tokens.index_select(0, packed[:real, 3])[:, :1]
     inputs.update(sampling.columns())

@@ -13,6 +13,7 @@ import structlog
 import torch
 
 from ._args import ModelArgs
+from ._host import to_device
 
 log = structlog.get_logger(__name__)
 
@@ -119,8 +120,7 @@ class PageTable:
         # From pinned memory: a copy from pageable memory may wait for the work already
         # queued (a step queued ahead of the host, issue 12) instead of just queueing.
         dev = self.table.device
-        self.table[rows.pin_memory().to(dev, non_blocking=True)] = \
-            self.host[rows].pin_memory().to(dev, non_blocking=True)
+        self.table[to_device(rows, dev)] = to_device(self.host[rows], dev)
 
 
 class KVCache:

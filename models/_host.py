@@ -1,4 +1,5 @@
-"""Host-side int64 tensors from Python ints, for the per-iteration index and input columns.
+"""Host-side int64 tensors from Python ints, for the per-iteration index and input columns,
+and their copy to the device without waiting.
 
 ``torch.tensor(list)`` converts element by element (~0.2 µs an int: ~30 µs for a batch of
 32 rows of 5 columns); packing the ints into an ``array`` first and viewing its buffer is
@@ -19,3 +20,13 @@ def int64_tensor(values: Iterable[int]) -> torch.Tensor:
     if not packed:
         return torch.zeros(0, dtype=torch.int64)
     return torch.frombuffer(packed, dtype=torch.int64)
+
+
+def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host``'s copy on ``device``, queued without waiting: on a GPU from pinned memory
+    (a copy from pageable memory first waits for the work already queued — a step queued
+    ahead, a chained DRAFT + VERIFY — and the host stalls behind it; torch's caching host
+    allocator keeps the pinned buffer until the copy is done). On the CPU ``host`` itself."""
+    if torch.device(device).type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)

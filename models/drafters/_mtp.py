@@ -18,7 +18,7 @@ import torch
 from specloop.samplers import DefaultSampler, Sampler, SamplingBatch
 
 from .._grad import inference_mode
-from .._host import int64_tensor
+from .._host import int64_tensor, to_device
 from ._heads import check_method, check_sha256, check_target, head_metadata, resolve_head
 from ._lm_head import DraftHead
 from ._mtp_head import MtpEagleHead, load_or_init
@@ -134,7 +134,7 @@ class MtpEagleDrafter(Drafter):
             host[row, 0] = slot
             host[row, 1:len(ids)] = torch.tensor(list(ids[1:]), dtype=torch.int64)
         dev = self.cache.device
-        host = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+        host = to_device(host, dev)
         features = torch.nn.utils.rnn.pad_sequence(
             [h[:len(ids) - 1] for _, ids, h in group], batch_first=True)
         self.head(host[:, 1:], features, torch.zeros_like(host[:, 0]), host[:, 0], self.cache)
@@ -277,8 +277,7 @@ class MtpEagleDrafter(Drafter):
         host = int64_tensor([*start, *[0] * pad, *[s + 2 for s in start], *[2] * pad,
                              *[s + 1 for s in start], *[0] * pad])
         dev = self.pending.buffer.device
-        host = host.pin_memory() if dev.type == "cuda" else host
-        cu_start, length, position = host.to(dev, non_blocking=True).view(3, rows)
+        cu_start, length, position = to_device(host, dev).view(3, rows)
         to = _writable(into)
         accepted = torch.mul(verified["num_accepted"], is_real, out=to("cu_last", [rows]))
         tokens = torch.clamp(verified["token_ids"], min=0,
@@ -301,8 +300,7 @@ class MtpEagleDrafter(Drafter):
             pad = rows - len(slots)
             host = int64_tensor([*slots, *[self.scratch] * pad, *[1] * len(slots), *[0] * pad])
             dev = self.pending.buffer.device
-            host = host.pin_memory() if dev.type == "cuda" else host
-            slot_row, is_real = host.to(dev, non_blocking=True).view(2, rows)
+            slot_row, is_real = to_device(host, dev).view(2, rows)
             self._chain_rows_of = (key, (slot_row, is_real))
         return self._chain_rows_of[1]
 

@@ -15,6 +15,7 @@ import torch
 
 from specloop.samplers import Sampler, SamplingBatch
 
+from .._host import to_device
 from ._ngram_device import ROW, chain_step
 from ._protocol import DraftContext, Drafter, DrafterDeps, DraftProposal
 
@@ -179,7 +180,7 @@ class NgramDrafter(Drafter):
         host = torch.tensor([v for column in meta for v in column] + at + values,
                             dtype=torch.int64)
         dev = history.device
-        packed = (host.pin_memory() if dev.type == "cuda" else host).to(dev, non_blocking=True)
+        packed = to_device(host, dev)
         if at:
             tail = packed[4 * rows:]
             history.view(-1).index_copy_(0, tail[:len(at)], tail[len(at):])

@@ -10,7 +10,7 @@ import torch
 from specloop.comm import Communicator
 from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
 
-from .._host import int64_tensor
+from .._host import int64_tensor, to_device
 
 T = TypeVar("T")
 
@@ -269,9 +269,7 @@ def graph_int_inputs(ctx: DraftContext, host: dict[str, list[Any]]
             shapes.append((len(column),))
             values += column
     flat = int64_tensor(values)
-    if ctx.slots.device.type == "cuda":
-        flat = flat.pin_memory()    # queued without waiting for the work ahead of it
-    packed = flat.to(ctx.slots.device, non_blocking=True)
+    packed = to_device(flat, ctx.slots.device)
     inputs, at = {}, 0
     for name, shape in zip(host, shapes):
         size = shape[0] * (shape[1] if len(shape) > 1 else 1)
