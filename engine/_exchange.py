@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._frontdoor import FrontDoorMessage, RankReport, assign_least_loaded
+from ._frontdoor import NO_MESSAGE, FrontDoorMessage, RankReport, assign_least_loaded
 from ._request import RequestOutput
 from ._wire import decode_outputs, encode_rows
 
@@ -24,10 +24,6 @@ if TYPE_CHECKING:
     from ._config import EngineConfig
     from ._frontdoor_state import FrontDoor
     from ._scheduler import Scheduler
-
-
-# Rank 0's message when it has nothing to send (no flag raised for it).
-_NO_MESSAGE = FrontDoorMessage()
 
 
 class ExchangeTimes:
@@ -110,12 +106,7 @@ class OutputExchange:
             front.deliver(decode_outputs(flat, self.k, front.request_id))
 
     def deliver(self, handle: int, output: RequestOutput) -> None:
-        if self.front is None:
-            self.pending.append((handle, output))
-        elif self._deferring:
-            self._own.append(output)
-        else:
-            self.front.deliver((output,))
+        self.deliver_many([handle], [output])
 
     def deliver_many(self, handles: list[int], outputs: list[RequestOutput]) -> None:
         """``deliver`` of each (handle, output), row for row, in order: RESCAN's outputs
@@ -143,7 +134,7 @@ class OutputExchange:
         the device is idle (the last VERIFY was read back; no step is queued ahead).
         Rank 0 delivers the other ranks' block outputs here, or at ``hand_over`` with
         ``defer`` (a flagged exchange delivers at once)."""
-        message, pending = FrontDoorMessage(), self.pending
+        message, pending = NO_MESSAGE, self.pending
         self.pending = []
         # A request's outputs reach its consumer in order: what the last exchange held
         # goes first (when no VERIFY handed it over); rank 0's own wait on with ``defer``.
@@ -159,7 +150,7 @@ class OutputExchange:
                 lambda new: assign_least_loaded(new, self.loads))
         block = encode_rows(pending, self.scheduler.slots.num_slots, self.k) \
             if pending else self._empty_block()
-        flag = message != _NO_MESSAGE or block is None
+        flag = message != NO_MESSAGE or block is None
         if block is None:
             block = self._empty_block()
         width = 2 + len(facts)

@@ -19,6 +19,11 @@ class FrontDoorMessage:
     shutdown: bool = False
 
 
+# The message of an iteration with no news (most of them): one shared instance, compared
+# against and returned without building one.
+NO_MESSAGE = FrontDoorMessage()
+
+
 def assign_least_loaded(new: Sequence[NewRequest], loads: Sequence[int]
                         ) -> tuple[tuple[int, NewRequest], ...]:
     """Deterministic: each request goes to the rank with the fewest requests, lowest rank

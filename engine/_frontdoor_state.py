@@ -13,12 +13,11 @@ from typing import Callable, Iterable
 import anyio
 import anyio.lowlevel
 
-from ._frontdoor import FrontDoorMessage
+from ._frontdoor import NO_MESSAGE, FrontDoorMessage
 from ._request import FinishReason, NewRequest, RequestOutput
 from ._stop import TextStream
 
 
-_NOTHING = FrontDoorMessage()
 
 
 class OutputChannel:
@@ -157,7 +156,7 @@ class FrontDoor:
     def take_message(self, assign: Callable[[list[NewRequest]], tuple[tuple[int, NewRequest], ...]]
                      ) -> FrontDoorMessage:
         if not (self._inbox or self._cancels or self.closing):
-            return _NOTHING      # most iterations: no news, one shared empty message
+            return NO_MESSAGE    # most iterations: no news, one shared empty message
         new, self._inbox = list(self._inbox.values()), {}
         cancels, self._cancels = tuple(self._cancels), []
         if self.closing:

@@ -84,18 +84,14 @@ class Outputs:
                 request.num_cached = len(token_ids) - 1
                 generated += len(emitted)
                 trims.append(request)
-                if reason is None:
-                    if emitted:
-                        handles.append(request.handle)
-                        outputs.append(RequestOutput(request.request_id, tuple(emitted), "",
-                                                     False, None))
-                else:
+                if reason is not None:
                     finished.append(request)
                     self.runner.trim_many(trims)
                     trims = []
                     self._end(request, reason)
+                if emitted or reason is not None:
                     handles.append(request.handle)
-                    outputs.append(self._output(request, emitted, True))
+                    outputs.append(self._output(request, emitted, reason is not None))
         finally:
             if trims:
                 self.runner.trim_many(trims)
