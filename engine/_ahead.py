@@ -75,16 +75,11 @@ class RunAhead:
         draws by (seed, position), so a row's result does not depend on the rows beside
         it."""
         ahead, self.queued = self.queued, None
-        if ahead is None or len(rec.batch) > len(ahead.batch) or rec.num_draft_tokens:
+        if ahead is None or rec.num_draft_tokens:
             return None, None
-        rows, i, old = [], 0, ahead.batch
-        for request in rec.batch:
-            while i < len(old) and old[i] is not request:
-                i += 1
-            if i == len(old) or request.seq_len != ahead.seq_lens[i]:
-                return None, None
-            rows.append(i)
-            i += 1
+        rows = subset_rows(rec.batch, ahead.batch, ahead.seq_lens)
+        if rows is None:
+            return None, None
         self.taken_steps += 1
         return ahead.pending, rows
 
@@ -175,17 +170,22 @@ class RunAhead:
                 and last[2] is pending[1] and last[0] == rec.key
                 and last[1] == tuple(rec.batch) and feeds is not None and feeds(rec.key))
 
+    def will_admit(self) -> bool:
+        """Whether the next iteration will likely admit a request (a step queued for this
+        batch would then be dropped): a free slot and a request waiting or on its way."""
+        w = self.worker
+        scheduler = w.scheduler
+        return bool(scheduler.slots.num_free and (
+            scheduler.waiting or w._carried.assignments
+            or (w.front is not None and w.front.has_news)))
+
     def blocked(self, batch: list[Request]) -> bool:
         """Whether no step may be queued ahead for ``batch`` (see ``queue``)."""
-        w = self.worker
-        limit = w.config.model.max_seq_len
-        scheduler = w.scheduler
-        joining = scheduler.slots.num_free and (
-            scheduler.waiting or w._carried.assignments
-            or (w.front is not None and w.front.has_news))
-        if joining or any(len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens,
-                                                      limit) for r in batch):
-            w.runner.keep_ahead = 0
+        limit = self.worker.config.model.max_seq_len
+        if self.will_admit() or any(
+                len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens, limit)
+                for r in batch):
+            self.worker.runner.keep_ahead = 0
             return True
         return False
 
@@ -204,3 +204,22 @@ class RunAhead:
             hidden = hidden.index_select(0, index)
         w.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
                       hidden, [0] * len(batch))
+
+
+def subset_rows(batch: Sequence[Request], queued: Sequence[Request], seq_lens: Sequence[int]
+                ) -> list[int] | None:
+    """The rows of a step queued for ``queued`` (each request then ``seq_lens`` long) that
+    are ``batch``'s, when ``batch`` is ``queued`` less requests that left, in the same
+    order, each exactly that long; else None (the step is not this batch's)."""
+    if len(batch) > len(queued):
+        return None
+    rows: list[int] = []
+    i = 0
+    for request in batch:
+        while i < len(queued) and queued[i] is not request:
+            i += 1
+        if i == len(queued) or request.seq_len != seq_lens[i]:
+            return None
+        rows.append(i)
+        i += 1
+    return rows

@@ -29,6 +29,7 @@ import torch
 from specloop.graphs import GraphKey
 from specloop.models._host import int64_tensor, to_device
 
+from ._ahead import subset_rows
 from ._request import Request
 
 if TYPE_CHECKING:
@@ -205,9 +206,7 @@ class DeviceChain:
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
-        scheduler = w.scheduler
-        return not (scheduler.slots.num_free and (
-            scheduler.waiting or (w.front is not None and w.front.has_news)))
+        return not w.ahead.will_admit()
 
     def collected(self, rec: IterationRecord) -> None:
         """VERIFY n is read back: the lengths the chained step assumed are now known."""
@@ -236,15 +235,10 @@ class DeviceChain:
                 return False
             slots = queued.slots
         else:
-            rows, i, old = [], 0, queued.batch
-            for request in batch:
-                while i < len(old) and old[i] is not request:
-                    i += 1
-                if i == len(old) or request.seq_len != chained.seq_lens[i]:
-                    return False
-                rows.append(i)
-                i += 1
-            slots = [queued.slots[i] for i in rows]
+            subset = subset_rows(batch, queued.batch, chained.seq_lens)
+            if subset is None:
+                return False
+            rows, slots = subset, [queued.slots[i] for i in subset]
             self.subset_steps += 1
         self.drafter.chained_consumed(slots)
         self._matched = (queued.pending, rows)
