@@ -43,7 +43,21 @@ class StateTimes:
         self.iterations += event.state.value.upper() == "VERIFY"
 
 
-def summarize_profile(prof, iterations):
+def ops_outside_graphs(prof, per: int, frames: int = 8) -> list:
+    """Host ops that launched device work themselves (kernels or copies outside any graph
+    replay), grouped by the Python lines that called them: [op, launches per iteration,
+    device us per iteration, specloop frames]. Needs a profile taken with_stack."""
+    rows = []
+    for e in prof.key_averages(group_by_stack_n=frames):
+        if e.device_type != torch.autograd.DeviceType.CPU or not e.self_device_time_total:
+            continue
+        stack = [f for f in (e.stack or []) if "specloop" in f or "/bench/" in f]
+        rows.append([e.key, round(e.count / per, 2), round(e.self_device_time_total / per, 1),
+                     stack[:frames]])
+    return sorted(rows, key=lambda r: -r[1])[:40]
+
+
+def summarize_profile(prof, iterations, stacks=False):
     per = max(iterations, 1)
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.self_device_time_total for e in kernels)
@@ -58,10 +72,11 @@ def summarize_profile(prof, iterations):
                                         for e in top},
             "kernels_by_count_per_iter": {
                 e.key[:70]: [round(e.count / per, 2), round(e.self_device_time_total / per, 1)]
-                for e in by_count}}
+                for e in by_count},
+            **({"ops_outside_graphs": ops_outside_graphs(prof, per)} if stacks else {})}
 
 
-async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):
+async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda", stacks=False):
     from specloop.engine import AsyncEngine  # noqa: PLC0415
 
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
@@ -84,10 +99,10 @@ async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda"):
         obs.iterations = 0
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities) as prof:
+        with profile(activities=activities, with_stack=stacks) as prof:
             await generate_round(engine, prompts, 32)
             sync()
-        prof_summary = summarize_profile(prof, obs.iterations)
+        prof_summary = summarize_profile(prof, obs.iterations, stacks)
         if trace:
             prof.export_chrome_trace(trace)
         chain = engine.worker.chain
@@ -102,7 +117,9 @@ def main() -> None:
     add_round_args(ap)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
-    ap.add_argument("--trace-dir", default="", help="chrome traces of eagle3 K=3 here")
+    ap.add_argument("--trace-dir", default="", help="chrome traces at batch 1 here")
+    ap.add_argument("--stacks", action="store_true",
+                    help="attribute device work launched outside graph replays to Python lines")
     args = ap.parse_args()
     quiet_logs()
     for loaded, batch, prompts in held_out_batches(args):
@@ -111,7 +128,7 @@ def main() -> None:
             trace = f"{args.trace_dir}/trace_b{batch}_{name.replace(' ', '').replace('=', '')}.json" \
                 if args.trace_dir and batch == 1 else ""
             rates, al, prof = anyio.run(measure, CONFIGS[name], loaded, prompts, args.tokens,
-                                        args.runs, trace, args.device)
+                                        args.runs, trace, args.device, args.stacks)
             base = base or statistics.median(rates)
             emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device, **prof),
                      args.out)
