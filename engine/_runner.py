@@ -11,6 +11,7 @@ import attrs
 import structlog
 import torch
 
+from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
 from specloop.models import KVCache, LoadedModel, PageTable
 from specloop.models._grad import inference_mode
 from specloop.models._host import to_device
@@ -18,6 +19,36 @@ from specloop.models._host import to_device
 from ._request import Request
 
 log = structlog.get_logger(__name__)
+
+# A prefill forward on a GPU runs at a padded shape, (rows, tokens per row) each a power of
+# two (tokens at least MIN_PREFILL_WIDTH) within max_prefill_tokens, and replays the graph
+# captured for that shape at warm-up when there is one (an eager forward costs ~10 ms of
+# kernel launches on the H200 for under 1 ms of GPU work, at any shape). Eager forwards pad
+# the same way, so the two compute the same thing.
+MIN_PREFILL_WIDTH = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def prefill_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+    """Every padded prefill shape (rows, width) a runner may run: powers of two, rows at
+    most ``max_rows``' power of two, rows x width at most ``max_tokens`` (the widest also
+    a single row of ``max_tokens``' power of two at most)."""
+    shapes, width = [], MIN_PREFILL_WIDTH
+    while width <= max(_pow2(max_tokens), MIN_PREFILL_WIDTH):
+        rows = 1
+        while rows <= _pow2(max_rows) and (rows == 1 or rows * width <= max_tokens):
+            shapes.append((rows, width))
+            rows *= 2
+        width *= 2
+    return shapes
+
+
+def padded_shape(rows: int, width: int) -> tuple[int, int]:
+    return _pow2(rows), max(_pow2(width), MIN_PREFILL_WIDTH)
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float64": torch.float64}
@@ -30,6 +61,11 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
         # One GPU per rank when a rank does not name its own.
         name = f"cuda:{rank % torch.cuda.device_count()}"
     return torch.device(name)
+
+
+def prefill_key(rows: int, width: int) -> GraphKey:
+    """The graph key of a padded prefill shape (stage "prefill", ``tokens`` its width)."""
+    return GraphKey(rows, 0, SamplingPath.GREEDY, True, stage="prefill", tokens=width)
 
 
 @attrs.frozen
@@ -66,6 +102,11 @@ class ModelRunner:
         # an eager forward costs ~10 ms of kernel launches whatever its rows (issue 12).
         # The CPU is compute-bound, so it keeps one forward per request (same numerics).
         self.batch_prefill = self.device.type == "cuda"
+        # Prefill forwards at padded shapes (``padded_shape``), graphs' or eager: on a GPU
+        # (on the CPU padding would only add work; tests set it).
+        self.pad_prefill = self.device.type == "cuda"
+        # The graph cache holding the prefill graphs (``prefill_graphs``), set at warm-up.
+        self.prefill_cache: GraphCache | None = None
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
                 *, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,8 +174,8 @@ class ModelRunner:
     def prefill_many(self, requests: list[Request]) -> list[torch.Tensor]:
         """``prefill`` of each request, in order. With ``batch_prefill``, requests whose
         prompt fits one chunk share forwards of at most ``max_prefill_tokens`` tokens
-        counting the padding (rows right-padded to the longest); longer prompts are
-        prefilled alone, in chunks."""
+        counting the padding (rows right-padded to the longest; with ``pad_prefill`` rows
+        and width to ``padded_shape``); longer prompts are prefilled alone, in chunks."""
         if not self.batch_prefill:
             return [self.prefill(r) for r in requests]
         out: dict[int, torch.Tensor] = {}
@@ -146,7 +187,8 @@ class ModelRunner:
                 continue
             width = max([n] + [m for *_, m in group])
             ends = [r.num_cached + width for _, r, _ in group] + [request.num_cached + width]
-            if group and ((len(group) + 1) * width > self.max_prefill_tokens
+            rows, padded = self._shape(len(group) + 1, width)
+            if group and (rows * padded > self.max_prefill_tokens
                           or max(ends) > self.max_seq_len):
                 out.update(self._prefill_rows(group))
                 group = []
@@ -157,32 +199,77 @@ class ModelRunner:
 
     @inference_mode
     def _prefill_rows(self, group: list[tuple[int, Request, int]]) -> dict[int, torch.Tensor]:
-        """One forward over [B, T]: row b writes its request's next n_b prompt tokens. The
-        padding (token 0) past them writes K/V into the row's own last page, past its
-        length (its next steps overwrite those positions before any query reads them), or
-        into the scratch page (unowned table entries point there)."""
-        width = max(n for *_, n in group)
-        tokens = torch.zeros(len(group), width, dtype=torch.int64)
+        """One forward over [B, T] (padded to ``padded_shape``): row b writes its request's
+        next n_b prompt tokens. The padding (token 0) past them writes K/V into the row's
+        own pages past its length (its next steps overwrite those positions before any
+        query reads them) or into the scratch page (unowned table entries point there);
+        padding rows are the scratch slot's."""
+        real = len(group)
+        rows, width = self._shape(real, max(n for *_, n in group))
+        tokens = torch.zeros(rows, width, dtype=torch.int64)
         for row, (_, request, n) in enumerate(group):
             self.pages.resize(request.batch_slot, request.seq_len)
             tokens[row, :n] = torch.tensor(
                 request.token_ids[request.num_cached:request.num_cached + n])
-        starts = torch.tensor([[r.num_cached for _, r, _ in group],
-                               [r.batch_slot for _, r, _ in group]], dtype=torch.int64)
-        starts = self.to_device(starts)
-        features = self.forward(self.to_device(tokens), starts[0], starts[1])[1]
+        pad = [0] * (rows - real)
+        starts = torch.tensor([[r.num_cached for _, r, _ in group] + pad,
+                               [r.batch_slot for _, r, _ in group]
+                               + [self.cache.scratch_slot] * len(pad)], dtype=torch.int64)
+        inputs = {"tokens": self.to_device(tokens), "starts": self.to_device(starts)}
+        key = prefill_key(rows, width)
+        cache = self.prefill_cache
+        if cache is not None and cache.has(key):
+            self.pages.sync()   # an eager forward syncs the table itself
+            # The graph's outputs are its own until its next replay: keep the rows.
+            features = cache.replay(key, inputs)["features"][:real].clone()
+        else:
+            features = self.prefill_step(inputs)["features"]
         out = {}
         for row, (i, request, n) in enumerate(group):
             out[i] = features[row, :n]          # [n, H] (or [n, F*H])
             request.num_cached += n
         return out
 
+    def _shape(self, rows: int, width: int) -> tuple[int, int]:
+        return padded_shape(rows, width) if self.pad_prefill else (rows, width)
+
+    def prefill_step(self, inputs: Tensors) -> Tensors:
+        """The forward of a prefill graph: {"tokens" [R, W], "starts" [2, R] (positions,
+        slots)} -> {"features": what the drafter reads, [R, W, H] or [R, W, F*H]}."""
+        starts = inputs["starts"]
+        return {"features": self.forward(inputs["tokens"], starts[0], starts[1])[1]}
+
+    def prefill_graphs(self) -> list[tuple[GraphKey, Step, Tensors]]:
+        """What warm-up captures for prefill on a GPU with the fused kernels (their grid
+        depends on shapes only; the reference path reads lengths on the host): each
+        ``prefill_shapes`` shape, on padding rows (the scratch slot)."""
+        if not (self.pad_prefill and self.batch_prefill
+                and getattr(self.model, "uses_kernels", False)):
+            return []
+        out = []
+        for rows, width in prefill_shapes(self.pages.num_slots, self.max_prefill_tokens):
+            starts = torch.tensor([[0] * rows, [self.cache.scratch_slot] * rows],
+                                  device=self.device)
+            example = {"tokens": torch.zeros(rows, width, dtype=torch.int64,
+                                             device=self.device), "starts": starts}
+            out.append((prefill_key(rows, width), self.prefill_step, example))
+        return out
+
     @inference_mode
     def prefill(self, request: Request) -> torch.Tensor:
         """Write K/V for every token but the last (VERIFY forwards the last one), in chunks
         of max_prefill_tokens; returns what the drafter reads for them, [P, H] (or
-        [P, F*H] with feature layers)."""
+        [P, F*H] with feature layers). On a GPU each chunk is a padded forward of one row
+        (``_prefill_rows``: a graph's when captured)."""
         end = request.seq_len - 1
+        if self.pad_prefill and self.batch_prefill:
+            chunks = []
+            while request.num_cached < end:
+                n = min(end - request.num_cached, self.max_prefill_tokens)
+                chunks.append(self._prefill_rows([(0, request, n)])[0])
+            width = self.args.hidden_size * max(1, len(self.feature_layers))
+            return torch.cat(chunks) if chunks else torch.empty(
+                0, width, dtype=self.dtype, device=self.device)
         self.pages.resize(request.batch_slot, request.seq_len)
         slot = torch.tensor([request.batch_slot], device=self.device)
         width = self.args.hidden_size * max(1, len(self.feature_layers))

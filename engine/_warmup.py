@@ -85,7 +85,9 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
     ks = config.speculative.k_values
     warm_up(graph_cache, max_batch_size=config.scheduler.max_batch_size, num_draft_tokens=ks,
             variants=capture_variants(config.speculative.use_rejection_sampling, point_mass),
-            device=device, verify=verify, draft=draft)
+            device=device, verify=verify, draft=draft, also=runner.prefill_graphs)
+    # Prefill replays what was captured (an eager forward at the same padded shape else).
+    runner.prefill_cache = graph_cache
     return verify, draft
 
 

@@ -49,10 +49,13 @@ def graph_template(key: GraphKey, device: torch.device | str) -> SamplingBatch:
 
 def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | Iterable[int],
             variants: Iterable[tuple[SamplingPath, bool, bool]], device: torch.device | str,
-            verify: VerifyBuilder, draft: DraftBuilder) -> list[GraphKey]:
-    """Capture every key the cache asks for, VERIFY and then DRAFT (stage "draft"), and
-    seal the cache; -> the VERIFY keys captured. Several ``num_draft_tokens`` (adaptive K):
-    the keys of each."""
+            verify: VerifyBuilder, draft: DraftBuilder,
+            also: Callable[[], Iterable[tuple[GraphKey, Step, Tensors]]] | None = None
+            ) -> list[GraphKey]:
+    """Capture every key the cache asks for, VERIFY and then DRAFT (stage "draft"), then
+    the steps ``also`` lists (e.g. prefill, stage "prefill") when the cache captures any
+    key, and seal the cache; -> the VERIFY keys captured. Several ``num_draft_tokens``
+    (adaptive K): the keys of each."""
     has_q = {(path, greedy): q for path, greedy, q in variants}
     ks = [num_draft_tokens] if isinstance(num_draft_tokens, int) else list(num_draft_tokens)
     keys = [key for k in ks for key in cache.keys_to_capture(max_batch_size, k, list(has_q))]
@@ -64,5 +67,9 @@ def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | I
             drafted = draft(key, template)
             if drafted is not None:
                 cache.capture(attrs.evolve(key, stage="draft"), *drafted)
+    if keys and also is not None:
+        with torch.inference_mode():
+            for key, step, example in also():
+                cache.capture(key, step, example)
     cache.seal()
     return keys

@@ -28,5 +28,8 @@ class GraphKey:
     num_draft_tokens: int
     sampling_path: SamplingPath
     all_greedy: bool = False
-    # "verify" (target forward + sampler) or "draft" (a drafter's whole K-step proposal).
+    # "verify" (target forward + sampler), "draft" (a drafter's whole K-step proposal) or
+    # "prefill" (the target's forward over prompt rows, engine/_runner.py).
     stage: str = "verify"
+    # Prefill: the tokens per row the graph runs (rows padded to it); 0 for the others.
+    tokens: int = 0

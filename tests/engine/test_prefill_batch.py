@@ -10,13 +10,18 @@ from specloop.samplers import SamplingParams
 
 from .conftest import make_config, serve_staggered
 
-# Lengths 1 (nothing to prefill), 30 (over the 24-token budget: alone, in chunks) and
-# short ones that share forwards, padded to the longest of their group.
-LENGTHS = [5, 1, 9, 30, 3, 12, 7, 2]
+# Lengths 1 (nothing to prefill), 40 (over the 24- or 32-token budget: alone, in chunks)
+# and short ones that share forwards, padded to the longest of their group.
+LENGTHS = [5, 1, 9, 40, 3, 12, 7, 2]
 
 
 @pytest.mark.parametrize("method", ["none", "mtp_eagle"])   # mtp_eagle reads the hidden
-async def test_batched_prefill_equals_one_forward_per_request(tiny_dir, tiny_loaded, method):
+@pytest.mark.parametrize("padded", [False, True])
+async def test_batched_prefill_equals_one_forward_per_request(tiny_dir, tiny_loaded, method,
+                                                              padded):
+    """``padded``: rows and width padded to powers of two (``pad_prefill``, the GPU's
+    shapes, whose graphs warm-up captures; padding rows are the scratch slot's), and the
+    long prompt's chunks forwarded as one-row groups."""
     prompts = [[(11 * i + 7 * j) % 300 + 3 for j in range(n)] for i, n in enumerate(LENGTHS)]
     params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) if i % 2
               else SamplingParams(temperature=0.9, seed=i, max_tokens=6 + i, ignore_eos=True)
@@ -24,11 +29,12 @@ async def test_batched_prefill_equals_one_forward_per_request(tiny_dir, tiny_loa
 
     async def run(batched):
         rows, hidden = [], {}       # forward sizes; the drafter's prefill input by prompt
-        config = make_config(tiny_dir, method=method,
-                             scheduler={"max_batch_size": 6, "max_num_tokens": 24})
+        config = make_config(tiny_dir, method=method, scheduler={
+            "max_batch_size": 6, "max_num_tokens": 32 if padded else 24})
         async with AsyncEngine(config, model=tiny_loaded) as engine:
             runner = engine.worker.runner
             runner.batch_prefill = batched
+            runner.pad_prefill = batched and padded
             forward_rows = runner._prefill_rows
             runner._prefill_rows = lambda group: rows.append(len(group)) or forward_rows(group)
             drafter = engine.worker.drafter
@@ -46,7 +52,8 @@ async def test_batched_prefill_equals_one_forward_per_request(tiny_dir, tiny_loa
     assert want_h.keys() == got_h.keys()
     for ids, h in want_h.items():       # drafts do not change the tokens: check the input
         assert h.shape == got_h[ids].shape and torch.allclose(h, got_h[ids], atol=1e-9)
-    assert none == [] and max(rows) >= 2 and sum(rows) == len(LENGTHS) - 2
+    chunks = 2 if padded else 0     # the long prompt's, when they go through _prefill_rows
+    assert none == [] and max(rows) >= 2 and sum(rows) == len(LENGTHS) - 2 + chunks
 
 
 @pytest.mark.gpu
@@ -82,3 +89,50 @@ def test_batched_prefill_equals_single_on_the_fused_kernels(tmp_path):
         assert a.shape == b.shape and ka.shape == kb.shape
         assert torch.allclose(a, b, atol=3e-2, rtol=3e-2)
         assert torch.allclose(ka, kb, atol=3e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_prefill_graphs_replay_what_the_padded_eager_forward_computes(tmp_path):
+    """The prefill graphs warm-up captures (one per padded shape) give each request the
+    hidden states and prompt K/V that the eager forward at the same padded shape gives,
+    bit for bit, long prompts in one-row chunks, a group of 3 rows on the 4-row graph."""
+    from specloop.engine._request import Request
+    from specloop.engine._runner import ModelRunner
+    from specloop.graphs import CudaGraphCache
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    loaded = load_model(write_tiny_checkpoint(tmp_path / "m", vocab_size=384, num_layers=2,
+                                              hidden=64, seed=1),
+                        dtype=torch.bfloat16, device="cuda")
+    # Budget 64: [5, 17, 12] share a 4 x 16 forward (a padding row), 200 runs in one-row
+    # chunks (64, 64, 64, 7: widths 64 and 16), 40 alone at 64, 9 alone at 16; 1: nothing.
+    lengths = [5, 200, 17, 1, 12, 40, 9]
+
+    def run(graphs):
+        runner = ModelRunner(loaded, num_slots=8, max_seq_len=256, max_prefill_tokens=64)
+        runner.feature_layers = (0, 1)
+        cache = None
+        if graphs:
+            cache = CudaGraphCache(buckets=(1,))
+            with torch.inference_mode():
+                for key, step, example in runner.prefill_graphs():
+                    cache.capture(key, step, example)
+            runner.prefill_cache = cache
+        requests = [Request(f"r{i}", (), None, 0, [(13 * i + j) % 380 + 1 for j in range(n)],
+                            slot=7 - i) for i, n in enumerate(lengths)]
+        hidden = runner.prefill_many(requests)
+        kv = []
+        for r in requests:
+            pages = torch.tensor(runner.pages.pages_of(r.slot), device="cuda")
+            n = r.seq_len - 1
+            kv.append(torch.stack([runner.cache.k[:, pages], runner.cache.v[:, pages]])
+                      .flatten(2, 3)[:, :, :n])
+        return hidden, kv, cache
+
+    (h1, kv1, _), (h2, kv2, cache) = run(False), run(True)
+    replayed = {(key.batch_size, key.tokens): n for key, n in cache.replay_counts().items()
+                if n}
+    assert replayed == {(4, 16): 1, (1, 64): 4, (1, 16): 2}
+    for a, b, ka, kb in zip(h1, h2, kv1, kv2):
+        assert torch.equal(a, b) and torch.equal(ka, kb)
