@@ -9,14 +9,18 @@ a_j being the acceptance of draft j given drafts 1..j-1 were accepted (decayed c
 recent iterations, pooled over the group's ranks), T(b, k) the iteration's time: VERIFY and
 DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
 until iterations at (b, k) have been measured (whole iterations, start to start, less
-prefill and waits: the worker's clock), then their average (each K runs FIRST_SAMPLES
-times in a row at the first bucket before the rule decides there, later buckets borrow
-its times scaled to their own, and one choice in EXPLORE_EVERY tries the K values in
-turn). On one GPU rank ``next_k`` takes the next choice early and ``commit`` holds the
-next iteration to it, so the worker can queue that step ahead (K = 0: as without
-speculation; K > 0: DRAFT + VERIFY chained on the device). Ties go to the smaller K.
-Every input is agreed by the group: the counts and the measured time ride SCHEDULE's all-gather as integer columns, the
-warm-up table is agreed once before the first iteration; so every rank picks the same K.
+prefill, on a GPU as long as its kernels ran, and waits: the worker's clock), then their
+average (each K runs FIRST_SAMPLES times in a row at the first bucket before the rule
+decides there, later buckets borrow its times scaled to their own, and one choice in
+EXPLORE_EVERY tries the K values in turn). An iteration that admitted requests, or whose
+next one did, is disturbed and learned only where no undisturbed one was (its extra cost
+is the same at any K, and at a round's start it would all fall on K = 0). On one GPU
+rank ``next_k`` takes the next choice early and ``commit`` holds the next iteration to
+it, so the worker can queue that step ahead (K = 0: as without speculation; K > 0: DRAFT
++ VERIFY chained on the device). Ties go to the smaller K. Every input is agreed by the
+group: the counts and the measured time (negative when disturbed) ride SCHEDULE's
+all-gather as integer columns, the warm-up table is agreed once before the first
+iteration; so every rank picks the same K.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import collections
 import statistics
 import time
-from typing import Hashable, Sequence, TypeVar
+from typing import Any, Hashable, Sequence, TypeVar
 
 import attrs
 import torch
@@ -50,9 +54,18 @@ REST_WEIGHT = 0.2
 EXPLORE_EVERY = 256
 EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
 # Iterations each K runs at the first bucket before the rule decides there (later buckets
-# borrow its times until each K has as many of its own); their median starts the average (the first drafting iteration after a K = 0 stretch catches the head
-# up eagerly; a host pause or a kernel's first launch can take 100 ms on the H200).
+# borrow its times until each K has as many of its own); their median starts the average
+# (the first drafting iteration after a K = 0 stretch catches the head up eagerly; a host
+# pause or a kernel's first launch can take 100 ms on the H200).
 FIRST_SAMPLES = 3
+# Disturbed iterations (``AdaptiveK.disturb``: they or the next one admitted requests) are
+# learned only where no undisturbed one was: their extra cost (the prefill's device time
+# that VERIFY waits behind, no step queued ahead) is the same at any K, and at a round's
+# start it would all fall on K = 0's first samples (the H200 at batch 128 learned T(128, 0)
+# = 3 ms, and drafted where no speculation was faster). A K whose iterations are all
+# disturbed (steady load at a large batch: a request arrives every iteration) is settled
+# after FIRST_DISTURBED of them.
+FIRST_DISTURBED = 4 * FIRST_SAMPLES
 # Once settled, the rule leaves the last K only for one whose rate is SWITCH_MARGIN better.
 SWITCH_MARGIN = 0.03
 # Later, a measurement counts at most OUTLIER times the average (a real change still
@@ -102,9 +115,10 @@ class CostTable:
     rest: dict[int, float] = attrs.Factory(dict)
     learn: bool = True
     measured: dict[tuple[int, int], float] = attrs.Factory(dict)
-    samples: dict[tuple[int, int], int] = attrs.Factory(dict)
-    _first: dict[tuple[int, int], list[float]] = attrs.field(factory=dict, init=False,
-                                                             repr=False)
+    samples: dict[tuple[int, int], int] = attrs.Factory(dict)   # learned measurements
+    # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
+    _first: dict[tuple[int, int], tuple[list[float], list[float]]] = attrs.field(
+        factory=dict, init=False, repr=False)
     _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     _graph_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
 
@@ -149,19 +163,34 @@ class CostTable:
         nearest = min(self.rest, key=lambda b: (abs(b - bucket), b))
         return self.rest[nearest]
 
-    def observe(self, bucket: int, k: int, seconds: float) -> None:
+    def tried(self, bucket: int, k: int) -> bool:
+        """Whether K = k has its first measurements at ``bucket``: FIRST_SAMPLES
+        undisturbed ones, or FIRST_DISTURBED disturbed ones."""
+        first = self._first.get((bucket, k))
+        return first is not None and (len(first[0]) >= FIRST_SAMPLES
+                                      or len(first[1]) >= FIRST_DISTURBED)
+
+    def observe(self, bucket: int, k: int, seconds: float, disturbed: bool = False) -> None:
+        """An iteration at (bucket, k) took ``seconds``; ``disturbed``: it or the next one
+        admitted requests (learned only where no undisturbed one was: FIRST_DISTURBED)."""
         device = self._device(bucket, k)
         if not self.learn or device is None:
             return
         key = (bucket, k)
-        n = self.samples[key] = self.samples.get(key, 0) + 1
-        _average(self.rest, bucket, max(seconds - device, 0.0))
-        if n <= FIRST_SAMPLES:
-            first = self._first.setdefault(key, [])
-            first.append(seconds)
-            self.measured[key] = statistics.median_low(first)
+        first = self._first.get(key)
+        if first is None:
+            first = self._first[key] = ([], [])
+        if disturbed and first[0]:
+            return      # measured undisturbed: the admission's cost is not K's
+        if not self.tried(bucket, k):
+            first[disturbed].append(seconds)
+            self.measured[key] = statistics.median_low(first[0] or first[1])
         else:
             _average(self.measured, key, min(seconds, OUTLIER * self.measured[key]))
+            if not disturbed and not first[0]:
+                first[0].append(seconds)    # from now on, disturbed ones are not learned
+        self.samples[key] = self.samples.get(key, 0) + 1
+        _average(self.rest, bucket, max(seconds - device, 0.0))
 
     def as_tensor(self, keys: list[tuple[int, int]]) -> torch.Tensor:
         return torch.tensor([round(self.device[key] * 1e7) for key in keys], dtype=torch.int64)
@@ -187,7 +216,8 @@ class AdaptiveK:
         self.cost = cost
         self.reached = [0.0] * self.k_max
         self.accepted = [0.0] * self.k_max
-        self._measured_us = 0       # the last iteration's time, sent once in ``facts``
+        # The last iteration's time, sent once in ``facts`` (negative: ``disturb``).
+        self._measured_us = 0
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
         self._calls = 0             # choices so far: the same count on every rank
         self._settled: set[int] = set()     # buckets where every K has its first samples
@@ -199,7 +229,8 @@ class AdaptiveK:
         return 2 * self.k_max + 1
 
     def facts(self) -> list[int]:
-        """[reached_1..K, accepted_1..K (x SCALE), measured iteration time in us]."""
+        """[reached_1..K, accepted_1..K (x SCALE), measured iteration time in us (negative
+        when disturbed)]."""
         row = [round(x * SCALE) for x in self.reached + self.accepted] + [self._measured_us]
         self._measured_us = 0
         return row
@@ -223,6 +254,12 @@ class AdaptiveK:
         """The iteration just run took ``seconds`` (prefill excluded)."""
         self._measured_us = max(1, round(seconds * 1e6))
 
+    def disturb(self) -> None:
+        """The time ``measured`` last (not sent yet) is disturbed: that iteration, or the
+        one now starting, admitted requests (CostTable.observe: the next one's prefill
+        and no step queued ahead of it cost the same at any K)."""
+        self._measured_us = -abs(self._measured_us)
+
     def next_k(self, padded_batch_size: int, k: int, *, stay: bool = False) -> int:
         """One rank only: the next iteration's K, decided now (by the rule on this rank's
         counts and the times learned so far: the next iteration's own choice taken early),
@@ -243,9 +280,11 @@ class AdaptiveK:
         lists). Learn the last iteration's time (the slowest rank's), pool the counts,
         apply the rule (or take the K held by ``commit``)."""
         rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
-        measured = max(row[-1] for row in rows)
+        # The slowest rank's time; disturbed when any rank's was.
+        times = [row[-1] for row in rows]
+        measured = max(abs(t) for t in times)
         if measured and self._last is not None:
-            self.cost.observe(*self._last, measured / 1e6)
+            self.cost.observe(*self._last, measured / 1e6, min(times) < 0)
         bucket = self.cost.bucket(padded_batch_size)
         self._calls += 1
         if self._committed is not None:
@@ -298,9 +337,7 @@ class AdaptiveK:
             # (K = 0 first, then 1, ...: a K's iterations in a row, as it runs when
             # chosen), and again in turn; other buckets borrow the settled one's times.
             if bucket not in self._settled:
-                samples = self.cost.samples
-                untried = [c for c in self.candidates
-                           if samples.get((bucket, c), 0) < FIRST_SAMPLES]
+                untried = [c for c in self.candidates if not self.cost.tried(bucket, c)]
                 if not untried:
                     self._settled.add(bucket)
                 elif not self._settled:
@@ -324,13 +361,22 @@ class AdaptiveK:
 class IterationClock:
     """Adaptive K's clock (the worker's): one iteration is from the start of its SCHEDULE
     to the start of the next (``tick``), less what does not depend on K (``exclude``:
-    prefill, waiting for work, waiting for the group's last rank). ``timed``: this
-    iteration chose K and its time is learned. Without ``adaptive`` it keeps no time."""
+    waiting for work, waiting for the group's last rank; ``prefill_started`` /
+    ``prefill_done``: the prefill, on a GPU as long as the device took for it, which
+    VERIFY's read-back waits behind). ``timed``: this iteration chose K and its time is
+    learned; an iteration that prefilled, and the one before it, are disturbed
+    (``AdaptiveK.disturb``). Without ``adaptive`` it keeps no time."""
 
     adaptive: AdaptiveK | None = None
+    # On a GPU: the prefill's device time from CUDA events (its kernels run after the
+    # host queued them: ~1-3 ms at batch 128 on the H200 that VERIFY waited for).
+    cuda: bool = False
     started: float = 0.0
     excluded_s: float = 0.0
     timed: bool = False
+    prefilled: bool = False
+    # (start event, end event, host seconds already excluded) of this iteration's prefill.
+    _events: tuple[Any, Any, float] | None = attrs.field(default=None, init=False)
 
     def tick(self) -> None:
         """The last iteration ends where this one starts: hand its time to the rule."""
@@ -338,8 +384,38 @@ class IterationClock:
             return
         now = time.perf_counter()
         if self.timed:
-            self.adaptive.measured(now - self.started - self.excluded_s)
+            excluded = self.excluded_s
+            if self._events is not None:
+                start, end, host = self._events
+                end.synchronize()       # done already: VERIFY's read-back waited for it
+                excluded += max(start.elapsed_time(end) / 1e3 - host, 0.0)
+            self.adaptive.measured(now - self.started - excluded)
+            if self.prefilled:
+                self.adaptive.disturb()
         self.started, self.excluded_s, self.timed = now, 0.0, False
+        self.prefilled, self._events = False, None
 
     def exclude(self, seconds: float) -> None:
         self.excluded_s += seconds
+
+    def prefill_started(self) -> tuple[float, Any]:
+        """Before the prefill is queued: (host time, CUDA event or None)."""
+        event = None
+        if self.adaptive is not None and self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+        return time.perf_counter(), event
+
+    def prefill_done(self, mark: tuple[float, Any]) -> None:
+        """After it is queued (``mark``: ``prefill_started``'s): excluded, and this
+        iteration and the last disturbed."""
+        if self.adaptive is None:
+            return
+        host = time.perf_counter() - mark[0]
+        self.excluded_s += host
+        self.prefilled = True
+        self.adaptive.disturb()
+        if mark[1] is not None:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events = (mark[1], end, host)

@@ -132,7 +132,7 @@ class RankWorker:
             cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
             self.adaptive = AdaptiveK(spec.k_values, cost)
-            self.clock = IterationClock(self.adaptive)
+            self.clock = IterationClock(self.adaptive, cuda=self.runner.device.type == "cuda")
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 
     async def agree_costs(self) -> None:
@@ -195,9 +195,9 @@ class RankWorker:
     async def _admit(self) -> None:
         admitted = self.scheduler.admit()
         if admitted:
-            start = time.perf_counter()
+            mark = self.clock.prefill_started()
             await self.run_sync(lambda: self._prefill(admitted))
-            self.clock.exclude(time.perf_counter() - start)
+            self.clock.prefill_done(mark)
 
     def _prefill(self, admitted: list[Request]) -> None:
         hidden = self.runner.prefill_many(admitted)

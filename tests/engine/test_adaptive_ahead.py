@@ -2,12 +2,15 @@
 GPU rank a K = 0 stretch queues each step ahead (the next iteration committed to K = 0)."""
 
 import copy
+import time
 
 import anyio
+import pytest
 import torch
 
 from specloop.engine import AsyncEngine, EngineConfig
-from specloop.engine._adaptive import EXPLORE_EVERY, AdaptiveK, CostTable
+from specloop.engine._adaptive import (EXPLORE_EVERY, FIRST_DISTURBED, FIRST_SAMPLES,
+                                       AdaptiveK, CostTable, IterationClock)
 from specloop.samplers import SamplingParams
 
 from ..graphs.test_static_steps import StepReplayCache
@@ -110,6 +113,98 @@ async def test_iteration_is_timed_start_to_start_without_prefill(tiny_dir, tiny_
     # The first iteration's exchange waited for the request: all of it left out.
     assert len(times) >= 3 and all(t < 0.3 for t in times), times
     assert all(t >= 0.02 for t in times[1:]), times
+
+
+async def test_admitting_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_loaded):
+    """A closed round whose admission spans several iterations: on a GPU, VERIFY waits
+    behind the prefill's kernels (here: a read-back 80 ms late after each prefill), and
+    the next iteration's admission keeps a step from being queued ahead. K = 0's first
+    samples fall on those iterations (the rule tries K = 0 first), yet T(16, 0) must be
+    what an iteration at K = 0 costs without them (the H200 at batch 128 learned 3 ms
+    against ~1.4 and drafted where no speculation was faster)."""
+    spill = 0.08
+    config = make_config(tiny_dir, method="ngram", k=3, speculative={"adaptive": True},
+                         scheduler={"max_batch_size": 16, "max_num_tokens": 24})
+    prompts = [[3 + i, 40 + i, 7, 90 + i, 3 + i, 40 + i] for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        worker, late = engine.worker, []
+        prefill, read_back = worker._prefill, worker.runner.finish_read_back
+
+        def prefill_queued(admitted):
+            prefill(admitted)
+            late.append(spill)          # its kernels still run when VERIFY is read back
+
+        def waits_behind_prefill(pending):
+            if late:
+                time.sleep(late.pop())
+            return read_back(pending)
+        worker._prefill, worker.runner.finish_read_back = prefill_queued, waits_behind_prefill
+        async for _ in engine.generate_batch(prompts, params):
+            pass
+        cost = worker.adaptive.cost
+    # 4 prompts a round: batches 4, 8, 12, 16; (16, 0)'s first two timed iterations admit.
+    assert cost.samples[(16, 0)] >= FIRST_SAMPLES
+    assert cost.measured[(16, 0)] < spill / 2, cost.measured
+
+
+def test_disturbed_iterations_are_learned_only_where_nothing_else_is():
+    """Steady load at a large batch: every iteration admits, so every K settles on its
+    FIRST_DISTURBED disturbed iterations (the rule does not wait for undisturbed ones);
+    once one undisturbed iteration is measured, disturbed ones no longer move T."""
+    cost = CostTable({(1, k): 0.001 for k in KS})
+    adaptive = AdaptiveK(KS, cost)
+    picks = []
+    for _ in range(FIRST_DISTURBED * len(KS) + 1):
+        k = adaptive.choose([adaptive.facts()], 1)
+        picks.append(k)
+        adaptive.measured(0.002 + 0.001 * k)
+        adaptive.disturb()
+    assert picks[:-1] == [k for k in KS for _ in range(FIRST_DISTURBED)]
+    assert cost.measured == {(1, k): pytest.approx(0.002 + 0.001 * k) for k in KS}
+    k = adaptive.choose([adaptive.facts()], 1)      # learns the last one; the rule's K
+    adaptive.measured(0.010)                        # undisturbed: learned
+    adaptive.choose([adaptive.facts()], 1)
+    after = cost.measured[(1, k)]
+    assert after > 0.002 + 0.001 * k
+    adaptive.measured(0.100)
+    adaptive.disturb()
+    adaptive.choose([adaptive.facts()], 1)
+    assert cost.measured[(1, k)] == after
+
+
+def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
+    """On a GPU the prefill's kernels run after the host queued them; VERIFY waits for
+    them. The clock leaves out the longer of the host's and the device's time for the
+    prefill (CUDA events, faked here: 50 ms on the device, 10 ms on the host) and marks
+    the iteration, and the one before it, disturbed (a negative time in the facts)."""
+    class Event:
+        def __init__(self, enable_timing):
+            assert enable_timing
+
+        def record(self):
+            pass
+
+        def synchronize(self):
+            pass
+
+        def elapsed_time(self, end):
+            return 50.0
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
+    clock = IterationClock(adaptive, cuda=True)
+    clock.tick()
+    clock.timed = True
+    time.sleep(0.005)
+    clock.tick()                    # an iteration of 5 ms, undisturbed so far ...
+    clock.timed = True
+    mark = clock.prefill_started()  # ... but the next one admits
+    time.sleep(0.01)
+    clock.prefill_done(mark)
+    assert 5000 <= -adaptive.facts()[-1] < 9000
+    time.sleep(0.06)                # VERIFY: 40 ms behind the prefill, 20 ms its own
+    clock.tick()
+    assert 20000 <= -adaptive.facts()[-1] < 28000
 
 
 async def test_k0_stretch_queues_ahead_and_keeps_the_head_current(tiny_dir, tiny_loaded):
