@@ -103,8 +103,11 @@ class ModelRunner:
         # The CPU is compute-bound, so it keeps one forward per request (same numerics).
         self.batch_prefill = self.device.type == "cuda"
         # Prefill forwards at padded shapes (``padded_shape``), graphs' or eager: on a GPU
-        # (on the CPU padding would only add work; tests set it).
-        self.pad_prefill = self.device.type == "cuda"
+        # with the fused kernels (they put positions past max_seq_len in the scratch page
+        # and read lengths on the device; on the CPU padding would only add work; tests
+        # set it).
+        self.pad_prefill = self.device.type == "cuda" and bool(
+            getattr(self.model, "uses_kernels", False))
         # The graph cache holding the prefill graphs (``prefill_graphs``), set at warm-up.
         self.prefill_cache: GraphCache | None = None
 
@@ -243,8 +246,7 @@ class ModelRunner:
         """What warm-up captures for prefill on a GPU with the fused kernels (their grid
         depends on shapes only; the reference path reads lengths on the host): each
         ``prefill_shapes`` shape, on padding rows (the scratch slot)."""
-        if not (self.pad_prefill and self.batch_prefill
-                and getattr(self.model, "uses_kernels", False)):
+        if not (self.pad_prefill and self.batch_prefill):
             return []
         out = []
         for rows, width in prefill_shapes(self.pages.num_slots, self.max_prefill_tokens):
@@ -262,6 +264,7 @@ class ModelRunner:
         [P, F*H] with feature layers). On a GPU each chunk is a padded forward of one row
         (``_prefill_rows``: a graph's when captured)."""
         end = request.seq_len - 1
+        self.pages.resize(request.batch_slot, request.seq_len)
         if self.pad_prefill and self.batch_prefill:
             chunks = []
             while request.num_cached < end:
@@ -270,7 +273,6 @@ class ModelRunner:
             width = self.args.hidden_size * max(1, len(self.feature_layers))
             return torch.cat(chunks) if chunks else torch.empty(
                 0, width, dtype=self.dtype, device=self.device)
-        self.pages.resize(request.batch_slot, request.seq_len)
         slot = torch.tensor([request.batch_slot], device=self.device)
         width = self.args.hidden_size * max(1, len(self.feature_layers))
         hidden = [torch.empty(0, width, dtype=self.dtype, device=self.device)]
