@@ -338,10 +338,15 @@ async def test_chained_ngram_on_cuda(tiny_dir, dtype, adaptive):
             accepted = worker.stats.num_accepted_tokens
         return outs, taken, accepted
 
+    # Where two runs' K differ at a position (adaptive K: which chained steps drop
+    # depends on the arrival timing), a sampled row's draws differ too (another draft,
+    # another exact sample): then only the greedy rows must match token for token.
+    rows = [i for i, (_, params, _) in enumerate(reqs)
+            if params.temperature == 0 or not adaptive]
     unchained, _, _ = await go(True, False)
     chained, taken, accepted = await go(True, True)
     assert taken > 0 and accepted > 0
-    assert chained == unchained
+    assert [chained[i] for i in rows] == [unchained[i] for i in rows]
     if dtype == torch.float64:
         eager, _, _ = await go(False, False)
-        assert chained == eager
+        assert [chained[i] for i in rows] == [eager[i] for i in rows]
