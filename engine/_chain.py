@@ -2,11 +2,12 @@
 
 After VERIFY n is queued and before it is read back, the next iteration's DRAFT and VERIFY
 are queued too, their inputs built on the GPU from VERIFY n's outputs: the head's
-catch-up is VERIFY n's K + 1 feature rows and tokens (``Drafter.chained_inputs``), its K
-drafts and VERIFY n's bonus token are VERIFY n+1's tokens, one position past the accepted
-ones. The host then reads VERIFY n back and runs RESCAN, SCHEDULE .. DRAFT of n+1 while
-the GPU computes n+1, as the no-speculation step queued ahead does (``RunAhead``,
-engine/_ahead.py); nothing waits for the host between the stages.
+catch-up is VERIFY n's K + 1 feature rows and tokens (``Drafter.chained_inputs``; the
+``mtp_eagle``/``eagle3`` draft graph computes the rest itself), its K drafts and VERIFY
+n's bonus token are VERIFY n+1's tokens, one position past the accepted ones. The host
+then reads VERIFY n back and runs RESCAN, SCHEDULE .. DRAFT of n+1 while the GPU computes
+n+1, as the no-speculation step queued ahead does (``RunAhead``, engine/_ahead.py);
+nothing waits for the host between the stages.
 
 Iteration n+1 uses the chained step when its batch is the same requests in the same order,
 each exactly as long as VERIFY n made it, under the same graph key; DRAFT then skips the
@@ -125,14 +126,13 @@ class DeviceChain:
             draft_in = self.drafter.chained_inputs(out, start, slots, sampling, into=into)
             drafted = w.graph_cache.replay(draft_key, draft_in)
             hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1)
-            pair = [draft_in["bonus"], drafted["token_ids"]]
-            width = pair[0].shape[1] + pair[1].shape[1]
-            tokens = verify_in.get("tokens") if verify_in is not None else None
-            if tokens is not None and tokens.shape == (padded, width):
-                tokens = torch.cat(pair, dim=1, out=tokens)
+            if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
+                # Fresh views: replay copies an input it has not seen (these change).
+                tokens, start_pos = drafted["tokens"][:], drafted["start_pos"][:]
             else:
-                tokens = torch.cat(pair, dim=1)
-            inputs = {"tokens": tokens, "start_pos": draft_in["start_pos"],
+                tokens = self._tokens(draft_in["bonus"], drafted["token_ids"], verify_in)
+                start_pos = draft_in["start_pos"]
+            inputs = {"tokens": tokens, "start_pos": start_pos,
                       "slots": draft_in["slots"], **sampling.columns()}
             if "probs" in drafted:      # a fresh view: replay copies inputs it has not seen
                 inputs["draft_probs"] = drafted["probs"][:]
@@ -141,6 +141,18 @@ class DeviceChain:
         self._queued = _Queued(batch, slots, start, key, (next_out, read))
         self.queued_steps += 1
         return hidden
+
+    @staticmethod
+    def _tokens(bonus: torch.Tensor, drafts: torch.Tensor,
+                verify_in: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """VERIFY n+1's tokens [Bp, K+1] (its first, then the drafts), written into its
+        graph's static input where the cache shows it (no copy at the replay)."""
+        pair = [bonus, drafts]
+        width = bonus.shape[1] + drafts.shape[1]
+        static = verify_in.get("tokens") if verify_in is not None else None
+        if static is not None and static.shape == (bonus.shape[0], width):
+            return torch.cat(pair, dim=1, out=static)
+        return torch.cat(pair, dim=1)
 
     @staticmethod
     def _hidden_kept(verified: torch.Tensor, into: dict[str, torch.Tensor] | None,
@@ -163,19 +175,24 @@ class DeviceChain:
         columns padded to the draft graph's catch-up ``width`` (adaptive K: VERIFY n
         drafted fewer; the padding columns lie past the accepted row, as the graph's own
         padding: token 0, zero features)."""
+        short = width - out["token_ids"].shape[1]
+        if in_order(rows) and short <= 0:   # the usual case: VERIFY's outputs as they are
+            return out
         names = ("token_ids", "num_accepted", "hidden")
         picked = {name: out[name] for name in names}
         if not in_order(rows):
             at = int64_tensor([*rows, *[0] * (padded - len(rows))])
             at = to_device(at, out["hidden"].device)
             picked = {name: t.index_select(0, at) for name, t in picked.items()}
-        short = width - picked["token_ids"].shape[1]
         if short > 0:
             tokens, hidden = picked["token_ids"], picked["hidden"]
             picked["token_ids"] = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], short)],
                                             dim=1)
             picked["hidden"] = torch.cat(
                 [hidden, hidden.new_zeros(hidden.shape[0], short, hidden.shape[2])], dim=1)
+        # VERIFY's layout: the tokens, then the count.
+        picked["packed"] = torch.cat([picked["token_ids"], picked["num_accepted"][:, None]],
+                                     dim=1)
         return picked
 
     def _slots_of(self, batch: tuple[Request, ...]) -> list[int]:

@@ -54,9 +54,19 @@ class MtpEagleDrafter(Drafter):
         rows = k + 1 + (LAZY_ROWS if config.speculative.adaptive else 0)
         self.pending = PendingRows(deps.num_slots, rows, self.head.feature_size,
                                    dtype=target.dtype, device=target.device)
-        # (the batch's slots, padding rows) -> chained_inputs' per-batch device rows
-        self._chain_rows_of: tuple[tuple[tuple[int, ...], int],
+        # (the batch's slots, padding rows) -> chained_inputs' per-batch ``meta`` and its
+        # slot row (the same tensors while the batch stays: a replay copies them once).
+        self._chain_meta_of: tuple[tuple[tuple[int, ...], int],
                                    tuple[torch.Tensor, torch.Tensor]] | None = None
+        # Per graph rows: the draft graph's ``start_pos`` output (VERIFY n+1's positions,
+        # also the next chained step's catch-up start), one buffer for every draft graph
+        # of those rows, valid until the next draft replay.
+        self._next_start: dict[int, torch.Tensor] = {}
+        # The last chained call's (slots, catch-up start static), and whether its step was
+        # taken for all those slots since with no draft replay in between: the next
+        # chained step's catch-up starts then lie in ``_next_start`` on the device.
+        self._last_chain: tuple[tuple[int, ...], torch.Tensor | None] | None = None
+        self._starts_on_device = False
         # prefill_many shares the head's forwards between prompts (on a GPU; tests set it).
         self.batch_prefill = self.cache.device.type == "cuda"
 
@@ -196,26 +206,52 @@ class MtpEagleDrafter(Drafter):
                 "slots": slots}
 
     def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
-        """Static-shape draft inputs for the graph's rows (padding: scratch slot)."""
+        """Static-shape draft inputs for the graph's rows (padding: scratch slot), in the
+        form the chained step gives them (``graph_step``): ``verified`` [Bp, K+2] each
+        row's catch-up tokens then its last catch-up row (VERIFY's ``packed`` layout:
+        tokens, count), ``cu_hidden`` [Bp, K+1, F], ``cu_start`` [Bp], ``meta`` [4, Bp]
+        (slot, 1 on real rows, length and VERIFY position less ``cu_start`` + the last
+        row: 2 and 1 unless a row's pending rows end early; padding 2 and 0)."""
         k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_rows
+        pad = rows - real
         columns = self._catch_up_columns(ctx, rows, k + 1)
-        columns["seq_lens"] = ctx.seq_len_list() + [2] * (rows - real)
-        inputs = graph_int_inputs(ctx, columns)
-        inputs["cu_hidden"] = self.pending.rows(inputs["slots"], k + 1)
+        starts, last = columns["cu_start"], columns["cu_last"]
+        seq_off = [n - s - c for n, s, c in zip(ctx.seq_len_list(), starts, last)]
+        meta = [columns["slots"], [1] * real + [0] * pad, seq_off + [2] * pad,
+                [o - 1 for o in seq_off] + [0] * pad]
+        inputs = graph_int_inputs(ctx, {
+            "verified": [t + [c] for t, c in zip(columns["cu_tokens"], last)],
+            "cu_start": starts, "meta": meta})
+        inputs["cu_hidden"] = self.pending.rows(inputs["meta"][0], k + 1)
         return inputs
+
+    def _next_start_of(self, rows: int) -> torch.Tensor:
+        """The draft graphs' ``start_pos`` output buffer for ``rows`` rows."""
+        buffer = self._next_start.get(rows)
+        if buffer is None:
+            with torch.inference_mode(False):   # written in graphs, read out of them
+                buffer = self._next_start[rows] = torch.zeros(
+                    rows, dtype=torch.int64, device=self.pending.buffer.device)
+        return buffer
 
     def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
                    num_draft_tokens: int | None = None
                    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        """``_draft_steps`` on static tensors, drafting with the local head (argmax, or
-        sampled with q kept); for CUDA-graph capture. Never used on the LM-head-TP path
-        (collectives)."""
+        """``_draft_steps`` on static tensors (``graph_inputs``' form), drafting with the
+        local head (argmax, or sampled with q kept); for CUDA-graph capture. Never used on
+        the LM-head-TP path (collectives). The catch-up's last row, lengths and VERIFY's
+        next inputs are computed in the graph (the chained step's glue: no eager kernel
+        per iteration): outputs ``token_ids`` [Bp, K] (and ``probs``), ``tokens``
+        [Bp, K+1] (VERIFY's: each row's last catch-up token, then its drafts) and
+        ``start_pos`` [Bp] (VERIFY's: length - 1, padding rows 0)."""
         kv_len = self.cache.max_seq_len
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
 
         greedy = not advanced and type(sampler).draft is DefaultSampler.draft
+        # Made before any capture (not in one: its memory and zero-fill outside graphs).
+        next_start = self._next_start_of(template.size)
 
-        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def drafts(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
             loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
@@ -238,6 +274,27 @@ class MtpEagleDrafter(Drafter):
                 tokens.append(sample.token_ids)
                 probs.append(sample.probs)
             return graph_outputs(tokens, probs, advanced)
+
+        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            verified, meta, start = inputs["verified"], inputs["meta"], inputs["cu_start"]
+            width = verified.shape[1] - 1
+            slots, is_real, seq_off, pos_off = meta.unbind(0)
+            # Integer glue, as exact in the graph as on the host: the last catch-up row
+            # (padding rows: 0), tokens -1 past a VERIFY's bonus made a valid id (0).
+            last = verified[:, width] * is_real
+            tokens = verified[:, :width].clamp(min=0)
+            at = start + last
+            seq_lens = at + seq_off
+            out = drafts({"cu_tokens": tokens, "cu_hidden": inputs["cu_hidden"],
+                          "cu_start": start, "write_slots": slots, "cu_last": last,
+                          "slots": slots, "seq_lens": seq_lens,
+                          **{name: inputs[name] for name in SamplingBatch.COLUMNS}})
+            out["tokens"] = torch.cat([tokens.gather(1, last[:, None]), out["token_ids"]], 1)
+            if next_start.shape != at.shape:
+                raise ValueError(f"draft graph inputs of {at.shape[0]} rows for a step built "
+                                 f"for {next_start.shape[0]} (the template's)")
+            out["start_pos"] = torch.add(at, pos_off, out=next_start)
+            return out
 
         return step
 
@@ -262,51 +319,61 @@ class MtpEagleDrafter(Drafter):
                        slots: Sequence[int], sampling: SamplingBatch,
                        into: dict[str, torch.Tensor] | None = None
                        ) -> dict[str, torch.Tensor]:
-        """The catch-up of each row is that VERIFY's K + 1 rows at ``start`` (rows
-        0..n committed; the rest sit at positions >= the new length - 1, which the draft
-        steps and the next catch-up write before any query reads them, as the graph's
-        own padding rows do), its tokens (-1 past the bonus: any valid id), cu_last n,
-        the new length start + n + 2. Padding rows as ``graph_inputs`` pads them
-        (scratch slot, start 0, cu_last 0, length 2). Written ``into`` the tensors given
-        (the graphs' static inputs: no copy at the replay) where the names match."""
-        rows, real = sampling.size, len(start)
-        pad = rows - real
-        slot_row, is_real = self._chain_rows(slots, rows)
-        # One copy: each row's start, new length and VERIFY n+1's position, each less the
-        # accepted count (padding rows: start 0, length 2, position 0).
-        host = int64_tensor([*start, *[0] * pad, *[s + 2 for s in start], *[2] * pad,
-                             *[s + 1 for s in start], *[0] * pad])
-        dev = self.pending.buffer.device
-        cu_start, length, position = to_device(host, dev).view(3, rows)
-        to = _writable(into)
-        accepted = torch.mul(verified["num_accepted"], is_real, out=to("cu_last", [rows]))
-        tokens = torch.clamp(verified["token_ids"], min=0,
-                             out=to("cu_tokens", verified["token_ids"].shape))
-        inputs = {"cu_tokens": tokens, "cu_hidden": verified["hidden"][:],
-                  "cu_start": cu_start, "write_slots": slot_row, "cu_last": accepted,
-                  "slots": slot_row,
-                  "seq_lens": torch.add(length, accepted, out=to("seq_lens", [rows])),
-                  "bonus": tokens.gather(1, accepted[:, None]),
-                  "start_pos": torch.add(position, accepted, out=to("start_pos", [rows]))}
+        """The draft graph's inputs (``graph_inputs``' form) from VERIFY n's outputs as
+        they are: ``packed`` (tokens, -1 past the bonus, then the count: the catch-up's
+        tokens and last row) and ``hidden``; each row's catch-up is that VERIFY's K + 1
+        rows at ``start`` (rows 0..n committed; the rest sit at positions >= the new
+        length - 1, which the draft steps and the next catch-up write before any query
+        reads them, as the graph's own padding rows do), its new length start + n + 2.
+        Padding rows as ``graph_inputs`` pads them (scratch slot, start 0, last row 0,
+        length 2). The graph computes VERIFY n+1's ``tokens`` and ``start_pos``.
+        ``start`` goes to the device only when it is not there: after a chained step
+        taken for this very batch, the graph's ``start_pos`` output is it. ``into``:
+        the draft graph's static inputs (``cu_start`` is written there in place)."""
+        rows = sampling.size
+        meta, slot_row = self._chain_meta(slots, rows)
+        static = None if into is None else into.get("cu_start")
+        if static is not None and static.shape != (rows,):
+            static = None
+        key, last = tuple(slots), self._last_chain
+        cu_start: torch.Tensor
+        if self._starts_on_device and last is not None and last[0] == key \
+                and last[1] is static:      # the same batch and draft graph
+            cu_start = self._next_start_of(rows)[:]     # a fresh view: copied at the replay
+        else:
+            host = int64_tensor([*start, *[0] * (rows - len(start))])
+            if static is None:
+                cu_start = to_device(host, self.pending.buffer.device)
+            else:   # one copy, into the graph's input (pinned: queued without waiting)
+                if static.device.type == "cuda":
+                    host = host.pin_memory()
+                cu_start = static.copy_(host, non_blocking=True)
+        self._last_chain, self._starts_on_device = (key, static), False
+        inputs = {"verified": verified["packed"][:], "cu_hidden": verified["hidden"][:],
+                  "cu_start": cu_start, "meta": meta, "slots": slot_row}
         inputs.update(sampling.columns())
         return inputs
 
-    def _chain_rows(self, slots: Sequence[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """([rows] each row's slot, padding rows the scratch slot; [rows] 1 on real rows)
-        on the device, made once per batch: while the batch stays, the same tensors go
-        in, and a replay does not copy an input it was given last time again."""
+    def _chain_meta(self, slots: Sequence[int], rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(``meta`` [4, rows]: each row's slot (padding rows the scratch slot), 1 on real
+        rows, 2, 1 on real rows; its slot row) on the device, made once per batch: while
+        the batch stays, the same tensors go in, and a replay does not copy an input it
+        was given last time again."""
         key = (tuple(slots), rows)
-        if self._chain_rows_of is None or self._chain_rows_of[0] != key:
+        if self._chain_meta_of is None or self._chain_meta_of[0] != key:
             pad = rows - len(slots)
-            host = int64_tensor([*slots, *[self.scratch] * pad, *[1] * len(slots), *[0] * pad])
-            dev = self.pending.buffer.device
-            slot_row, is_real = to_device(host, dev).view(2, rows)
-            self._chain_rows_of = (key, (slot_row, is_real))
-        return self._chain_rows_of[1]
+            real = [1] * len(slots) + [0] * pad
+            host = int64_tensor([*slots, *[self.scratch] * pad, *real, *[2] * rows, *real])
+            meta = to_device(host, self.pending.buffer.device).view(4, rows)
+            self._chain_meta_of = (key, (meta, meta[0]))
+        return self._chain_meta_of[1]
 
     def chained_consumed(self, slots: Sequence[int]) -> None:
-        """The chained step fed these slots' rows (as ``propose`` would have)."""
+        """The chained step fed these slots' rows (as ``propose`` would have); when they
+        are all of its batch, its ``start_pos`` output is the next chained step's start."""
         self.pending.zero(slots)
+        last = self._last_chain
+        self._starts_on_device = last is not None and tuple(slots) == last[0]
 
     def _replay(self, ctx: DraftContext, advanced: bool) -> DraftProposal:
         proposal = replay_proposal(ctx, self.graph_inputs(ctx),
@@ -318,6 +385,9 @@ class MtpEagleDrafter(Drafter):
         return advanced or not self.lm.lm_head_tp
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
+        # A DRAFT of its own: the lengths moved past the last chained step's positions
+        # (and a replay overwrites them).
+        self._starts_on_device = False
         rows, k = len(ctx.token_ids), ctx.draft_count(self)
         advanced = ctx.spec.wants_advanced_draft_sampling
         # The graph's catch-up is K + 1 rows wide: more pending rows (after K = 0
@@ -381,12 +451,3 @@ class MtpEagleDrafter(Drafter):
                                              device=hidden.device))
         return stack_proposal(drafted, probs)
 
-
-def _writable(into: dict[str, torch.Tensor] | None
-              ) -> Callable[[str, Sequence[int]], torch.Tensor | None]:
-    """name, shape -> the tensor of ``into`` to write that input into (same shape), or
-    None (a new tensor); an out= of another shape would resize a graph's static input."""
-    def to(name: str, shape: Sequence[int]) -> torch.Tensor | None:
-        t = None if into is None else into.get(name)
-        return t if t is not None and t.shape == tuple(shape) else None
-    return to

@@ -6,11 +6,12 @@ of adaptive K's K = 0 iterations pile up (the buffer is deeper then); when it is
 older ones are dropped (the head drafts with a gap in its cache: weaker drafts, never
 wrong outputs).
 
-``verified`` with accepted drafts is deferred: it records the call and nothing else. The
-next read (DRAFT's inputs, a prompt's first row, a K = 0 row) makes the deferred stores,
-in order; a chained step that fed a slot's rows on the device (``zero``, engine/_chain.py)
-takes the slot out of every deferred call, and a call with no slot left is dropped. So a
-taken chained step costs neither host nor GPU work here. ``hidden`` of a deferred call is
+``verified`` of a VERIFY that drafted (K > 0, drafts accepted or not) is deferred: it
+records the call and nothing else. The next read (DRAFT's inputs, a prompt's first row, a
+K = 0 row) makes the deferred stores, in order; a chained step that fed a slot's rows on
+the device (``zero``, engine/_chain.py) takes the slot out of every deferred call, and a
+call with no slot left is dropped. So a taken chained step costs neither host nor GPU work
+here. ``hidden`` of a deferred call is
 a fresh eager output, or a static tensor that only a replay of its graph overwrites, and
 that replay comes after DRAFT's read (which makes the stores first) or after DRAFT dropped
 the call: a captured VERIFY's output (the next replay of that VERIFY graph is queued by
@@ -99,8 +100,12 @@ class PendingRows:
     def verified(self, slots: Sequence[int], start_pos: Sequence[int], hidden: torch.Tensor,
                  num_accepted: Sequence[int]) -> None:
         """hidden [B, K+1, F] of VERIFY at positions start_pos..; rows 0..n are committed.
-        Rows not yet fed are kept and these appended after them when they continue them."""
-        if any(num_accepted):
+        Rows not yet fed are kept and these appended after them when they continue them.
+        Deferred when VERIFY drafted (even if it accepted nothing: a chained step then
+        consumes the rows, at batch 1 often); a K = 0 step's one row per request is
+        stored now (its ``hidden`` may be a step queued ahead's output, which the next
+        one overwrites)."""
+        if hidden.shape[1] > 1 or any(num_accepted):
             self._deferred.append(_Verified(slots, start_pos, hidden, num_accepted,
                                             set(slots)))
         else:
@@ -152,10 +157,10 @@ class PendingRows:
 
     def _append_first_rows(self, slots: Sequence[int], start_pos: Sequence[int],
                            hidden: torch.Tensor) -> None:
-        """``verified`` when no draft was accepted (adaptive K's K = 0 iterations: each
-        batch row one row), with one index entry per request: the same bookkeeping, a
-        fraction of the host time at a large batch. Made now: ``hidden`` may be a step
-        queued ahead's output, which the next one overwrites."""
+        """``verified`` of a K = 0 step (adaptive K: each batch row one row), with one
+        index entry per request: the same bookkeeping, a fraction of the host time at a
+        large batch. Made now: ``hidden`` may be a step queued ahead's output, which the
+        next one overwrites."""
         self.flush()
         depth, count_of, start_of = self.buffer.shape[1], self._count, self._start
         rows: list[int] = []

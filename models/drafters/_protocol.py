@@ -193,12 +193,14 @@ class Drafter(Protocol):
                        ) -> dict[str, torch.Tensor]:
         """``graph_inputs`` of the iteration after a VERIFY whose rows sat at ``start``
         (L - 1) in ``slots``, built on the device from its outputs (``token_ids``,
-        ``num_accepted``, ``hidden``) for ``sampling.size`` rows, plus ``bonus``
-        [Bp, 1] (VERIFY n+1's first token) and ``start_pos`` [Bp] (VERIFY n+1's; 0 on
-        padding rows); only called where ``can_chain`` is True. ``into``: tensors (the
-        draft graph's static inputs, VERIFY's ``start_pos``) an input of the same name and
-        shape may be written into in place and returned as itself, so that the replay
-        copies nothing for it; a drafter may ignore it."""
+        ``num_accepted``, ``hidden``, ``packed``) for ``sampling.size`` rows, plus
+        ``slots`` [Bp] (VERIFY n+1's). VERIFY n+1's ``tokens`` [Bp, K+1] and
+        ``start_pos`` [Bp] (0 on padding rows) are either outputs of the draft graph of
+        those names, or ``bonus`` [Bp, 1] (its first token, the drafts follow) and
+        ``start_pos`` here, valid once the graph ran; only called where ``can_chain`` is
+        True. ``into``: tensors (the draft graph's static inputs, VERIFY's ``start_pos``)
+        an input of the same name and shape may be written into in place and returned as
+        itself, so that the replay copies nothing for it; a drafter may ignore it."""
         raise RuntimeError(f"{type(self).__name__} does not chain (its can_chain is False)")
 
     def chained_consumed(self, slots: Sequence[int]) -> None:

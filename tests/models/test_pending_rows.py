@@ -109,6 +109,25 @@ def test_chained_consumption_drops_the_store(loaded):
     assert d.pending.deferred == 0 and d.pending.counts([0, 1]) == [0, 0]
 
 
+def test_a_verify_that_accepted_nothing_is_deferred_too(loaded):
+    """A VERIFY that drafted but accepted nothing (batch 1: often) is deferred as any
+    other, so a chained step that consumes its rows costs no store; a K = 0 step's row
+    (width 1: possibly a step queued ahead's output) is stored at once."""
+    d = _drafter(MtpEagleDrafter, loaded)
+    H = loaded.args.hidden_size
+    for slot in (0, 1):
+        d.pending.prompt(slot, 4, torch.zeros(4, H))
+    d.on_verified([0, 1], [3, 3], torch.ones(2, 4, H), [0, 0])
+    assert d.pending.deferred == 1
+    d.chained_consumed([0, 1])
+    assert d.pending.deferred == 0 and d.pending.counts([0, 1]) == [0, 0]
+    d.on_verified([0, 1], [4, 4], torch.full((2, 4, H), 2.0), [0, 0])
+    d.on_verified([0], [5], torch.full((1, 1, H), 3.0), [0])     # K = 0: stored now
+    assert d.pending.deferred == 0
+    assert torch.equal(_rows(d, 0), torch.tensor([2.0, 3.0])[:, None].expand(2, H))
+    assert torch.equal(_rows(d, 1), torch.full((1, H), 2.0))
+
+
 @pytest.mark.parametrize("sliced", [False, True])
 def test_rows_hold_the_committed_verify_rows(loaded, sliced):
     """What a slot holds is its prompt's last row, then each VERIFY's committed rows in
