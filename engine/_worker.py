@@ -272,8 +272,11 @@ class RankWorker:
 
     def _sampling_batch(self, batch: list[Request], pad_to: int | None) -> SamplingBatch:
         """Per-row sampling tensors, rebuilt only when the batch's requests change (most
-        iterations run the same batch as the one before); one cache per padding."""
+        iterations run the same batch as the one before); one cache per padding, padding
+        to the batch's own size being none (the same rows: built once, not twice)."""
         key = tuple(batch)      # Request compares by identity: a reused id is a new key
+        if pad_to == len(batch):
+            pad_to = None
         cached = self._sampling_cache.get(pad_to)
         if cached is None or cached[0] != key:
             cached = self._sampling_cache[pad_to] = (key, SamplingBatch.from_params(

@@ -188,28 +188,51 @@ class SamplingBatch:
         greedy = [p.is_greedy for p in params] + [True] * (size - len(params))
         all_seeds = list(seeds) + [0] * (size - len(params))
 
-        def col(name: str, dtype: torch.dtype) -> torch.Tensor:
-            return _column([getattr(p, name) for p in rows], dtype, device)
+        def col(name: str, dtype: torch.dtype) -> tuple[list[Any], torch.dtype]:
+            return [getattr(p, name) for p in rows], dtype
 
+        temperature, top_k, top_p, min_p, is_greedy, seeds_col = _columns([
+            col("temperature", torch.float32), col("top_k", torch.int64),
+            col("top_p", torch.float32), col("min_p", torch.float32),
+            (greedy, torch.bool), (all_seeds, torch.int64)], device)
         return cls(
-            temperature=col("temperature", torch.float32), top_k=col("top_k", torch.int64),
-            top_p=col("top_p", torch.float32), min_p=col("min_p", torch.float32),
-            is_greedy=_column(greedy, torch.bool, device),
-            seeds=_column(all_seeds, torch.int64, device),
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            is_greedy=is_greedy, seeds=seeds_col,
             all_greedy=all(p.is_greedy for p in params), num_real=len(params),
             needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in rows),
             needs_min_p=any(p.min_p > 0 for p in rows), any_greedy=any(greedy),
         )
 
 
-def _column(values: list[Any], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
-    """A column on ``device``; to a GPU from pinned memory without waiting (a copy from
-    pageable memory may wait for the work already queued, e.g. the engine's step queued
-    ahead, issue 12; torch's caching host allocator keeps the pinned buffer until the
+def _columns(columns: list[tuple[list[Any], torch.dtype]], device: torch.device | str
+             ) -> list[torch.Tensor]:
+    """The columns on ``device``; to a GPU in one copy from pinned memory, without waiting
+    (a copy from pageable memory may wait for the work already queued, e.g. the engine's
+    step queued ahead, issue 12; a copy per column cost a copy launch each, per batch
+    change and padding; torch's caching host allocator keeps the pinned buffer until the
     copy is done)."""
     import torch  # noqa: PLC0415 - see the module docstring
 
-    host = torch.tensor(values, dtype=dtype)
+    hosts = [torch.tensor(values, dtype=dtype) for values, dtype in columns]
     if torch.device(device).type != "cuda":
-        return host.to(device)
-    return host.pin_memory().to(device, non_blocking=True)
+        return [h.to(device) for h in hosts]
+    return packed_to_device(hosts, device, pin=True)
+
+
+def packed_to_device(hosts: list[torch.Tensor], device: torch.device | str, *, pin: bool
+                     ) -> list[torch.Tensor]:
+    """1-D host tensors on ``device`` through one copy: each one's bytes at a 16-byte
+    aligned offset of one (``pin``: pinned) buffer (as aligned as an allocation, for
+    kernels specialised on it), viewed back as its dtype there."""
+    import torch  # noqa: PLC0415 - see the module docstring
+
+    sizes = [h.numel() * h.element_size() for h in hosts]
+    offsets, total = [], 0
+    for size in sizes:
+        offsets.append(total)
+        total += -(-size // 16) * 16
+    buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
+    for h, at, size in zip(hosts, offsets, sizes):
+        buffer[at:at + size] = h.contiguous().view(torch.uint8)
+    moved = buffer.to(device, non_blocking=True)
+    return [moved[at:at + size].view(h.dtype) for h, at, size in zip(hosts, offsets, sizes)]

@@ -130,3 +130,25 @@ async def test_step_queued_ahead_equals_the_thread(tiny_dir, tiny_loaded):
     assert any(u[0] for u in taken)                     # used as queued
     assert any(u[1] for u in taken)                     # used after requests left
     assert None in used                                 # not queued: a request joins
+
+
+def test_sampling_rows_padded_to_the_batch_size_are_built_once():
+    """PICK_GRAPH_KEY's unpadded rows and the graph's rows padded to a bucket equal to the
+    batch are one SamplingBatch (one build, one copy to the device, per batch change);
+    another padding has its own, and neither evicts the other."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specloop.engine._worker import RankWorker
+    worker = SimpleNamespace(_sampling_cache={},
+                             runner=SimpleNamespace(device=torch.device("cpu")))
+    batch = [SimpleNamespace(params=SamplingParams(temperature=t), seed=s)
+             for t, s in ((0.0, 1), (0.7, 2))]
+    plain = RankWorker._sampling_batch(worker, batch, None)
+    assert RankWorker._sampling_batch(worker, batch, 2) is plain
+    padded = RankWorker._sampling_batch(worker, batch, 4)
+    assert padded.size == 4 and plain.size == 2
+    assert RankWorker._sampling_batch(worker, batch, None) is plain
+    assert RankWorker._sampling_batch(worker, batch, 4) is padded
+    assert RankWorker._sampling_batch(worker, batch[:1], 1) is not plain    # a new batch

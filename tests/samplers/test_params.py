@@ -62,3 +62,29 @@ def test_batch_errors():
         SamplingBatch.from_params([SamplingParams()] * 2, [1, 2], pad_to=1)
     with pytest.raises(ValueError, match="seed"):
         SamplingBatch.from_params([SamplingParams()], [-1])
+
+
+def test_columns_packed_into_one_copy_keep_dtype_and_values():
+    """On a GPU the batch's columns go over in one copy (samplers/_params.py
+    ``packed_to_device``): each comes back with its dtype and values, at a 16-byte aligned
+    offset, empty columns included (here packed on the CPU, as on the GPU but unpinned)."""
+    from specloop.samplers._params import packed_to_device
+    hosts = [torch.tensor([0.5, 2.0, 1e-6]), torch.tensor([3, 2**62], dtype=torch.int64),
+             torch.tensor([True, False, True]), torch.zeros(0, dtype=torch.float32),
+             torch.tensor([7], dtype=torch.int64)]
+    out = packed_to_device(hosts, "cpu", pin=False)
+    base = out[0].data_ptr()
+    for h, o in zip(hosts, out):
+        assert o.dtype == h.dtype and torch.equal(o, h)
+        assert (o.data_ptr() - base) % 16 == 0
+
+
+@pytest.mark.gpu
+def test_batch_on_cuda_equals_batch_on_cpu():
+    params = [SamplingParams(temperature=0.7, top_k=5, top_p=0.9, min_p=0.1, seed=3),
+              SamplingParams(temperature=0)]
+    cpu = SamplingBatch.from_params(params, [11, 22], pad_to=5)
+    gpu = SamplingBatch.from_params(params, [11, 22], pad_to=5, device="cuda")
+    for name in SamplingBatch.COLUMNS:
+        a, b = getattr(cpu, name), getattr(gpu, name)
+        assert b.device.type == "cuda" and b.dtype == a.dtype and torch.equal(a, b.cpu())
