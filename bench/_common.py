@@ -126,6 +126,47 @@ async def timed_round(engine, prompts, n: int, sync) -> float:
     return time.perf_counter() - start
 
 
+async def steady_load(engine, prompts, n: int, in_flight: int, requests: int) -> dict:
+    """Steady load (a server's, as vLLM's ``benchmark_serving --max-concurrency``): greedy,
+    ``n`` tokens each, EOS ignored, one ``generate`` task per request; ``in_flight``
+    requests at all times, a new one submitted (``prompts`` cycled) whenever one finishes,
+    until ``requests`` were submitted. Measured over the window from the ``in_flight``-th
+    finish (every request then was submitted into a full engine) to the last submission
+    (after it the engine drains: a closed round's tail): -> {"tok_s": tokens delivered in
+    the window / its seconds, "window_s", "window_tokens", "requests"}."""
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+
+    if requests <= 2 * in_flight:   # the last submission comes at finish requests - in_flight
+        raise ValueError(f"steady load needs more than 2 x {in_flight} requests, got {requests}")
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    produced = finished = submitted = 0
+    marks: dict[str, tuple[float, int]] = {}
+
+    async def one(ids) -> None:
+        nonlocal produced, finished
+        async for out in engine.generate(ids, params):
+            produced += len(out.token_ids)
+        finished += 1
+        if finished == in_flight:
+            marks["start"] = (time.perf_counter(), produced)
+        if submitted < requests:
+            submit()
+
+    async with anyio.create_task_group() as tg:
+        def submit() -> None:
+            nonlocal submitted
+            tg.start_soon(one, prompts[submitted % len(prompts)])
+            submitted += 1
+            if submitted == requests:
+                marks["end"] = (time.perf_counter(), produced)
+
+        for _ in range(in_flight):
+            submit()
+    (t0, p0), (t1, p1) = marks["start"], marks["end"]
+    return {"tok_s": (p1 - p0) / (t1 - t0), "window_s": t1 - t0, "window_tokens": p1 - p0,
+            "requests": requests}
+
+
 def emit_row(row: dict, out_path: str) -> None:
     """Print a result row and append it to ``out_path`` (JSON lines)."""
     print(json.dumps(row), flush=True)

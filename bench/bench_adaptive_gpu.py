@@ -5,12 +5,23 @@ a round's last iterations, when few rows are left, replay small graphs), the shi
 head, greedy, held-out chat prompts, EOS ignored.
 
 For each batch size every config's engine is built first (all stay open), one warm-up
-round each, then ``--runs`` rounds in which the configs take turns (so drift hits all
-alike). Prints one JSON row per (batch, config): tokens/s per round, the median, the ratio
-to no speculation, AL, iterations per K; then adaptive ÷ max(others) per batch.
-``--plot rows.jsonl`` draws tokens/s per batch (PNG) from earlier rows, without a GPU.
+round each, then ``--runs`` runs in which the configs take turns (so drift hits all
+alike). A run is, with ``--arrival closed`` (the default), one round: ``batch`` prompts
+at once, timed until the last finishes (a round lasts until its slowest row is done);
+with ``--arrival steady``, steady load as a server sees it (vLLM's ``benchmark_serving
+--max-concurrency``): ``batch`` requests in flight at all times, a new prompt submitted
+whenever one finishes (the held-out prompts cycled), ``--requests`` in all (default
+max(4 x batch, 32)); its tokens/s are the tokens delivered from the ``batch``-th finish
+to the last submission over that window's seconds (bench/_common.py ``steady_load``:
+before it the engine fills, after it drains). Prints one JSON row per (batch, config):
+tokens/s per run, the median, the ratio to no speculation, AL, iterations per K; then
+adaptive ÷ max(others) per batch. ``--plot rows.jsonl`` draws tokens/s per batch (PNG)
+from earlier rows, without a GPU. ``--device cpu`` (tiny ``--batches``/``--tokens``) is a
+smoke test of the script (tests/engine/test_bench_steady.py).
 
     python bench/bench_adaptive_gpu.py --prompts prompts.jsonl --out rows.jsonl
+    python bench/bench_adaptive_gpu.py --prompts prompts.jsonl --out rows.jsonl \
+        --buckets serving --arrival steady
     python bench/bench_adaptive_gpu.py --plot rows.jsonl --png bench/adaptive_h200.png
 """
 
@@ -25,8 +36,8 @@ import time
 import anyio
 import torch
 
-from _common import (device_sync, emit_row, engine_config, generate_round, held_out_batches,
-                     quiet_logs, timed_round)
+from _common import (chat_prompts, device_sync, emit_row, engine_config, generate_round,
+                     held_out_batches, held_out_texts, quiet_logs, steady_load, timed_round)
 
 HEAD = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
 CONFIGS = {"none": {"method": "none"},
@@ -36,25 +47,35 @@ CONFIGS = {"none": {"method": "none"},
            "adaptive<=5": {**HEAD, "num_draft_tokens": 5, "adaptive": True}}
 
 
-async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets):
+async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets, steady=None):
+    """``steady``: (the prompts to cycle, requests per run) for ``--arrival steady``; None:
+    closed rounds of ``prompts``."""
     from specloop.engine import AsyncEngine
     batch, sync = len(prompts), device_sync(device)
     rates = {name: [] for name in names}
+    windows = {name: [] for name in names}      # steady: (seconds, tokens) per run
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name in names:
             engines[name] = await stack.enter_async_context(
                 AsyncEngine(engine_config(CONFIGS[name], batch, device, buckets), model=loaded))
         for engine in engines.values():
-            await generate_round(engine, prompts, 16)
+            await generate_round(engine, prompts, min(16, tokens))  # tokens < 16: smoke tests
         for _ in range(runs):
             for name, engine in engines.items():
-                rates[name].append(batch * tokens / await timed_round(engine, prompts, tokens,
-                                                                      sync))
+                if steady is None:
+                    rates[name].append(batch * tokens / await timed_round(
+                        engine, prompts, tokens, sync))
+                    continue
+                got = await steady_load(engine, steady[0], tokens, batch, steady[1])
+                rates[name].append(got["tok_s"])
+                windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
         extra = {}
         for name, engine in engines.items():
             stats, adaptive = engine.stats, engine.worker.adaptive
             extra[name] = {
+                **({} if steady is None else {"requests": steady[1],
+                                              "window_s_tokens": windows[name]}),
                 "al": round(stats.mean_acceptance_length, 3),
                 "per_position": [round(a, 3) for a in stats.acceptance_per_position],
                 "iterations_per_k": dict(sorted(stats.iterations_per_k.items())),
@@ -79,8 +100,13 @@ def run(args) -> None:
     names = args.configs.split(",")
     for loaded, batch, prompts in held_out_batches(args, cycle=True):
         start = time.perf_counter()
+        steady = None
+        if args.arrival == "steady":
+            requests = args.requests or max(4 * batch, 32)
+            steady = (chat_prompts(loaded.tokenizer, held_out_texts(args.prompts), requests,
+                                   cycle=True), requests)
         rates, extra = anyio.run(measure_batch, names, loaded, prompts, args.tokens,
-                                 args.runs, args.device, args.buckets)
+                                 args.runs, args.device, args.buckets, steady)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         for name in names:
             emit_row({"batch": batch, "config": name,
@@ -88,7 +114,7 @@ def run(args) -> None:
                       "median": round(medians[name], 1),
                       "vs_none": round(medians[name] / medians.get("none", medians[name]), 3),
                       **extra[name], "tokens": args.tokens, "runs": args.runs,
-                      "buckets": args.buckets,
+                      "buckets": args.buckets, "arrival": args.arrival,
                       "device": torch.cuda.get_device_name() if cuda else "cpu"}, args.out)
         for name in names:
             if name.startswith("adaptive"):
@@ -135,6 +161,10 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
                     help="graph buckets: the batch only, or every power of two up to it")
+    ap.add_argument("--arrival", choices=("closed", "steady"), default="closed",
+                    help="closed rounds of `batch` prompts, or `batch` requests kept in flight")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="steady: requests per run (0: max(4 x batch, 32))")
     ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
     ap.add_argument("--png", default="adaptive_h200.png")
     args = ap.parse_args()

@@ -1,0 +1,76 @@
+"""bench/_common.py ``steady_load`` (bench_adaptive_gpu.py ``--arrival steady``) on the tiny
+model, and the bench script's steady mode on the CPU (slow: SmolLM2)."""
+
+import argparse
+import importlib
+import json
+from pathlib import Path
+
+import pytest
+
+from specloop.engine import AsyncEngine
+
+from .conftest import make_config
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def common(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("_common")
+
+
+async def test_steady_load_keeps_the_engine_full(common, tiny_dir, tiny_loaded):
+    """``in_flight`` requests at all times (a new one as each finishes, prompts cycled),
+    ``requests`` in all, each its ``n`` tokens; the window's rate is its tokens over its
+    seconds, and holds fewer tokens than the whole run (the fill and the drain are out)."""
+    n, in_flight, requests = 5, 2, 7
+    prompts = [[5, 17, 99, 3, 42], [200, 201, 202], [7, 8]]
+    async with AsyncEngine(make_config(tiny_dir, max_batch_size=4), model=tiny_loaded) as engine:
+        generate, active, peak, seen, delivered = engine.generate, [0], [0], [], [0]
+
+        async def counted(ids, params):
+            seen.append(list(ids))
+            active[0] += 1
+            peak[0] = max(peak[0], active[0])
+            try:
+                async for out in generate(ids, params):
+                    delivered[0] += len(out.token_ids)
+                    yield out
+            finally:
+                active[0] -= 1
+        engine.generate = counted
+        got = await common.steady_load(engine, prompts, n, in_flight, requests)
+        with pytest.raises(ValueError, match="more than 2 x 2"):
+            await common.steady_load(engine, prompts, n, in_flight, 2 * in_flight)
+    assert peak[0] == in_flight and len(seen) == requests and delivered[0] == requests * n
+    assert seen == [prompts[i % len(prompts)] for i in range(requests)]
+    assert got["requests"] == requests
+    assert 0 < got["window_tokens"] < requests * n
+    assert got["tok_s"] == pytest.approx(got["window_tokens"] / got["window_s"])
+
+
+@pytest.mark.slow
+def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypatch):
+    """``bench_adaptive_gpu.py --device cpu --arrival steady`` in-process on the session's
+    SmolLM2 (the shipped eagle3 head, tiny sizes: ~5 s): one row per config with the
+    fields the H200 runs read."""
+    bench = importlib.import_module("bench_adaptive_gpu")
+    monkeypatch.setattr(common, "load_smol", lambda device: smollm2)
+    monkeypatch.setattr(bench, "quiet_logs", lambda: None)     # global: other tests log
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t, "split": "eval"}) + "\n" for t in
+                               ("Tell me about llamas.", "What is 2+2?", "Name a color.")))
+    out = tmp_path / "rows.jsonl"
+    bench.run(argparse.Namespace(
+        prompts=str(prompts), out=str(out), tokens=4, runs=1, batches="1",
+        configs="none,adaptive<=3", device="cpu", buckets="batch", arrival="steady",
+        requests=3))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["config"] for r in rows] == ["none", "adaptive<=3"]
+    for row in rows:
+        assert row["arrival"] == "steady" and row["median"] > 0 and row["requests"] == 3
+        (seconds, tokens), = row["window_s_tokens"]
+        assert seconds > 0 and tokens > 0
+    assert rows[1]["measured_ms"]
