@@ -180,11 +180,13 @@ class CostTable:
         first = self._first.get(key)
         if first is None:
             first = self._first[key] = ([], [])
-        if disturbed and first[0]:
-            return      # measured undisturbed: the admission's cost is not K's
         if not self.tried(bucket, k):
-            first[disturbed].append(seconds)
+            first[disturbed].append(seconds)    # counts toward ``tried`` in any case
+            if disturbed and first[0]:
+                return
             self.measured[key] = statistics.median_low(first[0] or first[1])
+        elif disturbed and first[0]:
+            return      # measured undisturbed: the admission's cost is not K's
         else:
             _average(self.measured, key, min(seconds, OUTLIER * self.measured[key]))
             if not disturbed and not first[0]:

@@ -171,6 +171,14 @@ def test_disturbed_iterations_are_learned_only_where_nothing_else_is():
     adaptive.disturb()
     adaptive.choose([adaptive.facts()], 1)
     assert cost.measured[(1, k)] == after
+    # One undisturbed iteration, then only disturbed ones: settled all the same (on the
+    # undisturbed time), not held at its first samples for good.
+    cost = CostTable({(1, k): 0.001 for k in KS})
+    for i in range(FIRST_DISTURBED):
+        cost.observe(1, 0, 0.002 if i == 0 else 0.009, disturbed=i > 0)
+        assert not cost.tried(1, 0)
+    cost.observe(1, 0, 0.009, disturbed=True)
+    assert cost.tried(1, 0) and cost.measured[(1, 0)] == 0.002
 
 
 def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
