@@ -13,42 +13,13 @@ import torch
 
 from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
 from specloop.models import KVCache, LoadedModel, PageTable
+from specloop.models._prefill import padded_shape, prefill_shapes
 from specloop.models._grad import inference_mode
 from specloop.models._host import to_device
 
 from ._request import Request
 
 log = structlog.get_logger(__name__)
-
-# A prefill forward on a GPU runs at a padded shape, (rows, tokens per row) each a power of
-# two (tokens at least MIN_PREFILL_WIDTH) within max_prefill_tokens, and replays the graph
-# captured for that shape at warm-up when there is one (an eager forward costs ~10 ms of
-# kernel launches on the H200 for under 1 ms of GPU work, at any shape). Eager forwards pad
-# the same way, so the two compute the same thing.
-MIN_PREFILL_WIDTH = 16
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
-
-
-def prefill_shapes(max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
-    """Every padded prefill shape (rows, width) a runner may run: powers of two, rows at
-    most ``max_rows``' power of two, rows x width at most ``max_tokens`` (the widest also
-    a single row of ``max_tokens``' power of two at most)."""
-    shapes, width = [], MIN_PREFILL_WIDTH
-    while width <= max(_pow2(max_tokens), MIN_PREFILL_WIDTH):
-        rows = 1
-        while rows <= _pow2(max_rows) and (rows == 1 or rows * width <= max_tokens):
-            shapes.append((rows, width))
-            rows *= 2
-        width *= 2
-    return shapes
-
-
-def padded_shape(rows: int, width: int) -> tuple[int, int]:
-    return _pow2(rows), max(_pow2(width), MIN_PREFILL_WIDTH)
-
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16,
           "float16": torch.float16, "float64": torch.float64}
@@ -63,9 +34,10 @@ def resolve_device(name: str, rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
-def prefill_key(rows: int, width: int) -> GraphKey:
-    """The graph key of a padded prefill shape (stage "prefill", ``tokens`` its width)."""
-    return GraphKey(rows, 0, SamplingPath.GREEDY, True, stage="prefill", tokens=width)
+def prefill_key(rows: int, width: int, stage: str = "prefill") -> GraphKey:
+    """The graph key of a padded prefill shape (stage "prefill", the target's, or
+    "draft-prefill", the drafter's; ``tokens`` its width)."""
+    return GraphKey(rows, 0, SamplingPath.GREEDY, True, stage=stage, tokens=width)
 
 
 @attrs.frozen
@@ -248,7 +220,7 @@ class ModelRunner:
         ``prefill_shapes`` shape, on padding rows (the scratch slot)."""
         if not (self.pad_prefill and self.batch_prefill):
             return []
-        out = []
+        out: list[tuple[GraphKey, Step, Tensors]] = []
         for rows, width in prefill_shapes(self.pages.num_slots, self.max_prefill_tokens):
             starts = torch.tensor([[0] * rows, [self.cache.scratch_slot] * rows],
                                   device=self.device)

@@ -83,12 +83,36 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
                 drafter.graph_inputs(ctx))
 
     ks = config.speculative.k_values
+    # Built whether or not the cache captures: the drafter groups its prefill by the
+    # same padded shapes either way (eager forwards then compute what graphs would).
+    prefill = prefill_graphs(runner, drafter, graph_cache)
     warm_up(graph_cache, max_batch_size=config.scheduler.max_batch_size, num_draft_tokens=ks,
             variants=capture_variants(config.speculative.use_rejection_sampling, point_mass),
-            device=device, verify=verify, draft=draft, also=runner.prefill_graphs)
+            device=device, verify=verify, draft=draft,
+            also=lambda: prefill)
     # Prefill replays what was captured (an eager forward at the same padded shape else).
     runner.prefill_cache = graph_cache
     return verify, draft
+
+
+def prefill_graphs(runner: ModelRunner, drafter: Drafter | None, graph_cache: GraphCache
+                   ) -> list[tuple[GraphKey, Step, Tensors]]:
+    """The target's prefill steps at its padded shapes (none where it does not pad), and
+    the drafter's at the same shapes (stage "draft-prefill"), which it replays through
+    the cache once captured."""
+    from ._runner import prefill_key  # noqa: PLC0415
+
+    steps = runner.prefill_graphs()
+    if drafter is None or not steps:
+        return steps
+
+    def replay(shape: tuple[int, int], inputs: Tensors) -> Tensors | None:
+        key = prefill_key(*shape, stage="draft-prefill")
+        return graph_cache.replay(key, inputs) if graph_cache.has(key) else None
+
+    shapes = [(key.batch_size, key.tokens) for key, _, _ in steps]
+    return steps + [(prefill_key(*shape, stage="draft-prefill"), step, example)
+                    for shape, step, example in drafter.prefill_graphs(shapes, replay)]
 
 
 def calibrate(*, config: EngineConfig, runner: ModelRunner, drafter: Drafter | None,

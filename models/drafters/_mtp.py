@@ -19,12 +19,14 @@ from specloop.samplers import DefaultSampler, Sampler, SamplingBatch
 
 from .._grad import inference_mode
 from .._host import int64_tensor, to_device
+from .._prefill import padded_shape
 from ._heads import check_method, check_sha256, check_target, head_metadata, resolve_head
 from ._lm_head import DraftHead
 from ._mtp_head import MtpEagleHead, load_or_init
 from ._pending_rows import PendingRows
-from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, graph_int_inputs,
-                        graph_outputs, replay_proposal, sample_draft_step, stack_proposal)
+from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, PrefillReplay, Step,
+                        graph_int_inputs, graph_outputs, replay_proposal, sample_draft_step,
+                        stack_proposal)
 
 # The drafting loop: yields the head's hidden state per step, is sent that step's tokens.
 DraftLoop = Generator[torch.Tensor, torch.Tensor, None]
@@ -69,6 +71,9 @@ class MtpEagleDrafter(Drafter):
         self._starts_on_device = False
         # prefill_many shares the head's forwards between prompts (on a GPU; tests set it).
         self.batch_prefill = self.cache.device.type == "cuda"
+        # Set by prefill_graphs at warm-up: the padded shapes and their graphs' replay.
+        self._prefill_shapes: frozenset[tuple[int, int]] = frozenset()
+        self._prefill_replay: PrefillReplay | None = None
 
     @staticmethod
     def weights_path(config: Any, deps: DrafterDeps) -> Path | None:
@@ -117,37 +122,80 @@ class MtpEagleDrafter(Drafter):
         shared, at most PREFILL_TOKENS tokens each counting the padding: rows
         right-padded to the longest, whose padding writes head K/V past each row's own
         positions (the catch-up writes them again before any query reads them) or into
-        the scratch page. Elsewhere one forward per request, as ``prefill``."""
+        the scratch page. With prefill graphs (``prefill_graphs``, captured at warm-up)
+        every forward, one prompt's too, runs at a captured padded shape (padding rows
+        on the scratch slot) and replays its graph; prompts wider than the widest shape
+        run eagerly. Elsewhere one forward per request, as ``prefill``."""
         if any(h is None for h in hidden):
             raise ValueError(f"{type(self).__name__} needs the target's hidden states")
         rows = [(s, t, h) for s, t, h in zip(slots, token_ids, hidden) if h is not None]
         fed = [row for row in rows if len(row[1]) >= 2]
-        if not self.batch_prefill or len(fed) < 2:
+        if not self.batch_prefill or (len(fed) < 2 and not self._prefill_shapes):
             for slot, ids, h in rows:
                 self.prefill(slot, ids, h)
             return
         group: list[tuple[int, Sequence[int], torch.Tensor]] = []
         for row in sorted(fed, key=lambda r: len(r[1])):
-            if group and (len(group) + 1) * (len(row[1]) - 1) > PREFILL_TOKENS:
+            if group and not self._fits(len(group) + 1, len(row[1]) - 1):
                 self._prefill_rows(group)
                 group = []
             group.append(row)
-        self._prefill_rows(group)
+        if group:
+            self._prefill_rows(group)
         for slot, ids, h in rows:
             self.pending.prompt(slot, len(ids), h)
 
+    def _fits(self, rows: int, width: int) -> bool:
+        if self._prefill_shapes:
+            return padded_shape(rows, width) in self._prefill_shapes
+        return rows * width <= PREFILL_TOKENS
+
     def _prefill_rows(self, group: list[tuple[int, Sequence[int], torch.Tensor]]) -> None:
-        """One head forward over [B, W]: row b feeds its prompt's positions 0..n_b - 2."""
-        width = max(len(ids) - 1 for _, ids, _ in group)
-        host = torch.zeros(len(group), width + 1, dtype=torch.int64)
+        """One head forward over [B, W]: row b feeds its prompt's positions 0..n_b - 2;
+        at a captured padded shape, the graph's (``prefill_graphs``)."""
+        real, width = len(group), max(len(ids) - 1 for _, ids, _ in group)
+        shape = padded_shape(real, width)
+        rows, width = shape if shape in self._prefill_shapes else (real, width)
+        host = torch.zeros(rows, width + 1, dtype=torch.int64)
+        host[:, 0] = self.scratch       # padding rows: the scratch slot
         for row, (slot, ids, _) in enumerate(group):
             host[row, 0] = slot
             host[row, 1:len(ids)] = torch.tensor(list(ids[1:]), dtype=torch.int64)
         dev = self.cache.device
         host = to_device(host, dev)
-        features = torch.nn.utils.rnn.pad_sequence(
-            [h[:len(ids) - 1] for _, ids, h in group], batch_first=True)
-        self.head(host[:, 1:], features, torch.zeros_like(host[:, 0]), host[:, 0], self.cache)
+        features = torch.zeros(rows, width, self.head.feature_size, dtype=self.cache.dtype,
+                               device=dev)
+        for row, (_, ids, h) in enumerate(group):
+            features[row, :len(ids) - 1] = h[:len(ids) - 1]
+        inputs = {"tokens": host[:, 1:], "features": features, "slots": host[:, 0]}
+        replay = self._prefill_replay
+        if replay is not None:
+            self.cache.pages.sync()     # an eager forward syncs the table itself
+        if replay is None or replay((rows, width), inputs) is None:
+            self._prefill_step(inputs)
+
+    def _prefill_step(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        slots = inputs["slots"]
+        return {"hidden": self.head(inputs["tokens"], inputs["features"],
+                                    torch.zeros_like(slots), slots, self.cache)}
+
+    def prefill_graphs(self, shapes: Sequence[tuple[int, int]], replay: PrefillReplay
+                       ) -> list[tuple[tuple[int, int], Step, dict[str, torch.Tensor]]]:
+        """The head's prefill forward at each padded shape (on the scratch slot), with
+        the fused kernels only (positions past max_seq_len land in the scratch page and
+        lengths stay on the device); prefill_many then groups prompts by these shapes."""
+        if not (self.batch_prefill and self.head.block.uses_kernels):
+            return []
+        self._prefill_shapes, self._prefill_replay = frozenset(shapes), replay
+        dev, size = self.cache.device, self.head.feature_size
+        # Broadcast views: nothing allocated per shape unless a graph is captured (its
+        # static inputs are contiguous copies).
+        zeros = torch.zeros(1, 1, size, dtype=self.cache.dtype, device=dev)
+        return [(shape, self._prefill_step,
+                 {"tokens": torch.zeros(*shape, dtype=torch.int64, device=dev),
+                  "features": zeros.expand(*shape, size),
+                  "slots": torch.full((shape[0],), self.scratch, device=dev)})
+                for shape in shapes]
 
     def on_verified(self, slots: Sequence[int], start_pos: Sequence[int], hidden: torch.Tensor,
                     num_accepted: Sequence[int]) -> None:

@@ -13,6 +13,11 @@ from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
 from .._host import int64_tensor, to_device
 
 T = TypeVar("T")
+# A step over static tensors (a CUDA graph's body), and the replay of a drafter's prefill
+# graph for a padded shape (rows, tokens per row): its outputs, or None where not captured.
+Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+PrefillReplay = Callable[[tuple[int, int], dict[str, torch.Tensor]],
+                         dict[str, torch.Tensor] | None]
 
 
 @attrs.frozen
@@ -120,6 +125,15 @@ class Drafter(Protocol):
     def release(self, slot: int) -> None:
         """The request in ``slot`` finished; forget its state."""
         ...
+
+    def prefill_graphs(self, shapes: Sequence[tuple[int, int]], replay: PrefillReplay
+                       ) -> list[tuple[tuple[int, int], Step, dict[str, torch.Tensor]]]:
+        """Called once at warm-up on a GPU whose target prefills at padded shapes
+        (models/_prefill.py): the drafter's own prefill forward at each of ``shapes``
+        (rows, tokens per row) as (shape, step, example inputs) for warm-up to capture as
+        CUDA graphs, which ``replay(shape, inputs)`` then runs (None: not captured).
+        Default [] (the drafter prefills eagerly)."""
+        return []
 
     @property
     def point_mass(self) -> bool:

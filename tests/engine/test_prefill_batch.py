@@ -136,3 +136,41 @@ def test_prefill_graphs_replay_what_the_padded_eager_forward_computes(tmp_path):
     assert replayed == {(4, 16): 1, (1, 64): 4, (1, 16): 2}
     for a, b, ka, kb in zip(h1, h2, kv1, kv2):
         assert torch.equal(a, b) and torch.equal(ka, kb)
+
+
+def test_head_prefill_at_padded_shapes_writes_what_one_forward_per_prompt_does(
+        tiny_dir, tiny_loaded):
+    """The MTP head's prefill grouped by the padded shapes its graphs are captured at
+    (``prefill_graphs`` on a GPU; set by hand here, run eagerly at those shapes: padding
+    rows on the scratch slot, widths rounded up) writes the same head K/V at every prompt
+    position as one forward per prompt (float64)."""
+    from specloop.models._prefill import prefill_shapes
+
+    # Budget 64, by width: [2, 3, 5] on the 4 x 16 shape (a padding row), 21 at 1 x 32,
+    # 40 at 1 x 64, 70 wider than the widest shape (eager, unpadded); 1: nothing to feed.
+    lengths = [5, 1, 3, 2, 21, 40, 70]
+    slots = list(range(len(lengths)))
+
+    def run(shapes):
+        engine = AsyncEngine(make_config(tiny_dir, method="mtp_eagle", max_batch_size=8),
+                             model=tiny_loaded)
+        engine._build()
+        runner, drafter = engine.worker.runner, engine.worker.drafter
+        drafter.batch_prefill = bool(shapes)
+        drafter._prefill_shapes = frozenset(shapes)
+        gen = torch.Generator().manual_seed(0)
+        ids = [[(7 * s + j) % 300 + 3 for j in range(n)] for s, n in zip(slots, lengths)]
+        hidden = [torch.randn(n, drafter.head.feature_size, generator=gen,
+                              dtype=torch.float64) for n in lengths]
+        for s, n in zip(slots, lengths):
+            runner.pages.resize(s, n + 1)
+        drafter.prefill_many(slots, ids, hidden)
+        kv = []
+        for s, n in zip(slots, lengths):
+            pages = torch.tensor(runner.pages.pages_of(s))
+            kv.append(torch.stack([drafter.cache.k[:, pages], drafter.cache.v[:, pages]])
+                      .flatten(2, 3)[:, :, :n - 1])
+        return kv
+
+    for a, b in zip(run(()), run(prefill_shapes(8, 64))):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)

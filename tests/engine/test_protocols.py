@@ -23,7 +23,7 @@ USED = {
     "drafter": {"num_draft_tokens", "prefill", "propose", "release", "point_mass",
                 "needs_empty_calls", "feature_layers", "on_verified", "can_graph",
                 "graph_step", "graph_inputs", "variable_k", "can_chain", "chained_inputs",
-                "chained_consumed", "prefill_many"},
+                "chained_consumed", "prefill_many", "prefill_graphs"},
     "observer": {"on_transition"},
 }
 
