@@ -60,13 +60,13 @@ class MtpEagleDrafter(Drafter):
         # slot row (the same tensors while the batch stays: a replay copies them once).
         self._chain_meta_of: tuple[tuple[tuple[int, ...], int],
                                    tuple[torch.Tensor, torch.Tensor]] | None = None
-        # Per graph rows: the draft graph's ``start_pos`` output (VERIFY n+1's positions,
-        # also the next chained step's catch-up start), one buffer for every draft graph
-        # of those rows, valid until the next draft replay.
-        self._next_start: dict[int, torch.Tensor] = {}
+        # Per graph rows: the draft graph's lengths and ``start_pos`` output (VERIFY n+1's
+        # positions, also the next chained step's catch-up start), [2, rows], one buffer
+        # for every draft graph of those rows, valid until the next draft replay.
+        self._lengths: dict[int, torch.Tensor] = {}
         # The last chained call's (slots, catch-up start static), and whether its step was
         # taken for all those slots since with no draft replay in between: the next
-        # chained step's catch-up starts then lie in ``_next_start`` on the device.
+        # chained step's catch-up starts then lie in ``_lengths`` on the device.
         self._last_chain: tuple[tuple[int, ...], torch.Tensor | None] | None = None
         self._starts_on_device = False
         # prefill_many shares the head's forwards between prompts (on a GPU; tests set it).
@@ -273,13 +273,14 @@ class MtpEagleDrafter(Drafter):
         inputs["cu_hidden"] = self.pending.rows(inputs["meta"][0], k + 1)
         return inputs
 
-    def _next_start_of(self, rows: int) -> torch.Tensor:
-        """The draft graphs' ``start_pos`` output buffer for ``rows`` rows."""
-        buffer = self._next_start.get(rows)
+    def _lengths_of(self, rows: int) -> torch.Tensor:
+        """The draft graphs' [2, rows] buffer: each row's length, then VERIFY's position
+        (the ``start_pos`` output)."""
+        buffer = self._lengths.get(rows)
         if buffer is None:
             with torch.inference_mode(False):   # written in graphs, read out of them
-                buffer = self._next_start[rows] = torch.zeros(
-                    rows, dtype=torch.int64, device=self.pending.buffer.device)
+                buffer = self._lengths[rows] = torch.zeros(
+                    2, rows, dtype=torch.int64, device=self.pending.buffer.device)
         return buffer
 
     def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
@@ -297,7 +298,7 @@ class MtpEagleDrafter(Drafter):
 
         greedy = not advanced and type(sampler).draft is DefaultSampler.draft
         # Made before any capture (not in one: its memory and zero-fill outside graphs).
-        next_start = self._next_start_of(template.size)
+        lengths = self._lengths_of(template.size)
 
         def drafts(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
@@ -326,22 +327,22 @@ class MtpEagleDrafter(Drafter):
         def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             verified, meta, start = inputs["verified"], inputs["meta"], inputs["cu_start"]
             width = verified.shape[1] - 1
-            slots, is_real, seq_off, pos_off = meta.unbind(0)
+            slots, is_real = meta[0], meta[1]
+            if lengths.shape[1] != slots.shape[0]:
+                raise ValueError(f"draft graph inputs of {slots.shape[0]} rows for a step "
+                                 f"built for {lengths.shape[1]} (the template's)")
             # Integer glue, as exact in the graph as on the host: the last catch-up row
-            # (padding rows: 0), tokens -1 past a VERIFY's bonus made a valid id (0).
+            # (padding rows: 0), tokens -1 past a VERIFY's bonus made a valid id (0), each
+            # row's length and VERIFY's position (one add for both: offsets + start + last).
             last = verified[:, width] * is_real
             tokens = verified[:, :width].clamp(min=0)
-            at = start + last
-            seq_lens = at + seq_off
+            seq_lens, start_pos = torch.add(meta[2:], start + last, out=lengths)
             out = drafts({"cu_tokens": tokens, "cu_hidden": inputs["cu_hidden"],
                           "cu_start": start, "write_slots": slots, "cu_last": last,
                           "slots": slots, "seq_lens": seq_lens,
                           **{name: inputs[name] for name in SamplingBatch.COLUMNS}})
             out["tokens"] = torch.cat([tokens.gather(1, last[:, None]), out["token_ids"]], 1)
-            if next_start.shape != at.shape:
-                raise ValueError(f"draft graph inputs of {at.shape[0]} rows for a step built "
-                                 f"for {next_start.shape[0]} (the template's)")
-            out["start_pos"] = torch.add(at, pos_off, out=next_start)
+            out["start_pos"] = start_pos
             return out
 
         return step
@@ -387,7 +388,7 @@ class MtpEagleDrafter(Drafter):
         cu_start: torch.Tensor
         if self._starts_on_device and last is not None and last[0] == key \
                 and last[1] is static:      # the same batch and draft graph
-            cu_start = self._next_start_of(rows)[:]     # a fresh view: copied at the replay
+            cu_start = self._lengths_of(rows)[1][:]     # a fresh view: copied at the replay
         else:
             host = int64_tensor([*start, *[0] * (rows - len(start))])
             if static is None:
