@@ -370,8 +370,9 @@ class IterationClock:
     (``AdaptiveK.disturb``). Without ``adaptive`` it keeps no time."""
 
     adaptive: AdaptiveK | None = None
-    # On a GPU: the prefill's device time from CUDA events (its kernels run after the
-    # host queued them: ~1-3 ms at batch 128 on the H200 that VERIFY waited for).
+    # On a GPU: the prefill's device time from CUDA events (its kernels run after the host
+    # queued them, replayed graphs in far less host time than they take on the device, and
+    # this iteration's VERIFY read-back waits behind them).
     cuda: bool = False
     started: float = 0.0
     excluded_s: float = 0.0
