@@ -76,14 +76,15 @@ def summarize_profile(prof, iterations, stacks=False):
             **({"ops_outside_graphs": ops_outside_graphs(prof, per)} if stacks else {})}
 
 
-async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda", stacks=False):
+async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda", stacks=False,
+                  buckets="batch"):
     from specloop.engine import AsyncEngine  # noqa: PLC0415
 
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
     obs = StateTimes()
     spec = dict(spec)
     unchained = spec.pop("unchained", False)
-    async with AsyncEngine(engine_config(spec, batch, device), model=loaded,
+    async with AsyncEngine(engine_config(spec, batch, device, buckets), model=loaded,
                            observers=[obs]) as engine:
         if unchained:
             engine.worker.chain = None
@@ -118,6 +119,9 @@ def main() -> None:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--trace-dir", default="", help="chrome traces at batch 1 here")
+    ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
+                    help="graphs for the batch only, or for every power of two up to it "
+                         "(a round's last iterations, with few rows left, replay small ones)")
     ap.add_argument("--stacks", action="store_true",
                     help="attribute device work launched outside graph replays to Python lines")
     args = ap.parse_args()
@@ -128,9 +132,11 @@ def main() -> None:
             trace = f"{args.trace_dir}/trace_b{batch}_{name.replace(' ', '').replace('=', '')}.json" \
                 if args.trace_dir and batch == 1 else ""
             rates, al, prof = anyio.run(measure, CONFIGS[name], loaded, prompts, args.tokens,
-                                        args.runs, trace, args.device, args.stacks)
+                                        args.runs, trace, args.device, args.stacks,
+                                        args.buckets)
             base = base or statistics.median(rates)
-            emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device, **prof),
+            emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device,
+                               buckets=args.buckets, **prof),
                      args.out)
 
 
