@@ -214,8 +214,8 @@ def _columns(columns: list[tuple[list[Any], torch.dtype]], device: torch.device 
     import torch  # noqa: PLC0415 - see the module docstring
 
     hosts = [torch.tensor(values, dtype=dtype) for values, dtype in columns]
-    if torch.device(device).type != "cuda":
-        return [h.to(device) for h in hosts]
+    if torch.device(device).type != "cuda" or not any(h.numel() for h in hosts):
+        return [h.to(device) for h in hosts]    # (no rows: nothing is copied)
     return packed_to_device(hosts, device, pin=True)
 
 

@@ -88,3 +88,5 @@ def test_batch_on_cuda_equals_batch_on_cpu():
     for name in SamplingBatch.COLUMNS:
         a, b = getattr(cpu, name), getattr(gpu, name)
         assert b.device.type == "cuda" and b.dtype == a.dtype and torch.equal(a, b.cpu())
+    empty = SamplingBatch.from_params([], [], device="cuda")    # an idle rank's rows
+    assert empty.size == 0 and empty.seeds.device.type == "cuda"
