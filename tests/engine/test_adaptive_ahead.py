@@ -115,20 +115,29 @@ async def test_iteration_is_timed_start_to_start_without_prefill(tiny_dir, tiny_
     assert all(t >= 0.02 for t in times[1:]), times
 
 
-async def test_admitting_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_loaded):
+@pytest.mark.parametrize("ahead", [False, True])
+async def test_admitting_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_loaded, ahead):
     """A closed round whose admission spans several iterations: on a GPU, VERIFY waits
-    behind the prefill's kernels (here: a read-back 80 ms late after each prefill), and
+    behind the prefill's kernels (here: a read-back 100 ms late after each prefill), and
     the next iteration's admission keeps a step from being queued ahead. K = 0's first
     samples fall on those iterations (the rule tries K = 0 first), yet T(16, 0) must be
     what an iteration at K = 0 costs without them (the H200 at batch 128 learned 3 ms
-    against ~1.4 and drafted where no speculation was faster)."""
+    against 2.4 for K = 3 and drafted where no speculation was faster). ``ahead``: one
+    GPU rank's path (K = 0 stretches queue their steps ahead; which iterations it times)."""
     spill = 0.1
     config = make_config(tiny_dir, method="ngram", k=3, speculative={"adaptive": True},
-                         scheduler={"max_batch_size": 16, "max_num_tokens": 24})
+                         scheduler={"max_batch_size": 16, "max_num_tokens": 15})
+    if ahead:
+        data = config.to_dict()
+        data["components"]["graph_cache"] = "tests.engine.test_adaptive_ahead:StaticOutputs"
+        data["graphs"] = {"batch_buckets": [4, 8, 16]}
+        config = EngineConfig.from_dict(data)
     prompts = [[3 + i, 40 + i, 7, 90 + i, 3 + i, 40 + i] for i in range(16)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     async with AsyncEngine(config, model=tiny_loaded) as engine:
-        worker, late = engine.worker, []
+        worker, late, used = engine.worker, [], []
+        if ahead:
+            queue_ahead_on_cpu(worker, used)
         prefill, read_back = worker._prefill, worker.runner.finish_read_back
 
         def prefill_queued(admitted):
@@ -143,9 +152,10 @@ async def test_admitting_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_load
         async for _ in engine.generate_batch(prompts, params):
             pass
         cost = worker.adaptive.cost
-    # 4 prompts a round: batches 4, 8, 12, 16; (16, 0)'s first two timed iterations admit.
+    # 3 prompts an iteration: batches 3, 6, 9, 12, 15, 16; (16, 0)'s first 3 timed admit.
     assert cost.samples[(16, 0)] >= FIRST_SAMPLES
     assert cost.measured[(16, 0)] < spill / 2, cost.measured
+    assert not ahead or sum(used) >= 3
 
 
 def test_disturbed_iterations_are_learned_only_where_nothing_else_is():
