@@ -83,6 +83,13 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets, s
                 # DRAFT + VERIFY chained on the device and taken (engine/_chain.py).
                 "chained_steps": 0 if engine.worker.chain is None
                 else engine.worker.chain.taken_steps,
+                # Chained steps queued, taken or not (the rest were dropped: a request
+                # joined, as under steady load; the device ran them for nothing).
+                "chained_queued": 0 if engine.worker.chain is None
+                else engine.worker.chain.queued_steps,
+                # Adaptive K: measured iterations left out as disturbed (an admission in
+                # them or the next one; engine/_adaptive.py FIRST_DISTURBED).
+                "disturbed_ignored": None if adaptive is None else adaptive.cost.ignored,
                 "cost_ms": None if adaptive is None else {
                     f"{b}/{k}": round(s * 1e3, 3) for (b, k), s in adaptive.cost.device.items()},
                 "rest_ms": None if adaptive is None else {

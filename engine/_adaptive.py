@@ -116,6 +116,8 @@ class CostTable:
     learn: bool = True
     measured: dict[tuple[int, int], float] = attrs.Factory(dict)
     samples: dict[tuple[int, int], int] = attrs.Factory(dict)   # learned measurements
+    # Disturbed measurements left out (where undisturbed ones were), for benches.
+    ignored: int = 0
     # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
     _first: dict[tuple[int, int], tuple[list[float], list[float]]] = attrs.field(
         factory=dict, init=False, repr=False)
@@ -183,9 +185,11 @@ class CostTable:
         if not self.tried(bucket, k):
             first[disturbed].append(seconds)    # counts toward ``tried`` in any case
             if disturbed and first[0]:
+                self.ignored += 1
                 return
             self.measured[key] = statistics.median_low(first[0] or first[1])
         elif disturbed and first[0]:
+            self.ignored += 1
             return      # measured undisturbed: the admission's cost is not K's
         else:
             _average(self.measured, key, min(seconds, OUTLIER * self.measured[key]))

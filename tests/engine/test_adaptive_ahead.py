@@ -172,15 +172,13 @@ def test_disturbed_iterations_are_learned_only_where_nothing_else_is():
         adaptive.disturb()
     assert picks[:-1] == [k for k in KS for _ in range(FIRST_DISTURBED)]
     assert cost.measured == {(1, k): pytest.approx(0.002 + 0.001 * k) for k in KS}
-    k = adaptive.choose([adaptive.facts()], 1)      # learns the last one; the rule's K
-    adaptive.measured(0.010)                        # undisturbed: learned
-    adaptive.choose([adaptive.facts()], 1)
-    after = cost.measured[(1, k)]
-    assert after > 0.002 + 0.001 * k
-    adaptive.measured(0.100)
-    adaptive.disturb()
-    adaptive.choose([adaptive.facts()], 1)
-    assert cost.measured[(1, k)] == after
+    cost.observe(1, 2, 0.010)                       # undisturbed: learned
+    after = cost.measured[(1, 2)]
+    assert after > 0.004
+    cost.observe(1, 2, 0.100, disturbed=True)       # now left out
+    assert cost.measured[(1, 2)] == after and cost.ignored == 1
+    cost.observe(1, 3, 0.100, disturbed=True)       # K = 3 has no undisturbed one yet
+    assert cost.measured[(1, 3)] > 0.005 and cost.ignored == 1
     # One undisturbed iteration, then only disturbed ones: settled all the same (on the
     # undisturbed time), not held at its first samples for good.
     cost = CostTable({(1, k): 0.001 for k in KS})

@@ -73,4 +73,4 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
         assert row["arrival"] == "steady" and row["median"] > 0 and row["requests"] == 3
         (seconds, tokens), = row["window_s_tokens"]
         assert seconds > 0 and tokens > 0
-    assert rows[1]["measured_ms"]
+    assert rows[1]["measured_ms"] and rows[1]["disturbed_ignored"] is not None
