@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import random
 import statistics
 import time
 
@@ -126,11 +127,16 @@ async def timed_round(engine, prompts, n: int, sync) -> float:
     return time.perf_counter() - start
 
 
-async def steady_load(engine, prompts, n: int, in_flight: int, requests: int) -> dict:
+async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,
+                      spread: float = 0.0, seed: int = 0) -> dict:
     """Steady load (a server's, as vLLM's ``benchmark_serving --max-concurrency``): greedy,
     ``n`` tokens each, EOS ignored, one ``generate`` task per request; ``in_flight``
     requests at all times, a new one submitted (``prompts`` cycled) whenever one finishes,
-    until ``requests`` were submitted. Measured over the window from the ``in_flight``-th
+    until ``requests`` were submitted. ``spread``: request j asks for
+    round(n * (1 - spread + 2 * spread * u_j)) tokens, u_j uniform in [0, 1) from
+    ``seed`` (the same lengths for every engine): with equal lengths, an engine without
+    speculation finishes its rows together and the load is closed rounds without a tail;
+    a server's requests end apart. Measured over the window from the ``in_flight``-th
     finish (every request then was submitted into a full engine) to the last submission
     (after it the engine drains: a closed round's tail): -> {"tok_s": tokens delivered in
     the window / its seconds, "window_s", "window_tokens", "requests"}."""
@@ -138,13 +144,17 @@ async def steady_load(engine, prompts, n: int, in_flight: int, requests: int) ->
 
     if requests <= 2 * in_flight:   # the last submission comes at finish requests - in_flight
         raise ValueError(f"steady load needs more than 2 x {in_flight} requests, got {requests}")
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    rng = random.Random(seed)
+    lengths = [max(1, round(n * (1 - spread + 2 * spread * rng.random()))) if spread else n
+               for _ in range(requests)]
+    params = {m: SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+              for m in set(lengths)}
     produced = finished = submitted = 0
     marks: dict[str, tuple[float, int]] = {}
 
-    async def one(ids) -> None:
+    async def one(ids, m: int) -> None:
         nonlocal produced, finished
-        async for out in engine.generate(ids, params):
+        async for out in engine.generate(ids, params[m]):
             produced += len(out.token_ids)
         finished += 1
         if finished == in_flight:
@@ -155,7 +165,7 @@ async def steady_load(engine, prompts, n: int, in_flight: int, requests: int) ->
     async with anyio.create_task_group() as tg:
         def submit() -> None:
             nonlocal submitted
-            tg.start_soon(one, prompts[submitted % len(prompts)])
+            tg.start_soon(one, prompts[submitted % len(prompts)], lengths[submitted])
             submitted += 1
             if submitted == requests:
                 marks["end"] = (time.perf_counter(), produced)

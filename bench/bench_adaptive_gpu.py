@@ -11,9 +11,13 @@ at once, timed until the last finishes (a round lasts until its slowest row is d
 with ``--arrival steady``, steady load as a server sees it (vLLM's ``benchmark_serving
 --max-concurrency``): ``batch`` requests in flight at all times, a new prompt submitted
 whenever one finishes (the held-out prompts cycled), ``--requests`` in all (default
-max(4 x batch, 32)); its tokens/s are the tokens delivered from the ``batch``-th finish
-to the last submission over that window's seconds (bench/_common.py ``steady_load``:
-before it the engine fills, after it drains). Prints one JSON row per (batch, config):
+max(4 x batch, 32)), request j asking for ``--tokens`` x (1 +- ``--spread``) tokens
+(uniform, seeded: the same lengths for every config; default 0.5: with equal lengths an
+engine without speculation finishes its rows together, so its load stays closed rounds
+without their tail, while a server's requests end apart; ``--spread 0`` for equal
+lengths); its tokens/s are the tokens delivered from the ``batch``-th finish to the last
+submission over that window's seconds (bench/_common.py ``steady_load``: before it the
+engine fills, after it drains). Prints one JSON row per (batch, config):
 tokens/s per run, the median, the ratio to no speculation, AL, iterations per K; then
 adaptive ÷ max(others) per batch. ``--plot rows.jsonl`` draws tokens/s per batch (PNG)
 from earlier rows, without a GPU. ``--device cpu`` (tiny ``--batches``/``--tokens``) is a
@@ -48,8 +52,8 @@ CONFIGS = {"none": {"method": "none"},
 
 
 async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets, steady=None):
-    """``steady``: (the prompts to cycle, requests per run) for ``--arrival steady``; None:
-    closed rounds of ``prompts``."""
+    """``steady``: (the prompts to cycle, requests per run, spread of the lengths) for
+    ``--arrival steady``; None: closed rounds of ``prompts``."""
     from specloop.engine import AsyncEngine
     batch, sync = len(prompts), device_sync(device)
     rates = {name: [] for name in names}
@@ -67,14 +71,15 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets, s
                     rates[name].append(batch * tokens / await timed_round(
                         engine, prompts, tokens, sync))
                     continue
-                got = await steady_load(engine, steady[0], tokens, batch, steady[1])
+                got = await steady_load(engine, steady[0], tokens, batch, steady[1],
+                                        spread=steady[2])
                 rates[name].append(got["tok_s"])
                 windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
         extra = {}
         for name, engine in engines.items():
             stats, adaptive = engine.stats, engine.worker.adaptive
             extra[name] = {
-                **({} if steady is None else {"requests": steady[1],
+                **({} if steady is None else {"requests": steady[1], "spread": steady[2],
                                               "window_s_tokens": windows[name]}),
                 "al": round(stats.mean_acceptance_length, 3),
                 "per_position": [round(a, 3) for a in stats.acceptance_per_position],
@@ -111,7 +116,7 @@ def run(args) -> None:
         if args.arrival == "steady":
             requests = args.requests or max(4 * batch, 32)
             steady = (chat_prompts(loaded.tokenizer, held_out_texts(args.prompts), requests,
-                                   cycle=True), requests)
+                                   cycle=True), requests, args.spread)
         rates, extra = anyio.run(measure_batch, names, loaded, prompts, args.tokens,
                                  args.runs, args.device, args.buckets, steady)
         medians = {name: statistics.median(r) for name, r in rates.items()}
@@ -172,6 +177,8 @@ def main() -> None:
                     help="closed rounds of `batch` prompts, or `batch` requests kept in flight")
     ap.add_argument("--requests", type=int, default=0,
                     help="steady: requests per run (0: max(4 x batch, 32))")
+    ap.add_argument("--spread", type=float, default=0.5,
+                    help="steady: request lengths uniform in tokens x (1 +- spread)")
     ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
     ap.add_argument("--png", default="adaptive_h200.png")
     args = ap.parse_args()

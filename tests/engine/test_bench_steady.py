@@ -44,8 +44,16 @@ async def test_steady_load_keeps_the_engine_full(common, tiny_dir, tiny_loaded):
         got = await common.steady_load(engine, prompts, n, in_flight, requests)
         with pytest.raises(ValueError, match="more than 2 x 2"):
             await common.steady_load(engine, prompts, n, in_flight, 2 * in_flight)
-    assert peak[0] == in_flight and len(seen) == requests and delivered[0] == requests * n
-    assert seen == [prompts[i % len(prompts)] for i in range(requests)]
+        # Lengths spread around n, the same for every call with the seed.
+        before = delivered[0]
+        again = await common.steady_load(engine, prompts, 8, in_flight, requests, spread=0.5)
+        spread = delivered[0] - before
+        await common.steady_load(engine, prompts, 8, in_flight, requests, spread=0.5)
+    assert peak[0] == in_flight and len(seen) == 3 * requests
+    assert delivered[0] == requests * n + 2 * spread
+    assert spread != requests * 8 and requests * 4 <= spread <= requests * 12
+    assert again["window_tokens"] > 0
+    assert seen[:requests] == [prompts[i % len(prompts)] for i in range(requests)]
     assert got["requests"] == requests
     assert 0 < got["window_tokens"] < requests * n
     assert got["tok_s"] == pytest.approx(got["window_tokens"] / got["window_s"])
@@ -66,7 +74,7 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
     bench.run(argparse.Namespace(
         prompts=str(prompts), out=str(out), tokens=4, runs=1, batches="1",
         configs="none,adaptive<=3", device="cpu", buckets="batch", arrival="steady",
-        requests=3))
+        requests=3, spread=0.5))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["config"] for r in rows] == ["none", "adaptive<=3"]
     for row in rows:
