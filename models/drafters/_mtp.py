@@ -60,14 +60,15 @@ class MtpEagleDrafter(Drafter):
         # slot row (the same tensors while the batch stays: a replay copies them once).
         self._chain_meta_of: tuple[tuple[tuple[int, ...], int],
                                    tuple[torch.Tensor, torch.Tensor]] | None = None
-        # Per graph rows: the draft graph's lengths and ``start_pos`` output (VERIFY n+1's
-        # positions, also the next chained step's catch-up start), [2, rows], one buffer
-        # for every draft graph of those rows, valid until the next draft replay.
+        # Per graph rows, [2, rows], one buffer for every draft graph of those rows: each
+        # row's length, and its catch-up start, which the graph reads and then overwrites
+        # with its ``start_pos`` output (VERIFY n+1's positions: the next chained step's
+        # catch-up start). Written before a replay (the starts) and by it.
         self._lengths: dict[int, torch.Tensor] = {}
-        # The last chained call's (slots, catch-up start static), and whether its step was
-        # taken for all those slots since with no draft replay in between: the next
-        # chained step's catch-up starts then lie in ``_lengths`` on the device.
-        self._last_chain: tuple[tuple[int, ...], torch.Tensor | None] | None = None
+        # The last chained call's (slots, graph rows), and whether its step was taken for
+        # all those slots since with no draft replay in between: the next chained step's
+        # catch-up starts then lie in ``_lengths`` on the device (its ``start_pos``).
+        self._last_chain: tuple[tuple[int, ...], int] | None = None
         self._starts_on_device = False
         # prefill_many shares the head's forwards between prompts (on a GPU; tests set it).
         self.batch_prefill = self.cache.device.type == "cuda"
@@ -257,9 +258,11 @@ class MtpEagleDrafter(Drafter):
         """Static-shape draft inputs for the graph's rows (padding: scratch slot), in the
         form the chained step gives them (``graph_step``): ``verified`` [Bp, K+2] each
         row's catch-up tokens then its last catch-up row (VERIFY's ``packed`` layout:
-        tokens, count), ``cu_hidden`` [Bp, K+1, F], ``cu_start`` [Bp], ``meta`` [4, Bp]
-        (slot, 1 on real rows, length and VERIFY position less ``cu_start`` + the last
-        row: 2 and 1 unless a row's pending rows end early; padding 2 and 0)."""
+        tokens, count), ``cu_hidden`` [Bp, K+1, F], ``meta`` [4, Bp] (slot, 1 on real
+        rows, length and VERIFY position less the catch-up start + the last row: 2 and 1
+        unless a row's pending rows end early; padding 2 and 0). Each row's catch-up
+        start (padding 0) is written into the graphs' ``_lengths`` buffer (the graph reads
+        it there: a chained step's own output, ``chained_inputs``)."""
         k, real, rows = self.num_draft_tokens, len(ctx.token_ids), ctx.graph_rows
         pad = rows - real
         columns = self._catch_up_columns(ctx, rows, k + 1)
@@ -270,12 +273,13 @@ class MtpEagleDrafter(Drafter):
         inputs = graph_int_inputs(ctx, {
             "verified": [t + [c] for t, c in zip(columns["cu_tokens"], last)],
             "cu_start": starts, "meta": meta})
+        self._lengths_of(rows)[1].copy_(inputs.pop("cu_start"))
         inputs["cu_hidden"] = self.pending.rows(inputs["meta"][0], k + 1)
         return inputs
 
     def _lengths_of(self, rows: int) -> torch.Tensor:
-        """The draft graphs' [2, rows] buffer: each row's length, then VERIFY's position
-        (the ``start_pos`` output)."""
+        """The draft graphs' [2, rows] buffer: each row's length, then its catch-up start
+        before a replay and VERIFY's position (the ``start_pos`` output) after it."""
         buffer = self._lengths.get(rows)
         if buffer is None:
             with torch.inference_mode(False):   # written in graphs, read out of them
@@ -300,10 +304,12 @@ class MtpEagleDrafter(Drafter):
         # Made before any capture (not in one: its memory and zero-fill outside graphs).
         lengths = self._lengths_of(template.size)
 
-        def drafts(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def drafts(inputs: dict[str, torch.Tensor], caught_up: Callable[[], None]
+                   ) -> dict[str, torch.Tensor]:
             batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
             loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
+            caught_up()     # before anything reads seq_lens
             if not k:
                 return {"token_ids": seq_lens.new_zeros(seq_lens.shape[0], 0)}
             if greedy:      # argmax drafts, each written into its column of the output
@@ -325,24 +331,30 @@ class MtpEagleDrafter(Drafter):
             return graph_outputs(tokens, probs, advanced)
 
         def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            verified, meta, start = inputs["verified"], inputs["meta"], inputs["cu_start"]
+            verified, meta = inputs["verified"], inputs["meta"]
             width = verified.shape[1] - 1
             slots, is_real = meta[0], meta[1]
             if lengths.shape[1] != slots.shape[0]:
                 raise ValueError(f"draft graph inputs of {slots.shape[0]} rows for a step "
                                  f"built for {lengths.shape[1]} (the template's)")
+            seq_lens, start = lengths[0], lengths[1]    # the catch-up start, read first
             # Integer glue, as exact in the graph as on the host: the last catch-up row
             # (padding rows: 0), tokens -1 past a VERIFY's bonus made a valid id (0), each
-            # row's length and VERIFY's position (one add for both: offsets + start + last).
+            # row's length and VERIFY's position (one add for both: offsets + start + last,
+            # written over the start once the catch-up has read it).
             last = verified[:, width] * is_real
             tokens = verified[:, :width].clamp(min=0)
-            seq_lens, start_pos = torch.add(meta[2:], start + last, out=lengths)
+            at = start + last
+
+            def caught_up() -> None:
+                torch.add(meta[2:], at, out=lengths)
+
             out = drafts({"cu_tokens": tokens, "cu_hidden": inputs["cu_hidden"],
                           "cu_start": start, "write_slots": slots, "cu_last": last,
                           "slots": slots, "seq_lens": seq_lens,
-                          **{name: inputs[name] for name in SamplingBatch.COLUMNS}})
+                          **{name: inputs[name] for name in SamplingBatch.COLUMNS}}, caught_up)
             out["tokens"] = torch.cat([tokens.gather(1, last[:, None]), out["token_ids"]], 1)
-            out["start_pos"] = start_pos
+            out["start_pos"] = start
             return out
 
         return step
@@ -376,30 +388,22 @@ class MtpEagleDrafter(Drafter):
         reads them, as the graph's own padding rows do), its new length start + n + 2.
         Padding rows as ``graph_inputs`` pads them (scratch slot, start 0, last row 0,
         length 2). The graph computes VERIFY n+1's ``tokens`` and ``start_pos``.
-        ``start`` goes to the device only when it is not there: after a chained step
-        taken for this very batch, the graph's ``start_pos`` output is it. ``into``:
-        the draft graph's static inputs (``cu_start`` is written there in place)."""
+        ``start`` goes to the device (the graphs' ``_lengths``) only when it is not
+        there: after a chained step taken for this very batch, that step's ``start_pos``
+        output is it. ``into`` is not used."""
         rows = sampling.size
         meta, slot_row = self._chain_meta(slots, rows)
-        static = None if into is None else into.get("cu_start")
-        if static is not None and static.shape != (rows,):
-            static = None
-        key, last = tuple(slots), self._last_chain
-        cu_start: torch.Tensor
-        if self._starts_on_device and last is not None and last[0] == key \
-                and last[1] is static:      # the same batch and draft graph
-            cu_start = self._lengths_of(rows)[1][:]     # a fresh view: copied at the replay
-        else:
+        key, last = (tuple(slots), rows), self._last_chain
+        if not (self._starts_on_device and last == key):
+            # Each row's start into the graphs' buffer (one copy; pinned: queued without
+            # waiting), unless the last chained step left it there (taken for this batch).
             host = int64_tensor([*start, *[0] * (rows - len(start))])
-            if static is None:
-                cu_start = to_device(host, self.pending.buffer.device)
-            else:   # one copy, into the graph's input (pinned: queued without waiting)
-                if static.device.type == "cuda":
-                    host = host.pin_memory()
-                cu_start = static.copy_(host, non_blocking=True)
-        self._last_chain, self._starts_on_device = (key, static), False
+            if self.pending.buffer.device.type == "cuda":
+                host = host.pin_memory()
+            self._lengths_of(rows)[1].copy_(host, non_blocking=True)
+        self._last_chain, self._starts_on_device = key, False
         inputs = {"verified": verified["packed"][:], "cu_hidden": verified["hidden"][:],
-                  "cu_start": cu_start, "meta": meta, "slots": slot_row}
+                  "meta": meta, "slots": slot_row}
         inputs.update(sampling.columns())
         return inputs
 
