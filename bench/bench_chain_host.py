@@ -10,9 +10,10 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
         [--method eagle3] [--k 3] [--profile prof.txt]
 
-Per run: each state's mean time per iteration, and (``per-iteration medians``) the median
-of its per-iteration times, which a shared, loaded host disturbs far less (a preempted
-iteration moves a mean, not the median).
+Per run: each state's mean time per iteration, (``per-iteration medians``) the median of
+its per-iteration times, which a shared, loaded host disturbs far less (a preempted
+iteration moves a mean, not the median), and each state's thread CPU time per iteration
+(the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).
 """
 
 from __future__ import annotations
@@ -53,6 +54,27 @@ class IterationTimes:
     def on_transition(self, event):
         if event.batch_size:
             self.us.setdefault(event.state.value, []).append(event.duration_us)
+
+
+class ThreadTimes:
+    """Each state's thread CPU time (the event loop's thread; what ran on it since the last
+    transition, consumers included), summed over iterations with a batch: unlike wall
+    time, not moved by other processes on a shared, loaded host."""
+
+    def __init__(self):
+        self.us: dict[str, float] = {}
+        self._last = time.thread_time()
+
+    def on_transition(self, event):
+        now = time.thread_time()
+        if event.batch_size:
+            key = event.state.value
+            self.us[key] = self.us.get(key, 0.0) + (now - self._last) * 1e6
+        self._last = now
+
+    def clear(self):
+        self.us.clear()
+        self._last = time.thread_time()
 
 
 class FrozenReplayCache(CudaGraphCache):
@@ -98,13 +120,13 @@ def config(path, method, k, batch):
 
 async def measure(cfg, loaded, batch, iterations, profiler):
     """-> (wall us per iteration, {state: us per iteration}, chained steps taken share,
-    {state: median us of an iteration})."""
+    {state: median us of an iteration}, {state: thread CPU us per iteration})."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     from specloop.engine._chain import DeviceChain  # noqa: PLC0415
     from specloop.samplers import SamplingParams  # noqa: PLC0415
     params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
-    times, each = StateTimes(), IterationTimes()
-    async with AsyncEngine(cfg, model=loaded, observers=[times, each]) as engine:
+    times, each, cpu = StateTimes(), IterationTimes(), ThreadTimes()
+    async with AsyncEngine(cfg, model=loaded, observers=[times, each, cpu]) as engine:
         worker = engine.worker
         worker.verify_inline = True     # the chain runs on CUDA only; here forced on
         if worker.drafter is not None and worker.drafter.can_chain:
@@ -122,6 +144,7 @@ async def measure(cfg, loaded, batch, iterations, profiler):
             taken = worker.chain.taken_steps if worker.chain is not None else 0
             times.total_us.clear()
             each.us.clear()
+            cpu.clear()
             if profiler is not None:
                 profiler.enable()
             start = time.perf_counter()
@@ -133,10 +156,11 @@ async def measure(cfg, loaded, batch, iterations, profiler):
             done = engine.stats.num_iterations - first
             states = {s: v / done for s, v in times.total_us.items()}
             medians = {s: statistics.median(v) for s, v in each.us.items()}
+            thread = {s: v / done for s, v in cpu.us.items()}
             share = ((worker.chain.taken_steps - taken) / done
                      if worker.chain is not None else 0.0)
             tg.cancel_scope.cancel()
-    return elapsed / done * 1e6, states, share, medians
+    return elapsed / done * 1e6, states, share, medians, thread
 
 
 def main() -> None:
@@ -158,12 +182,14 @@ def main() -> None:
         loaded = load_model(path, dtype=torch.float32)
         for batch in map(int, args.batches.split(",")):
             cfg = config(path, args.method, args.k, batch)
-            walls, per_state, per_median = [], {}, {}
+            walls, per_state, per_median, handled = [], {}, {}, []
             profiler = cProfile.Profile() if args.profile else None
             for _ in range(args.runs):
-                wall, states, share, medians = anyio.run(measure, cfg, loaded, batch,
-                                                         args.iterations, profiler)
+                wall, states, share, medians, thread = anyio.run(
+                    measure, cfg, loaded, batch, args.iterations, profiler)
                 walls.append(wall)
+                handled.append(sum(thread.get(s, 0.0)
+                                   for s in ("VERIFY", "DRAFT", "PICK_GRAPH_KEY")))
                 for s, v in states.items():
                     per_state.setdefault(s, []).append(v)
                 for s, v in medians.items():
@@ -171,13 +197,16 @@ def main() -> None:
                 print(f"  batch {batch}: {wall:.0f} us/iteration wall, chained {share:.2f}; "
                       + " ".join(f"{s} {v:.0f}" for s, v in states.items())
                       + "; per-iteration medians: "
-                      + " ".join(f"{s} {v:.0f}" for s, v in medians.items()), flush=True)
+                      + " ".join(f"{s} {v:.0f}" for s, v in medians.items())
+                      + "; thread CPU: " + " ".join(f"{s} {v:.0f}" for s, v in thread.items()),
+                      flush=True)
             summary = " ".join(f"{s} {statistics.median(v):.0f}" for s, v in per_state.items())
             handlers = sum(statistics.median(v) for v in per_state.values())
             print(f"{args.method} K={args.k} batch {batch}: wall {min(walls):.0f}-"
                   f"{max(walls):.0f} us/iteration; handlers {handlers:.0f} (median: "
                   f"{summary}); per-iteration medians, min-max over runs: "
-                  + " ".join(f"{s} {min(v):.0f}-{max(v):.0f}" for s, v in per_median.items()),
+                  + " ".join(f"{s} {min(v):.0f}-{max(v):.0f}" for s, v in per_median.items())
+                  + f"; thread CPU VERIFY+DRAFT+PICK {min(handled):.0f}-{max(handled):.0f}",
                   flush=True)
             if profiler is not None:
                 out = io.StringIO()
