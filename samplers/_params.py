@@ -5,6 +5,7 @@ SamplingParams (``specloop generate --temperature -1``) without importing torch.
 
 from __future__ import annotations
 
+import array
 import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, TypeGuard
@@ -176,44 +177,60 @@ class SamplingBatch:
         if len(seeds) != len(params):
             raise ValueError(f"from_params: {len(params)} params but {len(seeds)} seeds; "
                              "pass one seed per request")
-        for s in seeds:
-            if not _is_int(s) or not 0 <= s <= INT64_MAX:
-                raise ValueError(f"from_params: seed {s!r} is not an int in [0, 2**63 - 1]")
+        if not all(type(s) is int and 0 <= s <= INT64_MAX for s in seeds):
+            for s in seeds:     # the check again, naming the seed (int subclasses pass)
+                if not _is_int(s) or not 0 <= s <= INT64_MAX:
+                    raise ValueError(f"from_params: seed {s!r} is not an int in "
+                                     "[0, 2**63 - 1]")
         size = len(params) if pad_to is None else pad_to
         if size < len(params):
             raise ValueError(f"from_params: pad_to={pad_to} < {len(params)} requests; "
                              "pad to at least the batch size")
-        rows = [_SENTINEL if p.is_greedy else p for p in params]
-        rows += [_SENTINEL] * (size - len(params))
-        greedy = [p.is_greedy for p in params] + [True] * (size - len(params))
-        all_seeds = list(seeds) + [0] * (size - len(params))
-
-        def col(name: str, dtype: torch.dtype) -> tuple[list[Any], torch.dtype]:
-            return [getattr(p, name) for p in rows], dtype
-
-        temperature, top_k, top_p, min_p, is_greedy, seeds_col = _columns([
-            col("temperature", torch.float32), col("top_k", torch.int64),
-            col("top_p", torch.float32), col("min_p", torch.float32),
-            (greedy, torch.bool), (all_seeds, torch.int64)], device)
+        pad = size - len(params)
+        real_greedy = [p.is_greedy for p in params]
+        sampled = [p for p, g in zip(params, real_greedy) if not g]
+        rows = [_SENTINEL if g else p for p, g in zip(params, real_greedy)]
+        rows += [_SENTINEL] * pad
+        greedy = real_greedy + [True] * pad
+        # Three host buffers (float32, int64, bool rows), packed from Python numbers by
+        # ``array`` (a torch.tensor per column cost ~4 us each), one copy to a GPU.
+        floats = array.array("f", [p.temperature for p in rows])
+        floats.extend([p.top_p for p in rows])
+        floats.extend([p.min_p for p in rows])
+        ints = array.array("q", [p.top_k for p in rows])
+        ints.extend(seeds)
+        ints.extend([0] * pad)
+        f, i, b = _to_device([_host(floats, torch.float32, (3, size)),
+                              _host(ints, torch.int64, (2, size)),
+                              _host(array.array("b", greedy), torch.bool, (size,))], device)
         return cls(
-            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            is_greedy=is_greedy, seeds=seeds_col,
-            all_greedy=all(p.is_greedy for p in params), num_real=len(params),
-            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in rows),
-            needs_min_p=any(p.min_p > 0 for p in rows), any_greedy=any(greedy),
+            temperature=f[0], top_k=i[0], top_p=f[1], min_p=f[2], is_greedy=b, seeds=i[1],
+            all_greedy=sampled == [], num_real=len(params),
+            # Greedy and padding rows hold the sentinel (no top-k, top-p or min-p).
+            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
+            needs_min_p=any(p.min_p > 0 for p in sampled),
+            any_greedy=bool(pad) or len(sampled) < len(params),
         )
 
 
-def _columns(columns: list[tuple[list[Any], torch.dtype]], device: torch.device | str
-             ) -> list[torch.Tensor]:
-    """The columns on ``device``; to a GPU in one copy from pinned memory, without waiting
-    (a copy from pageable memory may wait for the work already queued, e.g. the engine's
-    step queued ahead, issue 12; a copy per column cost a copy launch each, per batch
-    change and padding; torch's caching host allocator keeps the pinned buffer until the
-    copy is done)."""
+def _host(values: array.array[Any], dtype: torch.dtype, shape: tuple[int, ...]
+          ) -> torch.Tensor:
+    """``values`` as a host tensor of ``shape`` (sharing the array's memory)."""
     import torch  # noqa: PLC0415 - see the module docstring
 
-    hosts = [torch.tensor(values, dtype=dtype) for values, dtype in columns]
+    if not values:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.frombuffer(values, dtype=dtype).view(shape)
+
+
+def _to_device(hosts: list[torch.Tensor], device: torch.device | str) -> list[torch.Tensor]:
+    """The host tensors on ``device``; to a GPU in one copy from pinned memory, without
+    waiting (a copy from pageable memory may wait for the work already queued, e.g. the
+    engine's step queued ahead, issue 12; a copy per column cost a copy launch each, per
+    batch change and padding; torch's caching host allocator keeps the pinned buffer
+    until the copy is done)."""
+    import torch  # noqa: PLC0415 - see the module docstring
+
     if torch.device(device).type != "cuda" or not any(h.numel() for h in hosts):
         return [h.to(device) for h in hosts]    # (no rows: nothing is copied)
     return packed_to_device(hosts, device, pin=True)
@@ -221,7 +238,7 @@ def _columns(columns: list[tuple[list[Any], torch.dtype]], device: torch.device 
 
 def packed_to_device(hosts: list[torch.Tensor], device: torch.device | str, *, pin: bool
                      ) -> list[torch.Tensor]:
-    """1-D host tensors on ``device`` through one copy: each one's bytes at a 16-byte
+    """Host tensors on ``device`` through one copy: each one's bytes at a 16-byte
     aligned offset of one (``pin``: pinned) buffer (as aligned as an allocation, for
     kernels specialised on it), viewed back as its dtype there."""
     import torch  # noqa: PLC0415 - see the module docstring
@@ -233,6 +250,7 @@ def packed_to_device(hosts: list[torch.Tensor], device: torch.device | str, *, p
         total += -(-size // 16) * 16
     buffer = torch.empty(total, dtype=torch.uint8, pin_memory=pin)
     for h, at, size in zip(hosts, offsets, sizes):
-        buffer[at:at + size] = h.contiguous().view(torch.uint8)
+        buffer[at:at + size] = h.contiguous().view(-1).view(torch.uint8)
     moved = buffer.to(device, non_blocking=True)
-    return [moved[at:at + size].view(h.dtype) for h, at, size in zip(hosts, offsets, sizes)]
+    return [moved[at:at + size].view(h.dtype).view(h.shape)
+            for h, at, size in zip(hosts, offsets, sizes)]

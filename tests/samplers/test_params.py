@@ -71,11 +71,11 @@ def test_columns_packed_into_one_copy_keep_dtype_and_values():
     from specloop.samplers._params import packed_to_device
     hosts = [torch.tensor([0.5, 2.0, 1e-6]), torch.tensor([3, 2**62], dtype=torch.int64),
              torch.tensor([True, False, True]), torch.zeros(0, dtype=torch.float32),
-             torch.tensor([7], dtype=torch.int64)]
+             torch.tensor([7], dtype=torch.int64), torch.arange(6.0).view(2, 3)]
     out = packed_to_device(hosts, "cpu", pin=False)
     base = out[0].data_ptr()
     for h, o in zip(hosts, out):
-        assert o.dtype == h.dtype and torch.equal(o, h)
+        assert o.dtype == h.dtype and o.shape == h.shape and torch.equal(o, h)
         assert (o.data_ptr() - base) % 16 == 0
 
 
@@ -90,3 +90,59 @@ def test_batch_on_cuda_equals_batch_on_cpu():
         assert b.device.type == "cuda" and b.dtype == a.dtype and torch.equal(a, b.cpu())
     empty = SamplingBatch.from_params([], [], device="cuda")    # an idle rank's rows
     assert empty.size == 0 and empty.seeds.device.type == "cuda"
+
+
+def _reference(params, seeds, pad_to):
+    """SamplingBatch's columns and flags by their definition, a column at a time."""
+    size = len(params) if pad_to is None else pad_to
+    sentinel = SamplingParams(temperature=1.0)
+    rows = [sentinel if p.is_greedy else p for p in params] + [sentinel] * (size - len(params))
+    greedy = [p.is_greedy for p in params] + [True] * (size - len(params))
+    columns = {"temperature": torch.tensor([p.temperature for p in rows], dtype=torch.float32),
+               "top_k": torch.tensor([p.top_k for p in rows], dtype=torch.int64),
+               "top_p": torch.tensor([p.top_p for p in rows], dtype=torch.float32),
+               "min_p": torch.tensor([p.min_p for p in rows], dtype=torch.float32),
+               "is_greedy": torch.tensor(greedy, dtype=torch.bool),
+               "seeds": torch.tensor(list(seeds) + [0] * (size - len(params)),
+                                     dtype=torch.int64)}
+    flags = {"all_greedy": all(p.is_greedy for p in params), "num_real": len(params),
+             "needs_sort": any(p.top_k > 0 or p.top_p < 1 for p in rows),
+             "needs_min_p": any(p.min_p > 0 for p in rows), "any_greedy": any(greedy)}
+    return columns, flags
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_batch_columns_and_flags_equal_their_definition(seed):
+    """from_params packs the columns through ``array`` buffers (not a tensor per column)
+    and reads the flags off the sampled rows only: random batches, padded or not, give
+    the columns (dtype and every value, float32 rounding included) and flags the
+    definition gives."""
+    import random
+    rng = random.Random(seed)
+    for _ in range(20):
+        n = rng.randrange(0, 6)
+        params = [SamplingParams(
+            temperature=rng.choice([0, 0.0, 1, 0.7, 1e-6, 1e6, 1 / 3]),
+            top_k=rng.choice([0, 1, 5, 2**62]), top_p=rng.choice([1.0, 0.9, 1 / 7]),
+            min_p=rng.choice([0.0, 0.05, 1.0])) for _ in range(n)]
+        seeds = [rng.choice([0, 7, 2**63 - 1, rng.randrange(2**40)]) for _ in range(n)]
+        pad_to = rng.choice([None, n, n + rng.randrange(1, 4)])
+        batch = SamplingBatch.from_params(params, seeds, pad_to=pad_to)
+        columns, flags = _reference(params, seeds, pad_to)
+        for name, want in columns.items():
+            got = getattr(batch, name)
+            assert got.dtype == want.dtype and torch.equal(got, want), name
+        for name, want in flags.items():
+            assert getattr(batch, name) == want, name
+
+
+def test_seeds_of_an_int_subclass_pass_and_bad_ones_are_named():
+    import enum
+
+    class Seed(enum.IntEnum):
+        A = 5
+    b = SamplingBatch.from_params([SamplingParams()], [Seed.A])
+    assert b.seeds.tolist() == [5]
+    for bad in (-1, 2**63, 1.0, True):
+        with pytest.raises(ValueError, match=f"seed {bad!r} is not an int"):
+            SamplingBatch.from_params([SamplingParams()], [bad])
