@@ -279,9 +279,11 @@ class RankWorker:
             pad_to = None
         cached = self._sampling_cache.get(pad_to)
         if cached is None or cached[0] != key:
+            # The columns that did not change are the last batch's tensors (not copied).
             cached = self._sampling_cache[pad_to] = (key, SamplingBatch.from_params(
                 [r.params for r in batch], [r.seed for r in batch],
-                device=self.runner.device, pad_to=pad_to))
+                device=self.runner.device, pad_to=pad_to,
+                like=None if cached is None else cached[1]))
         return cached[1]
 
     def _group_agrees(self, rec: IterationRecord) -> bool:

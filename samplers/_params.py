@@ -153,6 +153,8 @@ class SamplingBatch:
     needs_sort: bool = False  # some row uses top-k or top-p (Python flag: no device sync)
     needs_min_p: bool = False
     any_greedy: bool = True  # some row (padding included) is greedy
+    # from_params: the host values the columns hold (``like`` compares them); else None.
+    host: tuple[Any, ...] | None = attrs.field(default=None, repr=False)
 
     # The per-row tensor fields, in order (graph inputs copy exactly these).
     COLUMNS = ("temperature", "top_k", "top_p", "min_p", "is_greedy", "seeds")
@@ -166,12 +168,16 @@ class SamplingBatch:
 
     def with_columns(self, columns: Mapping[str, torch.Tensor]) -> SamplingBatch:
         """The same Python flags over other per-row tensors (e.g. static graph inputs)."""
-        return attrs.evolve(self, **{name: columns[name] for name in self.COLUMNS})
+        return attrs.evolve(self, host=None, **{name: columns[name] for name in self.COLUMNS})
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int], *,
-                    device: torch.device | str = "cpu",
-                    pad_to: int | None = None) -> SamplingBatch:
+                    device: torch.device | str = "cpu", pad_to: int | None = None,
+                    like: SamplingBatch | None = None) -> SamplingBatch:
+        """``like``: an earlier batch of as many rows (the same padding, another batch of
+        requests): each column whose values are its is its tensor (nothing copied to the
+        device; a graph replay given the same tensor again copies nothing either; at a
+        batch change most columns of greedy rows are the sentinel's)."""
         import torch  # noqa: PLC0415 - see the module docstring
 
         if len(seeds) != len(params):
@@ -200,11 +206,26 @@ class SamplingBatch:
         ints = array.array("q", [p.top_k for p in rows])
         ints.extend(seeds)
         ints.extend([0] * pad)
-        f, i, b = _to_device([_host(floats, torch.float32, (3, size)),
-                              _host(ints, torch.int64, (2, size)),
-                              _host(array.array("b", greedy), torch.bool, (size,))], device)
+        bools = array.array("b", greedy)
+        # Each column: (its values, where it lies in the host buffers).
+        values = {"temperature": floats[:size], "top_p": floats[size:2 * size],
+                  "min_p": floats[2 * size:], "top_k": ints[:size], "seeds": ints[size:],
+                  "is_greedy": bools}
+        kept: dict[str, torch.Tensor] = {}
+        if like is not None and like.host is not None and like.size == size \
+                and like.seeds.device.type == torch.device(device).type:
+            kept = {name: getattr(like, name) for name, was in zip(values, like.host)
+                    if values[name] == was}
+        columns = dict(kept)
+        if len(kept) < len(values):
+            f, i, b = _to_device([_host(floats, torch.float32, (3, size)),
+                                  _host(ints, torch.int64, (2, size)),
+                                  _host(bools, torch.bool, (size,))], device)
+            made = {"temperature": f[0], "top_p": f[1], "min_p": f[2], "top_k": i[0],
+                    "seeds": i[1], "is_greedy": b}
+            columns = {name: kept.get(name, made[name]) for name in values}
         return cls(
-            temperature=f[0], top_k=i[0], top_p=f[1], min_p=f[2], is_greedy=b, seeds=i[1],
+            **columns, host=tuple(values.values()),
             all_greedy=sampled == [], num_real=len(params),
             # Greedy and padding rows hold the sentinel (no top-k, top-p or min-p).
             needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),

@@ -152,3 +152,8 @@ def test_sampling_rows_padded_to_the_batch_size_are_built_once():
     assert RankWorker._sampling_batch(worker, batch, None) is plain
     assert RankWorker._sampling_batch(worker, batch, 4) is padded
     assert RankWorker._sampling_batch(worker, batch[:1], 1) is not plain    # a new batch
+    # A request left, at the same padding: the columns it did not change are not copied
+    # again (the same tensors), the rows' seeds are new.
+    smaller = RankWorker._sampling_batch(worker, batch[1:], 4)
+    assert smaller.seeds is not padded and smaller.seeds.tolist() == [2, 0, 0, 0]
+    assert smaller.top_p is padded.top_p and smaller.min_p is padded.min_p

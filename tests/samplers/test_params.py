@@ -88,6 +88,9 @@ def test_batch_on_cuda_equals_batch_on_cpu():
     for name in SamplingBatch.COLUMNS:
         a, b = getattr(cpu, name), getattr(gpu, name)
         assert b.device.type == "cuda" and b.dtype == a.dtype and torch.equal(a, b.cpu())
+    other = SamplingBatch.from_params(params, [12, 22], pad_to=5, device="cuda", like=gpu)
+    assert all(getattr(other, n) is getattr(gpu, n) for n in SamplingBatch.COLUMNS[:-1])
+    assert other.seeds.device.type == "cuda" and other.seeds.tolist() == [12, 22, 0, 0, 0]
     empty = SamplingBatch.from_params([], [], device="cuda")    # an idle rank's rows
     assert empty.size == 0 and empty.seeds.device.type == "cuda"
 
@@ -146,3 +149,30 @@ def test_seeds_of_an_int_subclass_pass_and_bad_ones_are_named():
     for bad in (-1, 2**63, 1.0, True):
         with pytest.raises(ValueError, match=f"seed {bad!r} is not an int"):
             SamplingBatch.from_params([SamplingParams()], [bad])
+
+
+def test_a_batch_like_another_keeps_its_unchanged_columns():
+    """``like``: the columns whose values did not change are the earlier batch's tensors
+    (a graph replay given the same tensor copies nothing), the others new; a batch of
+    another size, or one not built here (``with_columns``), lends nothing."""
+    g, s = SamplingParams(temperature=0), SamplingParams(temperature=0.7, top_p=0.9)
+    a = SamplingBatch.from_params([g, g, g], [1, 2, 3], pad_to=4)
+    b = SamplingBatch.from_params([g, g], [1, 3], pad_to=4, like=a)  # a request left
+    same = {n for n in SamplingBatch.COLUMNS if getattr(b, n) is getattr(a, n)}
+    assert same == set(SamplingBatch.COLUMNS) - {"seeds"}
+    assert b.seeds.tolist() == [1, 3, 0, 0] and b.num_real == 2
+    c = SamplingBatch.from_params([g, s], [1, 3], pad_to=4, like=b)  # a sampled one joined
+    assert {n for n in SamplingBatch.COLUMNS if getattr(c, n) is getattr(b, n)} == {
+        "top_k", "min_p", "seeds"}
+    columns, flags = _reference([g, s], [1, 3], 4)
+    for name, want in columns.items():
+        assert torch.equal(getattr(c, name), want), name
+    assert not c.all_greedy and c.needs_sort
+    d = SamplingBatch.from_params([g, s], [1, 3], pad_to=4, like=c)
+    assert all(getattr(d, n) is getattr(c, n) for n in SamplingBatch.COLUMNS)
+    e = SamplingBatch.from_params([g, s], [1, 3], pad_to=5, like=d)
+    assert not any(getattr(e, n) is getattr(d, n) for n in SamplingBatch.COLUMNS)
+    statics = d.with_columns({n: getattr(d, n).clone() for n in SamplingBatch.COLUMNS})
+    f = SamplingBatch.from_params([g, s], [1, 3], pad_to=4, like=statics)
+    assert statics.host is None
+    assert not any(getattr(f, n) is getattr(statics, n) for n in SamplingBatch.COLUMNS)
