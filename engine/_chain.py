@@ -178,22 +178,19 @@ class DeviceChain:
         short = width - out["token_ids"].shape[1]
         if in_order(rows) and short <= 0:   # the usual case: VERIFY's outputs as they are
             return out
-        names = ("token_ids", "num_accepted", "hidden")
-        picked = {name: out[name] for name in names}
+        packed, hidden = out["packed"], out["hidden"]
         if not in_order(rows):
             at = int64_tensor([*rows, *[0] * (padded - len(rows))])
-            at = to_device(at, out["hidden"].device)
-            picked = {name: t.index_select(0, at) for name, t in picked.items()}
+            at = to_device(at, hidden.device)
+            packed, hidden = packed.index_select(0, at), hidden.index_select(0, at)
         if short > 0:
-            tokens, hidden = picked["token_ids"], picked["hidden"]
-            picked["token_ids"] = torch.cat([tokens, tokens.new_zeros(tokens.shape[0], short)],
-                                            dim=1)
-            picked["hidden"] = torch.cat(
+            packed = torch.cat([packed[:, :-1], packed.new_zeros(packed.shape[0], short),
+                                packed[:, -1:]], dim=1)
+            hidden = torch.cat(
                 [hidden, hidden.new_zeros(hidden.shape[0], short, hidden.shape[2])], dim=1)
-        # VERIFY's layout: the tokens, then the count.
-        picked["packed"] = torch.cat([picked["token_ids"], picked["num_accepted"][:, None]],
-                                     dim=1)
-        return picked
+        # VERIFY's layout (the tokens, then the count), its parts as views.
+        return {"packed": packed, "hidden": hidden, "token_ids": packed[:, :-1],
+                "num_accepted": packed[:, -1]}
 
     def _slots_of(self, batch: tuple[Request, ...]) -> list[int]:
         """The batch's slots (one list per batch: most iterations run the last one's)."""
