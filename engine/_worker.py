@@ -273,17 +273,24 @@ class RankWorker:
     def _sampling_batch(self, batch: list[Request], pad_to: int | None) -> SamplingBatch:
         """Per-row sampling tensors, rebuilt only when the batch's requests change (most
         iterations run the same batch as the one before); one cache per padding, padding
-        to the batch's own size being none (the same rows: built once, not twice)."""
+        to the batch's own size being none (the same rows: built once, not twice). The
+        unpadded rows are the real rows of the smallest padding in use that holds them
+        (views: at a batch change SYNC asks first, the graphs' padding then finds its
+        rows built)."""
         key = tuple(batch)      # Request compares by identity: a reused id is a new key
         if pad_to == len(batch):
             pad_to = None
         cached = self._sampling_cache.get(pad_to)
         if cached is None or cached[0] != key:
-            # The columns that did not change are the last batch's tensors (not copied).
-            cached = self._sampling_cache[pad_to] = (key, SamplingBatch.from_params(
-                [r.params for r in batch], [r.seed for r in batch],
-                device=self.runner.device, pad_to=pad_to,
-                like=None if cached is None else cached[1]))
+            pads = [p for p in self._sampling_cache if p is not None and p > len(batch)]
+            if pad_to is None and batch and pads:
+                built = self._sampling_batch(batch, min(pads)).real_rows()
+            else:   # the columns that did not change are the last batch's tensors
+                built = SamplingBatch.from_params(
+                    [r.params for r in batch], [r.seed for r in batch],
+                    device=self.runner.device, pad_to=pad_to,
+                    like=None if cached is None else cached[1])
+            cached = self._sampling_cache[pad_to] = (key, built)
         return cached[1]
 
     def _group_agrees(self, rec: IterationRecord) -> bool:

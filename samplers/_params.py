@@ -153,8 +153,8 @@ class SamplingBatch:
     needs_sort: bool = False  # some row uses top-k or top-p (Python flag: no device sync)
     needs_min_p: bool = False
     any_greedy: bool = True  # some row (padding included) is greedy
-    # from_params: the host values the columns hold (``like`` compares them); else None.
-    host: tuple[Any, ...] | None = attrs.field(default=None, repr=False)
+    # from_params: each column's host values (``like`` compares them); else None.
+    host: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
 
     # The per-row tensor fields, in order (graph inputs copy exactly these).
     COLUMNS = ("temperature", "top_k", "top_p", "min_p", "is_greedy", "seeds")
@@ -165,6 +165,18 @@ class SamplingBatch:
 
     def columns(self) -> dict[str, torch.Tensor]:
         return {name: getattr(self, name) for name in self.COLUMNS}
+
+    def real_rows(self) -> SamplingBatch:
+        """The batch of the real rows alone, as views of these columns (nothing built or
+        copied; padding rows hold the sentinel, so the flags other than ``any_greedy``
+        are the same). Needs ``host`` (from_params) where there is padding."""
+        n = self.num_real
+        if n == self.size:
+            return self
+        if self.host is None:
+            raise ValueError("real_rows of a batch not built by from_params (no host values)")
+        return attrs.evolve(self, host=None, any_greedy=any(self.host["is_greedy"][:n]),
+                            **{name: getattr(self, name)[:n] for name in self.COLUMNS})
 
     def with_columns(self, columns: Mapping[str, torch.Tensor]) -> SamplingBatch:
         """The same Python flags over other per-row tensors (e.g. static graph inputs)."""
@@ -214,7 +226,7 @@ class SamplingBatch:
         kept: dict[str, torch.Tensor] = {}
         if like is not None and like.host is not None and like.size == size \
                 and like.seeds.device.type == torch.device(device).type:
-            kept = {name: getattr(like, name) for name, was in zip(values, like.host)
+            kept = {name: getattr(like, name) for name, was in like.host.items()
                     if values[name] == was}
         columns = dict(kept)
         if len(kept) < len(values):
@@ -225,7 +237,7 @@ class SamplingBatch:
                     "seeds": i[1], "is_greedy": b}
             columns = {name: kept.get(name, made[name]) for name in values}
         return cls(
-            **columns, host=tuple(values.values()),
+            **columns, host=values,
             all_greedy=sampled == [], num_real=len(params),
             # Greedy and padding rows hold the sentinel (no top-k, top-p or min-p).
             needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),

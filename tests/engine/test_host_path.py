@@ -135,25 +135,38 @@ async def test_step_queued_ahead_equals_the_thread(tiny_dir, tiny_loaded):
 def test_sampling_rows_padded_to_the_batch_size_are_built_once():
     """PICK_GRAPH_KEY's unpadded rows and the graph's rows padded to a bucket equal to the
     batch are one SamplingBatch (one build, one copy to the device, per batch change);
-    another padding has its own, and neither evicts the other."""
+    another padding has its own, and neither evicts the other. At a batch change the
+    unpadded rows (SYNC asks first) are the real rows of the padding in use (views), and
+    that padding's rows are built once for both; a request leaving keeps the columns it
+    did not change (the same tensors: not copied again)."""
     from types import SimpleNamespace
 
     import torch
 
     from specloop.engine._worker import RankWorker
-    worker = SimpleNamespace(_sampling_cache={},
-                             runner=SimpleNamespace(device=torch.device("cpu")))
+
+    class Worker:
+        _sampling_batch = RankWorker._sampling_batch
+
+        def __init__(self):
+            self._sampling_cache = {}
+            self.runner = SimpleNamespace(device=torch.device("cpu"))
+
+    worker = Worker()
     batch = [SimpleNamespace(params=SamplingParams(temperature=t), seed=s)
              for t, s in ((0.0, 1), (0.7, 2))]
-    plain = RankWorker._sampling_batch(worker, batch, None)
-    assert RankWorker._sampling_batch(worker, batch, 2) is plain
-    padded = RankWorker._sampling_batch(worker, batch, 4)
+    plain = worker._sampling_batch(batch, None)
+    assert worker._sampling_batch(batch, 2) is plain
+    padded = worker._sampling_batch(batch, 4)
     assert padded.size == 4 and plain.size == 2
-    assert RankWorker._sampling_batch(worker, batch, None) is plain
-    assert RankWorker._sampling_batch(worker, batch, 4) is padded
-    assert RankWorker._sampling_batch(worker, batch[:1], 1) is not plain    # a new batch
-    # A request left, at the same padding: the columns it did not change are not copied
-    # again (the same tensors), the rows' seeds are new.
-    smaller = RankWorker._sampling_batch(worker, batch[1:], 4)
-    assert smaller.seeds is not padded and smaller.seeds.tolist() == [2, 0, 0, 0]
-    assert smaller.top_p is padded.top_p and smaller.min_p is padded.min_p
+    assert worker._sampling_batch(batch, None) is plain
+    assert worker._sampling_batch(batch, 4) is padded
+    # A request left: SYNC's unpadded rows first, then the graph's padding.
+    smaller = worker._sampling_batch(batch[1:], None)
+    smaller_padded = worker._sampling_batch(batch[1:], 4)
+    assert smaller.size == 1 and smaller_padded.size == 4
+    assert smaller.seeds.data_ptr() == smaller_padded.seeds.data_ptr()     # views
+    assert smaller.any_greedy is False and smaller_padded.any_greedy is True
+    assert smaller_padded.seeds.tolist() == [2, 0, 0, 0]
+    assert smaller_padded.top_p is padded.top_p and smaller_padded.min_p is padded.min_p
+    assert smaller_padded.seeds is not padded.seeds

@@ -176,3 +176,21 @@ def test_a_batch_like_another_keeps_its_unchanged_columns():
     f = SamplingBatch.from_params([g, s], [1, 3], pad_to=4, like=statics)
     assert statics.host is None
     assert not any(getattr(f, n) is getattr(statics, n) for n in SamplingBatch.COLUMNS)
+
+
+def test_real_rows_are_views_with_the_real_rows_flags():
+    g, s = SamplingParams(temperature=0), SamplingParams(temperature=0.7, min_p=0.1)
+    padded = SamplingBatch.from_params([s], [9], pad_to=3)
+    real = padded.real_rows()
+    columns, flags = _reference([s], [9], None)
+    for name, want in columns.items():
+        got = getattr(real, name)
+        assert torch.equal(got, want) and got.data_ptr() == getattr(padded, name).data_ptr()
+    for name, want in flags.items():
+        assert getattr(real, name) == want, name
+    assert padded.any_greedy and not real.any_greedy and real.host is None
+    whole = SamplingBatch.from_params([g, s], [1, 2])
+    assert whole.real_rows() is whole
+    statics = padded.with_columns(padded.columns())
+    with pytest.raises(ValueError, match="not built by from_params"):
+        statics.real_rows()
