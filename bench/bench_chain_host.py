@@ -8,12 +8,14 @@ VERIFY (queueing the chained DRAFT + VERIFY, the read-back, on_verified), RESCAN
 random target (models/testing.py) with a random eagle3 head, fp32, chain forced on.
 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
-        [--method eagle3] [--k 3] [--profile prof.txt]
+        [--method eagle3] [--k 3] [--profile prof.txt] [--closed]
 
 Per run: each state's mean time per iteration, (``per-iteration medians``) the median of
 its per-iteration times, which a shared, loaded host disturbs far less (a preempted
 iteration moves a mean, not the median), and each state's thread CPU time per iteration
 (the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).
+``--closed``: closed rounds of requests that end apart instead (batch changes: the chain
+taken for fewer rows, the sampling rows rebuilt), thread CPU per iteration.
 """
 
 from __future__ import annotations
@@ -163,6 +165,38 @@ async def measure(cfg, loaded, batch, iterations, profiler):
     return elapsed / done * 1e6, states, share, medians, thread
 
 
+async def closed_rounds(cfg, loaded, batch, rounds):
+    """Closed rounds: ``batch`` requests at once, request i ending after 20 + 4i tokens
+    (a batch change every ~2 iterations at batch 32, as a round's requests finish apart);
+    the first round warms up. -> per round, {state: thread CPU us per iteration}."""
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+    cpu = ThreadTimes()
+    out = []
+    async with AsyncEngine(cfg, model=loaded, observers=[cpu]) as engine:
+        worker = engine.worker
+        worker.verify_inline = True
+        worker.chain = DeviceChain(worker=worker)
+        for r in range(rounds + 1):
+            cpu.clear()
+            first = engine.stats.num_iterations
+
+            async def one(i, r=r):
+                params = SamplingParams(temperature=0.0, max_tokens=20 + 4 * i,
+                                        ignore_eos=True)
+                async for _ in engine.generate([1, 2, 3, 4, 5, 6], params,
+                                               request_id=f"r{r}-{i}"):
+                    pass
+            async with anyio.create_task_group() as tg:
+                for i in range(batch):
+                    tg.start_soon(one, i)
+            if r:
+                done = engine.stats.num_iterations - first
+                out.append({s: v / done for s, v in cpu.us.items()})
+    return out
+
+
 def main() -> None:
     from specloop.models import load_model  # noqa: PLC0415
     from specloop.models.testing import write_tiny_checkpoint  # noqa: PLC0415
@@ -173,6 +207,9 @@ def main() -> None:
     ap.add_argument("--method", default="eagle3")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--profile", default="", help="write cProfile stats (last batch) here")
+    ap.add_argument("--closed", action="store_true",
+                    help="closed rounds of requests of different lengths instead (--runs "
+                         "rounds): thread CPU per iteration, batch changes included")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
@@ -182,6 +219,17 @@ def main() -> None:
         loaded = load_model(path, dtype=torch.float32)
         for batch in map(int, args.batches.split(",")):
             cfg = config(path, args.method, args.k, batch)
+            if args.closed:
+                rows = anyio.run(closed_rounds, cfg, loaded, batch, args.runs)
+                for t in rows:
+                    print(f"  batch {batch} closed round, thread CPU: "
+                          + " ".join(f"{s} {v:.0f}" for s, v in t.items()), flush=True)
+                handled = [sum(t.get(s, 0.0) for s in ("SYNC", "PICK_GRAPH_KEY", "DRAFT",
+                                                       "VERIFY")) for t in rows]
+                print(f"{args.method} K={args.k} batch {batch}, closed rounds: thread CPU "
+                      f"SYNC+PICK+DRAFT+VERIFY {min(handled):.0f}-{max(handled):.0f} "
+                      "us/iteration", flush=True)
+                continue
             walls, per_state, per_median, handled = [], {}, {}, []
             profiler = cProfile.Profile() if args.profile else None
             for _ in range(args.runs):
