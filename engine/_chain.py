@@ -231,6 +231,22 @@ class DeviceChain:
         self._chained = _Chained(queued, [s + n + 2 for s, n in zip(queued.start, grown)])
 
     # iteration n+1 ----------------------------------------------------------------------
+    def key_for(self, key: GraphKey, rows: int) -> GraphKey:
+        """PICK_GRAPH_KEY's ``key`` for a batch of ``rows``, or the chained step's key
+        when the two differ only in its larger batch bucket, which still holds the rows:
+        requests that left since it was queued let the batch fit a smaller bucket, and
+        that key would drop the step the GPU has already run (then run DRAFT and VERIFY
+        again, unchained). The batch stays at the larger bucket while the chain goes on
+        (each chained step is queued at its iteration's key)."""
+        chained = self._chained
+        if chained is None:
+            return key
+        queued = chained.queued.key
+        if queued.batch_size > key.batch_size >= rows and \
+                attrs.evolve(queued, batch_size=key.batch_size) == key:
+            return queued
+        return key
+
     def matches(self, rec: IterationRecord) -> bool:
         """In DRAFT: whether the chained step is this iteration's: its batch, or its
         batch less requests that left, in the same order, each as long as VERIFY n made

@@ -266,6 +266,8 @@ class RankWorker:
             rec.padded_batch_size, rec.num_draft_tokens, SamplingPath.of(rec.spec),
             rec.spec.all_greedy,
             agreed=self._group_agrees(rec))
+        if self.chain is not None and rec.graph_captured:   # its step's bucket, if larger
+            rec.graph_key = self.chain.key_for(rec.graph_key, len(rec.batch))
         if rec.batch:
             rec.sampling = self._sampling_batch(rec.batch, None)
         return S.DRAFT

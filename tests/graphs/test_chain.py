@@ -185,3 +185,26 @@ async def test_shared_head_prefill_equals_one_per_prompt(tiny_dir, tiny_loaded, 
         a, b = plain_drafts[seed], shared_drafts[seed]
         assert [p for p, _ in a] == [p for p, _ in b]
         assert all(torch.allclose(x, y, atol=1e-9) for (_, x), (_, y) in zip(a, b)), seed
+
+
+@pytest.mark.parametrize("sticky", [True, False])
+async def test_chained_step_taken_when_the_rows_left_fit_a_smaller_bucket(
+        tiny_dir, tiny_loaded, sticky, monkeypatch):
+    """Requests finishing one by one take the batch from the 4-row bucket to 2 and 1:
+    PICK_GRAPH_KEY keeps the chained step's larger bucket (``DeviceChain.key_for``), so
+    the step the GPU already ran is taken for the rows left, not dropped; outputs equal
+    the eager engine's. ``sticky`` False: the key follows the batch, each shrink drops a
+    step (what the H200 showed with serving buckets at batch 32)."""
+    if not sticky:
+        monkeypatch.setattr(DeviceChain, "key_for", lambda self, key, rows: key)
+    reqs = [(p, SamplingParams(temperature=0.0, max_tokens=6 + 5 * i, ignore_eos=True))
+            for i, p in enumerate(PROMPTS[:4])]
+    spec = {"method": "mtp_eagle", "k": 2}
+    eager, _ = await serve(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs, False)
+    chained, chain = await serve(chain_config(tiny_dir, True, **spec), tiny_loaded, reqs, True)
+    assert chained == eager
+    dropped = chain.queued_steps - chain.taken_steps
+    if sticky:
+        assert dropped == 0 and chain.subset_steps >= 2
+    else:
+        assert dropped >= 2

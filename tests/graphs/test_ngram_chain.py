@@ -253,7 +253,11 @@ async def test_chained_ngram_equals_eager(tiny_dir, tiny_loaded, max_batch_size)
     assert chained == eager == graphs
     checked = assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained)
     assert checked > 2 * sum(len(out) for out in chained) // 3
-    assert chain.taken_steps > 0 and chain.queued_steps > chain.taken_steps
+    assert chain.taken_steps > 0
+    if max_batch_size == 2:     # requests joining: some chained steps dropped
+        assert chain.queued_steps > chain.taken_steps
+    else:                       # requests leaving: some taken for fewer rows
+        assert chain.subset_steps > 0
     # Drafts were accepted (else equal outputs would say little about the drafts).
     assert chain.worker.stats.num_accepted_tokens > 0
 
