@@ -131,9 +131,8 @@ class RunAhead:
 
     def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]) -> None:
         """Queue the next iteration's step for this batch, its tokens rows ``rows`` of
-        ``pending``'s outputs. Not when a request may end by length here (its next
-        position may lie past the cache), nor when the next iteration will likely admit
-        a request (it would be dropped)."""
+        ``pending``'s outputs. Not when its position would lie past the cache, nor when
+        the next iteration will likely admit a request (it would be dropped)."""
         w, batch = self.worker, rec.batch
         if self.blocked(batch):
             return
@@ -180,11 +179,13 @@ class RunAhead:
             or (w.front is not None and w.front.has_news)))
 
     def blocked(self, batch: list[Request]) -> bool:
-        """Whether no step may be queued ahead for ``batch`` (see ``queue``)."""
+        """Whether no step may be queued ahead for ``batch`` (see ``queue``): the position
+        it writes, each row's length, must lie in the cache. A row that may end at this
+        step (by max_tokens, a stop, the cache's length) does not block it: the next
+        iteration takes the step for the rows left (``take``), and a finished row's write
+        lands in pages freed after it on the stream (the module doc)."""
         limit = self.worker.config.model.max_seq_len
-        if self.will_admit() or any(
-                len(r.token_ids) + 1 >= min(len(r.prompt_ids) + r.params.max_tokens, limit)
-                for r in batch):
+        if self.will_admit() or any(len(r.token_ids) >= limit for r in batch):
             self.worker.runner.keep_ahead = 0
             return True
         return False
