@@ -8,9 +8,13 @@ batch is queued too (``queue``): its tokens are step n's outputs, still on the d
 positions one further. The host then reads step n back and runs the next iteration's
 SCHEDULE .. DRAFT while the GPU computes that step (issue 12: GPU busy at batch 1). The
 next VERIFY uses it (``take``) when that iteration's batch is this one, or this one less
-requests that have left, each one token longer; otherwise (a request joined) it is
-dropped: its K/V writes then either hold the values the real step writes again, or land
-in pages freed after it on the same stream (a finished request's), so dropping it is safe.
+requests that have left, each one token longer; otherwise it is dropped: its K/V writes then either
+hold the values the real step writes again, or land in pages freed after it on the same
+stream (a finished request's), so dropping it is safe. On one rank a request admitted
+while a step is queued ahead joins the batch one iteration later (``schedule``), in the
+step queued ahead for the batch and it (``queue``): under a server's load, where a
+request ends and another arrives every iteration or two, the step is then nearly always
+taken, at one iteration of the newcomer's first token.
 When VERIFY n was the captured graph's last replay, for this very batch under the same key
 (no request left or joined), the graph wrote the step's inputs itself (engine/_verify.py,
 ``feeds_itself``) and the step replays it with none (``in_graph``): nothing is copied
@@ -24,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Sequence
 import attrs
 import torch
 
+from specloop.graphs import SamplingPath
 from specloop.models._grad import inference_mode
 from specloop.models._host import int64_tensor, to_device
 
@@ -32,6 +37,7 @@ from ._verify import ahead_inputs
 
 if TYPE_CHECKING:
     from specloop.graphs import GraphKey, Tensors
+    from specloop.samplers import SamplingBatch
 
     from ._iteration import IterationRecord
     from ._runner import ReadBack
@@ -59,6 +65,11 @@ class RunAhead:
         self.always = always
         self.at_k0 = False          # set at warm-up with adaptive K on one GPU rank
         self.queued: Ahead | None = None
+        # One rank: requests admitted while a step queued ahead is on the device join the
+        # batch at the next iteration, in the step the next VERIFY queues (``schedule``).
+        self.defers_joins = worker.comm.world_size == 1
+        self.joining: list[Request] = []
+        self.joined_steps = 0       # for tests and benches: steps queued with joiners
         self._expected = False      # adaptive K: the last VERIFY queued this one's step
         # For tests and benches: steps taken by a VERIFY.
         self.taken_steps = 0
@@ -129,12 +140,32 @@ class RunAhead:
         w.clock.timed = w.clock.timed and not dropped and (taken or not queued)
         return hidden
 
+    def schedule(self, running: list[Request], admitted: list[Request]) -> list[Request]:
+        """SCHEDULE's batch on one rank: the running requests, less those just admitted
+        (``admitted``, the last of them) when a step queued ahead for the others is on the
+        device: they join at the next iteration, in the step this iteration's VERIFY
+        queues (``queue``), so this one takes its step (a newcomer's first token comes one
+        iteration later; SGLang's overlap scheduler makes the same trade). Never later:
+        ``joining`` holds this SCHEDULE's newcomers only."""
+        self.joining = []
+        if admitted and self.defers_joins and self.queued is not None and \
+                len(running) > len(admitted):
+            self.joining = admitted
+            return running[:len(running) - len(admitted)]
+        return list(running)
+
     def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int]) -> None:
-        """Queue the next iteration's step for this batch, its tokens rows ``rows`` of
-        ``pending``'s outputs. Not when its position would lie past the cache, nor when
-        the next iteration will likely admit a request (it would be dropped)."""
+        """Queue the next iteration's step for this batch and the requests joining it
+        there (``joining``, appended: the batch's order then), the batch's tokens rows
+        ``rows`` of ``pending``'s outputs, the joiners' their prompt's last. Not when its
+        position would lie past the cache, nor (in a group) when the next iteration will
+        likely admit a request (it would be dropped)."""
         w, batch = self.worker, rec.batch
         if self.blocked(batch):
+            return
+        joining = [r for r in self.joining if r.slot is not None]  # not cancelled since
+        if joining:
+            self._queue_joined(rec, pending, rows, joining)
             return
         # Pages for the position it writes, kept by RESCAN's trim.
         w.runner.reserve(batch, 1)
@@ -152,6 +183,34 @@ class RunAhead:
                                   device=w.runner.device)
         self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
                             w._queue_verify(rec, inputs))
+
+    def _queue_joined(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
+                      joining: list[Request]) -> None:
+        """``queue`` for the batch and ``joining`` after it: the step runs under the key
+        PICK_GRAPH_KEY will take for that batch (its bucket, its sampling path)."""
+        w = self.worker
+        batch = [*rec.batch, *joining]
+        for r in joining:   # their first step writes their prompt's last position
+            w.runner.pages.resize(r.batch_slot, r.seq_len)
+        w.runner.reserve(rec.batch, 1)
+        w.runner.keep_ahead = 1
+        greedy = w._all_greedy(batch)
+        spec = rec.spec if rec.spec.is_all_greedy_sample == greedy else \
+            rec.spec.evolve(is_all_greedy_sample=greedy)
+        key, captured = w.graph_cache.pick(len(batch), rec.k, SamplingPath.of(spec),
+                                           spec.all_greedy)
+        step = attrs.evolve(rec, batch=batch, spec=spec, padded_batch_size=len(batch),
+                            graph_key=key, graph_captured=captured,
+                            sampling=w._sampling_batch(batch, None))
+        sampling = w._sampling_batch(batch, key.batch_size) if captured else \
+            step.batch_sampling
+        with torch.inference_mode():
+            inputs = joined_inputs(rec.batch, joining, pending[0]["token_ids"], rows,
+                                   sampling, scratch_slot=w.runner.cache.scratch_slot,
+                                   device=w.runner.device)
+        self.joined_steps += 1
+        self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in rec.batch]
+                            + [r.seq_len for r in joining], w._queue_verify(step, inputs))
 
     def replayed(self, rec: IterationRecord, pending: Pending) -> None:
         """``_queue_verify`` queued VERIFY (``pending``) for ``rec``."""
@@ -178,6 +237,11 @@ class RunAhead:
             scheduler.waiting or w._carried.assignments
             or (w.front is not None and w.front.has_news)))
 
+    def batch_grows(self) -> bool:
+        """Whether the next iteration's batch will likely have a request this one has not
+        (``will_admit``, or requests admitted now that join then)."""
+        return bool(self.joining) or self.will_admit()
+
     def blocked(self, batch: list[Request]) -> bool:
         """Whether no step may be queued ahead for ``batch`` (see ``queue``): the position
         it writes, each row's length, must lie in the cache. A row that may end at this
@@ -185,7 +249,8 @@ class RunAhead:
         iteration takes the step for the rows left (``take``), and a finished row's write
         lands in pages freed after it on the stream (the module doc)."""
         limit = self.worker.config.model.max_seq_len
-        if self.will_admit() or any(len(r.token_ids) >= limit for r in batch):
+        if (not self.defers_joins and self.will_admit()) or \
+                any(len(r.token_ids) >= limit for r in batch):
             self.worker.runner.keep_ahead = 0
             return True
         return False
@@ -205,6 +270,28 @@ class RunAhead:
             hidden = hidden.index_select(0, index)
         w.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
                       hidden, [0] * len(batch))
+
+
+def joined_inputs(batch: Sequence[Request], joining: Sequence[Request],
+                  last_tokens: torch.Tensor, source_rows: Sequence[int],
+                  sampling: SamplingBatch, *, scratch_slot: int, device: torch.device
+                  ) -> Tensors:
+    """``_verify.ahead_inputs`` for ``batch``, then ``joining``: a joiner forwards its
+    prompt's last token at its position, as its first VERIFY would (one copy, one
+    gather)."""
+    rows, n = sampling.size, len(batch)
+    flat: list[int] = []
+    for r, row in zip(batch, source_rows):
+        flat += (0, len(r.token_ids), r.batch_slot, row)
+    for r in joining:
+        flat += (r.token_ids[-1], len(r.token_ids) - 1, r.batch_slot, 0)
+    pad = rows - n - len(joining)
+    host = int64_tensor(flat + [0, 0, scratch_slot, 0] * pad).view(rows, 4)
+    packed = to_device(host, device)
+    inputs = {"tokens": packed[:, :1], "start_pos": packed[:, 1], "slots": packed[:, 2]}
+    inputs["tokens"][:n] = last_tokens.index_select(0, packed[:n, 3])[:, :1]
+    inputs.update(sampling.columns())
+    return inputs
 
 
 def subset_rows(batch: Sequence[Request], queued: Sequence[Request], seq_lens: Sequence[int]

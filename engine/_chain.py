@@ -220,7 +220,7 @@ class DeviceChain:
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
-        return not w.ahead.will_admit()
+        return not w.ahead.batch_grows()
 
     def collected(self, rec: IterationRecord) -> None:
         """VERIFY n is read back: the lengths the chained step assumed are now known."""

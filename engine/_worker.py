@@ -155,8 +155,9 @@ class RankWorker:
             self.clock.exclude(time.perf_counter() - self.clock.started)
         rec.shutdown = message.shutdown
         self._apply(message)
-        await self._admit()
-        rec.batch = list(self.scheduler.running)
+        admitted = await self._admit()
+        # Newcomers may join at the next iteration (a step queued ahead is taken now).
+        rec.batch = self.ahead.schedule(self.scheduler.running, admitted)
         return S.SYNC
 
     async def _schedule_group(self, rec: IterationRecord) -> IterationState:
@@ -192,12 +193,13 @@ class RankWorker:
             if request is not None:
                 self.outputs.finish(request, FinishReason.CANCELLED, ())
 
-    async def _admit(self) -> None:
+    async def _admit(self) -> list[Request]:
         admitted = self.scheduler.admit()
         if admitted:
             mark = self.clock.prefill_started()
             await self.run_sync(lambda: self._prefill(admitted))
             self.clock.prefill_done(mark)
+        return admitted
 
     def _prefill(self, admitted: list[Request]) -> None:
         hidden = self.runner.prefill_many(admitted)

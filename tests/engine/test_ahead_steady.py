@@ -2,7 +2,11 @@
 server's load: rows ending at different iterations and requests arriving while others run
 keep the step queued ahead in use (engine/_ahead.py), with the tokens of the eager path."""
 
-from specloop.engine import AsyncEngine
+import random
+
+import anyio
+
+from specloop.engine import AsyncEngine, EngineConfig
 from specloop.samplers import SamplingParams
 
 from .conftest import PROMPTS, make_config
@@ -59,3 +63,105 @@ async def test_rows_ending_by_length_keep_the_step_ahead(tiny_dir, tiny_loaded):
     assert not taken[0] and all(taken[1:]), taken
     assert len({len(b) for _, b in log}) == 4   # taken for 4, 3, 2 and 1 rows
 
+
+
+def _steady_config(tiny_dir):
+    data = make_config(tiny_dir, max_batch_size=4, max_seq_len=64, rejection=True).to_dict()
+    data["model"]["kv_page_size"] = 4       # steps cross page boundaries often
+    data["components"]["graph_cache"] = "tests.engine.test_adaptive_ahead:StaticOutputs"
+    data["graphs"] = {"batch_buckets": [1, 2, 4]}   # a joiner may change the key
+    return EngineConfig.from_dict(data)
+
+
+async def _steady(engine, lengths, in_flight, params=_params):
+    """A server's load: ``in_flight`` requests at all times, the next submitted when one
+    finishes (request i: ``params(lengths[i], i)``); -> the tokens of each."""
+    out: dict[int, list[int]] = {}
+    submitted = 0
+
+    async def one(i, tg):
+        nonlocal submitted
+        tokens = out[i] = []
+        async for o in engine.generate(PROMPTS[i % len(PROMPTS)], params(lengths[i], i)):
+            tokens.extend(o.token_ids)
+        if submitted < len(lengths):
+            submitted += 1
+            tg.start_soon(one, submitted - 1, tg)
+
+    async with anyio.create_task_group() as tg:
+        for _ in range(in_flight):
+            submitted += 1
+            tg.start_soon(one, submitted - 1, tg)
+    return [out[i] for i in range(len(lengths))]
+
+
+async def test_requests_joining_keep_the_step_ahead(tiny_dir, tiny_loaded):
+    """Steady load (a request submitted whenever one ends, lengths spread, greedy and
+    seeded sampled rows on the rejection path): requests admitted while a step queued
+    ahead is on the device join at the next iteration, in the step that iteration takes
+    (under a larger bucket when they need one); nearly every iteration takes a step queued
+    ahead (before: 28 of 40), no newcomer waits more than one iteration, tokens are the
+    eager path's, and every page comes back."""
+    rng = random.Random(7)
+    lengths = [rng.randint(3, 14) for _ in range(18)]
+
+    async def run(ahead):
+        log: list[tuple[bool, tuple]] = []
+        admitted_at: dict[str, int] = {}
+        async with AsyncEngine(_steady_config(tiny_dir), model=tiny_loaded) as engine:
+            worker = engine.worker
+            worker.verify_inline = worker.ahead.always = ahead
+            _watch(worker, log)
+            admit = worker.scheduler.admit
+
+            def admitting():
+                got = admit()
+                admitted_at.update((r.request_id, len(log)) for r in got)
+                return got
+            worker.scheduler.admit = admitting
+            outs = await _steady(engine, lengths, 4)
+            pages = worker.runner.pages
+            assert pages.num_free == pages.num_pages
+            counts = (worker.ahead.joined_steps, worker.ahead.in_graph_steps)
+        joined = {}
+        for i, (_, batch) in enumerate(log):
+            for r in batch:
+                joined.setdefault(r.request_id, i)
+        waits = [joined[rid] - at for rid, at in admitted_at.items()] if ahead else []
+        return outs, log, waits, counts
+
+    eager, _, _, _ = await run(False)
+    ahead, log, waits, (joined_steps, in_graph) = await run(True)
+    assert ahead == eager
+    assert [len(t) for t in ahead] == lengths
+    taken = sum(t for t, _ in log)
+    assert taken > 0.8 * len(log), (taken, len(log))
+    assert set(waits) == {0, 1}, waits      # the first four at once; later ones deferred
+    assert joined_steps >= 5 and in_graph >= 5, (joined_steps, in_graph)
+
+
+async def test_requests_join_k0_stretches_of_adaptive_k(tiny_dir, tiny_loaded):
+    """Adaptive K on one GPU rank's path (mtp_eagle; K = 0 stretches queue their steps
+    ahead, K > 0 iterations between them), requests arriving as others end: newcomers
+    join K = 0 stretches through the step queued ahead, greedy tokens stay exact (the
+    reference decode) and every page comes back."""
+    from .test_adaptive import cycle_k
+    from .test_adaptive_ahead import ahead_config, queue_ahead_on_cpu
+    from .test_engine import reference_greedy
+
+    rng = random.Random(3)
+    lengths = [rng.randint(3, 12) for _ in range(16)]
+    used: list[bool] = []
+    async with AsyncEngine(ahead_config(tiny_dir, "mtp_eagle"), model=tiny_loaded) as engine:
+        worker = engine.worker
+        queue_ahead_on_cpu(worker, used)
+        cycle_k(worker.adaptive, [0] * 6 + [2, 0, 0, 0, 0, 3])
+        # Greedy rows only: joins change which iteration runs which K.
+        outs = await _steady(engine, lengths, 4, lambda m, i: SamplingParams(
+            temperature=0.0, max_tokens=m, ignore_eos=True))
+        pages = worker.runner.pages
+        assert pages.num_free == pages.num_pages
+        joined = worker.ahead.joined_steps
+    for i, out in enumerate(outs):
+        assert out == reference_greedy(tiny_loaded, PROMPTS[i % len(PROMPTS)], lengths[i])
+    assert joined >= 3 and sum(used) > 0.6 * len(used), (joined, sum(used), len(used))
