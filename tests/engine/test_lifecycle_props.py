@@ -186,7 +186,8 @@ async def assert_empty(engines) -> None:
             await anyio.sleep(0.005)
 
 
-async def scenario(config, loaded, world, batch: list[Plan], refs: References) -> None:
+async def scenario(config, loaded, world, batch: list[Plan], refs: References,
+                   ahead: bool = False) -> None:
     before = asyncio.all_tasks()
     group = LocalGroup(world, timeout=20.0)
     engines, ended = [], []
@@ -194,6 +195,8 @@ async def scenario(config, loaded, world, batch: list[Plan], refs: References) -
     async def rank_main(comm):
         async with AsyncEngine(config, communicator=comm, model=loaded) as engine:
             engines.append(engine)
+            if ahead:       # one GPU rank's path: steps queued ahead, newcomers deferred
+                engine.worker.verify_inline = engine.worker.ahead.always = True
             if comm.rank != 0:
                 await engine.wait_closed()
                 return
@@ -216,7 +219,7 @@ def fresh_plans() -> list[Plan]:
     return [Plan(i, None, 6, "complete", 1, None, 0) for i in (0, 1, 2)]
 
 
-def _engine_property(world):
+def _engine_property(world, ahead=False):
     # No shrinking: a failure prints its example; shrinking engine runs takes minutes.
     @settings(max_examples=10, deadline=None, database=None,
               phases=(Phase.explicit, Phase.generate),
@@ -224,13 +227,17 @@ def _engine_property(world):
                                      HealthCheck.too_slow])
     @given(batch=st.lists(plans, min_size=2, max_size=7))
     def run(tiny_dir, tiny_loaded, batch):
-        config = make_config(tiny_dir, method="ngram", max_batch_size=BATCH,
+        config = make_config(tiny_dir, method="none" if ahead else "ngram",
+                             max_batch_size=BATCH,
                              parallel={"world_size": world, "attention_dp": world > 1})
         # Shared by both rank counts: seeded outputs must not depend on placement.
-        refs = _REFS.setdefault(id(tiny_loaded), References(tiny_loaded))
-        anyio.run(scenario, config, tiny_loaded, world, batch, refs)
+        refs = _REFS.setdefault((id(tiny_loaded), ahead), References(tiny_loaded))
+        anyio.run(scenario, config, tiny_loaded, world, batch, refs, ahead)
     return run
 
 
 test_interleavings_on_one_rank = _engine_property(1)
 test_interleavings_on_two_local_ranks = _engine_property(2)
+# No speculation on one GPU rank's path: steps queued ahead taken for the rows left after
+# cancels, breaks and ends, requests admitted meanwhile joining one iteration later.
+test_interleavings_with_steps_queued_ahead = _engine_property(1, ahead=True)
