@@ -1,5 +1,7 @@
 """CUDA graphs on a GPU: replayed outputs equal eager ones; the right variant replays."""
 
+import random
+
 import anyio
 import pytest
 import torch
@@ -108,6 +110,33 @@ async def test_step_queued_ahead_equals_reading_back_first(tiny_dir, gpu_loaded)
     assert used and any(used)
     # Steps queued ahead with the inputs the K = 0 graph wrote (unchanged batches).
     assert in_graph > 0 and none_in_graph == 0
+
+
+async def test_steps_queued_ahead_under_steady_load(tiny_dir, gpu_loaded):
+    """A server's load on replayed graphs (a request submitted as each ends, lengths
+    spread, greedy and seeded sampled rows on the rejection path): rows ending keep the
+    step queued ahead, newcomers join one iteration later in it (under the bucket their
+    batch needs); tokens equal reading back first, nearly every iteration takes a step
+    queued ahead, and every page comes back."""
+    from ..engine.test_ahead_steady import _steady
+    rng = random.Random(5)
+    lengths = [rng.randint(3, 24) for _ in range(24)]
+
+    async def go(ahead):
+        async with AsyncEngine(cfg(tiny_dir, True, rejection=True),
+                               model=gpu_loaded) as engine:
+            worker = engine.worker
+            worker.ahead.always = ahead
+            outs = await _steady(engine, lengths, 6)
+            pages = worker.runner.pages
+            assert pages.num_free == pages.num_pages
+            return (outs, worker.ahead.taken_steps, worker.ahead.joined_steps,
+                    engine.stats.num_iterations)
+
+    before, *_ = await go(False)
+    after, taken, joined, iterations = await go(True)
+    assert after == before
+    assert joined >= 5 and taken > 0.8 * iterations, (joined, taken, iterations)
 
 
 async def _drain(engine, prompt, params):
