@@ -8,13 +8,13 @@ batch is queued too (``queue``): its tokens are step n's outputs, still on the d
 positions one further. The host then reads step n back and runs the next iteration's
 SCHEDULE .. DRAFT while the GPU computes that step (issue 12: GPU busy at batch 1). The
 next VERIFY uses it (``take``) when that iteration's batch is this one, or this one less
-requests that have left, each one token longer; otherwise it is dropped: its K/V writes then either
-hold the values the real step writes again, or land in pages freed after it on the same
-stream (a finished request's), so dropping it is safe. On one rank a request admitted
-while a step is queued ahead joins the batch one iteration later (``schedule``), in the
-step queued ahead for the batch and it (``queue``): under a server's load, where a
-request ends and another arrives every iteration or two, the step is then nearly always
-taken, at one iteration of the newcomer's first token.
+requests that have left, each one token longer; otherwise it is dropped: its K/V writes
+then either hold the values the real step writes again, or land in pages freed after it
+on the same stream (a finished request's), so dropping it is safe. On one rank a request
+admitted while a step is queued ahead (or chained) joins the batch one iteration later
+(``schedule``), in the step queued ahead for the batch and it (``queue``): under a
+server's load, where a request ends and another arrives every iteration or two, the step
+is then nearly always taken, at one iteration of the newcomer's first token.
 When VERIFY n was the captured graph's last replay, for this very batch under the same key
 (no request left or joined), the graph wrote the step's inputs itself (engine/_verify.py,
 ``feeds_itself``) and the step replays it with none (``in_graph``): nothing is copied
@@ -142,14 +142,16 @@ class RunAhead:
 
     def schedule(self, running: list[Request], admitted: list[Request]) -> list[Request]:
         """SCHEDULE's batch on one rank: the running requests, less those just admitted
-        (``admitted``, the last of them) when a step queued ahead for the others is on the
-        device: they join at the next iteration, in the step this iteration's VERIFY
-        queues (``queue``), so this one takes its step (a newcomer's first token comes one
-        iteration later; SGLang's overlap scheduler makes the same trade). Never later:
-        ``joining`` holds this SCHEDULE's newcomers only."""
+        (``admitted``, the last of them) when a step queued ahead or chained for the
+        others is on the device: they join at the next iteration, in the step this
+        iteration's VERIFY queues ahead (``queue``; a chained step does not take them in:
+        they join unchained), so this one takes its step (a newcomer's first token comes
+        one iteration later; SGLang's overlap scheduler makes the same trade). Never
+        later: ``joining`` holds this SCHEDULE's newcomers only."""
         self.joining = []
-        if admitted and self.defers_joins and self.queued is not None and \
-                len(running) > len(admitted):
+        chain = self.worker.chain
+        queued = self.queued is not None or (chain is not None and chain.has_step)
+        if admitted and self.defers_joins and queued and len(running) > len(admitted):
             self.joining = admitted
             return running[:len(running) - len(admitted)]
         return list(running)
@@ -236,11 +238,6 @@ class RunAhead:
         return bool(scheduler.slots.num_free and (
             scheduler.waiting or w._carried.assignments
             or (w.front is not None and w.front.has_news)))
-
-    def batch_grows(self) -> bool:
-        """Whether the next iteration's batch will likely have a request this one has not
-        (``will_admit``, or requests admitted now that join then)."""
-        return bool(self.joining) or self.will_admit()
 
     def blocked(self, batch: list[Request]) -> bool:
         """Whether no step may be queued ahead for ``batch`` (see ``queue``): the position

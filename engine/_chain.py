@@ -10,8 +10,9 @@ n+1, as the no-speculation step queued ahead does (``RunAhead``, engine/_ahead.p
 nothing waits for the host between the stages.
 
 Iteration n+1 uses the chained step when its batch is the same requests in the same order,
-each exactly as long as VERIFY n made it, under the same graph key; DRAFT then skips the
-drafter and VERIFY takes the queued step. Otherwise it is dropped: its K/V writes (target
+or those less requests that left, each exactly as long as VERIFY n made it, under the
+same graph key (requests admitted meanwhile join one iteration later,
+``RunAhead.schedule``); DRAFT then skips the drafter and VERIFY takes the queued step. Otherwise it is dropped: its K/V writes (target
 and head) lie at positions the real steps of n+1 write again before any query reads them,
 or in pages freed after it on the same stream (a finished request's), so dropping it is
 safe, and the drafter still has VERIFY n's rows (``on_verified`` runs either way).
@@ -207,8 +208,10 @@ class DeviceChain:
         return keys
 
     def _can_queue(self, rec: IterationRecord, k: int, lengths: list[int]) -> bool:
-        """Not when the next iteration will likely admit a request (it would be dropped),
-        when a position it writes may lie past the cache, off the captured graphs (at
+        """Not when requests admitted now join the next iteration (``RunAhead.joining``:
+        the chained step would be dropped; one waiting to be admitted is held back an
+        iteration instead, as the step queued ahead does), when a position it writes may
+        lie past the cache, off the captured graphs (at
         the next K), or after a VERIFY that drafted nothing (adaptive K's K = 0: the head
         then has more rows to catch up on than VERIFY n's) or before one (K = 0: the
         step queued ahead without a drafter, engine/_ahead.py). ``lengths``: the batch's."""
@@ -220,7 +223,7 @@ class DeviceChain:
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
-        return not w.ahead.batch_grows()
+        return not w.ahead.joining
 
     def collected(self, rec: IterationRecord) -> None:
         """VERIFY n is read back: the lengths the chained step assumed are now known."""
@@ -231,6 +234,12 @@ class DeviceChain:
         self._chained = _Chained(queued, [s + n + 2 for s, n in zip(queued.start, grown)])
 
     # iteration n+1 ----------------------------------------------------------------------
+    @property
+    def has_step(self) -> bool:
+        """Whether a chained step waits for iteration n+1 (SCHEDULE then holds back the
+        requests it admits one iteration: ``RunAhead.schedule``)."""
+        return self._chained is not None
+
     def key_for(self, key: GraphKey, rows: int) -> GraphKey:
         """PICK_GRAPH_KEY's ``key`` for a batch of ``rows``, or the chained step's key
         when the two differ only in its larger batch bucket, which still holds the rows:

@@ -208,3 +208,55 @@ async def test_chained_step_taken_when_the_rows_left_fit_a_smaller_bucket(
         assert dropped == 0 and chain.subset_steps >= 2
     else:
         assert dropped >= 2
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "eagle3", "k": 3, "rejection": True},
+    {"method": "mtp_eagle", "k": 2},
+    {"method": "ngram", "k": 3},
+])
+async def test_requests_joining_keep_the_chained_step(tiny_dir, tiny_loaded, spec):
+    """Steady load (a request submitted as each ends, lengths spread, greedy and seeded
+    sampled rows): a request admitted while a chained step waits joins one iteration
+    later (``RunAhead.schedule``), so the chained step is taken for the batch it was
+    queued for (before, it was not queued when a request was about to join); tokens equal
+    the eager engine's, no newcomer waits more than one iteration, pages come back."""
+    import random
+
+    from ..engine.test_ahead_steady import _steady
+
+    rng = random.Random(11)
+    lengths = [rng.randint(3, 20) for _ in range(14)]
+
+    async def go(chained):
+        config = chain_config(tiny_dir, chained, **spec)
+        async with AsyncEngine(config, model=tiny_loaded) as engine:
+            worker = engine.worker
+            if chained:     # the chain runs on CUDA only; here it is forced on
+                worker.verify_inline = True
+                worker.chain = DeviceChain(worker=worker)
+            admit, waits, admitted = worker.scheduler.admit, [], {}
+
+            def admitting():
+                got = admit()
+                admitted.update((id(r), engine.stats.num_iterations) for r in got)
+                return got
+            worker.scheduler.admit = admitting
+            draft = worker.draft
+
+            async def drafting(rec):     # the iteration a request first runs in
+                for r in rec.batch:
+                    if id(r) in admitted:
+                        waits.append(engine.stats.num_iterations - admitted.pop(id(r)))
+                return await draft(rec)
+            worker.draft = drafting
+            outs = await _steady(engine, lengths, 4)
+            pages = worker.runner.pages
+            assert pages.num_free == pages.num_pages
+        return outs, worker.chain, waits
+
+    eager, _, _ = await go(False)
+    chained, chain, waits = await go(True)
+    assert chained == eager
+    assert set(waits) == {0, 1}, waits
+    assert chain.taken_steps > 0.5 * chain.queued_steps > 0
