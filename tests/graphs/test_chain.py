@@ -163,6 +163,42 @@ async def test_chained_equals_unchained_on_cuda(tiny_dir, dtype):
         assert chained == eager
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+async def test_chained_equals_unchained_under_steady_load_on_cuda(tiny_dir, method):
+    """Real CUDA graphs under a server's load (a request submitted as each ends, lengths
+    spread, greedy and seeded sampled rows): newcomers held back an iteration while a
+    chained step waits, chained steps taken for the rows left; the outputs of the same
+    graphs run unchained."""
+    import random
+
+    from specloop.models import load_model
+
+    from ..engine.test_ahead_steady import _steady
+    from .test_cuda_graphs import cfg
+
+    loaded = load_model(tiny_dir, dtype=torch.float64, device="cuda")
+    spec = {"method": method, "k": 3, "rejection": True}
+    rng = random.Random(13)
+    lengths = [rng.randint(3, 30) for _ in range(20)]
+
+    async def go(chained):
+        async with AsyncEngine(cfg(tiny_dir, True, **spec), model=loaded) as engine:
+            worker = engine.worker
+            if not chained:
+                worker.chain = None
+            outs = await _steady(engine, lengths, 6)
+            pages = worker.runner.pages
+            assert pages.num_free == pages.num_pages
+            taken = worker.chain.taken_steps if worker.chain is not None else 0
+        return outs, taken
+
+    unchained, _ = await go(False)
+    chained, taken = await go(True)
+    assert taken > 0
+    assert chained == unchained
+
+
 @pytest.mark.parametrize("method", ["eagle3", "mtp_eagle"])
 async def test_shared_head_prefill_equals_one_per_prompt(tiny_dir, tiny_loaded, method):
     """The head's prefill forwards shared between prompts admitted together (padded rows,
