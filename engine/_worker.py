@@ -94,6 +94,7 @@ class RankWorker:
         self.sync = self._sync_group if multi else self._sync_local
         # A group's message applies at the next iteration (see _schedule_group).
         self._carried = FrontDoorMessage()
+        self._joined = False    # requests held back by the last SCHEDULE joined this one
         # Drafters whose DRAFT runs collectives (LM-head TP) are called on idle ranks too.
         self.draft_when_idle = drafter is not None and drafter.needs_empty_calls
         self.on_verified = drafter.on_verified if drafter is not None else None
@@ -149,6 +150,10 @@ class RankWorker:
     # SCHEDULE ---------------------------------------------------------------------------
     async def _schedule_local(self, rec: IterationRecord) -> IterationState:
         self.clock.tick()
+        if self._joined and self.adaptive is not None:
+            # Its step was queued behind the joiners' prefill (the prefilling iteration's
+            # was queued before it): it waited for that on the device, at any K.
+            self.adaptive.disturb()
         idle = self.scheduler.num_requests == 0
         message = await self.exchange()
         if idle:    # it waited for work
@@ -156,6 +161,7 @@ class RankWorker:
         rec.shutdown = message.shutdown
         self._apply(message)
         admitted = await self._admit()
+        self._joined = bool(self.ahead.joining)     # the last SCHEDULE's newcomers join
         # Newcomers may join at the next iteration (a step queued ahead is taken now).
         rec.batch = self.ahead.schedule(self.scheduler.running, admitted)
         return S.SYNC

@@ -3,6 +3,7 @@ server's load: rows ending at different iterations and requests arriving while o
 keep the step queued ahead in use (engine/_ahead.py), with the tokens of the eager path."""
 
 import random
+import time
 
 import anyio
 
@@ -165,3 +166,50 @@ async def test_requests_join_k0_stretches_of_adaptive_k(tiny_dir, tiny_loaded):
     for i, out in enumerate(outs):
         assert out == reference_greedy(tiny_loaded, PROMPTS[i % len(PROMPTS)], lengths[i])
     assert joined >= 3 and sum(used) > 0.6 * len(used), (joined, sum(used), len(used))
+
+
+async def test_joined_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_loaded):
+    """Adaptive K on one GPU rank's path, admission spanning several iterations (3
+    prompts an iteration), newcomers held back an iteration: the step that waits behind a
+    prefill's kernels on the device is the first one queued after it (here: its read-back
+    100 ms late), i.e. the iteration the newcomers join, not the one that prefilled (its
+    step was queued before). That iteration is disturbed too, so T(16, 0) stays what an
+    iteration at K = 0 costs without a prefill (engine/_adaptive.py, IterationClock;
+    RankWorker._schedule_local)."""
+    from .test_adaptive_ahead import queue_ahead_on_cpu
+
+    spill = 0.1
+    data = make_config(tiny_dir, method="ngram", k=3, speculative={"adaptive": True},
+                       scheduler={"max_batch_size": 16, "max_num_tokens": 15}).to_dict()
+    data["components"]["graph_cache"] = "tests.engine.test_adaptive_ahead:StaticOutputs"
+    data["graphs"] = {"batch_buckets": [4, 8, 16]}
+    prompts = [[3 + i, 40 + i, 7, 90 + i, 3 + i, 40 + i] for i in range(16)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    async with AsyncEngine(EngineConfig.from_dict(data), model=tiny_loaded) as engine:
+        worker, runner, used = engine.worker, engine.worker.runner, []
+        queue_ahead_on_cpu(worker, used)
+        prefill, start, finish = worker._prefill, runner.start_read_back, runner.finish_read_back
+        behind: list[float] = []        # a prefill queued since the last step
+        late: dict[int, float] = {}     # read-backs of steps queued behind a prefill
+
+        def prefill_queued(admitted):
+            prefill(admitted)
+            behind[:] = [spill]
+
+        def started(packed):
+            read = start(packed)
+            if behind:
+                late[id(read)] = behind.pop()
+            return read
+
+        def finished(read):
+            time.sleep(late.pop(id(read), 0.0))
+            return finish(read)
+        worker._prefill = prefill_queued
+        runner.start_read_back, runner.finish_read_back = started, finished
+        async for _ in engine.generate_batch(prompts, params):
+            pass
+        cost, joined = worker.adaptive.cost, worker.ahead.joined_steps
+    assert joined >= 3 and cost.samples[(16, 0)] >= 3
+    # Before the joining iteration was disturbed: T(8, 0) = 0.105 s (a spill learned).
+    assert all(t < spill / 2 for t in cost.measured.values()), cost.measured
