@@ -390,11 +390,15 @@ class IterationClock:
         if self.adaptive is None:
             return
         now = time.perf_counter()
-        if self.timed:
+        # The prefill's kernels are done when VERIFY's read-back waited behind them; not
+        # when that VERIFY took a step queued before them (one GPU rank: newcomers held
+        # back an iteration, RunAhead.schedule). Then the host must not wait for them
+        # here, and this iteration (disturbed anyway) is not timed.
+        done = self._events is None or self._events[1].query()
+        if self.timed and done:
             excluded = self.excluded_s
             if self._events is not None:
                 start, end, host = self._events
-                end.synchronize()       # done already: VERIFY's read-back waited for it
                 excluded += max(start.elapsed_time(end) / 1e3 - host, 0.0)
             self.adaptive.measured(now - self.started - excluded)
             if self.prefilled:

@@ -201,8 +201,8 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
         def record(self):
             pass
 
-        def synchronize(self):
-            pass
+        def query(self):
+            return True     # VERIFY's read-back waited behind the prefill
 
         def elapsed_time(self, end):
             return 50.0
@@ -224,6 +224,44 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
     now[0] += 0.060                 # VERIFY: 40 ms behind the prefill, 20 ms its own
     clock.tick()
     assert adaptive.facts()[-1] == -20000
+
+
+def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
+    """When the prefilling iteration's VERIFY took a step queued before the prefill
+    (newcomers held back an iteration), its kernels may still run at the next tick: the
+    clock neither waits for them (no synchronize: the host would stall behind the GPU)
+    nor learns that iteration's time (it would subtract a device time it did not wait
+    for); the next iteration is timed again."""
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self):
+            pass
+
+        def query(self):
+            return False    # still running
+
+        def synchronize(self):
+            raise AssertionError("the clock waited for the prefill")
+
+        def elapsed_time(self, end):
+            raise AssertionError("timed an iteration that did not wait for its prefill")
+    now = [100.0]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
+    clock = IterationClock(adaptive, cuda=True)
+    clock.tick()
+    clock.timed = True
+    clock.prefill_done(clock.prefill_started())
+    now[0] += 0.004
+    clock.tick()
+    assert adaptive.facts()[-1] == 0        # nothing learned from it
+    clock.timed = True
+    now[0] += 0.003
+    clock.tick()
+    assert adaptive.facts()[-1] == 3000
 
 
 async def test_k0_stretch_queues_ahead_and_keeps_the_head_current(tiny_dir, tiny_loaded):
