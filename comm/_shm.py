@@ -47,22 +47,45 @@ class SharedGather:
         self._seq = memoryview(self._map)[:8 * world].cast("q")   # [world] int64
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._n = 0
+        # (dtype, shape) -> for each buffer, tensors over the map: its rows
+        # [world, *shape] and this rank's row [*shape]. A post is then one copy_ and a
+        # result one clone (~1.5 us together, against ~3.3 us through numpy, bytes and
+        # frombuffer each call; issue 12).
+        self._views: dict[tuple[torch.dtype, torch.Size],
+                          tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
 
     def _buffer(self, n: int) -> int:
         """Byte offset of call ``n``'s buffer (rows of ``nbytes``, rank order)."""
         return 8 * self.world + (n % 2) * self.world * self.nbytes
 
+    def _views_for(self, like: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        views = self._views.get((like.dtype, like.shape))
+        if views is None:
+            views = self._views[(like.dtype, like.shape)] = self._make_views(like)
+        return views
+
+    def _make_views(self, like: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        if like.numel() * like.element_size() != self.nbytes:
+            raise ValueError(f"a {tuple(like.shape)} {like.dtype} tensor is not {self.nbytes} bytes")
+        shape = (self.world, *like.shape)
+        views = []
+        # Plain tensors even when the first call runs under inference_mode: an
+        # inference tensor could not be written in place outside it.
+        with torch.inference_mode(False):
+            for n in (0, 1):
+                if self.nbytes == 0:     # frombuffer refuses an empty range
+                    rows = torch.empty(shape, dtype=like.dtype)
+                else:
+                    rows = torch.frombuffer(self._map, dtype=like.dtype, offset=self._buffer(n),
+                                            count=self.world * like.numel()).view(shape)
+                views.append((rows, rows[self.rank]))
+        return tuple(views)
+
     def post(self, tensor: torch.Tensor) -> None:
-        """Write this rank's row of the next call, then announce it. Plain memory copies
-        through the map: torch ops on a small tensor cost microseconds each (issue 12)."""
+        """Write this rank's row of the next call, then announce it. One copy_ into a
+        view of the map (torch ops on a small tensor cost microseconds each: one op)."""
         self._n += 1
-        start = self._buffer(self._n) + self.rank * self.nbytes
-        flat = tensor.detach().contiguous()
-        try:
-            data = memoryview(flat.numpy()).cast("B")
-        except TypeError:   # a dtype numpy lacks (bfloat16): its bytes
-            data = memoryview(flat.reshape(-1).view(torch.uint8).numpy())
-        self._map[start:start + self.nbytes] = data
+        self._views_for(tensor)[self._n % 2][1].copy_(tensor.detach())
         self._seq[self.rank] = self._n
 
     def ready(self) -> bool:
@@ -71,11 +94,10 @@ class SharedGather:
 
     def result(self, like: torch.Tensor) -> torch.Tensor:
         """[world, *like.shape]: every rank's row of the current call (a copy)."""
-        start = self._buffer(self._n)
-        rows = bytearray(self._map[start:start + self.world * self.nbytes])
-        return torch.frombuffer(rows, dtype=like.dtype).view(self.world, *like.shape)
+        return self._views_for(like)[self._n % 2][0].clone()
 
     def close(self) -> None:
+        self._views.clear()     # the tensors over the map, so that it can close
         self._seq.release()
         try:
             self._map.close()

@@ -101,9 +101,20 @@ async def shared_memory(comm: TorchDistributedCommunicator) -> dict:
         got = await comm.all_gather(mine)
         want = torch.stack([torch.arange(5) * (i + 1) + 1000 * r for r in range(2)])
         wrong += not torch.equal(got, want)
-    # A dtype numpy lacks goes through as bytes.
     half = await comm.all_gather(torch.full((4,), comm.rank + 0.5, dtype=torch.bfloat16))
     wrong += not torch.equal(half, torch.tensor([[0.5] * 4, [1.5] * 4], dtype=torch.bfloat16))
+    # Sizes and dtypes in turn (an empty tensor, a SCHEDULE-sized header, NaN and -0.0
+    # bits), each call's rows new: bit-exact, in rank order.
+    for i in range(30):
+        shape, dtype = [((0,), torch.float32), ((326,), torch.int64), ((3, 2), torch.float64)][i % 3]
+        rows = [torch.arange(i, i + torch.Size(shape).numel()).reshape(shape).to(dtype) * (r + 1)
+                for r in range(2)]
+        if dtype == torch.float64:
+            for row in rows:
+                row[0, 0], row[1, 1] = float("nan"), -0.0
+        got = await comm.all_gather(rows[comm.rank])
+        want = torch.stack(rows)
+        wrong += not torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     out = {"wrong": wrong, "sizes": sorted(k for k, v in comm._shared.items() if v)}
     if comm.rank == 1:
         await anyio.sleep(6)

@@ -128,13 +128,13 @@ def test_collectives_issued_inline_give_the_same_results(inline):
 
 def test_host_all_gathers_through_shared_memory(shared):
     """Host tensors' all_gather through a file in shared memory: the same results; 300
-    calls in a row with new contents each, all right; a rank that skips one is a timeout
-    error on the other, not a hang."""
+    calls in a row with new contents each, then sizes and dtypes in turn, all bit-exact;
+    a rank that skips one is a timeout error on the other, not a hang."""
     _assert_ops(shared)
     for res in shared:
         assert res["shared_memory"]["wrong"] == 0
-        # [4] bf16, [2] i64, [2, 3] f32, [5] i64
-        assert res["shared_memory"]["sizes"] == [8, 16, 24, 40]
+        # [0] f32, [4] bf16, [2] i64, [2, 3] f32, [5] i64, [3, 2] f64, [326] i64
+        assert res["shared_memory"]["sizes"] == [0, 8, 16, 24, 40, 48, 2608]
     waiting = shared[0]["shared_memory"]
     assert waiting["error"] is not None and "not completed within 3 s" in waiting["error"]
     assert waiting["elapsed"] < 10

@@ -1,0 +1,153 @@
+"""Host cost per call of ADP's shared-memory exchange (``comm.shared_memory``), in ONE
+process, so two ranks polling do not compete for a small box's cores: this rank's side
+of the real code path, with the peer's side (a second ``SharedGather`` on the same file,
+driven from the same process) posted before or during each call.
+
+    python bench/bench_shm_exchange.py [--calls 2000] [--runs 3] [--slots 64] [--k 0]
+
+What it times, per call (median / min µs over ``--calls`` calls, per run):
+- ``gather``: ``TorchDistributedCommunicator.all_gather`` of SCHEDULE's header, the peer's
+  row already posted (this rank arrives last: post, see it complete, read the rows);
+- ``exchange``: ``OutputExchange`` (rank 1, no outputs, no flag) around it, as the engine
+  calls it once per iteration, and its own ``collective`` figure (arrival stamp -> done,
+  ``ExchangeTimes``; the figure docs/performance.md reports on the GPUs), peer arrived first;
+- ``notice``: this rank posted first and polls; a task on the same (otherwise idle)
+  event loop posts the peer's row: peer's post -> this rank's call returned.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import statistics
+import time
+from types import SimpleNamespace
+
+import anyio
+import torch
+import torch.distributed as dist
+
+from specloop.comm import _shm
+from specloop.comm._torch_dist import TorchDistributedCommunicator, _Family
+from specloop.engine._exchange import OutputExchange
+from specloop.engine._wire import block_width
+
+ME, PEER, WORLD = 1, 0, 2
+
+
+def _one_process_world() -> None:
+    """A world of 1 (the communicator reads its global rank from torch.distributed);
+    the bench never issues a gloo collective: the shared-memory gather is set up here."""
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+
+
+def _communicator(nbytes: int) -> tuple[TorchDistributedCommunicator, _shm.SharedGather]:
+    _one_process_world()
+    family = _Family(torch.device("cpu"), datetime.timedelta(seconds=5), owns_world=False)
+    # Global rank 0 at index 1: this process is rank ME of a group of WORLD.
+    comm = TorchDistributedCommunicator(family=family, group=dist.group.WORLD,
+                                        object_group=dist.group.WORLD, ranks=(1, 0))
+    comm.shared_memory = True
+    path = _shm.create_file(WORLD, nbytes)
+    try:
+        comm._shared[nbytes] = _shm.SharedGather(path, ME, WORLD, nbytes)
+        peer = _shm.SharedGather(path, PEER, WORLD, nbytes)
+    finally:
+        os.unlink(path)
+    return comm, peer
+
+
+def _stats(samples_ns: list[int]) -> str:
+    us = [s / 1000 for s in samples_ns]
+    return f"median {statistics.median(us):6.1f} µs, min {min(us):6.1f}"
+
+
+async def bench_gather(header: torch.Tensor, calls: int) -> str:
+    comm, peer = _communicator(header.numel() * header.element_size())
+    peer_row = header.clone()
+    times = []
+    for i in range(calls + 100):
+        peer_row[0] = i
+        peer.post(peer_row)
+        start = time.perf_counter_ns()
+        got = await comm.all_gather(header)
+        times.append(time.perf_counter_ns() - start)
+        assert int(got[PEER, 0]) == i and torch.equal(got[ME], header)
+    comm.close()
+    peer.close()
+    return _stats(times[100:])
+
+
+def _exchange(comm: TorchDistributedCommunicator, slots: int, k: int) -> OutputExchange:
+    config = SimpleNamespace(speculative=SimpleNamespace(k=k),
+                             scheduler=SimpleNamespace(idle_wait_s=0.1))
+    scheduler = SimpleNamespace(num_requests=1, slots=SimpleNamespace(num_slots=slots))
+    return OutputExchange(config=config, comm=comm, front=None, scheduler=scheduler,
+                          device=torch.device("cpu"))
+
+
+async def bench_exchange(slots: int, k: int, calls: int) -> str:
+    facts = (64, 64, 64, 1)
+    numel = 2 + len(facts) + slots * block_width(k)
+    comm, peer = _communicator(8 * numel)
+    exchange = _exchange(comm, slots, k)
+    peer_row = torch.zeros(numel, dtype=torch.int64)
+    width = 2 + len(facts)
+    times = []
+    for i in range(calls + 100):
+        peer_row[1] = i
+        peer_row[width - 1] = time.time_ns() // 1000
+        peer.post(peer_row)
+        start = time.perf_counter_ns()
+        await exchange(facts)
+        times.append(time.perf_counter_ns() - start)
+        assert exchange.gathered_rows[PEER][0] == i
+    collective = [c * 1000 for _, c in list(exchange.times.recent)[-calls:]]
+    comm.close()
+    peer.close()
+    return f"{_stats(times[100:])}; its collective figure {_stats(collective)}"
+
+
+async def bench_notice(header: torch.Tensor, calls: int) -> str:
+    comm, peer = _communicator(header.numel() * header.element_size())
+    times = []
+    for _ in range(calls + 100):
+        posted = [0]
+
+        async def late_peer() -> None:
+            await anyio.sleep(0)       # the waiting rank has posted and polls
+            await anyio.sleep(0)
+            peer.post(header)
+            posted[0] = time.perf_counter_ns()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(late_peer)
+            await comm.all_gather(header)
+            times.append(time.perf_counter_ns() - posted[0])
+    comm.close()
+    peer.close()
+    return _stats(times[100:])
+
+
+async def main(args: argparse.Namespace) -> None:
+    numel = 2 + 4 + args.slots * block_width(args.k)
+    header = torch.arange(numel, dtype=torch.int64)
+    print(f"SCHEDULE header: {numel} int64 ({8 * numel} bytes), {args.calls} calls per run",
+          flush=True)
+    for run in range(args.runs):
+        print(f"run {run + 1}: gather   {await bench_gather(header, args.calls)}", flush=True)
+        print(f"run {run + 1}: exchange {await bench_exchange(args.slots, args.k, args.calls)}",
+              flush=True)
+        print(f"run {run + 1}: notice   {await bench_notice(header, args.calls)}", flush=True)
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--slots", type=int, default=64, help="max_batch_size: the block's rows")
+    ap.add_argument("--k", type=int, default=0, help="speculative.k: the block's width - 5")
+    torch.set_num_threads(1)
+    anyio.run(main, ap.parse_args())
