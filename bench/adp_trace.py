@@ -1,5 +1,6 @@
 """Summarise ``bench/adp_run.py --trace-out DIR``: per consumer, medians over its rounds'
-iterations of each rank's state times and of the exchange's skew and collective time.
+iterations of each rank's state times and of the exchange's skew and collective time
+(the collective also split: exchanges the rank arrived last to, and those it waited in).
 
     python bench/adp_trace.py DIR
 """
@@ -52,9 +53,14 @@ def summarise(world, ranks):
             ex, count = data["exchange"], data["exchange_count"]
             picked = [ex[i - (count - len(ex))] for a, b, c, d in parts for i in range(c, d)
                       if 0 <= i - (count - len(ex)) < len(ex)]
+            # Split: arrived last (skew 0: its own path only) or waited (the last rank's
+            # path from its stamp to its post, then noticing it between other tasks).
+            last = [c for s, c in picked if s == 0]
+            waited = [c for s, c in picked if s > 0]
             exch = (f"; exchange skew median {med([s for s, _ in picked])} us, collective "
-                    f"median {med([c for _, c in picked])} us over {len(picked)}"
-                    if picked else "")
+                    f"median {med([c for _, c in picked])} us over {len(picked)} (arrived "
+                    f"last {med(last)} over {len(last)}, waited {med(waited)} over "
+                    f"{len(waited)})" if picked else "")
             print(f"  rank {rank}: {len(its)} iterations; median state us: {line}{exch}")
 
 

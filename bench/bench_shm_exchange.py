@@ -4,6 +4,7 @@ of the real code path, with the peer's side (a second ``SharedGather`` on the sa
 driven from the same process) posted before or during each call.
 
     python bench/bench_shm_exchange.py [--calls 2000] [--runs 3] [--slots 64] [--k 0]
+        [--two-process]
 
 What it times, per call (median / min µs over ``--calls`` calls, per run):
 - ``gather``: ``TorchDistributedCommunicator.all_gather`` of SCHEDULE's header, the peer's
@@ -13,6 +14,11 @@ What it times, per call (median / min µs over ``--calls`` calls, per run):
   ``ExchangeTimes``; the figure docs/performance.md reports on the GPUs), peer arrived first;
 - ``notice``: this rank posted first and polls; a task on the same (otherwise idle)
   event loop posts the peer's row: peer's post -> this rank's call returned.
+
+``--two-process`` instead runs the gather in lock step between this process (core 0) and
+a child (core 1), both polling: per call, what each rank's ``all_gather`` took (its own
+path plus noticing the other's post across cores). On a box whose 2 cores also run other
+work, the median says more than the mean.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ import argparse
 import datetime
 import os
 import statistics
+import subprocess
+import sys
 import time
 from types import SimpleNamespace
 
@@ -43,17 +51,24 @@ def _one_process_world() -> None:
         dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
 
 
-def _communicator(nbytes: int) -> tuple[TorchDistributedCommunicator, _shm.SharedGather]:
+def _communicator(nbytes: int, path: str | None = None, rank: int = ME
+                  ) -> tuple[TorchDistributedCommunicator, _shm.SharedGather | None]:
+    """This process's communicator as ``rank`` of WORLD, its shared-memory gather of
+    ``nbytes`` set up on ``path`` (a new file, and the peer's side here, without it)."""
     _one_process_world()
-    family = _Family(torch.device("cpu"), datetime.timedelta(seconds=5), owns_world=False)
-    # Global rank 0 at index 1: this process is rank ME of a group of WORLD.
+    family = _Family(torch.device("cpu"), datetime.timedelta(seconds=60), owns_world=False)
+    # This process's global rank (0) at index ``rank``: a group of WORLD.
+    ranks = (0, 1) if rank == 0 else (1, 0)
     comm = TorchDistributedCommunicator(family=family, group=dist.group.WORLD,
-                                        object_group=dist.group.WORLD, ranks=(1, 0))
+                                        object_group=dist.group.WORLD, ranks=ranks)
     comm.shared_memory = True
+    if path is not None:
+        comm._shared[nbytes] = _shm.SharedGather(path, rank, WORLD, nbytes)
+        return comm, None
     path = _shm.create_file(WORLD, nbytes)
     try:
-        comm._shared[nbytes] = _shm.SharedGather(path, ME, WORLD, nbytes)
-        peer = _shm.SharedGather(path, PEER, WORLD, nbytes)
+        comm._shared[nbytes] = _shm.SharedGather(path, rank, WORLD, nbytes)
+        peer = _shm.SharedGather(path, 1 - rank, WORLD, nbytes)
     finally:
         os.unlink(path)
     return comm, peer
@@ -131,9 +146,45 @@ async def bench_notice(header: torch.Tensor, calls: int) -> str:
     return _stats(times[100:])
 
 
+async def lock_step(header: torch.Tensor, calls: int, path: str, rank: int) -> str:
+    comm, _ = _communicator(header.numel() * header.element_size(), path, rank)
+    times = []
+    for i in range(calls + 100):
+        header[0] = i
+        start = time.perf_counter_ns()
+        got = await comm.all_gather(header)
+        times.append(time.perf_counter_ns() - start)
+        assert got[:, 0].tolist() == [i, i]
+    comm.close()
+    return _stats(times[100:])
+
+
+async def two_process(args: argparse.Namespace, header: torch.Tensor) -> None:
+    nbytes = header.numel() * header.element_size()
+    for run in range(args.runs):
+        path = _shm.create_file(WORLD, nbytes)
+        try:
+            child = subprocess.Popen([sys.executable, __file__, "--peer", path,
+                                      "--calls", str(args.calls), "--slots", str(args.slots),
+                                      "--k", str(args.k)], stdout=subprocess.PIPE, text=True)
+            os.sched_setaffinity(0, {0})
+            mine = await lock_step(header, args.calls, path, 0)
+            theirs = child.communicate(timeout=60)[0].strip()
+        finally:
+            os.unlink(path)
+        print(f"run {run + 1}: two processes, rank 0 {mine}; rank 1 {theirs}", flush=True)
+
+
 async def main(args: argparse.Namespace) -> None:
     numel = 2 + 4 + args.slots * block_width(args.k)
     header = torch.arange(numel, dtype=torch.int64)
+    if args.peer:
+        os.sched_setaffinity(0, {1})
+        print(await lock_step(header, args.calls, args.peer, 1), flush=True)
+        return
+    if args.two_process:
+        await two_process(args, header)
+        return
     print(f"SCHEDULE header: {numel} int64 ({8 * numel} bytes), {args.calls} calls per run",
           flush=True)
     for run in range(args.runs):
@@ -149,5 +200,8 @@ if __name__ == "__main__":
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--slots", type=int, default=64, help="max_batch_size: the block's rows")
     ap.add_argument("--k", type=int, default=0, help="speculative.k: the block's width - 5")
+    ap.add_argument("--two-process", action="store_true",
+                    help="lock step with a child process, one per core (see above)")
+    ap.add_argument("--peer", help=argparse.SUPPRESS)   # the child of --two-process
     torch.set_num_threads(1)
     anyio.run(main, ap.parse_args())
