@@ -13,7 +13,9 @@ What it times, per call (median / min µs over ``--calls`` calls, per run):
   calls it once per iteration, and its own ``collective`` figure (arrival stamp -> done,
   ``ExchangeTimes``; the figure docs/performance.md reports on the GPUs), peer arrived first;
 - ``notice``: this rank posted first and polls; a task on the same (otherwise idle)
-  event loop posts the peer's row: peer's post -> this rank's call returned.
+  event loop posts the peer's row: peer's post -> this rank's call returned;
+- ``objects``: the flagged exchange's ``all_gather_object`` (rank 1's empty report out,
+  rank 0's message in), the peer's lengths and pickle posted first.
 
 ``--two-process`` instead runs the gather in lock step between this process (core 0) and
 a child (core 1), both polling: per call, what each rank's ``all_gather`` took (its own
@@ -65,13 +67,17 @@ def _communicator(nbytes: int, path: str | None = None, rank: int = ME
     if path is not None:
         comm._shared[nbytes] = _shm.SharedGather(path, rank, WORLD, nbytes)
         return comm, None
+    return comm, _add_size(comm, nbytes)
+
+
+def _add_size(comm: TorchDistributedCommunicator, nbytes: int) -> _shm.SharedGather:
+    """Set up ``comm``'s shared-memory gather of ``nbytes``; -> the peer's side of it."""
     path = _shm.create_file(WORLD, nbytes)
     try:
-        comm._shared[nbytes] = _shm.SharedGather(path, rank, WORLD, nbytes)
-        peer = _shm.SharedGather(path, 1 - rank, WORLD, nbytes)
+        comm._shared[nbytes] = _shm.SharedGather(path, comm.rank, WORLD, nbytes)
+        return _shm.SharedGather(path, 1 - comm.rank, WORLD, nbytes)
     finally:
         os.unlink(path)
-    return comm, peer
 
 
 def _stats(samples_ns: list[int]) -> str:
@@ -123,6 +129,31 @@ async def bench_exchange(slots: int, k: int, calls: int) -> str:
     comm.close()
     peer.close()
     return f"{_stats(times[100:])}; its collective figure {_stats(collective)}"
+
+
+async def bench_objects(calls: int) -> str:
+    """SCHEDULE's flagged exchange as rank 1 sees it: its (empty) report out, rank 0's
+    message (here four cancels) in, as ``all_gather_object`` through shared memory."""
+    import pickle
+
+    from specloop.engine._frontdoor import FrontDoorMessage, RankReport
+    message, report = FrontDoorMessage(cancels=tuple(f"req-{i}" for i in range(4))), RankReport(())
+    data = pickle.dumps(message)
+    cap = max(256, 1 << (max(len(data), len(pickle.dumps(report))) - 1).bit_length())
+    comm, lengths = _communicator(8)
+    pickles = _add_size(comm, cap)
+    times = []
+    for _ in range(calls + 100):
+        lengths.post(torch.tensor([len(data)]))
+        row = torch.zeros(cap, dtype=torch.uint8)
+        row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        pickles.post(row)
+        start = time.perf_counter_ns()
+        got = await comm.all_gather_object(report)
+        times.append(time.perf_counter_ns() - start)
+        assert got == [message, report]
+    comm.close()
+    return _stats(times[100:])
 
 
 async def bench_notice(header: torch.Tensor, calls: int) -> str:
@@ -192,6 +223,7 @@ async def main(args: argparse.Namespace) -> None:
         print(f"run {run + 1}: exchange {await bench_exchange(args.slots, args.k, args.calls)}",
               flush=True)
         print(f"run {run + 1}: notice   {await bench_notice(header, args.calls)}", flush=True)
+        print(f"run {run + 1}: objects  {await bench_objects(args.calls)}", flush=True)
 
 
 if __name__ == "__main__":

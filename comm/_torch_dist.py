@@ -31,6 +31,10 @@ _GATHER_INTO = getattr(dist, "all_gather_single", None) or dist.all_gather_into_
 # Inline waits: poll back-to-back this long, then at this interval (asyncio's timer
 # resolution is ~1 ms anyway).
 _SPIN_S, _POLL_S = 0.005, 0.001
+# all_gather_object through shared memory (``shared_memory``): each rank's pickle padded to
+# a power of two of at least _OBJECT_MIN bytes (a handful of sizes, each set up once);
+# past _OBJECT_MAX every rank goes over gloo (they all see the same lengths).
+_OBJECT_MIN, _OBJECT_MAX = 256, 1 << 20
 _PEER_LOST = ("connection closed", "connection reset", "broken pipe", "connection refused")
 
 
@@ -51,7 +55,8 @@ class TorchDistributedCommunicator(Communicator):
 
     Tensors go over the backend group (NCCL when the device is CUDA, else gloo); host
     objects, barriers, checked-mode signatures and the all-gather of host (CPU) tensors
-    over a gloo group. Blocking calls run
+    over a gloo group, or, with ``shared_memory``, host tensors' and objects' all-gathers
+    through shared memory. Blocking calls run
     in a worker thread so the event loop keeps serving; with ``inline`` set (opt-in),
     tensor collectives are issued on the loop and polled instead, bounded by
     ``timeout_s``. With `checked=True` every
@@ -75,9 +80,11 @@ class TorchDistributedCommunicator(Communicator):
         # on NCCL (bench/adp_run.py --inline-collectives); tested over gloo. Checked mode
         # always keeps the thread.
         self.inline = False
-        # Host tensors' all_gather through a file in shared memory when every rank runs
-        # on this host (``_shm``), not gloo (~0.5 ms a call); every rank of the group
-        # must set it alike (the first call of each size sets the file up, collectively).
+        # Host tensors' all_gather, and all_gather_object, through files in shared
+        # memory when every rank runs on this host (``_shm``), not gloo (~0.5 ms a call;
+        # objects past _OBJECT_MAX, broadcasts and barriers still go over gloo); every
+        # rank of the group must set it alike (the first call of each size sets the file
+        # up, collectively).
         # Not with ``checked``. On by default on CUDA ranks, whose hosts have cores for
         # the polling ranks (2 H200s: see docs/performance.md); off on the CPU, where
         # ranks polling compete with the compute for cores (gloo sleeps in a syscall).
@@ -150,12 +157,9 @@ class TorchDistributedCommunicator(Communicator):
         0.53 ms median after the last rank arrived, against 0.88 ms through the thread)."""
         check_tensor(tensor)
         if self.shared_memory and not self._checked and tensor.device.type == "cpu":
-            nbytes = tensor.numel() * tensor.element_size()
-            # Set up (collectively) at the first call of each size only.
-            shared = self._shared[nbytes] if nbytes in self._shared else \
-                await self._shared_gather(nbytes)
-            if shared is not None:
-                return await self._run_shared(shared, tensor)
+            gathered = await self._shared_call(tensor)
+            if gathered is not None:
+                return gathered
         group = self._group_for(tensor)
         host = tensor.device.type == "cpu" and self.device.type == "cuda"
         if (self.inline or host) and not self._checked:
@@ -166,9 +170,39 @@ class TorchDistributedCommunicator(Communicator):
                                tensor, group)
 
     async def all_gather_object(self, obj: Any) -> list[Any]:
+        """Over gloo, or with ``shared_memory`` (not ``checked``) as two shared-memory
+        gathers, the pickles' lengths then the pickles (SCHEDULE's flagged exchange: two
+        gloo all-gathers cost ~1 ms on 2 H200s)."""
+        if self.shared_memory and not self._checked:
+            with anyio.CancelScope(shield=True):    # both gathers or neither, as gloo's
+                shared = await self._shared_objects(obj)
+            if shared is not None:
+                return shared
+        return await self._gloo_all_gather_object(obj)
+
+    async def _gloo_all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = await self._run(CollectiveCall, ("all_gather_object",),
                                               self._all_gather_object, obj)
         return gathered
+
+    async def _shared_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` through shared memory; None (before any exchange of the
+        pickles) when the ranks are not on one host or a pickle is past ``_OBJECT_MAX``."""
+        data = pickle.dumps(obj)
+        lengths = await self._shared_call(torch.tensor([len(data)], dtype=torch.int64),
+                                          "all_gather_object")
+        if lengths is None:
+            return None
+        sizes = lengths[:, 0].tolist()
+        cap = max(_OBJECT_MIN, 1 << (max(sizes) - 1).bit_length())
+        if cap > _OBJECT_MAX:
+            return None
+        row = torch.zeros(cap, dtype=torch.uint8)
+        memoryview(row.numpy())[:len(data)] = data
+        rows = await self._shared_call(row, "all_gather_object")
+        assert rows is not None, "this host's ranks gathered the lengths through it"
+        pickles = rows.numpy()
+        return [pickle.loads(pickles[r, :n].tobytes()) for r, n in enumerate(sizes)]
 
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_device(check_tensor(tensor))
@@ -245,7 +279,7 @@ class TorchDistributedCommunicator(Communicator):
         use by every rank together; None when the ranks are not all on this host."""
         if nbytes in self._shared:
             return self._shared[nbytes]
-        hosts = await self.all_gather_object(socket.gethostname())
+        hosts = await self._gloo_all_gather_object(socket.gethostname())
         if len(set(hosts)) > 1 or not _shm.supported():
             self._shared[nbytes] = None
             return None
@@ -258,8 +292,18 @@ class TorchDistributedCommunicator(Communicator):
         self._shared[nbytes] = shared
         return shared
 
-    async def _run_shared(self, shared: _shm.SharedGather, tensor: torch.Tensor
-                          ) -> torch.Tensor:
+    async def _shared_call(self, tensor: torch.Tensor, op: str = "all_gather"
+                           ) -> torch.Tensor | None:
+        """The host ``tensor``'s all-gather through shared memory; None when the ranks
+        are not all on this host. A size is set up (collectively) at its first call.
+        ``op``: what a timeout error says was called."""
+        nbytes = tensor.numel() * tensor.element_size()
+        shared = self._shared[nbytes] if nbytes in self._shared else \
+            await self._shared_gather(nbytes)
+        return None if shared is None else await self._run_shared(shared, tensor, op)
+
+    async def _run_shared(self, shared: _shm.SharedGather, tensor: torch.Tensor,
+                          op: str = "all_gather") -> torch.Tensor:
         """Post, then poll until every rank has; the last rank to arrive finds the call
         complete and never yields (nor builds the call's record, needed for a timeout).
         The lock is taken without yielding when free, whatever anyio's version (before
@@ -275,7 +319,7 @@ class TorchDistributedCommunicator(Communicator):
             self._seq += 1
             shared.post(tensor)
             if not shared.ready():
-                call = CollectiveCall.for_tensor("all_gather", self._name, seq, tensor)
+                call = CollectiveCall.for_tensor(op, self._name, seq, tensor)
                 with anyio.CancelScope(shield=True):    # seen through, as the other paths
                     await self._poll(shared.ready, call)
             return shared.result(tensor)

@@ -115,6 +115,17 @@ async def shared_memory(comm: TorchDistributedCommunicator) -> dict:
         got = await comm.all_gather(rows[comm.rank])
         want = torch.stack(rows)
         wrong += not torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    # Objects through shared memory: pickles of a few sizes (one rank's far longer), and
+    # one past _OBJECT_MAX, which both ranks send over gloo instead.
+    cases = [None, ("x" * 5000 if comm.rank else "y", comm.rank),
+             {"rank": comm.rank, "tokens": list(range(300 * comm.rank))},
+             b"\0\1" * (comm.rank * (1 << 20)) or comm.rank]
+    for case in cases:
+        got = await comm.all_gather_object(case)
+        # What each rank sent, rebuilt here (rank r's case for this index).
+        want = [[None, ("x" * 5000 if r else "y", r), {"rank": r, "tokens": list(range(300 * r))},
+                 b"\0\1" * (r * (1 << 20)) or r][cases.index(case)] for r in range(2)]
+        wrong += got != want
     out = {"wrong": wrong, "sizes": sorted(k for k, v in comm._shared.items() if v)}
     if comm.rank == 1:
         await anyio.sleep(6)

@@ -121,3 +121,67 @@ def test_a_tensor_of_another_size_is_refused(sides):
     (a, _) = sides(2, 16)
     with pytest.raises(ValueError, match="not 16 bytes"):
         a.post(torch.zeros(3, dtype=torch.int64))
+
+
+@pytest.fixture
+def lone_rank():
+    """This process as rank 1 of a group of 2 whose rank 0 is a ``SharedGather`` driven
+    from the test (``peer(nbytes)``), or never posts: the communicator's shared-memory
+    calls without a second process. A world of 1 underneath (the communicator reads its
+    global rank from torch.distributed), torn down after."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from specloop.comm._torch_dist import TorchDistributedCommunicator, _Family
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    family = _Family(torch.device("cpu"), datetime.timedelta(seconds=0.3), owns_world=False)
+    comm = TorchDistributedCommunicator(family=family, group=dist.group.WORLD,
+                                        object_group=dist.group.WORLD, ranks=(1, 0))
+    comm.shared_memory = True
+    peers = []
+
+    def peer(nbytes: int) -> _shm.SharedGather:
+        path = _shm.create_file(2, nbytes)
+        try:
+            comm._shared[nbytes] = _shm.SharedGather(path, 1, 2, nbytes)
+            peers.append(_shm.SharedGather(path, 0, 2, nbytes))
+        finally:
+            os.unlink(path)
+        return peers[-1]
+
+    try:
+        yield comm, peer
+    finally:
+        for side in peers:
+            side.close()
+        comm.close()
+        dist.destroy_process_group()
+
+
+async def test_objects_go_through_shared_memory_as_lengths_then_padded_pickles(lone_rank):
+    import pickle
+
+    comm, peer = lone_rank
+    lengths, pickles = peer(8), peer(1024)
+    theirs, mine = {"rank": 0, "tokens": list(range(300, 600))}, ("rank 1", None)
+    data = pickle.dumps(theirs)
+    assert 512 < len(data) <= 1024      # the longer pickle sets the padded size
+    lengths.post(torch.tensor([len(data)]))
+    row = torch.full((1024,), 7, dtype=torch.uint8)     # the padding: any bytes
+    row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    pickles.post(row)
+    assert await comm.all_gather_object(mine) == [theirs, mine]
+
+
+@pytest.mark.parametrize("op", ["all_gather", "all_gather_object"])
+async def test_a_peer_that_never_posts_is_a_timeout_error_naming_the_call(lone_rank, op):
+    from specloop.comm import CollectiveTimeoutError
+
+    comm, peer = lone_rank
+    peer(8)
+    call = comm.all_gather(torch.zeros(1, dtype=torch.int64)) if op == "all_gather" else \
+        comm.all_gather_object("never gathered")
+    with pytest.raises(CollectiveTimeoutError, match=rf"{op}\(shape=\(1,\).*not completed within 0.3 s"):
+        await call

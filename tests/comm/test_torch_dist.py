@@ -129,12 +129,14 @@ def test_collectives_issued_inline_give_the_same_results(inline):
 def test_host_all_gathers_through_shared_memory(shared):
     """Host tensors' all_gather through a file in shared memory: the same results; 300
     calls in a row with new contents each, then sizes and dtypes in turn, all bit-exact;
-    a rank that skips one is a timeout error on the other, not a hang."""
+    objects of a few sizes (the largest over gloo); a rank that skips one is a timeout
+    error on the other, not a hang."""
     _assert_ops(shared)
     for res in shared:
         assert res["shared_memory"]["wrong"] == 0
-        # [0] f32, [4] bf16, [2] i64, [2, 3] f32, [5] i64, [3, 2] f64, [326] i64
-        assert res["shared_memory"]["sizes"] == [0, 8, 16, 24, 40, 48, 2608]
+        # [0] f32, [4] bf16 and the pickles' lengths, [2] i64, [2, 3] f32, [5] i64,
+        # [3, 2] f64, small, ~1 KB pickles, [326] i64, ~5 KB pickles (2 MiB ones: gloo).
+        assert res["shared_memory"]["sizes"] == [0, 8, 16, 24, 40, 48, 256, 1024, 2608, 8192]
     waiting = shared[0]["shared_memory"]
     assert waiting["error"] is not None and "not completed within 3 s" in waiting["error"]
     assert waiting["elapsed"] < 10
