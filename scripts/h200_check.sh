@@ -1,0 +1,48 @@
+# The standard H200 battery, for a lent GPU machine (one H200); run from the project root
+# after the SmolLM2 parts have travelled (scripts/device_env.sh, docs/performance.md):
+#
+#   source scripts/device_env.sh; bash scripts/h200_check.sh tests profile steady
+#
+# Each step writes its rows under $OUT (the device tool brings them back) and prints a
+# short summary; steps run in the order given. ~2 min each for tests, profile, busy and
+# closed, ~4 min for steady: split them over calls (10 minutes a call at most).
+#   tests    the GPU test suite (no SmolLM2 needed)
+#   profile  eagle3 against no speculation, batch 1 and 32, closed rounds (issue 13)
+#   serving  the same at batch 32 with graphs for every bucket (the engine's default)
+#   busy     GPU busy / wall at batch 1, no speculation, 256 tokens (issue 12)
+#   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13)
+#   closed   the same in closed rounds
+# PROMPTS: the held-out prompts file (default .dev/lead/prompts.jsonl, carried).
+set -u
+OUT=${OUT:-/tmp/h200_out}
+PROMPTS=$(realpath "${PROMPTS:-.dev/lead/prompts.jsonl}")
+mkdir -p "$OUT"
+for step in "$@"; do
+  echo "== $step $(date -u +%H:%M:%S)"
+  case $step in
+    tests)
+      python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short 2>&1 \
+        | grep -v CUDAGraph.cpp | tail -15 ;;
+    profile)
+      (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" --out "$OUT/spec.jsonl" \
+        --configs "none,eagle3 K=3,eagle3 K=5" --batches 1,32 --runs 3 2>&1 \
+        | grep '^{' | cut -c1-160) ;;
+    serving)
+      (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+        --out "$OUT/spec_serving.jsonl" --configs "none,eagle3 K=3" --batches 32 --runs 3 \
+        --buckets serving 2>&1 | grep '^{' | cut -c1-160) ;;
+    busy)
+      (cd bench && python3 bench_gpu_e2e.py --out "$OUT/e2e_b1.json" --runs 3 --tokens 256 \
+        --batches 1 --methods none --skip-hf --curve "" --hf-curve "" --profile-batches 1 \
+        2>&1 | grep -i "busy\|tok/s" | cut -c1-200 | tail -6) ;;
+    steady)
+      (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
+        --out "$OUT/adaptive_steady.jsonl" --runs 3 --buckets serving --arrival steady \
+        --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+    closed)
+      (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
+        --out "$OUT/adaptive_closed.jsonl" --runs 3 --buckets serving \
+        --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+    *) echo "unknown step: $step" ;;
+  esac
+done
