@@ -1,9 +1,8 @@
-"""What the CLI's commands share: one-line errors, logging, config loading and checks."""
+"""What the CLI's commands share: one-line errors, config loading and checks."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 import traceback
 from importlib.resources import files
@@ -18,8 +17,8 @@ from ._errors import ConfigError, RequestError
 if TYPE_CHECKING:
     from ._config import EngineConfig
 
-# structlog and the config (cattrs, the component registry) are imported where used, so
-# that ``specloop --help`` imports neither (about half of its import time without them).
+# The config (cattrs, the component registry) is imported where used, so that
+# ``specloop --help`` does not import it (structlog likewise, in cli.py's configure_logging).
 
 EXIT_RUNTIME, EXIT_USAGE, EXIT_INTERRUPTED = 1, 2, 130
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
@@ -41,18 +40,6 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(EXIT_USAGE, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def configure_logging(fmt: str, level: str) -> None:
-    import structlog  # noqa: PLC0415 - see the imports
-
-    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
-                else structlog.dev.ConsoleRenderer(colors=False))
-    structlog.configure(
-        processors=[structlog.processors.add_log_level,
-                    structlog.processors.TimeStamper(fmt="iso"), renderer],
-        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
 
 
 def leaf_error(exc: BaseException) -> BaseException:

@@ -10,12 +10,27 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import sys
 from types import ModuleType
 from importlib.metadata import PackageNotFoundError, version
 
-from ._cli_common import (EXIT_INTERRUPTED, LOG_LEVELS, OneLineParser, configure_logging,
-                          report_failure)
+from ._cli_common import EXIT_INTERRUPTED, LOG_LEVELS, OneLineParser, report_failure
+
+
+def configure_logging(fmt: str, level: str) -> None:
+    """The CLI's logging (the only place that configures structlog): console or JSON
+    lines on stderr, filtered at ``level``."""
+    import structlog  # noqa: PLC0415 - not for `specloop --help` (half its import time)
+
+    renderer = (structlog.processors.JSONRenderer() if fmt == "json"
+                else structlog.dev.ConsoleRenderer(colors=False))
+    structlog.configure(
+        processors=[structlog.processors.add_log_level,
+                    structlog.processors.TimeStamper(fmt="iso"), renderer],
+        wrapper_class=structlog.make_filtering_bound_logger(getattr(logging, level.upper())),
+        logger_factory=structlog.PrintLoggerFactory(file=sys.stderr))
+
 
 # Subcommand name -> module implementing it. A new command plugs in with one line here.
 COMMANDS: dict[str, str] = {
