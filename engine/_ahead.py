@@ -37,7 +37,6 @@ from ._verify import ahead_inputs
 
 if TYPE_CHECKING:
     from specloop.graphs import GraphKey, Tensors
-    from specloop.samplers import SamplingBatch
 
     from ._iteration import IterationRecord
     from ._runner import ReadBack
@@ -207,9 +206,9 @@ class RunAhead:
         sampling = w._sampling_batch(batch, key.batch_size) if captured else \
             step.batch_sampling
         with torch.inference_mode():
-            inputs = joined_inputs(rec.batch, joining, pending[0]["token_ids"], rows,
-                                   sampling, scratch_slot=w.runner.cache.scratch_slot,
-                                   device=w.runner.device)
+            inputs = ahead_inputs(rec.batch, pending[0]["token_ids"], rows, sampling,
+                                  scratch_slot=w.runner.cache.scratch_slot,
+                                  device=w.runner.device, joining=joining)
         self.joined_steps += 1
         self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in rec.batch]
                             + [r.seq_len for r in joining], w._queue_verify(step, inputs))
@@ -267,28 +266,6 @@ class RunAhead:
             hidden = hidden.index_select(0, index)
         w.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
                       hidden, [0] * len(batch))
-
-
-def joined_inputs(batch: Sequence[Request], joining: Sequence[Request],
-                  last_tokens: torch.Tensor, source_rows: Sequence[int],
-                  sampling: SamplingBatch, *, scratch_slot: int, device: torch.device
-                  ) -> Tensors:
-    """``_verify.ahead_inputs`` for ``batch``, then ``joining``: a joiner forwards its
-    prompt's last token at its position, as its first VERIFY would (one copy, one
-    gather)."""
-    rows, n = sampling.size, len(batch)
-    flat: list[int] = []
-    for r, row in zip(batch, source_rows):
-        flat += (0, len(r.token_ids), r.batch_slot, row)
-    for r in joining:
-        flat += (r.token_ids[-1], len(r.token_ids) - 1, r.batch_slot, 0)
-    pad = rows - n - len(joining)
-    host = int64_tensor(flat + [0, 0, scratch_slot, 0] * pad).view(rows, 4)
-    packed = to_device(host, device)
-    inputs = {"tokens": packed[:, :1], "start_pos": packed[:, 1], "slots": packed[:, 2]}
-    inputs["tokens"][:n] = last_tokens.index_select(0, packed[:n, 3])[:, :1]
-    inputs.update(sampling.columns())
-    return inputs
 
 
 def subset_rows(batch: Sequence[Request], queued: Sequence[Request], seq_lens: Sequence[int]

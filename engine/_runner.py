@@ -237,22 +237,19 @@ class ModelRunner:
         (``_prefill_rows``: a graph's when captured)."""
         end = request.seq_len - 1
         self.pages.resize(request.batch_slot, request.seq_len)
-        if self.pad_prefill and self.batch_prefill:
-            chunks = []
-            while request.num_cached < end:
-                n = min(end - request.num_cached, self.max_prefill_tokens)
-                chunks.append(self._prefill_rows([(0, request, n)])[0])
-            width = self.args.hidden_size * max(1, len(self.feature_layers))
-            return torch.cat(chunks) if chunks else torch.empty(
-                0, width, dtype=self.dtype, device=self.device)
-        slot = torch.tensor([request.batch_slot], device=self.device)
+        # Padded (a GPU's): one-row forwards at padded shapes, a graph's when captured.
+        slot = None if self.pad_prefill and self.batch_prefill else torch.tensor(
+            [request.batch_slot], device=self.device)
         width = self.args.hidden_size * max(1, len(self.feature_layers))
         hidden = [torch.empty(0, width, dtype=self.dtype, device=self.device)]
         while request.num_cached < end:
-            chunk = request.token_ids[request.num_cached:
-                                      min(end, request.num_cached + self.max_prefill_tokens)]
+            n = min(end - request.num_cached, self.max_prefill_tokens)
+            if slot is None:
+                hidden.append(self._prefill_rows([(0, request, n)])[0])
+                continue
+            chunk = request.token_ids[request.num_cached:request.num_cached + n]
             tokens = torch.tensor([chunk], device=self.device)
             start = torch.tensor([request.num_cached], device=self.device)
             hidden.append(self.forward(tokens, start, slot)[1][0])
-            request.num_cached += len(chunk)
+            request.num_cached += n
         return torch.cat(hidden)

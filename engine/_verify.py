@@ -65,16 +65,21 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
 
 def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
                  source_rows: Sequence[int], sampling: SamplingBatch, *, scratch_slot: int,
-                 device: torch.device | str) -> Tensors:
+                 device: torch.device | str, joining: Sequence[Request] = ()) -> Tensors:
     """No speculation: the inputs of the step after the one just queued, for ``batch``,
     before the host knows its tokens: row i forwards ``last_tokens[source_rows[i], 0]``
     (that step's output, still on the device) at position ``seq_len`` (one past that
-    step's)."""
+    step's). ``joining``: requests joining the batch in that step, after it; each
+    forwards its prompt's last token at its own last position, as its first VERIFY
+    would (engine/_ahead.py, ``RunAhead.schedule``)."""
     rows, real = sampling.size, len(batch)
     flat: list[int] = []
     for r, row in zip(batch, source_rows):
         flat += (0, len(r.token_ids), r.batch_slot, row)
-    host = int64_tensor(flat + [0, 0, scratch_slot, 0] * (rows - real)).view(rows, 4)
+    for r in joining:
+        flat += (r.token_ids[-1], len(r.token_ids) - 1, r.batch_slot, 0)
+    pad = rows - real - len(joining)
+    host = int64_tensor(flat + [0, 0, scratch_slot, 0] * pad).view(rows, 4)
     packed = to_device(host, device)
     inputs = {"tokens": packed[:, :1], "start_pos": packed[:, 1], "slots": packed[:, 2]}
     inputs["tokens"][:real] = last_tokens.index_select(0, packed[:real, 3])[:, :1]
