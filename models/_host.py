@@ -27,6 +27,14 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     (a copy from pageable memory first waits for the work already queued — a step queued
     ahead, a chained DRAFT + VERIFY — and the host stalls behind it; torch's caching host
     allocator keeps the pinned buffer until the copy is done). On the CPU ``host`` itself."""
-    if torch.device(device).type == "cuda":
-        host = host.pin_memory()
-    return host.to(device, non_blocking=True)
+    return _pinned(host, torch.device(device)).to(device, non_blocking=True)
+
+
+def copy_into(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
+    """``host``'s values into ``dst`` (a buffer on its device, e.g. a graph's), queued
+    without waiting, as ``to_device``; -> ``dst``."""
+    return dst.copy_(_pinned(host, dst.device), non_blocking=True)
+
+
+def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return host.pin_memory() if device.type == "cuda" else host

@@ -18,7 +18,7 @@ import torch
 from specloop.samplers import DefaultSampler, Sampler, SamplingBatch
 
 from .._grad import inference_mode
-from .._host import int64_tensor, to_device
+from .._host import copy_into, int64_tensor, to_device
 from .._prefill import padded_shape
 from ._heads import check_method, check_sha256, check_target, head_metadata, resolve_head
 from ._lm_head import DraftHead
@@ -397,10 +397,8 @@ class MtpEagleDrafter(Drafter):
         if not (self._starts_on_device and last == key):
             # Each row's start into the graphs' buffer (one copy; pinned: queued without
             # waiting), unless the last chained step left it there (taken for this batch).
-            host = int64_tensor([*start, *[0] * (rows - len(start))])
-            if self.pending.buffer.device.type == "cuda":
-                host = host.pin_memory()
-            self._lengths_of(rows)[1].copy_(host, non_blocking=True)
+            copy_into(self._lengths_of(rows)[1],
+                      int64_tensor([*start, *[0] * (rows - len(start))]))
         self._last_chain, self._starts_on_device = key, False
         inputs = {"verified": verified["packed"][:], "cu_hidden": verified["hidden"][:],
                   "meta": meta, "slots": slot_row}
