@@ -179,18 +179,15 @@ class CostTable:
         if not self.learn or device is None:
             return
         key = (bucket, k)
-        first = self._first.get(key)
-        if first is None:
-            first = self._first[key] = ([], [])
-        if not self.tried(bucket, k):
+        first = self._first.setdefault(key, ([], []))
+        trying = not self.tried(bucket, k)
+        if trying:
             first[disturbed].append(seconds)    # counts toward ``tried`` in any case
-            if disturbed and first[0]:
-                self.ignored += 1
-                return
-            self.measured[key] = statistics.median_low(first[0] or first[1])
-        elif disturbed and first[0]:
+        if disturbed and first[0]:
             self.ignored += 1
             return      # measured undisturbed: the admission's cost is not K's
+        if trying:
+            self.measured[key] = statistics.median_low(first[0] or first[1])
         else:
             _average(self.measured, key, min(seconds, OUTLIER * self.measured[key]))
             if not disturbed and not first[0]:
