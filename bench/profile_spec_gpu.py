@@ -1,7 +1,8 @@
 """H200, real SmolLM2 (bf16, CUDA graphs): where a speculative iteration's time goes.
 
 For each batch and configuration (no speculation, eagle3 K=2/3/5), in one process: tokens/s
-over ``--runs`` timed rounds (ratio of medians to no speculation), time per iteration
+over ``--runs`` timed rounds in which the configs take turns (ratio of medians to the first
+config, and each run's ratio to the first config's run beside it), time per iteration
 state through the engine's observers, and one profiled round (torch.profiler, CPU + CUDA):
 kernels, GPU busy time, graph launches, copies and host waits per iteration, the top
 kernels by time, and every kernel's launches and time per iteration. Greedy, held-out chat prompts, EOS ignored. Rows go to --out (JSON lines).
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import statistics
 
 import anyio
@@ -76,41 +78,55 @@ def summarize_profile(prof, iterations, stacks=False):
             **({"ops_outside_graphs": ops_outside_graphs(prof, per)} if stacks else {})}
 
 
-async def measure(spec, loaded, prompts, tokens, runs, trace, device="cuda", stacks=False,
+async def measure(names, loaded, prompts, tokens, runs, traces, device="cuda", stacks=False,
                   buckets="batch"):
+    """Every config's engine is built and warmed first (all stay open), then ``runs`` timed
+    rounds in which the configs take turns (drift on a shared machine hits all alike), then
+    one profiled round each. -> {name: (rates, AL, the profile's summary)}."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
 
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
-    obs = StateTimes()
-    spec = dict(spec)
-    unchained = spec.pop("unchained", False)
-    async with AsyncEngine(engine_config(spec, batch, device, buckets), model=loaded,
-                           observers=[obs]) as engine:
-        if unchained:
-            engine.worker.chain = None
-        await generate_round(engine, prompts, 8)
-        obs.us.clear()
-        obs.iterations = 0
-        walls = [await timed_round(engine, prompts, tokens, sync) for _ in range(runs)]
-        rates = [batch * tokens / wall for wall in walls]
-        iters = max(obs.iterations, 1)
-        states = {s: round(us / iters / 1e3, 3) for s, us in obs.us.items()}
-        wall_ms = sum(walls) * 1e3 / iters
-        al = engine.stats.mean_acceptance_length
-        obs.iterations = 0
+    out = {}
+    async with contextlib.AsyncExitStack() as stack:
+        engines, observers = {}, {}
+        for name in names:
+            spec = dict(CONFIGS[name])
+            unchained = spec.pop("unchained", False)
+            observers[name] = StateTimes()
+            engines[name] = await stack.enter_async_context(AsyncEngine(
+                engine_config(spec, batch, device, buckets), model=loaded,
+                observers=[observers[name]]))
+            if unchained:
+                engines[name].worker.chain = None
+        for name, engine in engines.items():
+            await generate_round(engine, prompts, 8)
+            observers[name].us.clear()
+            observers[name].iterations = 0
+        walls = {name: [] for name in names}
+        for _ in range(runs):
+            for name, engine in engines.items():
+                walls[name].append(await timed_round(engine, prompts, tokens, sync))
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        with profile(activities=activities, with_stack=stacks) as prof:
-            await generate_round(engine, prompts, 32)
-            sync()
-        prof_summary = summarize_profile(prof, obs.iterations, stacks)
-        if trace:
-            prof.export_chrome_trace(trace)
-        chain = engine.worker.chain
-        chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
-    return rates, al, {"iteration_ms": round(wall_ms, 3), "states_ms": states,
-                       "chain_queued_taken": chained,
-                       **prof_summary}
+        for name, engine in engines.items():
+            obs = observers[name]
+            iters = max(obs.iterations, 1)
+            states = {s: round(us / iters / 1e3, 3) for s, us in obs.us.items()}
+            wall_ms = sum(walls[name]) * 1e3 / iters
+            al = engine.stats.mean_acceptance_length
+            obs.iterations = 0
+            with profile(activities=activities, with_stack=stacks) as prof:
+                await generate_round(engine, prompts, 32)
+                sync()
+            summary = summarize_profile(prof, obs.iterations, stacks)
+            if traces.get(name):
+                prof.export_chrome_trace(traces[name])
+            chain = engine.worker.chain
+            chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
+            out[name] = ([batch * tokens / w for w in walls[name]], al,
+                         {"iteration_ms": round(wall_ms, 3), "states_ms": states,
+                          "chain_queued_taken": chained, **summary})
+    return out
 
 
 def main() -> None:
@@ -126,19 +142,22 @@ def main() -> None:
                     help="attribute device work launched outside graph replays to Python lines")
     args = ap.parse_args()
     quiet_logs()
+    names = args.configs.split(",")
     for loaded, batch, prompts in held_out_batches(args):
-        base = None
-        for name in args.configs.split(","):
-            trace = f"{args.trace_dir}/trace_b{batch}_{name.replace(' ', '').replace('=', '')}.json" \
-                if args.trace_dir and batch == 1 else ""
-            rates, al, prof = anyio.run(measure, CONFIGS[name], loaded, prompts, args.tokens,
-                                        args.runs, trace, args.device, args.stacks,
-                                        args.buckets)
-            base = base or statistics.median(rates)
-            emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device,
-                               buckets=args.buckets, **prof),
+        traces = {name: f"{args.trace_dir}/trace_b{batch}_"
+                        f"{name.replace(' ', '').replace('=', '')}.json"
+                  for name in names} if args.trace_dir and batch == 1 else {}
+        got = anyio.run(measure, names, loaded, prompts, args.tokens, args.runs, traces,
+                        args.device, args.stacks, args.buckets)
+        base_rates = got[names[0]][0]
+        for name in names:
+            rates, al, prof = got[name]
+            # Paired ratios: run r of this config over run r of the first (taken in turn).
+            paired = [round(a / b, 3) for a, b in zip(rates, base_rates)]
+            emit_row(speed_row(batch, name, rates, statistics.median(base_rates), al,
+                               args.tokens, args.device, buckets=args.buckets,
+                               paired_vs_first=paired, **prof),
                      args.out)
-
 
 if __name__ == "__main__":
     main()
