@@ -9,7 +9,8 @@ Each kernel computes what a few plain tensor ops of the reference layer compute
 - ``paged_attention``: causal attention of T queries per row over the row's real length
   (its ``start_pos`` + T), reading K/V pages through the block table: decode (T = 1),
   VERIFY (T = K + 1) and prefill chunks alike, with lengths as device tensors so one
-  captured graph serves any lengths;
+  captured graph serves any lengths; at small batches split-KV (each row's positions cut
+  into ranges on the device, a second kernel combining their partials);
 - ``silu_mul``: SwiGLU's activation on the fused gate-up output;
 - ``eagle_prologue``: an EAGLE head's input norms (embedding gather, two RMSNorms, concat);
 - ``argmax_map``: a draft step's greedy token (argmax over the reduced vocabulary, mapped
@@ -18,7 +19,9 @@ Each kernel computes what a few plain tensor ops of the reference layer compute
 
 from __future__ import annotations
 
+import functools
 import math
+import os
 
 import torch
 
@@ -196,6 +199,90 @@ if triton is not None:
         tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
 
     @triton.jit
+    def _paged_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr,
+                                      m_ptr, l_ptr, acc_ptr, T, pos_offset, scale, s_page,
+                                      s_off, s_table, pages_per_slot, HQ: tl.constexpr,
+                                      HKV: tl.constexpr, D: tl.constexpr,
+                                      PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+        # _paged_attention_kernel over one of SPLITS contiguous ranges of the KV positions
+        # (flash-decoding): the partial max, sum and unnormalised output of each query row
+        # go to scratch for _attention_combine_kernel.
+        b = tl.program_id(0)
+        kvh = tl.program_id(1)
+        blk = tl.program_id(2) // SPLITS
+        split = tl.program_id(2) % SPLITS
+        G: tl.constexpr = HQ // HKV
+        r = blk * BLOCK_M + tl.arange(0, BLOCK_M)
+        t = r // G
+        head = kvh * G + r % G
+        rm = t < T
+        start = tl.load(start_ptr + b) + pos_offset
+        slot = tl.load(slot_ptr + b)
+        d = tl.arange(0, D)
+        q_off = ((b * T + t) * HQ + head)[:, None] * D + d[None, :]
+        q = tl.load(q_ptr + q_off, mask=rm[:, None], other=0.0)
+        limit = start + t  # the last position each query row may see (causal)
+        t_last = tl.minimum(T - 1, (blk * BLOCK_M + BLOCK_M - 1) // G)
+        n_end = start + t_last + 1
+        # The range is cut from the real length on the device (the launch knows only the
+        # cache's maximum): equal chunks, whole BLOCK_N tiles (so whole pages when PAGE
+        # divides BLOCK_N); splits past the end keep the empty partial (m -inf, l 0).
+        chunk = tl.cdiv(tl.cdiv(n_end, SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * chunk
+        hi = tl.minimum(lo + chunk, n_end)
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, D], tl.float32)
+        for n0 in range(lo, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nm = n < hi
+            pidx = tl.minimum(n // PAGE, pages_per_slot - 1)
+            page = tl.load(table_ptr + slot * s_table + pidx, mask=nm, other=0).to(tl.int64)
+            kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            s = tl.where((n[None, :] <= limit[:, None]) & nm[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row may see none of this range (VERIFY's earlier rows near a split's start):
+            # its max stays -inf, and exp(-inf - -inf) would be NaN.
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
+        part = ((b * T + t) * HQ + head) * SPLITS + split
+        tl.store(m_ptr + part, m_i, mask=rm)
+        tl.store(l_ptr + part, l_i, mask=rm)
+        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=rm[:, None])
+
+    @triton.jit
+    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_rows, SPLITS: tl.constexpr,
+                                  S_BLOCK: tl.constexpr, D: tl.constexpr,
+                                  ROWS: tl.constexpr):
+        # ROWS query rows: each one's SPLITS partials rescaled to their common max and summed
+        # in one fixed order (the same bits on every call). Split 0 always holds position 0,
+        # so a row's max is finite.
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        s = tl.arange(0, S_BLOCK)
+        valid = (rows < n_rows)[:, None] & (s < SPLITS)[None, :]
+        part = rows[:, None] * SPLITS + s[None, :]
+        m = tl.load(m_ptr + part, mask=valid, other=float("-inf"))
+        l = tl.load(l_ptr + part, mask=valid, other=0.0)
+        mx = tl.max(m, axis=1)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # rows past the end: no -inf - -inf
+        w = tl.where(valid, tl.exp(m - mx[:, None]), 0.0)
+        d = tl.arange(0, D)
+        acc = tl.load(acc_ptr + part[:, :, None] * D + d[None, None, :],
+                      mask=valid[:, :, None], other=0.0)
+        out = tl.sum(w[:, :, None] * acc, axis=1) / tl.maximum(tl.sum(w * l, axis=1),
+                                                              1e-30)[:, None]
+        tl.store(o_ptr + rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
+                 mask=(rows < n_rows)[:, None])
+
+    @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -286,22 +373,101 @@ def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
     return q
 
 
-def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                    table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
-                    pos_offset: int = 0) -> torch.Tensor:
-    """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
-    Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``."""
-    B, T, hq, D = q.shape
-    _, page, hkv, _ = k_cache.shape
-    o = torch.empty_like(q)
+# Split-KV: the launch wants about this many programs per SM, and a split at least one tile
+# (more splits than tiles in the cache's maximum length could never get a position).
+# SPECLOOP_ATTENTION_MAX_SPLITS caps the splits for an A/B of whole runs (1: one kernel,
+# as before split-KV); read once, at import.
+_SPLIT_PROGRAMS_PER_SM = 2
+_MAX_SPLITS = max(1, int(os.environ.get("SPECLOOP_ATTENTION_MAX_SPLITS") or 32))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 132  # the interpreter on the CPU: as on an H200
+    return int(torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def attention_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, block_n: int,
+                     sm_count: int) -> int:
+    """How many ranges a row's KV positions are cut into (1: one program walks them all).
+
+    Decided from shapes only: the lengths are device tensors a captured graph reads at
+    replay, so the launch cannot know them, only the cache's maximum ``max_len``. One
+    program per (row, KV head, row block) walks its positions serially: at batch 1 that is
+    HKV programs (3 on SmolLM2) on a GPU of ~132 SMs, each looping over the whole context.
+    Splitting multiplies the programs (each a contiguous range, cut from the real length
+    on the device) at the cost of a combine kernel; it stops at about
+    ``_SPLIT_PROGRAMS_PER_SM`` programs per SM (a launch that already fills the GPU gains
+    nothing from it), at ``_MAX_SPLITS`` (the combine reads every split's partial) and at
+    the tiles in ``max_len``. Powers of two, so few kernel variants are compiled."""
+    programs = batch * kv_heads * row_blocks
+    most = min(_MAX_SPLITS, -(-max_len // block_n))
+    splits = 1
+    while splits * 2 <= most and programs * splits * 2 <= _SPLIT_PROGRAMS_PER_SM * sm_count:
+        splits *= 2
+    return splits
+
+
+def _row_blocks(T: int, hq: int, hkv: int) -> tuple[int, int]:
+    """(BLOCK_M, row blocks) of one (row, KV head): its T * G query rows, token-major."""
     rows = T * (hq // hkv)
     block_m = 16 if rows <= 16 else 32 if rows <= 256 else 64
-    grid = (B, hkv, triton.cdiv(rows, block_m))
-    _paged_attention_kernel[grid](
-        q, k_cache, v_cache, table, slots.contiguous(), start_pos.contiguous(), o, T,
-        pos_offset, 1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1), table.stride(0),
-        table.shape[1], HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=64,
-        num_warps=4)
+    return block_m, -(-rows // block_m)
+
+
+def default_splits(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
+                   block_n: int = 64) -> int:
+    """The split count ``paged_attention`` takes for these shapes (``attention_splits``);
+    the cache's maximum length is its block table's pages a slot."""
+    B, T, hq, _ = q.shape
+    page, hkv = k_cache.shape[1], k_cache.shape[2]
+    return attention_splits(B, hkv, _row_blocks(T, hq, hkv)[1], table.shape[1] * page,
+                            block_n, _sm_count(q.device))
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
+                    pos_offset: int = 0, *, splits: int | None = None, block_n: int = 64,
+                    num_warps: int = 4) -> torch.Tensor:
+    """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
+    Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``.
+
+    ``splits``: KV ranges per row (split-KV, then a combine kernel); None: ``attention_splits``
+    (from the shapes only), 1: one kernel. ``block_n``, ``num_warps``: the KV tile and warps
+    (parameters for sweeps, bench/bench_paged_attention.py)."""
+    B, T, hq, D = q.shape
+    _, page, hkv, _ = k_cache.shape
+    q = q.contiguous()
+    o = torch.empty_like(q)
+    block_m, row_blocks = _row_blocks(T, hq, hkv)
+    if splits is None:
+        splits = default_splits(q, k_cache, table, block_n)
+    args = (T, pos_offset, 1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1),
+            table.stride(0), table.shape[1])
+    meta = dict(HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
+                num_warps=num_warps)
+    slots, start_pos = slots.contiguous(), start_pos.contiguous()
+    if splits == 1:
+        _paged_attention_kernel[(B, hkv, row_blocks)](
+            q, k_cache, v_cache, table, slots, start_pos, o, *args, **meta)
+        return o.view(B, T, hq * D)
+    # Partials in fp32 (inside a graph capture these come from the graph's pool).
+    n = B * T * hq * splits
+    part_m = torch.empty(n, dtype=torch.float32, device=q.device)
+    part_l = torch.empty(n, dtype=torch.float32, device=q.device)
+    part_acc = torch.empty(n, D, dtype=torch.float32, device=q.device)
+    _paged_attention_split_kernel[(B, hkv, row_blocks * splits)](
+        q, k_cache, v_cache, table, slots, start_pos, part_m, part_l, part_acc, *args,
+        SPLITS=splits, **meta)
+    # A few rows a program: about 4k partial values (32 registers a thread at 4 warps), so
+    # batch 1's 9 rows still spread over a few SMs (the combine waits on one load each).
+    s_block = _pow2(splits)
+    rows_per = max(1, 4096 // (s_block * D))
+    n_rows = B * T * hq
+    _attention_combine_kernel[(triton.cdiv(n_rows, rows_per),)](
+        part_m, part_l, part_acc, o, n_rows, SPLITS=splits, S_BLOCK=s_block, D=D,
+        ROWS=rows_per, num_warps=4)
     return o.view(B, T, hq * D)
 
 

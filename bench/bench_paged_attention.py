@@ -1,0 +1,190 @@
+"""Paged attention on the GPU: one kernel against split-KV (flash-decoding), per call.
+
+SmolLM2-135M's attention shapes (9 query heads, 3 KV heads, head dim 64, bf16), random
+data, no weights: a KV cache of ``--max-len`` positions a slot in ``--page``-position pages
+handed out in a random order, one cache per call like the model's layers (so L2 holds
+what it would). For each batch B, query tokens T (decode; VERIFY with K = 3, 5) and
+context length, a CUDA graph holds ``--calls`` calls (the model's ~30 layers) and is
+replayed; the time per call is the replay's ÷ calls (so the in-graph gap between kernels
+is in it, as in the model). Each split count S is timed, and the automatic one
+(``attention_splits``, from the shapes only); every result is checked against the one
+kernel (S = 1). Prints a table and writes JSON to $OUT/attention.json (OUT: /tmp).
+
+    python bench/bench_paged_attention.py            # the full table, < 90 s on an H200
+    python bench/bench_paged_attention.py --device cpu --batches 1 --tokens 1,4 \\
+        --contexts 40 --max-len 64 --calls 2          # a smoke test (TRITON_INTERPRET=1)
+
+Table columns: µs per call for S = 1 (the one kernel) and each S; ``auto`` is the rule's
+S and its time; ``best`` the fastest S; ``auto/best`` the rule's time over the best's
+(1.00: the rule picked the best, or one within noise); ``x`` the one kernel's time over
+the rule's. A second table sweeps the KV tile and warps (``--tiles``) for S = 1 and auto.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from specloop.models import _kernels
+
+HQ, HKV, D = 9, 3, 64
+
+
+def make_inputs(batch: int, T: int, context: int, args, device: str, gen: torch.Generator):
+    """Per-call caches, q, a shuffled block table, slots and starts (lengths just under
+    ``context``, not multiples of a tile)."""
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    per = -(-args.max_len // args.page)
+    pages = batch * per
+    order = torch.randperm(pages, generator=gen).int().view(batch, per)
+    table = torch.cat([order, torch.full((1, per), pages, dtype=torch.int32)]).to(device)
+    shape = (pages + 1, args.page, HKV, D)
+    caches = [(torch.randn(shape, device=device, dtype=dtype),
+               torch.randn(shape, device=device, dtype=dtype)) for _ in range(args.calls)]
+    q = torch.randn(batch, T, HQ, D, generator=gen).to(device, dtype)
+    lengths = [max(T, context - (b % 13)) for b in range(batch)]
+    starts = torch.tensor([n - T for n in lengths], device=device)
+    slots = torch.arange(batch, device=device)
+    return caches, q, table, slots, starts
+
+
+def time_per_call(fn, calls: int, device: str, replays: int, repeats: int) -> tuple[float, object]:
+    """µs per call (median of ``repeats`` timings of ``replays`` graph replays) and the first
+    call's output. On the CPU: eager calls, wall time (a smoke test, not a figure)."""
+    if device != "cuda":
+        out = None
+        start = time.perf_counter()
+        for i in range(calls):
+            o = fn(i)
+            out = o if out is None else out
+        return (time.perf_counter() - start) / calls * 1e6, out
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up off the capture
+        for i in range(calls):
+            fn(i)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = [fn(i) for i in range(calls)]
+    for _ in range(3):
+        graph.replay()
+    times = []
+    for _ in range(repeats):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        for _ in range(replays):
+            graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end) * 1e3 / (replays * calls))
+    del graph
+    return statistics.median(times), outs[0].clone()
+
+
+def measure(batch, T, context, args, device, gen, block_n, warps, split_values):
+    caches, q, table, slots, starts = make_inputs(batch, T, context, args, device, gen)
+    sm = _kernels._sm_count(q.device)
+    auto = _kernels.default_splits(q, caches[0][0], table, block_n)
+    us, err = {}, {}
+    ref = None
+    for s in dict.fromkeys([1, *split_values, auto]):
+        def call(i, s=s):
+            k, v = caches[i]
+            return _kernels.paged_attention(q, k, v, table, slots, starts, splits=s,
+                                            block_n=block_n, num_warps=warps)
+        us[s], out = time_per_call(call, args.calls, device, args.replays, args.repeats)
+        if ref is None:
+            ref = out.float()
+        err[s] = float((out.float() - ref).abs().max())
+    best = min(us, key=us.get)
+    return {"batch": batch, "T": T, "context": context, "block_n": block_n, "num_warps": warps,
+            "sm_count": sm, "us_per_call": {str(s): round(t, 3) for s, t in us.items()},
+            "max_abs_diff_vs_one_kernel": {str(s): e for s, e in err.items()},
+            "auto_splits": auto, "best_splits": best, "auto_is_best": auto == best,
+            "auto_over_best": round(us[auto] / us[best], 3),
+            "one_kernel_over_auto": round(us[1] / us[auto], 3)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke test (TRITON_INTERPRET=1)")
+    ap.add_argument("--batches", default="1,8,32,128")
+    ap.add_argument("--tokens", default="1,4,6", help="query tokens a row (decode, VERIFY)")
+    ap.add_argument("--contexts", default="256,512,1024,2048")
+    ap.add_argument("--splits", default="2,4,8,16,32", help="S values timed besides 1, auto")
+    ap.add_argument("--max-len", type=int, default=2048, help="the cache's (engine default)")
+    ap.add_argument("--page", type=int, default=16, help="positions a page (engine default)")
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--num-warps", type=int, default=4)
+    ap.add_argument("--tiles", default="32x4,64x4,64x8,128x4",
+                    help="BLOCK_Nxwarps swept (S = 1 and auto) at B 1, 32; '' to skip")
+    ap.add_argument("--calls", type=int, default=30, help="calls a graph (the model's layers)")
+    ap.add_argument("--replays", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=3)
+    args = ap.parse_args()
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA: run with --device cpu (under TRITON_INTERPRET=1) to smoke-test")
+    ints = lambda text: [int(x) for x in text.split(",") if x]  # noqa: E731
+    gen = torch.Generator().manual_seed(0)
+    began = time.perf_counter()
+    split_values = ints(args.splits)
+    rows = []
+    head = (f"{'B':>4} {'T':>2} {'ctx':>5} | {'S=1':>6} " + " ".join(f"{'S=' + str(s):>6}"
+            for s in split_values) + f" | {'auto':>9} {'best':>4} {'auto/best':>9} {'x':>5}"
+            f" {'maxdiff':>8}")
+    print(f"paged attention, µs per call ({args.calls} calls a graph), HQ {HQ} HKV {HKV} D {D},"
+          f" page {args.page}, max_len {args.max_len}, BLOCK_N {args.block_n}, "
+          f"warps {args.num_warps}")
+    print(head)
+    for batch in ints(args.batches):
+        for T in ints(args.tokens):
+            for context in ints(args.contexts):
+                r = measure(batch, T, context, args, args.device, gen, args.block_n,
+                            args.num_warps, split_values)
+                rows.append(r)
+                u = r["us_per_call"]
+                cells = " ".join(f"{u.get(str(s), float('nan')):6.2f}" for s in split_values)
+                print(f"{batch:>4} {T:>2} {context:>5} | {u['1']:6.2f} {cells} | "
+                      f"{u[str(r['auto_splits'])]:6.2f}@{r['auto_splits']:<2} "
+                      f"{r['best_splits']:>4} {r['auto_over_best']:9.2f} "
+                      f"{r['one_kernel_over_auto']:5.2f} "
+                      f"{max(r['max_abs_diff_vs_one_kernel'].values()):8.1e}")
+                if args.device == "cuda":
+                    torch.cuda.empty_cache()
+    tiles = []
+    if args.tiles:
+        print("\nKV tile sweep (S = 1 and auto), µs per call")
+        print(f"{'B':>4} {'T':>2} {'ctx':>5} {'tile':>6} | {'S=1':>6} {'auto':>9}")
+        for batch in [b for b in (1, 32) if b in ints(args.batches)] or ints(args.batches)[:1]:
+            for T in ints(args.tokens)[:2]:
+                for context in (ints(args.contexts)[1::2] or ints(args.contexts)):
+                    for tile in args.tiles.split(","):
+                        block_n, warps = (int(x) for x in tile.split("x"))
+                        r = measure(batch, T, context, args, args.device, gen, block_n, warps,
+                                    [])
+                        tiles.append(r)
+                        u = r["us_per_call"]
+                        print(f"{batch:>4} {T:>2} {context:>5} {tile:>6} | {u['1']:6.2f} "
+                              f"{u[str(r['auto_splits'])]:6.2f}@{r['auto_splits']:<2}")
+    picked = sum(r["auto_is_best"] for r in rows)
+    within = sum(r["auto_over_best"] <= 1.05 for r in rows)
+    print(f"\nauto picked the best S in {picked}/{len(rows)} cases, within 5% of it in "
+          f"{within}/{len(rows)}; {time.perf_counter() - began:.0f} s")
+    out = Path(os.environ.get("OUT", "/tmp")) / "attention.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    out.write_text(json.dumps({"device": device, "args": vars(args), "rows": rows,
+                               "tiles": tiles, "auto_best": picked, "auto_within_5pct": within,
+                               "cases": len(rows)}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

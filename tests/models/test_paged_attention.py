@@ -1,0 +1,142 @@
+"""Paged attention, one kernel and split-KV (flash-decoding), against a float64 dense
+reference: Triton's interpreter on the CPU in float32 (a child process: the interpreter is
+chosen before Triton is imported), and on CUDA in bf16 inside a captured graph.
+
+Covered: random lengths (not multiples of a split's chunk, ranges crossing pages of a
+shuffled block table), page sizes 4 and 16, decode and VERIFY's causal rows (T = 1, 4, 6),
+splits that get no position (short rows cut many ways), a split count not a power of two,
+the automatic split count, and determinism (two calls give the same bits).
+"""
+
+import pytest
+import torch
+
+from specloop.models import _kernels
+
+from ..interpreted import run_interpreted
+
+# A float64 dense reference and a random paged cache, shared by the interpreted child
+# (which execs this source) and the GPU test.
+REFERENCE = r"""
+import torch
+
+def reference(q, k_cache, v_cache, table, slots, start_pos, pos_offset=0):
+    # Row b's query t sees positions 0..start+t of its slot, gathered page by page.
+    B, T, HQ, D = q.shape
+    _, P, HKV, _ = k_cache.shape
+    G = HQ // HKV
+    out = torch.empty(B, T, HQ, D, dtype=torch.float64)
+    for b in range(B):
+        start = int(start_pos[b]) + pos_offset
+        n = start + T
+        pos = torch.arange(n)
+        pages = table[int(slots[b])].long().cpu()[pos // P]
+        k = k_cache.cpu().double()[pages, pos % P]  # [n, HKV, D]
+        v = v_cache.cpu().double()[pages, pos % P]
+        for t in range(T):
+            for h in range(HQ):
+                s = k[: start + t + 1, h // G] @ q[b, t, h].cpu().double() / D ** 0.5
+                out[b, t, h] = torch.softmax(s, 0) @ v[: start + t + 1, h // G]
+    return out.view(B, T, HQ * D)
+
+def random_cache(gen, slots, max_len, page, hkv, d, dtype, device):
+    # Every slot owns whole pages, handed out in a random order (pages of a row are not
+    # contiguous); page `pages` is scratch.
+    per = -(-max_len // page)
+    pages = slots * per
+    order = torch.randperm(pages, generator=gen).int()
+    table = torch.cat([order.view(slots, per), torch.full((1, per), pages, dtype=torch.int32)])
+    k = torch.randn(pages + 1, page, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(pages + 1, page, hkv, d, generator=gen).to(dtype).to(device)
+    return k, v, table.to(device)
+"""
+
+CHILD = REFERENCE + r"""
+import random
+from specloop.models import _kernels
+
+gen = torch.Generator().manual_seed(0)
+rng = random.Random(0)
+HQ, HKV, D = 6, 2, 16
+checked = 0
+for page, max_len, block_n in ((4, 96, 16), (16, 128, 32)):
+    k, v, table = random_cache(gen, 4, max_len, page, HKV, D, torch.float32, "cpu")
+    for T in (1, 4, 6):
+        B = 3
+        # Lengths: one short row (most splits empty), others anywhere up to the end.
+        starts = torch.tensor([rng.randrange(0, 5)] + [rng.randrange(5, max_len - T)
+                                                       for _ in range(B - 1)])
+        slots = torch.tensor(rng.sample(range(4), B))
+        q = torch.randn(B, T, HQ, D, generator=gen)
+        ref = reference(q, k, v, table, slots, starts)
+        one = _kernels.paged_attention(q, k, v, table, slots, starts, splits=1, block_n=block_n)
+        assert (one.double() - ref).abs().max() < 2e-5, (page, T, 1)
+        for splits in (3, 8, None):
+            got = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits,
+                                           block_n=block_n)
+            err = (got.double() - ref).abs().max()
+            assert err < 2e-5, (page, T, splits, float(err))
+            assert (got - one).abs().max() < 2e-5, (page, T, splits)
+            again = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits,
+                                             block_n=block_n)
+            assert torch.equal(got, again), (page, T, splits)
+            checked += 1
+# pos_offset (a draft step's rows at start + offset) moves every split's range with it.
+starts = torch.tensor([40, 9])
+q = torch.randn(2, 1, HQ, D, generator=gen)
+ref = reference(q, k, v, table, torch.tensor([2, 0]), starts, -3)
+got = _kernels.paged_attention(q, k, v, table, torch.tensor([2, 0]), starts, -3, splits=4,
+                               block_n=block_n)
+assert (got.double() - ref).abs().max() < 2e-5
+assert checked == 18
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_split_kv_equals_reference_interpreted():
+    pytest.importorskip("triton")
+    run_interpreted(CHILD)
+
+
+def test_split_count_rule():
+    """From shapes only: many splits at batch 1, none once the programs fill the GPU, never
+    more than the cache's tiles or _MAX_SPLITS, always a power of two."""
+    splits = _kernels.attention_splits
+    assert splits(1, 3, 1, 2048, 64, 132) == _kernels._MAX_SPLITS
+    assert splits(1, 3, 1, 256, 64, 132) == 4  # 256 positions: 4 tiles of 64
+    assert splits(128, 3, 1, 2048, 64, 132) == 1
+    seen = [splits(b, 3, 1, 2048, 64, 132) for b in (1, 2, 4, 8, 16, 32, 64, 128)]
+    assert seen == sorted(seen, reverse=True) and seen[-1] == 1
+    for b, s in zip((1, 2, 4, 8, 16, 32, 64, 128), seen):
+        assert (s & (s - 1)) == 0 and (s == 1 or 3 * b * s <= 2 * 132), (b, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, 1, 4])
+def test_split_kv_in_graph_bf16(splits):
+    """A captured call replays at other lengths with the eager call's bits, and within bf16
+    rounding of the float64 reference (SmolLM2's heads: 9 query, 3 KV, 64 wide)."""
+    ns: dict = {}
+    exec(REFERENCE, ns)
+    gen = torch.Generator().manual_seed(1)
+    B, T, HQ, HKV, D, max_len = 2, 4, 9, 3, 64, 2048
+    k, v, table = ns["random_cache"](gen, 3, max_len, 16, HKV, D, torch.bfloat16, "cuda")
+    q = torch.randn(B, T, HQ, D, generator=gen).to(torch.bfloat16).cuda()
+    slots = torch.tensor([2, 0], device="cuda")
+    starts = torch.tensor([5, 7], device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits)
+    for lengths in ([0, 1], [1000, 63], [2044, 300], [16, 2043 - T]):
+        starts.copy_(torch.tensor(lengths))
+        graph.replay()
+        eager = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits)
+        assert torch.equal(out, eager), lengths
+        ref = ns["reference"](q, k, v, table, slots, starts)
+        torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
