@@ -4,7 +4,9 @@ Weights are stacked per kind over layers (fused qkv and gate-up) so a forward is
 short Python loop, no nn.Module call per layer. Two paths compute the same function:
 plain tensor ops (the reference; CPU, float64 tests) and, on CUDA, fused Triton kernels
 (residual add + RMSNorm, RoPE + cache write, paged attention over real lengths, SwiGLU:
-nine kernels per layer with the four GEMMs). ``DecoderModel.kernels`` picks one.
+nine kernels per layer with the four GEMMs; for few rows the GEMMs run on the
+skinny-GEMM kernel, which takes SwiGLU into the down projection, see _linear).
+``DecoderModel.kernels`` picks one.
 """
 
 from __future__ import annotations
@@ -82,8 +84,10 @@ class DecoderModel(nn.Module):
         self.register_parameter("lm_head", None if args.tie_word_embeddings else _param(V, H, **p))
         # None: fused kernels on CUDA when Triton imports, plain ops elsewhere; tests set it.
         self.kernels: bool | None = None
-        # The reference path's matmuls: F.linear, but VERIFY-sized row counts on the CPU
-        # run on oneDNN-packed weights (see _linear; packed on first use).
+        # Every matmul of both paths: F.linear, but VERIFY-sized row counts on the CPU run
+        # on oneDNN-packed weights (packed on first use), and 1..32 rows on CUDA in bf16 /
+        # fp16 on the skinny-GEMM kernel (see _linear; ``self.linear.skinny = False`` or
+        # SPECLOOP_SKINNY=0: cuBLAS).
         self.linear = PackedLinear()
         cos, sin = rope_tables(args, args.max_position_embeddings, dtype, device)
         self.register_buffer("rope_cos", cos, persistent=False)  # [P, D]
@@ -256,20 +260,24 @@ class DecoderModel(nn.Module):
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer in nine kernels; returns the residual stream and the MLP output
+        """The same layer in nine kernels (one fewer on the skinny path); returns the residual stream and the MLP output
         still to be added (the next layer's norm kernel adds it). ``capture``: where the
         first norm kernel also stores its input stream x + delta (the last layer's output)."""
         a = self.args
         h, x = _kernels.add_rms_norm(x, delta, w.attn_norm, a.rms_norm_eps, capture)
-        qkv = F.linear(h, w.wqkv, w.bqkv)
+        # The GEMMs through the one dispatcher: the skinny-GEMM kernel for few rows on
+        # CUDA (models/_linear; ``self.linear.skinny``), else F.linear.
+        qkv = self.linear(h, w.wqkv, w.bqkv)
         q = _kernels.rope_cache_write(qkv, step.start_pos, step.slots, cache.pages.table,
                                       cache.max_seq_len, cache.pages.scratch_page,
                                       self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],
                                       a.num_heads, step.pos_offset)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset)
-        h, x = _kernels.add_rms_norm(x, F.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps)
-        return x, F.linear(_kernels.silu_mul(F.linear(h, w.w_gate_up)), w.w_down)
+        h, x = _kernels.add_rms_norm(x, self.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps)
+        # SwiGLU and the down projection: one kernel on the skinny path (silu * up formed
+        # in its prologue), else silu_mul then the down GEMM.
+        return x, self.linear.silu_mul_linear(self.linear(h, w.w_gate_up), w.w_down)
 
 
 def _resolve_kv_len(start_pos: torch.Tensor, T: int, cache: KVCache, kv_len: int | None) -> int:

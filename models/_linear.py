@@ -1,26 +1,100 @@
-"""CPU matmuls over a few rows (VERIFY's K+1 tokens, a draft head's catch-up) on weights
-prepacked for oneDNN.
+"""The one dispatcher for the models' matmuls over a few rows (decode, VERIFY's K+1 tokens,
+a draft head's steps): oneDNN-packed weights on the CPU, a skinny-GEMM Triton kernel on
+CUDA, ``F.linear`` everywhere else.
 
-A decode step's matmuls are bound by reading the weights once, whatever the rows. On x86
-CPUs (MKL, fp32) the 1-row product runs at that bound (gemv), but 2-32 rows go through
-sgemm at 1.5-2.5x its cost: SmolLM2's LM head [49152, 576], one thread, 8.2 ms for 1 row,
-20.5 ms for 4, 24.6 ms for 8 — so verifying K+1 tokens cost about twice a decode step,
-which ate most of what speculation saves on the CPU. oneDNN's kernel on a weight reordered
-once into its blocked layout takes 10.1 ms for 4 rows and 14.3 ms for 8 (bench figures in
-docs/performance.md, "On the CPU"). Outside that window (1 row; prefill chunks over 32
-rows; CUDA; autograd) this is ``F.linear`` itself, so a decode step without speculation is
-bit-for-bit what it was (short prompts' prefill now runs packed: fp32 rounding-level
+On the CPU. A decode step's matmuls are bound by reading the weights once, whatever the
+rows. On x86 CPUs (MKL, fp32) the 1-row product runs at that bound (gemv), but 2-32 rows go
+through sgemm at 1.5-2.5x its cost: SmolLM2's LM head [49152, 576], one thread, 8.2 ms for
+1 row, 20.5 ms for 4, 24.6 ms for 8 — so verifying K+1 tokens cost about twice a decode
+step, which ate most of what speculation saves on the CPU. oneDNN's kernel on a weight
+reordered once into its blocked layout takes 10.1 ms for 4 rows and 14.3 ms for 8 (bench
+figures in docs/performance.md, "On the CPU"). Outside that window (1 row; prefill chunks
+over 32 rows; autograd) this is ``F.linear`` itself, so a decode step without speculation
+is bit-for-bit what it was (short prompts' prefill now runs packed: fp32 rounding-level
 differences, as between any two GEMM kernels).
+
+On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, outside autograd). cuBLAS's tiles for so few
+rows leave most SMs idle (an H200 at batch 1: 3.7-3.9 us per SmolLM2 GEMM, whose weights
+stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) finely.
+Which configuration runs per (N, K, row bucket) is SKINNY_TABLE, filled from
+``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
+``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
+False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 """
 
 from __future__ import annotations
 
+import os
+import re
+
 import torch
 import torch.nn.functional as F
+
+from . import _skinny
+from ._skinny import SkinnyConfig
 
 # Rows (all leading dims) for which the packed kernel beats MKL (measured 2..32; from 64
 # rows on both cost the same, and long prefill chunks keep MKL's numerics).
 MIN_ROWS, MAX_ROWS = 2, 32
+
+# Rows for which the skinny kernel may run on CUDA (row buckets 1, 2, 4, 8, 16, 32).
+SKINNY_MAX_ROWS = 32
+
+# (N, K, silu_mul) -> {row bucket: config tag, or None for F.linear}. The tags are
+# SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
+# warps, 3 stages; ``v``: no tl.dot). Rows r use bucket 2^ceil(log2 r); a bucket missing
+# from an entry, or a shape missing from the table, uses default_config. These are guesses
+# for SmolLM2-135M and its EAGLE-3 head until the H200 bench's table replaces them
+# (bench/bench_skinny_gemm.py prints the literal to paste here).
+SKINNY_TABLE: dict[tuple[int, int, bool], dict[int, str | None]] = {
+    (960, 576, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s1w4n3", 16: "d16x128s1w4n3", 32: "d32x64s1w4n3"},
+    (576, 576, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
+    (3072, 576, False): {1: "v16x256s1w4n3", 2: "v16x128s1w4n3", 4: "v16x64s1w4n3", 8: "d16x128s1w4n3", 16: "d32x128s1w4n3", 32: "d32x64s1w4n3"},
+    (576, 1536, True): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
+    (576, 1728, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
+    (576, 1152, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
+}
+
+_TAG = re.compile(r"([dv])(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
+
+
+def parse_config(tag: str) -> SkinnyConfig:
+    """SkinnyConfig.tag()'s inverse."""
+    m = _TAG.fullmatch(tag)
+    if m is None:
+        raise ValueError(f"not a skinny config tag: {tag!r}")
+    d, *ints = m.groups()
+    bn, bk, split, warps, stages = map(int, ints)
+    return SkinnyConfig(d == "d", bn, bk, split, warps, stages)
+
+
+def row_bucket(rows: int) -> int:
+    return 1 << max(0, (rows - 1).bit_length())
+
+
+def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
+    """A guess for shapes the table lacks: few rows without tl.dot, N split into blocks of
+    8-32 rows of W (>= ~100 programs for N >= 768), at most ~32 fp32 products per thread
+    in the broadcast path's [rows, BLOCK_N, BLOCK_K] tile; tl.dot from 8 rows on."""
+    kpow = max(16, row_bucket(k))
+    if rows <= 4:
+        bn = 8 if n <= 2048 else 16 if n <= 8192 else 32
+        bk = min(kpow, max(16, 32 * 128 // (row_bucket(rows) * bn)))
+        return SkinnyConfig(False, bn, bk)
+    return SkinnyConfig(True, 16 if n <= 4096 else 64, min(kpow, 128))
+
+
+def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig | None:
+    """The configuration for ``rows`` x [N, K], or None where F.linear runs (the table says
+    cuBLAS wins, or more than SKINNY_MAX_ROWS rows)."""
+    if not 1 <= rows <= SKINNY_MAX_ROWS:
+        return None
+    bucket = row_bucket(rows)
+    entry = SKINNY_TABLE.get((n, k, silu_mul))
+    if entry is not None and bucket in entry:
+        tag = entry[bucket]
+        return None if tag is None else parse_config(tag)
+    return default_config(rows, n, k)
 
 
 def packing_available() -> bool:
@@ -28,9 +102,16 @@ def packing_available() -> bool:
                                                             "_linear_pointwise")
 
 
+def skinny_available() -> bool:
+    """The skinny kernel may run: Triton imports and ``SPECLOOP_SKINNY`` is not 0."""
+    return _skinny.available() and os.environ.get("SPECLOOP_SKINNY", "1") != "0"
+
+
 class PackedLinear:
     """``F.linear`` that, for CPU float32 inputs of MIN_ROWS..MAX_ROWS rows outside
-    autograd, multiplies by a oneDNN-packed copy of the weight, packed on first use.
+    autograd, multiplies by a oneDNN-packed copy of the weight, packed on first use
+    (``enabled``), and for CUDA bf16/fp16 inputs of 1..SKINNY_MAX_ROWS rows runs the
+    skinny-GEMM kernel (``skinny``; configurations from SKINNY_TABLE).
 
     One cache per model (no module-level state). An entry holds the weight view it was
     packed from, so its storage stays alive and its address cannot be reused by another
@@ -38,17 +119,49 @@ class PackedLinear:
     optimizer step) must still match, or the weight is repacked.
     """
 
-    def __init__(self, *, enabled: bool | None = None) -> None:
+    def __init__(self, *, enabled: bool | None = None, skinny: bool | None = None) -> None:
         self.enabled = packing_available() if enabled is None else enabled
+        self.skinny = skinny_available() if skinny is None else skinny
+        # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
+        self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
                            tuple[torch.Tensor, int, torch.Tensor]] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
+        config = self._skinny_config(x, weight, bias, silu_mul=False)
+        if config is not None:
+            return _skinny.skinny_linear(x, weight, bias, config)
         if not self._applies(x, weight, bias):
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")
+
+    def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2I] (gate, up), weight [H, I] -> (silu(gate) * up) @ weight^T: one
+        skinny kernel where it runs, else the fused path's silu_mul kernel and this
+        dispatcher (the MLP's down projection of ``DecoderModel._fused_layer``)."""
+        config = self._skinny_config(gate_up, weight, None, silu_mul=True)
+        if config is not None:
+            return _skinny.skinny_linear(gate_up, weight, None, config, silu_mul=True)
+        from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
+        return self(_kernels.silu_mul(gate_up), weight)
+
+    def _skinny_config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       *, silu_mul: bool) -> SkinnyConfig | None:
+        if not self.skinny or x.dtype not in (torch.bfloat16, torch.float16) \
+                or weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1 \
+                or not (x.device.type == "cuda" or self.skinny_on_cpu and x.device.type == "cpu"):
+            return None
+        if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1):
+            return None
+        n, k = weight.shape
+        if x.shape[-1] != (2 * k if silu_mul else k):
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                        (bias is not None and bias.requires_grad)):
+            return None
+        return skinny_config(x.numel() // max(x.shape[-1], 1), n, k, silu_mul)
 
     def _applies(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> bool:
@@ -80,7 +193,10 @@ class PackedLinear:
     # A copied (or pickled) model has weights of its own: it starts with an empty cache
     # (packed tensors are opaque and cannot be copied anyway).
     def __deepcopy__(self, memo: dict[int, object]) -> "PackedLinear":
-        return PackedLinear(enabled=self.enabled)
+        clone = PackedLinear(enabled=self.enabled, skinny=self.skinny)
+        clone.skinny_on_cpu = self.skinny_on_cpu
+        return clone
 
     def __getstate__(self) -> dict[str, object]:
-        return {"enabled": self.enabled, "_packed": {}}
+        return {"enabled": self.enabled, "skinny": self.skinny,
+                "skinny_on_cpu": self.skinny_on_cpu, "_packed": {}}

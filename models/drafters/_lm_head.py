@@ -66,7 +66,10 @@ class DraftHead:
 
     def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._weight_t is None:
-            return F.linear(hidden, self.weight)
+            # CUDA: few rows on the skinny-GEMM kernel (models/_linear); elsewhere F.linear
+            # (no packed copy of a shared [V, H] weight on the CPU).
+            return self._packed(hidden, self.weight) if hidden.is_cuda else \
+                F.linear(hidden, self.weight)
         if hidden.shape[0] == 1 and not hidden.requires_grad:
             return hidden @ self._weight_t
         return self._packed(hidden, self.weight)

@@ -1,0 +1,267 @@
+"""The skinny-GEMM kernel (models/_skinny) and its dispatch (models/_linear).
+
+The kernel runs under Triton's interpreter in a child process (tests/interpreted.py): it
+equals a float64 reference within the inputs' rounding for 1..17 rows (and 40: several row
+blocks), N and K off the block sizes, with bias, split-K on and off, with and without
+tl.dot, and the silu-mul-down variant; twice the same input gives the same bits. The
+interpreter's tl.dot multiplies bf16 tensors as their raw 16-bit integers (it stores bf16
+as uint16), so tl.dot configurations are checked in fp16 and fp32 here and in bf16 by the
+GPU tests below. The dispatcher's choices (table, buckets, switches) run in-process.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specloop.models import _linear
+from specloop.models._linear import (SKINNY_MAX_ROWS, SKINNY_TABLE, PackedLinear,
+                                     default_config, parse_config, row_bucket, skinny_config)
+from specloop.models._skinny import SkinnyConfig
+
+from ..interpreted import run_interpreted
+
+KERNEL_CHILD = r"""
+import torch
+import torch.nn.functional as F
+from specloop.models._skinny import SkinnyConfig, skinny_linear
+
+torch.manual_seed(0)
+configs = [SkinnyConfig(False, 8, 32), SkinnyConfig(False, 16, 64, split_k=3),
+           SkinnyConfig(True, 16, 32), SkinnyConfig(True, 32, 16, split_k=2)]
+N, K = 37, 83                      # neither a multiple of any block
+w32, b32 = torch.randn(N, K), torch.randn(N)
+gu32 = torch.randn(40, 2 * K) * 2
+# Per dtype: the relative error of one rounding to it (the interpreter's fp32 -> bf16
+# cast truncates: 2^-7; CUDA's rounds to nearest), for y and for the silu-mul operand.
+for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
+    w, b = w32.to(dtype), b32.to(dtype)
+    for ci, cfg in enumerate(configs):
+        # fp32 runs every config; fp16 the tl.dot ones, bf16 the others (the interpreter's
+        # bf16 tl.dot: see the module doc).
+        if dtype != torch.float32 and cfg.dot != (dtype == torch.float16):
+            continue
+        # Rows 1..17 spread over the configs; 40 = 2 and 3 row blocks (fp32).
+        extra = {40} if dtype == torch.float32 and ci in (0, 3) else set()
+        for M in sorted({1, 17, *extra, *range(1 + ci, 18, len(configs))}):
+            for act in (False, True):
+                x = gu32[:M].to(dtype) if act else gu32[:M, :K].to(dtype)
+                bias = None if act or M % 2 else b
+                y = skinny_linear(x, w, bias, cfg, silu_mul=act)
+                assert y.dtype == dtype and y.shape == (M, N)
+                if act:  # the operand as _kernels.silu_mul rounds it
+                    g, u = x[:, :K].float(), x[:, K:].float()
+                    a = (g / (1.0 + torch.exp(-g)) * u).to(dtype).double()
+                else:
+                    a = x.double()
+                ref = a @ w.double().T + (0 if bias is None else bias.double())
+                # y's rounding, fp32 summation over K, and (act) the operand's rounding.
+                scale = a.abs() @ w.double().abs().T
+                bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
+                assert ((y.double() - ref).abs() <= bound).all(), (dtype, cfg, M, act)
+                if M in (1, 17):
+                    assert torch.equal(y, skinny_linear(x, w, bias, cfg, silu_mul=act))
+# Leading dims, a strided x (rows of a wider tensor), and x rows > 32 in row blocks.
+x = torch.randn(2, 3, 2 * K)[..., :K]
+cfg = SkinnyConfig(False, 8, 32)
+torch.testing.assert_close(skinny_linear(x, w32, b32, cfg), F.linear(x, w32, b32),
+                           rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_skinny_kernel_equals_float64_reference_interpreted():
+    run_interpreted(KERNEL_CHILD)
+
+
+LAYER_CHILD = r"""
+import sys, torch
+from specloop.models import PageTable, load_model, _kernels, _skinny
+
+model = load_model(sys.argv[1], dtype=torch.float16).model
+model.kernels = True
+V = model.args.vocab_size
+calls = {"skinny": 0, "silu": 0}
+run, silu = _skinny.skinny_linear, _kernels.silu_mul
+def counted(*a, **k):
+    calls["skinny"] += 1
+    return run(*a, **k)
+def counted_silu(*a, **k):
+    calls["silu"] += 1
+    return silu(*a, **k)
+_skinny.skinny_linear, _kernels.silu_mul = counted, counted_silu
+out = {}
+for skinny in (False, True):
+    model.linear.skinny = model.linear.skinny_on_cpu = skinny
+    pages = PageTable(2, 64, 4)
+    cache = model.make_cache(2, 64, pages=pages)
+    for slot in range(2):
+        pages.resize(slot, 12)
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]) % V
+    out[skinny] = model.logits(model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]), cache))
+    L = model.args.num_layers
+    if skinny:   # 3 GEMMs + the fused silu-down a layer, and the LM head: no silu_mul
+        assert calls == {"skinny": 4 * L + 1, "silu": L}, calls
+    else:
+        assert calls == {"skinny": 0, "silu": L}, calls
+torch.testing.assert_close(out[True], out[False], rtol=2e-2, atol=2e-2)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
+    """The fused decoder layer through the dispatcher's skinny path (fp16, CPU, Triton's
+    interpreter): the GEMMs and the LM head run on the kernel, silu_mul does not, and the
+    logits match the cuBLAS-shaped path's (F.linear + silu_mul) within fp16 rounding."""
+    run_interpreted(LAYER_CHILD, str(tiny_dirs["llama"]))
+
+
+def test_table_tags_parse_and_round_trip():
+    for (n, k, _), entry in SKINNY_TABLE.items():
+        assert n > 0 and k > 0 and set(entry) <= {1, 2, 4, 8, 16, 32}
+        for tag in entry.values():
+            if tag is not None:
+                cfg = parse_config(tag)
+                assert cfg.tag() == tag and (not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16)
+    with pytest.raises(ValueError):
+        parse_config("d16x128")
+
+
+def test_skinny_config_buckets_and_window(monkeypatch):
+    assert [row_bucket(r) for r in (1, 2, 3, 4, 5, 9, 17, 32)] == [1, 2, 4, 4, 8, 16, 32, 32]
+    monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), {1: "v8x64s1w4n3", 4: None})
+    assert skinny_config(1, 100, 50) == SkinnyConfig(False, 8, 64, 1, 4, 3)
+    assert skinny_config(3, 100, 50) is None                   # the table says cuBLAS
+    assert skinny_config(2, 100, 50) == default_config(2, 100, 50)   # bucket not in entry
+    assert skinny_config(2, 100, 50, silu_mul=True) == default_config(2, 100, 50)
+    assert skinny_config(SKINNY_MAX_ROWS + 1, 100, 50) is None
+    assert skinny_config(0, 100, 50) is None
+    for rows in range(1, SKINNY_MAX_ROWS + 1):
+        for n, k in ((576, 576), (49152, 576), (64, 1536)):
+            cfg = default_config(rows, n, k)
+            # tl.dot needs 16 on each side; the broadcast tile stays <= 32 fp32 per thread.
+            assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16
+            assert cfg.dot or cfg.block_m(rows) * cfg.block_n * cfg.block_k <= \
+                32 * 32 * cfg.num_warps
+
+
+def test_cpu_fp32_never_takes_the_skinny_path(monkeypatch):
+    """On the CPU the dispatcher is what it was (packed for 2..32 fp32 rows, F.linear else);
+    the kernel is not even asked, in any dtype."""
+    def boom(*a, **k):
+        raise AssertionError("skinny kernel on the CPU")
+    monkeypatch.setattr(_linear._skinny, "skinny_linear", boom)
+    lin = PackedLinear(skinny=True)
+    w = torch.randn(48, 40)
+    for rows in (1, 4, 40):
+        x = torch.randn(rows, 40)
+        want = F.linear(x, w)
+        got = lin(x, w)
+        if lin.enabled and 2 <= rows <= 32:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        else:
+            assert torch.equal(got, want)
+    xb, wb = torch.randn(3, 40).bfloat16(), w.bfloat16()
+    assert torch.equal(lin(xb, wb), F.linear(xb, wb))
+
+
+def test_switch_and_copies(monkeypatch):
+    monkeypatch.setenv("SPECLOOP_SKINNY", "0")
+    assert not PackedLinear().skinny and not _linear.skinny_available()
+    monkeypatch.setenv("SPECLOOP_SKINNY", "1")
+    assert PackedLinear().skinny == _linear._skinny.available()
+    import copy
+    import pickle
+    lin = PackedLinear(skinny=False)
+    lin.skinny_on_cpu = True
+    for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
+        assert clone.skinny is False and clone.skinny_on_cpu is True
+
+
+# ---- CUDA (the lead runs `pytest -m gpu`) ----------------------------------------------
+
+# SmolLM2-135M's GEMMs and its EAGLE-3 head's (fc3, fc, the 16k draft LM head), and the
+# target's LM head: (N, K, silu_mul).
+SMOLLM2_SHAPES = [(960, 576, False), (576, 576, False), (3072, 576, False), (576, 1536, True),
+                  (576, 1728, False), (576, 1152, False), (16384, 576, False),
+                  (49152, 576, False)]
+
+
+@pytest.mark.gpu
+def test_skinny_matches_f_linear_bf16_cuda():
+    """Every configuration the table or the default picks for SmolLM2's shapes, 1..32 rows:
+    within bf16 rounding of F.linear (on the silu_mul kernel's output for the fused down),
+    and the same bits twice."""
+    from specloop.models import _kernels
+    from specloop.models._skinny import skinny_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n, k, act in SMOLLM2_SHAPES:
+        w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16()
+        bias = (torch.randn(n, device="cuda", generator=gen)).bfloat16()
+        for rows in (1, 2, 3, 4, 5, 8, 13, 16, 17, 32):
+            cfg = skinny_config(rows, n, k, act) or default_config(rows, n, k)
+            x = torch.randn(rows, 2 * k if act else k, device="cuda", generator=gen).bfloat16()
+            b = None if act else bias
+            y = skinny_linear(x, w, b, cfg, silu_mul=act)
+            ref = F.linear(_kernels.silu_mul(x) if act else x, w, b)
+            torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2,
+                                       msg=lambda m: f"{(n, k, act, rows, cfg.tag())}: {m}")
+            assert torch.equal(y, skinny_linear(x, w, b, cfg, silu_mul=act))
+
+
+@pytest.mark.gpu
+def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs):
+    """The fused decoder (bf16) with the skinny path: its error against an fp32 forward is
+    no worse than cuBLAS's (as test_fused_kernels_match_reference_bf16), and a captured
+    decode step (2 rows) and VERIFY step (2 x 4 rows) replay to the eager call's bits."""
+    from specloop.models import load_model
+
+    model = load_model(tiny_dirs["qwen2"], dtype=torch.bfloat16, device="cuda").model  # bias
+    fp32 = load_model(tiny_dirs["qwen2"], dtype=torch.float32, device="cuda").model
+    fp32.kernels = False
+    V, B, S = model.args.vocab_size, 2, 64
+    gen = torch.Generator().manual_seed(0)
+    prompt = torch.randint(0, V, (B, 9), generator=gen).cuda()
+    slots = torch.arange(B, device="cuda")
+    zeros = torch.zeros(B, dtype=torch.long, device="cuda")
+
+    def logits(m, tokens, start, cache):
+        return m.logits(m(tokens, start, slots, cache, kv_len=S))
+
+    for T in (1, 4):
+        tokens = torch.randint(0, V, (B, T), generator=gen).cuda()
+        start = torch.full((B,), 9, dtype=torch.long, device="cuda")
+        out = {}
+        for name, m, skinny in (("fp32", fp32, False), ("cublas", model, False),
+                                ("skinny", model, True)):
+            m.linear.skinny = skinny
+            cache = m.make_cache(B, S)
+            logits(m, prompt, zeros, cache)
+            out[name] = logits(m, tokens, start, cache)
+        err_cublas = (out["cublas"] - out["fp32"]).abs().max().item()
+        err_skinny = (out["skinny"] - out["fp32"]).abs().max().item()
+        assert err_skinny <= 1.5 * err_cublas + 1e-3, (T, err_skinny, err_cublas)
+
+        model.linear.skinny = True
+        cache, eager_cache = model.make_cache(B, S), model.make_cache(B, S)
+        for c in (cache, eager_cache):
+            logits(model, prompt, zeros, c)
+        static = tokens.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                logits(model, static, start, model.make_cache(B, S))
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = logits(model, static, start, cache)
+        for i in range(3):
+            step = torch.randint(0, V, (B, T), generator=gen).cuda()
+            static.copy_(step)
+            start.fill_(9 + i * T)
+            graph.replay()
+            eager = logits(model, step, start.clone(), eager_cache)
+            assert torch.equal(captured, eager), (T, i)
