@@ -1,0 +1,335 @@
+"""H200: the skinny-GEMM Triton kernel (models/_skinny) against cuBLAS (F.linear) for
+SmolLM2-135M's GEMMs, its EAGLE-3 head's and the LM heads, 1..32 rows, as a captured step
+sees them: each timing replays a CUDA graph of >= 50 back-to-back calls (time / calls),
+each call on its own copy of the weight, >= 128 MiB of copies in all, so the weights
+stream from HBM as in a step over 30 layers, not from L2. No model weights needed (random
+bf16 of the real shapes).
+
+Per (shape, rows): cuBLAS, then every configuration of the sweep (and, around the best,
+num_warps 2 / 8 and num_stages 2 / 4); each result is checked against F.linear (bf16
+tolerance; a config that fails is reported, never chosen). The fused silu-down shape's
+baseline is what it replaces: _kernels.silu_mul + F.linear. Then a whole SmolLM2-like
+layer's GEMMs (qkv, o, gate-up, silu + down) over 30 layers' weights, at 1 and 4 rows:
+cuBLAS, the dispatcher's table as in the code, and the table this run measured.
+
+Prints a table and the SKINNY_TABLE literal to paste into models/_linear.py (a config
+only where it beats cuBLAS by >= 3%, else None = F.linear); writes JSON to
+$OUT/skinny.json (OUT defaults to /tmp). Triton compiles happen first, in parallel worker
+processes (Triton's on-disk cache then serves this process): ~40-60 s cold on 16 cores.
+
+    python bench/bench_skinny_gemm.py            # everything (< 90 s on one H200)
+    python bench/bench_skinny_gemm.py --rows 1,4 --shapes qkv,down --no-refine
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+import torch.nn.functional as F
+
+# name -> (N, K, silu_mul): SmolLM2-135M (hidden 576, 9 q heads + 3 kv heads of 64,
+# intermediate 1536, vocab 49152) and its EAGLE-3 head (fc3 3*576 -> 576, fc 2*576 -> 576,
+# draft LM head over 16384 draft tokens).
+SHAPES = {
+    "qkv": (960, 576, False),
+    "o": (576, 576, False),
+    "gate_up": (3072, 576, False),
+    "down+silu": (576, 1536, True),
+    "fc3": (576, 1728, False),
+    "fc": (576, 1152, False),
+    "draft_lm": (16384, 576, False),
+    "lm_head": (49152, 576, False),
+}
+ROWS = (1, 2, 4, 8, 16, 32)
+L2_FLUSH_BYTES = 128 << 20   # > 2x the H200's 50 MB L2
+MIN_CALLS, MAX_CALLS = 50, 400
+WIN = 0.97                   # a config goes into the table only if <= 97% of cuBLAS's time
+# --smoke (CPU, Triton's interpreter): shapes / 8, 2 calls, 2 configs, wall-clock timing.
+SMOKE = False
+DEVICE = "cuda"
+DTYPE = torch.bfloat16
+
+
+def sweep(rows: int) -> list:
+    """The configurations tried for ``rows`` (SkinnyConfig; 4 warps, 3 stages)."""
+    from specloop.models._skinny import SkinnyConfig as C
+    # (BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_K 1024 takes K = 576 in one masked pass.
+    vec = {1: [(4, 512, 1), (4, 1024, 1), (8, 256, 1), (8, 512, 1), (8, 1024, 1), (16, 256, 1),
+               (32, 128, 1), (8, 256, 2)],
+           2: [(4, 256, 1), (4, 512, 1), (8, 128, 1), (8, 256, 1), (16, 128, 1), (8, 128, 2)],
+           4: [(4, 128, 1), (8, 64, 1), (8, 128, 1), (16, 64, 1)],
+           8: [(4, 64, 1), (8, 64, 1), (16, 32, 1)]}.get(rows, [])
+    dot = [(16, 64, 1), (16, 128, 1), (32, 64, 1), (32, 128, 1), (64, 64, 1), (16, 128, 2),
+           (16, 64, 4)] if rows >= 4 else []
+    return [C(False, n, k, s) for n, k, s in vec] + [C(True, n, k, s) for n, k, s in dot]
+
+
+def variants(cfg) -> list:
+    """Around a best config: num_warps 2 and 8, num_stages 2 and 4."""
+    return [cfg._replace(num_warps=2), cfg._replace(num_warps=8),
+            cfg._replace(num_stages=2), cfg._replace(num_stages=4)]
+
+
+def compile_key(cfg, rows: int, k: int, act: bool) -> tuple:
+    """What makes Triton compile apart (M is not specialised; N, K, strides are all
+    multiples of 16 here): the block sizes as launched, the split, the flags."""
+    split = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k)))
+    k_per = math.ceil(math.ceil(k / split) / cfg.block_k) * cfg.block_k
+    return (cfg._replace(split_k=math.ceil(k / k_per)), cfg.block_m(rows), act)
+
+
+def _compile_tasks(tasks: list) -> int:
+    """Worker: run each (rows, N, K, act, cfg) once, so Triton compiles it into its cache."""
+    from specloop.models._skinny import skinny_linear
+    for rows, n, k, act, cfg in tasks:
+        x = torch.zeros(rows, 2 * k if act else k, dtype=torch.bfloat16, device="cuda")
+        w = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
+        skinny_linear(x, w, None, cfg, silu_mul=act)
+    torch.cuda.synchronize()
+    return len(tasks)
+
+
+def precompile(tasks: list, workers: int) -> None:
+    """One task per distinct compile, spread over spawned workers (each its own CUDA
+    context); on any failure the timing loop compiles what is missing itself."""
+    seen, unique = set(), []
+    for t in tasks:
+        key = compile_key(t[4], t[0], t[2], t[3])
+        if key not in seen:
+            seen.add(key)
+            unique.append(t)
+    start = time.perf_counter()
+    chunks = [unique[i::workers] for i in range(workers)]
+    try:
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn")) as pool:
+            done = sum(pool.map(_compile_tasks, [c for c in chunks if c]))
+    except Exception as e:  # noqa: BLE001 - a bench: report and go on
+        print(f"parallel compile failed ({e!r}); compiling while timing", flush=True)
+        return
+    print(f"compiled {done} kernels in {time.perf_counter() - start:.1f} s on {workers} "
+          f"workers", flush=True)
+
+
+def time_graph(fn, calls: int, reps: int = 7) -> tuple[float, torch.Tensor]:
+    """fn(i) for i < calls captured in one graph -> (median us per call, last output)."""
+    if SMOKE:   # no graphs on the CPU: the calls once, wall clock
+        start = time.perf_counter()
+        for i in range(calls):
+            out = fn(i)
+        return (time.perf_counter() - start) * 1e6 / calls, out.clone()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(0)                                   # compile / autotune outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            out = fn(i)
+    graph.replay()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    result = out.clone()
+    del graph
+    return statistics.median(times), result
+
+
+def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
+    err = (y.float() - ref.float()).abs().max().item()
+    return err <= 2e-2 * max(1.0, ref.float().abs().max().item())
+
+
+def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -> list[dict]:
+    from specloop.models._kernels import silu_mul
+    from specloop.models._skinny import skinny_linear
+    wbytes = n * k * 2
+    copies = max(2, math.ceil(L2_FLUSH_BYTES / wbytes))
+    calls = 2 if SMOKE else min(MAX_CALLS, max(MIN_CALLS, copies))
+    copies = min(copies, calls)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    ws = [(torch.randn(n, k, device=DEVICE, generator=gen) * 0.05).to(DTYPE)
+          for _ in range(copies)]
+    out = []
+    for rows in rows_list:
+        x = torch.randn(rows, 2 * k if act else k, device=DEVICE, generator=gen).to(DTYPE)
+        last = ws[(calls - 1) % copies]
+        ref = F.linear(silu_mul(x) if act else x, last)
+        if act:
+            base, _ = time_graph(lambda i: F.linear(silu_mul(x), ws[i % copies]), calls)
+        else:
+            base, _ = time_graph(lambda i: F.linear(x, ws[i % copies]), calls)
+        results: dict[str, float | str] = {}
+
+        def run(cfg):
+            if cfg.tag() in results:
+                return
+            try:
+                us, y = time_graph(lambda i: skinny_linear(x, ws[i % copies], None, cfg,
+                                                           silu_mul=act), calls)
+                results[cfg.tag()] = us if close(y, ref) else "mismatch"
+            except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
+                results[cfg.tag()] = f"error: {type(e).__name__}: {str(e)[:80]}"
+
+        for cfg in sweep(rows)[:2] if SMOKE else sweep(rows):
+            run(cfg)
+        timed = {t: v for t, v in results.items() if isinstance(v, float)}
+        if refine and timed:
+            from specloop.models._linear import parse_config
+            for cfg in variants(parse_config(min(timed, key=timed.__getitem__))):
+                run(cfg)
+            timed = {t: v for t, v in results.items() if isinstance(v, float)}
+        best = min(timed, key=timed.__getitem__) if timed else None
+        row = {"shape": name, "N": n, "K": k, "silu_mul": act, "rows": rows, "calls": calls,
+               "cublas_us": base, "best": best, "best_us": timed.get(best) if best else None,
+               "ratio": timed[best] / base if best else None, "configs": results}
+        out.append(row)
+        bad = [t for t, v in results.items() if not isinstance(v, float)]
+        print(f"{name:10s} {n:6d}x{k:<5d} M={rows:<3d} cuBLAS {base:6.2f} us  best "
+              + (f"{timed[best]:6.2f} us {best:15s} x{timed[best] / base:.2f}" if best
+                 else "none") + (f"  ({len(bad)} failed: {bad[:3]})" if bad else ""),
+              flush=True)
+    del ws
+    if not SMOKE:
+        torch.cuda.empty_cache()
+    return out
+
+
+def table_from(rows: list[dict]) -> dict:
+    table: dict[tuple[int, int, bool], dict[int, str | None]] = {}
+    for r in rows:
+        win = r["best"] is not None and r["best_us"] <= WIN * r["cublas_us"]
+        table.setdefault((r["N"], r["K"], r["silu_mul"]), {})[r["rows"]] = \
+            r["best"] if win else None
+    return table
+
+
+def table_literal(table: dict) -> str:
+    lines = ["SKINNY_TABLE: dict[tuple[int, int, bool], dict[int, str | None]] = {"]
+    for key, entry in table.items():
+        inner = ", ".join(f"{b}: {v!r}" for b, v in sorted(entry.items()))
+        lines.append(f"    {key!r}: {{{inner}}},")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def bench_layer(table: dict, layers: int = 30) -> list[dict]:
+    """qkv, o, gate-up and silu + down over ``layers`` layers' weights (SmolLM2's shapes),
+    through the dispatcher: cuBLAS, the code's table, this run's table (us per layer)."""
+    from specloop.models import _linear
+    from specloop.models._linear import PackedLinear
+    QKV, H = SHAPES["qkv"][:2]
+    I = SHAPES["down+silu"][1]
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+
+    def w(*shape):
+        return (torch.randn(*shape, device=DEVICE, generator=gen) * 0.05).to(DTYPE)
+
+    weights = [(w(QKV, H), w(H, H), w(2 * I, H), w(H, I)) for _ in range(layers)]
+    out = []
+    for rows in (1, 4):
+        h = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
+        o_in = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
+        res = {}
+        for name, skinny, tab in (("cublas", False, None), ("code table", True, None),
+                                  ("bench table", True, table)):
+            lin = PackedLinear(skinny=skinny)
+            lin.skinny_on_cpu = SMOKE
+            saved = dict(_linear.SKINNY_TABLE)
+            if tab is not None:
+                _linear.SKINNY_TABLE.update(tab)
+
+            def step(i, lin=lin):
+                wqkv, wo, wgu, wd = weights[i]
+                lin(h, wqkv)
+                lin(o_in, wo)
+                return lin.silu_mul_linear(lin(h, wgu), wd)
+            try:
+                res[name], _ = time_graph(step, layers)
+            finally:
+                _linear.SKINNY_TABLE.clear()
+                _linear.SKINNY_TABLE.update(saved)
+        print(f"layer (4 GEMMs + silu) M={rows}: " + ", ".join(
+            f"{k} {v:.2f} us" for k, v in res.items())
+            + f"  -> x{res['bench table'] / res['cublas']:.2f}", flush=True)
+        out.append({"rows": rows, "us_per_layer": res})
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
+    ap.add_argument("--no-refine", dest="refine", action="store_false",
+                    help="skip num_warps / num_stages variants around each best config")
+    ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU under TRITON_INTERPRET=1: this script's logic on shapes / 8")
+    args = ap.parse_args()
+    global SMOKE, DEVICE, DTYPE
+    if args.smoke:
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            sys.exit("--smoke needs TRITON_INTERPRET=1")
+        SMOKE, DEVICE, DTYPE = True, "cpu", torch.float16   # (interpreter: no bf16 tl.dot)
+        args.refine, args.workers = False, 1
+        for name, (n, k, act) in SHAPES.items():
+            SHAPES[name] = (n // 8, k // 8, act)
+    elif not torch.cuda.is_available():
+        sys.exit("needs CUDA")
+    from specloop.models import _skinny
+    if not _skinny.available():
+        sys.exit("needs Triton")
+    import triton
+    t0 = time.perf_counter()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    tasks = []
+    for n, k, act in shapes.values():
+        for rows in rows_list:
+            for cfg in sweep(rows):
+                tasks.append((rows, n, k, act, cfg))
+                if args.refine:
+                    tasks += [(rows, n, k, act, v) for v in variants(cfg)]
+    if args.workers > 1:
+        precompile(tasks, args.workers)
+    results = []
+    for name, (n, k, act) in shapes.items():
+        results += bench_shape(name, n, k, act, rows_list, args.refine)
+    table = table_from(results)
+    layer = bench_layer(table, 2 if SMOKE else 30) \
+        if {"qkv", "o", "gate_up", "down+silu"} <= set(shapes) else []
+    print("\nshape        N x K      M  cuBLAS us  Triton us  config           ratio")
+    for r in results:
+        best = f"{r['best_us']:9.2f}  {r['best']:15s} {r['ratio']:5.2f}" if r["best"] else \
+            "     none"
+        print(f"{r['shape']:10s} {r['N']:6d}x{r['K']:<5d} {r['rows']:3d} {r['cublas_us']:9.2f}"
+              f"  {best}")
+    literal = table_literal(table)
+    print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n" + literal)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny.json")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
+                   "torch": torch.__version__,
+                   "triton": triton.__version__, "rows": results, "layer": layer,
+                   "table": {repr(k): v for k, v in table.items()}, "table_literal": literal,
+                   "seconds": time.perf_counter() - t0}, f, indent=1)
+    print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)")
+
+
+if __name__ == "__main__":
+    main()
