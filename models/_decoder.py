@@ -260,9 +260,10 @@ class DecoderModel(nn.Module):
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer in nine kernels (one fewer on the skinny path); returns the residual stream and the MLP output
-        still to be added (the next layer's norm kernel adds it). ``capture``: where the
-        first norm kernel also stores its input stream x + delta (the last layer's output)."""
+        """The same layer in nine kernels (one fewer on the skinny path); returns the
+        residual stream and the MLP output still to be added (the next layer's norm kernel
+        adds it). ``capture``: where the first norm kernel also stores its input stream
+        x + delta (the last layer's output)."""
         a = self.args
         h, x = _kernels.add_rms_norm(x, delta, w.attn_norm, a.rms_norm_eps, capture)
         # The GEMMs through the one dispatcher: the skinny-GEMM kernel for few rows on
