@@ -17,7 +17,8 @@ kernel (S = 1). Prints a table and writes JSON to $OUT/attention.json (OUT: /tmp
 Table columns: µs per call for S = 1 (the one kernel) and each S; ``auto`` is the rule's
 S and its time; ``best`` the fastest S; ``auto/best`` the rule's time over the best's
 (1.00: the rule picked the best, or one within noise); ``x`` the one kernel's time over
-the rule's. A second table sweeps the KV tile and warps (``--tiles``) for S = 1 and auto.
+the rule's. A second table sweeps the KV tile, warps and pipelining stages (``--tiles``;
+stages: Triton's default unless given) for S = 1 and auto.
 """
 
 from __future__ import annotations
@@ -88,7 +89,7 @@ def time_per_call(fn, calls: int, device: str, replays: int, repeats: int) -> tu
     return statistics.median(times), outs[0].clone()
 
 
-def measure(batch, T, context, args, device, gen, block_n, warps, split_values):
+def measure(batch, T, context, args, device, gen, block_n, warps, split_values, stages=None):
     caches, q, table, slots, starts = make_inputs(batch, T, context, args, device, gen)
     sm = _kernels._sm_count(q.device)
     auto = _kernels.default_splits(q, caches[0][0], table, block_n)
@@ -98,13 +99,15 @@ def measure(batch, T, context, args, device, gen, block_n, warps, split_values):
         def call(i, s=s):
             k, v = caches[i]
             return _kernels.paged_attention(q, k, v, table, slots, starts, splits=s,
-                                            block_n=block_n, num_warps=warps)
+                                            block_n=block_n, num_warps=warps,
+                                            num_stages=stages)
         us[s], out = time_per_call(call, args.calls, device, args.replays, args.repeats)
         if ref is None:
             ref = out.float()
         err[s] = float((out.float() - ref).abs().max())
     best = min(us, key=us.get)
     return {"batch": batch, "T": T, "context": context, "block_n": block_n, "num_warps": warps,
+            "num_stages": stages,
             "sm_count": sm, "us_per_call": {str(s): round(t, 3) for s, t in us.items()},
             "max_abs_diff_vs_one_kernel": {str(s): e for s, e in err.items()},
             "auto_splits": auto, "best_splits": best, "auto_is_best": auto == best,
@@ -123,8 +126,9 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16, help="positions a page (engine default)")
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--num-warps", type=int, default=4)
-    ap.add_argument("--tiles", default="32x4,64x4,64x8,128x4",
-                    help="BLOCK_Nxwarps swept (S = 1 and auto) at B 1, 32; '' to skip")
+    ap.add_argument("--tiles", default="16x4,32x4,64x2,64x8,64x4x1",
+                    help="BLOCK_N x warps [x stages] swept (S = 1 and auto) at B 1, 32, T 1, 4 "
+                         "and every other context; '' to skip")
     ap.add_argument("--calls", type=int, default=30, help="calls a graph (the model's layers)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
@@ -161,17 +165,17 @@ def main() -> None:
     tiles = []
     if args.tiles:
         print("\nKV tile sweep (S = 1 and auto), µs per call")
-        print(f"{'B':>4} {'T':>2} {'ctx':>5} {'tile':>6} | {'S=1':>6} {'auto':>9}")
+        print(f"{'B':>4} {'T':>2} {'ctx':>5} {'tile':>8} | {'S=1':>6} {'auto':>9}")
         for batch in [b for b in (1, 32) if b in ints(args.batches)] or ints(args.batches)[:1]:
             for T in ints(args.tokens)[:2]:
                 for context in (ints(args.contexts)[1::2] or ints(args.contexts)):
                     for tile in args.tiles.split(","):
-                        block_n, warps = (int(x) for x in tile.split("x"))
+                        block_n, warps, *stages = (int(x) for x in tile.split("x"))
                         r = measure(batch, T, context, args, args.device, gen, block_n, warps,
-                                    [])
+                                    [], stages[0] if stages else None)
                         tiles.append(r)
                         u = r["us_per_call"]
-                        print(f"{batch:>4} {T:>2} {context:>5} {tile:>6} | {u['1']:6.2f} "
+                        print(f"{batch:>4} {T:>2} {context:>5} {tile:>8} | {u['1']:6.2f} "
                               f"{u[str(r['auto_splits'])]:6.2f}@{r['auto_splits']:<2}")
     picked = sum(r["auto_is_best"] for r in rows)
     within = sum(r["auto_over_best"] <= 1.05 for r in rows)

@@ -400,8 +400,10 @@ def attention_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, b
     on the device) at the cost of a combine kernel; it stops at about
     ``_SPLIT_PROGRAMS_PER_SM`` programs per SM (a launch that already fills the GPU gains
     nothing from it), at ``_MAX_SPLITS`` (the combine reads every split's partial) and at
-    the tiles in ``max_len``. Powers of two, so few kernel variants are compiled."""
-    programs = batch * kv_heads * row_blocks
+    the tiles in ``max_len``. Powers of two, so few kernel variants are compiled. The batch
+    counts rounded up to a power of two: a row's rounding depends on S, and so an eager
+    call at batch B and a graph replayed at the next power-of-two bucket split alike."""
+    programs = _pow2(batch) * kv_heads * row_blocks
     most = min(_MAX_SPLITS, -(-max_len // block_n))
     splits = 1
     while splits * 2 <= most and programs * splits * 2 <= _SPLIT_PROGRAMS_PER_SM * sm_count:
@@ -429,13 +431,14 @@ def default_splits(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                     pos_offset: int = 0, *, splits: int | None = None, block_n: int = 64,
-                    num_warps: int = 4) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
     Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``.
 
     ``splits``: KV ranges per row (split-KV, then a combine kernel); None: ``attention_splits``
-    (from the shapes only), 1: one kernel. ``block_n``, ``num_warps``: the KV tile and warps
-    (parameters for sweeps, bench/bench_paged_attention.py)."""
+    (from the shapes only), 1: one kernel. ``block_n``, ``num_warps``, ``num_stages``: the
+    KV tile, warps and software-pipelining stages (None: Triton's default), parameters for
+    sweeps (bench/bench_paged_attention.py)."""
     B, T, hq, D = q.shape
     _, page, hkv, _ = k_cache.shape
     q = q.contiguous()
@@ -447,6 +450,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
             table.stride(0), table.shape[1])
     meta = dict(HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
                 num_warps=num_warps)
+    if num_stages is not None:
+        meta["num_stages"] = num_stages
     slots, start_pos = slots.contiguous(), start_pos.contiguous()
     if splits == 1:
         _paged_attention_kernel[(B, hkv, row_blocks)](

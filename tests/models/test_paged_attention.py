@@ -101,7 +101,8 @@ def test_split_kv_equals_reference_interpreted():
 
 def test_split_count_rule():
     """From shapes only: many splits at batch 1, none once the programs fill the GPU, never
-    more than the cache's tiles or _MAX_SPLITS, always a power of two."""
+    more than the cache's tiles or _MAX_SPLITS, always a power of two, and the same for a
+    batch as for the power-of-two bucket above it."""
     splits = _kernels.attention_splits
     assert splits(1, 3, 1, 2048, 64, 132) == _kernels._MAX_SPLITS
     assert splits(1, 3, 1, 256, 64, 132) == 4  # 256 positions: 4 tiles of 64
@@ -110,6 +111,10 @@ def test_split_count_rule():
     assert seen == sorted(seen, reverse=True) and seen[-1] == 1
     for b, s in zip((1, 2, 4, 8, 16, 32, 64, 128), seen):
         assert (s & (s - 1)) == 0 and (s == 1 or 3 * b * s <= 2 * 132), (b, s)
+    # A batch splits as the power-of-two bucket above it (eager == replayed bits).
+    assert [splits(b, 3, 1, 2048, 64, 132) for b in (5, 6, 7)] == [splits(8, 3, 1, 2048, 64,
+                                                                          132)] * 3
+    assert splits(3, 3, 1, 2048, 64, 132) == splits(4, 3, 1, 2048, 64, 132)
 
 
 @pytest.mark.gpu
