@@ -44,15 +44,16 @@ SKINNY_MAX_ROWS = 32
 # SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
 # warps, 3 stages; ``v``: no tl.dot). Rows r use bucket 2^ceil(log2 r); a bucket missing
 # from an entry, or a shape missing from the table, uses default_config. These are guesses
-# for SmolLM2-135M and its EAGLE-3 head until the H200 bench's table replaces them
-# (bench/bench_skinny_gemm.py prints the literal to paste here).
+# for SmolLM2-135M and its EAGLE-3 head (>= ~1 wave of programs over 132 SMs, K in one or
+# few passes) until the H200 bench's table replaces them: bench/bench_skinny_gemm.py
+# prints the literal to paste here.
 SKINNY_TABLE: dict[tuple[int, int, bool], dict[int, str | None]] = {
-    (960, 576, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s1w4n3", 16: "d16x128s1w4n3", 32: "d32x64s1w4n3"},
-    (576, 576, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
-    (3072, 576, False): {1: "v16x256s1w4n3", 2: "v16x128s1w4n3", 4: "v16x64s1w4n3", 8: "d16x128s1w4n3", 16: "d32x128s1w4n3", 32: "d32x64s1w4n3"},
-    (576, 1536, True): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
-    (576, 1728, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
-    (576, 1152, False): {1: "v8x512s1w4n3", 2: "v8x256s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s2w4n3"},
+    (960, 576, False): {1: "v8x1024s1w4n3", 2: "v8x512s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s1w4n3", 16: "d16x128s1w4n3", 32: "d32x64s1w4n3"},
+    (576, 576, False): {1: "v4x1024s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+    (3072, 576, False): {1: "v8x1024s1w4n3", 2: "v8x512s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s1w4n3", 16: "d32x128s1w4n3", 32: "d32x64s1w4n3"},
+    (576, 1536, True): {1: "v4x512s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+    (576, 1728, False): {1: "v4x512s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+    (576, 1152, False): {1: "v4x512s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
 }
 
 _TAG = re.compile(r"([dv])(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
