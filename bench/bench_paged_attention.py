@@ -17,7 +17,8 @@ kernel (S = 1). Prints a table and writes JSON to $OUT/attention.json (OUT: /tmp
 Table columns: µs per call for S = 1 (the one kernel) and each S; ``auto`` is the rule's
 S and its time; ``best`` the fastest S; ``auto/best`` the rule's time over the best's
 (1.00: the rule picked the best, or one within noise); ``x`` the one kernel's time over
-the rule's. A second table sweeps the KV tile, warps and pipelining stages (``--tiles``;
+the rule's; ``last`` the rule's S with combine="last" (the last program of a row's
+splits combines them: no second kernel) and the one kernel's time over it. A second table sweeps the KV tile, warps and pipelining stages (``--tiles``;
 stages: Triton's default unless given) for S = 1 and auto.
 """
 
@@ -90,29 +91,37 @@ def time_per_call(fn, calls: int, device: str, replays: int, repeats: int) -> tu
 
 
 def measure(batch, T, context, args, device, gen, block_n, warps, split_values, stages=None):
+    """One shape: µs per call for S = 1, each S and the rule's S (a combine kernel), and the
+    rule's S with combine="last" (no second kernel), each checked against S = 1."""
     caches, q, table, slots, starts = make_inputs(batch, T, context, args, device, gen)
     sm = _kernels._sm_count(q.device)
     auto = _kernels.default_splits(q, caches[0][0], table, block_n)
+    variants = {str(s): (s, "kernel") for s in dict.fromkeys([1, *split_values, auto])}
+    if auto > 1 and args.last:
+        variants["last"] = (auto, "last")
     us, err = {}, {}
     ref = None
-    for s in dict.fromkeys([1, *split_values, auto]):
-        def call(i, s=s):
+    for label, (s, combine) in variants.items():
+        def call(i, s=s, combine=combine):
             k, v = caches[i]
             return _kernels.paged_attention(q, k, v, table, slots, starts, splits=s,
                                             block_n=block_n, num_warps=warps,
-                                            num_stages=stages)
-        us[s], out = time_per_call(call, args.calls, device, args.replays, args.repeats)
+                                            num_stages=stages, combine=combine)
+        us[label], out = time_per_call(call, args.calls, device, args.replays, args.repeats)
         if ref is None:
             ref = out.float()
-        err[s] = float((out.float() - ref).abs().max())
-    best = min(us, key=us.get)
+        err[label] = float((out.float() - ref).abs().max())
+    best = int(min((k for k in us if k != "last"), key=us.get))
+    fastest = min(us, key=us.get)
     return {"batch": batch, "T": T, "context": context, "block_n": block_n, "num_warps": warps,
             "num_stages": stages,
-            "sm_count": sm, "us_per_call": {str(s): round(t, 3) for s, t in us.items()},
-            "max_abs_diff_vs_one_kernel": {str(s): e for s, e in err.items()},
+            "sm_count": sm, "us_per_call": {k: round(t, 3) for k, t in us.items()},
+            "max_abs_diff_vs_one_kernel": err,
             "auto_splits": auto, "best_splits": best, "auto_is_best": auto == best,
-            "auto_over_best": round(us[auto] / us[best], 3),
-            "one_kernel_over_auto": round(us[1] / us[auto], 3)}
+            "auto_over_best": round(us[str(auto)] / us[str(best)], 3),
+            "one_kernel_over_auto": round(us["1"] / us[str(auto)], 3),
+            "one_kernel_over_last": round(us["1"] / us["last"], 3) if "last" in us else None,
+            "fastest": fastest}
 
 
 def main() -> None:
@@ -126,9 +135,11 @@ def main() -> None:
     ap.add_argument("--page", type=int, default=16, help="positions a page (engine default)")
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--num-warps", type=int, default=4)
-    ap.add_argument("--tiles", default="16x4,32x4,64x2,64x8,64x4x1",
+    ap.add_argument("--tiles", default="16x4,32x4,64x8",
                     help="BLOCK_N x warps [x stages] swept (S = 1 and auto) at B 1, 32, T 1, 4 "
                          "and every other context; '' to skip")
+    ap.add_argument("--no-last", dest="last", action="store_false",
+                    help="skip combine='last' (the rule's S, no combine kernel)")
     ap.add_argument("--calls", type=int, default=30, help="calls a graph (the model's layers)")
     ap.add_argument("--replays", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=3)
@@ -142,7 +153,7 @@ def main() -> None:
     rows = []
     head = (f"{'B':>4} {'T':>2} {'ctx':>5} | {'S=1':>6} " + " ".join(f"{'S=' + str(s):>6}"
             for s in split_values) + f" | {'auto':>9} {'best':>4} {'auto/best':>9} {'x':>5}"
-            f" {'maxdiff':>8}")
+            f" | {'last':>6} {'x':>5} {'maxdiff':>8}")
     print(f"paged attention, µs per call ({args.calls} calls a graph), HQ {HQ} HKV {HKV} D {D},"
           f" page {args.page}, max_len {args.max_len}, BLOCK_N {args.block_n}, "
           f"warps {args.num_warps}")
@@ -155,17 +166,19 @@ def main() -> None:
                 rows.append(r)
                 u = r["us_per_call"]
                 cells = " ".join(f"{u.get(str(s), float('nan')):6.2f}" for s in split_values)
+                last = (f"{u['last']:6.2f} {r['one_kernel_over_last']:5.2f}" if "last" in u
+                        else f"{'-':>6} {'-':>5}")
                 print(f"{batch:>4} {T:>2} {context:>5} | {u['1']:6.2f} {cells} | "
                       f"{u[str(r['auto_splits'])]:6.2f}@{r['auto_splits']:<2} "
                       f"{r['best_splits']:>4} {r['auto_over_best']:9.2f} "
-                      f"{r['one_kernel_over_auto']:5.2f} "
+                      f"{r['one_kernel_over_auto']:5.2f} | {last} "
                       f"{max(r['max_abs_diff_vs_one_kernel'].values()):8.1e}")
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
     tiles = []
     if args.tiles:
         print("\nKV tile sweep (S = 1 and auto), µs per call")
-        print(f"{'B':>4} {'T':>2} {'ctx':>5} {'tile':>8} | {'S=1':>6} {'auto':>9}")
+        print(f"{'B':>4} {'T':>2} {'ctx':>5} {'tile':>8} | {'S=1':>6} {'auto':>9} {'last':>6}")
         for batch in [b for b in (1, 32) if b in ints(args.batches)] or ints(args.batches)[:1]:
             for T in ints(args.tokens)[:2]:
                 for context in (ints(args.contexts)[1::2] or ints(args.contexts)):
@@ -176,16 +189,20 @@ def main() -> None:
                         tiles.append(r)
                         u = r["us_per_call"]
                         print(f"{batch:>4} {T:>2} {context:>5} {tile:>8} | {u['1']:6.2f} "
-                              f"{u[str(r['auto_splits'])]:6.2f}@{r['auto_splits']:<2}")
+                              f"{u[str(r['auto_splits'])]:6.2f}@{r['auto_splits']:<2} "
+                              f"{u.get('last', float('nan')):6.2f}")
     picked = sum(r["auto_is_best"] for r in rows)
     within = sum(r["auto_over_best"] <= 1.05 for r in rows)
+    last_wins = sum(r["fastest"] == "last" for r in rows)
     print(f"\nauto picked the best S in {picked}/{len(rows)} cases, within 5% of it in "
-          f"{within}/{len(rows)}; {time.perf_counter() - began:.0f} s")
+          f"{within}/{len(rows)}; combine='last' fastest of all in {last_wins}/{len(rows)}; "
+          f"{time.perf_counter() - began:.0f} s")
     out = Path(os.environ.get("OUT", "/tmp")) / "attention.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     device = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     out.write_text(json.dumps({"device": device, "args": vars(args), "rows": rows,
                                "tiles": tiles, "auto_best": picked, "auto_within_5pct": within,
+                               "last_fastest": last_wins,
                                "cases": len(rows)}, indent=1))
     print(f"wrote {out}")
 

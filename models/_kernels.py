@@ -200,14 +200,16 @@ if triton is not None:
 
     @triton.jit
     def _paged_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr,
-                                      m_ptr, l_ptr, acc_ptr, T, pos_offset, scale, s_page,
-                                      s_off, s_table, pages_per_slot, HQ: tl.constexpr,
-                                      HKV: tl.constexpr, D: tl.constexpr,
+                                      m_ptr, l_ptr, acc_ptr, cnt_ptr, o_ptr, T, pos_offset,
+                                      scale, s_page, s_off, s_table, pages_per_slot,
+                                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                                       PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr):
+                                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                                      LAST_COMBINES: tl.constexpr, SC: tl.constexpr):
         # _paged_attention_kernel over one of SPLITS contiguous ranges of the KV positions
         # (flash-decoding): the partial max, sum and unnormalised output of each query row
-        # go to scratch for _attention_combine_kernel.
+        # go to scratch for _attention_combine_kernel, or (LAST_COMBINES) the last program
+        # of each (row, KV head, row block) to finish combines them itself.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         blk = tl.program_id(2) // SPLITS
@@ -253,10 +255,49 @@ if triton is not None:
             v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
-        part = ((b * T + t) * HQ + head) * SPLITS + split
+        row = (b * T + t) * HQ + head
+        part = row * SPLITS + split
         tl.store(m_ptr + part, m_i, mask=rm)
         tl.store(l_ptr + part, l_i, mask=rm)
         tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=rm[:, None])
+        if LAST_COMBINES:
+            # A counter per (row, KV head, row block) in a zeroed buffer: the barrier puts
+            # every thread's stores before the release of this program's increment; the
+            # program that brings it to SPLITS acquires all of them, resets the counter for
+            # the next call and combines (loads through L2: .cg, never a stale L1 line).
+            tl.debug_barrier()
+            group = (b * HKV + kvh) * (tl.num_programs(2) // SPLITS) + blk
+            done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+            if done == SPLITS - 1:
+                tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+                # Splits past the row block's end hold empty partials: only the first
+                # cdiv(n_end, chunk) are read (adding theirs, 0 x 0, changes no bit).
+                used = tl.cdiv(n_end, tl.maximum(chunk, 1))
+                sb = tl.arange(0, SC)
+                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                for j0 in range(0, used, SC):
+                    js = j0 + sb
+                    ok = rm[:, None] & (js < used)[None, :]
+                    pm = tl.load(m_ptr + row[:, None] * SPLITS + js[None, :], mask=ok,
+                                 other=float("-inf"), cache_modifier=".cg")
+                    mx = tl.maximum(mx, tl.max(pm, axis=1))
+                mx = tl.where(mx == float("-inf"), 0.0, mx)
+                den = tl.zeros([BLOCK_M], tl.float32)
+                out = tl.zeros([BLOCK_M, D], tl.float32)
+                for j0 in range(0, used, SC):  # fixed order: the same bits every call
+                    js = j0 + sb
+                    ok = rm[:, None] & (js < used)[None, :]
+                    idx = row[:, None] * SPLITS + js[None, :]
+                    pm = tl.load(m_ptr + idx, mask=ok, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    pl = tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+                    w = tl.where(ok, tl.exp(pm - mx[:, None]), 0.0)
+                    pa = tl.load(acc_ptr + idx[:, :, None] * D + d[None, None, :],
+                                 mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+                    den += tl.sum(w * pl, axis=1)
+                    out += tl.sum(w[:, :, None] * pa, axis=1)
+                out = out / tl.maximum(den, 1e-30)[:, None]
+                tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
 
     @triton.jit
     def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_rows, SPLITS: tl.constexpr,
@@ -388,6 +429,25 @@ def _sm_count(device: torch.device) -> int:
     return int(torch.cuda.get_device_properties(device).multi_processor_count)
 
 
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+_OLD_COUNTERS: list[torch.Tensor] = []
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of at least ``n`` counters on ``device`` for combine="last"
+    (each call leaves it zero). Made once, outside a graph capture if the first call is
+    eager (warm-up runs before capture); a larger one replaces it, the old one kept alive
+    for the graphs captured with it."""
+    have = _COUNTERS.get(device)
+    if have is None or have.numel() < n:
+        if have is not None:
+            _OLD_COUNTERS.append(have)
+        with torch.inference_mode(False):
+            have = _COUNTERS[device] = torch.zeros(max(n, 1 << 14), dtype=torch.int32,
+                                                   device=device)
+    return have
+
+
 def attention_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, block_n: int,
                      sm_count: int) -> int:
     """How many ranges a row's KV positions are cut into (1: one program walks them all).
@@ -431,14 +491,18 @@ def default_splits(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                     pos_offset: int = 0, *, splits: int | None = None, block_n: int = 64,
-                    num_warps: int = 4, num_stages: int | None = None) -> torch.Tensor:
+                    num_warps: int = 4, num_stages: int | None = None,
+                    combine: str = "kernel") -> torch.Tensor:
     """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
     Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``.
 
     ``splits``: KV ranges per row (split-KV, then a combine kernel); None: ``attention_splits``
     (from the shapes only), 1: one kernel. ``block_n``, ``num_warps``, ``num_stages``: the
     KV tile, warps and software-pipelining stages (None: Triton's default), parameters for
-    sweeps (bench/bench_paged_attention.py)."""
+    sweeps (bench/bench_paged_attention.py). ``combine`` (splits > 1): "kernel", a second
+    kernel adds the partials; "last", the last program of each (row, KV head, row block) to
+    finish adds them (no second launch; a counter buffer per device, kept zero between
+    calls, so calls on one device must not run concurrently on two streams)."""
     B, T, hq, D = q.shape
     _, page, hkv, _ = k_cache.shape
     q = q.contiguous()
@@ -462,9 +526,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_m = torch.empty(n, dtype=torch.float32, device=q.device)
     part_l = torch.empty(n, dtype=torch.float32, device=q.device)
     part_acc = torch.empty(n, D, dtype=torch.float32, device=q.device)
+    if combine not in ("kernel", "last"):
+        raise ValueError(f"combine={combine!r}: 'kernel' or 'last'")
+    last = combine == "last"
+    counters = _counters(q.device, B * hkv * row_blocks) if last else part_m
+    # The last program adds SC splits' partials a step: [BLOCK_M, SC, D] fp32, ~4k values.
+    sc = max(1, min(_pow2(splits), 4096 // (block_m * D)))
     _paged_attention_split_kernel[(B, hkv, row_blocks * splits)](
-        q, k_cache, v_cache, table, slots, start_pos, part_m, part_l, part_acc, *args,
-        SPLITS=splits, **meta)
+        q, k_cache, v_cache, table, slots, start_pos, part_m, part_l, part_acc, counters, o,
+        *args, SPLITS=splits, LAST_COMBINES=last, SC=sc, **meta)
+    if last:
+        return o.view(B, T, hq * D)
     # A few rows a program: about 4k partial values (32 registers a thread at 4 warps), so
     # batch 1's 9 rows still spread over a few SMs (the combine waits on one load each).
     s_block = _pow2(splits)

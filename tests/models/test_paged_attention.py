@@ -3,9 +3,10 @@ reference: Triton's interpreter on the CPU in float32 (a child process: the inte
 chosen before Triton is imported), and on CUDA in bf16 inside a captured graph.
 
 Covered: random lengths (not multiples of a split's chunk, ranges crossing pages of a
-shuffled block table), page sizes 4 and 16, decode and VERIFY's causal rows (T = 1, 4, 6),
+shuffled block table), page sizes 4 and 16, decode and VERIFY's causal rows (T = 1, 6),
 splits that get no position (short rows cut many ways), a split count not a power of two,
-the automatic split count, and determinism (two calls give the same bits).
+the automatic split count, both combines (a second kernel; the last program of a row's
+splits), and determinism (two calls give the same bits).
 """
 
 import pytest
@@ -61,7 +62,7 @@ HQ, HKV, D = 6, 2, 16
 checked = 0
 for page, max_len, block_n in ((4, 96, 16), (16, 128, 32)):
     k, v, table = random_cache(gen, 4, max_len, page, HKV, D, torch.float32, "cpu")
-    for T in (1, 4, 6):
+    for T in (1, 6):
         B = 3
         # Lengths: one short row (most splits empty), others anywhere up to the end.
         starts = torch.tensor([rng.randrange(0, 5)] + [rng.randrange(5, max_len - T)
@@ -71,24 +72,28 @@ for page, max_len, block_n in ((4, 96, 16), (16, 128, 32)):
         ref = reference(q, k, v, table, slots, starts)
         one = _kernels.paged_attention(q, k, v, table, slots, starts, splits=1, block_n=block_n)
         assert (one.double() - ref).abs().max() < 2e-5, (page, T, 1)
-        for splits in (3, 8, None):
-            got = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits,
-                                           block_n=block_n)
+        for splits, combine in ((3, "kernel"), (8, "kernel"), (None, "kernel"), (3, "last"),
+                                (8, "last")):
+            kw = dict(splits=splits, block_n=block_n, combine=combine)
+            got = _kernels.paged_attention(q, k, v, table, slots, starts, **kw)
             err = (got.double() - ref).abs().max()
-            assert err < 2e-5, (page, T, splits, float(err))
-            assert (got - one).abs().max() < 2e-5, (page, T, splits)
-            again = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits,
-                                             block_n=block_n)
-            assert torch.equal(got, again), (page, T, splits)
+            assert err < 2e-5, (page, T, splits, combine, float(err))
+            assert (got - one).abs().max() < 2e-5, (page, T, splits, combine)
+            if splits == 3:  # determinism: a second call gives the same bits
+                again = _kernels.paged_attention(q, k, v, table, slots, starts, **kw)
+                assert torch.equal(got, again), (page, T, combine)
             checked += 1
+# combine="last" leaves its counters zero for the next call.
+assert not _kernels._COUNTERS[torch.device("cpu")].any()
 # pos_offset (a draft step's rows at start + offset) moves every split's range with it.
 starts = torch.tensor([40, 9])
 q = torch.randn(2, 1, HQ, D, generator=gen)
 ref = reference(q, k, v, table, torch.tensor([2, 0]), starts, -3)
-got = _kernels.paged_attention(q, k, v, table, torch.tensor([2, 0]), starts, -3, splits=4,
-                               block_n=block_n)
-assert (got.double() - ref).abs().max() < 2e-5
-assert checked == 18
+for combine in ("kernel", "last"):
+    got = _kernels.paged_attention(q, k, v, table, torch.tensor([2, 0]), starts, -3, splits=4,
+                                   block_n=block_n, combine=combine)
+    assert (got.double() - ref).abs().max() < 2e-5
+assert checked == 20
 print("ok")
 """
 
@@ -118,10 +123,12 @@ def test_split_count_rule():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", [None, 1, 4])
-def test_split_kv_in_graph_bf16(splits):
+@pytest.mark.parametrize("splits,combine", [(None, "kernel"), (1, "kernel"), (4, "kernel"),
+                                            (None, "last"), (4, "last")])
+def test_split_kv_in_graph_bf16(splits, combine):
     """A captured call replays at other lengths with the eager call's bits, and within bf16
-    rounding of the float64 reference (SmolLM2's heads: 9 query, 3 KV, 64 wide)."""
+    rounding of the float64 reference (SmolLM2's heads: 9 query, 3 KV, 64 wide); "last"
+    leaves its counters zero."""
     ns: dict = {}
     exec(REFERENCE, ns)
     gen = torch.Generator().manual_seed(1)
@@ -133,15 +140,31 @@ def test_split_kv_in_graph_bf16(splits):
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits)
+        _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits, combine=combine)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits)
+        out = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits,
+                                       combine=combine)
     for lengths in ([0, 1], [1000, 63], [2044, 300], [16, 2043 - T]):
         starts.copy_(torch.tensor(lengths))
         graph.replay()
-        eager = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits)
+        eager = _kernels.paged_attention(q, k, v, table, slots, starts, splits=splits,
+                                         combine=combine)
         assert torch.equal(out, eager), lengths
         ref = ns["reference"](q, k, v, table, slots, starts)
         torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
+    if combine == "last":
+        assert not _kernels._COUNTERS[q.device].any()
+        # Many groups racing to be last (batch 32, 32 splits, long rows): every call the
+        # same bits, and those of the combine kernel within rounding.
+        k, v, table = ns["random_cache"](gen, 32, max_len, 16, HKV, D, torch.bfloat16, "cuda")
+        q = torch.randn(32, T, HQ, D, generator=gen).to(torch.bfloat16).cuda()
+        slots = torch.randperm(32, generator=gen).cuda()
+        starts = torch.randint(0, max_len - T, (32,), generator=gen).cuda()
+        runs = [_kernels.paged_attention(q, k, v, table, slots, starts, splits=32,
+                                         combine="last") for _ in range(20)]
+        assert all(torch.equal(runs[0], r) for r in runs[1:])
+        two = _kernels.paged_attention(q, k, v, table, slots, starts, splits=32)
+        torch.testing.assert_close(runs[0].float(), two.float(), atol=1e-2, rtol=1e-2)
+        assert not _kernels._COUNTERS[q.device].any()
