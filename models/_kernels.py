@@ -420,6 +420,9 @@ def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
 # as before split-KV); read once, at import.
 _SPLIT_PROGRAMS_PER_SM = 2
 _MAX_SPLITS = max(1, int(os.environ.get("SPECLOOP_ATTENTION_MAX_SPLITS") or 32))
+# How split partials are added when the caller does not say ("kernel" or "last", see
+# paged_attention); SPECLOOP_ATTENTION_COMBINE=last tries the other in whole runs.
+_COMBINE = os.environ.get("SPECLOOP_ATTENTION_COMBINE") or "kernel"
 
 
 @functools.lru_cache(maxsize=None)
@@ -492,14 +495,15 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                     pos_offset: int = 0, *, splits: int | None = None, block_n: int = 64,
                     num_warps: int = 4, num_stages: int | None = None,
-                    combine: str = "kernel") -> torch.Tensor:
+                    combine: str | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
     Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``.
 
     ``splits``: KV ranges per row (split-KV, then a combine kernel); None: ``attention_splits``
     (from the shapes only), 1: one kernel. ``block_n``, ``num_warps``, ``num_stages``: the
     KV tile, warps and software-pipelining stages (None: Triton's default), parameters for
-    sweeps (bench/bench_paged_attention.py). ``combine`` (splits > 1): "kernel", a second
+    sweeps (bench/bench_paged_attention.py). ``combine`` (splits > 1; None: "kernel" unless
+    $SPECLOOP_ATTENTION_COMBINE says otherwise): "kernel", a second
     kernel adds the partials; "last", the last program of each (row, KV head, row block) to
     finish adds them (no second launch; a counter buffer per device, kept zero between
     calls, so calls on one device must not run concurrently on two streams)."""
@@ -526,6 +530,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_m = torch.empty(n, dtype=torch.float32, device=q.device)
     part_l = torch.empty(n, dtype=torch.float32, device=q.device)
     part_acc = torch.empty(n, D, dtype=torch.float32, device=q.device)
+    combine = _COMBINE if combine is None else combine
     if combine not in ("kernel", "last"):
         raise ValueError(f"combine={combine!r}: 'kernel' or 'last'")
     last = combine == "last"
