@@ -59,24 +59,43 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
 
-def sweep(rows: int) -> list:
-    """The configurations tried for ``rows`` (SkinnyConfig; 4 warps, 3 stages)."""
+def sweep(rows: int, k: int) -> list:
+    """The configurations tried for ``rows`` x K (SkinnyConfig; 3 stages). Without tl.dot:
+    all of K in one pass (BLOCK_K = K rounded up to a power of two; a pass is not
+    software-pipelined, so every further one costs a memory latency) at each BLOCK_N that
+    keeps the [rows, BLOCK_N, BLOCK_K] products within 64 fp32 a thread at 4 or 8 warps,
+    and a few multi-pass and split-K ones; tl.dot from 4 rows, pipelined over K."""
+    from specloop.models._linear import row_bucket
     from specloop.models._skinny import SkinnyConfig as C
-    # (BLOCK_N, BLOCK_K, SPLIT_K); BLOCK_K 1024 takes K = 576 in one masked pass.
-    vec = {1: [(4, 512, 1), (4, 1024, 1), (8, 256, 1), (8, 512, 1), (8, 1024, 1), (16, 256, 1),
-               (32, 128, 1), (8, 256, 2)],
-           2: [(4, 256, 1), (4, 512, 1), (8, 128, 1), (8, 256, 1), (16, 128, 1), (8, 128, 2)],
-           4: [(4, 128, 1), (8, 64, 1), (8, 128, 1), (16, 64, 1)],
-           8: [(4, 64, 1), (8, 64, 1), (16, 32, 1)]}.get(rows, [])
-    dot = [(16, 64, 1), (16, 128, 1), (32, 64, 1), (32, 128, 1), (64, 64, 1), (16, 128, 2),
-           (16, 64, 4)] if rows >= 4 else []
-    return [C(False, n, k, s) for n, k, s in vec] + [C(True, n, k, s) for n, k, s in dot]
+    out = []
+    if rows <= 8:
+        bk = min(4096, max(16, row_bucket(k)))
+        bm = row_bucket(rows)
+        for bn in (1, 2, 4, 8):
+            warps = next((w for w in (4, 8) if bm * bn * bk <= 64 * 32 * w), None)
+            if warps is not None:
+                out.append(C(False, bn, bk, 1, warps))
+        # (BLOCK_N, BLOCK_K, SPLIT_K): several passes over K, or K split over programs.
+        more = {1: [(8, 256, 1), (4, 512, 1), (8, 256, 2), (4, 256, 4)],
+                2: [(4, 256, 1), (8, 128, 1), (4, 256, 2)],
+                4: [(4, 128, 1), (2, 256, 2)],
+                8: [(4, 64, 1)]}[row_bucket(rows)]
+        out += [C(False, n, b, s) for n, b, s in more if b < bk]
+    if rows >= 4:
+        out += [C(True, n, b, s) for n, b, s in
+                [(16, 64, 1), (16, 128, 1), (32, 64, 1), (32, 128, 1), (64, 64, 1),
+                 (16, 128, 2), (16, 64, 4)]]
+    return out
 
 
 def variants(cfg) -> list:
-    """Around a best config: num_warps 2 and 8, num_stages 2 and 4."""
-    return [cfg._replace(num_warps=2), cfg._replace(num_warps=8),
-            cfg._replace(num_stages=2), cfg._replace(num_stages=4)]
+    """Around a best config: half and twice its warps, num_stages 2 and 4 (tl.dot: the
+    pipeline's depth; the broadcast path's single pass has nothing to pipeline)."""
+    out = [cfg._replace(num_warps=w) for w in (cfg.num_warps // 2, cfg.num_warps * 2)
+           if 2 <= w <= 16]
+    if cfg.dot:
+        out += [cfg._replace(num_stages=2), cfg._replace(num_stages=4)]
+    return out
 
 
 def compile_key(cfg, rows: int, k: int, act: bool) -> tuple:
@@ -190,7 +209,7 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
             except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
                 results[cfg.tag()] = f"error: {type(e).__name__}: {str(e)[:80]}"
 
-        for cfg in sweep(rows)[:2] if SMOKE else sweep(rows):
+        for cfg in sweep(rows, k)[:2] if SMOKE else sweep(rows, k):
             run(cfg)
         timed = {t: v for t, v in results.items() if isinstance(v, float)}
         if refine and timed:
@@ -305,7 +324,7 @@ def main() -> None:
     tasks = []
     for n, k, act in shapes.values():
         for rows in rows_list:
-            for cfg in sweep(rows):
+            for cfg in sweep(rows, k):
                 tasks.append((rows, n, k, act, cfg))
                 if args.refine:
                     tasks += [(rows, n, k, act, v) for v in variants(cfg)]

@@ -44,16 +44,16 @@ SKINNY_MAX_ROWS = 32
 # SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
 # warps, 3 stages; ``v``: no tl.dot). Rows r use bucket 2^ceil(log2 r); a bucket missing
 # from an entry, or a shape missing from the table, uses default_config. These are guesses
-# for SmolLM2-135M and its EAGLE-3 head (>= ~1 wave of programs over 132 SMs, K in one or
-# few passes) until the H200 bench's table replaces them: bench/bench_skinny_gemm.py
+# for SmolLM2-135M and its EAGLE-3 head (see default_config: K in one pass without tl.dot;
+# tl.dot from 8 rows) until the H200 bench's table replaces them: bench/bench_skinny_gemm.py
 # prints the literal to paste here.
 SKINNY_TABLE: dict[tuple[int, int, bool], dict[int, str | None]] = {
-    (960, 576, False): {1: "v8x1024s1w4n3", 2: "v8x512s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s1w4n3", 16: "d16x128s1w4n3", 32: "d32x64s1w4n3"},
-    (576, 576, False): {1: "v4x1024s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
-    (3072, 576, False): {1: "v8x1024s1w4n3", 2: "v8x512s1w4n3", 4: "v8x128s1w4n3", 8: "d16x128s1w4n3", 16: "d32x128s1w4n3", 32: "d32x64s1w4n3"},
-    (576, 1536, True): {1: "v4x512s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
-    (576, 1728, False): {1: "v4x512s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
-    (576, 1152, False): {1: "v4x512s1w4n3", 2: "v4x512s1w4n3", 4: "v4x128s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+    (960, 576, False): {1: "v8x1024s1w4n3", 2: "v4x1024s1w4n3", 4: "v2x1024s1w4n3", 8: "d16x128s1w4n3", 16: "d16x128s1w4n3", 32: "d32x64s1w4n3"},
+    (576, 576, False): {1: "v4x1024s1w4n3", 2: "v4x1024s1w4n3", 4: "v2x1024s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+    (3072, 576, False): {1: "v8x1024s1w4n3", 2: "v4x1024s1w4n3", 4: "v2x1024s1w4n3", 8: "d16x128s1w4n3", 16: "d32x128s1w4n3", 32: "d32x64s1w4n3"},
+    (576, 1536, True): {1: "v4x2048s1w4n3", 2: "v2x2048s1w4n3", 4: "v1x2048s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+    (576, 1728, False): {1: "v4x2048s1w4n3", 2: "v2x2048s1w4n3", 4: "v1x2048s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+    (576, 1152, False): {1: "v4x2048s1w4n3", 2: "v2x2048s1w4n3", 4: "v1x2048s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
 }
 
 _TAG = re.compile(r"([dv])(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
@@ -74,15 +74,22 @@ def row_bucket(rows: int) -> int:
 
 
 def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
-    """A guess for shapes the table lacks: few rows without tl.dot, N split into blocks of
-    8-32 rows of W (>= ~100 programs for N >= 768), at most ~32 fp32 products per thread
-    in the broadcast path's [rows, BLOCK_N, BLOCK_K] tile; tl.dot from 8 rows on."""
-    kpow = max(16, row_bucket(k))
+    """A guess for shapes the table lacks. Up to 4 rows, no tl.dot and all of K in one pass
+    (BLOCK_K = K rounded up to a power of two, up to 4096): a pass of the broadcast path is
+    not software-pipelined, so each further pass over K would cost another memory latency;
+    BLOCK_N as large as ~64 fp32 products per thread allow (up to 8 rows of W). From 5 rows,
+    tl.dot (pipelined over K by num_stages)."""
     if rows <= 4:
-        bn = 8 if n <= 2048 else 16 if n <= 8192 else 32
-        bk = min(kpow, max(16, 32 * 128 // (row_bucket(rows) * bn)))
-        return SkinnyConfig(False, bn, bk)
-    return SkinnyConfig(True, 16 if n <= 4096 else 64, min(kpow, 128))
+        bk = min(4096, max(16, row_bucket(k)))
+        return SkinnyConfig(False, vector_block_n(rows, bk), bk)
+    return SkinnyConfig(True, 16 if n <= 4096 else 64, min(max(16, row_bucket(k)), 128))
+
+
+def vector_block_n(rows: int, block_k: int, num_warps: int = 4, per_thread: int = 64) -> int:
+    """BLOCK_N for the broadcast path: [rows, BLOCK_N, BLOCK_K] products within
+    ``per_thread`` fp32 a thread, 1..8."""
+    room = per_thread * 32 * num_warps // (row_bucket(rows) * block_k)
+    return max(1, min(8, 1 << max(0, room.bit_length() - 1)))
 
 
 def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig | None:
