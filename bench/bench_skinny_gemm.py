@@ -8,7 +8,8 @@ bf16 of the real shapes).
 Per (shape, rows): cuBLAS, then every configuration of the sweep (and, around the best,
 num_warps 2 / 8 and num_stages 2 / 4); each result is checked against F.linear (bf16
 tolerance; a config that fails is reported, never chosen). The fused silu-down shape's
-baseline is what it replaces: _kernels.silu_mul + F.linear. Then a whole SmolLM2-like
+baseline is what it replaces: _kernels.silu_mul + F.linear. The code table's config is timed
+too (JSON: code_config). Then a whole SmolLM2-like
 layer's GEMMs (qkv, o, gate-up, silu + down) over 30 layers' weights, at 1 and 4 rows:
 cuBLAS, the dispatcher's table as in the code, and the table this run measured.
 
@@ -209,7 +210,9 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
             except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
                 results[cfg.tag()] = f"error: {type(e).__name__}: {str(e)[:80]}"
 
-        for cfg in sweep(rows, k)[:2] if SMOKE else sweep(rows, k):
+        from specloop.models._linear import skinny_config
+        code = skinny_config(rows, n, k, act)    # what the code's table runs now
+        for cfg in sweep(rows, k)[:2] if SMOKE else sweep(rows, k) + ([code] if code else []):
             run(cfg)
         timed = {t: v for t, v in results.items() if isinstance(v, float)}
         if refine and timed:
@@ -219,7 +222,7 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
             timed = {t: v for t, v in results.items() if isinstance(v, float)}
         best = min(timed, key=timed.__getitem__) if timed else None
         row = {"shape": name, "N": n, "K": k, "silu_mul": act, "rows": rows, "calls": calls,
-               "cublas_us": base, "best": best, "best_us": timed.get(best) if best else None,
+               "cublas_us": base, "code_config": code.tag() if code else None, "best": best, "best_us": timed.get(best) if best else None,
                "ratio": timed[best] / base if best else None, "configs": results}
         out.append(row)
         bad = [t for t, v in results.items() if not isinstance(v, float)]
@@ -322,9 +325,11 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
     tasks = []
+    from specloop.models._linear import skinny_config
     for n, k, act in shapes.values():
         for rows in rows_list:
-            for cfg in sweep(rows, k):
+            code = skinny_config(rows, n, k, act)
+            for cfg in sweep(rows, k) + ([code] if code else []):
                 tasks.append((rows, n, k, act, cfg))
                 if args.refine:
                     tasks += [(rows, n, k, act, v) for v in variants(cfg)]
