@@ -5,18 +5,19 @@ each call on its own copy of the weight, >= 128 MiB of copies in all, so the wei
 stream from HBM as in a step over 30 layers, not from L2. No model weights needed (random
 bf16 of the real shapes).
 
-Per (shape, rows): cuBLAS, then every configuration of the sweep (and, around the best,
-num_warps 2 / 8 and num_stages 2 / 4); each result is checked against F.linear (bf16
-tolerance; a config that fails is reported, never chosen). The fused silu-down shape's
-baseline is what it replaces: _kernels.silu_mul + F.linear. The code table's config is timed
-too (JSON: code_config). Then a whole SmolLM2-like
-layer's GEMMs (qkv, o, gate-up, silu + down) over 30 layers' weights, at 1 and 4 rows:
-cuBLAS, the dispatcher's table as in the code, and the table this run measured.
+Per (shape, rows): cuBLAS, then every configuration of the sweep and the code table's
+(and, around the best, half and twice its warps, and for tl.dot num_stages 2 / 4); each
+result is checked against F.linear (bf16 tolerance; a config that fails is reported, never
+chosen). The fused silu-down shape's baseline is what it replaces: _kernels.silu_mul +
+F.linear. Then a whole SmolLM2-like layer's GEMMs (qkv, o, gate-up, silu + down) over 30
+layers' weights, at 1 and 4 rows: cuBLAS, the dispatcher's table as in the code, and the
+table this run measured.
 
 Prints a table and the SKINNY_TABLE literal to paste into models/_linear.py (a config
 only where it beats cuBLAS by >= 3%, else None = F.linear); writes JSON to
 $OUT/skinny.json (OUT defaults to /tmp). Triton compiles happen first, in parallel worker
-processes (Triton's on-disk cache then serves this process): ~40-60 s cold on 16 cores.
+processes (Triton's on-disk cache then serves this process): ~300 kernels, estimated
+10-30 s cold on 16 cores (0.2 s each on this repository's CPU box).
 
     python bench/bench_skinny_gemm.py            # everything (< 90 s on one H200)
     python bench/bench_skinny_gemm.py --rows 1,4 --shapes qkv,down --no-refine
