@@ -4,6 +4,15 @@ The stand-in's forward and LM head cost ~nothing, so the time per iteration is t
 engine's own: scheduling, SYNC, the graph key, drafting, sampling and RESCAN.
 
     python bench/bench_host_overhead.py [--batch 64] [--iterations 300] [--consumers stream,batch]
+
+``--gpu-path``: the path one GPU rank runs, on the CPU (``bench_chain_host``'s frozen graph
+replays: replays copy their inputs and compute nothing; VERIFY queued from the event loop;
+without speculation the step queued ahead, with eagle3 DRAFT + VERIFY chained), for
+``--batch 64,128,256`` and ``--methods none,eagle3`` (K = ``--k``), ``--runs`` runs each:
+wall and thread CPU per iteration, each state's time per iteration and per row, and
+(``--profile FILE``) cProfile of the last run of each configuration.
+
+    python bench/bench_host_overhead.py --gpu-path --batch 64,128,256 --methods none,eagle3 --k 3
 """
 
 from __future__ import annotations
@@ -130,37 +139,170 @@ async def direct_handlers_us(config, loaded, batch, iterations):
     return (time.perf_counter() - start) / iterations * 1e6
 
 
+async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=None):
+    """One GPU rank's path on the CPU (see the module doc): -> (wall us per iteration,
+    thread CPU us per iteration, {state: us per iteration}, {state: thread CPU us per
+    iteration}, share of iterations that took a step queued ahead or chained)."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from bench_chain_host import ThreadTimes  # noqa: PLC0415
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+    params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
+    times, cpu = StateTimes(), ThreadTimes()
+    async with AsyncEngine(cfg, model=loaded, observers=[times, cpu]) as engine:
+        worker = engine.worker
+        worker.verify_inline = True     # VERIFY from the event loop, as on CUDA
+        if worker.k == 0:
+            worker.ahead.always = True  # the step queued ahead
+        elif worker.drafter is not None and worker.drafter.can_chain:
+            worker.chain = DeviceChain(worker=worker)
+        chain = worker.chain
+
+        def taken():
+            return worker.ahead.taken_steps + (chain.taken_steps if chain is not None else 0)
+
+        async def one(i):
+            async for _ in engine.generate([1, 2, 3, 4, 5, 6], params, request_id=f"r{i}"):
+                pass
+
+        async def all_at_once():
+            async for _ in engine.generate_batch([[1, 2, 3, 4, 5, 6]] * batch, params):
+                pass
+        async with anyio.create_task_group() as tg:
+            if consumer == "batch":
+                tg.start_soon(all_at_once)
+            else:
+                for i in range(batch):
+                    tg.start_soon(one, i)
+            while engine.stats.num_iterations < 30:
+                await anyio.sleep(0.005)
+            first, steps = engine.stats.num_iterations, taken()
+            times.total_us.clear()
+            cpu.clear()
+            if profiler is not None:
+                profiler.enable()
+            start, thread = time.perf_counter(), time.thread_time()
+            while engine.stats.num_iterations < first + iterations:
+                await anyio.sleep(0.005)
+            elapsed, thread = time.perf_counter() - start, time.thread_time() - thread
+            if profiler is not None:
+                profiler.disable()
+            done = engine.stats.num_iterations - first
+            states = {s: v / done for s, v in times.total_us.items()}
+            cpu_states = {s: v / done for s, v in cpu.us.items()}
+            share = (taken() - steps) / done
+            engine.front.close()    # the consumers end with their requests
+    return elapsed / done * 1e6, thread / done * 1e6, states, cpu_states, share
+
+
+def gpu_path_main(args):
+    import cProfile
+    import io
+    import os
+    import pstats
+    import statistics
+    import tempfile
+    sys_path = os.path.dirname(os.path.abspath(__file__))
+    import sys
+    sys.path.insert(0, sys_path)
+    from bench_chain_host import config  # noqa: PLC0415
+    from specloop.models import load_model  # noqa: PLC0415
+    from specloop.models.testing import write_tiny_checkpoint  # noqa: PLC0415
+    print(f"load average {os.getloadavg()}", flush=True)
+    order = ("SCHEDULE", "SYNC", "PICK_GRAPH_KEY", "DRAFT", "VERIFY", "RESCAN")
+    profiles = io.StringIO()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = write_tiny_checkpoint(tmp, vocab_size=384, num_layers=2, hidden=64, seed=1)
+        loaded = load_model(path, dtype=torch.float32)
+        for method in args.methods.split(","):
+            for batch in map(int, args.batch.split(",")):
+                cfg = config(path, method, args.k, batch)
+                for consumer in args.consumers.split(","):
+                    rows = []
+                    for run in range(args.runs):
+                        profiler = cProfile.Profile() if args.profile and \
+                            run == args.runs - 1 else None
+                        rows.append(anyio.run(gpu_path, cfg, loaded, batch, args.iterations,
+                                              consumer, profiler))
+                        wall, thread, states, cpu_states, share = rows[-1]
+                        print(f"  {method} batch {batch} {consumer}: wall {wall:.0f} us/it, "
+                              f"thread CPU {thread:.0f} us/it ({thread / batch:.2f} per row), "
+                              f"steps taken {share:.2f}; state wall us/it: "
+                              + " ".join(f"{s} {states.get(s, 0):.0f}" for s in order)
+                              + "; thread CPU us/it: "
+                              + " ".join(f"{s} {cpu_states.get(s, 0):.0f}" for s in order),
+                              flush=True)
+                        if profiler is not None:
+                            out = io.StringIO()
+                            stats = pstats.Stats(profiler, stream=out)
+                            stats.sort_stats("tottime").print_stats(40)
+                            stats.sort_stats("cumulative").print_stats(60)
+                            profiles.write(f"==== {method} batch {batch} {consumer}\n"
+                                           + out.getvalue())
+                    walls = [r[0] for r in rows]
+                    threads = [r[1] for r in rows]
+
+                    def rng(values, per=1):
+                        return f"{min(values) / per:.1f}-{max(values) / per:.1f}"
+                    print(f"{method} K={args.k if method != 'none' else 0} batch {batch} "
+                          f"{consumer}: wall {rng(walls)} us/it ({rng(walls, batch)} per row); "
+                          f"thread CPU {rng(threads)} ({rng(threads, batch)} per row); "
+                          "per state thread CPU us/it (per row): "
+                          + " ".join(f"{s} {statistics.median(r[3].get(s, 0) for r in rows):.0f}"
+                                     f" ({statistics.median(r[3].get(s, 0) for r in rows) / batch:.2f})"
+                                     for s in order), flush=True)
+    if args.profile:
+        with open(args.profile, "w") as f:
+            f.write(profiles.getvalue())
+
+
 def main():
     import tempfile
     from specloop.engine import EngineConfig
     ap = argparse.ArgumentParser()
-    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--batch", default="64", help="batch sizes, comma-separated")
     ap.add_argument("--iterations", type=int, default=300)
     ap.add_argument("--consumers", default="stream,batch",
                     help="stream: a generate task per request; batch: one generate_batch")
-    ap.add_argument("--methods", default="none,ngram")
+    ap.add_argument("--methods", default=None, help="default: none,ngram; --gpu-path "
+                    "none,eagle3")
+    ap.add_argument("--gpu-path", action="store_true",
+                    help="one GPU rank's path (step queued ahead, chain) on the CPU")
+    ap.add_argument("--k", type=int, default=3, help="--gpu-path: K of the drafter")
+    ap.add_argument("--runs", type=int, default=3, help="--gpu-path: runs each")
+    ap.add_argument("--profile", default="", help="--gpu-path: cProfile stats to this file")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
+    if args.gpu_path:
+        args.methods = args.methods or "none,eagle3"
+        if args.consumers == "stream,batch":
+            args.consumers = "stream"
+        gpu_path_main(args)
+        return
+    args.methods = args.methods or "none,ngram"
     with tempfile.TemporaryDirectory() as tmp:
         loaded = stand_in(tmp)
         for method in args.methods.split(","):
-            config = EngineConfig.from_dict({
-                "model": {"name": str(loaded.path), "max_seq_len": 4096, "chat_template": False},
-                "scheduler": {"max_batch_size": args.batch},
-                "speculative": {"method": method, "num_draft_tokens": 4}})
-            direct = anyio.run(direct_handlers_us, config, loaded, args.batch,
-                               args.iterations)
-            for consumer in args.consumers.split(","):
-                wall, cpu, engine_us, states, k = anyio.run(
-                    measure, config, loaded, args.batch, args.iterations, consumer)
-                split = ", ".join(f"{s_} {v:.0f}" for s_, v in states.items())
-                print(f"host overhead, batch {args.batch}, method {method} (K={k}): engine "
-                      f"handlers {direct:.0f} us/iteration (goal <= 200); in the running "
-                      f"engine with {consumer} consumers and compute off the event loop "
-                      f"{wall:.0f} us/iteration wall, {cpu:.0f} us process CPU [state "
-                      f"times incl. consumers run meanwhile: {split}]", flush=True)
-
+            for batch in map(int, args.batch.split(",")):
+                config = EngineConfig.from_dict({
+                    "model": {"name": str(loaded.path), "max_seq_len": 4096,
+                              "chat_template": False},
+                    "scheduler": {"max_batch_size": batch},
+                    "speculative": {"method": method, "num_draft_tokens": 4}})
+                direct = anyio.run(direct_handlers_us, config, loaded, batch, args.iterations)
+                for consumer in args.consumers.split(","):
+                    wall, cpu, engine_us, states, k = anyio.run(
+                        measure, config, loaded, batch, args.iterations, consumer)
+                    split = ", ".join(f"{s_} {v:.0f}" for s_, v in states.items())
+                    print(f"host overhead, batch {batch}, method {method} (K={k}): engine "
+                          f"handlers {direct:.0f} us/iteration (goal <= 200); in the running "
+                          f"engine with {consumer} consumers and compute off the event loop "
+                          f"{wall:.0f} us/iteration wall, {cpu:.0f} us process CPU [state "
+                          f"times incl. consumers run meanwhile: {split}]", flush=True)
 
 if __name__ == "__main__":
     main()

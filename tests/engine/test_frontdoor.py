@@ -3,6 +3,7 @@ engine: routing new requests to ranks, cancels, abandoned streams, shutdown, and
 request id stays reserved."""
 
 import anyio
+import anyio.lowlevel
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -134,3 +135,37 @@ def test_each_assignment_takes_a_least_loaded_rank(loads, count):
         assert rank == current.index(min(current))
         current[rank] += 1
     assert len(got) == count
+
+
+async def test_cancelled_consumers_stop_while_outputs_keep_coming():
+    """Consumers cancelled by their task group stop within a bounded number of outputs
+    even when an output wakes each of them every cycle (a busy engine): anyio does not
+    cancel a task whose future is already done (it went on for ~27k iterations)."""
+    channels = [OutputChannel() for _ in range(16)]
+    taken = [0] * len(channels)
+    cycles = 0
+
+    async def consume(i: int) -> None:
+        while await channels[i].take():
+            taken[i] += 1
+
+    async def produce() -> None:
+        nonlocal cycles
+        while cycles < 2000:    # an engine iteration: one output per request, a yield
+            for channel in channels:
+                channel.put(RequestOutput("r", (7,), ""))
+            cycles += 1
+            await anyio.lowlevel.checkpoint()
+
+    async with anyio.create_task_group() as outer:
+        outer.start_soon(produce)
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as consumers:
+                for i in range(len(channels)):
+                    consumers.start_soon(consume, i)
+                while min(taken) < 3:
+                    await anyio.lowlevel.checkpoint()
+                at = cycles
+                consumers.cancel_scope.cancel()
+        assert cycles - at <= 40, cycles - at      # was: until the producer stopped
+        outer.cancel_scope.cancel()
