@@ -9,9 +9,10 @@ Per (shape, rows): cuBLAS, then every configuration of the sweep and the code ta
 (and, around the best, half and twice its warps, and for tl.dot num_stages 2 / 4); each
 result is checked against F.linear (bf16 tolerance; a config that fails is reported, never
 chosen). The fused silu-down shape's baseline is what it replaces: _kernels.silu_mul +
-F.linear. Then a whole SmolLM2-like layer's GEMMs (qkv, o, gate-up, silu + down) over 30
-layers' weights, at 1 and 4 rows: cuBLAS, the dispatcher's table as in the code, and the
-table this run measured.
+F.linear. Then a SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm,
+gate-up, SwiGLU, down) over 30 layers' weights, at 1 and 4 rows: cuBLAS, the dispatcher's
+table as in the code, the table this run measured, and that with the norms in the GEMMs'
+prologue (SPECLOOP_SKINNY_NORM's path).
 
 Prints a table and the SKINNY_TABLE literal to paste into models/_linear.py (a config
 only where it beats cuBLAS by >= 3%, else None = F.linear); writes JSON to
@@ -256,8 +257,10 @@ def table_literal(table: dict) -> str:
 
 
 def bench_layer(table: dict, layers: int = 30) -> list[dict]:
-    """qkv, o, gate-up and silu + down over ``layers`` layers' weights (SmolLM2's shapes),
-    through the dispatcher: cuBLAS, the code's table, this run's table (us per layer)."""
+    """A SmolLM2 layer without attention: add + RMSNorm, qkv, o, add + RMSNorm, gate-up,
+    SwiGLU, down, over ``layers`` layers' weights, through the dispatcher: cuBLAS, the
+    code's table, this run's table, and this run's with the norms in the GEMMs' prologue
+    (``skinny_norm``): us per layer."""
     from specloop.models import _linear
     from specloop.models._linear import PackedLinear
     QKV, H = SHAPES["qkv"][:2]
@@ -268,32 +271,37 @@ def bench_layer(table: dict, layers: int = 30) -> list[dict]:
         return (torch.randn(*shape, device=DEVICE, generator=gen) * 0.05).to(DTYPE)
 
     weights = [(w(QKV, H), w(H, H), w(2 * I, H), w(H, I)) for _ in range(layers)]
+    norm_w = (torch.rand(H, device=DEVICE, generator=gen) + 0.5).to(DTYPE)
     out = []
     for rows in (1, 4):
-        h = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
+        x = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
+        delta = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         o_in = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         res = {}
-        for name, skinny, tab in (("cublas", False, None), ("code table", True, None),
-                                  ("bench table", True, table)):
+        for name, skinny, tab, norm in (("cublas", False, None, False),
+                                        ("code table", True, None, False),
+                                        ("bench table", True, table, False),
+                                        ("bench table + norms", True, table, True)):
             lin = PackedLinear(skinny=skinny)
-            lin.skinny_on_cpu = SMOKE
+            lin.skinny_on_cpu, lin.skinny_norm = SMOKE, norm
             saved = dict(_linear.SKINNY_TABLE)
             if tab is not None:
                 _linear.SKINNY_TABLE.update(tab)
 
             def step(i, lin=lin):
                 wqkv, wo, wgu, wd = weights[i]
-                lin(h, wqkv)
-                lin(o_in, wo)
-                return lin.silu_mul_linear(lin(h, wgu), wd)
+                _, stream = lin.norm_linear(x, delta, norm_w, 1e-5, wqkv)
+                gate_up, _ = lin.norm_linear(stream, lin(o_in, wo), norm_w, 1e-5, wgu)
+                return lin.silu_mul_linear(gate_up, wd)
             try:
                 res[name], _ = time_graph(step, layers)
             finally:
                 _linear.SKINNY_TABLE.clear()
                 _linear.SKINNY_TABLE.update(saved)
-        print(f"layer (4 GEMMs + silu) M={rows}: " + ", ".join(
+        print(f"layer without attention M={rows}: " + ", ".join(
             f"{k} {v:.2f} us" for k, v in res.items())
-            + f"  -> x{res['bench table'] / res['cublas']:.2f}", flush=True)
+            + f"  -> x{res['bench table'] / res['cublas']:.2f}, with norms "
+              f"x{res['bench table + norms'] / res['cublas']:.2f}", flush=True)
         out.append({"rows": rows, "us_per_layer": res})
     return out
 

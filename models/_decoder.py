@@ -260,25 +260,27 @@ class DecoderModel(nn.Module):
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer in nine kernels (one fewer on the skinny path); returns the
+        """The same layer in nine kernels (7 with both skinny fusions); returns the
         residual stream and the MLP output still to be added (the next layer's norm kernel
         adds it). ``capture``: where the first norm kernel also stores its input stream
         x + delta (the last layer's output)."""
         a = self.args
-        h, x = _kernels.add_rms_norm(x, delta, w.attn_norm, a.rms_norm_eps, capture)
         # The GEMMs through the one dispatcher: the skinny-GEMM kernel for few rows on
-        # CUDA (models/_linear; ``self.linear.skinny``), else F.linear.
-        qkv = self.linear(h, w.wqkv, w.bqkv)
+        # CUDA (models/_linear; ``self.linear.skinny``), else F.linear; each residual add
+        # + RMSNorm is the add_rms_norm kernel, or the GEMM's prologue (``skinny_norm``).
+        qkv, x = self.linear.norm_linear(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv, w.bqkv,
+                                         capture)
         q = _kernels.rope_cache_write(qkv, step.start_pos, step.slots, cache.pages.table,
                                       cache.max_seq_len, cache.pages.scratch_page,
                                       self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],
                                       a.num_heads, step.pos_offset)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset)
-        h, x = _kernels.add_rms_norm(x, self.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps)
+        gate_up, x = self.linear.norm_linear(x, self.linear(o, w.wo), w.mlp_norm,
+                                             a.rms_norm_eps, w.w_gate_up)
         # SwiGLU and the down projection: one kernel on the skinny path (silu * up formed
         # in its prologue), else silu_mul then the down GEMM.
-        return x, self.linear.silu_mul_linear(self.linear(h, w.w_gate_up), w.w_down)
+        return x, self.linear.silu_mul_linear(gate_up, w.w_down)
 
 
 def _resolve_kv_len(start_pos: torch.Tensor, T: int, cache: KVCache, kv_len: int | None) -> int:

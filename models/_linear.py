@@ -20,6 +20,8 @@ Which configuration runs per (N, K, row bucket) is SKINNY_TABLE, filled from
 ``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
 ``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
 False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
+``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
+prologue where the configuration allows (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=1``).
 """
 
 from __future__ import annotations
@@ -130,6 +132,9 @@ class PackedLinear:
     def __init__(self, *, enabled: bool | None = None, skinny: bool | None = None) -> None:
         self.enabled = packing_available() if enabled is None else enabled
         self.skinny = skinny_available() if skinny is None else skinny
+        # The RMSNorm before a GEMM in its prologue too (norm_linear): off unless
+        # SPECLOOP_SKINNY_NORM=1 until the H200 has checked and timed it.
+        self.skinny_norm = self.skinny and os.environ.get("SPECLOOP_SKINNY_NORM", "0") == "1"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
@@ -154,6 +159,25 @@ class PackedLinear:
             return _skinny.skinny_linear(gate_up, weight, None, config, silu_mul=True)
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         return self(_kernels.silu_mul(gate_up), weight)
+
+    def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None,
+                    norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                    bias: torch.Tensor | None = None, capture: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta): the fused
+        layer's residual add + RMSNorm and the GEMM after it (``_kernels.add_rms_norm``'s
+        contract: delta None, no add; ``capture`` also receives x + delta). One skinny
+        kernel where ``skinny_norm`` is on and the GEMM's configuration takes K in one pass
+        without tl.dot; else the norm kernel, then this dispatcher."""
+        if self.skinny_norm and norm_weight.dim() == 1 and \
+                (delta is None or delta.dtype == x.dtype and delta.shape == x.shape):
+            config = self._skinny_config(x, weight, bias, silu_mul=False)
+            if config is not None and _skinny.norm_fusable(config, weight.shape[1]):
+                return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
+                                                  config, capture)
+        from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
+        h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
+        return self(h, weight, bias), stream
 
     def _skinny_config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        *, silu_mul: bool) -> SkinnyConfig | None:
@@ -202,9 +226,9 @@ class PackedLinear:
     # (packed tensors are opaque and cannot be copied anyway).
     def __deepcopy__(self, memo: dict[int, object]) -> "PackedLinear":
         clone = PackedLinear(enabled=self.enabled, skinny=self.skinny)
-        clone.skinny_on_cpu = self.skinny_on_cpu
+        clone.skinny_norm, clone.skinny_on_cpu = self.skinny_norm, self.skinny_on_cpu
         return clone
 
     def __getstate__(self) -> dict[str, object]:
-        return {"enabled": self.enabled, "skinny": self.skinny,
+        return {"enabled": self.enabled, "skinny": self.skinny, "skinny_norm": self.skinny_norm,
                 "skinny_on_cpu": self.skinny_on_cpu, "_packed": {}}

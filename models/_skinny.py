@@ -21,8 +21,14 @@ bits, and a CUDA-graph replay equals the eager call.
 loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactly as
 ``_kernels.silu_mul`` rounds it, so one kernel replaces silu_mul + the down GEMM.
 
+``_norm_skinny_kernel`` (``skinny_norm_linear``) also takes the fused layer's residual add
++ RMSNorm (``_kernels.add_rms_norm``'s arithmetic) into the prologue of the GEMM after it,
+for broadcast configurations that hold all of K in one pass: every program normalises the
+few rows itself, the first column block stores the residual stream, and the normed rows
+are never written.
+
 Which configuration runs for which (N, K, rows) is ``models/_linear``'s table; this module
-is the kernel and its launcher only.
+is the kernels and their launchers only.
 """
 
 from __future__ import annotations
@@ -120,6 +126,46 @@ if triton is not None:
             tl.store(part, acc, mask=out_mask)
 
     @triton.jit(do_not_specialize=["M"])
+    def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, M, N, K,
+                            stride_wn, stride_ym, stride_cm, eps, HAS_DELTA: tl.constexpr,
+                            HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+        # rms_norm(x + delta) @ W^T in one pass over K (BLOCK_K >= K): the prologue is
+        # _kernels.add_rms_norm's arithmetic on whole rows (x, delta [M, K] contiguous).
+        pid_n = tl.program_id(0)
+        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rk = tl.arange(0, BLOCK_K)
+        m_ok = rm < M
+        n_ok = rn < N
+        k_ok = rk < K
+        xm = m_ok[:, None] & k_ok[None, :]
+        offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+        xs = tl.load(x_ptr + offs, mask=xm, other=0.0)
+        if HAS_DELTA:
+            # Rounded to the stream's dtype like the reference's ``x + y``.
+            xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=xm, other=0.0)
+                  .to(tl.float32)).to(xs.dtype)
+        if pid_n == 0:           # the one column block that stores the residual stream
+            if HAS_DELTA:
+                tl.store(s_ptr + offs, xs, mask=xm)
+            if HAS_COPY:
+                tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rk[None, :], xs,
+                         mask=xm)
+        xf = xs.to(tl.float32)
+        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
+        nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
+        a = nw[None, :] * (xf * inv[:, None]).to(xs.dtype)
+        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        acc = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit(do_not_specialize=["M"])
     def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
                               SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
         # The partials summed in split order (deterministic), bias, one rounding.
@@ -175,3 +221,48 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             out, b, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split,
             BLOCK=block, num_warps=4)
     return y.view(*x.shape[:-1], N)
+
+
+def norm_fusable(config: SkinnyConfig, k: int) -> bool:
+    """``skinny_norm_linear`` runs ``config``: the broadcast path, all of K in one pass."""
+    return not config.dot and config.split_k == 1 and config.block_k >= k
+
+
+def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
+                       eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
+                       config: SkinnyConfig, copy_to: torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta) for x, delta
+    [..., K], weight [N, K], in one kernel: ``_kernels.add_rms_norm`` (delta None: no add;
+    ``copy_to`` also receives x + delta) and the GEMM, the normed rows never stored. The
+    config must be ``norm_fusable`` (one pass over K computes each row's RMS first)."""
+    N, K = weight.shape
+    if x.shape[-1] != K or not norm_fusable(config, K) or norm_weight.shape != (K,):
+        raise ValueError(f"skinny_norm_linear: x [..., {x.shape[-1]}], weight [{N}, {K}], "
+                         f"norm weight {tuple(norm_weight.shape)}, config {config.tag()}")
+    if weight.stride(1) != 1:
+        raise ValueError("skinny_norm_linear: weight rows must be contiguous")
+    x = x.contiguous()
+    M = x.numel() // K
+    stream = torch.empty_like(x) if delta is not None else x
+    d = delta.contiguous() if delta is not None else x
+    copy_stride = 0
+    if copy_to is not None:
+        if copy_to.stride(-1) != 1 or copy_to.numel() != x.numel():
+            raise ValueError("skinny_norm_linear: copy_to must hold x's rows, last dim "
+                             "contiguous")
+        copy_stride = copy_to.stride(-2) if copy_to.dim() > 1 else K
+        if copy_to.dim() > 2 and copy_to.stride(-3) != copy_stride * copy_to.shape[-2]:
+            raise ValueError("skinny_norm_linear: copy_to's rows must be evenly strided")
+    y = x.new_empty(*x.shape[:-1], N)
+    if M == 0:
+        return y, stream
+    bm = config.block_m(M)
+    grid = (triton.cdiv(N, config.block_n), triton.cdiv(M, bm))
+    _norm_skinny_kernel[grid](
+        x, d, norm_weight, weight, bias if bias is not None else weight, y, stream,
+        x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
+        HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        num_warps=config.num_warps, num_stages=config.num_stages)
+    return y, stream

@@ -4,9 +4,9 @@ The kernel runs under Triton's interpreter in a child process (tests/interpreted
 equals a float64 reference within the inputs' rounding for 1..17 rows (and 40: several row
 blocks), N and K off the block sizes, with bias, split-K on and off, with and without
 tl.dot, and the silu-mul-down variant; twice the same input gives the same bits. The
-interpreter's tl.dot multiplies bf16 tensors as their raw 16-bit integers (it stores bf16
-as uint16), so tl.dot configurations are checked in fp16 and fp32 here and in bf16 by the
-GPU tests below. The dispatcher's choices (table, buckets, switches) run in-process.
+interpreter's tl.dot (and elementwise products) multiply bf16 tensors as their raw 16-bit
+integers (it stores bf16 as uint16), so tl.dot configurations and the RMSNorm prologue are
+checked in fp16 and fp32 here and in bf16 by the GPU tests below. The dispatcher's choices (table, buckets, switches) run in-process.
 """
 
 import pytest
@@ -63,6 +63,28 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bf
                 assert ((y.double() - ref).abs() <= bound).all(), (dtype, cfg, M, act)
                 if M in (1, 17):
                     assert torch.equal(y, skinny_linear(x, w, bias, cfg, silu_mul=act))
+# RMSNorm (after a residual add) in the prologue: == _kernels.add_rms_norm then the GEMM,
+# the stream (and its copy) bit for bit, y within the rounding of the normed operand. Not
+# bf16: the interpreter multiplies bf16 tensors as their raw bits there too (w * normed).
+from specloop.models import _kernels
+from specloop.models._skinny import skinny_norm_linear
+for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10)):
+    w, b = w32.to(dtype), b32.to(dtype)
+    nw = (torch.rand(K) + 0.5).to(dtype)
+    for cfg in (SkinnyConfig(False, 8, 128), SkinnyConfig(False, 2, 128, num_warps=2)):
+        for M, with_delta, bias in ((1, True, None), (3, False, b), (17, True, b)):
+            x = (gu32[:M, :K] * 3).to(dtype)
+            d = gu32[:M, K:].to(dtype) if with_delta else None
+            copy = torch.zeros(M, 2 * K, dtype=dtype)[:, K:]
+            y, stream = skinny_norm_linear(x, d, nw, 1e-5, w, bias, cfg, copy)
+            h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
+            assert torch.equal(stream, want) and torch.equal(copy, want)
+            assert (stream is x) == (d is None)
+            ref = h.double() @ w.double().T + (0 if bias is None else bias.double())
+            scale = h.double().abs() @ w.double().abs().T
+            assert ((y.double() - ref).abs() <= eps * ref.abs() + eps * scale + 1e-6).all(), \
+                (dtype, cfg, M)
+            assert torch.equal(y, skinny_norm_linear(x, d, nw, 1e-5, w, bias, cfg)[0])
 # Leading dims, a strided x (rows of a wider tensor), and x rows > 32 in row blocks.
 x = torch.randn(2, 3, 2 * K)[..., :K]
 cfg = SkinnyConfig(False, 8, 32)
@@ -84,30 +106,41 @@ from specloop.models import PageTable, load_model, _kernels, _skinny
 model = load_model(sys.argv[1], dtype=torch.float16).model
 model.kernels = True
 V = model.args.vocab_size
-calls = {"skinny": 0, "silu": 0}
-run, silu = _skinny.skinny_linear, _kernels.silu_mul
-def counted(*a, **k):
-    calls["skinny"] += 1
-    return run(*a, **k)
-def counted_silu(*a, **k):
-    calls["silu"] += 1
-    return silu(*a, **k)
-_skinny.skinny_linear, _kernels.silu_mul = counted, counted_silu
+calls = {}
+def counting(module, name):
+    fn = getattr(module, name)
+    def counted(*a, **k):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*a, **k)
+    setattr(module, name, counted)
+for module, name in ((_skinny, "skinny_linear"), (_skinny, "skinny_norm_linear"),
+                     (_kernels, "silu_mul"), (_kernels, "add_rms_norm")):
+    counting(module, name)
+L = model.args.num_layers
 out = {}
-for skinny in (False, True):
+for skinny, norm in ((False, False), (True, False), (True, True)):
     model.linear.skinny = model.linear.skinny_on_cpu = skinny
+    model.linear.skinny_norm = norm
+    calls.clear()
     pages = PageTable(2, 64, 4)
     cache = model.make_cache(2, 64, pages=pages)
     for slot in range(2):
         pages.resize(slot, 12)
-    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]]) % V
-    out[skinny] = model.logits(model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]), cache))
-    L = model.args.num_layers
-    if skinny:   # 3 GEMMs + the fused silu-down a layer, and the LM head: no silu_mul
-        assert calls == {"skinny": 4 * L + 1, "silu": L}, calls
+    tokens = torch.tensor([[1, 2], [5, 6]]) % V   # 4 rows: the one-pass broadcast configs
+    # Features captured after every layer (layer 0's by layer 1's norm: norm_linear's copy).
+    hidden, feats = model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]), cache,
+                          capture=tuple(range(L)))
+    out[skinny, norm] = torch.cat([model.logits(hidden), feats.float()], dim=-1)
+    if norm:     # qkv and gate-up with their norms, o, silu-down; the LM head; final norm
+        want = {"skinny_norm_linear": 2 * L, "skinny_linear": 2 * L + 1, "add_rms_norm": 1}
+    elif skinny:  # 3 GEMMs + the fused silu-down a layer, and the LM head: no silu_mul
+        want = {"skinny_linear": 4 * L + 1, "add_rms_norm": 2 * L + 1}
     else:
-        assert calls == {"skinny": 0, "silu": L}, calls
-torch.testing.assert_close(out[True], out[False], rtol=2e-2, atol=2e-2)
+        want = {"silu_mul": L, "add_rms_norm": 2 * L + 1}
+    assert calls == want, (skinny, norm, calls)
+    assert feats.abs().sum() > 0
+for key in ((True, False), (True, True)):
+    torch.testing.assert_close(out[key], out[False, False], rtol=2e-2, atol=2e-2)
 print("ok")
 """
 
@@ -115,8 +148,9 @@ print("ok")
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
     """The fused decoder layer through the dispatcher's skinny path (fp16, CPU, Triton's
-    interpreter): the GEMMs and the LM head run on the kernel, silu_mul does not, and the
-    logits match the cuBLAS-shaped path's (F.linear + silu_mul) within fp16 rounding."""
+    interpreter): the GEMMs and the LM head run on the kernel, silu_mul does not, with
+    ``skinny_norm`` the layer's two norm kernels do not either, and the logits match the
+    cuBLAS-shaped path's (F.linear + silu_mul + add_rms_norm) within fp16 rounding."""
     run_interpreted(LAYER_CHILD, str(tiny_dirs["llama"]))
 
 
@@ -178,10 +212,14 @@ def test_switch_and_copies(monkeypatch):
     assert PackedLinear().skinny == _linear._skinny.available()
     import copy
     import pickle
+    assert not PackedLinear().skinny_norm                       # off by default
+    monkeypatch.setenv("SPECLOOP_SKINNY_NORM", "1")
+    assert PackedLinear().skinny_norm == _linear._skinny.available()
+    assert not PackedLinear(skinny=False).skinny_norm
     lin = PackedLinear(skinny=False)
-    lin.skinny_on_cpu = True
+    lin.skinny_on_cpu = lin.skinny_norm = True
     for clone in (copy.deepcopy(lin), pickle.loads(pickle.dumps(lin))):
-        assert clone.skinny is False and clone.skinny_on_cpu is True
+        assert clone.skinny is False and clone.skinny_on_cpu is True and clone.skinny_norm
 
 
 # ---- CUDA (the lead runs `pytest -m gpu`) ----------------------------------------------
@@ -218,9 +256,10 @@ def test_skinny_matches_f_linear_bf16_cuda():
 
 @pytest.mark.gpu
 def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs):
-    """The fused decoder (bf16) with the skinny path: its error against an fp32 forward is
-    no worse than cuBLAS's (as test_fused_kernels_match_reference_bf16), and a captured
-    decode step (2 rows) and VERIFY step (2 x 4 rows) replay to the eager call's bits."""
+    """The fused decoder (bf16) with the skinny path, and with the norms in the GEMMs'
+    prologue too: its error against an fp32 forward is no worse than cuBLAS's (as
+    test_fused_kernels_match_reference_bf16), and captured steps of 2, 4 and 8 rows (decode,
+    VERIFY; 8: tl.dot, the norms unfused) replay to the eager call's bits."""
     from specloop.models import load_model
 
     model = load_model(tiny_dirs["qwen2"], dtype=torch.bfloat16, device="cuda").model  # bias
@@ -235,21 +274,24 @@ def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs):
     def logits(m, tokens, start, cache):
         return m.logits(m(tokens, start, slots, cache, kv_len=S))
 
-    for T in (1, 4):
+    for T in (1, 2, 4):
         tokens = torch.randint(0, V, (B, T), generator=gen).cuda()
         start = torch.full((B,), 9, dtype=torch.long, device="cuda")
         out = {}
-        for name, m, skinny in (("fp32", fp32, False), ("cublas", model, False),
-                                ("skinny", model, True)):
-            m.linear.skinny = skinny
+        for name, m, skinny, norm in (("fp32", fp32, False, False),
+                                      ("cublas", model, False, False),
+                                      ("skinny", model, True, False),
+                                      ("skinny+norm", model, True, True)):
+            m.linear.skinny, m.linear.skinny_norm = skinny, norm
             cache = m.make_cache(B, S)
             logits(m, prompt, zeros, cache)
             out[name] = logits(m, tokens, start, cache)
         err_cublas = (out["cublas"] - out["fp32"]).abs().max().item()
-        err_skinny = (out["skinny"] - out["fp32"]).abs().max().item()
-        assert err_skinny <= 1.5 * err_cublas + 1e-3, (T, err_skinny, err_cublas)
+        for name in ("skinny", "skinny+norm"):
+            err = (out[name] - out["fp32"]).abs().max().item()
+            assert err <= 1.5 * err_cublas + 1e-3, (T, name, err, err_cublas)
 
-        model.linear.skinny = True
+        model.linear.skinny = model.linear.skinny_norm = True
         cache, eager_cache = model.make_cache(B, S), model.make_cache(B, S)
         for c in (cache, eager_cache):
             logits(model, prompt, zeros, c)
@@ -270,3 +312,28 @@ def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs):
             graph.replay()
             eager = logits(model, step, start.clone(), eager_cache)
             assert torch.equal(captured, eager), (T, i)
+
+
+@pytest.mark.gpu
+def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
+    """The RMSNorm prologue in bf16 on the GPU (the interpreter cannot check bf16 there):
+    the stream and its copy equal add_rms_norm's bits, y is F.linear of its h within bf16
+    rounding, for SmolLM2's qkv and gate-up at 1..4 rows."""
+    from specloop.models import _kernels
+    from specloop.models._skinny import norm_fusable, skinny_norm_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for n in (960, 3072):
+        w = (torch.randn(n, 576, device="cuda", generator=gen) * 0.05).bfloat16()
+        nw = (torch.rand(576, device="cuda", generator=gen) + 0.5).bfloat16()
+        for rows in (1, 2, 3, 4):
+            cfg = skinny_config(rows, n, 576) or default_config(rows, n, 576)
+            if not norm_fusable(cfg, 576):
+                cfg = default_config(rows, n, 576)
+            x = (torch.randn(rows, 576, device="cuda", generator=gen) * 3).bfloat16()
+            d = torch.randn(rows, 576, device="cuda", generator=gen).bfloat16()
+            copy = torch.zeros(rows, 2 * 576, device="cuda", dtype=torch.bfloat16)[:, 576:]
+            y, stream = skinny_norm_linear(x, d, nw, 1e-5, w, None, cfg, copy)
+            h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
+            assert torch.equal(stream, want) and torch.equal(copy, want)
+            torch.testing.assert_close(y.float(), F.linear(h, w).float(), rtol=2e-2, atol=2e-2)
