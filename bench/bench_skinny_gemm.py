@@ -5,20 +5,23 @@ each call on its own copy of the weight, >= 128 MiB of copies in all, so the wei
 stream from HBM as in a step over 30 layers, not from L2. No model weights needed (random
 bf16 of the real shapes).
 
-Per (shape, rows): cuBLAS, then every configuration of the sweep and the code table's
-(and, around the best, half and twice its warps, and for tl.dot num_stages 2 / 4); each
-result is checked against F.linear (bf16 tolerance; a config that fails is reported, never
-chosen). The fused silu-down shape's baseline is what it replaces: _kernels.silu_mul +
-F.linear. Then a SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm,
-gate-up, SwiGLU, down) over 30 layers' weights, at 1 and 4 rows: cuBLAS, the dispatcher's
-table as in the code, the table this run measured, and that with the norms in the GEMMs'
-prologue (SPECLOOP_SKINNY_NORM's path).
+Per shape: cuBLAS at each row count, then every configuration of the sweep and the code
+table's at every row count (one configuration serves all rows of a shape: the kernel gives
+a row the same bits whatever the rows, which padded graphs and chained steps need), and,
+around the chosen one, half and twice its warps (tl.dot: num_stages 2 / 4); each result is
+checked against F.linear (bf16 tolerance; one that fails is reported, never chosen). The
+choice per shape: the config and row limit R saving the most time summed over rows <= R
+(by >= 3% of cuBLAS's), cuBLAS above R. The fused silu-down shape's baseline is what it
+replaces: _kernels.silu_mul + F.linear. Then a SmolLM2 layer without attention (add +
+RMSNorm, qkv, o, add + RMSNorm, gate-up, SwiGLU, down) over 30 layers' weights, at 1 and 4
+rows: cuBLAS, the dispatcher's table as in the code, the table this run chose, and that
+with the norms in the GEMMs' prologue (SPECLOOP_SKINNY_NORM's path).
 
-Prints a table and the SKINNY_TABLE literal to paste into models/_linear.py (a config
-only where it beats cuBLAS by >= 3%, else None = F.linear); writes JSON to
+Prints per shape and rows cuBLAS against the chosen config (and the fastest config at that
+row count), and the SKINNY_TABLE literal to paste into models/_linear.py; writes JSON to
 $OUT/skinny.json (OUT defaults to /tmp). Triton compiles happen first, in parallel worker
-processes (Triton's on-disk cache then serves this process): ~300 kernels, estimated
-10-30 s cold on 16 cores (0.2 s each on this repository's CPU box).
+processes (Triton's on-disk cache then serves this process): a few hundred kernels,
+estimated 10-30 s cold on 16 cores (0.2 s each on this repository's CPU box).
 
     python bench/bench_skinny_gemm.py            # everything (< 90 s on one H200)
     python bench/bench_skinny_gemm.py --rows 1,4 --shapes qkv,down --no-refine
@@ -55,45 +58,36 @@ SHAPES = {
 ROWS = (1, 2, 4, 8, 16, 32)
 L2_FLUSH_BYTES = 128 << 20   # > 2x the H200's 50 MB L2
 MIN_CALLS, MAX_CALLS = 50, 400
-WIN = 0.97                   # a config goes into the table only if <= 97% of cuBLAS's time
+WIN = 0.97                   # a config is chosen only if <= 97% of cuBLAS's time
 # --smoke (CPU, Triton's interpreter): shapes / 8, 2 calls, 2 configs, wall-clock timing.
 SMOKE = False
 DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
 
-def sweep(rows: int, k: int) -> list:
-    """The configurations tried for ``rows`` x K (SkinnyConfig; 3 stages). Without tl.dot:
-    all of K in one pass (BLOCK_K = K rounded up to a power of two; a pass is not
-    software-pipelined, so every further one costs a memory latency) at each BLOCK_N that
-    keeps the [rows, BLOCK_N, BLOCK_K] products within 64 fp32 a thread at 4 or 8 warps,
-    and a few multi-pass and split-K ones; tl.dot from 4 rows, pipelined over K."""
-    from specloop.models._linear import row_bucket
+def sweep(k: int) -> list:
+    """The configurations tried for K (SkinnyConfig; one per shape serves every row count,
+    so each is timed at all of them). Without tl.dot: all of K in one pass (BLOCK_K = K
+    rounded up to a power of two; a pass is not software-pipelined) at each BLOCK_N whose
+    tile of W stays within 64 fp32 a thread at 4 or 8 warps, and K over 2 or 4 programs
+    (fp32 partials, a reduce kernel); tl.dot from 16-row tiles, pipelined over K."""
     from specloop.models._skinny import SkinnyConfig as C
+    full = min(4096, max(16, 1 << max(0, (k - 1).bit_length())))
     out = []
-    if rows <= 8:
-        bk = min(4096, max(16, row_bucket(k)))
-        bm = row_bucket(rows)
-        for bn in (1, 2, 4, 8):
-            warps = next((w for w in (4, 8) if bm * bn * bk <= 64 * 32 * w), None)
-            if warps is not None:
+    for bk in (full, full // 2, full // 4):
+        for bn in ((1, 2, 4, 8) if bk == full else (4, 8)):
+            warps = next((w for w in (4, 8) if bn * bk <= 64 * 32 * w), None)
+            if bk >= 16 and warps is not None:
                 out.append(C(False, bn, bk, 1, warps))
-        # (BLOCK_N, BLOCK_K, SPLIT_K): several passes over K, or K split over programs.
-        more = {1: [(8, 256, 1), (4, 512, 1), (8, 256, 2), (4, 256, 4)],
-                2: [(4, 256, 1), (8, 128, 1), (4, 256, 2)],
-                4: [(4, 128, 1), (2, 256, 2)],
-                8: [(4, 64, 1)]}[row_bucket(rows)]
-        out += [C(False, n, b, s) for n, b, s in more if b < bk]
-    if rows >= 4:
-        out += [C(True, n, b, s) for n, b, s in
-                [(16, 64, 1), (16, 128, 1), (32, 64, 1), (32, 128, 1), (64, 64, 1),
-                 (16, 128, 2), (16, 64, 4)]]
+    out += [C(True, n, b, s) for n, b, s in
+            [(16, 64, 1), (16, 128, 1), (32, 64, 1), (32, 128, 1), (64, 64, 1), (16, 128, 2),
+             (16, 64, 4)]]
     return out
 
 
 def variants(cfg) -> list:
-    """Around a best config: half and twice its warps, num_stages 2 and 4 (tl.dot: the
-    pipeline's depth; the broadcast path's single pass has nothing to pipeline)."""
+    """Around a chosen config: half and twice its warps, and for tl.dot num_stages 2 / 4
+    (the broadcast path's single pass has nothing to pipeline)."""
     out = [cfg._replace(num_warps=w) for w in (cfg.num_warps // 2, cfg.num_warps * 2)
            if 2 <= w <= 16]
     if cfg.dot:
@@ -103,10 +97,9 @@ def variants(cfg) -> list:
 
 def compile_key(cfg, rows: int, k: int, act: bool) -> tuple:
     """What makes Triton compile apart (M is not specialised; N, K, strides are all
-    multiples of 16 here): the block sizes as launched, the split, the flags."""
-    split = max(1, min(cfg.split_k, math.ceil(k / cfg.block_k)))
-    k_per = math.ceil(math.ceil(k / split) / cfg.block_k) * cfg.block_k
-    return (cfg._replace(split_k=math.ceil(k / k_per)), cfg.block_m(rows), act)
+    multiples of 16 here): the block sizes as launched, the K programs, the flags."""
+    split, _ = cfg.k_splits(k)
+    return (cfg, cfg.block_m(rows), split > 1, split if cfg.dot else 0, act)
 
 
 def _compile_tasks(tasks: list) -> int:
@@ -181,8 +174,26 @@ def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return err <= 2e-2 * max(1.0, ref.float().abs().max().item())
 
 
-def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -> list[dict]:
+def choose(cublas: dict, times: dict) -> tuple[str | None, int, float]:
+    """-> (config, R, us saved over rows 1..R summed): the config and row limit saving the
+    most over cuBLAS (one config per shape for all rows <= R, by >= 3% of cuBLAS's time
+    there); (None, 0, 0.0) if none does."""
+    best: tuple[str | None, int, float] = (None, 0, 0.0)
+    for tag, per in times.items():
+        saved = 0.0
+        for rows in sorted(cublas):
+            if not isinstance(per.get(rows), float):
+                break
+            saved += cublas[rows] - per[rows]
+            base = sum(cublas[r] for r in cublas if r <= rows)
+            if saved > best[2] and saved >= (1 - WIN) * base:
+                best = (tag, rows, saved)
+    return best
+
+
+def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -> dict:
     from specloop.models._kernels import silu_mul
+    from specloop.models._linear import parse_config, skinny_config
     from specloop.models._skinny import skinny_linear
     wbytes = n * k * 2
     copies = max(2, math.ceil(L2_FLUSH_BYTES / wbytes))
@@ -191,67 +202,71 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     ws = [(torch.randn(n, k, device=DEVICE, generator=gen) * 0.05).to(DTYPE)
           for _ in range(copies)]
-    out = []
-    for rows in rows_list:
-        x = torch.randn(rows, 2 * k if act else k, device=DEVICE, generator=gen).to(DTYPE)
-        last = ws[(calls - 1) % copies]
-        ref = F.linear(silu_mul(x) if act else x, last)
+    xs = {rows: torch.randn(rows, 2 * k if act else k, device=DEVICE, generator=gen).to(DTYPE)
+          for rows in rows_list}
+    last = ws[(calls - 1) % copies]
+    refs = {rows: F.linear(silu_mul(x) if act else x, last) for rows, x in xs.items()}
+    cublas = {}
+    for rows, x in xs.items():
         if act:
-            base, _ = time_graph(lambda i: F.linear(silu_mul(x), ws[i % copies]), calls)
+            cublas[rows], _ = time_graph(lambda i: F.linear(silu_mul(x), ws[i % copies]), calls)
         else:
-            base, _ = time_graph(lambda i: F.linear(x, ws[i % copies]), calls)
-        results: dict[str, float | str] = {}
+            cublas[rows], _ = time_graph(lambda i: F.linear(x, ws[i % copies]), calls)
+    times: dict[str, dict[int, float | str]] = {}
 
-        def run(cfg):
-            if cfg.tag() in results:
-                return
+    def run(cfg):
+        if cfg.tag() in times:
+            return
+        per = times[cfg.tag()] = {}
+        for rows, x in xs.items():
             try:
                 us, y = time_graph(lambda i: skinny_linear(x, ws[i % copies], None, cfg,
                                                            silu_mul=act), calls)
-                results[cfg.tag()] = us if close(y, ref) else "mismatch"
+                per[rows] = us if close(y, refs[rows]) else "mismatch"
             except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
-                results[cfg.tag()] = f"error: {type(e).__name__}: {str(e)[:80]}"
+                per[rows] = f"error: {type(e).__name__}: {str(e)[:80]}"
 
-        from specloop.models._linear import skinny_config
-        code = skinny_config(rows, n, k, act)    # what the code's table runs now
-        for cfg in sweep(rows, k)[:2] if SMOKE else sweep(rows, k) + ([code] if code else []):
+    code = skinny_config(1, n, k, act)         # what the code's table runs now
+    for cfg in sweep(k)[:2] if SMOKE else sweep(k) + ([code] if code else []):
+        run(cfg)
+    tag, max_rows, saved = choose(cublas, times)
+    if refine and tag is not None:
+        for cfg in variants(parse_config(tag)):
             run(cfg)
-        timed = {t: v for t, v in results.items() if isinstance(v, float)}
-        if refine and timed:
-            from specloop.models._linear import parse_config
-            for cfg in variants(parse_config(min(timed, key=timed.__getitem__))):
-                run(cfg)
-            timed = {t: v for t, v in results.items() if isinstance(v, float)}
-        best = min(timed, key=timed.__getitem__) if timed else None
-        row = {"shape": name, "N": n, "K": k, "silu_mul": act, "rows": rows, "calls": calls,
-               "cublas_us": base, "code_config": code.tag() if code else None, "best": best, "best_us": timed.get(best) if best else None,
-               "ratio": timed[best] / base if best else None, "configs": results}
-        out.append(row)
-        bad = [t for t, v in results.items() if not isinstance(v, float)]
-        print(f"{name:10s} {n:6d}x{k:<5d} M={rows:<3d} cuBLAS {base:6.2f} us  best "
-              + (f"{timed[best]:6.2f} us {best:15s} x{timed[best] / base:.2f}" if best
-                 else "none") + (f"  ({len(bad)} failed: {bad[:3]})" if bad else ""),
-              flush=True)
+        tag, max_rows, saved = choose(cublas, times)
+    per_row_best = {}
+    for rows in rows_list:
+        ok = {t: per[rows] for t, per in times.items() if isinstance(per.get(rows), float)}
+        per_row_best[rows] = min(ok, key=ok.__getitem__) if ok else None
+    failed = sorted(t for t, per in times.items()
+                    if any(not isinstance(v, float) for v in per.values()))
+    chosen = times.get(tag, {}) if tag else {}
+    for rows in rows_list:
+        pick = chosen.get(rows) if tag and rows <= max_rows else None
+        fastest = per_row_best[rows]
+        print(f"{name:10s} {n:6d}x{k:<5d} M={rows:<3d} cuBLAS {cublas[rows]:6.2f} us  "
+              + (f"{tag} {pick:6.2f} us x{pick / cublas[rows]:.2f}" if pick else "cuBLAS")
+              + (f"  (fastest at this M: {fastest} {times[fastest][rows]:.2f} us)"
+                 if fastest else ""), flush=True)
+    if failed:
+        print(f"{name}: {len(failed)} configs failed somewhere: {failed[:4]}", flush=True)
     del ws
     if not SMOKE:
         torch.cuda.empty_cache()
-    return out
+    return {"shape": name, "N": n, "K": k, "silu_mul": act, "calls": calls,
+            "cublas_us": cublas, "code_config": code.tag() if code else None,
+            "chosen": tag, "max_rows": max_rows, "saved_us_over_rows": saved,
+            "fastest_per_rows": per_row_best, "configs": times}
 
 
-def table_from(rows: list[dict]) -> dict:
-    table: dict[tuple[int, int, bool], dict[int, str | None]] = {}
-    for r in rows:
-        win = r["best"] is not None and r["best_us"] <= WIN * r["cublas_us"]
-        table.setdefault((r["N"], r["K"], r["silu_mul"]), {})[r["rows"]] = \
-            r["best"] if win else None
-    return table
+def table_from(results: list[dict]) -> dict:
+    return {(r["N"], r["K"], r["silu_mul"]):
+            (r["chosen"], r["max_rows"]) if r["chosen"] else None for r in results}
 
 
 def table_literal(table: dict) -> str:
-    lines = ["SKINNY_TABLE: dict[tuple[int, int, bool], dict[int, str | None]] = {"]
-    for key, entry in table.items():
-        inner = ", ".join(f"{b}: {v!r}" for b, v in sorted(entry.items()))
-        lines.append(f"    {key!r}: {{{inner}}},")
+    lines = ["SKINNY_TABLE: dict[tuple[int, int, bool], tuple[str, int] | None] = {"]
+    lines += [f"    {key!r}: {entry!r}," for key, entry in table.items()]
     lines.append("}")
     return "\n".join(lines)
 
@@ -336,26 +351,21 @@ def main() -> None:
     tasks = []
     from specloop.models._linear import skinny_config
     for n, k, act in shapes.values():
-        for rows in rows_list:
-            code = skinny_config(rows, n, k, act)
-            for cfg in sweep(rows, k) + ([code] if code else []):
-                tasks.append((rows, n, k, act, cfg))
-                if args.refine:
-                    tasks += [(rows, n, k, act, v) for v in variants(cfg)]
+        code = skinny_config(1, n, k, act)
+        for cfg in sweep(k) + ([code] if code else []):
+            for v in [cfg] + (variants(cfg) if args.refine else []):
+                tasks += [(rows, n, k, act, v) for rows in rows_list]
     if args.workers > 1:
         precompile(tasks, args.workers)
-    results = []
-    for name, (n, k, act) in shapes.items():
-        results += bench_shape(name, n, k, act, rows_list, args.refine)
+    results = [bench_shape(name, n, k, act, rows_list, args.refine)
+               for name, (n, k, act) in shapes.items()]
     table = table_from(results)
     layer = bench_layer(table, 2 if SMOKE else 30) \
         if {"qkv", "o", "gate_up", "down+silu"} <= set(shapes) else []
-    print("\nshape        N x K      M  cuBLAS us  Triton us  config           ratio")
+    print("\nshape        N x K      config          rows<=  us saved over the rows (sum)")
     for r in results:
-        best = f"{r['best_us']:9.2f}  {r['best']:15s} {r['ratio']:5.2f}" if r["best"] else \
-            "     none"
-        print(f"{r['shape']:10s} {r['N']:6d}x{r['K']:<5d} {r['rows']:3d} {r['cublas_us']:9.2f}"
-              f"  {best}")
+        print(f"{r['shape']:10s} {r['N']:6d}x{r['K']:<5d} {str(r['chosen']):15s} "
+              f"{r['max_rows']:5d}  {r['saved_us_over_rows']:.2f}")
     literal = table_literal(table)
     print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n" + literal)
     path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny.json")
@@ -363,7 +373,7 @@ def main() -> None:
     with open(path, "w") as f:
         json.dump({"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
                    "torch": torch.__version__,
-                   "triton": triton.__version__, "rows": results, "layer": layer,
+                   "triton": triton.__version__, "shapes": results, "layer": layer,
                    "table": {repr(k): v for k, v in table.items()}, "table_literal": literal,
                    "seconds": time.perf_counter() - t0}, f, indent=1)
     print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)")

@@ -16,9 +16,9 @@ differences, as between any two GEMM kernels).
 On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, outside autograd). cuBLAS's tiles for so few
 rows leave most SMs idle (an H200 at batch 1: 3.7-3.9 us per SmolLM2 GEMM, whose weights
 stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) finely.
-Which configuration runs per (N, K, row bucket) is SKINNY_TABLE, filled from
-``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
-``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
+Which configuration runs per (N, K) (one for every row count, so a row's bits do not depend
+on the batch bucket) is SKINNY_TABLE, filled from ``bench/bench_skinny_gemm.py`` on the
+H200 (it prints the literal); shapes not in it get ``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
 False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 ``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
 prologue where the configuration allows (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=1``).
@@ -39,23 +39,25 @@ from ._skinny import SkinnyConfig
 # rows on both cost the same, and long prefill chunks keep MKL's numerics).
 MIN_ROWS, MAX_ROWS = 2, 32
 
-# Rows for which the skinny kernel may run on CUDA (row buckets 1, 2, 4, 8, 16, 32).
+# Rows for which the skinny kernel may run on CUDA.
 SKINNY_MAX_ROWS = 32
 
-# (N, K, silu_mul) -> {row bucket: config tag, or None for F.linear}. The tags are
+# (N, K, silu_mul) -> (config tag, max rows), or None for F.linear. The tags are
 # SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
-# warps, 3 stages; ``v``: no tl.dot). Rows r use bucket 2^ceil(log2 r); a bucket missing
-# from an entry, or a shape missing from the table, uses default_config. These are guesses
-# for SmolLM2-135M and its EAGLE-3 head (see default_config: K in one pass without tl.dot;
-# tl.dot from 8 rows) until the H200 bench's table replaces them: bench/bench_skinny_gemm.py
-# prints the literal to paste here.
-SKINNY_TABLE: dict[tuple[int, int, bool], dict[int, str | None]] = {
-    (960, 576, False): {1: "v8x1024s1w4n3", 2: "v4x1024s1w4n3", 4: "v2x1024s1w4n3", 8: "d16x128s1w4n3", 16: "d16x128s1w4n3", 32: "d32x64s1w4n3"},
-    (576, 576, False): {1: "v4x1024s1w4n3", 2: "v4x1024s1w4n3", 4: "v2x1024s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
-    (3072, 576, False): {1: "v8x1024s1w4n3", 2: "v4x1024s1w4n3", 4: "v2x1024s1w4n3", 8: "d16x128s1w4n3", 16: "d32x128s1w4n3", 32: "d32x64s1w4n3"},
-    (576, 1536, True): {1: "v4x2048s1w4n3", 2: "v2x2048s1w4n3", 4: "v1x2048s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
-    (576, 1728, False): {1: "v4x2048s1w4n3", 2: "v2x2048s1w4n3", 4: "v1x2048s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
-    (576, 1152, False): {1: "v4x2048s1w4n3", 2: "v2x2048s1w4n3", 4: "v1x2048s1w4n3", 8: "d16x128s2w4n3", 16: "d16x128s2w4n3", 32: "d16x64s4w4n3"},
+# warps, 3 stages; ``v``: no tl.dot). One configuration per shape for every row count up
+# to ``max rows`` (F.linear beyond): the kernel gives a row the same bits whatever the
+# number of rows in the call, so a graph padded to a larger batch bucket (or a chained
+# step taken at one) equals the unpadded call. A shape missing from the table uses
+# default_config up to SKINNY_MAX_ROWS rows. These are guesses for SmolLM2-135M and its
+# EAGLE-3 head (see default_config) until the H200 bench's table replaces them:
+# bench/bench_skinny_gemm.py prints the literal to paste here.
+SKINNY_TABLE: dict[tuple[int, int, bool], tuple[str, int] | None] = {
+    (960, 576, False): ("v8x1024s1w4n3", 32),
+    (576, 576, False): ("v4x1024s1w4n3", 32),
+    (3072, 576, False): ("v8x1024s1w4n3", 32),
+    (576, 1536, True): ("v4x2048s1w4n3", 32),
+    (576, 1728, False): ("v4x2048s1w4n3", 32),
+    (576, 1152, False): ("v4x2048s1w4n3", 32),
 }
 
 _TAG = re.compile(r"([dv])(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
@@ -71,40 +73,27 @@ def parse_config(tag: str) -> SkinnyConfig:
     return SkinnyConfig(d == "d", bn, bk, split, warps, stages)
 
 
-def row_bucket(rows: int) -> int:
-    return 1 << max(0, (rows - 1).bit_length())
-
-
-def default_config(rows: int, n: int, k: int) -> SkinnyConfig:
-    """A guess for shapes the table lacks. Up to 4 rows, no tl.dot and all of K in one pass
-    (BLOCK_K = K rounded up to a power of two, up to 4096): a pass of the broadcast path is
-    not software-pipelined, so each further pass over K would cost another memory latency;
-    BLOCK_N as large as ~64 fp32 products per thread allow (up to 8 rows of W). From 5 rows,
-    tl.dot (pipelined over K by num_stages)."""
-    if rows <= 4:
-        bk = min(4096, max(16, row_bucket(k)))
-        return SkinnyConfig(False, vector_block_n(rows, bk), bk)
-    return SkinnyConfig(True, 16 if n <= 4096 else 64, min(max(16, row_bucket(k)), 128))
-
-
-def vector_block_n(rows: int, block_k: int, num_warps: int = 4, per_thread: int = 64) -> int:
-    """BLOCK_N for the broadcast path: [rows, BLOCK_N, BLOCK_K] products within
-    ``per_thread`` fp32 a thread, 1..8."""
-    room = per_thread * 32 * num_warps // (row_bucket(rows) * block_k)
-    return max(1, min(8, 1 << max(0, room.bit_length() - 1)))
+def default_config(n: int, k: int) -> SkinnyConfig:
+    """A guess for shapes the table lacks: no tl.dot, all of K in one pass (BLOCK_K = K
+    rounded up to a power of two, up to 4096; such a pass is not software-pipelined, so a
+    loop over K would cost a memory latency a pass), BLOCK_N as large as keeps the tile of
+    W within ~64 fp32 registers a thread (1..8 rows of W)."""
+    bk = min(4096, max(16, 1 << max(0, (k - 1).bit_length())))
+    return SkinnyConfig(False, max(1, min(8, 64 * 32 * 4 // bk)), bk)
 
 
 def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig | None:
-    """The configuration for ``rows`` x [N, K], or None where F.linear runs (the table says
-    cuBLAS wins, or more than SKINNY_MAX_ROWS rows)."""
+    """The configuration for ``rows`` x [N, K] (the same for every row count it covers),
+    or None where F.linear runs (the table says cuBLAS, or more rows than it covers)."""
     if not 1 <= rows <= SKINNY_MAX_ROWS:
         return None
-    bucket = row_bucket(rows)
-    entry = SKINNY_TABLE.get((n, k, silu_mul))
-    if entry is not None and bucket in entry:
-        tag = entry[bucket]
-        return None if tag is None else parse_config(tag)
-    return default_config(rows, n, k)
+    key = (n, k, silu_mul)
+    if key not in SKINNY_TABLE:
+        return default_config(n, k)
+    entry = SKINNY_TABLE[key]
+    if entry is None or rows > entry[1]:
+        return None
+    return parse_config(entry[0])
 
 
 def packing_available() -> bool:

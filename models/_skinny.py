@@ -8,9 +8,18 @@ SmolLM2's 576-wide GEMMs, whose weights take ~0.3-1.5 us to stream from HBM). Th
 splits N finely (BLOCK_N rows of W a program, optionally K over SPLIT_K programs), so each
 GEMM spreads over many SMs:
 
-- ``DOT=False`` (meant for 1..8 rows): a broadcast multiply and a sum over K per tile, no
-  tensor cores (tl.dot needs >= 16 rows, and a GEMV is bound by reading W anyway);
-- ``DOT=True``: tl.dot on x's rows padded to BLOCK_M >= 16 in registers (masked loads).
+- ``DOT=False``: a program loads its [BLOCK_N, BLOCK_K] tile of W once (all of K, or
+  its split's part, in one pass: no loop to pipeline) and then, row after row, a broadcast
+  multiply and a sum over K; no tensor cores (tl.dot needs >= 16 rows, and a GEMV is
+  bound by reading W anyway);
+- ``DOT=True``: tl.dot on x's rows padded to 16 in registers (masked loads), pipelined
+  over K by num_stages.
+
+A row's arithmetic depends on the configuration alone, not on the number of rows in the
+call (rows are never reduced together; tl.dot's rows are independent), so a row gives the
+same bits in a call of 1 row or of 32: a CUDA graph padded to a larger batch bucket
+computes what the unpadded call computes, as long as the dispatcher picks one
+configuration per shape (it does).
 
 Accumulation is in fp32, rounded once to x's dtype at the store. SPLIT_K > 1 writes fp32
 partial sums to a [SPLIT_K, M, N] scratch and a second small kernel adds them in split
@@ -49,24 +58,44 @@ def available() -> bool:
 
 
 class SkinnyConfig(NamedTuple):
-    """One launch configuration (the bench sweeps these; ``models/_linear`` keeps a table)."""
+    """One launch configuration (the bench sweeps these; ``models/_linear`` keeps a table).
 
-    dot: bool         # tl.dot (rows padded to >= 16) or broadcast-multiply-reduce
+    Each output row's arithmetic depends on the configuration only, never on how many rows
+    the call has (``block_m`` just groups them), so a row computes the same bits in a call
+    of 1 row or of 32 — as a graph padded to a larger batch bucket, or a step taken at a
+    larger bucket, needs to equal the unpadded call."""
+
+    dot: bool         # tl.dot (rows padded to 16) or broadcast-multiply-reduce
     block_n: int      # rows of W (output columns) per program; >= 16 with dot
-    block_k: int      # K per loop iteration; >= 16 with dot
-    split_k: int = 1  # programs along K (> 1: fp32 partials + an ordered reduce kernel)
+    block_k: int      # dot: K per loop iteration (>= 16); broadcast: K per program, in
+                      # one pass (K > block_k: cdiv(K, block_k) programs along K)
+    split_k: int = 1  # dot: programs along K (> 1: fp32 partials + an ordered reduce)
     num_warps: int = 4
     num_stages: int = 3
 
     def block_m(self, rows: int) -> int:
-        """Rows of x per program: all of them (a power of two), >= 16 for tl.dot; more
-        than 32 rows run as several row blocks."""
-        return max(16 if self.dot else 1, min(_pow2(rows), 32))
+        """Rows of x per program: 16 (padded) for tl.dot; without, up to 8 (a power of
+        two), one after the other over the program's tile of W (more rows: more programs,
+        each reading its tile of W again, from L2 after the first)."""
+        return 16 if self.dot else min(_pow2(rows), 8)
+
+    def k_splits(self, k: int) -> tuple[int, int]:
+        """-> (programs along K, K per program) for K = ``k``."""
+        if not self.dot:
+            return _cdiv(k, self.block_k), self.block_k
+        split = max(1, min(self.split_k, _cdiv(k, self.block_k)))
+        # Each split's K range a multiple of BLOCK_K (so no program straddles two splits).
+        per = _cdiv(_cdiv(k, split), self.block_k) * self.block_k
+        return _cdiv(k, per), per
 
     def tag(self) -> str:
         """Compact name, e.g. ``d16x128s2w4n3`` (dot, BLOCK_N 16, BLOCK_K 128, split 2)."""
         return (f"{'d' if self.dot else 'v'}{self.block_n}x{self.block_k}s{self.split_k}"
                 f"w{self.num_warps}n{self.num_stages}")
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
 
 
 def _pow2(n: int) -> int:
@@ -84,46 +113,73 @@ if triton is not None:
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
         n_ok = rn < N
         # This program's K range (k_per_split is a multiple of BLOCK_K).
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(K, k_lo + k_per_split)
-        x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(k_lo, k_hi, BLOCK_K):
-            ks = k0 + rk
-            k_ok = ks < k_hi
-            xm = m_ok[:, None] & k_ok[None, :]
-            if ACT == 1:
-                # x is gate_up [M, 2K]: silu(gate) * up as _kernels.silu_mul computes and
-                # rounds it (the down GEMM's input is that kernel's output, bit for bit).
-                g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-                u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
-                gf = g.to(tl.float32)
-                a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
-            else:
-                a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            if DOT:
+        if DOT:
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = rm < M
+            x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for k0 in range(k_lo, k_hi, BLOCK_K):
+                ks = k0 + rk
+                k_ok = ks < k_hi
+                xm = m_ok[:, None] & k_ok[None, :]
+                if ACT == 1:
+                    # x is gate_up [M, 2K]: silu(gate) * up as _kernels.silu_mul computes
+                    # and rounds it (the GEMM's input is that kernel's output, bit for bit).
+                    g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+                    u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+                    gf = g.to(tl.float32)
+                    a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
+                else:
+                    a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+                w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                            other=0.0)
                 acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+            out_mask = m_ok[:, None] & n_ok[None, :]
+            if SPLIT_K == 1:
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
             else:
-                prod = a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-                acc += tl.sum(prod, axis=2)
-        out_mask = m_ok[:, None] & n_ok[None, :]
-        if SPLIT_K == 1:
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-            tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
+                part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+                tl.store(part, acc, mask=out_mask)
         else:
-            # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
-            part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
-            tl.store(part, acc, mask=out_mask)
+            # The program's tile of W once, then each of its rows in turn: a row's sum is
+            # the same reduction whatever the number of rows.
+            ks = k_lo + rk
+            k_ok = ks < k_hi
+            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            for r in tl.static_range(BLOCK_M):
+                row = pid_m * BLOCK_M + r
+                a_ok = k_ok & (rk * 0 + row < M)
+                x_row = x_ptr + row.to(tl.int64) * stride_xm
+                if ACT == 1:
+                    g = tl.load(x_row + ks, mask=a_ok, other=0.0)
+                    u = tl.load(x_row + K + ks, mask=a_ok, other=0.0).to(tl.float32)
+                    gf = g.to(tl.float32)
+                    a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
+                else:
+                    a = tl.load(x_row + ks, mask=a_ok, other=0.0)
+                acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
+                y_ok = n_ok & (rn * 0 + row < M)
+                if SPLIT_K == 1:
+                    if HAS_BIAS:
+                        acc += bias
+                    tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
+                             acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+                else:
+                    tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
 
     @triton.jit(do_not_specialize=["M"])
     def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, M, N, K,
@@ -131,39 +187,40 @@ if triton is not None:
                             HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr):
-        # rms_norm(x + delta) @ W^T in one pass over K (BLOCK_K >= K): the prologue is
-        # _kernels.add_rms_norm's arithmetic on whole rows (x, delta [M, K] contiguous).
+        # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
+        # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
         pid_n = tl.program_id(0)
-        rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        m_ok = rm < M
         n_ok = rn < N
         k_ok = rk < K
-        xm = m_ok[:, None] & k_ok[None, :]
-        offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
-        xs = tl.load(x_ptr + offs, mask=xm, other=0.0)
-        if HAS_DELTA:
-            # Rounded to the stream's dtype like the reference's ``x + y``.
-            xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=xm, other=0.0)
-                  .to(tl.float32)).to(xs.dtype)
-        if pid_n == 0:           # the one column block that stores the residual stream
-            if HAS_DELTA:
-                tl.store(s_ptr + offs, xs, mask=xm)
-            if HAS_COPY:
-                tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rk[None, :], xs,
-                         mask=xm)
-        xf = xs.to(tl.float32)
-        inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
-        nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
-        a = nw[None, :] * (xf * inv[:, None]).to(xs.dtype)
         w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        acc = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
         if HAS_BIAS:
-            acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-        y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+        for r in tl.static_range(BLOCK_M):
+            row = tl.program_id(1) * BLOCK_M + r
+            ok = k_ok & (rk * 0 + row < M)
+            offs = row.to(tl.int64) * K + rk
+            xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
+            if HAS_DELTA:
+                # Rounded to the stream's dtype like the reference's ``x + y``.
+                xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
+                      .to(tl.float32)).to(xs.dtype)
+            if pid_n == 0:       # the one column block that stores the residual stream
+                if HAS_DELTA:
+                    tl.store(s_ptr + offs, xs, mask=ok)
+                if HAS_COPY:
+                    tl.store(c_ptr + row.to(tl.int64) * stride_cm + rk, xs, mask=ok)
+            xf = xs.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+            a = nw * (xf * inv).to(xs.dtype)
+            acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
+            if HAS_BIAS:
+                acc += bias
+            tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
+                     acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
 
     @triton.jit(do_not_specialize=["M"])
     def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
@@ -204,10 +261,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return y.view(*x.shape[:-1], N)
     c = config
     bm = c.block_m(M)
-    split = max(1, min(c.split_k, triton.cdiv(K, c.block_k)))
-    # Each split's K range a multiple of BLOCK_K (so no program straddles two splits).
-    k_per = triton.cdiv(triton.cdiv(K, split), c.block_k) * c.block_k
-    split = triton.cdiv(K, k_per)
+    split, k_per = c.k_splits(K)
     grid = (triton.cdiv(N, c.block_n), split, triton.cdiv(M, bm))
     b = bias if bias is not None else weight
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)

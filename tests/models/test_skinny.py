@@ -1,12 +1,16 @@
 """The skinny-GEMM kernel (models/_skinny) and its dispatch (models/_linear).
 
 The kernel runs under Triton's interpreter in a child process (tests/interpreted.py): it
-equals a float64 reference within the inputs' rounding for 1..17 rows (and 40: several row
-blocks), N and K off the block sizes, with bias, split-K on and off, with and without
-tl.dot, and the silu-mul-down variant; twice the same input gives the same bits. The
-interpreter's tl.dot (and elementwise products) multiply bf16 tensors as their raw 16-bit
-integers (it stores bf16 as uint16), so tl.dot configurations and the RMSNorm prologue are
-checked in fp16 and fp32 here and in bf16 by the GPU tests below. The dispatcher's choices (table, buckets, switches) run in-process.
+equals a float64 reference within the inputs' rounding for 1..17 rows with tl.dot (and
+40: several row blocks), 1, 3 and 9 rows without (rows one after the other in blocks of
+8), N and K off the block sizes, with bias, K split over programs or not, and the
+silu-mul-down variant; twice the same input gives the same bits, and a row gives the same
+bits whatever the number of rows in the call. The RMSNorm-prologue variant equals
+add_rms_norm then the GEMM. The interpreter's tl.dot (and elementwise products) multiply
+bf16 tensors as their raw 16-bit integers (it stores bf16 as uint16), so tl.dot
+configurations and the RMSNorm prologue are checked in fp16 and fp32 here and in bf16 by
+the GPU tests below, which also check the row-count invariance on the hardware. The
+dispatcher's choices (table, window, switches) run in-process.
 """
 
 import pytest
@@ -15,7 +19,7 @@ import torch.nn.functional as F
 
 from specloop.models import _linear
 from specloop.models._linear import (SKINNY_MAX_ROWS, SKINNY_TABLE, PackedLinear,
-                                     default_config, parse_config, row_bucket, skinny_config)
+                                     default_config, parse_config, skinny_config)
 from specloop.models._skinny import SkinnyConfig
 
 from ..interpreted import run_interpreted
@@ -26,11 +30,10 @@ import torch.nn.functional as F
 from specloop.models._skinny import SkinnyConfig, skinny_linear
 
 torch.manual_seed(0)
-# Several passes over K; one pass, one row of W a program; K split 3 ways (the last split
-# short); tl.dot; tl.dot split 2 ways.
-configs = [SkinnyConfig(False, 8, 32), SkinnyConfig(False, 1, 128),
-           SkinnyConfig(False, 4, 32, split_k=3), SkinnyConfig(True, 16, 32),
-           SkinnyConfig(True, 32, 16, split_k=2)]
+# Broadcast: K over 3 programs (partials, the last short), all of K in one pass, K over 2;
+# tl.dot: a loop over K, and split 2 ways.
+configs = [SkinnyConfig(False, 8, 32), SkinnyConfig(False, 8, 128), SkinnyConfig(False, 4, 64),
+           SkinnyConfig(True, 16, 32), SkinnyConfig(True, 32, 16, split_k=2)]
 N, K = 19, 83                      # neither a multiple of any block
 w32, b32 = torch.randn(N, K), torch.randn(N)
 gu32 = torch.randn(40, 2 * K) * 2
@@ -39,30 +42,38 @@ gu32 = torch.randn(40, 2 * K) * 2
 for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
     w, b = w32.to(dtype), b32.to(dtype)
     for ci, cfg in enumerate(configs):
-        # fp32 runs every config; fp16 the tl.dot ones, bf16 the others (the interpreter's
-        # bf16 tl.dot: see the module doc) but BLOCK_N 1 (slow to interpret).
-        if dtype != torch.float32 and (cfg.dot != (dtype == torch.float16) or cfg.block_n == 1):
+        # fp32 runs every config; fp16 the tl.dot ones, bf16 the first (the interpreter's
+        # bf16 tl.dot: see the module doc; the broadcast path is slow to interpret).
+        if dtype != torch.float32 and (cfg.dot != (dtype == torch.float16) or ci in (1, 2)):
             continue
-        # Rows 1..17 spread over the configs; 40 = 2 and 3 row blocks (fp32).
-        extra = {40} if dtype == torch.float32 and ci in (0, 4) else set()
-        for M in sorted({1, 17, *extra, *range(1 + ci, 18, len(configs))}):
-            for act in (False, True):
-                x = gu32[:M].to(dtype) if act else gu32[:M, :K].to(dtype)
-                bias = None if act or M % 2 else b
-                y = skinny_linear(x, w, bias, cfg, silu_mul=act)
-                assert y.dtype == dtype and y.shape == (M, N)
-                if act:  # the operand as _kernels.silu_mul rounds it
-                    g, u = x[:, :K].float(), x[:, K:].float()
-                    a = (g / (1.0 + torch.exp(-g)) * u).to(dtype).double()
-                else:
-                    a = x.double()
-                ref = a @ w.double().T + (0 if bias is None else bias.double())
-                # y's rounding, fp32 summation over K, and (act) the operand's rounding.
-                scale = a.abs() @ w.double().abs().T
-                bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
-                assert ((y.double() - ref).abs() <= bound).all(), (dtype, cfg, M, act)
-                if M in (1, 17):
-                    assert torch.equal(y, skinny_linear(x, w, bias, cfg, silu_mul=act))
+        # tl.dot: rows 1..17 spread over the two configs, 40 = 3 row blocks. Broadcast
+        # (rows one after the other in blocks of up to 8; slow to interpret): 1, 3, a
+        # block and a row.
+        if cfg.dot:
+            cases = [(M, act) for M in sorted({16, 17, 40, *range(1 + ci % 2, 18, 2)})
+                     for act in (False, True)]
+        else:
+            cases = [(1, False), (3, True), (9, False)]
+        for M, act in cases:
+            x = gu32[:M].to(dtype) if act else gu32[:M, :K].to(dtype)
+            bias = None if act or M % 2 else b
+            y = skinny_linear(x, w, bias, cfg, silu_mul=act)
+            assert y.dtype == dtype and y.shape == (M, N)
+            if act:  # the operand as _kernels.silu_mul rounds it
+                g, u = x[:, :K].float(), x[:, K:].float()
+                a = (g / (1.0 + torch.exp(-g)) * u).to(dtype).double()
+            else:
+                a = x.double()
+            ref = a @ w.double().T + (0 if bias is None else bias.double())
+            # y's rounding, fp32 summation over K, and (act) the operand's rounding.
+            scale = a.abs() @ w.double().abs().T
+            bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
+            assert ((y.double() - ref).abs() <= bound).all(), (dtype, cfg, M, act)
+            if M in (9, 17):   # the same bits twice, and a row's whatever the rows
+                assert torch.equal(y, skinny_linear(x, w, bias, cfg, silu_mul=act))
+                for m in (1, 3):
+                    assert torch.equal(y[:m], skinny_linear(x[:m], w, bias, cfg,
+                                                            silu_mul=act)), (cfg, m)
 # RMSNorm (after a residual add) in the prologue: == _kernels.add_rms_norm then the GEMM,
 # the stream (and its copy) bit for bit, y within the rounding of the normed operand. Not
 # bf16: the interpreter multiplies bf16 tensors as their raw bits there too (w * normed).
@@ -71,8 +82,8 @@ from specloop.models._skinny import skinny_norm_linear
 for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10)):
     w, b = w32.to(dtype), b32.to(dtype)
     nw = (torch.rand(K) + 0.5).to(dtype)
-    for cfg in (SkinnyConfig(False, 8, 128), SkinnyConfig(False, 2, 128, num_warps=2)):
-        for M, with_delta, bias in ((1, True, None), (3, False, b), (17, True, b)):
+    for cfg in (SkinnyConfig(False, 8, 128), SkinnyConfig(False, 4, 128, num_warps=2)):
+        for M, with_delta, bias in ((1, True, None), (3, False, b), (9, True, b)):
             x = (gu32[:M, :K] * 3).to(dtype)
             d = gu32[:M, K:].to(dtype) if with_delta else None
             copy = torch.zeros(M, 2 * K, dtype=dtype)[:, K:]
@@ -126,15 +137,15 @@ for skinny, norm in ((False, False), (True, False), (True, True)):
     cache = model.make_cache(2, 64, pages=pages)
     for slot in range(2):
         pages.resize(slot, 12)
-    tokens = torch.tensor([[1, 2], [5, 6]]) % V   # 4 rows: the one-pass broadcast configs
+    tokens = torch.tensor([[1], [5]]) % V
     # Features captured after every layer (layer 0's by layer 1's norm: norm_linear's copy).
     hidden, feats = model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]), cache,
                           capture=tuple(range(L)))
-    out[skinny, norm] = torch.cat([model.logits(hidden), feats.float()], dim=-1)
-    if norm:     # qkv and gate-up with their norms, o, silu-down; the LM head; final norm
-        want = {"skinny_norm_linear": 2 * L, "skinny_linear": 2 * L + 1, "add_rms_norm": 1}
-    elif skinny:  # 3 GEMMs + the fused silu-down a layer, and the LM head: no silu_mul
-        want = {"skinny_linear": 4 * L + 1, "add_rms_norm": 2 * L + 1}
+    out[skinny, norm] = torch.cat([hidden, feats], dim=-1).float()
+    if norm:     # qkv and gate-up with their norms, o, silu-down; the final norm
+        want = {"skinny_norm_linear": 2 * L, "skinny_linear": 2 * L, "add_rms_norm": 1}
+    elif skinny:  # 3 GEMMs + the fused silu-down a layer: no silu_mul
+        want = {"skinny_linear": 4 * L, "add_rms_norm": 2 * L + 1}
     else:
         want = {"silu_mul": L, "add_rms_norm": 2 * L + 1}
     assert calls == want, (skinny, norm, calls)
@@ -148,41 +159,43 @@ print("ok")
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
     """The fused decoder layer through the dispatcher's skinny path (fp16, CPU, Triton's
-    interpreter): the GEMMs and the LM head run on the kernel, silu_mul does not, with
-    ``skinny_norm`` the layer's two norm kernels do not either, and the logits match the
-    cuBLAS-shaped path's (F.linear + silu_mul + add_rms_norm) within fp16 rounding."""
+    interpreter): the GEMMs run on the kernel, silu_mul does not, with ``skinny_norm`` the
+    layer's two norm kernels do not either, and the hidden states and captured features
+    match the cuBLAS-shaped path's (F.linear + silu_mul + add_rms_norm) within fp16
+    rounding. (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(tiny_dirs["llama"]))
 
 
 def test_table_tags_parse_and_round_trip():
     for (n, k, _), entry in SKINNY_TABLE.items():
-        assert n > 0 and k > 0 and set(entry) <= {1, 2, 4, 8, 16, 32}
-        for tag in entry.values():
-            if tag is not None:
-                cfg = parse_config(tag)
-                assert cfg.tag() == tag and (not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16)
+        assert n > 0 and k > 0
+        if entry is not None:
+            tag, max_rows = entry
+            cfg = parse_config(tag)
+            assert cfg.tag() == tag and 1 <= max_rows <= SKINNY_MAX_ROWS
+            assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16
     with pytest.raises(ValueError):
         parse_config("d16x128")
 
 
-def test_skinny_config_buckets_and_window(monkeypatch):
-    assert [row_bucket(r) for r in (1, 2, 3, 4, 5, 9, 17, 32)] == [1, 2, 4, 4, 8, 16, 32, 32]
-    monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), {1: "v8x64s1w4n3", 4: None})
-    assert skinny_config(1, 100, 50) == SkinnyConfig(False, 8, 64, 1, 4, 3)
-    assert skinny_config(3, 100, 50) is None                   # the table says cuBLAS
-    assert skinny_config(2, 100, 50) == default_config(2, 100, 50)   # bucket not in entry
-    assert skinny_config(2, 100, 50, silu_mul=True) == default_config(2, 100, 50)
-    assert skinny_config(SKINNY_MAX_ROWS + 1, 100, 50) is None
-    assert skinny_config(0, 100, 50) is None
-    for rows in range(1, SKINNY_MAX_ROWS + 1):
-        for n, k in ((576, 576), (49152, 576), (64, 1536)):
-            cfg = default_config(rows, n, k)
-            # tl.dot needs 16 on each side; the broadcast tile stays <= 64 fp32 per thread
-            # (BLOCK_N 1 aside) and takes K in one pass.
-            assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16
-            assert cfg.dot or cfg.block_k >= k and (
-                cfg.block_n == 1 or cfg.block_m(rows) * cfg.block_n * cfg.block_k <=
-                64 * 32 * cfg.num_warps)
+def test_skinny_config_one_per_shape_and_window(monkeypatch):
+    """One configuration per shape for every row count it covers (a row's bits must not
+    depend on the batch bucket), F.linear beyond; default_config for shapes not listed."""
+    monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), ("v8x64s1w4n3", 8))
+    monkeypatch.setitem(SKINNY_TABLE, (100, 60, False), None)
+    for rows in range(1, 9):
+        assert skinny_config(rows, 100, 50) == SkinnyConfig(False, 8, 64, 1, 4, 3)
+    assert skinny_config(9, 100, 50) is None                  # beyond the entry's rows
+    assert all(skinny_config(r, 100, 60) is None for r in (1, 4, 32))   # cuBLAS
+    assert skinny_config(2, 100, 50, silu_mul=True) == default_config(100, 50)
+    assert skinny_config(SKINNY_MAX_ROWS, 64, 64) == default_config(64, 64)
+    assert skinny_config(SKINNY_MAX_ROWS + 1, 64, 64) is None
+    assert skinny_config(0, 64, 64) is None
+    for n, k in ((576, 576), (49152, 576), (64, 1536), (576, 3000)):
+        cfg = default_config(n, k)
+        # One pass over K, the tile of W within ~64 fp32 a thread.
+        assert not cfg.dot and cfg.split_k == 1 and cfg.block_k >= k
+        assert cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
 
 
 def test_cpu_fp32_never_takes_the_skinny_path(monkeypatch):
@@ -233,25 +246,27 @@ SMOLLM2_SHAPES = [(960, 576, False), (576, 576, False), (3072, 576, False), (576
 
 @pytest.mark.gpu
 def test_skinny_matches_f_linear_bf16_cuda():
-    """Every configuration the table or the default picks for SmolLM2's shapes, 1..32 rows:
-    within bf16 rounding of F.linear (on the silu_mul kernel's output for the fused down),
-    and the same bits twice."""
+    """The configuration the table or the default picks for each of SmolLM2's shapes, 1..32
+    rows: within bf16 rounding of F.linear (on the silu_mul kernel's output for the fused
+    down), the same bits twice, and each row's bits whatever the number of rows."""
     from specloop.models import _kernels
     from specloop.models._skinny import skinny_linear
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     for n, k, act in SMOLLM2_SHAPES:
+        cfg = skinny_config(1, n, k, act) or default_config(n, k)
         w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16()
         bias = (torch.randn(n, device="cuda", generator=gen)).bfloat16()
-        for rows in (1, 2, 3, 4, 5, 8, 13, 16, 17, 32):
-            cfg = skinny_config(rows, n, k, act) or default_config(rows, n, k)
-            x = torch.randn(rows, 2 * k if act else k, device="cuda", generator=gen).bfloat16()
-            b = None if act else bias
-            y = skinny_linear(x, w, b, cfg, silu_mul=act)
-            ref = F.linear(_kernels.silu_mul(x) if act else x, w, b)
-            torch.testing.assert_close(y.float(), ref.float(), rtol=2e-2, atol=2e-2,
-                                       msg=lambda m: f"{(n, k, act, rows, cfg.tag())}: {m}")
-            assert torch.equal(y, skinny_linear(x, w, b, cfg, silu_mul=act))
+        x = torch.randn(32, 2 * k if act else k, device="cuda", generator=gen).bfloat16()
+        b = None if act else bias
+        y32 = skinny_linear(x, w, b, cfg, silu_mul=act)
+        assert torch.equal(y32, skinny_linear(x, w, b, cfg, silu_mul=act))
+        ref = F.linear(_kernels.silu_mul(x) if act else x, w, b)
+        torch.testing.assert_close(y32.float(), ref.float(), rtol=2e-2, atol=2e-2,
+                                   msg=lambda m: f"{(n, k, act, cfg.tag())}: {m}")
+        for rows in (1, 2, 3, 4, 5, 8, 9, 13, 16, 17, 31):
+            y = skinny_linear(x[:rows], w, b, cfg, silu_mul=act)
+            assert torch.equal(y, y32[:rows]), (n, k, act, rows, cfg.tag())
 
 
 @pytest.mark.gpu
@@ -326,10 +341,10 @@ def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
     for n in (960, 3072):
         w = (torch.randn(n, 576, device="cuda", generator=gen) * 0.05).bfloat16()
         nw = (torch.rand(576, device="cuda", generator=gen) + 0.5).bfloat16()
-        for rows in (1, 2, 3, 4):
-            cfg = skinny_config(rows, n, 576) or default_config(rows, n, 576)
+        for rows in (1, 2, 3, 4, 9):
+            cfg = skinny_config(rows, n, 576) or default_config(n, 576)
             if not norm_fusable(cfg, 576):
-                cfg = default_config(rows, n, 576)
+                cfg = default_config(n, 576)
             x = (torch.randn(rows, 576, device="cuda", generator=gen) * 3).bfloat16()
             d = torch.randn(rows, 576, device="cuda", generator=gen).bfloat16()
             copy = torch.zeros(rows, 2 * 576, device="cuda", dtype=torch.bfloat16)[:, 576:]
