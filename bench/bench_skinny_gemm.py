@@ -99,7 +99,7 @@ def compile_key(cfg, rows: int, k: int, act: bool) -> tuple:
     """What makes Triton compile apart (M is not specialised; N, K, strides are all
     multiples of 16 here): the block sizes as launched, the K programs, the flags."""
     split, _ = cfg.k_splits(k)
-    return (cfg, cfg.block_m(rows), split > 1, split if cfg.dot else 0, act)
+    return (cfg, cfg.block_m(rows), split, act)
 
 
 def _compile_tasks(tasks: list) -> int:
