@@ -376,7 +376,11 @@ def main() -> None:
                    "triton": triton.__version__, "shapes": results, "layer": layer,
                    "table": {repr(k): v for k, v in table.items()}, "table_literal": literal,
                    "seconds": time.perf_counter() - t0}, f, indent=1)
-    print(f"\nwrote {path} ({time.perf_counter() - t0:.0f} s)")
+    # The same table as a file SPECLOOP_SKINNY_TABLE can point at (models/_linear.py).
+    with open(os.path.join(os.path.dirname(path), "skinny_table.json"), "w") as f:
+        json.dump({f"{n},{k},{int(silu)}": None if v is None else list(v)
+                   for (n, k, silu), v in table.items()}, f, indent=1)
+    print(f"\nwrote {path}, skinny_table.json ({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ prologue where the configuration allows (``skinny_norm``; ``SPECLOOP_SKINNY_NORM
 
 from __future__ import annotations
 
+import json
 import os
 import re
 
@@ -59,6 +60,26 @@ SKINNY_TABLE: dict[tuple[int, int, bool], tuple[str, int] | None] = {
     (576, 1728, False): ("v4x2048s1w4n3", 32),
     (576, 1152, False): ("v4x2048s1w4n3", 32),
 }
+
+
+
+def _table_from_file(path: str) -> dict[tuple[int, int, bool], tuple[str, int] | None]:
+    """A table measured on this machine (``SPECLOOP_SKINNY_TABLE``: the JSON file
+    bench/bench_skinny_gemm.py writes, {"N,K,silu": [tag, max rows] | null}), so a new
+    device's configurations are tried without editing the code; it replaces the shipped
+    table."""
+    with open(path) as f:
+        raw = json.load(f)
+    table: dict[tuple[int, int, bool], tuple[str, int] | None] = {}
+    for key, entry in raw.items():
+        n, k, silu = key.split(",")
+        table[(int(n), int(k), silu.strip().lower() in ("1", "true"))] = \
+            None if entry is None else (str(entry[0]), int(entry[1]))
+    return table
+
+
+if os.environ.get("SPECLOOP_SKINNY_TABLE"):
+    SKINNY_TABLE = _table_from_file(os.environ["SPECLOOP_SKINNY_TABLE"])
 
 _TAG = re.compile(r"([dv])(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
 

@@ -12,6 +12,10 @@
 #   busy     GPU busy / wall at batch 1, no speculation, 256 tokens (issue 12)
 #   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13)
 #   closed   the same in closed rounds
+#   skinny, attention  the kernel benches (no SmolLM2 needed)
+#   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
+#            in turn (default, SPECLOOP_SKINNY=0, SPECLOOP_ATTENTION_MAX_SPLITS=1) and the
+#            opt-in norm prologue (SPECLOOP_SKINNY_NORM=1), one process each
 # PROMPTS: the held-out prompts file (default .dev/lead/prompts.jsonl, carried).
 set -u
 OUT=${OUT:-/tmp/h200_out}
@@ -43,6 +47,20 @@ for step in "$@"; do
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
         --out "$OUT/adaptive_closed.jsonl" --runs 3 --buckets serving \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+    skinny)
+      # Also keeps the measured table where later calls on this machine find it:
+      # SPECLOOP_SKINNY_TABLE=/root/skinny_table.json (models/_linear.py).
+      python3 bench/bench_skinny_gemm.py 2>&1 | tail -28
+      cp "$OUT/skinny_table.json" /root/skinny_table.json ;;
+    attention)
+      python3 bench/bench_paged_attention.py --tiles '' 2>&1 | grep -i "auto picked\|warn" ;;
+    ab)
+      for env in DEFAULT=1 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=1; do
+        echo "-- $env"
+        (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+          --out "$OUT/ab_${env%%=*}.jsonl" --configs "none,eagle3 K=3" --batches 1,32 --runs 3 \
+          2>&1 | grep '^{' | cut -c1-150)
+      done ;;
     *) echo "unknown step: $step" ;;
   esac
 done

@@ -352,3 +352,15 @@ def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
             h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
             assert torch.equal(stream, want) and torch.equal(copy, want)
             torch.testing.assert_close(y.float(), F.linear(h, w).float(), rtol=2e-2, atol=2e-2)
+
+
+def test_skinny_table_file_replaces_the_shipped_table(tmp_path):
+    """SPECLOOP_SKINNY_TABLE's file (bench/bench_skinny_gemm.py's skinny_table.json) parses
+    to the table's own form: cuBLAS (null) entries kept, silu flags as booleans."""
+    import json
+    from specloop.models._linear import _table_from_file, parse_config
+    path = tmp_path / "skinny_table.json"
+    path.write_text(json.dumps({"960,576,0": ["v8x1024s1w4n3", 16], "576,1536,1": None}))
+    table = _table_from_file(str(path))
+    assert table == {(960, 576, False): ("v8x1024s1w4n3", 16), (576, 1536, True): None}
+    parse_config(table[(960, 576, False)][0])
