@@ -21,6 +21,7 @@ import argparse
 import time
 
 import anyio
+import attrs
 import torch
 
 from _common import quiet_logs
@@ -220,6 +221,9 @@ def gpu_path_main(args):
         for method in args.methods.split(","):
             for batch in map(int, args.batch.split(",")):
                 cfg = config(path, method, args.k, batch)
+                if hasattr(cfg.parallel, "freeze_gc"):     # as on a GPU ("auto")
+                    cfg = attrs.evolve(cfg, parallel=attrs.evolve(cfg.parallel,
+                                                                  freeze_gc="on"))
                 for consumer in args.consumers.split(","):
                     rows = []
                     for run in range(args.runs):

@@ -171,10 +171,10 @@ class RunAhead:
         # Pages for the position it writes, kept by RESCAN's trim.
         w.runner.reserve(batch, 1)
         w.runner.keep_ahead = 1
+        seq_lens = [len(r.token_ids) + 1 for r in batch]
         if self._fed_in_graph(rec, pending):
             self.in_graph_steps += 1
-            self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
-                                w._queue_verify(rec, in_graph=True))
+            self.queued = Ahead(tuple(batch), seq_lens, w._queue_verify(rec, in_graph=True))
             return
         sampling = (w._sampling_batch(batch, rec.key.batch_size)
                     if rec.graph_captured else rec.batch_sampling)
@@ -182,8 +182,7 @@ class RunAhead:
             inputs = ahead_inputs(batch, pending[0]["token_ids"], rows, sampling,
                                   scratch_slot=w.runner.cache.scratch_slot,
                                   device=w.runner.device)
-        self.queued = Ahead(tuple(batch), [r.seq_len + 1 for r in batch],
-                            w._queue_verify(rec, inputs))
+        self.queued = Ahead(tuple(batch), seq_lens, w._queue_verify(rec, inputs))
 
     def _queue_joined(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
                       joining: list[Request]) -> None:
@@ -246,7 +245,7 @@ class RunAhead:
         lands in pages freed after it on the stream (the module doc)."""
         limit = self.worker.config.model.max_seq_len
         if (not self.defers_joins and self.will_admit()) or \
-                any(len(r.token_ids) >= limit for r in batch):
+                (batch and max(map(len, [r.token_ids for r in batch])) >= limit):
             self.worker.runner.keep_ahead = 0
             return True
         return False
@@ -275,6 +274,10 @@ def subset_rows(batch: Sequence[Request], queued: Sequence[Request], seq_lens: S
     order, each exactly that long; else None (the step is not this batch's)."""
     if len(batch) > len(queued):
         return None
+    if len(batch) == len(queued):   # the usual case: the same batch (else not its step)
+        same = tuple(batch) == tuple(queued) and \
+            [len(r.token_ids) for r in batch] == list(seq_lens)
+        return list(range(len(batch))) if same else None
     rows: list[int] = []
     i = 0
     for request in batch:

@@ -182,7 +182,10 @@ class ParallelConfig:
     # While an engine runs, the objects alive when it started (torch, the model, the
     # tokenizer, ~200k) are out of the cyclic GC's reach (gc.freeze): each full collection
     # walked them all, a pause of tens of ms every few dozen iterations at large batches.
-    freeze_gc: bool = True
+    # "auto": on CUDA devices (a CPU's step is far longer than the pauses, and the full
+    # collection at close, ~0.1 s, would add up over the test suite's engines).
+    freeze_gc: str = attrs.field(default="auto",
+                                 validator=_in("parallel", ("auto", "on", "off")))
 
 
 def _buckets(instance: object, attribute: attrs.Attribute[Any], value: tuple[object, ...]) -> None:

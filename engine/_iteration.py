@@ -87,6 +87,8 @@ class IterationMachine:
         self.rank = rank
         self.num_draft_tokens = num_draft_tokens
         self.observers = tuple(observers)
+        # The last VERIFY event's batch and its request ids (``_emit``).
+        self._ids: tuple[list[Request], tuple[str, ...]] = ([], ())
 
     async def run(self, record: IterationRecord) -> IterationRecord:
         state = S.SCHEDULE
@@ -114,7 +116,13 @@ class IterationMachine:
         request_ids: tuple[str, ...] = ()
         if state is S.VERIFY and record.result is not None:
             accepted = tuple(record.result.num_accepted.tolist())
-            request_ids = tuple(r.request_id for r in record.batch)
+            # Most iterations run the last one's batch: its ids again (a list comparison
+            # by identity, not an attribute read and a tuple item per row).
+            batch, ids = self._ids
+            if batch != record.batch:
+                ids = tuple([r.request_id for r in record.batch])
+                self._ids = (list(record.batch), ids)
+            request_ids = ids
         event = TransitionEvent(
             rank=self.rank, iteration=record.iteration, state=state, next_state=next_state,
             duration_us=round(duration_s * 1e6, 1), batch_size=len(record.batch),

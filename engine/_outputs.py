@@ -68,19 +68,27 @@ class Outputs:
         # Rows to trim, in batch order; trimmed in one call before a finished row's slot
         # is released, so trims and releases keep the order of a row at a time.
         trims: list[Request] = []
+        output = RequestOutput
         try:
             for request, row, n in zip(batch, rows, accepted):
-                new = row[:n + 1]
+                # A whole row is used as it is (no speculation: always; nothing keeps or
+                # changes it), else its accepted part.
+                new = row if n + 1 == len(row) else row[:n + 1]
                 token_ids = request.token_ids
                 stops = request.stop_tokens
                 if stops is None:
                     stops = self.rules(request)[1]
-                if len(token_ids) + len(new) < request.stop_length and (
+                if len(token_ids) + n + 1 < request.stop_length and (
                         not stops or stops.isdisjoint(new)):
-                    token_ids.extend(new)
-                    emitted, reason = new, None
-                else:
-                    emitted, reason = self._commit_each(request, new)
+                    # The usual row: no stop can match. Inline, one output built directly.
+                    token_ids += new
+                    request.num_cached = len(token_ids) - 1
+                    generated += n + 1
+                    trims.append(request)
+                    handles.append(request.handle)
+                    outputs.append(output(request.request_id, tuple(new), ""))
+                    continue
+                emitted, reason = self._commit_each(request, new)
                 request.num_cached = len(token_ids) - 1
                 generated += len(emitted)
                 trims.append(request)

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
+import numpy as np
 import torch
 
 from specloop.graphs import Step, Tensors
 from specloop.graphs._cache import FeedsItself
-from specloop.models._host import int64_tensor, to_device
+from specloop.models._host import to_device
 from specloop.samplers import SamplingBatch
 
 from ._request import Request
@@ -37,15 +38,15 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
                   scratch_slot: int, device: torch.device | str) -> Tensors:
     """Tensors for ``len(sampling)`` rows; the first ``len(batch)`` are the requests."""
     rows, real = sampling.size, len(batch)
-    pad = rows - real
-    # One host row per request, [last, 0 * K, start, slot]: one host-to-device copy.
-    zeros = [0] * k
-    flat: list[int] = []
-    for r in batch:
-        ids = r.token_ids
-        flat += (ids[-1], *zeros, len(ids) - 1, r.batch_slot)
-    flat += [*zeros, 0, 0, scratch_slot] * pad
-    host = int64_tensor(flat).view(rows, k + 3)
+    # One host row per request, [last, 0 * K, start, slot]: one host-to-device copy;
+    # filled column by column (a list each: ~4x faster than a tuple a row at batch 256).
+    columns = np.zeros((rows, k + 3), dtype=np.int64)
+    if real:
+        columns[:real, 0] = [r.token_ids[-1] for r in batch]
+        columns[:real, k + 1] = [len(r.token_ids) - 1 for r in batch]
+        columns[:real, k + 2] = [r.batch_slot for r in batch]
+    columns[real:, k + 2] = scratch_slot
+    host = torch.from_numpy(columns)
     on_host = False
     if k and real:
         assert drafts is not None, "K > 0 with rows: DRAFT proposed K tokens per row"
@@ -73,14 +74,19 @@ def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
     forwards its prompt's last token at its own last position, as its first VERIFY
     would (engine/_ahead.py, ``RunAhead.schedule``)."""
     rows, real = sampling.size, len(batch)
-    flat: list[int] = []
-    for r, row in zip(batch, source_rows):
-        flat += (0, len(r.token_ids), r.batch_slot, row)
-    for r in joining:
-        flat += (r.token_ids[-1], len(r.token_ids) - 1, r.batch_slot, 0)
-    pad = rows - real - len(joining)
-    host = int64_tensor(flat + [0, 0, scratch_slot, 0] * pad).view(rows, 4)
-    packed = to_device(host, device)
+    # Column by column (a list each: ~4x faster than a tuple a row at batch 256).
+    host = np.zeros((rows, 4), dtype=np.int64)     # token, position, slot, source row
+    if real:
+        host[:real, 1] = [len(r.token_ids) for r in batch]
+        host[:real, 2] = [r.batch_slot for r in batch]
+        host[:real, 3] = source_rows
+    end = real + len(joining)
+    if joining:
+        host[real:end, 0] = [r.token_ids[-1] for r in joining]
+        host[real:end, 1] = [len(r.token_ids) - 1 for r in joining]
+        host[real:end, 2] = [r.batch_slot for r in joining]
+    host[end:, 2] = scratch_slot
+    packed = to_device(torch.from_numpy(host), device)
     inputs = {"tokens": packed[:, :1], "start_pos": packed[:, 1], "slots": packed[:, 2]}
     inputs["tokens"][:real] = last_tokens.index_select(0, packed[:real, 3])[:, :1]
     inputs.update(sampling.columns())

@@ -256,15 +256,14 @@ async def test_shutdown_leaves_no_task_behind(tiny_dir, tiny_loaded):
 async def test_running_engines_hold_the_gc_freeze_and_the_last_one_out_lifts_it(
         tiny_dir, tiny_loaded):
     import gc
-    base = gc.get_freeze_count()
-    assert base == 0, "no engine of an earlier test still holds the freeze"
-    async with AsyncEngine(make_config(tiny_dir), model=tiny_loaded) as one:
-        assert gc.get_freeze_count() > 0        # parallel.freeze_gc defaults to on
-        async with AsyncEngine(make_config(tiny_dir), model=tiny_loaded):
+    assert gc.get_freeze_count() == 0, "no engine of an earlier test still holds the freeze"
+    on = make_config(tiny_dir, parallel={"freeze_gc": "on"})
+    async with AsyncEngine(on, model=tiny_loaded) as one:
+        assert gc.get_freeze_count() > 0
+        async with AsyncEngine(on, model=tiny_loaded):
             pass                                 # a second engine leaves: still frozen
         assert gc.get_freeze_count() > 0
         assert await collect(one, [1, 2, 3], GREEDY)
     assert gc.get_freeze_count() == 0
-    async with AsyncEngine(make_config(tiny_dir, parallel={"freeze_gc": False}),
-                           model=tiny_loaded):
-        assert gc.get_freeze_count() == 0
+    async with AsyncEngine(make_config(tiny_dir), model=tiny_loaded):
+        assert gc.get_freeze_count() == 0       # "auto": CUDA devices only

@@ -1,0 +1,130 @@
+"""The per-iteration host work written over columns (h56) equals the row-at-a-time code it
+replaced, on random cases (property-based): the step queued ahead's row match
+(``subset_rows``), VERIFY's and the step ahead's input rows (``verify_inputs``,
+``ahead_inputs``), and the page reservations that call ``resize`` only for rows whose page
+count changes (``ModelRunner._resize_each``)."""
+
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specloop.engine._ahead import subset_rows
+from specloop.engine._request import Request
+from specloop.engine._runner import ModelRunner
+from specloop.engine._verify import ahead_inputs, verify_inputs
+from specloop.models import PageTable
+from specloop.models._host import int64_tensor
+from specloop.samplers import SamplingBatch, SamplingParams
+
+PARAMS = SamplingParams(temperature=0.0)
+
+
+def request(i: int, length: int, slot: int) -> Request:
+    ids = [(7 * i + j) % 50 for j in range(length)]
+    return Request(f"r{i}", (1,), PARAMS, i, ids, slot=slot)
+
+
+def subset_rows_per_row(batch, queued, seq_lens):
+    """The row-at-a-time walk (before h56), as the reference."""
+    if len(batch) > len(queued):
+        return None
+    rows, i = [], 0
+    for r in batch:
+        while i < len(queued) and queued[i] is not r:
+            i += 1
+        if i == len(queued) or r.seq_len != seq_lens[i]:
+            return None
+        rows.append(i)
+        i += 1
+    return rows
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_subset_rows_equals_the_row_walk(data):
+    n = data.draw(st.integers(0, 8))
+    queued = [request(i, data.draw(st.integers(1, 6)), i) for i in range(n)]
+    lens = [r.seq_len + data.draw(st.sampled_from([0, 0, 0, 1])) for r in queued]
+    kind = data.draw(st.sampled_from(["same", "subset", "permuted", "other"]))
+    if kind == "same":
+        batch = list(queued)
+    elif kind == "subset":
+        batch = [r for r in queued if data.draw(st.booleans())]
+    elif kind == "permuted":
+        batch = data.draw(st.permutations(queued))
+    else:
+        batch = [request(100 + i, 3, i) for i in range(data.draw(st.integers(0, n)))]
+    assert subset_rows(batch, tuple(queued), lens) == subset_rows_per_row(batch, queued, lens)
+
+
+def verify_inputs_per_row(batch, drafts, sampling, k, scratch):
+    rows, real = sampling.size, len(batch)
+    flat = []
+    for r in batch:
+        flat += (r.token_ids[-1], *[0] * k, len(r.token_ids) - 1, r.batch_slot)
+    flat += [*[0] * k, 0, 0, scratch] * (rows - real)
+    host = int64_tensor(flat).view(rows, k + 3)
+    if k and real:
+        host[:real, 1:k + 1] = drafts
+    return host
+
+
+def ahead_inputs_per_row(batch, source_rows, joining, rows, scratch):
+    flat = []
+    for r, row in zip(batch, source_rows):
+        flat += (0, len(r.token_ids), r.batch_slot, row)
+    for r in joining:
+        flat += (r.token_ids[-1], len(r.token_ids) - 1, r.batch_slot, 0)
+    pad = rows - len(batch) - len(joining)
+    return int64_tensor(flat + [0, 0, 9, 0] * pad).view(rows, 4)
+
+
+@settings(max_examples=100, deadline=None)
+@given(real=st.integers(0, 6), joiners=st.integers(0, 3), pad=st.integers(0, 3),
+       k=st.integers(0, 3), seed=st.integers(0, 100))
+def test_input_rows_equal_the_row_at_a_time_build(real, joiners, pad, k, seed):
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(1, 40, (real + joiners,), generator=g).tolist()
+    slots = torch.randperm(16, generator=g)[:real + joiners].tolist()
+    batch = [request(i, lengths[i], slots[i]) for i in range(real)]
+    joining = [request(i, lengths[i], slots[i]) for i in range(real, real + joiners)]
+    rows = real + joiners + pad
+    sampling = SamplingBatch.from_params([PARAMS] * (real + joiners), list(range(real + joiners)),
+                                         pad_to=rows)
+    drafts = torch.randint(0, 50, (real, k), generator=g)
+    got = verify_inputs(batch + joining, drafts if not joiners else None, None, sampling,
+                        k=k if not joiners else 0, scratch_slot=9, device="cpu")
+    width = k if not joiners else 0
+    want = verify_inputs_per_row(batch + joining, drafts, sampling, width, 9)
+    assert torch.equal(got["tokens"], want[:, :width + 1])
+    assert torch.equal(got["start_pos"], want[:, width + 1])
+    assert torch.equal(got["slots"], want[:, width + 2])
+    last = torch.randint(0, 50, (real + 2, 1), generator=g)
+    source = torch.randperm(real + 2, generator=g)[:real].tolist()
+    got = ahead_inputs(batch, last, source, sampling, scratch_slot=9, device="cpu",
+                       joining=joining)
+    want = ahead_inputs_per_row(batch, source, joining, rows, 9)
+    want[:real, 0] = last[source, 0] if real else want[:real, 0]
+    assert torch.equal(got["tokens"][:, 0], want[:, 0])
+    assert torch.equal(got["start_pos"], want[:, 1])
+    assert torch.equal(got["slots"], want[:, 2])
+
+
+@settings(max_examples=100, deadline=None)
+@given(page=st.integers(1, 5), ops=st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 30)), min_size=1, max_size=40))
+def test_resizing_only_rows_that_change_leaves_the_table_of_resizing_all(page, ops):
+    """Any (slot, length) sequence: the same pages, page table and free list as calling
+    ``resize`` for every row."""
+    every = PageTable(4, 24, page)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.pages = PageTable(4, 24, page)
+    for i in range(0, len(ops), 3):
+        chunk = ops[i:i + 3]
+        runner._resize_each(chunk)
+        for slot, length in chunk:
+            every.resize(slot, length)
+        assert [runner.pages.pages_of(s) for s in range(4)] == \
+            [every.pages_of(s) for s in range(4)]
+        assert torch.equal(runner.pages.host, every.host)
+        assert runner.pages.num_free == every.num_free
