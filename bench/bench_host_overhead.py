@@ -255,9 +255,9 @@ def gpu_path_main(args):
                           f"{consumer}: wall {rng(walls)} us/it ({rng(walls, batch)} per row); "
                           f"thread CPU {rng(threads)} ({rng(threads, batch)} per row); "
                           "per state thread CPU us/it (per row): "
-                          + " ".join(f"{s} {statistics.median(r[3].get(s, 0) for r in rows):.0f}"
-                                     f" ({statistics.median(r[3].get(s, 0) for r in rows) / batch:.2f})"
-                                     for s in order), flush=True)
+                          + " ".join(f"{s} {m:.0f} ({m / batch:.2f})" for s, m in (
+                              (s, statistics.median(r[3].get(s, 0) for r in rows))
+                              for s in order)), flush=True)
     if args.profile:
         with open(args.profile, "w") as f:
             f.write(profiles.getvalue())

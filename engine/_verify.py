@@ -15,7 +15,7 @@ then replays the graph with no inputs: no copy runs between the two graphs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 import torch
@@ -40,7 +40,7 @@ def verify_inputs(batch: Sequence[Request], drafts: torch.Tensor | None,
     rows, real = sampling.size, len(batch)
     # One host row per request, [last, 0 * K, start, slot]: one host-to-device copy;
     # filled column by column (a list each: ~4x faster than a tuple a row at batch 256).
-    columns = np.zeros((rows, k + 3), dtype=np.int64)
+    columns: np.ndarray[Any, np.dtype[np.int64]] = np.zeros((rows, k + 3), dtype=np.int64)
     if real:
         columns[:real, 0] = [r.token_ids[-1] for r in batch]
         columns[:real, k + 1] = [len(r.token_ids) - 1 for r in batch]
@@ -75,7 +75,8 @@ def ahead_inputs(batch: Sequence[Request], last_tokens: torch.Tensor,
     would (engine/_ahead.py, ``RunAhead.schedule``)."""
     rows, real = sampling.size, len(batch)
     # Column by column (a list each: ~4x faster than a tuple a row at batch 256).
-    host = np.zeros((rows, 4), dtype=np.int64)     # token, position, slot, source row
+    # token, position, slot, source row
+    host: np.ndarray[Any, np.dtype[np.int64]] = np.zeros((rows, 4), dtype=np.int64)
     if real:
         host[:real, 1] = [len(r.token_ids) for r in batch]
         host[:real, 2] = [r.batch_slot for r in batch]
