@@ -21,7 +21,8 @@ on the batch bucket) is SKINNY_TABLE, filled from ``bench/bench_skinny_gemm.py``
 H200 (it prints the literal); shapes not in it get ``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
 False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 ``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
-prologue where the configuration allows (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=1``).
+prologue where the configuration allows (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns
+it off).
 """
 
 from __future__ import annotations
@@ -50,15 +51,17 @@ SKINNY_MAX_ROWS = 32
 # number of rows in the call, so a graph padded to a larger batch bucket (or a chained
 # step taken at one) equals the unpadded call. A shape missing from the table uses
 # default_config up to SKINNY_MAX_ROWS rows. These are guesses for SmolLM2-135M and its
-# EAGLE-3 head (see default_config) until the H200 bench's table replaces them:
+# EAGLE-3 head, measured on one H200 (2026-12-01, torch 2.11, Triton 3.6):
 # bench/bench_skinny_gemm.py prints the literal to paste here.
 SKINNY_TABLE: dict[tuple[int, int, bool], tuple[str, int] | None] = {
-    (960, 576, False): ("v8x1024s1w4n3", 32),
-    (576, 576, False): ("v4x1024s1w4n3", 32),
-    (3072, 576, False): ("v8x1024s1w4n3", 32),
-    (576, 1536, True): ("v4x2048s1w4n3", 32),
-    (576, 1728, False): ("v4x2048s1w4n3", 32),
-    (576, 1152, False): ("v4x2048s1w4n3", 32),
+    (960, 576, False): ('v2x1024s1w4n3', 4),
+    (576, 576, False): ('v2x1024s1w2n3', 4),
+    (3072, 576, False): ('v4x1024s1w4n3', 2),
+    (576, 1536, True): ('v8x2048s1w16n3', 4),
+    (576, 1728, False): ('v2x2048s1w4n3', 4),
+    (576, 1152, False): ('v2x2048s1w4n3', 4),
+    (16384, 576, False): None,
+    (49152, 576, False): ('d64x64s1w4n3', 2),
 }
 
 
@@ -142,9 +145,9 @@ class PackedLinear:
     def __init__(self, *, enabled: bool | None = None, skinny: bool | None = None) -> None:
         self.enabled = packing_available() if enabled is None else enabled
         self.skinny = skinny_available() if skinny is None else skinny
-        # The RMSNorm before a GEMM in its prologue too (norm_linear): off unless
-        # SPECLOOP_SKINNY_NORM=1 until the H200 has checked and timed it.
-        self.skinny_norm = self.skinny and os.environ.get("SPECLOOP_SKINNY_NORM", "0") == "1"
+        # The RMSNorm before a GEMM in its prologue too (norm_linear); SPECLOOP_SKINNY_NORM=0
+        # keeps the separate norm kernels (H200, batch 1: 1,332 -> 1,578 tok/s with it).
+        self.skinny_norm = self.skinny and os.environ.get("SPECLOOP_SKINNY_NORM", "1") != "0"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)

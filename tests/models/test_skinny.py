@@ -225,9 +225,9 @@ def test_switch_and_copies(monkeypatch):
     assert PackedLinear().skinny == _linear._skinny.available()
     import copy
     import pickle
-    assert not PackedLinear().skinny_norm                       # off by default
-    monkeypatch.setenv("SPECLOOP_SKINNY_NORM", "1")
-    assert PackedLinear().skinny_norm == _linear._skinny.available()
+    assert PackedLinear().skinny_norm == _linear._skinny.available()   # on by default
+    monkeypatch.setenv("SPECLOOP_SKINNY_NORM", "0")
+    assert not PackedLinear().skinny_norm
     assert not PackedLinear(skinny=False).skinny_norm
     lin = PackedLinear(skinny=False)
     lin.skinny_on_cpu = lin.skinny_norm = True
