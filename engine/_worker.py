@@ -295,6 +295,16 @@ class RankWorker:
             pads = [p for p in self._sampling_cache if p is not None and p > len(batch)]
             if pad_to is None and batch and pads:
                 built = self._sampling_batch(batch, min(pads)).real_rows()
+            elif pad_to is not None and cached is not None and cached[1].all_greedy \
+                    and all(r.params.is_greedy for r in batch):
+                # Two all-greedy batches' columns differ in the seeds alone (every row,
+                # padding too, greedy with the sentinel's params), and a greedy row's
+                # token does not depend on its seed (argmax; one-hot p on a sampling
+                # path): this one keeps the last one's columns, so a batch change builds
+                # nothing, copies nothing to the device nor into the graphs' inputs
+                # (from_params cost ~1 us a row). Flags as from_params gives; ``host``
+                # still describes the columns (``like`` compares against it).
+                built = attrs.evolve(cached[1], num_real=len(batch))
             else:   # the columns that did not change are the last batch's tensors
                 built = SamplingBatch.from_params(
                     [r.params for r in batch], [r.seed for r in batch],

@@ -128,3 +128,38 @@ def test_resizing_only_rows_that_change_leaves_the_table_of_resizing_all(page, o
             [every.pages_of(s) for s in range(4)]
         assert torch.equal(runner.pages.host, every.host)
         assert runner.pages.num_free == every.num_free
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.data())
+def test_sampling_rows_equal_from_params_but_greedy_batches_seeds(data):
+    """``RankWorker._sampling_batch`` over random batch changes (greedy and sampled
+    requests, padded and not): the flags and every column from_params gives, except
+    that an all-greedy batch may keep the last all-greedy batch's seeds (no row reads
+    them), and then its columns are the same tensors (nothing built or copied)."""
+    from types import SimpleNamespace
+
+
+    from specloop.engine._worker import RankWorker
+
+    sampled = SamplingParams(temperature=0.8, top_p=0.9)
+    pool = [Request(f"q{i}", (1,), sampled if data.draw(st.booleans()) else PARAMS, 1000 + i,
+                    [1, 2], slot=i) for i in range(6)]
+    worker = SimpleNamespace(_sampling_cache={}, runner=SimpleNamespace(device="cpu"))
+    worker._sampling_batch = lambda b, p: RankWorker._sampling_batch(worker, b, p)
+    for _ in range(data.draw(st.integers(1, 8))):
+        batch = data.draw(st.lists(st.sampled_from(pool), unique=True, max_size=6))
+        pad = data.draw(st.sampled_from([None, 6, 8]))
+        before = worker._sampling_cache.get(None if pad == len(batch) else pad)
+        got = worker._sampling_batch(batch, pad)
+        want = SamplingBatch.from_params([r.params for r in batch], [r.seed for r in batch],
+                                         pad_to=pad)
+        flags = ("all_greedy", "num_real", "needs_sort", "needs_min_p", "any_greedy")
+        assert [getattr(got, f) for f in flags] == [getattr(want, f) for f in flags]
+        greedy = all(r.params.is_greedy for r in batch)
+        for name in SamplingBatch.COLUMNS:
+            if name != "seeds" or not greedy:
+                assert torch.equal(getattr(got, name), getattr(want, name)), name
+        if greedy and pad is not None and pad != len(batch) and before is not None \
+                and before[0] != tuple(batch) and before[1].all_greedy:
+            assert all(getattr(got, n) is getattr(before[1], n) for n in got.COLUMNS)
