@@ -229,8 +229,9 @@ def gpu_path_main(args):
                     for run in range(args.runs):
                         profiler = cProfile.Profile() if args.profile and \
                             run == args.runs - 1 else None
-                        rows.append(anyio.run(gpu_path, cfg, loaded, batch, args.iterations,
-                                              consumer, profiler))
+                        rows.append(anyio.run(
+                            gpu_path, cfg, loaded, batch, args.iterations, consumer, profiler,
+                            backend_options={"use_uvloop": True} if args.uvloop else None))
                         wall, thread, states, cpu_states, share = rows[-1]
                         print(f"  {method} batch {batch} {consumer}: wall {wall:.0f} us/it, "
                               f"thread CPU {thread:.0f} us/it ({thread / batch:.2f} per row), "
@@ -278,6 +279,8 @@ def main():
     ap.add_argument("--k", type=int, default=3, help="--gpu-path: K of the drafter")
     ap.add_argument("--runs", type=int, default=3, help="--gpu-path: runs each")
     ap.add_argument("--profile", default="", help="--gpu-path: cProfile stats to this file")
+    ap.add_argument("--uvloop", action="store_true",
+                    help="--gpu-path: on uvloop's event loop (pip install uvloop)")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
