@@ -10,12 +10,14 @@ table's at every row count (one configuration serves all rows of a shape: the ke
 a row the same bits whatever the rows, which padded graphs and chained steps need), and,
 around the chosen one, half and twice its warps (tl.dot: num_stages 2 / 4); each result is
 checked against F.linear (bf16 tolerance; one that fails is reported, never chosen). The
-choice per shape: the config and row limit R saving the most time summed over rows <= R
-(by >= 3% of cuBLAS's), cuBLAS above R. The fused silu-down shape's baseline is what it
-replaces: _kernels.silu_mul + F.linear. Then a SmolLM2 layer without attention (add +
-RMSNorm, qkv, o, add + RMSNorm, gate-up, SwiGLU, down) over 30 layers' weights, at 1 and 4
-rows: cuBLAS, the dispatcher's table as in the code, the table this run chose, and that
-with the norms in the GEMMs' prologue (SPECLOOP_SKINNY_NORM's path).
+choice per shape: the config and row limit R saving the most time summed over the timed
+rows <= R (1, 2, 4 and 8 rows weigh the same: decode and VERIFY at small batches; 16 and
+32 half), by >= 3% of cuBLAS's, cuBLAS above R. The sweep's ``b`` configs (blocks of 4 or
+8 rows reduced in one reduction) are the ones meant for VERIFY's 2-8 rows. The fused
+silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear. Then a SmolLM2 layer without attention (add +
+RMSNorm, qkv, o, add + RMSNorm, gate-up, SwiGLU, down) over 30 layers' weights, at 1, 4
+and 8 rows: cuBLAS, the dispatcher's table as in the code, the table this run chose, and
+that with the norms in the GEMMs' prologue (SPECLOOP_SKINNY_NORM's path).
 
 Prints per shape and rows cuBLAS against the chosen config (and the fastest config at that
 row count), and the SKINNY_TABLE literal to paste into models/_linear.py; writes JSON to
@@ -65,23 +67,34 @@ DEVICE = "cuda"
 DTYPE = torch.bfloat16
 
 
+def _warps(elements: int) -> int | None:
+    """The fewest warps (4, 8 or 16) holding ``elements`` fp32 within 64 a thread."""
+    return next((w for w in (4, 8, 16) if elements <= 64 * 32 * w), None)
+
+
 def sweep(k: int) -> list:
     """The configurations tried for K (SkinnyConfig; one per shape serves every row count,
-    so each is timed at all of them). Without tl.dot: all of K in one pass (BLOCK_K = K
-    rounded up to a power of two; a pass is not software-pipelined) at each BLOCK_N whose
-    tile of W stays within 64 fp32 a thread at 4 or 8 warps, and K over 2 or 4 programs
-    (fp32 partials, a reduce kernel); tl.dot from 16-row tiles, pipelined over K."""
+    so each is timed at all of them). Without tl.dot, all of K in one pass (BLOCK_K = K
+    rounded up to a power of two; a pass is not software-pipelined), at the fewest warps
+    keeping the fp32 product within 64 registers a thread: ``v`` (rows reduced one after
+    the other) at BLOCK_N 1..8, and K over 2 programs at BLOCK_N 8 (fp32 partials, a reduce
+    kernel); ``b`` (a block of 4 or 8 rows reduced in one reduction, [rows, BN, BK]) at
+    BLOCK_N 1..4; tl.dot from 16-row tiles, pipelined over K. Pruned to what won or came
+    close on the H200 (v at BLOCK_K/4, BLOCK_N 4 at BLOCK_K/2 and three tl.dot tiles
+    never did), so the bench stays < 90 s."""
     from specloop.models._skinny import SkinnyConfig as C
     full = min(4096, max(16, 1 << max(0, (k - 1).bit_length())))
     out = []
-    for bk in (full, full // 2, full // 4):
-        for bn in ((1, 2, 4, 8) if bk == full else (4, 8)):
-            warps = next((w for w in (4, 8) if bn * bk <= 64 * 32 * w), None)
-            if bk >= 16 and warps is not None:
-                out.append(C(False, bn, bk, 1, warps))
-    out += [C(True, n, b, s) for n, b, s in
-            [(16, 64, 1), (16, 128, 1), (32, 64, 1), (32, 128, 1), (64, 64, 1), (16, 128, 2),
-             (16, 64, 4)]]
+    for bn, bk in ((1, full), (2, full), (4, full), (8, full), (8, full // 2)):
+        warps = _warps(bn * bk)
+        if bk >= 16 and warps is not None:
+            out.append(C(False, bn, bk, 1, warps))
+    for tile_m, bn in ((4, 1), (4, 2), (4, 4), (8, 1), (8, 2)):
+        warps = _warps(tile_m * bn * full)
+        if warps is not None:
+            out.append(C(False, bn, full, 1, warps, tile_m=tile_m))
+    out += [C(True, n, b, s) for n, b, s in [(16, 64, 1), (32, 64, 1), (64, 64, 1),
+                                              (16, 128, 2)]]
     return out
 
 
@@ -174,18 +187,26 @@ def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return err <= 2e-2 * max(1.0, ref.float().abs().max().item())
 
 
+def row_weight(rows: int) -> float:
+    """How much a row count's saving counts in ``choose``: decode (1 row a sequence) and
+    VERIFY at small batches (K + 1 = 2..8 rows) equally, larger batches half."""
+    return 1.0 if rows <= 8 else 0.5
+
+
 def choose(cublas: dict, times: dict) -> tuple[str | None, int, float]:
-    """-> (config, R, us saved over rows 1..R summed): the config and row limit saving the
-    most over cuBLAS (one config per shape for all rows <= R, by >= 3% of cuBLAS's time
-    there); (None, 0, 0.0) if none does."""
+    """-> (config, R, weighted us saved over the timed rows <= R): the config and row limit
+    saving the most over cuBLAS (one config per shape for all rows <= R, by >= 3% of
+    cuBLAS's time there), each timed row count's saving weighted by ``row_weight``, so a
+    config fast at 1 row but slow at 4 (VERIFY at batch 1, K = 3) loses to one that is
+    nearly as fast at 1 and also wins at 2, 4 and 8; (None, 0, 0.0) if none saves."""
     best: tuple[str | None, int, float] = (None, 0, 0.0)
     for tag, per in times.items():
-        saved = 0.0
+        saved = base = 0.0
         for rows in sorted(cublas):
             if not isinstance(per.get(rows), float):
                 break
-            saved += cublas[rows] - per[rows]
-            base = sum(cublas[r] for r in cublas if r <= rows)
+            saved += row_weight(rows) * (cublas[rows] - per[rows])
+            base += row_weight(rows) * cublas[rows]
             if saved > best[2] and saved >= (1 - WIN) * base:
                 best = (tag, rows, saved)
     return best
@@ -227,7 +248,10 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
                 per[rows] = f"error: {type(e).__name__}: {str(e)[:80]}"
 
     code = skinny_config(1, n, k, act)         # what the code's table runs now
-    for cfg in sweep(k)[:2] if SMOKE else sweep(k) + ([code] if code else []):
+    configs = sweep(k) + ([code] if code else [])
+    if SMOKE:   # one of each family without tl.dot (interpreted: slow)
+        configs = [configs[0], next(c for c in configs if c.tile_m)]
+    for cfg in configs:
         run(cfg)
     tag, max_rows, saved = choose(cublas, times)
     if refine and tag is not None:
@@ -288,7 +312,7 @@ def bench_layer(table: dict, layers: int = 30) -> list[dict]:
     weights = [(w(QKV, H), w(H, H), w(2 * I, H), w(H, I)) for _ in range(layers)]
     norm_w = (torch.rand(H, device=DEVICE, generator=gen) + 0.5).to(DTYPE)
     out = []
-    for rows in (1, 4):
+    for rows in (1, 4, 8):
         x = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         delta = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         o_in = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)

@@ -46,7 +46,8 @@ SKINNY_MAX_ROWS = 32
 
 # (N, K, silu_mul) -> (config tag, max rows), or None for F.linear. The tags are
 # SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
-# warps, 3 stages; ``v``: no tl.dot). One configuration per shape for every row count up
+# warps, 3 stages; ``v``: no tl.dot, rows reduced one after the other; ``b4x2x1024...``: no
+# tl.dot, blocks of 4 rows reduced in one reduction, for VERIFY's 2-8 rows). One configuration per shape for every row count up
 # to ``max rows`` (F.linear beyond): the kernel gives a row the same bits whatever the
 # number of rows in the call, so a graph padded to a larger batch bucket (or a chained
 # step taken at one) equals the unpadded call. A shape missing from the table uses
@@ -84,17 +85,17 @@ def _table_from_file(path: str) -> dict[tuple[int, int, bool], tuple[str, int] |
 if os.environ.get("SPECLOOP_SKINNY_TABLE"):
     SKINNY_TABLE = _table_from_file(os.environ["SPECLOOP_SKINNY_TABLE"])
 
-_TAG = re.compile(r"([dv])(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
+_TAG = re.compile(r"(?:([dv])|b(\d+)x)(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
 
 
 def parse_config(tag: str) -> SkinnyConfig:
     """SkinnyConfig.tag()'s inverse."""
     m = _TAG.fullmatch(tag)
-    if m is None:
+    if m is None or m.group(2) is not None and int(m.group(2)) < 1:
         raise ValueError(f"not a skinny config tag: {tag!r}")
-    d, *ints = m.groups()
+    d, tile_m, *ints = m.groups()
     bn, bk, split, warps, stages = map(int, ints)
-    return SkinnyConfig(d == "d", bn, bk, split, warps, stages)
+    return SkinnyConfig(d == "d", bn, bk, split, warps, stages, int(tile_m or 0))
 
 
 def default_config(n: int, k: int) -> SkinnyConfig:

@@ -13,10 +13,18 @@ GEMM spreads over many SMs:
   multiply and a sum over K; no tensor cores (tl.dot needs >= 16 rows, and a GEMV is
   bound by reading W anyway);
 - ``DOT=True``: tl.dot on x's rows padded to 16 in registers (masked loads), pipelined
-  over K by num_stages.
+  over K by num_stages;
+- ``TILE=True`` (the ``b`` family, ``SkinnyConfig.tile_m`` > 0): like the broadcast path,
+  but a program takes a fixed block of ``tile_m`` rows and reduces all of them in ONE
+  reduction over K: x as [BLOCK_M, BLOCK_K], the W tile once, ``sum(x[:, None, :] *
+  w[None, :, :], axis=2)`` -> [BLOCK_M, BLOCK_N], one masked 2-D store. The broadcast
+  path reduces row after row, each a cross-warp reduction (a latency step: its 4-row call
+  costs ~1.6x its 1-row call on an H200); here 4 or 8 rows cost one. Rows past M are
+  masked (loaded as 0, never stored), so a row's arithmetic is the same whatever M.
 
 A row's arithmetic depends on the configuration alone, not on the number of rows in the
-call (rows are never reduced together; tl.dot's rows are independent), so a row gives the
+call (a row's sums never mix in another row's values, and the code a row runs, its place in
+its block included, is fixed by the configuration; tl.dot's rows are independent), so a row gives the
 same bits in a call of 1 row or of 32: a CUDA graph padded to a larger batch bucket
 computes what the unpadded call computes, as long as the dispatcher picks one
 configuration per shape (it does).
@@ -72,12 +80,16 @@ class SkinnyConfig(NamedTuple):
     split_k: int = 1  # dot: programs along K (> 1: fp32 partials + an ordered reduce)
     num_warps: int = 4
     num_stages: int = 3
+    tile_m: int = 0   # > 0 (no tl.dot): rows per program, all reduced in one 2-D reduction
 
     def block_m(self, rows: int) -> int:
-        """Rows of x per program: 16 (padded) for tl.dot; without, up to 8 (a power of
-        two), one after the other over the program's tile of W (more rows: more programs,
-        each reading its tile of W again, from L2 after the first)."""
-        return 16 if self.dot else min(_pow2(rows), 8)
+        """Rows of x per program: 16 (padded) for tl.dot; ``tile_m`` (masked past M) for
+        the one-reduction family; else up to 8 (a power of two), one after the other over
+        the program's tile of W (more rows: more programs, each reading its tile of W
+        again, from L2 after the first)."""
+        if self.dot:
+            return 16
+        return self.tile_m if self.tile_m else min(_pow2(rows), 8)
 
     def k_splits(self, k: int) -> tuple[int, int]:
         """-> (programs along K, K per program) for K = ``k``."""
@@ -89,8 +101,10 @@ class SkinnyConfig(NamedTuple):
         return _cdiv(k, per), per
 
     def tag(self) -> str:
-        """Compact name, e.g. ``d16x128s2w4n3`` (dot, BLOCK_N 16, BLOCK_K 128, split 2)."""
-        return (f"{'d' if self.dot else 'v'}{self.block_n}x{self.block_k}s{self.split_k}"
+        """Compact name, e.g. ``d16x128s2w4n3`` (dot, BLOCK_N 16, BLOCK_K 128, split 2),
+        ``b4x2x1024s1w8n3`` (one reduction over 4 rows, BLOCK_N 2, BLOCK_K 1024)."""
+        family = "d" if self.dot else f"b{self.tile_m}x" if self.tile_m else "v"
+        return (f"{family}{self.block_n}x{self.block_k}s{self.split_k}"
                 f"w{self.num_warps}n{self.num_stages}")
 
 
@@ -109,7 +123,8 @@ if triton is not None:
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
                        k_per_split, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                        DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       TILE: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -151,6 +166,35 @@ if triton is not None:
                 # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
                 part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
                 tl.store(part, acc, mask=out_mask)
+        elif TILE:
+            # The program's tile of W once and its BLOCK_M rows of x, all reduced over K
+            # in one reduction; rows past M load as 0 and are not stored, so a row's sum
+            # is the same whatever M.
+            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = rm < M
+            ks = k_lo + rk
+            k_ok = ks < k_hi
+            x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+            xm = m_ok[:, None] & k_ok[None, :]
+            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                        other=0.0).to(tl.float32)
+            if ACT == 1:
+                g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+                u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+                gf = g.to(tl.float32)
+                a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
+            else:
+                a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+            acc = tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+            out_mask = m_ok[:, None] & n_ok[None, :]
+            if SPLIT_K == 1:
+                if HAS_BIAS:
+                    acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
+                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+            else:
+                part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
+                tl.store(part, acc, mask=out_mask)
         else:
             # The program's tile of W once, then each of its rows in turn: a row's sum is
             # the same reduction whatever the number of rows.
@@ -186,7 +230,7 @@ if triton is not None:
                             stride_wn, stride_ym, stride_cm, eps, HAS_DELTA: tl.constexpr,
                             HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            BLOCK_K: tl.constexpr, TILE: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
         pid_n = tl.program_id(0)
@@ -199,28 +243,54 @@ if triton is not None:
         nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
-        for r in tl.static_range(BLOCK_M):
-            row = tl.program_id(1) * BLOCK_M + r
-            ok = k_ok & (rk * 0 + row < M)
-            offs = row.to(tl.int64) * K + rk
+        if TILE:
+            # All BLOCK_M rows at once: their RMS (one reduction for all) and the GEMM
+            # (one reduction over K for all); rows past M load as 0 and are not stored.
+            rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = rm < M
+            ok = m_ok[:, None] & k_ok[None, :]
+            offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
             xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
             if HAS_DELTA:
-                # Rounded to the stream's dtype like the reference's ``x + y``.
                 xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
                       .to(tl.float32)).to(xs.dtype)
-            if pid_n == 0:       # the one column block that stores the residual stream
+            if pid_n == 0:
                 if HAS_DELTA:
                     tl.store(s_ptr + offs, xs, mask=ok)
                 if HAS_COPY:
-                    tl.store(c_ptr + row.to(tl.int64) * stride_cm + rk, xs, mask=ok)
+                    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rk[None, :], xs,
+                             mask=ok)
             xf = xs.to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
-            a = nw * (xf * inv).to(xs.dtype)
-            acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
+            a = nw[None, :] * (xf * inv[:, None]).to(xs.dtype)
+            acc = tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
             if HAS_BIAS:
-                acc += bias
-            tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
-                     acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
+                acc += bias[None, :]
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        else:
+            for r in tl.static_range(BLOCK_M):
+                row = tl.program_id(1) * BLOCK_M + r
+                ok = k_ok & (rk * 0 + row < M)
+                offs = row.to(tl.int64) * K + rk
+                xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
+                if HAS_DELTA:
+                    # Rounded to the stream's dtype like the reference's ``x + y``.
+                    xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
+                          .to(tl.float32)).to(xs.dtype)
+                if pid_n == 0:       # the one column block that stores the residual stream
+                    if HAS_DELTA:
+                        tl.store(s_ptr + offs, xs, mask=ok)
+                    if HAS_COPY:
+                        tl.store(c_ptr + row.to(tl.int64) * stride_cm + rk, xs, mask=ok)
+                xf = xs.to(tl.float32)
+                inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / K + eps)
+                a = nw * (xf * inv).to(xs.dtype)
+                acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
+                if HAS_BIAS:
+                    acc += bias
+                tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
+                         acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
 
     @triton.jit(do_not_specialize=["M"])
     def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
@@ -268,7 +338,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[grid](x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0),
                          y.stride(0), k_per, ACT=int(silu_mul), HAS_BIAS=bias is not None,
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
-                         BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+                         BLOCK_K=c.block_k, TILE=c.tile_m > 0, num_warps=c.num_warps,
+                         num_stages=c.num_stages)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
@@ -317,6 +388,6 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
         x, d, norm_weight, weight, bias if bias is not None else weight, y, stream,
         x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
         HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
         num_warps=config.num_warps, num_stages=config.num_stages)
     return y, stream

@@ -110,6 +110,89 @@ def test_skinny_kernel_equals_float64_reference_interpreted():
     run_interpreted(KERNEL_CHILD)
 
 
+TILE_CHILD = r"""
+import torch
+from specloop.models import _kernels
+from specloop.models._skinny import SkinnyConfig, skinny_linear, skinny_norm_linear
+
+torch.manual_seed(0)
+N, K = 19, 83                      # neither a multiple of any block
+w32, b32 = torch.randn(N, K), torch.randn(N)
+gu32 = torch.randn(17, 2 * K) * 2
+# One reduction over blocks of 4 / 8 rows: all of K in one pass; K over 3 programs (fp32
+# partials + the ordered reduce); K over 2 programs, one row of W a program.
+configs = [SkinnyConfig(False, 2, 128, tile_m=4), SkinnyConfig(False, 4, 32, tile_m=8),
+           SkinnyConfig(False, 8, 64, tile_m=4, num_warps=2)]
+for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10),
+                   (torch.bfloat16, 2.0 ** -7)):
+    w, b = w32.to(dtype), b32.to(dtype)
+    for ci, cfg in enumerate(configs):
+        # fp32: rows 1..17 spread over the configs (one, several and a partial row block),
+        # with and without bias, plain and silu-mul; fp16 / bf16 (the interpreter's
+        # fp32 -> bf16 cast truncates): a few. (Each program is slow to interpret.)
+        rows = range(1 + ci, 18, 3) if dtype == torch.float32 else (ci + 1, 9)
+        for M in sorted({*rows, 17} if dtype == torch.float32 else rows):
+            for act in ((False, True) if M == 17 else (M % 2 == 0,)):
+                x = gu32[:M].to(dtype) if act else gu32[:M, :K].to(dtype)
+                bias = None if act or (M + ci) % 2 else b
+                y = skinny_linear(x, w, bias, cfg, silu_mul=act)
+                assert y.dtype == dtype and y.shape == (M, N)
+                if act:
+                    g, u = x[:, :K].float(), x[:, K:].float()
+                    a = (g / (1.0 + torch.exp(-g)) * u).to(dtype).double()
+                else:
+                    a = x.double()
+                ref = a @ w.double().T + (0 if bias is None else bias.double())
+                scale = a.abs() @ w.double().abs().T
+                bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
+                assert ((y.double() - ref).abs() <= bound).all(), (dtype, cfg, M, act)
+                if M == 17 and dtype == torch.float32:
+                    # The same bits twice, and a row's whatever the rows in the call.
+                    assert torch.equal(y, skinny_linear(x, w, bias, cfg, silu_mul=act))
+                    for m in (1, 2, 3, 4, 5, 8, 9, 16):
+                        assert torch.equal(y[:m], skinny_linear(x[:m], w, bias, cfg,
+                                                                silu_mul=act)), (cfg, m, act)
+# The RMSNorm prologue over a block of rows: the stream and its copy == add_rms_norm's bits,
+# y within the normed operand's rounding, a row's y whatever the rows (fp32, fp16: the
+# interpreter multiplies bf16 as raw bits there).
+for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10)):
+    w, b = w32.to(dtype), b32.to(dtype)
+    nw = (torch.rand(K) + 0.5).to(dtype)
+    for cfg in (SkinnyConfig(False, 2, 128, tile_m=4),
+                SkinnyConfig(False, 4, 128, num_warps=2, tile_m=8)):
+        ys = {}
+        for M, with_delta, bias in ((1, True, None), (2, False, b), (3, True, b),
+                                    (5, True, None), (9, False, b), (17, True, b),
+                                    (4, True, None)):
+            x = (gu32[:M, :K] * 3).to(dtype)
+            d = gu32[:M, K:].to(dtype) if with_delta else None
+            copy = torch.zeros(M, 2 * K, dtype=dtype)[:, K:]
+            y, stream = skinny_norm_linear(x, d, nw, 1e-5, w, bias, cfg, copy)
+            h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
+            assert torch.equal(stream, want) and torch.equal(copy, want)
+            assert (stream is x) == (d is None)
+            ref = h.double() @ w.double().T + (0 if bias is None else bias.double())
+            scale = h.double().abs() @ w.double().abs().T
+            assert ((y.double() - ref).abs() <= eps * ref.abs() + eps * scale
+                    + 1e-6).all(), (dtype, cfg, M)
+            key = (with_delta, bias is None)      # a row's bits: == the 17-row call's
+            if key not in ys:
+                ys[key] = skinny_norm_linear((gu32[:17, :K] * 3).to(dtype),
+                                             gu32[:17, K:].to(dtype) if with_delta
+                                             else None, nw, 1e-5, w, bias, cfg)[0]
+            assert torch.equal(y, ys[key][:M]), (dtype, cfg, M)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_one_reduction_tile_equals_float64_reference_interpreted():
+    """The ``b`` family (a block of rows reduced over K in one reduction; models/_skinny):
+    float64 reference for 1..17 rows, N and K off the blocks, bias, silu-mul, K over several
+    programs, the RMSNorm prologue; each row's bits whatever the rows in the call."""
+    run_interpreted(TILE_CHILD)
+
+
 LAYER_CHILD = r"""
 import sys, torch
 from specloop.models import PageTable, load_model, _kernels, _skinny
