@@ -14,10 +14,11 @@ choice per shape: the config and row limit R saving the most time summed over th
 rows <= R (1, 2, 4 and 8 rows weigh the same: decode and VERIFY at small batches; 16 and
 32 half), by >= 3% of cuBLAS's, cuBLAS above R. The sweep's ``b`` configs (blocks of 4 or
 8 rows reduced in one reduction) are the ones meant for VERIFY's 2-8 rows. The fused
-silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear. Then a SmolLM2 layer without attention (add +
-RMSNorm, qkv, o, add + RMSNorm, gate-up, SwiGLU, down) over 30 layers' weights, at 1, 4
-and 8 rows: cuBLAS, the dispatcher's table as in the code, the table this run chose, and
-that with the norms in the GEMMs' prologue (SPECLOOP_SKINNY_NORM's path).
+silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear. Then a
+SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm, gate-up, SwiGLU,
+down) over 30 layers' weights, at 1, 4 and 8 rows: cuBLAS, the dispatcher's table as in
+the code, the table this run chose, and that with the norms in the GEMMs' prologue
+(SPECLOOP_SKINNY_NORM's path).
 
 Prints per shape and rows cuBLAS against the chosen config (and the fastest config at that
 row count), and the SKINNY_TABLE literal to paste into models/_linear.py; writes JSON to
@@ -79,9 +80,9 @@ def sweep(k: int) -> list:
     keeping the fp32 product within 64 registers a thread: ``v`` (rows reduced one after
     the other) at BLOCK_N 1..8, and K over 2 programs at BLOCK_N 8 (fp32 partials, a reduce
     kernel); ``b`` (a block of 4 or 8 rows reduced in one reduction, [rows, BN, BK]) at
-    BLOCK_N 1..4; tl.dot from 16-row tiles, pipelined over K. Pruned to what won or came
-    close on the H200 (v at BLOCK_K/4, BLOCK_N 4 at BLOCK_K/2 and three tl.dot tiles
-    never did), so the bench stays < 90 s."""
+    BLOCK_N 1..4, BLOCK_K / 256 warps; tl.dot from 16-row tiles, pipelined over K.
+    Pruned to what won or came close on the H200 (v at BLOCK_K/4, BLOCK_N 4 at BLOCK_K/2
+    and three tl.dot tiles never did), so the bench stays < 90 s."""
     from specloop.models._skinny import SkinnyConfig as C
     full = min(4096, max(16, 1 << max(0, (k - 1).bit_length())))
     out = []
@@ -89,10 +90,13 @@ def sweep(k: int) -> list:
         warps = _warps(bn * bk)
         if bk >= 16 and warps is not None:
             out.append(C(False, bn, bk, 1, warps))
+    # b: as many warps as BLOCK_K / 256 (8 bf16 a thread along K): more would lay the
+    # loads out apart from the product, through shared memory (offline sm_90 compiles:
+    # 3 barriers at 4 warps for [4, 2, 1024], 7 at 8); <= 128 fp32 products a thread.
+    tile_warps = max(1, min(16, full // 256))
     for tile_m, bn in ((4, 1), (4, 2), (4, 4), (8, 1), (8, 2)):
-        warps = _warps(tile_m * bn * full)
-        if warps is not None:
-            out.append(C(False, bn, full, 1, warps, tile_m=tile_m))
+        if tile_m * bn * full <= 128 * 32 * tile_warps:
+            out.append(C(False, bn, full, 1, tile_warps, tile_m=tile_m))
     out += [C(True, n, b, s) for n, b, s in [(16, 64, 1), (32, 64, 1), (64, 64, 1),
                                               (16, 128, 2)]]
     return out

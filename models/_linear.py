@@ -47,8 +47,8 @@ SKINNY_MAX_ROWS = 32
 # (N, K, silu_mul) -> (config tag, max rows), or None for F.linear. The tags are
 # SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
 # warps, 3 stages; ``v``: no tl.dot, rows reduced one after the other; ``b4x2x1024...``: no
-# tl.dot, blocks of 4 rows reduced in one reduction, for VERIFY's 2-8 rows). One configuration per shape for every row count up
-# to ``max rows`` (F.linear beyond): the kernel gives a row the same bits whatever the
+# tl.dot, blocks of 4 rows reduced in one reduction, for VERIFY's 2-8 rows). One
+# configuration per shape for every row count up to ``max rows`` (F.linear beyond): the kernel gives a row the same bits whatever the
 # number of rows in the call, so a graph padded to a larger batch bucket (or a chained
 # step taken at one) equals the unpadded call. A shape missing from the table uses
 # default_config up to SKINNY_MAX_ROWS rows. These are guesses for SmolLM2-135M and its

@@ -23,10 +23,10 @@ GEMM spreads over many SMs:
   masked (loaded as 0, never stored), so a row's arithmetic is the same whatever M.
 
 A row's arithmetic depends on the configuration alone, not on the number of rows in the
-call (a row's sums never mix in another row's values, and the code a row runs, its place in
-its block included, is fixed by the configuration; tl.dot's rows are independent), so a row gives the
-same bits in a call of 1 row or of 32: a CUDA graph padded to a larger batch bucket
-computes what the unpadded call computes, as long as the dispatcher picks one
+call (a row's sums never mix in another row's values, and the code a row runs, its place
+in its block included, is fixed by the configuration; tl.dot's rows are independent), so a
+row gives the same bits in a call of 1 row or of 32: a CUDA graph padded to a larger batch
+bucket computes what the unpadded call computes, as long as the dispatcher picks one
 configuration per shape (it does).
 
 Accumulation is in fp32, rounded once to x's dtype at the store. SPLIT_K > 1 writes fp32
@@ -169,23 +169,26 @@ if triton is not None:
         elif TILE:
             # The program's tile of W once and its BLOCK_M rows of x, all reduced over K
             # in one reduction; rows past M load as 0 and are not stored, so a row's sum
-            # is the same whatever M.
+            # is the same whatever M. Both loads are 3-D ([1, BN, BK], [BM, 1, BK]): they
+            # then share the product's layout (with num_warps <= BLOCK_K / 256), so
+            # neither goes through shared memory before the multiply.
             rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = rm < M
             ks = k_lo + rk
             k_ok = ks < k_hi
-            x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-            xm = m_ok[:, None] & k_ok[None, :]
-            w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+            w = tl.load(w_rows[None, :, :] + ks[None, None, :],
+                        mask=n_ok[None, :, None] & k_ok[None, None, :],
                         other=0.0).to(tl.float32)
+            x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + ks[None, None, :]
+            xm = m_ok[:, None, None] & k_ok[None, None, :]
             if ACT == 1:
-                g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-                u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+                g = tl.load(x_rows, mask=xm, other=0.0)
+                u = tl.load(x_rows + K, mask=xm, other=0.0).to(tl.float32)
                 gf = g.to(tl.float32)
                 a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
             else:
-                a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-            acc = tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+                a = tl.load(x_rows, mask=xm, other=0.0)
+            acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
             out_mask = m_ok[:, None] & n_ok[None, :]
             if SPLIT_K == 1:
                 if HAS_BIAS:
@@ -238,18 +241,18 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         k_ok = rk < K
-        w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
-                    mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
         if TILE:
-            # All BLOCK_M rows at once: their RMS (one reduction for all) and the GEMM
-            # (one reduction over K for all); rows past M load as 0 and are not stored.
+            # All BLOCK_M rows at once, as [BM, 1, BK] (the GEMM kernel's TILE layout):
+            # their RMS (one reduction for all) and the GEMM (one reduction over K for
+            # all); rows past M load as 0 and are not stored.
+            w = tl.load(w_ptr + rn.to(tl.int64)[None, :, None] * stride_wn + rk[None, None, :],
+                        mask=n_ok[None, :, None] & k_ok[None, None, :],
+                        other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + rk[None, None, :], mask=k_ok[None, None, :], other=0.0)
             rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = rm < M
-            ok = m_ok[:, None] & k_ok[None, :]
-            offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+            ok = m_ok[:, None, None] & k_ok[None, None, :]
+            offs = rm.to(tl.int64)[:, None, None] * K + rk[None, None, :]
             xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
             if HAS_DELTA:
                 xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
@@ -258,17 +261,22 @@ if triton is not None:
                 if HAS_DELTA:
                     tl.store(s_ptr + offs, xs, mask=ok)
                 if HAS_COPY:
-                    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rk[None, :], xs,
-                             mask=ok)
+                    tl.store(c_ptr + rm.to(tl.int64)[:, None, None] * stride_cm
+                             + rk[None, None, :], xs, mask=ok)
             xf = xs.to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1) / K + eps)
-            a = nw[None, :] * (xf * inv[:, None]).to(xs.dtype)
-            acc = tl.sum(a.to(tl.float32)[:, None, :] * w[None, :, :], axis=2)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=2, keep_dims=True) / K + eps)
+            a = nw * (xf * inv).to(xs.dtype)
+            acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
             if HAS_BIAS:
-                acc += bias[None, :]
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
             tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
                      acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
         else:
+            w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+            nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
+            if HAS_BIAS:
+                bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
             for r in tl.static_range(BLOCK_M):
                 row = tl.program_id(1) * BLOCK_M + r
                 ok = k_ok & (rk * 0 + row < M)

@@ -5,7 +5,8 @@ equals a float64 reference within the inputs' rounding for 1..17 rows with tl.do
 40: several row blocks), 1, 3 and 9 rows without (rows one after the other in blocks of
 8), N and K off the block sizes, with bias, K split over programs or not, and the
 silu-mul-down variant; twice the same input gives the same bits, and a row gives the same
-bits whatever the number of rows in the call. The RMSNorm-prologue variant equals
+bits whatever the number of rows in the call. The same for the one-reduction (``b``) family,
+1..17 rows, its RMSNorm prologue included. The RMSNorm-prologue variant equals
 add_rms_norm then the GEMM. The interpreter's tl.dot (and elementwise products) multiply
 bf16 tensors as their raw 16-bit integers (it stores bf16 as uint16), so tl.dot
 configurations and the RMSNorm prologue are checked in fp16 and fp32 here and in bf16 by
@@ -257,8 +258,14 @@ def test_table_tags_parse_and_round_trip():
             cfg = parse_config(tag)
             assert cfg.tag() == tag and 1 <= max_rows <= SKINNY_MAX_ROWS
             assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16
-    with pytest.raises(ValueError):
-        parse_config("d16x128")
+    for tag, cfg in (("b4x2x1024s1w4n3", SkinnyConfig(False, 2, 1024, 1, 4, 3, tile_m=4)),
+                     ("b8x1x2048s2w8n2", SkinnyConfig(False, 1, 2048, 2, 8, 2, tile_m=8)),
+                     ("v2x1024s1w4n3", SkinnyConfig(False, 2, 1024, 1, 4, 3))):
+        assert parse_config(tag) == cfg and cfg.tag() == tag
+        assert cfg.block_m(1) == (cfg.tile_m or 1) and cfg.block_m(32) == (cfg.tile_m or 8)
+    for bad in ("d16x128", "b0x2x1024s1w4n3", "b4x1024s1w4n3", "bx4x2x1024s1w4n3"):
+        with pytest.raises(ValueError):
+            parse_config(bad)
 
 
 def test_skinny_config_one_per_shape_and_window(monkeypatch):
@@ -327,6 +334,13 @@ SMOLLM2_SHAPES = [(960, 576, False), (576, 576, False), (3072, 576, False), (576
                   (49152, 576, False)]
 
 
+def tile_config(n: int, k: int, tile_m: int = 4, block_n: int = 2) -> SkinnyConfig:
+    """A ``b`` configuration as the bench sweeps them: all of K in one pass, BLOCK_K / 256
+    warps."""
+    bk = min(4096, max(16, 1 << max(0, (k - 1).bit_length())))
+    return SkinnyConfig(False, block_n, bk, 1, max(1, min(16, bk // 256)), tile_m=tile_m)
+
+
 @pytest.mark.gpu
 def test_skinny_matches_f_linear_bf16_cuda():
     """The configuration the table or the default picks for each of SmolLM2's shapes, 1..32
@@ -336,8 +350,12 @@ def test_skinny_matches_f_linear_bf16_cuda():
     from specloop.models._skinny import skinny_linear
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for n, k, act in SMOLLM2_SHAPES:
-        cfg = skinny_config(1, n, k, act) or default_config(n, k)
+    cases = [(n, k, act, skinny_config(1, n, k, act) or default_config(n, k))
+             for n, k, act in SMOLLM2_SHAPES]
+    # The one-reduction family too (whatever the table holds): 4 and 8 rows a block.
+    cases += [(n, k, act, tile_config(n, k, tile_m, bn)) for n, k, act in SMOLLM2_SHAPES
+              for tile_m, bn in ((4, 2), (8, 1))]
+    for n, k, act, cfg in cases:
         w = (torch.randn(n, k, device="cuda", generator=gen) * 0.05).bfloat16()
         bias = (torch.randn(n, device="cuda", generator=gen)).bfloat16()
         x = torch.randn(32, 2 * k if act else k, device="cuda", generator=gen).bfloat16()
@@ -353,12 +371,17 @@ def test_skinny_matches_f_linear_bf16_cuda():
 
 
 @pytest.mark.gpu
-def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs):
+@pytest.mark.parametrize("tile", [False, True], ids=["default", "tile"])
+def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs, monkeypatch, tile):
     """The fused decoder (bf16) with the skinny path, and with the norms in the GEMMs'
     prologue too: its error against an fp32 forward is no worse than cuBLAS's (as
     test_fused_kernels_match_reference_bf16), and captured steps of 2, 4 and 8 rows (decode,
-    VERIFY; 8: tl.dot, the norms unfused) replay to the eager call's bits."""
+    VERIFY) replay to the eager call's bits. ``tile``: every GEMM on the one-reduction
+    family (the tiny model's shapes are not in the table: default_config serves them)."""
     from specloop.models import load_model
+
+    if tile:
+        monkeypatch.setattr(_linear, "default_config", lambda n, k: tile_config(n, k))
 
     model = load_model(tiny_dirs["qwen2"], dtype=torch.bfloat16, device="cuda").model  # bias
     fp32 = load_model(tiny_dirs["qwen2"], dtype=torch.float32, device="cuda").model
@@ -424,10 +447,13 @@ def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
     for n in (960, 3072):
         w = (torch.randn(n, 576, device="cuda", generator=gen) * 0.05).bfloat16()
         nw = (torch.rand(576, device="cuda", generator=gen) + 0.5).bfloat16()
-        for rows in (1, 2, 3, 4, 9):
+        for rows, tile in ((1, False), (2, False), (3, False), (4, False), (9, False),
+                           (1, True), (3, True), (4, True), (9, True)):
             cfg = skinny_config(rows, n, 576) or default_config(n, 576)
             if not norm_fusable(cfg, 576):
                 cfg = default_config(n, 576)
+            if tile:            # the one-reduction family, whatever the table holds
+                cfg = tile_config(n, 576)
             x = (torch.randn(rows, 576, device="cuda", generator=gen) * 3).bfloat16()
             d = torch.randn(rows, 576, device="cuda", generator=gen).bfloat16()
             copy = torch.zeros(rows, 2 * 576, device="cuda", dtype=torch.bfloat16)[:, 576:]
