@@ -155,82 +155,55 @@ if triton is not None:
         tl.store(vc_ptr + page * s_page + off * s_off + vh * D + dv, v, mask=vm)
 
     @triton.jit
-    def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
-                                T, pos_offset, scale, s_page, s_off, s_table, pages_per_slot,
-                                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                                PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                BLOCK_N: tl.constexpr):
-        b = tl.program_id(0)
-        kvh = tl.program_id(1)
-        G: tl.constexpr = HQ // HKV
-        # Query rows of this KV head, token-major: row r is token r // G, head kvh*G + r % G.
-        r = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
-        t = r // G
-        head = kvh * G + r % G
-        rm = t < T
-        start = tl.load(start_ptr + b) + pos_offset
-        slot = tl.load(slot_ptr + b)
-        d = tl.arange(0, D)
-        q_off = ((b * T + t) * HQ + head)[:, None] * D + d[None, :]
-        q = tl.load(q_ptr + q_off, mask=rm[:, None], other=0.0)
-        limit = start + t  # the last position each query row may see (causal)
-        t_last = tl.minimum(T - 1, (tl.program_id(2) * BLOCK_M + BLOCK_M - 1) // G)
-        n_end = start + t_last + 1
-        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(0, n_end, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nm = n < n_end
-            pidx = tl.minimum(n // PAGE, pages_per_slot - 1)
-            page = tl.load(table_ptr + slot * s_table + pidx, mask=nm, other=0).to(tl.int64)
-            kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
-            k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where((n[None, :] <= limit[:, None]) & nm[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            alpha = tl.exp(m_i - m_new)
-            p = tl.exp(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
-        out = acc / tl.maximum(l_i, 1e-30)[:, None]
-        tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
+    def _split_chunk(n_end, SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+                     BLOCK_N: tl.constexpr):
+        # Positions a split of a row block covers, from the block's real end n_end (a device
+        # value: a graph reads the lengths at replay): below SPLIT_MIN one split covers
+        # them all, else SPLITS equal chunks of whole BLOCK_N tiles (whole pages when the
+        # page size divides BLOCK_N). The split kernel and both combines count a row
+        # block's active splits from it alike: cdiv(n_end, chunk).
+        # (Plain integer ops, not tl.cdiv: a jit call costs ~1 ms a program interpreted.)
+        chunk = ((n_end + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
+        return tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
 
     @triton.jit
-    def _paged_attention_split_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr,
-                                      m_ptr, l_ptr, acc_ptr, cnt_ptr, o_ptr, T, pos_offset,
-                                      scale, s_page, s_off, s_table, pages_per_slot,
-                                      HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                                      PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
-                                      BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
-                                      LAST_COMBINES: tl.constexpr, SC: tl.constexpr):
-        # _paged_attention_kernel over one of SPLITS contiguous ranges of the KV positions
-        # (flash-decoding): the partial max, sum and unnormalised output of each query row
-        # go to scratch for _attention_combine_kernel, or (LAST_COMBINES) the last program
-        # of each (row, KV head, row block) to finish combines them itself.
+    def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
+                                m_ptr, l_ptr, acc_ptr, cnt_ptr, T, pos_offset, scale, s_page,
+                                s_off, s_table, pages_per_slot, HQ: tl.constexpr,
+                                HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                                SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
+                                LAST_COMBINES: tl.constexpr, SC: tl.constexpr):
+        # One program per (row, KV head, block of query rows, split). SPLITS = 1: the one
+        # kernel (a program walks all of its row's positions). SPLITS > 1 (flash-decoding):
+        # a row block's positions are cut into active splits on the device (_split_chunk);
+        # the rest of its programs return at once. A block with one active split (short
+        # rows) runs exactly the one kernel's loop and normalisation and writes the output
+        # itself; with more, each writes its partial max, sum and unnormalised output to
+        # scratch, added by _attention_combine_kernel or (LAST_COMBINES) by the last of
+        # them to finish.
         b = tl.program_id(0)
         kvh = tl.program_id(1)
         blk = tl.program_id(2) // SPLITS
         split = tl.program_id(2) % SPLITS
         G: tl.constexpr = HQ // HKV
+        start = tl.load(start_ptr + b) + pos_offset
+        t_last = tl.minimum(T - 1, (blk * BLOCK_M + BLOCK_M - 1) // G)
+        n_end = start + t_last + 1
+        chunk = _split_chunk(n_end, SPLITS, SPLIT_MIN, BLOCK_N)
+        active = tl.maximum((n_end + chunk - 1) // chunk, 1)
+        if split >= active:
+            return  # no position here: no store, no counter (the combines count alike)
+        # Query rows of this KV head, token-major: row r is token r // G, head kvh*G + r % G.
         r = blk * BLOCK_M + tl.arange(0, BLOCK_M)
         t = r // G
         head = kvh * G + r % G
         rm = t < T
-        start = tl.load(start_ptr + b) + pos_offset
         slot = tl.load(slot_ptr + b)
         d = tl.arange(0, D)
         q_off = ((b * T + t) * HQ + head)[:, None] * D + d[None, :]
         q = tl.load(q_ptr + q_off, mask=rm[:, None], other=0.0)
         limit = start + t  # the last position each query row may see (causal)
-        t_last = tl.minimum(T - 1, (blk * BLOCK_M + BLOCK_M - 1) // G)
-        n_end = start + t_last + 1
-        # The range is cut from the real length on the device (the launch knows only the
-        # cache's maximum): equal chunks, whole BLOCK_N tiles (so whole pages when PAGE
-        # divides BLOCK_N); splits past the end keep the empty partial (m -inf, l 0).
-        chunk = tl.cdiv(tl.cdiv(n_end, SPLITS), BLOCK_N) * BLOCK_N
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -246,8 +219,9 @@ if triton is not None:
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
             s = tl.where((n[None, :] <= limit[:, None]) & nm[None, :], s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row may see none of this range (VERIFY's earlier rows near a split's start):
-            # its max stays -inf, and exp(-inf - -inf) would be NaN.
+            # A row may see none of a later split's range (VERIFY's earlier rows near its
+            # start): its max stays -inf, and exp(-inf - -inf) would be NaN. (The first
+            # range holds position 0, seen by every row: there m_safe is m_new.)
             m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp(m_i - m_safe)
             p = tl.exp(s - m_safe[:, None])
@@ -255,65 +229,83 @@ if triton is not None:
             v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
             m_i = m_new
-        row = (b * T + t) * HQ + head
-        part = row * SPLITS + split
-        tl.store(m_ptr + part, m_i, mask=rm)
-        tl.store(l_ptr + part, l_i, mask=rm)
-        tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=rm[:, None])
-        if LAST_COMBINES:
-            # A counter per (row, KV head, row block) in a zeroed buffer: the barrier puts
-            # every thread's stores before the release of this program's increment; the
-            # program that brings it to SPLITS acquires all of them, resets the counter for
-            # the next call and combines (loads through L2: .cg, never a stale L1 line).
-            tl.debug_barrier()
-            group = (b * HKV + kvh) * (tl.num_programs(2) // SPLITS) + blk
-            done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
-            if done == SPLITS - 1:
-                tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
-                # Splits past the row block's end hold empty partials: only the first
-                # cdiv(n_end, chunk) are read (adding theirs, 0 x 0, changes no bit).
-                used = tl.cdiv(n_end, tl.maximum(chunk, 1))
-                sb = tl.arange(0, SC)
-                mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                for j0 in range(0, used, SC):
-                    js = j0 + sb
-                    ok = rm[:, None] & (js < used)[None, :]
-                    pm = tl.load(m_ptr + row[:, None] * SPLITS + js[None, :], mask=ok,
-                                 other=float("-inf"), cache_modifier=".cg")
-                    mx = tl.maximum(mx, tl.max(pm, axis=1))
-                mx = tl.where(mx == float("-inf"), 0.0, mx)
-                den = tl.zeros([BLOCK_M], tl.float32)
-                out = tl.zeros([BLOCK_M, D], tl.float32)
-                for j0 in range(0, used, SC):  # fixed order: the same bits every call
-                    js = j0 + sb
-                    ok = rm[:, None] & (js < used)[None, :]
-                    idx = row[:, None] * SPLITS + js[None, :]
-                    pm = tl.load(m_ptr + idx, mask=ok, other=float("-inf"),
-                                 cache_modifier=".cg")
-                    pl = tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
-                    w = tl.where(ok, tl.exp(pm - mx[:, None]), 0.0)
-                    pa = tl.load(acc_ptr + idx[:, :, None] * D + d[None, None, :],
-                                 mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-                    den += tl.sum(w * pl, axis=1)
-                    out += tl.sum(w[:, :, None] * pa, axis=1)
-                out = out / tl.maximum(den, 1e-30)[:, None]
-                tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
+        if active == 1:
+            out = acc / tl.maximum(l_i, 1e-30)[:, None]
+            tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
+        else:
+            row = (b * T + t) * HQ + head
+            part = row * SPLITS + split
+            tl.store(m_ptr + part, m_i, mask=rm)
+            tl.store(l_ptr + part, l_i, mask=rm)
+            tl.store(acc_ptr + part[:, None] * D + d[None, :], acc, mask=rm[:, None])
+            if LAST_COMBINES:
+                # A counter per (row, KV head, row block) in a zeroed buffer: the barrier
+                # puts every thread's stores before the release of this program's
+                # increment; the program that brings it to `active` acquires all of them,
+                # resets it for the next call and combines (loads through L2: .cg, never a
+                # stale L1 line).
+                tl.debug_barrier()
+                group = (b * HKV + kvh) * (tl.num_programs(2) // SPLITS) + blk
+                done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+                if done == active - 1:
+                    tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+                    # One pass in a fixed order of splits, SC at a time, each chunk's
+                    # partials rescaled to the running max (the same bits every call).
+                    sb = tl.arange(0, SC)
+                    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
+                    den = tl.zeros([BLOCK_M], tl.float32)
+                    out = tl.zeros([BLOCK_M, D], tl.float32)
+                    for j0 in range(0, active, SC):
+                        js = j0 + sb
+                        ok = rm[:, None] & (js < active)[None, :]
+                        idx = row[:, None] * SPLITS + js[None, :]
+                        pm = tl.load(m_ptr + idx, mask=ok, other=float("-inf"),
+                                     cache_modifier=".cg")
+                        pl = tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+                        pa = tl.load(acc_ptr + idx[:, :, None] * D + d[None, None, :],
+                                     mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
+                        new = tl.maximum(mx, tl.max(pm, axis=1))
+                        new_safe = tl.where(new == float("-inf"), 0.0, new)
+                        alpha = tl.exp(mx - new_safe)
+                        w = tl.where(ok, tl.exp(pm - new_safe[:, None]), 0.0)
+                        den = den * alpha + tl.sum(w * pl, axis=1)
+                        out = out * alpha[:, None] + tl.sum(w[:, :, None] * pa, axis=1)
+                        mx = new
+                    out = out / tl.maximum(den, 1e-30)[:, None]
+                    tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
 
     @triton.jit
-    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, n_rows, SPLITS: tl.constexpr,
-                                  S_BLOCK: tl.constexpr, D: tl.constexpr,
+    def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, start_ptr, n_rows, T,
+                                  pos_offset, HQ: tl.constexpr, HKV: tl.constexpr,
+                                  D: tl.constexpr, BLOCK_M: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                                  SPLIT_MIN: tl.constexpr, S_BLOCK: tl.constexpr,
                                   ROWS: tl.constexpr):
-        # ROWS query rows: each one's SPLITS partials rescaled to their common max and summed
-        # in one fixed order (the same bits on every call). Split 0 always holds position 0,
-        # so a row's max is finite.
+        # ROWS query rows: each one's active partials (its row block's count, computed as
+        # the split kernel does) rescaled to their common max and summed in one fixed order
+        # (the same bits on every call). Rows whose block had one active split: their
+        # output is written already; nothing to do. Split 0 holds position 0: a row's max
+        # is finite.
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        G: tl.constexpr = HQ // HKV
+        b = rows // (T * HQ)
+        t = (rows // HQ) % T
+        blk = (t * G + rows % HQ % G) // BLOCK_M
+        t_last = tl.minimum(T - 1, (blk * BLOCK_M + BLOCK_M - 1) // G)
+        live = rows < n_rows
+        n_end = tl.load(start_ptr + b, mask=live, other=0) + pos_offset + t_last + 1
+        chunk = _split_chunk(n_end, SPLITS, SPLIT_MIN, BLOCK_N)
+        active = tl.where(live, tl.maximum((n_end + chunk - 1) // chunk, 1), 1)
+        if tl.max(active, axis=0) == 1:
+            return
+        live = active > 1
         s = tl.arange(0, S_BLOCK)
-        valid = (rows < n_rows)[:, None] & (s < SPLITS)[None, :]
+        valid = live[:, None] & (s[None, :] < active[:, None])
         part = rows[:, None] * SPLITS + s[None, :]
         m = tl.load(m_ptr + part, mask=valid, other=float("-inf"))
         l = tl.load(l_ptr + part, mask=valid, other=0.0)
         mx = tl.max(m, axis=1)
-        mx = tl.where(mx == float("-inf"), 0.0, mx)  # rows past the end: no -inf - -inf
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # rows not combined here: no -inf - -inf
         w = tl.where(valid, tl.exp(m - mx[:, None]), 0.0)
         d = tl.arange(0, D)
         acc = tl.load(acc_ptr + part[:, :, None] * D + d[None, None, :],
@@ -321,7 +313,7 @@ if triton is not None:
         out = tl.sum(w[:, :, None] * acc, axis=1) / tl.maximum(tl.sum(w * l, axis=1),
                                                               1e-30)[:, None]
         tl.store(o_ptr + rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=(rows < n_rows)[:, None])
+                 mask=live[:, None])
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
@@ -417,12 +409,20 @@ def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
 # Split-KV: the launch wants about this many programs per SM, and a split at least one tile
 # (more splits than tiles in the cache's maximum length could never get a position).
 # SPECLOOP_ATTENTION_MAX_SPLITS caps the splits for an A/B of whole runs (1: one kernel,
-# as before split-KV); read once, at import.
-_SPLIT_PROGRAMS_PER_SM = 2
+# as before split-KV); read once, at import, as the others.
+_SPLIT_PROGRAMS_PER_SM = 3
 _MAX_SPLITS = max(1, int(os.environ.get("SPECLOOP_ATTENTION_MAX_SPLITS") or 32))
-# How split partials are added when the caller does not say ("kernel" or "last", see
-# paged_attention); SPECLOOP_ATTENTION_COMBINE=last tries the other in whole runs.
-_COMBINE = os.environ.get("SPECLOOP_ATTENTION_COMBINE") or "kernel"
+# A row block shorter than this many positions is one split (the one kernel's loop, its
+# output written by that program): splitting it would save a few tiles of a serial loop
+# and cost the partials' combine. H200, SmolLM2 at batch 1 (~300-position chat rows): the
+# one kernel 4.45 us a layer, split (1 tile a split) 3.34 us + combine 2.17 us; the kernel
+# bench (random caches, L2-cold) gains from 256 on, the real model loses there: 512 keeps
+# chat rows on the one kernel's path and every long-context win of the bench (1,024 and
+# 2,048 positions: 4-8x at batch 1). SPECLOOP_ATTENTION_SPLIT_MIN moves it for an A/B.
+_SPLIT_MIN = max(1, int(os.environ.get("SPECLOOP_ATTENTION_SPLIT_MIN") or 512))
+# How split partials are added when the caller does not say ("last" or "kernel", see
+# paged_attention); SPECLOOP_ATTENTION_COMBINE=kernel tries the other in whole runs.
+_COMBINE = os.environ.get("SPECLOOP_ATTENTION_COMBINE") or "last"
 
 
 @functools.lru_cache(maxsize=None)
@@ -452,20 +452,24 @@ def _counters(device: torch.device, n: int) -> torch.Tensor:
 
 
 def attention_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, block_n: int,
-                     sm_count: int) -> int:
-    """How many ranges a row's KV positions are cut into (1: one program walks them all).
+                     sm_count: int, split_min: int | None = None) -> int:
+    """How many ranges a row's KV positions may be cut into (1: one program walks them all).
 
     Decided from shapes only: the lengths are device tensors a captured graph reads at
     replay, so the launch cannot know them, only the cache's maximum ``max_len``. One
     program per (row, KV head, row block) walks its positions serially: at batch 1 that is
     HKV programs (3 on SmolLM2) on a GPU of ~132 SMs, each looping over the whole context.
-    Splitting multiplies the programs (each a contiguous range, cut from the real length
-    on the device) at the cost of a combine kernel; it stops at about
-    ``_SPLIT_PROGRAMS_PER_SM`` programs per SM (a launch that already fills the GPU gains
-    nothing from it), at ``_MAX_SPLITS`` (the combine reads every split's partial) and at
-    the tiles in ``max_len``. Powers of two, so few kernel variants are compiled. The batch
-    counts rounded up to a power of two: a row's rounding depends on S, and so an eager
-    call at batch B and a graph replayed at the next power-of-two bucket split alike."""
+    Splitting multiplies the programs, but only rows of at least ``split_min`` positions
+    use them (cut on the device from the real length; a shorter row's extra programs
+    return at once and it pays no combine), so S is sized for the long rows: it stops at
+    about ``_SPLIT_PROGRAMS_PER_SM`` programs per SM, at ``_MAX_SPLITS`` and at the tiles in
+    ``max_len``; 1 when no row can reach ``split_min``. Powers of two, so few kernel
+    variants are compiled. The batch counts rounded up to a power of two: a long row's
+    rounding depends on S, and so an eager call at batch B and a graph replayed at the next
+    power-of-two bucket split alike."""
+    split_min = _SPLIT_MIN if split_min is None else split_min
+    if max_len < split_min:
+        return 1
     programs = _pow2(batch) * kv_heads * row_blocks
     most = min(_MAX_SPLITS, -(-max_len // block_n))
     splits = 1
@@ -482,38 +486,46 @@ def _row_blocks(T: int, hq: int, hkv: int) -> tuple[int, int]:
 
 
 def default_splits(q: torch.Tensor, k_cache: torch.Tensor, table: torch.Tensor,
-                   block_n: int = 64) -> int:
+                   block_n: int = 64, split_min: int | None = None) -> int:
     """The split count ``paged_attention`` takes for these shapes (``attention_splits``);
     the cache's maximum length is its block table's pages a slot."""
     B, T, hq, _ = q.shape
     page, hkv = k_cache.shape[1], k_cache.shape[2]
     return attention_splits(B, hkv, _row_blocks(T, hq, hkv)[1], table.shape[1] * page,
-                            block_n, _sm_count(q.device))
+                            block_n, _sm_count(q.device), split_min)
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                     pos_offset: int = 0, *, splits: int | None = None, block_n: int = 64,
                     num_warps: int = 4, num_stages: int | None = None,
-                    combine: str | None = None) -> torch.Tensor:
+                    combine: str | None = None, split_min: int | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
     Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``.
 
-    ``splits``: KV ranges per row (split-KV, then a combine kernel); None: ``attention_splits``
-    (from the shapes only), 1: one kernel. ``block_n``, ``num_warps``, ``num_stages``: the
+    ``splits``: at most this many KV ranges a row (split-KV); None: ``attention_splits``
+    (from the shapes only), 1: the one kernel. A row (block of query rows) is split only
+    when its real length reaches ``split_min`` positions (None: ``_SPLIT_MIN``), decided on
+    the device; a shorter one runs the one kernel's loop in a single program, which writes
+    its output (the bits of ``splits=1``). ``block_n``, ``num_warps``, ``num_stages``: the
     KV tile, warps and software-pipelining stages (None: Triton's default), parameters for
-    sweeps (bench/bench_paged_attention.py). ``combine`` (splits > 1; None: "kernel" unless
-    $SPECLOOP_ATTENTION_COMBINE says otherwise): "kernel", a second
-    kernel adds the partials; "last", the last program of each (row, KV head, row block) to
-    finish adds them (no second launch; a counter buffer per device, kept zero between
-    calls, so calls on one device must not run concurrently on two streams)."""
+    sweeps (bench/bench_paged_attention.py). ``combine`` (None: "last" unless
+    $SPECLOOP_ATTENTION_COMBINE says otherwise): how a split row's partials are added:
+    "last", by the last of its programs to finish (no second launch; a counter buffer per
+    device, kept zero between calls, so calls on one device must not run concurrently on
+    two streams); "kernel", by a second kernel (launched whenever splits > 1, returning at
+    once for rows that did not split)."""
     B, T, hq, D = q.shape
     _, page, hkv, _ = k_cache.shape
     q = q.contiguous()
     o = torch.empty_like(q)
     block_m, row_blocks = _row_blocks(T, hq, hkv)
+    split_min = _SPLIT_MIN if split_min is None else split_min
     if splits is None:
-        splits = default_splits(q, k_cache, table, block_n)
+        splits = default_splits(q, k_cache, table, block_n, split_min)
+    combine = _COMBINE if combine is None else combine
+    if combine not in ("kernel", "last"):
+        raise ValueError(f"combine={combine!r}: 'kernel' or 'last'")
     args = (T, pos_offset, 1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1),
             table.stride(0), table.shape[1])
     meta = dict(HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
@@ -521,25 +533,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if num_stages is not None:
         meta["num_stages"] = num_stages
     slots, start_pos = slots.contiguous(), start_pos.contiguous()
-    if splits == 1:
+    if splits == 1:  # no scratch: every row block is one active split (SPLIT_MIN unused)
         _paged_attention_kernel[(B, hkv, row_blocks)](
-            q, k_cache, v_cache, table, slots, start_pos, o, *args, **meta)
+            q, k_cache, v_cache, table, slots, start_pos, o, o, o, o, start_pos, *args,
+            SPLITS=1, SPLIT_MIN=0, LAST_COMBINES=False, SC=1, **meta)
         return o.view(B, T, hq * D)
-    # Partials in fp32 (inside a graph capture these come from the graph's pool).
+    # Partials in fp32 (inside a graph capture these come from the graph's pool); only
+    # split rows write theirs.
     n = B * T * hq * splits
     part_m = torch.empty(n, dtype=torch.float32, device=q.device)
     part_l = torch.empty(n, dtype=torch.float32, device=q.device)
     part_acc = torch.empty(n, D, dtype=torch.float32, device=q.device)
-    combine = _COMBINE if combine is None else combine
-    if combine not in ("kernel", "last"):
-        raise ValueError(f"combine={combine!r}: 'kernel' or 'last'")
     last = combine == "last"
-    counters = _counters(q.device, B * hkv * row_blocks) if last else part_m
+    counters = _counters(q.device, B * hkv * row_blocks) if last else start_pos
     # The last program adds SC splits' partials a step: [BLOCK_M, SC, D] fp32, ~4k values.
     sc = max(1, min(_pow2(splits), 4096 // (block_m * D)))
-    _paged_attention_split_kernel[(B, hkv, row_blocks * splits)](
-        q, k_cache, v_cache, table, slots, start_pos, part_m, part_l, part_acc, counters, o,
-        *args, SPLITS=splits, LAST_COMBINES=last, SC=sc, **meta)
+    _paged_attention_kernel[(B, hkv, row_blocks * splits)](
+        q, k_cache, v_cache, table, slots, start_pos, o, part_m, part_l, part_acc, counters,
+        *args, SPLITS=splits, SPLIT_MIN=split_min, LAST_COMBINES=last, SC=sc, **meta)
     if last:
         return o.view(B, T, hq * D)
     # A few rows a program: about 4k partial values (32 registers a thread at 4 warps), so
@@ -548,8 +559,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     rows_per = max(1, 4096 // (s_block * D))
     n_rows = B * T * hq
     _attention_combine_kernel[(triton.cdiv(n_rows, rows_per),)](
-        part_m, part_l, part_acc, o, n_rows, SPLITS=splits, S_BLOCK=s_block, D=D,
-        ROWS=rows_per, num_warps=4)
+        part_m, part_l, part_acc, o, start_pos, n_rows, T, pos_offset, HQ=hq, HKV=hkv, D=D,
+        BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, SPLIT_MIN=split_min,
+        S_BLOCK=s_block, ROWS=rows_per, num_warps=4)
     return o.view(B, T, hq * D)
 
 
