@@ -473,3 +473,32 @@ def test_skinny_table_file_replaces_the_shipped_table(tmp_path):
     table = _table_from_file(str(path))
     assert table == {(960, 576, False): ("v8x1024s1w4n3", 16), (576, 1536, True): None}
     parse_config(table[(960, 576, False)][0])
+
+
+def test_bench_sweep_and_chooser(monkeypatch):
+    """bench/bench_skinny_gemm.py: every swept config's tag parses back; the ``b`` configs
+    keep BLOCK_K / 256 warps at most (loads in the product's layout) and <= 128 fp32
+    products a thread; the chooser takes a config nearly as fast at 1 row that also wins at
+    2..8 rows (VERIFY) over one fastest at 1 row only, stops a config's rows at its first
+    failure, and picks cuBLAS when nothing saves >= 3%."""
+    import importlib
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    bench = importlib.import_module("bench_skinny_gemm")
+    for k in (576, 1152, 1536, 1728):
+        configs = bench.sweep(k)
+        assert any(c.tile_m for c in configs) and any(not c.tile_m and not c.dot
+                                                    for c in configs)
+        for c in configs:
+            assert parse_config(c.tag()) == c
+            if c.tile_m:
+                assert c.num_warps <= c.block_k // 256 and c.block_k >= k
+                assert c.tile_m * c.block_n * c.block_k <= 128 * 32 * c.num_warps
+    cublas = {1: 3.8, 2: 3.8, 4: 3.9, 8: 4.0, 16: 4.2, 32: 4.5}
+    times = {"v2x1024s1w4n3": {1: 2.5, 2: 3.0, 4: 4.0, 8: 6.0, 16: 9.0, 32: 15.0},
+             "b4x2x1024s1w4n3": {1: 2.7, 2: 2.7, 4: 2.8, 8: 3.6, 16: 5.0, 32: 8.0},
+             "b8x2x1024s1w4n3": {1: "mismatch", 2: 1.0, 4: 1.0, 8: 1.0}}
+    tag, rows, saved = bench.choose(cublas, times)
+    assert (tag, rows) == ("b4x2x1024s1w4n3", 8)
+    assert saved == pytest.approx(1.1 + 1.1 + 1.1 + 0.4)
+    assert bench.choose(cublas, {"v": {r: 0.99 * t for r, t in cublas.items()}})[0] is None
