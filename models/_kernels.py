@@ -173,7 +173,8 @@ if triton is not None:
                                 HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
-                                LAST_COMBINES: tl.constexpr, SC: tl.constexpr):
+                                LAST_COMBINES: tl.constexpr, SC: tl.constexpr,
+                                S_BLOCK: tl.constexpr):
         # One program per (row, KV head, block of query rows, split). SPLITS = 1: the one
         # kernel (a program walks all of its row's positions). SPLITS > 1 (flash-decoding):
         # a row block's positions are cut into active splits on the device (_split_chunk);
@@ -249,28 +250,31 @@ if triton is not None:
                 done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
                 if done == active - 1:
                     tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
-                    # One pass in a fixed order of splits, SC at a time, each chunk's
-                    # partials rescaled to the running max (the same bits every call).
+                    # As _attention_combine_kernel, in a fixed order (the same bits every
+                    # call): the active splits' maxima and sums at once, then their outputs
+                    # SC splits a step, unrolled (steps past `active` masked: no memory
+                    # traffic) so that no step's loads wait on another's.
+                    sa = tl.arange(0, S_BLOCK)
+                    ok = rm[:, None] & (sa < active)[None, :]
+                    idx = row[:, None] * SPLITS + sa[None, :]
+                    pm = tl.load(m_ptr + idx, mask=ok, other=float("-inf"),
+                                 cache_modifier=".cg")
+                    pl = tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
+                    mx = tl.max(pm, axis=1)
+                    mx = tl.where(mx == float("-inf"), 0.0, mx)  # rows past T: no NaN
+                    den = tl.sum(tl.where(ok, tl.exp(pm - mx[:, None]), 0.0) * pl, axis=1)
                     sb = tl.arange(0, SC)
-                    mx = tl.full([BLOCK_M], float("-inf"), tl.float32)
-                    den = tl.zeros([BLOCK_M], tl.float32)
                     out = tl.zeros([BLOCK_M, D], tl.float32)
-                    for j0 in range(0, active, SC):
+                    for j0 in tl.static_range(0, SPLITS, SC):
                         js = j0 + sb
                         ok = rm[:, None] & (js < active)[None, :]
                         idx = row[:, None] * SPLITS + js[None, :]
                         pm = tl.load(m_ptr + idx, mask=ok, other=float("-inf"),
                                      cache_modifier=".cg")
-                        pl = tl.load(l_ptr + idx, mask=ok, other=0.0, cache_modifier=".cg")
                         pa = tl.load(acc_ptr + idx[:, :, None] * D + d[None, None, :],
                                      mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
-                        new = tl.maximum(mx, tl.max(pm, axis=1))
-                        new_safe = tl.where(new == float("-inf"), 0.0, new)
-                        alpha = tl.exp(mx - new_safe)
-                        w = tl.where(ok, tl.exp(pm - new_safe[:, None]), 0.0)
-                        den = den * alpha + tl.sum(w * pl, axis=1)
-                        out = out * alpha[:, None] + tl.sum(w[:, :, None] * pa, axis=1)
-                        mx = new
+                        w = tl.where(ok, tl.exp(pm - mx[:, None]), 0.0)
+                        out += tl.sum(w[:, :, None] * pa, axis=1)
                     out = out / tl.maximum(den, 1e-30)[:, None]
                     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
 
@@ -536,7 +540,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     if splits == 1:  # no scratch: every row block is one active split (SPLIT_MIN unused)
         _paged_attention_kernel[(B, hkv, row_blocks)](
             q, k_cache, v_cache, table, slots, start_pos, o, o, o, o, start_pos, *args,
-            SPLITS=1, SPLIT_MIN=0, LAST_COMBINES=False, SC=1, **meta)
+            SPLITS=1, SPLIT_MIN=0, LAST_COMBINES=False, SC=1, S_BLOCK=1, **meta)
         return o.view(B, T, hq * D)
     # Partials in fp32 (inside a graph capture these come from the graph's pool); only
     # split rows write theirs.
@@ -546,16 +550,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     part_acc = torch.empty(n, D, dtype=torch.float32, device=q.device)
     last = combine == "last"
     counters = _counters(q.device, B * hkv * row_blocks) if last else start_pos
-    # The last program adds SC splits' partials a step: [BLOCK_M, SC, D] fp32, ~4k values.
-    sc = max(1, min(_pow2(splits), 4096 // (block_m * D)))
+    # The last program adds SC splits' outputs a step: [BLOCK_M, SC, D] fp32, ~4k values.
+    s_block = _pow2(splits)
+    sc = max(1, min(s_block, 4096 // (block_m * D)))
     _paged_attention_kernel[(B, hkv, row_blocks * splits)](
         q, k_cache, v_cache, table, slots, start_pos, o, part_m, part_l, part_acc, counters,
-        *args, SPLITS=splits, SPLIT_MIN=split_min, LAST_COMBINES=last, SC=sc, **meta)
+        *args, SPLITS=splits, SPLIT_MIN=split_min, LAST_COMBINES=last, SC=sc,
+        S_BLOCK=s_block, **meta)
     if last:
         return o.view(B, T, hq * D)
     # A few rows a program: about 4k partial values (32 registers a thread at 4 warps), so
     # batch 1's 9 rows still spread over a few SMs (the combine waits on one load each).
-    s_block = _pow2(splits)
     rows_per = max(1, 4096 // (s_block * D))
     n_rows = B * T * hq
     _attention_combine_kernel[(triton.cdiv(n_rows, rows_per),)](
