@@ -12,8 +12,8 @@ around the chosen one, half and twice its warps (tl.dot: num_stages 2 / 4); each
 checked against F.linear (bf16 tolerance; one that fails is reported, never chosen). The
 choice per shape: the config and row limit R saving the most time summed over the timed
 rows <= R (1, 2, 4 and 8 rows weigh the same: decode and VERIFY at small batches; 16 and
-32 half), by >= 3% of cuBLAS's, cuBLAS above R. The sweep's ``b`` configs (blocks of 4 or
-8 rows reduced in one reduction) are the ones meant for VERIFY's 2-8 rows. The fused
+32 half), by >= 3% of cuBLAS's, cuBLAS above R. The sweep's ``b`` configs (blocks of 2, 4
+or 8 rows reduced in one reduction) are the ones meant for VERIFY's 2-8 rows. The fused
 silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear. Then a
 SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm, gate-up, SwiGLU,
 down) over 30 layers' weights, at 1, 4 and 8 rows: cuBLAS, the dispatcher's table as in
@@ -79,8 +79,8 @@ def sweep(k: int) -> list:
     rounded up to a power of two; a pass is not software-pipelined), at the fewest warps
     keeping the fp32 product within 64 registers a thread: ``v`` (rows reduced one after
     the other) at BLOCK_N 1..8, and K over 2 programs at BLOCK_N 8 (fp32 partials, a reduce
-    kernel); ``b`` (a block of 4 or 8 rows reduced in one reduction, [rows, BN, BK]) at
-    BLOCK_N 1..4, BLOCK_K / 256 warps; tl.dot from 16-row tiles, pipelined over K.
+    kernel); ``b`` (a block of 2, 4 or 8 rows reduced in one reduction, [rows, BN, BK];
+    2: less wasted on masked rows at 1 row) at BLOCK_N 1..4, BLOCK_K / 256 warps; tl.dot from 16-row tiles, pipelined over K.
     Pruned to what won or came close on the H200 (v at BLOCK_K/4, BLOCK_N 4 at BLOCK_K/2
     and three tl.dot tiles never did), so the bench stays < 90 s."""
     from specloop.models._skinny import SkinnyConfig as C
@@ -94,7 +94,7 @@ def sweep(k: int) -> list:
     # loads out apart from the product, through shared memory (offline sm_90 compiles:
     # 3 barriers at 4 warps for [4, 2, 1024], 7 at 8); <= 128 fp32 products a thread.
     tile_warps = max(1, min(16, full // 256))
-    for tile_m, bn in ((4, 1), (4, 2), (4, 4), (8, 1), (8, 2)):
+    for tile_m, bn in ((2, 2), (2, 4), (4, 1), (4, 2), (4, 4), (8, 1), (8, 2)):
         if tile_m * bn * full <= 128 * 32 * tile_warps:
             out.append(C(False, bn, full, 1, tile_warps, tile_m=tile_m))
     out += [C(True, n, b, s) for n, b, s in [(16, 64, 1), (32, 64, 1), (64, 64, 1),
@@ -253,8 +253,10 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
 
     code = skinny_config(1, n, k, act)         # what the code's table runs now
     configs = sweep(k) + ([code] if code else [])
-    if SMOKE:   # one of each family without tl.dot (interpreted: slow)
-        configs = [configs[0], next(c for c in configs if c.tile_m)]
+    if SMOKE:   # one of each family without tl.dot, the fewest programs (interpreted)
+        configs = [max((c for c in configs if not c.dot and not c.tile_m),
+                       key=lambda c: (c.block_n, c.block_k)),
+                   max((c for c in configs if c.tile_m), key=lambda c: c.tile_m * c.block_n)]
     for cfg in configs:
         run(cfg)
     tag, max_rows, saved = choose(cublas, times)
