@@ -16,11 +16,11 @@ GEMM spreads over many SMs:
   over K by num_stages;
 - ``TILE=True`` (the ``b`` family, ``SkinnyConfig.tile_m`` > 0): like the broadcast path,
   but a program takes a fixed block of ``tile_m`` rows and reduces all of them in ONE
-  reduction over K: x as [BLOCK_M, BLOCK_K], the W tile once, ``sum(x[:, None, :] *
-  w[None, :, :], axis=2)`` -> [BLOCK_M, BLOCK_N], one masked 2-D store. The broadcast
-  path reduces row after row, each a cross-warp reduction (a latency step: its 4-row call
-  costs ~1.6x its 1-row call on an H200); here 4 or 8 rows cost one. Rows past M are
-  masked (loaded as 0, never stored), so a row's arithmetic is the same whatever M.
+  reduction over K: x as [BLOCK_M, 1, BLOCK_K], the W tile once as [1, BLOCK_N, BLOCK_K],
+  ``sum(x * w, axis=2)`` -> [BLOCK_M, BLOCK_N], one masked 2-D store. The broadcast path
+  reduces row after row, each a cross-warp reduction (a latency step: its 4-row call costs
+  ~1.5x its 1-row call on an H200); here a block of 2, 4 or 8 rows costs one. Rows past M
+  are masked (loaded as 0, never stored), so a row's arithmetic is the same whatever M.
 
 A row's arithmetic depends on the configuration alone, not on the number of rows in the
 call (a row's sums never mix in another row's values, and the code a row runs, its place
@@ -102,7 +102,7 @@ class SkinnyConfig(NamedTuple):
 
     def tag(self) -> str:
         """Compact name, e.g. ``d16x128s2w4n3`` (dot, BLOCK_N 16, BLOCK_K 128, split 2),
-        ``b4x2x1024s1w8n3`` (one reduction over 4 rows, BLOCK_N 2, BLOCK_K 1024)."""
+        ``b4x2x1024s1w4n3`` (one reduction over 4 rows, BLOCK_N 2, BLOCK_K 1024)."""
         family = "d" if self.dot else f"b{self.tile_m}x" if self.tile_m else "v"
         return (f"{family}{self.block_n}x{self.block_k}s{self.split_k}"
                 f"w{self.num_warps}n{self.num_stages}")
