@@ -48,23 +48,24 @@ SKINNY_MAX_ROWS = 32
 # SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
 # warps, 3 stages; ``v``: no tl.dot, rows reduced one after the other; ``b4x2x1024...``: no
 # tl.dot, blocks of 4 rows reduced in one reduction, for VERIFY's 2-8 rows). One
-# configuration per shape for every row count up to ``max rows`` (F.linear beyond): the kernel gives a row the same bits whatever the
-# number of rows in the call, so a graph padded to a larger batch bucket (or a chained
-# step taken at one) equals the unpadded call. A shape missing from the table uses
-# default_config up to SKINNY_MAX_ROWS rows. These are guesses for SmolLM2-135M and its
-# EAGLE-3 head, measured on one H200 (2026-12-01, torch 2.11, Triton 3.6):
-# bench/bench_skinny_gemm.py prints the literal to paste here.
+# configuration per shape for every row count up to ``max rows`` (F.linear beyond): the
+# kernel gives a row the same bits whatever the number of rows in the call, so a graph
+# padded to a larger batch bucket (or a chained step taken at one) equals the unpadded
+# call. A shape missing from the table uses default_config up to SKINNY_MAX_ROWS rows.
+# SmolLM2-135M's and its EAGLE-3 head's, measured on one H200 (2026-12-01 09:47, torch
+# 2.11, Triton 3.6; bench/bench_skinny_gemm.py prints the literal to paste here). Its
+# chooser weighs rows 1, 2, 4 and 8 alike: the b configurations give up ~1 us a layer at
+# 1 row (decode) against the v ones for ~4 us at 4 (VERIFY at batch 1, K = 3).
 SKINNY_TABLE: dict[tuple[int, int, bool], tuple[str, int] | None] = {
-    (960, 576, False): ('v2x1024s1w4n3', 4),
-    (576, 576, False): ('v2x1024s1w2n3', 4),
+    (960, 576, False): ('b2x2x1024s1w2n3', 8),
+    (576, 576, False): ('b2x2x1024s1w2n3', 16),
     (3072, 576, False): ('v4x1024s1w4n3', 2),
-    (576, 1536, True): ('v8x2048s1w16n3', 4),
-    (576, 1728, False): ('v2x2048s1w4n3', 4),
-    (576, 1152, False): ('v2x2048s1w4n3', 4),
+    (576, 1536, True): ('b2x2x2048s1w8n3', 4),
+    (576, 1728, False): ('b2x4x2048s1w8n3', 8),
+    (576, 1152, False): ('b2x4x2048s1w8n3', 8),
     (16384, 576, False): None,
     (49152, 576, False): ('d64x64s1w4n3', 2),
 }
-
 
 
 def _table_from_file(path: str) -> dict[tuple[int, int, bool], tuple[str, int] | None]:
