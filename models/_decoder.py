@@ -260,7 +260,7 @@ class DecoderModel(nn.Module):
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer in nine kernels (7 with both skinny fusions); returns the
+        """The same layer in nine kernels (6 with both skinny fusions); returns the
         residual stream and the MLP output still to be added (the next layer's norm kernel
         adds it). ``capture``: where the first norm kernel also stores its input stream
         x + delta (the last layer's output)."""
