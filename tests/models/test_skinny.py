@@ -25,7 +25,26 @@ from specloop.models._skinny import SkinnyConfig
 
 from ..interpreted import run_interpreted
 
-KERNEL_CHILD = r"""
+# The float64 check both kernel children run (prepended to their source).
+CHECK_SOURCE = r"""import torch
+
+def check_against_float64(y, x, w, bias, act, dtype, eps, where):
+    # y == x @ w.T (+ bias) in float64 within y's rounding, fp32 summation over K and
+    # (act: x is gate-up) the silu-mul operand's rounding, as _kernels.silu_mul rounds it.
+    assert y.dtype == dtype and y.shape == (x.shape[0], w.shape[0]), where
+    K = w.shape[1]
+    if act:
+        g, u = x[:, :K].float(), x[:, K:].float()
+        a = (g / (1.0 + torch.exp(-g)) * u).to(dtype).double()
+    else:
+        a = x.double()
+    ref = a @ w.double().T + (0 if bias is None else bias.double())
+    scale = a.abs() @ w.double().abs().T
+    bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
+    assert ((y.double() - ref).abs() <= bound).all(), where
+"""
+
+KERNEL_CHILD = CHECK_SOURCE + r"""
 import torch
 import torch.nn.functional as F
 from specloop.models._skinny import SkinnyConfig, skinny_linear
@@ -59,17 +78,7 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bf
             x = gu32[:M].to(dtype) if act else gu32[:M, :K].to(dtype)
             bias = None if act or M % 2 else b
             y = skinny_linear(x, w, bias, cfg, silu_mul=act)
-            assert y.dtype == dtype and y.shape == (M, N)
-            if act:  # the operand as _kernels.silu_mul rounds it
-                g, u = x[:, :K].float(), x[:, K:].float()
-                a = (g / (1.0 + torch.exp(-g)) * u).to(dtype).double()
-            else:
-                a = x.double()
-            ref = a @ w.double().T + (0 if bias is None else bias.double())
-            # y's rounding, fp32 summation over K, and (act) the operand's rounding.
-            scale = a.abs() @ w.double().abs().T
-            bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
-            assert ((y.double() - ref).abs() <= bound).all(), (dtype, cfg, M, act)
+            check_against_float64(y, x, w, bias, act, dtype, eps, (dtype, cfg, M, act))
             if M in (9, 17):   # the same bits twice, and a row's whatever the rows
                 assert torch.equal(y, skinny_linear(x, w, bias, cfg, silu_mul=act))
                 for m in (1, 3):
@@ -111,7 +120,7 @@ def test_skinny_kernel_equals_float64_reference_interpreted():
     run_interpreted(KERNEL_CHILD)
 
 
-TILE_CHILD = r"""
+TILE_CHILD = CHECK_SOURCE + r"""
 import torch
 from specloop.models import _kernels
 from specloop.models._skinny import SkinnyConfig, skinny_linear, skinny_norm_linear
@@ -137,16 +146,7 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10),
                 x = gu32[:M].to(dtype) if act else gu32[:M, :K].to(dtype)
                 bias = None if act or (M + ci) % 2 else b
                 y = skinny_linear(x, w, bias, cfg, silu_mul=act)
-                assert y.dtype == dtype and y.shape == (M, N)
-                if act:
-                    g, u = x[:, :K].float(), x[:, K:].float()
-                    a = (g / (1.0 + torch.exp(-g)) * u).to(dtype).double()
-                else:
-                    a = x.double()
-                ref = a @ w.double().T + (0 if bias is None else bias.double())
-                scale = a.abs() @ w.double().abs().T
-                bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
-                assert ((y.double() - ref).abs() <= bound).all(), (dtype, cfg, M, act)
+                check_against_float64(y, x, w, bias, act, dtype, eps, (dtype, cfg, M, act))
                 if M == 17 and dtype == torch.float32:
                     # The same bits twice, and a row's whatever the rows in the call.
                     assert torch.equal(y, skinny_linear(x, w, bias, cfg, silu_mul=act))
