@@ -304,7 +304,19 @@ class RankWorker:
                 # nothing, copies nothing to the device nor into the graphs' inputs
                 # (from_params cost ~1 us a row). Flags as from_params gives; ``host``
                 # still describes the columns (``like`` compares against it).
-                built = attrs.evolve(cached[1], num_real=len(batch))
+                # (row_flags None: ``host`` is not these rows' own, ``changed`` can't
+                # slice it.)
+                built = attrs.evolve(cached[1], num_real=len(batch), row_flags=None)
+            elif cached is not None and cached[1].row_flags is not None \
+                    and (change := _kept_runs(cached[0], batch)) is not None:
+                # The last batch less the requests that ended, plus those that joined
+                # (the scheduler removes rows anywhere and appends): its rows' host
+                # values sliced, only the new rows built (from_params's result, bit
+                # for bit; from_params cost ~1 us a row).
+                keep, joined = change
+                built = cached[1].changed(
+                    keep, [r.params for r in joined], [r.seed for r in joined],
+                    device=self.runner.device, pad_to=pad_to, like=cached[1])
             else:   # the columns that did not change are the last batch's tensors
                 built = SamplingBatch.from_params(
                     [r.params for r in batch], [r.seed for r in batch],
@@ -474,3 +486,31 @@ class RankWorker:
 
     def cancel_all(self) -> None:
         self.outputs.cancel_all()
+
+
+def _kept_runs(last: tuple[Request, ...], batch: list[Request]
+               ) -> tuple[list[tuple[int, int]], list[Request]] | None:
+    """``batch`` as ``last``'s rows ``[a, b)`` for each ``(a, b)`` of the runs (in order)
+    followed by the requests that joined: the longest head of ``batch`` found in order
+    in ``last`` (requests that ended leave gaps; the scheduler appends those joining).
+    None when that keeps fewer rows than it builds, or in so many pieces that slicing
+    them costs about what building the rows does (a reordered batch): from_params then."""
+    runs: list[tuple[int, int]] = []
+    j, n, start = 0, len(batch), -1
+    for i, r in enumerate(last):
+        if j < n and batch[j] is r:
+            if start < 0:
+                start = i
+            j += 1
+            if j == n:      # the rest of ``last`` ended
+                runs.append((start, i + 1))
+                start = -1
+                break
+        elif start >= 0:
+            runs.append((start, i))
+            start = -1
+    if start >= 0:
+        runs.append((start, len(last)))
+    if j == 0 or 2 * j < n or len(runs) > 4 + n // 4:
+        return None
+    return runs, batch[j:]

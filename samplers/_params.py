@@ -155,6 +155,10 @@ class SamplingBatch:
     any_greedy: bool = True  # some row (padding included) is greedy
     # from_params: each column's host values (``like`` compares them); else None.
     host: Mapping[str, Any] | None = attrs.field(default=None, repr=False)
+    # from_params / changed: per real row, 0 greedy, else 1 | 2 (top-k or top-p) | 4
+    # (min-p), so ``changed`` derives the flags without the rows' params; None where
+    # ``host`` is not this batch's rows' own (e.g. a greedy batch keeping another's seeds).
+    row_flags: array.array[int] | None = attrs.field(default=None, repr=False)
 
     # The per-row tensor fields, in order (graph inputs copy exactly these).
     COLUMNS = ("temperature", "top_k", "top_p", "min_p", "is_greedy", "seeds")
@@ -175,12 +179,14 @@ class SamplingBatch:
             return self
         if self.host is None:
             raise ValueError("real_rows of a batch not built by from_params (no host values)")
-        return attrs.evolve(self, host=None, any_greedy=any(self.host["is_greedy"][:n]),
+        return attrs.evolve(self, host=None, row_flags=None,
+                            any_greedy=any(self.host["is_greedy"][:n]),
                             **{name: getattr(self, name)[:n] for name in self.COLUMNS})
 
     def with_columns(self, columns: Mapping[str, torch.Tensor]) -> SamplingBatch:
         """The same Python flags over other per-row tensors (e.g. static graph inputs)."""
-        return attrs.evolve(self, host=None, **{name: columns[name] for name in self.COLUMNS})
+        return attrs.evolve(self, host=None, row_flags=None,
+                            **{name: columns[name] for name in self.COLUMNS})
 
     @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int], *,
@@ -190,23 +196,13 @@ class SamplingBatch:
         requests): each column whose values are its is its tensor (nothing copied to the
         device; a graph replay given the same tensor again copies nothing either; at a
         batch change most columns of greedy rows are the sentinel's)."""
-        import torch  # noqa: PLC0415 - see the module docstring
-
         if len(seeds) != len(params):
             raise ValueError(f"from_params: {len(params)} params but {len(seeds)} seeds; "
                              "pass one seed per request")
-        if not all(type(s) is int and 0 <= s <= INT64_MAX for s in seeds):
-            for s in seeds:     # the check again, naming the seed (int subclasses pass)
-                if not _is_int(s) or not 0 <= s <= INT64_MAX:
-                    raise ValueError(f"from_params: seed {s!r} is not an int in "
-                                     "[0, 2**63 - 1]")
-        size = len(params) if pad_to is None else pad_to
-        if size < len(params):
-            raise ValueError(f"from_params: pad_to={pad_to} < {len(params)} requests; "
-                             "pad to at least the batch size")
+        _check_seeds(seeds, "from_params")
+        size = _size(len(params), pad_to, "from_params")
         pad = size - len(params)
         real_greedy = [p.is_greedy for p in params]
-        sampled = [p for p, g in zip(params, real_greedy) if not g]
         rows = [_SENTINEL if g else p for p, g in zip(params, real_greedy)]
         rows += [_SENTINEL] * pad
         greedy = real_greedy + [True] * pad
@@ -219,6 +215,68 @@ class SamplingBatch:
         ints.extend(seeds)
         ints.extend([0] * pad)
         bools = array.array("b", greedy)
+        # Greedy and padding rows hold the sentinel (no top-k, top-p or min-p).
+        return cls._from_host(floats, ints, bools, _row_flags(params, real_greedy),
+                              size=size, device=device, like=like)
+
+    def changed(self, keep: Sequence[tuple[int, int]], params: Sequence[SamplingParams],
+                seeds: Sequence[int], *, device: torch.device | str = "cpu",
+                pad_to: int | None = None, like: SamplingBatch | None = None
+                ) -> SamplingBatch:
+        """This batch's real rows ``[a, b)`` for each ``(a, b)`` of ``keep`` (in order),
+        then rows for ``params`` / ``seeds``, then padding to ``pad_to``: bit for bit
+        what ``from_params`` gives for those rows' params and seeds (``like`` as there),
+        the kept rows sliced out of ``host`` (C copies) instead of built from Python
+        numbers (~1 us a row at a batch change: requests end anywhere, join at the end).
+        Needs ``host`` and ``row_flags`` (a batch of from_params or changed)."""
+        if self.host is None or self.row_flags is None:
+            raise ValueError("changed: a batch without its rows' host values (built by "
+                             "from_params or changed) has no rows to keep")
+        if len(seeds) != len(params):
+            raise ValueError(f"changed: {len(params)} params but {len(seeds)} seeds; "
+                             "pass one seed per request")
+        if any(not 0 <= a <= b <= self.num_real for a, b in keep):
+            raise ValueError(f"changed: keep={keep!r} is not within the {self.num_real} "
+                             "real rows")
+        _check_seeds(seeds, "changed")
+        real = sum(b - a for a, b in keep) + len(params)
+        size = _size(real, pad_to, "changed")
+        pad = size - real
+        new_greedy = [p.is_greedy for p in params]
+        rows = [_SENTINEL if g else p for p, g in zip(params, new_greedy)]
+        host = self.host
+
+        def column(name: str, typecode: str, new: list[Any], padding: Any,
+                   into: array.array[Any] | None = None) -> array.array[Any]:
+            out = array.array(typecode) if into is None else into
+            was = host[name]
+            for a, b in keep:
+                out += was[a:b]
+            out.extend(new)
+            out.extend([padding] * pad)
+            return out
+
+        floats = column("temperature", "f", [p.temperature for p in rows], 1.0)
+        column("top_p", "f", [p.top_p for p in rows], 1.0, floats)
+        column("min_p", "f", [p.min_p for p in rows], 0.0, floats)
+        ints = column("top_k", "q", [p.top_k for p in rows], 0)
+        column("seeds", "q", list(seeds), 0, ints)
+        bools = column("is_greedy", "b", new_greedy, True)
+        flags = array.array("b")
+        for a, b in keep:
+            flags += self.row_flags[a:b]
+        flags += _row_flags(params, new_greedy)
+        return self._from_host(floats, ints, bools, flags, size=size, device=device,
+                               like=like)
+
+    @classmethod
+    def _from_host(cls, floats: array.array[float], ints: array.array[int],
+                   bools: array.array[int], row_flags: array.array[int], *, size: int,
+                   device: torch.device | str, like: SamplingBatch | None) -> SamplingBatch:
+        """The batch of these host buffers (floats: temperature, top_p, min_p; ints: top_k,
+        seeds; bools: is_greedy; each ``size`` rows) and real rows' flags."""
+        import torch  # noqa: PLC0415 - see the module docstring
+
         # Each column: (its values, where it lies in the host buffers).
         values = {"temperature": floats[:size], "top_p": floats[size:2 * size],
                   "min_p": floats[2 * size:], "top_k": ints[:size], "seeds": ints[size:],
@@ -236,14 +294,36 @@ class SamplingBatch:
             made = {"temperature": f[0], "top_p": f[1], "min_p": f[2], "top_k": i[0],
                     "seeds": i[1], "is_greedy": b}
             columns = {name: kept.get(name, made[name]) for name in values}
+        real = len(row_flags)
         return cls(
-            **columns, host=values,
-            all_greedy=sampled == [], num_real=len(params),
-            # Greedy and padding rows hold the sentinel (no top-k, top-p or min-p).
-            needs_sort=any(p.top_k > 0 or p.top_p < 1 for p in sampled),
-            needs_min_p=any(p.min_p > 0 for p in sampled),
-            any_greedy=bool(pad) or len(sampled) < len(params),
+            **columns, host=values, row_flags=row_flags,
+            all_greedy=row_flags.count(0) == real, num_real=real,
+            needs_sort=3 in row_flags or 7 in row_flags,
+            needs_min_p=5 in row_flags or 7 in row_flags,
+            any_greedy=size > real or 0 in row_flags,
         )
+
+
+def _check_seeds(seeds: Sequence[int], caller: str) -> None:
+    if not all(type(s) is int and 0 <= s <= INT64_MAX for s in seeds):
+        for s in seeds:     # the check again, naming the seed (int subclasses pass)
+            if not _is_int(s) or not 0 <= s <= INT64_MAX:
+                raise ValueError(f"{caller}: seed {s!r} is not an int in [0, 2**63 - 1]")
+
+
+def _size(real: int, pad_to: int | None, caller: str) -> int:
+    size = real if pad_to is None else pad_to
+    if size < real:
+        raise ValueError(f"{caller}: pad_to={pad_to} < {real} requests; "
+                         "pad to at least the batch size")
+    return size
+
+
+def _row_flags(params: Sequence[SamplingParams], greedy: list[bool]) -> array.array[int]:
+    """Per row: 0 greedy (the sentinel's params: no top-k, top-p or min-p), else
+    1 | 2 (top-k or top-p: sorts) | 4 (min-p)."""
+    return array.array("b", [0 if g else 1 | (p.top_k > 0 or p.top_p < 1) << 1
+                             | (p.min_p > 0) << 2 for p, g in zip(params, greedy)])
 
 
 def _host(values: array.array[Any], dtype: torch.dtype, shape: tuple[int, ...]
