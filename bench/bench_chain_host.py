@@ -8,14 +8,15 @@ VERIFY (queueing the chained DRAFT + VERIFY, the read-back, on_verified), RESCAN
 random target (models/testing.py) with a random eagle3 head, fp32, chain forced on.
 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
-        [--method eagle3] [--k 3] [--profile prof.txt] [--closed]
+        [--method eagle3] [--k 3] [--profile prof.txt] [--closed [--sampled]]
 
 Per run: each state's mean time per iteration, (``per-iteration medians``) the median of
 its per-iteration times, which a shared, loaded host disturbs far less (a preempted
 iteration moves a mean, not the median), and each state's thread CPU time per iteration
 (the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).
 ``--closed``: closed rounds of requests that end apart instead (batch changes: the chain
-taken for fewer rows, the sampling rows rebuilt), thread CPU per iteration.
+taken for fewer rows, the sampling rows rebuilt), thread CPU per iteration; ``--sampled``:
+odd requests sample (seeded, top-p), so the batch is not all greedy.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ async def measure(cfg, loaded, batch, iterations, profiler):
     return elapsed / done * 1e6, states, share, medians, thread
 
 
-async def closed_rounds(cfg, loaded, batch, rounds):
+async def closed_rounds(cfg, loaded, batch, rounds, sampled=False):
     """Closed rounds: ``batch`` requests at once, request i ending after 20 + 4i tokens
     (a batch change every ~2 iterations at batch 32, as a round's requests finish apart);
     the first round warms up. -> per round, {state: thread CPU us per iteration}."""
@@ -183,8 +184,13 @@ async def closed_rounds(cfg, loaded, batch, rounds):
             first = engine.stats.num_iterations
 
             async def one(i, r=r):
-                params = SamplingParams(temperature=0.0, max_tokens=20 + 4 * i,
-                                        ignore_eos=True)
+                # --sampled: odd requests sample (seeded, top-p): the batch stays mixed
+                # until its last sampled request ends, so batch changes rebuild its
+                # sampling rows (an all-greedy batch keeps the last one's).
+                params = SamplingParams(
+                    temperature=0.8, top_p=0.95, seed=i, max_tokens=20 + 4 * i,
+                    ignore_eos=True) if sampled and i % 2 else SamplingParams(
+                    temperature=0.0, max_tokens=20 + 4 * i, ignore_eos=True)
                 async for _ in engine.generate([1, 2, 3, 4, 5, 6], params,
                                                request_id=f"r{r}-{i}"):
                     pass
@@ -210,6 +216,9 @@ def main() -> None:
     ap.add_argument("--closed", action="store_true",
                     help="closed rounds of requests of different lengths instead (--runs "
                          "rounds): thread CPU per iteration, batch changes included")
+    ap.add_argument("--sampled", action="store_true",
+                    help="--closed: odd requests sample (temperature 0.8, top-p 0.95, "
+                         "seeded) instead of all greedy")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
@@ -220,7 +229,8 @@ def main() -> None:
         for batch in map(int, args.batches.split(",")):
             cfg = config(path, args.method, args.k, batch)
             if args.closed:
-                rows = anyio.run(closed_rounds, cfg, loaded, batch, args.runs)
+                rows = anyio.run(closed_rounds, cfg, loaded, batch, args.runs,
+                                 args.sampled)
                 for t in rows:
                     print(f"  batch {batch} closed round, thread CPU: "
                           + " ".join(f"{s} {v:.0f}" for s, v in t.items()), flush=True)
