@@ -42,6 +42,23 @@ def check_against_float64(y, x, w, bias, act, dtype, eps, where):
     scale = a.abs() @ w.double().abs().T
     bound = eps * ref.abs() + (eps if act else 1e-5) * scale + 1e-6
     assert ((y.double() - ref).abs() <= bound).all(), where
+
+def norm_linear_checked(x, d, nw, w, bias, cfg, dtype, eps):
+    # skinny_norm_linear: the stream (and its copy) == _kernels.add_rms_norm's bits, y
+    # within the normed operand's rounding; -> y.
+    from specloop.models import _kernels
+    from specloop.models._skinny import skinny_norm_linear
+    M, K = x.shape[0], w.shape[1]
+    copy = torch.zeros(M, 2 * K, dtype=dtype)[:, K:]
+    y, stream = skinny_norm_linear(x, d, nw, 1e-5, w, bias, cfg, copy)
+    h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
+    assert torch.equal(stream, want) and torch.equal(copy, want)
+    assert (stream is x) == (d is None)
+    ref = h.double() @ w.double().T + (0 if bias is None else bias.double())
+    scale = h.double().abs() @ w.double().abs().T
+    assert ((y.double() - ref).abs() <= eps * ref.abs() + eps * scale + 1e-6).all(), \
+        (dtype, cfg, M)
+    return y
 """
 
 KERNEL_CHILD = CHECK_SOURCE + r"""
@@ -96,15 +113,7 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10)):
         for M, with_delta, bias in ((1, True, None), (3, False, b), (9, True, b)):
             x = (gu32[:M, :K] * 3).to(dtype)
             d = gu32[:M, K:].to(dtype) if with_delta else None
-            copy = torch.zeros(M, 2 * K, dtype=dtype)[:, K:]
-            y, stream = skinny_norm_linear(x, d, nw, 1e-5, w, bias, cfg, copy)
-            h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
-            assert torch.equal(stream, want) and torch.equal(copy, want)
-            assert (stream is x) == (d is None)
-            ref = h.double() @ w.double().T + (0 if bias is None else bias.double())
-            scale = h.double().abs() @ w.double().abs().T
-            assert ((y.double() - ref).abs() <= eps * ref.abs() + eps * scale + 1e-6).all(), \
-                (dtype, cfg, M)
+            y = norm_linear_checked(x, d, nw, w, bias, cfg, dtype, eps)
             assert torch.equal(y, skinny_norm_linear(x, d, nw, 1e-5, w, bias, cfg)[0])
 # Leading dims, a strided x (rows of a wider tensor), and x rows > 32 in row blocks.
 x = torch.randn(2, 3, 2 * K)[..., :K]
@@ -167,15 +176,7 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10)):
                                     (4, True, None)):
             x = (gu32[:M, :K] * 3).to(dtype)
             d = gu32[:M, K:].to(dtype) if with_delta else None
-            copy = torch.zeros(M, 2 * K, dtype=dtype)[:, K:]
-            y, stream = skinny_norm_linear(x, d, nw, 1e-5, w, bias, cfg, copy)
-            h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
-            assert torch.equal(stream, want) and torch.equal(copy, want)
-            assert (stream is x) == (d is None)
-            ref = h.double() @ w.double().T + (0 if bias is None else bias.double())
-            scale = h.double().abs() @ w.double().abs().T
-            assert ((y.double() - ref).abs() <= eps * ref.abs() + eps * scale
-                    + 1e-6).all(), (dtype, cfg, M)
+            y = norm_linear_checked(x, d, nw, w, bias, cfg, dtype, eps)
             key = (with_delta, bias is None)      # a row's bits: == the 17-row call's
             if key not in ys:
                 ys[key] = skinny_norm_linear((gu32[:17, :K] * 3).to(dtype),
