@@ -135,27 +135,52 @@ if triton is not None:
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(K, k_lo + k_per_split)
         w_rows = w_ptr + rn.to(tl.int64)[:, None] * stride_wn
-        if DOT:
+        if DOT or TILE:
+            # A [BLOCK_M, BLOCK_N] block of y at once (one 2-D store).
             rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = rm < M
-            x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
-            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for k0 in range(k_lo, k_hi, BLOCK_K):
-                ks = k0 + rk
+            if DOT:
+                x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                for k0 in range(k_lo, k_hi, BLOCK_K):
+                    ks = k0 + rk
+                    k_ok = ks < k_hi
+                    xm = m_ok[:, None] & k_ok[None, :]
+                    if ACT == 1:
+                        # x is gate_up [M, 2K]: silu(gate) * up as _kernels.silu_mul
+                        # computes and rounds it (the GEMM's input is that kernel's
+                        # output, bit for bit).
+                        g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+                        u = tl.load(x_rows + K + ks[None, :], mask=xm,
+                                    other=0.0).to(tl.float32)
+                        gf = g.to(tl.float32)
+                        a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
+                    else:
+                        a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+                    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                other=0.0)
+                    acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+            else:
+                # The program's tile of W once and its BLOCK_M rows of x, all reduced over
+                # K in one reduction; rows past M load as 0 and are not stored, so a row's
+                # sum is the same whatever M. Both loads are 3-D ([1, BN, BK],
+                # [BM, 1, BK]): they then share the product's layout (with num_warps <=
+                # BLOCK_K / 256), so neither goes through shared memory before the multiply.
+                ks = k_lo + rk
                 k_ok = ks < k_hi
-                xm = m_ok[:, None] & k_ok[None, :]
+                w = tl.load(w_rows[None, :, :] + ks[None, None, :],
+                            mask=n_ok[None, :, None] & k_ok[None, None, :],
+                            other=0.0).to(tl.float32)
+                x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + ks[None, None, :]
+                xm = m_ok[:, None, None] & k_ok[None, None, :]
                 if ACT == 1:
-                    # x is gate_up [M, 2K]: silu(gate) * up as _kernels.silu_mul computes
-                    # and rounds it (the GEMM's input is that kernel's output, bit for bit).
-                    g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-                    u = tl.load(x_rows + K + ks[None, :], mask=xm, other=0.0).to(tl.float32)
+                    g = tl.load(x_rows, mask=xm, other=0.0)
+                    u = tl.load(x_rows + K, mask=xm, other=0.0).to(tl.float32)
                     gf = g.to(tl.float32)
                     a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
                 else:
-                    a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-                w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                            other=0.0)
-                acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+                    a = tl.load(x_rows, mask=xm, other=0.0)
+                acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
             out_mask = m_ok[:, None] & n_ok[None, :]
             if SPLIT_K == 1:
                 if HAS_BIAS:
@@ -164,38 +189,6 @@ if triton is not None:
                 tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
             else:
                 # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
-                part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
-                tl.store(part, acc, mask=out_mask)
-        elif TILE:
-            # The program's tile of W once and its BLOCK_M rows of x, all reduced over K
-            # in one reduction; rows past M load as 0 and are not stored, so a row's sum
-            # is the same whatever M. Both loads are 3-D ([1, BN, BK], [BM, 1, BK]): they
-            # then share the product's layout (with num_warps <= BLOCK_K / 256), so
-            # neither goes through shared memory before the multiply.
-            rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_ok = rm < M
-            ks = k_lo + rk
-            k_ok = ks < k_hi
-            w = tl.load(w_rows[None, :, :] + ks[None, None, :],
-                        mask=n_ok[None, :, None] & k_ok[None, None, :],
-                        other=0.0).to(tl.float32)
-            x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + ks[None, None, :]
-            xm = m_ok[:, None, None] & k_ok[None, None, :]
-            if ACT == 1:
-                g = tl.load(x_rows, mask=xm, other=0.0)
-                u = tl.load(x_rows + K, mask=xm, other=0.0).to(tl.float32)
-                gf = g.to(tl.float32)
-                a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
-            else:
-                a = tl.load(x_rows, mask=xm, other=0.0)
-            acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
-            out_mask = m_ok[:, None] & n_ok[None, :]
-            if SPLIT_K == 1:
-                if HAS_BIAS:
-                    acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
-            else:
                 part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
                 tl.store(part, acc, mask=out_mask)
         else:
