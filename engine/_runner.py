@@ -129,7 +129,7 @@ class ModelRunner:
     def reserve(self, requests: Iterable[Request], extra: int) -> None:
         """Pages for each request's next ``extra`` positions past its length (VERIFY and
         the drafters write up to seq_len - 1 + K), on the device before the step runs."""
-        self._resize_each([(r.batch_slot, len(r.token_ids) + extra) for r in requests])
+        self.pages.resize_many([(r.batch_slot, len(r.token_ids) + extra) for r in requests])
         self.pages.sync()
 
     def trim(self, request: Request) -> None:
@@ -139,18 +139,7 @@ class ModelRunner:
     def trim_many(self, requests: Iterable[Request]) -> None:
         """``trim`` of each request, in order (RESCAN's rows, one call between releases)."""
         keep = self.keep_ahead
-        self._resize_each([(r.batch_slot, r.num_cached + keep) for r in requests])
-
-    def _resize_each(self, lengths: list[tuple[int, int]]) -> None:
-        """``pages.resize(slot, length)`` of each (slot, length), in order, called only
-        for a slot whose page count changes: most rows, most iterations, keep theirs (a
-        row crosses a page every page_size tokens), and the call cost ~0.2 us a row."""
-        pages = self.pages
-        size, most, owned = pages.page_size, pages.pages_per_slot, pages._owned  # read only
-        for slot, length in lengths:
-            want = -(-length // size) if length > 0 else 0
-            if len(owned[slot]) != (want if want < most else most):
-                pages.resize(slot, length)
+        self.pages.resize_many([(r.batch_slot, r.num_cached + keep) for r in requests])
 
     def release(self, slot: int) -> None:
         self.pages.release(slot)

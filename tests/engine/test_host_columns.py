@@ -2,7 +2,7 @@
 replaced, on random cases (property-based): the step queued ahead's row match
 (``subset_rows``), VERIFY's and the step ahead's input rows (``verify_inputs``,
 ``ahead_inputs``), and the page reservations that call ``resize`` only for rows whose page
-count changes (``ModelRunner._resize_each``)."""
+count changes (``PageTable.resize_many``)."""
 
 import torch
 from hypothesis import given, settings
@@ -10,7 +10,6 @@ from hypothesis import strategies as st
 
 from specloop.engine._ahead import subset_rows
 from specloop.engine._request import Request
-from specloop.engine._runner import ModelRunner
 from specloop.engine._verify import ahead_inputs, verify_inputs
 from specloop.models import PageTable
 from specloop.models._host import int64_tensor
@@ -117,17 +116,15 @@ def test_resizing_only_rows_that_change_leaves_the_table_of_resizing_all(page, o
     """Any (slot, length) sequence: the same pages, page table and free list as calling
     ``resize`` for every row."""
     every = PageTable(4, 24, page)
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.pages = PageTable(4, 24, page)
+    pages = PageTable(4, 24, page)
     for i in range(0, len(ops), 3):
         chunk = ops[i:i + 3]
-        runner._resize_each(chunk)
+        pages.resize_many(chunk)
         for slot, length in chunk:
             every.resize(slot, length)
-        assert [runner.pages.pages_of(s) for s in range(4)] == \
-            [every.pages_of(s) for s in range(4)]
-        assert torch.equal(runner.pages.host, every.host)
-        assert runner.pages.num_free == every.num_free
+        assert [pages.pages_of(s) for s in range(4)] == [every.pages_of(s) for s in range(4)]
+        assert torch.equal(pages.host, every.host)
+        assert pages.num_free == every.num_free
 
 
 @settings(max_examples=100, deadline=None)
