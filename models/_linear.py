@@ -27,6 +27,7 @@ it off).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -89,6 +90,7 @@ if os.environ.get("SPECLOOP_SKINNY_TABLE"):
 _TAG = re.compile(r"(?:([dv])|b(\d+)x)(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
 
 
+@functools.lru_cache(maxsize=None)     # a table's few tags, looked up on every call
 def parse_config(tag: str) -> SkinnyConfig:
     """SkinnyConfig.tag()'s inverse."""
     m = _TAG.fullmatch(tag)
@@ -120,6 +122,13 @@ def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False) -> SkinnyCo
     if entry is None or rows > entry[1]:
         return None
     return parse_config(entry[0])
+
+
+def _under_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+                    ) -> bool:
+    """The product is recorded for backward (training): F.linear's, not a kernel's."""
+    return torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
+                                        (bias is not None and bias.requires_grad))
 
 
 def packing_available() -> bool:
@@ -205,8 +214,7 @@ class PackedLinear:
         n, k = weight.shape
         if x.shape[-1] != (2 * k if silu_mul else k):
             return None
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                        (bias is not None and bias.requires_grad)):
+        if _under_autograd(x, weight, bias):
             return None
         return skinny_config(x.numel() // max(x.shape[-1], 1), n, k, silu_mul)
 
@@ -219,8 +227,7 @@ class PackedLinear:
         rows = x.numel() // max(x.shape[-1], 1)
         if not MIN_ROWS <= rows <= MAX_ROWS:
             return False
-        if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or
-                                        (bias is not None and bias.requires_grad)):
+        if _under_autograd(x, weight, bias):
             return False
         return bias is None or bias.dtype == torch.float32
 
