@@ -24,6 +24,7 @@ from specloop.graphs import Step, Tensors
 from specloop.graphs._cache import FeedsItself
 from specloop.models._host import to_device
 from specloop.samplers import SamplingBatch
+from specloop.samplers._sampler import packed_result
 
 from ._request import Request
 
@@ -117,7 +118,8 @@ def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBa
         batch = template.with_columns(inputs)
         result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
                                 start + 1, advanced=advanced)
-        packed = torch.cat([result.token_ids, result.num_accepted[:, None]], dim=1)
+        # A view when the sampler wrote the two into one tensor (all-greedy on CUDA).
+        packed = packed_result(result)
         if feeds_itself:    # last: everything above read this step's inputs
             assert tokens.shape[1] == 1, "only a K = 0 step feeds itself"
             tokens.copy_(result.token_ids)

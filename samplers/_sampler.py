@@ -11,6 +11,7 @@ from ._params import SamplingBatch
 from ._probs import compute_probs, sample_tokens
 from ._rejection import METHODS, RejectionResult, rejection_sample
 from ._rng import Stream
+from ._triton_greedy import greedy_verify, usable
 
 
 @attrs.frozen(eq=False)
@@ -58,9 +59,29 @@ def strict_from_targets(draft_token_ids: torch.Tensor, t: torch.Tensor) -> Rejec
 def strict_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
                   batch: SamplingBatch, positions: torch.Tensor) -> RejectionResult:
     """Strict verification: exact for any p, since the token emitted at each position is
-    t_i, drawn from p_i (argmax for greedy rows)."""
+    t_i, drawn from p_i (argmax for greedy rows).
+
+    An all-greedy batch on CUDA (with Triton) takes two kernels (_triton_greedy) that write
+    the same tokens and counts into one [B, K+2] tensor: token_ids and num_accepted are
+    its views (``packed_result`` gives it back), not an argmax and the prefix ops."""
+    if batch.all_greedy and usable(draft_token_ids, target_logits):
+        packed = greedy_verify(draft_token_ids, target_logits)
+        k1 = packed.shape[1] - 1
+        return RejectionResult(token_ids=packed[:, :k1], num_accepted=packed[:, k1])
     return strict_from_targets(draft_token_ids,
                                _target_tokens(target_logits, batch, positions))
+
+
+def packed_result(result: RejectionResult) -> torch.Tensor:
+    """[B, K+2] i64: token_ids [B, K+1], then num_accepted; a view when the two are views
+    of one such tensor (what strict_verify's kernels return), else a new tensor."""
+    t, n = result.token_ids, result.num_accepted
+    B, k1 = t.shape
+    if (B and t.dtype == n.dtype == torch.int64 and t.stride() == (k1 + 1, 1)
+            and n.stride() == (k1 + 1,) and n.data_ptr() == t.data_ptr() + 8 * k1
+            and t.untyped_storage().data_ptr() == n.untyped_storage().data_ptr()):
+        return t.as_strided((B, k1 + 1), (k1 + 1, 1))
+    return torch.cat([t, n[:, None]], dim=1)
 
 
 @attrs.frozen
