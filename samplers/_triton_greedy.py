@@ -1,3 +1,5 @@
+# mypy: disallow-untyped-defs=False, disallow-incomplete-defs=False
+# (Triton device code, untyped as in the modules pyproject.toml's overrides name.)
 """All-greedy strict verification on CUDA in two Triton kernels: the tokens and counts of
 `strict_from_targets(d, target_logits.argmax(-1))`, written straight into one
 ``packed`` [B, K+2] i64 tensor (token ids [B, K+1], then the accepted count).
