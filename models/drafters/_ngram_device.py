@@ -88,7 +88,7 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
 if triton is not None:
 
     @triton.jit
-    def _ngram_chain_kernel(hist_ptr, stride, ver_ptr, acc_ptr, meta_ptr, out_ptr,
+    def _ngram_chain_kernel(hist_ptr, stride, ver_ptr, ver_stride, acc_ptr, meta_ptr, out_ptr,
                             bonus_ptr, pos_ptr, rows, S: tl.constexpr,
                             W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr,
                             KP: tl.constexpr, NMIN: tl.constexpr, NMAX: tl.constexpr,
@@ -101,7 +101,7 @@ if triton is not None:
         acc = tl.load(acc_ptr + b) * is_real
         base = hist_ptr + row * stride
         j = tl.arange(0, WP)
-        tok = tl.load(ver_ptr + b * W + j, mask=j < W, other=0)
+        tok = tl.load(ver_ptr + b * ver_stride + j, mask=j < W, other=0)
         tl.store(base + start + 1 + j, tok, mask=(j < W) & (j <= acc))
         tl.store(bonus_ptr + b, tl.sum(tl.where(j == acc, tok, 0), axis=0))
         tl.store(pos_ptr + b, position + acc)
@@ -138,9 +138,12 @@ def _chain_step_triton(history: torch.Tensor, verified: torch.Tensor, accepted: 
                        bonus: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
     rows, width = verified.shape
     out = torch.empty(rows, k, dtype=torch.int64, device=history.device)
-    assert history.is_contiguous() and verified.is_contiguous() and meta.is_contiguous()
+    # verified's rows may be strided: VERIFY's token ids are a view of its ``packed``
+    # [B, K+2] when the all-greedy kernels wrote them (samplers/_triton_greedy.py).
+    assert history.is_contiguous() and verified.stride(1) == 1 and meta.is_contiguous()
     _ngram_chain_kernel[(rows,)](
-        history, history.stride(0), verified, accepted.contiguous(), meta, out, bonus,
+        history, history.stride(0), verified, verified.stride(0), accepted.contiguous(),
+        meta, out, bonus,
         start_pos, rows, S=history.shape[1], W=width, WP=_pow2(width), K=k,
         KP=_pow2(max(k, 1)),
         NMIN=ngram_min, NMAX=ngram_max, BLOCK=512)

@@ -180,6 +180,8 @@ for trial in range(12):
     rows, k, lo = rng.randint(1, 3), rng.randint(1, 5), rng.randint(1, 2)
     hi = lo + rng.randint(0, 2)
     history, verified, accepted, meta, full = random_case(rng, rows)
+    if trial % 2:   # rows strided, as VERIFY's token ids in its packed [B, K+2]
+        verified = torch.cat([verified, verified[:, :1]], 1)[:, :-1]
     bonus, pos = torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(rows + 1, dtype=torch.int64)
     drafts = _chain_step_triton(history, verified, accepted, meta, k=k, ngram_min=lo,
                                 ngram_max=hi, bonus=bonus, start_pos=pos)
@@ -207,6 +209,8 @@ def test_kernel_equals_host_drafts_on_cuda():
         hi = lo + rng.randint(0, 2)
         history, verified, accepted, meta, full = (
             t.cuda() if isinstance(t, torch.Tensor) else t for t in random_case(rng, rows))
+        if trial % 2:   # rows strided, as VERIFY's token ids in its packed [B, K+2]
+            verified = torch.cat([verified, verified[:, :1]], 1)[:, :-1]
         bonus = torch.zeros(rows + 1, dtype=torch.int64, device="cuda")
         pos = torch.zeros_like(bonus)
         drafts = chain_step(history, verified, accepted, meta, k=k, ngram_min=lo,
