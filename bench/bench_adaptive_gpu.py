@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import statistics
 import time
 
@@ -42,6 +43,44 @@ import torch
 
 from _common import (chat_prompts, device_sync, emit_row, engine_config, generate_round,
                      held_out_batches, held_out_texts, quiet_logs, steady_load, timed_round)
+
+class RunTrace:
+    """IterationObserver: per timed run, the iterations' wall time (their states' durations
+    summed) by K, the slowest few with their state breakdown, and the Triton kernels
+    compiled during the run (new entries in Triton's cache) -- what a slow run spent its
+    time on (batch 256's first adaptive run was 2.8x slow in two sessions)."""
+
+    def __init__(self) -> None:
+        self.iters: dict[int, dict] = {}
+
+    def on_transition(self, event) -> None:
+        it = self.iters.setdefault(event.iteration, {
+            "k": event.num_draft_tokens, "batch": event.batch_size, "ms": 0.0, "states": {}})
+        ms = event.duration_us / 1e3
+        it["ms"] += ms
+        it["states"][event.state.name] = round(it["states"].get(event.state.name, 0.0) + ms, 3)
+        if event.num_draft_tokens:
+            it["k"] = event.num_draft_tokens
+
+    def take(self, compiled: int) -> dict:
+        iters, self.iters = self.iters, {}
+        by_k: dict[int, list[float]] = {}
+        for it in iters.values():
+            by_k.setdefault(it["k"], []).append(it["ms"])
+        slow = sorted(iters.items(), key=lambda kv: -kv[1]["ms"])[:4]
+        return {"iterations": len(iters), "triton_compiled": compiled,
+                "ms_by_k": {k: [len(v), round(sum(v), 1)] for k, v in sorted(by_k.items())},
+                "slowest": [{"iteration": i, "k": it["k"], "batch": it["batch"],
+                             "ms": round(it["ms"], 2), "states": it["states"]}
+                            for i, it in slow]}
+
+
+def _triton_cache_entries() -> int:
+    path = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
+    with contextlib.suppress(OSError):
+        return len(os.listdir(path))
+    return 0
+
 
 HEAD = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
 CONFIGS = {"none": {"method": "none"},
@@ -58,27 +97,34 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets, s
     batch, sync = len(prompts), device_sync(device)
     rates = {name: [] for name in names}
     windows = {name: [] for name in names}      # steady: (seconds, tokens) per run
+    traces = {name: RunTrace() for name in names}
+    runs_traced = {name: [] for name in names}
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name in names:
             engines[name] = await stack.enter_async_context(
-                AsyncEngine(engine_config(CONFIGS[name], batch, device, buckets), model=loaded))
-        for engine in engines.values():
+                AsyncEngine(engine_config(CONFIGS[name], batch, device, buckets), model=loaded,
+                            observers=[traces[name]]))
+        for name, engine in engines.items():
             await generate_round(engine, prompts, min(16, tokens))  # tokens < 16: smoke tests
+            traces[name].take(0)
         for _ in range(runs):
             for name, engine in engines.items():
+                before = _triton_cache_entries()
                 if steady is None:
                     rates[name].append(batch * tokens / await timed_round(
                         engine, prompts, tokens, sync))
-                    continue
-                got = await steady_load(engine, steady[0], tokens, batch, steady[1],
-                                        spread=steady[2])
-                rates[name].append(got["tok_s"])
-                windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
+                else:
+                    got = await steady_load(engine, steady[0], tokens, batch, steady[1],
+                                            spread=steady[2])
+                    rates[name].append(got["tok_s"])
+                    windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
+                runs_traced[name].append(traces[name].take(_triton_cache_entries() - before))
         extra = {}
         for name, engine in engines.items():
             stats, adaptive = engine.stats, engine.worker.adaptive
             extra[name] = {
+                "runs_traced": runs_traced[name],
                 **({} if steady is None else {"requests": steady[1], "spread": steady[2],
                                               "window_s_tokens": windows[name]}),
                 "al": round(stats.mean_acceptance_length, 3),

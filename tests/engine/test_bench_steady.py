@@ -82,3 +82,7 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
         (seconds, tokens), = row["window_s_tokens"]
         assert seconds > 0 and tokens > 0
     assert rows[1]["measured_ms"] and rows[1]["disturbed_ignored"] is not None
+    for row in rows:    # the per-run trace: every iteration of the run, by K
+        (traced,) = row["runs_traced"]
+        assert traced["iterations"] == sum(n for n, _ in traced["ms_by_k"].values()) > 0
+        assert traced["slowest"] and traced["slowest"][0]["ms"] > 0
