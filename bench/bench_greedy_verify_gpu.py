@@ -11,7 +11,8 @@ a graph), the best of --rounds. Both outputs are checked equal first.
     python bench/bench_greedy_verify_gpu.py [--rounds 5] [--dtype float32]
 
 B in {1, 8, 32}, K+1 in {1, 4}, V = 49152 (SmolLM2); f32 logits, what DecoderModel.logits
-returns. The ratio is torch / kernels (> 1: the kernels are faster).
+returns. The ratio is torch / kernels (> 1: the kernels are faster). Then a draft step's
+argmax [B, V] (DefaultSampler.draft), torch vs the same kernels, B in {1, 8, 32}.
 """
 
 from __future__ import annotations
@@ -95,6 +96,15 @@ def main() -> None:
             fused = graph_us(lambda: kernel_epilogue(d, logits, batch, pos), args.rounds)
             S = -(-V // _triton_greedy.chunk_size(B * T, V))
             print(f"{B:>3} {T:>4} {S:>3} {base:8.2f} {fused:8.2f} {base / fused:6.2f}")
+    # A draft step's argmax over the full vocabulary (DefaultSampler.draft, not advanced:
+    # the draft-model and early-exit drafters): logits.argmax(-1) vs the same kernels.
+    print(f"draft argmax [B, V]\n{'B':>3} {'torch':>8} {'kernels':>8} {'ratio':>6}")
+    for B in (1, 8, 32):
+        logits = (torch.randn(B, V, device="cuda", generator=g) * 3).to(dtype)
+        assert torch.equal(_triton_greedy.greedy_argmax(logits), logits.argmax(-1))
+        base = graph_us(lambda: logits.argmax(-1), args.rounds)
+        fused = graph_us(lambda: _triton_greedy.greedy_argmax(logits), args.rounds)
+        print(f"{B:>3} {base:8.2f} {fused:8.2f} {base / fused:6.2f}")
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from ._params import SamplingBatch
 from ._probs import compute_probs, sample_tokens
 from ._rejection import METHODS, RejectionResult, rejection_sample
 from ._rng import Stream
-from ._triton_greedy import greedy_verify, usable
+from ._triton_greedy import greedy_argmax, greedy_verify, usable, usable_argmax
 
 
 @attrs.frozen(eq=False)
@@ -94,8 +94,10 @@ class DefaultSampler:
     def draft(self, logits: torch.Tensor, batch: SamplingBatch, positions: torch.Tensor, *,
               advanced: bool) -> DraftSample:
         # logits [B, V], positions [B]: the position the drafted token will take.
-        if not advanced:
-            return DraftSample(token_ids=logits.argmax(dim=-1), probs=None)
+        if not advanced:   # CUDA: the greedy kernels' split argmax (_triton_greedy)
+            tokens = (greedy_argmax(logits) if usable_argmax(logits)
+                      else logits.argmax(dim=-1))
+            return DraftSample(token_ids=tokens, probs=None)
         q = compute_probs(logits, batch)
         tokens = sample_tokens(q, batch.seeds, positions, Stream.DRAFT, validate=False)
         return DraftSample(token_ids=tokens, probs=q)

@@ -104,9 +104,10 @@ def _partials_kernel(x_ptr, pv_ptr, pi_ptr, V, T, s_b, s_t, S, CHUNK: tl.constex
 
 
 def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, T_P2: tl.constexpr,
-                    S_P2: tl.constexpr, IMAX: tl.constexpr):
+                    S_P2: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr):
     # Row b: its K+1 positions' S partials -> t [K+1]; n = the drafts' matching prefix;
-    # out[b] = [t_0..t_n, -1 ..., n] (out [B, K+2]).
+    # out[b] = [t_0..t_n, -1 ..., n] (out [B, K+2]). COUNT False (K = 0): out[b] = t_0
+    # (out [B], a plain argmax).
     b = tl.program_id(0)
     t = tl.arange(0, T_P2)
     sp = tl.arange(0, S_P2)
@@ -118,9 +119,12 @@ def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, T_P2: tl.constexp
     tok = tok.to(tl.int64)
     d = tl.load(d_ptr + b.to(tl.int64) * s_d + t, mask=t < K, other=-1)
     n = tl.min(tl.where((t < K) & (d != tok), t, K), axis=0)
-    row = out_ptr + b.to(tl.int64) * (K + 2)
-    tl.store(row + t, tl.where(t <= n, tok, -1), mask=t < K + 1)
-    tl.store(row + K + 1, n.to(tl.int64))
+    if COUNT:
+        row = out_ptr + b.to(tl.int64) * (K + 2)
+        tl.store(row + t, tl.where(t <= n, tok, -1), mask=t < K + 1)
+        tl.store(row + K + 1, n.to(tl.int64))
+    else:
+        tl.store(out_ptr + b + t, tok, mask=t < 1)
 
 
 _JIT = ("_best", "_partials_kernel", "_combine_kernel")
@@ -140,12 +144,31 @@ def _kernels() -> tuple[Any, Any]:
     return g["_partials_kernel"], g["_combine_kernel"]
 
 
+def usable_argmax(logits: torch.Tensor) -> bool:
+    """Whether `greedy_argmax` handles logits (a draft step's [B, V])."""
+    return (_ENABLED and logits.is_cuda and logits.dtype in _DTYPES and logits.dim() == 2
+            and logits.shape[0] > 0 and logits.shape[1] > 0 and _triton_importable())
+
+
+def greedy_argmax(logits: torch.Tensor, *, chunk: int | None = None,
+                  block: int = _BLOCK) -> torch.Tensor:
+    """logits [B, V] -> i64 [B], logits.argmax(-1) (the same choice: see the module doc)
+    in the same two kernels, the second writing only the token."""
+    return _run(None, logits[:, None], chunk, block)
+
+
 def greedy_verify(d: torch.Tensor, target_logits: torch.Tensor, *,
                   chunk: int | None = None, block: int = _BLOCK) -> torch.Tensor:
     """packed [B, K+2] i64: strict_from_targets(d, target_logits.argmax(-1))'s token_ids
     [B, K+1] then its num_accepted; inputs as `usable` accepts (any device under the
     interpreter). ``chunk`` (None: `chunk_size`) and ``block``, powers of two with
     block <= chunk: the scan's sizes (small ones let interpreted tests cross chunks)."""
+    return _run(d, target_logits, chunk, block)
+
+
+def _run(d: torch.Tensor | None, target_logits: torch.Tensor, chunk: int | None,
+         block: int) -> torch.Tensor:
+    """d None: the argmax [B] of target_logits [B, 1, V]; else greedy_verify's packed."""
     import triton
 
     partials_kernel, combine_kernel = _kernels()
@@ -159,15 +182,17 @@ def greedy_verify(d: torch.Tensor, target_logits: torch.Tensor, *,
     dev = target_logits.device
     pv = torch.empty(rows * S, dtype=torch.float32, device=dev)
     pi = torch.empty(rows * S, dtype=torch.int32, device=dev)
-    out = torch.empty(B, T + 1, dtype=torch.int64, device=dev)
+    shape = (B,) if d is None else (B, T + 1)
+    out = torch.empty(shape, dtype=torch.int64, device=dev)
     partials_kernel[(rows, S)](target_logits, pv, pi, V, T, target_logits.stride(0),
                                target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
                                IMAX=_INT_MAX, num_warps=4)
-    if T == 1:  # no drafts: out stands in for the pointer (no load reads it)
-        d = out
-    elif d.stride(1) != 1:
-        d = d.contiguous()
-    combine_kernel[(B,)](pv, pi, d, out, T - 1, S, d.stride(0),
+    if d is None or T == 1:  # no drafts: out stands in for the pointer (no load reads it)
+        d_arg, s_d = out, 0
+    else:
+        d_arg = d if d.stride(1) == 1 else d.contiguous()
+        s_d = d_arg.stride(0)
+    combine_kernel[(B,)](pv, pi, d_arg, out, T - 1, S, s_d,
                          T_P2=triton.next_power_of_2(T), S_P2=triton.next_power_of_2(S),
-                         IMAX=_INT_MAX, num_warps=1)
+                         IMAX=_INT_MAX, COUNT=d is not None, num_warps=1)
     return out

@@ -61,7 +61,7 @@ import sys
 import torch
 from specloop.samplers import SamplingBatch, SamplingParams
 from specloop.samplers import _sampler, _triton_greedy
-from specloop.samplers._triton_greedy import greedy_verify
+from specloop.samplers._triton_greedy import greedy_argmax, greedy_verify
 
 gen = torch.Generator().manual_seed(0)
 # Small V not a multiple of the block or the chunk; K + 1 = 1 (plain decoding), 3, 6.
@@ -106,6 +106,15 @@ mixed = SamplingBatch.from_params([SamplingParams(temperature=0), SamplingParams
                                   [SamplingParams()], list(range(5)))
 _sampler.strict_verify(d, x, mixed, torch.zeros(5, dtype=torch.int64))
 assert not calls
+# A draft step's argmax [B, V] -> [B] (K = 0's kernels, the token alone), and
+# DefaultSampler.draft's dispatch to it when not advanced (forced here).
+x = tricky(5, 2, 150, gen, 64).flatten(0, 1)
+got = greedy_argmax(x, chunk=64, block=32)
+assert got.shape == (10,) and torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+_sampler.usable_argmax = lambda x: True
+sample = _sampler.DefaultSampler().draft(x, mixed, torch.zeros(10, dtype=torch.int64),
+                                         advanced=False)
+assert torch.equal(sample.token_ids, x.argmax(-1)) and sample.probs is None
 print("ok")
 """
 
@@ -144,7 +153,7 @@ def test_chunk_rule():
 def test_cpu_keeps_the_torch_path():
     x = torch.randn(2, 3, 50)
     d = x.argmax(-1)[:, :-1]
-    assert not _triton_greedy.usable(d, x)
+    assert not _triton_greedy.usable(d, x) and not _triton_greedy.usable_argmax(x[:, 0])
     batch = SamplingBatch.from_params([SamplingParams(temperature=0)] * 2, [0, 1])
     r = strict_verify(d, x, batch, torch.zeros(2, dtype=torch.int64))
     ref = strict_from_targets(d, x.argmax(-1))
@@ -191,3 +200,31 @@ def test_cuda_equals_torch_path_eager_and_in_graph(B, T):
         graph.replay()
         eager = packed_result(strict_verify(dc, xc, batch, pos_c))
         assert torch.equal(out, eager) and torch.equal(out.cpu(), ns["reference"](d2, x2))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8, 64])
+def test_cuda_draft_argmax_equals_torch_eager_and_in_graph(B):
+    from specloop.samplers import DefaultSampler
+    gen = torch.Generator().manual_seed(B)
+    x = torch.randn(B, 49152, generator=gen)
+    x[0, [2047, 2048, 40000]] = 9.0
+    batch = SamplingBatch.from_params([SamplingParams()] * B, list(range(B)))
+    pos = torch.zeros(B, dtype=torch.int64, device="cuda")
+    xc = x.cuda()
+    assert _triton_greedy.usable_argmax(xc)
+    draft = lambda: DefaultSampler().draft(xc, batch, pos, advanced=False).token_ids  # noqa
+    assert torch.equal(draft().cpu(), x.argmax(-1)) and int(draft()[0]) == 2047
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        draft()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = draft()
+    for seed in range(3):
+        x2 = torch.randn(B, 49152, generator=torch.Generator().manual_seed(seed))
+        xc.copy_(x2)
+        graph.replay()
+        assert torch.equal(out.cpu(), x2.argmax(-1))
