@@ -13,6 +13,8 @@
 #   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13)
 #   closed   the same in closed rounds
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
+#   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
+#   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_SKINNY=0, SPECLOOP_ATTENTION_MAX_SPLITS=1) and the
 #            opt-in norm prologue (SPECLOOP_SKINNY_NORM=1), one process each
@@ -52,6 +54,10 @@ for step in "$@"; do
       # SPECLOOP_SKINNY_TABLE=/root/skinny_table.json (models/_linear.py).
       python3 bench/bench_skinny_gemm.py 2>&1 | tail -28
       cp "$OUT/skinny_table.json" /root/skinny_table.json ;;
+    pdl)
+      python3 bench/bench_pdl.py 2>&1 | tail -4 ;;
+    greedy)
+      python3 bench/bench_greedy_verify_gpu.py 2>&1 | tail -12 ;;
     attention)
       python3 bench/bench_paged_attention.py --tiles '' 2>&1 | grep -i "auto picked\|warn" ;;
     ab)
