@@ -10,7 +10,11 @@ row's S partials per position (max, then the smallest index among equal maxima: 
 bits in any order, so no atomics and no run-to-run variation), t_i, the drafts' matching
 prefix n, and the row [t_0..t_n, -1..., n].
 
-Exactly torch.argmax's choice: the first index among equal maxima; NaN counts as larger
+Mode "row" (SPECLOOP_GREEDY_VERIFY=row, or greedy_verify's ``mode``) is the one-kernel
+alternative: a program a row (its K+1 positions) scans all of V itself; fewer programs
+and no second launch, for an A/B at small batches on the GPU (bench_greedy_verify_gpu).
+
+Exactly torch.argmax's choice (both modes): the first index among equal maxima; NaN counts as larger
 than everything (the first NaN wins, as torch.argmax on CPU and CUDA); a row of -inf
 gives 0. Logits f32, f16 or bf16 (compared as f32, an exact widening). A draft outside
 the vocabulary never matches. No host syncs and no host tensors: CUDA-graph capturable.
@@ -39,9 +43,14 @@ _BLOCK = 1024
 _MIN_CHUNK = 2048
 _MAX_CHUNK = 16384
 _MAX_PROGRAMS = 2048
-# SPECLOOP_GREEDY_VERIFY=torch keeps the torch ops on CUDA too (an A/B of whole runs);
-# read once, at import.
-_ENABLED = (os.environ.get("SPECLOOP_GREEDY_VERIFY") or "triton") != "torch"
+# The one-kernel "row" mode: a program a row, 16 warps, 8192 logits a step (offline sm_90
+# SASS: a thread's four 16-byte loads of a step issued together; 8 warps with 8 loads a
+# thread interleave them with the compares).
+_ROW_BLOCK = 8192
+# SPECLOOP_GREEDY_VERIFY: "split" (default), "row" (see greedy_verify), or "torch" (the
+# torch ops on CUDA too); for an A/B of whole runs, read once, at import.
+_MODE = os.environ.get("SPECLOOP_GREEDY_VERIFY") or "split"
+_ENABLED = _MODE != "torch"
 _INT_MAX = 2147483647
 
 
@@ -116,7 +125,11 @@ def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, T_P2: tl.constexp
     pv = tl.load(pv_ptr + at, mask=ok, other=float("-inf"))
     pi = tl.load(pi_ptr + at, mask=ok, other=IMAX)
     _, tok = _best(pv, pi, IMAX)
-    tok = tok.to(tl.int64)
+    _emit(tok.to(tl.int64), t, b, d_ptr, out_ptr, K, s_d, COUNT)
+
+
+def _emit(tok, t, b, d_ptr, out_ptr, K, s_d, COUNT: tl.constexpr):
+    """Row b's output from its targets tok [T_P2] (positions t): see _combine_kernel."""
     d = tl.load(d_ptr + b.to(tl.int64) * s_d + t, mask=t < K, other=-1)
     n = tl.min(tl.where((t < K) & (d != tok), t, K), axis=0)
     if COUNT:
@@ -127,11 +140,36 @@ def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, T_P2: tl.constexp
         tl.store(out_ptr + b + t, tok, mask=t < 1)
 
 
-_JIT = ("_best", "_partials_kernel", "_combine_kernel")
+def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, T_P2: tl.constexpr,
+                BLOCK: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr):
+    # The one-kernel alternative (mode "row"): program b scans its K+1 positions' whole
+    # rows itself, BLOCK logits a step, then writes as _combine_kernel. A lane takes its
+    # first in-vocabulary value whatever it is (so an all -inf row gives index 0).
+    b = tl.program_id(0)
+    t = tl.arange(0, T_P2)
+    lanes = tl.arange(0, BLOCK)
+    toks = tl.zeros([T_P2], tl.int64)
+    for i in range(0, K + 1):
+        base = x_ptr + b.to(tl.int64) * s_b + i * s_t
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        best_i = tl.full([BLOCK], IMAX, tl.int32)
+        for lo in range(0, V, BLOCK):
+            n = lo + lanes
+            m = n < V
+            v = tl.load(base + n, mask=m, other=float("-inf")).to(tl.float32)
+            take = m & ((v > best) | ((v != v) & (best == best)) | (best_i == IMAX))
+            best = tl.where(take, v, best)
+            best_i = tl.where(take, n, best_i)
+        _, first = _best(best[None, :], best_i[None, :], IMAX)
+        toks = tl.where(t == i, tl.min(first, axis=0).to(tl.int64), toks)
+    _emit(toks, t, b, d_ptr, out_ptr, K, s_d, COUNT)
+
+
+_JIT = ("_best", "_emit", "_partials_kernel", "_combine_kernel", "_row_kernel")
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any]:
+def _kernels() -> tuple[Any, Any, Any]:
     """Compile-on-first-use: jit the functions above in place (Triton resolves callees and
     `tl` through module globals, the interpreter included); without triton, never runs."""
     import triton
@@ -141,7 +179,7 @@ def _kernels() -> tuple[Any, Any]:
     g["tl"] = tl
     for name in _JIT:
         g[name] = triton.jit(g[name])
-    return g["_partials_kernel"], g["_combine_kernel"]
+    return g["_partials_kernel"], g["_combine_kernel"], g["_row_kernel"]
 
 
 def usable_argmax(logits: torch.Tensor) -> bool:
@@ -150,49 +188,62 @@ def usable_argmax(logits: torch.Tensor) -> bool:
             and logits.shape[0] > 0 and logits.shape[1] > 0 and _triton_importable())
 
 
-def greedy_argmax(logits: torch.Tensor, *, chunk: int | None = None,
-                  block: int = _BLOCK) -> torch.Tensor:
+def greedy_argmax(logits: torch.Tensor, **kw: Any) -> torch.Tensor:
     """logits [B, V] -> i64 [B], logits.argmax(-1) (the same choice: see the module doc)
-    in the same two kernels, the second writing only the token."""
-    return _run(None, logits[:, None], chunk, block)
+    in the same kernels as greedy_verify (``kw``: its), writing only the token."""
+    return _run(None, logits[:, None], **kw)
 
 
-def greedy_verify(d: torch.Tensor, target_logits: torch.Tensor, *,
-                  chunk: int | None = None, block: int = _BLOCK) -> torch.Tensor:
+def greedy_verify(d: torch.Tensor, target_logits: torch.Tensor, **kw: Any) -> torch.Tensor:
     """packed [B, K+2] i64: strict_from_targets(d, target_logits.argmax(-1))'s token_ids
     [B, K+1] then its num_accepted; inputs as `usable` accepts (any device under the
-    interpreter). ``chunk`` (None: `chunk_size`) and ``block``, powers of two with
-    block <= chunk: the scan's sizes (small ones let interpreted tests cross chunks)."""
-    return _run(d, target_logits, chunk, block)
+    interpreter).
+
+    ``mode`` (None: $SPECLOOP_GREEDY_VERIFY, default "split"): "split", the two kernels
+    (module doc); "row", one kernel, a program a row scanning all of its K+1 positions (no
+    partials, no second launch; fewer programs: for an A/B at small batches). ``block``
+    (None: 1024 split, 8192 row) and, split, ``chunk`` (None: `chunk_size`): the scan's
+    sizes, powers of two (block <= chunk; small ones let interpreted tests cross chunks)."""
+    return _run(d, target_logits, **kw)
 
 
-def _run(d: torch.Tensor | None, target_logits: torch.Tensor, chunk: int | None,
-         block: int) -> torch.Tensor:
+def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | None = None,
+         chunk: int | None = None, block: int | None = None) -> torch.Tensor:
     """d None: the argmax [B] of target_logits [B, 1, V]; else greedy_verify's packed."""
     import triton
 
-    partials_kernel, combine_kernel = _kernels()
+    partials_kernel, combine_kernel, row_kernel = _kernels()
+    mode = _MODE if mode is None else mode
+    if mode not in ("split", "row"):
+        raise ValueError(f"greedy_verify: mode={mode!r}; 'split' or 'row'")
     B, T, V = target_logits.shape
     if target_logits.stride(2) != 1:
         target_logits = target_logits.contiguous()
-    rows = B * T
-    chunk = chunk_size(rows, V) if chunk is None else chunk
-    block = min(block, chunk)
-    S = triton.cdiv(V, chunk)
     dev = target_logits.device
-    pv = torch.empty(rows * S, dtype=torch.float32, device=dev)
-    pi = torch.empty(rows * S, dtype=torch.int32, device=dev)
     shape = (B,) if d is None else (B, T + 1)
     out = torch.empty(shape, dtype=torch.int64, device=dev)
-    partials_kernel[(rows, S)](target_logits, pv, pi, V, T, target_logits.stride(0),
-                               target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
-                               IMAX=_INT_MAX, num_warps=4)
     if d is None or T == 1:  # no drafts: out stands in for the pointer (no load reads it)
         d_arg, s_d = out, 0
     else:
         d_arg = d if d.stride(1) == 1 else d.contiguous()
         s_d = d_arg.stride(0)
-    combine_kernel[(B,)](pv, pi, d_arg, out, T - 1, S, s_d,
-                         T_P2=triton.next_power_of_2(T), S_P2=triton.next_power_of_2(S),
-                         IMAX=_INT_MAX, COUNT=d is not None, num_warps=1)
+    t_p2 = triton.next_power_of_2(T)
+    if mode == "row":
+        row_kernel[(B,)](target_logits, d_arg, out, V, T - 1, target_logits.stride(0),
+                         target_logits.stride(1), s_d, T_P2=t_p2,
+                         BLOCK=_ROW_BLOCK if block is None else block, IMAX=_INT_MAX,
+                         COUNT=d is not None, num_warps=16)
+        return out
+    rows = B * T
+    chunk = chunk_size(rows, V) if chunk is None else chunk
+    block = min(_BLOCK if block is None else block, chunk)
+    S = triton.cdiv(V, chunk)
+    pv = torch.empty(rows * S, dtype=torch.float32, device=dev)
+    pi = torch.empty(rows * S, dtype=torch.int32, device=dev)
+    partials_kernel[(rows, S)](target_logits, pv, pi, V, T, target_logits.stride(0),
+                               target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
+                               IMAX=_INT_MAX, num_warps=4)
+    combine_kernel[(B,)](pv, pi, d_arg, out, T - 1, S, s_d, T_P2=t_p2,
+                         S_P2=triton.next_power_of_2(S), IMAX=_INT_MAX,
+                         COUNT=d is not None, num_warps=1)
     return out

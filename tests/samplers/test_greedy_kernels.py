@@ -72,6 +72,9 @@ for (B, T, V, chunk, block) in [(6, 4, 200, 64, 32), (5, 1, 260, 128, 64),
     want = reference(d, x)
     got = greedy_verify(d, x, chunk=chunk, block=block)
     assert torch.equal(got, want), (B, T, V, got, want)
+    # The one-kernel mode: a program a row.
+    got = greedy_verify(d, x, mode="row", block=block)
+    assert torch.equal(got, want), ("row", B, T, V, got, want)
     if T > 1:
         assert want[0, -1] == T - 1 and want[1, -1] == 0, want   # the cases are there
 # f16 and bf16 logits (compared as f32); strided logits and drafts (the step's tokens
@@ -111,6 +114,7 @@ assert not calls
 x = tricky(5, 2, 150, gen, 64).flatten(0, 1)
 got = greedy_argmax(x, chunk=64, block=32)
 assert got.shape == (10,) and torch.equal(got, x.argmax(-1)), (got, x.argmax(-1))
+assert torch.equal(greedy_argmax(x, mode="row", block=32), x.argmax(-1))
 _sampler.usable_argmax = lambda x: True
 sample = _sampler.DefaultSampler().draft(x, mixed, torch.zeros(10, dtype=torch.int64),
                                          advanced=False)
@@ -179,6 +183,9 @@ def test_cuda_equals_torch_path_eager_and_in_graph(B, T):
         assert torch.equal(ns["reference"](dc, xc).cpu(), want)  # and on CUDA
         got = packed_result(strict_verify(dc, xc, batch, pos_c))
         assert torch.equal(got.cpu(), want), dt
+        for mode in ("split", "row"):
+            got = _triton_greedy.greedy_verify(dc, xc, mode=mode)
+            assert torch.equal(got.cpu(), want), (dt, mode)
     # Captured (the step's allocation pattern), replayed on new logits and drafts: equal
     # to eager.
     xc, dc = x.cuda(), d.cuda()
@@ -186,10 +193,12 @@ def test_cuda_equals_torch_path_eager_and_in_graph(B, T):
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         strict_verify(dc, xc, batch, pos_c)
+        _triton_greedy.greedy_verify(dc, xc, mode="row")
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = packed_result(strict_verify(dc, xc, batch, pos_c))
+        row = _triton_greedy.greedy_verify(dc, xc, mode="row")
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         x2 = torch.randn(B, T, V, generator=g)
@@ -200,6 +209,7 @@ def test_cuda_equals_torch_path_eager_and_in_graph(B, T):
         graph.replay()
         eager = packed_result(strict_verify(dc, xc, batch, pos_c))
         assert torch.equal(out, eager) and torch.equal(out.cpu(), ns["reference"](d2, x2))
+        assert torch.equal(row, eager)
 
 
 @pytest.mark.gpu
