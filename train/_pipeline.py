@@ -88,7 +88,11 @@ def evaluate(cfg: TrainConfig, loaded: LoadedModel, head: TrainableMtpHead, seqs
              ) -> dict[str, Any]:
     k = cfg.eval.k
     held = [s for s in seqs if s.split == "eval"]
-    result = {"offline_greedy": offline_acceptance(head, loaded.model, held, k, device)}
+    # Over the engine's window of answer tokens too: walk_k<K> is what engine_greedy_k<K>
+    # should measure (up to the prompts: the engine runs the first engine_prompts of them).
+    result = {"offline_greedy": offline_acceptance(head, loaded.model, held, k, device,
+                                                   window=cfg.eval.engine_max_tokens,
+                                                   walk_ks=(3,))}
     n = cfg.eval.engine_prompts
     if n <= 0:
         return result
