@@ -16,13 +16,15 @@ differences, as between any two GEMM kernels).
 On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, outside autograd). cuBLAS's tiles for so few
 rows leave most SMs idle (an H200 at batch 1: 3.7-3.9 us per SmolLM2 GEMM, whose weights
 stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) finely.
-Which configuration runs per (N, K) (one for every row count, so a row's bits do not depend
-on the batch bucket) is SKINNY_TABLE, filled from ``bench/bench_skinny_gemm.py`` on the
-H200 (it prints the literal); shapes not in it get ``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
+Which configuration runs per (N, K) and row count is SKINNY_TABLE: per shape, row ranges
+each with its configuration (``v`` fastest at 1 row, ``b`` at VERIFY's 2-8), all of them
+giving a row the same bits (see the table's comment), filled from
+``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
+``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
 False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 ``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
-prologue where the configuration allows (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns
-it off).
+prologue where every configuration of the shape allows (``skinny_norm``;
+``SPECLOOP_SKINNY_NORM=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ import functools
 import json
 import os
 import re
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -45,47 +48,73 @@ MIN_ROWS, MAX_ROWS = 2, 32
 # Rows for which the skinny kernel may run on CUDA.
 SKINNY_MAX_ROWS = 32
 
-# (N, K, silu_mul) -> (config tag, max rows), or None for F.linear. The tags are
-# SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
-# warps, 3 stages; ``v``: no tl.dot, rows reduced one after the other; ``b4x2x1024...``: no
-# tl.dot, blocks of 4 rows reduced in one reduction, for VERIFY's 2-8 rows). One
-# configuration per shape for every row count up to ``max rows`` (F.linear beyond): the
-# kernel gives a row the same bits whatever the number of rows in the call, so a graph
-# padded to a larger batch bucket (or a chained step taken at one) equals the unpadded
-# call. A shape missing from the table uses default_config up to SKINNY_MAX_ROWS rows.
-# SmolLM2-135M's and its EAGLE-3 head's, measured on one H200 (2026-12-01 09:47, torch
-# 2.11, Triton 3.6; bench/bench_skinny_gemm.py prints the literal to paste here). Its
-# chooser weighs rows 1, 2, 4 and 8 alike: the b configurations give up ~1 us a layer at
-# 1 row (decode) against the v ones for ~4 us at 4 (VERIFY at batch 1, K = 3).
-SKINNY_TABLE: dict[tuple[int, int, bool], tuple[str, int] | None] = {
-    (960, 576, False): ('b2x2x1024s1w2n3', 8),
-    (576, 576, False): ('b2x2x1024s1w2n3', 16),
-    (3072, 576, False): ('v4x1024s1w4n3', 2),
-    (576, 1536, True): ('b2x2x2048s1w8n3', 4),
-    (576, 1728, False): ('b2x4x2048s1w8n3', 8),
-    (576, 1152, False): ('b2x4x2048s1w8n3', 8),
+# (N, K, silu_mul) -> ((max rows, config tag), ...) in ascending max rows, or None for
+# F.linear: rows r run the first range with r <= max rows, F.linear above the last. The tags
+# are SkinnyConfig.tag()'s (``d16x128s2w4n3``: tl.dot, BLOCK_N 16, BLOCK_K 128, SPLIT_K 2, 4
+# warps, 3 stages; ``v``: no tl.dot, rows reduced one after the other, fastest at 1 row;
+# ``b4x2x1024...``: no tl.dot, blocks of 4 rows reduced in one reduction, for VERIFY's 2-8
+# rows). A shape missing from the table uses default_config up to SKINNY_MAX_ROWS rows.
+#
+# The invariant that makes several ranges safe: ALL configurations of one shape give a row
+# the same bits. The kernel gives a row the same bits whatever the number of rows in the
+# call (models/_skinny), and configurations whose reduction over K has the same layout
+# (elements a thread, lanes and warps along K: num_warps with BLOCK_K) sum in the same order
+# whatever their family, BLOCK_N or tile_m, so they are one bit class (measured on the
+# H200: e.g. every ``v``/``b`` at BLOCK_K 1024 with 4 warps, and at 8 warps with BLOCK_N
+# >= 2; 2 warps are another class, ``v1x1024s1w8n3`` one of its own). Within a class a
+# graph padded to a larger batch bucket (or a chained step taken at one) equals the
+# unpadded call, as with one configuration. Where ``norm_linear`` fuses the RMSNorm (every
+# configuration of the shape ``norm_fusable``), the configurations must also be one class
+# under the norm kernel. bench/bench_skinny_gemm.py measures the classes and only mixes
+# configurations within one; the GPU test test_table_ranges_give_a_row_the_same_bits
+# checks the shipped table.
+#
+# SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01: timings
+# 09:47 /work/.device/8/skinny.json, bit classes 10:44 bits.json; torch 2.11, Triton 3.6),
+# chosen as bench/bench_skinny_gemm.py chooses (``--offline``): per class, the fastest
+# configuration at each timed row count (1, 2, 4, 8 rows weigh the same, 16 and 32 half),
+# the class and row limit saving the most against cuBLAS (plus the add_rms_norm kernel for
+# qkv and gate-up, whose norm a fusable class takes into its prologue).
+SkinnyRanges = tuple[tuple[int, str], ...]
+SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
+    (960, 576, False): ((1, 'v2x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
+                        (8, 'b4x4x1024s1w4n3')),
+    (576, 576, False): ((1, 'v2x1024s1w2n3'), (2, 'b2x2x1024s1w2n3'),
+                        (16, 'b2x2x1024s1w2n3')),
+    (3072, 576, False): ((1, 'v2x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
+                         (4, 'b4x4x1024s1w4n3')),
+    (576, 1536, True): ((1, 'v8x2048s1w16n3'), (2, 'v8x2048s1w8n3'),
+                        (8, 'b4x4x2048s1w8n3')),
+    (576, 1728, False): ((1, 'b2x2x2048s1w8n3'), (8, 'b2x4x2048s1w8n3')),
+    (576, 1152, False): ((1, 'b2x2x2048s1w8n3'), (8, 'b2x4x2048s1w8n3')),
     (16384, 576, False): None,
-    (49152, 576, False): ('d64x64s1w4n3', 2),
+    (49152, 576, False): ((2, 'd64x64s1w4n3'),),
 }
+# (The literal above is a placeholder until the offline chooser's output replaces it.)
 
 
-def _table_from_file(path: str) -> dict[tuple[int, int, bool], tuple[str, int] | None]:
+def _table_from_file(path: str) -> dict[tuple[int, int, bool], SkinnyRanges | None]:
     """A table measured on this machine (``SPECLOOP_SKINNY_TABLE``: the JSON file
-    bench/bench_skinny_gemm.py writes, {"N,K,silu": [tag, max rows] | null}), so a new
-    device's configurations are tried without editing the code; it replaces the shipped
-    table."""
+    bench/bench_skinny_gemm.py writes, {"N,K,silu": [[max rows, tag], ...] | null}; the
+    older one-range form [tag, max rows] is read as one range), so a new device's
+    configurations are tried without editing the code; it replaces the shipped table.
+    Malformed entries raise ValueError here (check_table)."""
     with open(path) as f:
         raw = json.load(f)
-    table: dict[tuple[int, int, bool], tuple[str, int] | None] = {}
+    table: dict[tuple[int, int, bool], SkinnyRanges | None] = {}
     for key, entry in raw.items():
         n, k, silu = key.split(",")
-        table[(int(n), int(k), silu.strip().lower() in ("1", "true"))] = \
-            None if entry is None else (str(entry[0]), int(entry[1]))
+        if entry is not None:
+            if not isinstance(entry, list) or not entry:
+                raise ValueError(f"{path}: {key}: want [[max rows, tag], ...], got {entry!r}")
+            if isinstance(entry[0], str) and len(entry) == 2:        # [tag, max rows]
+                entry = [[entry[1], entry[0]]]
+            entry = tuple((r[0], r[1]) if isinstance(r, list) and len(r) == 2 else r
+                          for r in entry)
+        table[(int(n), int(k), silu.strip().lower() in ("1", "true"))] = entry
+    check_table(table)
     return table
 
-
-if os.environ.get("SPECLOOP_SKINNY_TABLE"):
-    SKINNY_TABLE = _table_from_file(os.environ["SPECLOOP_SKINNY_TABLE"])
 
 _TAG = re.compile(r"(?:([dv])|b(\d+)x)(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
 
@@ -110,18 +139,84 @@ def default_config(n: int, k: int) -> SkinnyConfig:
     return SkinnyConfig(False, max(1, min(8, 64 * 32 * 4 // bk)), bk)
 
 
-def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False) -> SkinnyConfig | None:
-    """The configuration for ``rows`` x [N, K] (the same for every row count it covers),
-    or None where F.linear runs (the table says cuBLAS, or more rows than it covers)."""
-    if not 1 <= rows <= SKINNY_MAX_ROWS:
-        return None
+class _Shape(NamedTuple):
+    """A table entry resolved: ((max rows, config), ...) ascending, and whether
+    ``norm_linear`` may take the norm into the prologue (every configuration of the shape
+    ``norm_fusable``: one kernel family for all of its rows, so their bits agree)."""
+
+    ranges: tuple[tuple[int, SkinnyConfig], ...]
+    norm: bool
+
+
+def _resolve(entry: SkinnyRanges, k: int) -> _Shape:
+    """``entry`` checked (ValueError if malformed) and parsed, for K = ``k``."""
+    try:
+        return _resolve_cached(entry, k)
+    except TypeError:           # unhashable: lists where tuples belong
+        raise ValueError(f"skinny table entry {entry!r}: want ((max rows, tag), ...)") \
+            from None
+
+
+@functools.lru_cache(maxsize=None)      # an entry checked once, looked up on every call
+def _resolve_cached(entry: SkinnyRanges, k: int) -> _Shape:
+    if not isinstance(entry, tuple) or not entry:
+        raise ValueError(f"skinny table entry {entry!r}: want ((max rows, tag), ...)")
+    ranges, last = [], 0
+    for r in entry:
+        if not (isinstance(r, tuple) and len(r) == 2 and type(r[0]) is int
+                and isinstance(r[1], str)):
+            raise ValueError(f"skinny table entry {entry!r}: {r!r} is not (max rows, tag)")
+        if not last < r[0] <= SKINNY_MAX_ROWS:
+            raise ValueError(f"skinny table entry {entry!r}: max rows must ascend strictly "
+                             f"within 1..{SKINNY_MAX_ROWS}")
+        last = r[0]
+        ranges.append((r[0], parse_config(r[1])))
+    return _Shape(tuple(ranges), all(_skinny.norm_fusable(c, k) for _, c in ranges))
+
+
+def check_table(table: dict[tuple[int, int, bool], SkinnyRanges | None]) -> None:
+    """Every entry well formed (ValueError if not): None, or ((max rows, tag), ...) with
+    1 <= max rows <= SKINNY_MAX_ROWS strictly ascending and tags that parse."""
+    for (n, k, silu), entry in table.items():
+        if not (type(n) is int and type(k) is int and n > 0 and k > 0 and type(silu) is bool):
+            raise ValueError(f"skinny table key {(n, k, silu)!r}: want (N, K, silu_mul)")
+        if entry is not None:
+            _resolve(entry, k)
+
+
+def _shape(n: int, k: int, silu_mul: bool) -> _Shape | None:
+    """The shape's ranges (default_config for every row if the table lacks it), or None
+    (the table says F.linear)."""
     key = (n, k, silu_mul)
     if key not in SKINNY_TABLE:
-        return default_config(n, k)
+        cfg = default_config(n, k)
+        return _Shape(((SKINNY_MAX_ROWS, cfg),), _skinny.norm_fusable(cfg, k))
     entry = SKINNY_TABLE[key]
-    if entry is None or rows > entry[1]:
+    return None if entry is None else _resolve(entry, k)
+
+
+def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False, *,
+                  norm: bool = False) -> SkinnyConfig | None:
+    """The configuration for ``rows`` x [N, K]: the first of the shape's ranges covering
+    ``rows`` (all of a shape's configurations give a row the same bits), or None where
+    F.linear runs (the table says cuBLAS, or more rows than its last range). ``norm``: for
+    ``norm_linear``'s fused RMSNorm, None also where not every configuration of the shape
+    is ``norm_fusable`` (then its rows all take the separate norm kernel, so a row's bits
+    do not depend on the range it falls in)."""
+    if not 1 <= rows <= SKINNY_MAX_ROWS:
         return None
-    return parse_config(entry[0])
+    shape = _shape(n, k, silu_mul)
+    if shape is None or norm and not shape.norm:
+        return None
+    for max_rows, cfg in shape.ranges:
+        if rows <= max_rows:
+            return cfg
+    return None
+
+
+check_table(SKINNY_TABLE)
+if os.environ.get("SPECLOOP_SKINNY_TABLE"):
+    SKINNY_TABLE = _table_from_file(os.environ["SPECLOOP_SKINNY_TABLE"])
 
 
 def _under_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -191,12 +286,13 @@ class PackedLinear:
         """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta): the fused
         layer's residual add + RMSNorm and the GEMM after it (``_kernels.add_rms_norm``'s
         contract: delta None, no add; ``capture`` also receives x + delta). One skinny
-        kernel where ``skinny_norm`` is on and the GEMM's configuration takes K in one pass
-        without tl.dot; else the norm kernel, then this dispatcher."""
+        kernel where ``skinny_norm`` is on and every configuration of the shape takes K in
+        one pass without tl.dot (``skinny_config(norm=True)``); else the norm kernel, then
+        this dispatcher."""
         if self.skinny_norm and norm_weight.dim() == 1 and \
                 (delta is None or delta.dtype == x.dtype and delta.shape == x.shape):
-            config = self._skinny_config(x, weight, bias, silu_mul=False)
-            if config is not None and _skinny.norm_fusable(config, weight.shape[1]):
+            config = self._skinny_config(x, weight, bias, silu_mul=False, norm=True)
+            if config is not None:
                 return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
                                                   config, capture)
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
@@ -204,7 +300,7 @@ class PackedLinear:
         return self(h, weight, bias), stream
 
     def _skinny_config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       *, silu_mul: bool) -> SkinnyConfig | None:
+                       *, silu_mul: bool, norm: bool = False) -> SkinnyConfig | None:
         if not self.skinny or x.dtype not in (torch.bfloat16, torch.float16) \
                 or weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1 \
                 or not (x.device.type == "cuda" or self.skinny_on_cpu and x.device.type == "cpu"):
@@ -216,7 +312,7 @@ class PackedLinear:
             return None
         if _under_autograd(x, weight, bias):
             return None
-        return skinny_config(x.numel() // max(x.shape[-1], 1), n, k, silu_mul)
+        return skinny_config(x.numel() // max(x.shape[-1], 1), n, k, silu_mul, norm=norm)
 
     def _applies(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> bool:
