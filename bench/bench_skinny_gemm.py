@@ -6,18 +6,30 @@ stream from HBM as in a step over 30 layers, not from L2. No model weights neede
 bf16 of the real shapes).
 
 Per shape: cuBLAS at each row count, then every configuration of the sweep and the code
-table's at every row count (one configuration serves all rows of a shape: the kernel gives
-a row the same bits whatever the rows, which padded graphs and chained steps need), and,
-around the chosen one, half and twice its warps (tl.dot: num_stages 2 / 4); each result is
-checked against F.linear (bf16 tolerance; one that fails is reported, never chosen). The
-choice per shape: the config and row limit R saving the most time summed over the timed
-rows <= R (1, 2, 4 and 8 rows weigh the same: decode and VERIFY at small batches; 16 and
-32 half), by >= 3% of cuBLAS's, cuBLAS above R. The sweep's ``b`` configs (blocks of 2, 4
-or 8 rows reduced in one reduction) are the ones meant for VERIFY's 2-8 rows. The fused
-silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear. Then a
-SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm, gate-up, SwiGLU,
-down) over 30 layers' weights, at 1, 4 and 8 rows: cuBLAS, the dispatcher's table as in
-the code, the table this run chose, and that with the norms in the GEMMs' prologue
+table's at every row count, and, around the chosen ones, half and twice their warps (tl.dot:
+num_stages 2 / 4); each result is checked against F.linear (bf16 tolerance; one that fails
+is reported, never chosen). For qkv and gate-up, whose add + RMSNorm ``norm_linear`` takes
+into the GEMM's prologue, also the add_rms_norm kernel and each fusable configuration on
+the norm kernel: there cuBLAS costs cuBLAS + add_rms_norm, a fusable class its norm
+kernel's time, any other class its time + add_rms_norm.
+
+Bit classes: a shape may run different configurations for different row ranges only if
+they give a row the same bits (padded graphs and chained steps must equal the eager call).
+Configurations that sum over K in the same order (the same layout along K: num_warps with
+BLOCK_K, whatever the family, BLOCK_N or tile_m) do; the bench measures it: each
+configuration's 32-row output (the plain kernel, and for shapes without silu the norm
+kernel where fusable) is hashed over ``probe_inputs`` (randn, and pairs of K entries whose
+products cancel, on which two summation orders differ in ~80% of outputs instead of ~1 in
+5,000), and its 1-, 3- and 8-row calls must equal the 32-row call's rows. A class: equal
+digests (plain, and norm where fusable). The choice per shape: per class, the fastest
+configuration at each timed row count (the previous range's kept if within 1%), and the
+class and row limit R saving the most time summed over the timed rows <= R (1, 2, 4 and 8
+rows weigh the same: decode and VERIFY at small batches; 16 and 32 half), by >= 3% of
+cuBLAS's, cuBLAS above R: ranges ((1, v...), (2, b2...), (8, b4...)) for SKINNY_TABLE.
+The fused silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear.
+Then a SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm, gate-up,
+SwiGLU, down) over 30 layers' weights, at 1, 4 and 8 rows: cuBLAS, the dispatcher's table
+as in the code, the table this run chose, and that with the norms in the GEMMs' prologue
 (SPECLOOP_SKINNY_NORM's path).
 
 Prints per shape and rows cuBLAS against the chosen config (and the fastest config at that
@@ -27,12 +39,15 @@ processes (Triton's on-disk cache then serves this process): a few hundred kerne
 estimated 10-30 s cold on 16 cores (0.2 s each on this repository's CPU box).
 
     python bench/bench_skinny_gemm.py            # everything (< 90 s on one H200)
-    python bench/bench_skinny_gemm.py --rows 1,4 --shapes qkv,down --no-refine
+    python bench/bench_skinny_gemm.py --rows 1,4 --shapes qkv,down+silu --no-refine
+    # the choice again from an earlier run's timings and a bit-class file (CPU, no GPU):
+    python bench/bench_skinny_gemm.py --offline skinny.json --bits bits.json
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import multiprocessing as mp
@@ -58,7 +73,13 @@ SHAPES = {
     "draft_lm": (16384, 576, False),
     "lm_head": (49152, 576, False),
 }
+# norm_linear's shapes: the fused layer's add + RMSNorm runs in their prologue (fusable).
+NORM_SHAPES = ("qkv", "gate_up")
 ROWS = (1, 2, 4, 8, 16, 32)
+PROBE_ROWS = 32
+# add_rms_norm's time where it is not measured (--offline): the H200 layer figures, the
+# table with and without the norms in the prologue at 1 row (two norms, 3.1 us).
+NORM_US_OFFLINE = 1.56
 L2_FLUSH_BYTES = 128 << 20   # > 2x the H200's 50 MB L2
 MIN_CALLS, MAX_CALLS = 50, 400
 WIN = 0.97                   # a config is chosen only if <= 97% of cuBLAS's time
@@ -112,22 +133,27 @@ def variants(cfg) -> list:
     return out
 
 
-def compile_key(cfg, rows: int, k: int, act: bool) -> tuple:
+def compile_key(cfg, rows: int, k: int, act: bool, norm: bool = False) -> tuple:
     """What makes Triton compile apart (M is not specialised; N, K, strides are all
-    multiples of 16 here): the block sizes as launched, the K programs, the flags."""
+    multiples of 16 here): the block sizes as launched, the K programs, the flags, the
+    kernel (norm: the RMSNorm-prologue kernel, always with its residual add)."""
     split, _ = cfg.k_splits(k)
-    return (cfg, cfg.block_m(rows), split, act)
+    return (cfg, cfg.block_m(rows), split, act, norm)
 
 
 def _compile_tasks(tasks: list) -> int:
-    """Worker: run each (rows, N, K, act, cfg) once, so Triton compiles it into its cache."""
-    from specloop.models._skinny import skinny_linear
+    """Worker: run each (rows, N, K, act, cfg, norm) once, so Triton compiles it into its
+    cache."""
+    from specloop.models._skinny import skinny_linear, skinny_norm_linear
     done = 0
-    for rows, n, k, act, cfg in tasks:
+    for rows, n, k, act, cfg, norm in tasks:
         x = torch.zeros(rows, 2 * k if act else k, dtype=torch.bfloat16, device="cuda")
         w = torch.zeros(n, k, dtype=torch.bfloat16, device="cuda")
         try:   # one that cannot compile is reported by the timing loop, not here
-            skinny_linear(x, w, None, cfg, silu_mul=act)
+            if norm:
+                skinny_norm_linear(x, x, x[0], 1e-5, w, None, cfg)
+            else:
+                skinny_linear(x, w, None, cfg, silu_mul=act)
             done += 1
         except Exception:  # noqa: BLE001
             pass
@@ -140,7 +166,7 @@ def precompile(tasks: list, workers: int) -> None:
     context); on any failure the timing loop compiles what is missing itself."""
     seen, unique = set(), []
     for t in tasks:
-        key = compile_key(t[4], t[0], t[2], t[3])
+        key = compile_key(t[4], t[0], t[2], t[3], t[5])
         if key not in seen:
             seen.add(key)
             unique.append(t)
@@ -197,29 +223,161 @@ def row_weight(rows: int) -> float:
     return 1.0 if rows <= 8 else 0.5
 
 
-def choose(cublas: dict, times: dict) -> tuple[str | None, int, float]:
-    """-> (config, R, weighted us saved over the timed rows <= R): the config and row limit
-    saving the most over cuBLAS (one config per shape for all rows <= R, by >= 3% of
-    cuBLAS's time there), each timed row count's saving weighted by ``row_weight``, so a
-    config fast at 1 row but slow at 4 (VERIFY at batch 1, K = 3) loses to one that is
-    nearly as fast at 1 and also wins at 2, 4 and 8; (None, 0, 0.0) if none saves."""
-    best: tuple[str | None, int, float] = (None, 0, 0.0)
-    for tag, per in times.items():
+def probe_inputs(n: int, k: int, act: bool, device: str, dtype: torch.dtype,
+                 rows: int = PROBE_ROWS, seed: int = 0) -> list[tuple]:
+    """Inputs (x [rows, K or 2K], w [N, K], norm weight [K]) on which two configurations
+    that sum over K in different orders give different bits: randn as in the timings (two
+    orders differ in ~1 bf16 output in 5,000 there, too few to tell classes of a small
+    shape apart), and pairs: K's entries in random pairs, x (both halves of a gate-up row)
+    and the norm weight equal within a pair and w's of opposite sign, so every product
+    cancels its partner's and the output is what the fp32 partial sums' rounding left,
+    which depends on the order (~80% of outputs differ; CPU emulation of two reduction
+    trees over K = 576)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    width = 2 * k if act else k
+    x = torch.randn(rows, width, device=device, generator=gen).to(dtype)
+    w = (torch.randn(n, k, device=device, generator=gen) * 0.05).to(dtype)
+    nw = (torch.rand(k, device=device, generator=gen) + 0.5).to(dtype)
+    perm = torch.randperm(k, device=device, generator=gen)
+    a, b = perm[:k // 2], perm[k // 2:2 * (k // 2)]
+    xp, wp, nwp = x.clone(), w.clone(), nw.clone()
+    for half in range(width // k):
+        xp[:, half * k + b] = xp[:, half * k + a]
+    wp[:, b] = -wp[:, a]
+    nwp[b] = nwp[a]
+    return [(x, w, nw), (xp, wp, nwp)]
+
+
+def _digest(ys: list[torch.Tensor]) -> str:
+    h = hashlib.sha1()
+    for y in ys:
+        h.update(y.contiguous().view(torch.int16).cpu().numpy().tobytes())
+    return h.hexdigest()[:12]
+
+
+def bit_classes(n: int, k: int, act: bool, configs: list, inputs: list) -> dict:
+    """tag -> (plain digest, norm digest or None): each configuration's 32-row outputs over
+    ``inputs`` hashed, the plain kernel's and (no silu, ``norm_fusable``) the norm
+    kernel's (a zero residual delta: the add is elementwise, the same in every class);
+    'varies' where a 1-, 3- or 8-row call's rows differ from the 32-row call's, 'error:
+    ...' where it fails. Also 'cublas': F.linear's (and on add_rms_norm's output)."""
+    from specloop.models._kernels import add_rms_norm, silu_mul
+    from specloop.models._skinny import norm_fusable, skinny_linear, skinny_norm_linear
+    out = {"cublas": (_digest([F.linear(silu_mul(x) if act else x, w) for x, w, _ in inputs]),
+                      None if act else _digest([F.linear(add_rms_norm(x, None, nw, 1e-5)[0], w)
+                                                for x, w, nw in inputs]))}
+    for cfg in configs:
+        try:
+            ys = []
+            for x, w, _ in inputs:
+                y = skinny_linear(x, w, None, cfg, silu_mul=act)
+                if any(not torch.equal(skinny_linear(x[:m], w, None, cfg, silu_mul=act), y[:m])
+                       for m in (1, 3, 8)):
+                    out[cfg.tag()] = ("varies", None)
+                    break
+                ys.append(y)
+            else:
+                norm = None
+                if not act and norm_fusable(cfg, k):
+                    norm = _digest([skinny_norm_linear(x, torch.zeros_like(x), nw, 1e-5, w,
+                                                       None, cfg)[0] for x, w, nw in inputs])
+                out[cfg.tag()] = (_digest(ys), norm)
+        except Exception as e:  # noqa: BLE001 - e.g. out of resources: never chosen
+            out[cfg.tag()] = (f"error: {type(e).__name__}", None)
+    return out
+
+
+def class_key(digests: tuple) -> tuple | None:
+    """The class a configuration belongs to (None: it may not be chosen)."""
+    plain, norm = digests
+    return None if plain == "varies" or plain.startswith("error") else (plain, norm)
+
+
+def row_weight(rows: int) -> float:
+    """How much a row count's saving counts in ``choose``: decode (1 row a sequence) and
+    VERIFY at small batches (K + 1 = 2..8 rows) equally, larger batches half."""
+    return 1.0 if rows <= 8 else 0.5
+
+
+KEEP = 0.01   # a range keeps the previous range's configuration if within 1% of the fastest
+
+
+def choose(cublas: dict, times: dict, classes: dict) -> tuple[tuple | None, float]:
+    """-> (((max rows, tag), ...), weighted us saved over the timed rows) or (None, 0.0):
+    the configurations of one bit class (``classes``: tag -> key; tags without one are
+    never chosen), the fastest of the class at each timed row count covering the rows
+    above the previous timed count, up to the row limit saving the most over ``cublas``
+    (by >= 3% of its time there), each timed row count's saving weighted by
+    ``row_weight``; a class's rows stop at the first row count none of its configurations
+    ran."""
+    by_class: dict = {}
+    for tag, key in classes.items():
+        if key is not None and tag in times:
+            by_class.setdefault(key, []).append(tag)
+    best: tuple[tuple | None, float] = (None, 0.0)
+    for key in sorted(by_class, key=repr):
+        tags = sorted(by_class[key])
+        picks: list[tuple[int, str]] = []
         saved = base = 0.0
         for rows in sorted(cublas):
-            if not isinstance(per.get(rows), float):
+            ok = [t for t in tags if isinstance(times[t].get(rows), float)]
+            if not ok:
                 break
-            saved += row_weight(rows) * (cublas[rows] - per[rows])
+            tag = min(ok, key=lambda t: times[t][rows])
+            if picks and picks[-1][1] in ok and \
+                    times[picks[-1][1]][rows] <= (1 + KEEP) * times[tag][rows]:
+                tag = picks[-1][1]
+            saved += row_weight(rows) * (cublas[rows] - times[tag][rows])
             base += row_weight(rows) * cublas[rows]
-            if saved > best[2] and saved >= (1 - WIN) * base:
-                best = (tag, rows, saved)
+            if picks and picks[-1][1] == tag:
+                picks[-1] = (rows, tag)
+            else:
+                picks.append((rows, tag))
+            if saved > best[1] and saved >= (1 - WIN) * base:
+                best = (tuple(picks), saved)
     return best
 
 
+def effective(cublas: dict, times: dict, norm_us: dict | None, norm_times: dict, k: int
+              ) -> tuple[dict, dict]:
+    """-> (baseline, times) as ``choose`` weighs them: for a shape whose norm runs in the
+    prologue (``norm_us``: add_rms_norm's time per rows), cuBLAS + add_rms_norm, a
+    configuration's norm-kernel time where measured (``norm_times``), else its time +
+    add_rms_norm unless it is norm-fusable and unmeasured (--offline: its plain time)."""
+    if norm_us is None:
+        return cublas, times
+    from specloop.models._linear import parse_config
+    from specloop.models._skinny import norm_fusable
+    eff: dict = {}
+    for tag, per in times.items():
+        fusable = norm_fusable(parse_config(tag), k)
+        eff[tag] = {}
+        for rows, us in per.items():
+            if tag in norm_times:
+                eff[tag][rows] = norm_times[tag].get(rows, "not timed")
+            elif isinstance(us, float) and rows in norm_us:
+                eff[tag][rows] = us if fusable else us + norm_us[rows]
+            else:
+                eff[tag][rows] = us
+    return {r: us + norm_us[r] for r, us in cublas.items() if r in norm_us}, eff
+
+
+def code_configs(n: int, k: int, act: bool) -> list:
+    """The configurations the code's table runs for the shape (every range's)."""
+    from specloop.models._linear import skinny_config
+    out = []
+    for rows in range(1, 33):
+        cfg = skinny_config(rows, n, k, act)
+        if cfg is not None and cfg not in out:
+            out.append(cfg)
+    return out
+
+
 def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -> dict:
-    from specloop.models._kernels import silu_mul
-    from specloop.models._linear import parse_config, skinny_config
-    from specloop.models._skinny import skinny_linear
+    from specloop.models._kernels import add_rms_norm, silu_mul
+    from specloop.models._linear import parse_config
+    from specloop.models._skinny import norm_fusable, skinny_linear, skinny_norm_linear
+    norm_shape = name in NORM_SHAPES and not act
     wbytes = n * k * 2
     copies = max(2, math.ceil(L2_FLUSH_BYTES / wbytes))
     calls = 2 if SMOKE else min(MAX_CALLS, max(MIN_CALLS, copies))
@@ -229,76 +387,183 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
           for _ in range(copies)]
     xs = {rows: torch.randn(rows, 2 * k if act else k, device=DEVICE, generator=gen).to(DTYPE)
           for rows in rows_list}
+    deltas = {rows: torch.randn(rows, k, device=DEVICE, generator=gen).to(DTYPE)
+              for rows in rows_list}
+    nw = (torch.rand(k, device=DEVICE, generator=gen) + 0.5).to(DTYPE)
     last = ws[(calls - 1) % copies]
     refs = {rows: F.linear(silu_mul(x) if act else x, last) for rows, x in xs.items()}
-    cublas = {}
+    cublas, norm_us = {}, {} if norm_shape else None
     for rows, x in xs.items():
         if act:
             cublas[rows], _ = time_graph(lambda i: F.linear(silu_mul(x), ws[i % copies]), calls)
         else:
             cublas[rows], _ = time_graph(lambda i: F.linear(x, ws[i % copies]), calls)
+        if norm_shape:
+            norm_us[rows], _ = time_graph(
+                lambda i: add_rms_norm(x, deltas[rows], nw, 1e-5)[0], calls)
+    norm_refs = {rows: F.linear(add_rms_norm(x, deltas[rows], nw, 1e-5)[0], last)
+                 for rows, x in xs.items()} if norm_shape else {}
     times: dict[str, dict[int, float | str]] = {}
+    norm_times: dict[str, dict[int, float | str]] = {}
+    inputs = probe_inputs(n, k, act, DEVICE, DTYPE)
+    classes: dict[str, tuple] = {}
 
-    def run(cfg):
-        if cfg.tag() in times:
-            return
-        per = times[cfg.tag()] = {}
-        for rows, x in xs.items():
-            try:
-                us, y = time_graph(lambda i: skinny_linear(x, ws[i % copies], None, cfg,
-                                                           silu_mul=act), calls)
-                per[rows] = us if close(y, refs[rows]) else "mismatch"
-            except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
-                per[rows] = f"error: {type(e).__name__}: {str(e)[:80]}"
+    def timed(fn, ref) -> float | str:
+        try:
+            us, y = time_graph(fn, calls)
+            return us if close(y, ref) else "mismatch"
+        except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
+            return f"error: {type(e).__name__}: {str(e)[:80]}"
 
-    code = skinny_config(1, n, k, act)         # what the code's table runs now
-    configs = sweep(k) + ([code] if code else [])
+    def run(cfgs):
+        new = [c for c in cfgs if c.tag() not in times]
+        for cfg in new:
+            times[cfg.tag()] = {rows: timed(lambda i: skinny_linear(
+                x, ws[i % copies], None, cfg, silu_mul=act), refs[rows]) for rows, x in xs.items()}
+            if norm_shape and norm_fusable(cfg, k):
+                norm_times[cfg.tag()] = {rows: timed(lambda i: skinny_norm_linear(
+                    x, deltas[rows], nw, 1e-5, ws[i % copies], None, cfg)[0], norm_refs[rows])
+                    for rows, x in xs.items()}
+        classes.update(bit_classes(n, k, act, new, inputs))
+
+    def pick():
+        base, eff = effective(cublas, times, norm_us, norm_times, k)
+        keys = {t: class_key(d) for t, d in classes.items() if t != "cublas"}
+        return choose(base, eff, keys)
+
+    code = code_configs(n, k, act)          # what the code's table runs now
+    configs = sweep(k) + [c for c in code if c not in sweep(k)]
     if SMOKE:   # one of each family without tl.dot, the fewest programs (interpreted)
         configs = [max((c for c in configs if not c.dot and not c.tile_m),
                        key=lambda c: (c.block_n, c.block_k)),
                    max((c for c in configs if c.tile_m), key=lambda c: c.tile_m * c.block_n)]
-    for cfg in configs:
-        run(cfg)
-    tag, max_rows, saved = choose(cublas, times)
-    if refine and tag is not None:
-        for cfg in variants(parse_config(tag)):
-            run(cfg)
-        tag, max_rows, saved = choose(cublas, times)
+    run(configs)
+    ranges, saved = pick()
+    if refine and ranges:
+        run([v for _, tag in ranges for v in variants(parse_config(tag))])
+        ranges, saved = pick()
+    base, eff = effective(cublas, times, norm_us, norm_times, k)
     per_row_best = {}
     for rows in rows_list:
-        ok = {t: per[rows] for t, per in times.items() if isinstance(per.get(rows), float)}
+        ok = {t: per[rows] for t, per in eff.items() if isinstance(per.get(rows), float)}
         per_row_best[rows] = min(ok, key=ok.__getitem__) if ok else None
-    failed = sorted(t for t, per in times.items()
+    failed = sorted(t for t, per in list(times.items()) + list(norm_times.items())
                     if any(not isinstance(v, float) for v in per.values()))
-    chosen = times.get(tag, {}) if tag else {}
+    varies = sorted(t for t, d in classes.items() if class_key(d) is None)
+    what = "cuBLAS + add_rms_norm" if norm_shape else "cuBLAS"
     for rows in rows_list:
-        pick = chosen.get(rows) if tag and rows <= max_rows else None
+        tag = next((t for r, t in ranges or () if rows <= r), None)
+        pick_us = eff[tag][rows] if tag else None
         fastest = per_row_best[rows]
-        print(f"{name:10s} {n:6d}x{k:<5d} M={rows:<3d} cuBLAS {cublas[rows]:6.2f} us  "
-              + (f"{tag} {pick:6.2f} us x{pick / cublas[rows]:.2f}" if pick else "cuBLAS")
-              + (f"  (fastest at this M: {fastest} {times[fastest][rows]:.2f} us)"
+        print(f"{name:10s} {n:6d}x{k:<5d} M={rows:<3d} {what} {base[rows]:6.2f} us  "
+              + (f"{tag} {pick_us:6.2f} us x{pick_us / base[rows]:.2f}" if tag else "cuBLAS")
+              + (f"  (fastest at this M: {fastest} {eff[fastest][rows]:.2f} us)"
                  if fastest else ""), flush=True)
     if failed:
         print(f"{name}: {len(failed)} configs failed somewhere: {failed[:4]}", flush=True)
+    if varies:
+        print(f"{name}: rows NOT the same bits in calls of 1/3/8 vs 32 rows, or failed: "
+              f"{varies}", flush=True)
+    groups: dict = {}
+    for t, d in classes.items():
+        groups.setdefault(class_key(d) or d, []).append(t)
+    print(f"{name}: {len(groups)} bit classes; cuBLAS's: "
+          f"{sorted(groups[class_key(classes['cublas'])])}", flush=True)
     del ws
     if not SMOKE:
         torch.cuda.empty_cache()
     return {"shape": name, "N": n, "K": k, "silu_mul": act, "calls": calls,
-            "cublas_us": cublas, "code_config": code.tag() if code else None,
-            "chosen": tag, "max_rows": max_rows, "saved_us_over_rows": saved,
-            "fastest_per_rows": per_row_best, "configs": times}
+            "cublas_us": cublas, "norm_us": norm_us,
+            "code_configs": [c.tag() for c in code],
+            "ranges": [list(r) for r in ranges] if ranges else None,
+            "saved_us_over_rows": saved, "fastest_per_rows": per_row_best,
+            "configs": times, "norm_configs": norm_times,
+            "bit_classes": sorted(sorted(g) for g in groups.values())}
 
 
 def table_from(results: list[dict]) -> dict:
     return {(r["N"], r["K"], r["silu_mul"]):
-            (r["chosen"], r["max_rows"]) if r["chosen"] else None for r in results}
+            tuple(tuple(x) for x in r["ranges"]) if r["ranges"] else None for r in results}
 
 
 def table_literal(table: dict) -> str:
-    lines = ["SKINNY_TABLE: dict[tuple[int, int, bool], tuple[str, int] | None] = {"]
-    lines += [f"    {key!r}: {entry!r}," for key, entry in table.items()]
+    lines = ["SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {"]
+    for key, entry in table.items():
+        if entry is None:
+            lines.append(f"    {key!r}: None,")
+            continue
+        head = f"    {key!r}: ("
+        parts = [f"{r!r}" for r in entry] + ([""] if len(entry) == 1 else [])
+        line = head
+        for i, part in enumerate(parts):
+            sep = ", " if i < len(parts) - 1 else ""
+            piece = part + sep if part else ""
+            if len(line) + len(piece.rstrip()) > 88 and line != head:
+                lines.append(line.rstrip())
+                line = " " * len(head)
+            line += piece
+        lines.append(line.rstrip().rstrip(",") + ("," if len(entry) == 1 else "") + "),")
     lines.append("}")
     return "\n".join(lines)
+
+
+def table_json(table: dict) -> dict:
+    """The table as the file SPECLOOP_SKINNY_TABLE reads (models/_linear.py)."""
+    return {f"{n},{k},{int(silu)}": None if v is None else [list(r) for r in v]
+            for (n, k, silu), v in table.items()}
+
+
+def classes_from_bits(bits: dict) -> dict[str, dict[str, tuple]]:
+    """--offline: shape -> tag -> class key from a bit-class file (``groups`` and
+    ``norm_groups`` per shape: lists of tags with equal digests, the form
+    .dev/lead/probe_bits.py wrote). One random input can miss a difference (two orders
+    differ in ~1 output in 5,000), so two tags share a class only where they shared a group
+    in every shape measured with the same BLOCK_K rounding of K (the same tag is the same
+    code there: K only masks)."""
+    full = {name: min(4096, 1 << max(0, (SHAPES[name][1] - 1).bit_length()))
+            for name in bits if name in SHAPES}
+    out = {}
+    for name in full:
+        same = [s for s in full if full[s] == full[name]]
+        key: dict[str, list] = {}
+        for kind in ("groups", "norm_groups"):
+            for s in same:
+                for i, group in enumerate(bits[s].get(kind, [])):
+                    for tag in group:
+                        if "!" not in tag:
+                            key.setdefault(tag, []).append((kind, s, i))
+        plain = {t for g in bits[name]["groups"] for t in g if "!" not in t}
+        out[name] = {t: (tuple(sorted(x for x in key[t] if x[0] == "groups")),
+                         tuple(sorted(x for x in key[t] if x[0] == "norm_groups")) or None)
+                     for t in plain}
+    return out
+
+
+def offline(skinny_path: str, bits_path: str) -> dict:
+    """The choice again from an earlier run's timings (its skinny.json) and bit classes
+    (``classes_from_bits``); norm shapes: add_rms_norm as NORM_US_OFFLINE, a fusable
+    configuration's norm kernel as its plain time (not measured there)."""
+    with open(skinny_path) as f:
+        run = json.load(f)
+    with open(bits_path) as f:
+        classes = classes_from_bits(json.load(f))
+    table = {}
+    for r in run["shapes"]:
+        name = r["shape"]
+        cublas = {int(rows): us for rows, us in r["cublas_us"].items()}
+        times = {t: {int(rows): us for rows, us in per.items()} for t, per in r["configs"].items()}
+        norm_us = {rows: NORM_US_OFFLINE for rows in cublas} \
+            if name in NORM_SHAPES and not r["silu_mul"] else None
+        base, eff = effective(cublas, times, norm_us, {}, r["K"])
+        keys = {t: classes.get(name, {}).get(t) for t in times}   # None: not measured
+        ranges, saved = choose(base, eff, keys)
+        table[(r["N"], r["K"], r["silu_mul"])] = ranges
+        print(f"{name:10s} {ranges}  saved {saved:.2f} us (weighted, over the timed rows)")
+        for rows in sorted(cublas):
+            tag = next((t for m, t in ranges or () if rows <= m), None)
+            print(f"   M={rows:<3d} base {base[rows]:6.2f}  "
+                  + (f"{tag} {eff[tag][rows]:6.2f}" if tag else "cuBLAS"))
+    return table
 
 
 def bench_layer(table: dict, layers: int = 30) -> list[dict]:
@@ -358,10 +623,21 @@ def main() -> None:
     ap.add_argument("--no-refine", dest="refine", action="store_false",
                     help="skip num_warps / num_stages variants around each best config")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
+    ap.add_argument("--offline", metavar="SKINNY_JSON",
+                    help="no GPU: choose the table again from this earlier run's timings "
+                         "(and --bits); prints the literal")
+    ap.add_argument("--bits", metavar="BITS_JSON",
+                    help="with --offline: bit classes per shape (groups / norm_groups)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU under TRITON_INTERPRET=1: this script's logic on shapes / 8")
     args = ap.parse_args()
     global SMOKE, DEVICE, DTYPE
+    if args.offline:
+        if not args.bits:
+            sys.exit("--offline needs --bits")
+        print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n"
+              + table_literal(offline(args.offline, args.bits)))
+        return
     if args.smoke:
         if os.environ.get("TRITON_INTERPRET") != "1":
             sys.exit("--smoke needs TRITON_INTERPRET=1")
@@ -379,12 +655,14 @@ def main() -> None:
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
     tasks = []
-    from specloop.models._linear import skinny_config
-    for n, k, act in shapes.values():
-        code = skinny_config(1, n, k, act)
-        for cfg in sweep(k) + ([code] if code else []):
+    from specloop.models._skinny import norm_fusable
+    for name, (n, k, act) in shapes.items():
+        for cfg in sweep(k) + code_configs(n, k, act):
             for v in [cfg] + (variants(cfg) if args.refine else []):
-                tasks += [(rows, n, k, act, v) for rows in rows_list]
+                tasks += [(rows, n, k, act, v, False) for rows in rows_list]
+                if not act and norm_fusable(v, k):   # bit classes (32 rows); qkv, gate-up: timed
+                    tasks += [(rows, n, k, act, v, True) for rows in
+                              (rows_list if name in NORM_SHAPES else [PROBE_ROWS])]
     if args.workers > 1:
         precompile(tasks, args.workers)
     results = [bench_shape(name, n, k, act, rows_list, args.refine)
@@ -392,10 +670,10 @@ def main() -> None:
     table = table_from(results)
     layer = bench_layer(table, 2 if SMOKE else 30) \
         if {"qkv", "o", "gate_up", "down+silu"} <= set(shapes) else []
-    print("\nshape        N x K      config          rows<=  us saved over the rows (sum)")
+    print("\nshape        N x K      us saved (weighted sum)  ranges (max rows, config)")
     for r in results:
-        print(f"{r['shape']:10s} {r['N']:6d}x{r['K']:<5d} {str(r['chosen']):15s} "
-              f"{r['max_rows']:5d}  {r['saved_us_over_rows']:.2f}")
+        print(f"{r['shape']:10s} {r['N']:6d}x{r['K']:<5d} {r['saved_us_over_rows']:6.2f}  "
+              f"{r['ranges'] or 'cuBLAS'}")
     literal = table_literal(table)
     print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n" + literal)
     path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny.json")
@@ -408,8 +686,7 @@ def main() -> None:
                    "seconds": time.perf_counter() - t0}, f, indent=1)
     # The same table as a file SPECLOOP_SKINNY_TABLE can point at (models/_linear.py).
     with open(os.path.join(os.path.dirname(path), "skinny_table.json"), "w") as f:
-        json.dump({f"{n},{k},{int(silu)}": None if v is None else list(v)
-                   for (n, k, silu), v in table.items()}, f, indent=1)
+        json.dump(table_json(table), f, indent=1)
     print(f"\nwrote {path}, skinny_table.json ({time.perf_counter() - t0:.0f} s)")
 
 

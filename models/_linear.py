@@ -70,27 +70,27 @@ SKINNY_MAX_ROWS = 32
 # checks the shipped table.
 #
 # SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01: timings
-# 09:47 /work/.device/8/skinny.json, bit classes 10:44 bits.json; torch 2.11, Triton 3.6),
-# chosen as bench/bench_skinny_gemm.py chooses (``--offline``): per class, the fastest
-# configuration at each timed row count (1, 2, 4, 8 rows weigh the same, 16 and 32 half),
-# the class and row limit saving the most against cuBLAS (plus the add_rms_norm kernel for
-# qkv and gate-up, whose norm a fusable class takes into its prologue).
+# of the 09:47 bench run, bit classes of a 10:44 probe; torch 2.11, Triton 3.6), chosen as
+# bench/bench_skinny_gemm.py chooses (``--offline skinny.json --bits bits.json`` printed
+# this): per class, the fastest configuration at each timed row count (1, 2, 4, 8 rows
+# weigh the same, 16 and 32 half), the class and row limit saving the most against cuBLAS
+# (for qkv and gate-up, whose norm a fusable class takes into its prologue, against cuBLAS
+# + the add_rms_norm kernel: so gate-up's 4 rows now run b4x4 with the norm fused, 4.2 us
+# against 4.0 + 1.6). E.g. qkv: 1 row ``v2`` 2.36 us, 2-4 rows ``b2x2`` 2.5-2.8, 8-16
+# ``b4x4`` 3.4-4.7, all BLOCK_K 1024 at 4 warps: one class.
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
-    (960, 576, False): ((1, 'v2x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
-                        (8, 'b4x4x1024s1w4n3')),
-    (576, 576, False): ((1, 'v2x1024s1w2n3'), (2, 'b2x2x1024s1w2n3'),
-                        (16, 'b2x2x1024s1w2n3')),
+    (960, 576, False): ((1, 'v2x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
+                        (16, 'b4x4x1024s1w4n3')),
+    (576, 576, False): ((1, 'v2x1024s1w2n3'), (16, 'b2x2x1024s1w2n3')),
     (3072, 576, False): ((1, 'v2x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
                          (4, 'b4x4x1024s1w4n3')),
-    (576, 1536, True): ((1, 'v8x2048s1w16n3'), (2, 'v8x2048s1w8n3'),
-                        (8, 'b4x4x2048s1w8n3')),
-    (576, 1728, False): ((1, 'b2x2x2048s1w8n3'), (8, 'b2x4x2048s1w8n3')),
-    (576, 1152, False): ((1, 'b2x2x2048s1w8n3'), (8, 'b2x4x2048s1w8n3')),
+    (576, 1536, True): ((2, 'v8x2048s1w16n3'), (8, 'b4x4x2048s1w8n3')),
+    (576, 1728, False): ((2, 'v2x2048s1w4n3'), (8, 'b2x4x2048s1w4n3')),
+    (576, 1152, False): ((4, 'b2x2x2048s1w8n3'), (8, 'b2x4x2048s1w8n3')),
     (16384, 576, False): None,
     (49152, 576, False): ((2, 'd64x64s1w4n3'),),
 }
-# (The literal above is a placeholder until the offline chooser's output replaces it.)
 
 
 def _table_from_file(path: str) -> dict[tuple[int, int, bool], SkinnyRanges | None]:

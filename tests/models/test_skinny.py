@@ -252,10 +252,10 @@ def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
 
 
 def test_table_tags_parse_and_round_trip():
+    _linear.check_table(SKINNY_TABLE)
     for (n, k, _), entry in SKINNY_TABLE.items():
         assert n > 0 and k > 0
-        if entry is not None:
-            tag, max_rows = entry
+        for max_rows, tag in entry or ():
             cfg = parse_config(tag)
             assert cfg.tag() == tag and 1 <= max_rows <= SKINNY_MAX_ROWS
             assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16
@@ -269,24 +269,58 @@ def test_table_tags_parse_and_round_trip():
             parse_config(bad)
 
 
-def test_skinny_config_one_per_shape_and_window(monkeypatch):
-    """One configuration per shape for every row count it covers (a row's bits must not
-    depend on the batch bucket), F.linear beyond; default_config for shapes not listed."""
-    monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), ("v8x64s1w4n3", 8))
+def test_skinny_config_row_ranges_and_window(monkeypatch):
+    """Rows r run the first range with r <= its max rows (F.linear above the last);
+    default_config for shapes not listed; with ``norm`` (norm_linear's fused RMSNorm) only
+    where every configuration of the shape is norm-fusable, for all of its rows."""
+    v, b2, b4 = "v8x64s1w4n3", "b2x2x64s1w4n3", "b4x4x64s1w4n3"
+    monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), ((1, v), (4, b2), (8, b4)))
     monkeypatch.setitem(SKINNY_TABLE, (100, 60, False), None)
-    for rows in range(1, 9):
-        assert skinny_config(rows, 100, 50) == SkinnyConfig(False, 8, 64, 1, 4, 3)
-    assert skinny_config(9, 100, 50) is None                  # beyond the entry's rows
+    monkeypatch.setitem(SKINNY_TABLE, (100, 70, False), ((2, v), (16, "d16x64s1w4n3")))
+    want = {1: v, 2: b2, 3: b2, 4: b2, 5: b4, 6: b4, 7: b4, 8: b4}
+    for rows, tag in want.items():
+        assert skinny_config(rows, 100, 50) == parse_config(tag), rows
+        assert skinny_config(rows, 100, 50, norm=True) == parse_config(tag), rows
+    assert skinny_config(9, 100, 50) is None                  # beyond the last range
+    assert skinny_config(9, 100, 50, norm=True) is None
     assert all(skinny_config(r, 100, 60) is None for r in (1, 4, 32))   # cuBLAS
+    # A tl.dot range: the shape's rows all take the separate norm kernel (a row's bits
+    # must not depend on the range), its plain GEMM still the table's.
+    assert skinny_config(2, 100, 70) == parse_config(v)
+    assert skinny_config(3, 100, 70) == parse_config("d16x64s1w4n3")
+    assert skinny_config(17, 100, 70) is None
+    assert all(skinny_config(r, 100, 70, norm=True) is None for r in (1, 2, 3, 16))
     assert skinny_config(2, 100, 50, silu_mul=True) == default_config(100, 50)
     assert skinny_config(SKINNY_MAX_ROWS, 64, 64) == default_config(64, 64)
+    assert skinny_config(SKINNY_MAX_ROWS, 64, 64, norm=True) == default_config(64, 64)
     assert skinny_config(SKINNY_MAX_ROWS + 1, 64, 64) is None
     assert skinny_config(0, 64, 64) is None
+    assert skinny_config(0, 100, 50) is None
     for n, k in ((576, 576), (49152, 576), (64, 1536), (576, 3000)):
         cfg = default_config(n, k)
         # One pass over K, the tile of W within ~64 fp32 a thread.
         assert not cfg.dot and cfg.split_k == 1 and cfg.block_k >= k
         assert cfg.block_n * cfg.block_k <= 64 * 32 * cfg.num_warps
+
+
+@pytest.mark.parametrize("entry", [
+    ((4, "v8x64s1w4n3"), (2, "b2x2x64s1w4n3")),          # not ascending
+    ((2, "v8x64s1w4n3"), (2, "b2x2x64s1w4n3")),          # not strictly
+    ((0, "v8x64s1w4n3"),),                                # no rows
+    ((SKINNY_MAX_ROWS + 1, "v8x64s1w4n3"),),              # past the kernel's window
+    ((4, "v8x64"),),                                      # a tag that does not parse
+    (("v8x64s1w4n3", 4),),                                # (tag, rows): the wrong order
+    ((True, "v8x64s1w4n3"),),
+    ("v8x64s1w4n3", 4),                                   # the old one-config form
+    (),
+    [[4, "v8x64s1w4n3"]],                                 # lists
+])
+def test_malformed_table_entries_raise(monkeypatch, entry):
+    monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), entry)
+    with pytest.raises(ValueError):
+        skinny_config(1, 100, 50)
+    with pytest.raises(ValueError):
+        _linear.check_table({(100, 50, False): entry})
 
 
 def test_cpu_fp32_never_takes_the_skinny_path(monkeypatch):
@@ -466,26 +500,39 @@ def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
 
 def test_skinny_table_file_replaces_the_shipped_table(tmp_path):
     """SPECLOOP_SKINNY_TABLE's file (bench/bench_skinny_gemm.py's skinny_table.json) parses
-    to the table's own form: cuBLAS (null) entries kept, silu flags as booleans."""
+    to the table's own form: ranges as tuples, cuBLAS (null) entries kept, silu flags as
+    booleans, the older [tag, max rows] as one range; a malformed file raises."""
     import json
-    from specloop.models._linear import _table_from_file, parse_config
+    from specloop.models._linear import _table_from_file
     path = tmp_path / "skinny_table.json"
-    path.write_text(json.dumps({"960,576,0": ["v8x1024s1w4n3", 16], "576,1536,1": None}))
+    path.write_text(json.dumps({"960,576,0": [[1, "v2x1024s1w4n3"], [8, "b4x4x1024s1w4n3"]],
+                                "576,1536,1": None, "576,576,0": ["v8x1024s1w4n3", 16]}))
     table = _table_from_file(str(path))
-    assert table == {(960, 576, False): ("v8x1024s1w4n3", 16), (576, 1536, True): None}
-    parse_config(table[(960, 576, False)][0])
+    assert table == {(960, 576, False): ((1, "v2x1024s1w4n3"), (8, "b4x4x1024s1w4n3")),
+                     (576, 1536, True): None, (576, 576, False): ((16, "v8x1024s1w4n3"),)}
+    for bad in ({"960,576,0": [[8, "v2x1024s1w4n3"], [1, "b4x4x1024s1w4n3"]]},
+                {"960,576,0": [[8, "v2x1024s1w4n3", 3]]}, {"960,576,0": []},
+                {"960,576,0": "v2x1024s1w4n3"}, {"960,576,0": [[33, "v2x1024s1w4n3"]]}):
+        path.write_text(json.dumps(bad))
+        with pytest.raises(ValueError):
+            _table_from_file(str(path))
+
+
+def _bench(monkeypatch):
+    import importlib
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    return importlib.import_module("bench_skinny_gemm")
 
 
 def test_bench_sweep_and_chooser(monkeypatch):
     """bench/bench_skinny_gemm.py: every swept config's tag parses back; the ``b`` configs
     keep BLOCK_K / 256 warps at most (loads in the product's layout) and <= 128 fp32
-    products a thread; the chooser takes a config nearly as fast at 1 row that also wins at
-    2..8 rows (VERIFY) over one fastest at 1 row only, stops a config's rows at its first
-    failure, and picks cuBLAS when nothing saves >= 3%."""
-    import importlib
-    from pathlib import Path
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    bench = importlib.import_module("bench_skinny_gemm")
+    products a thread. The chooser: per bit class the fastest config at each timed row
+    count (the previous range's kept within 1%), never two classes in one shape even where
+    another class is fastest at some rows, a class's rows stopping at its first failure,
+    ranges merged, the row limit saving the most, cuBLAS when nothing saves >= 3%."""
+    bench = _bench(monkeypatch)
     for k in (576, 1152, 1536, 1728):
         configs = bench.sweep(k)
         assert any(c.tile_m for c in configs) and any(not c.tile_m and not c.dot
@@ -496,10 +543,77 @@ def test_bench_sweep_and_chooser(monkeypatch):
                 assert c.num_warps <= c.block_k // 256 and c.block_k >= k
                 assert c.tile_m * c.block_n * c.block_k <= 128 * 32 * c.num_warps
     cublas = {1: 3.8, 2: 3.8, 4: 3.9, 8: 4.0, 16: 4.2, 32: 4.5}
-    times = {"v2x1024s1w4n3": {1: 2.5, 2: 3.0, 4: 4.0, 8: 6.0, 16: 9.0, 32: 15.0},
-             "b4x2x1024s1w4n3": {1: 2.7, 2: 2.7, 4: 2.8, 8: 3.6, 16: 5.0, 32: 8.0},
-             "b8x2x1024s1w4n3": {1: "mismatch", 2: 1.0, 4: 1.0, 8: 1.0}}
-    tag, rows, saved = bench.choose(cublas, times)
-    assert (tag, rows) == ("b4x2x1024s1w4n3", 8)
-    assert saved == pytest.approx(1.1 + 1.1 + 1.1 + 0.4)
-    assert bench.choose(cublas, {"v": {r: 0.99 * t for r, t in cublas.items()}})[0] is None
+    times = {"v2": {1: 2.5, 2: 3.0, 4: 4.0, 8: 6.0, 16: 9.0, 32: 15.0},
+             "b2": {1: 2.7, 2: 2.7, 4: 2.8, 8: 3.6, 16: 5.0, 32: 8.0},
+             "b4": {1: 3.0, 2: 3.0, 4: 2.79, 8: 3.2, 16: 4.1, 32: 7.0},
+             "w2": {1: 2.4, 2: 2.6, 4: 2.6, 8: 9.0, 16: 9.0, 32: 9.0},
+             "b8": {1: "mismatch", 2: 1.0, 4: 1.0, 8: 1.0}}
+    classes = {"v2": "A", "b2": "A", "b4": "A", "w2": "B", "b8": "C", "other": "A"}
+    ranges, saved = bench.choose(cublas, times, classes)
+    # w2 (class B) is fastest at 1, 2 and 4 rows but A saves more over all: A alone. 4 rows:
+    # b2 kept (2.8 within 1% of b4's 2.79); 16 rows: b4 saves 0.05 at weight 1/2.
+    assert ranges == ((1, "v2"), (4, "b2"), (16, "b4"))
+    assert saved == pytest.approx(1.3 + 1.1 + 1.1 + 0.8 + 0.05)
+    # Class B alone: 3 rows fast, then 5 us slower at 8 (stops at 4); C: fails at 1 row.
+    assert bench.choose(cublas, times, {"w2": "B"}) == (((4, "w2"),), pytest.approx(3.9))
+    assert bench.choose(cublas, times, {"b8": "C"}) == (None, 0.0)
+    assert bench.choose(cublas, times, {"v2": None, "b2": None}) == (None, 0.0)
+    assert bench.choose(cublas, {"v": {r: 0.99 * t for r, t in cublas.items()}},
+                        {"v": "A"}) == (None, 0.0)
+    # norm shapes: cuBLAS + add_rms_norm; a fusable config its norm kernel's time (or,
+    # unmeasured, its own), a tl.dot config + add_rms_norm.
+    base, eff = bench.effective({1: 4.0}, {"v2x1024s1w4n3": {1: 3.0}, "d16x64s1w4n3": {1: 3.5},
+                                           "b4x4x1024s1w4n3": {1: 2.0}},
+                                {1: 1.5}, {"b4x4x1024s1w4n3": {1: 2.5}}, 576)
+    assert base == {1: 5.5}
+    assert eff == {"v2x1024s1w4n3": {1: 3.0}, "d16x64s1w4n3": {1: 5.0},
+                   "b4x4x1024s1w4n3": {1: 2.5}}
+    literal = bench.table_literal({(960, 576, False): ((1, "v2x1024s1w4n3"),
+                                                       (8, "b4x4x1024s1w4n3")),
+                                   (16384, 576, False): None,
+                                   (49152, 576, False): ((2, "d64x64s1w4n3"),)})
+    namespace: dict = {"SkinnyRanges": object}
+    exec(literal, namespace)
+    assert namespace["SKINNY_TABLE"] == {
+        (960, 576, False): ((1, "v2x1024s1w4n3"), (8, "b4x4x1024s1w4n3")),
+        (16384, 576, False): None, (49152, 576, False): ((2, "d64x64s1w4n3"),)}
+    assert bench.table_json(namespace["SKINNY_TABLE"])["960,576,0"] == \
+        [[1, "v2x1024s1w4n3"], [8, "b4x4x1024s1w4n3"]]
+
+
+def test_bench_bit_classes_from_a_file_need_every_shape_to_agree(monkeypatch):
+    """--offline: two tags share a class only if they shared a group in every shape of the
+    same BLOCK_K rounding (one random input can miss a difference), norm groups included."""
+    bench = _bench(monkeypatch)
+    bits = {"qkv": {"groups": [["cublas", "d"], ["v4", "b4", "w2"]], "norm_groups": [["v4", "b4"]]},
+            "o": {"groups": [["v4", "b4"], ["w2"]], "norm_groups": [["v4", "b4"]]},
+            "gate_up": {"groups": [["v4", "b4"]], "norm_groups": [["v4"], ["b4"]]},
+            "fc": {"groups": [["v4", "w2"]]}}                 # another BLOCK_K: not compared
+    classes = bench.classes_from_bits(bits)
+    assert classes["qkv"]["v4"] != classes["qkv"]["w2"]       # apart in o
+    assert classes["qkv"]["v4"] != classes["qkv"]["b4"]       # apart under gate-up's norm
+    assert classes["fc"]["v4"] == classes["fc"]["w2"]
+    assert classes["qkv"]["d"][1] is None                     # not norm-fusable
+
+
+def test_probe_inputs_cancel_in_pairs(monkeypatch):
+    """The bit-class probe's second input: every product over K has a partner of opposite
+    sign (x, both gate-up halves and the norm weight equal within a pair, w opposite), so
+    the exact sum is 0 — for the plain, silu-mul and RMSNorm operands — and what a kernel
+    returns is its fp32 partial sums' rounding, which depends on the order."""
+    bench = _bench(monkeypatch)
+    for n, k, act in ((24, 40, False), (24, 40, True)):
+        (x, w, nw), (xp, wp, nwp) = bench.probe_inputs(n, k, act, "cpu", torch.float32, rows=3)
+        assert x.shape == xp.shape == (3, 2 * k if act else k) and w.shape == wp.shape == (n, k)
+        assert (x.double() @ w.double().T).abs().min() > 0      # the randn input: no pairs
+        if act:
+            g, u = xp[:, :k], xp[:, k:]
+            ops = [(g / (1.0 + torch.exp(-g)) * u)]
+        else:
+            ops = [xp, xp * torch.rsqrt(xp.pow(2).mean(-1, keepdim=True) + 1e-5) * nwp]
+        for a in ops:
+            # 0 but for float64's own rounding of the sum (the products are exact there)
+            assert (a.double() @ wp.double().T).abs().max() < 1e-12
+            assert not torch.equal(a, a.roll(1, -1))             # not trivially constant
+
+
