@@ -378,15 +378,16 @@ def tile_config(n: int, k: int, tile_m: int = 4, block_n: int = 2) -> SkinnyConf
 
 @pytest.mark.gpu
 def test_skinny_matches_f_linear_bf16_cuda():
-    """The configuration the table or the default picks for each of SmolLM2's shapes, 1..32
-    rows: within bf16 rounding of F.linear (on the silu_mul kernel's output for the fused
+    """Every configuration the table (each range) or the default picks for SmolLM2's
+    shapes, 1..32 rows: within bf16 rounding of F.linear (on the silu_mul kernel's output for the fused
     down), the same bits twice, and each row's bits whatever the number of rows."""
     from specloop.models import _kernels
     from specloop.models._skinny import skinny_linear
 
     gen = torch.Generator(device="cuda").manual_seed(0)
-    cases = [(n, k, act, skinny_config(1, n, k, act) or default_config(n, k))
-             for n, k, act in SMOLLM2_SHAPES]
+    cases = [(n, k, act, cfg) for n, k, act in SMOLLM2_SHAPES
+             for cfg in {skinny_config(r, n, k, act) or default_config(n, k)
+                         for r in range(1, SKINNY_MAX_ROWS + 1)}]     # every range's
     # The one-reduction family too (whatever the table holds): 2, 4 and 8 rows a block.
     cases += [(n, k, act, tile_config(n, k, tile_m, bn)) for n, k, act in SMOLLM2_SHAPES
               for tile_m, bn in ((2, 4), (4, 2), (8, 1))]
@@ -403,6 +404,46 @@ def test_skinny_matches_f_linear_bf16_cuda():
         for rows in (1, 2, 3, 4, 5, 8, 9, 13, 16, 17, 31):
             y = skinny_linear(x[:rows], w, b, cfg, silu_mul=act)
             assert torch.equal(y, y32[:rows]), (n, k, act, rows, cfg.tag())
+
+
+@pytest.mark.gpu
+def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
+    """The shipped table's invariant: a shape's row ranges may run different
+    configurations only if they give a row the same bits. Through the dispatcher, for every
+    shape in the table (and the file's, under SPECLOOP_SKINNY_TABLE), calls of M = 1..limit
+    rows (the last range's max rows) equal, row by row, the call of the limit's rows: the
+    plain kernel, and for shapes without silu the RMSNorm-prologue path (``norm_linear``,
+    fused where every configuration of the shape is norm-fusable, else add_rms_norm and the
+    same ranges). On the bench's probe inputs (products cancelling in pairs: two
+    summation orders differ in most outputs), so a table mixing bit classes fails."""
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import bench_skinny_gemm as bench
+
+    lin = PackedLinear(skinny=True)
+    lin.skinny_norm = True
+    checked = 0
+    for (n, k, act), entry in SKINNY_TABLE.items():
+        if entry is None:
+            continue
+        limit = entry[-1][0]
+        for x, w, nw in bench.probe_inputs(n, k, act, "cuda", torch.bfloat16, rows=limit):
+            d = torch.zeros_like(x) if not act else None
+            if act:
+                y_all = lin.silu_mul_linear(x, w)
+            else:
+                y_all = lin(x, w)
+                yn_all, _ = lin.norm_linear(x, d, nw, 1e-5, w)
+            for m in range(1, limit + 1):
+                cfg = skinny_config(m, n, k, act)
+                where = (n, k, act, m, cfg.tag(), limit)
+                y = lin.silu_mul_linear(x[:m], w) if act else lin(x[:m], w)
+                assert torch.equal(y, y_all[:m]), where
+                if not act:
+                    yn, _ = lin.norm_linear(x[:m], d[:m], nw, 1e-5, w)
+                    assert torch.equal(yn, yn_all[:m]), ("norm",) + where
+                checked += 1
+    assert checked > 0
 
 
 @pytest.mark.gpu
