@@ -15,8 +15,9 @@ kernel's time, any other class its time + add_rms_norm.
 
 Bit classes: a shape may run different configurations for different row ranges only if
 they give a row the same bits (padded graphs and chained steps must equal the eager call).
-Configurations that sum over K in the same order (the same layout along K: num_warps with
-BLOCK_K, whatever the family, BLOCK_N or tile_m) do; the bench measures it: each
+Configurations that sum over K in the same order do, whatever the family, BLOCK_N or
+tile_m (on the H200 it follows num_warps against BLOCK_K, but the compiled layout alone
+does not tell, so the bench measures it): each
 configuration's 32-row output (the plain kernel, and for shapes without silu the norm
 kernel where fusable) is hashed over ``probe_inputs`` (randn, and pairs of K entries whose
 products cancel, on which two summation orders differ in ~80% of outputs instead of ~1 in

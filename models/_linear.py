@@ -57,11 +57,11 @@ SKINNY_MAX_ROWS = 32
 #
 # The invariant that makes several ranges safe: ALL configurations of one shape give a row
 # the same bits. The kernel gives a row the same bits whatever the number of rows in the
-# call (models/_skinny), and configurations whose reduction over K has the same layout
-# (elements a thread, lanes and warps along K: num_warps with BLOCK_K) sum in the same order
-# whatever their family, BLOCK_N or tile_m, so they are one bit class (measured on the
-# H200: e.g. every ``v``/``b`` at BLOCK_K 1024 with 4 warps, and at 8 warps with BLOCK_N
-# >= 2; 2 warps are another class, ``v1x1024s1w8n3`` one of its own). Within a class a
+# call (models/_skinny), and configurations that sum over K in the same order give the
+# same bits whatever their family, BLOCK_N or tile_m: one bit class. On the H200 that
+# follows num_warps against BLOCK_K (measured; the compiled layout alone does not tell):
+# e.g. every ``v``/``b`` at BLOCK_K 1024 with 4 warps, and with 8 warps at BLOCK_N >= 2;
+# 2 warps are another class, ``v1x1024s1w8n3`` one of its own. Within a class a
 # graph padded to a larger batch bucket (or a chained step taken at one) equals the
 # unpadded call, as with one configuration. Where ``norm_linear`` fuses the RMSNorm (every
 # configuration of the shape ``norm_fusable``), the configurations must also be one class

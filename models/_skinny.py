@@ -28,10 +28,10 @@ in its block included, is fixed by the configuration; tl.dot's rows are independ
 row gives the same bits in a call of 1 row or of 32: a CUDA graph padded to a larger batch
 bucket computes what the unpadded call computes, as long as every configuration the
 dispatcher picks for a shape gives the same bits. Different configurations may: without
-tl.dot, a row's sum over K is fixed by the layout along K (elements a thread, lanes and
-warps along K: num_warps with BLOCK_K), not by the family, BLOCK_N or tile_m, so e.g. every
-``v``/``b`` configuration at BLOCK_K 1024 and 4 warps is one bit class (measured on the
-H200; 2 warps are another). ``models/_linear``'s table may therefore give a shape
+tl.dot, configurations that sum a row over K in the same order do, whatever their family,
+BLOCK_N or tile_m; on the H200 every ``v``/``b`` configuration at BLOCK_K 1024 and 4 warps
+(and 8 warps at BLOCK_N >= 2) is one bit class, 2 warps another (measured: the order
+follows num_warps against BLOCK_K, but the compiled layout alone does not tell). ``models/_linear``'s table may therefore give a shape
 different configurations for different row ranges, all of ONE class (and one class under
 the norm kernel too where the norm is fused); bench/bench_skinny_gemm.py measures the
 classes.
@@ -79,8 +79,8 @@ class SkinnyConfig(NamedTuple):
     the call has (``block_m`` just groups them), so a row computes the same bits in a call
     of 1 row or of 32 — as a graph padded to a larger batch bucket, or a step taken at a
     larger bucket, needs to equal the unpadded call. Configurations of one bit class (the
-    same layout along K) compute the same bits too, so a shape may mix them by row count
-    (models/_linear's table)."""
+    same summation order over K) compute the same bits too, so a shape may mix them by
+    row count (models/_linear's table)."""
 
     dot: bool         # tl.dot (rows padded to 16) or broadcast-multiply-reduce
     block_n: int      # rows of W (output columns) per program; >= 16 with dot
