@@ -77,7 +77,8 @@ SKINNY_MAX_ROWS = 32
 # (for qkv and gate-up, whose norm a fusable class takes into its prologue, against cuBLAS
 # + the add_rms_norm kernel: so gate-up's 4 rows now run b4x4 with the norm fused, 4.2 us
 # against 4.0 + 1.6). E.g. qkv: 1 row ``v2`` 2.36 us, 2-4 rows ``b2x2`` 2.5-2.8, 8-16
-# ``b4x4`` 3.4-4.7, all BLOCK_K 1024 at 4 warps: one class.
+# ``b4x4`` 3.4-4.7, all BLOCK_K 1024 at 4 warps: one class. (The BLOCK_K-2048 shapes'
+# classes rest on weaker evidence: docs/performance.md, "Row ranges within a bit class".)
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
     (960, 576, False): ((1, 'v2x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
