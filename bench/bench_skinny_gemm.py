@@ -467,7 +467,8 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
               f"{varies}", flush=True)
     groups: dict = {}
     for t, d in classes.items():
-        groups.setdefault(class_key(d) or d, []).append(t)
+        if class_key(d) is not None:
+            groups.setdefault(class_key(d), []).append(t)
     print(f"{name}: {len(groups)} bit classes; cuBLAS's: "
           f"{sorted(groups[class_key(classes['cublas'])])}", flush=True)
     del ws
@@ -479,7 +480,8 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
             "ranges": [list(r) for r in ranges] if ranges else None,
             "saved_us_over_rows": saved, "fastest_per_rows": per_row_best,
             "configs": times, "norm_configs": norm_times,
-            "bit_classes": sorted(sorted(g) for g in groups.values())}
+            "bit_classes": sorted(sorted(g) for g in groups.values()),
+            "not_row_invariant_or_failed": varies}
 
 
 def table_from(results: list[dict]) -> dict:
@@ -540,23 +542,36 @@ def classes_from_bits(bits: dict) -> dict[str, dict[str, tuple]]:
     return out
 
 
-def offline(skinny_path: str, bits_path: str) -> dict:
-    """The choice again from an earlier run's timings (its skinny.json) and bit classes
-    (``classes_from_bits``); norm shapes: add_rms_norm as NORM_US_OFFLINE, a fusable
-    configuration's norm kernel as its plain time (not measured there)."""
+def offline(skinny_path: str, bits_path: str | None) -> dict:
+    """The choice again from an earlier run's skinny.json: its timings, and its bit classes
+    (this bench's ``bit_classes``) or a bit-class file's (``classes_from_bits``); norm
+    shapes: its add_rms_norm and norm-kernel timings where it has them (this bench), else
+    add_rms_norm as NORM_US_OFFLINE and a fusable configuration's norm kernel as its plain
+    time (the 09:47 run did not time them)."""
     with open(skinny_path) as f:
         run = json.load(f)
-    with open(bits_path) as f:
-        classes = classes_from_bits(json.load(f))
+    classes: dict = {}
+    if bits_path:
+        with open(bits_path) as f:
+            classes = classes_from_bits(json.load(f))
     table = {}
     for r in run["shapes"]:
         name = r["shape"]
-        cublas = {int(rows): us for rows, us in r["cublas_us"].items()}
-        times = {t: {int(rows): us for rows, us in per.items()} for t, per in r["configs"].items()}
-        norm_us = {rows: NORM_US_OFFLINE for rows in cublas} \
-            if name in NORM_SHAPES and not r["silu_mul"] else None
-        base, eff = effective(cublas, times, norm_us, {}, r["K"])
-        keys = {t: classes.get(name, {}).get(t) for t in times}   # None: not measured
+
+        def ints(per: dict) -> dict:
+            return {int(rows): us for rows, us in per.items()}
+        cublas = ints(r["cublas_us"])
+        times = {t: ints(per) for t, per in r["configs"].items()}
+        norm_times = {t: ints(per) for t, per in (r.get("norm_configs") or {}).items()}
+        norm_us = None
+        if name in NORM_SHAPES and not r["silu_mul"]:
+            norm_us = ints(r["norm_us"]) if r.get("norm_us") else \
+                {rows: NORM_US_OFFLINE for rows in cublas}
+        base, eff = effective(cublas, times, norm_us, norm_times, r["K"])
+        if bits_path:
+            keys = {t: classes.get(name, {}).get(t) for t in times}   # None: not measured
+        else:     # this bench's own: groups of equal digests
+            keys = {t: i for i, group in enumerate(r["bit_classes"]) for t in group}
         ranges, saved = choose(base, eff, keys)
         table[(r["N"], r["K"], r["silu_mul"])] = ranges
         print(f"{name:10s} {ranges}  saved {saved:.2f} us (weighted, over the timed rows)")
@@ -628,14 +643,15 @@ def main() -> None:
                     help="no GPU: choose the table again from this earlier run's timings "
                          "(and --bits); prints the literal")
     ap.add_argument("--bits", metavar="BITS_JSON",
-                    help="with --offline: bit classes per shape (groups / norm_groups)")
+                    help="with --offline: bit classes per shape (groups / norm_groups), for "
+                         "a skinny.json without its own (before bit classes were measured)")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU under TRITON_INTERPRET=1: this script's logic on shapes / 8")
     args = ap.parse_args()
     global SMOKE, DEVICE, DTYPE
     if args.offline:
-        if not args.bits:
-            sys.exit("--offline needs --bits")
+        if not args.bits and not os.path.exists(args.offline):
+            sys.exit(f"no {args.offline}")
         print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n"
               + table_literal(offline(args.offline, args.bits)))
         return
