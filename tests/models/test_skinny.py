@@ -444,6 +444,14 @@ def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
                     assert torch.equal(yn, yn_all[:m]), ("norm",) + where
                 checked += 1
     assert checked > 0
+    # The probe tells classes apart: 2 and 4 warps at BLOCK_K 1024 sum in different orders
+    # (the H200's LM head, 8 x 49,152 randn outputs), and the pairs input shows it on qkv's
+    # few outputs, in most of them (randn alone: ~1 output in 5,000).
+    from specloop.models._skinny import skinny_linear
+    (_, _, _), (x, w, _) = bench.probe_inputs(960, 576, False, "cuda", torch.bfloat16)
+    w2, w4 = (skinny_linear(x, w, None, parse_config(t)) for t in ("v2x1024s1w2n3",
+                                                                   "v2x1024s1w4n3"))
+    assert (w2 != w4).float().mean() > 0.05
 
 
 @pytest.mark.gpu
