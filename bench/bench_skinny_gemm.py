@@ -570,6 +570,9 @@ def offline(skinny_path: str, bits_path: str | None) -> dict:
         base, eff = effective(cublas, times, norm_us, norm_times, r["K"])
         if bits_path:
             keys = {t: classes.get(name, {}).get(t) for t in times}   # None: not measured
+        elif "bit_classes" not in r:
+            sys.exit(f"{skinny_path} has no bit classes (a run before they were measured): "
+                     "give --bits")
         else:     # this bench's own: groups of equal digests
             keys = {t: i for i, group in enumerate(r["bit_classes"]) for t in group}
         ranges, saved = choose(base, eff, keys)
@@ -650,8 +653,6 @@ def main() -> None:
     args = ap.parse_args()
     global SMOKE, DEVICE, DTYPE
     if args.offline:
-        if not args.bits and not os.path.exists(args.offline):
-            sys.exit(f"no {args.offline}")
         print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n"
               + table_literal(offline(args.offline, args.bits)))
         return
