@@ -5,6 +5,7 @@ its own static inputs, and a step queued ahead for an unchanged batch replays wi
 graphs do: static inputs, static outputs overwritten by the next replay."""
 
 import anyio
+import attrs
 import pytest
 import torch
 
@@ -15,7 +16,7 @@ from specloop.graphs import CudaGraphCache, GraphKey, SamplingPath
 from specloop.graphs._cache import FeedsItself, inputs_written
 from specloop.graphs._cuda import _Captured
 from specloop.graphs._capture import graph_template
-from specloop.samplers import DefaultSampler, SamplingParams
+from specloop.samplers import DefaultSampler, RejectionResult, SamplingParams
 
 from ..engine.conftest import PROMPTS, make_config, serve_staggered
 from ..engine.test_adaptive_ahead import StaticOutputs
@@ -146,6 +147,33 @@ def test_replay_without_inputs_needs_a_step_that_feeds_itself(tiny_dir, tiny_loa
     cache.replay(GraphKey(2, 0, SamplingPath.GREEDY, True), None)
     with pytest.raises(RuntimeError, match="does not write its next inputs"):
         cache.replay(GraphKey(2, 2, SamplingPath.GREEDY, True), None)
+
+
+def test_verify_step_packs_a_samplers_views_without_a_copy(tiny_loaded):
+    """A sampler whose token_ids and num_accepted are views of one [B, K+2] tensor (what
+    strict_verify's CUDA kernels return) gives the step's ``packed`` as that tensor; two
+    separate tensors (the torch path) are concatenated."""
+    runner = ModelRunner(tiny_loaded, num_slots=2, max_seq_len=32, max_prefill_tokens=32)
+
+    @attrs.frozen
+    class Packing(DefaultSampler):
+        def verify(self, *args, **kw):
+            r = DefaultSampler.verify(self, *args, **kw)
+            packed = torch.cat([r.token_ids, r.num_accepted[:, None]], 1)
+            return RejectionResult(token_ids=packed[:, :-1], num_accepted=packed[:, -1])
+
+    key = GraphKey(2, 2, SamplingPath.GREEDY, True)
+    template = graph_template(key, "cpu")
+    inputs = verify_inputs([], None, None, template, k=2,
+                           scratch_slot=runner.cache.scratch_slot, device="cpu")
+    outs = [make_verify_step(runner, s, template, advanced=False, kv_len=32)(inputs)
+            for s in (DefaultSampler(), Packing())]
+    for out in outs:
+        assert torch.equal(out["packed"], torch.cat([out["token_ids"],
+                                                     out["num_accepted"][:, None]], 1))
+    assert torch.equal(outs[0]["packed"], outs[1]["packed"])
+    assert outs[1]["packed"].data_ptr() == outs[1]["token_ids"].data_ptr()
+    assert outs[0]["packed"].data_ptr() != outs[0]["token_ids"].data_ptr()
 
 
 class _StepAsGraph:
