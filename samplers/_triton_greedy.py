@@ -14,9 +14,9 @@ Mode "row" (SPECLOOP_GREEDY_VERIFY=row, or greedy_verify's ``mode``) is the one-
 alternative: a program a row (its K+1 positions) scans all of V itself; fewer programs
 and no second launch, for an A/B at small batches on the GPU (bench_greedy_verify_gpu).
 
-Exactly torch.argmax's choice (both modes): the first index among equal maxima; NaN counts as larger
-than everything (the first NaN wins, as torch.argmax on CPU and CUDA); a row of -inf
-gives 0. Logits f32, f16 or bf16 (compared as f32, an exact widening). A draft outside
+Exactly torch.argmax's choice (both modes): the first index among equal maxima; NaN
+counts as larger than everything (the first NaN wins, as torch.argmax on CPU and CUDA);
+a row of -inf gives 0. Logits f32, f16 or bf16 (compared as f32, an exact widening). A draft outside
 the vocabulary never matches. No host syncs and no host tensors: CUDA-graph capturable.
 triton is imported lazily, as in _triton_rejection.
 """
@@ -215,7 +215,8 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
     partials_kernel, combine_kernel, row_kernel = _kernels()
     mode = _MODE if mode is None else mode
     if mode not in ("split", "row"):
-        raise ValueError(f"greedy_verify: mode={mode!r}; 'split' or 'row'")
+        raise ValueError(f"greedy_verify: mode={mode!r} (or $SPECLOOP_GREEDY_VERIFY): "
+                         "'split' or 'row' ('torch': the torch ops, no kernel)")
     B, T, V = target_logits.shape
     if target_logits.stride(2) != 1:
         target_logits = target_logits.contiguous()
