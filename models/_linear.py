@@ -58,10 +58,12 @@ SKINNY_MAX_ROWS = 32
 # The invariant that makes several ranges safe: ALL configurations of one shape give a row
 # the same bits. The kernel gives a row the same bits whatever the number of rows in the
 # call (models/_skinny), and configurations that sum over K in the same order give the
-# same bits whatever their family, BLOCK_N or tile_m: one bit class. On the H200 that
-# follows num_warps against BLOCK_K (measured; the compiled layout alone does not tell):
-# e.g. every ``v``/``b`` at BLOCK_K 1024 with 4 warps, and with 8 warps at BLOCK_N >= 2;
-# 2 warps are another class, ``v1x1024s1w8n3`` one of its own. Within a class a
+# same bits whatever their family, BLOCK_N or tile_m: one bit class. The order follows
+# the compiled split of K (8 a thread x 32 lanes x BLOCK_K/256 warps; more warps go along
+# N where BLOCK_N >= 2, along K where it is 1): on the H200 every ``v``/``b`` at BLOCK_K
+# 1024 with 4 warps, and with 8 warps at BLOCK_N >= 2, is one class; 2 warps are another,
+# ``v1x1024s1w8n3`` one of its own (the norm kernel's 1-D RMS sum puts every warp along K:
+# there 8 warps differ from 4 whatever BLOCK_N). Within a class a
 # graph padded to a larger batch bucket (or a chained step taken at one) equals the
 # unpadded call, as with one configuration. Where ``norm_linear`` fuses the RMSNorm (every
 # configuration of the shape ``norm_fusable``), the configurations must also be one class

@@ -30,8 +30,9 @@ bucket computes what the unpadded call computes, as long as every configuration 
 dispatcher picks for a shape gives the same bits. Different configurations may: without
 tl.dot, configurations that sum a row over K in the same order do, whatever their family,
 BLOCK_N or tile_m; on the H200 every ``v``/``b`` configuration at BLOCK_K 1024 and 4 warps
-(and 8 warps at BLOCK_N >= 2) is one bit class, 2 warps another (measured: the order
-follows num_warps against BLOCK_K, but the compiled layout alone does not tell). ``models/_linear``'s table may therefore give a shape
+(and 8 warps at BLOCK_N >= 2) is one bit class, 2 warps another (the compiled split of K:
+8 a thread x 32 lanes x BLOCK_K/256 warps, more warps along N where BLOCK_N >= 2; the
+norm kernel's 1-D RMS sum takes every warp along K). ``models/_linear``'s table may therefore give a shape
 different configurations for different row ranges, all of ONE class (and one class under
 the norm kernel too where the norm is fused); bench/bench_skinny_gemm.py measures the
 classes.

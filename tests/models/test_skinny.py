@@ -415,8 +415,13 @@ def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
     plain kernel, and for shapes without silu the RMSNorm-prologue path (``norm_linear``,
     fused where every configuration of the shape is norm-fusable, else add_rms_norm and the
     same ranges). On the bench's probe inputs (products cancelling in pairs: two
-    summation orders differ in most outputs), so a table mixing bit classes fails."""
+    summation orders differ in most outputs), so a table mixing bit classes fails. Then
+    the shape's configurations directly against each other on those inputs, and on the
+    norm kernel also on 1,024 randn rows (a different RMS summation shows only where it
+    flips a normed element's rounding, ~1 row in 100)."""
     from pathlib import Path
+
+    from specloop.models._skinny import skinny_linear, skinny_norm_linear
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     import bench_skinny_gemm as bench
 
@@ -443,11 +448,22 @@ def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
                     yn, _ = lin.norm_linear(x[:m], d[:m], nw, 1e-5, w)
                     assert torch.equal(yn, yn_all[:m]), ("norm",) + where
                 checked += 1
+        configs = sorted({cfg for _, cfg in _linear._resolve(entry, k).ranges}, key=repr)
+        inputs = bench.probe_inputs(n, k, act, "cuda", torch.bfloat16)
+        for x, w, _ in inputs:
+            ys = [skinny_linear(x, w, None, cfg, silu_mul=act) for cfg in configs]
+            assert all(torch.equal(y, ys[0]) for y in ys), ("plain", n, k, act, configs)
+        if not act and skinny_config(1, n, k, norm=True) is not None:
+            inputs += bench.probe_inputs(n, k, act, "cuda", torch.bfloat16, rows=1024,
+                                         seed=1)[:1]
+            for x, w, nw in inputs:
+                ys = [skinny_norm_linear(x, torch.zeros_like(x), nw, 1e-5, w, None, cfg)[0]
+                      for cfg in configs]
+                assert all(torch.equal(y, ys[0]) for y in ys), ("norm", n, k, configs)
     assert checked > 0
     # The probe tells classes apart: 2 and 4 warps at BLOCK_K 1024 sum in different orders
     # (the H200's LM head, 8 x 49,152 randn outputs), and the pairs input shows it on qkv's
     # few outputs, in most of them (randn alone: ~1 output in 5,000).
-    from specloop.models._skinny import skinny_linear
     (_, _, _), (x, w, _) = bench.probe_inputs(960, 576, False, "cuda", torch.bfloat16)
     w2, w4 = (skinny_linear(x, w, None, parse_config(t)) for t in ("v2x1024s1w2n3",
                                                                    "v2x1024s1w4n3"))
