@@ -101,8 +101,8 @@ def _warps(elements: int) -> int | None:
 
 
 def sweep(k: int) -> list:
-    """The configurations tried for K (SkinnyConfig; one per shape serves every row count,
-    so each is timed at all of them). Without tl.dot, all of K in one pass (BLOCK_K = K
+    """The configurations tried for K (SkinnyConfig; each timed at every row count, as a
+    shape's row ranges may take any configurations of one bit class). Without tl.dot, all of K in one pass (BLOCK_K = K
     rounded up to a power of two; a pass is not software-pipelined), at the fewest warps
     keeping the fp32 product within 64 registers a thread: ``v`` (rows reduced one after
     the other) at BLOCK_N 1..8, and K over 2 programs at BLOCK_N 8 (fp32 partials, a reduce
