@@ -244,7 +244,7 @@ def probe_inputs(n: int, k: int, act: bool, device: str, dtype: torch.dtype,
     x = torch.randn(rows, width, device=device, generator=gen).to(dtype)
     w = (torch.randn(n, k, device=device, generator=gen) * 0.05).to(dtype)
     nw = (torch.rand(k, device=device, generator=gen) + 0.5).to(dtype)
-    perm = torch.randperm(k, device=device, generator=gen)
+    perm = torch.randperm(k, generator=torch.Generator().manual_seed(seed)).to(device)
     a, b = perm[:k // 2], perm[k // 2:2 * (k // 2)]
     xp, wp, nwp = x.clone(), w.clone(), nw.clone()
     for half in range(width // k):
