@@ -44,11 +44,14 @@ estimated 10-30 s cold on 16 cores (0.2 s each on this repository's CPU box).
     python bench/bench_skinny_gemm.py --rows 1,4 --shapes qkv,down+silu --no-refine
     # the choice again from an earlier run's timings and a bit-class file (CPU, no GPU):
     python bench/bench_skinny_gemm.py --offline skinny.json --bits bits.json
+    # a table's configurations split K alike per shape (offline sm_90 compiles, CPU):
+    python bench/bench_skinny_gemm.py --layouts [skinny_table.json]
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -80,9 +83,10 @@ NORM_SHAPES = ("qkv", "gate_up")
 ROWS = (1, 2, 4, 8, 16, 32)
 PROBE_ROWS = 32
 # The norm kernel's RMS sum over K can differ between classes in its last bit, which shows
-# in a row's output only where it flips the bf16 rounding of a normed element (~1 row in
-# 100 on randn): so many rows for the norm kernel's probe (the same compile: block_m 8).
-NORM_PROBE_ROWS = 1024
+# in a row's output only where it flips the rounding of a normed element (~6 randn rows in
+# 10,000): the norm probe takes rows where that can happen (norm_probe_rows), many of them
+# (the same compile as 32 rows: block_m 8).
+NORM_PROBE_ROWS = 256
 # add_rms_norm's time where it is not measured (--offline): the H200 layer figures, the
 # table with and without the norms in the prologue at 1 row (two norms, 3.1 us).
 NORM_US_OFFLINE = 1.56
@@ -252,6 +256,31 @@ def probe_inputs(n: int, k: int, act: bool, device: str, dtype: torch.dtype,
     wp[:, b] = -wp[:, a]
     nwp[b] = nwp[a]
     return [(x, w, nw), (xp, wp, nwp)]
+
+
+@functools.lru_cache(maxsize=None)      # per K: ~1 s of CPU each
+def norm_probe_rows(k: int, rows: int, dtype: torch.dtype, seed: int = 1,
+                    eps: float = 1e-5) -> torch.Tensor:
+    """x [rows, k] on which two orders of the norm kernel's RMS sum give different bits:
+    randn rows (drawn on the CPU) kept only where some element's x * rsqrt(mean(x^2) + eps)
+    lies within two fp32 ulps of a rounding midpoint of ``dtype``, so the last bit of the
+    RMS sum, which the order changes in ~30% of rows, can flip a normed element's rounding:
+    ~5% of these rows show it, ~6 in 10,000 plain randn rows (CPU emulation of two
+    reduction trees over K = 576, 8 x 32 x 4 against 4 x 32 x 8)."""
+    gen = torch.Generator().manual_seed(seed)
+    mant = {torch.bfloat16: 7, torch.float16: 10, torch.float32: 23}[dtype]   # mantissa bits
+    kept: list[torch.Tensor] = []
+    have = 0
+    while have < rows:
+        x = torch.randn(8192, k, generator=gen).to(dtype)
+        xd = x.double()
+        inv = 1.0 / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+        frac, _ = torch.frexp(xd * inv)                     # |frac| in [0.5, 1): 2^(mant+1) steps
+        off = (frac.abs() * 2.0 ** (mant + 1)) % 1.0 - 0.5   # in dtype ulps; 0: on a midpoint
+        risky = (off.abs() * 2.0 ** (23 - mant) < 2.0).any(-1)      # within 2 fp32 ulps
+        kept.append(x[risky])
+        have += int(risky.sum())
+    return torch.cat(kept)[:rows]
 
 
 _WEIGHTS: dict = {}
@@ -427,8 +456,11 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
     times: dict[str, dict[int, float | str]] = {}
     norm_times: dict[str, dict[int, float | str]] = {}
     inputs = probe_inputs(n, k, act, DEVICE, DTYPE)
-    norm_inputs = None if act else \
-        probe_inputs(n, k, act, DEVICE, DTYPE, rows=8 if SMOKE else NORM_PROBE_ROWS, seed=1)[:1]
+    norm_inputs = None
+    if not act:
+        _, w1, nw1 = probe_inputs(n, k, act, DEVICE, DTYPE, rows=1, seed=1)[0]
+        norm_inputs = [(norm_probe_rows(k, 8 if SMOKE else NORM_PROBE_ROWS, DTYPE).to(DEVICE),
+                        w1, nw1)]
     classes: dict[str, tuple] = {}
 
     def timed(fn, ref) -> float | str:
@@ -657,6 +689,80 @@ def bench_layer(table: dict, layers: int = 30) -> list[dict]:
     return out
 
 
+def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
+    """--layouts: the kernel compiled offline for sm_90 (no GPU; Triton's own toolchain) as
+    the device launches it for K = ``k`` (pointers, N, K and strides divisible by 16: the
+    launch specialises them, and without that every layout differs) -> how each reduction
+    in its TTGIR splits the reduced axis: ((programs along K,), (extent, elements a thread,
+    lanes, warps), ...). Configurations whose splits differ sum in different orders;
+    equal splits are what every measured bit class has in common (the device's probe is
+    the arbiter)."""
+    import re
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specloop.models import _skinny
+    fn = _skinny._norm_skinny_kernel if norm else _skinny._skinny_kernel
+    split, _ = cfg.k_splits(k)
+    const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
+                 BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0)
+    const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
+                 dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split))
+    sig, attrs = {}, {}
+    for i, name in enumerate(fn.arg_names):
+        if name in const:
+            sig[name] = "constexpr"
+            continue
+        sig[name] = ("*fp32" if name == "y_ptr" and split > 1 and not norm else "*bf16") \
+            if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
+        if name not in ("M", "eps"):
+            attrs[(i,)] = [["tt.divisibility", 16]]
+    ir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                        target=GPUTarget("cuda", 90, 32),
+                        options={"num_warps": cfg.num_warps,
+                                 "num_stages": cfg.num_stages}).asm["ttgir"]
+    layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<\{[^}]*\}>)", ir, re.M))
+    out = set()
+    for m in re.finditer(r'"tt\.reduce"\(.*?<\{axis = (\d+) : i32\}>.*?\}\) : '
+                         r'\(tensor<([^>]*)>', ir, re.S):
+        axis, ty = int(m.group(1)), m.group(2)
+        dims, enc = ty.split(",")[0].split("x")[:-1], ty.split(",")[-1].strip()
+        fields = dict(re.findall(r"(sizePerThread|threadsPerWarp|warpsPerCTA) = \[([^\]]*)\]",
+                                 layouts.get(enc, "")))
+        if len(fields) < 3:      # not a blocked layout: compare it as text
+            out.add((dims[axis], enc))
+            continue
+        out.add((int(dims[axis]),) + tuple(int(fields[f].split(",")[axis])
+                                           for f in ("sizePerThread", "threadsPerWarp",
+                                                     "warpsPerCTA")))
+    return ((split,),) + tuple(sorted(out, key=repr))
+
+
+def check_layouts(table: dict) -> list[str]:
+    """--layouts: each shape's configurations (all ranges) must split K alike in every
+    reduction, plain and (no silu, every range norm-fusable) norm kernel; -> problems."""
+    from specloop.models._linear import parse_config
+    from specloop.models._skinny import norm_fusable
+    problems = []
+    for (n, k, act), entry in table.items():
+        cfgs = list(dict.fromkeys(parse_config(tag) for _, tag in entry or ()))
+        if not cfgs:
+            continue
+        kernels = [False] + ([True] if not act and cfgs and
+                             all(norm_fusable(c, k) for c in cfgs) else [])
+        for norm in kernels:
+            splits = {c.tag(): reduce_splits(c, k, act, norm) for c in cfgs}
+            same = len(set(splits.values())) == 1
+            print(f"{n}x{k}{' silu' if act else ''}{' norm' if norm else ''}: "
+                  f"{'same' if same else 'DIFFERENT'}  "
+                  + "; ".join(f"{t} {v}" for t, v in splits.items()), flush=True)
+            if not same:
+                problems.append(f"{(n, k, act)}{' norm kernel' if norm else ''}: {splits}")
+    return problems
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
@@ -670,10 +776,21 @@ def main() -> None:
     ap.add_argument("--bits", metavar="BITS_JSON",
                     help="with --offline: bit classes per shape (groups / norm_groups), for "
                          "a skinny.json without its own (before bit classes were measured)")
+    ap.add_argument("--layouts", nargs="?", const="code", metavar="TABLE_JSON",
+                    help="no GPU: compile each shape's configurations of the code's table (or "
+                         "a skinny_table.json) offline for sm_90 and check that they split K "
+                         "alike in every reduction; exit 1 if not")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU under TRITON_INTERPRET=1: this script's logic on shapes / 8")
     args = ap.parse_args()
     global SMOKE, DEVICE, DTYPE
+    if args.layouts:
+        from specloop.models import _linear
+        table = _linear.SKINNY_TABLE if args.layouts == "code" else \
+            _linear._table_from_file(args.layouts)
+        problems = check_layouts(table)
+        print("\n".join(["", "layouts differ:"] + problems) if problems else "\nall alike")
+        sys.exit(1 if problems else 0)
     if args.offline:
         print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n"
               + table_literal(offline(args.offline, args.bits)))

@@ -455,8 +455,8 @@ def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
     same ranges). On the bench's probe inputs (products cancelling in pairs: two
     summation orders differ in most outputs), so a table mixing bit classes fails. Then
     the shape's configurations directly against each other on those inputs, and on the
-    norm kernel also on 1,024 randn rows (a different RMS summation shows only where it
-    flips a normed element's rounding, ~1 row in 100)."""
+    norm kernel also on ``norm_probe_rows`` (a different RMS summation shows only where it
+    flips a normed element's rounding: ~6 randn rows in 10,000, ~5% of those)."""
     from pathlib import Path
 
     from specloop.models._skinny import skinny_linear, skinny_norm_linear
@@ -492,8 +492,9 @@ def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
             ys = [skinny_linear(x, w, None, cfg, silu_mul=act) for cfg in configs]
             assert all(torch.equal(y, ys[0]) for y in ys), ("plain", n, k, act, configs)
         if not act and skinny_config(1, n, k, norm=True) is not None:
-            inputs += bench.probe_inputs(n, k, act, "cuda", torch.bfloat16, rows=1024,
-                                         seed=1)[:1]
+            _, w1, nw1 = bench.probe_inputs(n, k, act, "cuda", torch.bfloat16, rows=1)[0]
+            inputs.append((bench.norm_probe_rows(k, bench.NORM_PROBE_ROWS,
+                                                 torch.bfloat16).cuda(), w1, nw1))
             for x, w, nw in inputs:
                 ys = [skinny_norm_linear(x, torch.zeros_like(x), nw, 1e-5, w, None, cfg)[0]
                       for cfg in configs]
@@ -697,6 +698,23 @@ def test_bench_bit_classes_from_a_file_need_every_shape_to_agree(monkeypatch):
     assert classes["qkv"]["v4"] != classes["qkv"]["b4"]       # apart under gate-up's norm
     assert classes["fc"]["v4"] == classes["fc"]["w2"]
     assert classes["qkv"]["d"][1] is None                     # not norm-fusable
+
+
+def test_norm_probe_rows_sit_on_rounding_midpoints(monkeypatch):
+    """The norm kernel's probe rows: in every row some element of x * rsqrt(mean(x^2) +
+    eps) rounds to bf16 differently when the RMS moves by a few fp32 ulps (what a
+    different summation order of the RMS can do), unlike most randn rows."""
+    bench = _bench(monkeypatch)
+
+    def flips(x):
+        xd = x.double()
+        t = xd / torch.sqrt(xd.pow(2).mean(-1, keepdim=True) + 1e-5)
+        return ((t * (1 + 2.0 ** -22)).bfloat16() != (t * (1 - 2.0 ** -22)).bfloat16()).any(-1)
+
+    x = bench.norm_probe_rows(64, 32, torch.bfloat16)
+    assert x.shape == (32, 64) and x.dtype == torch.bfloat16
+    assert flips(x).all()
+    assert flips(torch.randn(4096, 64).bfloat16()).float().mean() < 0.01
 
 
 def test_probe_inputs_cancel_in_pairs(monkeypatch):
