@@ -15,6 +15,19 @@ Each kernel computes what a few plain tensor ops of the reference layer compute
 - ``eagle_prologue``: an EAGLE head's input norms (embedding gather, two RMSNorms, concat);
 - ``argmax_map``: a draft step's greedy token (argmax over the reduced vocabulary, mapped
   to a target id) in one kernel.
+
+On Hopper each kernel is launched with Programmatic Dependent Launch (``GDC`` True,
+``launch_pdl=True``; the switch and the rules are ``specloop.samplers._pdl``'s): a program
+loads its weights (norm weights) before ``gdc_wait`` and everything else, and every store
+or atomic, after it; every program waits, before any early return.
+
+The split-KV "last program combines" counters stay correct under PDL: a counter is reset
+(atomic_xchg to 0) by the program that completes its group, before that grid completes;
+the next attention kernel (next layer, or next step) increments counters only after its
+own ``gdc_wait``, i.e. after the kernel before it has completed, and that one completed
+only after its own wait, and so on back to the attention kernel that reset them: every
+reset is visible before the next increment, as without PDL. Within one grid nothing
+changes (programs of one grid never depended on the launch order of grids).
 """
 
 from __future__ import annotations
@@ -24,6 +37,8 @@ import math
 import os
 
 import torch
+
+from specloop.samplers import _pdl
 
 try:  # Triton is optional: without it the decoder runs its reference path.
     import triton
@@ -45,10 +60,17 @@ if triton is not None:
     @triton.jit
     def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, copy_ptr, H, copy_stride,
                              eps, W_ROWS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                             HAS_COPY: tl.constexpr, BLOCK: tl.constexpr):
+                             HAS_COPY: tl.constexpr, BLOCK: tl.constexpr,
+                             GDC: tl.constexpr = False):
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < H
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        # W_ROWS > 1: row r is scaled by weight row r % W_ROWS (one weight per feature part).
+        w = tl.load(w_ptr + (row % W_ROWS) * H + cols, mask=m, other=0.0)  # a weight: before
+        if GDC:
+            tl.extra.cuda.gdc_wait()
         x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0)
         if HAS_DELTA:
             # Rounded to the stream's dtype like the reference's ``x + y``.
@@ -60,37 +82,42 @@ if triton is not None:
             tl.store(copy_ptr + row * copy_stride + cols, x, mask=m)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        # W_ROWS > 1: row r is scaled by weight row r % W_ROWS (one weight per feature part).
-        w = tl.load(w_ptr + (row % W_ROWS) * H + cols, mask=m, other=0.0)
         tl.store(h_ptr + row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit
     def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, H, eps,
-                               BLOCK: tl.constexpr):
+                               BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         # One token row of an EAGLE head's input: [enorm(emb(t)); hnorm(h)] (each norm as
         # _add_rms_norm_kernel computes it, so the bits are the unfused kernels').
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < H
-        tok = tl.load(tok_ptr + row).to(tl.int64)
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        ew = tl.load(ew_ptr + cols, mask=m, other=0.0)  # the norm weights: before the wait
+        hw = tl.load(hw_ptr + cols, mask=m, other=0.0)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+        tok = tl.load(tok_ptr + row).to(tl.int64)     # a token: after (so its embedding row)
         e = tl.load(emb_ptr + tok * H + cols, mask=m, other=0.0)
         ef = e.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(ef * ef, axis=0) / H + eps)
-        w = tl.load(ew_ptr + cols, mask=m, other=0.0)
-        tl.store(out_ptr + row * 2 * H + cols, w * (ef * inv).to(e.dtype), mask=m)
+        tl.store(out_ptr + row * 2 * H + cols, ew * (ef * inv).to(e.dtype), mask=m)
         x = tl.load(hid_ptr + row * H + cols, mask=m, other=0.0)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        w = tl.load(hw_ptr + cols, mask=m, other=0.0)
-        tl.store(out_ptr + row * 2 * H + H + cols, w * (xf * inv).to(x.dtype), mask=m)
+        tl.store(out_ptr + row * 2 * H + H + cols, hw * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit
     def _argmax_map_kernel(x_ptr, map_ptr, out_ptr, N, out_stride, MAP: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         # Row-wise argmax of x [B, N], mapped through map [N] (draft index -> target id);
         # ties go to the smallest mapped id: torch.argmax over the target vocabulary with
         # -inf outside the map. MAP 0: no map; 1: an increasing map (the smallest index
         # is the smallest id: the map is read once); 2: any order (ids read with x).
+        if GDC:  # nothing to load before the wait (see the module doc)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
@@ -118,8 +145,13 @@ if triton is not None:
                            pages_per_slot, max_seq_len, scratch_page,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            PAGE: tl.constexpr, BLOCK_QK: tl.constexpr,
-                           BLOCK_V: tl.constexpr):
+                           BLOCK_V: tl.constexpr, GDC: tl.constexpr = False):
         tok = tl.program_id(0)
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        # Nothing to load before the wait: the rotation tables are read at the position.
+        if GDC:
+            tl.extra.cuda.gdc_wait()
         half: tl.constexpr = D // 2
         # The token's position and its cache page and offset (KVCache.locate, here, so a
         # forward builds no index tensors): positions past max_seq_len go to scratch.
@@ -174,7 +206,7 @@ if triton is not None:
                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                                 SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
                                 LAST_COMBINES: tl.constexpr, SC: tl.constexpr,
-                                S_BLOCK: tl.constexpr):
+                                S_BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         # One program per (row, KV head, block of query rows, split). SPLITS = 1: the one
         # kernel (a program walks all of its row's positions). SPLITS > 1 (flash-decoding):
         # a row block's positions are cut into active splits on the device (_split_chunk);
@@ -188,6 +220,12 @@ if triton is not None:
         blk = tl.program_id(2) // SPLITS
         split = tl.program_id(2) % SPLITS
         G: tl.constexpr = HQ // HKV
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+        # Before the start position (written by earlier kernels) and before the return of
+        # the programs past a row's active splits: every program waits (no weights here).
+        if GDC:
+            tl.extra.cuda.gdc_wait()
         start = tl.load(start_ptr + b) + pos_offset
         t_last = tl.minimum(T - 1, (blk * BLOCK_M + BLOCK_M - 1) // G)
         n_end = start + t_last + 1
@@ -284,12 +322,15 @@ if triton is not None:
                                   D: tl.constexpr, BLOCK_M: tl.constexpr,
                                   BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                   SPLIT_MIN: tl.constexpr, S_BLOCK: tl.constexpr,
-                                  ROWS: tl.constexpr):
+                                  ROWS: tl.constexpr, GDC: tl.constexpr = False):
         # ROWS query rows: each one's active partials (its row block's count, computed as
         # the split kernel does) rescaled to their common max and summed in one fixed order
         # (the same bits on every call). Rows whose block had one active split: their
         # output is written already; nothing to do. Split 0 holds position 0: a row's max
         # is finite.
+        if GDC:  # nothing to load before the wait (see the module doc)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         G: tl.constexpr = HQ // HKV
         b = rows // (T * HQ)
@@ -320,7 +361,11 @@ if triton is not None:
                  mask=live[:, None])
 
     @triton.jit
-    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr):
+    def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr,
+                         GDC: tl.constexpr = False):
+        if GDC:  # nothing to load before the wait (see the module doc)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         m = cols < inter
@@ -352,7 +397,7 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     _add_rms_norm_kernel[(rows,)](x, d, weight, h, out, x if copy_to is None else copy_to, H,
                                   copy_stride, eps, W_ROWS=weight.numel() // H,
                                   HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None,
-                                  BLOCK=_pow2(H), num_warps=4)
+                                  BLOCK=_pow2(H), num_warps=4, **_pdl.launch_kw(x))
     return h, out
 
 
@@ -365,7 +410,8 @@ def eagle_prologue(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.
     out = hidden.new_empty(*hidden.shape[:-1], 2 * H)
     rows = hidden.numel() // H
     _eagle_prologue_kernel[(rows,)](tokens.contiguous(), embedding, hidden, enorm, hnorm,
-                                    out, H, eps, BLOCK=_pow2(H), num_warps=4)
+                                    out, H, eps, BLOCK=_pow2(H), num_warps=4,
+                                    **_pdl.launch_kw(hidden))
     return out
 
 
@@ -384,7 +430,7 @@ def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
     # pays ~3 us for it, not a loop of block reductions (~9 us at 2k a pass).
     _argmax_map_kernel[(B,)](x, x if index_map is None else index_map, out, N,
                              out.stride(0), MAP=kind, BLOCK=min(_pow2(N), 16384),
-                             num_warps=16)
+                             num_warps=16, **_pdl.launch_kw(x))
     return out
 
 
@@ -406,7 +452,7 @@ def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
         k_cache.stride(1),
         table.stride(0), table.shape[1], max_seq_len, scratch_page,
         HQ=num_heads, HKV=hkv, D=D, PAGE=page_size, BLOCK_QK=_pow2(num_heads + hkv),
-        BLOCK_V=_pow2(hkv), num_warps=4)
+        BLOCK_V=_pow2(hkv), num_warps=4, **_pdl.launch_kw(qkv))
     return q
 
 
@@ -533,7 +579,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     args = (T, pos_offset, 1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1),
             table.stride(0), table.shape[1])
     meta = dict(HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=num_warps)
+                num_warps=num_warps, **_pdl.launch_kw(q))
     if num_stages is not None:
         meta["num_stages"] = num_stages
     slots, start_pos = slots.contiguous(), start_pos.contiguous()
@@ -566,7 +612,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attention_combine_kernel[(triton.cdiv(n_rows, rows_per),)](
         part_m, part_l, part_acc, o, start_pos, n_rows, T, pos_offset, HQ=hq, HKV=hkv, D=D,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, SPLIT_MIN=split_min,
-        S_BLOCK=s_block, ROWS=rows_per, num_warps=4)
+        S_BLOCK=s_block, ROWS=rows_per, num_warps=4, **_pdl.launch_kw(q))
     return o.view(B, T, hq * D)
 
 
@@ -578,5 +624,5 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = gate_up.new_empty(*gate_up.shape[:-1], inter)
     block = 1024
     _silu_mul_kernel[(rows, triton.cdiv(inter, block))](gate_up, out, inter, BLOCK=block,
-                                                       num_warps=4)
+                                                       num_warps=4, **_pdl.launch_kw(out))
     return out

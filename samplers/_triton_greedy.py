@@ -18,6 +18,8 @@ Exactly torch.argmax's choice (both modes): the first index among equal maxima; 
 counts as larger than everything (the first NaN wins, as torch.argmax on CPU and CUDA);
 a row of -inf gives 0. Logits f32, f16 or bf16 (compared as f32, an exact widening). A draft outside
 the vocabulary never matches. No host syncs and no host tensors: CUDA-graph capturable.
+On Hopper the kernels are launched with PDL (``_pdl``: every program waits for the kernel
+before it first; nothing here is a weight).
 triton is imported lazily, as in _triton_rejection.
 """
 
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import _pdl
 from ._triton_rejection import _triton_importable
 
 if TYPE_CHECKING:   # bound at run time by _kernels(), on first use
@@ -86,10 +89,13 @@ def _best(val, idx, IMAX: tl.constexpr):
 
 
 def _partials_kernel(x_ptr, pv_ptr, pi_ptr, V, T, s_b, s_t, S, CHUNK: tl.constexpr,
-                     BLOCK: tl.constexpr, IMAX: tl.constexpr):
+                     BLOCK: tl.constexpr, IMAX: tl.constexpr, GDC: tl.constexpr = False):
     # Program (row, s): logits [s * CHUNK, (s+1) * CHUNK) of row = b * T + t. Each lane keeps
     # its own best as it walks the chunk (indices grow, so a strict > keeps the first of
     # equal values; a NaN replaces a number and is never replaced), one reduction at the end.
+    if GDC:  # PDL (specloop.samplers._pdl): no weights, so the wait first
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     s = tl.program_id(1)
     base = x_ptr + (row // T).to(tl.int64) * s_b + (row % T).to(tl.int64) * s_t
@@ -113,10 +119,14 @@ def _partials_kernel(x_ptr, pv_ptr, pi_ptr, V, T, s_b, s_t, S, CHUNK: tl.constex
 
 
 def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, T_P2: tl.constexpr,
-                    S_P2: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr):
+                    S_P2: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr,
+                    GDC: tl.constexpr = False):
     # Row b: its K+1 positions' S partials -> t [K+1]; n = the drafts' matching prefix;
     # out[b] = [t_0..t_n, -1 ..., n] (out [B, K+2]). COUNT False (K = 0): out[b] = t_0
     # (out [B], a plain argmax).
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     t = tl.arange(0, T_P2)
     sp = tl.arange(0, S_P2)
@@ -141,10 +151,14 @@ def _emit(tok, t, b, d_ptr, out_ptr, K, s_d, COUNT: tl.constexpr):
 
 
 def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, T_P2: tl.constexpr,
-                BLOCK: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr):
+                BLOCK: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr,
+                GDC: tl.constexpr = False):
     # The one-kernel alternative (mode "row"): program b scans its K+1 positions' whole
     # rows itself, BLOCK logits a step, then writes as _combine_kernel. A lane takes its
     # first in-vocabulary value whatever it is (so an all -inf row gives index 0).
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     t = tl.arange(0, T_P2)
     lanes = tl.arange(0, BLOCK)
@@ -229,11 +243,12 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
         d_arg = d if d.stride(1) == 1 else d.contiguous()
         s_d = d_arg.stride(0)
     t_p2 = triton.next_power_of_2(T)
+    pdl = _pdl.launch_kw(target_logits)
     if mode == "row":
         row_kernel[(B,)](target_logits, d_arg, out, V, T - 1, target_logits.stride(0),
                          target_logits.stride(1), s_d, T_P2=t_p2,
                          BLOCK=_ROW_BLOCK if block is None else block, IMAX=_INT_MAX,
-                         COUNT=d is not None, num_warps=16)
+                         COUNT=d is not None, num_warps=16, **pdl)
         return out
     rows = B * T
     chunk = chunk_size(rows, V) if chunk is None else chunk
@@ -243,8 +258,8 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
     pi = torch.empty(rows * S, dtype=torch.int32, device=dev)
     partials_kernel[(rows, S)](target_logits, pv, pi, V, T, target_logits.stride(0),
                                target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
-                               IMAX=_INT_MAX, num_warps=4)
+                               IMAX=_INT_MAX, num_warps=4, **pdl)
     combine_kernel[(B,)](pv, pi, d_arg, out, T - 1, S, s_d, T_P2=t_p2,
                          S_P2=triton.next_power_of_2(S), IMAX=_INT_MAX,
-                         COUNT=d is not None, num_warps=1)
+                         COUNT=d is not None, num_warps=1, **pdl)
     return out

@@ -1,0 +1,220 @@
+"""Programmatic Dependent Launch (specloop.samplers._pdl): the switch, and the rules of its
+module doc checked in each converted kernel's sm_90 PTX, compiled offline on the CPU
+(triton.compile for GPUTarget("cuda", 90, 32), no GPU needed) with GDC True and
+launch_pdl: the PTX before the first ``griddepcontrol.wait`` is straight-line code (no
+branch, no return: every program reaches the wait), holds no store, atomic or reduction,
+and loads only through pointer arguments the kernel's rule names as weights (a taint walk:
+each register carries the pointer parameters its value derives from, through arithmetic
+and loads); there is exactly one wait and one launch_dependents. GDC False compiles none.
+
+A compile costs ~0.3-1 s (Triton's cache makes a repeat nearly free): one variant per
+kernel, the one the hot path runs most (decode shapes), and the paths that differ in
+where the wait must sit (attention split with "last" combine; skinny tl.dot, broadcast,
+tile and split-K).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+
+import pytest
+import torch
+
+from specloop.samplers import _pdl
+
+triton = pytest.importorskip("triton")
+
+_REG = re.compile(r"%[a-z]+[0-9]+")
+_PARAM = re.compile(r"\[\s*(\w+)_param_(\d+)\s*\]")
+
+
+def _split_dest(operands: str) -> tuple[str, str]:
+    """(destination part, source part) of an instruction's operand text."""
+    operands = operands.strip()
+    if operands.startswith("{"):
+        end = operands.index("}") + 1
+    else:
+        end = operands.find(",")
+        end = len(operands) if end < 0 else end
+    return operands[:end], operands[end:]
+
+
+def pre_wait_report(ptx: str) -> dict:
+    """Walks the PTX up to the first griddepcontrol.wait: the pointer parameters the loads
+    there read through, and whether a store/atomic/branch/return comes first."""
+    body = ptx[ptx.index("{", ptx.index(".entry")):]
+    pointer_params = {int(i) for i in re.findall(r"\.param \.u64 \.ptr[^\n]*_param_(\d+)",
+                                                  ptx)}
+    taint: dict[str, frozenset[int]] = {}
+    loads: set[int] = set()
+    bad: list[str] = []
+    waited = False
+    for raw in body.splitlines():
+        line = raw.split("//")[0].strip().rstrip(";").strip()
+        if not line or line.endswith(":") or line.startswith((".", "{", "}")):
+            continue
+        line = re.sub(r"^@!?%p[0-9]+\s+", "", line)  # a predicate guards, not a branch
+        op, _, operands = line.partition(" ")
+        if op.startswith("griddepcontrol.wait"):
+            waited = True
+            break
+        stores = op.startswith("st.") and not op.startswith(("st.shared", "st.local"))
+        if stores or op.startswith(("atom", "red", "bra", "ret", "exit", "cp.", "multimem")):
+            bad.append(line)
+            continue
+        dest, src = _split_dest(operands)
+        if op.startswith("ld.param"):
+            m = _PARAM.search(operands)
+            sources = frozenset({int(m.group(2))} if m else ())
+        else:
+            sources = frozenset().union(*(taint.get(r, frozenset())
+                                          for r in _REG.findall(src)))
+        if op.startswith("ld.global") or op.startswith("ld."):
+            if not op.startswith("ld.param"):
+                loads |= set(sources & pointer_params)
+        for r in _REG.findall(dest):
+            taint[r] = sources
+    return {"waited": waited, "loads": loads, "bad": bad,
+            "waits": ptx.count("griddepcontrol.wait"),
+            "launches": ptx.count("griddepcontrol.launch_dependents")}
+
+
+def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
+                gdc: bool = True) -> str:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    sig = dict(signature)
+    for name in constexprs:
+        sig[name] = "constexpr"
+    consts = {**constexprs, "GDC": gdc}
+    sig["GDC"] = "constexpr"
+    with warnings.catch_warnings():  # Triton's own deprecation notices (FP fusion default)
+        warnings.simplefilter("ignore")
+        k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
+                           options={"num_warps": num_warps, "launch_pdl": gdc})
+    return k.asm["ptx"]
+
+
+def check_kernel(fn, signature: dict[str, str], constexprs: dict, weights: set[str],
+                 num_warps: int = 4) -> None:
+    """``weights``: the pointer arguments the kernel may read before its wait."""
+    ptx = compile_ptx(fn, signature, constexprs, num_warps)
+    r = pre_wait_report(ptx)
+    names = [n for n in signature]      # the kernel's parameters: its non-constexpr args
+    read = {names[i] for i in r["loads"]}
+    where = fn.__name__ if hasattr(fn, "__name__") else str(fn)
+    assert r["waited"], f"{where}: no griddepcontrol.wait"
+    assert r["waits"] == 1 and r["launches"] == 1, (where, r)
+    assert not r["bad"], f"{where}: before the wait: {r['bad'][:3]}"
+    assert read <= weights, f"{where}: reads {sorted(read - weights)} before the wait"
+
+
+def test_switch_off_on_cpu_and_keywords_paired():
+    x = torch.zeros(2)
+    assert not _pdl.enabled(x) and _pdl.launch_kw(x) == {"GDC": False}
+    # GDC True only ever comes with launch_pdl=True, and the other way round.
+    assert _pdl.ON == {"GDC": True, "launch_pdl": True}
+    assert "launch_pdl" not in _pdl.OFF
+
+
+def test_checker_catches_a_load_or_store_before_the_wait():
+    # The walk must see a non-weight load, a store and an early return before the wait.
+    import triton.language as tl
+
+    @triton.jit
+    def bad_load(x_ptr, w_ptr, y_ptr, GDC: tl.constexpr):
+        w = tl.load(w_ptr)
+        x = tl.load(x_ptr)
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        tl.store(y_ptr, x + w)
+
+    sig = {"x_ptr": "*fp32", "w_ptr": "*fp32", "y_ptr": "*fp32"}
+    r = pre_wait_report(compile_ptx(bad_load, sig, {}))
+    assert r["loads"] == {0, 1} and not r["bad"]
+
+    @triton.jit
+    def bad_store(x_ptr, y_ptr, GDC: tl.constexpr):
+        if tl.program_id(0) > 0:
+            return
+        tl.store(y_ptr, 1.0)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+        tl.store(y_ptr, tl.load(x_ptr))
+
+    r = pre_wait_report(compile_ptx(bad_store, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}))
+    assert r["bad"] and r["loads"] == set()
+
+
+def test_kernels_wait_before_reading_activations_or_storing():
+    from specloop.models import _kernels as K
+
+    check_kernel(K._add_rms_norm_kernel,
+                 {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16",
+                  "out_ptr": "*bf16", "copy_ptr": "*bf16", "H": "i32", "copy_stride": "i32",
+                  "eps": "fp32"},
+                 {"W_ROWS": 1, "HAS_DELTA": True, "HAS_COPY": True, "BLOCK": 1024},
+                 weights={"w_ptr"})
+    check_kernel(K._eagle_prologue_kernel,
+                 {"tok_ptr": "*i64", "emb_ptr": "*bf16", "hid_ptr": "*bf16", "ew_ptr": "*bf16",
+                  "hw_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32"},
+                 {"BLOCK": 1024}, weights={"ew_ptr", "hw_ptr"})
+    check_kernel(K._argmax_map_kernel,
+                 {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
+                  "out_stride": "i32"}, {"MAP": 2, "BLOCK": 4096}, weights=set(),
+                 num_warps=16)
+    check_kernel(K._rope_write_kernel,
+                 {"qkv_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
+                  "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                  "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "T": "i32",
+                  "pos_offset": "i32", "max_pos": "i32", "s_page": "i32", "s_off": "i32",
+                  "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
+                  "scratch_page": "i32"},
+                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4},
+                 weights=set())
+    check_kernel(K._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32"},
+                 {"BLOCK": 1024}, weights=set())
+
+
+ATTENTION_SIG = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "table_ptr": "*i32",
+                 "slot_ptr": "*i64", "start_ptr": "*i64", "o_ptr": "*bf16", "m_ptr": "*fp32",
+                 "l_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32",
+                 "pos_offset": "i32", "scale": "fp32", "s_page": "i32", "s_off": "i32",
+                 "s_table": "i32", "pages_per_slot": "i32"}
+
+
+def test_attention_waits_before_its_early_return_and_counters():
+    from specloop.models import _kernels as K
+
+    # Split-KV with the last program combining: the early return of idle splits and the
+    # counter atomics all come after the wait.
+    check_kernel(K._paged_attention_kernel, ATTENTION_SIG,
+                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64,
+                  "SPLITS": 8, "SPLIT_MIN": 512, "LAST_COMBINES": True, "SC": 4,
+                  "S_BLOCK": 8}, weights=set())
+    check_kernel(K._attention_combine_kernel,
+                 {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": "*bf16",
+                  "start_ptr": "*i64", "n_rows": "i32", "T": "i32", "pos_offset": "i32"},
+                 {"HQ": 9, "HKV": 3, "D": 64, "BLOCK_M": 16, "BLOCK_N": 64, "SPLITS": 8,
+                  "SPLIT_MIN": 512, "S_BLOCK": 8, "ROWS": 8}, weights=set())
+
+
+def test_greedy_kernels_wait_first():
+    from specloop.samplers import _triton_greedy as G
+
+    partials, combine, row = G._kernels()
+    imax = G._INT_MAX
+    check_kernel(partials, {"x_ptr": "*bf16", "pv_ptr": "*fp32", "pi_ptr": "*i32", "V": "i32",
+                            "T": "i32", "s_b": "i32", "s_t": "i32", "S": "i32"},
+                 {"CHUNK": 2048, "BLOCK": 1024, "IMAX": imax}, weights=set())
+    check_kernel(combine, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "d_ptr": "*i64",
+                           "out_ptr": "*i64", "K": "i32", "S": "i32", "s_d": "i32"},
+                 {"T_P2": 4, "S_P2": 32, "IMAX": imax, "COUNT": True}, weights=set(),
+                 num_warps=1)
+    check_kernel(row, {"x_ptr": "*bf16", "d_ptr": "*i64", "out_ptr": "*i64", "V": "i32",
+                       "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32"},
+                 {"T_P2": 4, "BLOCK": 8192, "IMAX": imax, "COUNT": True}, weights=set(),
+                 num_warps=16)
