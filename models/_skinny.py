@@ -52,6 +52,13 @@ for broadcast configurations that hold all of K in one pass: every program norma
 few rows itself, the first column block stores the residual stream, and the normed rows
 are never written.
 
+On Hopper the three kernels are launched with Programmatic Dependent Launch (``GDC``,
+``specloop.samplers._pdl``: its module doc has the rules): a program loads its tile of W
+(and the norm weight, the bias) before ``gdc_wait`` and x after it, so the weight reads of
+the next GEMM overlap the end of the kernel before (bench/bench_pdl.py); the tl.dot path,
+whose loop interleaves W and x, and the split-K reduce wait first. The wait adds no
+arithmetic: the same bits as without PDL.
+
 Which configuration runs for which (N, K, rows) is ``models/_linear``'s table; this module
 is the kernels and their launchers only.
 """
@@ -61,6 +68,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from specloop.samplers import _pdl
 
 try:  # Triton is optional: without it every linear is F.linear.
     import triton
@@ -134,10 +143,12 @@ if triton is not None:
                        k_per_split, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                        DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       TILE: tl.constexpr = False):
+                       TILE: tl.constexpr = False, GDC: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
+        if GDC:  # PDL: each path below waits once, after its weight loads, before x
+            tl.extra.cuda.gdc_launch_dependents()
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
@@ -150,6 +161,8 @@ if triton is not None:
             rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = rm < M
             if DOT:
+                if GDC:  # W and x interleave in the pipelined loop: the wait first
+                    tl.extra.cuda.gdc_wait()
                 x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -181,6 +194,8 @@ if triton is not None:
                 w = tl.load(w_rows[None, :, :] + ks[None, None, :],
                             mask=n_ok[None, :, None] & k_ok[None, None, :],
                             other=0.0).to(tl.float32)
+                if GDC:
+                    tl.extra.cuda.gdc_wait()
                 x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + ks[None, None, :]
                 xm = m_ok[:, None, None] & k_ok[None, None, :]
                 if ACT == 1:
@@ -210,6 +225,8 @@ if triton is not None:
                         other=0.0).to(tl.float32)
             if HAS_BIAS:
                 bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if GDC:
+                tl.extra.cuda.gdc_wait()
             for r in tl.static_range(BLOCK_M):
                 row = pid_m * BLOCK_M + r
                 a_ok = k_ok & (rk * 0 + row < M)
@@ -236,10 +253,13 @@ if triton is not None:
                             stride_wn, stride_ym, stride_cm, eps, HAS_DELTA: tl.constexpr,
                             HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, TILE: tl.constexpr = False):
+                            BLOCK_K: tl.constexpr, TILE: tl.constexpr = False,
+                            GDC: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
         pid_n = tl.program_id(0)
+        if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
+            tl.extra.cuda.gdc_launch_dependents()
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
@@ -252,6 +272,8 @@ if triton is not None:
                         mask=n_ok[None, :, None] & k_ok[None, None, :],
                         other=0.0).to(tl.float32)
             nw = tl.load(nw_ptr + rk[None, None, :], mask=k_ok[None, None, :], other=0.0)
+            if GDC:
+                tl.extra.cuda.gdc_wait()
             rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = rm < M
             ok = m_ok[:, None, None] & k_ok[None, None, :]
@@ -280,6 +302,8 @@ if triton is not None:
             nw = tl.load(nw_ptr + rk, mask=k_ok, other=0.0)
             if HAS_BIAS:
                 bias = tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)
+            if GDC:
+                tl.extra.cuda.gdc_wait()
             for r in tl.static_range(BLOCK_M):
                 row = tl.program_id(1) * BLOCK_M + r
                 ok = k_ok & (rk * 0 + row < M)
@@ -305,8 +329,12 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
-                              SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+                              SPLIT_K: tl.constexpr, BLOCK: tl.constexpr,
+                              GDC: tl.constexpr = False):
         # The partials summed in split order (deterministic), bias, one rounding.
+        if GDC:  # PDL: the partials are the kernel before's output: the wait first
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         ok = offs < M * N
         acc = tl.load(p_ptr + offs, mask=ok, other=0.0)
@@ -345,17 +373,18 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     split, k_per = c.k_splits(K)
     grid = (triton.cdiv(N, c.block_n), split, triton.cdiv(M, bm))
     b = bias if bias is not None else weight
+    pdl = _pdl.launch_kw(x2)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     _skinny_kernel[grid](x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0),
                          y.stride(0), k_per, ACT=int(silu_mul), HAS_BIAS=bias is not None,
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
                          BLOCK_K=c.block_k, TILE=c.tile_m > 0, num_warps=c.num_warps,
-                         num_stages=c.num_stages)
+                         num_stages=c.num_stages, **pdl)
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
             out, b, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split,
-            BLOCK=block, num_warps=4)
+            BLOCK=block, num_warps=4, **pdl)
     return y.view(*x.shape[:-1], N)
 
 
@@ -400,5 +429,5 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
         x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
         HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages)
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x))
     return y, stream

@@ -3,9 +3,9 @@ module doc checked in each converted kernel's sm_90 PTX, compiled offline on the
 (triton.compile for GPUTarget("cuda", 90, 32), no GPU needed) with GDC True and
 launch_pdl: the PTX before the first ``griddepcontrol.wait`` is straight-line code (no
 branch, no return: every program reaches the wait), holds no store, atomic or reduction,
-and loads only through pointer arguments the kernel's rule names as weights (a taint walk:
-each register carries the pointer parameters its value derives from, through arithmetic
-and loads); there is exactly one wait and one launch_dependents. GDC False compiles none.
+and loads only through the pointer arguments the test names as the kernel's weights, all
+of them (a taint walk: each register carries the pointer parameters its value derives
+from, through arithmetic and loads); there is exactly one wait and one launch_dependents.
 
 A compile costs ~0.3-1 s (Triton's cache makes a repeat nearly free): one variant per
 kernel, the one the hot path runs most (decode shapes), and the paths that differ in
@@ -99,7 +99,8 @@ def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int 
 
 def check_kernel(fn, signature: dict[str, str], constexprs: dict, weights: set[str],
                  num_warps: int = 4) -> None:
-    """``weights``: the pointer arguments the kernel may read before its wait."""
+    """``weights``: the pointer arguments the kernel reads before its wait (exactly those:
+    weights only, and the prefetch the kernel means to do is there)."""
     ptx = compile_ptx(fn, signature, constexprs, num_warps)
     r = pre_wait_report(ptx)
     names = [n for n in signature]      # the kernel's parameters: its non-constexpr args
@@ -109,6 +110,7 @@ def check_kernel(fn, signature: dict[str, str], constexprs: dict, weights: set[s
     assert r["waits"] == 1 and r["launches"] == 1, (where, r)
     assert not r["bad"], f"{where}: before the wait: {r['bad'][:3]}"
     assert read <= weights, f"{where}: reads {sorted(read - weights)} before the wait"
+    assert read == weights, f"{where}: {sorted(weights - read)} not loaded before the wait"
 
 
 def test_switch_off_on_cpu_and_keywords_paired():
@@ -218,3 +220,42 @@ def test_greedy_kernels_wait_first():
                        "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32"},
                  {"T_P2": 4, "BLOCK": 8192, "IMAX": imax, "COUNT": True}, weights=set(),
                  num_warps=16)
+
+
+SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
+              "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+              "stride_ym": "i32", "k_per_split": "i32"}
+NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
+            "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32",
+            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
+            "stride_cm": "i32", "eps": "fp32"}
+
+
+@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split"])
+def test_skinny_loads_its_weight_tile_before_the_wait(path):
+    from specloop.models import _skinny as S
+
+    # Broadcast (the 1-row decode GEMMs, silu-down's prologue): W and the bias before;
+    # tile: W before, the bias at the store; tl.dot split-K: the wait first.
+    meta = {"broadcast": dict(ACT=1, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=1,
+                              BLOCK_N=2, BLOCK_K=1024, TILE=False),
+            "tile": dict(ACT=0, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=4, BLOCK_N=4,
+                         BLOCK_K=1024, TILE=True),
+            "dot_split": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=2, BLOCK_M=16,
+                              BLOCK_N=16, BLOCK_K=128, TILE=False)}[path]
+    before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set()}[path]
+    sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
+    check_kernel(S._skinny_kernel, sig, meta, weights=before)
+
+
+def test_norm_skinny_and_splitk_reduce():
+    from specloop.models import _skinny as S
+
+    for tile, before in ((False, {"nw_ptr", "w_ptr", "b_ptr"}), (True, {"nw_ptr", "w_ptr"})):
+        check_kernel(S._norm_skinny_kernel, NORM_SIG,
+                     dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
+                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before)
+    check_kernel(S._splitk_reduce_kernel,
+                 {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+                  "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
+                 weights=set())
