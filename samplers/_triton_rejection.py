@@ -23,6 +23,7 @@ import torch
 if TYPE_CHECKING:   # bound at run time by _kernels(), on first use
     import triton.language as tl
 
+from . import _pdl
 from ._probs import _CHUNK
 from ._rng import _CHAIN_STARTS, Stream
 
@@ -112,7 +113,10 @@ def _chunk_sums_kernel(d_ptr, t_ptr, q_ptr, seeds_ptr, pos_ptr, sums_ptr, tau_pt
                        K: tl.constexpr, V, NCH: tl.constexpr, st_b, st_k, sq_b, sq_k,
                        HAS_Q: tl.constexpr, CHUNK: tl.constexpr, CPP: tl.constexpr,
                        ACCEPT: tl.constexpr, START0: tl.constexpr,
-                       START1: tl.constexpr):
+                       START1: tl.constexpr, GDC: tl.constexpr = False):
+    if GDC:  # PDL (_pdl): no weights, so the wait first
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     seed = tl.load(seeds_ptr + b)
@@ -142,7 +146,10 @@ def _sample_kernel(d_ptr, t_ptr, q_ptr, seeds_ptr, pos_ptr, sums_ptr, tau_ptr, o
                    HAS_Q: tl.constexpr, CHUNK: tl.constexpr, CPP: tl.constexpr,
                    NCH_P2: tl.constexpr, K1_P2: tl.constexpr,
                    RESIDUAL: tl.constexpr, BONUS: tl.constexpr,
-                   START0: tl.constexpr, START1: tl.constexpr):
+                   START0: tl.constexpr, START1: tl.constexpr, GDC: tl.constexpr = False):
+    if GDC:  # PDL (_pdl): no weights, so the wait first
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     b = tl.program_id(0).to(tl.int64)
     seed = tl.load(seeds_ptr + b)
     pos = tl.load(pos_ptr + b)
@@ -222,7 +229,7 @@ def token_rejection_sample(d: torch.Tensor, target: torch.Tensor, draft: torch.T
     tau = torch.empty((B,), dtype=torch.int64, device=dev)
     out = torch.empty((B, K + 1), dtype=torch.int64, device=dev)
     common = dict(HAS_Q=draft is not None, CHUNK=_CHUNK, CPP=_CHUNKS_PER_PROGRAM,
-                  START0=_CHAIN_STARTS[0], START1=_CHAIN_STARTS[1])
+                  START0=_CHAIN_STARTS[0], START1=_CHAIN_STARTS[1], **_pdl.launch_kw(target))
     strides = (target.stride(0), target.stride(1), q.stride(0), q.stride(1))
     grid = (B, triton.cdiv(nch, _CHUNKS_PER_PROGRAM))
     chunk_sums_kernel[grid](d, target, q, seeds, positions, sums, tau, K, V, nch, *strides,

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from specloop.samplers import _pdl
+
 try:  # Triton is optional: without it the tensor-op function runs.
     import triton
     import triton.language as tl
@@ -92,7 +94,10 @@ if triton is not None:
                             bonus_ptr, pos_ptr, rows, S: tl.constexpr,
                             W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr,
                             KP: tl.constexpr, NMIN: tl.constexpr, NMAX: tl.constexpr,
-                            BLOCK: tl.constexpr):
+                            BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+        if GDC:  # PDL (specloop.samplers._pdl): no weights, so the wait first
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         start = tl.load(meta_ptr + b)
         row = tl.load(meta_ptr + rows + b)
@@ -146,5 +151,5 @@ def _chain_step_triton(history: torch.Tensor, verified: torch.Tensor, accepted: 
         meta, out, bonus,
         start_pos, rows, S=history.shape[1], W=width, WP=_pow2(width), K=k,
         KP=_pow2(max(k, 1)),
-        NMIN=ngram_min, NMAX=ngram_max, BLOCK=512)
+        NMIN=ngram_min, NMAX=ngram_max, BLOCK=512, **_pdl.launch_kw(history))
     return out

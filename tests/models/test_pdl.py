@@ -259,3 +259,27 @@ def test_norm_skinny_and_splitk_reduce():
                  {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                   "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
                  weights=set())
+
+
+def test_rejection_and_ngram_kernels_wait_first():
+    from specloop.models.drafters import _ngram_device as N
+    from specloop.samplers import _triton_rejection as R
+    from specloop.samplers._rng import Stream
+
+    chunk_sums, sample = R._kernels()
+    sig = {"d_ptr": "*i64", "t_ptr": "*bf16", "q_ptr": "*bf16", "seeds_ptr": "*i64",
+           "pos_ptr": "*i64", "sums_ptr": "*fp64", "tau_ptr": "*i64"}
+    strides = {"V": "i32", "st_b": "i32", "st_k": "i32", "sq_b": "i32", "sq_k": "i32"}
+    common = dict(K=3, NCH=12, HAS_Q=True, CHUNK=R._CHUNK, CPP=R._CHUNKS_PER_PROGRAM,
+                  START0=R._CHAIN_STARTS[0], START1=R._CHAIN_STARTS[1])
+    check_kernel(chunk_sums, {**sig, **strides}, dict(common, ACCEPT=int(Stream.ACCEPT)),
+                 weights=set(), num_warps=8)
+    check_kernel(sample, {**sig, "out_ptr": "*i64", **strides},
+                 dict(common, NCH_P2=16, K1_P2=4, RESIDUAL=int(Stream.RESIDUAL),
+                      BONUS=int(Stream.BONUS)), weights=set())
+    check_kernel(N._ngram_chain_kernel,
+                 {"hist_ptr": "*i64", "stride": "i32", "ver_ptr": "*i64", "ver_stride": "i32",
+                  "acc_ptr": "*i64", "meta_ptr": "*i64", "out_ptr": "*i64",
+                  "bonus_ptr": "*i64", "pos_ptr": "*i64", "rows": "i32"},
+                 dict(S=2048, W=4, WP=4, K=3, KP=4, NMIN=1, NMAX=3, BLOCK=512),
+                 weights=set())
