@@ -49,6 +49,32 @@ async def test_replay_equals_eager(tiny_dir, tiny_draft_dir, gpu_loaded, spec):
     assert sum(counts.values()) > 0
 
 
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "k": 3},
+    {"method": "eagle3", "k": 3, "rejection": True},
+])
+async def test_pdl_equals_no_pdl_bf16(tiny_dir, spec, monkeypatch):
+    """bf16 (the fused Triton path; greedy and sampled rows, so the greedy verify, the
+    rejection and, ngram, the device n-gram kernels too): the engine's tokens with
+    Programmatic Dependent Launch equal those without (SPECLOOP_PDL=0's switch), replayed
+    graphs and eager alike (bf16 graphs and eager steps may differ: other batch shapes).
+    PDL changes when kernels start, not what they compute."""
+    from specloop.samplers import _pdl
+
+    if not _pdl.device_supports(torch.cuda.current_device()):
+        pytest.skip("PDL needs sm_90+ and Triton's gdc_wait")
+    loaded = load_model(tiny_dir, dtype=torch.bfloat16, device="cuda")
+    reqs = requests()
+    outs = {}
+    for pdl in (False, True):
+        monkeypatch.setattr(_pdl, "_ENV_ON", pdl)
+        for graphs in (False, True):
+            outs[pdl, graphs] = await run(cfg(tiny_dir, graphs, **spec), loaded, reqs)
+    assert outs[True, False][0] == outs[False, False][0]
+    assert outs[True, True][0] == outs[False, True][0]
+    assert sum(outs[True, True][1].values()) > 0
+
+
 async def test_switching_batches_replay_the_right_variant(tiny_dir, gpu_loaded):
     config = cfg(tiny_dir, True, method="ngram", k=2, rejection=True)
     greedy = [(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))

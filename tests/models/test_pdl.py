@@ -283,3 +283,150 @@ def test_rejection_and_ngram_kernels_wait_first():
                   "bonus_ptr": "*i64", "pos_ptr": "*i64", "rows": "i32"},
                  dict(S=2048, W=4, WP=4, K=3, KP=4, NMIN=1, NMAX=3, BLOCK=512),
                  weights=set())
+
+
+# On the GPU: PDL changes when a kernel starts, not what it computes, so the same bits
+# with the switch on and off, eager and in a CUDA graph (where a misplaced wait would let a
+# kernel read its predecessor's output unfinished: a replay would then differ).
+
+@pytest.fixture
+def pdl_switch(monkeypatch):
+    """set(on): the process's switch (read once from SPECLOOP_PDL at import) for this test."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    if not _pdl.device_supports(torch.cuda.current_device()):
+        pytest.skip("PDL needs sm_90+ and Triton's gdc_wait")
+
+    def set_(on: bool) -> None:
+        monkeypatch.setattr(_pdl, "_ENV_ON", on)
+        assert _pdl.enabled(torch.zeros(1, device="cuda")) is on
+    return set_
+
+
+def _replayed(fn, inputs: list[torch.Tensor], feeds: list[list[torch.Tensor]]):
+    """fn() captured in a CUDA graph (after a warm-up on a side stream); for each feed,
+    copied into ``inputs`` and replayed: the outputs, cloned."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    outs = []
+    for feed in feeds:
+        for dst, src in zip(inputs, feed):
+            dst.copy_(src)
+        graph.replay()
+        outs.append([t.clone() for t in out])
+    torch.cuda.synchronize()
+    return outs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 4])
+def test_gpu_skinny_chain_same_bits_with_pdl(pdl_switch, rows):
+    """SmolLM2's layer GEMMs chained as in the model (norm + qkv, o, norm + gate-up,
+    silu-down, each reading the one before; 3 layers; the shipped table's configurations
+    for these rows, a split-K tl.dot o for the reduce kernel): eager without PDL == eager
+    with == graph replays with, on two inputs."""
+    from specloop.models import _linear
+    from specloop.models._skinny import (SkinnyConfig, skinny_linear, norm_fusable,
+                                         skinny_norm_linear)
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt, H, eps = torch.bfloat16, 576, 1e-5
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen, device="cuda") * scale).to(dt)
+
+    def cfg(n, k, silu=False):
+        c = _linear.skinny_config(rows, n, k, silu)
+        return c if c is not None else SkinnyConfig(False, 2, 2048 if k > 1024 else 1024)
+
+    layers = [dict(nw=1 + rand(H, scale=0.1), qkv=rand(960, H, scale=H ** -0.5),
+                   o=rand(H, H, scale=H ** -0.5), gu=rand(3072, H, scale=H ** -0.5),
+                   down=rand(H, 1536, scale=1536 ** -0.5)) for _ in range(3)]
+    c_qkv, c_gu, c_down = cfg(960, H), cfg(3072, H), cfg(H, 1536, True)
+    c_o = SkinnyConfig(True, 16, 128, split_k=2)      # tl.dot + the split-K reduce
+    assert norm_fusable(c_qkv, H) and norm_fusable(c_gu, H)
+    x = rand(rows, H)
+
+    def chain():
+        stream, delta = x, None
+        for w in layers:
+            qkv, stream = skinny_norm_linear(stream, delta, w["nw"], eps, w["qkv"], None, c_qkv)
+            o = skinny_linear(qkv[:, :H], w["o"], None, c_o)
+            gu, stream = skinny_norm_linear(stream, o, w["nw"], eps, w["gu"], None, c_gu)
+            delta = skinny_linear(gu, w["down"], None, c_down, silu_mul=True)
+        return [stream, delta]
+
+    feeds = [[rand(rows, H)] for _ in range(2)]
+
+    def eager():
+        outs = []
+        for (f,) in feeds:
+            x.copy_(f)
+            outs.append([t.clone() for t in chain()])
+        return outs
+
+    pdl_switch(False)
+    ref = eager()
+    pdl_switch(True)
+    assert all(torch.equal(a, b) for r, o in zip(ref, eager()) for a, b in zip(r, o))
+    graphed = _replayed(chain, [x], feeds)
+    assert all(torch.equal(a, b) for r, o in zip(ref, graphed) for a, b in zip(r, o))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("combine", ["last", "kernel"])
+def test_gpu_decode_step_same_bits_with_pdl(tiny_dirs, pdl_switch, combine, monkeypatch):
+    """The fused bf16 decoder (norms, rope + cache write, split-KV attention over ~600
+    positions with either combine, silu-mul) then the greedy verify kernels: a decode step
+    replayed in a CUDA graph with PDL equals the eager step without it, bit for bit."""
+    from specloop.models import _kernels, load_model
+    from specloop.samplers import _triton_greedy
+
+    monkeypatch.setattr(_kernels, "_COMBINE", combine)
+    model = load_model(tiny_dirs["llama"], dtype=torch.bfloat16, device="cuda").model
+    assert model.uses_kernels
+    B, S, L = 2, 1024, 600
+    gen = torch.Generator().manual_seed(3)
+    V = model.args.vocab_size
+    prompt = torch.randint(0, V, (B, L), generator=gen).cuda()
+    slots = torch.tensor([0, 1], device="cuda")
+    tokens = torch.zeros(B, 1, dtype=torch.long, device="cuda")
+    start = torch.full((B,), L, dtype=torch.long, device="cuda")
+    drafts = torch.zeros(B, 0, dtype=torch.long, device="cuda")
+    steps = torch.randint(0, V, (3, B, 1), generator=gen).cuda()
+
+    def fresh_cache():
+        cache = model.make_cache(B, S)
+        model(prompt, torch.zeros(B, dtype=torch.long, device="cuda"), slots, cache)
+        return cache
+
+    def step(cache):
+        logits = model.logits(model(tokens, start, slots, cache, kv_len=S))
+        return [logits, _triton_greedy.greedy_verify(drafts, logits)]
+
+    def eager():
+        cache, outs = fresh_cache(), []
+        for i, t in enumerate(steps):
+            tokens.copy_(t)
+            start.fill_(L + i)
+            outs.append([o.clone() for o in step(cache)] + [cache.k.clone()])
+        return outs
+
+    pdl_switch(False)
+    ref = eager()
+    pdl_switch(True)
+    cache = fresh_cache()
+    feeds = [[t, torch.full((B,), L + i, dtype=torch.long, device="cuda")]
+             for i, t in enumerate(steps)]
+    # The warm-up (at the last step's position) writes an entry no earlier replay reads;
+    # the last replay rewrites it.
+    got = _replayed(lambda: step(cache) + [cache.k], [tokens, start], feeds)
+    for r, g in zip(ref, got):
+        assert torch.equal(r[0], g[0]) and torch.equal(r[1], g[1])
+    assert torch.equal(ref[-1][2], got[-1][2])  # the KV cache the graph wrote
