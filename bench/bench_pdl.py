@@ -16,8 +16,9 @@ GEMV kernel, captures the 120-kernel chain in a CUDA graph three ways and times 
 - ``pdl``: launched with PDL, ``gdc_wait`` first (only the launch overlaps);
 - ``pdl+prefetch``: launched with PDL, the weight tile loaded before ``gdc_wait``.
 
-It checks that all three give the same bits, and prints us per layer and the ratios. No
-engine code uses PDL yet; this measures whether it is worth building.
+It checks that all three give the same bits, and prints us per layer and the ratios. The
+engine's kernels now launch the ``pdl+prefetch`` way (``specloop.samplers._pdl``;
+``SPECLOOP_PDL=0`` for the plain launches); this bench isolates the effect.
 
     python bench/bench_pdl.py [--layers 30] [--reps 50]
 """

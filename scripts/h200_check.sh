@@ -61,7 +61,7 @@ for step in "$@"; do
     attention)
       python3 bench/bench_paged_attention.py --tiles '' 2>&1 | grep -i "auto picked\|warn" ;;
     ab)
-      for env in DEFAULT=1 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=1; do
+      for env in DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=1; do
         echo "-- $env"
         (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
           --out "$OUT/ab_${env%%=*}.jsonl" --configs "none,eagle3 K=3" --batches 1,32 --runs 3 \
