@@ -71,7 +71,7 @@ def device_supports(index: int) -> bool:
     interpreter); the environment switch aside."""
     if _INTERPRET or not _triton_has_gdc():
         return False
-    return torch.cuda.get_device_capability(index)[0] >= 9
+    return int(torch.cuda.get_device_capability(index)[0]) >= 9
 
 
 def enabled(t: torch.Tensor) -> bool:

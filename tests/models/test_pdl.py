@@ -285,6 +285,78 @@ def test_rejection_and_ngram_kernels_wait_first():
                  weights=set())
 
 
+class _Recorder:
+    """Stands in for a jitted kernel: records each launch's keywords (no kernel runs)."""
+
+    def __init__(self, name: str, calls: list) -> None:
+        self.name, self.calls = name, calls
+
+    def __getitem__(self, grid):
+        return lambda *args, **kw: self.calls.append((self.name, kw))
+
+
+def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
+    """Every launcher of a step's Triton kernels launches with _pdl.launch_kw's keywords
+    (here forced on, the kernels recorded, not run): GDC True with launch_pdl True, at
+    every launch (split-KV both combines, split-K's reduce, both greedy modes included)."""
+    from specloop.models import _kernels as K
+    from specloop.models import _skinny as S
+    from specloop.models._skinny import SkinnyConfig
+    from specloop.models.drafters import _ngram_device as N
+    from specloop.samplers import _triton_greedy as G
+    from specloop.samplers import _triton_rejection as R
+
+    calls: list = []
+    monkeypatch.setattr(_pdl, "launch_kw", lambda t: _pdl.ON)
+    for mod, names in ((K, ["_add_rms_norm_kernel", "_eagle_prologue_kernel",
+                            "_argmax_map_kernel", "_rope_write_kernel",
+                            "_paged_attention_kernel", "_attention_combine_kernel",
+                            "_silu_mul_kernel"]),
+                       (S, ["_skinny_kernel", "_norm_skinny_kernel", "_splitk_reduce_kernel"]),
+                       (N, ["_ngram_chain_kernel"])):
+        for name in names:
+            monkeypatch.setattr(mod, name, _Recorder(name, calls))
+    monkeypatch.setattr(G, "_kernels", lambda: tuple(
+        _Recorder(n, calls) for n in ("partials", "combine", "row")))
+    monkeypatch.setattr(R, "_kernels", lambda: tuple(
+        _Recorder(n, calls) for n in ("chunk_sums", "sample")))
+    f, i64 = torch.float32, torch.int64
+    x = torch.zeros(2, 8)
+    K.add_rms_norm(x, x, torch.ones(8), 1e-5)
+    K.eagle_prologue(torch.zeros(2, dtype=i64), torch.zeros(10, 8), x, torch.ones(8),
+                     torch.ones(8), 1e-5)
+    K.argmax_map(torch.zeros(2, 16), None)
+    kc = torch.zeros(8, 16, 1, 16)
+    table, one = torch.zeros(1, 64, dtype=torch.int32), torch.zeros(1, dtype=i64)
+    K.rope_cache_write(torch.zeros(1, 1, 4 * 16), one, one, table, 1024, 0,
+                       torch.zeros(64, 16), torch.zeros(64, 16), kc, kc, num_heads=2)
+    q = torch.zeros(1, 1, 2, 16)
+    for splits, combine in ((1, "last"), (4, "last"), (4, "kernel")):
+        K.paged_attention(q, kc, kc, table, one, one, splits=splits, combine=combine)
+    K.silu_mul(torch.zeros(2, 16))
+    w = torch.zeros(4, 64)
+    S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(False, 2, 1024))
+    S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(True, 16, 16, split_k=2))
+    S.skinny_norm_linear(torch.zeros(1, 64), None, torch.ones(64), 1e-5, w, None,
+                         SkinnyConfig(False, 2, 1024))
+    logits, d = torch.zeros(1, 3, 16, dtype=f), torch.zeros(1, 2, dtype=i64)
+    G.greedy_verify(d, logits, mode="split")
+    G.greedy_verify(d, logits, mode="row")
+    R.token_rejection_sample(d, logits, None, one, one)
+    N._chain_step_triton(torch.zeros(2, 32, dtype=i64), torch.zeros(1, 3, dtype=i64), one,
+                         torch.zeros(4, dtype=i64), k=2, ngram_min=1, ngram_max=2,
+                         bonus=one.clone(), start_pos=one.clone())
+    launched = {name for name, _ in calls}
+    assert launched == {"_add_rms_norm_kernel", "_eagle_prologue_kernel", "_argmax_map_kernel",
+                        "_rope_write_kernel", "_paged_attention_kernel",
+                        "_attention_combine_kernel", "_silu_mul_kernel", "_skinny_kernel",
+                        "_norm_skinny_kernel", "_splitk_reduce_kernel", "_ngram_chain_kernel",
+                        "partials", "combine", "row", "chunk_sums", "sample"}, launched
+    wrong = [name for name, kw in calls if kw.get("GDC") is not True
+             or kw.get("launch_pdl") is not True]
+    assert not wrong, wrong
+
+
 # On the GPU: PDL changes when a kernel starts, not what it computes, so the same bits
 # with the switch on and off, eager and in a CUDA graph (where a misplaced wait would let a
 # kernel read its predecessor's output unfinished: a replay would then differ).
