@@ -6,6 +6,8 @@ branch, no return: every program reaches the wait), holds no store, atomic or re
 and loads only through the pointer arguments the test names as the kernel's weights, all
 of them (a taint walk: each register carries the pointer parameters its value derives
 from, through arithmetic and loads); there is exactly one wait and one launch_dependents.
+For three kernels (a weight-prefetching skinny GEMM, the norm GEMM, split-KV attention
+with its atomics) the SASS too: ptxas keeps the order (ACQBULK is the wait).
 
 A compile costs ~0.3-1 s (Triton's cache makes a repeat nearly free): one variant per
 kernel, the one the hot path runs most (decode shapes), and the paths that differ in
@@ -82,6 +84,33 @@ def pre_wait_report(ptx: str) -> dict:
 
 def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
                 gdc: bool = True) -> str:
+    return _compile(fn, signature, constexprs, num_warps, gdc).asm["ptx"]
+
+
+def sass_prefix(cubin: bytes) -> list[str] | None:
+    """The SASS instructions before the first ACQBULK (griddepcontrol.wait; PREEXIT is
+    launch_dependents), or None where Triton brings no cuobjdump."""
+    import os
+    import subprocess
+    import tempfile
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin",
+                        "cuobjdump")
+    if not os.path.exists(tool):
+        return None
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True,
+                              check=True).stdout
+    ops = [m.group(1) for m in re.finditer(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z0-9.]+)",
+                                             text)]
+    assert "ACQBULK" in ops, "no ACQBULK in the SASS"
+    return ops[:ops.index("ACQBULK")]
+
+
+def _compile(fn, signature: dict[str, str], constexprs: dict, num_warps: int = 4,
+             gdc: bool = True):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
@@ -94,15 +123,16 @@ def compile_ptx(fn, signature: dict[str, str], constexprs: dict, num_warps: int 
         warnings.simplefilter("ignore")
         k = triton.compile(ASTSource(fn, sig, consts), target=GPUTarget("cuda", 90, 32),
                            options={"num_warps": num_warps, "launch_pdl": gdc})
-    return k.asm["ptx"]
+    return k
 
 
 def check_kernel(fn, signature: dict[str, str], constexprs: dict, weights: set[str],
-                 num_warps: int = 4) -> None:
+                 num_warps: int = 4, sass: bool = False) -> None:
     """``weights``: the pointer arguments the kernel reads before its wait (exactly those:
-    weights only, and the prefetch the kernel means to do is there)."""
-    ptx = compile_ptx(fn, signature, constexprs, num_warps)
-    r = pre_wait_report(ptx)
+    weights only, and the prefetch the kernel means to do is there). ``sass``: the SASS
+    too (a disassembly costs ~0.3 s: a few kernels only)."""
+    k = _compile(fn, signature, constexprs, num_warps)
+    r = pre_wait_report(k.asm["ptx"])
     names = [n for n in signature]      # the kernel's parameters: its non-constexpr args
     read = {names[i] for i in r["loads"]}
     where = fn.__name__ if hasattr(fn, "__name__") else str(fn)
@@ -111,6 +141,14 @@ def check_kernel(fn, signature: dict[str, str], constexprs: dict, weights: set[s
     assert not r["bad"], f"{where}: before the wait: {r['bad'][:3]}"
     assert read <= weights, f"{where}: reads {sorted(read - weights)} before the wait"
     assert read == weights, f"{where}: {sorted(weights - read)} not loaded before the wait"
+    # ptxas keeps the order: in the SASS too, no store, atomic, branch or exit before the
+    # wait, and global loads there only where the PTX has them.
+    sass = sass_prefix(k.asm["cubin"]) if sass else None
+    if sass is not None:
+        bad = [op for op in sass if op.startswith(("STG", "ST.", "ATOMG", "ATOM.", "RED.", "BRA", "EXIT",
+                                                   "RET", "LDGSTS", "UBLKCP", "UTMA"))]
+        assert not bad, f"{where}: SASS before the wait: {bad[:3]}"
+        assert bool(weights) == any(op.startswith("LDG") for op in sass), (where, sass)
 
 
 def test_switch_off_on_cpu_and_keywords_paired():
@@ -147,8 +185,11 @@ def test_checker_catches_a_load_or_store_before_the_wait():
             tl.extra.cuda.gdc_wait()
         tl.store(y_ptr, tl.load(x_ptr))
 
-    r = pre_wait_report(compile_ptx(bad_store, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {}))
+    k = _compile(bad_store, {"x_ptr": "*fp32", "y_ptr": "*fp32"}, {})
+    r = pre_wait_report(k.asm["ptx"])
     assert r["bad"] and r["loads"] == set()
+    sass = sass_prefix(k.asm["cubin"])
+    assert sass is None or {"STG.E", "EXIT"} & set(sass), sass
 
 
 def test_kernels_wait_before_reading_activations_or_storing():
@@ -196,7 +237,7 @@ def test_attention_waits_before_its_early_return_and_counters():
     check_kernel(K._paged_attention_kernel, ATTENTION_SIG,
                  {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64,
                   "SPLITS": 8, "SPLIT_MIN": 512, "LAST_COMBINES": True, "SC": 4,
-                  "S_BLOCK": 8}, weights=set())
+                  "S_BLOCK": 8}, weights=set(), sass=True)
     check_kernel(K._attention_combine_kernel,
                  {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": "*bf16",
                   "start_ptr": "*i64", "n_rows": "i32", "T": "i32", "pos_offset": "i32"},
@@ -245,7 +286,7 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
                               BLOCK_N=16, BLOCK_K=128, TILE=False)}[path]
     before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set()}[path]
     sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
-    check_kernel(S._skinny_kernel, sig, meta, weights=before)
+    check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
 
 def test_norm_skinny_and_splitk_reduce():
@@ -254,7 +295,7 @@ def test_norm_skinny_and_splitk_reduce():
     for tile, before in ((False, {"nw_ptr", "w_ptr", "b_ptr"}), (True, {"nw_ptr", "w_ptr"})):
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
                      dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
-                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before)
+                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before, sass=tile)
     check_kernel(S._splitk_reduce_kernel,
                  {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                   "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
