@@ -22,7 +22,10 @@ compile test, tests/models/test_pdl.py, checks them in the PTX):
    (each wait covers all earlier kernels only because every grid completes after its own
    wait);
 3. before the wait only parameters never written while serving are loaded: linear and
-   norm weights, biases (an embedding row is a weight, but its index is a token: after);
+   norm weights, biases (an embedding row is a weight, but its index is a token: after).
+   No GDC kernel writes a weight; one written by a kernel launched without PDL (a cast or
+   a copy at load time) is complete before: such a kernel lets the next one start only
+   when it has completed;
 4. ``gdc_launch_dependents()`` at the start is fine: it only lets the next grid be
    scheduled once every program of this one has started (or exited); the next grid still
    waits in its own ``gdc_wait`` for this one's completion and memory flush.
