@@ -36,7 +36,7 @@ normally: it starts after the kernel before it has completed, and a PDL kernel a
 waits for its completion, so it stays correct and just does not overlap. CUDA-graph
 capture keeps the programmatic edges (bench_pdl measures replays).
 
-On when the device is CUDA with compute capability >= 9, Triton has
+On when the device is CUDA (not ROCm) with compute capability >= 9, Triton has
 ``tl.extra.cuda.gdc_wait``, the interpreter is off (it has no griddepcontrol) and
 ``SPECLOOP_PDL`` is not "0" (read once, at import: an A/B of whole runs). Off elsewhere
 (CPU tensors, older GPUs): the kernels are compiled with GDC False, unchanged.
@@ -72,8 +72,8 @@ def _triton_has_gdc() -> bool:
 def device_supports(index: int) -> bool:
     """Whether CUDA device ``index`` runs PDL kernels (sm_90+, Triton with gdc_wait, no
     interpreter); the environment switch aside."""
-    if _INTERPRET or not _triton_has_gdc():
-        return False
+    if _INTERPRET or torch.version.hip is not None or not _triton_has_gdc():
+        return False  # ROCm reports gfx9 as capability 9.x: no griddepcontrol there
     return int(torch.cuda.get_device_capability(index)[0]) >= 9
 
 
