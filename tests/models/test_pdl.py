@@ -442,8 +442,9 @@ def _replayed(fn, inputs: list[torch.Tensor], feeds: list[list[torch.Tensor]]):
 def test_gpu_skinny_chain_same_bits_with_pdl(pdl_switch, rows):
     """SmolLM2's layer GEMMs chained as in the model (norm + qkv, o, norm + gate-up,
     silu-down, each reading the one before; 3 layers; the shipped table's configurations
-    for these rows, a split-K tl.dot o for the reduce kernel): eager without PDL == eager
-    with == graph replays with, on two inputs."""
+    for these rows, a split-K tl.dot o for the reduce kernel), on two inputs: eager with
+    PDL == eager without, and graph replays with == replays without (each graph captured
+    under its switch)."""
     from specloop.models import _linear
     from specloop.models._skinny import (SkinnyConfig, skinny_linear, norm_fusable,
                                          skinny_norm_linear)
@@ -484,20 +485,23 @@ def test_gpu_skinny_chain_same_bits_with_pdl(pdl_switch, rows):
             outs.append([t.clone() for t in chain()])
         return outs
 
-    pdl_switch(False)
-    ref = eager()
-    pdl_switch(True)
-    assert all(torch.equal(a, b) for r, o in zip(ref, eager()) for a, b in zip(r, o))
-    graphed = _replayed(chain, [x], feeds)
-    assert all(torch.equal(a, b) for r, o in zip(ref, graphed) for a, b in zip(r, o))
+    got = {}
+    for pdl in (False, True):
+        pdl_switch(pdl)
+        got[pdl, False] = eager()
+        got[pdl, True] = _replayed(chain, [x], feeds)
+    for graph in (False, True):
+        assert all(torch.equal(a, b) for r, o in zip(got[False, graph], got[True, graph])
+                   for a, b in zip(r, o)), graph
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("combine", ["last", "kernel"])
 def test_gpu_decode_step_same_bits_with_pdl(tiny_dirs, pdl_switch, combine, monkeypatch):
     """The fused bf16 decoder (norms, rope + cache write, split-KV attention over ~600
-    positions with either combine, silu-mul) then the greedy verify kernels: a decode step
-    replayed in a CUDA graph with PDL equals the eager step without it, bit for bit."""
+    positions with either combine, silu-mul) then the greedy verify kernels, three decode
+    steps: with PDL the same bits as without, eager and replayed in a CUDA graph (each
+    captured under its switch): logits, tokens and the KV cache written."""
     from specloop.models import _kernels, load_model
     from specloop.samplers import _triton_greedy
 
@@ -523,23 +527,31 @@ def test_gpu_decode_step_same_bits_with_pdl(tiny_dirs, pdl_switch, combine, monk
         logits = model.logits(model(tokens, start, slots, cache, kv_len=S))
         return [logits, _triton_greedy.greedy_verify(drafts, logits)]
 
-    def eager():
-        cache, outs = fresh_cache(), []
-        for i, t in enumerate(steps):
+    feeds = [[t, torch.full((B,), L + i, dtype=torch.long, device="cuda")]
+             for i, t in enumerate(steps)]
+
+    def run(graph):
+        cache = fresh_cache()
+        if graph:
+            # The warm-up runs at the last step's position: it writes an entry no earlier
+            # replay reads, and the last replay rewrites it.
+            tokens.copy_(feeds[-1][0])
+            start.copy_(feeds[-1][1])
+            return _replayed(lambda: step(cache) + [cache.k], [tokens, start], feeds)
+        outs = []
+        for t, pos in feeds:
             tokens.copy_(t)
-            start.fill_(L + i)
+            start.copy_(pos)
             outs.append([o.clone() for o in step(cache)] + [cache.k.clone()])
         return outs
 
-    pdl_switch(False)
-    ref = eager()
-    pdl_switch(True)
-    cache = fresh_cache()
-    feeds = [[t, torch.full((B,), L + i, dtype=torch.long, device="cuda")]
-             for i, t in enumerate(steps)]
-    # The warm-up (at the last step's position) writes an entry no earlier replay reads;
-    # the last replay rewrites it.
-    got = _replayed(lambda: step(cache) + [cache.k], [tokens, start], feeds)
-    for r, g in zip(ref, got):
-        assert torch.equal(r[0], g[0]) and torch.equal(r[1], g[1])
-    assert torch.equal(ref[-1][2], got[-1][2])  # the KV cache the graph wrote
+    got = {}
+    for pdl in (False, True):
+        pdl_switch(pdl)
+        for graph in (False, True):
+            got[pdl, graph] = run(graph)
+    for graph in (False, True):
+        off, on = got[False, graph], got[True, graph]
+        for r, g in zip(off, on):     # logits and packed tokens of each step
+            assert torch.equal(r[0], g[0]) and torch.equal(r[1], g[1]), graph
+        assert torch.equal(off[-1][2], on[-1][2]), graph  # the KV cache written
