@@ -46,7 +46,8 @@ from _common import (chat_prompts, device_sync, emit_row, engine_config, generat
 
 class RunTrace:
     """IterationObserver: per timed run, the iterations' wall time (their states' durations
-    summed) by K, the slowest few with their state breakdown, and the Triton kernels
+    summed, SCHEDULE left out: a round's first one waits for its requests while the other
+    configurations run theirs; it stays in ``states``) by K, the slowest few with their state breakdown, and the Triton kernels
     compiled during the run (new entries in Triton's cache) -- what a slow run spent its
     time on (batch 256's first adaptive run was 2.8x slow in two sessions)."""
 
@@ -57,7 +58,8 @@ class RunTrace:
         it = self.iters.setdefault(event.iteration, {
             "k": event.num_draft_tokens, "batch": event.batch_size, "ms": 0.0, "states": {}})
         ms = event.duration_us / 1e3
-        it["ms"] += ms
+        if event.state.name != "SCHEDULE":     # SCHEDULE waits for requests: between
+            it["ms"] += ms                      # rounds, while the other configs run
         it["states"][event.state.name] = round(it["states"].get(event.state.name, 0.0) + ms, 3)
         if event.num_draft_tokens:
             it["k"] = event.num_draft_tokens
