@@ -111,9 +111,10 @@ class DecoderModel(nn.Module):
         return F.embedding(tokens, self.embed_tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> f32 logits [..., V]."""
+        """hidden [..., H] -> f32 logits [..., V]: the LM head's product in the model's
+        dtype, widened (the skinny kernel stores it widened itself: ``linear_f32``)."""
         with torch.no_grad():
-            return self.linear(hidden, self.lm_head_weight).float()
+            return self.linear.linear_f32(hidden, self.lm_head_weight)
 
     def make_cache(self, num_slots: int, max_seq_len: int, **kw: Any) -> KVCache:
         """A KVCache for this model, on its device and in its dtype (``kw``: page_size,

@@ -37,7 +37,9 @@ different configurations for different row ranges, all of ONE class (and one cla
 the norm kernel too where the norm is fused); bench/bench_skinny_gemm.py measures the
 classes.
 
-Accumulation is in fp32, rounded once to x's dtype at the store. SPLIT_K > 1 writes fp32
+Accumulation is in fp32, rounded once to x's dtype at the store (then, for an fp32 output,
+``skinny_linear(out_dtype=torch.float32)``, widened exactly: the bits of the bf16 result's
+``.float()``, the cast kernel after it saved). SPLIT_K > 1 writes fp32
 partial sums to a [SPLIT_K, M, N] scratch and a second small kernel adds them in split
 order (no atomics), so every configuration is deterministic: the same inputs give the same
 bits, and a CUDA-graph replay equals the eager call.
@@ -211,7 +213,10 @@ if triton is not None:
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                # Rounded to x's dtype first (a no-op cast after it when y has that
+                # dtype): an fp32 y holds ``y.float()``'s bits (skinny_linear's out_dtype).
+                tl.store(y, acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
+                         mask=out_mask)
             else:
                 # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
                 part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
@@ -244,7 +249,8 @@ if triton is not None:
                     if HAS_BIAS:
                         acc += bias
                     tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
-                             acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+                             acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
+                             mask=y_ok)
                 else:
                     tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
 
@@ -344,16 +350,22 @@ if triton is not None:
         n = offs % N
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-        tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty),
-                 mask=ok)
+        # Rounded to the model's dtype (b_ptr's: the bias, or the weight standing in for
+        # it), then to y's: an fp32 y holds ``y.float()``'s bits, as in _skinny_kernel.
+        tl.store(y_ptr + m.to(tl.int64) * stride_ym + n,
+                 acc.to(b_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=ok)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: SkinnyConfig, *, silu_mul: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig, *, silu_mul: bool = False,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, by ``config``.
     ``silu_mul``: x is a gate-up output [..., 2K] and the product is silu(gate) * up
     (rounded to x's dtype) @ weight^T. x's last dim and weight's rows must be contiguous;
-    x, weight and bias share a dtype (the caller, ``models/_linear``, checks)."""
+    x, weight and bias share a dtype (the caller, ``models/_linear``, checks).
+    ``out_dtype`` torch.float32: the product still rounded to x's dtype, stored widened
+    to fp32 by the kernel's epilogue, so the result is the default call's ``.float()``
+    bit for bit without a cast kernel after it (an LM head's f32 logits)."""
     N, K = weight.shape
     width = x.shape[-1]
     if width != (2 * K if silu_mul else K):
@@ -364,8 +376,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_linear: weight rows must be contiguous")
+    if out_dtype not in (None, x.dtype, torch.float32):
+        raise ValueError(f"skinny_linear: out_dtype {out_dtype}: x's dtype or float32")
     M = x2.shape[0]
-    y = x2.new_empty(M, N)
+    y = x2.new_empty(M, N, dtype=out_dtype)
     if M == 0:
         return y.view(*x.shape[:-1], N)
     c = config

@@ -272,20 +272,25 @@ NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf
             "stride_cm": "i32", "eps": "fp32"}
 
 
-@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split"])
+@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_f32"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
     # Broadcast (the 1-row decode GEMMs, silu-down's prologue): W and the bias before;
-    # tile: W before, the bias at the store; tl.dot split-K: the wait first.
+    # tile: W before, the bias at the store; tl.dot split-K: the wait first; tl.dot with
+    # an fp32 y (the LM head's d64x64 storing its logits widened: out_dtype): the wait first.
     meta = {"broadcast": dict(ACT=1, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=1,
                               BLOCK_N=2, BLOCK_K=1024, TILE=False),
             "tile": dict(ACT=0, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=4, BLOCK_N=4,
                          BLOCK_K=1024, TILE=True),
             "dot_split": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=2, BLOCK_M=16,
-                              BLOCK_N=16, BLOCK_K=128, TILE=False)}[path]
-    before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set()}[path]
-    sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
+                              BLOCK_N=16, BLOCK_K=128, TILE=False),
+            "dot_f32": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
+                            BLOCK_N=64, BLOCK_K=64, TILE=False)}[path]
+    before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
+              "dot_f32": set()}[path]
+    f32 = meta["SPLIT_K"] > 1 or path == "dot_f32"
+    sig = dict(SKINNY_SIG, y_ptr="*fp32") if f32 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
 
@@ -296,10 +301,11 @@ def test_norm_skinny_and_splitk_reduce():
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
                      dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
                           BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before, sass=tile)
-    check_kernel(S._splitk_reduce_kernel,
-                 {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
-                  "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
-                 weights=set())
+    for y in ("*bf16", "*fp32"):         # fp32: skinny_linear's out_dtype
+        check_kernel(S._splitk_reduce_kernel,
+                     {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": y, "M": "i32", "N": "i32",
+                      "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
+                     weights=set())
 
 
 def test_rejection_and_ngram_kernels_wait_first():
@@ -378,6 +384,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     w = torch.zeros(4, 64)
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(False, 2, 1024))
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(True, 16, 16, split_k=2))
+    S.skinny_linear(torch.zeros(1, 64).bfloat16(), w.bfloat16(), None,
+                    SkinnyConfig(True, 16, 16), out_dtype=torch.float32)
     S.skinny_norm_linear(torch.zeros(1, 64), None, torch.ones(64), 1e-5, w, None,
                          SkinnyConfig(False, 2, 1024))
     logits, d = torch.zeros(1, 3, 16, dtype=f), torch.zeros(1, 2, dtype=i64)

@@ -195,6 +195,70 @@ def test_one_reduction_tile_equals_float64_reference_interpreted():
     run_interpreted(TILE_CHILD)
 
 
+F32_OUT_CHILD = r"""
+import torch
+from specloop.models import _linear, _skinny
+from specloop.models._skinny import SkinnyConfig, skinny_linear
+
+def bits(t):
+    return t.contiguous().view(torch.int32)
+
+torch.manual_seed(0)
+N, K = 19, 83                      # neither a multiple of any block
+w32, b32, x32 = torch.randn(N, K), torch.randn(N), torch.randn(5, K) * 2
+# Each family with all of K in one program and with K over several (fp32 partials, then
+# the ordered reduce kernel stores): d (tl.dot) one split and 2; v one pass and K over 3;
+# b (one reduction over 4 rows) one pass and K over 2.
+configs = [SkinnyConfig(True, 16, 32), SkinnyConfig(True, 16, 32, split_k=2),
+           SkinnyConfig(False, 8, 128), SkinnyConfig(False, 8, 32),
+           SkinnyConfig(False, 2, 128, tile_m=4), SkinnyConfig(False, 4, 64, tile_m=4)]
+for dtype in (torch.bfloat16, torch.float16):
+    w, b, x = w32.to(dtype), b32.to(dtype), x32.to(dtype)
+    for cfg in configs:
+        for M, bias in ((1, None), (2, b), (5, b)):
+            y = skinny_linear(x[:M], w, bias, cfg)
+            y32 = skinny_linear(x[:M], w, bias, cfg, out_dtype=torch.float32)
+            assert y.dtype == dtype and y32.dtype == torch.float32 and y32.shape == y.shape
+            # the bf16 (fp16) product widened, bit for bit; not a product left unrounded
+            assert torch.equal(bits(y32), bits(y.float())), (dtype, cfg, M)
+            assert torch.equal(y32.to(dtype).float(), y32), (dtype, cfg, M)
+    # leading dims, as the LM head's [B, K+1, H] hidden
+    cfg = configs[0]
+    y32 = skinny_linear(x[:4].view(2, 2, K), w, None, cfg, out_dtype=torch.float32)
+    assert y32.shape == (2, 2, N)
+    assert torch.equal(bits(y32), bits(skinny_linear(x[:4], w, None, cfg).float().view(2, 2, N)))
+# The dispatcher: linear_f32 == the plain call's .float() bit for bit, rows in the table's
+# range through the kernel's fp32 epilogue (one call, out_dtype float32), beyond it F.linear
+# then the cast.
+_linear.SKINNY_TABLE[(N, K, False)] = ((2, "d16x32s2w4n3"),)
+lin = _linear.PackedLinear(skinny=True)
+lin.skinny_on_cpu = True
+calls = []
+plain = _skinny.skinny_linear
+def counted(*a, **k):
+    calls.append(k.get("out_dtype"))
+    return plain(*a, **k)
+_skinny.skinny_linear = counted
+w, x = w32.bfloat16(), x32.bfloat16()
+for M, want in ((1, [torch.float32, None]), (2, [torch.float32, None]), (3, [])):
+    calls.clear()
+    got = lin.linear_f32(x[:M], w)
+    assert torch.equal(bits(got), bits(lin(x[:M], w).float())), M
+    assert calls == want, (M, calls)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_skinny_f32_out_is_the_rounded_product_widened_interpreted():
+    """``skinny_linear(out_dtype=torch.float32)`` (the LM head's logits, no cast kernel
+    after it): the bits of the default call's ``.float()`` for the d, v and b families,
+    with K in one program and split over several (the reduce kernel's store), bias, bf16
+    and fp16, leading dims; ``PackedLinear.linear_f32`` takes it for the table's rows and
+    F.linear + ``.float()`` beyond them."""
+    run_interpreted(F32_OUT_CHILD)
+
+
 LAYER_CHILD = r"""
 import sys, torch
 from specloop.models import PageTable, load_model, _kernels, _skinny
@@ -442,6 +506,23 @@ def test_skinny_matches_f_linear_bf16_cuda():
         for rows in (1, 2, 3, 4, 5, 8, 9, 13, 16, 17, 31):
             y = skinny_linear(x[:rows], w, b, cfg, silu_mul=act)
             assert torch.equal(y, y32[:rows]), (n, k, act, rows, cfg.tag())
+
+
+@pytest.mark.gpu
+def test_lm_head_f32_logits_equal_the_cast_cuda():
+    """SmolLM2's LM head [49152, 576] in bf16 on the GPU: ``linear_f32`` (the skinny
+    kernel storing fp32 for the table's 1-2 rows, cuBLAS + ``.float()`` beyond) gives the
+    bits of the bf16 product's ``.float()``, for 1..4 rows and VERIFY's [B, K+1, H]."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    w = (torch.randn(49152, 576, device="cuda", generator=gen) * 0.05).bfloat16()
+    x = torch.randn(4, 576, device="cuda", generator=gen).bfloat16()
+    lin = PackedLinear(skinny=True)
+    assert skinny_config(2, 49152, 576) is not None and skinny_config(3, 49152, 576) is None
+    for xs in [x[:m] for m in (1, 2, 3, 4)] + [x.view(2, 2, 576), x[:2].view(1, 2, 576)]:
+        got = lin.linear_f32(xs, w)
+        assert got.dtype == torch.float32 and got.shape == (*xs.shape[:-1], 49152)
+        assert torch.equal(got.view(torch.int32), lin(xs, w).float().view(torch.int32)), \
+            tuple(xs.shape)
 
 
 @pytest.mark.gpu
