@@ -253,14 +253,20 @@ def test_greedy_kernels_wait_first():
     check_kernel(partials, {"x_ptr": "*bf16", "pv_ptr": "*fp32", "pi_ptr": "*i32", "V": "i32",
                             "T": "i32", "s_b": "i32", "s_t": "i32", "S": "i32"},
                  {"CHUNK": 2048, "BLOCK": 1024, "IMAX": imax}, weights=set())
-    check_kernel(combine, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "d_ptr": "*i64",
-                           "out_ptr": "*i64", "K": "i32", "S": "i32", "s_d": "i32"},
-                 {"T_P2": 4, "S_P2": 32, "IMAX": imax, "COUNT": True}, weights=set(),
-                 num_warps=1)
-    check_kernel(row, {"x_ptr": "*bf16", "d_ptr": "*i64", "out_ptr": "*i64", "V": "i32",
-                       "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32"},
-                 {"T_P2": 4, "BLOCK": 8192, "IMAX": imax, "COUNT": True}, weights=set(),
-                 num_warps=16)
+    feed = {"tok_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i64", "s_tok": "i32",
+            "s_pos": "i32", "s_slot": "i32", "scratch": "i32"}
+    # K = 3 (no feed), and K = 0 writing the step's next inputs (FEED: the tokens, start
+    # positions and slots it reads and writes are the step's inputs: after the wait).
+    for t_p2, fed in ((4, False), (1, True)):
+        check_kernel(combine, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "d_ptr": "*i64",
+                               "out_ptr": "*i64", "K": "i32", "S": "i32", "s_d": "i32",
+                               **feed},
+                     {"T_P2": t_p2, "S_P2": 32, "IMAX": imax, "COUNT": True, "FEED": fed},
+                     weights=set(), num_warps=1, sass=fed)
+        check_kernel(row, {"x_ptr": "*bf16", "d_ptr": "*i64", "out_ptr": "*i64", "V": "i32",
+                           "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32", **feed},
+                     {"T_P2": t_p2, "BLOCK": 8192, "IMAX": imax, "COUNT": True, "FEED": fed},
+                     weights=set(), num_warps=16)
 
 
 SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
@@ -391,6 +397,11 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     logits, d = torch.zeros(1, 3, 16, dtype=f), torch.zeros(1, 2, dtype=i64)
     G.greedy_verify(d, logits, mode="split")
     G.greedy_verify(d, logits, mode="row")
+    from specloop.samplers._sampler import NextInputs
+    fed = torch.zeros(1, 3, dtype=i64)
+    for mode in ("split", "row"):               # K = 0 writing the step's next inputs
+        G.greedy_verify(d[:, :0], logits[:, :1], mode=mode,
+                        feed=NextInputs(fed[:, :1], fed[:, 1], fed[:, 2], 1))
     R.token_rejection_sample(d, logits, None, one, one)
     N._chain_step_triton(torch.zeros(2, 32, dtype=i64), torch.zeros(1, 3, dtype=i64), one,
                          torch.zeros(4, dtype=i64), k=2, ngram_min=1, ngram_max=2,

@@ -236,3 +236,120 @@ def test_cuda_draft_argmax_equals_torch_eager_and_in_graph(B):
         xc.copy_(x2)
         graph.replay()
         assert torch.equal(out.cpu(), x2.argmax(-1))
+
+
+# The K = 0 feeds-itself step's next inputs written by the last kernel (``feed``): laid
+# out as engine/_verify.py's verify_inputs lays them (columns of one [B, 3] i64 tensor:
+# token, start, slot), padding rows at the scratch slot.
+FEED_CHILD = CASES + r"""
+import torch
+from specloop.samplers import SamplingBatch, SamplingParams
+from specloop.samplers import _sampler
+from specloop.samplers._sampler import NextInputs, write_next_inputs
+from specloop.samplers._triton_greedy import greedy_verify
+
+gen = torch.Generator().manual_seed(1)
+B, V, scratch = 6, 200, 7
+x = tricky(B, 1, V, gen, 64)
+d = torch.zeros(B, 0, dtype=torch.int64)
+
+def inputs():
+    host = torch.zeros(B, 3, dtype=torch.int64)
+    host[:, 0] = torch.tensor([11, 12, 13, 14, 15, 16])
+    host[:, 1] = torch.tensor([5, 0, 130, 9, 0, 0])
+    host[:, 2] = torch.tensor([3, 0, 6, scratch, 1, scratch])   # rows 3, 5: padding
+    return host, NextInputs(host[:, :1], host[:, 1], host[:, 2], scratch)
+
+want_host, want_feed = inputs()
+ref = strict_from_targets(d, x.argmax(-1))
+write_next_inputs(ref, want_feed)                  # the torch ops
+want_packed = reference(d, x)
+assert want_host[:, 1].tolist() == [6, 1, 131, 9, 1, 0]
+assert want_host[:, 0].tolist() == x.argmax(-1)[:, 0].tolist()
+for mode in ("split", "row"):
+    host, feed = inputs()
+    got = greedy_verify(d, x, feed=feed, mode=mode, chunk=64, block=32)
+    assert torch.equal(got, want_packed), mode
+    assert torch.equal(host, want_host), (mode, host, want_host)   # slots untouched too
+    host, _ = inputs()                              # no feed: the inputs stay
+    greedy_verify(d, x, mode=mode, chunk=64, block=32)
+    assert torch.equal(host, inputs()[0]), mode
+for bad in (dict(d=torch.zeros(B, 1, dtype=torch.int64), x=tricky(B, 2, V, gen, 64)),
+            dict(d=d, x=x, feed=NextInputs(inputs()[1].tokens.int(), *inputs()[1][1:]))):
+    try:
+        greedy_verify(bad["d"], bad["x"], feed=bad.get("feed", inputs()[1]))
+    except ValueError:
+        continue
+    raise AssertionError(bad)
+# strict_verify's dispatch (CUDA only, forced here): an all-greedy batch's kernels write
+# the next inputs (no torch ops after), positions not needed; a sampled batch's torch path
+# writes the same through write_next_inputs.
+_sampler.usable = lambda d, x: True
+def boom(*a):
+    raise AssertionError("torch ops on the kernel path")
+_sampler.write_next_inputs = boom
+greedy = SamplingBatch.from_params([SamplingParams(temperature=0)] * B, list(range(B)))
+host, feed = inputs()
+r = _sampler.strict_verify(d, x, greedy, None, feed=feed)
+assert torch.equal(_sampler.packed_result(r), want_packed) and torch.equal(host, want_host)
+_sampler.write_next_inputs = write_next_inputs
+sampled = SamplingBatch.from_params([SamplingParams()] * B, list(range(B)))
+host, feed = inputs()
+r = _sampler.strict_verify(d, x, sampled, torch.zeros(B, dtype=torch.int64), feed=feed)
+assert host[:, 0].tolist() == r.token_ids[:, 0].tolist()
+assert torch.equal(host[:, 1:], want_host[:, 1:])
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _triton_greedy._triton_importable(), reason="needs Triton")
+def test_feed_writes_the_next_inputs_as_the_torch_ops_interpreted():
+    """``greedy_verify(feed=...)`` at K = 0, both modes: packed as without, the step's
+    tokens [B, 1] (column views of one tensor) = t_0 and start_pos + 1 for rows whose slot
+    is below the scratch slot, padding rows kept, slots untouched: bit for bit what
+    ``write_next_inputs``'s torch ops write; strict_verify's kernel path runs no torch ops
+    for it."""
+    run_interpreted(FEED_CHILD)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("B", [1, 8])
+def test_cuda_feed_equals_the_torch_ops_eager_and_in_graph(B):
+    """K = 0 with ``feed`` on CUDA at SmolLM2's V, both modes, eager and captured (PDL on
+    where the device has it): the inputs written equal ``write_next_inputs``'s, padding
+    rows (the last row when B > 1) kept, replay after replay (each replay reads the
+    inputs the previous one wrote, as the engine's step queued ahead does)."""
+    from specloop.samplers._sampler import NextInputs, write_next_inputs
+    scratch, V = 100, 49152
+    host = torch.zeros(B, 3, dtype=torch.int64)
+    host[:, 1] = torch.arange(B) * 7 + 3
+    host[:, 2] = torch.arange(B)
+    if B > 1:
+        host[-1, 1:] = torch.tensor([0, scratch])
+    d = torch.zeros(B, 0, dtype=torch.int64, device="cuda")
+    for mode in ("split", "row"):
+        x = torch.zeros(B, 1, V, device="cuda")
+        want = host.clone()
+        want_feed = NextInputs(want[:, :1], want[:, 1], want[:, 2], scratch)
+        cols = host.clone().cuda()
+        feed = NextInputs(cols[:, :1], cols[:, 1], cols[:, 2], scratch)
+        run = lambda: _triton_greedy.greedy_verify(d, x, feed=feed, mode=mode)  # noqa: E731
+        run()                           # eager, on zeros: token 0
+        write_next_inputs(strict_from_targets(d.cpu(), x.cpu().argmax(-1)), want_feed)
+        assert torch.equal(cols.cpu(), want), mode
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            run()
+        torch.cuda.current_stream().wait_stream(stream)
+        write_next_inputs(strict_from_targets(d.cpu(), x.cpu().argmax(-1)), want_feed)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = run()
+        for seed in range(3):
+            x.copy_(torch.randn(B, 1, V, generator=torch.Generator().manual_seed(seed)))
+            graph.replay()
+            ref = strict_from_targets(d.cpu(), x.cpu().argmax(-1))
+            write_next_inputs(ref, want_feed)
+            assert torch.equal(cols.cpu(), want), (mode, seed)
+            assert torch.equal(out[:, 0].cpu(), ref.token_ids[:, 0])
