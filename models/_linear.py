@@ -314,6 +314,25 @@ class PackedLinear:
         h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
         return self(h, weight, bias), stream
 
+    def embed_norm_linear(self, tokens: torch.Tensor, table: torch.Tensor,
+                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                          bias: torch.Tensor | None = None,
+                          capture: torch.Tensor | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm_linear(F.embedding(tokens, table), None, ...)``, bit for bit (a model's
+        first layer): where the RMSNorm is fused (see ``norm_linear``), the kernel gathers
+        the embedding rows itself (``skinny_norm_linear``'s ``tokens``; at batch 1 on an
+        H200 the gather was a torch kernel outside the PDL chain); else F.embedding first."""
+        if self.skinny_norm and norm_weight.dim() == 1 and table.dim() == 2 \
+                and tokens.dtype == torch.int64 and tokens.device == table.device:
+            x = table[:1].expand(tokens.numel(), table.shape[1])  # the rows' shape, dtype
+            config = self._skinny_config(x, weight, bias, silu_mul=False, norm=True)
+            if config is not None:
+                return _skinny.skinny_norm_linear(table, None, norm_weight, eps, weight, bias,
+                                                  config, capture, tokens=tokens)
+        return self.norm_linear(F.embedding(tokens, table), None, norm_weight, eps, weight,
+                                bias, capture)
+
     def _skinny_config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        *, silu_mul: bool, norm: bool = False) -> SkinnyConfig | None:
         if not self.skinny or x.dtype not in (torch.bfloat16, torch.float16) \

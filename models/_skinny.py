@@ -52,7 +52,9 @@ loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactl
 + RMSNorm (``_kernels.add_rms_norm``'s arithmetic) into the prologue of the GEMM after it,
 for broadcast configurations that hold all of K in one pass: every program normalises the
 few rows itself, the first column block stores the residual stream, and the normed rows
-are never written.
+are never written. With ``tokens`` (``GATHER``, a model's first layer) the rows are
+gathered from the embedding table by the kernel itself (after the wait: their index is a
+token) and stored as the stream, so no gather kernel runs before it.
 
 On Hopper the three kernels are launched with Programmatic Dependent Launch (``GDC``,
 ``specloop.samplers._pdl``: its module doc has the rules): a program loads its tile of W
@@ -255,14 +257,18 @@ if triton is not None:
                     tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
 
     @triton.jit(do_not_specialize=["M"])
-    def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, M, N, K,
-                            stride_wn, stride_ym, stride_cm, eps, HAS_DELTA: tl.constexpr,
-                            HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
-                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                            BLOCK_K: tl.constexpr, TILE: tl.constexpr = False,
+    def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, t_ptr,
+                            M, N, K, V, stride_wn, stride_ym, stride_cm, eps,
+                            HAS_DELTA: tl.constexpr, HAS_COPY: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                            TILE: tl.constexpr = False, GATHER: tl.constexpr = False,
                             GDC: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
+        # GATHER: row m of x is row t[m] of the embedding table x [V, K] (F.embedding's
+        # bits; a token outside 0..V-1 reads zeros), stored as the stream; no delta. The
+        # token is an activation: read after the wait, and so the row it picks.
         pid_n = tl.program_id(0)
         if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
             tl.extra.cuda.gdc_launch_dependents()
@@ -284,12 +290,18 @@ if triton is not None:
             m_ok = rm < M
             ok = m_ok[:, None, None] & k_ok[None, None, :]
             offs = rm.to(tl.int64)[:, None, None] * K + rk[None, None, :]
-            xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
+            if GATHER:
+                tok = tl.load(t_ptr + rm, mask=m_ok, other=0)
+                hit = ok & ((tok >= 0) & (tok < V))[:, None, None]
+                xs = tl.load(x_ptr + tok.to(tl.int64)[:, None, None] * K + rk[None, None, :],
+                             mask=hit, other=0.0)
+            else:
+                xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
             if HAS_DELTA:
                 xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
                       .to(tl.float32)).to(xs.dtype)
             if pid_n == 0:
-                if HAS_DELTA:
+                if HAS_DELTA or GATHER:
                     tl.store(s_ptr + offs, xs, mask=ok)
                 if HAS_COPY:
                     tl.store(c_ptr + rm.to(tl.int64)[:, None, None] * stride_cm
@@ -314,13 +326,19 @@ if triton is not None:
                 row = tl.program_id(1) * BLOCK_M + r
                 ok = k_ok & (rk * 0 + row < M)
                 offs = row.to(tl.int64) * K + rk
-                xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
+                if GATHER:
+                    # The row's token in every lane (one address: a broadcast load).
+                    tok = tl.load(t_ptr + row + rk * 0, mask=rk * 0 + row < M, other=0)
+                    xs = tl.load(x_ptr + tok.to(tl.int64) * K + rk,
+                                 mask=ok & (tok >= 0) & (tok < V), other=0.0)
+                else:
+                    xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
                 if HAS_DELTA:
                     # Rounded to the stream's dtype like the reference's ``x + y``.
                     xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
                           .to(tl.float32)).to(xs.dtype)
                 if pid_n == 0:       # the one column block that stores the residual stream
-                    if HAS_DELTA:
+                    if HAS_DELTA or GATHER:
                         tl.store(s_ptr + offs, xs, mask=ok)
                     if HAS_COPY:
                         tl.store(c_ptr + row.to(tl.int64) * stride_cm + rk, xs, mask=ok)
@@ -409,12 +427,16 @@ def norm_fusable(config: SkinnyConfig, k: int) -> bool:
 
 def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                       config: SkinnyConfig, copy_to: torch.Tensor | None = None
+                       config: SkinnyConfig, copy_to: torch.Tensor | None = None, *,
+                       tokens: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta) for x, delta
     [..., K], weight [N, K], in one kernel: ``_kernels.add_rms_norm`` (delta None: no add;
     ``copy_to`` also receives x + delta) and the GEMM, the normed rows never stored. The
-    config must be ``norm_fusable`` (one pass over K computes each row's RMS first)."""
+    config must be ``norm_fusable`` (one pass over K computes each row's RMS first).
+    ``tokens`` [...] i64 (delta None): x is an embedding table [V, K] and the rows are
+    ``F.embedding(tokens, x)``, gathered by the kernel (returned as the stream, [..., K]),
+    so no gather kernel runs before it (a model's first layer)."""
     N, K = weight.shape
     if x.shape[-1] != K or not norm_fusable(config, K) or norm_weight.shape != (K,):
         raise ValueError(f"skinny_norm_linear: x [..., {x.shape[-1]}], weight [{N}, {K}], "
@@ -422,26 +444,37 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     if weight.stride(1) != 1:
         raise ValueError("skinny_norm_linear: weight rows must be contiguous")
     x = x.contiguous()
-    M = x.numel() // K
-    stream = torch.empty_like(x) if delta is not None else x
+    vocab = 0
+    if tokens is not None:
+        if delta is not None or x.dim() != 2 or tokens.dtype != torch.int64:
+            raise ValueError("skinny_norm_linear: tokens (i64) gather rows of a [V, K] "
+                             "table x, with no delta")
+        vocab, tokens = x.shape[0], tokens.contiguous()
+        M = tokens.numel()
+        stream = x.new_empty(*tokens.shape, K)
+    else:
+        M = x.numel() // K
+        stream = torch.empty_like(x) if delta is not None else x
     d = delta.contiguous() if delta is not None else x
     copy_stride = 0
     if copy_to is not None:
-        if copy_to.stride(-1) != 1 or copy_to.numel() != x.numel():
+        if copy_to.stride(-1) != 1 or copy_to.numel() != M * K:
             raise ValueError("skinny_norm_linear: copy_to must hold x's rows, last dim "
                              "contiguous")
         copy_stride = copy_to.stride(-2) if copy_to.dim() > 1 else K
         if copy_to.dim() > 2 and copy_to.stride(-3) != copy_stride * copy_to.shape[-2]:
             raise ValueError("skinny_norm_linear: copy_to's rows must be evenly strided")
-    y = x.new_empty(*x.shape[:-1], N)
+    y = x.new_empty(*stream.shape[:-1], N)
     if M == 0:
         return y, stream
     bm = config.block_m(M)
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(M, bm))
     _norm_skinny_kernel[grid](
         x, d, norm_weight, weight, bias if bias is not None else weight, y, stream,
-        x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
-        HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x))
+        x if copy_to is None else copy_to, tokens if tokens is not None else stream, M, N, K,
+        vocab, weight.stride(0), N, copy_stride, eps, HAS_DELTA=delta is not None,
+        HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None, BLOCK_M=bm,
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
+        GATHER=tokens is not None, num_warps=config.num_warps,
+        num_stages=config.num_stages, **_pdl.launch_kw(x))
     return y, stream

@@ -273,9 +273,9 @@ SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*b
               "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
               "stride_ym": "i32", "k_per_split": "i32"}
 NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
-            "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32",
-            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
-            "stride_cm": "i32", "eps": "fp32"}
+            "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16",
+            "t_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "V": "i32",
+            "stride_wn": "i32", "stride_ym": "i32", "stride_cm": "i32", "eps": "fp32"}
 
 
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_f32"])
@@ -306,7 +306,14 @@ def test_norm_skinny_and_splitk_reduce():
     for tile, before in ((False, {"nw_ptr", "w_ptr", "b_ptr"}), (True, {"nw_ptr", "w_ptr"})):
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
                      dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
-                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before, sass=tile)
+                          BLOCK_N=2, BLOCK_K=1024, TILE=tile, GATHER=False), weights=before,
+                     sass=tile)
+        # GATHER (a first layer's embedding rows): the table x is a weight, but the row
+        # is the token's (t_ptr, an activation): neither read before the wait.
+        check_kernel(S._norm_skinny_kernel, dict(NORM_SIG, t_ptr="*i64"),
+                     dict(HAS_DELTA=False, HAS_COPY=False, HAS_BIAS=True,
+                          BLOCK_M=4 if tile else 1, BLOCK_N=2, BLOCK_K=1024, TILE=tile,
+                          GATHER=True), weights=before, sass=not tile)
     for y in ("*bf16", "*fp32"):         # fp32: skinny_linear's out_dtype
         check_kernel(S._splitk_reduce_kernel,
                      {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": y, "M": "i32", "N": "i32",
@@ -394,6 +401,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
                     SkinnyConfig(True, 16, 16), out_dtype=torch.float32)
     S.skinny_norm_linear(torch.zeros(1, 64), None, torch.ones(64), 1e-5, w, None,
                          SkinnyConfig(False, 2, 1024))
+    S.skinny_norm_linear(torch.zeros(10, 64), None, torch.ones(64), 1e-5, w, None,
+                         SkinnyConfig(False, 2, 1024), tokens=torch.zeros(1, 1, dtype=i64))
     logits, d = torch.zeros(1, 3, 16, dtype=f), torch.zeros(1, 2, dtype=i64)
     G.greedy_verify(d, logits, mode="split")
     G.greedy_verify(d, logits, mode="row")

@@ -259,6 +259,46 @@ def test_skinny_f32_out_is_the_rounded_product_widened_interpreted():
     run_interpreted(F32_OUT_CHILD)
 
 
+GATHER_CHILD = r"""
+import torch
+import torch.nn.functional as F
+from specloop.models._skinny import SkinnyConfig, skinny_norm_linear
+
+torch.manual_seed(0)
+V, N, K = 37, 19, 83
+table32, w32, b32 = torch.randn(V, K) * 3, torch.randn(N, K), torch.randn(N)
+tokens = torch.tensor([[5, 0, 36], [17, 17, 2]])
+# One row a program after the other (v) and blocks of rows in one reduction (b); fp32 and
+# fp16 (the interpreter multiplies bf16 as raw bits in the norm: the GPU test covers it).
+for dtype in (torch.float32, torch.float16):
+    table, w, b = table32.to(dtype), w32.to(dtype), b32.to(dtype)
+    nw = (torch.rand(K) + 0.5).to(dtype)
+    for cfg in (SkinnyConfig(False, 8, 128), SkinnyConfig(False, 2, 128, tile_m=4)):
+        for toks, bias in ((tokens, b), (tokens[:1, :1], None), (tokens.flatten(), b)):
+            rows = F.embedding(toks, table)
+            copy, copy2 = (torch.zeros(*toks.shape, 2 * K, dtype=dtype)[..., K:]
+                           for _ in range(2))
+            y, stream = skinny_norm_linear(table, None, nw, 1e-5, w, bias, cfg, copy,
+                                           tokens=toks)
+            want_y, want_stream = skinny_norm_linear(rows, None, nw, 1e-5, w, bias, cfg, copy2)
+            assert torch.equal(stream, rows) and torch.equal(copy, rows), (dtype, cfg)
+            assert torch.equal(y, want_y) and y.shape == (*toks.shape, N), (dtype, cfg)
+    # a token outside the table reads a zero row (no out-of-bounds read)
+    bad = torch.tensor([[3, -1, V]])
+    y, stream = skinny_norm_linear(table, None, nw, 1e-5, w, None, cfg, tokens=bad)
+    assert torch.equal(stream[0, 0], table[3]) and not stream[0, 1:].any()
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_norm_kernel_gathers_embedding_rows_interpreted():
+    """``skinny_norm_linear(tokens=...)`` (a first layer's embedding gather in the norm
+    kernel): y, the stream and its copy are the bits of F.embedding then the same kernel,
+    for the v and b families, [B, T] and flat tokens, bias or not."""
+    run_interpreted(GATHER_CHILD)
+
+
 LAYER_CHILD = r"""
 import sys, torch
 from specloop.models import PageTable, load_model, _kernels, _skinny
@@ -301,6 +341,34 @@ for skinny, norm in ((False, False), (True, False), (True, True)):
     assert feats.abs().sum() > 0
 for key in ((True, False), (True, True)):
     torch.testing.assert_close(out[key], out[False, False], rtol=2e-2, atol=2e-2)
+# forward's first layer gathers the embedding rows in its norm kernel where the norm is
+# fused (else F.embedding first): the bits of forward_embeds(embed(tokens)), KV cache too.
+gathers = []
+counted = _skinny.skinny_norm_linear
+def gathering(*a, **k):
+    gathers.append(k.get("tokens") is not None)
+    return counted(*a, **k)
+_skinny.skinny_norm_linear = gathering
+for norm in (True,):        # (without the fused norm: F.embedding, as forward_embeds)
+    model.linear.skinny = model.linear.skinny_on_cpu = True
+    model.linear.skinny_norm = norm
+    runs = []
+    for gather in (True, False):
+        gathers.clear()
+        pages = PageTable(2, 64, 4)
+        cache = model.make_cache(2, 64, pages=pages)
+        for slot in range(2):
+            pages.resize(slot, 12)
+        args = (torch.tensor([0, 5]), torch.tensor([0, 1]), cache)
+        tokens = torch.tensor([[3, 1], [5, 2]]) % V
+        if gather:
+            hidden, feats = model(tokens, *args, capture=(0,), num_layers=1)
+        else:
+            hidden, feats = model.forward_embeds(model.embed(tokens), *args, capture=(0,),
+                                                 num_layers=1)
+        runs.append((hidden, feats, cache.k.clone()))
+        assert gathers.count(True) == (gather and norm), (norm, gather, gathers)
+    assert all(torch.equal(a, b) for a, b in zip(*runs)), norm
 print("ok")
 """
 
@@ -681,6 +749,43 @@ def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
             h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
             assert torch.equal(stream, want) and torch.equal(copy, want)
             torch.testing.assert_close(y.float(), F.linear(h, w).float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+def test_first_layer_gathers_embedding_rows_bf16_cuda(tiny_dirs):
+    """bf16 on the GPU: the norm kernel's embedding gather (``tokens``) gives F.embedding
+    then the same kernel's bits for SmolLM2's qkv at 1..4 rows (v and b families), and a
+    fused decoder's ``forward`` (which gathers in its first layer) the bits of
+    ``forward_embeds(embed(tokens))``."""
+    from specloop.models import load_model
+    from specloop.models._skinny import norm_fusable, skinny_norm_linear
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    table = torch.randn(49152, 576, device="cuda", generator=gen).bfloat16()
+    w = (torch.randn(960, 576, device="cuda", generator=gen) * 0.05).bfloat16()
+    nw = (torch.rand(576, device="cuda", generator=gen) + 0.5).bfloat16()
+    for rows in (1, 2, 3, 4):
+        tokens = torch.randint(0, 49152, (rows, 1), device="cuda", generator=gen)
+        for cfg in (skinny_config(rows, 960, 576), tile_config(960, 576)):
+            assert cfg is not None and norm_fusable(cfg, 576)
+            y, stream = skinny_norm_linear(table, None, nw, 1e-5, w, None, cfg, tokens=tokens)
+            rows_in = F.embedding(tokens, table)
+            want_y, _ = skinny_norm_linear(rows_in, None, nw, 1e-5, w, None, cfg)
+            assert torch.equal(stream, rows_in) and torch.equal(y, want_y), (rows, cfg.tag())
+    model = load_model(tiny_dirs["qwen2"], dtype=torch.bfloat16, device="cuda").model
+    model.linear.skinny = model.linear.skinny_norm = True
+    V = model.args.vocab_size
+    tokens = torch.randint(0, V, (2, 3), device="cuda", generator=gen)
+    start, slots = torch.tensor([0, 4], device="cuda"), torch.arange(2, device="cuda")
+    outs = []
+    for gather in (True, False):
+        cache = model.make_cache(2, 64)
+        if gather:
+            hidden = model(tokens, start, slots, cache, kv_len=64)
+        else:
+            hidden = model.forward_embeds(model.embed(tokens), start, slots, cache, kv_len=64)
+        outs.append((hidden, cache.k.clone()))
+    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_skinny_table_file_replaces_the_shipped_table(tmp_path):
