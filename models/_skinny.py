@@ -258,7 +258,8 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])
     def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, t_ptr,
-                            M, N, K, V, stride_wn, stride_ym, stride_cm, eps,
+                            M, N, K, V, T, stride_tb, stride_tt, stride_wn, stride_ym,
+                            stride_cm, eps,
                             HAS_DELTA: tl.constexpr, HAS_COPY: tl.constexpr,
                             HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -268,7 +269,8 @@ if triton is not None:
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
         # GATHER: row m of x is row t[m] of the embedding table x [V, K] (F.embedding's
         # bits; a token outside 0..V-1 reads zeros), stored as the stream; no delta. The
-        # token is an activation: read after the wait, and so the row it picks.
+        # token is an activation: read after the wait, and so the row it picks. Tokens
+        # [R, T] at strides (stride_tb, stride_tt): a step's column view, not copied.
         pid_n = tl.program_id(0)
         if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
             tl.extra.cuda.gdc_launch_dependents()
@@ -291,7 +293,8 @@ if triton is not None:
             ok = m_ok[:, None, None] & k_ok[None, None, :]
             offs = rm.to(tl.int64)[:, None, None] * K + rk[None, None, :]
             if GATHER:
-                tok = tl.load(t_ptr + rm, mask=m_ok, other=0)
+                tok = tl.load(t_ptr + (rm // T) * stride_tb + (rm % T) * stride_tt,
+                              mask=m_ok, other=0)
                 hit = ok & ((tok >= 0) & (tok < V))[:, None, None]
                 xs = tl.load(x_ptr + tok.to(tl.int64)[:, None, None] * K + rk[None, None, :],
                              mask=hit, other=0.0)
@@ -328,7 +331,8 @@ if triton is not None:
                 offs = row.to(tl.int64) * K + rk
                 if GATHER:
                     # The row's token in every lane (one address: a broadcast load).
-                    tok = tl.load(t_ptr + row + rk * 0, mask=rk * 0 + row < M, other=0)
+                    tok = tl.load(t_ptr + (row // T) * stride_tb + (row % T) * stride_tt
+                                  + rk * 0, mask=rk * 0 + row < M, other=0)
                     xs = tl.load(x_ptr + tok.to(tl.int64) * K + rk,
                                  mask=ok & (tok >= 0) & (tok < V), other=0.0)
                 else:
@@ -444,12 +448,17 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     if weight.stride(1) != 1:
         raise ValueError("skinny_norm_linear: weight rows must be contiguous")
     x = x.contiguous()
-    vocab = 0
+    vocab, t_len, t_strides = 0, 1, (0, 0)
     if tokens is not None:
         if delta is not None or x.dim() != 2 or tokens.dtype != torch.int64:
             raise ValueError("skinny_norm_linear: tokens (i64) gather rows of a [V, K] "
                              "table x, with no delta")
-        vocab, tokens = x.shape[0], tokens.contiguous()
+        vocab = x.shape[0]
+        # Read in place as [R, T] rows (a step's strided column view); else copied.
+        if tokens.dim() > 2:
+            tokens = tokens.contiguous()
+        t2 = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() else tokens.reshape(1, 1)
+        t_len, t_strides = max(t2.shape[1], 1), (t2.stride(0), t2.stride(1))
         M = tokens.numel()
         stream = x.new_empty(*tokens.shape, K)
     else:
@@ -472,7 +481,8 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     _norm_skinny_kernel[grid](
         x, d, norm_weight, weight, bias if bias is not None else weight, y, stream,
         x if copy_to is None else copy_to, tokens if tokens is not None else stream, M, N, K,
-        vocab, weight.stride(0), N, copy_stride, eps, HAS_DELTA=delta is not None,
+        vocab, t_len, *t_strides, weight.stride(0), N, copy_stride, eps,
+        HAS_DELTA=delta is not None,
         HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None, BLOCK_M=bm,
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
         GATHER=tokens is not None, num_warps=config.num_warps,

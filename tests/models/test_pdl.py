@@ -274,8 +274,9 @@ SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*b
               "stride_ym": "i32", "k_per_split": "i32"}
 NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
             "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16",
-            "t_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "V": "i32",
-            "stride_wn": "i32", "stride_ym": "i32", "stride_cm": "i32", "eps": "fp32"}
+            "t_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "V": "i32", "T": "i32",
+            "stride_tb": "i32", "stride_tt": "i32", "stride_wn": "i32", "stride_ym": "i32",
+            "stride_cm": "i32", "eps": "fp32"}
 
 
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_f32"])

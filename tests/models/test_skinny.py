@@ -274,7 +274,11 @@ for dtype in (torch.float32, torch.float16):
     table, w, b = table32.to(dtype), w32.to(dtype), b32.to(dtype)
     nw = (torch.rand(K) + 0.5).to(dtype)
     for cfg in (SkinnyConfig(False, 8, 128), SkinnyConfig(False, 2, 128, tile_m=4)):
-        for toks, bias in ((tokens, b), (tokens[:1, :1], None), (tokens.flatten(), b)):
+        wide = torch.stack([tokens[:, 0], tokens[:, 1] + 1, tokens[:, 1]], 1)   # [2, 3]
+        # [B, T], one token, flat, and strided views (the step's tokens column of its
+        # [B, K+3] inputs; every other token), read in place.
+        for toks, bias in ((tokens, b), (tokens[:1, :1], None), (tokens.flatten(), b),
+                           (wide[:, :1], b), (wide[:, ::2], None), (tokens.flatten()[::2], b)):
             rows = F.embedding(toks, table)
             copy, copy2 = (torch.zeros(*toks.shape, 2 * K, dtype=dtype)[..., K:]
                            for _ in range(2))
