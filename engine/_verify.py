@@ -10,10 +10,7 @@ Rows past the real batch are padding: scratch slot, position 0, greedy sentinel 
 At K = 0 a captured step also writes the next step's inputs for the same rows into its own
 ``tokens`` and ``start_pos`` (``feeds_itself``): its token, one position further (padding
 rows stay at position 0). A step queued ahead for an unchanged batch (engine/_ahead.py)
-then replays the graph with no inputs: no copy runs between the two graphs. With the
-default sampler the sampler writes them (``feed``): an all-greedy batch on CUDA in its
-last kernel, which already holds the token (no copy, compare or add kernels after it);
-any other sampler gets the same torch ops after its verify.
+then replays the graph with no inputs: no copy runs between the two graphs.
 """
 
 from __future__ import annotations
@@ -27,8 +24,7 @@ from specloop.graphs import Step, Tensors
 from specloop.graphs._cache import FeedsItself
 from specloop.models._host import to_device
 from specloop.samplers import SamplingBatch
-from specloop.samplers._sampler import (DefaultSampler, NextInputs, packed_result,
-                                       write_next_inputs)
+from specloop.samplers._sampler import packed_result
 
 from ._request import Request
 
@@ -114,35 +110,20 @@ def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBa
     ``feeds_itself`` (K = 0, for capture): a ``FeedsItself`` step that also writes its
     next inputs (see the module doc)."""
     scratch = runner.cache.scratch_slot
-    # DefaultSampler's own verify (not an override): it takes ``feed`` and, where it does
-    # not read them, positions None.
-    default = isinstance(sampler, DefaultSampler) and \
-        type(sampler).verify is DefaultSampler.verify
 
     def step(inputs: Tensors) -> Tensors:
         tokens, start = inputs["tokens"], inputs["start_pos"]
         hidden, features = runner.forward(tokens, start, inputs["slots"], kv_len=kv_len)
         logits = runner.model.logits(hidden)
         batch = template.with_columns(inputs)
-        feed = None
-        if feeds_itself:
-            assert tokens.shape[1] == 1, "only a K = 0 step feeds itself"
-            # Written last (by the sampler's last kernel, or the torch ops below): all
-            # above read this step's inputs, nothing after does.
-            feed = NextInputs(tokens, start, inputs["slots"], scratch)  # padding rows stay
-        d, q = tokens[:, 1:], inputs.get("draft_probs")
-        if isinstance(sampler, DefaultSampler) and default:
-            # Positions are read for sampled rows and rejection sampling only: no add
-            # kernel for an all-greedy strict verify.
-            positions = None if batch.all_greedy and not advanced else start + 1
-            result = sampler.verify(d, logits, q, batch, positions, advanced=advanced,
-                                    feed=feed)
-        else:
-            result = sampler.verify(d, logits, q, batch, start + 1, advanced=advanced)
-            if feed is not None:
-                write_next_inputs(result, feed)
+        result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
+                                start + 1, advanced=advanced)
         # A view when the sampler wrote the two into one tensor (all-greedy on CUDA).
         packed = packed_result(result)
+        if feeds_itself:    # last: everything above read this step's inputs
+            assert tokens.shape[1] == 1, "only a K = 0 step feeds itself"
+            tokens.copy_(result.token_ids)
+            start.add_(inputs["slots"].lt(scratch))     # padding rows stay at 0
         return {"token_ids": result.token_ids, "num_accepted": result.num_accepted,
                 "hidden": features, "packed": packed}
 

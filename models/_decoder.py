@@ -111,10 +111,9 @@ class DecoderModel(nn.Module):
         return F.embedding(tokens, self.embed_tokens)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> f32 logits [..., V]: the LM head's product in the model's
-        dtype, widened (the skinny kernel stores it widened itself: ``linear_f32``)."""
+        """hidden [..., H] -> f32 logits [..., V]."""
         with torch.no_grad():
-            return self.linear.linear_f32(hidden, self.lm_head_weight)
+            return self.linear(hidden, self.lm_head_weight).float()
 
     def make_cache(self, num_slots: int, max_seq_len: int, **kw: Any) -> KVCache:
         """A KVCache for this model, on its device and in its dtype (``kw``: page_size,
@@ -141,20 +140,16 @@ class DecoderModel(nn.Module):
         up to KV_LEN_MULTIPLE, which reads ``start_pos`` on the host. ``capture`` (layer
         indices, 0-based) also returns the residual stream after each of those layers,
         concatenated: (hidden, features [B, T, len(capture) * H]), e.g. for an EAGLE-3 head.
-        On the fused path the first layer's kernel gathers the embedding rows itself where
-        its RMSNorm is fused (``PackedLinear.embed_norm_linear``; the same bits).
         """
-        fused = self.uses_kernels
         return self.forward_embeds(
-            None if fused else self.embed(tokens), start_pos, slots, cache,
-            num_layers=num_layers, kv_len=kv_len, capture=capture,
-            tokens=tokens if fused else None,
+            self.embed(tokens), start_pos, slots, cache, num_layers=num_layers, kv_len=kv_len,
+            capture=capture,
         )
 
     @no_grad
     def forward_embeds(
         self,
-        embeds: torch.Tensor | None,
+        embeds: torch.Tensor,
         start_pos: torch.Tensor,
         slots: torch.Tensor,
         cache: KVCache,
@@ -163,43 +158,31 @@ class DecoderModel(nn.Module):
         kv_len: int | None = None,
         capture: tuple[int, ...] = (),
         pos_offset: int = 0,
-        tokens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input).
         ``pos_offset``: the rows sit at start_pos + pos_offset.. (the fused kernels add it
-        themselves: a draft step needs no position tensor of its own). ``tokens`` [B, T]
-        instead of ``embeds`` (None; the fused path only, ``forward``'s): the embedding
-        rows of those tokens, gathered by the first layer."""
+        themselves: a draft step needs no position tensor of its own)."""
         n = self._num_layers(num_layers, cache)
         if list(capture) != sorted(set(capture)) or any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
         fused = self.uses_kernels
-        if (embeds is None) == (tokens is None) or tokens is not None and not fused:
-            raise ValueError("forward_embeds: embeds, or tokens on the fused path")
         if pos_offset and not fused:
             start_pos = start_pos + pos_offset
-        src = embeds if embeds is not None else tokens
-        assert src is not None
-        rows = src.shape[:-1] if embeds is not None else src.shape     # [B, T]
-        step = self._step(rows[1], start_pos, slots, cache, kv_len, fused, pos_offset)
+        step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len, fused, pos_offset)
         weights = self._layer_weights(n)
         eps = self.args.rms_norm_eps
         if fused:
             H = self.args.hidden_size
             # The residual stream after captured layer i is the sum the next norm kernel
             # forms (layer i + 1's, or the final norm's): that kernel also stores it here.
-            feats = self.embed_tokens.new_empty(*rows, len(capture) * H) if capture else None
+            feats = embeds.new_empty(*embeds.shape[:-1], len(capture) * H) if capture else None
             into = {i: feats[..., j * H:(j + 1) * H] for j, i in enumerate(capture)} \
                 if feats is not None else {}
-            # The residual stream (None: the first layer gathers it from ``tokens``) and
-            # what is still to be added to it.
-            x, delta = embeds, None
+            x, delta = embeds, None  # residual stream, and what is still to be added to it
             for i, w in enumerate(weights):
-                x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1),
-                                             tokens if i == 0 else None)
+                x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1))
             out = _kernels.add_rms_norm(x, delta, self.norm, eps, into.get(n - 1))[0]
             return (out, feats) if feats is not None else out
-        assert embeds is not None
         x = embeds  # [B, T, H]
         captured = []  # the residual stream after the captured layers
         for i, w in enumerate(weights):
@@ -274,26 +257,19 @@ class DecoderModel(nn.Module):
         gate, up = self.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
         return x + self.linear(F.silu(gate) * up, w.w_down)
 
-    def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor | None,
-                     delta: torch.Tensor | None, step: _Step, cache: KVCache,
-                     capture: torch.Tensor | None = None, tokens: torch.Tensor | None = None
+    def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
+                     step: _Step, cache: KVCache, capture: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """The same layer in nine kernels (6 with both skinny fusions); returns the
         residual stream and the MLP output still to be added (the next layer's norm kernel
         adds it). ``capture``: where the first norm kernel also stores its input stream
-        x + delta (the last layer's output). ``tokens`` (x None, the first layer): the
-        stream is their embedding rows, which the first norm's kernel gathers."""
+        x + delta (the last layer's output)."""
         a = self.args
         # The GEMMs through the one dispatcher: the skinny-GEMM kernel for few rows on
         # CUDA (models/_linear; ``self.linear.skinny``), else F.linear; each residual add
         # + RMSNorm is the add_rms_norm kernel, or the GEMM's prologue (``skinny_norm``).
-        if tokens is not None:
-            qkv, x = self.linear.embed_norm_linear(tokens, self.embed_tokens, w.attn_norm,
-                                                   a.rms_norm_eps, w.wqkv, w.bqkv, capture)
-        else:
-            assert x is not None
-            qkv, x = self.linear.norm_linear(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv,
-                                             w.bqkv, capture)
+        qkv, x = self.linear.norm_linear(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv, w.bqkv,
+                                         capture)
         q = _kernels.rope_cache_write(qkv, step.start_pos, step.slots, cache.pages.table,
                                       cache.max_seq_len, cache.pages.scratch_page,
                                       self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],

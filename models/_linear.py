@@ -272,18 +272,6 @@ class PackedLinear:
             return F.linear(x, weight, bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._pack(weight), bias, "none", [], "")
 
-    def linear_f32(self, x: torch.Tensor, weight: torch.Tensor,
-                   bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``self(x, weight, bias).float()`` bit for bit: the product rounded to x's dtype,
-        then widened to fp32 (an LM head's logits, ``DecoderModel.logits``). Where the
-        skinny kernel runs, its epilogue stores the widened values itself (one kernel, no
-        cast over [rows, N] after it: at batch 1 on an H200 a 2.8 us copy kernel outside
-        the PDL chain); elsewhere (cuBLAS, the CPU) the product then ``.float()``."""
-        config = self._skinny_config(x, weight, bias, silu_mul=False)
-        if config is not None:
-            return _skinny.skinny_linear(x, weight, bias, config, out_dtype=torch.float32)
-        return self(x, weight, bias).float()
-
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] (gate, up), weight [H, I] -> (silu(gate) * up) @ weight^T: one
         skinny kernel where it runs, else the fused path's silu_mul kernel and this
@@ -313,25 +301,6 @@ class PackedLinear:
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
         return self(h, weight, bias), stream
-
-    def embed_norm_linear(self, tokens: torch.Tensor, table: torch.Tensor,
-                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
-                          bias: torch.Tensor | None = None,
-                          capture: torch.Tensor | None = None
-                          ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm_linear(F.embedding(tokens, table), None, ...)``, bit for bit (a model's
-        first layer): where the RMSNorm is fused (see ``norm_linear``), the kernel gathers
-        the embedding rows itself (``skinny_norm_linear``'s ``tokens``; at batch 1 on an
-        H200 the gather was a torch kernel outside the PDL chain); else F.embedding first."""
-        if self.skinny_norm and norm_weight.dim() == 1 and table.dim() == 2 \
-                and tokens.dtype == torch.int64 and tokens.device == table.device:
-            x = table[:1].expand(tokens.numel(), table.shape[1])  # the rows' shape, dtype
-            config = self._skinny_config(x, weight, bias, silu_mul=False, norm=True)
-            if config is not None:
-                return _skinny.skinny_norm_linear(table, None, norm_weight, eps, weight, bias,
-                                                  config, capture, tokens=tokens)
-        return self.norm_linear(F.embedding(tokens, table), None, norm_weight, eps, weight,
-                                bias, capture)
 
     def _skinny_config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        *, silu_mul: bool, norm: bool = False) -> SkinnyConfig | None:

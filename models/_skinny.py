@@ -37,9 +37,7 @@ different configurations for different row ranges, all of ONE class (and one cla
 the norm kernel too where the norm is fused); bench/bench_skinny_gemm.py measures the
 classes.
 
-Accumulation is in fp32, rounded once to x's dtype at the store (then, for an fp32 output,
-``skinny_linear(out_dtype=torch.float32)``, widened exactly: the bits of the bf16 result's
-``.float()``, the cast kernel after it saved). SPLIT_K > 1 writes fp32
+Accumulation is in fp32, rounded once to x's dtype at the store. SPLIT_K > 1 writes fp32
 partial sums to a [SPLIT_K, M, N] scratch and a second small kernel adds them in split
 order (no atomics), so every configuration is deterministic: the same inputs give the same
 bits, and a CUDA-graph replay equals the eager call.
@@ -52,9 +50,7 @@ loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactl
 + RMSNorm (``_kernels.add_rms_norm``'s arithmetic) into the prologue of the GEMM after it,
 for broadcast configurations that hold all of K in one pass: every program normalises the
 few rows itself, the first column block stores the residual stream, and the normed rows
-are never written. With ``tokens`` (``GATHER``, a model's first layer) the rows are
-gathered from the embedding table by the kernel itself (after the wait: their index is a
-token) and stored as the stream, so no gather kernel runs before it.
+are never written.
 
 On Hopper the three kernels are launched with Programmatic Dependent Launch (``GDC``,
 ``specloop.samplers._pdl``: its module doc has the rules): a program loads its tile of W
@@ -215,10 +211,7 @@ if triton is not None:
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
                 y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-                # Rounded to x's dtype first (a no-op cast after it when y has that
-                # dtype): an fp32 y holds ``y.float()``'s bits (skinny_linear's out_dtype).
-                tl.store(y, acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
-                         mask=out_mask)
+                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
             else:
                 # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
                 part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
@@ -251,26 +244,19 @@ if triton is not None:
                     if HAS_BIAS:
                         acc += bias
                     tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
-                             acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty),
-                             mask=y_ok)
+                             acc.to(y_ptr.dtype.element_ty), mask=y_ok)
                 else:
                     tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
 
     @triton.jit(do_not_specialize=["M"])
-    def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, t_ptr,
-                            M, N, K, V, T, stride_tb, stride_tt, stride_wn, stride_ym,
-                            stride_cm, eps,
-                            HAS_DELTA: tl.constexpr, HAS_COPY: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                            TILE: tl.constexpr = False, GATHER: tl.constexpr = False,
+    def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, M, N, K,
+                            stride_wn, stride_ym, stride_cm, eps, HAS_DELTA: tl.constexpr,
+                            HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_K: tl.constexpr, TILE: tl.constexpr = False,
                             GDC: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
-        # GATHER: row m of x is row t[m] of the embedding table x [V, K] (F.embedding's
-        # bits; a token outside 0..V-1 reads zeros), stored as the stream; no delta. The
-        # token is an activation: read after the wait, and so the row it picks. Tokens
-        # [R, T] at strides (stride_tb, stride_tt): a step's column view, not copied.
         pid_n = tl.program_id(0)
         if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
             tl.extra.cuda.gdc_launch_dependents()
@@ -292,19 +278,12 @@ if triton is not None:
             m_ok = rm < M
             ok = m_ok[:, None, None] & k_ok[None, None, :]
             offs = rm.to(tl.int64)[:, None, None] * K + rk[None, None, :]
-            if GATHER:
-                tok = tl.load(t_ptr + (rm // T) * stride_tb + (rm % T) * stride_tt,
-                              mask=m_ok, other=0)
-                hit = ok & ((tok >= 0) & (tok < V))[:, None, None]
-                xs = tl.load(x_ptr + tok.to(tl.int64)[:, None, None] * K + rk[None, None, :],
-                             mask=hit, other=0.0)
-            else:
-                xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
+            xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
             if HAS_DELTA:
                 xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
                       .to(tl.float32)).to(xs.dtype)
             if pid_n == 0:
-                if HAS_DELTA or GATHER:
+                if HAS_DELTA:
                     tl.store(s_ptr + offs, xs, mask=ok)
                 if HAS_COPY:
                     tl.store(c_ptr + rm.to(tl.int64)[:, None, None] * stride_cm
@@ -329,20 +308,13 @@ if triton is not None:
                 row = tl.program_id(1) * BLOCK_M + r
                 ok = k_ok & (rk * 0 + row < M)
                 offs = row.to(tl.int64) * K + rk
-                if GATHER:
-                    # The row's token in every lane (one address: a broadcast load).
-                    tok = tl.load(t_ptr + (row // T) * stride_tb + (row % T) * stride_tt
-                                  + rk * 0, mask=rk * 0 + row < M, other=0)
-                    xs = tl.load(x_ptr + tok.to(tl.int64) * K + rk,
-                                 mask=ok & (tok >= 0) & (tok < V), other=0.0)
-                else:
-                    xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
+                xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
                 if HAS_DELTA:
                     # Rounded to the stream's dtype like the reference's ``x + y``.
                     xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
                           .to(tl.float32)).to(xs.dtype)
                 if pid_n == 0:       # the one column block that stores the residual stream
-                    if HAS_DELTA or GATHER:
+                    if HAS_DELTA:
                         tl.store(s_ptr + offs, xs, mask=ok)
                     if HAS_COPY:
                         tl.store(c_ptr + row.to(tl.int64) * stride_cm + rk, xs, mask=ok)
@@ -372,22 +344,16 @@ if triton is not None:
         n = offs % N
         if HAS_BIAS:
             acc += tl.load(b_ptr + n, mask=ok, other=0.0).to(tl.float32)
-        # Rounded to the model's dtype (b_ptr's: the bias, or the weight standing in for
-        # it), then to y's: an fp32 y holds ``y.float()``'s bits, as in _skinny_kernel.
-        tl.store(y_ptr + m.to(tl.int64) * stride_ym + n,
-                 acc.to(b_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(y_ptr + m.to(tl.int64) * stride_ym + n, acc.to(y_ptr.dtype.element_ty),
+                 mask=ok)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: SkinnyConfig, *, silu_mul: bool = False,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  config: SkinnyConfig, *, silu_mul: bool = False) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, by ``config``.
     ``silu_mul``: x is a gate-up output [..., 2K] and the product is silu(gate) * up
     (rounded to x's dtype) @ weight^T. x's last dim and weight's rows must be contiguous;
-    x, weight and bias share a dtype (the caller, ``models/_linear``, checks).
-    ``out_dtype`` torch.float32: the product still rounded to x's dtype, stored widened
-    to fp32 by the kernel's epilogue, so the result is the default call's ``.float()``
-    bit for bit without a cast kernel after it (an LM head's f32 logits)."""
+    x, weight and bias share a dtype (the caller, ``models/_linear``, checks)."""
     N, K = weight.shape
     width = x.shape[-1]
     if width != (2 * K if silu_mul else K):
@@ -398,10 +364,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     if weight.stride(1) != 1:
         raise ValueError("skinny_linear: weight rows must be contiguous")
-    if out_dtype not in (None, x.dtype, torch.float32):
-        raise ValueError(f"skinny_linear: out_dtype {out_dtype}: x's dtype or float32")
     M = x2.shape[0]
-    y = x2.new_empty(M, N, dtype=out_dtype)
+    y = x2.new_empty(M, N)
     if M == 0:
         return y.view(*x.shape[:-1], N)
     c = config
@@ -431,16 +395,12 @@ def norm_fusable(config: SkinnyConfig, k: int) -> bool:
 
 def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                       config: SkinnyConfig, copy_to: torch.Tensor | None = None, *,
-                       tokens: torch.Tensor | None = None
+                       config: SkinnyConfig, copy_to: torch.Tensor | None = None
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta) for x, delta
     [..., K], weight [N, K], in one kernel: ``_kernels.add_rms_norm`` (delta None: no add;
     ``copy_to`` also receives x + delta) and the GEMM, the normed rows never stored. The
-    config must be ``norm_fusable`` (one pass over K computes each row's RMS first).
-    ``tokens`` [...] i64 (delta None): x is an embedding table [V, K] and the rows are
-    ``F.embedding(tokens, x)``, gathered by the kernel (returned as the stream, [..., K]),
-    so no gather kernel runs before it (a model's first layer)."""
+    config must be ``norm_fusable`` (one pass over K computes each row's RMS first)."""
     N, K = weight.shape
     if x.shape[-1] != K or not norm_fusable(config, K) or norm_weight.shape != (K,):
         raise ValueError(f"skinny_norm_linear: x [..., {x.shape[-1]}], weight [{N}, {K}], "
@@ -448,43 +408,26 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     if weight.stride(1) != 1:
         raise ValueError("skinny_norm_linear: weight rows must be contiguous")
     x = x.contiguous()
-    vocab, t_len, t_strides = 0, 1, (0, 0)
-    if tokens is not None:
-        if delta is not None or x.dim() != 2 or tokens.dtype != torch.int64:
-            raise ValueError("skinny_norm_linear: tokens (i64) gather rows of a [V, K] "
-                             "table x, with no delta")
-        vocab = x.shape[0]
-        # Read in place as [R, T] rows (a step's strided column view); else copied.
-        if tokens.dim() > 2:
-            tokens = tokens.contiguous()
-        t2 = tokens.reshape(-1, tokens.shape[-1]) if tokens.dim() else tokens.reshape(1, 1)
-        t_len, t_strides = max(t2.shape[1], 1), (t2.stride(0), t2.stride(1))
-        M = tokens.numel()
-        stream = x.new_empty(*tokens.shape, K)
-    else:
-        M = x.numel() // K
-        stream = torch.empty_like(x) if delta is not None else x
+    M = x.numel() // K
+    stream = torch.empty_like(x) if delta is not None else x
     d = delta.contiguous() if delta is not None else x
     copy_stride = 0
     if copy_to is not None:
-        if copy_to.stride(-1) != 1 or copy_to.numel() != M * K:
+        if copy_to.stride(-1) != 1 or copy_to.numel() != x.numel():
             raise ValueError("skinny_norm_linear: copy_to must hold x's rows, last dim "
                              "contiguous")
         copy_stride = copy_to.stride(-2) if copy_to.dim() > 1 else K
         if copy_to.dim() > 2 and copy_to.stride(-3) != copy_stride * copy_to.shape[-2]:
             raise ValueError("skinny_norm_linear: copy_to's rows must be evenly strided")
-    y = x.new_empty(*stream.shape[:-1], N)
+    y = x.new_empty(*x.shape[:-1], N)
     if M == 0:
         return y, stream
     bm = config.block_m(M)
     grid = (triton.cdiv(N, config.block_n), triton.cdiv(M, bm))
     _norm_skinny_kernel[grid](
         x, d, norm_weight, weight, bias if bias is not None else weight, y, stream,
-        x if copy_to is None else copy_to, tokens if tokens is not None else stream, M, N, K,
-        vocab, t_len, *t_strides, weight.stride(0), N, copy_stride, eps,
-        HAS_DELTA=delta is not None,
-        HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None, BLOCK_M=bm,
-        BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
-        GATHER=tokens is not None, num_warps=config.num_warps,
-        num_stages=config.num_stages, **_pdl.launch_kw(x))
+        x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
+        HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x))
     return y, stream

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import attrs
 import torch
@@ -30,30 +30,11 @@ class Sampler(Protocol):
                positions: torch.Tensor, *, advanced: bool) -> RejectionResult: ...
 
 
-class NextInputs(NamedTuple):
-    """A K = 0 VERIFY step's own inputs, which it overwrites with the next step's
-    (engine/_verify.py ``feeds_itself``): its token, one position further for real rows
-    (slot < scratch_slot; padding rows stay at their position)."""
-
-    tokens: torch.Tensor      # [B, 1] i64
-    start_pos: torch.Tensor   # [B] i64
-    slots: torch.Tensor       # [B] i64
-    scratch_slot: int
-
-
-def write_next_inputs(result: RejectionResult, feed: NextInputs) -> None:
-    """``feed``'s tensors <- the next step's inputs (K = 0: ``result.token_ids`` [B, 1]),
-    by torch ops; the all-greedy kernels write the same in their last kernel instead."""
-    feed.tokens.copy_(result.token_ids)
-    feed.start_pos.add_(feed.slots.lt(feed.scratch_slot))
-
-
 def _target_tokens(target_logits: torch.Tensor, batch: SamplingBatch,
-                   positions: torch.Tensor | None) -> torch.Tensor:
+                   positions: torch.Tensor) -> torch.Tensor:
     """[B, K+1]: argmax for greedy rows, else sampled from p with Stream.BONUS."""
     if batch.all_greedy:  # padding rows are greedy too
         return target_logits.argmax(dim=-1)  # same tokens as one-hot rows, no softmax
-    assert positions is not None, "sampled rows need their positions"
     return target_tokens_from_probs(compute_probs(target_logits, batch), batch.seeds,
                                     positions)
 
@@ -76,28 +57,19 @@ def strict_from_targets(draft_token_ids: torch.Tensor, t: torch.Tensor) -> Rejec
 
 
 def strict_verify(draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
-                  batch: SamplingBatch, positions: torch.Tensor | None, *,
-                  feed: NextInputs | None = None) -> RejectionResult:
+                  batch: SamplingBatch, positions: torch.Tensor) -> RejectionResult:
     """Strict verification: exact for any p, since the token emitted at each position is
-    t_i, drawn from p_i (argmax for greedy rows). ``positions`` is read only for sampled
-    rows: None is allowed for an all-greedy batch.
+    t_i, drawn from p_i (argmax for greedy rows).
 
     An all-greedy batch on CUDA (with Triton) takes two kernels (_triton_greedy) that write
     the same tokens and counts into one [B, K+2] tensor: token_ids and num_accepted are
-    its views (``packed_result`` gives it back), not an argmax and the prefix ops.
-    ``feed`` (K = 0): also write the next step's inputs (``write_next_inputs``), by the
-    kernels' last one where they run, else by the torch ops after."""
+    its views (``packed_result`` gives it back), not an argmax and the prefix ops."""
     if batch.all_greedy and usable(draft_token_ids, target_logits):
-        packed = greedy_verify(draft_token_ids, target_logits, feed=feed)
+        packed = greedy_verify(draft_token_ids, target_logits)
         k1 = packed.shape[1] - 1
         return RejectionResult(token_ids=packed[:, :k1], num_accepted=packed[:, k1])
-    if positions is None and not batch.all_greedy:
-        raise ValueError("strict_verify: positions are needed for sampled rows")
-    result = strict_from_targets(draft_token_ids,
-                                 _target_tokens(target_logits, batch, positions))
-    if feed is not None:
-        write_next_inputs(result, feed)
-    return result
+    return strict_from_targets(draft_token_ids,
+                               _target_tokens(target_logits, batch, positions))
 
 
 def packed_result(result: RejectionResult) -> torch.Tensor:
@@ -132,22 +104,12 @@ class DefaultSampler:
 
     def verify(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
                draft_probs: torch.Tensor | None, batch: SamplingBatch,
-               positions: torch.Tensor | None, *, advanced: bool,
-               feed: NextInputs | None = None) -> RejectionResult:
-        # target_logits [B, K+1, V]; K = 0 is plain sampling of one token. Beyond the
-        # protocol (engine/_verify.py asks for this class's own verify): ``positions``
-        # None where they are not read (not advanced, all greedy), and ``feed`` (K = 0:
-        # also write the next step's inputs, strict_verify's kernels doing it for free).
+               positions: torch.Tensor, *, advanced: bool) -> RejectionResult:
+        # target_logits [B, K+1, V]; K = 0 is plain sampling of one token.
         if not advanced:
-            return strict_verify(draft_token_ids, target_logits, batch, positions,
-                                 feed=feed)
-        if positions is None:
-            raise ValueError("DefaultSampler.verify: advanced needs positions")
+            return strict_verify(draft_token_ids, target_logits, batch, positions)
         p = compute_probs(target_logits, batch)
-        result = rejection_sample(draft_token_ids, p, draft_probs, seeds=batch.seeds,
-                                  positions=positions, method=self.method,
-                                  validate=self.validate)
-        if feed is not None:
-            write_next_inputs(result, feed)
-        return result
+        return rejection_sample(draft_token_ids, p, draft_probs, seeds=batch.seeds,
+                                positions=positions, method=self.method,
+                                validate=self.validate)
 

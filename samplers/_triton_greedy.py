@@ -10,11 +10,6 @@ row's S partials per position (max, then the smallest index among equal maxima: 
 bits in any order, so no atomics and no run-to-run variation), t_i, the drafts' matching
 prefix n, and the row [t_0..t_n, -1..., n].
 
-At K = 0 a step that feeds itself (engine/_verify.py ``feeds_itself``) passes ``feed``: the
-last kernel (kernel 2, or the row kernel) also writes the step's next inputs, its token
-into ``tokens`` [B, 1] and one position further in ``start_pos`` for real rows (slot <
-scratch slot), what the step's torch copy, compare and add did as three more kernels.
-
 Mode "row" (SPECLOOP_GREEDY_VERIFY=row, or greedy_verify's ``mode``) is the one-kernel
 alternative: a program a row (its K+1 positions) scans all of V itself; fewer programs
 and no second launch, for an A/B at small batches on the GPU (bench_greedy_verify_gpu).
@@ -41,8 +36,6 @@ from ._triton_rejection import _triton_importable
 
 if TYPE_CHECKING:   # bound at run time by _kernels(), on first use
     import triton.language as tl
-
-    from ._sampler import NextInputs
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # A program loads BLOCK logits a step (num_warps 4: 8 f32 a thread, two 16-byte loads) and
@@ -125,13 +118,12 @@ def _partials_kernel(x_ptr, pv_ptr, pi_ptr, V, T, s_b, s_t, S, CHUNK: tl.constex
     tl.store(pi_ptr + at, first)
 
 
-def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, tok_ptr, pos_ptr, slot_ptr,
-                    s_tok, s_pos, s_slot, scratch, T_P2: tl.constexpr,
+def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, T_P2: tl.constexpr,
                     S_P2: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr,
-                    FEED: tl.constexpr = False, GDC: tl.constexpr = False):
+                    GDC: tl.constexpr = False):
     # Row b: its K+1 positions' S partials -> t [K+1]; n = the drafts' matching prefix;
     # out[b] = [t_0..t_n, -1 ..., n] (out [B, K+2]). COUNT False (K = 0): out[b] = t_0
-    # (out [B], a plain argmax). FEED (K = 0): also the step's next inputs (_emit).
+    # (out [B], a plain argmax).
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -143,17 +135,11 @@ def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, tok_ptr, pos_ptr,
     pv = tl.load(pv_ptr + at, mask=ok, other=float("-inf"))
     pi = tl.load(pi_ptr + at, mask=ok, other=IMAX)
     _, tok = _best(pv, pi, IMAX)
-    _emit(tok.to(tl.int64), t, b, d_ptr, out_ptr, K, s_d, tok_ptr, pos_ptr, slot_ptr, s_tok,
-          s_pos, s_slot, scratch, COUNT, FEED)
+    _emit(tok.to(tl.int64), t, b, d_ptr, out_ptr, K, s_d, COUNT)
 
 
-def _emit(tok, t, b, d_ptr, out_ptr, K, s_d, tok_ptr, pos_ptr, slot_ptr, s_tok, s_pos,
-          s_slot, scratch, COUNT: tl.constexpr, FEED: tl.constexpr):
-    """Row b's output from its targets tok [T_P2] (positions t): see _combine_kernel.
-    FEED (K = 0, ``greedy_verify``'s ``feed``): the step's own inputs become the next
-    step's, as engine/_verify.py's torch ops would write them: tokens[b, 0] = t_0 and
-    start_pos[b] += 1 where slots[b] < scratch (a real row; padding rows stay). Only
-    program b touches row b, after the wait like every load here (PDL rule 1)."""
+def _emit(tok, t, b, d_ptr, out_ptr, K, s_d, COUNT: tl.constexpr):
+    """Row b's output from its targets tok [T_P2] (positions t): see _combine_kernel."""
     d = tl.load(d_ptr + b.to(tl.int64) * s_d + t, mask=t < K, other=-1)
     n = tl.min(tl.where((t < K) & (d != tok), t, K), axis=0)
     if COUNT:
@@ -162,19 +148,11 @@ def _emit(tok, t, b, d_ptr, out_ptr, K, s_d, tok_ptr, pos_ptr, slot_ptr, s_tok, 
         tl.store(row + K + 1, n.to(tl.int64))
     else:
         tl.store(out_ptr + b + t, tok, mask=t < 1)
-    if FEED:
-        first = t < 1
-        tl.store(tok_ptr + b.to(tl.int64) * s_tok + t, tok, mask=first)
-        slot = tl.load(slot_ptr + b.to(tl.int64) * s_slot + t, mask=first, other=0)
-        at = pos_ptr + b.to(tl.int64) * s_pos + t
-        pos = tl.load(at, mask=first, other=0)
-        tl.store(at, pos + (slot < scratch).to(tl.int64), mask=first)
 
 
-def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, tok_ptr, pos_ptr, slot_ptr,
-                s_tok, s_pos, s_slot, scratch, T_P2: tl.constexpr,
+def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, T_P2: tl.constexpr,
                 BLOCK: tl.constexpr, IMAX: tl.constexpr, COUNT: tl.constexpr,
-                FEED: tl.constexpr = False, GDC: tl.constexpr = False):
+                GDC: tl.constexpr = False):
     # The one-kernel alternative (mode "row"): program b scans its K+1 positions' whole
     # rows itself, BLOCK logits a step, then writes as _combine_kernel. A lane takes its
     # first in-vocabulary value whatever it is (so an all -inf row gives index 0).
@@ -198,8 +176,7 @@ def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, tok_ptr, pos_ptr, sl
             best_i = tl.where(take, n, best_i)
         _, first = _best(best[None, :], best_i[None, :], IMAX)
         toks = tl.where(t == i, tl.min(first, axis=0).to(tl.int64), toks)
-    _emit(toks, t, b, d_ptr, out_ptr, K, s_d, tok_ptr, pos_ptr, slot_ptr, s_tok, s_pos,
-          s_slot, scratch, COUNT, FEED)
+    _emit(toks, t, b, d_ptr, out_ptr, K, s_d, COUNT)
 
 
 _JIT = ("_best", "_emit", "_partials_kernel", "_combine_kernel", "_row_kernel")
@@ -240,19 +217,12 @@ def greedy_verify(d: torch.Tensor, target_logits: torch.Tensor, **kw: Any) -> to
     (module doc); "row", one kernel, a program a row scanning all of its K+1 positions (no
     partials, no second launch; fewer programs: for an A/B at small batches). ``block``
     (None: 1024 split, 8192 row) and, split, ``chunk`` (None: `chunk_size`): the scan's
-    sizes, powers of two (block <= chunk; small ones let interpreted tests cross chunks).
-
-    ``feed`` (K = 0 only, a ``_sampler.NextInputs``): the last kernel also writes the
-    step's next inputs in place, ``feed.tokens[:, 0]`` = t_0 and ``feed.start_pos`` + 1
-    where ``feed.slots`` < ``feed.scratch_slot`` (``_sampler.write_next_inputs``'s torch
-    ops, without their kernels; engine/_verify.py's ``feeds_itself`` step). The step must
-    read those inputs only before this call: the write is its last kernel."""
+    sizes, powers of two (block <= chunk; small ones let interpreted tests cross chunks)."""
     return _run(d, target_logits, **kw)
 
 
 def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | None = None,
-         chunk: int | None = None, block: int | None = None,
-         feed: NextInputs | None = None) -> torch.Tensor:
+         chunk: int | None = None, block: int | None = None) -> torch.Tensor:
     """d None: the argmax [B] of target_logits [B, 1, V]; else greedy_verify's packed."""
     import triton
 
@@ -274,13 +244,11 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
         s_d = d_arg.stride(0)
     t_p2 = triton.next_power_of_2(T)
     pdl = _pdl.launch_kw(target_logits)
-    # The next inputs (FEED) or stand-ins no store or load reaches (out, stride 0).
-    fed = _feed_args(feed, d, B, T, dev) if feed is not None else (out, out, out, 0, 0, 0, 0)
     if mode == "row":
         row_kernel[(B,)](target_logits, d_arg, out, V, T - 1, target_logits.stride(0),
-                         target_logits.stride(1), s_d, *fed, T_P2=t_p2,
+                         target_logits.stride(1), s_d, T_P2=t_p2,
                          BLOCK=_ROW_BLOCK if block is None else block, IMAX=_INT_MAX,
-                         COUNT=d is not None, FEED=feed is not None, num_warps=16, **pdl)
+                         COUNT=d is not None, num_warps=16, **pdl)
         return out
     rows = B * T
     chunk = chunk_size(rows, V) if chunk is None else chunk
@@ -291,23 +259,7 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
     partials_kernel[(rows, S)](target_logits, pv, pi, V, T, target_logits.stride(0),
                                target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
                                IMAX=_INT_MAX, num_warps=4, **pdl)
-    combine_kernel[(B,)](pv, pi, d_arg, out, T - 1, S, s_d, *fed, T_P2=t_p2,
+    combine_kernel[(B,)](pv, pi, d_arg, out, T - 1, S, s_d, T_P2=t_p2,
                          S_P2=triton.next_power_of_2(S), IMAX=_INT_MAX,
-                         COUNT=d is not None, FEED=feed is not None, num_warps=1, **pdl)
+                         COUNT=d is not None, num_warps=1, **pdl)
     return out
-
-
-def _feed_args(feed: NextInputs, d: torch.Tensor | None, B: int, T: int,
-               dev: torch.device) -> tuple[Any, ...]:
-    """The kernels' FEED arguments: (tokens, start_pos, slots, their row strides, the
-    scratch slot); ValueError unless a K = 0 verify's [B, 1] / [B] i64 inputs on ``dev``."""
-    tokens, pos, slots = feed.tokens, feed.start_pos, feed.slots
-    if d is None or T != 1:
-        raise ValueError("greedy_verify: feed is for a K = 0 verify only")
-    for name, t, shape in (("tokens", tokens, (B, 1)), ("start_pos", pos, (B,)),
-                           ("slots", slots, (B,))):
-        if t.shape != shape or t.dtype != torch.int64 or t.device != dev:
-            raise ValueError(f"greedy_verify: feed.{name} must be {list(shape)} int64 on "
-                             f"{dev}, got {list(t.shape)} {t.dtype} on {t.device}")
-    return (tokens, pos, slots, tokens.stride(0), pos.stride(0), slots.stride(0),
-            int(feed.scratch_slot))

@@ -16,7 +16,7 @@ from specloop.graphs import CudaGraphCache, GraphKey, SamplingPath
 from specloop.graphs._cache import FeedsItself, inputs_written
 from specloop.graphs._cuda import _Captured
 from specloop.graphs._capture import graph_template
-from specloop.samplers import DefaultSampler, RejectionResult, SamplingBatch, SamplingParams
+from specloop.samplers import DefaultSampler, RejectionResult, SamplingParams
 
 from ..engine.conftest import PROMPTS, make_config, serve_staggered
 from ..engine.test_adaptive_ahead import StaticOutputs
@@ -211,67 +211,3 @@ def test_cuda_cache_copies_again_what_the_graph_wrote():
     assert cache.replay(key, inputs)["next"].tolist() == [12, 24]      # copied again
     assert cache.replay(key, None)["next"].tolist() == [34, 68]         # what it wrote
     assert cache.replay(key, inputs)["next"].tolist() == [12, 24]
-
-
-def test_feeding_step_writes_the_same_next_inputs_for_any_sampler(tiny_loaded, monkeypatch):
-    """The K = 0 step that feeds itself: with DefaultSampler the sampler writes its next
-    inputs (``feed``; on CUDA all-greedy, the greedy kernels' last one), any other
-    sampler (here one overriding verify) gets the torch ops in the step: the same tokens,
-    positions (padding rows kept) and outputs, greedy, sampled and advanced. DefaultSampler
-    gets no positions where it reads none (all greedy, not advanced: no add kernel)."""
-    runner = ModelRunner(tiny_loaded, num_slots=3, max_seq_len=32, max_prefill_tokens=32)
-    for slot in range(2):
-        runner.cache.pages.resize(slot, 12)
-    scratch = runner.cache.scratch_slot
-    seen: list = []
-
-    @attrs.frozen
-    class Spy(DefaultSampler):
-        def verify(self, d, logits, q, batch, positions, *, advanced, **kw):
-            seen.append((None if positions is None else positions.tolist(), "feed" in kw))
-            return DefaultSampler.verify(self, d, logits, q, batch, positions,
-                                         advanced=advanced, **kw)
-
-    greedy = graph_template(GraphKey(3, 0, SamplingPath.GREEDY, True), "cpu")
-    sampled = SamplingBatch.from_params([SamplingParams(temperature=0.8, seed=3),
-                                         SamplingParams(temperature=0.0)], [0, 1],
-                                        device="cpu", pad_to=3)
-    for template, advanced in ((greedy, False), (sampled, False), (sampled, True)):
-        outs = []
-        for sampler in (DefaultSampler(), Spy()):
-            inputs = verify_inputs([], None, None, template, k=0, scratch_slot=scratch,
-                                   device="cpu")
-            inputs["tokens"][:2, 0] = torch.tensor([7, 9])
-            inputs["start_pos"][:2] = torch.tensor([4, 10])
-            inputs["slots"][:2] = torch.tensor([0, 1])
-            step = make_verify_step(runner, sampler, template, advanced=advanced,
-                                    kv_len=32, feeds_itself=True)
-            out = step(inputs)
-            outs.append((inputs["tokens"].clone(), inputs["start_pos"].clone(),
-                         out["packed"].clone()))
-        (tok, pos, packed), (tok2, pos2, packed2) = outs
-        assert pos.tolist() == [5, 11, 0] and torch.equal(pos, pos2), (template, advanced)
-        assert torch.equal(tok, packed[:, :1]) and torch.equal(tok, tok2)
-        assert torch.equal(packed, packed2)
-        # the overriding sampler: positions start + 1 (read before the write), no feed
-        assert seen.pop() == ([5, 11, 1], False) and not seen
-    # DefaultSampler itself: positions None where not read, and the feed.
-    calls: list = []
-    real = DefaultSampler.verify
-
-    def spy(self, d, logits, q, batch, positions, *, advanced, feed=None):
-        calls.append((positions is None, feed is not None))
-        return real(self, d, logits, q, batch, positions, advanced=advanced, feed=feed)
-    monkeypatch.setattr(DefaultSampler, "verify", spy)
-    for template, advanced, want in ((greedy, False, (True, True)),
-                                     (sampled, False, (False, True)),
-                                     (sampled, True, (False, True))):
-        inputs = verify_inputs([], None, None, template, k=0, scratch_slot=scratch,
-                               device="cpu")
-        make_verify_step(runner, DefaultSampler(), template, advanced=advanced,
-                         kv_len=32, feeds_itself=True)(inputs)
-        assert calls.pop() == want, (template.all_greedy, advanced)
-    inputs = verify_inputs([], None, None, greedy, k=0, scratch_slot=scratch,
-                           device="cpu")
-    make_verify_step(runner, DefaultSampler(), greedy, advanced=False, kv_len=32)(inputs)
-    assert calls.pop() == (True, False)

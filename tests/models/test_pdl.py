@@ -253,51 +253,39 @@ def test_greedy_kernels_wait_first():
     check_kernel(partials, {"x_ptr": "*bf16", "pv_ptr": "*fp32", "pi_ptr": "*i32", "V": "i32",
                             "T": "i32", "s_b": "i32", "s_t": "i32", "S": "i32"},
                  {"CHUNK": 2048, "BLOCK": 1024, "IMAX": imax}, weights=set())
-    feed = {"tok_ptr": "*i64", "pos_ptr": "*i64", "slot_ptr": "*i64", "s_tok": "i32",
-            "s_pos": "i32", "s_slot": "i32", "scratch": "i32"}
-    # K = 3 (no feed), and K = 0 writing the step's next inputs (FEED: the tokens, start
-    # positions and slots it reads and writes are the step's inputs: after the wait).
-    for t_p2, fed in ((4, False), (1, True)):
-        check_kernel(combine, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "d_ptr": "*i64",
-                               "out_ptr": "*i64", "K": "i32", "S": "i32", "s_d": "i32",
-                               **feed},
-                     {"T_P2": t_p2, "S_P2": 32, "IMAX": imax, "COUNT": True, "FEED": fed},
-                     weights=set(), num_warps=1, sass=fed)
-        check_kernel(row, {"x_ptr": "*bf16", "d_ptr": "*i64", "out_ptr": "*i64", "V": "i32",
-                           "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32", **feed},
-                     {"T_P2": t_p2, "BLOCK": 8192, "IMAX": imax, "COUNT": True, "FEED": fed},
-                     weights=set(), num_warps=16)
+    check_kernel(combine, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "d_ptr": "*i64",
+                           "out_ptr": "*i64", "K": "i32", "S": "i32", "s_d": "i32"},
+                 {"T_P2": 4, "S_P2": 32, "IMAX": imax, "COUNT": True}, weights=set(),
+                 num_warps=1)
+    check_kernel(row, {"x_ptr": "*bf16", "d_ptr": "*i64", "out_ptr": "*i64", "V": "i32",
+                       "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32"},
+                 {"T_P2": 4, "BLOCK": 8192, "IMAX": imax, "COUNT": True}, weights=set(),
+                 num_warps=16)
 
 
 SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
               "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
               "stride_ym": "i32", "k_per_split": "i32"}
 NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
-            "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16",
-            "t_ptr": "*bf16", "M": "i32", "N": "i32", "K": "i32", "V": "i32", "T": "i32",
-            "stride_tb": "i32", "stride_tt": "i32", "stride_wn": "i32", "stride_ym": "i32",
+            "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32",
+            "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
             "stride_cm": "i32", "eps": "fp32"}
 
 
-@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_f32"])
+@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
     # Broadcast (the 1-row decode GEMMs, silu-down's prologue): W and the bias before;
-    # tile: W before, the bias at the store; tl.dot split-K: the wait first; tl.dot with
-    # an fp32 y (the LM head's d64x64 storing its logits widened: out_dtype): the wait first.
+    # tile: W before, the bias at the store; tl.dot split-K: the wait first.
     meta = {"broadcast": dict(ACT=1, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=1,
                               BLOCK_N=2, BLOCK_K=1024, TILE=False),
             "tile": dict(ACT=0, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=4, BLOCK_N=4,
                          BLOCK_K=1024, TILE=True),
             "dot_split": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=2, BLOCK_M=16,
-                              BLOCK_N=16, BLOCK_K=128, TILE=False),
-            "dot_f32": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
-                            BLOCK_N=64, BLOCK_K=64, TILE=False)}[path]
-    before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
-              "dot_f32": set()}[path]
-    f32 = meta["SPLIT_K"] > 1 or path == "dot_f32"
-    sig = dict(SKINNY_SIG, y_ptr="*fp32") if f32 else SKINNY_SIG
+                              BLOCK_N=16, BLOCK_K=128, TILE=False)}[path]
+    before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set()}[path]
+    sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
 
@@ -307,19 +295,11 @@ def test_norm_skinny_and_splitk_reduce():
     for tile, before in ((False, {"nw_ptr", "w_ptr", "b_ptr"}), (True, {"nw_ptr", "w_ptr"})):
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
                      dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
-                          BLOCK_N=2, BLOCK_K=1024, TILE=tile, GATHER=False), weights=before,
-                     sass=tile)
-        # GATHER (a first layer's embedding rows): the table x is a weight, but the row
-        # is the token's (t_ptr, an activation): neither read before the wait.
-        check_kernel(S._norm_skinny_kernel, dict(NORM_SIG, t_ptr="*i64"),
-                     dict(HAS_DELTA=False, HAS_COPY=False, HAS_BIAS=True,
-                          BLOCK_M=4 if tile else 1, BLOCK_N=2, BLOCK_K=1024, TILE=tile,
-                          GATHER=True), weights=before, sass=not tile)
-    for y in ("*bf16", "*fp32"):         # fp32: skinny_linear's out_dtype
-        check_kernel(S._splitk_reduce_kernel,
-                     {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": y, "M": "i32", "N": "i32",
-                      "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
-                     weights=set())
+                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before, sass=tile)
+    check_kernel(S._splitk_reduce_kernel,
+                 {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
+                  "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
+                 weights=set())
 
 
 def test_rejection_and_ngram_kernels_wait_first():
@@ -398,20 +378,11 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     w = torch.zeros(4, 64)
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(False, 2, 1024))
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(True, 16, 16, split_k=2))
-    S.skinny_linear(torch.zeros(1, 64).bfloat16(), w.bfloat16(), None,
-                    SkinnyConfig(True, 16, 16), out_dtype=torch.float32)
     S.skinny_norm_linear(torch.zeros(1, 64), None, torch.ones(64), 1e-5, w, None,
                          SkinnyConfig(False, 2, 1024))
-    S.skinny_norm_linear(torch.zeros(10, 64), None, torch.ones(64), 1e-5, w, None,
-                         SkinnyConfig(False, 2, 1024), tokens=torch.zeros(1, 1, dtype=i64))
     logits, d = torch.zeros(1, 3, 16, dtype=f), torch.zeros(1, 2, dtype=i64)
     G.greedy_verify(d, logits, mode="split")
     G.greedy_verify(d, logits, mode="row")
-    from specloop.samplers._sampler import NextInputs
-    fed = torch.zeros(1, 3, dtype=i64)
-    for mode in ("split", "row"):               # K = 0 writing the step's next inputs
-        G.greedy_verify(d[:, :0], logits[:, :1], mode=mode,
-                        feed=NextInputs(fed[:, :1], fed[:, 1], fed[:, 2], 1))
     R.token_rejection_sample(d, logits, None, one, one)
     N._chain_step_triton(torch.zeros(2, 32, dtype=i64), torch.zeros(1, 3, dtype=i64), one,
                          torch.zeros(4, dtype=i64), k=2, ngram_min=1, ngram_max=2,

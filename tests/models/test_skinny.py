@@ -195,114 +195,6 @@ def test_one_reduction_tile_equals_float64_reference_interpreted():
     run_interpreted(TILE_CHILD)
 
 
-F32_OUT_CHILD = r"""
-import torch
-from specloop.models import _linear, _skinny
-from specloop.models._skinny import SkinnyConfig, skinny_linear
-
-def bits(t):
-    return t.contiguous().view(torch.int32)
-
-torch.manual_seed(0)
-N, K = 19, 83                      # neither a multiple of any block
-w32, b32, x32 = torch.randn(N, K), torch.randn(N), torch.randn(5, K) * 2
-# Each family with all of K in one program and with K over several (fp32 partials, then
-# the ordered reduce kernel stores): d (tl.dot) one split and 2; v one pass and K over 3;
-# b (one reduction over 4 rows) one pass and K over 2.
-configs = [SkinnyConfig(True, 16, 32), SkinnyConfig(True, 16, 32, split_k=2),
-           SkinnyConfig(False, 8, 128), SkinnyConfig(False, 8, 32),
-           SkinnyConfig(False, 2, 128, tile_m=4), SkinnyConfig(False, 4, 64, tile_m=4)]
-for dtype in (torch.bfloat16, torch.float16):
-    w, b, x = w32.to(dtype), b32.to(dtype), x32.to(dtype)
-    for cfg in configs:
-        for M, bias in ((1, None), (2, b), (5, b)):
-            y = skinny_linear(x[:M], w, bias, cfg)
-            y32 = skinny_linear(x[:M], w, bias, cfg, out_dtype=torch.float32)
-            assert y.dtype == dtype and y32.dtype == torch.float32 and y32.shape == y.shape
-            # the bf16 (fp16) product widened, bit for bit; not a product left unrounded
-            assert torch.equal(bits(y32), bits(y.float())), (dtype, cfg, M)
-            assert torch.equal(y32.to(dtype).float(), y32), (dtype, cfg, M)
-    # leading dims, as the LM head's [B, K+1, H] hidden
-    cfg = configs[0]
-    y32 = skinny_linear(x[:4].view(2, 2, K), w, None, cfg, out_dtype=torch.float32)
-    assert y32.shape == (2, 2, N)
-    assert torch.equal(bits(y32), bits(skinny_linear(x[:4], w, None, cfg).float().view(2, 2, N)))
-# The dispatcher: linear_f32 == the plain call's .float() bit for bit, rows in the table's
-# range through the kernel's fp32 epilogue (one call, out_dtype float32), beyond it F.linear
-# then the cast.
-_linear.SKINNY_TABLE[(N, K, False)] = ((2, "d16x32s2w4n3"),)
-lin = _linear.PackedLinear(skinny=True)
-lin.skinny_on_cpu = True
-calls = []
-plain = _skinny.skinny_linear
-def counted(*a, **k):
-    calls.append(k.get("out_dtype"))
-    return plain(*a, **k)
-_skinny.skinny_linear = counted
-w, x = w32.bfloat16(), x32.bfloat16()
-for M, want in ((1, [torch.float32, None]), (2, [torch.float32, None]), (3, [])):
-    calls.clear()
-    got = lin.linear_f32(x[:M], w)
-    assert torch.equal(bits(got), bits(lin(x[:M], w).float())), M
-    assert calls == want, (M, calls)
-print("ok")
-"""
-
-
-@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
-def test_skinny_f32_out_is_the_rounded_product_widened_interpreted():
-    """``skinny_linear(out_dtype=torch.float32)`` (the LM head's logits, no cast kernel
-    after it): the bits of the default call's ``.float()`` for the d, v and b families,
-    with K in one program and split over several (the reduce kernel's store), bias, bf16
-    and fp16, leading dims; ``PackedLinear.linear_f32`` takes it for the table's rows and
-    F.linear + ``.float()`` beyond them."""
-    run_interpreted(F32_OUT_CHILD)
-
-
-GATHER_CHILD = r"""
-import torch
-import torch.nn.functional as F
-from specloop.models._skinny import SkinnyConfig, skinny_norm_linear
-
-torch.manual_seed(0)
-V, N, K = 37, 19, 83
-table32, w32, b32 = torch.randn(V, K) * 3, torch.randn(N, K), torch.randn(N)
-tokens = torch.tensor([[5, 0, 36], [17, 17, 2]])
-# One row a program after the other (v) and blocks of rows in one reduction (b); fp32 and
-# fp16 (the interpreter multiplies bf16 as raw bits in the norm: the GPU test covers it).
-for dtype in (torch.float32, torch.float16):
-    table, w, b = table32.to(dtype), w32.to(dtype), b32.to(dtype)
-    nw = (torch.rand(K) + 0.5).to(dtype)
-    for cfg in (SkinnyConfig(False, 8, 128), SkinnyConfig(False, 2, 128, tile_m=4)):
-        wide = torch.stack([tokens[:, 0], tokens[:, 1] + 1, tokens[:, 1]], 1)   # [2, 3]
-        # [B, T], one token, flat, and strided views (the step's tokens column of its
-        # [B, K+3] inputs; every other token), read in place.
-        for toks, bias in ((tokens, b), (tokens[:1, :1], None), (tokens.flatten(), b),
-                           (wide[:, :1], b), (wide[:, ::2], None), (tokens.flatten()[::2], b)):
-            rows = F.embedding(toks, table)
-            copy, copy2 = (torch.zeros(*toks.shape, 2 * K, dtype=dtype)[..., K:]
-                           for _ in range(2))
-            y, stream = skinny_norm_linear(table, None, nw, 1e-5, w, bias, cfg, copy,
-                                           tokens=toks)
-            want_y, want_stream = skinny_norm_linear(rows, None, nw, 1e-5, w, bias, cfg, copy2)
-            assert torch.equal(stream, rows) and torch.equal(copy, rows), (dtype, cfg)
-            assert torch.equal(y, want_y) and y.shape == (*toks.shape, N), (dtype, cfg)
-    # a token outside the table reads a zero row (no out-of-bounds read)
-    bad = torch.tensor([[3, -1, V]])
-    y, stream = skinny_norm_linear(table, None, nw, 1e-5, w, None, cfg, tokens=bad)
-    assert torch.equal(stream[0, 0], table[3]) and not stream[0, 1:].any()
-print("ok")
-"""
-
-
-@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
-def test_norm_kernel_gathers_embedding_rows_interpreted():
-    """``skinny_norm_linear(tokens=...)`` (a first layer's embedding gather in the norm
-    kernel): y, the stream and its copy are the bits of F.embedding then the same kernel,
-    for the v and b families, [B, T] and flat tokens, bias or not."""
-    run_interpreted(GATHER_CHILD)
-
-
 LAYER_CHILD = r"""
 import sys, torch
 from specloop.models import PageTable, load_model, _kernels, _skinny
@@ -345,34 +237,6 @@ for skinny, norm in ((False, False), (True, False), (True, True)):
     assert feats.abs().sum() > 0
 for key in ((True, False), (True, True)):
     torch.testing.assert_close(out[key], out[False, False], rtol=2e-2, atol=2e-2)
-# forward's first layer gathers the embedding rows in its norm kernel where the norm is
-# fused (else F.embedding first): the bits of forward_embeds(embed(tokens)), KV cache too.
-gathers = []
-counted = _skinny.skinny_norm_linear
-def gathering(*a, **k):
-    gathers.append(k.get("tokens") is not None)
-    return counted(*a, **k)
-_skinny.skinny_norm_linear = gathering
-for norm in (True,):        # (without the fused norm: F.embedding, as forward_embeds)
-    model.linear.skinny = model.linear.skinny_on_cpu = True
-    model.linear.skinny_norm = norm
-    runs = []
-    for gather in (True, False):
-        gathers.clear()
-        pages = PageTable(2, 64, 4)
-        cache = model.make_cache(2, 64, pages=pages)
-        for slot in range(2):
-            pages.resize(slot, 12)
-        args = (torch.tensor([0, 5]), torch.tensor([0, 1]), cache)
-        tokens = torch.tensor([[3, 1], [5, 2]]) % V
-        if gather:
-            hidden, feats = model(tokens, *args, capture=(0,), num_layers=1)
-        else:
-            hidden, feats = model.forward_embeds(model.embed(tokens), *args, capture=(0,),
-                                                 num_layers=1)
-        runs.append((hidden, feats, cache.k.clone()))
-        assert gathers.count(True) == (gather and norm), (norm, gather, gathers)
-    assert all(torch.equal(a, b) for a, b in zip(*runs)), norm
 print("ok")
 """
 
@@ -581,23 +445,6 @@ def test_skinny_matches_f_linear_bf16_cuda():
 
 
 @pytest.mark.gpu
-def test_lm_head_f32_logits_equal_the_cast_cuda():
-    """SmolLM2's LM head [49152, 576] in bf16 on the GPU: ``linear_f32`` (the skinny
-    kernel storing fp32 for the table's 1-2 rows, cuBLAS + ``.float()`` beyond) gives the
-    bits of the bf16 product's ``.float()``, for 1..4 rows and VERIFY's [B, K+1, H]."""
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    w = (torch.randn(49152, 576, device="cuda", generator=gen) * 0.05).bfloat16()
-    x = torch.randn(4, 576, device="cuda", generator=gen).bfloat16()
-    lin = PackedLinear(skinny=True)
-    assert skinny_config(2, 49152, 576) is not None and skinny_config(3, 49152, 576) is None
-    for xs in [x[:m] for m in (1, 2, 3, 4)] + [x.view(2, 2, 576), x[:2].view(1, 2, 576)]:
-        got = lin.linear_f32(xs, w)
-        assert got.dtype == torch.float32 and got.shape == (*xs.shape[:-1], 49152)
-        assert torch.equal(got.view(torch.int32), lin(xs, w).float().view(torch.int32)), \
-            tuple(xs.shape)
-
-
-@pytest.mark.gpu
 def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
     """The shipped table's invariant: a shape's row ranges may run different
     configurations only if they give a row the same bits. Through the dispatcher, for every
@@ -753,43 +600,6 @@ def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
             h, want = _kernels.add_rms_norm(x, d, nw, 1e-5)
             assert torch.equal(stream, want) and torch.equal(copy, want)
             torch.testing.assert_close(y.float(), F.linear(h, w).float(), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.gpu
-def test_first_layer_gathers_embedding_rows_bf16_cuda(tiny_dirs):
-    """bf16 on the GPU: the norm kernel's embedding gather (``tokens``) gives F.embedding
-    then the same kernel's bits for SmolLM2's qkv at 1..4 rows (v and b families), and a
-    fused decoder's ``forward`` (which gathers in its first layer) the bits of
-    ``forward_embeds(embed(tokens))``."""
-    from specloop.models import load_model
-    from specloop.models._skinny import norm_fusable, skinny_norm_linear
-
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    table = torch.randn(49152, 576, device="cuda", generator=gen).bfloat16()
-    w = (torch.randn(960, 576, device="cuda", generator=gen) * 0.05).bfloat16()
-    nw = (torch.rand(576, device="cuda", generator=gen) + 0.5).bfloat16()
-    for rows in (1, 2, 3, 4):
-        tokens = torch.randint(0, 49152, (rows, 1), device="cuda", generator=gen)
-        for cfg in (skinny_config(rows, 960, 576), tile_config(960, 576)):
-            assert cfg is not None and norm_fusable(cfg, 576)
-            y, stream = skinny_norm_linear(table, None, nw, 1e-5, w, None, cfg, tokens=tokens)
-            rows_in = F.embedding(tokens, table)
-            want_y, _ = skinny_norm_linear(rows_in, None, nw, 1e-5, w, None, cfg)
-            assert torch.equal(stream, rows_in) and torch.equal(y, want_y), (rows, cfg.tag())
-    model = load_model(tiny_dirs["qwen2"], dtype=torch.bfloat16, device="cuda").model
-    model.linear.skinny = model.linear.skinny_norm = True
-    V = model.args.vocab_size
-    tokens = torch.randint(0, V, (2, 3), device="cuda", generator=gen)
-    start, slots = torch.tensor([0, 4], device="cuda"), torch.arange(2, device="cuda")
-    outs = []
-    for gather in (True, False):
-        cache = model.make_cache(2, 64)
-        if gather:
-            hidden = model(tokens, start, slots, cache, kv_len=64)
-        else:
-            hidden = model.forward_embeds(model.embed(tokens), start, slots, cache, kv_len=64)
-        outs.append((hidden, cache.k.clone()))
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
 
 
 def test_skinny_table_file_replaces_the_shipped_table(tmp_path):
