@@ -706,8 +706,9 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
     from specloop.models import _skinny
     fn = _skinny._norm_skinny_kernel if norm else _skinny._skinny_kernel
     split, _ = cfg.k_splits(k)
+    # GDC True with launch_pdl, as the kernels launch on an H200 (samplers/_pdl.py).
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
-                 BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0)
+                 BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True)
     const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split))
     sig, attrs = {}, {}
@@ -721,8 +722,8 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
             attrs[(i,)] = [["tt.divisibility", 16]]
     ir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                         target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": cfg.num_warps,
-                                 "num_stages": cfg.num_stages}).asm["ttgir"]
+                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
+                                 "launch_pdl": True}).asm["ttgir"]
     layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<\{[^}]*\}>)", ir, re.M))
     out = set()
     for m in re.finditer(r'"tt\.reduce"\(.*?<\{axis = (\d+) : i32\}>.*?\}\) : '
