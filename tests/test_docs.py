@@ -183,3 +183,17 @@ def test_docs_name_what_the_component_protocols_declare():
     drafters = api[api.index("- drafters (`models/drafters`)"):].split(" - ")[0]
     for name, target in _BUILTINS["drafter"].items():
         assert f"`{name}`" in drafters and f"`{target.split(':')[1]}`" in drafters, name
+
+
+def test_configuration_md_lists_every_environment_variable():
+    """Every ``SPECLOOP_*`` name the installed packages read appears in configuration.md's
+    "Environment variables" table, and the table names none the code does not read."""
+    pkgs = ("engine", "samplers", "comm", "graphs", "models", "serve", "train")
+    used = {name for pkg in pkgs for path in (ROOT / pkg).rglob("*.py")
+            for name in re.findall(r'"(SPECLOOP_[A-Z0-9_]+)"', path.read_text())}
+    text = (ROOT / "docs" / "configuration.md").read_text()
+    section = text.split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"^\| `(SPECLOOP_[A-Z0-9_]+)` \|", section, re.M))
+    assert used, "no SPECLOOP_* variable found: the scan is broken"
+    assert used - listed == set(), f"read by the code, missing from the table: {used - listed}"
+    assert listed - used == set(), f"in the table, read by no code: {listed - used}"
