@@ -177,6 +177,32 @@ async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,
             "requests": requests}
 
 
+def device_events(events, copies: bool = False) -> list:
+    """A profile's device events: kernels (and memcpy / memset with ``copies``)."""
+    out = []
+    for e in events:
+        if e.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        copy = "memcpy" in e.name.lower() or "memset" in e.name.lower()
+        if copies or not copy:
+            out.append(e)
+    return out
+
+
+def union_us(events) -> float:
+    """The union of the events' time ranges (us): the device's busy time. Not the sum of
+    their durations: with Programmatic Dependent Launch a kernel starts (and waits in
+    griddepcontrol.wait) while the one before it runs, so kernel spans overlap."""
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events):
+        if cur_e is None or s > cur_e:
+            busy += 0 if cur_e is None else cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    return busy + (0 if cur_e is None else cur_e - cur_s)
+
+
 def emit_row(row: dict, out_path: str) -> None:
     """Print a result row and append it to ``out_path`` (JSON lines)."""
     print(json.dumps(row), flush=True)

@@ -23,7 +23,7 @@ import time
 import anyio
 import torch
 
-from _common import generate_round, quiet_logs
+from _common import device_events, generate_round, quiet_logs, union_us
 
 QUESTIONS = ("What is the capital of France?", "Write a haiku about the sea.",
              "Explain photosynthesis in two sentences.", "List three prime numbers.",
@@ -144,14 +144,14 @@ async def _profile(engine, prompts, num_layers, tokens=64):
     full, wall, iters = await _traced(engine, prompts, tokens,
                                       [ProfilerActivity.CPU, ProfilerActivity.CUDA])
     events = full.events()
-    kernels = _kernels(events)
+    kernels = device_events(events)
     sync_names = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                   "cudaMemcpy")
     syncs = sum(1 for e in events if e.name in sync_names)
     out = {"iterations": iters, "kernels_per_iteration": len(kernels) / iters,
            "kernels_per_layer": len(kernels) / iters / num_layers,
            "syncs_per_iteration": syncs / iters,
-           "gpu_busy_over_wall_cpu_traced": _union(kernels) / 1e6 / wall,
+           "gpu_busy_over_wall_cpu_traced": union_us(kernels) / 1e6 / wall,
            "ms_iter_cpu_traced": wall / iters * 1e3,
            "top_kernels": _top(kernels, iters)}
     lean, wall, iters = await _traced(engine, prompts, tokens, [ProfilerActivity.CUDA])
@@ -173,30 +173,6 @@ async def _traced(engine, prompts, tokens, activities):
     return prof, wall, engine.stats.num_iterations - it0
 
 
-def _kernels(events, copies=False):
-    """The device's events: kernels (and memcpy / memset with ``copies``)."""
-    out = []
-    for e in events:
-        if e.device_type != torch.autograd.DeviceType.CUDA:
-            continue
-        copy = "memcpy" in e.name.lower() or "memset" in e.name.lower()
-        if copies or not copy:
-            out.append(e)
-    return out
-
-
-def _union(events):
-    """The union of the events' time ranges (µs)."""
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in sorted((e.time_range.start, e.time_range.end) for e in events):
-        if cur_e is None or s > cur_e:
-            busy += 0 if cur_e is None else cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    return busy + (0 if cur_e is None else cur_e - cur_s)
-
-
 GAP_BUCKETS_US = (1, 2, 5, 20, 100)
 
 
@@ -205,7 +181,7 @@ def _idle(events, wall, iters):
     consecutive events, by size (per iteration) and the largest by the kernels around
     them: short gaps inside a captured graph are its launch latency, long ones a wait for
     the host."""
-    kernels, every = _kernels(events), _kernels(events, copies=True)
+    kernels, every = device_events(events), device_events(events, copies=True)
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in every)
     counts = [0] * (len(GAP_BUCKETS_US) + 1)
     totals = [0.0] * (len(GAP_BUCKETS_US) + 1)
@@ -224,8 +200,8 @@ def _idle(events, wall, iters):
             end, before = e, name
     labels = [f"<{b}us" for b in GAP_BUCKETS_US] + [f">={GAP_BUCKETS_US[-1]}us"]
     largest = sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:8]
-    return {"gpu_busy_over_wall": _union(kernels) / 1e6 / wall,
-            "gpu_busy_over_wall_with_copies": _union(every) / 1e6 / wall,
+    return {"gpu_busy_over_wall": union_us(kernels) / 1e6 / wall,
+            "gpu_busy_over_wall_with_copies": union_us(every) / 1e6 / wall,
             "ms_iter_profiled": wall / iters * 1e3,
             "kernel_us_per_iteration": sum(e.time_range.elapsed_us() for e in kernels) / iters,
             "gaps_per_iteration": {lab: [round(c / iters, 1), round(t / iters, 1)]

@@ -20,8 +20,9 @@ import statistics
 import anyio
 import torch
 
-from _common import (add_round_args, device_sync, emit_row, engine_config, generate_round,
-                     held_out_batches, quiet_logs, speed_row, timed_round)
+from _common import (add_round_args, device_events, device_sync, emit_row, engine_config,
+                     generate_round, held_out_batches, quiet_logs, speed_row, timed_round,
+                     union_us)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -68,7 +69,12 @@ def summarize_profile(prof, iterations, stacks=False):
     # Every kernel name with its launches and GPU time per iteration (where the count is).
     by_count = sorted(kernels, key=lambda e: -e.count)
     return {"kernels_per_iter": round(sum(e.count for e in kernels) / per, 1),
+            # The kernels' summed durations; they overlap under PDL (a kernel starts while
+            # the one before it runs), so this can exceed the iteration: the union of their
+            # spans is the device's busy time.
             "gpu_busy_ms_per_iter": round(gpu_us / per / 1e3, 3),
+            "gpu_union_ms_per_iter": round(union_us(device_events(prof.events())) / per / 1e3,
+                                           3),
             "runtime_calls_per_iter": {k: round(v / per, 2) for k, v in calls.items()},
             "top_kernels_us_per_iter": {e.key[:60]: round(e.self_device_time_total / per, 1)
                                         for e in top},

@@ -86,3 +86,21 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
         (traced,) = row["runs_traced"]
         assert traced["iterations"] == sum(n for n, _ in traced["ms_by_k"].values()) > 0
         assert traced["slowest"] and traced["slowest"][0]["ms"] > 0
+
+
+def test_union_us_is_busy_time_not_summed_durations(common):
+    """bench/_common.py ``union_us``: overlapping spans (kernels launched early under PDL)
+    count once, gaps not at all; ``device_events`` keeps device kernels, copies on request."""
+    from types import SimpleNamespace as NS
+
+    import torch
+
+    def ev(s, e, name="k", dev=torch.autograd.DeviceType.CUDA):
+        return NS(time_range=NS(start=s, end=e), name=name, device_type=dev)
+
+    spans = [ev(0, 10), ev(5, 12), ev(12, 13), ev(20, 25), ev(21, 22)]
+    assert common.union_us(spans) == 18          # [0, 13] and [20, 25]
+    assert common.union_us([]) == 0
+    mixed = [ev(0, 1), ev(1, 2, "Memcpy DtoD"), ev(2, 3, dev=torch.autograd.DeviceType.CPU)]
+    assert [e.name for e in common.device_events(mixed)] == ["k"]
+    assert len(common.device_events(mixed, copies=True)) == 2
