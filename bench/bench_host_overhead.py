@@ -64,6 +64,23 @@ class StateTimes:
             self.total_us[key] = self.total_us.get(key, 0.0) + event.duration_us
 
 
+def start_consumers(tg, engine, consumer, batch, prompt, params):
+    """``batch`` requests of ``prompt`` in ``tg``, their outputs drained: one ``generate``
+    task per request ("stream") or one ``generate_batch`` ("batch")."""
+    async def one(i):
+        async for _ in engine.generate(prompt, params, request_id=f"r{i}"):
+            pass
+
+    async def all_at_once():
+        async for _ in engine.generate_batch([prompt] * batch, params):
+            pass
+    if consumer == "batch":
+        tg.start_soon(all_at_once)
+    else:
+        for i in range(batch):
+            tg.start_soon(one, i)
+
+
 async def measure(config, loaded, batch, iterations, consumer="stream"):
     """-> (wall us, process CPU us) per iteration, state times, K. ``consumer``: one
     ``generate`` task per request ("stream") or one ``generate_batch`` ("batch")."""
@@ -73,22 +90,8 @@ async def measure(config, loaded, batch, iterations, consumer="stream"):
     k = config.speculative.k
     times = StateTimes()
     async with AsyncEngine(config, model=loaded, observers=[times]) as engine:
-        counts = []
-
-        async def one(i):
-            async for out in engine.generate([1, 2, 3, 4], params, request_id=f"r{i}"):
-                counts.append(len(out.token_ids))
-
-        async def all_at_once():
-            async for item in engine.generate_batch([[1, 2, 3, 4]] * batch, params):
-                for out in item:
-                    counts.append(len(out.token_ids))
         async with anyio.create_task_group() as tg:
-            if consumer == "batch":
-                tg.start_soon(all_at_once)
-            else:
-                for i in range(batch):
-                    tg.start_soon(one, i)
+            start_consumers(tg, engine, consumer, batch, [1, 2, 3, 4], params)
             while engine.stats.num_iterations < 20:
                 await anyio.sleep(0.01)
             start_it, start = engine.stats.num_iterations, time.perf_counter()
@@ -144,10 +147,7 @@ async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=N
     """One GPU rank's path on the CPU (see the module doc): -> (wall us per iteration,
     thread CPU us per iteration, {state: us per iteration}, {state: thread CPU us per
     iteration}, share of iterations that took a step queued ahead or chained)."""
-    import os
-    import sys
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from bench_chain_host import ThreadTimes  # noqa: PLC0415
+    from bench_chain_host import ThreadTimes  # noqa: PLC0415 - beside this script
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     from specloop.engine._chain import DeviceChain  # noqa: PLC0415
     from specloop.samplers import SamplingParams  # noqa: PLC0415
@@ -165,19 +165,8 @@ async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=N
         def taken():
             return worker.ahead.taken_steps + (chain.taken_steps if chain is not None else 0)
 
-        async def one(i):
-            async for _ in engine.generate([1, 2, 3, 4, 5, 6], params, request_id=f"r{i}"):
-                pass
-
-        async def all_at_once():
-            async for _ in engine.generate_batch([[1, 2, 3, 4, 5, 6]] * batch, params):
-                pass
         async with anyio.create_task_group() as tg:
-            if consumer == "batch":
-                tg.start_soon(all_at_once)
-            else:
-                for i in range(batch):
-                    tg.start_soon(one, i)
+            start_consumers(tg, engine, consumer, batch, [1, 2, 3, 4, 5, 6], params)
             while engine.stats.num_iterations < 30:
                 await anyio.sleep(0.005)
             first, steps = engine.stats.num_iterations, taken()
@@ -206,10 +195,7 @@ def gpu_path_main(args):
     import pstats
     import statistics
     import tempfile
-    sys_path = os.path.dirname(os.path.abspath(__file__))
-    import sys
-    sys.path.insert(0, sys_path)
-    from bench_chain_host import config  # noqa: PLC0415
+    from bench_chain_host import config  # noqa: PLC0415 - beside this script
     from specloop.models import load_model  # noqa: PLC0415
     from specloop.models.testing import write_tiny_checkpoint  # noqa: PLC0415
     print(f"load average {os.getloadavg()}", flush=True)
