@@ -22,16 +22,10 @@ SMOLLM2_SHAPE = dict(vocab_size=49152, num_layers=30, hidden=576, num_heads=9,
 
 
 def _graph(model, cache, tokens, start, slots, kv_len):
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            model.logits(model(tokens, start, slots, cache, kv_len=kv_len)[:, -1])
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = model.logits(model(tokens, start, slots, cache, kv_len=kv_len)[:, -1])
-    return graph, out
+    from specloop.graphs._cuda import capture_graph
+    return capture_graph(
+        lambda: model.logits(model(tokens, start, slots, cache, kv_len=kv_len)[:, -1]),
+        warmups=2)
 
 
 def _time(graph, n=50):

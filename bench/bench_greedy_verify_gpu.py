@@ -22,6 +22,7 @@ import argparse
 
 import torch
 
+from specloop.graphs._cuda import capture_graph
 from specloop.samplers import SamplingBatch, SamplingParams, strict_verify
 from specloop.samplers import _sampler, _triton_greedy
 from specloop.samplers._sampler import packed_result, strict_from_targets
@@ -51,15 +52,7 @@ def row_epilogue(d: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
 
 def graph_us(fn, rounds: int) -> float:
     """Device us per call: CALLS calls in one graph, replayed; best of `rounds`."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            fn()
+    graph, _ = capture_graph(lambda: [fn() for _ in range(CALLS)])
     graph.replay()
     best = float("inf")
     for _ in range(rounds):

@@ -38,6 +38,7 @@ from pathlib import Path
 
 import torch
 
+from specloop.graphs._cuda import capture_graph
 from specloop.models import _kernels
 
 HQ, HKV, D = 9, 3, 64
@@ -71,15 +72,7 @@ def time_per_call(fn, calls: int, device: str, replays: int, repeats: int) -> tu
             o = fn(i)
             out = o if out is None else out
         return (time.perf_counter() - start) / calls * 1e6, out
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and warm up off the capture
-        for i in range(calls):
-            fn(i)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = [fn(i) for i in range(calls)]
+    graph, outs = capture_graph(lambda: [fn(i) for i in range(calls)])
     for _ in range(3):
         graph.replay()
     times = []

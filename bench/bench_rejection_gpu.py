@@ -17,6 +17,7 @@ import argparse
 
 import torch
 
+from specloop.graphs._cuda import capture_graph
 from specloop.samplers import _rejection, rejection_sample
 
 B, K = 64, 4
@@ -60,14 +61,7 @@ def graph_ms(sets, point_mass: bool, repeats: int) -> float:
         for d, t, q, s, pos in sets:
             rejection_sample(d, t, None if point_mass else q, seeds=s, positions=pos,
                              validate=False)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        calls()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        calls()
+    graph, _ = capture_graph(calls)
     graph.replay()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()

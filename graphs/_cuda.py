@@ -10,7 +10,7 @@ positions in those inputs, so replays do not freeze the RNG.
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable, TypeVar
 
 import structlog
 import torch
@@ -19,8 +19,27 @@ from ._cache import GraphCache, Step, Tensors, bucket_for, check_feeds_itself, i
 from ._key import GraphKey, SamplingPath
 
 log = structlog.get_logger(__name__)
+T = TypeVar("T")
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128)
+
+
+def capture_graph(fn: Callable[[], T], *, warmups: int = 1,
+                  **graph_kw: Any) -> tuple[torch.cuda.CUDAGraph, T]:
+    """fn() captured in a new CUDA graph: ``warmups`` calls first on a side stream, as
+    capture requires (kernels compile, lazy buffers are made, off the capture), then the
+    captured call; ``graph_kw`` go to torch.cuda.graph (pool, capture_error_mode). Returns
+    the graph and what the captured call returned (its static outputs)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmups):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, **graph_kw):
+        out = fn()
+    return graph, out
 
 
 class _Captured:
@@ -69,22 +88,15 @@ class CudaGraphCache(GraphCache):
             raise RuntimeError(f"capture of {key} after warmup: graphs are captured only "
                                "at warmup")
         inputs = {name: t.clone() for name, t in example.items()}
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):       # warm-up runs, as capture requires
-            for _ in range(2):
-                step(inputs)
-        torch.cuda.current_stream().wait_stream(side)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        graph = torch.cuda.CUDAGraph()
         # thread_local: a CUDA call another thread makes meanwhile (the event loop's, or
         # a pinned host buffer freed there, which records an event) must not invalidate
         # this capture; calls in this thread are still checked. (Seen once in 57 GPU test
         # runs of an engine built right after another: "operation failed due to a
         # previous error during capture".)
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            outputs = step(inputs)
+        graph, outputs = capture_graph(lambda: step(inputs), warmups=2, pool=self._pool,
+                                       capture_error_mode="thread_local")
         self._graphs[key] = _Captured(graph, inputs, outputs, inputs_written(step))
         log.info("graph_captured", batch_size=key.batch_size, k=key.num_draft_tokens,
                  sampling_path=key.sampling_path.value, all_greedy=key.all_greedy)

@@ -14,6 +14,7 @@ determinism (two calls give the same bits).
 import pytest
 import torch
 
+from specloop.graphs._cuda import capture_graph
 from specloop.models import _kernels
 
 from ..interpreted import run_interpreted
@@ -162,14 +163,8 @@ def test_split_kv_in_graph_bf16(splits, combine):
     slots = torch.tensor([2, 0], device="cuda")
     starts = torch.tensor([5, 7], device="cuda")
     kw = dict(splits=splits, combine=combine, split_min=512)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        _kernels.paged_attention(q, k, v, table, slots, starts, **kw)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = _kernels.paged_attention(q, k, v, table, slots, starts, **kw)
+    graph, out = capture_graph(lambda: _kernels.paged_attention(q, k, v, table, slots,
+                                                                 starts, **kw))
     for lengths in ([0, 1], [1000, 63], [2044, 300], [16, 2043 - T], [512 - T, 511 - T]):
         starts.copy_(torch.tensor(lengths))
         graph.replay()

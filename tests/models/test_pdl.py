@@ -23,6 +23,7 @@ import warnings
 import pytest
 import torch
 
+from specloop.graphs._cuda import capture_graph
 from specloop.samplers import _pdl
 
 triton = pytest.importorskip("triton")
@@ -419,14 +420,7 @@ def pdl_switch(monkeypatch):
 def _replayed(fn, inputs: list[torch.Tensor], feeds: list[list[torch.Tensor]]):
     """fn() captured in a CUDA graph (after a warm-up on a side stream); for each feed,
     copied into ``inputs`` and replayed: the outputs, cloned."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fn()
+    graph, out = capture_graph(fn)
     outs = []
     for feed in feeds:
         for dst, src in zip(inputs, feed):

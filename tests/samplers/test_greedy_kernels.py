@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specloop.graphs._cuda import capture_graph
 from specloop.samplers import SamplingBatch, SamplingParams, strict_verify
 from specloop.samplers._rejection import RejectionResult
 from specloop.samplers._sampler import packed_result, strict_from_targets
@@ -187,16 +188,9 @@ def test_cuda_equals_torch_path_eager_and_in_graph(B, T):
     # Captured (the step's allocation pattern), replayed on new logits and drafts: equal
     # to eager.
     xc, dc = x.cuda(), d.cuda()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        strict_verify(dc, xc, batch, pos_c)
-        _triton_greedy.greedy_verify(dc, xc, mode="row")
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = packed_result(strict_verify(dc, xc, batch, pos_c))
-        row = _triton_greedy.greedy_verify(dc, xc, mode="row")
+    graph, (out, row) = capture_graph(
+        lambda: (packed_result(strict_verify(dc, xc, batch, pos_c)),
+                 _triton_greedy.greedy_verify(dc, xc, mode="row")))
     for seed in range(3):
         g = torch.Generator().manual_seed(seed)
         x2 = torch.randn(B, T, V, generator=g)
@@ -223,14 +217,7 @@ def test_cuda_draft_argmax_equals_torch_eager_and_in_graph(B):
     assert _triton_greedy.usable_argmax(xc)
     draft = lambda: DefaultSampler().draft(xc, batch, pos, advanced=False).token_ids  # noqa
     assert torch.equal(draft().cpu(), x.argmax(-1)) and int(draft()[0]) == 2047
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        draft()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = draft()
+    graph, out = capture_graph(draft)
     for seed in range(3):
         x2 = torch.randn(B, 49152, generator=torch.Generator().manual_seed(seed))
         xc.copy_(x2)
