@@ -227,12 +227,6 @@ def close(y: torch.Tensor, ref: torch.Tensor) -> bool:
     return err <= 2e-2 * max(1.0, ref.float().abs().max().item())
 
 
-def row_weight(rows: int) -> float:
-    """How much a row count's saving counts in ``choose``: decode (1 row a sequence) and
-    VERIFY at small batches (K + 1 = 2..8 rows) equally, larger batches half."""
-    return 1.0 if rows <= 8 else 0.5
-
-
 def probe_inputs(n: int, k: int, act: bool, device: str, dtype: torch.dtype,
                  rows: int = PROBE_ROWS, seed: int = 0) -> list[tuple]:
     """Inputs (x [rows, K or 2K], w [N, K], norm weight [K]) on which two configurations
