@@ -33,6 +33,7 @@ import functools
 import json
 import os
 import re
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -191,11 +192,18 @@ def _shape(n: int, k: int, silu_mul: bool) -> _Shape | None:
     """The shape's ranges (default_config for every row if the table lacks it), or None
     (the table says F.linear)."""
     key = (n, k, silu_mul)
-    if key not in SKINNY_TABLE:
-        cfg = default_config(n, k)
-        return _Shape(((SKINNY_MAX_ROWS, cfg),), _skinny.norm_fusable(cfg, k))
-    entry = SKINNY_TABLE[key]
-    return None if entry is None else _resolve(entry, k)
+    entry = SKINNY_TABLE.get(key)
+    if entry is None:
+        return None if key in SKINNY_TABLE else _default_shape(default_config, n, k)
+    return _resolve(entry, k)
+
+
+# The guess made once per shape, not on every call; keyed on the guessing function too, so
+# a replaced default_config (tests patch it) is the one asked.
+@functools.lru_cache(maxsize=None)
+def _default_shape(guess: Callable[[int, int], SkinnyConfig], n: int, k: int) -> _Shape:
+    cfg = guess(n, k)
+    return _Shape(((SKINNY_MAX_ROWS, cfg),), _skinny.norm_fusable(cfg, k))
 
 
 def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False, *,
