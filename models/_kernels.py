@@ -578,8 +578,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"combine={combine!r}: 'kernel' or 'last'")
     args = (T, pos_offset, 1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1),
             table.stride(0), table.shape[1])
+    pdl = _pdl.launch_kw(q)
     meta = dict(HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=num_warps, **_pdl.launch_kw(q))
+                num_warps=num_warps, **pdl)
     if num_stages is not None:
         meta["num_stages"] = num_stages
     slots, start_pos = slots.contiguous(), start_pos.contiguous()
@@ -612,7 +613,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _attention_combine_kernel[(triton.cdiv(n_rows, rows_per),)](
         part_m, part_l, part_acc, o, start_pos, n_rows, T, pos_offset, HQ=hq, HKV=hkv, D=D,
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, SPLIT_MIN=split_min,
-        S_BLOCK=s_block, ROWS=rows_per, num_warps=4, **_pdl.launch_kw(q))
+        S_BLOCK=s_block, ROWS=rows_per, num_warps=4, **pdl)
     return o.view(B, T, hq * D)
 
 
