@@ -201,22 +201,7 @@ class SamplingBatch:
                              "pass one seed per request")
         _check_seeds(seeds, "from_params")
         size = _size(len(params), pad_to, "from_params")
-        pad = size - len(params)
-        real_greedy = [p.is_greedy for p in params]
-        rows = [_SENTINEL if g else p for p, g in zip(params, real_greedy)]
-        rows += [_SENTINEL] * pad
-        greedy = real_greedy + [True] * pad
-        # Three host buffers (float32, int64, bool rows), packed from Python numbers by
-        # ``array`` (a torch.tensor per column cost ~4 us each), one copy to a GPU.
-        floats = array.array("f", [p.temperature for p in rows])
-        floats.extend([p.top_p for p in rows])
-        floats.extend([p.min_p for p in rows])
-        ints = array.array("q", [p.top_k for p in rows])
-        ints.extend(seeds)
-        ints.extend([0] * pad)
-        bools = array.array("b", greedy)
-        # Greedy and padding rows hold the sentinel (no top-k, top-p or min-p).
-        return cls._from_host(floats, ints, bools, _row_flags(params, real_greedy),
+        return cls._from_host(*_host_rows(None, None, (), params, seeds, size - len(params)),
                               size=size, device=device, like=like)
 
     def changed(self, keep: Sequence[tuple[int, int]], params: Sequence[SamplingParams],
@@ -241,33 +226,9 @@ class SamplingBatch:
         _check_seeds(seeds, "changed")
         real = sum(b - a for a, b in keep) + len(params)
         size = _size(real, pad_to, "changed")
-        pad = size - real
-        new_greedy = [p.is_greedy for p in params]
-        rows = [_SENTINEL if g else p for p, g in zip(params, new_greedy)]
-        host = self.host
-
-        def column(name: str, typecode: str, new: list[Any], padding: Any,
-                   into: array.array[Any] | None = None) -> array.array[Any]:
-            out = array.array(typecode) if into is None else into
-            was = host[name]
-            for a, b in keep:
-                out += was[a:b]
-            out.extend(new)
-            out.extend([padding] * pad)
-            return out
-
-        floats = column("temperature", "f", [p.temperature for p in rows], 1.0)
-        column("top_p", "f", [p.top_p for p in rows], 1.0, floats)
-        column("min_p", "f", [p.min_p for p in rows], 0.0, floats)
-        ints = column("top_k", "q", [p.top_k for p in rows], 0)
-        column("seeds", "q", list(seeds), 0, ints)
-        bools = column("is_greedy", "b", new_greedy, True)
-        flags = array.array("b")
-        for a, b in keep:
-            flags += self.row_flags[a:b]
-        flags += _row_flags(params, new_greedy)
-        return self._from_host(floats, ints, bools, flags, size=size, device=device,
-                               like=like)
+        return self._from_host(
+            *_host_rows(self.host, self.row_flags, keep, params, seeds, size - real),
+            size=size, device=device, like=like)
 
     @classmethod
     def _from_host(cls, floats: array.array[float], ints: array.array[int],
@@ -317,6 +278,47 @@ def _size(real: int, pad_to: int | None, caller: str) -> int:
         raise ValueError(f"{caller}: pad_to={pad_to} < {real} requests; "
                          "pad to at least the batch size")
     return size
+
+
+def _host_rows(host: Mapping[str, Any] | None, row_flags: array.array[int] | None,
+               keep: Sequence[tuple[int, int]], params: Sequence[SamplingParams],
+               seeds: Sequence[int], pad: int
+               ) -> tuple[array.array[float], array.array[int], array.array[int],
+                          array.array[int]]:
+    """``_from_host``'s buffers (floats, ints, bools) and real rows' flags: ``host``'s rows
+    ``[a, b)`` for each ``(a, b)`` of ``keep`` (sliced: C copies), then rows for ``params``
+    / ``seeds``, then ``pad`` padding rows. Greedy and padding rows hold the sentinel (no
+    top-k, top-p or min-p). Three host buffers (float32, int64, bool rows), packed from
+    Python numbers by ``array`` (a torch.tensor per column cost ~4 us each), one copy to
+    a GPU."""
+    greedy = [p.is_greedy for p in params]
+    rows = [_SENTINEL if g else p for p, g in zip(params, greedy)]
+
+    def column(name: str, typecode: str, new: list[Any], padding: Any,
+               into: array.array[Any] | None = None) -> array.array[Any]:
+        out = array.array(typecode) if into is None else into
+        if keep:
+            assert host is not None
+            was = host[name]
+            for a, b in keep:
+                out += was[a:b]
+        out.extend(new)
+        out.extend([padding] * pad)
+        return out
+
+    floats = column("temperature", "f", [p.temperature for p in rows], _SENTINEL.temperature)
+    column("top_p", "f", [p.top_p for p in rows], _SENTINEL.top_p, floats)
+    column("min_p", "f", [p.min_p for p in rows], _SENTINEL.min_p, floats)
+    ints = column("top_k", "q", [p.top_k for p in rows], _SENTINEL.top_k)
+    column("seeds", "q", list(seeds), 0, ints)
+    bools = column("is_greedy", "b", greedy, True)
+    flags = array.array("b")
+    if keep:
+        assert row_flags is not None
+        for a, b in keep:
+            flags += row_flags[a:b]
+    flags += _row_flags(params, greedy)
+    return floats, ints, bools, flags
 
 
 def _row_flags(params: Sequence[SamplingParams], greedy: list[bool]) -> array.array[int]:
