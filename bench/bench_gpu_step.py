@@ -56,6 +56,26 @@ def _setup(model, batch, context, max_len, page_size=16):
     return cache
 
 
+def smollm2_model():
+    """A DecoderModel of SMOLLM2_SHAPE with random weights, bf16, on CUDA."""
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+    path = write_tiny_checkpoint(tempfile.mkdtemp(), **SMOLLM2_SHAPE, seed=0)
+    return load_model(path, dtype=torch.bfloat16, device="cuda").model
+
+
+def step_cases(model, batches, widths, context, max_len):
+    """Per batch, a cache with ``context`` positions written in every slot (_setup), and per
+    step width T random tokens: yields (batch, T, cache, tokens, start, slots)."""
+    for batch in batches:
+        cache = _setup(model, batch, context, max_len)
+        slots = torch.arange(batch, device="cuda")
+        start = torch.full((batch,), context, device="cuda")
+        for T in widths:
+            tokens = torch.randint(0, model.args.vocab_size, (batch, T), device="cuda")
+            yield batch, T, cache, tokens, start, slots
+
+
 def kernels_per_layer(model, cache, tokens, start, slots):
     from torch.profiler import ProfilerActivity, profile
     model(tokens, start, slots, cache)
@@ -77,30 +97,23 @@ def main():
     ap.add_argument("--max-len", type=int, default=1024)
     args = ap.parse_args()
     quiet_logs()
-    from specloop.models import load_model
-    from specloop.models.testing import write_tiny_checkpoint
-    path = write_tiny_checkpoint(tempfile.mkdtemp(), **SMOLLM2_SHAPE, seed=0)
-    model = load_model(path, dtype=torch.bfloat16, device="cuda").model
+    model = smollm2_model()
     print(f"random SmolLM2-shaped weights, bf16, {torch.cuda.get_device_name()}, "
           f"context {args.context}, max_seq_len {args.max_len}")
-    for batch in (1, 8, 64):
-        cache = _setup(model, batch, args.context, args.max_len)
-        slots = torch.arange(batch, device="cuda")
-        start = torch.full((batch,), args.context, device="cuda")
-        for T in (1, 5):
-            tokens = torch.randint(0, model.args.vocab_size, (batch, T), device="cuda")
-            res = {}
-            for fused in (True, False):
-                model.kernels = fused
-                graph, out = _graph(model, cache, tokens, start, slots,
-                                    None if fused else args.max_len)
-                res[fused] = (_time(graph), out.clone())
-            diff = (res[True][1] - res[False][1]).abs().max().item()
-            agree = (res[True][1].argmax(-1) == res[False][1].argmax(-1)).float().mean().item()
-            print(f"batch {batch:3d} T={T}: fused {res[True][0]:.3f} ms, reference "
-                  f"(kv_len={args.max_len}) {res[False][0]:.3f} ms; max|dlogit| {diff:.3f}, "
-                  f"argmax agree {agree:.3f}", flush=True)
-        if batch == 1:
+    for batch, T, cache, tokens, start, slots in step_cases(model, (1, 8, 64), (1, 5),
+                                                            args.context, args.max_len):
+        res = {}
+        for fused in (True, False):
+            model.kernels = fused
+            graph, out = _graph(model, cache, tokens, start, slots,
+                                None if fused else args.max_len)
+            res[fused] = (_time(graph), out.clone())
+        diff = (res[True][1] - res[False][1]).abs().max().item()
+        agree = (res[True][1].argmax(-1) == res[False][1].argmax(-1)).float().mean().item()
+        print(f"batch {batch:3d} T={T}: fused {res[True][0]:.3f} ms, reference "
+              f"(kv_len={args.max_len}) {res[False][0]:.3f} ms; max|dlogit| {diff:.3f}, "
+              f"argmax agree {agree:.3f}", flush=True)
+        if batch == 1 and T == 5:  # after batch 1's last width, on its cache
             model.kernels = True
             per_layer, names = kernels_per_layer(model, cache, tokens[:, :1], start, slots)
             print(f"fused decode step: {per_layer:.2f} kernels per layer; {names}")

@@ -18,12 +18,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import tempfile
 
 import torch
 
 from _common import quiet_logs
-from bench_gpu_step import SMOLLM2_SHAPE, _graph, _setup, _time
+from bench_gpu_step import _graph, _time, smollm2_model, step_cases
 
 
 def main() -> None:
@@ -35,43 +34,36 @@ def main() -> None:
                                                   "pdl_step.json"))
     args = ap.parse_args()
     quiet_logs()
-    from specloop.models import load_model
-    from specloop.models.testing import write_tiny_checkpoint
     from specloop.samplers import _pdl
 
     if not torch.cuda.is_available() or not _pdl.device_supports(torch.cuda.current_device()):
         raise SystemExit("PDL needs an sm_90+ GPU and Triton's gdc_wait")
-    path = write_tiny_checkpoint(tempfile.mkdtemp(), **SMOLLM2_SHAPE, seed=0)
-    model = load_model(path, dtype=torch.bfloat16, device="cuda").model
+    model = smollm2_model()
     assert model.uses_kernels
     print(f"random SmolLM2-shaped weights, bf16, {torch.cuda.get_device_name()}, "
           f"context {args.context}; graph replay ms, PDL off vs on", flush=True)
     rows = []
-    for batch in (1, 8, 32):
-        cache = _setup(model, batch, args.context, args.max_len)
-        slots = torch.arange(batch, device="cuda")
-        start = torch.full((batch,), args.context, device="cuda")
-        for T in (1, 4):
-            tokens = torch.randint(0, model.args.vocab_size, (batch, T), device="cuda")
-            graphs = {}
+    for batch, T, cache, tokens, start, slots in step_cases(model, (1, 8, 32), (1, 4),
+                                                            args.context, args.max_len):
+        graphs = {}
+        for on in (False, True):
+            _pdl._ENV_ON = on       # the switch SPECLOOP_PDL sets at import
+            graphs[on] = _graph(model, cache, tokens, start, slots, None)
+        _pdl._ENV_ON = True
+        best = {False: float("inf"), True: float("inf")}
+        for _ in range(args.rounds):
             for on in (False, True):
-                _pdl._ENV_ON = on       # the switch SPECLOOP_PDL sets at import
-                graphs[on] = _graph(model, cache, tokens, start, slots, None)
-            _pdl._ENV_ON = True
-            best = {False: float("inf"), True: float("inf")}
-            for _ in range(args.rounds):
-                for on in (False, True):
-                    best[on] = min(best[on], _time(graphs[on][0]))
-            same = bool(torch.equal(graphs[False][1], graphs[True][1]))
-            row = {"batch": batch, "T": T, "off_ms": round(best[False], 4),
-                   "on_ms": round(best[True], 4),
-                   "saved_us": round((best[False] - best[True]) * 1e3, 1),
-                   "ratio": round(best[False] / best[True], 3), "same_bits": same}
-            rows.append(row)
-            print(f"batch {batch:3d} T={T}: off {best[False]:.3f} ms, on {best[True]:.3f} ms,"
-                  f" x{row['ratio']}, {row['saved_us']:+.1f} us, same bits: {same}",
-                  flush=True)
-            del graphs
+                best[on] = min(best[on], _time(graphs[on][0]))
+        same = bool(torch.equal(graphs[False][1], graphs[True][1]))
+        row = {"batch": batch, "T": T, "off_ms": round(best[False], 4),
+               "on_ms": round(best[True], 4),
+               "saved_us": round((best[False] - best[True]) * 1e3, 1),
+               "ratio": round(best[False] / best[True], 3), "same_bits": same}
+        rows.append(row)
+        print(f"batch {batch:3d} T={T}: off {best[False]:.3f} ms, on {best[True]:.3f} ms,"
+              f" x{row['ratio']}, {row['saved_us']:+.1f} us, same bits: {same}",
+              flush=True)
+        del graphs
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "context": args.context,
                    "rows": rows}, f, indent=1)
