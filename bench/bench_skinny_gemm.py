@@ -114,8 +114,9 @@ def sweep(k: int) -> list:
     2: less wasted on masked rows at 1 row) at BLOCK_N 1..4, BLOCK_K / 256 warps; tl.dot from 16-row tiles, pipelined over K.
     Pruned to what won or came close on the H200 (v at BLOCK_K/4, BLOCK_N 4 at BLOCK_K/2
     and three tl.dot tiles never did), so the bench stays < 90 s."""
+    from specloop.models._linear import one_pass_block_k
     from specloop.models._skinny import SkinnyConfig as C
-    full = min(4096, max(16, 1 << max(0, (k - 1).bit_length())))
+    full = one_pass_block_k(k)
     out = []
     for bn, bk in ((1, full), (2, full), (4, full), (8, full), (8, full // 2)):
         warps = _warps(bn * bk)
@@ -571,8 +572,8 @@ def classes_from_bits(bits: dict) -> dict[str, dict[str, tuple]]:
     differ in ~1 output in 5,000), so two tags share a class only where they shared a group
     in every shape measured with the same BLOCK_K rounding of K (the same tag is the same
     code there: K only masks)."""
-    full = {name: min(4096, 1 << max(0, (SHAPES[name][1] - 1).bit_length()))
-            for name in bits if name in SHAPES}
+    from specloop.models._linear import one_pass_block_k
+    full = {name: one_pass_block_k(SHAPES[name][1]) for name in bits if name in SHAPES}
     out = {}
     for name in full:
         same = [s for s in full if full[s] == full[name]]

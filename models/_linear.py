@@ -134,12 +134,18 @@ def parse_config(tag: str) -> SkinnyConfig:
     return SkinnyConfig(d == "d", bn, bk, split, warps, stages, int(tile_m or 0))
 
 
+def one_pass_block_k(k: int) -> int:
+    """BLOCK_K for all of K in one pass: K rounded up to a power of two, 16..4096 (the
+    default guess's and the bench's sweep)."""
+    return min(4096, max(16, _skinny._pow2(k)))
+
+
 def default_config(n: int, k: int) -> SkinnyConfig:
     """A guess for shapes the table lacks: no tl.dot, all of K in one pass (BLOCK_K = K
     rounded up to a power of two, up to 4096; such a pass is not software-pipelined, so a
     loop over K would cost a memory latency a pass), BLOCK_N as large as keeps the tile of
     W within ~64 fp32 registers a thread (1..8 rows of W)."""
-    bk = min(4096, max(16, 1 << max(0, (k - 1).bit_length())))
+    bk = one_pass_block_k(k)
     return SkinnyConfig(False, max(1, min(8, 64 * 32 * 4 // bk)), bk)
 
 
