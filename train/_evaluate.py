@@ -40,12 +40,17 @@ if TYPE_CHECKING:
     from ._mtp_head import TrainableMtpHead
 
 
+def _rates(hits: Sequence[float], rows: int) -> dict[str, Any]:
+    """Per-position hits over ``rows`` drafts -> {"per_position", "al"} (offline and engine
+    figures alike)."""
+    per = [h / max(rows, 1) for h in hits]
+    return {"per_position": [round(a, 4) for a in per], "al": round(1 + sum(per), 3)}
+
+
 def _summary(counts: torch.Tensor, k: int) -> dict[str, Any]:
     """Accepted counts (one per start) -> {"per_position", "al", "starts"}."""
     starts = int(counts.numel())
-    per = [float((counts > j).sum()) / max(starts, 1) for j in range(k)]
-    return {"per_position": [round(a, 4) for a in per], "al": round(1 + sum(per), 3),
-            "starts": starts}
+    return {**_rates([float((counts > j).sum()) for j in range(k)], starts), "starts": starts}
 
 
 def walk(accepted: Sequence[int], first: int, end: int) -> list[int]:
@@ -124,9 +129,7 @@ class AcceptanceCounter:
                 self.hits[j] += 1
 
     def summary(self) -> dict[str, Any]:
-        per = [h / max(self.rows, 1) for h in self.hits]
-        return {"per_position": [round(a, 4) for a in per], "al": round(1 + sum(per), 3),
-                "verify_rows": self.rows}
+        return {**_rates(self.hits, self.rows), "verify_rows": self.rows}
 
 
 def engine_acceptance(loaded: LoadedModel, model_name: str, prompts_ids: Sequence[list[int]],
