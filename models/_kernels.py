@@ -189,14 +189,16 @@ if triton is not None:
     @triton.jit
     def _split_chunk(n_end, SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
                      BLOCK_N: tl.constexpr):
-        # Positions a split of a row block covers, from the block's real end n_end (a device
-        # value: a graph reads the lengths at replay): below SPLIT_MIN one split covers
-        # them all, else SPLITS equal chunks of whole BLOCK_N tiles (whole pages when the
-        # page size divides BLOCK_N). The split kernel and both combines count a row
-        # block's active splits from it alike: cdiv(n_end, chunk).
+        # (chunk, active): the positions a split of a row block covers, from the block's
+        # real end n_end (a device value: a graph reads the lengths at replay): below
+        # SPLIT_MIN one split covers them all, else SPLITS equal chunks of whole BLOCK_N
+        # tiles (whole pages when the page size divides BLOCK_N); and the block's active
+        # splits, cdiv(n_end, chunk) (at least 1), which the split kernel and both
+        # combines count alike from here.
         # (Plain integer ops, not tl.cdiv: a jit call costs ~1 ms a program interpreted.)
         chunk = ((n_end + SPLITS - 1) // SPLITS + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-        return tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
+        chunk = tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
+        return chunk, tl.maximum((n_end + chunk - 1) // chunk, 1)
 
     @triton.jit
     def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
@@ -229,8 +231,7 @@ if triton is not None:
         start = tl.load(start_ptr + b) + pos_offset
         t_last = tl.minimum(T - 1, (blk * BLOCK_M + BLOCK_M - 1) // G)
         n_end = start + t_last + 1
-        chunk = _split_chunk(n_end, SPLITS, SPLIT_MIN, BLOCK_N)
-        active = tl.maximum((n_end + chunk - 1) // chunk, 1)
+        chunk, active = _split_chunk(n_end, SPLITS, SPLIT_MIN, BLOCK_N)
         if split >= active:
             return  # no position here: no store, no counter (the combines count alike)
         # Query rows of this KV head, token-major: row r is token r // G, head kvh*G + r % G.
@@ -339,8 +340,8 @@ if triton is not None:
         t_last = tl.minimum(T - 1, (blk * BLOCK_M + BLOCK_M - 1) // G)
         live = rows < n_rows
         n_end = tl.load(start_ptr + b, mask=live, other=0) + pos_offset + t_last + 1
-        chunk = _split_chunk(n_end, SPLITS, SPLIT_MIN, BLOCK_N)
-        active = tl.where(live, tl.maximum((n_end + chunk - 1) // chunk, 1), 1)
+        _, active = _split_chunk(n_end, SPLITS, SPLIT_MIN, BLOCK_N)
+        active = tl.where(live, active, 1)
         if tl.max(active, axis=0) == 1:
             return
         live = active > 1
