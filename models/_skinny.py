@@ -137,6 +137,20 @@ def _pow2(n: int) -> int:
 
 if triton is not None:
 
+    @triton.jit
+    def _load_x(rows, ks, mask, K, ACT: tl.constexpr):
+        """x's elements ``ks`` of ``rows``; ACT == 1: the rows are gate_up [M, 2K]'s, and
+        this is silu(gate) * up as _kernels.silu_mul computes and rounds it (the GEMM's
+        input is that kernel's output, bit for bit)."""
+        if ACT == 1:
+            g = tl.load(rows + ks, mask=mask, other=0.0)
+            u = tl.load(rows + K + ks, mask=mask, other=0.0).to(tl.float32)
+            gf = g.to(tl.float32)
+            a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
+        else:
+            a = tl.load(rows + ks, mask=mask, other=0.0)
+        return a
+
     # M is not specialised (Triton would compile M == 1 apart): one compile per config.
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -168,18 +182,7 @@ if triton is not None:
                 for k0 in range(k_lo, k_hi, BLOCK_K):
                     ks = k0 + rk
                     k_ok = ks < k_hi
-                    xm = m_ok[:, None] & k_ok[None, :]
-                    if ACT == 1:
-                        # x is gate_up [M, 2K]: silu(gate) * up as _kernels.silu_mul
-                        # computes and rounds it (the GEMM's input is that kernel's
-                        # output, bit for bit).
-                        g = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
-                        u = tl.load(x_rows + K + ks[None, :], mask=xm,
-                                    other=0.0).to(tl.float32)
-                        gf = g.to(tl.float32)
-                        a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
-                    else:
-                        a = tl.load(x_rows + ks[None, :], mask=xm, other=0.0)
+                    a = _load_x(x_rows, ks[None, :], m_ok[:, None] & k_ok[None, :], K, ACT)
                     w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
                                 other=0.0)
                     acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
@@ -197,14 +200,8 @@ if triton is not None:
                 if GDC:
                     tl.extra.cuda.gdc_wait()
                 x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + ks[None, None, :]
-                xm = m_ok[:, None, None] & k_ok[None, None, :]
-                if ACT == 1:
-                    g = tl.load(x_rows, mask=xm, other=0.0)
-                    u = tl.load(x_rows + K, mask=xm, other=0.0).to(tl.float32)
-                    gf = g.to(tl.float32)
-                    a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
-                else:
-                    a = tl.load(x_rows, mask=xm, other=0.0)
+                # x_rows already point at ks (offset 0): the PTX of the code before _load_x.
+                a = _load_x(x_rows, 0, m_ok[:, None, None] & k_ok[None, None, :], K, ACT)
                 acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
             out_mask = m_ok[:, None] & n_ok[None, :]
             if SPLIT_K == 1:
@@ -230,14 +227,7 @@ if triton is not None:
             for r in tl.static_range(BLOCK_M):
                 row = pid_m * BLOCK_M + r
                 a_ok = k_ok & (rk * 0 + row < M)
-                x_row = x_ptr + row.to(tl.int64) * stride_xm
-                if ACT == 1:
-                    g = tl.load(x_row + ks, mask=a_ok, other=0.0)
-                    u = tl.load(x_row + K + ks, mask=a_ok, other=0.0).to(tl.float32)
-                    gf = g.to(tl.float32)
-                    a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
-                else:
-                    a = tl.load(x_row + ks, mask=a_ok, other=0.0)
+                a = _load_x(x_ptr + row.to(tl.int64) * stride_xm, ks, a_ok, K, ACT)
                 acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
                 y_ok = n_ok & (rn * 0 + row < M)
                 if SPLIT_K == 1:
