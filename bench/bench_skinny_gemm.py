@@ -479,20 +479,20 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
     def pick():
         base, eff = effective(cublas, times, norm_us, norm_times, k)
         keys = {t: class_key(d) for t, d in classes.items() if t != "cublas"}
-        return choose(base, eff, keys)
+        return choose(base, eff, keys) + (base, eff)
 
     code = code_configs(n, k, act)          # what the code's table runs now
-    configs = sweep(k) + [c for c in code if c not in sweep(k)]
+    swept = sweep(k)
+    configs = swept + [c for c in code if c not in swept]
     if SMOKE:   # one of each family without tl.dot, the fewest programs (interpreted)
         configs = [max((c for c in configs if not c.dot and not c.tile_m),
                        key=lambda c: (c.block_n, c.block_k)),
                    max((c for c in configs if c.tile_m), key=lambda c: c.tile_m * c.block_n)]
     run(configs)
-    ranges, saved = pick()
+    ranges, saved, base, eff = pick()
     if refine and ranges:
         run([v for _, tag in ranges for v in variants(parse_config(tag))])
-        ranges, saved = pick()
-    base, eff = effective(cublas, times, norm_us, norm_times, k)
+        ranges, saved, base, eff = pick()
     per_row_best = {}
     for rows in rows_list:
         ok = {t: per[rows] for t, per in eff.items() if isinstance(per.get(rows), float)}
