@@ -30,7 +30,7 @@ rows weigh the same: decode and VERIFY at small batches; 16 and 32 half), by >= 
 cuBLAS's, cuBLAS above R: ranges ((1, v...), (2, b2...), (8, b4...)) for SKINNY_TABLE.
 The fused silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear.
 Then a SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm, gate-up,
-SwiGLU, down) over 30 layers' weights, at 1, 4 and 8 rows: cuBLAS, the dispatcher's table
+SwiGLU, down) over 30 layers' weights, at 1, 4, 5 and 8 rows: cuBLAS, the dispatcher's table
 as in the code, the table this run chose, and that with the norms in the GEMMs' prologue
 (SPECLOOP_SKINNY_NORM's path).
 
@@ -80,7 +80,9 @@ SHAPES = {
 }
 # norm_linear's shapes: the fused layer's add + RMSNorm runs in their prologue (fusable).
 NORM_SHAPES = ("qkv", "gate_up")
-ROWS = (1, 2, 4, 8, 16, 32)
+# 3, 5 and 6: VERIFY at batch 1 (eagle3 K = 2, n-gram K = 4, eagle3 K = 5), where a range
+# ending at 4 sends a 5-row call to cuBLAS.
+ROWS = (1, 2, 3, 4, 5, 6, 8, 16, 32)
 PROBE_ROWS = 32
 # The norm kernel's RMS sum over K can differ between classes in its last bit, which shows
 # in a row's output only where it flips the rounding of a normed element (~6 randn rows in
@@ -131,6 +133,9 @@ def sweep(k: int) -> list:
             out.append(C(False, bn, full, 1, tile_warps, tile_m=tile_m))
     out += [C(True, n, b, s) for n, b, s in [(16, 64, 1), (32, 64, 1), (64, 64, 1),
                                               (16, 128, 2)]]
+    # tl.dot over all of K in one tile (``ONE_PASS``: W loaded before PDL's wait), whose
+    # cost barely grows with the rows: 5-row VERIFY (n-gram K = 4) and batches 2+.
+    out += [C(True, n, full, 1, w, 1) for n, w in [(16, 4), (16, 8), (32, 8), (64, 8)]]
     return out
 
 
@@ -651,7 +656,7 @@ def bench_layer(table: dict, layers: int = 30) -> list[dict]:
     weights = [(w(QKV, H), w(H, H), w(2 * I, H), w(H, I)) for _ in range(layers)]
     norm_w = (torch.rand(H, device=DEVICE, generator=gen) + 0.5).to(DTYPE)
     out = []
-    for rows in (1, 4, 8):
+    for rows in (1, 4, 5, 8):
         x = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         delta = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         o_in = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
@@ -700,12 +705,13 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
 
     from specloop.models import _skinny
     fn = _skinny._norm_skinny_kernel if norm else _skinny._skinny_kernel
-    split, _ = cfg.k_splits(k)
+    split, per = cfg.k_splits(k)
     # GDC True with launch_pdl, as the kernels launch on an H200 (samplers/_pdl.py).
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True)
-    const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
-                 dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split))
+    const.update(dict(HAS_DELTA=True, HAS_COPY=False, DOT=cfg.dot) if norm else
+                 dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
+                      ONE_PASS=cfg.dot and per <= cfg.block_k))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

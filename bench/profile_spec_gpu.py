@@ -1,6 +1,6 @@
 """H200, real SmolLM2 (bf16, CUDA graphs): where a speculative iteration's time goes.
 
-For each batch and configuration (no speculation, eagle3 K=2/3/5), in one process: tokens/s
+For each batch and configuration (no speculation, eagle3 K=2/3/5, n-gram K=4), in one process: tokens/s
 over ``--runs`` timed rounds in which the configs take turns (ratio of medians to the first
 config, and each run's ratio to the first config's run beside it), time per iteration
 state through the engine's observers, and one profiled round (torch.profiler, CPU + CUDA):
@@ -29,6 +29,9 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 K=2": {"method": "eagle3", "num_draft_tokens": 2, "draft_weights": HEAD},
            "eagle3 K=3": {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD},
            "eagle3 K=5": {"method": "eagle3", "num_draft_tokens": 5, "draft_weights": HEAD},
+           # n-gram (issue 12's batch-1 bar is at K = 4; adaptive: K = 0 .. 4 per iteration).
+           "ngram K=4": {"method": "ngram", "num_draft_tokens": 4},
+           "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True},
            # The same engine with DRAFT and VERIFY not chained on the device (before).
            "eagle3 K=3 unchained": {"method": "eagle3", "num_draft_tokens": 3,
                                     "draft_weights": HEAD, "unchained": True}}

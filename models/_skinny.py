@@ -13,7 +13,10 @@ GEMM spreads over many SMs:
   multiply and a sum over K; no tensor cores (tl.dot needs >= 16 rows, and a GEMV is
   bound by reading W anyway);
 - ``DOT=True``: tl.dot on x's rows padded to 16 in registers (masked loads), pipelined
-  over K by num_stages;
+  over K by num_stages; where one BLOCK_K covers a program's K range (``ONE_PASS``, e.g.
+  ``d16x1024`` for K = 576), one load of W, issued before PDL's wait, and one tl.dot: the
+  tensor cores make a row's cost nearly independent of the number of rows (1..16), where
+  the broadcast paths' fp32 products grow with them;
 - ``TILE=True`` (the ``b`` family, ``SkinnyConfig.tile_m`` > 0): like the broadcast path,
   but a program takes a fixed block of ``tile_m`` rows and reduces all of them in ONE
   reduction over K: x as [BLOCK_M, 1, BLOCK_K], the W tile once as [1, BLOCK_N, BLOCK_K],
@@ -48,7 +51,7 @@ loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactl
 
 ``_norm_skinny_kernel`` (``skinny_norm_linear``) also takes the fused layer's residual add
 + RMSNorm (``_kernels.add_rms_norm``'s arithmetic) into the prologue of the GEMM after it,
-for broadcast configurations that hold all of K in one pass: every program normalises the
+for configurations that hold all of K in one pass (broadcast, or tl.dot in one tile): every program normalises the
 few rows itself, the first column block stores the residual stream, and the normed rows
 are never written.
 
@@ -157,7 +160,8 @@ if triton is not None:
                        k_per_split, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                        DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                       TILE: tl.constexpr = False, GDC: tl.constexpr = False):
+                       TILE: tl.constexpr = False, GDC: tl.constexpr = False,
+                       ONE_PASS: tl.constexpr = False):
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -175,17 +179,31 @@ if triton is not None:
             rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = rm < M
             if DOT:
-                if GDC:  # W and x interleave in the pipelined loop: the wait first
-                    tl.extra.cuda.gdc_wait()
                 x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                for k0 in range(k_lo, k_hi, BLOCK_K):
-                    ks = k0 + rk
+                if ONE_PASS:
+                    # The program's K range in one tile (BLOCK_K >= k_per_split): W before
+                    # the wait, x after it, one tl.dot; the arithmetic of the loop below
+                    # when it runs once.
+                    ks = k_lo + rk
                     k_ok = ks < k_hi
-                    a = _load_x(x_rows, ks[None, :], m_ok[:, None] & k_ok[None, :], K, ACT)
                     w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
                                 other=0.0)
+                    if GDC:
+                        tl.extra.cuda.gdc_wait()
+                    a = _load_x(x_rows, ks[None, :], m_ok[:, None] & k_ok[None, :], K, ACT)
                     acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+                else:
+                    if GDC:  # W and x interleave in the pipelined loop: the wait first
+                        tl.extra.cuda.gdc_wait()
+                    for k0 in range(k_lo, k_hi, BLOCK_K):
+                        ks = k0 + rk
+                        k_ok = ks < k_hi
+                        a = _load_x(x_rows, ks[None, :], m_ok[:, None] & k_ok[None, :], K,
+                                    ACT)
+                        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                    other=0.0)
+                        acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
             else:
                 # The program's tile of W once and its BLOCK_M rows of x, all reduced over
                 # K in one reduction; rows past M load as 0 and are not stored, so a row's
@@ -244,7 +262,7 @@ if triton is not None:
                             HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, TILE: tl.constexpr = False,
-                            GDC: tl.constexpr = False):
+                            GDC: tl.constexpr = False, DOT: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
         pid_n = tl.program_id(0)
@@ -254,7 +272,38 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         k_ok = rk < K
-        if TILE:
+        if DOT:
+            # tl.dot on the normed rows (padded to BLOCK_M = 16), all of K in one tile: W and
+            # the norm weight before the wait; each row's RMS in fp32, then the bf16 normed
+            # row as _kernels.add_rms_norm rounds it, the GEMM on the tensor cores.
+            w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
+                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            nw = tl.load(nw_ptr + rk[None, :], mask=k_ok[None, :], other=0.0)
+            if GDC:
+                tl.extra.cuda.gdc_wait()
+            rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+            m_ok = rm < M
+            ok = m_ok[:, None] & k_ok[None, :]
+            offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
+            xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
+            if HAS_DELTA:
+                xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
+                      .to(tl.float32)).to(xs.dtype)
+            if pid_n == 0:
+                if HAS_DELTA:
+                    tl.store(s_ptr + offs, xs, mask=ok)
+                if HAS_COPY:
+                    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rk[None, :], xs,
+                             mask=ok)
+            xf = xs.to(tl.float32)
+            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / K + eps)
+            a = nw * (xf * inv).to(xs.dtype)
+            acc = tl.dot(a, tl.trans(w), out_dtype=tl.float32)          # [BM, BN]
+            if HAS_BIAS:
+                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+        elif TILE:
             # All BLOCK_M rows at once, as [BM, 1, BK] (the GEMM kernel's TILE layout):
             # their RMS (one reduction for all) and the GEMM (one reduction over K for
             # all); rows past M load as 0 and are not stored.
@@ -369,7 +418,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          y.stride(0), k_per, ACT=int(silu_mul), HAS_BIAS=bias is not None,
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
                          BLOCK_K=c.block_k, TILE=c.tile_m > 0, num_warps=c.num_warps,
-                         num_stages=c.num_stages, **pdl)
+                         num_stages=c.num_stages, **pdl,
+                         **({"ONE_PASS": True} if c.dot and k_per <= c.block_k else {}))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
@@ -379,8 +429,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def norm_fusable(config: SkinnyConfig, k: int) -> bool:
-    """``skinny_norm_linear`` runs ``config``: the broadcast path, all of K in one pass."""
-    return not config.dot and config.split_k == 1 and config.block_k >= k
+    """``skinny_norm_linear`` runs ``config``: all of K in one pass (broadcast, or tl.dot
+    in one tile)."""
+    return config.split_k == 1 and config.block_k >= k
 
 
 def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -419,5 +470,6 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
         x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
         HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x))
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x),
+        **({"DOT": True} if config.dot else {}))
     return y, stream

@@ -273,19 +273,23 @@ NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf
             "stride_cm": "i32", "eps": "fp32"}
 
 
-@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split"])
+@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
     # Broadcast (the 1-row decode GEMMs, silu-down's prologue): W and the bias before;
-    # tile: W before, the bias at the store; tl.dot split-K: the wait first.
+    # tile: W before, the bias at the store; tl.dot split-K: the wait first; tl.dot in one
+    # pass (with silu-down's prologue, which reads x only): W before.
     meta = {"broadcast": dict(ACT=1, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=1,
-                              BLOCK_N=2, BLOCK_K=1024, TILE=False),
+                              BLOCK_N=2, BLOCK_K=1024, TILE=False, ONE_PASS=False),
             "tile": dict(ACT=0, HAS_BIAS=True, DOT=False, SPLIT_K=1, BLOCK_M=4, BLOCK_N=4,
-                         BLOCK_K=1024, TILE=True),
+                         BLOCK_K=1024, TILE=True, ONE_PASS=False),
             "dot_split": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=2, BLOCK_M=16,
-                              BLOCK_N=16, BLOCK_K=128, TILE=False)}[path]
-    before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set()}[path]
+                              BLOCK_N=16, BLOCK_K=128, TILE=False, ONE_PASS=False),
+            "dot_one_pass": dict(ACT=1, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
+                                 BLOCK_N=16, BLOCK_K=2048, TILE=False, ONE_PASS=True)}[path]
+    before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
+              "dot_one_pass": {"w_ptr"}}[path]
     sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
@@ -293,10 +297,13 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
 def test_norm_skinny_and_splitk_reduce():
     from specloop.models import _skinny as S
 
-    for tile, before in ((False, {"nw_ptr", "w_ptr", "b_ptr"}), (True, {"nw_ptr", "w_ptr"})):
+    for tile, dot, before in ((False, False, {"nw_ptr", "w_ptr", "b_ptr"}),
+                              (True, False, {"nw_ptr", "w_ptr"}),
+                              (False, True, {"nw_ptr", "w_ptr"})):
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
-                     dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
-                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before, sass=tile)
+                     dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True,
+                          BLOCK_M=16 if dot else 4 if tile else 1, BLOCK_N=16 if dot else 2,
+                          BLOCK_K=1024, TILE=tile, DOT=dot), weights=before, sass=tile)
     check_kernel(S._splitk_reduce_kernel,
                  {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                   "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),
