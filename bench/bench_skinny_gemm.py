@@ -709,7 +709,7 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
     # GDC True with launch_pdl, as the kernels launch on an H200 (samplers/_pdl.py).
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True)
-    const.update(dict(HAS_DELTA=True, HAS_COPY=False, DOT=cfg.dot) if norm else
+    const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
                       ONE_PASS=cfg.dot and per <= cfg.block_k))
     sig, attrs = {}, {}

@@ -72,28 +72,38 @@ SKINNY_MAX_ROWS = 32
 # configurations within one; the GPU test test_table_ranges_give_a_row_the_same_bits
 # checks the shipped table.
 #
-# SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01: timings
-# of the 09:47 bench run, bit classes of a 10:44 probe; torch 2.11, Triton 3.6), chosen as
-# bench/bench_skinny_gemm.py chooses (``--offline skinny.json --bits bits.json`` printed
-# this): per class, the fastest configuration at each timed row count (1, 2, 4, 8 rows
-# weigh the same, 16 and 32 half), the class and row limit saving the most against cuBLAS
-# (for qkv and gate-up, whose norm a fusable class takes into its prologue, against cuBLAS
-# + the add_rms_norm kernel: so gate-up's 4 rows now run b4x4 with the norm fused, 4.2 us
-# against 4.0 + 1.6). E.g. qkv: 1 row ``v2`` 2.36 us, 2-4 rows ``b2x2`` 2.5-2.8, 8-16
-# ``b4x4`` 3.4-4.7, all BLOCK_K 1024 at 4 warps: one class. (The BLOCK_K-2048 shapes'
-# classes rest on weaker evidence: docs/performance.md, "Row ranges within a bit class".)
+# SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01, 13:08:
+# bench/bench_skinny_gemm.py's own choice, pasted as it printed it; torch 2.11, Triton 3.6,
+# kernels launched with PDL; timed at 1, 2, 3, 4, 5, 6, 8, 16 and 32 rows): per class, the
+# fastest configuration at each timed row count, the class and row limit saving the most
+# against cuBLAS (for qkv and gate-up against cuBLAS + the add_rms_norm kernel). qkv and
+# gate-up now run ``tl.dot`` over all of K in one tile (``ONE_PASS``) at every row count:
+# 2.2-2.6 us from 1 to 16 rows, where the broadcast class costs 1.2-1.9 us at 1 row but
+# 2.5-5.1 at VERIFY's 5 (n-gram K = 4); their norm runs as add_rms_norm before the GEMM
+# (tl.dot configurations are not norm-fusable). These one-tile tl.dot configurations sum
+# like cuBLAS (the bench's probe puts them in cuBLAS's bit class). In the engine at batch 1
+# (bench/profile_spec_gpu.py, 128 tokens, against the previous table in the same process,
+# two alternations): no speculation 1,922-1,933 -> 1,824-1,826 tok/s, n-gram K = 4
+# 2,195-2,200 -> 2,487-2,493, eagle3 K = 3 2,573-2,580 -> 2,755-2,771
+# (docs/performance.md, "One-tile tl.dot for VERIFY's rows").
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
-    (960, 576, False): ((1, 'v2x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
-                        (16, 'b4x4x1024s1w4n3')),
-    (576, 576, False): ((1, 'v2x1024s1w2n3'), (16, 'b2x2x1024s1w2n3')),
-    (3072, 576, False): ((1, 'v2x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
-                         (4, 'b4x4x1024s1w4n3')),
-    (576, 1536, True): ((2, 'v8x2048s1w16n3'), (8, 'b4x4x2048s1w8n3')),
-    (576, 1728, False): ((2, 'v2x2048s1w4n3'), (8, 'b2x4x2048s1w4n3')),
-    (576, 1152, False): ((4, 'b2x2x2048s1w8n3'), (8, 'b2x4x2048s1w8n3')),
-    (16384, 576, False): None,
-    (49152, 576, False): ((2, 'd64x64s1w4n3'),),
+    (960, 576, False): ((1, 'd64x1024s1w8n1'), (2, 'd32x1024s1w4n1'),
+                        (3, 'd32x1024s1w8n4'), (8, 'd32x1024s1w8n1'),
+                        (32, 'd64x1024s1w8n2')),
+    (576, 576, False): ((1, 'v4x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
+                        (3, 'b2x4x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
+                        (16, 'b2x4x1024s1w4n3')),
+    (3072, 576, False): ((8, 'd64x1024s1w8n4'), (32, 'd64x1024s1w8n1')),
+    (576, 1536, True): ((1, 'v8x2048s1w16n3'), (2, 'v8x2048s1w8n3'),
+                        (8, 'b2x4x2048s1w8n3')),
+    (576, 1728, False): ((1, 'v2x2048s1w4n3'), (8, 'b2x2x2048s1w4n3'),
+                         (16, 'b4x4x2048s1w4n3')),
+    (576, 1152, False): ((1, 'v4x2048s1w4n3'), (4, 'b2x2x2048s1w4n3'),
+                         (6, 'b2x4x2048s1w4n3'), (8, 'b2x2x2048s1w4n3'),
+                         (16, 'b4x4x2048s1w4n3')),
+    (16384, 576, False): ((1, 'v4x1024s1w4n3'),),
+    (49152, 576, False): ((1, 'v8x1024s1w2n3'),),
 }
 
 

@@ -51,7 +51,7 @@ loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactl
 
 ``_norm_skinny_kernel`` (``skinny_norm_linear``) also takes the fused layer's residual add
 + RMSNorm (``_kernels.add_rms_norm``'s arithmetic) into the prologue of the GEMM after it,
-for configurations that hold all of K in one pass (broadcast, or tl.dot in one tile): every program normalises the
+for broadcast configurations that hold all of K in one pass: every program normalises the
 few rows itself, the first column block stores the residual stream, and the normed rows
 are never written.
 
@@ -262,7 +262,7 @@ if triton is not None:
                             HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, TILE: tl.constexpr = False,
-                            GDC: tl.constexpr = False, DOT: tl.constexpr = False):
+                            GDC: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
         pid_n = tl.program_id(0)
@@ -272,38 +272,7 @@ if triton is not None:
         rk = tl.arange(0, BLOCK_K)
         n_ok = rn < N
         k_ok = rk < K
-        if DOT:
-            # tl.dot on the normed rows (padded to BLOCK_M = 16), all of K in one tile: W and
-            # the norm weight before the wait; each row's RMS in fp32, then the bf16 normed
-            # row as _kernels.add_rms_norm rounds it, the GEMM on the tensor cores.
-            w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
-                        mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-            nw = tl.load(nw_ptr + rk[None, :], mask=k_ok[None, :], other=0.0)
-            if GDC:
-                tl.extra.cuda.gdc_wait()
-            rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-            m_ok = rm < M
-            ok = m_ok[:, None] & k_ok[None, :]
-            offs = rm.to(tl.int64)[:, None] * K + rk[None, :]
-            xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
-            if HAS_DELTA:
-                xs = (xs.to(tl.float32) + tl.load(d_ptr + offs, mask=ok, other=0.0)
-                      .to(tl.float32)).to(xs.dtype)
-            if pid_n == 0:
-                if HAS_DELTA:
-                    tl.store(s_ptr + offs, xs, mask=ok)
-                if HAS_COPY:
-                    tl.store(c_ptr + rm.to(tl.int64)[:, None] * stride_cm + rk[None, :], xs,
-                             mask=ok)
-            xf = xs.to(tl.float32)
-            inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=1, keep_dims=True) / K + eps)
-            a = nw * (xf * inv).to(xs.dtype)
-            acc = tl.dot(a, tl.trans(w), out_dtype=tl.float32)          # [BM, BN]
-            if HAS_BIAS:
-                acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-                     acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
-        elif TILE:
+        if TILE:
             # All BLOCK_M rows at once, as [BM, 1, BK] (the GEMM kernel's TILE layout):
             # their RMS (one reduction for all) and the GEMM (one reduction over K for
             # all); rows past M load as 0 and are not stored.
@@ -429,9 +398,10 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def norm_fusable(config: SkinnyConfig, k: int) -> bool:
-    """``skinny_norm_linear`` runs ``config``: all of K in one pass (broadcast, or tl.dot
-    in one tile)."""
-    return config.split_k == 1 and config.block_k >= k
+    """``skinny_norm_linear`` runs ``config``: the broadcast path, all of K in one pass.
+    (A tl.dot prologue was tried, 2026-12-01: faster alone in bench_skinny_gemm, slower in
+    the step, where the separate add_rms_norm overlaps under PDL; docs/performance.md.)"""
+    return not config.dot and config.split_k == 1 and config.block_k >= k
 
 
 def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
@@ -470,6 +440,5 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
         x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
         HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x),
-        **({"DOT": True} if config.dot else {}))
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x))
     return y, stream

@@ -297,13 +297,10 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
 def test_norm_skinny_and_splitk_reduce():
     from specloop.models import _skinny as S
 
-    for tile, dot, before in ((False, False, {"nw_ptr", "w_ptr", "b_ptr"}),
-                              (True, False, {"nw_ptr", "w_ptr"}),
-                              (False, True, {"nw_ptr", "w_ptr"})):
+    for tile, before in ((False, {"nw_ptr", "w_ptr", "b_ptr"}), (True, {"nw_ptr", "w_ptr"})):
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
-                     dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True,
-                          BLOCK_M=16 if dot else 4 if tile else 1, BLOCK_N=16 if dot else 2,
-                          BLOCK_K=1024, TILE=tile, DOT=dot), weights=before, sass=tile)
+                     dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
+                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before, sass=tile)
     check_kernel(S._splitk_reduce_kernel,
                  {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                   "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),

@@ -325,8 +325,8 @@ def test_malformed_table_entries_raise(monkeypatch, entry):
 
 def test_norm_linear_fuses_only_where_every_range_is_fusable(monkeypatch):
     """PackedLinear.norm_linear: the RMSNorm in the GEMM's prologue, by the range's
-    configuration, only for shapes whose every configuration is norm-fusable (all of K in one pass); a shape with
-    a tl.dot range looping over K takes add_rms_norm then the plain ranges for all of its rows (so no row's
+    configuration, only for shapes whose every configuration is norm-fusable; a shape with
+    a tl.dot range takes add_rms_norm then the plain ranges for all of its rows (so no row's
     bits depend on its range); beyond the last range add_rms_norm and F.linear. (The
     kernels are stand-ins: this is the dispatch.)"""
     from specloop.models import _kernels
@@ -347,13 +347,13 @@ def test_norm_linear_fuses_only_where_every_range_is_fusable(monkeypatch):
     monkeypatch.setattr(_linear._skinny, "skinny_linear", gemm)
     monkeypatch.setattr(_kernels, "add_rms_norm", norm)
     monkeypatch.setitem(SKINNY_TABLE, (24, 64, False), ((1, "v2x64s1w4n3"), (4, "b2x2x64s1w4n3")))
-    monkeypatch.setitem(SKINNY_TABLE, (24, 32, False), ((1, "v2x32s1w4n3"), (4, "d16x16s1w4n3")))
+    monkeypatch.setitem(SKINNY_TABLE, (24, 32, False), ((1, "v2x32s1w4n3"), (4, "d16x32s1w4n3")))
     lin = PackedLinear(skinny=True)
     lin.skinny_on_cpu = lin.skinny_norm = True
     for k, rows, want in ((64, 1, [("fused", "v2x64s1w4n3")]), (64, 2, [("fused", "b2x2x64s1w4n3")]),
                           (64, 4, [("fused", "b2x2x64s1w4n3")]), (64, 5, [("norm",)]),
                           (32, 1, [("norm",), ("gemm", "v2x32s1w4n3")]),
-                          (32, 4, [("norm",), ("gemm", "d16x16s1w4n3")]), (32, 5, [("norm",)])):
+                          (32, 4, [("norm",), ("gemm", "d16x32s1w4n3")]), (32, 5, [("norm",)])):
         calls.clear()
         x = torch.randn(rows, k).half()
         lin.norm_linear(x, torch.zeros_like(x), torch.ones(k).half(), 1e-5,
