@@ -83,8 +83,8 @@ SKINNY_MAX_ROWS = 32
 # (tl.dot configurations are not norm-fusable). These one-tile tl.dot configurations sum
 # like cuBLAS (the bench's probe puts them in cuBLAS's bit class). In the engine at batch 1
 # (bench/profile_spec_gpu.py, 128 tokens, against the previous table in the same process,
-# two alternations): no speculation 1,922-1,933 -> 1,824-1,826 tok/s, n-gram K = 4
-# 2,195-2,200 -> 2,487-2,493, eagle3 K = 3 2,573-2,580 -> 2,755-2,771
+# two alternations, 6 runs each): no speculation 1,922-1,938 -> 1,824-1,836 tok/s, n-gram
+# K = 4 2,190-2,207 -> 2,456-2,506, eagle3 K = 3 2,549-2,591 -> 2,745-2,771
 # (docs/performance.md, "One-tile tl.dot for VERIFY's rows").
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
