@@ -15,6 +15,9 @@
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
+#   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"
+#            is the shipped one) taking turns twice, none / n-gram K=4 / eagle3 K=3 at
+#            batch 1 and 32, one process each (the fifth session's A/B, as one step)
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_SKINNY=0, SPECLOOP_ATTENTION_MAX_SPLITS=1) and the
 #            opt-in norm prologue (SPECLOOP_SKINNY_NORM=1), one process each
@@ -60,6 +63,17 @@ for step in "$@"; do
       python3 bench/bench_greedy_verify_gpu.py 2>&1 | tail -12 ;;
     attention)
       python3 bench/bench_paged_attention.py --tiles '' 2>&1 | grep -i "auto picked\|warn" ;;
+    tables)
+      for round in 1 2; do
+        for t in ${TABLES:-code}; do
+          echo "-- table $t (round $round)"
+          (if [ "$t" != code ]; then export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
+           cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+             --out "$OUT/tables_$(basename "$t" .json)_$round.jsonl" \
+             --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 2>&1 \
+             | grep '^{' | cut -c1-150)
+        done
+      done ;;
     ab)
       for env in DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=1; do
         echo "-- $env"
