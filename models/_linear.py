@@ -17,14 +17,15 @@ On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, outside autograd). cuBLAS's tiles f
 rows leave most SMs idle (an H200 at batch 1: 3.7-3.9 us per SmolLM2 GEMM, whose weights
 stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) finely.
 Which configuration runs per (N, K) and row count is SKINNY_TABLE: per shape, row ranges
-each with its configuration (``v`` fastest at 1 row, ``b`` at VERIFY's 2-8), all of them
-giving a row the same bits (see the table's comment), filled from
+each with its configuration (``v`` fastest at 1 row, ``b`` at VERIFY's 2-8), those without
+tl.dot giving a row the same bits and any tl.dot ranges after them F.linear's (see the
+table's comment), filled from
 ``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
 ``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
 False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 ``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
-prologue where every configuration of the shape allows (``skinny_norm``;
-``SPECLOOP_SKINNY_NORM=0`` turns it off).
+prologue for the rows of a shape's non-tl.dot ranges where all of those allow
+(``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -56,21 +57,38 @@ SKINNY_MAX_ROWS = 32
 # ``b4x2x1024...``: no tl.dot, blocks of 4 rows reduced in one reduction, for VERIFY's 2-8
 # rows). A shape missing from the table uses default_config up to SKINNY_MAX_ROWS rows.
 #
-# The invariant that makes several ranges safe: ALL configurations of one shape give a row
-# the same bits. The kernel gives a row the same bits whatever the number of rows in the
-# call (models/_skinny), and configurations that sum over K in the same order give the
-# same bits whatever their family, BLOCK_N or tile_m: one bit class. The order follows
+# The invariant that makes several ranges safe: a row's bits depend only on whether its
+# call falls in the shape's PREFIX or above it. An entry is a prefix of ranges without
+# tl.dot, then optionally a TAIL of tl.dot ranges (a range without tl.dot after a tl.dot
+# one is rejected: check_table).
+#
+# ALL configurations of the prefix give a row the same bits. The kernel gives a row the
+# same bits whatever the number of rows in the call (models/_skinny), and configurations
+# that sum over K in the same order give the same bits whatever their family, BLOCK_N or
+# tile_m: one bit class. The order follows
 # the compiled split of K (8 a thread x 32 lanes x BLOCK_K/256 warps; more warps go along
 # N where BLOCK_N >= 2, along K where it is 1): on the H200 every ``v``/``b`` at BLOCK_K
 # 1024 with 4 warps, and with 8 warps at BLOCK_N >= 2, is one class; 2 warps are another,
 # ``v1x1024s1w8n3`` one of its own (the norm kernel's 1-D RMS sum puts every warp along K:
 # there 8 warps differ from 4 whatever BLOCK_N). Within a class a
 # graph padded to a larger batch bucket (or a chained step taken at one) equals the
-# unpadded call, as with one configuration. Where ``norm_linear`` fuses the RMSNorm (every
-# configuration of the shape ``norm_fusable``), the configurations must also be one class
-# under the norm kernel. bench/bench_skinny_gemm.py measures the classes and only mixes
-# configurations within one; the GPU test test_table_ranges_give_a_row_the_same_bits
-# checks the shipped table.
+# unpadded call, as with one configuration.
+#
+# The tail's configurations give F.linear's bits (cuBLAS's bit class; on the H200 the
+# one-tile ``ONE_PASS`` tl.dot configurations of qkv and gate-up do): the tail is cuBLAS,
+# run faster. F.linear above the last range was always allowed, so the class already
+# changed there, to cuBLAS's; ((1, 'v...'), (32, 'd...')) gives every call the bits that
+# ((1, 'v...'),) with cuBLAS above gives, the boundary where it was. (An entry of tl.dot
+# ranges only has no prefix and is one class, as before: cuBLAS's or its own.)
+#
+# ``norm_linear`` fuses the RMSNorm into the prologue for rows in the prefix, where every
+# prefix configuration is ``norm_fusable`` (they must then also be one class under the
+# norm kernel); rows in the tail take add_rms_norm and the tail's GEMM, what they would
+# take with F.linear there, so the norm path's bits too change only where the prefix
+# ends. bench/bench_skinny_gemm.py measures the classes, mixes prefix configurations
+# within one, and takes a tail only from cuBLAS's; the GPU test
+# test_table_ranges_give_a_row_the_same_bits checks the shipped table (prefix rows against
+# each other, tail rows against F.linear).
 #
 # SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01, 13:08:
 # bench/bench_skinny_gemm.py's own choice, pasted as it printed it; torch 2.11, Triton 3.6,
@@ -160,12 +178,34 @@ def default_config(n: int, k: int) -> SkinnyConfig:
 
 
 class _Shape(NamedTuple):
-    """A table entry resolved: ((max rows, config), ...) ascending, and whether
-    ``norm_linear`` may take the norm into the prologue (every configuration of the shape
-    ``norm_fusable``: one kernel family for all of its rows, so their bits agree)."""
+    """A table entry resolved: ((max rows, config), ...) ascending; ``prefix``, the max
+    rows of its last range without tl.dot (0: none; tl.dot ranges after it are the tail,
+    in cuBLAS's bit class); and whether ``norm_linear`` may take the norm into the prologue
+    for rows <= ``prefix`` (every prefix configuration ``norm_fusable``: one kernel family
+    for those rows, so their bits agree; the tail's rows take add_rms_norm as F.linear's
+    would)."""
 
     ranges: tuple[tuple[int, SkinnyConfig], ...]
     norm: bool
+    prefix: int
+
+
+def _shape_of(ranges: tuple[tuple[int, SkinnyConfig], ...], k: int) -> _Shape:
+    """``ranges`` (ascending, checked) split into the prefix without tl.dot and the tail;
+    ValueError where a range without tl.dot follows a tl.dot one."""
+    prefix, tail = 0, False
+    for max_rows, cfg in ranges:
+        if cfg.dot:
+            tail = True
+        elif tail:
+            raise ValueError(f"skinny ranges {[(m, c.tag()) for m, c in ranges]}: "
+                             f"{cfg.tag()} after a tl.dot range (tl.dot ranges, in cuBLAS's "
+                             "bit class, may only end an entry)")
+        else:
+            prefix = max_rows
+    fusable = prefix > 0 and all(_skinny.norm_fusable(c, k) for m, c in ranges
+                                 if m <= prefix)
+    return _Shape(ranges, fusable, prefix)
 
 
 def _resolve(entry: SkinnyRanges, k: int) -> _Shape:
@@ -191,12 +231,14 @@ def _resolve_cached(entry: SkinnyRanges, k: int) -> _Shape:
                              f"within 1..{SKINNY_MAX_ROWS}")
         last = r[0]
         ranges.append((r[0], parse_config(r[1])))
-    return _Shape(tuple(ranges), all(_skinny.norm_fusable(c, k) for _, c in ranges))
+    return _shape_of(tuple(ranges), k)
 
 
 def check_table(table: dict[tuple[int, int, bool], SkinnyRanges | None]) -> None:
     """Every entry well formed (ValueError if not): None, or ((max rows, tag), ...) with
-    1 <= max rows <= SKINNY_MAX_ROWS strictly ascending and tags that parse."""
+    1 <= max rows <= SKINNY_MAX_ROWS strictly ascending, tags that parse, and no range
+    without tl.dot after a tl.dot one (the tl.dot tail stands in for cuBLAS: the table's
+    comment)."""
     for (n, k, silu), entry in table.items():
         if not (type(n) is int and type(k) is int and n > 0 and k > 0 and type(silu) is bool):
             raise ValueError(f"skinny table key {(n, k, silu)!r}: want (N, K, silu_mul)")
@@ -218,22 +260,22 @@ def _shape(n: int, k: int, silu_mul: bool) -> _Shape | None:
 # a replaced default_config (tests patch it) is the one asked.
 @functools.lru_cache(maxsize=None)
 def _default_shape(guess: Callable[[int, int], SkinnyConfig], n: int, k: int) -> _Shape:
-    cfg = guess(n, k)
-    return _Shape(((SKINNY_MAX_ROWS, cfg),), _skinny.norm_fusable(cfg, k))
+    return _shape_of(((SKINNY_MAX_ROWS, guess(n, k)),), k)
 
 
 def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False, *,
                   norm: bool = False) -> SkinnyConfig | None:
     """The configuration for ``rows`` x [N, K]: the first of the shape's ranges covering
-    ``rows`` (all of a shape's configurations give a row the same bits), or None where
-    F.linear runs (the table says cuBLAS, or more rows than its last range). ``norm``: for
-    ``norm_linear``'s fused RMSNorm, None also where not every configuration of the shape
-    is ``norm_fusable`` (then its rows all take the separate norm kernel, so a row's bits
-    do not depend on the range it falls in)."""
+    ``rows`` (the prefix's configurations give a row the same bits, the tl.dot tail's
+    F.linear's), or None where F.linear runs (the table says cuBLAS, or more rows than its
+    last range). ``norm``: for ``norm_linear``'s fused RMSNorm, None also for rows in the
+    tail or above, and where not every prefix configuration is ``norm_fusable`` (then the
+    prefix's rows all take the separate norm kernel, so a row's bits do not depend on the
+    range it falls in)."""
     if not 1 <= rows <= SKINNY_MAX_ROWS:
         return None
     shape = _shape(n, k, silu_mul)
-    if shape is None or norm and not shape.norm:
+    if shape is None or norm and not (shape.norm and rows <= shape.prefix):
         return None
     for max_rows, cfg in shape.ranges:
         if rows <= max_rows:
@@ -313,9 +355,10 @@ class PackedLinear:
         """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta): the fused
         layer's residual add + RMSNorm and the GEMM after it (``_kernels.add_rms_norm``'s
         contract: delta None, no add; ``capture`` also receives x + delta). One skinny
-        kernel where ``skinny_norm`` is on and every configuration of the shape takes K in
-        one pass without tl.dot (``skinny_config(norm=True)``); else the norm kernel, then
-        this dispatcher."""
+        kernel where ``skinny_norm`` is on, the rows fall in the shape's prefix (its ranges
+        without tl.dot) and every prefix configuration takes K in one pass
+        (``skinny_config(norm=True)``); else the norm kernel, then this dispatcher (the
+        tl.dot tail or F.linear above the prefix)."""
         if self.skinny_norm and norm_weight.dim() == 1 and \
                 (delta is None or delta.dtype == x.dtype and delta.shape == x.shape):
             config = self._skinny_config(x, weight, bias, silu_mul=False, norm=True)

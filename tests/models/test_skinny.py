@@ -272,11 +272,14 @@ def test_table_tags_parse_and_round_trip():
 def test_skinny_config_row_ranges_and_window(monkeypatch):
     """Rows r run the first range with r <= its max rows (F.linear above the last);
     default_config for shapes not listed; with ``norm`` (norm_linear's fused RMSNorm) only
-    where every configuration of the shape is norm-fusable, for all of its rows."""
+    for rows in the prefix (the ranges without tl.dot), where every prefix configuration
+    is norm-fusable."""
     v, b2, b4 = "v8x64s1w4n3", "b2x2x64s1w4n3", "b4x4x64s1w4n3"
     monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), ((1, v), (4, b2), (8, b4)))
     monkeypatch.setitem(SKINNY_TABLE, (100, 60, False), None)
     monkeypatch.setitem(SKINNY_TABLE, (100, 70, False), ((2, v), (16, "d16x64s1w4n3")))
+    monkeypatch.setitem(SKINNY_TABLE, (100, 64, False), ((1, v), (2, b2), (16, "d16x64s1w4n3")))
+    monkeypatch.setitem(SKINNY_TABLE, (100, 40, False), ((16, "d16x64s1w4n3"),))
     want = {1: v, 2: b2, 3: b2, 4: b2, 5: b4, 6: b4, 7: b4, 8: b4}
     for rows, tag in want.items():
         assert skinny_config(rows, 100, 50) == parse_config(tag), rows
@@ -284,12 +287,21 @@ def test_skinny_config_row_ranges_and_window(monkeypatch):
     assert skinny_config(9, 100, 50) is None                  # beyond the last range
     assert skinny_config(9, 100, 50, norm=True) is None
     assert all(skinny_config(r, 100, 60) is None for r in (1, 4, 32))   # cuBLAS
-    # A tl.dot range: the shape's rows all take the separate norm kernel (a row's bits
-    # must not depend on the range), its plain GEMM still the table's.
+    # A tl.dot tail (F.linear's bits) after a prefix: the norm is fused for the prefix's
+    # rows where all of the prefix is fusable (K = 64); a prefix whose BLOCK_K 64 does not
+    # cover K = 70 fuses none; the tail's rows and those above take the separate norm
+    # kernel and the tail's plain GEMM (or F.linear); tl.dot ranges alone: never fused.
     assert skinny_config(2, 100, 70) == parse_config(v)
     assert skinny_config(3, 100, 70) == parse_config("d16x64s1w4n3")
     assert skinny_config(17, 100, 70) is None
     assert all(skinny_config(r, 100, 70, norm=True) is None for r in (1, 2, 3, 16))
+    for rows, tag, fused in ((1, v, True), (2, b2, True), (3, "d16x64s1w4n3", False),
+                             (16, "d16x64s1w4n3", False), (17, None, False)):
+        want_cfg = parse_config(tag) if tag else None
+        assert skinny_config(rows, 100, 64) == want_cfg, rows
+        assert skinny_config(rows, 100, 64, norm=True) == (want_cfg if fused else None), rows
+    assert skinny_config(1, 100, 40) == parse_config("d16x64s1w4n3")
+    assert all(skinny_config(r, 100, 40, norm=True) is None for r in (1, 16, 17))
     assert skinny_config(2, 100, 50, silu_mul=True) == default_config(100, 50)
     assert skinny_config(SKINNY_MAX_ROWS, 64, 64) == default_config(64, 64)
     assert skinny_config(SKINNY_MAX_ROWS, 64, 64, norm=True) == default_config(64, 64)
@@ -310,6 +322,8 @@ def test_skinny_config_row_ranges_and_window(monkeypatch):
     ((SKINNY_MAX_ROWS + 1, "v8x64s1w4n3"),),              # past the kernel's window
     ((4, "v8x64"),),                                      # a tag that does not parse
     (("v8x64s1w4n3", 4),),                                # (tag, rows): the wrong order
+    ((1, "d16x64s1w4n3"), (4, "v8x64s1w4n3")),            # no tl.dot after tl.dot
+    ((1, "v8x64s1w4n3"), (2, "d16x64s1w4n3"), (4, "b2x2x64s1w4n3")),
     ((True, "v8x64s1w4n3"),),
     ("v8x64s1w4n3", 4),                                   # the old one-config form
     (),
@@ -325,10 +339,12 @@ def test_malformed_table_entries_raise(monkeypatch, entry):
 
 def test_norm_linear_fuses_only_where_every_range_is_fusable(monkeypatch):
     """PackedLinear.norm_linear: the RMSNorm in the GEMM's prologue, by the range's
-    configuration, only for shapes whose every configuration is norm-fusable; a shape with
-    a tl.dot range takes add_rms_norm then the plain ranges for all of its rows (so no row's
-    bits depend on its range); beyond the last range add_rms_norm and F.linear. (The
-    kernels are stand-ins: this is the dispatch.)"""
+    configuration, for rows in the shape's prefix (its ranges without tl.dot) where every
+    prefix configuration is norm-fusable; rows in a tl.dot tail (F.linear's bits) take
+    add_rms_norm then the tail's GEMM, as F.linear's would; a prefix with a configuration
+    that is not fusable takes add_rms_norm then its own ranges for all of its rows (so no
+    row's bits depend on its range); tl.dot ranges alone are never fused; beyond the last
+    range add_rms_norm and F.linear. (The kernels are stand-ins: this is the dispatch.)"""
     from specloop.models import _kernels
     calls: list = []
 
@@ -346,14 +362,25 @@ def test_norm_linear_fuses_only_where_every_range_is_fusable(monkeypatch):
     monkeypatch.setattr(_linear._skinny, "skinny_norm_linear", fused)
     monkeypatch.setattr(_linear._skinny, "skinny_linear", gemm)
     monkeypatch.setattr(_kernels, "add_rms_norm", norm)
-    monkeypatch.setitem(SKINNY_TABLE, (24, 64, False), ((1, "v2x64s1w4n3"), (4, "b2x2x64s1w4n3")))
-    monkeypatch.setitem(SKINNY_TABLE, (24, 32, False), ((1, "v2x32s1w4n3"), (4, "d16x32s1w4n3")))
+    v64, b64, d64 = "v2x64s1w4n3", "b2x2x64s1w4n3", "d16x64s1w4n3"
+    v32, d32 = "v2x32s1w4n3", "d16x32s1w4n3"
+    monkeypatch.setitem(SKINNY_TABLE, (24, 64, False), ((1, v64), (4, b64)))
+    monkeypatch.setitem(SKINNY_TABLE, (24, 32, False), ((1, v32), (2, b64), (4, d32),
+                                                        (8, "d32x32s1w4n1")))
+    monkeypatch.setitem(SKINNY_TABLE, (24, 48, False), ((1, v32), (4, d64)))  # 32 < K
+    monkeypatch.setitem(SKINNY_TABLE, (24, 16, False), ((4, d32),))
     lin = PackedLinear(skinny=True)
     lin.skinny_on_cpu = lin.skinny_norm = True
-    for k, rows, want in ((64, 1, [("fused", "v2x64s1w4n3")]), (64, 2, [("fused", "b2x2x64s1w4n3")]),
-                          (64, 4, [("fused", "b2x2x64s1w4n3")]), (64, 5, [("norm",)]),
-                          (32, 1, [("norm",), ("gemm", "v2x32s1w4n3")]),
-                          (32, 4, [("norm",), ("gemm", "d16x32s1w4n3")]), (32, 5, [("norm",)])):
+    for k, rows, want in ((64, 1, [("fused", v64)]), (64, 2, [("fused", b64)]),
+                          (64, 4, [("fused", b64)]), (64, 5, [("norm",)]),
+                          # prefix v, b fused; tail d32 / d32x32 after add_rms_norm
+                          (32, 1, [("fused", v32)]), (32, 2, [("fused", b64)]),
+                          (32, 3, [("norm",), ("gemm", d32)]),
+                          (32, 4, [("norm",), ("gemm", d32)]),
+                          (32, 8, [("norm",), ("gemm", "d32x32s1w4n1")]), (32, 9, [("norm",)]),
+                          (48, 1, [("norm",), ("gemm", v32)]),
+                          (48, 4, [("norm",), ("gemm", d64)]), (48, 5, [("norm",)]),
+                          (16, 1, [("norm",), ("gemm", d32)]), (16, 5, [("norm",)])):
         calls.clear()
         x = torch.randn(rows, k).half()
         lin.norm_linear(x, torch.zeros_like(x), torch.ones(k).half(), 1e-5,
