@@ -14,7 +14,8 @@ the norm kernel: there cuBLAS costs cuBLAS + add_rms_norm, a fusable class its n
 kernel's time, any other class its time + add_rms_norm.
 
 Bit classes: a shape may run different configurations for different row ranges only if
-they give a row the same bits (padded graphs and chained steps must equal the eager call).
+they give a row the same bits (padded graphs and chained steps must equal the eager call),
+or, a tl.dot tail after them, F.linear's (as cuBLAS above the ranges would).
 Configurations that sum over K in the same order do, whatever the family, BLOCK_N or
 tile_m (the compiled split of K: 8 a thread x 32 lanes x BLOCK_K/256 warps, extra warps
 along N where BLOCK_N >= 2; the norm kernel's RMS sum has them all along K); the bench
@@ -28,6 +29,11 @@ configuration at each timed row count (the previous range's kept if within 1%), 
 class and row limit R saving the most time summed over the timed rows <= R (1, 2, 4 and 8
 rows weigh the same: decode and VERIFY at small batches; 16 and 32 half), by >= 3% of
 cuBLAS's, cuBLAS above R: ranges ((1, v...), (2, b2...), (8, b4...)) for SKINNY_TABLE.
+Or a class's configurations without tl.dot up to R1, then up to R2 a tail of tl.dot
+configurations whose plain digest is F.linear's (``cublas_tail``: they stand in for cuBLAS
+there, models/_linear's rule), picked the same way, if that saves more; for qkv and
+gate-up the prefix's rows cost the norm kernel's time where fusable, the tail's the
+tl.dot time + add_rms_norm (models/_linear runs the norm apart there).
 The fused silu-down shape's baseline is what it replaces: _kernels.silu_mul + F.linear.
 Then a SmolLM2 layer without attention (add + RMSNorm, qkv, o, add + RMSNorm, gate-up,
 SwiGLU, down) over 30 layers' weights, at 1, 4, 5 and 8 rows: cuBLAS, the dispatcher's table
@@ -343,6 +349,15 @@ def class_key(digests: tuple) -> tuple | None:
     return None if plain == "varies" or plain.startswith("error") else (plain, norm)
 
 
+def cublas_tail(classes: dict) -> list:
+    """The tags that may form a tail (models/_linear): tl.dot configurations whose plain
+    digest is F.linear's (``classes``: bit_classes' tag -> digests). The plain kernel's
+    alone: a tail's rows run add_rms_norm and then the plain GEMM, as F.linear's do."""
+    ref = classes.get("cublas", (None, None))[0]
+    return sorted(t for t, d in classes.items() if t != "cublas" and _is_dot(t)
+                  and class_key(d) is not None and d[0] == ref)
+
+
 def row_weight(rows: int) -> float:
     """How much a row count's saving counts in ``choose``: decode (1 row a sequence) and
     VERIFY at small batches (K + 1 = 2..8 rows) equally, larger batches half."""
@@ -352,39 +367,75 @@ def row_weight(rows: int) -> float:
 KEEP = 0.01   # a range keeps the previous range's configuration if within 1% of the fastest
 
 
-def choose(cublas: dict, times: dict, classes: dict) -> tuple[tuple | None, float]:
+def _is_dot(tag: str) -> bool:
+    """The tag's configuration runs tl.dot (SkinnyConfig.tag()'s family letter ``d``)."""
+    return tag.startswith("d")
+
+
+def _greedy(tags: list, times: dict, cublas: dict, rows_list: list, picks: tuple = ()):
+    """Over ``rows_list`` (ascending timed row counts) the fastest of ``tags`` at each (the
+    previous range's kept within KEEP), appended to ``picks``: yields (ranges, weighted us
+    saved, weighted cuBLAS us) after each row count, stopping at the first none of
+    ``tags`` ran."""
+    out = list(picks)
+    saved = base = 0.0
+    for rows in rows_list:
+        ok = [t for t in tags if isinstance(times[t].get(rows), float)]
+        if not ok:
+            return
+        tag = min(ok, key=lambda t: times[t][rows])
+        if out and out[-1][1] in ok and times[out[-1][1]][rows] <= (1 + KEEP) * times[tag][rows]:
+            tag = out[-1][1]
+        saved += row_weight(rows) * (cublas[rows] - times[tag][rows])
+        base += row_weight(rows) * cublas[rows]
+        if out and out[-1][1] == tag:
+            out[-1] = (rows, tag)
+        else:
+            out.append((rows, tag))
+        yield tuple(out), saved, base
+
+
+def choose(cublas: dict, times: dict, classes: dict, tail=()) -> tuple[tuple | None, float]:
     """-> (((max rows, tag), ...), weighted us saved over the timed rows) or (None, 0.0):
     the configurations of one bit class (``classes``: tag -> key; tags without one are
     never chosen), the fastest of the class at each timed row count covering the rows
     above the previous timed count, up to the row limit saving the most over ``cublas``
     (by >= 3% of its time there), each timed row count's saving weighted by
     ``row_weight``; a class's rows stop at the first row count none of its configurations
-    ran."""
-    by_class: dict = {}
+    ran. Or (models/_linear's prefix + tail) a class's configurations without tl.dot up to
+    R1, then from R1 + 1 up to R2 the fastest of ``tail`` (tl.dot configurations in
+    cuBLAS's bit class: F.linear's bits), the same way; the tail's rows stop at the first
+    row count none of ``tail`` ran. A class's tl.dot and other configurations are never
+    mixed otherwise (models/_linear: a tl.dot range only in the tail). Of equal savings the
+    first found is kept: single classes (in key order) before prefix + tail, shorter
+    before longer."""
+    by_class: dict = {}   # a class's tl.dot configurations apart (only a tail may be tl.dot)
     for tag, key in classes.items():
         if key is not None and tag in times:
-            by_class.setdefault(key, []).append(tag)
+            by_class.setdefault((key, _is_dot(tag)), []).append(tag)
+    rows_list = sorted(cublas)
     best: tuple[tuple | None, float] = (None, 0.0)
+
+    def consider(picks: tuple, saved: float, base: float) -> None:
+        nonlocal best
+        if saved > best[1] and saved >= (1 - WIN) * base:
+            best = (picks, saved)
+
     for key in sorted(by_class, key=repr):
-        tags = sorted(by_class[key])
-        picks: list[tuple[int, str]] = []
-        saved = base = 0.0
-        for rows in sorted(cublas):
-            ok = [t for t in tags if isinstance(times[t].get(rows), float)]
-            if not ok:
-                break
-            tag = min(ok, key=lambda t: times[t][rows])
-            if picks and picks[-1][1] in ok and \
-                    times[picks[-1][1]][rows] <= (1 + KEEP) * times[tag][rows]:
-                tag = picks[-1][1]
-            saved += row_weight(rows) * (cublas[rows] - times[tag][rows])
-            base += row_weight(rows) * cublas[rows]
-            if picks and picks[-1][1] == tag:
-                picks[-1] = (rows, tag)
-            else:
-                picks.append((rows, tag))
-            if saved > best[1] and saved >= (1 - WIN) * base:
-                best = (tuple(picks), saved)
+        for run in _greedy(sorted(by_class[key]), times, cublas, rows_list):
+            consider(*run)
+    tail = sorted(t for t in tail if t in times and _is_dot(t))
+    if tail:
+        for run in _greedy(tail, times, cublas, rows_list):     # R1 = 0: the tail alone
+            consider(*run)
+        for key in sorted(by_class, key=repr):
+            if key[1]:
+                continue
+            for i, (picks, saved, base) in enumerate(
+                    _greedy(sorted(by_class[key]), times, cublas, rows_list)):
+                for more, t_saved, t_base in _greedy(tail, times, cublas,
+                                                     rows_list[i + 1:], picks):
+                    consider(more, saved + t_saved, base + t_base)
     return best
 
 
@@ -392,8 +443,11 @@ def effective(cublas: dict, times: dict, norm_us: dict | None, norm_times: dict,
               ) -> tuple[dict, dict]:
     """-> (baseline, times) as ``choose`` weighs them: for a shape whose norm runs in the
     prologue (``norm_us``: add_rms_norm's time per rows), cuBLAS + add_rms_norm, a
-    configuration's norm-kernel time where measured (``norm_times``), else its time +
-    add_rms_norm unless it is norm-fusable and unmeasured (--offline: its plain time)."""
+    norm-fusable configuration's norm-kernel time where measured (``norm_times``; else,
+    --offline, its plain time), any other its time + add_rms_norm (a tl.dot tail's rows
+    too: models/_linear runs add_rms_norm before it; an older run's norm-kernel times of
+    a configuration no longer fusable, such as the tl.dot prologue of 13:20, are not
+    used)."""
     if norm_us is None:
         return cublas, times
     from specloop.models._linear import parse_config
@@ -403,7 +457,7 @@ def effective(cublas: dict, times: dict, norm_us: dict | None, norm_times: dict,
         fusable = norm_fusable(parse_config(tag), k)
         eff[tag] = {}
         for rows, us in per.items():
-            if tag in norm_times:
+            if fusable and tag in norm_times:
                 eff[tag][rows] = norm_times[tag].get(rows, "not timed")
             elif isinstance(us, float) and rows in norm_us:
                 eff[tag][rows] = us if fusable else us + norm_us[rows]
@@ -484,7 +538,7 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
     def pick():
         base, eff = effective(cublas, times, norm_us, norm_times, k)
         keys = {t: class_key(d) for t, d in classes.items() if t != "cublas"}
-        return choose(base, eff, keys) + (base, eff)
+        return choose(base, eff, keys, cublas_tail(classes)) + (base, eff)
 
     code = code_configs(n, k, act)          # what the code's table runs now
     swept = sweep(k)
@@ -523,8 +577,9 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
     for t, d in classes.items():
         if class_key(d) is not None:
             groups.setdefault(class_key(d), []).append(t)
-    print(f"{name}: {len(groups)} bit classes; cuBLAS's: "
-          f"{sorted(groups[class_key(classes['cublas'])])}", flush=True)
+    tail = cublas_tail(classes)
+    print(f"{name}: {len(groups)} bit classes; tl.dot with cuBLAS's bits (a tail may take "
+          f"them): {tail}", flush=True)
     del ws
     if not SMOKE:
         torch.cuda.empty_cache()
@@ -534,7 +589,7 @@ def bench_shape(name: str, n: int, k: int, act: bool, rows_list, refine: bool) -
             "ranges": [list(r) for r in ranges] if ranges else None,
             "saved_us_over_rows": saved, "fastest_per_rows": per_row_best,
             "configs": times, "norm_configs": norm_times,
-            "bit_classes": sorted(sorted(g) for g in groups.values()),
+            "bit_classes": sorted(sorted(g) for g in groups.values()), "cublas_tail": tail,
             "not_row_invariant_or_failed": varies}
 
 
@@ -624,14 +679,22 @@ def offline(skinny_path: str, bits_path: str | None) -> dict:
         base, eff = effective(cublas, times, norm_us, norm_times, r["K"])
         if bits_path:
             keys = {t: classes.get(name, {}).get(t) for t in times}   # None: not measured
+            ref = classes.get(name, {}).get("cublas")
+            tail = [t for t in times if ref is not None and _is_dot(t)
+                    and keys[t] is not None and keys[t][0] == ref[0]]
         elif "bit_classes" not in r:
             sys.exit(f"{skinny_path} has no bit classes (a run before they were measured): "
                      "give --bits")
         else:     # this bench's own: groups of equal digests
             keys = {t: i for i, group in enumerate(r["bit_classes"]) for t in group}
-        ranges, saved = choose(base, eff, keys)
+            # cuBLAS's tl.dot tags; a run before "cublas_tail": those grouped with
+            # 'cublas' (plain and norm digests equal: stronger); none where none were.
+            tail = r.get("cublas_tail", [t for g in r["bit_classes"] if "cublas" in g
+                                         for t in g if _is_dot(t)])
+        ranges, saved = choose(base, eff, keys, tail)
         table[(r["N"], r["K"], r["silu_mul"])] = ranges
-        print(f"{name:10s} {ranges}  saved {saved:.2f} us (weighted, over the timed rows)")
+        print(f"{name:10s} {ranges}  saved {saved:.2f} us (weighted, over the timed rows); "
+              f"tail candidates (cuBLAS's bits): {sorted(tail) or 'none'}")
         for rows in sorted(cublas):
             tag = next((t for m, t in ranges or () if rows <= m), None)
             print(f"   M={rows:<3d} base {base[rows]:6.2f}  "
@@ -743,15 +806,24 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
 
 
 def check_layouts(table: dict) -> list[str]:
-    """--layouts: each shape's configurations (all ranges) must split K alike in every
-    reduction, plain and (no silu, every range norm-fusable) norm kernel; -> problems."""
-    from specloop.models._linear import parse_config
+    """--layouts: each shape's prefix configurations (its ranges without tl.dot; an entry
+    of tl.dot ranges only: all of them) must split K alike in every reduction, plain and
+    (no silu, every one norm-fusable) norm kernel; -> problems. A tl.dot tail after a
+    prefix must give F.linear's bits, which only the device can tell (the probe, the GPU
+    test): listed, not checked."""
+    from specloop.models._linear import _resolve
     from specloop.models._skinny import norm_fusable
     problems = []
     for (n, k, act), entry in table.items():
-        cfgs = list(dict.fromkeys(parse_config(tag) for _, tag in entry or ()))
-        if not cfgs:
+        if not entry:
             continue
+        shape = _resolve(entry, k)
+        cfgs = list(dict.fromkeys(c for m, c in shape.ranges
+                                  if m <= shape.prefix or not shape.prefix))
+        tail = [c.tag() for m, c in shape.ranges if shape.prefix and m > shape.prefix]
+        if tail:
+            print(f"{n}x{k}{' silu' if act else ''}: tail {tail} (cuBLAS's bits: not "
+                  "checked here)", flush=True)
         kernels = [False] + ([True] if not act and cfgs and
                              all(norm_fusable(c, k) for c in cfgs) else [])
         for norm in kernels:

@@ -474,18 +474,23 @@ def test_skinny_matches_f_linear_bf16_cuda():
 @pytest.mark.gpu
 def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
     """The shipped table's invariant: a shape's row ranges may run different
-    configurations only if they give a row the same bits. Through the dispatcher, for every
-    shape in the table (and the file's, under SPECLOOP_SKINNY_TABLE), calls of M = 1..limit
-    rows (the last range's max rows) equal, row by row, the call of the limit's rows: the
-    plain kernel, and for shapes without silu the RMSNorm-prologue path (``norm_linear``,
-    fused where every configuration of the shape is norm-fusable, else add_rms_norm and the
-    same ranges). On the bench's probe inputs (products cancelling in pairs: two
-    summation orders differ in most outputs), so a table mixing bit classes fails. Then
-    the shape's configurations directly against each other on those inputs, and on the
-    norm kernel also on ``norm_probe_rows`` (a different RMS summation shows only where it
-    flips a normed element's rounding: ~6 randn rows in 10,000, ~5% of those)."""
+    configurations only if a row's bits depend on nothing but whether its call falls in the
+    prefix (the ranges without tl.dot) or above it. Through the dispatcher, for every shape
+    in the table (and the file's, under SPECLOOP_SKINNY_TABLE): calls of M = 1..the
+    prefix's max rows (an entry of tl.dot ranges only: 1..the last range's) equal, row by
+    row, the call of that many rows: the plain kernel, and for shapes without silu the
+    RMSNorm path (``norm_linear``: fused where every prefix configuration is norm-fusable,
+    else add_rms_norm and the same ranges); each call of a tl.dot tail's rows equals
+    F.linear's (on _kernels.silu_mul's output for silu; with the norm, add_rms_norm then
+    F.linear), bit for bit, as if cuBLAS ran there. On the bench's probe inputs (products
+    cancelling in pairs: two summation orders differ in most outputs), so a table mixing
+    bit classes fails. Then the prefix's configurations directly against each other on
+    those inputs, and on the norm kernel also on ``norm_probe_rows`` (a different RMS
+    summation shows only where it flips a normed element's rounding: ~6 randn rows in
+    10,000, ~5% of those)."""
     from pathlib import Path
 
+    from specloop.models import _kernels
     from specloop.models._skinny import skinny_linear, skinny_norm_linear
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     import bench_skinny_gemm as bench
@@ -496,24 +501,34 @@ def test_table_ranges_give_a_row_the_same_bits(monkeypatch):
     for (n, k, act), entry in SKINNY_TABLE.items():
         if entry is None:
             continue
+        shape = _linear._resolve(entry, k)
         limit = entry[-1][0]
+        group = shape.prefix or limit     # rows 1..group: one class; above: F.linear's bits
         for x, w, nw in bench.probe_inputs(n, k, act, "cuda", torch.bfloat16, rows=limit):
             d = torch.zeros_like(x) if not act else None
-            if act:
-                y_all = lin.silu_mul_linear(x, w)
-            else:
-                y_all = lin(x, w)
-                yn_all, _ = lin.norm_linear(x, d, nw, 1e-5, w)
+
+            def call(m):
+                if act:
+                    return lin.silu_mul_linear(x[:m], w), None
+                return lin(x[:m], w), lin.norm_linear(x[:m], d[:m], nw, 1e-5, w)[0]
+            y_all, yn_all = call(group)
             for m in range(1, limit + 1):
                 cfg = skinny_config(m, n, k, act)
-                where = (n, k, act, m, cfg.tag(), limit)
-                y = lin.silu_mul_linear(x[:m], w) if act else lin(x[:m], w)
-                assert torch.equal(y, y_all[:m]), where
-                if not act:
-                    yn, _ = lin.norm_linear(x[:m], d[:m], nw, 1e-5, w)
-                    assert torch.equal(yn, yn_all[:m]), ("norm",) + where
+                where = (n, k, act, m, cfg.tag(), group, limit)
+                y, yn = call(m)
+                if m <= group:
+                    assert torch.equal(y, y_all[:m]), where
+                    if not act:
+                        assert torch.equal(yn, yn_all[:m]), ("norm",) + where
+                else:       # the tail: as if cuBLAS ran there
+                    assert cfg.dot, where
+                    ref = F.linear(_kernels.silu_mul(x[:m]) if act else x[:m], w)
+                    assert torch.equal(y, ref), ("tail",) + where
+                    if not act:
+                        h, _ = _kernels.add_rms_norm(x[:m], d[:m], nw, 1e-5)
+                        assert torch.equal(yn, F.linear(h, w)), ("tail norm",) + where
                 checked += 1
-        configs = sorted({cfg for _, cfg in _linear._resolve(entry, k).ranges}, key=repr)
+        configs = sorted({cfg for m, cfg in shape.ranges if m <= group}, key=repr)
         inputs = bench.probe_inputs(n, k, act, "cuda", torch.bfloat16)
         for x, w, _ in inputs:
             ys = [skinny_linear(x, w, None, cfg, silu_mul=act) for cfg in configs]
@@ -710,6 +725,68 @@ def test_bench_sweep_and_chooser(monkeypatch):
         (16384, 576, False): None, (49152, 576, False): ((2, "d64x64s1w4n3"),)}
     assert bench.table_json(namespace["SKINNY_TABLE"])["960,576,0"] == \
         [[1, "v2x1024s1w4n3"], [8, "b4x4x1024s1w4n3"]]
+
+
+def test_bench_chooser_prefix_and_cublas_tail(monkeypatch):
+    """bench/bench_skinny_gemm.py's choice of a prefix (one class, no tl.dot) up to R1 and
+    a tail of tl.dot configurations with F.linear's bits (models/_linear's rule) up to R2:
+    taken where it saves more than every single class, only from the tail tags given
+    (cublas_tail: tl.dot, F.linear's plain digest), never a class's own tl.dot
+    configurations after its others; equal savings keep the single class; the tail ends
+    where it stops saving or stops running; for norm shapes the prefix's rows cost the
+    norm kernel's time, the tail's tl.dot + add_rms_norm."""
+    bench = _bench(monkeypatch)
+    cublas = {1: 4.0, 2: 4.0, 4: 4.0, 8: 4.0, 16: 4.0}
+    times = {"v2": {1: 1.5, 2: 2.2, 4: 4.5, 8: 6.0, 16: 9.0},
+             "dc": {1: 2.5, 2: 2.5, 4: 2.6, 8: 2.7, 16: 4.2},     # cuBLAS's bits
+             "dx": {1: 5.0, 2: 5.0, 4: 1.0, 8: 1.0, 16: 1.0},     # another class
+             "dv": {1: 9.0, 2: 9.0, 4: 1.0, 8: 1.0, 16: 1.0}}     # v2's class, tl.dot
+    classes = {"v2": "A", "dc": "C", "dx": "X"}
+    # Alone: A to 2 rows saves 2.5 + 1.8 = 4.3; C to 8 1.5 + 1.5 + 1.4 + 1.3 = 5.7; X to
+    # 16 -1 - 1 + 3 + 3 + 1.5 = 5.5. A to 2 then C to 8: 4.3 + 1.4 + 1.3 = 7.0 (A to 1
+    # then C: 6.7; C at 16 rows loses 0.2 x 1/2: the tail ends at 8). X is faster above 2
+    # rows, but not a tail.
+    assert bench.choose(cublas, times, classes) == (((8, "dc"),), pytest.approx(5.7))
+    assert bench.choose(cublas, times, classes, ["dc"]) == \
+        (((2, "v2"), (8, "dc")), pytest.approx(7.0))
+    assert bench.choose(cublas, times, {"v2": "A"}, ["dc"]) == \
+        (((2, "v2"), (8, "dc")), pytest.approx(7.0))          # the tail needs no class
+    assert bench.choose(cublas, times, classes, ["v2"]) == (((8, "dc"),), pytest.approx(5.7))
+    # A class's own tl.dot configurations never follow its others (one class, but
+    # models/_linear takes tl.dot ranges as a tail in cuBLAS's class): A without them
+    # (dv alone never saves), not v2 to 2 then dv to 16 (11.8).
+    assert bench.choose(cublas, times, {"v2": "A", "dv": "A"}) == \
+        (((2, "v2"),), pytest.approx(4.3))
+    # Equal savings: the single class is kept (a tail saving 0 at 4 rows is not taken).
+    flat = dict(times, dc={1: 5.0, 2: 5.0, 4: 4.0, 8: 9.0})
+    assert bench.choose(cublas, flat, classes, ["dc"]) == (((16, "dx"),), pytest.approx(5.5))
+    assert bench.choose(cublas, flat, {"v2": "A"}, ["dc"]) == (((2, "v2"),), pytest.approx(4.3))
+    # The tail stops at the first row count none of it ran; the prefix's class at its own.
+    gap = dict(times, dc={1: 2.5, 2: 2.5, 4: "mismatch", 8: 2.7},
+               v2={1: 1.5, 2: "error", 4: 4.5})
+    assert bench.choose(cublas, gap, {"v2": "A"}, ["dc"]) == \
+        (((1, "v2"), (2, "dc")), pytest.approx(2.5 + 1.5))
+    # >= 3% of cuBLAS's time over the rows <= R2, as for one class.
+    near = {"v2": {1: 3.9, 2: 3.9}, "dc": {r: 3.95 for r in cublas}}
+    assert bench.choose(cublas, near, {"v2": "A"}, ["dc"]) == (None, 0.0)
+    # The tail's candidates: tl.dot tags with F.linear's plain digest (its norm digest
+    # aside: the tail runs add_rms_norm then the plain GEMM), never one that varies.
+    digests = {"cublas": ("p0", "n0"), "d16x1024s1w8n1": ("p0", None),
+               "d64x1024s1w8n1": ("p0", "n1"), "d16x64s1w4n3": ("p1", None),
+               "d32x1024s1w8n1": ("varies", None), "v4x1024s1w4n3": ("p0", "n0")}
+    assert bench.cublas_tail(digests) == ["d16x1024s1w8n1", "d64x1024s1w8n1"]
+    assert bench.cublas_tail({"d16x1024s1w8n1": ("p0", None)}) == []
+    # Norm shapes: the prefix's rows at the norm kernel's time, the tail's at tl.dot +
+    # add_rms_norm (also where an older run timed a tl.dot norm kernel: no longer run).
+    v, d = "v2x1024s1w4n3", "d64x1024s1w8n1"
+    base, eff = bench.effective({1: 4.0, 4: 4.0}, {v: {1: 3.0, 4: 6.0}, d: {1: 2.5, 4: 2.6}},
+                                {1: 1.0, 4: 1.0}, {v: {1: 2.0, 4: 5.5}, d: {1: 0.5, 4: 0.5}},
+                                576)
+    assert base == {1: 5.0, 4: 5.0} and eff == {v: {1: 2.0, 4: 5.5}, d: {1: 3.5, 4: 3.6}}
+    # v alone saves 3.0, d alone 1.5 + 1.4: v at 1 row, d above.
+    assert bench.choose(base, eff, {v: "A", d: "C"}, [d]) == \
+        (((1, v), (4, d)), pytest.approx(3.0 + 1.4))
+    _linear.check_table({(960, 576, False): ((1, v), (4, d))})
 
 
 def test_bench_bit_classes_from_a_file_need_every_shape_to_agree(monkeypatch):
