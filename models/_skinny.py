@@ -36,9 +36,9 @@ BLOCK_N or tile_m; on the H200 every ``v``/``b`` configuration at BLOCK_K 1024 a
 (and 8 warps at BLOCK_N >= 2) is one bit class, 2 warps another (the compiled split of K:
 8 a thread x 32 lanes x BLOCK_K/256 warps, more warps along N where BLOCK_N >= 2; the
 norm kernel's 1-D RMS sum takes every warp along K). ``models/_linear``'s table may therefore give a shape
-different configurations for different row ranges, all of ONE class (and one class under
-the norm kernel too where the norm is fused); bench/bench_skinny_gemm.py measures the
-classes.
+different configurations for different row ranges, all of ONE class (one class under
+the norm kernel too where the norm is fused), or above them a tail of tl.dot ranges with
+F.linear's bits (models/_linear's rule); bench/bench_skinny_gemm.py measures the classes.
 
 Accumulation is in fp32, rounded once to x's dtype at the store. SPLIT_K > 1 writes fp32
 partial sums to a [SPLIT_K, M, N] scratch and a second small kernel adds them in split

@@ -440,10 +440,11 @@ def _replayed(fn, inputs: list[torch.Tensor], feeds: list[list[torch.Tensor]]):
 def test_gpu_skinny_chain_same_bits_with_pdl(pdl_switch, rows):
     """SmolLM2's layer GEMMs chained as in the model (norm + qkv, o, norm + gate-up,
     silu-down, each reading the one before; 3 layers; the shipped table's configurations
-    for these rows, a split-K tl.dot o for the reduce kernel), on two inputs: eager with
+    for these rows, the norm fused where they take it, else add_rms_norm first; a split-K
+    tl.dot o for the reduce kernel), on two inputs: eager with
     PDL == eager without, and graph replays with == replays without (each graph captured
     under its switch)."""
-    from specloop.models import _linear
+    from specloop.models import _kernels, _linear
     from specloop.models._skinny import (SkinnyConfig, skinny_linear, norm_fusable,
                                          skinny_norm_linear)
 
@@ -462,15 +463,22 @@ def test_gpu_skinny_chain_same_bits_with_pdl(pdl_switch, rows):
                    down=rand(H, 1536, scale=1536 ** -0.5)) for _ in range(3)]
     c_qkv, c_gu, c_down = cfg(960, H), cfg(3072, H), cfg(H, 1536, True)
     c_o = SkinnyConfig(True, 16, 128, split_k=2)      # tl.dot + the split-K reduce
-    assert norm_fusable(c_qkv, H) and norm_fusable(c_gu, H)
     x = rand(rows, H)
+
+    def norm_gemm(stream, delta, nw, w, c):
+        # As PackedLinear.norm_linear dispatches: the norm in the prologue where the
+        # configuration takes it, else add_rms_norm and the GEMM (the one-tile tl.dot).
+        if norm_fusable(c, H):
+            return skinny_norm_linear(stream, delta, nw, eps, w, None, c)
+        h, stream = _kernels.add_rms_norm(stream, delta, nw, eps)
+        return skinny_linear(h, w, None, c), stream
 
     def chain():
         stream, delta = x, None
         for w in layers:
-            qkv, stream = skinny_norm_linear(stream, delta, w["nw"], eps, w["qkv"], None, c_qkv)
+            qkv, stream = norm_gemm(stream, delta, w["nw"], w["qkv"], c_qkv)
             o = skinny_linear(qkv[:, :H], w["o"], None, c_o)
-            gu, stream = skinny_norm_linear(stream, o, w["nw"], eps, w["gu"], None, c_gu)
+            gu, stream = norm_gemm(stream, o, w["nw"], w["gu"], c_gu)
             delta = skinny_linear(gu, w["down"], None, c_down, silu_mul=True)
         return [stream, delta]
 
