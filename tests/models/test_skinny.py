@@ -68,9 +68,10 @@ from specloop.models._skinny import SkinnyConfig, skinny_linear
 
 torch.manual_seed(0)
 # Broadcast: K over 3 programs (partials, the last short), all of K in one pass, K over 2;
-# tl.dot: a loop over K, and split 2 ways.
+# tl.dot: a loop over K, split 2 ways, and all of K in one tile (ONE_PASS).
 configs = [SkinnyConfig(False, 8, 32), SkinnyConfig(False, 8, 128), SkinnyConfig(False, 4, 64),
-           SkinnyConfig(True, 16, 32), SkinnyConfig(True, 32, 16, split_k=2)]
+           SkinnyConfig(True, 16, 32), SkinnyConfig(True, 32, 16, split_k=2),
+           SkinnyConfig(True, 16, 128)]
 N, K = 19, 83                      # neither a multiple of any block
 w32, b32 = torch.randn(N, K), torch.randn(N)
 gu32 = torch.randn(40, 2 * K) * 2
