@@ -67,7 +67,12 @@ for step in "$@"; do
       for round in 1 2; do
         for t in ${TABLES:-code}; do
           echo "-- table $t (round $round)"
-          (if [ "$t" != code ]; then export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
+          # "code": the shipped table, also where SPECLOOP_SKINNY_TABLE is exported (the
+          # skinny step's /root/skinny_table.json); a missing file says so (the grep below
+          # would hide Python's error).
+          if [ "$t" != code ] && [ ! -f "$t" ]; then echo "no such table file: $t"; continue; fi
+          (if [ "$t" = code ]; then unset SPECLOOP_SKINNY_TABLE
+           else export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
            cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
              --out "$OUT/tables_$(basename "$t" .json)_$round.jsonl" \
              --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 2>&1 \
