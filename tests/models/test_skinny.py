@@ -130,6 +130,31 @@ def test_skinny_kernel_equals_float64_reference_interpreted():
     run_interpreted(KERNEL_CHILD)
 
 
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_skinny_launcher_takes_one_pass_where_block_k_covers_a_programs_k(monkeypatch):
+    """skinny_linear launches the tl.dot path's one-tile form (ONE_PASS: W before PDL's
+    wait, one tl.dot) exactly where one BLOCK_K covers a program's K range, with or without
+    split-K; the pipelined loop elsewhere; the broadcast families never. (The interpreted
+    test above gives both forms the same arithmetic: only the launch tells them apart.)"""
+    from specloop.models import _skinny
+    launches: list = []
+
+    class Recorder:       # kernel[grid](*args, **meta) without running anything
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta)
+    monkeypatch.setattr(_skinny, "_skinny_kernel", Recorder())
+    monkeypatch.setattr(_skinny, "_splitk_reduce_kernel", Recorder())
+    w, x = torch.zeros(40, 576).half(), torch.zeros(3, 576).half()
+    for tag, one_pass in (("d16x1024s1w4n1", True), ("d64x1024s1w8n2", True),
+                          ("d16x128s8w4n3", True),      # 5 splits of one BLOCK_K each
+                          ("d16x64s1w4n3", False), ("d16x512s1w4n3", False),
+                          ("d16x128s2w4n3", False),     # 2 splits of 384: loops
+                          ("v2x1024s1w4n3", False), ("b2x2x1024s1w4n3", False)):
+        launches.clear()
+        _skinny.skinny_linear(x, w, None, parse_config(tag))
+        assert launches[0].get("ONE_PASS", False) is one_pass, tag
+
+
 TILE_CHILD = CHECK_SOURCE + r"""
 import torch
 from specloop.models import _kernels
