@@ -714,6 +714,9 @@ def test_bench_sweep_and_chooser(monkeypatch):
             if c.tile_m:
                 assert c.num_warps <= c.block_k // 256 and c.block_k >= k
                 assert c.tile_m * c.block_n * c.block_k <= 128 * 32 * c.num_warps
+        # tl.dot over all of K in one tile only up to BLOCK_K 1024 (2048 spills: the sweep's
+        # comment): K = 576's, not 1152..1728's.
+        assert any(c.dot and c.block_k >= k for c in configs) == (k <= 1024), k
     cublas = {1: 3.8, 2: 3.8, 4: 3.9, 8: 4.0, 16: 4.2, 32: 4.5}
     times = {"v2": {1: 2.5, 2: 3.0, 4: 4.0, 8: 6.0, 16: 9.0, 32: 15.0},
              "b2": {1: 2.7, 2: 2.7, 4: 2.8, 8: 3.6, 16: 5.0, 32: 8.0},
@@ -778,6 +781,15 @@ def test_bench_chooser_prefix_and_cublas_tail(monkeypatch):
     assert bench.choose(cublas, times, {"v2": "A"}, ["dc"]) == \
         (((2, "v2"), (8, "dc")), pytest.approx(7.0))          # the tail needs no class
     assert bench.choose(cublas, times, classes, ["v2"]) == (((8, "dc"),), pytest.approx(5.7))
+    # Only tl.dot tags may form a tail (bz: no tl.dot, fast above 2 rows, given as one);
+    # a tail with no class of its own stands alone (an entry of tl.dot ranges only).
+    fast = dict(times, bz={1: 9.0, 2: 9.0, 4: 1.0, 8: 1.0, 16: 1.0})
+    assert bench.choose(cublas, fast, {"v2": "A"}, ["bz"]) == (((2, "v2"),), pytest.approx(4.3))
+    assert bench.choose(cublas, times, {}, ["dc"]) == (((8, "dc"),), pytest.approx(5.7))
+    # A tl.dot class of its own (dy, not cuBLAS's) is never a prefix: models/_linear would
+    # take all of its ranges as the tail (dy to 2 then dc would save 8.7).
+    ahead = dict(times, dy={1: 1.0, 2: 1.0, 4: 9.0, 8: 9.0, 16: 9.0})
+    assert bench.choose(cublas, ahead, {"dy": "Y"}, ["dc"]) == (((2, "dy"),), pytest.approx(6.0))
     # A class's own tl.dot configurations never follow its others (one class, but
     # models/_linear takes tl.dot ranges as a tail in cuBLAS's class): A without them
     # (dv alone never saves), not v2 to 2 then dv to 16 (11.8).
@@ -813,6 +825,33 @@ def test_bench_chooser_prefix_and_cublas_tail(monkeypatch):
     assert bench.choose(base, eff, {v: "A", d: "C"}, [d]) == \
         (((1, v), (4, d)), pytest.approx(3.0 + 1.4))
     _linear.check_table({(960, 576, False): ((1, v), (4, d))})
+
+
+def test_bench_offline_takes_the_tail_from_the_run_or_the_bits(monkeypatch, tmp_path):
+    """--offline's tail candidates: a run's own ``cublas_tail``; a run from before it, the
+    tl.dot tags grouped with 'cublas' in its ``bit_classes``; with --bits, the tl.dot tags
+    in cuBLAS's plain groups. Never a tl.dot tag of another class (dx, fastest above 1 row:
+    a v4 + dx table would save 9 against v4 + d64's 7)."""
+    import json
+    bench = _bench(monkeypatch)
+    v4, d64, dx = "v4x1024s1w4n3", "d64x1024s1w8n1", "d16x64s1w4n3"
+    run = {"shape": "o", "N": 576, "K": 576, "silu_mul": False,
+           "cublas_us": {"1": 4.0, "2": 4.0, "4": 4.0},
+           "configs": {v4: {"1": 1.0, "2": 3.0, "4": 5.0}, d64: {"1": 3.0, "2": 2.0, "4": 2.0},
+                       dx: {"1": 9.0, "2": 1.0, "4": 1.0}}}
+    path, bits = tmp_path / "skinny.json", tmp_path / "bits.json"
+
+    def offline(bits_path=None, **r):
+        path.write_text(json.dumps({"shapes": [dict(run, **r)]}))
+        return bench.offline(str(path), bits_path)[(576, 576, False)]
+    tail = ((1, v4), (4, d64))                 # 3 + 2 + 2; v4 alone 4, d64 alone 5
+    assert offline(bit_classes=[["cublas"], [d64], [dx], [v4]], cublas_tail=[d64]) == tail
+    assert offline(bit_classes=[["cublas", d64], [dx], [v4]]) == tail
+    assert offline(bit_classes=[["cublas"], [d64], [dx], [v4]]) == ((4, d64),)
+    bits.write_text(json.dumps({"o": {"groups": [["cublas", d64], [dx], [v4]]}}))
+    assert offline(str(bits)) == tail
+    bits.write_text(json.dumps({"o": {"groups": [["cublas"], [d64], [dx], [v4]]}}))
+    assert offline(str(bits)) == ((4, d64),)
 
 
 def test_bench_bit_classes_from_a_file_need_every_shape_to_agree(monkeypatch):
