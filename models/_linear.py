@@ -217,8 +217,7 @@ def _resolve(entry: SkinnyRanges, k: int) -> _Shape:
             from None
 
 
-@functools.lru_cache(maxsize=None)      # an entry checked once, looked up on every call
-def _resolve_cached(entry: SkinnyRanges, k: int) -> _Shape:
+def _resolve_uncached(entry: SkinnyRanges, k: int) -> _Shape:
     if not isinstance(entry, tuple) or not entry:
         raise ValueError(f"skinny table entry {entry!r}: want ((max rows, tag), ...)")
     ranges, last = [], 0
@@ -234,6 +233,11 @@ def _resolve_cached(entry: SkinnyRanges, k: int) -> _Shape:
     return _shape_of(tuple(ranges), k)
 
 
+# An entry checked once, looked up on every call (check_table has checked every table the
+# dispatcher reads: the shipped one at import, a file's as it loads).
+_resolve_cached = functools.lru_cache(maxsize=None)(_resolve_uncached)
+
+
 def check_table(table: dict[tuple[int, int, bool], SkinnyRanges | None]) -> None:
     """Every entry well formed (ValueError if not): None, or ((max rows, tag), ...) with
     1 <= max rows <= SKINNY_MAX_ROWS strictly ascending, tags that parse, and no range
@@ -243,7 +247,9 @@ def check_table(table: dict[tuple[int, int, bool], SkinnyRanges | None]) -> None
         if not (type(n) is int and type(k) is int and n > 0 and k > 0 and type(silu) is bool):
             raise ValueError(f"skinny table key {(n, k, silu)!r}: want (N, K, silu_mul)")
         if entry is not None:
-            _resolve(entry, k)
+            # Past the cache: its key (entry, k) equals for (True, tag) and (1, tag), so an
+            # entry resolved before would let a malformed one through.
+            _resolve_uncached(entry, k)
 
 
 def _shape(n: int, k: int, silu_mul: bool) -> _Shape | None:

@@ -363,6 +363,15 @@ def test_malformed_table_entries_raise(monkeypatch, entry):
         _linear.check_table({(100, 50, False): entry})
 
 
+def test_check_table_is_not_fooled_by_the_resolve_cache():
+    """check_table checks every entry itself: the dispatcher's cache of resolved entries
+    keys (1, tag) and (True, tag) alike, so a malformed entry equal to one resolved before
+    was let through."""
+    _linear._resolve(((1, "v8x64s1w4n3"),), 50)
+    with pytest.raises(ValueError):
+        _linear.check_table({(100, 50, False): ((True, "v8x64s1w4n3"),)})
+
+
 def test_norm_linear_fuses_only_where_every_range_is_fusable(monkeypatch):
     """PackedLinear.norm_linear: the RMSNorm in the GEMM's prologue, by the range's
     configuration, for rows in the shape's prefix (its ranges without tl.dot) where every
