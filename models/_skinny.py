@@ -58,8 +58,9 @@ are never written.
 On Hopper the three kernels are launched with Programmatic Dependent Launch (``GDC``,
 ``specloop.samplers._pdl``: its module doc has the rules): a program loads its tile of W
 (and the norm weight, the bias) before ``gdc_wait`` and x after it, so the weight reads of
-the next GEMM overlap the end of the kernel before (bench/bench_pdl.py); the tl.dot path,
-whose loop interleaves W and x, and the split-K reduce wait first. The wait adds no
+the next GEMM overlap the end of the kernel before (bench/bench_pdl.py), the one-tile tl.dot
+form (``ONE_PASS``) too; the looped tl.dot path, which interleaves W and x, and the split-K
+reduce wait first. The wait adds no
 arithmetic: the same bits as without PDL.
 
 Which configuration runs for which (N, K, rows) is ``models/_linear``'s table; this module
