@@ -691,7 +691,9 @@ def offline(skinny_path: str, bits_path: str | None) -> dict:
         else:     # this bench's own: groups of equal digests
             keys = {t: i for i, group in enumerate(r["bit_classes"]) for t in group}
             # cuBLAS's tl.dot tags; a run before "cublas_tail": those grouped with
-            # 'cublas' (plain and norm digests equal: stronger); none where none were.
+            # 'cublas' (plain and norm digests equal: stronger). Without silu, cuBLAS has a
+            # norm digest and tl.dot one only where the run took it into the norm prologue
+            # (13:20): the 13:08 run's qkv, o and gate-up give none, whatever their plain bits.
             tail = r.get("cublas_tail", [t for g in r["bit_classes"] if "cublas" in g
                                          for t in g if _is_dot(t)])
         ranges, saved = choose(base, eff, keys, tail)
