@@ -74,9 +74,10 @@ SKINNY_MAX_ROWS = 32
 # graph padded to a larger batch bucket (or a chained step taken at one) equals the
 # unpadded call, as with one configuration.
 #
-# The tail's configurations give F.linear's bits (cuBLAS's bit class; on the H200 the
-# one-tile ``ONE_PASS`` tl.dot configurations of qkv and gate-up do): the tail is cuBLAS,
-# run faster. F.linear above the last range was always allowed, so the class already
+# The tail's configurations give F.linear's bits at each row count (cuBLAS's bit class; on
+# the H200 the one-tile ``ONE_PASS`` tl.dot configurations of qkv and gate-up do: the
+# bench's probe compares them at 32 rows, the GPU test at every row count of the tail):
+# the tail is cuBLAS, run faster. F.linear above the last range was always allowed, so the class already
 # changed there, to cuBLAS's; ((1, 'v...'), (32, 'd...')) gives every call the bits that
 # ((1, 'v...'),) with cuBLAS above gives, the boundary where it was. (An entry of tl.dot
 # ranges only has no prefix and is one class, as before: cuBLAS's or its own.)
@@ -97,7 +98,7 @@ SKINNY_MAX_ROWS = 32
 # against cuBLAS (for qkv and gate-up against cuBLAS + the add_rms_norm kernel). qkv and
 # gate-up now run ``tl.dot`` over all of K in one tile (``ONE_PASS``) at every row count:
 # 2.2-2.6 us from 1 to 16 rows, where the broadcast class costs 1.2-1.9 us at 1 row but
-# 2.5-5.1 at VERIFY's 5 (n-gram K = 4); their norm runs as add_rms_norm before the GEMM
+# 2.5-5.0 at VERIFY's 5 (n-gram K = 4); their norm runs as add_rms_norm before the GEMM
 # (tl.dot configurations are not norm-fusable). These one-tile tl.dot configurations sum
 # like cuBLAS (the bench's probe puts them in cuBLAS's bit class). In the engine at batch 1
 # (bench/profile_spec_gpu.py, 128 tokens, against the previous table in the same process,

@@ -16,7 +16,7 @@
 #   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
 #   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"
-#            is the shipped one) taking turns twice, none / n-gram K=4 / eagle3 K=3 at
+#            is the shipped one) taking turns $ROUNDS times (default 2), none / n-gram K=4 / eagle3 K=3 at
 #            batch 1 and 32, one process each (the fifth session's A/B, as one step)
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_SKINNY=0, SPECLOOP_ATTENTION_MAX_SPLITS=1) and the
@@ -64,8 +64,12 @@ for step in "$@"; do
     attention)
       python3 bench/bench_paged_attention.py --tiles '' 2>&1 | grep -i "auto picked\|warn" ;;
     tables)
-      for round in 1 2; do
+      # ~1.5-2 min a table and round (3 configs x batch 1 and 32): two tables, two rounds
+      # fit one 10-minute call; more tables: ROUNDS=1 or split them over calls.
+      for round in $(seq 1 "${ROUNDS:-2}"); do
+        i=0
         for t in ${TABLES:-code}; do
+          i=$((i + 1))
           echo "-- table $t (round $round)"
           # "code": the shipped table, also where SPECLOOP_SKINNY_TABLE is exported (the
           # skinny step's /root/skinny_table.json); a missing file says so (the grep below
@@ -74,7 +78,7 @@ for step in "$@"; do
           (if [ "$t" = code ]; then unset SPECLOOP_SKINNY_TABLE
            else export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
            cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
-             --out "$OUT/tables_$(basename "$t" .json)_$round.jsonl" \
+             --out "$OUT/tables_${i}_$(basename "$t" .json)_$round.jsonl" \
              --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 2>&1 \
              | grep '^{' | cut -c1-150)
         done

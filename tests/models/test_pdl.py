@@ -447,8 +447,7 @@ def test_gpu_skinny_chain_same_bits_with_pdl(pdl_switch, rows):
     PDL == eager without, and graph replays with == replays without (each graph captured
     under its switch)."""
     from specloop.models import _kernels, _linear
-    from specloop.models._skinny import (SkinnyConfig, skinny_linear, norm_fusable,
-                                         skinny_norm_linear)
+    from specloop.models._skinny import SkinnyConfig, skinny_linear, skinny_norm_linear
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     dt, H, eps = torch.bfloat16, 576, 1e-5
@@ -468,9 +467,9 @@ def test_gpu_skinny_chain_same_bits_with_pdl(pdl_switch, rows):
     x = rand(rows, H)
 
     def norm_gemm(stream, delta, nw, w, c):
-        # As PackedLinear.norm_linear dispatches: the norm in the prologue where the
-        # configuration takes it, else add_rms_norm and the GEMM (the one-tile tl.dot).
-        if norm_fusable(c, H):
+        # As PackedLinear.norm_linear dispatches: the norm in the prologue where the table
+        # fuses it for these rows, else add_rms_norm and the GEMM (e.g. a tl.dot tail).
+        if _linear.skinny_config(rows, w.shape[0], H, norm=True) == c:
             return skinny_norm_linear(stream, delta, nw, eps, w, None, c)
         h, stream = _kernels.add_rms_norm(stream, delta, nw, eps)
         return skinny_linear(h, w, None, c), stream
