@@ -150,10 +150,11 @@ def sweep(k: int) -> list:
 
 def variants(cfg) -> list:
     """Around a chosen config: half and twice its warps, and for tl.dot num_stages 2 / 4
-    (the broadcast path's single pass has nothing to pipeline)."""
+    (the broadcast path's single pass has nothing to pipeline, nor has the one-tile tl.dot:
+    the sweep gives those num_stages 1, and their 2- and 4-stage twins compile alike)."""
     out = [cfg._replace(num_warps=w) for w in (cfg.num_warps // 2, cfg.num_warps * 2)
            if 2 <= w <= 16]
-    if cfg.dot:
+    if cfg.dot and cfg.num_stages != 1:
         out += [cfg._replace(num_stages=2), cfg._replace(num_stages=4)]
     return out
 
