@@ -2,7 +2,8 @@
 
 For each batch and configuration (no speculation, eagle3 K=2/3/5, n-gram K=4), in one process: tokens/s
 over ``--runs`` timed rounds in which the configs take turns (ratio of medians to the first
-config, and each run's ratio to the first config's run beside it), time per iteration
+config, and each run's ratio to the first config's run beside it; ``--min-prompts``: a
+run goes through several batches of distinct prompts, one after another), time per iteration
 state through the engine's observers, and one profiled round (torch.profiler, CPU + CUDA):
 kernels, GPU busy time, graph launches, copies and host waits per iteration, the top
 kernels by time, and every kernel's launches and time per iteration. Greedy, held-out chat prompts, EOS ignored. Rows go to --out (JSON lines).
@@ -20,9 +21,9 @@ import statistics
 import anyio
 import torch
 
-from _common import (add_round_args, device_events, device_sync, emit_row, engine_config,
-                     generate_round, held_out_batches, quiet_logs, speed_row, timed_round,
-                     union_us)
+from _common import (add_round_args, chat_prompts, device_events, device_sync, emit_row,
+                     engine_config, generate_round, held_out_batches, held_out_texts,
+                     quiet_logs, speed_row, timed_round, union_us)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -87,13 +88,15 @@ def summarize_profile(prof, iterations, stacks=False):
             **({"ops_outside_graphs": ops_outside_graphs(prof, per)} if stacks else {})}
 
 
-async def measure(names, loaded, prompts, tokens, runs, traces, device="cuda", stacks=False,
+async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stacks=False,
                   buckets="batch"):
     """Every config's engine is built and warmed first (all stay open), then ``runs`` timed
-    rounds in which the configs take turns (drift on a shared machine hits all alike), then
-    one profiled round each. -> {name: (rates, AL, the profile's summary)}."""
+    runs in which the configs take turns (drift on a shared machine hits all alike), each
+    run the prompt ``sets`` one round after another (one batch each), then one profiled
+    round each (the first set). -> {name: (rates, AL, the profile's summary)}."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
 
+    prompts = sets[0]
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
     out = {}
     async with contextlib.AsyncExitStack() as stack:
@@ -114,7 +117,10 @@ async def measure(names, loaded, prompts, tokens, runs, traces, device="cuda", s
         walls = {name: [] for name in names}
         for _ in range(runs):
             for name, engine in engines.items():
-                walls[name].append(await timed_round(engine, prompts, tokens, sync))
+                wall = 0.0
+                for one_set in sets:
+                    wall += await timed_round(engine, one_set, tokens, sync)
+                walls[name].append(wall)
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         for name, engine in engines.items():
@@ -132,7 +138,7 @@ async def measure(names, loaded, prompts, tokens, runs, traces, device="cuda", s
                 prof.export_chrome_trace(traces[name])
             chain = engine.worker.chain
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
-            out[name] = ([batch * tokens / w for w in walls[name]], al,
+            out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "chain_queued_taken": chained, **summary})
     return out
@@ -149,14 +155,22 @@ def main() -> None:
                          "(a round's last iterations, with few rows left, replay small ones)")
     ap.add_argument("--stacks", action="store_true",
                     help="attribute device work launched outside graph replays to Python lines")
+    ap.add_argument("--min-prompts", type=int, default=1,
+                    help="each timed run goes through at least this many prompts, as "
+                         "ceil(N / batch) rounds of distinct prompts one after another (at "
+                         "batch 1 one prompt's acceptance is not the drafter's: 16 or more)")
     args = ap.parse_args()
     quiet_logs()
     names = args.configs.split(",")
-    for loaded, batch, prompts in held_out_batches(args):
+    texts = held_out_texts(args.prompts)
+    for loaded, batch, _ in held_out_batches(args):
+        rounds = max(1, -(-args.min_prompts // batch))
+        pool = chat_prompts(loaded.tokenizer, texts, batch * rounds)
+        sets = [pool[i:i + batch] for i in range(0, len(pool) - batch + 1, batch)]
         traces = {name: f"{args.trace_dir}/trace_b{batch}_"
                         f"{name.replace(' ', '').replace('=', '')}.json"
                   for name in names} if args.trace_dir and batch == 1 else {}
-        got = anyio.run(measure, names, loaded, prompts, args.tokens, args.runs, traces,
+        got = anyio.run(measure, names, loaded, sets, args.tokens, args.runs, traces,
                         args.device, args.stacks, args.buckets)
         base_rates = got[names[0]][0]
         for name in names:
@@ -165,6 +179,7 @@ def main() -> None:
             paired = [round(a / b, 3) for a, b in zip(rates, base_rates)]
             emit_row(speed_row(batch, name, rates, statistics.median(base_rates), al,
                                args.tokens, args.device, buckets=args.buckets,
+                               prompts_per_run=batch * len(sets),
                                paired_vs_first=paired, **prof),
                      args.out)
 

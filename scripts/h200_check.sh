@@ -21,7 +21,10 @@
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_SKINNY=0, SPECLOOP_ATTENTION_MAX_SPLITS=1) and the
 #            opt-in norm prologue (SPECLOOP_SKINNY_NORM=1), one process each
-# PROMPTS: the held-out prompts file (default .dev/lead/prompts.jsonl, carried).
+# PROMPTS: the held-out prompts file (default .dev/lead/prompts.jsonl, carried). profile and
+# tables run 16 distinct prompts a run at batch 1 (--min-prompts 16; the figures up to the
+# fifth session, 2026-12-01, ran batch 1 on the first held-out prompt alone, whose
+# acceptance is not the head's average: eagle3 K=3 AL 2.229 there, 1.946 over 400 prompts).
 set -u
 OUT=${OUT:-/tmp/h200_out}
 PROMPTS=$(realpath "${PROMPTS:-.dev/lead/prompts.jsonl}")
@@ -34,7 +37,7 @@ for step in "$@"; do
         | grep -v CUDAGraph.cpp | tail -15 ;;
     profile)
       (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" --out "$OUT/spec.jsonl" \
-        --configs "none,eagle3 K=3,eagle3 K=5" --batches 1,32 --runs 3 2>&1 \
+        --configs "none,eagle3 K=3,eagle3 K=5" --batches 1,32 --runs 3 --min-prompts 16 2>&1 \
         | grep '^{' | cut -c1-160) ;;
     serving)
       (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
@@ -79,7 +82,7 @@ for step in "$@"; do
            else export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
            cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
              --out "$OUT/tables_${i}_$(basename "$t" .json)_$round.jsonl" \
-             --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 2>&1 \
+             --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 --min-prompts 16 2>&1 \
              | grep '^{' | cut -c1-150)
         done
       done ;;
