@@ -24,7 +24,7 @@
 # PROMPTS: the held-out prompts file (default .dev/lead/prompts.jsonl, carried). profile and
 # tables run 16 distinct prompts a run at batch 1 (--min-prompts 16; the figures up to the
 # fifth session, 2026-12-01, ran batch 1 on the first held-out prompt alone, whose
-# acceptance is not the head's average: eagle3 K=3 AL 2.229 there, 1.946 over 400 prompts).
+# acceptance is not the head's average: eagle3 K=3 AL 2.229 there, 1.946 on 32 prompts).
 set -u
 OUT=${OUT:-/tmp/h200_out}
 PROMPTS=$(realpath "${PROMPTS:-.dev/lead/prompts.jsonl}")
