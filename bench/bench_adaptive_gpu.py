@@ -92,10 +92,12 @@ CONFIGS = {"none": {"method": "none"},
            "adaptive<=5": {**HEAD, "num_draft_tokens": 5, "adaptive": True}}
 
 
-async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets, steady=None):
+async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, steady=None):
     """``steady``: (the prompts to cycle, requests per run, spread of the lengths) for
-    ``--arrival steady``; None: closed rounds of ``prompts``."""
+    ``--arrival steady``; None: closed rounds, a run one round of each prompt set (a batch
+    each) in turn."""
     from specloop.engine import AsyncEngine
+    prompts = sets[0]
     batch, sync = len(prompts), device_sync(device)
     rates = {name: [] for name in names}
     windows = {name: [] for name in names}      # steady: (seconds, tokens) per run
@@ -118,8 +120,10 @@ async def measure_batch(names, loaded, prompts, tokens, runs, device, buckets, s
             for name, engine in engines.items():
                 before = _triton_cache_entries()
                 if steady is None:
-                    rates[name].append(batch * tokens / await timed_round(
-                        engine, prompts, tokens, sync))
+                    wall = 0.0
+                    for one_set in sets:
+                        wall += await timed_round(engine, one_set, tokens, sync)
+                    rates[name].append(batch * len(sets) * tokens / wall)
                 else:
                     got = await steady_load(engine, steady[0], tokens, batch, steady[1],
                                             spread=steady[2])
@@ -162,14 +166,18 @@ def run(args) -> None:
     quiet_logs()
     cuda = args.device == "cuda"
     names = args.configs.split(",")
-    for loaded, batch, prompts in held_out_batches(args, cycle=True):
+    texts = held_out_texts(args.prompts)
+    for loaded, batch, _ in held_out_batches(args, cycle=True):
         start = time.perf_counter()
+        rounds = max(1, -(-args.min_prompts // batch))
+        pool = chat_prompts(loaded.tokenizer, texts, batch * rounds, cycle=True)
+        sets = [pool[i:i + batch] for i in range(0, len(pool), batch)]
         steady = None
         if args.arrival == "steady":
             requests = args.requests or max(4 * batch, 32)
             steady = (chat_prompts(loaded.tokenizer, held_out_texts(args.prompts), requests,
                                    cycle=True), requests, args.spread)
-        rates, extra = anyio.run(measure_batch, names, loaded, prompts, args.tokens,
+        rates, extra = anyio.run(measure_batch, names, loaded, sets, args.tokens,
                                  args.runs, args.device, args.buckets, steady)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         for name in names:
@@ -178,6 +186,7 @@ def run(args) -> None:
                       "median": round(medians[name], 1),
                       "vs_none": round(medians[name] / medians.get("none", medians[name]), 3),
                       **extra[name], "tokens": args.tokens, "runs": args.runs,
+                      "prompts_per_run": batch * len(sets) if steady is None else None,
                       "buckets": args.buckets, "arrival": args.arrival,
                       "device": torch.cuda.get_device_name() if cuda else "cpu"}, args.out)
         for name in names:
@@ -231,6 +240,10 @@ def main() -> None:
                     help="steady: requests per run (0: max(4 x batch, 32))")
     ap.add_argument("--spread", type=float, default=0.5,
                     help="steady: request lengths uniform in tokens x (1 +- spread)")
+    ap.add_argument("--min-prompts", type=int, default=1,
+                    help="closed: each run goes through at least this many prompts, as "
+                         "ceil(N / batch) rounds of distinct prompts one after another (at "
+                         "batch 1 one prompt's acceptance is not the head's: 16 or more)")
     ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
     ap.add_argument("--png", default="adaptive_h200.png")
     args = ap.parse_args()

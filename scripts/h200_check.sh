@@ -53,7 +53,7 @@ for step in "$@"; do
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
     closed)
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
-        --out "$OUT/adaptive_closed.jsonl" --runs 3 --buckets serving \
+        --out "$OUT/adaptive_closed.jsonl" --runs 3 --buckets serving --min-prompts 16 \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
     skinny)
       # Also keeps the measured table where later calls on this machine find it:
