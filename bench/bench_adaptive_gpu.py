@@ -223,7 +223,9 @@ def plot(rows_path: str, png: str) -> None:
     print("wrote", png)
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests parse their arguments with it, so every option has its
+    default there too)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts")
     ap.add_argument("--out", default="adaptive_rows.jsonl")
@@ -246,7 +248,11 @@ def main() -> None:
                          "batch 1 one prompt's acceptance is not the head's: 16 or more)")
     ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
     ap.add_argument("--png", default="adaptive_h200.png")
-    args = ap.parse_args()
+    return ap
+
+
+def main() -> None:
+    args = parser().parse_args()
     if args.plot:
         plot(args.plot, args.png)
     else:

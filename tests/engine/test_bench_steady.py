@@ -1,7 +1,6 @@
 """bench/_common.py ``steady_load`` (bench_adaptive_gpu.py ``--arrival steady``) on the tiny
 model, and the bench script's steady mode on the CPU (slow: SmolLM2)."""
 
-import argparse
 import importlib
 import json
 from pathlib import Path
@@ -71,10 +70,10 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
     prompts.write_text("".join(json.dumps({"text": t, "split": "eval"}) + "\n" for t in
                                ("Tell me about llamas.", "What is 2+2?", "Name a color.")))
     out = tmp_path / "rows.jsonl"
-    bench.run(argparse.Namespace(
-        prompts=str(prompts), out=str(out), tokens=4, runs=1, batches="1",
-        configs="none,adaptive<=3", device="cpu", buckets="batch", arrival="steady",
-        requests=3, spread=0.5))
+    bench.run(bench.parser().parse_args([
+        "--prompts", str(prompts), "--out", str(out), "--tokens", "4", "--runs", "1",
+        "--batches", "1", "--configs", "none,adaptive<=3", "--device", "cpu",
+        "--arrival", "steady", "--requests", "3", "--spread", "0.5"]))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["config"] for r in rows] == ["none", "adaptive<=3"]
     for row in rows:
@@ -104,3 +103,26 @@ def test_union_us_is_busy_time_not_summed_durations(common):
     mixed = [ev(0, 1), ev(1, 2, "Memcpy DtoD"), ev(2, 3, dev=torch.autograd.DeviceType.CPU)]
     assert [e.name for e in common.device_events(mixed)] == ["k"]
     assert len(common.device_events(mixed, copies=True)) == 2
+
+
+@pytest.mark.slow
+def test_bench_adaptive_closed_min_prompts_on_cpu(common, smollm2, tmp_path, monkeypatch):
+    """``--arrival closed --min-prompts 3`` at batch 1: a run goes through 3 rounds of
+    distinct prompts (batch 1 on one prompt measured that prompt's acceptance, not the
+    head's), and a row says how many prompts a run used."""
+    bench = importlib.import_module("bench_adaptive_gpu")
+    monkeypatch.setattr(common, "load_smol", lambda device: smollm2)
+    monkeypatch.setattr(bench, "quiet_logs", lambda: None)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t, "split": "eval"}) + "\n" for t in
+                               ("Tell me about llamas.", "What is 2+2?", "Name a color.")))
+    out = tmp_path / "rows.jsonl"
+    bench.run(bench.parser().parse_args([
+        "--prompts", str(prompts), "--out", str(out), "--tokens", "4", "--runs", "1",
+        "--batches", "1", "--configs", "none,K=3", "--device", "cpu",
+        "--min-prompts", "3"]))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["config"] for r in rows] == ["none", "K=3"]
+    for row in rows:
+        assert row["arrival"] == "closed" and row["prompts_per_run"] == 3
+        assert row["median"] > 0
