@@ -58,11 +58,9 @@ async def test_steady_load_keeps_the_engine_full(common, tiny_dir, tiny_loaded):
     assert got["tok_s"] == pytest.approx(got["window_tokens"] / got["window_s"])
 
 
-@pytest.mark.slow
-def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypatch):
-    """``bench_adaptive_gpu.py --device cpu --arrival steady`` in-process on the session's
-    SmolLM2 (the shipped eagle3 head, tiny sizes: ~5 s): one row per config with the
-    fields the H200 runs read."""
+def _bench_rows(common, smollm2, tmp_path, monkeypatch, args):
+    """bench_adaptive_gpu.py in-process on the CPU (4 tokens, 1 run, batch 1) on the
+    session's SmolLM2 and three prompts, ``args`` added -> its rows."""
     bench = importlib.import_module("bench_adaptive_gpu")
     monkeypatch.setattr(common, "load_smol", lambda device: smollm2)
     monkeypatch.setattr(bench, "quiet_logs", lambda: None)     # global: other tests log
@@ -72,9 +70,18 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
     out = tmp_path / "rows.jsonl"
     bench.run(bench.parser().parse_args([
         "--prompts", str(prompts), "--out", str(out), "--tokens", "4", "--runs", "1",
-        "--batches", "1", "--configs", "none,adaptive<=3", "--device", "cpu",
-        "--arrival", "steady", "--requests", "3", "--spread", "0.5"]))
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+        "--batches", "1", "--device", "cpu", *args]))
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypatch):
+    """``bench_adaptive_gpu.py --device cpu --arrival steady`` in-process on the session's
+    SmolLM2 (the shipped eagle3 head, tiny sizes: ~5 s): one row per config with the
+    fields the H200 runs read."""
+    rows = _bench_rows(common, smollm2, tmp_path, monkeypatch, [
+        "--configs", "none,adaptive<=3", "--arrival", "steady", "--requests", "3",
+        "--spread", "0.5"])
     assert [r["config"] for r in rows] == ["none", "adaptive<=3"]
     for row in rows:
         assert row["arrival"] == "steady" and row["median"] > 0 and row["requests"] == 3
@@ -110,18 +117,8 @@ def test_bench_adaptive_closed_min_prompts_on_cpu(common, smollm2, tmp_path, mon
     """``--arrival closed --min-prompts 3`` at batch 1: a run goes through 3 rounds of
     distinct prompts (batch 1 on one prompt measured that prompt's acceptance, not the
     head's), and a row says how many prompts a run used."""
-    bench = importlib.import_module("bench_adaptive_gpu")
-    monkeypatch.setattr(common, "load_smol", lambda device: smollm2)
-    monkeypatch.setattr(bench, "quiet_logs", lambda: None)
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"text": t, "split": "eval"}) + "\n" for t in
-                               ("Tell me about llamas.", "What is 2+2?", "Name a color.")))
-    out = tmp_path / "rows.jsonl"
-    bench.run(bench.parser().parse_args([
-        "--prompts", str(prompts), "--out", str(out), "--tokens", "4", "--runs", "1",
-        "--batches", "1", "--configs", "none,K=3", "--device", "cpu",
-        "--min-prompts", "3"]))
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = _bench_rows(common, smollm2, tmp_path, monkeypatch,
+                       ["--configs", "none,K=3", "--min-prompts", "3"])
     assert [r["config"] for r in rows] == ["none", "K=3"]
     for row in rows:
         assert row["arrival"] == "closed" and row["prompts_per_run"] == 3
