@@ -14,6 +14,9 @@ import anyio
 import structlog
 import torch
 
+# The held-out prompts the GPU benches time by default (bench/held_out_prompts.py).
+HELD_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts_heldout.jsonl")
+
 
 def quiet_logs() -> None:
     structlog.configure(
@@ -212,7 +215,9 @@ def emit_row(row: dict, out_path: str) -> None:
 
 def add_round_args(ap, batches: str = "1,32") -> None:
     """The options of the benches that time rounds over held-out prompts, one engine a config."""
-    ap.add_argument("--prompts", required=True)
+    ap.add_argument("--prompts", default=HELD_OUT,
+                    help="held-out prompts, JSON lines with a split (default: the shipped "
+                         "bench/prompts_heldout.jsonl, bench/held_out_prompts.py)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)

@@ -41,8 +41,10 @@ import time
 import anyio
 import torch
 
-from _common import (chat_prompts, device_sync, emit_row, engine_config, generate_round,
-                     held_out_batches, held_out_texts, quiet_logs, steady_load, timed_round)
+from _common import (HELD_OUT, chat_prompts, device_sync, emit_row, engine_config,
+                     generate_round, held_out_batches, held_out_texts, quiet_logs, steady_load,
+                     timed_round)
+
 
 class RunTrace:
     """IterationObserver: per timed run, the iterations' wall time (their states' durations
@@ -227,7 +229,8 @@ def parser() -> argparse.ArgumentParser:
     """The command line (tests parse their arguments with it, so every option has its
     default there too)."""
     ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts")
+    ap.add_argument("--prompts", default=HELD_OUT,
+                    help="held-out prompts (default: the shipped bench/prompts_heldout.jsonl)")
     ap.add_argument("--out", default="adaptive_rows.jsonl")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)

@@ -21,13 +21,14 @@
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_SKINNY=0, SPECLOOP_ATTENTION_MAX_SPLITS=1) and the
 #            opt-in norm prologue (SPECLOOP_SKINNY_NORM=1), one process each
-# PROMPTS: the held-out prompts file (default .dev/lead/prompts.jsonl, carried). profile and
+# PROMPTS: the held-out prompts file (default bench/prompts_heldout.jsonl, shipped: the eval
+# split of build_prompts(5000, 400, 0), bench/held_out_prompts.py). profile and
 # tables run 16 distinct prompts a run at batch 1 (--min-prompts 16; the figures up to the
 # fifth session, 2026-12-01, ran batch 1 on the first held-out prompt alone, whose
 # acceptance is not the head's average: eagle3 K=3 AL 2.229 there, 1.946 on 32 prompts).
 set -u
 OUT=${OUT:-/tmp/h200_out}
-PROMPTS=$(realpath "${PROMPTS:-.dev/lead/prompts.jsonl}")
+PROMPTS=$(realpath "${PROMPTS:-bench/prompts_heldout.jsonl}")
 mkdir -p "$OUT"
 for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
