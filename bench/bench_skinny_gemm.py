@@ -8,8 +8,9 @@ bf16 of the real shapes).
 Per shape: cuBLAS at each row count, then every configuration of the sweep and the code
 table's at every row count, and, around the chosen ones, half and twice their warps (tl.dot:
 num_stages 2 / 4); each result is checked against F.linear (bf16 tolerance; one that fails
-is reported, never chosen). For qkv and gate-up, whose add + RMSNorm ``norm_linear`` takes
-into the GEMM's prologue, also the add_rms_norm kernel and each fusable configuration on
+is reported, never chosen). For qkv and gate-up, whose add + RMSNorm ``norm_linear`` may take
+into the GEMM's prologue (where a table gives them a fusable prefix; the shipped one does
+not), also the add_rms_norm kernel and each fusable configuration on
 the norm kernel: there cuBLAS costs cuBLAS + add_rms_norm, a fusable class its norm
 kernel's time, any other class its time + add_rms_norm.
 
@@ -84,7 +85,8 @@ SHAPES = {
     "draft_lm": (16384, 576, False),
     "lm_head": (49152, 576, False),
 }
-# norm_linear's shapes: the fused layer's add + RMSNorm runs in their prologue (fusable).
+# norm_linear's shapes: the fused layer's add + RMSNorm may run in their prologue (where the
+# table's prefix for them is norm-fusable).
 NORM_SHAPES = ("qkv", "gate_up")
 # 3, 5 and 6: VERIFY at batch 1 (eagle3 K = 2, n-gram K = 4, eagle3 K = 5), where a range
 # ending at 4 sends a 5-row call to cuBLAS.

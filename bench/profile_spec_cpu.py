@@ -76,7 +76,8 @@ def op_times(loaded, ids, k, reps):
         hid = torch.randn(1, 1, model.args.hidden_size)
         rows["head step (1 row)"] = timed(lambda: head(one, hid, at, slot, hcache), reps)
         lm = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=1, d2t=head.d2t)
-        rows["draft LM head (8192 rows) -> full V"] = timed(lambda: lm.logits(hid[:, 0]), reps)
+        rows[f"draft LM head ({head.d2t.numel()} rows) -> full V"] = timed(
+            lambda: lm.logits(hid[:, 0]), reps)
         rows["  + argmax over V"] = timed(lambda: lm.logits(hid[:, 0]).argmax(-1), reps)
     rows.update(transformers_step(loaded.path, ids, pos, reps))
     return rows

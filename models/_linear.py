@@ -17,7 +17,8 @@ On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, outside autograd). cuBLAS's tiles f
 rows leave most SMs idle (an H200 at batch 1: 3.7-3.9 us per SmolLM2 GEMM, whose weights
 stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) finely.
 Which configuration runs per (N, K) and row count is SKINNY_TABLE: per shape, row ranges
-each with its configuration (``v`` fastest at 1 row, ``b`` at VERIFY's 2-8), those without
+each with its configuration (e.g. ``v`` at 1 row and ``b`` for VERIFY's rows, or one-tile
+tl.dot at every row count, as qkv and gate-up ship), those without
 tl.dot giving a row the same bits and any tl.dot ranges after them F.linear's (see the
 table's comment), filled from
 ``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
@@ -25,7 +26,9 @@ table's comment), filled from
 False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 ``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
 prologue for the rows of a shape's non-tl.dot ranges where all of those allow
-(``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns it off).
+(``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns it off). With the shipped table it does
+not: qkv and gate-up, its only callers, run tl.dot at every row count, so both norms run as
+add_rms_norm; a table with a fusable prefix for them (``SPECLOOP_SKINNY_TABLE``) fuses.
 """
 
 from __future__ import annotations
@@ -327,8 +330,10 @@ class PackedLinear:
     def __init__(self, *, enabled: bool | None = None, skinny: bool | None = None) -> None:
         self.enabled = packing_available() if enabled is None else enabled
         self.skinny = skinny_available() if skinny is None else skinny
-        # The RMSNorm before a GEMM in its prologue too (norm_linear); SPECLOOP_SKINNY_NORM=0
-        # keeps the separate norm kernels (H200, batch 1: 1,332 -> 1,578 tok/s with it).
+        # The RMSNorm before a GEMM in its prologue too (norm_linear), where the table allows
+        # (not the shipped one: its qkv and gate-up are tl.dot); SPECLOOP_SKINNY_NORM=0 keeps
+        # the separate norm kernels (H200, batch 1, the third session's table: 1,332 ->
+        # 1,578 tok/s with it).
         self.skinny_norm = self.skinny and os.environ.get("SPECLOOP_SKINNY_NORM", "1") != "0"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False

@@ -53,7 +53,8 @@ loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactl
 + RMSNorm (``_kernels.add_rms_norm``'s arithmetic) into the prologue of the GEMM after it,
 for broadcast configurations that hold all of K in one pass: every program normalises the
 few rows itself, the first column block stores the residual stream, and the normed rows
-are never written.
+are never written. (It runs where ``models/_linear``'s table gives qkv or gate-up a fusable
+prefix; the shipped table's one-tile tl.dot qkv and gate-up take add_rms_norm instead.)
 
 On Hopper the three kernels are launched with Programmatic Dependent Launch (``GDC``,
 ``specloop.samplers._pdl``: its module doc has the rules): a program loads its tile of W

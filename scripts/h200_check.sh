@@ -19,8 +19,9 @@
 #            is the shipped one) taking turns $ROUNDS times (default 2), none / n-gram K=4 / eagle3 K=3 at
 #            batch 1 and 32, one process each (the fifth session's A/B, as one step)
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
-#            in turn (default, SPECLOOP_SKINNY=0, SPECLOOP_ATTENTION_MAX_SPLITS=1) and the
-#            opt-in norm prologue (SPECLOOP_SKINNY_NORM=1), one process each
+#            in turn (default, SPECLOOP_PDL=0, SPECLOOP_SKINNY=0,
+#            SPECLOOP_ATTENTION_MAX_SPLITS=1, SPECLOOP_SKINNY_NORM=0: the norm prologue, which
+#            the shipped table's qkv and gate-up do not take), one process each
 # PROMPTS: the held-out prompts file (default bench/prompts_heldout.jsonl, shipped: the eval
 # split of build_prompts(5000, 400, 0), bench/held_out_prompts.py). profile and
 # tables run 16 distinct prompts a run at batch 1 (--min-prompts 16; the figures up to the
@@ -88,7 +89,7 @@ for step in "$@"; do
         done
       done ;;
     ab)
-      for env in DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=1; do
+      for env in DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=0; do
         echo "-- $env"
         (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
           --out "$OUT/ab_${env%%=*}.jsonl" --configs "none,eagle3 K=3" --batches 1,32 --runs 3 \
