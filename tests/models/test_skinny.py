@@ -223,7 +223,7 @@ def test_one_reduction_tile_equals_float64_reference_interpreted():
 
 LAYER_CHILD = r"""
 import sys, torch
-from specloop.models import PageTable, load_model, _kernels, _skinny
+from specloop.models import PageTable, load_model, _kernels, _linear, _skinny
 
 model = load_model(sys.argv[1], dtype=torch.float16).model
 model.kernels = True
@@ -233,16 +233,28 @@ def counting(module, name):
     fn = getattr(module, name)
     def counted(*a, **k):
         calls[name] = calls.get(name, 0) + 1
+        if name == "skinny_linear" and a[3].dot:
+            calls["tl.dot"] = calls.get("tl.dot", 0) + 1
         return fn(*a, **k)
     setattr(module, name, counted)
 for module, name in ((_skinny, "skinny_linear"), (_skinny, "skinny_norm_linear"),
                      (_kernels, "silu_mul"), (_kernels, "add_rms_norm")):
     counting(module, name)
-L = model.args.num_layers
+L, H = model.args.num_layers, model.args.hidden_size
+qkv_n = (model.args.num_heads + 2 * model.args.num_kv_heads) * model.args.head_dim
+gate_up_n = 2 * model.args.intermediate_size
 out = {}
-for skinny, norm in ((False, False), (True, False), (True, True)):
+# "dot": the shipped table's form for qkv and gate-up, one-tile tl.dot (ONE_PASS: BLOCK_K
+# covers K) at every row count, which takes no norm prologue: add_rms_norm runs before them.
+for skinny, norm, dot in ((False, False, False), (True, False, False), (True, True, False),
+                          (True, True, True)):
     model.linear.skinny = model.linear.skinny_on_cpu = skinny
     model.linear.skinny_norm = norm
+    for n in (qkv_n, gate_up_n):
+        if dot:
+            _linear.SKINNY_TABLE[(n, H, False)] = ((32, f"d16x{H}s1w4n1"),)
+        else:
+            _linear.SKINNY_TABLE.pop((n, H, False), None)
     calls.clear()
     pages = PageTable(2, 64, 4)
     cache = model.make_cache(2, 64, pages=pages)
@@ -252,17 +264,19 @@ for skinny, norm in ((False, False), (True, False), (True, True)):
     # Features captured after every layer (layer 0's by layer 1's norm: norm_linear's copy).
     hidden, feats = model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]), cache,
                           capture=tuple(range(L)))
-    out[skinny, norm] = torch.cat([hidden, feats], dim=-1).float()
-    if norm:     # qkv and gate-up with their norms, o, silu-down; the final norm
+    out[skinny, norm, dot] = torch.cat([hidden, feats], dim=-1).float()
+    if dot:      # qkv and gate-up on tl.dot after add_rms_norm, o, silu-down; the final norm
+        want = {"skinny_linear": 4 * L, "tl.dot": 2 * L, "add_rms_norm": 2 * L + 1}
+    elif norm:   # qkv and gate-up with their norms, o, silu-down; the final norm
         want = {"skinny_norm_linear": 2 * L, "skinny_linear": 2 * L, "add_rms_norm": 1}
     elif skinny:  # 3 GEMMs + the fused silu-down a layer: no silu_mul
         want = {"skinny_linear": 4 * L, "add_rms_norm": 2 * L + 1}
     else:
         want = {"silu_mul": L, "add_rms_norm": 2 * L + 1}
-    assert calls == want, (skinny, norm, calls)
+    assert calls == want, (skinny, norm, dot, calls)
     assert feats.abs().sum() > 0
-for key in ((True, False), (True, True)):
-    torch.testing.assert_close(out[key], out[False, False], rtol=2e-2, atol=2e-2)
+for key in ((True, False, False), (True, True, False), (True, True, True)):
+    torch.testing.assert_close(out[key], out[False, False, False], rtol=2e-2, atol=2e-2)
 print("ok")
 """
 
@@ -273,7 +287,8 @@ def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
     interpreter): the GEMMs run on the kernel, silu_mul does not, with ``skinny_norm`` the
     layer's two norm kernels do not either, and the hidden states and captured features
     match the cuBLAS-shaped path's (F.linear + silu_mul + add_rms_norm) within fp16
-    rounding. (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
+    rounding. Also with the shipped table's form for qkv and gate-up (one-tile tl.dot at
+    every row count: add_rms_norm before them, no prologue, ``skinny_norm`` on). (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(tiny_dirs["llama"]))
 
 
