@@ -42,8 +42,8 @@ import anyio
 import torch
 
 from _common import (HELD_OUT, chat_prompts, device_sync, emit_row, engine_config,
-                     generate_round, held_out_batches, held_out_texts, quiet_logs, steady_load,
-                     timed_round)
+                     generate_round, held_out_batches, held_out_texts, prompt_rounds,
+                     quiet_logs, steady_load, timed_round)
 
 
 class RunTrace:
@@ -171,7 +171,8 @@ def run(args) -> None:
     texts = held_out_texts(args.prompts)
     for loaded, batch, _ in held_out_batches(args, cycle=True):
         start = time.perf_counter()
-        rounds = max(1, -(-args.min_prompts // batch))
+        # Steady load draws its own requests (below); closed rounds go through these.
+        rounds = prompt_rounds(args.min_prompts, batch) if args.arrival == "closed" else 1
         pool = chat_prompts(loaded.tokenizer, texts, batch * rounds, cycle=True)
         sets = [pool[i:i + batch] for i in range(0, len(pool), batch)]
         steady = None

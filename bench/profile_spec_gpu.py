@@ -23,7 +23,7 @@ import torch
 
 from _common import (add_round_args, chat_prompts, device_events, device_sync, emit_row,
                      engine_config, generate_round, held_out_batches, held_out_texts,
-                     quiet_logs, speed_row, timed_round, union_us)
+                     prompt_rounds, quiet_logs, speed_row, timed_round, union_us)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -164,7 +164,7 @@ def main() -> None:
     names = args.configs.split(",")
     texts = held_out_texts(args.prompts)
     for loaded, batch, _ in held_out_batches(args):
-        rounds = max(1, -(-args.min_prompts // batch))
+        rounds = prompt_rounds(args.min_prompts, batch)
         pool = chat_prompts(loaded.tokenizer, texts, batch * rounds)
         sets = [pool[i:i + batch] for i in range(0, len(pool) - batch + 1, batch)]
         traces = {name: f"{args.trace_dir}/trace_b{batch}_"

@@ -123,3 +123,14 @@ def test_bench_adaptive_closed_min_prompts_on_cpu(common, smollm2, tmp_path, mon
     for row in rows:
         assert row["arrival"] == "closed" and row["prompts_per_run"] == 3
         assert row["median"] > 0
+
+
+def test_prompt_rounds_say_when_a_run_sees_few_prompts(common, capsys):
+    """ceil(min_prompts / batch) rounds, at least one; a note on stderr when a timed run
+    sees fewer than FEW_PROMPTS distinct prompts (one prompt's acceptance is not the
+    drafter's), none when it sees enough."""
+    assert common.prompt_rounds(1, 1) == 1
+    assert "1 prompt(s)" in capsys.readouterr().err
+    assert common.prompt_rounds(16, 1) == 16 and common.prompt_rounds(16, 32) == 1
+    assert common.prompt_rounds(17, 8) == 3
+    assert capsys.readouterr().err == ""
