@@ -163,7 +163,11 @@ def summary_line(progress: Progress, config: EngineConfig, interrupted: bool) ->
     stats = progress.stats
     if stats is not None:
         line += (f", mean acceptance length {stats.mean_acceptance_length:.2f}, "
-                 f"acceptance rate {stats.acceptance_rate:.2f}{progress.scope}")
+                 f"acceptance rate {stats.acceptance_rate:.2f}")
+        if stats.num_drafting_rows:     # of the rows that drafted position j, the accepted
+            per = " ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
+            line += f", acceptance per position {per}"
+        line += progress.scope
     k = f"K {config.speculative.k}"
     if config.speculative.adaptive and config.speculative.k:
         per_k = dict(sorted(stats.iterations_per_k.items())) if stats is not None else {}

@@ -289,3 +289,9 @@ def test_generate_with_an_eagle3_head_by_path(cli, tiny_dir, tmp_path):
     assert code == 0, err
     assert out.splitlines()[0] == plain.splitlines()[0]
     assert "mean acceptance length" in out
+    # One share a drafted position (K of them: "K 3" or "adaptive K <= 3"), each in [0, 1].
+    line = next(x for x in out.splitlines() if x.startswith("[specloop]"))
+    per = line.split("acceptance per position ")[1].split(" (method")[0].split()
+    k = int(line.split("K ")[-1].split(",")[0].split(")")[0].lstrip("<= "))
+    assert len(per) == k and all(0 <= float(a) <= 1 for a in per), line
+    assert "acceptance per position" not in plain
