@@ -140,6 +140,8 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
+                          "per_position": [round(a, 3)
+                                           for a in engine.stats.acceptance_per_position],
                           "chain_queued_taken": chained, **summary})
     return out
 
