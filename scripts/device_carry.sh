@@ -18,7 +18,9 @@ PY=.venv/bin/python
 [ -x "$PY" ] || { echo "no .venv: run make setup first" >&2; exit 1; }
 
 # Missing on the device (docs: the device README's package list), with what they need there.
-PACKAGES="structlog cattrs gguf pytest-asyncio pytest-timeout hypothesis sortedcontainers"
+# pytest-xdist and execnet: h200_check.sh's tests step compiles the kernels in 8 workers.
+PACKAGES="structlog cattrs gguf pytest-asyncio pytest-timeout hypothesis sortedcontainers
+          pytest-xdist execnet"
 rm -rf .whl && mkdir -p .whl
 for p in $PACKAGES; do
   v=$("$PY" -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}')

@@ -35,7 +35,12 @@ for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
     tests)
-      python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short 2>&1 \
+      # In $TEST_WORKERS pytest-xdist workers (default 8) where its wheel travelled
+      # (scripts/device_carry.sh): a bare machine compiles every Triton kernel the suite
+      # launches, CPU work that the workers share out; the GPU has room for all of them.
+      par=""
+      if python3 -c "import xdist" 2>/dev/null; then par="-n ${TEST_WORKERS:-8} --dist loadgroup"; fi
+      python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short $par 2>&1 \
         | grep -v CUDAGraph.cpp | tail -15 ;;
     profile)
       (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" --out "$OUT/spec.jsonl" \
