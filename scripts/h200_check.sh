@@ -18,6 +18,9 @@
 #   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"
 #            is the shipped one) taking turns $ROUNDS times (default 2), none / n-gram K=4 / eagle3 K=3 at
 #            batch 1 and 32, one process each (the fifth session's A/B, as one step)
+#   tabletests  the skinny GPU tests (tests/models/test_skinny.py -m gpu: a row's bits within
+#            the prefix, the tail's against F.linear, the chained step under PDL) with each
+#            table file in $TABLES: run it before shipping a table the tables step liked
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_PDL=0, SPECLOOP_SKINNY=0,
 #            SPECLOOP_ATTENTION_MAX_SPLITS=1, SPECLOOP_SKINNY_NORM=0: the norm prologue, which
@@ -92,6 +95,15 @@ for step in "$@"; do
              --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 --min-prompts 16 2>&1 \
              | grep '^{' | cut -c1-150)
         done
+      done ;;
+    tabletests)
+      for t in ${TABLES:-code}; do
+        echo "-- table $t"
+        if [ "$t" != code ] && [ ! -f "$t" ]; then echo "no such table file: $t"; continue; fi
+        (if [ "$t" = code ]; then unset SPECLOOP_SKINNY_TABLE
+         else export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
+         python3 -m pytest -q -m gpu tests/models/test_skinny.py -p no:cacheprovider \
+           --tb=short 2>&1 | grep -v CUDAGraph.cpp | tail -8)
       done ;;
     ab)
       for env in DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=0; do
