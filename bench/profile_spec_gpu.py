@@ -128,7 +128,9 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             iters = max(obs.iterations, 1)
             states = {s: round(us / iters / 1e3, 3) for s, us in obs.us.items()}
             wall_ms = sum(walls[name]) * 1e3 / iters
+            # Both over the timed runs, before the profiled round adds its tokens.
             al = engine.stats.mean_acceptance_length
+            per_position = [round(a, 3) for a in engine.stats.acceptance_per_position]
             obs.iterations = 0
             with profile(activities=activities, with_stack=stacks) as prof:
                 await generate_round(engine, prompts, 32)
@@ -140,8 +142,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
-                          "per_position": [round(a, 3)
-                                           for a in engine.stats.acceptance_per_position],
+                          "per_position": per_position,
                           "chain_queued_taken": chained, **summary})
     return out
 

@@ -17,17 +17,18 @@ cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 [ -x "$PY" ] || { echo "no .venv: run make setup first" >&2; exit 1; }
 
-# Missing on the device (docs: the device README's package list), with what they need there.
+# Missing on the device (structlog, cattrs, gguf, pytest-asyncio), or there at a version of
+# its own (the rest; the carried .venv's versions are the ones the CPU suite runs).
 # pytest-xdist and execnet: h200_check.sh's tests step compiles the kernels in 8 workers.
 PACKAGES="structlog cattrs gguf pytest-asyncio pytest-timeout hypothesis sortedcontainers
           pytest-xdist execnet"
 rm -rf .whl && mkdir -p .whl
 for p in $PACKAGES; do
-  v=$("$PY" -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}')
+  v=$("$PY" -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}') || true
   [ -n "$v" ] || { echo "$p is not installed in .venv" >&2; exit 1; }
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
     --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
-    --platform manylinux2014_x86_64 -d .whl "$p==$v" 2>&1 | grep -v '^WARNING' || true
+    --platform manylinux2014_x86_64 -d .whl "$p==$v" 2>&1 | { grep -v '^WARNING' || true; }
 done
 ls .whl
 

@@ -18,13 +18,15 @@
 #   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"
 #            is the shipped one) taking turns $ROUNDS times (default 2), none / n-gram K=4 / eagle3 K=3 at
 #            batch 1 and 32, one process each (the fifth session's A/B, as one step)
-#   tabletests  the skinny GPU tests (tests/models/test_skinny.py -m gpu: a row's bits within
-#            the prefix, the tail's against F.linear, the chained step under PDL) with each
-#            table file in $TABLES: run it before shipping a table the tables step liked
+#   tabletests  the GPU tests that read the skinny table (tests/models/test_skinny.py and
+#            test_pdl.py -m gpu: a row's bits within the prefix, the tail's against
+#            F.linear, the chained step under PDL) with each table file in $TABLES: run it
+#            before shipping a table the tables step liked
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_PDL=0, SPECLOOP_SKINNY=0,
-#            SPECLOOP_ATTENTION_MAX_SPLITS=1, SPECLOOP_SKINNY_NORM=0: the norm prologue, which
-#            the shipped table's qkv and gate-up do not take), one process each
+#            SPECLOOP_ATTENTION_MAX_SPLITS=1), one process each; with SPECLOOP_SKINNY_TABLE
+#            set also SPECLOOP_SKINNY_NORM=0 (the norm prologue: the shipped table's qkv and
+#            gate-up, one-tile tl.dot, take none, so the switch changes nothing there)
 # PROMPTS: the held-out prompts file (default bench/prompts_heldout.jsonl, shipped: the eval
 # split of build_prompts(5000, 400, 0), bench/held_out_prompts.py). profile and
 # tables run 16 distinct prompts a run at batch 1 (--min-prompts 16; the figures up to the
@@ -38,9 +40,10 @@ for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
     tests)
-      # In $TEST_WORKERS pytest-xdist workers (default 8) where its wheel travelled
-      # (scripts/device_carry.sh): a bare machine compiles every Triton kernel the suite
-      # launches, CPU work that the workers share out; the GPU has room for all of them.
+      # In $TEST_WORKERS pytest-xdist workers (default 8) where xdist imports (the device
+      # image has it; scripts/device_carry.sh carries the .venv's): a bare machine compiles
+      # every Triton kernel the suite launches, CPU work that the workers share out; the
+      # GPU has room for all of them.
       par=""
       if python3 -c "import xdist" 2>/dev/null; then par="-n ${TEST_WORKERS:-8} --dist loadgroup"; fi
       python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short $par 2>&1 \
@@ -102,11 +105,14 @@ for step in "$@"; do
         if [ "$t" != code ] && [ ! -f "$t" ]; then echo "no such table file: $t"; continue; fi
         (if [ "$t" = code ]; then unset SPECLOOP_SKINNY_TABLE
          else export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
-         python3 -m pytest -q -m gpu tests/models/test_skinny.py -p no:cacheprovider \
+         python3 -m pytest -q -m gpu tests/models/test_skinny.py tests/models/test_pdl.py \
+           -p no:cacheprovider \
            --tb=short 2>&1 | grep -v CUDAGraph.cpp | tail -8)
       done ;;
     ab)
-      for env in DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=0; do
+      envs="DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1"
+      [ -n "${SPECLOOP_SKINNY_TABLE:-}" ] && envs="$envs SPECLOOP_SKINNY_NORM=0"
+      for env in $envs; do
         echo "-- $env"
         (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
           --out "$OUT/ab_${env%%=*}.jsonl" --configs "none,eagle3 K=3" --batches 1,32 --runs 3 \

@@ -53,7 +53,10 @@ def _suffix_groups(items) -> None:
     ``item._nodeid``, which pytest 9.2 no longer reads (the id is ``item._id``), and then
     no group stays on one worker: SmolLM2 was loaded on both, two `specloop serve`s started,
     the gloo tests ran side by side."""
-    from _pytest.nodeid import NodeId  # noqa: PLC0415 (pytest >= 9.2 only)
+    try:
+        from _pytest.nodeid import NodeId  # noqa: PLC0415 (pytest >= 9.2 only)
+    except ImportError:     # older pytest reads the ``_nodeid`` xdist rewrites itself
+        return
 
     for item in items:
         names = sorted({str(m.args[0] if m.args else m.kwargs.get("name", "default"))
