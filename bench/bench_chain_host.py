@@ -121,26 +121,37 @@ def config(path, method, k, batch):
         "components": {"graph_cache": "bench_chain_host:FrozenReplayCache"}})
 
 
+def force_chain(worker) -> None:
+    """DRAFT + VERIFY chained as on one CUDA rank (the engine chains on CUDA only): VERIFY
+    inline, and a DeviceChain for a drafter that can chain."""
+    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
+    worker.verify_inline = True
+    if worker.drafter is not None and worker.drafter.can_chain:
+        worker.chain = DeviceChain(worker=worker)
+
+
+def start_endless(tg, engine, batch: int) -> None:
+    """``batch`` greedy requests that never end (steady decode) started in ``tg``."""
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+    params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
+
+    async def one(i):
+        async for _ in engine.generate([1, 2, 3, 4, 5, 6], params, request_id=f"r{i}"):
+            pass
+    for i in range(batch):
+        tg.start_soon(one, i)
+
+
 async def measure(cfg, loaded, batch, iterations, profiler):
     """-> (wall us per iteration, {state: us per iteration}, chained steps taken share,
     {state: median us of an iteration}, {state: thread CPU us per iteration})."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
-    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
-    from specloop.samplers import SamplingParams  # noqa: PLC0415
-    params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
     times, each, cpu = StateTimes(), IterationTimes(), ThreadTimes()
     async with AsyncEngine(cfg, model=loaded, observers=[times, each, cpu]) as engine:
         worker = engine.worker
-        worker.verify_inline = True     # the chain runs on CUDA only; here forced on
-        if worker.drafter is not None and worker.drafter.can_chain:
-            worker.chain = DeviceChain(worker=worker)
-
-        async def one(i):
-            async for _ in engine.generate([1, 2, 3, 4, 5, 6], params, request_id=f"r{i}"):
-                pass
+        force_chain(worker)
         async with anyio.create_task_group() as tg:
-            for i in range(batch):
-                tg.start_soon(one, i)
+            start_endless(tg, engine, batch)
             while engine.stats.num_iterations < 30:
                 await anyio.sleep(0.005)
             first = engine.stats.num_iterations
@@ -171,14 +182,11 @@ async def closed_rounds(cfg, loaded, batch, rounds, sampled=False):
     (a batch change every ~2 iterations at batch 32, as a round's requests finish apart);
     the first round warms up. -> per round, {state: thread CPU us per iteration}."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
-    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
     from specloop.samplers import SamplingParams  # noqa: PLC0415
     cpu = ThreadTimes()
     out = []
     async with AsyncEngine(cfg, model=loaded, observers=[cpu]) as engine:
-        worker = engine.worker
-        worker.verify_inline = True
-        worker.chain = DeviceChain(worker=worker)
+        force_chain(engine.worker)
         for r in range(rounds + 1):
             cpu.clear()
             first = engine.stats.num_iterations
