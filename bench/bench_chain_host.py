@@ -142,6 +142,12 @@ def start_endless(tg, engine, batch: int) -> None:
         tg.start_soon(one, i)
 
 
+async def until(engine, iterations: int) -> None:
+    """Wait until the engine has run ``iterations`` iterations in all."""
+    while engine.stats.num_iterations < iterations:
+        await anyio.sleep(0.002)
+
+
 async def measure(cfg, loaded, batch, iterations, profiler):
     """-> (wall us per iteration, {state: us per iteration}, chained steps taken share,
     {state: median us of an iteration}, {state: thread CPU us per iteration})."""
@@ -152,8 +158,7 @@ async def measure(cfg, loaded, batch, iterations, profiler):
         force_chain(worker)
         async with anyio.create_task_group() as tg:
             start_endless(tg, engine, batch)
-            while engine.stats.num_iterations < 30:
-                await anyio.sleep(0.005)
+            await until(engine, 30)
             first = engine.stats.num_iterations
             taken = worker.chain.taken_steps if worker.chain is not None else 0
             times.total_us.clear()
@@ -162,8 +167,7 @@ async def measure(cfg, loaded, batch, iterations, profiler):
             if profiler is not None:
                 profiler.enable()
             start = time.perf_counter()
-            while engine.stats.num_iterations < first + iterations:
-                await anyio.sleep(0.005)
+            await until(engine, first + iterations)
             elapsed = time.perf_counter() - start
             if profiler is not None:
                 profiler.disable()

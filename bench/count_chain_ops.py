@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import quiet_logs  # noqa: E402
-from bench_chain_host import config, force_chain, start_endless  # noqa: E402
+from bench_chain_host import config, force_chain, start_endless, until  # noqa: E402
 
 
 class OpCount(TorchDispatchMode):
@@ -53,13 +53,11 @@ async def run(cfg, loaded, batch, iterations, mode):
         force_chain(worker)
         async with anyio.create_task_group() as tg:
             start_endless(tg, engine, batch)
-            while engine.stats.num_iterations < 40:
-                await anyio.sleep(0.002)
+            await until(engine, 40)
             first, taken = engine.stats.num_iterations, worker.chain.taken_steps
             mode.counts.clear()
             mode.on, start = True, time.thread_time()
-            while engine.stats.num_iterations < first + iterations:
-                await anyio.sleep(0.002)
+            await until(engine, first + iterations)
             mode.on, cpu = False, time.thread_time() - start
             done = engine.stats.num_iterations - first
             chosen = dict(worker.adaptive.chosen) if worker.adaptive is not None else None
