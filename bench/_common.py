@@ -131,6 +131,14 @@ async def timed_round(engine, prompts, n: int, sync) -> float:
     return time.perf_counter() - start
 
 
+async def timed_sets(engine, sets, n: int, sync) -> float:
+    """Wall seconds of one timed_round per prompt set, one after another."""
+    wall = 0.0
+    for prompts in sets:
+        wall += await timed_round(engine, prompts, n, sync)
+    return wall
+
+
 async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,
                       spread: float = 0.0, seed: int = 0) -> dict:
     """Steady load (a server's, as vLLM's ``benchmark_serving --max-concurrency``): greedy,
@@ -251,10 +259,24 @@ def speed_row(batch: int, name: str, rates, base: float, al, tokens: int, device
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
-def held_out_batches(args, cycle: bool = False):
-    """SmolLM2 on ``args.device``, then for each size in ``args.batches``:
-    (loaded, batch, that many held-out chat prompts from ``args.prompts``)."""
+def held_out_sets(args, cycle: bool = False, min_prompts: int | None = None):
+    """SmolLM2 on ``args.device``, then for each size in ``args.batches``: (loaded, batch,
+    sets), ``sets`` batches of distinct held-out chat prompts from ``args.prompts`` for a
+    timed run to go through one after another: one, or with ``min_prompts``
+    prompt_rounds' count (a last set short of ``batch`` dropped unless it is the only one)."""
     loaded = load_smol(args.device)
     texts = held_out_texts(args.prompts)
     for batch in [int(b) for b in args.batches.split(",")]:
-        yield loaded, batch, chat_prompts(loaded.tokenizer, texts, batch, cycle)
+        rounds = 1 if min_prompts is None else prompt_rounds(min_prompts, batch)
+        pool = chat_prompts(loaded.tokenizer, texts, batch * rounds, cycle)
+        sets = [pool[i:i + batch] for i in range(0, len(pool), batch)]
+        if len(sets) > 1 and len(sets[-1]) < batch:
+            sets.pop()
+        yield loaded, batch, sets
+
+
+def held_out_batches(args, cycle: bool = False):
+    """SmolLM2 on ``args.device``, then for each size in ``args.batches``:
+    (loaded, batch, that many held-out chat prompts from ``args.prompts``)."""
+    for loaded, batch, sets in held_out_sets(args, cycle):
+        yield loaded, batch, sets[0]

@@ -42,8 +42,8 @@ import anyio
 import torch
 
 from _common import (HELD_OUT, chat_prompts, device_sync, emit_row, engine_config,
-                     generate_round, held_out_batches, held_out_texts, prompt_rounds,
-                     quiet_logs, steady_load, timed_round)
+                     generate_round, held_out_sets, held_out_texts, quiet_logs, steady_load,
+                     timed_sets)
 
 
 class RunTrace:
@@ -122,9 +122,7 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
             for name, engine in engines.items():
                 before = _triton_cache_entries()
                 if steady is None:
-                    wall = 0.0
-                    for one_set in sets:
-                        wall += await timed_round(engine, one_set, tokens, sync)
+                    wall = await timed_sets(engine, sets, tokens, sync)
                     rates[name].append(batch * len(sets) * tokens / wall)
                 else:
                     got = await steady_load(engine, steady[0], tokens, batch, steady[1],
@@ -169,16 +167,14 @@ def run(args) -> None:
     cuda = args.device == "cuda"
     names = args.configs.split(",")
     texts = held_out_texts(args.prompts)
-    for loaded, batch, _ in held_out_batches(args, cycle=True):
+    # Steady load draws its own requests (below); closed rounds go through the sets.
+    closed = args.min_prompts if args.arrival == "closed" else None
+    for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=closed):
         start = time.perf_counter()
-        # Steady load draws its own requests (below); closed rounds go through these.
-        rounds = prompt_rounds(args.min_prompts, batch) if args.arrival == "closed" else 1
-        pool = chat_prompts(loaded.tokenizer, texts, batch * rounds, cycle=True)
-        sets = [pool[i:i + batch] for i in range(0, len(pool), batch)]
         steady = None
         if args.arrival == "steady":
             requests = args.requests or max(4 * batch, 32)
-            steady = (chat_prompts(loaded.tokenizer, held_out_texts(args.prompts), requests,
+            steady = (chat_prompts(loaded.tokenizer, texts, requests,
                                    cycle=True), requests, args.spread)
         rates, extra = anyio.run(measure_batch, names, loaded, sets, args.tokens,
                                  args.runs, args.device, args.buckets, steady)

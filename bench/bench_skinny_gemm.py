@@ -776,13 +776,13 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
 
     from specloop.models import _skinny
     fn = _skinny._norm_skinny_kernel if norm else _skinny._skinny_kernel
-    split, per = cfg.k_splits(k)
+    split, _ = cfg.k_splits(k)
     # GDC True with launch_pdl, as the kernels launch on an H200 (samplers/_pdl.py).
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True)
     const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
-                      ONE_PASS=cfg.dot and per <= cfg.block_k))
+                      ONE_PASS=cfg.one_pass(k)))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

@@ -21,9 +21,9 @@ import statistics
 import anyio
 import torch
 
-from _common import (add_round_args, chat_prompts, device_events, device_sync, emit_row,
-                     engine_config, generate_round, held_out_batches, held_out_texts,
-                     prompt_rounds, quiet_logs, speed_row, timed_round, union_us)
+from _common import (add_round_args, device_events, device_sync, emit_row, engine_config,
+                     generate_round, held_out_sets, quiet_logs, speed_row, timed_sets,
+                     union_us)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -117,10 +117,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
         walls = {name: [] for name in names}
         for _ in range(runs):
             for name, engine in engines.items():
-                wall = 0.0
-                for one_set in sets:
-                    wall += await timed_round(engine, one_set, tokens, sync)
-                walls[name].append(wall)
+                walls[name].append(await timed_sets(engine, sets, tokens, sync))
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         for name, engine in engines.items():
@@ -165,11 +162,7 @@ def main() -> None:
     args = ap.parse_args()
     quiet_logs()
     names = args.configs.split(",")
-    texts = held_out_texts(args.prompts)
-    for loaded, batch, _ in held_out_batches(args):
-        rounds = prompt_rounds(args.min_prompts, batch)
-        pool = chat_prompts(loaded.tokenizer, texts, batch * rounds)
-        sets = [pool[i:i + batch] for i in range(0, len(pool) - batch + 1, batch)]
+    for loaded, batch, sets in held_out_sets(args, min_prompts=args.min_prompts):
         traces = {name: f"{args.trace_dir}/trace_b{batch}_"
                         f"{name.replace(' ', '').replace('=', '')}.json"
                   for name in names} if args.trace_dir and batch == 1 else {}

@@ -124,6 +124,11 @@ class SkinnyConfig(NamedTuple):
         per = _cdiv(_cdiv(k, split), self.block_k) * self.block_k
         return _cdiv(k, per), per
 
+    def one_pass(self, k: int) -> bool:
+        """tl.dot whose BLOCK_K covers a program's K range (``ONE_PASS``: one load of W,
+        before PDL's wait, and one tl.dot) for K = ``k``."""
+        return self.dot and self.k_splits(k)[1] <= self.block_k
+
     def tag(self) -> str:
         """Compact name, e.g. ``d16x128s2w4n3`` (dot, BLOCK_N 16, BLOCK_K 128, split 2),
         ``b4x2x1024s1w4n3`` (one reduction over 4 rows, BLOCK_N 2, BLOCK_K 1024)."""
@@ -390,7 +395,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
                          BLOCK_K=c.block_k, TILE=c.tile_m > 0, num_warps=c.num_warps,
                          num_stages=c.num_stages, **pdl,
-                         **({"ONE_PASS": True} if c.dot and k_per <= c.block_k else {}))
+                         **({"ONE_PASS": True} if c.one_pass(K) else {}))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
