@@ -36,6 +36,15 @@ set -u
 OUT=${OUT:-/tmp/h200_out}
 PROMPTS=$(realpath "${PROMPTS:-bench/prompts_heldout.jsonl}")
 mkdir -p "$OUT"
+
+# Select skinny table $1 for this (sub)shell: "code" is the shipped one, also where
+# SPECLOOP_SKINNY_TABLE is exported (the skinny step's /root/skinny_table.json); else a file,
+# and a missing one is said and fails (the steps' greps would hide Python's error).
+use_table() {
+  if [ "$1" = code ]; then unset SPECLOOP_SKINNY_TABLE; return 0; fi
+  if [ ! -f "$1" ]; then echo "no such table file: $1"; return 1; fi
+  export SPECLOOP_SKINNY_TABLE=$(realpath "$1")
+}
 for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
   case $step in
@@ -87,12 +96,7 @@ for step in "$@"; do
         for t in ${TABLES:-code}; do
           i=$((i + 1))
           echo "-- table $t (round $round)"
-          # "code": the shipped table, also where SPECLOOP_SKINNY_TABLE is exported (the
-          # skinny step's /root/skinny_table.json); a missing file says so (the grep below
-          # would hide Python's error).
-          if [ "$t" != code ] && [ ! -f "$t" ]; then echo "no such table file: $t"; continue; fi
-          (if [ "$t" = code ]; then unset SPECLOOP_SKINNY_TABLE
-           else export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
+          (use_table "$t" || exit
            cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
              --out "$OUT/tables_${i}_$(basename "$t" .json)_$round.jsonl" \
              --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 --min-prompts 16 2>&1 \
@@ -102,9 +106,7 @@ for step in "$@"; do
     tabletests)
       for t in ${TABLES:-code}; do
         echo "-- table $t"
-        if [ "$t" != code ] && [ ! -f "$t" ]; then echo "no such table file: $t"; continue; fi
-        (if [ "$t" = code ]; then unset SPECLOOP_SKINNY_TABLE
-         else export SPECLOOP_SKINNY_TABLE=$(realpath "$t"); fi
+        (use_table "$t" || exit
          python3 -m pytest -q -m gpu tests/models/test_skinny.py tests/models/test_pdl.py \
            -p no:cacheprovider \
            --tb=short 2>&1 | grep -v CUDAGraph.cpp | tail -8)
