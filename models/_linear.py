@@ -17,8 +17,8 @@ On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, outside autograd). cuBLAS's tiles f
 rows leave most SMs idle (an H200 at batch 1: 3.7-3.9 us per SmolLM2 GEMM, whose weights
 stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) finely.
 Which configuration runs per (N, K) and row count is SKINNY_TABLE: per shape, row ranges
-each with its configuration (e.g. ``v`` at 1 row and ``b`` for VERIFY's rows, or one-tile
-tl.dot at every row count, as qkv and gate-up ship), those without
+each with its configuration (e.g. ``v`` at 1 row and ``b`` for VERIFY's rows, or ``v`` at
+1 row and one-tile tl.dot above, as qkv and gate-up ship), those without
 tl.dot giving a row the same bits and any tl.dot ranges after them F.linear's (see the
 table's comment), filled from
 ``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
@@ -27,8 +27,8 @@ False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 ``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
 prologue for the rows of a shape's non-tl.dot ranges where all of those allow
 (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns it off). With the shipped table it does
-not: qkv and gate-up, its only callers, run tl.dot at every row count, so both norms run as
-add_rms_norm; a table with a fusable prefix for them (``SPECLOOP_SKINNY_TABLE``) fuses.
+at 1 row (qkv and gate-up, its only callers, run ``v`` there); from 2 rows they run tl.dot
+and their norms run as add_rms_norm.
 """
 
 from __future__ import annotations
@@ -95,28 +95,26 @@ SKINNY_MAX_ROWS = 32
 # each other, tail rows against F.linear).
 #
 # SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01, 13:08:
-# bench/bench_skinny_gemm.py's own choice, pasted as it printed it; torch 2.11, Triton 3.6,
-# kernels launched with PDL; timed at 1, 2, 3, 4, 5, 6, 8, 16 and 32 rows): per class, the
-# fastest configuration at each timed row count, the class and row limit saving the most
-# against cuBLAS (for qkv and gate-up against cuBLAS + the add_rms_norm kernel). qkv and
-# gate-up now run ``tl.dot`` over all of K in one tile (``ONE_PASS``) at every row count:
-# 2.2-2.6 us from 1 to 16 rows, where the broadcast class costs 1.2-1.9 us at 1 row but
-# 2.5-5.0 at VERIFY's 5 (n-gram K = 4); their norm runs as add_rms_norm before the GEMM
-# (tl.dot configurations are not norm-fusable). These one-tile tl.dot configurations sum
-# like cuBLAS (the bench's probe puts them in cuBLAS's bit class). In the engine at batch 1
-# (bench/profile_spec_gpu.py, 128 tokens, against the previous table in the same process,
-# two alternations, 6 runs each): no speculation 1,922-1,938 -> 1,824-1,836 tok/s, n-gram
-# K = 4 2,190-2,207 -> 2,456-2,506, eagle3 K = 3 2,549-2,591 -> 2,745-2,771
+# bench/bench_skinny_gemm.py, torch 2.11, Triton 3.6, kernels launched with PDL; timed at 1,
+# 2, 3, 4, 5, 6, 8, 16 and 32 rows): per class, the fastest configuration at each timed row
+# count, the class and row limit saving the most against cuBLAS (for qkv and gate-up
+# against cuBLAS + the add_rms_norm kernel). qkv and gate-up are a prefix + tail entry
+# (bench/results/h200_1201e_table_v1_dot.json): the broadcast ``v`` at 1 row with the
+# norm fused in its prologue (1.2-1.9 us, the fastest at 1 row), then ``tl.dot`` over all of
+# K in one tile (``ONE_PASS``, cuBLAS's bit class: the tail) from 2 rows, 2.2-2.6 us flat up
+# to 16 rows where the broadcast class costs 2.5-5.0 at VERIFY's 5 (n-gram K = 4). In the
+# engine (bench/profile_spec_gpu.py, 128 tokens, 16 held-out prompts a run, against the
+# all-tl.dot table shipped before, in the same call, 2026-12-01 17:11): no speculation
+# 1,805-1,813 -> 2,008-2,020 tok/s at batch 1, speculation unchanged (eagle3 K = 3
+# 2,301-2,318 -> 2,287-2,323; its VERIFY rows take the tail either way)
 # (docs/performance.md, "One-tile tl.dot for VERIFY's rows").
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
-    (960, 576, False): ((1, 'd64x1024s1w8n1'), (2, 'd32x1024s1w4n1'),
-                        (3, 'd32x1024s1w8n4'), (8, 'd32x1024s1w8n1'),
-                        (32, 'd64x1024s1w8n2')),
+    (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1')),
     (576, 576, False): ((1, 'v4x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
                         (3, 'b2x4x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
                         (16, 'b2x4x1024s1w4n3')),
-    (3072, 576, False): ((8, 'd64x1024s1w8n4'), (32, 'd64x1024s1w8n1')),
+    (3072, 576, False): ((1, 'v4x1024s1w4n3'), (32, 'd64x1024s1w8n1')),
     (576, 1536, True): ((1, 'v8x2048s1w16n3'), (2, 'v8x2048s1w8n3'),
                         (8, 'b2x4x2048s1w8n3')),
     (576, 1728, False): ((1, 'v2x2048s1w4n3'), (8, 'b2x2x2048s1w4n3'),

@@ -55,7 +55,7 @@ for step in "$@"; do
       # GPU has room for all of them.
       par=""
       if python3 -c "import xdist" 2>/dev/null; then par="-n ${TEST_WORKERS:-8} --dist loadgroup"; fi
-      python3 -m pytest -q -m gpu tests -p no:cacheprovider --tb=short $par 2>&1 \
+      python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:benchmark --tb=short $par 2>&1 \
         | grep -v CUDAGraph.cpp | tail -15 ;;
     profile)
       (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" --out "$OUT/spec.jsonl" \
@@ -99,8 +99,11 @@ for step in "$@"; do
           (use_table "$t" || exit
            cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
              --out "$OUT/tables_${i}_$(basename "$t" .json)_$round.jsonl" \
-             --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 --min-prompts 16 2>&1 \
-             | grep '^{' | cut -c1-150)
+             --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 --min-prompts 16 \
+             > "$OUT/tables.log" 2>&1; rc=$?
+           grep '^{' "$OUT/tables.log" | cut -c1-150
+           # A failed run says why (the rows' grep alone would hide Python's traceback).
+           [ $rc -eq 0 ] || tail -6 "$OUT/tables.log")
         done
       done ;;
     tabletests)

@@ -177,7 +177,9 @@ def test_split_kv_in_graph_bf16(splits, combine):
         ref = ns["reference"](q, k, v, table, slots, starts)
         torch.testing.assert_close(out.double().cpu(), ref, atol=2e-2, rtol=2e-2)
     if combine == "last":
-        assert not _kernels._COUNTERS[q.device].any()
+        # splits=1 never needs the counters: none may exist (the test alone in a worker).
+        counters = _kernels._COUNTERS.get(q.device)
+        assert counters is None or not counters.any()
         # Many groups racing to be last (batch 32, 32 splits, long rows): every call the
         # same bits, and those of the combine kernel within rounding.
         k, v, table = ns["random_cache"](gen, 32, max_len, 16, HKV, D, torch.bfloat16, "cuda")
@@ -190,4 +192,6 @@ def test_split_kv_in_graph_bf16(splits, combine):
         two = _kernels.paged_attention(q, k, v, table, slots, starts, splits=32,
                                        combine="kernel", split_min=512)
         torch.testing.assert_close(runs[0].float(), two.float(), atol=1e-2, rtol=1e-2)
-        assert not _kernels._COUNTERS[q.device].any()
+        # splits=1 never needs the counters: none may exist (the test alone in a worker).
+        counters = _kernels._COUNTERS.get(q.device)
+        assert counters is None or not counters.any()
