@@ -11,7 +11,8 @@ DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host w
 until iterations at (b, k) have been measured (whole iterations, start to start, less
 prefill, on a GPU as long as its kernels ran, and waits: the worker's clock), then their
 average (each K runs FIRST_SAMPLES times in a row at the first bucket before the rule
-decides there, later buckets borrow its times scaled to their own, and one choice in
+decides there, later buckets borrow its times, each K's moved by the change in its own
+warm-up time and all scaled to the bucket's own measured one, and one choice in
 EXPLORE_EVERY tries the K values in turn). An iteration that admitted requests, or whose
 next one did, is disturbed and learned only where no undisturbed one was (its extra cost
 is the same at any K, and at a round's start it would all fall on K = 0). On one GPU
@@ -313,18 +314,29 @@ class AdaptiveK:
 
     def _borrowed(self, bucket: int) -> dict[int, float]:
         """T(bucket, k) at a bucket not settled, from the nearest settled one's measured
-        times, scaled by this bucket's to that one's at the K measured most here (1 when
-        none is): learning each K afresh at every power of two a round's rows pass
-        through cost ~1/4 of a short round's iterations on the H200 (run 5)."""
+        times: each K's moved by the change in its own warm-up device time between the
+        two buckets (drafting K tokens makes VERIFY's rows K + 1 times the batch's, so its
+        time grows with the rows faster than K = 0's: one factor for every K made the H200
+        draft at batch 8 where no speculation was 8 % faster), then all scaled by this
+        bucket's measured time over that estimate at the K measured most here (1 when none
+        is): learning each K afresh at every power of two a round's rows pass through cost
+        ~1/4 of a short round's iterations on the H200 (run 5)."""
         cost = self.cost
         near = min(self._settled,
                    key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+
+        def moved(c: int) -> float:
+            here, there = cost._device(bucket, c), cost._device(near, c)
+            grown = 0.0 if here is None or there is None else here - there
+            return max(cost.measured[(near, c)] + grown, 1e-9)
+
+        estimate = {c: moved(c) for c in self.candidates}
         here = [c for c in self.candidates if (bucket, c) in cost.measured]
         scale = 1.0
         if here:
             most = max(here, key=lambda c: (cost.samples.get((bucket, c), 0), c))
-            scale = cost.measured[(bucket, most)] / max(cost.measured[(near, most)], 1e-9)
-        return {c: cost.measured[(near, c)] * scale for c in self.candidates}
+            scale = cost.measured[(bucket, most)] / estimate[most]
+        return {c: t * scale for c, t in estimate.items()}
 
     def _rule(self, rows: list[list[int]], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket`` from the gathered rows."""

@@ -178,6 +178,30 @@ def test_a_new_bucket_borrows_the_settled_ones_times():
     assert adaptive.choose([adaptive.facts()], 8) == 3
 
 
+def test_a_borrowed_time_moves_each_k_by_its_own_warm_up_growth():
+    """Drafting K makes VERIFY's rows (K + 1) x the batch, so from bucket 1 to 8 warm-up's
+    K = 3 time grows far more than K = 0's. Borrowing moves each K by its own growth:
+    scaling every K by K = 3's measured ratio (the H200, batch 8) made K = 0 look as dear as
+    drafting and kept K = 3 where no speculation was faster."""
+    device = {(b, k): (0.4 + 0.1 * k if b == 1 else 0.6 + 1.0 * k) for b in (1, 8) for k in KS}
+    cost = CostTable(device)
+    adaptive = AdaptiveK(KS, cost)
+    adaptive.record(3, [3, 3, 3, 3])                # acceptance 5/6 a position: E(3) ~ 3.1
+    for _ in range(FIRST_SAMPLES * len(KS) + 1):    # settle bucket 1: warm-up + 0.1 host
+        k = adaptive.choose([adaptive.facts()], 1)
+        adaptive.measured(device[(1, k)] + 0.1)
+    assert adaptive.choose([adaptive.facts()], 1) == 3
+    cost.observe(8, 3, 3.7)                         # T(1, 3) + K = 3's growth (3.6 - 0.7)
+    borrowed = adaptive._borrowed(8)
+    assert borrowed == pytest.approx({k: 0.5 + 0.1 * k + device[(8, k)] - device[(1, k)]
+                                      for k in KS})
+    assert borrowed[0] == pytest.approx(0.7)        # one factor (3.7 / 0.8) would say 2.3
+    assert adaptive.choose([adaptive.facts()], 8) == 0
+    # Host work measured dearer at 8 than warm-up's growth says: every K scaled alike.
+    cost.measured[(8, 3)] = 7.4
+    assert adaptive._borrowed(8)[0] == pytest.approx(1.4)
+
+
 def test_the_last_k_stays_unless_another_is_clearly_better():
     """Once settled, rates within SWITCH_MARGIN keep the last K (no flipping on noise);
     a K clearly better takes over."""
