@@ -33,6 +33,13 @@
 # fifth session, 2026-12-01, ran batch 1 on the first held-out prompt alone, whose
 # acceptance is not the head's average: eagle3 K=3 AL 2.229 there, 1.946 on 32 prompts).
 set -u
+# Every step imports the project from /tmp/site, which device_env.sh's exports put on the
+# path; `source scripts/device_env.sh | tail -1` runs it in a subshell and loses them (every
+# step then failed behind its own output filter, 2026-12-01): say so once, here.
+if ! python3 -c "import specloop" 2>/dev/null; then
+  echo "h200_check: specloop does not import; run 'source scripts/device_env.sh' first (not piped: its exports are needed)"
+  exit 1
+fi
 OUT=${OUT:-/tmp/h200_out}
 PROMPTS=$(realpath "${PROMPTS:-bench/prompts_heldout.jsonl}")
 mkdir -p "$OUT"
