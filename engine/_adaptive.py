@@ -149,6 +149,12 @@ class CostTable:
             graph = self._graph_of[bucket] = bucket_for(bucket, buckets) or buckets[-1]
         return self.device.get((graph, k))
 
+    def own_device(self, bucket: int, k: int) -> float | None:
+        """Warm-up's time for class ``bucket`` where a graph bucket of that size was timed
+        (None where the class borrows a larger bucket's)."""
+        device = self._device(bucket, k)
+        return device if self._graph_of.get(bucket) == bucket else None
+
     def time(self, bucket: int, k: int) -> float:
         seen = self.measured.get((bucket, k))
         if seen is not None:
@@ -316,26 +322,32 @@ class AdaptiveK:
         """T(bucket, k) at a bucket not settled, from the nearest settled one's measured
         times: each K's moved by the change in its own warm-up device time between the
         two buckets (drafting K tokens makes VERIFY's rows K + 1 times the batch's, so its
-        time grows with the rows faster than K = 0's: one factor for every K made the H200
-        draft at batch 8 where no speculation was 8 % faster), then all scaled by this
-        bucket's measured time over that estimate at the K measured most here (1 when none
-        is): learning each K afresh at every power of two a round's rows pass through cost
-        ~1/4 of a short round's iterations on the H200 (run 5)."""
+        time grows with the rows faster than K = 0's, which one factor for every K
+        ignores), then all scaled by this bucket's measured time over that estimate at the
+        K measured most here (1 when none is): learning each K afresh at every power of
+        two a round's rows pass through cost ~1/4 of a short round's iterations on the
+        H200 (run 5). Moved only where both classes have warm-up times of their own (a
+        graph bucket each; eager warm-up times only the smallest and the largest batch,
+        whose growth is not this pair's), and never below the settled time shrunk in
+        proportion to the warm-up times (measured iterations can run below warm-up's, so
+        the difference alone could reach zero and make that K look free)."""
         cost = self.cost
         near = min(self._settled,
                    key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
 
         def moved(c: int) -> float:
-            here, there = cost._device(bucket, c), cost._device(near, c)
-            grown = 0.0 if here is None or there is None else here - there
-            return max(cost.measured[(near, c)] + grown, 1e-9)
+            measured = cost.measured[(near, c)]
+            here, there = cost.own_device(bucket, c), cost.own_device(near, c)
+            if here is None or there is None or there <= 0:
+                return measured
+            return max(measured + here - there, measured * min(here / there, 1.0))
 
         estimate = {c: moved(c) for c in self.candidates}
         here = [c for c in self.candidates if (bucket, c) in cost.measured]
         scale = 1.0
         if here:
             most = max(here, key=lambda c: (cost.samples.get((bucket, c), 0), c))
-            scale = cost.measured[(bucket, most)] / estimate[most]
+            scale = cost.measured[(bucket, most)] / max(estimate[most], 1e-9)
         return {c: t * scale for c, t in estimate.items()}
 
     def _rule(self, rows: list[list[int]], bucket: int, calls: int) -> int:

@@ -180,9 +180,9 @@ def test_a_new_bucket_borrows_the_settled_ones_times():
 
 def test_a_borrowed_time_moves_each_k_by_its_own_warm_up_growth():
     """Drafting K makes VERIFY's rows (K + 1) x the batch, so from bucket 1 to 8 warm-up's
-    K = 3 time grows far more than K = 0's. Borrowing moves each K by its own growth:
-    scaling every K by K = 3's measured ratio (the H200, batch 8) made K = 0 look as dear as
-    drafting and kept K = 3 where no speculation was faster."""
+    K = 3 time grows far more than K = 0's (made-up times). Borrowing moves each K by its
+    own growth; scaling every K by K = 3's measured ratio made K = 0 look as dear as
+    drafting and kept K = 3 where no speculation is faster."""
     device = {(b, k): (0.4 + 0.1 * k if b == 1 else 0.6 + 1.0 * k) for b in (1, 8) for k in KS}
     cost = CostTable(device)
     adaptive = AdaptiveK(KS, cost)
@@ -200,6 +200,45 @@ def test_a_borrowed_time_moves_each_k_by_its_own_warm_up_growth():
     # Host work measured dearer at 8 than warm-up's growth says: every K scaled alike.
     cost.measured[(8, 3)] = 7.4
     assert adaptive._borrowed(8)[0] == pytest.approx(1.4)
+
+
+def _settled_at(bucket, device, offset):
+    """An AdaptiveK whose first bucket ``bucket`` settled with each K measured at its
+    warm-up time + ``offset``."""
+    adaptive = AdaptiveK(KS, CostTable(device))
+    adaptive.record(3, [3, 3, 3, 3])
+    for _ in range(FIRST_SAMPLES * len(KS) + 1):
+        k = adaptive.choose([adaptive.facts()], bucket)
+        adaptive.measured(device[(bucket, k)] + offset)
+    return adaptive
+
+
+def test_a_borrowed_time_shrinks_no_lower_than_in_proportion():
+    """Borrowing from a larger bucket, with iterations measured below warm-up's times (the
+    H200 saw 0.19-0.25 ms below, steps queued ahead): the difference alone would reach
+    zero and make a K look free; the estimate keeps at least the proportional shrink."""
+    device = {(b, k): (0.4 + 0.1 * k if b == 1 else 0.6 + 1.0 * k) for b in (1, 8) for k in KS}
+    adaptive = _settled_at(8, device, -0.3)
+    measured = {k: device[(8, k)] - 0.3 for k in KS}
+    borrowed = adaptive._borrowed(1)
+    assert borrowed == pytest.approx({
+        k: max(measured[k] + device[(1, k)] - device[(8, k)],
+               measured[k] * device[(1, k)] / device[(8, k)]) for k in KS})
+    assert borrowed[0] == pytest.approx(0.2)        # the difference alone: 0.1
+    assert borrowed[3] == pytest.approx(3.3 * 0.7 / 3.6)    # the difference alone: 0.4
+
+
+def test_a_class_without_its_own_warm_up_time_borrows_unmoved():
+    """Eager warm-up times only the smallest and the largest batch: class 8 runs bucket
+    256's graph, whose growth from 1 is not class 8's. Then every K keeps the settled
+    time, scaled as one by the K measured at 8."""
+    device = {(b, k): (0.4 + 0.1 * k if b == 1 else 5.0 + 10.0 * k) for b in (1, 256)
+              for k in KS}
+    adaptive = _settled_at(1, device, 0.1)
+    adaptive.cost.observe(8, 3, 1.6)                # twice T(1, 3)
+    assert adaptive.cost.own_device(8, 3) is None
+    assert adaptive.cost.own_device(1, 3) == pytest.approx(0.7)
+    assert adaptive._borrowed(8) == pytest.approx({k: 2 * (0.5 + 0.1 * k) for k in KS})
 
 
 def test_the_last_k_stays_unless_another_is_clearly_better():
