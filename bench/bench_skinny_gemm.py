@@ -10,7 +10,7 @@ table's at every row count, and, around the chosen ones, half and twice their wa
 num_stages 2 / 4); each result is checked against F.linear (bf16 tolerance; one that fails
 is reported, never chosen). For qkv and gate-up, whose add + RMSNorm ``norm_linear`` may take
 into the GEMM's prologue (where a table gives them a fusable prefix; the shipped one does
-not), also the add_rms_norm kernel and each fusable configuration on
+at 1 row), also the add_rms_norm kernel and each fusable configuration on
 the norm kernel: there cuBLAS costs cuBLAS + add_rms_norm, a fusable class its norm
 kernel's time, any other class its time + add_rms_norm.
 

@@ -94,20 +94,22 @@ SKINNY_MAX_ROWS = 32
 # test_table_ranges_give_a_row_the_same_bits checks the shipped table (prefix rows against
 # each other, tail rows against F.linear).
 #
-# SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01, 13:08:
+# SmolLM2-135M's and its EAGLE-3 head's, from one H200's measurements (2026-12-01:
 # bench/bench_skinny_gemm.py, torch 2.11, Triton 3.6, kernels launched with PDL; timed at 1,
-# 2, 3, 4, 5, 6, 8, 16 and 32 rows): per class, the fastest configuration at each timed row
-# count, the class and row limit saving the most against cuBLAS (for qkv and gate-up
-# against cuBLAS + the add_rms_norm kernel). qkv and gate-up are a prefix + tail entry
-# (bench/results/h200_1201e_table_v1_dot.json): the broadcast ``v`` at 1 row with the
-# norm fused in its prologue (1.2-1.9 us, the fastest at 1 row), then ``tl.dot`` over all of
-# K in one tile (``ONE_PASS``, cuBLAS's bit class: the tail) from 2 rows, 2.2-2.6 us flat up
-# to 16 rows where the broadcast class costs 2.5-5.0 at VERIFY's 5 (n-gram K = 4). In the
-# engine (bench/profile_spec_gpu.py, 128 tokens, 16 held-out prompts a run, against the
-# all-tl.dot table shipped before, in the same call, 2026-12-01 17:11): no speculation
-# 1,805-1,813 -> 2,008-2,020 tok/s at batch 1, speculation unchanged (eagle3 K = 3
-# 2,301-2,318 -> 2,287-2,323; its VERIFY rows take the tail either way)
-# (docs/performance.md, "One-tile tl.dot for VERIFY's rows").
+# 2, 3, 4, 5, 6, 8, 16 and 32 rows). The other shapes are the 13:08 run's own choice (per
+# class, the fastest configuration at each timed row count, the class and row limit saving
+# the most against cuBLAS). qkv and gate-up are a prefix + tail entry composed by hand from
+# that day's rows (bench/results/h200_1201e_table_v1_dot.json; h200_1201e_skinny_pdl_rows,
+# _dot_norm and _one_tile.json): the broadcast ``v`` at 1 row with the norm fused in its
+# prologue (1.2-1.9 us, the fastest at 1 row), then one ``tl.dot`` configuration over all
+# of K in one tile (``d64x1024s1w8``, ``ONE_PASS``, cuBLAS's bit class: the tail) from 2 to
+# 32 rows, 2.2-2.6 us flat up to 16 rows where the broadcast class costs 2.5-5.0 at VERIFY's
+# 5 (n-gram K = 4). In the engine (bench/profile_spec_gpu.py, 128 tokens, 16 held-out
+# prompts a run, against the all-tl.dot table shipped before,
+# bench/results/h200_1201e_table_alltldot.json, 2026-12-01 17:08-17:12, 6 runs each): no
+# speculation 1,779-1,814 -> 1,981-2,020 tok/s at batch 1, speculation unchanged (eagle3
+# K = 3 2,301-2,318 -> 2,287-2,323: its VERIFY rows ran one-tile tl.dot configurations of
+# the same bit class before too) (docs/performance.md, "One-tile tl.dot for VERIFY's rows").
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
     (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1')),
@@ -329,7 +331,7 @@ class PackedLinear:
         self.enabled = packing_available() if enabled is None else enabled
         self.skinny = skinny_available() if skinny is None else skinny
         # The RMSNorm before a GEMM in its prologue too (norm_linear), where the table allows
-        # (not the shipped one: its qkv and gate-up are tl.dot); SPECLOOP_SKINNY_NORM=0 keeps
+        # (the shipped one: qkv and gate-up at 1 row); SPECLOOP_SKINNY_NORM=0 keeps
         # the separate norm kernels (H200, batch 1, the third session's table: 1,332 ->
         # 1,578 tok/s with it).
         self.skinny_norm = self.skinny and os.environ.get("SPECLOOP_SKINNY_NORM", "1") != "0"

@@ -54,7 +54,8 @@ loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactl
 for broadcast configurations that hold all of K in one pass: every program normalises the
 few rows itself, the first column block stores the residual stream, and the normed rows
 are never written. (It runs where ``models/_linear``'s table gives qkv or gate-up a fusable
-prefix; the shipped table's one-tile tl.dot qkv and gate-up take add_rms_norm instead.)
+prefix: the shipped table's at 1 row; from 2 rows its one-tile tl.dot qkv and gate-up take
+add_rms_norm instead.)
 
 On Hopper the three kernels are launched with Programmatic Dependent Launch (``GDC``,
 ``specloop.samplers._pdl``: its module doc has the rules): a program loads its tile of W

@@ -24,9 +24,8 @@
 #            before shipping a table the tables step liked
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_PDL=0, SPECLOOP_SKINNY=0,
-#            SPECLOOP_ATTENTION_MAX_SPLITS=1), one process each; with SPECLOOP_SKINNY_TABLE
-#            set also SPECLOOP_SKINNY_NORM=0 (the norm prologue: the shipped table's qkv and
-#            gate-up, one-tile tl.dot, take none, so the switch changes nothing there)
+#            SPECLOOP_ATTENTION_MAX_SPLITS=1, SPECLOOP_SKINNY_NORM=0: the norm prologue,
+#            which the shipped table runs for qkv and gate-up at 1 row), one process each
 # PROMPTS: the held-out prompts file (default bench/prompts_heldout.jsonl, shipped: the eval
 # split of build_prompts(5000, 400, 0), bench/held_out_prompts.py). profile and
 # tables run 16 distinct prompts a run at batch 1 (--min-prompts 16; the figures up to the
@@ -36,11 +35,11 @@ set -u
 # Every step imports the project from /tmp/site, which device_env.sh's exports put on the
 # path; `source scripts/device_env.sh | tail -1` runs it in a subshell and loses them (every
 # step then failed behind its own output filter, 2026-12-01): say so once, here.
-if ! python3 -c "import specloop" 2>/dev/null; then
+if ! python3 -c "import specloop.engine" 2>/dev/null; then
   echo "h200_check: specloop does not import; run 'source scripts/device_env.sh' first (not piped: its exports are needed)"
   exit 1
 fi
-OUT=${OUT:-/tmp/h200_out}
+OUT=$(realpath -m "${OUT:-/tmp/h200_out}")   # absolute: the bench steps cd bench
 PROMPTS=$(realpath "${PROMPTS:-bench/prompts_heldout.jsonl}")
 mkdir -p "$OUT"
 
@@ -107,10 +106,10 @@ for step in "$@"; do
            cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
              --out "$OUT/tables_${i}_$(basename "$t" .json)_$round.jsonl" \
              --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 --min-prompts 16 \
-             > "$OUT/tables.log" 2>&1; rc=$?
-           grep '^{' "$OUT/tables.log" | cut -c1-150
+             > "$OUT/tables_${i}_$round.log" 2>&1; rc=$?
+           grep '^{' "$OUT/tables_${i}_$round.log" | cut -c1-150
            # A failed run says why (the rows' grep alone would hide Python's traceback).
-           [ $rc -eq 0 ] || tail -6 "$OUT/tables.log")
+           [ $rc -eq 0 ] || tail -6 "$OUT/tables_${i}_$round.log")
         done
       done ;;
     tabletests)
@@ -122,8 +121,8 @@ for step in "$@"; do
            --tb=short 2>&1 | grep -v CUDAGraph.cpp | tail -8)
       done ;;
     ab)
-      envs="DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1"
-      [ -n "${SPECLOOP_SKINNY_TABLE:-}" ] && envs="$envs SPECLOOP_SKINNY_NORM=0"
+      # SPECLOOP_SKINNY_NORM=0: the shipped table fuses qkv's and gate-up's norms at 1 row.
+      envs="DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=0"
       for env in $envs; do
         echo "-- $env"
         (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
