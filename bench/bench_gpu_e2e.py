@@ -161,7 +161,9 @@ async def _profile(engine, prompts, num_layers, tokens=64):
            "gpu_busy_over_wall_cpu_traced": union_us(kernels) / 1e6 / wall,
            "ms_iter_cpu_traced": wall / iters * 1e3,
            "top_kernels": _top(kernels, iters)}
-    lean, wall, iters = await _traced(engine, prompts, tokens, [ProfilerActivity.CUDA])
+    # On the CPU (the script's smoke) there is no device to trace: the keys come out 0.
+    lean, wall, iters = await _traced(engine, prompts, tokens, [
+        ProfilerActivity.CUDA if DEVICE == "cuda" else ProfilerActivity.CPU])
     out.update(_idle(lean.events(), wall, iters))
     return out
 
