@@ -5,8 +5,10 @@ Prints one JSON line (`RESULT {...}`) with what each scenario observed.
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
+from pathlib import Path
 
 import anyio
 import torch
@@ -66,9 +68,30 @@ async def mismatches(comm: TorchDistributedCommunicator) -> dict:
     return out
 
 
+# Rank 1 skips a collective and must stay alive until rank 0 has timed out in it (else rank
+# 0 would see a closed peer, not a timeout). test_torch_dist.py names a folder in
+# SPECLOOP_TEST_SIGNAL_DIR where rank 0 drops a file once it has its result: rank 1 waits
+# for that file (at most 60 s) instead of a fixed 6 s, twice rank 0's 3 s timeout, which
+# cost ~3 s idle per scenario. Without the variable (a hand run): the fixed 6 s.
+async def stay_until_rank0_done(name: str) -> None:
+    folder = os.environ.get("SPECLOOP_TEST_SIGNAL_DIR")
+    if not folder:
+        await anyio.sleep(6)
+        return
+    with anyio.fail_after(60):
+        while not (Path(folder) / name).exists():
+            await anyio.sleep(0.05)
+
+
+def rank0_done(name: str) -> None:
+    folder = os.environ.get("SPECLOOP_TEST_SIGNAL_DIR")
+    if folder:
+        (Path(folder) / name).touch()
+
+
 async def timeout(comm: TorchDistributedCommunicator) -> dict:
     if comm.rank == 1:
-        await anyio.sleep(6)  # skip the barrier; stay alive past rank 0's timeout
+        await stay_until_rank0_done("timeout")  # skip the barrier, alive past rank 0's timeout
         return {"skipped": True}
     start = time.perf_counter()
     try:
@@ -76,12 +99,14 @@ async def timeout(comm: TorchDistributedCommunicator) -> dict:
         return {"error": None}
     except CollectiveTimeoutError as exc:
         return {"error": str(exc), "elapsed": time.perf_counter() - start}
+    finally:
+        rank0_done("timeout")
 
 
 async def inline_timeout(comm: TorchDistributedCommunicator) -> dict:
     """A tensor collective issued inline (not in a thread) that rank 1 never enters."""
     if comm.rank == 1:
-        await anyio.sleep(6)
+        await stay_until_rank0_done("inline_timeout")
         return {"skipped": True}
     start = time.perf_counter()
     try:
@@ -89,6 +114,8 @@ async def inline_timeout(comm: TorchDistributedCommunicator) -> dict:
         return {"error": None}
     except CollectiveTimeoutError as exc:
         return {"error": str(exc), "elapsed": time.perf_counter() - start}
+    finally:
+        rank0_done("inline_timeout")
 
 
 async def shared_memory(comm: TorchDistributedCommunicator) -> dict:
@@ -128,7 +155,7 @@ async def shared_memory(comm: TorchDistributedCommunicator) -> dict:
         wrong += got != want
     out = {"wrong": wrong, "sizes": sorted(k for k, v in comm._shared.items() if v)}
     if comm.rank == 1:
-        await anyio.sleep(6)
+        await stay_until_rank0_done("shared_memory")
         return out
     start = time.perf_counter()
     try:
@@ -136,6 +163,8 @@ async def shared_memory(comm: TorchDistributedCommunicator) -> dict:
         out["error"] = None
     except CollectiveTimeoutError as exc:
         out.update(error=str(exc), elapsed=time.perf_counter() - start)
+    finally:
+        rank0_done("shared_memory")
     return out
 
 

@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -24,11 +25,19 @@ def _free_port() -> int:
 
 
 def _launch(*args: str, world_size: int = 2) -> list[dict]:
+    with tempfile.TemporaryDirectory(prefix="dist-signal-") as signals:
+        return _launch_in(signals, *args, world_size=world_size)
+
+
+def _launch_in(signals: str, *args: str, world_size: int) -> list[dict]:
     port = _free_port()
     procs = []
     for rank in range(world_size):
+        # SPECLOOP_TEST_SIGNAL_DIR: where rank 0 says it has timed out in the collective
+        # rank 1 skips, so rank 1 leaves then (dist_worker.stay_until_rank0_done).
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": ""}
+               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "",
+               "SPECLOOP_TEST_SIGNAL_DIR": signals}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []

@@ -12,7 +12,8 @@ from specloop.models.testing import write_tiny_checkpoint
 
 from .conftest import write_gloo_config
 
-# Two torchrun launches per test, each bounded at 240 s by torchrun() below.
+# Two launches per test (one rank as a plain process, two under torchrun; the one-rank
+# reference is shared where only how collectives are issued differs), each bounded at 240 s.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,6 +22,17 @@ def torchrun(n, *args, timeout=240):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            f"--nproc-per-node={n}", *map(str, args)], env=env, cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def one_process(*args, timeout=240):
+    """The one-rank reference as a plain process: without WORLD_SIZE, adp_run.py runs world
+    1 on the single communicator, what torchrun's one rank ran (same tokens), without the
+    launcher's own torch import and agent (~2 s of CPU a run)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run([sys.executable, *map(str, args)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -46,8 +58,8 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, extra, one_rank_runs):
             outs.append(one_rank_runs[key])
             continue
         out = tmp_path / f"out{n}.json"
-        proc = torchrun(n, "bench/adp_run.py", "--tiny", "--requests", "18", "--out", out,
-                        *extra)
+        cmd = ("bench/adp_run.py", "--tiny", "--requests", "18", "--out", out, *extra)
+        proc = torchrun(n, *cmd) if n > 1 else one_process(*cmd)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "SYNC median" in proc.stdout
         outs.append(out)

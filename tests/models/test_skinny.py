@@ -75,15 +75,20 @@ configs = [SkinnyConfig(False, 8, 32), SkinnyConfig(False, 8, 128), SkinnyConfig
 N, K = 19, 83                      # neither a multiple of any block
 w32, b32 = torch.randn(N, K), torch.randn(N)
 gu32 = torch.randn(40, 2 * K) * 2
+# The broadcast configs (BLOCK_N 4 and 8) take W's first 11 rows: still several programs
+# along N, the last partial, at about 60% of the programs of N = 19 (each one slow to
+# interpret). tl.dot (BLOCK_N 16) keeps N = 19: two programs along N, the second partial.
+NV = 11
 # Per dtype: the relative error of one rounding to it (the interpreter's fp32 -> bf16
 # cast truncates: 2^-7; CUDA's rounds to nearest), for y and for the silu-mul operand.
 for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bfloat16, 2.0 ** -7)):
-    w, b = w32.to(dtype), b32.to(dtype)
     for ci, cfg in enumerate(configs):
         # fp32 runs every config; fp16 the tl.dot ones, bf16 the first (the interpreter's
         # bf16 tl.dot: see the module doc; the broadcast path is slow to interpret).
         if dtype != torch.float32 and (cfg.dot != (dtype == torch.float16) or ci in (1, 2)):
             continue
+        w, b = (w32.to(dtype), b32.to(dtype)) if cfg.dot else (w32[:NV].to(dtype),
+                                                               b32[:NV].to(dtype))
         # tl.dot: rows 1..17 spread over the two configs, 40 = 3 row blocks. Broadcast
         # (rows one after the other in blocks of up to 8; slow to interpret): 1, 3, a
         # block and a row.
@@ -108,7 +113,7 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bf
 from specloop.models import _kernels
 from specloop.models._skinny import skinny_norm_linear
 for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10)):
-    w, b = w32.to(dtype), b32.to(dtype)
+    w, b = w32[:NV].to(dtype), b32[:NV].to(dtype)       # broadcast: NV rows (above)
     nw = (torch.rand(K) + 0.5).to(dtype)
     for cfg in (SkinnyConfig(False, 8, 128), SkinnyConfig(False, 4, 128, num_warps=2)):
         for M, with_delta, bias in ((1, True, None), (3, False, b), (9, True, b)):
@@ -161,7 +166,10 @@ from specloop.models import _kernels
 from specloop.models._skinny import SkinnyConfig, skinny_linear, skinny_norm_linear
 
 torch.manual_seed(0)
-N, K = 19, 83                      # neither a multiple of any block
+# Neither a multiple of any block; N = 11 still gives every config (BLOCK_N 2, 4, 8)
+# several programs along N, the last partial (19 did the same with ~1.7x the programs,
+# each slow to interpret).
+N, K = 11, 83
 w32, b32 = torch.randn(N, K), torch.randn(N)
 gu32 = torch.randn(17, 2 * K) * 2
 # One reduction over blocks of 4 / 8 rows: all of K in one pass; K over 3 programs (fp32
