@@ -252,8 +252,9 @@ L, H = model.args.num_layers, model.args.hidden_size
 qkv_n = (model.args.num_heads + 2 * model.args.num_kv_heads) * model.args.head_dim
 gate_up_n = 2 * model.args.intermediate_size
 out = {}
-# "dot": the shipped table's form for qkv and gate-up, one-tile tl.dot (ONE_PASS: BLOCK_K
-# covers K) at every row count, which takes no norm prologue: add_rms_norm runs before them.
+# "dot": the shipped table's form for qkv and gate-up from 2 rows (the fifth session's at
+# every row count), one-tile tl.dot (ONE_PASS: BLOCK_K covers K), which takes no norm
+# prologue: add_rms_norm runs before them.
 for skinny, norm, dot in ((False, False, False), (True, False, False), (True, True, False),
                           (True, True, True)):
     model.linear.skinny = model.linear.skinny_on_cpu = skinny
@@ -295,8 +296,8 @@ def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
     interpreter): the GEMMs run on the kernel, silu_mul does not, with ``skinny_norm`` the
     layer's two norm kernels do not either, and the hidden states and captured features
     match the cuBLAS-shaped path's (F.linear + silu_mul + add_rms_norm) within fp16
-    rounding. Also with the shipped table's form for qkv and gate-up (one-tile tl.dot at
-    every row count: add_rms_norm before them, no prologue, ``skinny_norm`` on). (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
+    rounding. Also with the shipped table's form for qkv and gate-up from 2 rows (one-tile
+    tl.dot: add_rms_norm before them, no prologue, ``skinny_norm`` on). (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(tiny_dirs["llama"]))
 
 

@@ -1,7 +1,7 @@
 """The shipped SmolLM2 heads (eagle3 and mtp_eagle) on the real weights (CPU, fp32): greedy
 with speculation equals transformers' greedy, token for token, 5 prompts x 48 tokens (the
 session's long reference, whose prefix tests/engine/test_smollm2_engine.py uses), K in
-{1, 3, 5} (eagle3) and {1, 5} (mtp_eagle)."""
+{1, 3, 5}."""
 
 import anyio
 import pytest
@@ -36,12 +36,10 @@ async def run(cfg, loaded):
         return [outs[i] for i in range(len(PROMPTS))], engine.stats
 
 
-# K = 1 is the one-draft edge; K = 5 the longest chain the heads were evaluated at (a
-# shorter K runs the same drafting and verification code over a prefix of its positions);
-# K = 3 only for eagle3, the embedded default config's head and K (`make demo`). Each case
-# is a SmolLM2 engine run, ~7 s of a worker's wall in the full suite.
-@pytest.mark.parametrize("k, method", [(1, "eagle3"), (3, "eagle3"), (5, "eagle3"),
-                                       (1, "mtp_eagle"), (5, "mtp_eagle")])
+# K = 1 is the one-draft edge; K = 3 is the embedded default's; K = 5 the longest chain the
+# heads were evaluated at. Issue 13 asks for every trained head at K in {1, 3, 5}.
+@pytest.mark.parametrize("method", list(HEADS))
+@pytest.mark.parametrize("k", [1, 3, 5])
 async def test_trained_head_greedy_equals_transformers(smollm2, smollm2_engine_reference_long,
                                                      k, method):
     outs, stats = await run(config(method, k, draft_weights=HEADS[method]), smollm2)
