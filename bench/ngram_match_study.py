@@ -1,0 +1,174 @@
+"""How n-gram K = 4's iterations split by the length of the match they drafted from, and
+what verifying one row where the match is short would give (issue 12's n-gram bar).
+
+Greedy SmolLM2 (fp32, CPU) continues the first ``--prompts`` held-out chat prompts by
+``--tokens`` tokens; then each continuation is replayed as greedy n-gram speculation would
+run it (``NgramDrafter.propose_row``'s rule: the latest earlier occurrence of the last n
+tokens, n = ngram_max .. ngram_min, the K tokens after it, the last token repeated where
+none matches or the draft runs past the end), each iteration (after the prefill's first
+token) accepting the drafts that equal the continuation and adding one token. The replay's AL is the engine's (greedy
+speculation commits the same tokens as greedy decoding; tested). For each minimum match
+length m it reports the iterations that would draft (match >= m), their share, the AL,
+and, at the given iteration times (``--t-none`` decode, ``--t-draft`` a K + 1-row VERIFY;
+default: the H200's at batch 1 with the shipped table, docs/performance.md), tokens/s over
+no speculation and that over AL — the bar's 0.8 x AL — for a drafter that verifies one row
+(no draft) below m:
+
+    cd bench && python ngram_match_study.py [--prompts 16] [--tokens 128]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+
+import anyio
+
+from _common import HELD_OUT, chat_prompts, engine_config, held_out_texts, load_smol
+
+
+def propose(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[int, list[int]]:
+    """(match length, 0 where none; the k drafts) for the row ``tokens``."""
+    length = len(tokens)
+    for n in range(min(n_max, length - 1), n_min - 1, -1):
+        suffix = tokens[length - n:]
+        # The latest occurrence ending before the last token.
+        for start in range(length - n - 1, -1, -1):
+            if tokens[start:start + n] == suffix:
+                after = start + n
+                return n, [tokens[min(after + j, length - 1)] for j in range(k)]
+    return 0, [tokens[-1]] * k
+
+
+def replay(prompt: list[int], continuation: list[int], k: int, n_max: int, n_min: int
+           ) -> list[tuple[int, int]]:
+    """(match length, accepted drafts) per iteration of greedy n-gram speculation."""
+    done, out = 1, []      # the prefill gives the first token
+    while done < len(continuation):
+        n, drafts = propose(prompt + continuation[:done], k, n_max, n_min)
+        accepted = 0
+        while (accepted < k and done + accepted < len(continuation)
+               and drafts[accepted] == continuation[done + accepted]):
+            accepted += 1
+        out.append((n, accepted))
+        done += accepted + 1
+    return out
+
+
+async def continuations(loaded, prompts: list[list[int]], tokens: int) -> list[list[int]]:
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    got: dict[str, list[int]] = collections.defaultdict(list)
+    order: list[str] = []
+    cfg = engine_config({"method": "none"}, len(prompts), "cpu")
+    async with AsyncEngine(cfg, model=loaded) as engine:
+        async for outputs in engine.generate_batch(prompts, params):
+            for output in outputs:
+                if output.request_id not in got:
+                    order.append(output.request_id)
+                got[output.request_id].extend(output.token_ids)
+    # Ids are given in prompt order; the first outputs of an iteration come in that order.
+    return [got[i] for i in sorted(order, key=order.index)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--k", type=int, default=4)
+    ap.add_argument("--ngram-max", type=int, default=3)
+    ap.add_argument("--ngram-min", type=int, default=1)
+    ap.add_argument("--t-none", type=float, default=0.497, help="ms, decode iteration")
+    ap.add_argument("--t-draft", type=float, default=0.74, help="ms, K + 1-row iteration")
+    ap.add_argument("--out", default=None, help="JSON of the figures")
+    args = ap.parse_args()
+    loaded = load_smol("cpu")
+    prompts = chat_prompts(loaded.tokenizer, held_out_texts(HELD_OUT), args.prompts)
+    conts = anyio.run(continuations, loaded, prompts, args.tokens)
+    rows = [replay(p, c, args.k, args.ngram_max, args.ngram_min)
+            for p, c in zip(prompts, conts)]
+    its = [it for row in rows for it in row]
+    # AL: tokens over iterations (the prefill's first token included, a last iteration's
+    # bonus past the end not), as the engine's stats count it.
+    committed = sum(len(c) for c in conts)
+    by_n = collections.Counter(n for n, _ in its)
+    acc_by_n = {n: sum(a for m, a in its if m == n) / by_n[n] for n in by_n}
+    report = {"prompts": len(prompts), "tokens": args.tokens, "iterations": len(its),
+              "al": committed / len(its),
+              "share_by_match": {n: round(by_n[n] / len(its), 3) for n in sorted(by_n)},
+              "accepted_by_match": {n: round(acc_by_n[n], 3) for n in sorted(acc_by_n)},
+              "min_match": {}}
+    print(f"{len(prompts)} prompts x {args.tokens} tokens: {len(its)} iterations, "
+          f"AL {report['al']:.3f} (n-gram K = {args.k}, n = {args.ngram_min}..{args.ngram_max})")
+    print("match length: share of iterations, drafts accepted an iteration")
+    for n in sorted(by_n):
+        print(f"  {n}: {by_n[n] / len(its):.3f}  {acc_by_n[n]:.3f}")
+    for m in range(1, args.ngram_max + 1):
+        # Below m: no draft, one row verified, one token. The iterations differ from the
+        # replay's (a skipped draft moves the later ones), so replay again.
+        sub = [it for p, c in zip(prompts, conts)
+               for it in replay_min(p, c, args.k, args.ngram_max, args.ngram_min, m)]
+        drafting = sum(1 for n, _ in sub if n >= m)
+        al = committed / len(sub)
+        t = (drafting * args.t_draft + (len(sub) - drafting) * args.t_none) / len(sub)
+        ratio = al * args.t_none / t
+        report["min_match"][m] = {"drafting_share": round(drafting / len(sub), 3),
+                                  "al": round(al, 3), "ratio": round(ratio, 3),
+                                  "ratio_over_al": round(ratio / al, 3)}
+        print(f"draft only at match >= {m}: {drafting / len(sub):.3f} of iterations draft, "
+              f"AL {al:.3f}, tok/s {ratio:.3f}x none = {ratio / al:.3f} x AL")
+        # The same with the choice one iteration late.
+        late = []
+        for p, c in zip(prompts, conts):
+            late += lagged(p, c, args.k, args.ngram_max, args.ngram_min, m)
+        drafting = sum(1 for d, _ in late if d)
+        al = committed / len(late)
+        t = (drafting * args.t_draft + (len(late) - drafting) * args.t_none) / len(late)
+        ratio = al * args.t_none / t
+        report["min_match"][m]["one_late"] = {
+            "drafting_share": round(drafting / len(late), 3), "al": round(al, 3),
+            "ratio": round(ratio, 3), "ratio_over_al": round(ratio / al, 3)}
+        print(f"  chosen one iteration late: {drafting / len(late):.3f} draft, AL {al:.3f}, "
+              f"tok/s {ratio:.3f}x none = {ratio / al:.3f} x AL")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+def replay_min(prompt, continuation, k, n_max, n_min, m):
+    """``replay`` where a match shorter than ``m`` drafts nothing (K = 0 that iteration)."""
+    done, out = 1, []      # the prefill gives the first token
+    while done < len(continuation):
+        n, drafts = propose(prompt + continuation[:done], k, n_max, n_min)
+        accepted = 0
+        if n >= m:
+            while (accepted < k and done + accepted < len(continuation)
+                   and drafts[accepted] == continuation[done + accepted]):
+                accepted += 1
+        out.append((n, accepted))
+        done += accepted + 1
+    return out
+
+
+def lagged(prompt, continuation, k, n_max, n_min, m):
+    """(drafted, accepted) per iteration where iteration i drafts iff iteration i - 1's
+    match (computed whether or not it drafted) was at least ``m`` (the first drafts)."""
+    done, out, before = 1, [], m     # the prefill gives the first token
+    while done < len(continuation):
+        n, drafts = propose(prompt + continuation[:done], k, n_max, n_min)
+        drafted, accepted = before >= m, 0
+        before = n
+        if drafted:
+            while (accepted < k and done + accepted < len(continuation)
+                   and drafts[accepted] == continuation[done + accepted]):
+                accepted += 1
+        out.append((drafted, accepted))
+        done += accepted + 1
+    return out
+
+
+if __name__ == "__main__":
+    main()
