@@ -41,17 +41,22 @@ def propose(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[int, lis
     return 0, [tokens[-1]] * k
 
 
-def replay(prompt: list[int], continuation: list[int], k: int, n_max: int, n_min: int
-           ) -> list[tuple[int, int]]:
-    """(match length, accepted drafts) per iteration of greedy n-gram speculation."""
-    done, out = 1, []      # the prefill gives the first token
+def replay(prompt: list[int], continuation: list[int], k: int, n_max: int, n_min: int,
+           min_match: int = 0, late: bool = False) -> list[tuple[int, bool, int]]:
+    """(match length, drafted, accepted drafts) per iteration of greedy n-gram
+    speculation. With ``min_match`` an iteration drafts only where the match is at least
+    that long (K = 0 otherwise: one row, one token); ``late``: where the previous
+    iteration's match was (computed whether or not it drafted; what a host can know when
+    it queues a chained step), the first iteration drafting."""
+    done, out, before = 1, [], min_match     # the prefill gives the first token
     while done < len(continuation):
         n, drafts = propose(prompt + continuation[:done], k, n_max, n_min)
-        accepted = 0
-        while (accepted < k and done + accepted < len(continuation)
+        drafted, accepted = (before if late else n) >= min_match, 0
+        before = n
+        while (drafted and accepted < k and done + accepted < len(continuation)
                and drafts[accepted] == continuation[done + accepted]):
             accepted += 1
-        out.append((n, accepted))
+        out.append((n, drafted, accepted))
         done += accepted + 1
     return out
 
@@ -88,14 +93,13 @@ def main() -> None:
     loaded = load_smol("cpu")
     prompts = chat_prompts(loaded.tokenizer, held_out_texts(HELD_OUT), args.prompts)
     conts = anyio.run(continuations, loaded, prompts, args.tokens)
-    rows = [replay(p, c, args.k, args.ngram_max, args.ngram_min)
-            for p, c in zip(prompts, conts)]
-    its = [it for row in rows for it in row]
+    its = [it for p, c in zip(prompts, conts)
+           for it in replay(p, c, args.k, args.ngram_max, args.ngram_min)]
     # AL: tokens over iterations (the prefill's first token included, a last iteration's
     # bonus past the end not), as the engine's stats count it.
     committed = sum(len(c) for c in conts)
-    by_n = collections.Counter(n for n, _ in its)
-    acc_by_n = {n: sum(a for m, a in its if m == n) / by_n[n] for n in by_n}
+    by_n = collections.Counter(n for n, _, _ in its)
+    acc_by_n = {n: sum(a for m, _, a in its if m == n) / by_n[n] for n in by_n}
     report = {"prompts": len(prompts), "tokens": args.tokens, "iterations": len(its),
               "al": committed / len(its),
               "share_by_match": {n: round(by_n[n] / len(its), 3) for n in sorted(by_n)},
@@ -107,67 +111,24 @@ def main() -> None:
     for n in sorted(by_n):
         print(f"  {n}: {by_n[n] / len(its):.3f}  {acc_by_n[n]:.3f}")
     for m in range(1, args.ngram_max + 1):
-        # Below m: no draft, one row verified, one token. The iterations differ from the
-        # replay's (a skipped draft moves the later ones), so replay again.
-        sub = [it for p, c in zip(prompts, conts)
-               for it in replay_min(p, c, args.k, args.ngram_max, args.ngram_min, m)]
-        drafting = sum(1 for n, _ in sub if n >= m)
-        al = committed / len(sub)
-        t = (drafting * args.t_draft + (len(sub) - drafting) * args.t_none) / len(sub)
-        ratio = al * args.t_none / t
-        report["min_match"][m] = {"drafting_share": round(drafting / len(sub), 3),
-                                  "al": round(al, 3), "ratio": round(ratio, 3),
-                                  "ratio_over_al": round(ratio / al, 3)}
-        print(f"draft only at match >= {m}: {drafting / len(sub):.3f} of iterations draft, "
-              f"AL {al:.3f}, tok/s {ratio:.3f}x none = {ratio / al:.3f} x AL")
-        # The same with the choice one iteration late.
-        late = []
-        for p, c in zip(prompts, conts):
-            late += lagged(p, c, args.k, args.ngram_max, args.ngram_min, m)
-        drafting = sum(1 for d, _ in late if d)
-        al = committed / len(late)
-        t = (drafting * args.t_draft + (len(late) - drafting) * args.t_none) / len(late)
-        ratio = al * args.t_none / t
-        report["min_match"][m]["one_late"] = {
-            "drafting_share": round(drafting / len(late), 3), "al": round(al, 3),
-            "ratio": round(ratio, 3), "ratio_over_al": round(ratio / al, 3)}
-        print(f"  chosen one iteration late: {drafting / len(late):.3f} draft, AL {al:.3f}, "
-              f"tok/s {ratio:.3f}x none = {ratio / al:.3f} x AL")
+        # Below m: no draft, one row verified, one token. A skipped draft moves the later
+        # iterations, so each gate replays afresh.
+        for late in (False, True):
+            gated = [it for p, c in zip(prompts, conts) for it in replay(
+                p, c, args.k, args.ngram_max, args.ngram_min, min_match=m, late=late)]
+            drafting = sum(1 for _, d, _ in gated if d)
+            al = committed / len(gated)
+            t = (drafting * args.t_draft + (len(gated) - drafting) * args.t_none) / len(gated)
+            ratio = al * args.t_none / t
+            row = {"drafting_share": round(drafting / len(gated), 3), "al": round(al, 3),
+                   "ratio": round(ratio, 3), "ratio_over_al": round(ratio / al, 3)}
+            report["min_match"].setdefault(m, {})["one_late" if late else "now"] = row
+            print(f"draft only at match >= {m}{', chosen one iteration late' if late else ''}: "
+                  f"{row['drafting_share']:.3f} of iterations draft, AL {al:.3f}, "
+                  f"tok/s {ratio:.3f}x none = {ratio / al:.3f} x AL")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)
-
-
-def replay_min(prompt, continuation, k, n_max, n_min, m):
-    """``replay`` where a match shorter than ``m`` drafts nothing (K = 0 that iteration)."""
-    done, out = 1, []      # the prefill gives the first token
-    while done < len(continuation):
-        n, drafts = propose(prompt + continuation[:done], k, n_max, n_min)
-        accepted = 0
-        if n >= m:
-            while (accepted < k and done + accepted < len(continuation)
-                   and drafts[accepted] == continuation[done + accepted]):
-                accepted += 1
-        out.append((n, accepted))
-        done += accepted + 1
-    return out
-
-
-def lagged(prompt, continuation, k, n_max, n_min, m):
-    """(drafted, accepted) per iteration where iteration i drafts iff iteration i - 1's
-    match (computed whether or not it drafted) was at least ``m`` (the first drafts)."""
-    done, out, before = 1, [], m     # the prefill gives the first token
-    while done < len(continuation):
-        n, drafts = propose(prompt + continuation[:done], k, n_max, n_min)
-        drafted, accepted = before >= m, 0
-        before = n
-        if drafted:
-            while (accepted < k and done + accepted < len(continuation)
-                   and drafts[accepted] == continuation[done + accepted]):
-                accepted += 1
-        out.append((drafted, accepted))
-        done += accepted + 1
-    return out
 
 
 if __name__ == "__main__":

@@ -47,13 +47,14 @@ def test_a_replay_commits_the_continuation(study):
     rng = random.Random(0)
     prompt = [rng.randrange(5) for _ in range(30)]
     continuation = [rng.randrange(5) for _ in range(60)]
-    for its in (study.replay(prompt, continuation, 4, 3, 1),
-                study.replay_min(prompt, continuation, 4, 3, 1, 2),
-                study.lagged(prompt, continuation, 4, 3, 1, 2)):
-        # The last iteration's bonus may fall past the end (the engine stops there).
+    for gate in ({}, {"min_match": 2}, {"min_match": 2, "late": True}):
+        its = study.replay(prompt, continuation, 4, 3, 1, **gate)
         # The prefill gives the first token; the last iteration's bonus may fall past the
         # end (the engine stops there).
-        assert 1 + sum(a + 1 for _, a in its[:-1]) < len(continuation) \
-            <= 1 + sum(a + 1 for _, a in its)
-    free = study.replay(prompt, continuation, 4, 3, 1)
-    assert any(a for _, a in free)      # the small vocabulary's repeats get accepted
+        assert 1 + sum(a + 1 for _, _, a in its[:-1]) < len(continuation) \
+            <= 1 + sum(a + 1 for _, _, a in its)
+        # Nothing is accepted where nothing was drafted; the gate drafts as it says.
+        assert all(d or a == 0 for _, d, a in its)
+        if gate and not gate.get("late"):
+            assert all(d == (n >= 2) for n, d, _ in its)
+    assert any(a for _, _, a in study.replay(prompt, continuation, 4, 3, 1))
