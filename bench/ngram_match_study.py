@@ -3,11 +3,11 @@ what verifying one row where the match is short would give (issue 12's n-gram ba
 
 Greedy SmolLM2 (fp32, CPU) continues the first ``--prompts`` held-out chat prompts by
 ``--tokens`` tokens; then each continuation is replayed as greedy n-gram speculation would
-run it (``NgramDrafter.propose_row``'s rule: the latest earlier occurrence of the last n
+run it (the engine's ``NgramDrafter.match_row``: the latest earlier occurrence of the last n
 tokens, n = ngram_max .. ngram_min, the K tokens after it, the last token repeated where
 none matches or the draft runs past the end), each iteration (after the prefill's first
 token) accepting the drafts that equal the continuation and adding one token. The replay's AL is the engine's (greedy
-speculation commits the same tokens as greedy decoding; tested). For each minimum match
+speculation commits the same tokens as greedy decoding). For each minimum match
 length m it reports the iterations that would draft (match >= m), their share, the AL,
 and, at the given iteration times (``--t-none`` decode, ``--t-draft`` a K + 1-row VERIFY;
 default: the H200's at batch 1 with the shipped table, docs/performance.md), tokens/s over
@@ -28,17 +28,14 @@ import anyio
 from _common import HELD_OUT, chat_prompts, engine_config, held_out_texts, load_smol
 
 
-def propose(tokens: list[int], k: int, n_max: int, n_min: int) -> tuple[int, list[int]]:
-    """(match length, 0 where none; the k drafts) for the row ``tokens``."""
-    length = len(tokens)
-    for n in range(min(n_max, length - 1), n_min - 1, -1):
-        suffix = tokens[length - n:]
-        # The latest occurrence ending before the last token.
-        for start in range(length - n - 1, -1, -1):
-            if tokens[start:start + n] == suffix:
-                after = start + n
-                return n, [tokens[min(after + j, length - 1)] for j in range(k)]
-    return 0, [tokens[-1]] * k
+def ngram_drafter(k: int, n_max: int, n_min: int):
+    """The engine's host n-gram drafter (``NgramDrafter.match_row``), no device."""
+    import types  # noqa: PLC0415
+
+    from specloop.models.drafters import NgramDrafter  # noqa: PLC0415
+    spec = types.SimpleNamespace(num_draft_tokens=k, ngram_min=n_min, ngram_max=n_max)
+    return NgramDrafter(types.SimpleNamespace(speculative=spec),
+                        types.SimpleNamespace(target_cache=None))
 
 
 def replay(prompt: list[int], continuation: list[int], k: int, n_max: int, n_min: int,
@@ -48,9 +45,10 @@ def replay(prompt: list[int], continuation: list[int], k: int, n_max: int, n_min
     that long (K = 0 otherwise: one row, one token); ``late``: where the previous
     iteration's match was (computed whether or not it drafted; what a host can know when
     it queues a chained step), the first iteration drafting."""
+    drafter = ngram_drafter(k, n_max, n_min)     # its index fills as the row grows
     done, out, before = 1, [], min_match     # the prefill gives the first token
     while done < len(continuation):
-        n, drafts = propose(prompt + continuation[:done], k, n_max, n_min)
+        n, drafts = drafter.match_row(0, prompt + continuation[:done], k)
         drafted, accepted = (before if late else n) >= min_match, 0
         before = n
         while (drafted and accepted < k and done + accepted < len(continuation)
@@ -67,16 +65,13 @@ async def continuations(loaded, prompts: list[list[int]], tokens: int) -> list[l
 
     params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
     got: dict[str, list[int]] = collections.defaultdict(list)
-    order: list[str] = []
     cfg = engine_config({"method": "none"}, len(prompts), "cpu")
     async with AsyncEngine(cfg, model=loaded) as engine:
         async for outputs in engine.generate_batch(prompts, params):
             for output in outputs:
-                if output.request_id not in got:
-                    order.append(output.request_id)
                 got[output.request_id].extend(output.token_ids)
-    # Ids are given in prompt order; the first outputs of an iteration come in that order.
-    return [got[i] for i in sorted(order, key=order.index)]
+    # A new engine's automatic ids, req-0, req-1, ..., in prompt order.
+    return [got[f"req-{i}"] for i in range(len(prompts))]
 
 
 def main() -> None:

@@ -92,18 +92,22 @@ class NgramDrafter(Drafter):
 
     def propose_row(self, slot: int, tokens: Sequence[int], k: int | None = None
                     ) -> list[int]:
+        return self.match_row(slot, tokens, self.num_draft_tokens if k is None else k)[1]
+
+    def match_row(self, slot: int, tokens: Sequence[int], k: int) -> tuple[int, list[int]]:
+        """(the length n of the match drafted from, 0 where none; the k drafts) for the
+        row ``tokens`` of ``slot`` ((0, []) at k = 0). bench/ngram_match_study.py reads n."""
         index = self._slots.setdefault(slot, _SlotIndex())
         self._index(index, tokens)
-        k = self.num_draft_tokens if k is None else k
         if k == 0:
-            return []
+            return 0, []
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
             start = index.table.get(tuple(tokens[-n:]))
             if start is not None:
                 drafts = list(tokens[start:start + k])
-                return drafts + [drafts[-1]] * (k - len(drafts))
+                return n, drafts + [drafts[-1]] * (k - len(drafts))
         # No match: repeat the last token; verification rejects it at no extra cost.
-        return [tokens[-1]] * k
+        return 0, [tokens[-1]] * k
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         slots = ctx.slot_list()

@@ -1,15 +1,13 @@
-"""bench/ngram_match_study.py replays greedy n-gram speculation on the host: its drafts
-must be the engine's (``NgramDrafter.propose_row``), and its iterations must commit the
-continuation exactly, or its shares and ALs say nothing about the engine."""
+"""bench/ngram_match_study.py replays greedy n-gram speculation on the host with the
+engine's drafter (``NgramDrafter.match_row``): the match length it reports must be the
+longest suffix that occurred earlier, and the replay must commit the continuation, or its
+shares and ALs say nothing about the engine."""
 
 import importlib
 import random
-import types
 from pathlib import Path
 
 import pytest
-
-from specloop.models.drafters import NgramDrafter
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
@@ -20,25 +18,28 @@ def study(monkeypatch):
     return importlib.import_module("ngram_match_study")
 
 
-def engine_drafts(tokens, k, n_min, n_max):
-    spec = types.SimpleNamespace(num_draft_tokens=k, ngram_min=n_min, ngram_max=n_max,
-                                 adaptive=False)
-    drafter = NgramDrafter(types.SimpleNamespace(speculative=spec),
-                           types.SimpleNamespace(target_cache=None))
-    for cut in range(1, len(tokens), 4):      # its table filled a prefix at a time
-        drafter.propose_row(0, tokens[:cut], k)
-    return drafter.propose_row(0, tokens, k)
+def longest_match(tokens, n_min, n_max):
+    """The longest n in n_min..n_max whose suffix occurred earlier, ending before the last
+    token (0: none), by brute force."""
+    for n in range(min(n_max, len(tokens) - 1), n_min - 1, -1):
+        if any(tokens[s:s + n] == tokens[-n:] for s in range(len(tokens) - n)):
+            return n
+    return 0
 
 
 @pytest.mark.parametrize("seed", range(40))
-def test_the_study_drafts_what_the_engine_drafts(study, seed):
+def test_the_match_length_is_the_longest_earlier_suffix(study, seed):
     rng = random.Random(seed)
     vocab, k = rng.choice([2, 3, 6, 40]), rng.randint(1, 5)
     n_min = rng.randint(1, 3)
     n_max = rng.randint(n_min, 4)
     tokens = [rng.randrange(vocab) for _ in range(rng.randint(2, 40))]
-    _, drafts = study.propose(tokens, k, n_max, n_min)
-    assert drafts == engine_drafts(tokens, k, n_min, n_max)
+    drafter = study.ngram_drafter(k, n_max, n_min)
+    for cut in range(1, len(tokens), 4):      # its table filled a prefix at a time
+        drafter.match_row(0, tokens[:cut], k)
+    n, drafts = drafter.match_row(0, tokens, k)
+    assert n == longest_match(tokens, n_min, n_max)
+    assert drafts == drafter.propose_row(0, tokens, k) and len(drafts) == k
 
 
 def test_a_replay_commits_the_continuation(study):
