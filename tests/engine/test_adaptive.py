@@ -178,18 +178,25 @@ def test_a_new_bucket_borrows_the_settled_ones_times():
     assert adaptive.choose([adaptive.facts()], 8) == 3
 
 
+def _settled_at(bucket, device, offset):
+    """An AdaptiveK whose first bucket ``bucket`` settled with each K measured at its
+    warm-up time + ``offset``."""
+    adaptive = AdaptiveK(KS, CostTable(device))
+    adaptive.record(3, [3, 3, 3, 3])
+    for _ in range(FIRST_SAMPLES * len(KS) + 1):
+        k = adaptive.choose([adaptive.facts()], bucket)
+        adaptive.measured(device[(bucket, k)] + offset)
+    return adaptive
+
+
 def test_a_borrowed_time_moves_each_k_by_its_own_warm_up_growth():
     """Drafting K makes VERIFY's rows (K + 1) x the batch, so from bucket 1 to 8 warm-up's
     K = 3 time grows far more than K = 0's (made-up times). Borrowing moves each K by its
     own growth; scaling every K by K = 3's measured ratio made K = 0 look as dear as
     drafting and kept K = 3 where no speculation is faster."""
     device = {(b, k): (0.4 + 0.1 * k if b == 1 else 0.6 + 1.0 * k) for b in (1, 8) for k in KS}
-    cost = CostTable(device)
-    adaptive = AdaptiveK(KS, cost)
-    adaptive.record(3, [3, 3, 3, 3])                # acceptance 5/6 a position: E(3) ~ 3.1
-    for _ in range(FIRST_SAMPLES * len(KS) + 1):    # settle bucket 1: warm-up + 0.1 host
-        k = adaptive.choose([adaptive.facts()], 1)
-        adaptive.measured(device[(1, k)] + 0.1)
+    adaptive = _settled_at(1, device, 0.1)          # acceptance 5/6 a position: E(3) ~ 3.1
+    cost = adaptive.cost
     assert adaptive.choose([adaptive.facts()], 1) == 3
     cost.observe(8, 3, 3.7)                         # T(1, 3) + K = 3's growth (3.6 - 0.7)
     borrowed = adaptive._borrowed(8)
@@ -200,17 +207,6 @@ def test_a_borrowed_time_moves_each_k_by_its_own_warm_up_growth():
     # Host work measured dearer at 8 than warm-up's growth says: every K scaled alike.
     cost.measured[(8, 3)] = 7.4
     assert adaptive._borrowed(8)[0] == pytest.approx(1.4)
-
-
-def _settled_at(bucket, device, offset):
-    """An AdaptiveK whose first bucket ``bucket`` settled with each K measured at its
-    warm-up time + ``offset``."""
-    adaptive = AdaptiveK(KS, CostTable(device))
-    adaptive.record(3, [3, 3, 3, 3])
-    for _ in range(FIRST_SAMPLES * len(KS) + 1):
-        k = adaptive.choose([adaptive.facts()], bucket)
-        adaptive.measured(device[(bucket, k)] + offset)
-    return adaptive
 
 
 def test_a_borrowed_time_shrinks_no_lower_than_in_proportion():
