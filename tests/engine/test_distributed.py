@@ -18,21 +18,18 @@ pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def torchrun(n, *args, timeout=240):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={n}", *map(str, args)], env=env, cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
-
-
-def one_process(*args, timeout=240):
-    """The one-rank reference as a plain process: without WORLD_SIZE, adp_run.py runs world
-    1 on the single communicator, what torchrun's one rank ran (same tokens), without the
-    launcher's own torch import and agent (~2 s of CPU a run)."""
+def launch(n, *args, timeout=240):
+    """``args`` under torchrun on ``n`` ranks; one rank as a plain process: without
+    WORLD_SIZE, adp_run.py runs world 1 on the single communicator, what torchrun's one
+    rank ran (same tokens), without the launcher's own torch import and agent (~2 s of CPU
+    a run)."""
     env = {k: v for k, v in os.environ.items()
-           if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
+           if n > 1 or k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
+                                 "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run([sys.executable, *map(str, args)], env=env, cwd=ROOT,
+    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] \
+        if n > 1 else []
+    return subprocess.run([sys.executable, *launcher, *map(str, args)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -59,7 +56,7 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, extra, one_rank_runs):
             continue
         out = tmp_path / f"out{n}.json"
         cmd = ("bench/adp_run.py", "--tiny", "--requests", "18", "--out", out, *extra)
-        proc = torchrun(n, *cmd) if n > 1 else one_process(*cmd)
+        proc = launch(n, *cmd)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
         assert "SYNC median" in proc.stdout
         outs.append(out)
@@ -75,7 +72,7 @@ def test_two_gloo_ranks_equal_one_rank(tmp_path, extra, one_rank_runs):
 def test_cli_under_torchrun(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "tiny", vocab_size=384)
     config = write_gloo_config(tmp_path / "adp2.toml", model)
-    proc = torchrun(2, "-m", "specloop.engine.cli", "generate", "--config", config,
+    proc = launch(2, "-m", "specloop.engine.cli", "generate", "--config", config,
                     "--prompt", "hello", "--prompt", "world", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("--- prompt") == 2
