@@ -135,12 +135,16 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             summary = summarize_profile(prof, obs.iterations, stacks)
             if traces.get(name):
                 prof.export_chrome_trace(traces[name])
-            chain = engine.worker.chain
+            chain, adaptive = engine.worker.chain, engine.worker.adaptive
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
+            # Adaptive K: iterations per K chosen, chained steps into or out of K = 0.
+            ks = None if adaptive is None else {
+                "k_chosen": dict(sorted(adaptive.chosen.items())),
+                "chain_k0_steps": None if chain is None else chain.k0_steps}
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "per_position": per_position,
-                          "chain_queued_taken": chained, **summary})
+                          "chain_queued_taken": chained, **(ks or {}), **summary})
     return out
 
 

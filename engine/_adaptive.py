@@ -6,7 +6,12 @@ the most expected tokens per unit of time at batch b (its power-of-two class),
     E(k) / T(b, k),   E(k) = 1 + sum_{j=1..k} a_1 * ... * a_j,
 
 a_j being the acceptance of draft j given drafts 1..j-1 were accepted (decayed counts of
-recent iterations, pooled over the group's ranks), T(b, k) the iteration's time: VERIFY and
+recent iterations, pooled over the group's ranks). A drafter that tells its rows apart
+before drafting (``Drafter.draft_classes``: n-gram, the length of the match it would
+draft from) has counts per class, and E(k) is then the mean over the batch's rows of
+their class's E(k): a batch of rows without a match drafts nothing, one whose rows
+continue a long match drafts K (rows the drafter does not class, or past
+CLASSED_ROWS, take the counts of all classes pooled). T(b, k) the iteration's time: VERIFY and
 DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
 until iterations at (b, k) have been measured (whole iterations, start to start, less
 prefill, on a GPU as long as its kernels ran, and waits: the worker's clock), then their
@@ -72,6 +77,9 @@ SWITCH_MARGIN = 0.03
 # Later, a measurement counts at most OUTLIER times the average (a real change still
 # doubles it per iteration; one pause does not make a K look dear for hundreds).
 OUTLIER = 2.0
+# Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
+# iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
+CLASSED_ROWS = 64
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -87,10 +95,17 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 def choose_k(candidates: Sequence[int], acceptance: Sequence[float],
              times: dict[int, float]) -> int:
     """The rule: the candidate with the largest E(k) / T(k); the smaller K on a tie."""
+    return choose_by_rate(candidates, {k: expected_tokens(acceptance, k) for k in candidates},
+                          times)
+
+
+def choose_by_rate(candidates: Sequence[int], expected: dict[int, float],
+                   times: dict[int, float]) -> int:
+    """The candidate with the largest ``expected[k]`` / T(k); the smaller K on a tie."""
     ks = sorted(candidates)
     best, best_rate = ks[0], -1.0
     for k in ks:
-        rate = expected_tokens(acceptance, k) / max(times[k], 1e-9)
+        rate = expected[k] / max(times[k], 1e-9)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best
@@ -216,16 +231,20 @@ def _average(table: dict[Key, float], key: Key, value: float) -> None:
 
 
 class AdaptiveK:
-    """One rank's side of the rule: its decayed per-position counts and last measured
-    iteration time (``facts``, its columns of the SYNC row), and ``choose``, which every
-    rank runs on the gathered columns of all ranks, so all get the same K."""
+    """One rank's side of the rule: its decayed per-position counts (per draft class),
+    the classes of its next batch's rows and its last measured iteration time (``facts``,
+    its columns of the SYNC row), and ``choose``, which every rank runs on the gathered
+    columns of all ranks, so all get the same K. ``classes``: the drafter's number of
+    draft classes (0: none; every row is then unclassed, class ``classes``)."""
 
-    def __init__(self, candidates: Sequence[int], cost: CostTable) -> None:
+    def __init__(self, candidates: Sequence[int], cost: CostTable, classes: int = 0) -> None:
         self.candidates = tuple(sorted(set(candidates)))
         self.k_max = self.candidates[-1]
         self.cost = cost
-        self.reached = [0.0] * self.k_max
-        self.accepted = [0.0] * self.k_max
+        self.classes = classes
+        # Per class (the last one: unclassed rows), per position.
+        self._reached = [[0.0] * self.k_max for _ in range(classes + 1)]
+        self._accepted = [[0.0] * self.k_max for _ in range(classes + 1)]
         # The last iteration's time, sent once in ``facts`` (negative: ``disturb``).
         self._measured_us = 0
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
@@ -235,30 +254,59 @@ class AdaptiveK:
         self.chosen: collections.Counter[int] = collections.Counter()
 
     @property
-    def num_columns(self) -> int:
-        return 2 * self.k_max + 1
+    def reached(self) -> list[float]:
+        """Per position: the decayed rows that looked at that draft, all classes."""
+        return [sum(col) for col in zip(*self._reached)]
 
-    def facts(self) -> list[int]:
-        """[reached_1..K, accepted_1..K (x SCALE), measured iteration time in us (negative
-        when disturbed)]."""
-        row = [round(x * SCALE) for x in self.reached + self.accepted] + [self._measured_us]
+    @property
+    def accepted(self) -> list[float]:
+        """Per position: the decayed rows that had that draft accepted, all classes."""
+        return [sum(col) for col in zip(*self._accepted)]
+
+    @property
+    def num_columns(self) -> int:
+        return (self.classes + 1) * (2 * self.k_max + 1) + 1
+
+    def facts(self, classes: Sequence[int] | None = None) -> list[int]:
+        """[per class: reached_1..K, accepted_1..K (x SCALE); per class: the next batch's
+        rows of that class (``classes``: one per row; None: not told); measured iteration
+        time in us (negative when disturbed)]."""
+        row = self._row(classes)
+        row[-1] = self._measured_us
         self._measured_us = 0
         return row
 
-    def record(self, k: int, num_accepted: Sequence[int]) -> None:
-        """After VERIFY: each row drafted k and had ``num_accepted`` of them accepted."""
+    def unclassed(self, rows: int) -> list[int]:
+        """``rows`` rows' classes where the drafter gives none."""
+        return [self.classes] * rows
+
+    def record(self, k: int, num_accepted: Sequence[int],
+               classes: Sequence[int] | None = None) -> None:
+        """After VERIFY: each row drafted k and had ``num_accepted`` of them accepted;
+        ``classes``: each row's class as the choice of k saw it (None: unclassed). A
+        class's counts decay at the iterations that drafted rows of it."""
         if k == 0 or not num_accepted:
             return
+        if classes is None:
+            classes = self.unclassed(len(num_accepted))
+        by_class: dict[int, list[int]] = {}
+        for c, n in zip(classes, num_accepted):
+            by_class.setdefault(c, []).append(n)
+        for c, accepted_rows in by_class.items():
+            self._count(self._reached[c], self._accepted[c], k, accepted_rows)
+
+    def _count(self, reached_c: list[float], accepted_c: list[float], k: int,
+               num_accepted: list[int]) -> None:
         hist = collections.Counter(num_accepted)
         at_least = len(num_accepted)    # rows with n >= j, for j = 0, 1, ...
         for j in range(k):
             reached = at_least          # draft j+1 was looked at: drafts 1..j accepted
             at_least -= hist.get(j, 0)
-            self.reached[j] = self.reached[j] * DECAY + reached
-            self.accepted[j] = self.accepted[j] * DECAY + at_least
+            reached_c[j] = reached_c[j] * DECAY + reached
+            accepted_c[j] = accepted_c[j] * DECAY + at_least
         for j in range(k, self.k_max):
-            self.reached[j] *= DECAY
-            self.accepted[j] *= DECAY
+            reached_c[j] *= DECAY
+            accepted_c[j] *= DECAY
 
     def measured(self, seconds: float) -> None:
         """The iteration just run took ``seconds`` (prefill excluded)."""
@@ -270,20 +318,28 @@ class AdaptiveK:
         and no step queued ahead of it cost the same at any K)."""
         self._measured_us = -abs(self._measured_us)
 
-    def next_k(self, padded_batch_size: int, k: int, *, stay: bool = False) -> int:
+    def next_k(self, padded_batch_size: int, k: int, *, stay: bool = False,
+               classes: Sequence[int] | None = None) -> int:
         """One rank only: the next iteration's K, decided now (by the rule on this rank's
         counts and the times learned so far: the next iteration's own choice taken early),
-        so that its step can be queued before this one (at ``k``) is read back. ``stay``:
-        ``k`` again, whatever the rule says (an iteration whose step was not queued ahead
-        is followed by one that is, so a K gets timed as it runs in a stretch). Commits
-        nothing: ``commit`` does, once the step is queued."""
+        so that its step can be queued before this one (at ``k``) is read back; ``classes``
+        its rows' (as the host knows them now: a step earlier than ``choose`` would).
+        ``stay``: ``k`` again, whatever the rule says (an iteration whose step was not
+        queued ahead is followed by one that is, so a K gets timed as it runs in a
+        stretch). Commits nothing: ``commit`` does, once the step is queued."""
         if stay:
             return k
-        return self._rule([self._row()], self.cost.bucket(padded_batch_size), self._calls + 1)
+        return self._rule([self._row(classes)], self.cost.bucket(padded_batch_size),
+                          self._calls + 1)
 
     def commit(self, k: int) -> None:
         """The next ``choose`` returns ``k`` without running the rule (one rank only)."""
         self._committed = k
+
+    @property
+    def committed(self) -> bool:
+        """Whether the next ``choose`` is held by ``commit``."""
+        return self._committed is not None
 
     def choose(self, columns: torch.Tensor | list[list[int]], padded_batch_size: int) -> int:
         """columns [world, num_columns]: every rank's ``facts`` (a tensor, or rows as
@@ -305,17 +361,41 @@ class AdaptiveK:
         self.chosen[k] += 1
         return k
 
-    def _row(self) -> list[int]:
-        return [round(x * SCALE) for x in self.reached + self.accepted] + [0]
+    def _row(self, classes: Sequence[int] | None) -> list[int]:
+        counts = [round(x * SCALE) for c in range(self.classes + 1)
+                  for x in self._reached[c] + self._accepted[c]]
+        rows = [0] * (self.classes + 1)
+        for c in classes or ():
+            rows[c] += 1
+        return counts + rows + [0]
 
-    def _stay(self, k: int, acceptance: list[float], times: dict[int, float]) -> int:
+    def _expected(self, rows: list[list[int]]) -> dict[int, float]:
+        """E(k) per candidate from the gathered rows: the mean over the batches' rows of
+        their class's E(k) (unclassed rows, and every row when no rank told its classes:
+        all classes' counts pooled)."""
+        n, per = self.k_max, 2 * self.k_max
+        counts = [[sum(row[c * per + j] for row in rows) / SCALE for j in range(per)]
+                  for c in range(self.classes + 1)]
+        at = (self.classes + 1) * per
+        sizes = [sum(row[at + c] for row in rows) for c in range(self.classes + 1)]
+        pooled = acceptance_from_counts([sum(col) for col in zip(*(x[:n] for x in counts))],
+                                        [sum(col) for col in zip(*(x[n:] for x in counts))])
+        if not sum(sizes[:-1]):     # no classed row: the pooled counts alone
+            return {k: expected_tokens(pooled, k) for k in self.candidates}
+        acceptance = [acceptance_from_counts(x[:n], x[n:]) for x in counts[:-1]] + [pooled]
+        total = sum(sizes)
+        return {k: sum(size * expected_tokens(acc, k)
+                       for size, acc in zip(sizes, acceptance) if size) / total
+                for k in self.candidates}
+
+    def _stay(self, k: int, expected: dict[int, float], times: dict[int, float]) -> int:
         """The last iteration's K unless ``k`` beats it by SWITCH_MARGIN: measured rates
         within noise of each other would flip K, and the first drafting iteration after
         K = 0 ones pays an eager catch-up (the last K is agreed: every rank's is the same)."""
         last = None if self._last is None else self._last[1]
         if last is None or last == k:
             return k
-        rate = {c: expected_tokens(acceptance, c) / max(times[c], 1e-9) for c in (k, last)}
+        rate = {c: expected[c] / max(times[c], 1e-9) for c in (k, last)}
         return k if rate[k] > rate[last] * (1 + SWITCH_MARGIN) else last
 
     def _borrowed(self, bucket: int) -> dict[int, float]:
@@ -352,12 +432,9 @@ class AdaptiveK:
 
     def _rule(self, rows: list[list[int]], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket`` from the gathered rows."""
-        n = self.k_max
-        reached = [sum(row[j] for row in rows) / SCALE for j in range(n)]
-        accepted = [sum(row[n + j] for row in rows) / SCALE for j in range(n)]
         times = {k: self.cost.time(bucket, k) for k in self.candidates}
-        acceptance = acceptance_from_counts(reached, accepted)
-        k = choose_k(self.candidates, acceptance, times)
+        expected = self._expected(rows)
+        k = choose_by_rate(self.candidates, expected, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K
             # runs FIRST_SAMPLES times at the first bucket before the rule decides there
@@ -371,13 +448,12 @@ class AdaptiveK:
                     return untried[0]
                 else:
                     times = self._borrowed(bucket)
-                    k = choose_k(self.candidates, acceptance, times)
-            k = self._stay(k, acceptance, times)
+                    k = choose_by_rate(self.candidates, expected, times)
+            k = self._stay(k, expected, times)
             if calls % EXPLORE_EVERY == 0:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
                 explore = self.candidates[turn % n_k]
-                rate = {c: expected_tokens(acceptance, c) / max(times[c], 1e-9)
-                        for c in (k, explore)}
+                rate = {c: expected[c] / max(times[c], 1e-9) for c in (k, explore)}
                 if rate[explore] >= EXPLORE_RATE * rate[k] or \
                         (turn // n_k) % EXPLORE_RARELY == 0:
                     k = explore

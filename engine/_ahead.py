@@ -120,19 +120,23 @@ class RunAhead:
         by one at its own K that is (``stay``); it is not timed then, nor is one whose
         queued step was dropped (the device ran that one too): T(b, k) is what a stretch
         at k costs. -> as ``DeviceChain.queue``."""
-        w, k = self.worker, rec.k
+        w, k, chain = self.worker, rec.k, self.worker.chain
         adaptive = w.adaptive
         assert adaptive is not None, "at_k0 is set with adaptive K"
-        nxt = adaptive.next_k(rec.padded_batch_size, k, stay=not taken)
+        # The next iteration's rows' classes as the host knows them now (VERIFY n not
+        # read back: one iteration behind its own SYNC's), which its record then counts.
+        classes = w.draft_classes(rec.batch)
+        nxt = adaptive.next_k(rec.padded_batch_size, k, stay=not taken, classes=classes)
         hidden, queued = None, False
         if nxt == 0 and k == 0:
             self.queue(rec, pending, rows)
             queued = self.queued is not None
-        elif nxt and k and w.chain is not None:
-            hidden = w.chain.queue(rec, pending, rows, nxt)
+        elif chain is not None and (nxt and k or chain.through_k0):
+            hidden = chain.queue(rec, pending, rows, nxt)
             queued = hidden is not None
         if queued:
             adaptive.commit(nxt)
+            w.committed_classes = {} if classes is None else dict(zip(rec.batch, classes))
         else:
             w.runner.keep_ahead = 0
         dropped, self._expected = self._expected and not taken, queued

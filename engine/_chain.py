@@ -67,6 +67,9 @@ class DeviceChain:
         self.worker = worker
         self.drafter = worker.drafter
         self.k = self.drafter.num_draft_tokens
+        # Adaptive K: a drafter whose chained draft reads tokens only chains into and out
+        # of K = 0 too (``Drafter.chains_through_k0``: n-gram), else K > 0 to K > 0 only.
+        self.through_k0 = self.drafter.chains_through_k0
         # Pages RESCAN keeps past the committed K/V while chaining: the K + 1 positions a
         # chained step writes for the accepted tokens, then its catch-up's K + 1 rows.
         self.keep_ahead = 2 * self.k + 2
@@ -78,8 +81,9 @@ class DeviceChain:
         self._slots: tuple[tuple[Request, ...], list[int]] = ((), [])  # the last batch's
         # The chained step taken (its outputs): its requests hold the next step's pages.
         self._kept: Pending | None = None
-        # For tests and benches: steps queued, taken, taken for fewer requests.
-        self.queued_steps = self.taken_steps = self.subset_steps = 0
+        # For tests and benches: steps queued, taken, taken for fewer requests, queued
+        # into or out of K = 0 (``through_k0``).
+        self.queued_steps = self.taken_steps = self.subset_steps = self.k0_steps = 0
 
     # iteration n ------------------------------------------------------------------------
     def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
@@ -124,7 +128,8 @@ class DeviceChain:
             if statics is not None:
                 verify_in = statics(key)
                 into = {**statics(draft_key), "start_pos": verify_in["start_pos"]}
-            draft_in = self.drafter.chained_inputs(out, start, slots, sampling, into=into)
+            draft_in = self.drafter.chained_inputs(out, start, slots, sampling, into=into,
+                                                   tokens=[r.token_ids for r in batch])
             drafted = w.graph_cache.replay(draft_key, draft_in)
             hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1)
             if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
@@ -141,6 +146,7 @@ class DeviceChain:
             read = w.runner.start_read_back(next_out["packed"][:real])
         self._queued = _Queued(batch, slots, start, key, (next_out, read))
         self.queued_steps += 1
+        self.k0_steps += not (rec.k and k)
         return hidden
 
     @staticmethod
@@ -171,16 +177,21 @@ class DeviceChain:
     @staticmethod
     def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int, width: int
               ) -> dict[str, torch.Tensor]:
-        """VERIFY's outputs the chain reads, with the batch's rows first when requests
-        left since that VERIFY was queued (its padding rows after them: any row), its
+        """VERIFY's outputs the chain reads, ``padded`` rows, with the batch's rows first
+        when requests left since that VERIFY was queued (its padding rows after them: any
+        row; a K = 0 step queued ahead for more requests may have more rows), its
         columns padded to the draft graph's catch-up ``width`` (adaptive K: VERIFY n
         drafted fewer; the padding columns lie past the accepted row, as the graph's own
         padding: token 0, zero features)."""
         short = width - out["token_ids"].shape[1]
-        if in_order(rows) and short <= 0:   # the usual case: VERIFY's outputs as they are
-            return out
         packed, hidden = out["packed"], out["hidden"]
-        if not in_order(rows):
+        ordered = in_order(rows)
+        if ordered and short <= 0 and packed.shape[0] == padded:
+            return out      # the usual case: VERIFY's outputs as they are
+        if ordered and packed.shape[0] >= padded:
+            # A step queued ahead for more requests than are left (the larger bucket).
+            packed, hidden = packed[:padded], hidden[:padded]
+        elif not ordered or packed.shape[0] != padded:
             at = int64_tensor([*rows, *[0] * (padded - len(rows))])
             at = to_device(at, hidden.device)
             packed, hidden = packed.index_select(0, at), hidden.index_select(0, at)
@@ -212,11 +223,14 @@ class DeviceChain:
         the chained step would be dropped; one waiting to be admitted is held back an
         iteration instead, as the step queued ahead does), when a position it writes may
         lie past the cache, off the captured graphs (at
-        the next K), or after a VERIFY that drafted nothing (adaptive K's K = 0: the head
-        then has more rows to catch up on than VERIFY n's) or before one (K = 0: the
-        step queued ahead without a drafter, engine/_ahead.py). ``lengths``: the batch's."""
+        the next K), or, unless the drafter chains through K = 0, after a VERIFY that
+        drafted nothing (adaptive K's K = 0: a head then has more rows to catch up on than
+        VERIFY n's) or before one; never from K = 0 to K = 0 (the step queued ahead
+        without a drafter, engine/_ahead.py). ``lengths``: the batch's."""
         w = self.worker
-        if not rec.graph_captured or not rec.k or not k or not rec.batch:
+        if not rec.graph_captured or not rec.batch or not (rec.k or k):
+            return False
+        if not (rec.k and k) and not self.through_k0:
             return False
         key, draft_key = self._keys_for(rec.key, k)
         if not (w.graph_cache.has(key) and w.graph_cache.has(draft_key)):

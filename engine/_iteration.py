@@ -36,6 +36,9 @@ class IterationRecord:
     group_facts: torch.Tensor | None = None      # [world, 4 (+ adaptive K's)] from SYNC
     # K this iteration drafts: SYNC's choice under adaptive K, else the configured K.
     num_draft_tokens: int | None = None
+    # Adaptive K: each row's draft class as the choice of K saw it (``Drafter.draft_classes``;
+    # None: unclassed), which RESCAN counts its acceptance under.
+    draft_classes: list[int] | None = None
     graph_key: GraphKey | None = None
     graph_captured: bool = False                 # whether a captured graph serves the key
     sampling: SamplingBatch | None = None

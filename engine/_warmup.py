@@ -70,8 +70,10 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
             return None
         if k != drafter.num_draft_tokens and not drafter.variable_k:
             return None     # the engine drafts the maximum and keeps the first k
-        if not k:
-            return None     # K = 0: the engine does not call the drafter
+        if not k and not drafter.chains_through_k0:
+            # K = 0: the engine does not call the drafter (one chained through K = 0 places
+            # the bonus token of a K = 0 step chained behind a drafting VERIFY).
+            return None
         empty = torch.zeros(0, dtype=torch.int64, device=device)
         # No rows: graph_inputs reads shapes only (the spec is the key's variant's).
         spec = SpecMetadata(use_rejection_sampling=config.speculative.use_rejection_sampling,
@@ -142,8 +144,9 @@ def calibrate(*, config: EngineConfig, runner: ModelRunner, drafter: Drafter | N
             seconds = _time(_runner_of(graph_cache, key, step, example), device, reps)
             # A drafter without variable K drafts the maximum every iteration.
             dk = k if drafter is None or drafter.variable_k else k_max
+            # (K = 0 runs no draft but a chained step's, and the step queued ahead none.)
             drafted = draft(attrs.evolve(key, num_draft_tokens=dk), template) \
-                if drafter is not None else None
+                if drafter is not None and dk else None
             if drafted is not None:
                 stage = attrs.evolve(key, num_draft_tokens=dk, stage="draft")
                 seconds += _time(_runner_of(graph_cache, stage, *drafted), device, reps)

@@ -26,7 +26,7 @@ from specloop.models._grad import inference_mode
 from specloop.models._host import int64_tensor
 from specloop.samplers import RejectionResult, Sampler, SamplingBatch
 
-from ._adaptive import AdaptiveK, IterationClock
+from ._adaptive import CLASSED_ROWS, AdaptiveK, IterationClock
 from ._ahead import RunAhead
 from ._chain import DeviceChain
 from ._exchange import OutputExchange
@@ -75,6 +75,9 @@ class RankWorker:
         self.k = config.speculative.k      # the largest K an iteration may draft
         # Set at warm-up when speculative.adaptive: the per-iteration choice of K.
         self.adaptive: AdaptiveK | None = None
+        # The classes of the rows of the iteration adaptive K committed to early (one GPU
+        # rank: ``RunAhead._adaptive_next``), which its SYNC records as its own.
+        self.committed_classes: dict[Request, int] = {}
         self.clock = IterationClock()       # adaptive K's (keeps no time without it)
         self.scheduler = Scheduler(config.scheduler.max_batch_size,
                                    config.scheduler.max_num_tokens)
@@ -132,7 +135,8 @@ class RankWorker:
         if spec.adaptive and self.k:
             cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
-            self.adaptive = AdaptiveK(spec.k_values, cost)
+            classes = self.drafter.num_draft_classes if self.drafter is not None else 0
+            self.adaptive = AdaptiveK(spec.k_values, cost, classes)
             self.clock = IterationClock(self.adaptive, cuda=self.runner.device.type == "cuda")
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 
@@ -178,13 +182,13 @@ class RankWorker:
             # Inline host exchange: rank 0 posts its row first; the consumers woken by
             # the last RESCAN and the other ranks' outputs (``defer``) wait for VERIFY,
             # which runs them once the next step is queued (issue 12: rank 0 was late).
-            self._carried = await self.exchange(self._facts(rec.batch),
+            self._carried = await self.exchange(self._facts(rec),
                                                 defer=bool(rec.batch))
         else:
             # Consumers woken by the last RESCAN run now, not while the collective's
             # thread waits for the GIL (on rank 0 they are every rank's consumers).
             await anyio.lowlevel.checkpoint()
-            self._carried = await self.exchange(self._facts(rec.batch))
+            self._carried = await self.exchange(self._facts(rec))
         if self.adaptive is not None:   # waiting for the last rank: not this rank's time
             self.clock.exclude(self.exchange.times.recent[-1][0] / 1e6)
         rec.shutdown = self._carried.shutdown
@@ -224,21 +228,45 @@ class RankWorker:
         self.exchange.loads = [self.scheduler.num_requests]
         rec.padded_batch_size = len(rec.batch)
         if self.adaptive is not None and rec.batch:
-            rec.num_draft_tokens = self.adaptive.choose([self.adaptive.facts()],
-                                                        rec.padded_batch_size)
+            if self.adaptive.committed:     # the classes its K was chosen with
+                committed = self.committed_classes
+                rec.draft_classes = None if not committed else \
+                    [committed.get(r, self.adaptive.classes) for r in rec.batch]
+            else:
+                rec.draft_classes = self.draft_classes(rec.batch)
+            self.committed_classes = {}
+            rec.num_draft_tokens = self.adaptive.choose(
+                [self.adaptive.facts(rec.draft_classes)], rec.padded_batch_size)
             self.clock.timed = True
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
+
+    def draft_classes(self, batch: list[Request]) -> list[int] | None:
+        """Adaptive K's draft classes of ``batch``'s rows from their committed tokens
+        (``Drafter.draft_classes``); None when the drafter has none, unclassed past
+        CLASSED_ROWS rows."""
+        adaptive, drafter = self.adaptive, self.drafter
+        if adaptive is None or drafter is None or not adaptive.classes:
+            return None
+        if len(batch) > CLASSED_ROWS:
+            return adaptive.unclassed(len(batch))
+        return drafter.draft_classes([r.batch_slot for r in batch],
+                                     [r.token_ids for r in batch])
 
     def _all_greedy(self, batch: list[Request]) -> bool:
         """Whether every request of ``batch`` samples greedily: from the batch's sampling
         rows (built once per batch; PICK_GRAPH_KEY's), not a pass over its params."""
         return self._sampling_batch(batch, None).all_greedy if batch else True
 
-    def _facts(self, batch: list[Request]) -> list[int]:
-        """This rank's row of what the group agrees on (the FACT_* columns)."""
+    def _facts(self, rec: IterationRecord) -> list[int]:
+        """This rank's row of what the group agrees on (the FACT_* columns; adaptive K's
+        with its batch's draft classes, which RESCAN then records under)."""
+        batch = rec.batch
         row = [len(batch) * (self.k + 1), len(batch), self.scheduler.num_requests,
                int(self._all_greedy(batch))]
-        return row + self.adaptive.facts() if self.adaptive is not None else row
+        if self.adaptive is None:
+            return row
+        rec.draft_classes = self.draft_classes(batch)
+        return row + self.adaptive.facts(rec.draft_classes)
 
     async def _sync_group(self, rec: IterationRecord) -> IterationState:
         """Agreement from the facts gathered in SCHEDULE's exchange (no collective)."""
@@ -481,7 +509,7 @@ class RankWorker:
                                                accepted)
             self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)
             if self.adaptive is not None:
-                self.adaptive.record(k, accepted)
+                self.adaptive.record(k, accepted, rec.draft_classes)
         return S.DONE
 
     def cancel_all(self) -> None:

@@ -17,7 +17,8 @@
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
 #   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"
 #            is the shipped one) taking turns $ROUNDS times (default 2), none / n-gram K=4 / eagle3 K=3 at
-#            batch 1 and 32, one process each (the fifth session's A/B, as one step)
+#            batch 1 and 32, one process each (the fifth session's A/B, as one step);
+#            CONFIGS and BATCHES (profile_spec_gpu.py's --configs, --batches) replace those
 #   tabletests  the GPU tests that read the skinny table (tests/models/test_skinny.py and
 #            test_pdl.py -m gpu: a row's bits within the prefix, the tail's against
 #            F.linear, the chained step under PDL) with each table file in $TABLES: run it
@@ -105,7 +106,8 @@ for step in "$@"; do
           (use_table "$t" || exit
            cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
              --out "$OUT/tables_${i}_$(basename "$t" .json)_$round.jsonl" \
-             --configs "none,ngram K=4,eagle3 K=3" --batches 1,32 --runs 3 --min-prompts 16 \
+             --configs "${CONFIGS:-none,ngram K=4,eagle3 K=3}" --batches "${BATCHES:-1,32}" \
+             --runs 3 --min-prompts 16 \
              > "$OUT/tables_${i}_$round.log" 2>&1; rc=$?
            grep '^{' "$OUT/tables_${i}_$round.log" | cut -c1-150
            # A failed run says why (the rows' grep alone would hide Python's traceback).

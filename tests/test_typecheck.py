@@ -124,8 +124,17 @@ class Structural:
         pass
 
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
-                       slots: Sequence[int], sampling: SamplingBatch
+                       slots: Sequence[int], sampling: SamplingBatch,
+                       into: dict[str, torch.Tensor] | None = None,
+                       tokens: Sequence[Sequence[int]] | None = None
                        ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    chains_through_k0: bool = False
+    num_draft_classes: int = 0
+
+    def draft_classes(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]]
+                      ) -> list[int]:
         raise NotImplementedError
 
     def chained_consumed(self, slots: Sequence[int]) -> None:

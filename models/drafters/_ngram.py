@@ -54,9 +54,6 @@ class NgramDrafter(Drafter):
         self.history: torch.Tensor | None = None
         # Per slot: positions below this hold the slot's tokens on the device.
         self._on_device: dict[int, int] = {}
-        # Per slot: the tokens DRAFT saw (the request's list), until a chained step
-        # copies what the device lacks of them.
-        self._seen: dict[int, Sequence[int]] = {}
 
     def _device_buffers(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Each slot's committed tokens on the device (row ``num_slots``: padding), and
@@ -74,13 +71,11 @@ class NgramDrafter(Drafter):
         self._slots[slot] = _SlotIndex()
         if self.chainable:
             self._on_device[slot] = 0
-            self._seen.pop(slot, None)
 
     def release(self, slot: int) -> None:
         self._slots.pop(slot, None)
         if self.chainable:
             self._on_device.pop(slot, None)
-            self._seen.pop(slot, None)
 
     def _index(self, index: _SlotIndex, tokens: Sequence[int]) -> None:
         # The suffix itself must not match itself: index n-grams ending before the last token.
@@ -96,25 +91,43 @@ class NgramDrafter(Drafter):
 
     def match_row(self, slot: int, tokens: Sequence[int], k: int) -> tuple[int, list[int]]:
         """(the length n of the match drafted from, 0 where none; the k drafts) for the
-        row ``tokens`` of ``slot`` ((0, []) at k = 0). bench/ngram_match_study.py reads n."""
+        row ``tokens`` of ``slot`` ((n, []) at k = 0). bench/ngram_match_study.py reads n."""
+        n, start = self._match(slot, tokens)
+        if k == 0:
+            return n, []
+        if n:
+            drafts = list(tokens[start:start + k])
+            return n, drafts + [drafts[-1]] * (k - len(drafts))
+        # No match: repeat the last token; verification rejects it at no extra cost.
+        return 0, [tokens[-1]] * k
+
+    def _match(self, slot: int, tokens: Sequence[int]) -> tuple[int, int]:
+        """(the longest n whose last n tokens occurred before, 0 where none; the
+        position after that latest occurrence)."""
         index = self._slots.setdefault(slot, _SlotIndex())
         self._index(index, tokens)
-        if k == 0:
-            return 0, []
         for n in range(min(self.ngram_max, len(tokens)), self.ngram_min - 1, -1):
             start = index.table.get(tuple(tokens[-n:]))
             if start is not None:
-                drafts = list(tokens[start:start + k])
-                return n, drafts + [drafts[-1]] * (k - len(drafts))
-        # No match: repeat the last token; verification rejects it at no extra cost.
-        return 0, [tokens[-1]] * k
+                return n, start
+        return 0, 0
+
+    # Adaptive K's draft classes: the match length, 0 (none) .. ngram_max. Without a match
+    # the draft repeats the last token and is nearly never accepted (~0.1 % of SmolLM2's
+    # chat iterations at K = 4), a one-token match ~0.4 tokens, three tokens ~2.3
+    # (bench/ngram_match_study.py): verifying K + 1 rows pays only for the longer ones.
+    @property
+    def num_draft_classes(self) -> int:
+        return int(self.ngram_max) + 1
+
+    def draft_classes(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]]
+                      ) -> list[int]:
+        return [self._match(slot, tokens)[0] for slot, tokens in zip(slots, token_ids)]
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         slots = ctx.slot_list()
         k = ctx.draft_count(self)
         rows = [self.propose_row(s, t, k) for s, t in zip(slots, ctx.token_ids)]
-        if self.chainable:      # a chained step copies what the device lacks of them
-            self._seen.update(zip(slots, ctx.token_ids))
         # On the host: VERIFY's one input copy takes them along (no copy of their own).
         return DraftProposal(torch.tensor(rows, dtype=torch.int64).reshape(len(rows), k))
 
@@ -125,6 +138,12 @@ class NgramDrafter(Drafter):
 
     @property
     def can_chain(self) -> bool:
+        return self.chainable
+
+    @property
+    def chains_through_k0(self) -> bool:
+        # Its chained draft reads VERIFY's tokens only: at K = 0 the step places the bonus
+        # token alone, and after a K = 0 VERIFY it drafts from that one token.
         return self.chainable
 
     def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
@@ -158,13 +177,15 @@ class NgramDrafter(Drafter):
 
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
                        slots: Sequence[int], sampling: SamplingBatch,
-                       into: dict[str, torch.Tensor] | None = None
+                       into: dict[str, torch.Tensor] | None = None,
+                       tokens: Sequence[Sequence[int]] | None = None
                        ) -> dict[str, torch.Tensor]:
         """The chained draft's inputs (VERIFY n's rows), after copying to the device the
-        tokens it lacks of each row's first ``start + 1`` (those DRAFT saw on the host
-        since the last chained step; a row whose DRAFT was chained already has them);
-        ``bonus`` and ``start_pos`` are the graph's outputs, valid once it has run.
-        ``into`` is not used (the inputs are views of the device buffers)."""
+        tokens it lacks of each row's first ``start + 1`` (``tokens``: those committed
+        since the row's last chained step, drafted on the host or verified at K = 0; a
+        row whose last step was chained has them all); ``bonus`` and ``start_pos`` are
+        the graph's outputs, valid once it has run. ``into`` is not used (the inputs are
+        views of the device buffers)."""
         rows, real = sampling.size, len(start)
         pad = rows - real
         meta = [list(start) + [0] * pad, list(slots) + [self.scratch] * pad,
@@ -173,11 +194,13 @@ class NgramDrafter(Drafter):
         at: list[int] = []
         values: list[int] = []
         stride = history.shape[1]
-        for slot, s in zip(slots, start):
-            seen, have = self._seen.pop(slot, None), self._on_device.get(slot, 0)
-            if seen is not None and have < s + 1:
-                # The request's own list (appended in place): it holds s + 1 tokens now.
-                tail = list(seen[have:s + 1])
+        for i, (slot, s) in enumerate(zip(slots, start)):
+            have = self._on_device.get(slot, 0)
+            if have < s + 1:
+                if tokens is None:
+                    raise ValueError(f"slot {slot}: the device holds {have} of its "
+                                     f"{s + 1} tokens and chained_inputs got no tokens")
+                tail = list(tokens[i][have:s + 1])
                 at.extend(range(slot * stride + have, slot * stride + have + len(tail)))
                 values.extend(tail)
             self._on_device[slot] = s + 1

@@ -65,6 +65,10 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
     flat_hist = history.view(-1)
     # Rows past their accepted count write back what is there (a masked scatter).
     flat_hist[flat.reshape(-1)] = torch.where(keep, verified, flat_hist[flat]).reshape(-1)
+    bonus.copy_(verified.gather(1, acc[:, None])[:, 0])
+    start_pos.copy_(position + acc)
+    if k == 0:      # adaptive K's K = 0: the bonus token and its position only
+        return verified.new_zeros(rows, 0)
     length = start + acc + 2
     seq = history.index_select(0, row)                        # [B, S]
     best = length.clone()
@@ -82,8 +86,6 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
         found = found | (cand >= 0)
     at = torch.minimum(best[:, None] + torch.arange(k, device=history.device)[None],
                        length[:, None] - 1)
-    bonus.copy_(verified.gather(1, acc[:, None])[:, 0])
-    start_pos.copy_(position + acc)
     return seq.gather(1, at)
 
 
@@ -110,28 +112,29 @@ if triton is not None:
         tl.store(base + start + 1 + j, tok, mask=(j < W) & (j <= acc))
         tl.store(bonus_ptr + b, tl.sum(tl.where(j == acc, tok, 0), axis=0))
         tl.store(pos_ptr + b, position + acc)
-        tl.debug_barrier()      # the stores above are read below, by other threads
-        length = start + acc + 2
-        best = length
-        found = length < 0      # False
-        for i in tl.static_range(NMAX - NMIN + 1):     # n = NMAX - i, longest first
-            cand = length * 0 - 1
-            for blk in range(0, S, BLOCK):   # the positions past length: masked
-                p = blk + tl.arange(0, BLOCK)
-                ok = (p >= NMAX - i) & (p <= length - 1)
-                for m in tl.static_range(NMAX - i):
-                    want = tl.load(base + length - (NMAX - i) + m,
-                                   mask=length - (NMAX - i) + m >= 0, other=-1)
-                    have = tl.load(base + p - (NMAX - i) + m, mask=ok, other=-2)
-                    ok = ok & (have == want)
-                cand = tl.maximum(cand, tl.max(tl.where(ok, p, -1), axis=0))
-            take = (cand >= 0) & (found == 0)
-            best = tl.where(take, cand, best)
-            found = found | (cand >= 0)
-        d = tl.arange(0, KP)
-        at = tl.minimum(best + d, length - 1)
-        drafts = tl.load(base + at, mask=d < K, other=0)
-        tl.store(out_ptr + b * K + d, drafts, mask=d < K)
+        if K > 0:   # K = 0 (adaptive K): the bonus token and its position only
+            tl.debug_barrier()      # the stores above are read below, by other threads
+            length = start + acc + 2
+            best = length
+            found = length < 0      # False
+            for i in tl.static_range(NMAX - NMIN + 1):     # n = NMAX - i, longest first
+                cand = length * 0 - 1
+                for blk in range(0, S, BLOCK):   # the positions past length: masked
+                    p = blk + tl.arange(0, BLOCK)
+                    ok = (p >= NMAX - i) & (p <= length - 1)
+                    for m in tl.static_range(NMAX - i):
+                        want = tl.load(base + length - (NMAX - i) + m,
+                                       mask=length - (NMAX - i) + m >= 0, other=-1)
+                        have = tl.load(base + p - (NMAX - i) + m, mask=ok, other=-2)
+                        ok = ok & (have == want)
+                    cand = tl.maximum(cand, tl.max(tl.where(ok, p, -1), axis=0))
+                take = (cand >= 0) & (found == 0)
+                best = tl.where(take, cand, best)
+                found = found | (cand >= 0)
+            d = tl.arange(0, KP)
+            at = tl.minimum(best + d, length - 1)
+            drafts = tl.load(base + at, mask=d < K, other=0)
+            tl.store(out_ptr + b * K + d, drafts, mask=d < K)
 
 
 def _pow2(n: int) -> int:

@@ -201,9 +201,37 @@ class Drafter(Protocol):
         iteration n+1 before reading VERIFY n back (engine/_chain.py). Default False."""
         return False
 
+    @property
+    def chains_through_k0(self) -> bool:
+        """True when the chained draft reads VERIFY's tokens only (no feature rows), so
+        that under adaptive K the engine chains across K = 0 too: ``graph_step`` is then
+        also asked for K = 0 (no drafts: the step only places VERIFY n's bonus token and
+        its position), and ``chained_inputs`` may get a K = 0 VERIFY's outputs (one token,
+        none accepted) padded to the graph's width. Default False."""
+        return False
+
+    @property
+    def num_draft_classes(self) -> int:
+        """How many classes ``draft_classes`` tells rows apart by (0: it is not called).
+        Default 0."""
+        return 0
+
+    def draft_classes(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]]
+                      ) -> list[int]:
+        """Each row's class (0 .. ``num_draft_classes`` - 1) before it drafts from its
+        committed tokens ``token_ids`` (the requests' own lists): a sign, known on the
+        host, of how much of its draft will be accepted (n-gram: the length of the match
+        it would draft from). Adaptive K keeps acceptance counts per class and weighs each
+        row by its class's (engine/_adaptive.py); the classes steer only how many tokens
+        are drafted, never which tokens are committed. Called only where
+        ``num_draft_classes`` > 0, on the host, once per iteration for batches of up to
+        ``CLASSED_ROWS`` rows; keep it cheap (a few us a row)."""
+        raise RuntimeError(f"{type(self).__name__} has no draft classes")
+
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
                        slots: Sequence[int], sampling: SamplingBatch,
-                       into: dict[str, torch.Tensor] | None = None
+                       into: dict[str, torch.Tensor] | None = None,
+                       tokens: Sequence[Sequence[int]] | None = None
                        ) -> dict[str, torch.Tensor]:
         """``graph_inputs`` of the iteration after a VERIFY whose rows sat at ``start``
         (L - 1) in ``slots``, built on the device from its outputs (``token_ids``,
@@ -214,7 +242,9 @@ class Drafter(Protocol):
         ``start_pos`` here, valid once the graph ran; only called where ``can_chain`` is
         True. ``into``: tensors (the draft graph's static inputs, VERIFY's ``start_pos``)
         an input of the same name and shape may be written into in place and returned as
-        itself, so that the replay copies nothing for it; a drafter may ignore it."""
+        itself, so that the replay copies nothing for it; a drafter may ignore it.
+        ``tokens``: each row's committed tokens (the requests' own lists, ``start + 1``
+        long), for a drafter that keeps them on the device."""
         raise RuntimeError(f"{type(self).__name__} does not chain (its can_chain is False)")
 
     def chained_consumed(self, slots: Sequence[int]) -> None:

@@ -87,6 +87,71 @@ def test_choice_depends_only_on_the_gathered_columns():
     assert a.choose(columns, 1) == choose_k(KS, pooled, times)
 
 
+# Draft classes (n-gram: the length of the match a row drafts from) ------------------------
+def test_counts_are_kept_per_draft_class():
+    """Each row's acceptance counts under its class; ``reached``/``accepted`` pool them;
+    a class decays only at iterations that drafted rows of it."""
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 for k in KS}), classes=2)
+    adaptive.record(3, [0, 3, 1, 2], [0, 1, 0, 1])
+    assert (adaptive._reached[0], adaptive._accepted[0]) == brute_counts([0, 1], 3)
+    assert (adaptive._reached[1], adaptive._accepted[1]) == brute_counts([3, 2], 3)
+    assert adaptive._reached[2] == [0.0] * 3            # no unclassed row
+    assert (adaptive.reached, adaptive.accepted) == brute_counts([0, 3, 1, 2], 3)
+    adaptive.record(3, [3], [1])
+    assert adaptive._reached[0] == brute_counts([0, 1], 3)[0]     # not decayed
+    assert adaptive._reached[1][0] == pytest.approx(2 * 0.98 + 1)
+    adaptive.record(2, [1, 1])                          # unclassed rows: the last class
+    assert adaptive._reached[2][:2] == [2, 2]
+
+
+def trained_on_two_classes(classes):
+    """Rows of class 0 never accepted, rows of class 1 always (n-gram without a match,
+    and along a long one), as AdaptiveK with ``classes`` classes or none sees them."""
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 + 0.3 * k for k in KS}, learn=False),
+                         classes=classes)
+    for _ in range(20):
+        adaptive.record(3, [0] * 4 + [3] * 4, [0] * 4 + [1] * 4 if classes else None)
+    return adaptive
+
+
+def test_draft_classes_choose_k_for_the_rows_at_hand():
+    """A batch of rows without a match drafts nothing, one along a long match drafts all
+    K; E(k) of a mixed batch is the mean of its rows'. The biased twin, counts pooled
+    over every row (no classes), drafts K = 3 for both."""
+    adaptive = trained_on_two_classes(2)
+    assert adaptive.next_k(1, 0, classes=[0]) == 0
+    assert adaptive.next_k(1, 0, classes=[1]) == 3
+    expected = adaptive._expected([adaptive._row([0, 0, 0, 1])])
+    alone = {c: adaptive._expected([adaptive._row([c])]) for c in (0, 1)}
+    for k in KS:
+        assert expected[k] == pytest.approx((3 * alone[0][k] + alone[1][k]) / 4)
+    assert alone[0][3] < 1.1 and alone[1][3] > 3.5
+    # Not told the classes (a rank's facts without them): the pooled counts decide.
+    assert adaptive.next_k(1, 0) == 3
+    pooled = trained_on_two_classes(0)
+    assert pooled.next_k(1, 0) == 3 and pooled.next_k(1, 0, classes=None) == 3
+
+
+def test_group_classes_are_the_gathered_rows():
+    """Ranks with rows of different classes choose from the columns gathered: every rank
+    the same K, from all rows (here rank a alone would draft, the group does not)."""
+    cost = {(1, k): 1.0 + 0.3 * k for k in KS}
+    a = trained_on_two_classes(2)
+    b = trained_on_two_classes(2)
+    columns = torch.tensor([a.facts([1]), b.facts([0, 0, 0])])
+    assert a.next_k(1, 0, classes=[1]) == 3
+    assert a.choose(columns, 1) == b.choose(columns, 1) == 0
+    rows = [[1], [0, 0, 0]]
+    per_row = {c: a._expected([a._row([c])]) for c in (0, 1)}
+    mean = {k: sum(per_row[c][k] for r in rows for c in r) / 4 for k in KS}
+    assert choose_k_by(mean, cost) == 0
+
+
+def choose_k_by(expected, cost):
+    from specloop.engine._adaptive import choose_by_rate
+    return choose_by_rate(KS, expected, {k: cost[(1, k)] for k in KS})
+
+
 def test_measured_time_decides_over_warm_up():
     """Drafting's host work (which warm-up does not time) makes K = 3 dear: once each K was
     measured, the rule follows the measurements, not the warm-up table."""
@@ -399,6 +464,38 @@ async def test_group_runs_one_k_per_iteration_and_matches_one_rank(tiny_dir, tin
     assert len(set(logs[0].values())) >= 2 and 0 in logs[0].values(), logs[0]
 
 
+async def test_ngram_rows_are_classed_and_the_group_agrees(tiny_dir, tiny_loaded):
+    """n-gram under adaptive K with its draft classes (the match length), on one rank
+    and on 2 LocalGroup ranks whose batches differ: every row counted under its class
+    (none unclassed), one K per iteration on every rank, greedy rows exact."""
+    reqs = staggered()
+    config = make_config(tiny_dir, method="ngram", k=3, rejection=True,
+                         speculative={"adaptive": True},
+                         parallel={"world_size": 2, "attention_dp": True})
+    seen = []
+
+    async def rank_main(comm):
+        klog = KLog()
+        async with AsyncEngine(config, communicator=comm, model=tiny_loaded,
+                               observers=[klog]) as engine:
+            adaptive = engine.worker.adaptive
+            adaptive.cost = switching_cost()
+            outs = await serve_staggered(engine, reqs) if comm.rank == 0 else \
+                await engine.wait_closed()
+            seen.append(adaptive)
+        return outs, klog.ks
+
+    results = await LocalGroup(2, timeout=5.0).run(rank_main)
+    check_greedy(tiny_loaded, reqs, results[0][0])
+    logs = [dict(ks) for _, ks in results]
+    common = logs[0].keys() & logs[1].keys()
+    assert len(common) >= 10 and all(logs[0][i] == logs[1][i] for i in common)
+    for adaptive in seen:
+        assert adaptive.classes == 4 and sum(adaptive._reached[4]) == 0
+    # Rows of at least two match lengths were drafted on some rank.
+    assert sum(1 for c in range(4) if any(sum(a._reached[c]) for a in seen)) >= 2
+
+
 async def test_group_agrees_on_k_from_its_own_timings(tiny_dir, tiny_loaded):
     """The engine's own table, learning from each rank's measured times (which differ):
     the agreed values (the slowest rank's time) keep K equal on every rank."""
@@ -438,7 +535,7 @@ def cycle_k(adaptive, pattern):
         return pattern[(calls[0] - 1) % len(pattern)]
     adaptive.choose = choose
     # One GPU rank takes the next K early to queue its step (whatever ``stay``).
-    adaptive.next_k = lambda batch, k, stay=False: pattern[calls[0] % len(pattern)]
+    adaptive.next_k = lambda batch, k, stay=False, classes=None: pattern[calls[0] % len(pattern)]
 
 
 def record_first_drafts(drafter, seen):

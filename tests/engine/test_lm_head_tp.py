@@ -142,7 +142,7 @@ async def test_synced_flag_is_the_and_of_the_ranks_flags(tiny_dir, tiny_loaded, 
         params = SamplingParams(temperature=0.0 if flags[comm.rank] else 1.0)
         rec = IterationRecord(0, SpecMetadata(use_rejection_sampling=True))
         rec.batch = [Request("x", (1, 2), params, 0, [1, 2])]
-        await engine.worker.exchange(engine.worker._facts(rec.batch))
+        await engine.worker.exchange(engine.worker._facts(rec))
         await engine.worker.sync(rec)
         return rec.spec
 

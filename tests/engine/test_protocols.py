@@ -23,7 +23,8 @@ USED = {
     "drafter": {"num_draft_tokens", "prefill", "propose", "release", "point_mass",
                 "needs_empty_calls", "feature_layers", "on_verified", "can_graph",
                 "graph_step", "graph_inputs", "variable_k", "can_chain", "chained_inputs",
-                "chained_consumed", "prefill_many", "prefill_graphs"},
+                "chained_consumed", "prefill_many", "prefill_graphs", "chains_through_k0",
+                "num_draft_classes", "draft_classes"},
     "observer": {"on_transition"},
 }
 

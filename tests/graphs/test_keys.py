@@ -89,7 +89,7 @@ async def test_adp_ranks_agree_or_all_go_eager(tiny_dir, tiny_loaded, gate):
         params = SamplingParams(temperature=0.0 if flags[comm.rank] else 1.0)
         rec = IterationRecord(0, SpecMetadata(use_rejection_sampling=True))
         rec.batch = [Request("x", (1, 2), params, 0, [1, 2], slot=0)] * (comm.rank + 1)
-        await worker.exchange(worker._facts(rec.batch))   # SYNC's facts ride it
+        await worker.exchange(worker._facts(rec))   # SYNC's facts ride it
         await worker.sync(rec)
         await worker.pick_graph_key(rec)
         return rec.graph_key

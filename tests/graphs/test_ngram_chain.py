@@ -159,7 +159,7 @@ def test_chained_drafts_equal_host_drafts_as_requests_come_and_go(seed, k):
         if rng.random() < 0.7:           # a step chained behind VERIFY
             inputs = drafter.chained_inputs(
                 {"token_ids": verified, "num_accepted": accepted}, start, batch,
-                types.SimpleNamespace(size=rows))
+                types.SimpleNamespace(size=rows), tokens=[tokens[s] for s in batch])
             drafts = step(inputs)["token_ids"]
             for i, s in enumerate(batch):
                 assert drafts[i].tolist() == host_drafts(tokens[s] + new[i], k, 1, 3)
@@ -281,9 +281,11 @@ def assert_drafts_are_the_hosts(recorders, reqs, outs):
 
 
 async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
-    """Adaptive K (the chain queues the next iteration's K, K = 0 stretches step ahead
-    without the drafter, so DRAFT skips iterations): the same outputs as the same K per
-    iteration unchained, and every VERIFY's drafts are the host drafter's at its K."""
+    """Adaptive K (the chain queues the next iteration's K, into and out of K = 0 too;
+    K = 0 stretches step ahead without the drafter, so DRAFT skips iterations and the
+    device's token rows miss those tokens until the next chained step copies them): the
+    same outputs as the same K per iteration unchained, and every VERIFY's drafts are the
+    host drafter's at its K."""
     from specloop.engine import AsyncEngine
     from specloop.engine._chain import DeviceChain
 
@@ -302,12 +304,13 @@ async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
             worker.chain = DeviceChain(worker=worker) if chained else None
             cycle_k(worker.adaptive, pattern)
             outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
-            return outs, worker.chain.taken_steps if chained else 0
+            return outs, worker.chain if chained else None
 
     planted.RECORDERS.clear()
     plain, _ = await go(False)
-    chained, taken = await go(True)
-    assert chained == plain and taken >= 5
+    chained, chain = await go(True)
+    assert chained == plain and chain.taken_steps >= 5
+    assert chain.k0_steps >= 3      # chained into and out of K = 0
     assert assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained) > 50
 
 
