@@ -145,7 +145,8 @@ def _chain_step_triton(history: torch.Tensor, verified: torch.Tensor, accepted: 
                        meta: torch.Tensor, *, k: int, ngram_min: int, ngram_max: int,
                        bonus: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
     rows, width = verified.shape
-    out = torch.empty(rows, k, dtype=torch.int64, device=history.device)
+    # One column at least: at K = 0 the kernel stores none, but is handed a real buffer.
+    out = torch.empty(rows, max(k, 1), dtype=torch.int64, device=history.device)
     # verified's rows may be strided: VERIFY's token ids are a view of its ``packed``
     # [B, K+2] when the all-greedy kernels wrote them (samplers/_triton_greedy.py).
     assert history.is_contiguous() and verified.stride(1) == 1 and meta.is_contiguous()
@@ -155,4 +156,4 @@ def _chain_step_triton(history: torch.Tensor, verified: torch.Tensor, accepted: 
         start_pos, rows, S=history.shape[1], W=width, WP=_pow2(width), K=k,
         KP=_pow2(max(k, 1)),
         NMIN=ngram_min, NMAX=ngram_max, BLOCK=512, **_pdl.launch_kw(history))
-    return out
+    return out[:, :k]

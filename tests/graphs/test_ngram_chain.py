@@ -56,9 +56,10 @@ def random_case(rng: random.Random, rows: int, width: int = 48):
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 4), k=st.integers(1, 5),
+@given(seed=st.integers(0, 2 ** 32 - 1), rows=st.integers(1, 4), k=st.integers(0, 5),
        ngram_min=st.integers(1, 3), extra=st.integers(0, 2))
 def test_device_drafts_equal_host_drafts(seed, rows, k, ngram_min, extra):
+    """K = 0 included (adaptive K chained into K = 0: the bonus token and position only)."""
     rng = random.Random(seed)
     history, verified, accepted, meta, full = random_case(rng, rows)
     ngram_max = ngram_min + extra
@@ -177,7 +178,7 @@ from tests.graphs.test_ngram_chain import host_drafts, random_case
 from specloop.models.drafters._ngram_device import _chain_step_triton
 rng = random.Random(7)
 for trial in range(12):
-    rows, k, lo = rng.randint(1, 3), rng.randint(1, 5), rng.randint(1, 2)
+    rows, k, lo = rng.randint(1, 3), rng.randint(0, 5), rng.randint(1, 2)
     hi = lo + rng.randint(0, 2)
     history, verified, accepted, meta, full = random_case(rng, rows)
     if trial % 2:   # rows strided, as VERIFY's token ids in its packed [B, K+2]
