@@ -140,12 +140,23 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             # Adaptive K: iterations per K chosen, chained steps into or out of K = 0.
             ks = None if adaptive is None else {
                 "k_chosen": dict(sorted(adaptive.chosen.items())),
-                "chain_k0_steps": None if chain is None else chain.k0_steps}
+                "chain_k0_steps": None if chain is None else chain.k0_steps,
+                **adaptive_state(adaptive)}
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "per_position": per_position,
                           "chain_queued_taken": chained, **(ks or {}), **summary})
     return out
+
+
+def adaptive_state(adaptive) -> dict:
+    """What adaptive K decided from: T(b, k) learned and at warm-up (ms), and E(k) per
+    draft class (the last: unclassed, every class's counts pooled)."""
+    cost = adaptive.cost
+    return {"t_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.measured.items())},
+            "warmup_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.device.items())},
+            "e_by_class": [[round(e, 3) for e in adaptive._expected([adaptive._row([c])]).values()]
+                           for c in range(adaptive.classes + 1)]}
 
 
 def main() -> None:
