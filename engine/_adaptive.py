@@ -252,6 +252,9 @@ class AdaptiveK:
         self._settled: set[int] = set()     # buckets where every K has its first samples
         self._committed: int | None = None     # ``commit``: the next choice
         self.chosen: collections.Counter[int] = collections.Counter()
+        # E(k) per class from this rank's counts alone (``_expected_here``), kept until
+        # ``record`` changes them: one GPU rank asks every iteration (``next_k``).
+        self._own_expected: list[dict[int, float]] | None = None
 
     @property
     def reached(self) -> list[float]:
@@ -294,6 +297,7 @@ class AdaptiveK:
             by_class.setdefault(c, []).append(n)
         for c, accepted_rows in by_class.items():
             self._count(self._reached[c], self._accepted[c], k, accepted_rows)
+        self._own_expected = None
 
     def _count(self, reached_c: list[float], accepted_c: list[float], k: int,
                num_accepted: list[int]) -> None:
@@ -329,7 +333,7 @@ class AdaptiveK:
         stretch). Commits nothing: ``commit`` does, once the step is queued."""
         if stay:
             return k
-        return self._rule([self._row(classes)], self.cost.bucket(padded_batch_size),
+        return self._rule(self._expected_here(classes), self.cost.bucket(padded_batch_size),
                           self._calls + 1)
 
     def commit(self, k: int) -> None:
@@ -347,19 +351,28 @@ class AdaptiveK:
         apply the rule (or take the K held by ``commit``)."""
         rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
         # The slowest rank's time; disturbed when any rank's was.
-        times = [row[-1] for row in rows]
-        measured = max(abs(t) for t in times)
-        if measured and self._last is not None:
-            self.cost.observe(*self._last, measured / 1e6, min(times) < 0)
+        self._learn([row[-1] for row in rows])
         bucket = self.cost.bucket(padded_batch_size)
         self._calls += 1
         if self._committed is not None:
             k, self._committed = self._committed, None
         else:
-            k = self._rule(rows, bucket, self._calls)
+            k = self._rule(self._expected(rows), bucket, self._calls)
         self._last = (bucket, k)
         self.chosen[k] += 1
         return k
+
+    def choose_committed(self, padded_batch_size: int) -> int:
+        """One rank: ``choose`` where ``commit`` holds the choice (no columns to build:
+        this rank's measured time is the only one)."""
+        assert self._committed is not None, "choose_committed after commit only"
+        measured, self._measured_us = self._measured_us, 0
+        return self.choose([[measured]], padded_batch_size)
+
+    def _learn(self, times: list[int]) -> None:
+        measured = max(abs(t) for t in times)
+        if measured and self._last is not None:
+            self.cost.observe(*self._last, measured / 1e6, min(times) < 0)
 
     def _row(self, classes: Sequence[int] | None) -> list[int]:
         counts = [round(x * SCALE) for c in range(self.classes + 1)
@@ -368,6 +381,22 @@ class AdaptiveK:
         for c in classes or ():
             rows[c] += 1
         return counts + rows + [0]
+
+    def _expected_here(self, classes: Sequence[int] | None) -> dict[int, float]:
+        """``_expected([self._row(classes)])``, from per-class E(k) kept until the next
+        ``record`` (the same fixed-point counts, so the same numbers)."""
+        per_class = self._own_expected
+        if per_class is None:
+            per_class = self._own_expected = [
+                self._expected([self._row([c])]) for c in range(self.classes + 1)]
+        if not classes:
+            return per_class[self.classes]
+        sizes = collections.Counter(classes)
+        if set(sizes) == {self.classes}:
+            return per_class[self.classes]
+        total = len(classes)
+        return {k: sum(n * per_class[c][k] for c, n in sorted(sizes.items())) / total
+                for k in self.candidates}
 
     def _expected(self, rows: list[list[int]]) -> dict[int, float]:
         """E(k) per candidate from the gathered rows: the mean over the batches' rows of
@@ -430,10 +459,9 @@ class AdaptiveK:
             scale = cost.measured[(bucket, most)] / max(estimate[most], 1e-9)
         return {c: t * scale for c, t in estimate.items()}
 
-    def _rule(self, rows: list[list[int]], bucket: int, calls: int) -> int:
-        """The choice of the ``calls``-th iteration at ``bucket`` from the gathered rows."""
+    def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
+        """The choice of the ``calls``-th iteration at ``bucket``, E(k) ``expected``."""
         times = {k: self.cost.time(bucket, k) for k in self.candidates}
-        expected = self._expected(rows)
         k = choose_by_rate(self.candidates, expected, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K

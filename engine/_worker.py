@@ -227,16 +227,18 @@ class RankWorker:
             rec.spec = rec.spec.evolve(is_all_greedy_sample=greedy)
         self.exchange.loads = [self.scheduler.num_requests]
         rec.padded_batch_size = len(rec.batch)
-        if self.adaptive is not None and rec.batch:
-            if self.adaptive.committed:     # the classes its K was chosen with
+        adaptive = self.adaptive
+        if adaptive is not None and rec.batch:
+            if adaptive.committed:  # taken early (RunAhead._adaptive_next), with its classes
                 committed = self.committed_classes
                 rec.draft_classes = None if not committed else \
-                    [committed.get(r, self.adaptive.classes) for r in rec.batch]
+                    [committed.get(r, adaptive.classes) for r in rec.batch]
+                rec.num_draft_tokens = adaptive.choose_committed(rec.padded_batch_size)
             else:
                 rec.draft_classes = self.draft_classes(rec.batch)
+                rec.num_draft_tokens = adaptive.choose([adaptive.facts(rec.draft_classes)],
+                                                       rec.padded_batch_size)
             self.committed_classes = {}
-            rec.num_draft_tokens = self.adaptive.choose(
-                [self.adaptive.facts(rec.draft_classes)], rec.padded_batch_size)
             self.clock.timed = True
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
