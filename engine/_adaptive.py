@@ -252,9 +252,10 @@ class AdaptiveK:
         self._settled: set[int] = set()     # buckets where every K has its first samples
         self._committed: int | None = None     # ``commit``: the next choice
         self.chosen: collections.Counter[int] = collections.Counter()
-        # E(k) per class from this rank's counts alone (``_expected_here``), kept until
-        # ``record`` changes them: one GPU rank asks every iteration (``next_k``).
-        self._own_expected: list[dict[int, float]] | None = None
+        # E(k) per class (the last: all pooled) from this rank's counts alone
+        # (``_expected_here``), each kept until ``record`` changes it: one GPU rank asks
+        # every iteration (``next_k``).
+        self._own_expected: list[dict[int, float] | None] = [None] * (classes + 1)
 
     @property
     def reached(self) -> list[float]:
@@ -297,7 +298,8 @@ class AdaptiveK:
             by_class.setdefault(c, []).append(n)
         for c, accepted_rows in by_class.items():
             self._count(self._reached[c], self._accepted[c], k, accepted_rows)
-        self._own_expected = None
+            self._own_expected[c] = None
+        self._own_expected[self.classes] = None
 
     def _count(self, reached_c: list[float], accepted_c: list[float], k: int,
                num_accepted: list[int]) -> None:
@@ -385,18 +387,29 @@ class AdaptiveK:
     def _expected_here(self, classes: Sequence[int] | None) -> dict[int, float]:
         """``_expected([self._row(classes)])``, from per-class E(k) kept until the next
         ``record`` (the same fixed-point counts, so the same numbers)."""
-        per_class = self._own_expected
-        if per_class is None:
-            per_class = self._own_expected = [
-                self._expected([self._row([c])]) for c in range(self.classes + 1)]
-        if not classes:
-            return per_class[self.classes]
-        sizes = collections.Counter(classes)
-        if set(sizes) == {self.classes}:
-            return per_class[self.classes]
-        total = len(classes)
+        pooled = self.classes
+        sizes = collections.Counter(classes or ())
+        if not sizes or set(sizes) == {pooled}:
+            return self._own_class(pooled)
+        total = len(classes or ())
+        per_class = {c: self._own_class(c) for c in sizes}
         return {k: sum(n * per_class[c][k] for c, n in sorted(sizes.items())) / total
                 for k in self.candidates}
+
+    def _own_class(self, c: int) -> dict[int, float]:
+        """E(k) of class ``c`` (``classes``: all pooled) from this rank's counts, as
+        ``_expected`` computes it from this rank's row."""
+        found = self._own_expected[c]
+        if found is None:
+            members = range(self.classes + 1) if c == self.classes else (c,)
+            fixed = [([round(x * SCALE) / SCALE for x in self._reached[m]],
+                      [round(x * SCALE) / SCALE for x in self._accepted[m]]) for m in members]
+            acceptance = acceptance_from_counts(
+                [sum(col) for col in zip(*(r for r, _ in fixed))],
+                [sum(col) for col in zip(*(a for _, a in fixed))])
+            found = self._own_expected[c] = {k: expected_tokens(acceptance, k)
+                                             for k in self.candidates}
+        return found
 
     def _expected(self, rows: list[list[int]]) -> dict[int, float]:
         """E(k) per candidate from the gathered rows: the mean over the batches' rows of

@@ -104,6 +104,22 @@ def test_counts_are_kept_per_draft_class():
     assert adaptive._reached[2][:2] == [2, 2]
 
 
+def test_one_ranks_kept_expectation_is_the_columns_one():
+    """next_k's E(k), kept per class between records, equals the one computed from this
+    rank's SYNC row (what ``choose`` computes), bit for bit, as counts change."""
+    import random
+    rng = random.Random(3)
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 for k in KS}), classes=3)
+    for _ in range(200):
+        k = rng.randint(1, 3)
+        rows = rng.randint(1, 4)
+        adaptive.record(k, [rng.randint(0, k) for _ in range(rows)],
+                        [rng.randint(0, 3) for _ in range(rows)])
+        for classes in ([0], [1, 2], [2, 2, 0], None, [3], [1, 3], []):
+            assert adaptive._expected_here(classes) == \
+                adaptive._expected([adaptive._row(classes)]), classes
+
+
 def trained_on_two_classes(classes):
     """Rows of class 0 never accepted, rows of class 1 always (n-gram without a match,
     and along a long one), as AdaptiveK with ``classes`` classes or none sees them."""
