@@ -129,7 +129,8 @@ class DeviceChain:
                 verify_in = statics(key)
                 into = {**statics(draft_key), "start_pos": verify_in["start_pos"]}
             draft_in = self.drafter.chained_inputs(out, start, slots, sampling, into=into,
-                                                   tokens=[r.token_ids for r in batch])
+                                                   tokens=[r.token_ids for r in batch],
+                                                   continued=kept)
             drafted = w.graph_cache.replay(draft_key, draft_in)
             hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1)
             if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions

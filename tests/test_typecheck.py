@@ -126,7 +126,8 @@ class Structural:
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
                        slots: Sequence[int], sampling: SamplingBatch,
                        into: dict[str, torch.Tensor] | None = None,
-                       tokens: Sequence[Sequence[int]] | None = None
+                       tokens: Sequence[Sequence[int]] | None = None,
+                       continued: bool = False
                        ) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 

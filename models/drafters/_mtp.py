@@ -379,7 +379,8 @@ class MtpEagleDrafter(Drafter):
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
                        slots: Sequence[int], sampling: SamplingBatch,
                        into: dict[str, torch.Tensor] | None = None,
-                       tokens: Sequence[Sequence[int]] | None = None
+                       tokens: Sequence[Sequence[int]] | None = None,
+                       continued: bool = False
                        ) -> dict[str, torch.Tensor]:
         """The draft graph's inputs (``graph_inputs``' form) from VERIFY n's outputs as
         they are: ``packed`` (tokens, -1 past the bonus, then the count: the catch-up's
@@ -391,7 +392,8 @@ class MtpEagleDrafter(Drafter):
         length 2). The graph computes VERIFY n+1's ``tokens`` and ``start_pos``.
         ``start`` goes to the device (the graphs' ``_lengths``) only when it is not
         there: after a chained step taken for this very batch, that step's ``start_pos``
-        output is it. ``into`` and ``tokens`` are not used."""
+        output is it (``chained_consumed``). ``into``, ``tokens`` and ``continued`` are not
+        used."""
         rows = sampling.size
         meta, slot_row = self._chain_meta(slots, rows)
         key, last = (tuple(slots), rows), self._last_chain

@@ -40,25 +40,34 @@ START, ROW, IS_REAL, POSITION = range(4)
 
 def chain_step(history: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor,
                meta: torch.Tensor, *, k: int, ngram_min: int, ngram_max: int,
-               bonus: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
+               bonus: torch.Tensor, start_pos: torch.Tensor,
+               next_meta: torch.Tensor | None = None) -> torch.Tensor:
     """-> drafts [B, k] (int64); writes ``history``, ``bonus`` [B] and ``start_pos`` [B]
-    in place (see the module doc). verified [B, K + 1], accepted [B], meta [4, B]."""
+    in place (see the module doc), and ``next_meta`` [4, B] when given: ``meta`` of the
+    step after it for the same rows (each real row's start and position one past its
+    accepted tokens: what the host would build once VERIFY n is read back). verified
+    [B, K + 1], accepted [B], meta [4, B]."""
     if history.is_cuda and triton is not None:
         return _chain_step_triton(history, verified, accepted, meta, k=k,
                                   ngram_min=ngram_min, ngram_max=ngram_max, bonus=bonus,
-                                  start_pos=start_pos)
+                                  start_pos=start_pos, next_meta=next_meta)
     return chain_step_ops(history, verified, accepted, meta, k=k, ngram_min=ngram_min,
-                          ngram_max=ngram_max, bonus=bonus, start_pos=start_pos)
+                          ngram_max=ngram_max, bonus=bonus, start_pos=start_pos,
+                          next_meta=next_meta)
 
 
 def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor,
                    meta: torch.Tensor, *, k: int, ngram_min: int, ngram_max: int,
-                   bonus: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
+                   bonus: torch.Tensor, start_pos: torch.Tensor,
+                   next_meta: torch.Tensor | None = None) -> torch.Tensor:
     """``chain_step`` in tensor ops (static shapes: capturable, any device)."""
     start, row, is_real, position = meta[START], meta[ROW], meta[IS_REAL], meta[POSITION]
     rows, width = verified.shape
     stride = history.shape[1]
     acc = accepted * is_real
+    # The next step's meta, computed now, written last (it may be ``meta`` itself).
+    following = None if next_meta is None else \
+        torch.stack([start + acc + is_real, row, is_real, position + acc + is_real])
     j = torch.arange(width, device=history.device)
     flat = (row * stride + start + 1)[:, None] + j[None]
     keep = j[None] <= acc[:, None]
@@ -68,6 +77,8 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
     bonus.copy_(verified.gather(1, acc[:, None])[:, 0])
     start_pos.copy_(position + acc)
     if k == 0:      # adaptive K's K = 0: the bonus token and its position only
+        if next_meta is not None and following is not None:
+            next_meta.copy_(following)
         return verified.new_zeros(rows, 0)
     length = start + acc + 2
     seq = history.index_select(0, row)                        # [B, S]
@@ -86,6 +97,8 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
         found = found | (cand >= 0)
     at = torch.minimum(best[:, None] + torch.arange(k, device=history.device)[None],
                        length[:, None] - 1)
+    if next_meta is not None and following is not None:
+        next_meta.copy_(following)
     return seq.gather(1, at)
 
 
@@ -93,10 +106,11 @@ if triton is not None:
 
     @triton.jit
     def _ngram_chain_kernel(hist_ptr, stride, ver_ptr, ver_stride, acc_ptr, meta_ptr, out_ptr,
-                            bonus_ptr, pos_ptr, rows, S: tl.constexpr,
+                            bonus_ptr, pos_ptr, next_ptr, rows, S: tl.constexpr,
                             W: tl.constexpr, WP: tl.constexpr, K: tl.constexpr,
                             KP: tl.constexpr, NMIN: tl.constexpr, NMAX: tl.constexpr,
-                            BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+                            BLOCK: tl.constexpr, NEXT: tl.constexpr = False,
+                            GDC: tl.constexpr = False):
         if GDC:  # PDL (specloop.samplers._pdl): no weights, so the wait first
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -112,6 +126,11 @@ if triton is not None:
         tl.store(base + start + 1 + j, tok, mask=(j < W) & (j <= acc))
         tl.store(bonus_ptr + b, tl.sum(tl.where(j == acc, tok, 0), axis=0))
         tl.store(pos_ptr + b, position + acc)
+        if NEXT:    # the next step's meta for this row (chain_step's ``next_meta``)
+            tl.store(next_ptr + b, start + acc + is_real)
+            tl.store(next_ptr + rows + b, row)
+            tl.store(next_ptr + 2 * rows + b, is_real)
+            tl.store(next_ptr + 3 * rows + b, position + acc + is_real)
         if K > 0:   # K = 0 (adaptive K): the bonus token and its position only
             tl.debug_barrier()      # the stores above are read below, by other threads
             length = start + acc + 2
@@ -143,17 +162,20 @@ def _pow2(n: int) -> int:
 
 def _chain_step_triton(history: torch.Tensor, verified: torch.Tensor, accepted: torch.Tensor,
                        meta: torch.Tensor, *, k: int, ngram_min: int, ngram_max: int,
-                       bonus: torch.Tensor, start_pos: torch.Tensor) -> torch.Tensor:
+                       bonus: torch.Tensor, start_pos: torch.Tensor,
+                       next_meta: torch.Tensor | None = None) -> torch.Tensor:
     rows, width = verified.shape
     # One column at least: at K = 0 the kernel stores none, but is handed a real buffer.
     out = torch.empty(rows, max(k, 1), dtype=torch.int64, device=history.device)
     # verified's rows may be strided: VERIFY's token ids are a view of its ``packed``
     # [B, K+2] when the all-greedy kernels wrote them (samplers/_triton_greedy.py).
     assert history.is_contiguous() and verified.stride(1) == 1 and meta.is_contiguous()
+    assert next_meta is None or next_meta.is_contiguous()
     _ngram_chain_kernel[(rows,)](
         history, history.stride(0), verified, verified.stride(0), accepted.contiguous(),
         meta, out, bonus,
-        start_pos, rows, S=history.shape[1], W=width, WP=_pow2(width), K=k,
-        KP=_pow2(max(k, 1)),
-        NMIN=ngram_min, NMAX=ngram_max, BLOCK=512, **_pdl.launch_kw(history))
+        start_pos, meta if next_meta is None else next_meta, rows, S=history.shape[1],
+        W=width, WP=_pow2(width), K=k, KP=_pow2(max(k, 1)),
+        NMIN=ngram_min, NMAX=ngram_max, BLOCK=512, NEXT=next_meta is not None,
+        **_pdl.launch_kw(history))
     return out[:, :k]

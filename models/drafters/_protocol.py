@@ -231,7 +231,8 @@ class Drafter(Protocol):
     def chained_inputs(self, verified: dict[str, torch.Tensor], start: Sequence[int],
                        slots: Sequence[int], sampling: SamplingBatch,
                        into: dict[str, torch.Tensor] | None = None,
-                       tokens: Sequence[Sequence[int]] | None = None
+                       tokens: Sequence[Sequence[int]] | None = None,
+                       continued: bool = False
                        ) -> dict[str, torch.Tensor]:
         """``graph_inputs`` of the iteration after a VERIFY whose rows sat at ``start``
         (L - 1) in ``slots``, built on the device from its outputs (``token_ids``,
@@ -244,7 +245,9 @@ class Drafter(Protocol):
         an input of the same name and shape may be written into in place and returned as
         itself, so that the replay copies nothing for it; a drafter may ignore it.
         ``tokens``: each row's committed tokens (the requests' own lists, ``start + 1``
-        long), for a drafter that keeps them on the device."""
+        long), for a drafter that keeps them on the device. ``continued``: VERIFY n is the
+        chained step the last call queued (taken, and nothing ran between): what that
+        step's draft wrote on the device is current, for the same rows."""
         raise RuntimeError(f"{type(self).__name__} does not chain (its can_chain is False)")
 
     def chained_consumed(self, slots: Sequence[int]) -> None:

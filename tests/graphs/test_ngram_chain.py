@@ -65,12 +65,17 @@ def test_device_drafts_equal_host_drafts(seed, rows, k, ngram_min, extra):
     ngram_max = ngram_min + extra
     bonus, start_pos = torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(rows + 1,
                                                                              dtype=torch.int64)
+    next_meta = torch.full_like(meta, -7)
     drafts = chain_step_ops(history, verified, accepted, meta, k=k, ngram_min=ngram_min,
-                            ngram_max=ngram_max, bonus=bonus, start_pos=start_pos)
+                            ngram_max=ngram_max, bonus=bonus, start_pos=start_pos,
+                            next_meta=next_meta)
     for b, tokens in enumerate(full):
         assert drafts[b].tolist() == host_drafts(tokens, k, ngram_min, ngram_max), b
         assert history[b, :len(tokens)].tolist() == tokens
         assert int(bonus[b]) == tokens[-1] and int(start_pos[b]) == len(tokens) - 1
+        # The next step's meta: the host's for these rows once VERIFY n is read back.
+        assert next_meta[:, b].tolist() == [len(tokens) - 1, b, 1, len(tokens)]
+    assert next_meta[:, rows].tolist() == meta[:, rows].tolist()    # padding: as it was
     # Padding: nothing accepted, position 0, writes only in the scratch row.
     assert int(start_pos[rows]) == 0 and int(bonus[rows]) == int(verified[rows, 0])
 
@@ -158,9 +163,12 @@ def test_chained_drafts_equal_host_drafts_as_requests_come_and_go(seed, k):
             accepted[i] = len(row) - 1
         chained = set()
         if rng.random() < 0.7:           # a step chained behind VERIFY
+            # ``continued`` when the last step chained for these rows was taken (the
+            # drafter itself checks they are the same rows, padding included).
             inputs = drafter.chained_inputs(
                 {"token_ids": verified, "num_accepted": accepted}, start, batch,
-                types.SimpleNamespace(size=rows), tokens=[tokens[s] for s in batch])
+                types.SimpleNamespace(size=rows), tokens=[tokens[s] for s in batch],
+                continued=bool(taken))
             drafts = step(inputs)["token_ids"]
             for i, s in enumerate(batch):
                 assert drafts[i].tolist() == host_drafts(tokens[s] + new[i], k, 1, 3)
@@ -184,12 +192,15 @@ for trial in range(12):
     if trial % 2:   # rows strided, as VERIFY's token ids in its packed [B, K+2]
         verified = torch.cat([verified, verified[:, :1]], 1)[:, :-1]
     bonus, pos = torch.zeros(rows + 1, dtype=torch.int64), torch.zeros(rows + 1, dtype=torch.int64)
+    nxt = torch.full_like(meta, -7)
     drafts = _chain_step_triton(history, verified, accepted, meta, k=k, ngram_min=lo,
-                                ngram_max=hi, bonus=bonus, start_pos=pos)
+                                ngram_max=hi, bonus=bonus, start_pos=pos, next_meta=nxt)
     for b, tokens in enumerate(full):
         assert drafts[b].tolist() == host_drafts(tokens, k, lo, hi), (trial, b)
         assert history[b, :len(tokens)].tolist() == tokens
         assert int(bonus[b]) == tokens[-1] and int(pos[b]) == len(tokens) - 1
+        assert nxt[:, b].tolist() == [len(tokens) - 1, b, 1, len(tokens)], (trial, b)
+    assert nxt[:, rows].tolist() == meta[:, rows].tolist()
 print("ok")
 """
 
@@ -206,7 +217,7 @@ def test_kernel_equals_host_drafts_on_cuda():
     from specloop.models.drafters._ngram_device import chain_step
     rng = random.Random(11)
     for trial in range(40):
-        rows, k, lo = rng.randint(1, 8), rng.randint(1, 5), rng.randint(1, 3)
+        rows, k, lo = rng.randint(1, 8), rng.randint(0, 5), rng.randint(1, 3)
         hi = lo + rng.randint(0, 2)
         history, verified, accepted, meta, full = (
             t.cuda() if isinstance(t, torch.Tensor) else t for t in random_case(rng, rows))
@@ -214,11 +225,14 @@ def test_kernel_equals_host_drafts_on_cuda():
             verified = torch.cat([verified, verified[:, :1]], 1)[:, :-1]
         bonus = torch.zeros(rows + 1, dtype=torch.int64, device="cuda")
         pos = torch.zeros_like(bonus)
+        nxt = torch.full_like(meta, -7)
         drafts = chain_step(history, verified, accepted, meta, k=k, ngram_min=lo,
-                            ngram_max=hi, bonus=bonus, start_pos=pos)
+                            ngram_max=hi, bonus=bonus, start_pos=pos, next_meta=nxt)
         for b, tokens in enumerate(full):
             assert drafts[b].tolist() == host_drafts(tokens, k, lo, hi), (trial, b)
             assert int(bonus[b]) == tokens[-1] and int(pos[b]) == len(tokens) - 1
+            assert nxt[:, b].tolist() == [len(tokens) - 1, b, 1, len(tokens)], (trial, b)
+        assert nxt[:, rows].tolist() == meta[:, rows].tolist()
 
 
 def ngram_config(tiny_dir, graphs, max_batch_size):
