@@ -329,7 +329,7 @@ def test_rejection_and_ngram_kernels_wait_first():
                  {"hist_ptr": "*i64", "stride": "i32", "ver_ptr": "*i64", "ver_stride": "i32",
                   "acc_ptr": "*i64", "meta_ptr": "*i64", "out_ptr": "*i64",
                   "bonus_ptr": "*i64", "pos_ptr": "*i64", "next_ptr": "*i64", "rows": "i32"},
-                 dict(S=2048, W=4, WP=4, K=3, KP=4, NMIN=1, NMAX=3, BLOCK=512),
+                 dict(S=2048, W=4, WP=4, K=3, KP=4, NMIN=1, NMAX=3, BLOCK=512, NEXT=True),
                  weights=set())
 
 
