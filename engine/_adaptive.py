@@ -150,6 +150,7 @@ class CostTable:
     # Measurements per batch class, and that count when (class, K) was last measured.
     _count: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     _seen_at: dict[tuple[int, int], int] = attrs.field(factory=dict, init=False, repr=False)
+    _latest: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)  # its K
 
     @property
     def buckets(self) -> list[int]:
@@ -189,6 +190,21 @@ class CostTable:
         assert device is not None, f"no warm-up time for K = {k}"
         return device + self._rest(bucket)
 
+    def times(self, bucket: int, ks: Sequence[int]) -> dict[int, float]:
+        """``time(bucket, k)`` for each k of ``ks`` (the rule's every iteration: one call)."""
+        measured, seen_at = self.measured, self._seen_at
+        count = self._count.get(bucket, 0)
+        out = {}
+        for k in ks:
+            key = (bucket, k)
+            seen = measured.get(key)
+            at = seen_at.get(key)
+            if seen is None or (at is not None and count - at >= STALE):
+                out[k] = self.time(bucket, k)
+            else:
+                out[k] = seen
+        return out
+
     def stale(self, bucket: int, k: int) -> bool:
         """Whether (bucket, k)'s measured time is STALE measurements old there."""
         at = self._seen_at.get((bucket, k))
@@ -197,8 +213,7 @@ class CostTable:
     def _fresh(self, bucket: int, k: int) -> float:
         """K = k's time at ``bucket`` from the last K measured there, scaled by their
         warm-up times' ratio (the measured time itself when k is that K)."""
-        ref = max((c for b, c in self._seen_at if b == bucket),
-                  key=lambda c: self._seen_at[(bucket, c)])
+        ref = self._latest[bucket]
         device, ref_device = self._device(bucket, k), self._device(bucket, ref)
         if ref == k or not device or not ref_device:
             return self.measured[(bucket, k)]
@@ -237,6 +252,7 @@ class CostTable:
         stale = self.stale(bucket, k)
         self._count[bucket] = self._count.get(bucket, 0) + 1
         self._seen_at[key] = self._count[bucket]
+        self._latest[bucket] = k
         if trying:
             self.measured[key] = statistics.median_low(first[0] or first[1])
         elif stale:     # another regime: the new measurement, not an average with it
@@ -322,6 +338,11 @@ class AdaptiveK:
         class's counts decay at the iterations that drafted rows of it."""
         if k == 0 or not num_accepted:
             return
+        if len(num_accepted) == 1:      # batch 1: one row, one class
+            c = self.classes if classes is None else classes[0]
+            self._count_one(self._reached[c], self._accepted[c], k, num_accepted[0])
+            self._own_expected[c] = self._own_expected[self.classes] = None
+            return
         if classes is None:
             classes = self.unclassed(len(num_accepted))
         by_class: dict[int, list[int]] = {}
@@ -344,6 +365,16 @@ class AdaptiveK:
         for j in range(k, self.k_max):
             reached_c[j] *= DECAY
             accepted_c[j] *= DECAY
+
+    def _count_one(self, reached_c: list[float], accepted_c: list[float], k: int,
+                   n: int) -> None:
+        """``_count`` of one row that had ``n`` of its ``k`` drafts accepted."""
+        for j in range(self.k_max):
+            reached_c[j] *= DECAY
+            accepted_c[j] *= DECAY
+            if j < k and j <= n:
+                reached_c[j] += 1   # draft j+1 looked at: drafts 1..j accepted
+                accepted_c[j] += j < n
 
     def measured(self, seconds: float) -> None:
         """The iteration just run took ``seconds`` (prefill excluded)."""
@@ -419,6 +450,8 @@ class AdaptiveK:
         """``_expected([self._row(classes)])``, from per-class E(k) kept until the next
         ``record`` (the same fixed-point counts, so the same numbers)."""
         pooled = self.classes
+        if classes is not None and len(classes) == 1:     # batch 1: its class's E(k)
+            return self._own_class(classes[0])
         sizes = collections.Counter(classes or ())
         if not sizes or set(sizes) == {pooled}:
             return self._own_class(pooled)
@@ -505,7 +538,7 @@ class AdaptiveK:
 
     def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket``, E(k) ``expected``."""
-        times = {k: self.cost.time(bucket, k) for k in self.candidates}
+        times = self.cost.times(bucket, self.candidates)
         k = choose_by_rate(self.candidates, expected, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K

@@ -66,6 +66,15 @@ def test_counts_are_the_conditional_acceptance_per_position():
     assert adaptive.reached[2] == pytest.approx(3 * 0.98)
     adaptive.record(0, [])          # K = 0: nothing learned, nothing forgotten
     assert adaptive.reached[0] == pytest.approx(6 * 0.98 + 2)
+    # One row (batch 1's own path) counts as a batch of one does.
+    for k, n in ((3, 2), (1, 0), (3, 3), (2, 1)):
+        one, many = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS})), adaptive
+        many = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS}))
+        for a in (one, many):
+            a.record(3, [1, 3])
+        one.record(k, [n])
+        many._count(many._reached[0], many._accepted[0], k, [n])
+        assert (one.reached, one.accepted) == (many.reached, many.accepted)
 
 
 def test_choice_depends_only_on_the_gathered_columns():
