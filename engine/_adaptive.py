@@ -77,14 +77,6 @@ SWITCH_MARGIN = 0.03
 # Later, a measurement counts at most OUTLIER times the average (a real change still
 # doubles it per iteration; one pause does not make a K look dear for hundreds).
 OUTLIER = 2.0
-# A K not measured at a batch class for STALE iterations there is stale: its time then
-# counts as no more than the freshest K's there scaled by their warm-up ratio, and its next
-# measurement replaces it rather than joining the average. On the H200 (n-gram at batch 1)
-# the first samples of K = 0 .. 3, taken in the engine's first iterations, came out at
-# 1.2-1.4 ms against 0.5-0.7 later; a K the rule then never picks is never measured again,
-# and one pick in EXPLORE_EVERY (for a K far behind, one in EXPLORE_RARELY of those) moved
-# its average a fifth of the way: K = 4 ran 99 % of the iterations.
-STALE = 64
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -147,10 +139,6 @@ class CostTable:
         factory=dict, init=False, repr=False)
     _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     _graph_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
-    # Measurements per batch class, and that count when (class, K) was last measured.
-    _count: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
-    _seen_at: dict[tuple[int, int], int] = attrs.field(factory=dict, init=False, repr=False)
-    _latest: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)  # its K
 
     @property
     def buckets(self) -> list[int]:
@@ -185,39 +173,16 @@ class CostTable:
     def time(self, bucket: int, k: int) -> float:
         seen = self.measured.get((bucket, k))
         if seen is not None:
-            return seen if not self.stale(bucket, k) else min(seen, self._fresh(bucket, k))
+            return seen
         device = self._device(bucket, k)
         assert device is not None, f"no warm-up time for K = {k}"
         return device + self._rest(bucket)
 
     def times(self, bucket: int, ks: Sequence[int]) -> dict[int, float]:
-        """``time(bucket, k)`` for each k of ``ks`` (the rule's every iteration: one call)."""
-        measured, seen_at = self.measured, self._seen_at
-        count = self._count.get(bucket, 0)
-        out = {}
-        for k in ks:
-            key = (bucket, k)
-            seen = measured.get(key)
-            at = seen_at.get(key)
-            if seen is None or (at is not None and count - at >= STALE):
-                out[k] = self.time(bucket, k)
-            else:
-                out[k] = seen
-        return out
-
-    def stale(self, bucket: int, k: int) -> bool:
-        """Whether (bucket, k)'s measured time is STALE measurements old there."""
-        at = self._seen_at.get((bucket, k))
-        return at is not None and self._count.get(bucket, 0) - at >= STALE
-
-    def _fresh(self, bucket: int, k: int) -> float:
-        """K = k's time at ``bucket`` from the last K measured there, scaled by their
-        warm-up times' ratio (the measured time itself when k is that K)."""
-        ref = self._latest[bucket]
-        device, ref_device = self._device(bucket, k), self._device(bucket, ref)
-        if ref == k or not device or not ref_device:
-            return self.measured[(bucket, k)]
-        return self.measured[(bucket, ref)] * device / ref_device
+        """``time(bucket, k)`` for each k of ``ks`` (the rule's, every iteration: one call)."""
+        measured = self.measured
+        return {k: measured[(bucket, k)] if (bucket, k) in measured else self.time(bucket, k)
+                for k in ks}
 
     def _rest(self, bucket: int) -> float:
         if bucket in self.rest:
@@ -249,14 +214,8 @@ class CostTable:
         if disturbed and first[0]:
             self.ignored += 1
             return      # measured undisturbed: the admission's cost is not K's
-        stale = self.stale(bucket, k)
-        self._count[bucket] = self._count.get(bucket, 0) + 1
-        self._seen_at[key] = self._count[bucket]
-        self._latest[bucket] = k
         if trying:
             self.measured[key] = statistics.median_low(first[0] or first[1])
-        elif stale:     # another regime: the new measurement, not an average with it
-            self.measured[key] = seconds
         else:
             _average(self.measured, key, min(seconds, OUTLIER * self.measured[key]))
             if not disturbed and not first[0]:

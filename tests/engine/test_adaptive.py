@@ -177,27 +177,6 @@ def choose_k_by(expected, cost):
     return choose_by_rate(KS, expected, {k: cost[(1, k)] for k in KS})
 
 
-def test_a_stale_time_counts_no_more_than_the_fresh_ks_scaled():
-    """K = 0's first samples came out dear (the engine's first iterations) and the rule
-    stopped picking it: STALE measurements later its time counts as the freshest K's
-    scaled by their warm-up ratio, so the rule picks it again, and that measurement
-    replaces the stale one (not a fifth of the way, as an average would move it)."""
-    from specloop.engine._adaptive import STALE
-    cost = CostTable({(1, 0): 0.001, (1, 3): 0.0015})
-    adaptive = AdaptiveK((0, 3), cost)
-    adaptive.record(3, [0] * 8)         # drafts never accepted: K = 0 is right
-    for seconds in (0.003, 0.003, 0.003):
-        cost.observe(1, 0, seconds)     # first samples, in a slow start
-    for _ in range(STALE - 1):         # K = 3's first samples, then it runs on
-        cost.observe(1, 3, 0.0015)
-    assert cost.time(1, 0) == 0.003 and adaptive.next_k(1, 3) == 3
-    cost.observe(1, 3, 0.0015)          # K = 0 is STALE measurements old now
-    assert cost.stale(1, 0) and cost.time(1, 0) == pytest.approx(0.001)
-    assert adaptive.next_k(1, 3) == 0
-    cost.observe(1, 0, 0.0011)
-    assert not cost.stale(1, 0) and cost.time(1, 0) == pytest.approx(0.0011)
-
-
 def test_measured_time_decides_over_warm_up():
     """Drafting's host work (which warm-up does not time) makes K = 3 dear: once each K was
     measured, the rule follows the measurements, not the warm-up table."""
