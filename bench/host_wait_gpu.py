@@ -1,0 +1,94 @@
+"""Host-bound or GPU-bound at batch 1: per iteration, the wall time and how long the host
+waited for the GPU in ``finish_read_back`` (the GPU's slack over the host; ~0 means the
+host is the bottleneck), for no speculation, n-gram K = 4 and n-gram under adaptive K,
+each engine alone in turn (built, run, closed), on the held-out chat prompts; optionally
+then the same under cProfile with each run's top functions by own time.
+
+    cd bench && python host_wait_gpu.py [--sets 16] [--tokens 128] [--profile]
+        [--device cpu]     (cpu: a smoke test of this script)
+
+The seventh session's figures (docs/performance.md, "n-gram by match length, measured").
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import time
+import types
+
+import anyio
+
+from _common import HELD_OUT, engine_config, generate_round, held_out_sets, quiet_logs
+
+CONFIGS = {"none": {"method": "none"},
+           "ngram K=4": {"method": "ngram", "num_draft_tokens": 4},
+           "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True}}
+
+
+async def run(loaded, sets, spec, device, tokens, profile):
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    async with AsyncEngine(engine_config(spec, 1, device), model=loaded) as engine:
+        runner = engine.worker.runner
+        finish, waits = runner.finish_read_back, []
+
+        def timed(pending):
+            start = time.perf_counter()
+            out = finish(pending)
+            waits.append(time.perf_counter() - start)
+            return out
+        runner.finish_read_back = timed
+        await generate_round(engine, sets[0], 8)
+        waits.clear()
+        prof = cProfile.Profile() if profile else None
+        start = time.perf_counter()
+        if prof:
+            prof.enable()
+        for prompts in sets:
+            await generate_round(engine, prompts, tokens)
+        if prof:
+            prof.disable()
+        wall, n = time.perf_counter() - start, max(len(waits), 1)
+        top = None
+        if prof:
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            top = text.getvalue()
+    return {"wall_ms_per_iteration": round(wall * 1e3 / n, 3),
+            "wait_ms_per_iteration": round(sum(waits) * 1e3 / n, 3), "iterations": n,
+            "profile": top}
+
+
+async def main_async(args) -> None:
+    quiet_logs()
+    ns = types.SimpleNamespace(device=args.device, prompts=args.prompts, batches="1")
+    loaded, _, sets = next(held_out_sets(ns, min_prompts=args.sets))
+    sets = sets[:args.sets]
+    rows = []
+    for profile in (False, True) if args.profile else (False,):
+        for name, spec in CONFIGS.items():
+            row = {"config": name, "profiled": profile,
+                   **await run(loaded, sets, spec, args.device, args.tokens, profile)}
+            print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
+            rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", default=HELD_OUT)
+    ap.add_argument("--sets", type=int, default=16)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--out", default="")
+    anyio.run(main_async, ap.parse_args())
+
+
+if __name__ == "__main__":
+    main()
