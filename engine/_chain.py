@@ -81,6 +81,10 @@ class DeviceChain:
         self._slots: tuple[tuple[Request, ...], list[int]] = ((), [])  # the last batch's
         # The chained step taken (its outputs): its requests hold the next step's pages.
         self._kept: Pending | None = None
+        # Whether it was taken for its whole batch (no request left): the next step then
+        # continues it for the same rows (``chained_inputs``' ``continued``).
+        self._kept_whole = False
+        self._matched_whole = False
         # For tests and benches: steps queued, taken, taken for fewer requests, queued
         # into or out of K = 0 (``through_k0``).
         self.queued_steps = self.taken_steps = self.subset_steps = self.k0_steps = 0
@@ -97,6 +101,7 @@ class DeviceChain:
         w = self.worker
         self._queued = self._chained = self._matched = None
         kept, self._kept = self._kept is pending, None
+        continued = kept and self._kept_whole
         k = self.k if k is None else k
         batch = tuple(rec.batch)
         lengths = [len(r.token_ids) for r in batch]     # seq_len
@@ -130,7 +135,7 @@ class DeviceChain:
                 into = {**statics(draft_key), "start_pos": verify_in["start_pos"]}
             draft_in = self.drafter.chained_inputs(out, start, slots, sampling, into=into,
                                                    tokens=[r.token_ids for r in batch],
-                                                   continued=kept)
+                                                   continued=continued)
             drafted = w.graph_cache.replay(draft_key, draft_in)
             hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1)
             if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
@@ -282,6 +287,7 @@ class DeviceChain:
         queued, batch = chained.queued, rec.batch
         if rec.key != queued.key or len(batch) > len(queued.batch):
             return False
+        self._matched_whole = len(batch) == len(queued.batch)
         if len(batch) == len(queued.batch):     # the same batch (the usual case)
             rows: Sequence[int] = range(len(batch))
             if tuple(batch) != queued.batch or \
@@ -310,7 +316,7 @@ class DeviceChain:
         if matched is None:
             return None, None
         if self.worker.runner.keep_ahead == self.keep_ahead:    # RESCAN trimmed to them
-            self._kept = matched[0]
+            self._kept, self._kept_whole = matched[0], self._matched_whole
         self.taken_steps += 1
         return matched
 

@@ -238,8 +238,9 @@ class RankWorker:
                 rec.draft_classes = self.draft_classes(rec.batch)
                 rec.num_draft_tokens = adaptive.choose([adaptive.facts(rec.draft_classes)],
                                                        rec.padded_batch_size)
-            self.committed_classes = {}
             self.clock.timed = True
+        # Held for one iteration only (an empty one included: its rows may not come back).
+        self.committed_classes = {}
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     def draft_classes(self, batch: list[Request]) -> list[int] | None:
@@ -251,8 +252,14 @@ class RankWorker:
             return None
         if len(batch) > CLASSED_ROWS:
             return adaptive.unclassed(len(batch))
-        return drafter.draft_classes([r.batch_slot for r in batch],
-                                     [r.token_ids for r in batch])
+        classes = drafter.draft_classes([r.batch_slot for r in batch],
+                                        [r.token_ids for r in batch])
+        n = adaptive.classes
+        if len(classes) != len(batch) or not all(0 <= c < n for c in classes):
+            raise ValueError(f"{type(drafter).__name__}.draft_classes gave {classes} for "
+                             f"{len(batch)} rows; want one class in 0 .. {n - 1} a row "
+                             f"(its num_draft_classes is {n})")
+        return classes
 
     def _all_greedy(self, batch: list[Request]) -> bool:
         """Whether every request of ``batch`` samples greedily: from the batch's sampling

@@ -246,8 +246,10 @@ class Drafter(Protocol):
         itself, so that the replay copies nothing for it; a drafter may ignore it.
         ``tokens``: each row's committed tokens (the requests' own lists, ``start + 1``
         long), for a drafter that keeps them on the device. ``continued``: VERIFY n is the
-        chained step the last call queued (taken, and nothing ran between): what that
-        step's draft wrote on the device is current, for the same rows."""
+        chained step the last call queued, taken for its whole batch, nothing run between:
+        what that step's draft wrote on the device is current for its rows (a drafter
+        relying on it should still check that ``slots`` and the padded rows are the last
+        call's)."""
         raise RuntimeError(f"{type(self).__name__} does not chain (its can_chain is False)")
 
     def chained_consumed(self, slots: Sequence[int]) -> None:

@@ -68,7 +68,7 @@ def test_counts_are_the_conditional_acceptance_per_position():
     assert adaptive.reached[0] == pytest.approx(6 * 0.98 + 2)
     # One row (batch 1's own path) counts as a batch of one does.
     for k, n in ((3, 2), (1, 0), (3, 3), (2, 1)):
-        one, many = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS})), adaptive
+        one = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS}))
         many = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS}))
         for a in (one, many):
             a.record(3, [1, 3])

@@ -329,6 +329,66 @@ async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
     assert assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained) > 50
 
 
+async def test_one_rank_records_the_classes_its_k_was_committed_with(tiny_dir, tiny_loaded):
+    """One GPU rank's path (forced on the CPU): VERIFY n computes the next iteration's
+    rows' draft classes, the rule commits K for it, and that iteration's RESCAN counts its
+    acceptance under those classes (not the classes of its own, later tokens)."""
+    from specloop.engine import AsyncEngine
+    from specloop.engine._chain import DeviceChain
+
+    from ..engine.test_adaptive import switching_cost
+
+    cfg = chain_config(tiny_dir, True, method="ngram", k=3, rejection=True,
+                       speculative={"adaptive": True})
+    events = []
+    async with AsyncEngine(cfg, model=tiny_loaded) as engine:
+        w = engine.worker
+        w.verify_inline = w.ahead.at_k0 = True
+        w.chain = DeviceChain(worker=w)
+        adaptive = w.adaptive
+        adaptive.cost = switching_cost()
+        classes_of, commit, committed = w.draft_classes, adaptive.commit, \
+            adaptive.choose_committed
+        record = adaptive.record
+
+        def logged_classes(batch):
+            out = classes_of(batch)
+            events.append(("classes", list(out)))
+            return out
+
+        def logged_commit(k):
+            events.append(("commit", k))
+            commit(k)
+
+        def logged_committed(batch):
+            events.append(("committed",))
+            return committed(batch)
+
+        def logged_record(k, accepted, classes=None):
+            events.append(("record", k, None if classes is None else list(classes)))
+            record(k, accepted, classes)
+        w.draft_classes, adaptive.commit = logged_classes, logged_commit
+        adaptive.choose_committed, adaptive.record = logged_committed, logged_record
+        for prompt, params in ngram_requests()[:3]:
+            async for _ in engine.generate(prompt, params):
+                pass
+    checked, last_commit, new_request = 0, None, []
+    unclassed = adaptive.classes
+    for i, event in enumerate(events):
+        if event[0] == "commit":
+            last_commit = events[i - 1][1]        # the classes computed just before it
+        if event[0] == "committed":
+            recorded = next(e for e in events[i:] if e[0] == "record")
+            if recorded[2] != last_commit:
+                # The commit was for the last request's next iteration, and a new request
+                # came instead (its step is dropped): its row is unclassed, not guessed.
+                new_request.append(recorded[2])
+            else:
+                checked += 1
+    assert checked >= 10 and new_request == [[unclassed]] * len(new_request)
+    assert len(new_request) <= 2                  # 3 requests one after another
+
+
 @pytest.mark.gpu
 # Under adaptive K the chained and unchained runs verify a position at different K (a
 # dropped chained step shifts the cycle), and bf16 logits depend on the VERIFY shape (GEMM
