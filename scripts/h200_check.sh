@@ -12,6 +12,7 @@
 #   busy     GPU busy / wall at batch 1, no speculation, 256 tokens (issue 12)
 #   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13)
 #   closed   the same in closed rounds
+#   host     batch 1: each iteration's wall and the host's wait for the GPU (~1.5 min)
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
@@ -80,6 +81,11 @@ for step in "$@"; do
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
         --out "$OUT/adaptive_steady.jsonl" --runs 3 --buckets serving --arrival steady \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+    host)
+      # Host- or GPU-bound at batch 1: the host's wait for the GPU per iteration (none,
+      # n-gram K = 4, n-gram adaptive by match length; each engine alone in turn).
+      (cd bench && python3 host_wait_gpu.py --prompts "$PROMPTS" --sets 16 \
+        --out "$OUT/host_wait.json" 2>&1 | grep '^{') ;;
     closed)
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
         --out "$OUT/adaptive_closed.jsonl" --runs 3 --buckets serving --min-prompts 16 \
