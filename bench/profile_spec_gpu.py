@@ -128,6 +128,13 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             # Both over the timed runs, before the profiled round adds its tokens.
             al = engine.stats.mean_acceptance_length
             per_position = [round(a, 3) for a in engine.stats.acceptance_per_position]
+            # Adaptive K as the timed runs left it: the profiled round's iterations run
+            # ~2x slower under the profiler and would be the times it learned last.
+            chain, adaptive = engine.worker.chain, engine.worker.adaptive
+            ks = None if adaptive is None else {
+                "k_chosen": dict(sorted(adaptive.chosen.items())),
+                "chain_k0_steps": None if chain is None else chain.k0_steps,
+                **adaptive_state(adaptive)}
             obs.iterations = 0
             with profile(activities=activities, with_stack=stacks) as prof:
                 await generate_round(engine, prompts, 32)
@@ -135,13 +142,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             summary = summarize_profile(prof, obs.iterations, stacks)
             if traces.get(name):
                 prof.export_chrome_trace(traces[name])
-            chain, adaptive = engine.worker.chain, engine.worker.adaptive
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
-            # Adaptive K: iterations per K chosen, chained steps into or out of K = 0.
-            ks = None if adaptive is None else {
-                "k_chosen": dict(sorted(adaptive.chosen.items())),
-                "chain_k0_steps": None if chain is None else chain.k0_steps,
-                **adaptive_state(adaptive)}
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "per_position": per_position,
