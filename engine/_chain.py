@@ -39,6 +39,11 @@ if TYPE_CHECKING:
     from ._worker import Pending
 
 
+# ``DeviceChain.queue``'s rows when no drafter observes VERIFY (``on_verified`` None):
+# queued, nothing kept, and nothing reads them.
+NOT_KEPT = torch.empty(0)
+
+
 @attrs.frozen
 class _Queued:
     """A DRAFT + VERIFY queued one iteration ahead, before VERIFY n is read back."""
@@ -137,7 +142,8 @@ class DeviceChain:
                                                    tokens=[r.token_ids for r in batch],
                                                    continued=continued)
             drafted = w.graph_cache.replay(draft_key, draft_in)
-            hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1)
+            hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1) \
+                if w.on_verified is not None else NOT_KEPT
             if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
                 # Fresh views: replay copies an input it has not seen (these change).
                 tokens, start_pos = drafted["tokens"][:], drafted["start_pos"][:]

@@ -100,7 +100,11 @@ class RankWorker:
         self._joined = False    # requests held back by the last SCHEDULE joined this one
         # Drafters whose DRAFT runs collectives (LM-head TP) are called on idle ranks too.
         self.draft_when_idle = drafter is not None and drafter.needs_empty_calls
-        self.on_verified = drafter.on_verified if drafter is not None else None
+        # None where the drafter keeps the protocol's default (n-gram): nothing is handed
+        # over, and a chained step keeps no copy of VERIFY's rows for it.
+        from specloop.models.drafters import Drafter as Protocol  # noqa: PLC0415
+        self.on_verified = drafter.on_verified if drafter is not None and \
+            getattr(type(drafter), "on_verified", None) is not Protocol.on_verified else None
         self.verify_inline = runner.device.type == "cuda"
         # No speculation on a GPU: each VERIFY also queues the next iteration's step
         # (engine/_ahead.py); the GPU then works while the host runs an iteration. In a
