@@ -178,12 +178,6 @@ class CostTable:
         assert device is not None, f"no warm-up time for K = {k}"
         return device + self._rest(bucket)
 
-    def times(self, bucket: int, ks: Sequence[int]) -> dict[int, float]:
-        """``time(bucket, k)`` for each k of ``ks`` (the rule's, every iteration: one call)."""
-        measured = self.measured
-        return {k: measured[(bucket, k)] if (bucket, k) in measured else self.time(bucket, k)
-                for k in ks}
-
     def _rest(self, bucket: int) -> float:
         if bucket in self.rest:
             return self.rest[bucket]
@@ -297,11 +291,6 @@ class AdaptiveK:
         class's counts decay at the iterations that drafted rows of it."""
         if k == 0 or not num_accepted:
             return
-        if len(num_accepted) == 1:      # batch 1: one row, one class
-            c = self.classes if classes is None else classes[0]
-            self._count_one(self._reached[c], self._accepted[c], k, num_accepted[0])
-            self._own_expected[c] = self._own_expected[self.classes] = None
-            return
         if classes is None:
             classes = self.unclassed(len(num_accepted))
         by_class: dict[int, list[int]] = {}
@@ -324,16 +313,6 @@ class AdaptiveK:
         for j in range(k, self.k_max):
             reached_c[j] *= DECAY
             accepted_c[j] *= DECAY
-
-    def _count_one(self, reached_c: list[float], accepted_c: list[float], k: int,
-                   n: int) -> None:
-        """``_count`` of one row that had ``n`` of its ``k`` drafts accepted."""
-        for j in range(self.k_max):
-            reached_c[j] *= DECAY
-            accepted_c[j] *= DECAY
-            if j < k and j <= n:
-                reached_c[j] += 1   # draft j+1 looked at: drafts 1..j accepted
-                accepted_c[j] += j < n
 
     def measured(self, seconds: float) -> None:
         """The iteration just run took ``seconds`` (prefill excluded)."""
@@ -409,8 +388,6 @@ class AdaptiveK:
         """``_expected([self._row(classes)])``, from per-class E(k) kept until the next
         ``record`` (the same fixed-point counts, so the same numbers)."""
         pooled = self.classes
-        if classes is not None and len(classes) == 1:     # batch 1: its class's E(k)
-            return self._own_class(classes[0])
         sizes = collections.Counter(classes or ())
         if not sizes or set(sizes) == {pooled}:
             return self._own_class(pooled)
@@ -497,7 +474,7 @@ class AdaptiveK:
 
     def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket``, E(k) ``expected``."""
-        times = self.cost.times(bucket, self.candidates)
+        times = {k: self.cost.time(bucket, k) for k in self.candidates}
         k = choose_by_rate(self.candidates, expected, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K

@@ -203,7 +203,7 @@ class DeviceChain:
         if ordered and packed.shape[0] >= padded:
             # A step queued ahead for more requests than are left (the larger bucket).
             packed, hidden = packed[:padded], hidden[:padded]
-        elif not ordered or packed.shape[0] != padded:
+        else:
             at = int64_tensor([*rows, *[0] * (padded - len(rows))])
             at = to_device(at, hidden.device)
             packed, hidden = packed.index_select(0, at), hidden.index_select(0, at)
