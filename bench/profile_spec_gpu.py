@@ -33,6 +33,10 @@ CONFIGS = {"none": {"method": "none"},
            # n-gram (issue 12's batch-1 bar is at K = 4; adaptive: K = 0 .. 4 per iteration).
            "ngram K=4": {"method": "ngram", "num_draft_tokens": 4},
            "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True},
+           # The same rule on warm-up's device times alone (nothing learned, no exploring):
+           # what the rule chooses when its times are the GPU's.
+           "ngram adaptive<=4 warm-up times": {"method": "ngram", "num_draft_tokens": 4,
+                                               "adaptive": True, "fixed_times": True},
            # The same engine with DRAFT and VERIFY not chained on the device (before).
            "eagle3 K=3 unchained": {"method": "eagle3", "num_draft_tokens": 3,
                                     "draft_weights": HEAD, "unchained": True}}
@@ -100,20 +104,27 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
     out = {}
     async with contextlib.AsyncExitStack() as stack:
-        engines, observers = {}, {}
+        engines, observers, observed = {}, {}, {}
         for name in names:
             spec = dict(CONFIGS[name])
             unchained = spec.pop("unchained", False)
+            fixed_times = spec.pop("fixed_times", False)
             observers[name] = StateTimes()
             engines[name] = await stack.enter_async_context(AsyncEngine(
                 engine_config(spec, batch, device, buckets), model=loaded,
                 observers=[observers[name]]))
             if unchained:
                 engines[name].worker.chain = None
+            adaptive = engines[name].worker.adaptive
+            if adaptive is not None:
+                adaptive.cost.learn = not fixed_times
+                observed[name] = record_observations(adaptive)
         for name, engine in engines.items():
             await generate_round(engine, prompts, 8)
             observers[name].us.clear()
             observers[name].iterations = 0
+            if name in observed:
+                observed[name]["timed"] = len(observed[name]["seen"])
         walls = {name: [] for name in names}
         for _ in range(runs):
             for name, engine in engines.items():
@@ -134,7 +145,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             ks = None if adaptive is None else {
                 "k_chosen": dict(sorted(adaptive.chosen.items())),
                 "chain_k0_steps": None if chain is None else chain.k0_steps,
-                **adaptive_state(adaptive)}
+                **adaptive_state(adaptive), **observations(observed[name])}
             obs.iterations = 0
             with profile(activities=activities, with_stack=stacks) as prof:
                 await generate_round(engine, prompts, 32)
@@ -151,13 +162,49 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
 
 
 def adaptive_state(adaptive) -> dict:
-    """What adaptive K decided from: T(b, k) learned and at warm-up (ms), and E(k) per
+    """What adaptive K decided from: T(b, k) learned and at warm-up, switch costs (ms), and E(k) per
     draft class (the last: unclassed, every class's counts pooled)."""
     cost = adaptive.cost
     return {"t_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.measured.items())},
             "warmup_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.device.items())},
+            "switch_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.switch.items())},
             "e_by_class": [[round(e, 3) for e in adaptive._expected([adaptive._row([c])]).values()]
                            for c in range(adaptive.classes + 1)]}
+
+
+def record_observations(adaptive) -> dict:
+    """Every iteration time adaptive K's clock hands its rule (bucket, K, seconds,
+    disturbed), learned or not (``cost.learn``): ``observations`` sums them up."""
+    record = {"seen": [], "timed": 0}
+    learn = adaptive._learn
+
+    def observed(times):
+        if adaptive._last is not None and max(abs(t) for t in times):
+            record["seen"].append((*adaptive._last, max(abs(t) for t in times) / 1e6,
+                                   min(times) < 0))
+        learn(times)
+
+    adaptive._learn = observed
+    return record
+
+
+def observations(record) -> dict:
+    """The iteration times the clock measured: the engine's first 24 (warm-up round
+    included: where the rule's first samples come from) and, per (bucket, K) over the
+    timed runs' undisturbed iterations, count and 10th / 50th / 90th percentile (ms)."""
+    seen = record["seen"]
+    per = collections.defaultdict(list)
+    for b, k, s, disturbed in seen[record["timed"]:]:
+        if not disturbed:
+            per[f"{b},{k}"].append(s * 1e3)
+
+    def spread(xs):
+        xs = sorted(xs)
+        return [len(xs)] + [round(xs[min(int(q * len(xs)), len(xs) - 1)], 3)
+                            for q in (0.1, 0.5, 0.9)]
+
+    return {"first_ms": [[k, round(s * 1e3, 3), int(d)] for _, k, s, d in seen[:24]],
+            "measured_ms": {key: spread(xs) for key, xs in sorted(per.items())}}
 
 
 def main() -> None:

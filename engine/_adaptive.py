@@ -59,6 +59,9 @@ REST_WEIGHT = 0.2
 # K = 0 one.
 EXPLORE_EVERY = 256
 EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
+# An explored K runs EXPLORE_RUN iterations in a row: the first after another K is a
+# switch (learned as its switch cost), the next one its own time.
+EXPLORE_RUN = 2
 # Iterations each K runs at the first bucket before the rule decides there (later buckets
 # borrow its times until each K has as many of its own); their median starts the average
 # (the first drafting iteration after a K = 0 stretch catches the head up eagerly; a host
@@ -72,8 +75,14 @@ FIRST_SAMPLES = 3
 # disturbed (steady load at a large batch: a request arrives every iteration) is settled
 # after FIRST_DISTURBED of them.
 FIRST_DISTURBED = 4 * FIRST_SAMPLES
-# Once settled, the rule leaves the last K only for one whose rate is SWITCH_MARGIN better.
+# Once settled, the rule leaves the last K only for one whose rate is SWITCH_MARGIN better
+# after the switch's cost (``CostTable.switch``: the new K's first iteration's extra time,
+# and the last K's when the rule comes back to it) is spread over SWITCH_HORIZON
+# iterations of the new K. On the H200 at batch 1 an n-gram K = 0 iteration right after a
+# K = 4 one took ~0.75 ms against ~0.48 in a stretch of K = 0; an eagle3 K = 3 one after
+# K = 0 catches the head up, 3-4 ms.
 SWITCH_MARGIN = 0.03
+SWITCH_HORIZON = 8
 # Later, a measurement counts at most OUTLIER times the average (a real change still
 # doubles it per iteration; one pause does not make a K look dear for hundreds).
 OUTLIER = 2.0
@@ -123,15 +132,21 @@ class CostTable:
     two, at most the largest graph bucket): the measured iterations at (b, k)
     (``measured``, an exponential average) once there are some; before that ``device``
     (VERIFY + DRAFT at warm-up, per graph bucket) plus ``rest`` (what the iterations
-    measured so far at this class took beyond their warm-up time). ``learn`` False keeps
-    the table fixed and turns exploration off (tests force K to switch with a table of
-    their own)."""
+    measured so far at this class took beyond their warm-up time). Once a K has its first
+    samples, an iteration that switched to it from another K teaches its switch cost
+    (``switch``) and not its time: a K run in stretches costs its own pace, and a K tried
+    one iteration at a time would otherwise look as dear as a switch (on the H200, n-gram
+    K = 0 learned 0.75 ms that way, 0.48 in stretches, and was never chosen). ``learn``
+    False keeps the table fixed and turns exploration off (tests force K to switch with a
+    table of their own)."""
 
     device: dict[tuple[int, int], float]
     rest: dict[int, float] = attrs.Factory(dict)
     learn: bool = True
     measured: dict[tuple[int, int], float] = attrs.Factory(dict)
     samples: dict[tuple[int, int], int] = attrs.Factory(dict)   # learned measurements
+    # Per (bucket, K): what its first iteration after another K took beyond its time.
+    switch: dict[tuple[int, int], float] = attrs.Factory(dict)
     # Disturbed measurements left out (where undisturbed ones were), for benches.
     ignored: int = 0
     # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
@@ -194,15 +209,24 @@ class CostTable:
         return first is not None and (len(first[0]) >= FIRST_SAMPLES
                                       or len(first[1]) >= FIRST_DISTURBED)
 
-    def observe(self, bucket: int, k: int, seconds: float, disturbed: bool = False) -> None:
+    def observe(self, bucket: int, k: int, seconds: float, disturbed: bool = False,
+                switched: bool = False) -> None:
         """An iteration at (bucket, k) took ``seconds``; ``disturbed``: it or the next one
-        admitted requests (learned only where no undisturbed one was: FIRST_DISTURBED)."""
+        admitted requests (learned only where no undisturbed one was: FIRST_DISTURBED);
+        ``switched``: the iteration before it ran another K (once K = k has its first
+        samples, learned as its switch cost only)."""
         device = self._device(bucket, k)
         if not self.learn or device is None:
             return
         key = (bucket, k)
         first = self._first.setdefault(key, ([], []))
         trying = not self.tried(bucket, k)
+        if switched and not trying:
+            if disturbed:
+                self.ignored += 1
+            else:
+                _average(self.switch, key, max(seconds - self.measured[key], 0.0))
+            return
         if trying:
             first[disturbed].append(seconds)    # counts toward ``tried`` in any case
         if disturbed and first[0]:
@@ -216,6 +240,17 @@ class CostTable:
                 first[0].append(seconds)    # from now on, disturbed ones are not learned
         self.samples[key] = self.samples.get(key, 0) + 1
         _average(self.rest, bucket, max(seconds - device, 0.0))
+
+    def switch_cost(self, bucket: int, k: int) -> float:
+        """K = k's switch cost at ``bucket`` (seconds; the nearest bucket's where this one
+        has none yet, 0 before any)."""
+        found = self.switch.get((bucket, k))
+        if found is not None:
+            return found
+        there = [b for b, c in self.switch if c == k]
+        if not there:
+            return 0.0
+        return self.switch[(min(there, key=lambda b: (abs(b - bucket), b)), k)]
 
     def as_tensor(self, keys: list[tuple[int, int]]) -> torch.Tensor:
         return torch.tensor([round(self.device[key] * 1e7) for key in keys], dtype=torch.int64)
@@ -248,6 +283,7 @@ class AdaptiveK:
         # The last iteration's time, sent once in ``facts`` (negative: ``disturb``).
         self._measured_us = 0
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
+        self._before: int | None = None     # the K of the iteration before it
         self._calls = 0             # choices so far: the same count on every rank
         self._settled: set[int] = set()     # buckets where every K has its first samples
         self._committed: int | None = None     # ``commit``: the next choice
@@ -360,6 +396,7 @@ class AdaptiveK:
             k, self._committed = self._committed, None
         else:
             k = self._rule(self._expected(rows), bucket, self._calls)
+        self._before = None if self._last is None else self._last[1]
         self._last = (bucket, k)
         self.chosen[k] += 1
         return k
@@ -374,7 +411,8 @@ class AdaptiveK:
     def _learn(self, times: list[int]) -> None:
         measured = max(abs(t) for t in times)
         if measured and self._last is not None:
-            self.cost.observe(*self._last, measured / 1e6, min(times) < 0)
+            switched = self._before is not None and self._before != self._last[1]
+            self.cost.observe(*self._last, measured / 1e6, min(times) < 0, switched)
 
     def _row(self, classes: Sequence[int] | None) -> list[int]:
         counts = [round(x * SCALE) for c in range(self.classes + 1)
@@ -430,15 +468,21 @@ class AdaptiveK:
                        for size, acc in zip(sizes, acceptance) if size) / total
                 for k in self.candidates}
 
-    def _stay(self, k: int, expected: dict[int, float], times: dict[int, float]) -> int:
-        """The last iteration's K unless ``k`` beats it by SWITCH_MARGIN: measured rates
-        within noise of each other would flip K, and the first drafting iteration after
-        K = 0 ones pays an eager catch-up (the last K is agreed: every rank's is the same)."""
+    def _stay(self, k: int, expected: dict[int, float], times: dict[int, float],
+              bucket: int) -> int:
+        """The last iteration's K unless ``k`` beats it by SWITCH_MARGIN once the switch
+        there and back is paid (``CostTable.switch_cost`` of both, spread over
+        SWITCH_HORIZON iterations of ``k``): measured rates within noise of each other
+        would flip K, and the first drafting iteration after K = 0 ones pays an eager
+        catch-up (the last K is agreed: every rank's is the same)."""
         last = None if self._last is None else self._last[1]
         if last is None or last == k:
             return k
         rate = {c: expected[c] / max(times[c], 1e-9) for c in (k, last)}
-        return k if rate[k] > rate[last] * (1 + SWITCH_MARGIN) else last
+        horizon = SWITCH_HORIZON * max(times[k], 1e-9)
+        paid = self.cost.switch_cost(bucket, k) + self.cost.switch_cost(bucket, last)
+        kept = max(horizon - paid, 0.0) / horizon
+        return k if rate[k] * kept > rate[last] * (1 + SWITCH_MARGIN) else last
 
     def _borrowed(self, bucket: int) -> dict[int, float]:
         """T(bucket, k) at a bucket not settled, from the nearest settled one's measured
@@ -490,8 +534,8 @@ class AdaptiveK:
                 else:
                     times = self._borrowed(bucket)
                     k = choose_by_rate(self.candidates, expected, times)
-            k = self._stay(k, expected, times)
-            if calls % EXPLORE_EVERY == 0:
+            k = self._stay(k, expected, times, bucket)
+            if calls >= EXPLORE_EVERY and calls % EXPLORE_EVERY < EXPLORE_RUN:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
                 explore = self.candidates[turn % n_k]
                 rate = {c: expected[c] / max(times[c], 1e-9) for c in (k, explore)}

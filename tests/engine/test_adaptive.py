@@ -8,7 +8,8 @@ import torch
 
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
-from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_RARELY, FIRST_SAMPLES,
+from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_RARELY, EXPLORE_RUN,
+                                       FIRST_SAMPLES,
                                        REST_WEIGHT, SCALE, AdaptiveK, CostTable,
                                        acceptance_from_counts, choose_k, expected_tokens)
 from specloop.engine._states import IterationState
@@ -190,6 +191,11 @@ def test_measured_time_decides_over_warm_up():
     # The pause is not taken: the median of K = 0's first measurements.
     assert cost.measured[(1, 0)] == pytest.approx(0.002)
     assert adaptive.choose([adaptive.facts()], 1) == 0
+    # That switch from K = 3 teaches K = 0's switch cost, not its time.
+    adaptive.measured(0.0025)
+    assert adaptive.choose([adaptive.facts()], 1) == 0
+    assert cost.measured[(1, 0)] == pytest.approx(0.002)
+    assert cost.switch_cost(1, 0) == pytest.approx(0.0005)
     # Later, one pause moves the average as a doubling would, no more.
     adaptive.measured(0.2)
     adaptive.choose([adaptive.facts()], 1)
@@ -214,9 +220,9 @@ def test_measured_time_teaches_the_rest_of_the_iteration():
 
 def test_every_k_gets_explored_in_turn():
     """Whatever warm-up said, each K runs FIRST_SAMPLES times in a row at a new bucket
-    (as it runs when chosen: K = 0 stretches queue their steps ahead), then one choice in
-    EXPLORE_EVERY tries each K in turn (so a K that looked too dear is measured again, and
-    positions never drafted get counts)."""
+    (as it runs when chosen: K = 0 stretches queue their steps ahead), then EXPLORE_RUN
+    choices in EXPLORE_EVERY try each K in turn (so a K that looked too dear is measured
+    again, the first of them a switch, and positions never drafted get counts)."""
     adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}))
     picks = []
     for _ in range(EXPLORE_EVERY * 4):
@@ -225,7 +231,10 @@ def test_every_k_gets_explored_in_turn():
         picks.append(k)
     first = FIRST_SAMPLES * len(KS)
     assert picks[:first] == [k for k in KS for _ in range(FIRST_SAMPLES)]
-    assert collections.Counter(picks[first:])[0] == EXPLORE_EVERY * 4 - first - 3
+    assert collections.Counter(picks[first:])[0] == EXPLORE_EVERY * 4 - first - 3 * EXPLORE_RUN
+    runs = [picks[i:i + EXPLORE_RUN] for i in range(EXPLORE_EVERY - 1, 4 * EXPLORE_EVERY - 1,
+                                                     EXPLORE_EVERY)]
+    assert runs == [[k] * EXPLORE_RUN for k in (1, 2, 3)]
     assert sorted(set(picks[first:])) == list(KS)
     fixed = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}, learn=False))
     assert {fixed.choose([fixed.facts()], 1) for _ in range(EXPLORE_EVERY * 4)} == {0}
@@ -346,6 +355,34 @@ def test_the_last_k_stays_unless_another_is_clearly_better():
     assert adaptive.choose([adaptive.facts()], 1) == 0
 
 
+def test_a_switch_must_pay_for_itself():
+    """A K whose rate beats the last K's by more than SWITCH_MARGIN is not taken when the
+    switch there and back (each K's learned switch cost) eats the gain over SWITCH_HORIZON
+    iterations of it; with a small switch cost it is."""
+    def choice(switch):
+        cost = CostTable({(1, k): 1.0 for k in KS})
+        adaptive = AdaptiveK(KS, cost)
+        adaptive.record(3, [1, 0, 1, 0])
+        for k in KS:                               # settle with K = 1 the best by far
+            for _ in range(FIRST_SAMPLES):
+                cost.observe(1, k, 1.0 if k == 0 else (1.2 if k == 1 else 3.0))
+        assert adaptive.choose([adaptive.facts()], 1) == 1
+        e1 = expected_tokens(acceptance_from_counts(adaptive.reached, adaptive.accepted), 1)
+        t0 = cost.measured[(1, 0)] = 1.2 / e1 * 0.9    # K = 0 11 % better
+        cost.switch[(1, 0)] = cost.switch[(1, 1)] = switch * t0
+        return adaptive.choose([adaptive.facts()], 1)
+
+    # Kept after paying: (SWITCH_HORIZON - 2 s) / SWITCH_HORIZON of 1.11: worth it
+    # while that stays above 1 + SWITCH_MARGIN, i.e. s < ~0.29 of an iteration of K = 0.
+    assert choice(0.0) == 0
+    assert choice(0.2) == 0
+    assert choice(0.4) == 1
+    # A switch cost learned at another bucket stands in where none was learned yet.
+    cost = CostTable({(b, k): 1.0 for b in (1, 8) for k in KS})
+    cost.switch[(8, 0)] = 0.5
+    assert cost.switch_cost(1, 0) == 0.5 and cost.switch_cost(1, 3) == 0.0
+
+
 def test_a_k_far_behind_is_explored_rarely():
     """Exploration tries a K whose expected rate is far below the best's (drafting at a
     large batch) at one of its turns in EXPLORE_RARELY; a K close to the best at each."""
@@ -363,7 +400,7 @@ def test_a_k_far_behind_is_explored_rarely():
 
     # Prior acceptance 0.5: E(k) = 1.5, 1.75, 1.875 against T(k) = 1 + 10 k: far behind.
     far = explored(10.0)
-    assert sum(far[k] for k in (1, 2, 3)) == 3 * 2      # cycles 0 and 8 of 16
+    assert sum(far[k] for k in (1, 2, 3)) == 3 * 2 * EXPLORE_RUN    # cycles 0, 8 of 16
     near = explored(0.3)                                # rates 1.15, 1.09, 0.99 of K=0's
     assert all(near[k] >= turns // len(KS) for k in (1, 2, 3)), near
 
