@@ -158,7 +158,11 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
                 # T(b, k) as the rule last saw it (whole iterations, learned).
                 "measured_ms": None if adaptive is None else {
                     f"{b}/{k}": round(s * 1e3, 3)
-                    for (b, k), s in sorted(adaptive.cost.measured.items())}}
+                    for (b, k), s in sorted(adaptive.cost.measured.items())},
+                # What a K's first iteration after another K took beyond its time.
+                "switch_ms": None if adaptive is None else {
+                    f"{b}/{k}": round(s * 1e3, 3)
+                    for (b, k), s in sorted(adaptive.cost.switch.items())}}
     return rates, extra
 
 
