@@ -67,6 +67,11 @@ EXPLORE_RUN = 2
 # (the first drafting iteration after a K = 0 stretch catches the head up eagerly; a host
 # pause or a kernel's first launch can take 100 ms on the H200).
 FIRST_SAMPLES = 3
+# An engine's first BURN_IN iterations are not learned (the worker's AdaptiveK; K = 0
+# runs them, the first K to try): on the H200 they ran slower than any later one (K = 0's
+# first samples 0.6-0.86 ms at batch 1, 0.48 later: clocks and caches warming after the
+# warm-up's idle), and a K the rule then never picks again is never measured again.
+BURN_IN = 16
 # Disturbed iterations (``AdaptiveK.disturb``: they or the next one admitted requests) are
 # learned only where no undisturbed one was: their extra cost (the prefill's device time
 # that VERIFY waits behind, no step queued ahead) is the same at any K, and at a round's
@@ -272,8 +277,10 @@ class AdaptiveK:
     columns of all ranks, so all get the same K. ``classes``: the drafter's number of
     draft classes (0: none; every row is then unclassed, class ``classes``)."""
 
-    def __init__(self, candidates: Sequence[int], cost: CostTable, classes: int = 0) -> None:
+    def __init__(self, candidates: Sequence[int], cost: CostTable, classes: int = 0,
+                 burn_in: int = 0) -> None:
         self.candidates = tuple(sorted(set(candidates)))
+        self.burn_in = burn_in      # iterations not learned (BURN_IN for an engine's)
         self.k_max = self.candidates[-1]
         self.cost = cost
         self.classes = classes
@@ -410,7 +417,7 @@ class AdaptiveK:
 
     def _learn(self, times: list[int]) -> None:
         measured = max(abs(t) for t in times)
-        if measured and self._last is not None:
+        if measured and self._last is not None and self._calls > self.burn_in:
             switched = self._before is not None and self._before != self._last[1]
             self.cost.observe(*self._last, measured / 1e6, min(times) < 0, switched)
 

@@ -26,7 +26,7 @@ from specloop.models._grad import inference_mode
 from specloop.models._host import int64_tensor
 from specloop.samplers import RejectionResult, Sampler, SamplingBatch
 
-from ._adaptive import CLASSED_ROWS, AdaptiveK, IterationClock
+from ._adaptive import BURN_IN, CLASSED_ROWS, AdaptiveK, IterationClock
 from ._ahead import RunAhead
 from ._chain import DeviceChain
 from ._exchange import OutputExchange
@@ -140,7 +140,7 @@ class RankWorker:
             cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
             classes = self.drafter.num_draft_classes if self.drafter is not None else 0
-            self.adaptive = AdaptiveK(spec.k_values, cost, classes)
+            self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN)
             self.clock = IterationClock(self.adaptive, cuda=self.runner.device.type == "cuda")
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 

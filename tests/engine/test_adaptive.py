@@ -355,6 +355,22 @@ def test_the_last_k_stays_unless_another_is_clearly_better():
     assert adaptive.choose([adaptive.facts()], 1) == 0
 
 
+def test_an_engines_first_iterations_are_not_learned():
+    """The worker's AdaptiveK learns nothing from its first ``burn_in`` iterations (slow
+    ones at an engine's start would stand for K = 0 until it is chosen again): K = 0 runs
+    them, and its first samples come after."""
+    cost = CostTable({(1, k): 1.0 for k in KS})
+    adaptive = AdaptiveK(KS, cost, burn_in=4)
+    picks = []
+    for i in range(4 + FIRST_SAMPLES):
+        picks.append(adaptive.choose([adaptive.facts()], 1))
+        adaptive.measured(9.0 if i < 4 else 1.0)
+    assert picks == [0] * (4 + FIRST_SAMPLES)
+    assert not cost.tried(1, 0) and cost.measured[(1, 0)] == 1.0
+    adaptive.choose([adaptive.facts()], 1)
+    assert cost.tried(1, 0) and cost.measured[(1, 0)] == 1.0
+
+
 def test_a_switch_must_pay_for_itself():
     """A K whose rate beats the last K's by more than SWITCH_MARGIN is not taken when the
     switch there and back (each K's learned switch cost) eats the gain over SWITCH_HORIZON

@@ -136,6 +136,7 @@ async def test_admitting_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_load
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     async with AsyncEngine(config, model=tiny_loaded) as engine:
         worker, late, used = engine.worker, [], []
+        worker.adaptive.burn_in = 0     # K = 0's first samples are the admitting ones
         if ahead:
             queue_ahead_on_cpu(worker, used)
         prefill, read_back = worker._prefill, worker.runner.finish_read_back

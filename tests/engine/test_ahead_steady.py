@@ -187,6 +187,7 @@ async def test_joined_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_loaded)
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     async with AsyncEngine(EngineConfig.from_dict(data), model=tiny_loaded) as engine:
         worker, runner, used = engine.worker, engine.worker.runner, []
+        worker.adaptive.burn_in = 0     # K = 0's first samples are the joining ones
         queue_ahead_on_cpu(worker, used)
         prefill, start, finish = worker._prefill, runner.start_read_back, runner.finish_read_back
         behind: list[float] = []        # a prefill queued since the last step
