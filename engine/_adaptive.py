@@ -88,9 +88,13 @@ FIRST_DISTURBED = 4 * FIRST_SAMPLES
 # K = 0 catches the head up, 3-4 ms.
 SWITCH_MARGIN = 0.03
 SWITCH_HORIZON = 8
-# Later, a measurement counts at most OUTLIER times the average (a real change still
-# doubles it per iteration; one pause does not make a K look dear for hundreds).
-OUTLIER = 2.0
+# Once a K has its first samples, T(b, k) (and its switch cost) is the median of its last
+# RECENT measurements: iteration times are heavy-tailed on a busy host (on the H200 at
+# batch 1 their 90th percentile was 1.3-2x the median), and the exponential average used
+# before (each sample capped at twice it) ended runs 20-60 % above the median, K = 0's
+# most (n-gram then drafted where K = 0 was faster). A real change moves the median
+# within RECENT / 2 iterations at that K; one pause does not move it.
+RECENT = 15
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -156,6 +160,11 @@ class CostTable:
     ignored: int = 0
     # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
     _first: dict[tuple[int, int], tuple[list[float], list[float]]] = attrs.field(
+        factory=dict, init=False, repr=False)
+    # Per (bucket, K): its last RECENT learned times, and switch costs.
+    _recent: dict[tuple[int, int], collections.deque[float]] = attrs.field(
+        factory=dict, init=False, repr=False)
+    _recent_switch: dict[tuple[int, int], collections.deque[float]] = attrs.field(
         factory=dict, init=False, repr=False)
     _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     _graph_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
@@ -230,17 +239,19 @@ class CostTable:
             if disturbed:
                 self.ignored += 1
             else:
-                _average(self.switch, key, max(seconds - self.measured[key], 0.0))
+                self.switch[key] = _median_of_recent(self._recent_switch, key,
+                                                     max(seconds - self.measured[key], 0.0))
             return
         if trying:
             first[disturbed].append(seconds)    # counts toward ``tried`` in any case
         if disturbed and first[0]:
             self.ignored += 1
             return      # measured undisturbed: the admission's cost is not K's
+        recent = _median_of_recent(self._recent, key, seconds)
         if trying:
             self.measured[key] = statistics.median_low(first[0] or first[1])
         else:
-            _average(self.measured, key, min(seconds, OUTLIER * self.measured[key]))
+            self.measured[key] = recent
             if not disturbed and not first[0]:
                 first[0].append(seconds)    # from now on, disturbed ones are not learned
         self.samples[key] = self.samples.get(key, 0) + 1
@@ -262,6 +273,16 @@ class CostTable:
 
 
 Key = TypeVar("Key", bound=Hashable)
+
+
+def _median_of_recent(recent: dict[Key, collections.deque[float]], key: Key,
+                      value: float) -> float:
+    """The median (low) of ``key``'s last RECENT values, ``value`` the newest."""
+    window = recent.get(key)
+    if window is None:
+        window = recent[key] = collections.deque(maxlen=RECENT)
+    window.append(value)
+    return statistics.median_low(window)
 
 
 def _average(table: dict[Key, float], key: Key, value: float) -> None:
