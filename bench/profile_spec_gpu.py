@@ -176,15 +176,15 @@ def record_observations(adaptive) -> dict:
     """Every iteration time adaptive K's clock hands its rule (bucket, K, seconds,
     disturbed), learned or not (``cost.learn``): ``observations`` sums them up."""
     record = {"seen": [], "timed": 0}
-    learn = adaptive._learn
+    sample = adaptive._sample
 
     def observed(times):
-        if adaptive._last is not None and max(abs(t) for t in times):
-            record["seen"].append((*adaptive._last, max(abs(t) for t in times) / 1e6,
-                                   min(times) < 0))
-        learn(times)
+        got = sample(times)
+        if got is not None:
+            record["seen"].append(got[:4])
+        return got
 
-    adaptive._learn = observed
+    adaptive._sample = observed
     return record
 
 

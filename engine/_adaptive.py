@@ -154,7 +154,8 @@ class CostTable:
     learn: bool = True
     measured: dict[tuple[int, int], float] = attrs.Factory(dict)
     samples: dict[tuple[int, int], int] = attrs.Factory(dict)   # learned measurements
-    # Per (bucket, K): what its first iteration after another K took beyond its time.
+    # Per (bucket, K): what its first iteration after another K and its last one before
+    # another took beyond its time (each the median of its last RECENT), summed.
     switch: dict[tuple[int, int], float] = attrs.Factory(dict)
     # Disturbed measurements left out (where undisturbed ones were), for benches.
     ignored: int = 0
@@ -164,7 +165,7 @@ class CostTable:
     # Per (bucket, K): its last RECENT learned times, and switch costs.
     _recent: dict[tuple[int, int], collections.deque[float]] = attrs.field(
         factory=dict, init=False, repr=False)
-    _recent_switch: dict[tuple[int, int], collections.deque[float]] = attrs.field(
+    _recent_switch: dict[tuple[tuple[int, int], bool], collections.deque[float]] = attrs.field(
         factory=dict, init=False, repr=False)
     _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     _graph_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
@@ -224,23 +225,28 @@ class CostTable:
                                       or len(first[1]) >= FIRST_DISTURBED)
 
     def observe(self, bucket: int, k: int, seconds: float, disturbed: bool = False,
-                switched: bool = False) -> None:
+                switched: bool = False, leaving: bool = False) -> None:
         """An iteration at (bucket, k) took ``seconds``; ``disturbed``: it or the next one
         admitted requests (learned only where no undisturbed one was: FIRST_DISTURBED);
-        ``switched``: the iteration before it ran another K (once K = k has its first
-        samples, learned as its switch cost only)."""
+        ``switched``: the iteration before it ran another K, ``leaving``: the one after
+        it does (once K = k has its first samples, either is learned as its switch cost
+        only: on one GPU rank the iteration before a switch queues the next K's step,
+        the one after it does without a step queued ahead)."""
         device = self._device(bucket, k)
         if not self.learn or device is None:
             return
         key = (bucket, k)
         first = self._first.setdefault(key, ([], []))
         trying = not self.tried(bucket, k)
-        if switched and not trying:
+        if (switched or leaving) and not trying:
             if disturbed:
                 self.ignored += 1
             else:
-                self.switch[key] = _median_of_recent(self._recent_switch, key,
-                                                     max(seconds - self.measured[key], 0.0))
+                extra = max(seconds - self.measured[key], 0.0)
+                _median_of_recent(self._recent_switch, (key, switched), extra)
+                self.switch[key] = sum(statistics.median_low(self._recent_switch[key, side])
+                                       for side in (False, True)
+                                       if (key, side) in self._recent_switch)
             return
         if trying:
             first[disturbed].append(seconds)    # counts toward ``tried`` in any case
@@ -417,13 +423,18 @@ class AdaptiveK:
         apply the rule (or take the K held by ``commit``)."""
         rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
         # The slowest rank's time; disturbed when any rank's was.
-        self._learn([row[-1] for row in rows])
+        sample = self._sample([row[-1] for row in rows])
         bucket = self.cost.bucket(padded_batch_size)
         self._calls += 1
         if self._committed is not None:
             k, self._committed = self._committed, None
         else:
+            if sample is not None and not self.cost.tried(sample[0], sample[1]):
+                self.cost.observe(*sample)     # a first sample: the rule's next pick
+                sample = None
             k = self._rule(self._expected(rows), bucket, self._calls)
+        if sample is not None:  # learned once the K after it is known (leaving its K)
+            self.cost.observe(*sample, leaving=k != sample[1])
         self._before = None if self._last is None else self._last[1]
         self._last = (bucket, k)
         self.chosen[k] += 1
@@ -436,11 +447,14 @@ class AdaptiveK:
         measured, self._measured_us = self._measured_us, 0
         return self.choose([[measured]], padded_batch_size)
 
-    def _learn(self, times: list[int]) -> None:
+    def _sample(self, times: list[int]) -> tuple[int, int, float, bool, bool] | None:
+        """The last iteration's (bucket, K, seconds, disturbed, switched to its K) from
+        the group's measured times, or None (nothing measured, or burning in)."""
         measured = max(abs(t) for t in times)
-        if measured and self._last is not None and self._calls > self.burn_in:
-            switched = self._before is not None and self._before != self._last[1]
-            self.cost.observe(*self._last, measured / 1e6, min(times) < 0, switched)
+        if not measured or self._last is None or self._calls <= self.burn_in:
+            return None
+        switched = self._before is not None and self._before != self._last[1]
+        return (*self._last, measured / 1e6, min(times) < 0, switched)
 
     def _row(self, classes: Sequence[int] | None) -> list[int]:
         counts = [round(x * SCALE) for c in range(self.classes + 1)

@@ -378,6 +378,27 @@ def test_an_engines_first_iterations_are_not_learned():
     assert cost.tried(1, 0) and cost.measured[(1, 0)] == 1.0
 
 
+def test_the_iterations_around_a_switch_teach_its_cost():
+    """Once a K has its first samples, the iteration that switched to it and the one
+    before it switches away (on one GPU rank: the first runs without a step queued ahead,
+    the second queues the next K's) are learned as its switch cost (their extra time over
+    T(b, k), each side's median, summed), not as T(b, k)."""
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 for k in KS}))
+    for k in KS:
+        for _ in range(FIRST_SAMPLES):
+            adaptive.cost.observe(1, k, 0.5)
+    for k, seconds in zip([0, 0, 0, 3, 3, 3], [0.5, 0.5, 0.9, 1.4, 0.5, 0.6]):
+        adaptive.commit(k)          # one GPU rank: the next K is known before it is learned
+        adaptive.choose_committed(1)
+        adaptive.measured(seconds)
+    adaptive.commit(0)
+    adaptive.choose_committed(1)
+    cost = adaptive.cost
+    assert cost.measured == {(1, k): 0.5 for k in KS}
+    assert cost.switch_cost(1, 0) == pytest.approx(0.4)         # leaving K = 0
+    assert cost.switch_cost(1, 3) == pytest.approx(0.9 + 0.1)   # into K = 3, out of it
+
+
 def test_a_switch_must_pay_for_itself():
     """A K whose rate beats the last K's by more than SWITCH_MARGIN is not taken when the
     switch there and back (each K's learned switch cost) eats the gain over SWITCH_HORIZON
