@@ -59,9 +59,10 @@ REST_WEIGHT = 0.2
 # K = 0 one.
 EXPLORE_EVERY = 256
 EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
-# An explored K runs EXPLORE_RUN iterations in a row: the first after another K is a
-# switch (learned as its switch cost), the next one its own time.
-EXPLORE_RUN = 2
+# An explored K runs EXPLORE_RUN iterations in a row: the first after another K and the
+# last before the next are switches (learned as its switch cost), the one between them
+# its own time.
+EXPLORE_RUN = 3
 # Iterations each K runs at the first bucket before the rule decides there (later buckets
 # borrow its times until each K has as many of its own); their median starts the average
 # (the first drafting iteration after a K = 0 stretch catches the head up eagerly; a host
