@@ -179,10 +179,10 @@ def record_observations(adaptive) -> dict:
     sample = adaptive._sample
 
     def observed(times):
-        got = sample(times)
-        if got is not None:
-            record["seen"].append(got[:4])
-        return got
+        measured = max(abs(t) for t in times)
+        if measured and adaptive._last is not None:     # burning in too
+            record["seen"].append((*adaptive._last, measured / 1e6, min(times) < 0))
+        return sample(times)
 
     adaptive._sample = observed
     return record

@@ -14,11 +14,13 @@ continue a long match drafts K (rows the drafter does not class, or past
 CLASSED_ROWS, take the counts of all classes pooled). T(b, k) the iteration's time: VERIFY and
 DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
 until iterations at (b, k) have been measured (whole iterations, start to start, less
-prefill, on a GPU as long as its kernels ran, and waits: the worker's clock), then their
-average (each K runs FIRST_SAMPLES times in a row at the first bucket before the rule
-decides there, later buckets borrow its times, each K's moved by the change in its own
-warm-up time and all scaled to the bucket's own measured one, and one choice in
-EXPLORE_EVERY tries the K values in turn). An iteration that admitted requests, or whose
+prefill, on a GPU as long as its kernels ran, and waits: the worker's clock), then the
+median of the last RECENT (each K runs FIRST_SAMPLES times in a row at the first bucket
+before the rule decides there, later buckets borrow its times, each K's moved by the
+change in its own warm-up time and all scaled to the bucket's own measured one, and
+EXPLORE_RUN choices in EXPLORE_EVERY try the K values in turn). The iterations on either
+side of a switch of K teach that K's switch cost instead, which the rule pays before it
+leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An iteration that admitted requests, or whose
 next one did, is disturbed and learned only where no undisturbed one was (its extra cost
 is the same at any K, and at a round's start it would all fall on K = 0). On one GPU
 rank ``next_k`` takes the next choice early and ``commit`` holds the next iteration to
@@ -48,12 +50,14 @@ DECAY = 0.98
 # Prior: PRIOR_ROWS pseudo-rows at acceptance PRIOR_ACCEPT for every position, so a
 # position never drafted yet looks worth a try, and one lucky row does not decide.
 PRIOR_ROWS, PRIOR_ACCEPT = 2.0, 0.5
-# Weight of a new measurement of an iteration's time (an exponential average).
+# Weight of a new measurement of an iteration's host work beyond warm-up's time (``rest``,
+# an exponential average; it stands in for T(b, k) where (b, k) has no samples yet).
 REST_WEIGHT = 0.2
-# Every EXPLORE_EVERY-th choice takes the next K in turn instead of the rule's, so every K
-# gets measured again and every position's acceptance learned, whatever the first
-# measurements said. One iteration in 256, which after a long K = 0 stretch drafts eagerly
-# (3-4 ms at batch 1 on the H200, a K = 0 iteration ~1 ms): ~1 % at worst. A K whose
+# EXPLORE_RUN choices in every EXPLORE_EVERY take the next K in turn instead of the rule's,
+# so every K gets measured again and every position's acceptance learned, whatever the
+# first measurements said. 3 iterations in 256, and a drafting one after a long K = 0
+# stretch catches the head up eagerly (3-4 ms at batch 1 on the H200, a K = 0 iteration
+# ~0.5-1 ms): ~3 % at worst. A K whose
 # expected rate is below EXPLORE_RATE of the best's is tried at one of its turns in
 # EXPLORE_RARELY only: on the H200 a drafting iteration at batch >= 64 costs 3-4x a
 # K = 0 one.
@@ -64,7 +68,7 @@ EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
 # its own time.
 EXPLORE_RUN = 3
 # Iterations each K runs at the first bucket before the rule decides there (later buckets
-# borrow its times until each K has as many of its own); their median starts the average
+# borrow its times until each K has as many of its own); their median is T until then
 # (the first drafting iteration after a K = 0 stretch catches the head up eagerly; a host
 # pause or a kernel's first launch can take 100 ms on the H200).
 FIRST_SAMPLES = 3
@@ -155,13 +159,14 @@ def acceptance_from_counts(reached: Sequence[float], accepted: Sequence[float]
 class CostTable:
     """T(b, k) in seconds, b a batch class (``bucket``: the batch rounded up to a power of
     two, at most the largest graph bucket): the measured iterations at (b, k)
-    (``measured``, an exponential average) once there are some; before that ``device``
-    (VERIFY + DRAFT at warm-up, per graph bucket) plus ``rest`` (what the iterations
-    measured so far at this class took beyond their warm-up time). Once a K has its first
-    samples, an iteration that switched to it from another K teaches its switch cost
-    (``switch``) and not its time: a K run in stretches costs its own pace, and a K tried
-    one iteration at a time would otherwise look as dear as a switch (on the H200, n-gram
-    K = 0 learned 0.75 ms that way, 0.48 in stretches, and was never chosen). ``learn``
+    (``measured``: the median of the first samples, then of the last RECENT) once there
+    are some; before that ``device`` (VERIFY + DRAFT at warm-up, per graph bucket) plus
+    ``rest`` (what the iterations measured so far at this class took beyond their warm-up
+    time). Once a K has its first samples, an iteration that switched to it from another K,
+    and one after which the rule leaves it, teach its switch cost (``switch``) and not its
+    time: a K run in stretches costs its own pace, and a K tried one iteration at a time
+    would otherwise look as dear as a switch (on the H200, n-gram K = 0 learned 0.75 ms
+    that way, 0.48 in stretches, and was never chosen). ``learn``
     False keeps the table fixed and turns exploration off (tests force K to switch with a
     table of their own)."""
 
@@ -259,7 +264,10 @@ class CostTable:
                 self.ignored += 1
             else:
                 extra = max(seconds - self.measured[key], 0.0)
-                _median_of_recent(self._recent_switch, (key, switched), extra)
+                # A one-iteration run's extra time holds both sides' costs.
+                for side in (True, False) if switched and leaving else (switched,):
+                    _median_of_recent(self._recent_switch, (key, side),
+                                      extra / (1 + (switched and leaving)))
                 self.switch[key] = sum(_median_low(self._recent_switch[key, side])
                                        for side in (False, True)
                                        if (key, side) in self._recent_switch)
@@ -269,6 +277,10 @@ class CostTable:
         if disturbed and first[0]:
             self.ignored += 1
             return      # measured undisturbed: the admission's cost is not K's
+        if not disturbed and len(first[0]) == (1 if trying else 0):
+            # The first undisturbed sample (appended above while trying): the disturbed
+            # ones before it leave the window.
+            self._recent.pop(key, None)
         recent = _median_of_recent(self._recent, key, seconds)
         if trying:
             self.measured[key] = statistics.median_low(first[0] or first[1])
@@ -542,11 +554,10 @@ class AdaptiveK:
         last = None if self._last is None else self._last[1]
         if last is None or last == k:
             return k
-        rate = {c: expected[c] / max(times[c], 1e-9) for c in (k, last)}
-        horizon = SWITCH_HORIZON * max(times[k], 1e-9)
         paid = self.cost.switch_cost(bucket, k) + self.cost.switch_cost(bucket, last)
-        kept = max(horizon - paid, 0.0) / horizon
-        return k if rate[k] * kept > rate[last] * (1 + SWITCH_MARGIN) else last
+        rate_k = expected[k] / max(times[k] + paid / SWITCH_HORIZON, 1e-9)
+        rate_last = expected[last] / max(times[last], 1e-9)
+        return k if rate_k > rate_last * (1 + SWITCH_MARGIN) else last
 
     def _borrowed(self, bucket: int) -> dict[int, float]:
         """T(bucket, k) at a bucket not settled, from the nearest settled one's measured
@@ -598,7 +609,9 @@ class AdaptiveK:
                 else:
                     times = self._borrowed(bucket)
                     k = choose_by_rate(self.candidates, expected, times)
-            k = self._stay(k, expected, times, bucket)
+            explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN
+            if not explored:    # after an explored run the rule's K is back without a gate
+                k = self._stay(k, expected, times, bucket)
             if calls >= EXPLORE_EVERY and calls % EXPLORE_EVERY < EXPLORE_RUN:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
                 explore = self.candidates[turn % n_k]

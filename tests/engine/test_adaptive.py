@@ -201,6 +201,9 @@ def test_measured_time_decides_over_warm_up():
     adaptive.measured(0.2)
     adaptive.choose([adaptive.facts()], 1)
     assert cost.measured[(1, 0)] == pytest.approx(0.002)
+    for _ in range(RECENT):
+        adaptive.measured(0.002)
+        adaptive.choose([adaptive.facts()], 1)
     slower = 0
     while cost.measured[(1, 0)] < 0.004:
         adaptive.measured(0.004)
@@ -416,8 +419,9 @@ def test_a_switch_must_pay_for_itself():
         cost.switch[(1, 0)] = cost.switch[(1, 1)] = switch * t0
         return adaptive.choose([adaptive.facts()], 1)
 
-    # Kept after paying: (SWITCH_HORIZON - 2 s) / SWITCH_HORIZON of 1.11: worth it
-    # while that stays above 1 + SWITCH_MARGIN, i.e. s < ~0.29 of an iteration of K = 0.
+    # K = 0's rate with the switch there and back (2 s iterations of K = 0) spread over
+    # SWITCH_HORIZON of them: 1.11 / (1 + 2 s / 8), worth it while above 1 + SWITCH_MARGIN,
+    # i.e. s < ~0.31.
     assert choice(0.0) == 0
     assert choice(0.2) == 0
     assert choice(0.4) == 1
@@ -425,6 +429,24 @@ def test_a_switch_must_pay_for_itself():
     cost = CostTable({(b, k): 1.0 for b in (1, 8) for k in KS})
     cost.switch[(8, 0)] = 0.5
     assert cost.switch_cost(1, 0) == 0.5 and cost.switch_cost(1, 3) == 0.0
+
+
+def test_an_explored_k_does_not_hold_behind_the_switch_gate():
+    """Switch costs far above the gains keep the last K, but the choice right after an
+    explored run is the rule's own: else the explored K would hold until the next
+    exploration."""
+    times = {0: 1.0, 1: 1.0, 2: 1.0, 3: 0.5}
+    adaptive = AdaptiveK(KS, CostTable({(1, k): t for k, t in times.items()}))
+    picks = []
+    for i in range(EXPLORE_EVERY + EXPLORE_RUN + 2):
+        k = adaptive.choose([adaptive.facts()], 1)
+        picks.append(k)
+        adaptive.measured(times[k])
+        if i >= FIRST_SAMPLES * len(KS):     # (as learned: held there)
+            adaptive.cost.switch.update({(1, k): 1000.0 for k in KS})
+    explored = picks[EXPLORE_EVERY - 1:EXPLORE_EVERY - 1 + EXPLORE_RUN]
+    assert explored == [1] * EXPLORE_RUN
+    assert picks[EXPLORE_EVERY - 1 + EXPLORE_RUN:] == [3] * 3
 
 
 def test_a_k_far_behind_is_explored_rarely():

@@ -173,10 +173,11 @@ def test_disturbed_iterations_are_learned_only_where_nothing_else_is():
         adaptive.disturb()
     assert picks[:-1] == [k for k in KS for _ in range(FIRST_DISTURBED)]
     assert cost.measured == {(1, k): pytest.approx(0.002 + 0.001 * k) for k in KS}
-    for _ in range(RECENT):
-        cost.observe(1, 2, 0.010)                   # undisturbed: learned
-    after = cost.measured[(1, 2)]
-    assert after == 0.010
+    cost.observe(1, 2, 0.010)                       # undisturbed: learned, and the
+    after = cost.measured[(1, 2)]                   # disturbed ones before it leave T's
+    assert after == 0.010                           # window
+    cost.observe(1, 2, 0.010)
+    assert cost.measured[(1, 2)] == 0.010
     cost.observe(1, 2, 0.100, disturbed=True)       # now left out
     assert cost.measured[(1, 2)] == after and cost.ignored == 1
     for _ in range(RECENT):                         # K = 3 has no undisturbed one yet
