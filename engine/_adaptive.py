@@ -519,9 +519,12 @@ class AdaptiveK:
             members = range(self.classes + 1) if c == self.classes else (c,)
             fixed = [([round(x * SCALE) / SCALE for x in self._reached[m]],
                       [round(x * SCALE) / SCALE for x in self._accepted[m]]) for m in members]
-            acceptance = acceptance_from_counts(
-                [sum(col) for col in zip(*(r for r, _ in fixed))],
-                [sum(col) for col in zip(*(a for _, a in fixed))])
+            if len(fixed) == 1:     # one class (a drafter without classes: every iteration)
+                acceptance = acceptance_from_counts(*fixed[0])
+            else:
+                acceptance = acceptance_from_counts(
+                    [sum(col) for col in zip(*(r for r, _ in fixed))],
+                    [sum(col) for col in zip(*(a for _, a in fixed))])
             found = self._own_expected[c] = expected_by_k(acceptance, self.candidates)
         return found
 
