@@ -167,7 +167,8 @@ def adaptive_state(adaptive) -> dict:
     cost = adaptive.cost
     return {"t_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.measured.items())},
             "warmup_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.device.items())},
-            "switch_ms": {f"{b},{k}": round(t * 1e3, 3) for (b, k), t in sorted(cost.switch.items())},
+            "switch_ms": {f"{b},{k}": round(t * 1e3, 3)
+                          for (b, k), t in sorted(cost.switch.items())},
             "e_by_class": [[round(e, 3) for e in adaptive._expected([adaptive._row([c])]).values()]
                            for c in range(adaptive.classes + 1)]}
 

@@ -20,8 +20,8 @@ before the rule decides there, later buckets borrow its times, each K's moved by
 change in its own warm-up time and all scaled to the bucket's own measured one, and
 EXPLORE_RUN choices in EXPLORE_EVERY try the K values in turn). The iterations on either
 side of a switch of K teach that K's switch cost instead, which the rule pays before it
-leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An iteration that admitted requests, or whose
-next one did, is disturbed and learned only where no undisturbed one was (its extra cost
+leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An
+iteration that admitted requests, or whose next one did, is disturbed and learned only where no undisturbed one was (its extra cost
 is the same at any K, and at a round's start it would all fall on K = 0). On one GPU
 rank ``next_k`` takes the next choice early and ``commit`` holds the next iteration to
 it, so the worker can queue that step ahead (K = 0: as without speculation; K > 0: DRAFT
