@@ -127,7 +127,11 @@ class DeviceChain:
             w.runner.reserve(batch, self.keep_ahead - 1)
         w.runner.keep_ahead = self.keep_ahead
         with torch.inference_mode():
-            out = self._rows(pending[0], rows, padded, self.k + 1)
+            # VERIFY n's feature rows: read by a head's chained draft, kept for
+            # ``on_verified``; a drafter chaining through K = 0 reads tokens only.
+            keeps = w.on_verified is not None
+            out = self._rows(pending[0], rows, padded, self.k + 1,
+                             hidden=keeps or not self.through_k0)
             sampling = w._sampling_batch(rec.batch, padded)
             start = [n - 1 for n in lengths]
             slots = self._slots_of(batch)
@@ -143,7 +147,7 @@ class DeviceChain:
                                                    continued=continued)
             drafted = w.graph_cache.replay(draft_key, draft_in)
             hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1) \
-                if w.on_verified is not None else NOT_KEPT
+                if keeps else NOT_KEPT
             if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
                 # Fresh views: replay copies an input it has not seen (these change).
                 tokens, start_pos = drafted["tokens"][:], drafted["start_pos"][:]
@@ -187,33 +191,38 @@ class DeviceChain:
         return verified[:real, :width].clone()
 
     @staticmethod
-    def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int, width: int
-              ) -> dict[str, torch.Tensor]:
+    def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int, width: int,
+              hidden: bool = True) -> dict[str, torch.Tensor]:
         """VERIFY's outputs the chain reads, ``padded`` rows, with the batch's rows first
         when requests left since that VERIFY was queued (its padding rows after them: any
         row; a K = 0 step queued ahead for more requests may have more rows), its
         columns padded to the draft graph's catch-up ``width`` (adaptive K: VERIFY n
         drafted fewer; the padding columns lie past the accepted row, as the graph's own
-        padding: token 0, zero features)."""
+        padding: token 0, zero features). ``hidden`` False: the feature rows are not
+        read, and left as VERIFY wrote them (n-gram switching out of K = 0: two torch
+        calls and kernels less)."""
         short = width - out["token_ids"].shape[1]
-        packed, hidden = out["packed"], out["hidden"]
+        packed, features = out["packed"], out["hidden"]
         ordered = in_order(rows)
         if ordered and short <= 0 and packed.shape[0] == padded:
             return out      # the usual case: VERIFY's outputs as they are
         if ordered and packed.shape[0] >= padded:
             # A step queued ahead for more requests than are left (the larger bucket).
-            packed, hidden = packed[:padded], hidden[:padded]
+            packed, features = packed[:padded], features[:padded]
         else:
             at = int64_tensor([*rows, *[0] * (padded - len(rows))])
-            at = to_device(at, hidden.device)
-            packed, hidden = packed.index_select(0, at), hidden.index_select(0, at)
+            at = to_device(at, packed.device)
+            packed = packed.index_select(0, at)
+            if hidden:
+                features = features.index_select(0, at)
         if short > 0:
             packed = torch.cat([packed[:, :-1], packed.new_zeros(packed.shape[0], short),
                                 packed[:, -1:]], dim=1)
-            hidden = torch.cat(
-                [hidden, hidden.new_zeros(hidden.shape[0], short, hidden.shape[2])], dim=1)
+            if hidden:
+                features = torch.cat([features, features.new_zeros(
+                    features.shape[0], short, features.shape[2])], dim=1)
         # VERIFY's layout (the tokens, then the count), its parts as views.
-        return {"packed": packed, "hidden": hidden, "token_ids": packed[:, :-1],
+        return {"packed": packed, "hidden": features, "token_ids": packed[:, :-1],
                 "num_accepted": packed[:, -1]}
 
     def _slots_of(self, batch: tuple[Request, ...]) -> list[int]:
