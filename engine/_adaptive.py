@@ -34,7 +34,6 @@ iteration; so every rank picks the same K.
 from __future__ import annotations
 
 import collections
-import statistics
 import time
 from typing import Any, Hashable, Sequence, TypeVar
 
@@ -133,8 +132,7 @@ def expected_by_k(acceptance: Sequence[float], candidates: Sequence[int]) -> dic
 def choose_k(candidates: Sequence[int], acceptance: Sequence[float],
              times: dict[int, float]) -> int:
     """The rule: the candidate with the largest E(k) / T(k); the smaller K on a tie."""
-    return choose_by_rate(candidates, {k: expected_tokens(acceptance, k) for k in candidates},
-                          times)
+    return choose_by_rate(candidates, expected_by_k(acceptance, candidates), times)
 
 
 def choose_by_rate(candidates: Sequence[int], expected: dict[int, float],
@@ -283,7 +281,7 @@ class CostTable:
             self._recent.pop(key, None)
         recent = _median_of_recent(self._recent, key, seconds)
         if trying:
-            self.measured[key] = statistics.median_low(first[0] or first[1])
+            self.measured[key] = _median_low(first[0] or first[1])
         else:
             self.measured[key] = recent
             if not disturbed and not first[0]:
@@ -542,9 +540,10 @@ class AdaptiveK:
         if not sum(sizes[:-1]):     # no classed row: the pooled counts alone
             return expected_by_k(pooled, self.candidates)
         acceptance = [acceptance_from_counts(x[:n], x[n:]) for x in counts[:-1]] + [pooled]
+        per_class = [expected_by_k(acc, self.candidates) if size else {}
+                     for size, acc in zip(sizes, acceptance)]
         total = sum(sizes)
-        return {k: sum(size * expected_tokens(acc, k)
-                       for size, acc in zip(sizes, acceptance) if size) / total
+        return {k: sum(size * e[k] for size, e in zip(sizes, per_class) if size) / total
                 for k in self.candidates}
 
     def _stay(self, k: int, expected: dict[int, float], times: dict[int, float],

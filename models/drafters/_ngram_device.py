@@ -66,8 +66,7 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
     stride = history.shape[1]
     acc = accepted * is_real
     # The next step's meta, computed now, written last (it may be ``meta`` itself).
-    following = None if next_meta is None else \
-        torch.stack([start + acc + is_real, row, is_real, position + acc + is_real])
+    following = torch.stack([start + acc + is_real, row, is_real, position + acc + is_real])
     j = torch.arange(width, device=history.device)
     flat = (row * stride + start + 1)[:, None] + j[None]
     keep = j[None] <= acc[:, None]
@@ -76,11 +75,19 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
     flat_hist[flat.reshape(-1)] = torch.where(keep, verified, flat_hist[flat]).reshape(-1)
     bonus.copy_(verified.gather(1, acc[:, None])[:, 0])
     start_pos.copy_(position + acc)
-    if k == 0:      # adaptive K's K = 0: the bonus token and its position only
-        if next_meta is not None and following is not None:
-            next_meta.copy_(following)
-        return verified.new_zeros(rows, 0)
-    length = start + acc + 2
+    # Adaptive K's K = 0: the bonus token and its position only.
+    drafts = _match_drafts(history, row, start + acc + 2, k=k, ngram_min=ngram_min,
+                           ngram_max=ngram_max) if k else verified.new_zeros(rows, 0)
+    if next_meta is not None:
+        next_meta.copy_(following)
+    return drafts
+
+
+def _match_drafts(history: torch.Tensor, row: torch.Tensor, length: torch.Tensor, *, k: int,
+                  ngram_min: int, ngram_max: int) -> torch.Tensor:
+    """Each row's k drafts [B, k]: what followed the latest earlier occurrence of its
+    longest suffix of ngram_max .. ngram_min tokens (its first ``length`` tokens in
+    ``history``), the last token repeated past the end (no match: from the end)."""
     seq = history.index_select(0, row)                        # [B, S]
     best = length.clone()
     found = torch.zeros_like(length, dtype=torch.bool)
@@ -97,8 +104,6 @@ def chain_step_ops(history: torch.Tensor, verified: torch.Tensor, accepted: torc
         found = found | (cand >= 0)
     at = torch.minimum(best[:, None] + torch.arange(k, device=history.device)[None],
                        length[:, None] - 1)
-    if next_meta is not None and following is not None:
-        next_meta.copy_(following)
     return seq.gather(1, at)
 
 
