@@ -192,12 +192,18 @@ def record_observations(adaptive) -> dict:
 def observations(record) -> dict:
     """The iteration times the clock measured: the engine's first 24 (warm-up round
     included: where the rule's first samples come from) and, per (bucket, K) over the
-    timed runs' undisturbed iterations, count and 10th / 50th / 90th percentile (ms)."""
+    timed runs' undisturbed iterations, count and 10th / 50th / 90th percentile (ms);
+    ``by_move_ms`` the same per (the K before, this K), e.g. "0>4": a switch out of
+    K = 0."""
     seen = record["seen"]
-    per = collections.defaultdict(list)
+    per, moves = collections.defaultdict(list), collections.defaultdict(list)
+    before = None
     for b, k, s, disturbed in seen[record["timed"]:]:
         if not disturbed:
             per[f"{b},{k}"].append(s * 1e3)
+            if before is not None:      # by the K before it: what a switch costs, where
+                moves[f"{before}>{k}"].append(s * 1e3)
+        before = k
 
     def spread(xs):
         xs = sorted(xs)
@@ -205,7 +211,8 @@ def observations(record) -> dict:
                             for q in (0.1, 0.5, 0.9)]
 
     return {"first_ms": [[k, round(s * 1e3, 3), int(d)] for _, k, s, d in seen[:24]],
-            "measured_ms": {key: spread(xs) for key, xs in sorted(per.items())}}
+            "measured_ms": {key: spread(xs) for key, xs in sorted(per.items())},
+            "by_move_ms": {key: spread(xs) for key, xs in sorted(moves.items())}}
 
 
 def main() -> None:

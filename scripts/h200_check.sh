@@ -13,6 +13,7 @@
 #   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13)
 #   closed   the same in closed rounds
 #   host     batch 1: each iteration's wall and the host's wait for the GPU (~1.5 min)
+#   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
@@ -86,6 +87,11 @@ for step in "$@"; do
       # n-gram K = 4, n-gram adaptive by match length; each engine alone in turn).
       (cd bench && python3 host_wait_gpu.py --prompts "$PROMPTS" --sets 16 \
         --out "$OUT/host_wait.json" 2>&1 | grep '^{') ;;
+    syncs)
+      # Synchronizing CUDA calls outside the read-back, by engine line (n-gram K = 4 and
+      # adaptive on warm-up's times, batch 1, 4 held-out prompts x 64 tokens).
+      (cd bench && python3 sync_points_gpu.py --prompts "$PROMPTS" --out "$OUT/syncs.json" \
+        2>&1 | grep '^{' | cut -c1-900) ;;
     closed)
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
         --out "$OUT/adaptive_closed.jsonl" --runs 3 --buckets serving --min-prompts 16 \

@@ -1,0 +1,104 @@
+"""Where the host waits for the GPU outside the one read-back an iteration: every
+synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("warn")``: ``.item()``,
+``.tolist()``, a copy to pageable memory, ``nonzero`` ...) in one round at batch 1,
+counted by the engine line that made it, per config. The engine's own read-back (pinned
+memory and a CUDA event) is not such a call, so a healthy iteration shows none; a line that
+shows up once per switch of adaptive K is a switch's cost.
+
+    cd bench && python sync_points_gpu.py [--configs "ngram K=4,ngram adaptive<=4"]
+        [--device cpu]     (cpu: a smoke test of this script; no CUDA call syncs there)
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import traceback
+import types
+import warnings
+
+import anyio
+import torch
+
+from _common import engine_config, generate_round, held_out_sets, quiet_logs
+from profile_spec_gpu import CONFIGS
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def engine_line(stack: list[traceback.FrameSummary]) -> str:
+    """The innermost frame of the project (not this bench, not torch) that made the call."""
+    for frame in reversed(stack):
+        name = frame.filename
+        if "specloop" in name and not name.startswith(HERE) and "/torch/" not in name:
+            return f"{name.split('specloop/')[-1]}:{frame.lineno} {frame.name}"
+    return "(outside the engine)"
+
+
+async def count_syncs(loaded, prompts, spec: dict, tokens: int, device: str) -> dict:
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    spec = dict(spec)
+    fixed_times = spec.pop("fixed_times", False)
+    spec.pop("unchained", None)
+    async with AsyncEngine(engine_config(spec, 1, device), model=loaded) as engine:
+        if engine.worker.adaptive is not None:
+            engine.worker.adaptive.cost.learn = not fixed_times
+        for prompt in prompts[:2]:     # warm: the first iterations' one-off work
+            await generate_round(engine, [prompt], 16)
+        where: collections.Counter[str] = collections.Counter()
+        shown = warnings.showwarning
+
+        def show(message, category, filename, lineno, file=None, line=None):
+            if "synchroniz" in str(message):
+                where[engine_line(traceback.extract_stack())] += 1
+            else:
+                shown(message, category, filename, lineno, file, line)
+
+        iterations = engine.stats.num_iterations
+        warnings.showwarning = show
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = show
+                for prompt in prompts:
+                    await generate_round(engine, [prompt], tokens)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode(0)
+            warnings.showwarning = shown
+        adaptive = engine.worker.adaptive
+        return {"iterations": engine.stats.num_iterations - iterations,
+                "k_chosen": None if adaptive is None else dict(sorted(adaptive.chosen.items())),
+                "sync_calls": dict(where.most_common(20))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--configs", default="ngram K=4,ngram adaptive<=4 warm-up times")
+    ap.add_argument("--prompts", default=os.path.join(HERE, "prompts_heldout.jsonl"))
+    ap.add_argument("--sets", type=int, default=4, help="held-out prompts, one after another")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--out", default="")
+    args = ap.parse_args()
+    quiet_logs()
+    ns = types.SimpleNamespace(device=args.device, prompts=args.prompts, batches="1")
+    loaded, _, sets = next(held_out_sets(ns, min_prompts=args.sets))
+    prompts = [s[0] for s in sets[:args.sets]]
+    rows = []
+    for name in args.configs.split(","):
+        row = {"config": name, **anyio.run(count_syncs, loaded, prompts, CONFIGS[name],
+                                           args.tokens, args.device)}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
