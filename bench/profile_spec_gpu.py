@@ -17,6 +17,7 @@ import argparse
 import collections
 import contextlib
 import statistics
+import time
 
 import anyio
 import torch
@@ -45,13 +46,58 @@ RUNTIME = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cudaStream
 
 
 class StateTimes:
+    """Each state's time summed over iterations, and per iteration (``rows``: its K and
+    each state's microseconds, ``wait`` the read-back's wait for the GPU inside VERIFY)
+    for ``by_move``."""
+
     def __init__(self):
         self.us = collections.defaultdict(float)
         self.iterations = 0
+        self.rows: list[tuple[int, dict[str, float]]] = []
+        self._now: dict[str, float] = {}
 
     def on_transition(self, event):
         self.us[event.state.value] += event.duration_us
         self.iterations += event.state.value.upper() == "VERIFY"
+        if event.batch_size:
+            self._now[event.state.value] = event.duration_us
+        if event.next_state.value == "DONE" and self._now:
+            self.rows.append((event.num_draft_tokens, self._now))
+            self._now = {}
+
+    def waited(self, seconds: float) -> None:
+        self._now["wait"] = self._now.get("wait", 0.0) + seconds * 1e6
+
+    def watch(self, runner) -> None:
+        """Time the runner's read-back waits (the host idle, waiting for the GPU)."""
+        finish = runner.finish_read_back
+
+        def timed(pending):
+            start = time.perf_counter()
+            try:
+                return finish(pending)
+            finally:
+                self.waited(time.perf_counter() - start)
+        runner.finish_read_back = timed
+
+    def by_move(self, least: int = 10) -> dict:
+        """Per move (the K before > this K) seen ``least`` times or more: the count and the
+        median microseconds of each state, the read-back's wait, and the host's own time
+        (the states less the wait), over ``rows``."""
+        per = collections.defaultdict(list)
+        for (before, _), (k, states) in zip(self.rows, self.rows[1:]):
+            per[f"{before}>{k}"].append(states)
+        out = {}
+        for move, rows in sorted(per.items()):
+            if len(rows) < least:
+                continue
+            names = sorted({name for r in rows for name in r})
+            med = {n: round(statistics.median(r.get(n, 0.0) for r in rows), 1) for n in names}
+            med["host"] = round(statistics.median(
+                sum(v for n, v in r.items() if n != "wait") - r.get("wait", 0.0)
+                for r in rows), 1)
+            out[move] = {"n": len(rows), **med}
+        return out
 
 
 def ops_outside_graphs(prof, per: int, frames: int = 8) -> list:
@@ -113,6 +159,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             engines[name] = await stack.enter_async_context(AsyncEngine(
                 engine_config(spec, batch, device, buckets), model=loaded,
                 observers=[observers[name]]))
+            observers[name].watch(engines[name].worker.runner)
             if unchained:
                 engines[name].worker.chain = None
             adaptive = engines[name].worker.adaptive
@@ -123,6 +170,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             await generate_round(engine, prompts, 8)
             observers[name].us.clear()
             observers[name].iterations = 0
+            observers[name].rows.clear()
             if name in observed:
                 observed[name]["timed"] = len(observed[name]["seen"])
         walls = {name: [] for name in names}
@@ -135,6 +183,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             obs = observers[name]
             iters = max(obs.iterations, 1)
             states = {s: round(us / iters / 1e3, 3) for s, us in obs.us.items()}
+            moves = obs.by_move()    # the timed runs' (batch 1: one row an iteration)
             wall_ms = sum(walls[name]) * 1e3 / iters
             # Both over the timed runs, before the profiled round adds its tokens.
             al = engine.stats.mean_acceptance_length
@@ -156,7 +205,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
-                          "per_position": per_position,
+                          "per_position": per_position, "by_move_states_us": moves,
                           "chain_queued_taken": chained, **(ks or {}), **summary})
     return out
 

@@ -75,6 +75,8 @@ class RunAhead:
         # The captured K = 0 graph writes a step's inputs (``in_graph``); False: never read.
         self.in_graph = True
         self.in_graph_steps = 0     # steps queued with the inputs the graph wrote
+        self.after_chain_steps = 0  # of them, after a K = 0 step the chain queued
+        self._chained_read: ReadBack | None = None     # that step's (``chained_k0``)
         # (key, batch, read-back) of the last VERIFY replayed from a captured graph.
         self._replayed: tuple[GraphKey, tuple[Request, ...], ReadBack] | None = None
 
@@ -178,6 +180,7 @@ class RunAhead:
         seq_lens = [len(r.token_ids) + 1 for r in batch]
         if self._fed_in_graph(rec, pending):
             self.in_graph_steps += 1
+            self.after_chain_steps += pending[1] is self._chained_read
             self.queued = Ahead(tuple(batch), seq_lens, w._queue_verify(rec, in_graph=True))
             return
         sampling = (w._sampling_batch(batch, rec.key.batch_size)
@@ -220,6 +223,15 @@ class RunAhead:
         """``_queue_verify`` queued VERIFY (``pending``) for ``rec``."""
         self._replayed = (rec.key, tuple(rec.batch), pending[1]) if rec.graph_captured \
             else None
+
+    def chained_k0(self, key: GraphKey, batch: tuple[Request, ...], read: ReadBack) -> None:
+        """The chain queued a K = 0 VERIFY (``read``: its read-back) for ``batch`` by
+        replaying the captured K = 0 graph under ``key``: as ``replayed``, so that the
+        step queued ahead after it, at K = 0 again, replays with the inputs that graph
+        wrote (``_fed_in_graph``) instead of building them on the host (adaptive n-gram
+        switching into K = 0; its padding rows stay at the chained step's positions, in
+        the scratch slot)."""
+        self._replayed, self._chained_read = (key, batch, read), read
 
     def _fed_in_graph(self, rec: IterationRecord, pending: Pending) -> bool:
         """Whether the captured K = 0 graph already holds the step's inputs: VERIFY n

@@ -160,6 +160,8 @@ class DeviceChain:
                 inputs["draft_probs"] = drafted["probs"][:]
             next_out = w.graph_cache.replay(key, inputs)
             read = w.runner.start_read_back(next_out["packed"][:real])
+        if not k:   # the K = 0 graph: a step queued ahead after it takes the inputs it wrote
+            w.ahead.chained_k0(key, batch, read)
         self._queued = _Queued(batch, slots, start, key, (next_out, read))
         self.queued_steps += 1
         self.k0_steps += not (rec.k and k)

@@ -295,38 +295,59 @@ def assert_drafts_are_the_hosts(recorders, reqs, outs):
     return checked
 
 
-async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
-    """Adaptive K (the chain queues the next iteration's K, into and out of K = 0 too;
-    K = 0 stretches step ahead without the drafter, so DRAFT skips iterations and the
-    device's token rows miss those tokens until the next chained step copies them): the
-    same outputs as the same K per iteration unchained, and every VERIFY's drafts are the
-    host drafter's at its K."""
+async def adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, chained):
+    """Serve ``reqs`` with n-gram under adaptive K held to ``pattern`` (one CUDA rank's
+    path on the CPU), chained on the device or not; -> (outputs, the chain or None)."""
     from specloop.engine import AsyncEngine
     from specloop.engine._chain import DeviceChain
 
     from ..engine.conftest import serve_staggered
     from ..engine.test_adaptive import cycle_k
 
+    cfg = chain_config(tiny_dir, True, method="ngram", k=3, rejection=True,
+                       speculative={"adaptive": True})
+    async with AsyncEngine(cfg, model=tiny_loaded) as engine:
+        worker = engine.worker
+        worker.verify_inline = worker.ahead.at_k0 = True     # one CUDA rank's path
+        worker.chain = DeviceChain(worker=worker) if chained else None
+        cycle_k(worker.adaptive, pattern)
+        outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
+        return outs, worker.chain if chained else None
+
+
+async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
+    """Adaptive K (the chain queues the next iteration's K, into and out of K = 0 too;
+    K = 0 stretches step ahead without the drafter, so DRAFT skips iterations and the
+    device's token rows miss those tokens until the next chained step copies them): the
+    same outputs as the same K per iteration unchained, and every VERIFY's drafts are the
+    host drafter's at its K."""
     reqs = ngram_requests()
     pattern = [3, 3, 2, 2, 3, 1, 1, 3, 0, 0, 2, 0, 1, 3]
-
-    async def go(chained):
-        cfg = chain_config(tiny_dir, True, method="ngram", k=3, rejection=True,
-                           speculative={"adaptive": True})
-        async with AsyncEngine(cfg, model=tiny_loaded) as engine:
-            worker = engine.worker
-            worker.verify_inline = worker.ahead.at_k0 = True     # one CUDA rank's path
-            worker.chain = DeviceChain(worker=worker) if chained else None
-            cycle_k(worker.adaptive, pattern)
-            outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
-            return outs, worker.chain if chained else None
-
     planted.RECORDERS.clear()
-    plain, _ = await go(False)
-    chained, chain = await go(True)
+    plain, _ = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, False)
+    chained, chain = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, True)
     assert chained == plain and chain.taken_steps >= 5
     assert chain.k0_steps >= 3      # chained into and out of K = 0
     assert assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained) > 50
+
+
+async def test_k0_after_a_chained_k0_step_takes_the_inputs_its_graph_wrote(tiny_dir,
+                                                                          tiny_loaded):
+    """One request (the batch unchanged between steps): a K = 0 step queued ahead right
+    after a K = 0 step the chain queued replays the K = 0 graph on the inputs that replay
+    wrote (``RunAhead.chained_k0``: nothing built on the host), and the outputs equal
+    the unchained engine's, greedy and seeded sampled alike."""
+    pattern = [2, 0, 0, 0, 3, 0, 0, 3, 1, 0, 0]
+    for params in (SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
+                   SamplingParams(temperature=0.9, top_p=0.9, seed=SEEDS[0],
+                                  max_tokens=60, ignore_eos=True)):
+        reqs = [([300, 5, 300, 5, 300, 5, 300, 5], params)]
+        plain, _ = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, False)
+        chained, chain = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern,
+                                                  True)
+        assert chained == plain
+        ahead = chain.worker.ahead
+        assert ahead.after_chain_steps >= 8, (ahead.after_chain_steps, chain.k0_steps)
 
 
 async def test_one_rank_records_the_classes_its_k_was_committed_with(tiny_dir, tiny_loaded):
