@@ -225,8 +225,27 @@ def adaptive_state(adaptive) -> dict:
 def record_observations(adaptive) -> dict:
     """Every iteration time adaptive K's clock hands its rule (bucket, K, seconds,
     disturbed), learned or not (``cost.learn``): ``observations`` sums them up."""
-    record = {"seen": [], "timed": 0}
-    sample = adaptive._sample
+    record = {"seen": [], "timed": 0, "learned": []}
+    sample, observe = adaptive._sample, adaptive.cost.observe
+    cost = adaptive.cost
+
+    def observed_by_table(bucket, k, seconds, disturbed=False, switched=False,
+                          leaving=False):
+        # What the table made of it: a first sample, T's, a switch cost's, or ignored.
+        key, ignored = (bucket, k), cost.ignored
+        kind = "first" if not cost.tried(bucket, k) else \
+            "switch" if switched or leaving else "T"
+        observe(bucket, k, seconds, disturbed, switched, leaving)
+        if cost.ignored > ignored:
+            kind = "ignored"
+        record["learned"].append((k, kind, seconds, cost.measured.get(key)))
+
+    class Logged(type(cost)):   # the table is slotted: its class, not its attribute
+        __slots__ = ()
+
+        def observe(self, *args, **kw):
+            observed_by_table(*args, **kw)
+    cost.__class__ = Logged
 
     def observed(times):
         measured = max(abs(t) for t in times)
@@ -259,7 +278,16 @@ def observations(record) -> dict:
         return [len(xs)] + [round(xs[min(int(q * len(xs)), len(xs) - 1)], 3)
                             for q in (0.1, 0.5, 0.9)]
 
+    kinds = collections.defaultdict(list)
+    for k, kind, s, _ in record["learned"]:
+        kinds[f"{k} {kind}"].append(s * 1e3)
+    # T(b, 0)'s path (no drafting, chosen least at batch 1): (the sample, T after it)
+    # for each sample it learned, in ms.
+    path = [[round(s * 1e3, 3), round(t * 1e3, 3)] for k, kind, s, t in record["learned"]
+            if k == 0 and kind in ("first", "T") and t is not None]
     return {"first_ms": [[k, round(s * 1e3, 3), int(d)] for _, k, s, d in seen[:24]],
+            "learned_ms": {key: spread(xs) for key, xs in sorted(kinds.items())},
+            "t0_path_ms": path[:300],
             "measured_ms": {key: spread(xs) for key, xs in sorted(per.items())},
             "by_move_ms": {key: spread(xs) for key, xs in sorted(moves.items())}}
 
