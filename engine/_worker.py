@@ -378,9 +378,13 @@ class RankWorker:
     # DRAFT ------------------------------------------------------------------------------
     async def draft(self, rec: IterationRecord) -> IterationState:
         # Pages for every position DRAFT and VERIFY will write, before either runs (a
-        # chained step that matches had them reserved when it was queued).
+        # chained step that matches had them reserved when it was queued): this
+        # iteration's K where the drafter drafts that many (adaptive K's K = 0 writes
+        # VERIFY's one position), else the drafter's own K.
         if not (self.chain is not None and self.chain.matches(rec)):
-            self.runner.reserve(rec.batch, self.k)
+            k = rec.num_draft_tokens
+            variable = self.drafter is None or self.drafter.variable_k
+            self.runner.reserve(rec.batch, k if variable and k is not None else self.k)
         await self.draft_step(rec)
         return S.VERIFY
 

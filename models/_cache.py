@@ -118,6 +118,17 @@ class PageTable:
             if len(owned[slot]) != (want if want < most else most):
                 self.resize(slot, length)
 
+    def grow_many(self, lengths: Iterable[tuple[int, int]]) -> None:
+        """``resize_many`` that only adds pages: a slot holding enough for ``length``
+        positions keeps them all (a reservation for the next step must not give back
+        what another path reserved for a longer one: the two would take and free the
+        same page every iteration, each time a copy of the table)."""
+        size, most, owned = self.page_size, self.pages_per_slot, self._owned
+        for slot, length in lengths:
+            want = -(-length // size) if length > 0 else 0
+            if len(owned[slot]) < (want if want < most else most):
+                self.resize(slot, length)
+
     def release(self, slot: int) -> None:
         self.resize(slot, 0)
 

@@ -333,3 +333,36 @@ async def test_steps_queued_ahead_change_no_token(tiny_dir, tiny_loaded):
     for prompt, p, out in zip(PROMPTS, params, ahead):
         if p.is_greedy:
             assert out == reference_greedy(tiny_loaded, prompt, p.max_tokens)
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp_eagle"])
+async def test_k0_stretches_take_a_page_once_per_page(tiny_dir, tiny_loaded, method):
+    """Adaptive K's K = 0 stretch on one GPU rank's path: DRAFT reserves for the K it
+    runs (VERIFY's one position at K = 0), not the drafter's K, and a reservation never
+    gives pages back (RESCAN's trim does), so the page table changes once per page of
+    tokens; before, DRAFT took a page for K positions that the step queued ahead then
+    gave back, a table copy nearly every iteration. Outputs equal reading back each step."""
+    from specloop.models import _cache
+
+    syncs = []
+    sync = _cache.PageTable.sync
+
+    def counted(self):
+        syncs.append(bool(self._dirty))
+        return sync(self)
+    tokens = 96
+    config = ahead_config(tiny_dir, method)
+    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        worker, used = engine.worker, []
+        queue_ahead_on_cpu(worker, used)
+        cycle_k(worker.adaptive, [0])
+        page = worker.runner.pages.page_size
+        _cache.PageTable.sync = counted
+        try:
+            out = await collect(engine, PROMPTS[0], params)
+        finally:
+            _cache.PageTable.sync = sync
+    assert out == reference_greedy(tiny_loaded, PROMPTS[0], tokens)
+    assert sum(used) >= tokens - 4      # K = 0 steps queued ahead and taken
+    assert sum(syncs) <= tokens // page + 4, (sum(syncs), len(syncs))

@@ -111,6 +111,30 @@ def test_input_rows_equal_the_row_at_a_time_build(real, joiners, pad, k, seed):
 
 @settings(max_examples=100, deadline=None)
 @given(page=st.integers(1, 5), ops=st.lists(
+    st.tuples(st.integers(0, 3), st.integers(0, 30), st.booleans()), min_size=1,
+    max_size=40))
+def test_growing_never_gives_pages_back(page, ops):
+    """Any mix of reservations (``grow_many``) and trims (``resize_many``): a reservation
+    leaves a slot at least as many pages as it held and as its length needs, adds pages
+    only where the length needs more, and every page is owned once or free."""
+    pages = PageTable(4, 24, page)
+    for slot, length, grow in ops:
+        before = pages.pages_of(slot)
+        if grow:
+            pages.grow_many([(slot, length)])
+            need = min(-(-length // page), pages.pages_per_slot)
+            after = pages.pages_of(slot)
+            assert after[:len(before)] == before
+            assert len(after) == max(len(before), need)
+        else:
+            pages.resize_many([(slot, length)])
+        owned = [p for s in range(4) for p in pages.pages_of(s)]
+        assert len(set(owned)) == len(owned)
+        assert len(owned) + pages.num_free == pages.num_pages
+
+
+@settings(max_examples=100, deadline=None)
+@given(page=st.integers(1, 5), ops=st.lists(
     st.tuples(st.integers(0, 3), st.integers(0, 30)), min_size=1, max_size=40))
 def test_resizing_only_rows_that_change_leaves_the_table_of_resizing_all(page, ops):
     """Any (slot, length) sequence: the same pages, page table and free list as calling
