@@ -203,10 +203,14 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             if traces.get(name):
                 prof.export_chrome_trace(traces[name])
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
+            ahead = engine.worker.ahead     # steps queued ahead: taken, fed by the graph,
+            # of those after a K = 0 step the chain queued (all three summed over the runs)
+            ahead_steps = [ahead.taken_steps, ahead.in_graph_steps, ahead.after_chain_steps]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "per_position": per_position, "by_move_states_us": moves,
-                          "chain_queued_taken": chained, **(ks or {}), **summary})
+                          "chain_queued_taken": chained, "ahead_taken_in_graph": ahead_steps,
+                          **(ks or {}), **summary})
     return out
 
 
