@@ -501,6 +501,8 @@ class AdaptiveK:
         """``_expected([self._row(classes)])``, from per-class E(k) kept until the next
         ``record`` (the same fixed-point counts, so the same numbers)."""
         pooled = self.classes
+        if classes is not None and len(classes) == 1:   # one row (batch 1): n = total = 1
+            return self._own_class(classes[0])          # and 1 * e / 1 == e
         sizes = collections.Counter(classes or ())
         if not sizes or set(sizes) == {pooled}:
             return self._own_class(pooled)
