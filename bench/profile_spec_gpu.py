@@ -53,16 +53,19 @@ class StateTimes:
     def __init__(self):
         self.us = collections.defaultdict(float)
         self.iterations = 0
-        self.rows: list[tuple[int, dict[str, float]]] = []
+        self.rows: list[tuple[int, dict[str, float], tuple[str, ...]]] = []
         self._now: dict[str, float] = {}
+        self._ids: tuple[str, ...] = ()
 
     def on_transition(self, event):
         self.us[event.state.value] += event.duration_us
         self.iterations += event.state.value.upper() == "VERIFY"
         if event.batch_size:
             self._now[event.state.value] = event.duration_us
+            if event.request_ids:       # VERIFY's: which requests the iteration ran
+                self._ids = event.request_ids
         if event.next_state.value == "DONE" and self._now:
-            self.rows.append((event.num_draft_tokens, self._now))
+            self.rows.append((event.num_draft_tokens, self._now, self._ids))
             self._now = {}
 
     def waited(self, seconds: float) -> None:
@@ -83,10 +86,13 @@ class StateTimes:
     def by_move(self, least: int = 10) -> dict:
         """Per move (the K before > this K) seen ``least`` times or more: the count and the
         median microseconds of each state, the read-back's wait, and the host's own time
-        (the states less the wait), over ``rows``."""
+        (the states less the wait), over ``rows``; an iteration pairs with the one before
+        only when both ran the same requests (not across a new prompt, whose first
+        iteration prefilled)."""
         per = collections.defaultdict(list)
-        for (before, _), (k, states) in zip(self.rows, self.rows[1:]):
-            per[f"{before}>{k}"].append(states)
+        for (before, _, ids_before), (k, states, ids) in zip(self.rows, self.rows[1:]):
+            if ids and ids == ids_before:
+                per[f"{before}>{k}"].append(states)
         out = {}
         for move, rows in sorted(per.items()):
             if len(rows) < least:
@@ -150,7 +156,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
     out = {}
     async with contextlib.AsyncExitStack() as stack:
-        engines, observers, observed = {}, {}, {}
+        engines, observers, observed, ahead_before = {}, {}, {}, {}
         for name in names:
             spec = dict(CONFIGS[name])
             unchained = spec.pop("unchained", False)
@@ -171,12 +177,21 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             observers[name].us.clear()
             observers[name].iterations = 0
             observers[name].rows.clear()
+            ahead = engine.worker.ahead
+            ahead_before[name] = (ahead.taken_steps, ahead.in_graph_steps,
+                                  ahead.after_chain_steps)
             if name in observed:
                 observed[name]["timed"] = len(observed[name]["seen"])
         walls = {name: [] for name in names}
+        ahead_counts = {}
         for _ in range(runs):
             for name, engine in engines.items():
                 walls[name].append(await timed_sets(engine, sets, tokens, sync))
+        for name, engine in engines.items():
+            ahead = engine.worker.ahead
+            ahead_counts[name] = [n - b for n, b in zip(
+                (ahead.taken_steps, ahead.in_graph_steps, ahead.after_chain_steps),
+                ahead_before[name])]
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         for name, engine in engines.items():
@@ -203,9 +218,10 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             if traces.get(name):
                 prof.export_chrome_trace(traces[name])
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
-            ahead = engine.worker.ahead     # steps queued ahead: taken, fed by the graph,
-            # of those after a K = 0 step the chain queued (all three summed over the runs)
-            ahead_steps = [ahead.taken_steps, ahead.in_graph_steps, ahead.after_chain_steps]
+            # Steps queued ahead in the timed runs: taken, fed by the graph, and of those
+            # after a K = 0 step the chain queued (``chain_queued_taken``: the engine's
+            # whole life, profiled round included).
+            ahead_steps = ahead_counts[name]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "per_position": per_position, "by_move_states_us": moves,
@@ -237,7 +253,8 @@ def record_observations(adaptive) -> dict:
                           leaving=False):
         # What the table made of it: a first sample, T's, a switch cost's, or ignored.
         key, ignored = (bucket, k), cost.ignored
-        kind = "first" if not cost.tried(bucket, k) else \
+        kind = "not learned" if not cost.learn or cost._device(bucket, k) is None else \
+            "first" if not cost.tried(bucket, k) else \
             "switch" if switched or leaving else "T"
         observe(bucket, k, seconds, disturbed, switched, leaving)
         if cost.ignored > ignored:
@@ -252,9 +269,13 @@ def record_observations(adaptive) -> dict:
     cost.__class__ = Logged
 
     def observed(times):
+        # Every choice's last iteration, burning in too, and an untimed one (None: the
+        # clock left it out, e.g. a step not queued ahead) so that moves pair with the
+        # iteration really before.
         measured = max(abs(t) for t in times)
-        if measured and adaptive._last is not None:     # burning in too
-            record["seen"].append((*adaptive._last, measured / 1e6, min(times) < 0))
+        if adaptive._last is not None:
+            record["seen"].append((*adaptive._last, measured / 1e6 if measured else None,
+                                   min(times) < 0))
         return sample(times)
 
     adaptive._sample = observed
@@ -271,7 +292,7 @@ def observations(record) -> dict:
     per, moves = collections.defaultdict(list), collections.defaultdict(list)
     before = None
     for b, k, s, disturbed in seen[record["timed"]:]:
-        if not disturbed:
+        if s is not None and not disturbed:
             per[f"{b},{k}"].append(s * 1e3)
             if before is not None:      # by the K before it: what a switch costs, where
                 moves[f"{before}>{k}"].append(s * 1e3)
@@ -289,7 +310,8 @@ def observations(record) -> dict:
     # for each sample it learned, in ms.
     path = [[round(s * 1e3, 3), round(t * 1e3, 3)] for k, kind, s, t in record["learned"]
             if k == 0 and kind in ("first", "T") and t is not None]
-    return {"first_ms": [[k, round(s * 1e3, 3), int(d)] for _, k, s, d in seen[:24]],
+    timed = [(k, s, d) for _, k, s, d in seen if s is not None]
+    return {"first_ms": [[k, round(s * 1e3, 3), int(d)] for k, s, d in timed[:24]],
             "learned_ms": {key: spread(xs) for key, xs in sorted(kinds.items())},
             "t0_path_ms": path[:300],
             "measured_ms": {key: spread(xs) for key, xs in sorted(per.items())},

@@ -28,21 +28,28 @@ from profile_spec_gpu import CONFIGS
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def engine_line(stack: list[traceback.FrameSummary]) -> str:
-    """The innermost frame of the project (not this bench, not torch) that made the call."""
+def engine_line(stack: list[traceback.FrameSummary], root: str) -> str:
+    """The innermost frame under the installed package's ``root`` (a checkout installed
+    editable, or site-packages/specloop) that made the call, outside this bench."""
     for frame in reversed(stack):
-        name = frame.filename
-        if "specloop" in name and not name.startswith(HERE) and "/torch/" not in name:
-            return f"{name.split('specloop/')[-1]}:{frame.lineno} {frame.name}"
+        name = os.path.abspath(frame.filename)
+        if name.startswith(root) and not name.startswith(HERE):
+            return f"{os.path.relpath(name, root)}:{frame.lineno} {frame.name}"
     return "(outside the engine)"
 
 
 async def count_syncs(loaded, prompts, spec: dict, tokens: int, device: str) -> dict:
+    import specloop.engine  # noqa: PLC0415
     from specloop.engine import AsyncEngine  # noqa: PLC0415
+    # The package's root: the folder holding engine/ (site-packages/specloop, or a
+    # checkout installed editable).
+    root = os.path.dirname(os.path.dirname(os.path.abspath(specloop.engine.__file__))) + os.sep
     spec = dict(spec)
     fixed_times = spec.pop("fixed_times", False)
-    spec.pop("unchained", None)
+    unchained = spec.pop("unchained", False)
     async with AsyncEngine(engine_config(spec, 1, device), model=loaded) as engine:
+        if unchained:
+            engine.worker.chain = None
         if engine.worker.adaptive is not None:
             engine.worker.adaptive.cost.learn = not fixed_times
         for prompt in prompts[:2]:     # warm: the first iterations' one-off work
@@ -52,7 +59,7 @@ async def count_syncs(loaded, prompts, spec: dict, tokens: int, device: str) -> 
 
         def show(message, category, filename, lineno, file=None, line=None):
             if "synchroniz" in str(message):
-                where[engine_line(traceback.extract_stack())] += 1
+                where[engine_line(traceback.extract_stack(), root)] += 1
             else:
                 shown(message, category, filename, lineno, file, line)
 

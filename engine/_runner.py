@@ -129,10 +129,12 @@ class ModelRunner:
     def reserve(self, requests: Iterable[Request], extra: int) -> None:
         """Pages for each request's next ``extra`` positions past its length (VERIFY and
         the drafters write up to seq_len - 1 + K), on the device before the step runs.
-        Pages are only added: RESCAN's trim gives back what no step needs (DRAFT reserves
-        for the drafter's K, a K = 0 step queued ahead for 1 position: with a resize
-        both ways, adaptive n-gram's K = 0 stretches took a page and gave it back every
-        iteration, each a copy of the table, ~45 % of iterations on the CPU)."""
+        Pages are only added: RESCAN's trim gives back what no step needs (the chain
+        reserves 2K + 1 positions, a K = 0 step queued ahead 1, DRAFT the iteration's K:
+        with a resize both ways a switch into K = 0 gave the chain's pages back, and
+        while DRAFT reserved the drafter's K at K = 0, adaptive n-gram's K = 0 stretches
+        took a page and gave it back in ~45 % of iterations on the CPU, each a copy of
+        the table)."""
         self.pages.grow_many([(r.batch_slot, len(r.token_ids) + extra) for r in requests])
         self.pages.sync()
 

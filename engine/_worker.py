@@ -377,10 +377,12 @@ class RankWorker:
 
     # DRAFT ------------------------------------------------------------------------------
     async def draft(self, rec: IterationRecord) -> IterationState:
-        # Pages for every position DRAFT and VERIFY will write, before either runs (a
-        # chained step that matches had them reserved when it was queued): this
-        # iteration's K where the drafter drafts that many (adaptive K's K = 0 writes
-        # VERIFY's one position), else the drafter's own K.
+        # Pages for every position DRAFT and VERIFY will write for a real row, before
+        # either runs (a chained step that matches had them reserved when it was queued):
+        # this iteration's K where the drafter drafts that many (adaptive K's K = 0 writes
+        # VERIFY's one position), else the drafter's own K. A head's draft graph is as
+        # wide as its largest K: its padding columns past them land in the scratch page
+        # (positions no page holds do), rewritten before any query reads them.
         if not (self.chain is not None and self.chain.matches(rec)):
             k = rec.num_draft_tokens
             variable = self.drafter is None or self.drafter.variable_k

@@ -6,6 +6,7 @@ import os
 import random
 import types
 
+import attrs
 import pytest
 import torch
 from hypothesis import given, settings
@@ -295,9 +296,24 @@ def assert_drafts_are_the_hosts(recorders, reqs, outs):
     return checked
 
 
-async def adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, chained):
+def reservations_never_shrink(worker, seen):
+    """Wrap the runner's ``reserve``: ``seen`` gets, per call, whether every request kept
+    at least the pages it held (RESCAN's trim gives pages back, a reservation never)."""
+    reserve, pages = worker.runner.reserve, worker.runner.pages
+
+    def checked(requests, extra):
+        requests = list(requests)
+        before = [len(pages.pages_of(r.batch_slot)) for r in requests]
+        reserve(requests, extra)
+        seen.append(all(len(pages.pages_of(r.batch_slot)) >= n
+                        for r, n in zip(requests, before)))
+    worker.runner.reserve = checked
+
+
+async def adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, chained, reserved=None):
     """Serve ``reqs`` with n-gram under adaptive K held to ``pattern`` (one CUDA rank's
-    path on the CPU), chained on the device or not; -> (outputs, the chain or None)."""
+    path on the CPU), chained on the device or not; -> (outputs, the chain or None).
+    ``reserved``: a list for ``reservations_never_shrink``."""
     from specloop.engine import AsyncEngine
     from specloop.engine._chain import DeviceChain
 
@@ -311,6 +327,8 @@ async def adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, chained):
         worker.verify_inline = worker.ahead.at_k0 = True     # one CUDA rank's path
         worker.chain = DeviceChain(worker=worker) if chained else None
         cycle_k(worker.adaptive, pattern)
+        if reserved is not None:
+            reservations_never_shrink(worker, reserved)
         outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
         return outs, worker.chain if chained else None
 
@@ -331,23 +349,33 @@ async def test_chained_ngram_under_adaptive_k(tiny_dir, tiny_loaded):
     assert assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained) > 50
 
 
+@pytest.mark.parametrize("rows", [1, 3])
 async def test_k0_after_a_chained_k0_step_takes_the_inputs_its_graph_wrote(tiny_dir,
-                                                                          tiny_loaded):
-    """One request (the batch unchanged between steps): a K = 0 step queued ahead right
-    after a K = 0 step the chain queued replays the K = 0 graph on the inputs that replay
-    wrote (``RunAhead.chained_k0``: nothing built on the host), and the outputs equal
-    the unchained engine's, greedy and seeded sampled alike."""
+                                                                          tiny_loaded,
+                                                                          rows):
+    """A K = 0 step queued ahead right after a K = 0 step the chain queued replays the
+    K = 0 graph on the inputs that replay wrote (``RunAhead.chained_k0``: nothing built on
+    the host), and the outputs equal the unchained engine's, greedy and seeded sampled
+    alike: one request, and three that end apart (a batch bucket with padding rows, rows
+    leaving: those steps take inputs built on the host). No reservation gives pages back
+    (the chain's reach is 2K + 1 positions, the step ahead's 1: a reservation that
+    resized both ways gave the chain's pages back at each switch into K = 0)."""
     pattern = [2, 0, 0, 0, 3, 0, 0, 3, 1, 0, 0]
     for params in (SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True),
                    SamplingParams(temperature=0.9, top_p=0.9, seed=SEEDS[0],
                                   max_tokens=60, ignore_eos=True)):
-        reqs = [([300, 5, 300, 5, 300, 5, 300, 5], params)]
+        reqs = [([300, 5, 300, 5, 300, 5, 300, 5][i:], attrs.evolve(
+            params, max_tokens=params.max_tokens - 13 * i,
+            seed=None if params.seed is None else params.seed + i)) for i in range(rows)]
         plain, _ = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, False)
+        reserved = []
         chained, chain = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern,
-                                                  True)
+                                                  True, reserved)
         assert chained == plain
         ahead = chain.worker.ahead
-        assert ahead.after_chain_steps >= 8, (ahead.after_chain_steps, chain.k0_steps)
+        assert ahead.after_chain_steps >= (8 if rows == 1 else 4), \
+            (ahead.after_chain_steps, chain.k0_steps)
+        assert reserved and all(reserved)
 
 
 async def test_one_rank_records_the_classes_its_k_was_committed_with(tiny_dir, tiny_loaded):
