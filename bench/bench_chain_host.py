@@ -9,6 +9,7 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
         [--method eagle3] [--k 3] [--profile prof.txt] [--closed [--sampled]]
+        [--adaptive-at K]
 
 Per run: each state's mean time per iteration, (``per-iteration medians``) the median of
 its per-iteration times, which a shared, loaded host disturbs far less (a preempted
@@ -110,24 +111,32 @@ class FrozenReplayCache(CudaGraphCache):
         return False
 
 
-def config(path, method, k, batch):
+def config(path, method, k, batch, adaptive=False):
     from specloop.engine import EngineConfig  # noqa: PLC0415
     return EngineConfig.from_dict({
         "model": {"name": str(path), "dtype": "float32", "device": "cpu",
                   "max_seq_len": 1 << 15, "chat_template": False},
         "scheduler": {"max_batch_size": batch, "max_num_tokens": 4096},
-        "speculative": {"method": method, "num_draft_tokens": k},
+        "speculative": {"method": method, "num_draft_tokens": k, "adaptive": adaptive},
         "graphs": {"batch_buckets": [batch]},
         "components": {"graph_cache": "bench_chain_host:FrozenReplayCache"}})
 
 
-def force_chain(worker) -> None:
+def force_chain(worker, adaptive_at: int | None = None) -> None:
     """DRAFT + VERIFY chained as on one CUDA rank (the engine chains on CUDA only): VERIFY
-    inline, and a DeviceChain for a drafter that can chain."""
+    inline, and a DeviceChain for a drafter that can chain. ``adaptive_at``: adaptive K's
+    one-rank path (the rule asked each iteration, its step queued early), held at that K
+    by a warm-up table where it alone is cheap (nothing learned)."""
     from specloop.engine._chain import DeviceChain  # noqa: PLC0415
     worker.verify_inline = True
     if worker.drafter is not None and worker.drafter.can_chain:
         worker.chain = DeviceChain(worker=worker)
+    if adaptive_at is not None:
+        worker.ahead.at_k0 = True
+        cost = worker.adaptive.cost
+        cost.learn = False
+        for key in list(cost.device):
+            cost.device[key] = 0.001 if key[1] == adaptive_at else 1.0
 
 
 def start_endless(tg, engine, batch: int) -> None:
@@ -148,14 +157,14 @@ async def until(engine, iterations: int) -> None:
         await anyio.sleep(0.002)
 
 
-async def measure(cfg, loaded, batch, iterations, profiler):
+async def measure(cfg, loaded, batch, iterations, profiler, adaptive_at=None):
     """-> (wall us per iteration, {state: us per iteration}, chained steps taken share,
     {state: median us of an iteration}, {state: thread CPU us per iteration})."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     times, each, cpu = StateTimes(), IterationTimes(), ThreadTimes()
     async with AsyncEngine(cfg, model=loaded, observers=[times, each, cpu]) as engine:
         worker = engine.worker
-        force_chain(worker)
+        force_chain(worker, adaptive_at)
         async with anyio.create_task_group() as tg:
             start_endless(tg, engine, batch)
             await until(engine, 30)
@@ -231,6 +240,9 @@ def main() -> None:
     ap.add_argument("--sampled", action="store_true",
                     help="--closed: odd requests sample (temperature 0.8, top-p 0.95, "
                          "seeded) instead of all greedy")
+    ap.add_argument("--adaptive-at", type=int, default=None, metavar="K",
+                    help="adaptive K's one-rank path held at K (its bookkeeping, the "
+                         "draft classes and the early choice on top of a fixed K's)")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
@@ -239,7 +251,7 @@ def main() -> None:
         path = write_tiny_checkpoint(tmp, vocab_size=384, num_layers=2, hidden=64, seed=1)
         loaded = load_model(path, dtype=torch.float32)
         for batch in map(int, args.batches.split(",")):
-            cfg = config(path, args.method, args.k, batch)
+            cfg = config(path, args.method, args.k, batch, args.adaptive_at is not None)
             if args.closed:
                 rows = anyio.run(closed_rounds, cfg, loaded, batch, args.runs,
                                  args.sampled)
@@ -256,7 +268,7 @@ def main() -> None:
             profiler = cProfile.Profile() if args.profile else None
             for _ in range(args.runs):
                 wall, states, share, medians, thread = anyio.run(
-                    measure, cfg, loaded, batch, args.iterations, profiler)
+                    measure, cfg, loaded, batch, args.iterations, profiler, args.adaptive_at)
                 walls.append(wall)
                 handled.append(sum(thread.get(s, 0.0)
                                    for s in ("VERIFY", "DRAFT", "PICK_GRAPH_KEY")))
@@ -272,7 +284,8 @@ def main() -> None:
                       flush=True)
             summary = " ".join(f"{s} {statistics.median(v):.0f}" for s, v in per_state.items())
             handlers = sum(statistics.median(v) for v in per_state.values())
-            print(f"{args.method} K={args.k} batch {batch}: wall {min(walls):.0f}-"
+            held = "" if args.adaptive_at is None else f" adaptive at {args.adaptive_at}"
+            print(f"{args.method} K={args.k}{held} batch {batch}: wall {min(walls):.0f}-"
                   f"{max(walls):.0f} us/iteration; handlers {handlers:.0f} (median: "
                   f"{summary}); per-iteration medians, min-max over runs: "
                   + " ".join(f"{s} {min(v):.0f}-{max(v):.0f}" for s, v in per_median.items())
