@@ -175,8 +175,7 @@ class RunAhead:
             self._queue_joined(rec, pending, rows, joining)
             return
         # Pages for the position it writes, kept by RESCAN's trim.
-        w.runner.reserve(batch, 1)
-        w.runner.keep_ahead = 1
+        self._reserve(batch)
         seq_lens = [len(r.token_ids) + 1 for r in batch]
         if self._fed_in_graph(rec, pending):
             self.in_graph_steps += 1
@@ -191,6 +190,21 @@ class RunAhead:
                                   device=w.runner.device)
         self.queued = Ahead(tuple(batch), seq_lens, w._queue_verify(rec, inputs))
 
+    def _reserve(self, batch: Sequence[Request]) -> None:
+        """Pages for the position the step writes, kept by RESCAN's trim; where adaptive
+        K's chain runs through K = 0 (n-gram), as far as a chained step reaches (2K + 1
+        positions), so that the iteration leaving a K = 0 stretch finds the chained step's
+        pages there: no page-table copy in its host work, which the switch pays (on this
+        CPU ~90 µs of that iteration's reserve, half of it the copy), and a switch into
+        K = 0 gives none back."""
+        w, chain = self.worker, self.worker.chain
+        if self.at_k0 and chain is not None and chain.through_k0:
+            w.runner.reserve(batch, chain.keep_ahead - 1)
+            w.runner.keep_ahead = chain.keep_ahead
+        else:
+            w.runner.reserve(batch, 1)
+            w.runner.keep_ahead = 1
+
     def _queue_joined(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
                       joining: list[Request]) -> None:
         """``queue`` for the batch and ``joining`` after it: the step runs under the key
@@ -199,8 +213,7 @@ class RunAhead:
         batch = [*rec.batch, *joining]
         for r in joining:   # their first step writes their prompt's last position
             w.runner.pages.resize(r.batch_slot, r.seq_len)
-        w.runner.reserve(rec.batch, 1)
-        w.runner.keep_ahead = 1
+        self._reserve(rec.batch)
         greedy = w._all_greedy(batch)
         spec = rec.spec if rec.spec.is_all_greedy_sample == greedy else \
             rec.spec.evolve(is_all_greedy_sample=greedy)

@@ -378,6 +378,35 @@ async def test_k0_after_a_chained_k0_step_takes_the_inputs_its_graph_wrote(tiny_
         assert reserved and all(reserved)
 
 
+async def test_switching_out_of_k0_finds_its_pages(tiny_dir, tiny_loaded):
+    """Adaptive n-gram switching between K = 0 stretches and chained K = 3 steps: the
+    steps queued ahead at K = 0 keep pages as far as a chained step reaches, so neither
+    the switch out of K = 0 (the chained step's reservation) nor the one into it (the
+    trim) changes the page table: it changes once per page of tokens, and the outputs
+    equal the unchained engine's."""
+    from specloop.models import _cache
+
+    dirty = []
+    sync = _cache.PageTable.sync
+
+    def counted(self):
+        dirty.append(bool(self._dirty))
+        return sync(self)
+    pattern = [0, 0, 0, 0, 0, 0, 3, 3]
+    tokens = 200
+    reqs = [([300, 5, 300, 5, 300, 5, 300, 5],
+             SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))]
+    plain, _ = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, False)
+    _cache.PageTable.sync = counted
+    try:
+        chained, chain = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, True)
+    finally:
+        _cache.PageTable.sync = sync
+    assert chained == plain and chain.k0_steps >= 20
+    page = chain.worker.runner.pages.page_size
+    assert sum(dirty) <= (tokens + 16) // page + 4, (sum(dirty), len(dirty))
+
+
 async def test_one_rank_records_the_classes_its_k_was_committed_with(tiny_dir, tiny_loaded):
     """One GPU rank's path (forced on the CPU): VERIFY n computes the next iteration's
     rows' draft classes, the rule commits K for it, and that iteration's RESCAN counts its
