@@ -42,6 +42,15 @@ def chain_config(tiny_dir, graphs, **spec):
 SEEDS = range(100, 104)     # padding rows draw with seed 0: not compared
 
 
+def one_rank_adaptive(worker, chained, pattern):
+    """Adaptive K's one-CUDA-rank path on the CPU: VERIFY inline, the next K's step
+    queued early, DRAFT + VERIFY chained on the device or not, K held to ``pattern``."""
+    from ..engine.test_adaptive import cycle_k
+    worker.verify_inline = worker.ahead.at_k0 = True
+    worker.chain = DeviceChain(worker=worker) if chained else None
+    cycle_k(worker.adaptive, pattern)
+
+
 def requests():
     stops = tuple(range(40, 90))
     return [(p, SamplingParams(temperature=0.0 if i % 2 else 0.9, top_p=0.9, seed=SEEDS[i],

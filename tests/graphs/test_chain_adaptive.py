@@ -8,12 +8,12 @@ import pytest
 import torch
 
 from specloop.engine import AsyncEngine
-from specloop.engine._chain import DeviceChain
 
 from ..engine import planted
 from ..engine.conftest import serve_staggered
 from ..engine.test_adaptive import cycle_k
-from .test_chain import SEEDS, chain_config, requests, same_record, unmatched
+from .test_chain import (SEEDS, chain_config, one_rank_adaptive, requests, same_record,
+                         unmatched)
 
 # Chained steps at 3 -> 3, 3 -> 2, 2 -> 2, 2 -> 3, 3 -> 1, 1 -> 1, 1 -> 3; K = 0 after
 # each kind; K = 0 -> 0 queued ahead.
@@ -26,9 +26,7 @@ async def serve(tiny_dir, loaded, chained, pattern=PATTERN, drop=False, times=No
     steps = {"taken": [], "queued": [], "ahead": 0}
     async with AsyncEngine(cfg, model=loaded) as engine:
         worker = engine.worker
-        worker.verify_inline = worker.ahead.at_k0 = True     # one CUDA rank's path
-        worker.chain = DeviceChain(worker=worker) if chained else None
-        cycle_k(worker.adaptive, pattern)
+        one_rank_adaptive(worker, chained, pattern)
         if times is not None:
             measured = worker.adaptive.measured
             worker.adaptive.measured = lambda s: (times.append(s), measured(s))

@@ -18,7 +18,7 @@ from specloop.samplers import SamplingParams
 
 from ..engine import planted
 from ..interpreted import run_interpreted
-from .test_chain import SEEDS, chain_config, serve
+from .test_chain import SEEDS, chain_config, one_rank_adaptive, serve
 
 
 def host_drafts(tokens, k, ngram_min, ngram_max):
@@ -315,18 +315,14 @@ async def adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, chained, rese
     path on the CPU), chained on the device or not; -> (outputs, the chain or None).
     ``reserved``: a list for ``reservations_never_shrink``."""
     from specloop.engine import AsyncEngine
-    from specloop.engine._chain import DeviceChain
 
     from ..engine.conftest import serve_staggered
-    from ..engine.test_adaptive import cycle_k
 
     cfg = chain_config(tiny_dir, True, method="ngram", k=3, rejection=True,
                        speculative={"adaptive": True})
     async with AsyncEngine(cfg, model=tiny_loaded) as engine:
         worker = engine.worker
-        worker.verify_inline = worker.ahead.at_k0 = True     # one CUDA rank's path
-        worker.chain = DeviceChain(worker=worker) if chained else None
-        cycle_k(worker.adaptive, pattern)
+        one_rank_adaptive(worker, chained, pattern)
         if reserved is not None:
             reservations_never_shrink(worker, reserved)
         outs = await serve_staggered(engine, [(p, params, 0) for p, params in reqs])
