@@ -135,7 +135,8 @@ class ModelRunner:
         while DRAFT reserved the drafter's K at K = 0, adaptive n-gram's K = 0 stretches
         took a page and gave it back in ~45 % of iterations on the CPU, each a copy of
         the table)."""
-        self.pages.grow_many([(r.batch_slot, len(r.token_ids) + extra) for r in requests])
+        self.pages.resize_many([(r.batch_slot, len(r.token_ids) + extra) for r in requests],
+                               shrink=False)
         self.pages.sync()
 
     def trim(self, request: Request) -> None:

@@ -107,26 +107,20 @@ class PageTable:
             row[len(owned)] = self.scratch_page
         self._dirty.add(slot)
 
-    def resize_many(self, lengths: Iterable[tuple[int, int]]) -> None:
+    def resize_many(self, lengths: Iterable[tuple[int, int]], *, shrink: bool = True) -> None:
         """``resize(slot, length)`` of each (slot, length), in order; the page count
         compared first, inline: most rows, most iterations, keep theirs (a row crosses a
         page every page_size tokens), and a call cost ~0.2 us a row (RESCAN's trims and
-        the next step's reservations, per row per iteration)."""
+        the next step's reservations, per row per iteration). ``shrink`` False only adds
+        pages: a slot holding enough for ``length`` positions keeps them all (a
+        reservation for the next step must not give back what another path reserved for
+        a longer one: the two would take and free the same page every iteration, each
+        time a copy of the table)."""
         size, most, owned = self.page_size, self.pages_per_slot, self._owned
         for slot, length in lengths:
             want = -(-length // size) if length > 0 else 0
-            if len(owned[slot]) != (want if want < most else most):
-                self.resize(slot, length)
-
-    def grow_many(self, lengths: Iterable[tuple[int, int]]) -> None:
-        """``resize_many`` that only adds pages: a slot holding enough for ``length``
-        positions keeps them all (a reservation for the next step must not give back
-        what another path reserved for a longer one: the two would take and free the
-        same page every iteration, each time a copy of the table)."""
-        size, most, owned = self.page_size, self.pages_per_slot, self._owned
-        for slot, length in lengths:
-            want = -(-length // size) if length > 0 else 0
-            if len(owned[slot]) < (want if want < most else most):
+            have, want = len(owned[slot]), want if want < most else most
+            if have < want or shrink and have > want:
                 self.resize(slot, length)
 
     def release(self, slot: int) -> None:

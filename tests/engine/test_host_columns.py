@@ -114,14 +114,14 @@ def test_input_rows_equal_the_row_at_a_time_build(real, joiners, pad, k, seed):
     st.tuples(st.integers(0, 3), st.integers(0, 30), st.booleans()), min_size=1,
     max_size=40))
 def test_growing_never_gives_pages_back(page, ops):
-    """Any mix of reservations (``grow_many``) and trims (``resize_many``): a reservation
+    """Any mix of reservations (``resize_many(shrink=False)``) and trims: a reservation
     leaves a slot at least as many pages as it held and as its length needs, adds pages
     only where the length needs more, and every page is owned once or free."""
     pages = PageTable(4, 24, page)
     for slot, length, grow in ops:
         before = pages.pages_of(slot)
         if grow:
-            pages.grow_many([(slot, length)])
+            pages.resize_many([(slot, length)], shrink=False)
             need = min(-(-length // page), pages.pages_per_slot)
             after = pages.pages_of(slot)
             assert after[:len(before)] == before
