@@ -45,6 +45,30 @@ RUNTIME = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cudaStream
            "cudaEventSynchronize", "cudaDeviceSynchronize", "cuLaunchKernel")
 
 
+@contextlib.asynccontextmanager
+async def bench_engine(name, loaded, batch, device, buckets="batch", observers=()):
+    """The engine of CONFIGS[name], with the bench's own switches applied: ``unchained``
+    (DRAFT and VERIFY not chained on the device), ``fixed_times`` (adaptive K on warm-up's
+    device times, nothing learned)."""
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    spec = dict(CONFIGS[name])
+    unchained = spec.pop("unchained", False)
+    fixed_times = spec.pop("fixed_times", False)
+    async with AsyncEngine(engine_config(spec, batch, device, buckets), model=loaded,
+                           observers=list(observers)) as engine:
+        if unchained:
+            engine.worker.chain = None
+        if engine.worker.adaptive is not None:
+            engine.worker.adaptive.cost.learn = not fixed_times
+        yield engine
+
+
+def ahead_steps(ahead) -> tuple[int, int, int]:
+    """Steps queued ahead so far: taken, fed by the graph, of those after a K = 0 step the
+    chain queued."""
+    return ahead.taken_steps, ahead.in_graph_steps, ahead.after_chain_steps
+
+
 class StateTimes:
     """Each state's time summed over iterations, and per iteration (``rows``: its K and
     each state's microseconds, ``wait`` the read-back's wait for the GPU inside VERIFY)
@@ -150,36 +174,25 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
     runs in which the configs take turns (drift on a shared machine hits all alike), each
     run the prompt ``sets`` one round after another (one batch each), then one profiled
     round each (the first set). -> {name: (rates, AL, the profile's summary)}."""
-    from specloop.engine import AsyncEngine  # noqa: PLC0415
-
     prompts = sets[0]
     batch, cuda, sync = len(prompts), device == "cuda", device_sync(device)
     out = {}
     async with contextlib.AsyncExitStack() as stack:
         engines, observers, observed, ahead_before = {}, {}, {}, {}
         for name in names:
-            spec = dict(CONFIGS[name])
-            unchained = spec.pop("unchained", False)
-            fixed_times = spec.pop("fixed_times", False)
             observers[name] = StateTimes()
-            engines[name] = await stack.enter_async_context(AsyncEngine(
-                engine_config(spec, batch, device, buckets), model=loaded,
-                observers=[observers[name]]))
+            engines[name] = await stack.enter_async_context(bench_engine(
+                name, loaded, batch, device, buckets, [observers[name]]))
             observers[name].watch(engines[name].worker.runner)
-            if unchained:
-                engines[name].worker.chain = None
             adaptive = engines[name].worker.adaptive
             if adaptive is not None:
-                adaptive.cost.learn = not fixed_times
                 observed[name] = record_observations(adaptive)
         for name, engine in engines.items():
             await generate_round(engine, prompts, 8)
             observers[name].us.clear()
             observers[name].iterations = 0
             observers[name].rows.clear()
-            ahead = engine.worker.ahead
-            ahead_before[name] = (ahead.taken_steps, ahead.in_graph_steps,
-                                  ahead.after_chain_steps)
+            ahead_before[name] = ahead_steps(engine.worker.ahead)
             if name in observed:
                 observed[name]["timed"] = len(observed[name]["seen"])
         walls = {name: [] for name in names}
@@ -187,11 +200,11 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
         for _ in range(runs):
             for name, engine in engines.items():
                 walls[name].append(await timed_sets(engine, sets, tokens, sync))
+        # Steps queued ahead in the timed runs (``chain_queued_taken``: the engine's whole
+        # life, profiled round included).
         for name, engine in engines.items():
-            ahead = engine.worker.ahead
-            ahead_counts[name] = [n - b for n, b in zip(
-                (ahead.taken_steps, ahead.in_graph_steps, ahead.after_chain_steps),
-                ahead_before[name])]
+            ahead_counts[name] = [n - b for n, b in zip(ahead_steps(engine.worker.ahead),
+                                                        ahead_before[name])]
         from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
         for name, engine in engines.items():
@@ -218,14 +231,11 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             if traces.get(name):
                 prof.export_chrome_trace(traces[name])
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
-            # Steps queued ahead in the timed runs: taken, fed by the graph, and of those
-            # after a K = 0 step the chain queued (``chain_queued_taken``: the engine's
-            # whole life, profiled round included).
-            ahead_steps = ahead_counts[name]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "per_position": per_position, "by_move_states_us": moves,
-                          "chain_queued_taken": chained, "ahead_taken_in_graph": ahead_steps,
+                          "chain_queued_taken": chained,
+                          "ahead_taken_in_graph": ahead_counts[name],
                           **(ks or {}), **summary})
     return out
 

@@ -22,8 +22,8 @@ import warnings
 import anyio
 import torch
 
-from _common import engine_config, generate_round, held_out_sets, quiet_logs
-from profile_spec_gpu import CONFIGS
+from _common import generate_round, held_out_sets, quiet_logs
+from profile_spec_gpu import bench_engine
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -38,20 +38,12 @@ def engine_line(stack: list[traceback.FrameSummary], root: str) -> str:
     return "(outside the engine)"
 
 
-async def count_syncs(loaded, prompts, spec: dict, tokens: int, device: str) -> dict:
+async def count_syncs(loaded, prompts, name: str, tokens: int, device: str) -> dict:
     import specloop.engine  # noqa: PLC0415
-    from specloop.engine import AsyncEngine  # noqa: PLC0415
     # The package's root: the folder holding engine/ (site-packages/specloop, or a
     # checkout installed editable).
     root = os.path.dirname(os.path.dirname(os.path.abspath(specloop.engine.__file__))) + os.sep
-    spec = dict(spec)
-    fixed_times = spec.pop("fixed_times", False)
-    unchained = spec.pop("unchained", False)
-    async with AsyncEngine(engine_config(spec, 1, device), model=loaded) as engine:
-        if unchained:
-            engine.worker.chain = None
-        if engine.worker.adaptive is not None:
-            engine.worker.adaptive.cost.learn = not fixed_times
+    async with bench_engine(name, loaded, 1, device) as engine:
         for prompt in prompts[:2]:     # warm: the first iterations' one-off work
             await generate_round(engine, [prompt], 16)
         where: collections.Counter[str] = collections.Counter()
@@ -64,11 +56,10 @@ async def count_syncs(loaded, prompts, spec: dict, tokens: int, device: str) -> 
                 shown(message, category, filename, lineno, file, line)
 
         iterations = engine.stats.num_iterations
-        warnings.showwarning = show
         if device == "cuda":
             torch.cuda.set_sync_debug_mode("warn")
         try:
-            with warnings.catch_warnings():
+            with warnings.catch_warnings():     # restores showwarning on the way out
                 warnings.simplefilter("always")
                 warnings.showwarning = show
                 for prompt in prompts:
@@ -76,7 +67,6 @@ async def count_syncs(loaded, prompts, spec: dict, tokens: int, device: str) -> 
         finally:
             if device == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
-            warnings.showwarning = shown
         adaptive = engine.worker.adaptive
         return {"iterations": engine.stats.num_iterations - iterations,
                 "k_chosen": None if adaptive is None else dict(sorted(adaptive.chosen.items())),
@@ -98,8 +88,8 @@ def main() -> None:
     prompts = [s[0] for s in sets[:args.sets]]
     rows = []
     for name in args.configs.split(","):
-        row = {"config": name, **anyio.run(count_syncs, loaded, prompts, CONFIGS[name],
-                                           args.tokens, args.device)}
+        row = {"config": name, **anyio.run(count_syncs, loaded, prompts, name, args.tokens,
+                                           args.device)}
         print(json.dumps(row), flush=True)
         rows.append(row)
     if args.out:
