@@ -107,16 +107,20 @@ class StateTimes:
                 self.waited(time.perf_counter() - start)
         runner.finish_read_back = timed
 
-    def by_move(self, least: int = 10) -> dict:
+    def by_move(self, least: int = 10, then: bool = False) -> dict:
         """Per move (the K before > this K) seen ``least`` times or more: the count and the
         median microseconds of each state, the read-back's wait, and the host's own time
         (the states less the wait), over ``rows``; an iteration pairs with the one before
         only when both ran the same requests (not across a new prompt, whose first
-        iteration prefilled)."""
+        iteration prefilled). ``then``: keyed by the K after it too ("0>0>4": the K = 0
+        iteration that queued the chained K = 4 step, leaving a K = 0 stretch)."""
         per = collections.defaultdict(list)
-        for (before, _, ids_before), (k, states, ids) in zip(self.rows, self.rows[1:]):
-            if ids and ids == ids_before:
-                per[f"{before}>{k}"].append(states)
+        rows = self.rows
+        after = [(r[0], r[2]) for r in rows[1:]] + [(None, ())]
+        for (before, _, ids_before), (k, states, ids), (nxt, ids_next) in zip(
+                rows, rows[1:], after[1:]):
+            if ids and ids == ids_before and (not then or ids_next == ids):
+                per[f"{before}>{k}" + (f">{nxt}" if then else "")].append(states)
         out = {}
         for move, rows in sorted(per.items()):
             if len(rows) < least:
@@ -212,6 +216,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             iters = max(obs.iterations, 1)
             states = {s: round(us / iters / 1e3, 3) for s, us in obs.us.items()}
             moves = obs.by_move()    # the timed runs' (batch 1: one row an iteration)
+            moves_then = obs.by_move(then=True) if engine.worker.adaptive is not None else None
             wall_ms = sum(walls[name]) * 1e3 / iters
             # Both over the timed runs, before the profiled round adds its tokens.
             al = engine.stats.mean_acceptance_length
@@ -234,6 +239,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "states_ms": states,
                           "per_position": per_position, "by_move_states_us": moves,
+                          "by_move_then_states_us": moves_then,
                           "chain_queued_taken": chained,
                           "ahead_taken_in_graph": ahead_counts[name],
                           **(ks or {}), **summary})

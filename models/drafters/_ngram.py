@@ -15,7 +15,7 @@ import torch
 
 from specloop.samplers import Sampler, SamplingBatch
 
-from .._host import to_device
+from .._host import int64_tensor, to_device
 from ._ngram_device import ROW, chain_step
 from ._protocol import DraftContext, Drafter, DrafterDeps, DraftProposal
 
@@ -200,7 +200,10 @@ class NgramDrafter(Drafter):
         the last call queued, for these rows: then nothing is copied (its draft wrote
         the tokens and this step's meta on the device: at batch 1 on the H200 the
         copy's host work, a pinned tensor and three torch calls, was ~0.15 ms an
-        iteration). ``into`` is not used (the inputs are views of the device buffers)."""
+        iteration). ``into``: the draft graph's static inputs; VERIFY n's tokens and
+        counts already written there (the chain's step out of K = 0) are passed as they
+        are, so the replay copies neither (else fresh views: a replay copies an input it
+        has not been given before)."""
         rows = sampling.size
         key = (tuple(slots), rows)
         continues, self._last_chain = continued and self._last_chain == key, key
@@ -209,7 +212,8 @@ class NgramDrafter(Drafter):
             history, start, slots, rows, tokens)
         for slot, s in zip(slots, start):
             self._on_device[slot] = s + 1
-        return {"verified": verified["token_ids"][:], "accepted": verified["num_accepted"][:],
+        return {"verified": _static_or_view(verified["token_ids"], into, "verified"),
+                "accepted": _static_or_view(verified["num_accepted"], into, "accepted"),
                 "meta": meta_dev, "slots": meta_dev[ROW], "bonus": bonus[:rows, None],
                 "start_pos": start_pos[:rows]}
 
@@ -233,10 +237,16 @@ class NgramDrafter(Drafter):
                 tail = list(tokens[i][have:s + 1])
                 at.extend(range(slot * stride + have, slot * stride + have + len(tail)))
                 values.extend(tail)
-        host = torch.tensor([v for column in meta for v in column] + at + values,
-                            dtype=torch.int64)
+        host = int64_tensor([v for column in meta for v in column] + at + values)
         packed = to_device(host, history.device)
         if at:
             tail = packed[4 * rows:]
             history.view(-1).index_copy_(0, tail[:len(at)], tail[len(at):])
         return packed[:4 * rows].view(4, rows)
+
+
+def _static_or_view(tensor: torch.Tensor, into: dict[str, torch.Tensor] | None, name: str
+                    ) -> torch.Tensor:
+    """``tensor`` itself when it is the draft graph's static input ``name`` (written in
+    place: the replay copies nothing), else a fresh view of it."""
+    return tensor if into is not None and into.get(name) is tensor else tensor[:]
