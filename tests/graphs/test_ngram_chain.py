@@ -379,26 +379,37 @@ async def test_switching_out_of_k0_finds_its_pages(tiny_dir, tiny_loaded):
     steps queued ahead at K = 0 keep pages as far as a chained step reaches, so neither
     the switch out of K = 0 (the chained step's reservation) nor the one into it (the
     trim) changes the page table: it changes once per page of tokens, and the outputs
-    equal the unchained engine's."""
+    equal the unchained engine's. Each step out of K = 0 writes VERIFY's tokens and
+    counts into the draft graph's static inputs (``DeviceChain._into_statics``: no padded
+    tensor for the replay to copy)."""
+    from specloop.engine._chain import DeviceChain
     from specloop.models import _cache
 
-    dirty = []
-    sync = _cache.PageTable.sync
+    dirty, written = [], []
+    sync, into_statics = _cache.PageTable.sync, DeviceChain._into_statics
 
     def counted(self):
         dirty.append(bool(self._dirty))
         return sync(self)
+
+    def seen_written(packed, into, width):
+        out = into_statics(packed, into, width)
+        written.append(out is not None)
+        return out
     pattern = [0, 0, 0, 0, 0, 0, 3, 3]
     tokens = 200
     reqs = [([300, 5, 300, 5, 300, 5, 300, 5],
              SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))]
     plain, _ = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, False)
     _cache.PageTable.sync = counted
+    DeviceChain._into_statics = staticmethod(seen_written)
     try:
         chained, chain = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, True)
     finally:
         _cache.PageTable.sync = sync
+        DeviceChain._into_statics = staticmethod(into_statics)
     assert chained == plain and chain.k0_steps >= 20
+    assert len(written) >= 10 and all(written), written    # one per switch out of K = 0
     page = chain.worker.runner.pages.page_size
     assert sum(dirty) <= (tokens + 16) // page + 4, (sum(dirty), len(dirty))
 
