@@ -9,7 +9,7 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
         [--method eagle3] [--k 3] [--profile prof.txt] [--closed [--sampled]]
-        [--adaptive-at K]
+        [--adaptive-at K] [--cycle 0,0,0,0,0,0,4,4]
 
 Per run: each state's mean time per iteration, (``per-iteration medians``) the median of
 its per-iteration times, which a shared, loaded host disturbs far less (a preempted
@@ -17,7 +17,11 @@ iteration moves a mean, not the median), and each state's thread CPU time per it
 (the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).
 ``--closed``: closed rounds of requests that end apart instead (batch changes: the chain
 taken for fewer rows, the sampling rows rebuilt), thread CPU per iteration; ``--sampled``:
-odd requests sample (seeded, top-p), so the batch is not all greedy.
+odd requests sample (seeded, top-p), so the batch is not all greedy. ``--cycle``: batch 1,
+adaptive K's one-rank path held to that cycle of K (n-gram: in and out of K = 0 stretches),
+each state's median µs per move, the K before > this K > the K after (``0>0>4``: the K = 0
+iteration that queues the chained step leaving a stretch), as profile_spec_gpu.py's
+``by_move_then_states_us`` on the H200.
 """
 
 from __future__ import annotations
@@ -224,6 +228,28 @@ async def closed_rounds(cfg, loaded, batch, rounds, sampled=False):
     return out
 
 
+async def moves(cfg, loaded, iterations: int, pattern: list[int]) -> dict:
+    """``--cycle``: one endless greedy request, K held to ``pattern``; -> per move (K
+    before > K > K after) the count and each state's median µs (``host``: their sum)."""
+    from profile_spec_gpu import StateTimes  # noqa: PLC0415
+
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from tests.engine.test_adaptive import cycle_k  # noqa: PLC0415  (the tests' helper)
+    times = StateTimes()
+    async with AsyncEngine(cfg, model=loaded, observers=[times]) as engine:
+        worker = engine.worker
+        force_chain(worker, max(pattern))
+        cycle_k(worker.adaptive, pattern)
+        async with anyio.create_task_group() as tg:
+            start_endless(tg, engine, 1)
+            await until(engine, 50)
+            times.rows.clear()
+            await until(engine, 50 + iterations)
+            tg.cancel_scope.cancel()
+    return times.by_move(then=True)
+
+
 def main() -> None:
     from specloop.models import load_model  # noqa: PLC0415
     from specloop.models.testing import write_tiny_checkpoint  # noqa: PLC0415
@@ -243,6 +269,8 @@ def main() -> None:
     ap.add_argument("--adaptive-at", type=int, default=None, metavar="K",
                     help="adaptive K's one-rank path held at K (its bookkeeping, the "
                          "draft classes and the early choice on top of a fixed K's)")
+    ap.add_argument("--cycle", default="", metavar="K,K,..",
+                    help="batch 1, adaptive K held to this cycle: state times per move")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
@@ -250,6 +278,17 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_checkpoint(tmp, vocab_size=384, num_layers=2, hidden=64, seed=1)
         loaded = load_model(path, dtype=torch.float32)
+        if args.cycle:
+            pattern = [int(k) for k in args.cycle.split(",")]
+            cfg = config(path, args.method, max(pattern), 1, True)
+            for _ in range(args.runs):
+                rows = anyio.run(moves, cfg, loaded, args.iterations, pattern)
+                for move, row in rows.items():
+                    states = " ".join(f"{s} {v:.0f}" for s, v in row.items()
+                                      if s not in ("n", "wait", "host"))
+                    print(f"  {move:7s} n {row['n']:4d} host {row['host']:5.0f} us: {states}",
+                          flush=True)
+            return
         for batch in map(int, args.batches.split(",")):
             cfg = config(path, args.method, args.k, batch, args.adaptive_at is not None)
             if args.closed:
