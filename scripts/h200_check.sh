@@ -25,6 +25,12 @@
 #            test_pdl.py -m gpu: a row's bits within the prefix, the tail's against
 #            F.linear, the chained step under PDL) with each table file in $TABLES: run it
 #            before shipping a table the tables step liked
+#   codeab   the code in $OLD (a folder laid out as this repository, e.g. made here by
+#            `mkdir -p .dev/old && git archive <commit> engine models samplers graphs comm |
+#            tar -x -C .dev/old`, carried) against this tree's, one process each, taking
+#            turns $ROUNDS times (default 2): profile_spec_gpu.py's CONFIGS (default none /
+#            n-gram adaptive<=4 on warm-up's times / learned) at BATCHES (default 1) --
+#            the same machine for both, whose host speed differs between machines
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_PDL=0, SPECLOOP_SKINNY=0,
 #            SPECLOOP_ATTENTION_MAX_SPLITS=1, SPECLOOP_SKINNY_NORM=0: the norm prologue,
@@ -142,6 +148,24 @@ for step in "$@"; do
         (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
           --out "$OUT/ab_${env%%=*}.jsonl" --configs "none,eagle3 K=3" --batches 1,32 --runs 3 \
           2>&1 | grep '^{' | cut -c1-150)
+      done ;;
+    codeab)
+      # The installed package (/tmp/site/specloop) with $OLD's package folders laid over it.
+      old=$(realpath "${OLD:?codeab: set OLD to a folder laid out as this repository}")
+      rm -rf /tmp/old && mkdir -p /tmp/old && cp -r /tmp/site/specloop /tmp/old/specloop
+      for pkg in engine samplers graphs comm models serve train; do
+        [ -d "$old/$pkg" ] && cp -r "$old/$pkg/." "/tmp/old/specloop/$pkg/"
+      done
+      for round in $(seq 1 "${ROUNDS:-2}"); do
+        for v in old new; do
+          path=/tmp/site:/root/smolpkg; [ $v = old ] && path=/tmp/old:$path
+          echo "-- $v (round $round)"
+          (cd bench && PYTHONPATH=$path python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+             --out "$OUT/codeab_${v}_$round.jsonl" --batches "${BATCHES:-1}" --runs 3 \
+             --configs "${CONFIGS:-none,ngram adaptive<=4 warm-up times,ngram adaptive<=4}" \
+             --min-prompts 16 > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
+           grep '^{' "$OUT/codeab_${v}_$round.log" | cut -c1-150)
+        done
       done ;;
     *) echo "unknown step: $step" ;;
   esac
