@@ -104,7 +104,8 @@ class FrozenReplayCache(CudaGraphCache):
             for name, static in kept.inputs.items():
                 source = inputs[name]
                 if kept.sources.get(name) is not source:
-                    static.copy_(source, non_blocking=True)
+                    if source is not static:    # else written in place (static_inputs)
+                        static.copy_(source, non_blocking=True)
                     kept.sources[name] = source
         kept.replays += 1
         for name in kept.writes:
@@ -270,7 +271,8 @@ def main() -> None:
                     help="adaptive K's one-rank path held at K (its bookkeeping, the "
                          "draft classes and the early choice on top of a fixed K's)")
     ap.add_argument("--cycle", default="", metavar="K,K,..",
-                    help="batch 1, adaptive K held to this cycle: state times per move")
+                    help="batch 1, adaptive K held to this cycle: state times per move (a "
+                         "cycle through K = 0 chains with --method ngram only)")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)

@@ -201,11 +201,14 @@ class DeviceChain:
         row; a K = 0 step queued ahead for more requests may have more rows), its
         columns padded to the draft graph's catch-up ``width`` (adaptive K: VERIFY n
         drafted fewer; the padding columns lie past the accepted row, as the graph's own
-        padding: token 0, zero features). ``hidden`` False: the feature rows are not
-        read, and left as VERIFY wrote them (n-gram switching out of K = 0: two torch
-        calls and kernels less); then, where ``into`` (the draft graph's static inputs)
-        holds ``verified`` [padded, width] and ``accepted``, the tokens and counts are
-        copied there instead of padded in new tensors (``_into_statics``)."""
+        padding: token 0, zero features). ``hidden`` False (a drafter chaining through
+        K = 0, which reads tokens only): the feature rows are not read, and left as VERIFY
+        wrote them (n-gram switching out of K = 0: two torch calls and kernels less);
+        then, where ``into`` (the draft graph's static inputs) holds ``verified``
+        [padded, width] and ``accepted``, the tokens and counts are copied there instead
+        of padded in new tensors (``_into_statics``; its padding columns are whatever the
+        last replay left, which such a drafter never reads: ``Drafter.chains_through_k0``).
+        The ``packed`` layout is then not given."""
         short = width - out["token_ids"].shape[1]
         packed, features = out["packed"], out["hidden"]
         ordered = in_order(rows)
@@ -214,7 +217,7 @@ class DeviceChain:
         if ordered and short > 0 and not hidden and packed.shape[0] >= padded:
             written = DeviceChain._into_statics(packed[:padded], into, width)
             if written is not None:
-                return {**written, "hidden": features}
+                return {**written, "hidden": features[:padded]}
         if ordered and packed.shape[0] >= padded:
             # A step queued ahead for more requests than are left (the larger bucket).
             packed, features = packed[:padded], features[:padded]
@@ -240,9 +243,10 @@ class DeviceChain:
         """VERIFY n's tokens and counts (``packed`` [padded, K_n + 2], fewer columns than
         the draft graph's ``width``) copied into the draft graph's static ``verified``
         and ``accepted``, which are returned (the replay then copies neither): an n-gram
-        step out of K = 0 pays two copies instead of a padded tensor's allocation, fill
-        and concatenation and the replay's two copies of it (on the H200 ~0.15 ms of the
-        host's ~0.9 ms in the iteration leaving a K = 0 stretch, with ``_copy_meta``).
+        step out of K = 0 (or out of a smaller K) pays two copies instead of a padded
+        tensor's allocation, fill and concatenation and the replay's two copies of it (on
+        the H200, with ``_copy_meta``'s packing, ~0.1 ms of the ~0.8 ms of host work of the
+        iteration leaving a K = 0 stretch: docs/performance.md).
         The columns past VERIFY n's keep what the last replay left: they lie past every
         row's accepted count, which the draft never reads. None where ``into`` lacks
         them, or they are not that shape."""
@@ -255,7 +259,7 @@ class DeviceChain:
             return None
         verified[:, :packed.shape[1] - 1].copy_(packed[:, :-1], non_blocking=True)
         accepted.copy_(packed[:, -1], non_blocking=True)
-        return {"packed": packed, "token_ids": verified, "num_accepted": accepted}
+        return {"token_ids": verified, "num_accepted": accepted}
 
     def _slots_of(self, batch: tuple[Request, ...]) -> list[int]:
         """The batch's slots (one list per batch: most iterations run the last one's)."""

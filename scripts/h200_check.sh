@@ -150,12 +150,22 @@ for step in "$@"; do
           2>&1 | grep '^{' | cut -c1-150)
       done ;;
     codeab)
-      # The installed package (/tmp/site/specloop) with $OLD's package folders laid over it.
-      old=$(realpath "${OLD:?codeab: set OLD to a folder laid out as this repository}")
+      # The installed package (/tmp/site/specloop) with each of $OLD's package folders in
+      # place of its own (a folder $OLD lacks stays this tree's); the files that differ
+      # are listed, so an A/B of a tree against itself shows.
+      if [ ! -d "${OLD:-}/engine" ]; then
+        echo "codeab: set OLD to a folder laid out as this repository (no ${OLD:-<unset>}/engine)"
+        continue
+      fi
+      old=$(realpath "$OLD")
       rm -rf /tmp/old && mkdir -p /tmp/old && cp -r /tmp/site/specloop /tmp/old/specloop
       for pkg in engine samplers graphs comm models serve train; do
-        [ -d "$old/$pkg" ] && cp -r "$old/$pkg/." "/tmp/old/specloop/$pkg/"
+        if [ -d "$old/$pkg" ]; then
+          rm -rf "/tmp/old/specloop/$pkg" && cp -r "$old/$pkg" "/tmp/old/specloop/$pkg"
+        fi
       done
+      echo "codeab: files that differ:"
+      diff -rq -x __pycache__ /tmp/site/specloop /tmp/old/specloop | grep -v "^Only in /tmp/site" | head -20
       for round in $(seq 1 "${ROUNDS:-2}"); do
         for v in old new; do
           path=/tmp/site:/root/smolpkg; [ $v = old ] && path=/tmp/old:$path

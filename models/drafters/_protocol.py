@@ -207,7 +207,11 @@ class Drafter(Protocol):
         that under adaptive K the engine chains across K = 0 too: ``graph_step`` is then
         also asked for K = 0 (no drafts: the step only places VERIFY n's bonus token and
         its position), and ``chained_inputs`` may get a K = 0 VERIFY's outputs (one token,
-        none accepted) padded to the graph's width. Default False."""
+        none accepted), or a smaller K's, widened to the graph's width: its ``token_ids``
+        and ``num_accepted`` may then be the draft graph's own static ``verified`` and
+        ``accepted`` (engine/_chain.py, ``_into_statics``), whose columns past VERIFY's
+        hold stale tokens, so the draft must read no column past a row's accepted count
+        (its bonus token). Default False."""
         return False
 
     @property
