@@ -120,3 +120,98 @@ async def test_chained_under_adaptive_on_cuda(tiny_dir, dtype):
     chained, taken, ahead = await go(True)
     assert chained == plain
     assert taken >= 5 and ahead > 0, (taken, ahead)
+
+
+
+# Every move between K = 0 .. 3 (0 -> 1, 1 -> 1, 2 -> 0, ...), as a K cycle.
+EVERY_MOVE = [3, 0, 0, 1, 1, 2, 2, 3, 3, 1, 3, 2, 0, 2, 1, 0, 3, 0]
+PROBE_LENGTHS = [1, 2, 15, 16, 17, 31, 32, 33]
+
+
+def ragged_config(path, device):
+    from specloop.engine import EngineConfig
+    cuda = device == "cuda"
+    return EngineConfig.from_dict({
+        "model": {"name": str(path), "dtype": "bfloat16" if cuda else "float32",
+                  "device": device, "max_seq_len": 1024, "chat_template": False},
+        "scheduler": {"max_batch_size": 4},
+        "speculative": {"method": "eagle3", "num_draft_tokens": 3, "adaptive": True},
+        "components": {"graph_cache": "cuda" if cuda else
+                       "tests.graphs.test_chain:StaticOutputCache"},
+        "graphs": {"batch_buckets": [1, 2, 4]}})
+
+
+async def ragged_rounds(engine, lengths, sampled) -> dict:
+    """Three rounds of four requests at once, prompts of ``lengths`` (alternate halves, one
+    token longer each round), 90 tokens each, odd requests sampled (seeded) when
+    ``sampled``; -> {request: tokens}."""
+    import anyio
+
+    from specloop.samplers import SamplingParams
+    outs = {}
+
+    async def one(i, n):
+        params = SamplingParams(temperature=0.8 if sampled and i % 2 else 0.0, seed=i,
+                                max_tokens=90, ignore_eos=True)
+        prompt = [5 + (j * 7 + i) % 300 for j in range(n)]
+        outs[i] = [t async for o in engine.generate(prompt, params, request_id=f"r{i}")
+                   for t in o.token_ids]
+    for r in range(3):
+        async with anyio.create_task_group() as tg:
+            for i, n in enumerate(lengths[r % 2::2]):
+                tg.start_soon(one, 10 * r + i, n + r)
+    assert len(outs) == 12 and all(len(v) == 90 for v in outs.values())
+    return outs
+
+
+async def test_every_move_with_ragged_prompts(tmp_path):
+    """The scenario of the GPU test below on the CPU (the chain forced on, replays as CUDA
+    graphs): every move of K, prompts of one token up to tile and page boundaries, greedy
+    and sampled rows; chained equals unchained."""
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "t", vocab_size=384, num_layers=2, hidden=64,
+                                 seed=1)
+    loaded = load_model(path, dtype=torch.float32)
+    outs = {}
+    for chained in (False, True):
+        async with AsyncEngine(ragged_config(path, "cpu"), model=loaded) as engine:
+            one_rank_adaptive(engine.worker, chained, EVERY_MOVE)
+            outs[chained] = await ragged_rounds(engine, PROBE_LENGTHS, True)
+            if chained:
+                assert engine.worker.chain.taken_steps >= 20
+    assert outs[True] == outs[False]
+
+
+@pytest.mark.gpu
+@pytest.mark.xfail(strict=False, reason=(
+    "2026-12-02: on one H200 the first case (the session's probe, .dev/compiles_gpu.py "
+    "then) hit a device-side assert in an index_select (indexSelectSmallIndex: srcIndex < "
+    "srcSelectDimSize) before a read-back, where the CPU twin above passes. Not "
+    "localized, not yet run as this test: the cases tell what it needs"))
+@pytest.mark.parametrize("lengths,sampled", [
+    (PROBE_LENGTHS, True),                      # the probe's case
+    ([3, 4, 15, 16, 17, 31, 32, 33], True),     # no one- or two-token prompts
+    (PROBE_LENGTHS, False),                     # all greedy
+])
+async def test_every_move_with_ragged_prompts_on_cuda(tmp_path, lengths, sampled):
+    """Adaptive eagle3 on real CUDA graphs (bf16, the chain on) held to a cycle through
+    every move of K, ``ragged_rounds``: every request gets all its tokens, and the chained
+    engine's equal the unchained one's."""
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "t", vocab_size=384, num_layers=2, hidden=64,
+                                 seed=1)
+    loaded = load_model(path, dtype=torch.bfloat16, device="cuda")
+    outs = {}
+    for chained in (False, True):
+        async with AsyncEngine(ragged_config(path, "cuda"), model=loaded) as engine:
+            worker = engine.worker
+            assert worker.chain is not None and worker.ahead.at_k0
+            if not chained:
+                worker.chain = None
+            cycle_k(worker.adaptive, EVERY_MOVE)
+            outs[chained] = await ragged_rounds(engine, lengths, sampled)
+    assert outs[True] == outs[False]
