@@ -118,10 +118,15 @@ if triton is not None:
         if GDC:  # nothing to load before the wait (see the module doc)
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
+        # NaN is the maximum, as torch.argmax has it (and the greedy VERIFY kernel,
+        # samplers/_triton_greedy.py): a NaN row gives its smallest mapped id, never one
+        # outside the map (a broken head's NaN logits gave INT64_MAX before, and the next
+        # step's embedding lookup a device-side assert that ends every request).
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         best = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), axis=0)
         best_id = tl.max(tl.full([BLOCK], -1, tl.int64), axis=0)
+        best_nan = tl.max(tl.full([BLOCK], 0, tl.int32), axis=0)
         for n0 in range(0, N, BLOCK):
             n = n0 + cols
             m = n < N
@@ -130,11 +135,17 @@ if triton is not None:
                 ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
             else:
                 ids = n.to(tl.int64)
-            top = tl.max(v, axis=0)
-            cand = tl.min(tl.where(m & (v == top), ids, 9223372036854775807), axis=0)
-            take = (top > best) | ((top == best) & (cand < best_id)) | (best_id < 0)
+            nan = m & (v != v)
+            any_nan = tl.max(nan.to(tl.int32), axis=0)
+            top = tl.max(tl.where(nan, float("-inf"), v), axis=0)
+            pick = tl.where(any_nan > 0, nan, m & (v == top))
+            cand = tl.min(tl.where(pick, ids, 9223372036854775807), axis=0)
+            beats = (any_nan > 0) | (top > best) | ((top == best) & (cand < best_id)) \
+                | (best_id < 0)
+            take = tl.where(best_nan > 0, (any_nan > 0) & (cand < best_id), beats)
             best_id = tl.where(take, cand, best_id)
             best = tl.where(take, top, best)
+            best_nan = tl.maximum(best_nan, any_nan)
         if MAP == 1:
             best_id = tl.load(map_ptr + best_id)
         tl.store(out_ptr + row * out_stride, best_id)

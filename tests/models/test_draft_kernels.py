@@ -86,6 +86,26 @@ assert _kernels.argmax_map(x, None).tolist() == [7, 20000]
 big = torch.arange(40000) * 2 + 1
 assert _kernels.argmax_map(x, big, increasing=True).tolist() == [15, 40001]
 assert _kernels.argmax_map(x, big.flip(0)).tolist() == [1 + 2 * (39999 - 39000), 40001 - 2]
+# NaN logits (a broken head): NaN is the maximum, as torch.argmax over the target
+# vocabulary has it; never an id outside the map. One NaN, all NaN, NaN and +inf, a NaN in
+# a later pass than a larger number; each map kind. A row of -inf only: the smallest mapped
+# id (torch's argmax over the padded vocabulary gives id 0, mapped or not).
+y = logits.clone()
+y[0, 5] = float("nan")
+y[1, :] = float("nan")
+y[2, 7] = float("inf")
+y[2, 9] = float("nan")
+y[3, :] = float("-inf")
+for index_map, kind in ((d2t, {}), (inc, {"increasing": True})):
+    full = torch.full((8, V), float("-inf")).index_copy_(1, index_map, y)
+    got, want = _kernels.argmax_map(y, index_map, **kind), full.argmax(dim=-1)
+    assert torch.equal(got[[0, 1, 2, 4, 5, 6, 7]], want[[0, 1, 2, 4, 5, 6, 7]]), (got, want)
+    assert got[3] == index_map.min() and got[1] == index_map.min(), got
+assert torch.equal(_kernels.argmax_map(y, None), y.argmax(dim=-1))
+x[0, 30000] = float("nan")
+x[1, 3] = float("nan")
+x[1, 35000] = float("nan")
+assert _kernels.argmax_map(x, None).tolist() == [30000, 3] == x.argmax(dim=-1).tolist()
 print("ok")
 """
 
