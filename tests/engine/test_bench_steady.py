@@ -134,3 +134,22 @@ def test_prompt_rounds_say_when_a_run_sees_few_prompts(common, capsys):
     assert common.prompt_rounds(16, 1) == 16 and common.prompt_rounds(16, 32) == 1
     assert common.prompt_rounds(17, 8) == 3
     assert capsys.readouterr().err == ""
+
+
+def test_state_times_by_move(monkeypatch):
+    """bench/profile_spec_gpu.py ``StateTimes.by_move``: an iteration pairs with the one
+    before (and, with ``then``, the one after) only when they ran the same requests; the
+    host time is the states less the read-back's wait."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    times = importlib.import_module("profile_spec_gpu").StateTimes()
+    ks = [0, 0, 0, 4, 4] * 4
+    times.rows = [(k, {"VERIFY": 100.0 + k + i, "wait": 10.0}, ("a",)) for i, k in enumerate(ks)]
+    times.rows.append((0, {"VERIFY": 999.0}, ("b",)))     # a new request: no move into it
+    moves = times.by_move(least=1)
+    assert {m: v["n"] for m, v in moves.items()} == {"0>0": 8, "0>4": 4, "4>0": 3, "4>4": 4}
+    then = times.by_move(least=1, then=True)
+    # The leaving iteration: the second K = 0 after one, then K = 4 (i = 2, 7, 12, 17).
+    assert then["0>0>4"]["n"] == 4 and then["0>0>4"]["VERIFY"] == 100.0 + 9.5
+    assert then["0>0>4"]["host"] == then["0>0>4"]["VERIFY"] - 10.0
+    assert {m: v["n"] for m, v in then.items()} == {
+        "0>0>0": 4, "0>0>4": 4, "0>4>4": 4, "4>0>0": 3, "4>4>0": 3}
