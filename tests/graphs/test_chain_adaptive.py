@@ -141,9 +141,9 @@ def ragged_config(path, device):
         "graphs": {"batch_buckets": [1, 2, 4]}})
 
 
-async def ragged_rounds(engine, lengths, sampled) -> dict:
+async def ragged_rounds(engine, lengths, sampled, tokens=90) -> dict:
     """Three rounds of four requests at once, prompts of ``lengths`` (alternate halves, one
-    token longer each round), 90 tokens each, odd requests sampled (seeded) when
+    token longer each round), ``tokens`` each, odd requests sampled (seeded) when
     ``sampled``; -> {request: tokens}."""
     import anyio
 
@@ -152,7 +152,7 @@ async def ragged_rounds(engine, lengths, sampled) -> dict:
 
     async def one(i, n):
         params = SamplingParams(temperature=0.8 if sampled and i % 2 else 0.0, seed=i,
-                                max_tokens=90, ignore_eos=True)
+                                max_tokens=tokens, ignore_eos=True)
         prompt = [5 + (j * 7 + i) % 300 for j in range(n)]
         outs[i] = [t async for o in engine.generate(prompt, params, request_id=f"r{i}")
                    for t in o.token_ids]
@@ -160,7 +160,7 @@ async def ragged_rounds(engine, lengths, sampled) -> dict:
         async with anyio.create_task_group() as tg:
             for i, n in enumerate(lengths[r % 2::2]):
                 tg.start_soon(one, 10 * r + i, n + r)
-    assert len(outs) == 12 and all(len(v) == 90 for v in outs.values())
+    assert len(outs) == 12 and all(len(v) == tokens for v in outs.values())
     return outs
 
 
@@ -178,7 +178,7 @@ async def test_every_move_with_ragged_prompts(tmp_path):
     for chained in (False, True):
         async with AsyncEngine(ragged_config(path, "cpu"), model=loaded) as engine:
             one_rank_adaptive(engine.worker, chained, EVERY_MOVE)
-            outs[chained] = await ragged_rounds(engine, PROBE_LENGTHS, True)
+            outs[chained] = await ragged_rounds(engine, PROBE_LENGTHS, True, tokens=40)
             if chained:
                 assert engine.worker.chain.taken_steps >= 20
     assert outs[True] == outs[False]
