@@ -40,6 +40,7 @@ import anyio
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests' helpers
 from _common import quiet_logs  # noqa: E402
 from bench_host_overhead import StateTimes  # noqa: E402
 
@@ -232,12 +233,11 @@ async def closed_rounds(cfg, loaded, batch, rounds, sampled=False):
 async def moves(cfg, loaded, iterations: int, pattern: list[int]) -> dict:
     """``--cycle``: one endless greedy request, K held to ``pattern``; -> per move (K
     before > K > K after) the count and each state's median µs (``host``: their sum)."""
-    from profile_spec_gpu import StateTimes  # noqa: PLC0415
+    from profile_spec_gpu import StateTimes as MoveTimes  # noqa: PLC0415  (by_move)
 
     from specloop.engine import AsyncEngine  # noqa: PLC0415
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from tests.engine.test_adaptive import cycle_k  # noqa: PLC0415  (the tests' helper)
-    times = StateTimes()
+    times = MoveTimes()
     async with AsyncEngine(cfg, model=loaded, observers=[times]) as engine:
         worker = engine.worker
         force_chain(worker, max(pattern))
