@@ -17,7 +17,7 @@
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   probe    Triton kernels compiled after warm-up, eagle3 and n-gram under adaptive K
 #            through every move of K with ragged prompts (a tiny model: no SmolLM2
-#            needed; eagle3 crashed on 2026-12-02, docs/performance.md)
+#            needed; eagle3 crashed on 2026-12-02 until the argmax fix, docs/performance.md)
 #   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
 #   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"

@@ -185,13 +185,6 @@ async def test_every_move_with_ragged_prompts(tmp_path):
 
 
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=False, reason=(
-    "2026-12-02: on one H200 the first case (bench/probe_compiles_gpu.py) hit a "
-    "device-side assert in an index_select (indexSelectSmallIndex: srcIndex < "
-    "srcSelectDimSize: an embedding lookup of an id outside the vocabulary) before a "
-    "read-back, where the CPU twin above passes. A suspect, fixed since without a GPU: "
-    "the draft argmax kernel gave INT64_MAX for a row of NaN logits. Not yet run as this "
-    "test; an XPASS means the fix held (then drop this mark)"))
 @pytest.mark.parametrize("lengths,sampled", [
     (PROBE_LENGTHS, True),                      # the probe's case
     ([3, 4, 15, 16, 17, 31, 32, 33], True),     # no one- or two-token prompts
@@ -200,7 +193,9 @@ async def test_every_move_with_ragged_prompts(tmp_path):
 async def test_every_move_with_ragged_prompts_on_cuda(tmp_path, lengths, sampled):
     """Adaptive eagle3 on real CUDA graphs (bf16, the chain on) held to a cycle through
     every move of K, ``ragged_rounds``: every request gets all its tokens, and the chained
-    engine's equal the unchained one's."""
+    engine's equal the unchained one's. (2026-12-02: the first case crashed on an H200 with
+    an embedding lookup past the vocabulary -- the draft argmax kernel's INT64_MAX for a
+    row of NaN logits, tests/models/test_draft_kernels.py; passes since that fix.)"""
     from specloop.models import load_model
     from specloop.models.testing import write_tiny_checkpoint
 
