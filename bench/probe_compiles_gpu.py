@@ -14,31 +14,8 @@ from specloop.models import load_model
 from specloop.models.testing import write_tiny_checkpoint
 from specloop.samplers import SamplingParams
 dev = "cuda" if torch.cuda.is_available() else "cpu"
-MODS = ["specloop.models._kernels", "specloop.models._skinny",
-        "specloop.models.drafters._ngram_device",
-        "specloop.samplers._triton_greedy", "specloop.samplers._triton_rejection"]
-def find_jits():
-    out = {}
-    try:
-        from triton.runtime.jit import JITFunction
-    except ImportError:
-        return out
-    for mod in MODS:
-        m = importlib.import_module(mod)
-        for name, obj in vars(m).items():
-            f = obj if isinstance(obj, JITFunction) else getattr(obj, "fn", None)
-            if isinstance(f, JITFunction):
-                out[f"{mod.split('.')[-1]}.{name}"] = f
-    return out
-print("jit functions", len(find_jits()))
-def keys():
-    out = {}
-    for n, f in find_jits().items():
-        ks = set()
-        for cache in getattr(f, "device_caches", {}).values():
-            ks |= set(map(str, cache[0].keys()))
-        out[n] = ks
-    return out
+from tests.triton_variants import compiled_variants as keys, jit_functions
+print("jit functions", len(jit_functions()))
 seen = [None]
 found = []
 class Obs:

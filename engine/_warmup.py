@@ -94,6 +94,8 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
             also=lambda: prefill)
     # Prefill replays what was captured (an eager forward at the same padded shape else).
     runner.prefill_cache = graph_cache
+    if drafter is not None and device.type == "cuda":
+        drafter.warm_up_eager(config.scheduler.max_batch_size)
     return verify, draft
 
 

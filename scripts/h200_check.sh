@@ -34,6 +34,7 @@
 #            turns $ROUNDS times (default 2): profile_spec_gpu.py's CONFIGS (default none /
 #            n-gram adaptive<=4 on warm-up's times / learned) at BATCHES (default 1) --
 #            the same machine for both, whose host speed differs between machines
+#   pin      CPU placement: the same runs unpinned and pinned to $CPUS (taskset), in turns
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_PDL=0, SPECLOOP_SKINNY=0,
 #            SPECLOOP_ATTENTION_MAX_SPLITS=1, SPECLOOP_SKINNY_NORM=0: the norm prologue,
@@ -184,6 +185,28 @@ for step in "$@"; do
              --configs "${CONFIGS:-none,ngram adaptive<=4 warm-up times,ngram adaptive<=4}" \
              --min-prompts 16 > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
            grep '^{' "$OUT/codeab_${v}_$round.log" | cut -c1-150)
+        done
+      done ;;
+    pin)
+      # CPU placement: profile_spec_gpu.py's CONFIGS (default none / eagle3 K = 3) at
+      # BATCHES (default 1), one process unpinned and one pinned (taskset -c $CPUS, default
+      # 2-5: away from CPU 0's interrupts), taking turns $ROUNDS times (default 2) -- host
+      # speed differed up to 1.9x between processes on one machine (2026-12-02).
+      nvidia-smi topo -m 2>&1 | head -4; lscpu | grep -i "^numa\|^model name\|^socket\|^thread"
+      for round in $(seq 1 "${ROUNDS:-2}"); do
+        for v in free pinned; do
+          pre=""; [ $v = pinned ] && pre="taskset -c ${CPUS:-2-5}"
+          echo "-- $v (round $round)"
+          (cd bench && $pre python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+             --out "$OUT/pin_${v}_$round.jsonl" --batches "${BATCHES:-1}" --runs 3 \
+             --configs "${CONFIGS:-none,eagle3 K=3}" --min-prompts 16 \
+             > "$OUT/pin_${v}_$round.log" 2>&1 || tail -6 "$OUT/pin_${v}_$round.log"
+           grep '^{' "$OUT/pin_${v}_$round.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    host = [m.get("host") for m in (r.get("by_move_states_us") or {}).values()]
+    print(r["batch"], r["config"], r["tok_s"], r["vs_none"], r["iteration_ms"], "host_us", host)')
         done
       done ;;
     *) echo "unknown step: $step" ;;

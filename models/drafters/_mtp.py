@@ -363,13 +363,55 @@ class MtpEagleDrafter(Drafter):
     def _eager_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         """The catch-up padded only to the longest row's pending rows."""
         real = len(ctx.token_ids)
-        width = max(max(self.pending.counts(ctx.slot_list())), 1)
+        width = self._eager_width(self.pending.counts(ctx.slot_list()))
         columns = self._catch_up_columns(ctx, real, width)
         dev = ctx.slots.device
         inputs = {name: torch.tensor(v, device=dev) for name, v in columns.items()}
         inputs["cu_hidden"] = self.pending.rows(inputs["slots"], width)
         inputs.update(slots=ctx.slots, seq_lens=ctx.seq_lens)
         return inputs
+
+    def _eager_width(self, counts: Sequence[int]) -> int:
+        """The eager catch-up's width (each row's pending rows right-padded to it). On
+        CUDA one of two fixed shapes -- the graphs' K + 1, or the pending buffer's whole
+        depth after K = 0 iterations -- whose Triton kernels ``warm_up_eager`` compiled:
+        a width of its own each time made Triton compile new specialisations (the query
+        count's class, the attention's row blocks and splits) while serving, a 1.97 s
+        stall on the H200. Elsewhere the longest row's (less to compute, nothing to
+        compile)."""
+        longest = max(max(counts, default=1), 1)
+        if self.cache.device.type != "cuda":
+            return longest
+        graph_width = self.num_draft_tokens + 1
+        return graph_width if longest <= graph_width else self.pending.depth
+
+    @inference_mode
+    def warm_up_eager(self, max_batch_size: int) -> None:
+        """The eager proposal at both of ``_eager_width``'s CUDA widths (as many as the
+        buffer can hold) for 1, 2, 4 .. rows up to ``max_batch_size`` rounded up to a power
+        of two (the attention's splits count the batch so rounded, so these cover every
+        batch), on the scratch slot: the catch-up, then K head steps on argmax drafts."""
+        if self.cache.device.type != "cuda":
+            return
+        dev, k = self.cache.device, self.num_draft_tokens
+        widths = sorted({self._eager_width([1]), self._eager_width([self.pending.depth])})
+        rows = 1
+        while True:
+            for width in widths:
+                scratch = torch.full((rows,), self.scratch, dtype=torch.int64, device=dev)
+                zeros = torch.zeros(rows, dtype=torch.int64, device=dev)
+                inputs = {"cu_tokens": torch.zeros(rows, width, dtype=torch.int64, device=dev),
+                          "cu_hidden": self.pending.rows(scratch, width),
+                          "cu_start": zeros, "write_slots": scratch, "cu_last": zeros + width - 1,
+                          "slots": scratch, "seq_lens": zeros + width + 1}
+                loop = self._draft_steps(inputs, kv_len=None, k=k)
+                hidden = next(loop)
+                for step in range(1, k):
+                    hidden = loop.send(self.lm.logits(hidden).argmax(dim=-1))
+                self.lm.logits(hidden)
+            if rows >= max_batch_size:
+                break
+            rows *= 2
 
     @property
     def can_chain(self) -> bool:

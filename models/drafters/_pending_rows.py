@@ -54,6 +54,11 @@ class PendingRows:
         self._deferred: list[_Verified] = []
 
     @property
+    def depth(self) -> int:
+        """Rows a slot can hold (older ones are dropped past it)."""
+        return self.buffer.shape[1]
+
+    @property
     def deferred(self) -> int:
         """Calls not stored yet (tests)."""
         return len(self._deferred)

@@ -98,7 +98,7 @@ class Drafter(Protocol):
 
     Defaults: ``point_mass`` False (proposals carry q), ``variable_k`` False,
     ``needs_empty_calls`` False,
-    ``feature_layers`` () (no target features), ``on_verified`` does nothing,
+    ``feature_layers`` () (no target features), ``on_verified`` and ``warm_up_eager`` do nothing,
     ``can_graph`` False (so ``graph_step`` and ``graph_inputs``, which raise, are never
     called).
     """
@@ -134,6 +134,12 @@ class Drafter(Protocol):
         CUDA graphs, which ``replay(shape, inputs)`` then runs (None: not captured).
         Default [] (the drafter prefills eagerly)."""
         return []
+
+    def warm_up_eager(self, max_batch_size: int) -> None:
+        """Called once at warm-up on a GPU, after the graphs are captured: run the eager
+        paths serving may still take (shapes no graph has) for up to ``max_batch_size``
+        rows, so that their Triton kernels compile now, not in the middle of serving.
+        Default: nothing."""
 
     @property
     def point_mass(self) -> bool:
