@@ -95,7 +95,7 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
     # Prefill replays what was captured (an eager forward at the same padded shape else).
     runner.prefill_cache = graph_cache
     if drafter is not None and device.type == "cuda":
-        drafter.warm_up_eager(config.scheduler.max_batch_size)
+        drafter.warm_up_eager(config.scheduler.max_batch_size, sampler)
     return verify, draft
 
 

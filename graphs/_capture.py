@@ -38,13 +38,8 @@ def capture_variants(use_rejection_sampling: bool, point_mass: bool
 
 
 def graph_template(key: GraphKey, device: torch.device | str) -> SamplingBatch:
-    """The Python flags a captured variant is specialised on: argmax-only when all greedy,
-    else every sampling feature on (no-op features leave probabilities bit-identical)."""
-    template = SamplingBatch.from_params([], [], device=device, pad_to=key.batch_size)
-    if key.all_greedy:
-        return template
-    return attrs.evolve(template, all_greedy=False, needs_sort=True, needs_min_p=True,
-                        any_greedy=True)
+    """The Python flags a captured variant is specialised on (``SamplingBatch.padding``)."""
+    return SamplingBatch.padding(key.batch_size, all_greedy=key.all_greedy, device=device)
 
 
 def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | Iterable[int],

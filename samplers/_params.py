@@ -189,6 +189,19 @@ class SamplingBatch:
                             **{name: columns[name] for name in self.COLUMNS})
 
     @classmethod
+    def padding(cls, rows: int, *, all_greedy: bool, device: torch.device | str = "cpu"
+                ) -> SamplingBatch:
+        """``rows`` padding rows with the Python flags a captured variant is specialised
+        on: argmax-only when ``all_greedy``, else every sampling feature on (no-op features
+        leave probabilities bit-identical) -- the template a step is captured or warmed
+        up with."""
+        template = cls.from_params([], [], device=device, pad_to=rows)
+        if all_greedy:
+            return template
+        return attrs.evolve(template, all_greedy=False, needs_sort=True, needs_min_p=True,
+                            any_greedy=True)
+
+    @classmethod
     def from_params(cls, params: Sequence[SamplingParams], seeds: Sequence[int], *,
                     device: torch.device | str = "cpu", pad_to: int | None = None,
                     like: SamplingBatch | None = None) -> SamplingBatch:

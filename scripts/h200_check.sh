@@ -16,8 +16,9 @@
 #   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   probe    Triton kernels compiled after warm-up, eagle3 and n-gram under adaptive K
-#            through every move of K with ragged prompts (a tiny model: no SmolLM2
-#            needed; eagle3 crashed on 2026-12-02 until the argmax fix, docs/performance.md)
+#            through every move of K with ragged prompts, and eagle3 through K = 0
+#            stretches (a tiny model: no SmolLM2 needed; eagle3 crashed on 2026-12-02
+#            until the argmax fix, docs/performance.md)
 #   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
 #   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"
@@ -114,10 +115,12 @@ for step in "$@"; do
     pdl)
       python3 bench/bench_pdl.py 2>&1 | tail -4 ;;
     probe)
-      for method in eagle3 ngram; do
-        echo "-- $method"
-        timeout 200 python3 bench/probe_compiles_gpu.py "$method" > "$OUT/probe_$method.txt" 2>&1
-        echo "rc $?"; grep -v "^20..-\|^frame\|Assertion" "$OUT/probe_$method.txt" | tail -12 | cut -c1-300
+      for run in "eagle3 every" "ngram every" "eagle3 stretches"; do
+        set -- $run
+        echo "-- $1, $2"
+        timeout 200 python3 bench/probe_compiles_gpu.py "$1" --pattern "$2" \
+          > "$OUT/probe_$1_$2.txt" 2>&1
+        echo "rc $?"; grep -v "^20..-\|^frame\|Assertion" "$OUT/probe_$1_$2.txt" | tail -12 | cut -c1-300
       done ;;
     greedy)
       python3 bench/bench_greedy_verify_gpu.py 2>&1 | tail -12 ;;

@@ -386,29 +386,36 @@ class MtpEagleDrafter(Drafter):
         return graph_width if longest <= graph_width else self.pending.depth
 
     @inference_mode
-    def warm_up_eager(self, max_batch_size: int) -> None:
-        """The eager proposal at both of ``_eager_width``'s CUDA widths (as many as the
-        buffer can hold) for 1, 2, 4 .. rows up to ``max_batch_size`` rounded up to a power
-        of two (the attention's splits count the batch so rounded, so these cover every
-        batch), on the scratch slot: the catch-up, then K head steps on argmax drafts."""
+    def warm_up_eager(self, max_batch_size: int, sampler: Sampler) -> None:
+        """The eager proposal at both of ``_eager_width``'s CUDA widths for 1, 2, 4 .. rows
+        up to ``max_batch_size`` rounded up to a power of two (the attention's splits count
+        the batch so rounded, so these cover every batch), on the scratch slot: the
+        catch-up, then K head steps, each step's logits drafted by ``sampler`` greedily
+        and sampled (the eager steps draft through it, not the graphs' fused argmax)."""
         if self.cache.device.type != "cuda":
             return
         dev, k = self.cache.device, self.num_draft_tokens
         widths = sorted({self._eager_width([1]), self._eager_width([self.pending.depth])})
         rows = 1
         while True:
+            scratch = torch.full((rows,), self.scratch, dtype=torch.int64, device=dev)
+            zeros = torch.zeros(rows, dtype=torch.int64, device=dev)
+            batches = [SamplingBatch.padding(rows, all_greedy=greedy, device=dev)
+                       for greedy in (True, False)]
             for width in widths:
-                scratch = torch.full((rows,), self.scratch, dtype=torch.int64, device=dev)
-                zeros = torch.zeros(rows, dtype=torch.int64, device=dev)
                 inputs = {"cu_tokens": torch.zeros(rows, width, dtype=torch.int64, device=dev),
-                          "cu_hidden": self.pending.rows(scratch, width),
-                          "cu_start": zeros, "write_slots": scratch, "cu_last": zeros + width - 1,
+                          "cu_hidden": self.pending.rows(scratch, width), "cu_start": zeros,
+                          "write_slots": scratch, "cu_last": zeros + width - 1,
                           "slots": scratch, "seq_lens": zeros + width + 1}
                 loop = self._draft_steps(inputs, kv_len=None, k=k)
                 hidden = next(loop)
-                for step in range(1, k):
-                    hidden = loop.send(self.lm.logits(hidden).argmax(dim=-1))
-                self.lm.logits(hidden)
+                for step in range(k):
+                    logits, positions = self.lm.logits(hidden), inputs["seq_lens"] + step
+                    greedy, _ = (sampler.draft(logits, batch, positions,
+                                               advanced=not batch.all_greedy)
+                                 for batch in batches)
+                    if step + 1 < k:
+                        hidden = loop.send(greedy.token_ids)
             if rows >= max_batch_size:
                 break
             rows *= 2

@@ -135,11 +135,11 @@ class Drafter(Protocol):
         Default [] (the drafter prefills eagerly)."""
         return []
 
-    def warm_up_eager(self, max_batch_size: int) -> None:
+    def warm_up_eager(self, max_batch_size: int, sampler: Sampler) -> None:
         """Called once at warm-up on a GPU, after the graphs are captured: run the eager
         paths serving may still take (shapes no graph has) for up to ``max_batch_size``
-        rows, so that their Triton kernels compile now, not in the middle of serving.
-        Default: nothing."""
+        rows, drafting through ``sampler``, so that their Triton kernels compile now, not
+        in the middle of serving. Default: nothing."""
 
     @property
     def point_mass(self) -> bool:

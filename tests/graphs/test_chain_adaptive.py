@@ -221,34 +221,28 @@ STRETCHES = [k for n in (1, 2, 4, 5, 6, 8, 9, 15, 16, 17, 24, 31, 32, 33, 36, 40
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fixed_width", [True, False])
-async def test_no_triton_compile_after_warm_up(tmp_path, monkeypatch, fixed_width):
+@pytest.mark.parametrize("before", [False, True])
+def test_no_triton_compile_after_warm_up(before):
     """Adaptive eagle3 on CUDA graphs through K = 0 stretches of 1 to 40 iterations,
-    ragged prompts, greedy and sampled rows: no Triton kernel compiles a specialisation
-    after warm-up. Each compile stalls serving (~0.5 s a kernel; 1.97 s for one eager
-    DRAFT on the H200, 2026-12-02): the eager catch-up after a stretch ran at a width of
-    its own each time. Its twin (``fixed_width`` False: the width of the longest row, as
-    before) must compile some, or this test could not see the stall."""
-    from specloop.models import load_model
-    from specloop.models.drafters._mtp import MtpEagleDrafter
-    from specloop.models.testing import write_tiny_checkpoint
+    ragged prompts, greedy and sampled rows (bench/probe_compiles_gpu.py, in a process of
+    its own: Triton's in-process caches outlive an engine): no Triton kernel compiles a
+    specialisation after warm-up. Each compile stalls serving (~0.5 s a kernel; 1.97 s for
+    one eager DRAFT on the H200, 2026-12-02): the eager catch-up after a stretch ran at a
+    width of its own each time, and nothing warmed the eager path up. Its twin (the code
+    before, ``--before``) must compile some, or this test could not see a stall."""
+    import json
+    import pathlib
+    import subprocess
+    import sys
 
-    from ..triton_variants import compiled_variants, new_variants
-
-    if not fixed_width:
-        monkeypatch.setattr(MtpEagleDrafter, "_eager_width",
-                            lambda self, counts: max(max(counts, default=1), 1))
-    path = write_tiny_checkpoint(tmp_path / "t", vocab_size=384, num_layers=2, hidden=64,
-                                 seed=1)
-    loaded = load_model(path, dtype=torch.bfloat16, device="cuda")
-    async with AsyncEngine(ragged_config(path, "cuda"), model=loaded) as engine:
-        cycle_k(engine.worker.adaptive, STRETCHES)
-        before = compiled_variants()
-        assert before, "no Triton kernel found"
-        outs = await ragged_rounds(engine, PROBE_LENGTHS, True, tokens=120)
-    assert len(outs) == 12
-    new = new_variants(before)
-    if fixed_width:
-        assert not new, {name: sorted(keys)[:2] for name, keys in new.items()}
+    root = pathlib.Path(__file__).resolve().parents[2]
+    run = subprocess.run([sys.executable, "bench/probe_compiles_gpu.py", "eagle3",
+                          "--pattern", "stretches", "--tokens", "120"]
+                         + (["--before"] if before else []),
+                         cwd=root, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    if before:
+        assert result["new"] > 0, run.stdout[-2000:]
     else:
-        assert new
+        assert result["new"] == 0, run.stdout[-3000:]
