@@ -34,12 +34,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import statistics
 import time
 
+import pathlib
+import sys
+
 import anyio
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # tests' helpers
+from tests.triton_variants import compiled_variants, new_variants  # noqa: E402
 
 from _common import (HELD_OUT, chat_prompts, device_sync, emit_row, engine_config,
                      generate_round, held_out_sets, held_out_texts, quiet_logs, steady_load,
@@ -50,7 +55,8 @@ class RunTrace:
     """IterationObserver: per timed run, the iterations' wall time (their states' durations
     summed, SCHEDULE left out: a round's first one waits for its requests while the other
     configurations run theirs; it stays in ``states``) by K, the slowest few with their state breakdown, and the Triton kernels
-    compiled during the run (new entries in Triton's cache) -- what a slow run spent its
+    that specialised during the run ({kernel: new variants} in this process,
+    tests/triton_variants.py) -- what a slow run spent its
     time on (batch 256's first adaptive run was 2.8x slow in two sessions)."""
 
     def __init__(self) -> None:
@@ -66,7 +72,7 @@ class RunTrace:
         if event.num_draft_tokens:
             it["k"] = event.num_draft_tokens
 
-    def take(self, compiled: int) -> dict:
+    def take(self, compiled: dict[str, int]) -> dict:
         iters, self.iters = self.iters, {}
         by_k: dict[int, list[float]] = {}
         for it in iters.values():
@@ -77,13 +83,6 @@ class RunTrace:
                 "slowest": [{"iteration": i, "k": it["k"], "batch": it["batch"],
                              "ms": round(it["ms"], 2), "states": it["states"]}
                             for i, it in slow]}
-
-
-def _triton_cache_entries() -> int:
-    path = os.environ.get("TRITON_CACHE_DIR") or os.path.expanduser("~/.triton/cache")
-    with contextlib.suppress(OSError):
-        return len(os.listdir(path))
-    return 0
 
 
 HEAD = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
@@ -120,7 +119,7 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
             traces[name].take(0)
         for _ in range(runs):
             for name, engine in engines.items():
-                before = _triton_cache_entries()
+                before = compiled_variants()
                 if steady is None:
                     wall = await timed_sets(engine, sets, tokens, sync)
                     rates[name].append(batch * len(sets) * tokens / wall)
@@ -129,7 +128,8 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
                                             spread=steady[2])
                     rates[name].append(got["tok_s"])
                     windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
-                runs_traced[name].append(traces[name].take(_triton_cache_entries() - before))
+                runs_traced[name].append(traces[name].take(
+                    {kernel: len(keys) for kernel, keys in new_variants(before).items()}))
         extra = {}
         for name, engine in engines.items():
             stats, adaptive = engine.stats, engine.worker.adaptive

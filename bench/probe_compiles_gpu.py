@@ -9,7 +9,8 @@ specialisation key; the last line is JSON {"new": count, "kernels": [...]}.
 ``every``: adaptive K held to a cycle through every move of K (bench/results/
 h200_1202d_probe_*: eagle3 crashed there until the draft argmax's NaN fix);
 ``stretches``: K = 0 stretches of 1 to 40 iterations between drafting ones (the catch-up
-after each runs eagerly). ``--before``: the eager catch-up as before 2026-12-02 (the
+after each runs eagerly). Each pattern: three rounds of four ragged requests, then one
+request alone (batch 1). ``--before``: the eager catch-up as before 2026-12-02 (the
 longest row's width, no eager warm-up). A fresh process each time: Triton's in-process
 caches outlive an engine, so only a fresh process sees what one engine's warm-up left out
 (tests/graphs/test_chain_adaptive.py runs this script)."""
@@ -26,6 +27,7 @@ import torch  # noqa: E402
 from specloop.engine import AsyncEngine, EngineConfig  # noqa: E402
 from specloop.models import load_model  # noqa: E402
 from specloop.models.testing import write_tiny_checkpoint  # noqa: E402
+from specloop.samplers import SamplingParams  # noqa: E402
 from tests.engine.test_adaptive import cycle_k  # noqa: E402
 from tests.graphs.test_chain_adaptive import (EVERY_MOVE, PROBE_LENGTHS,  # noqa: E402
                                               STRETCHES, ragged_config, ragged_rounds)
@@ -71,6 +73,12 @@ def probe(method: str, pattern: list[int], tokens: int) -> list[dict]:
             seen[0] = compiled_variants()
             print("after warm-up", sum(map(len, seen[0].values())), "entries")
             await ragged_rounds(engine, PROBE_LENGTHS, True, tokens=tokens)
+            # A request alone: batch 1, where the engine's slots are a view 8 bytes past
+            # a 16-byte boundary (row 1 of a [2, B] tensor), as at every odd batch.
+            params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+            async for _ in engine.generate([5 + 7 * j % 300 for j in range(13)], params,
+                                           request_id="alone"):
+                pass
     anyio.run(main)
     return found
 

@@ -55,6 +55,18 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _per_row(*index_args: str, varying: tuple[str, ...] = ()) -> dict:
+    """``triton.jit`` options for a kernel's per-row index tensors (``index_args``: each
+    program loads a scalar or two from them, so their pointers' 16-byte alignment buys
+    nothing) and ints that vary between calls but only offset positions (``varying``):
+    neither is part of the compiled specialisation. Else an eager step handed a view
+    (the engine's slots are row 1 of a [2, B] tensor: 8-byte aligned at odd B) compiled
+    a variant of its own while serving (2026-12-02, H200: two eager DRAFTs stalled 0.8 s
+    each at batch 1)."""
+    return {"do_not_specialize": list(varying),
+            "do_not_specialize_on_alignment": list(index_args)}
+
+
 if triton is not None:
 
     @triton.jit
@@ -84,7 +96,7 @@ if triton is not None:
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
         tl.store(h_ptr + row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
 
-    @triton.jit
+    @triton.jit(**_per_row("tok_ptr"))
     def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, H, eps,
                                BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         # One token row of an EAGLE head's input: [enorm(emb(t)); hnorm(h)] (each norm as
@@ -150,7 +162,7 @@ if triton is not None:
             best_id = tl.load(map_ptr + best_id)
         tl.store(out_ptr + row * out_stride, best_id)
 
-    @triton.jit
+    @triton.jit(**_per_row("start_ptr", "slot_ptr", varying=("pos_offset",)))
     def _rope_write_kernel(qkv_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr, sin_ptr, q_ptr,
                            kc_ptr, vc_ptr, T, pos_offset, max_pos, s_page, s_off, s_table,
                            pages_per_slot, max_seq_len, scratch_page,
@@ -211,7 +223,7 @@ if triton is not None:
         chunk = tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
         return chunk, tl.maximum((n_end + chunk - 1) // chunk, 1)
 
-    @triton.jit
+    @triton.jit(**_per_row("slot_ptr", "start_ptr", varying=("pos_offset",)))
     def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
                                 m_ptr, l_ptr, acc_ptr, cnt_ptr, T, pos_offset, scale, s_page,
                                 s_off, s_table, pages_per_slot, HQ: tl.constexpr,
@@ -328,7 +340,7 @@ if triton is not None:
                     out = out / tl.maximum(den, 1e-30)[:, None]
                     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
 
-    @triton.jit
+    @triton.jit(**_per_row("start_ptr", varying=("pos_offset",)))
     def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, start_ptr, n_rows, T,
                                   pos_offset, HQ: tl.constexpr, HKV: tl.constexpr,
                                   D: tl.constexpr, BLOCK_M: tl.constexpr,

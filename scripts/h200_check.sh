@@ -11,7 +11,7 @@
 #   serving  the same at batch 32 with graphs for every bucket (the engine's default)
 #   busy     GPU busy / wall at batch 1, no speculation, 256 tokens (issue 12)
 #   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13)
-#   closed   the same in closed rounds
+#   closed   the same in closed rounds (BATCHES, RUNS: bench_adaptive_gpu.py's --batches, --runs)
 #   host     batch 1: each iteration's wall and the host's wait for the GPU (~1.5 min)
 #   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
@@ -105,7 +105,8 @@ for step in "$@"; do
         2>&1 | grep '^{' | cut -c1-900) ;;
     closed)
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
-        --out "$OUT/adaptive_closed.jsonl" --runs 3 --buckets serving --min-prompts 16 \
+        --out "$OUT/adaptive_closed.jsonl" --runs "${RUNS:-3}" --buckets serving --min-prompts 16 \
+        --batches "${BATCHES:-1,8,32,64,128,256}" \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
     skinny)
       # Also keeps the measured table where later calls on this machine find it:
