@@ -361,7 +361,7 @@ class MtpEagleDrafter(Drafter):
 
     @inference_mode
     def _eager_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
-        """The catch-up padded only to the longest row's pending rows."""
+        """The catch-up, each row's pending rows right-padded to ``_eager_width``."""
         real = len(ctx.token_ids)
         width = self._eager_width(self.pending.counts(ctx.slot_list()))
         columns = self._catch_up_columns(ctx, real, width)
