@@ -148,6 +148,9 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
                 # joined, as under steady load; the device ran them for nothing).
                 "chained_queued": 0 if engine.worker.chain is None
                 else engine.worker.chain.queued_steps,
+                # Of them, queued at a smaller bucket than their iteration's (rows left).
+                "chained_shrunk": 0 if engine.worker.chain is None
+                else engine.worker.chain.shrunk_steps,
                 # Adaptive K: measured iterations left out as disturbed (an admission in
                 # them or the next one; engine/_adaptive.py FIRST_DISTURBED).
                 "disturbed_ignored": None if adaptive is None else adaptive.cost.ignored,

@@ -83,6 +83,8 @@ class DeviceChain:
         self._matched: tuple[Pending, Sequence[int]] | None = None
         # (VERIFY's key, K) -> (the chained VERIFY's key, its draft graph's key)
         self._keys: dict[tuple[GraphKey, int], tuple[GraphKey, GraphKey]] = {}
+        # (a larger bucket's key, the batch's rows) -> the key of the rows' own bucket
+        self._own: dict[tuple[GraphKey, int], GraphKey] = {}
         self._slots: tuple[tuple[Request, ...], list[int]] = ((), [])  # the last batch's
         # The chained step taken (its outputs): its requests hold the next step's pages.
         self._kept: Pending | None = None
@@ -91,8 +93,10 @@ class DeviceChain:
         self._kept_whole = False
         self._matched_whole = False
         # For tests and benches: steps queued, taken, taken for fewer requests, queued
-        # into or out of K = 0 (``through_k0``).
+        # into or out of K = 0 (``through_k0``), queued at a smaller bucket than their
+        # iteration's (``_own_key``).
         self.queued_steps = self.taken_steps = self.subset_steps = self.k0_steps = 0
+        self.shrunk_steps = 0
 
     # iteration n ------------------------------------------------------------------------
     def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
@@ -106,14 +110,16 @@ class DeviceChain:
         w = self.worker
         self._queued = self._chained = self._matched = None
         kept, self._kept = self._kept is pending, None
-        continued = kept and self._kept_whole
         k = self.k if k is None else k
         batch = tuple(rec.batch)
         lengths = [len(r.token_ids) for r in batch]     # seq_len
-        if not self._can_queue(rec, k, lengths):
+        own = self._own_key(rec)
+        if not self._can_queue(rec, own, k, lengths):
             w.runner.keep_ahead = 0
             return None
-        key, draft_key = self._keys_for(rec.key, k)
+        key, draft_key = self._keys_for(own, k)
+        # The draft graph goes on from its own last replay only under the same key.
+        continued = kept and self._kept_whole and own == rec.key
         real, padded = len(batch), key.batch_size
         # Pages for every position n+1 may write: up to K + 1 accepted now, then the
         # catch-up's K + 1 rows (K the drafter's: its graph's width). RESCAN's trim keeps
@@ -165,6 +171,7 @@ class DeviceChain:
         self._queued = _Queued(batch, slots, start, key, (next_out, read))
         self.queued_steps += 1
         self.k0_steps += not (rec.k and k)
+        self.shrunk_steps += own != rec.key
         return hidden
 
     @staticmethod
@@ -267,6 +274,23 @@ class DeviceChain:
             self._slots = (batch, [r.batch_slot for r in batch])
         return self._slots[1]
 
+    def _own_key(self, rec: IterationRecord) -> GraphKey:
+        """The key of the batch's own bucket: ``rec.key``, unless this iteration took a
+        chained step queued for more requests at a larger bucket (``key_for``), whose
+        rows the batch now fits in a smaller one; the step queued next runs there (a
+        closed round's last rows, after the others finished, would otherwise pay the
+        round's full bucket at every iteration: on the H200, K = 3 at batch 8 iterated in
+        ~1.1 ms down to its last row, against ~0.7 ms at bucket 1)."""
+        key, rows = rec.key, len(rec.batch)
+        if key.batch_size <= rows:
+            return key
+        own = self._own.get((key, rows))
+        if own is None:
+            picked, captured = self.worker.graph_cache.pick(
+                rows, key.num_draft_tokens, key.sampling_path, key.all_greedy)
+            own = self._own[key, rows] = picked if captured else key
+        return own
+
     def _keys_for(self, key: GraphKey, k: int) -> tuple[GraphKey, GraphKey]:
         """(the chained VERIFY's key at K = ``k``, its draft graph's key)."""
         keys = self._keys.get((key, k))
@@ -275,7 +299,8 @@ class DeviceChain:
             keys = self._keys[key, k] = (chained, attrs.evolve(chained, stage="draft"))
         return keys
 
-    def _can_queue(self, rec: IterationRecord, k: int, lengths: list[int]) -> bool:
+    def _can_queue(self, rec: IterationRecord, own: GraphKey, k: int, lengths: list[int]
+                   ) -> bool:
         """Not when requests admitted now join the next iteration (``RunAhead.joining``:
         the chained step would be dropped; one waiting to be admitted is held back an
         iteration instead, as the step queued ahead does), when a position it writes may
@@ -283,13 +308,14 @@ class DeviceChain:
         the next K), or, unless the drafter chains through K = 0, after a VERIFY that
         drafted nothing (adaptive K's K = 0: a head then has more rows to catch up on than
         VERIFY n's) or before one; never from K = 0 to K = 0 (the step queued ahead
-        without a drafter, engine/_ahead.py). ``lengths``: the batch's."""
+        without a drafter, engine/_ahead.py). ``own``: the batch's key (``_own_key``),
+        ``lengths``: its lengths."""
         w = self.worker
         if not rec.graph_captured or not rec.batch or not (rec.k or k):
             return False
         if not (rec.k and k) and not self.through_k0:
             return False
-        key, draft_key = self._keys_for(rec.key, k)
+        key, draft_key = self._keys_for(own, k)
         if not (w.graph_cache.has(key) and w.graph_cache.has(draft_key)):
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
@@ -316,8 +342,8 @@ class DeviceChain:
         when the two differ only in its larger batch bucket, which still holds the rows:
         requests that left since it was queued let the batch fit a smaller bucket, and
         that key would drop the step the GPU has already run (then run DRAFT and VERIFY
-        again, unchained). The batch stays at the larger bucket while the chain goes on
-        (each chained step is queued at its iteration's key)."""
+        again, unchained). Only for that iteration: the step it queues runs at the
+        batch's own bucket (``_own_key``)."""
         chained = self._chained
         if chained is None:
             return key

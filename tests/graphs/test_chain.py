@@ -59,13 +59,14 @@ def requests():
             for i, p in enumerate(PROMPTS[:4])]
 
 
-async def serve(cfg, loaded, reqs, chained):
+async def serve(cfg, loaded, reqs, chained, hold_back=True):
     outs = {}
     async with AsyncEngine(cfg, model=loaded) as engine:
         worker = engine.worker
         if chained:     # the chain runs on CUDA only; here it is forced on
             worker.verify_inline = True
             worker.chain = chain = DeviceChain(worker=worker)
+        if chained and hold_back:
             # Some steps not queued (as when a request is about to join): every third,
             # and each right after a step taken for fewer requests, which is then read
             # back without a chained copy of its rows.
@@ -138,6 +139,28 @@ async def test_chained_equals_eager(tiny_dir, tiny_loaded, spec):
     # Chained steps were taken, and some dropped (requests stopped or finished).
     assert chain.taken_steps > 0 and chain.queued_steps > chain.taken_steps
     assert chain.subset_steps > 0      # some taken after requests left
+
+
+async def test_rows_left_run_at_their_own_bucket(tiny_dir, tiny_loaded):
+    """Requests ending apart (the batch shrinks 4 -> 1 over buckets 1, 2, 4, 8), the
+    chain queued after every VERIFY that can: the step queued after one taken for fewer
+    requests runs at the rows' own, smaller bucket (``DeviceChain._own_key``), not at the
+    round's first bucket to its end; outputs and drafts are the unchained graphs'."""
+    spec = {"method": "eagle3", "k": 3, "rejection": True}
+    reqs = requests()
+    planted.RECORDERS.clear()
+    plain, _ = await serve(chain_config(tiny_dir, True, **spec), tiny_loaded, reqs, False)
+    chained, chain = await serve(chain_config(tiny_dir, True, **spec), tiny_loaded, reqs,
+                                 True, hold_back=False)
+    assert chained == plain
+    assert chain.subset_steps > 0 and chain.shrunk_steps > 0
+    unchained, with_chain = planted.RECORDERS
+    dropped = chain.queued_steps - chain.taken_steps
+    for seed in SEEDS:
+        for name, size in (("drafts", spec["k"]), ("verified", 1)):
+            left, skipped = unmatched(calls(getattr(unchained, name), seed, size),
+                                      calls(getattr(with_chain, name), seed, size))
+            assert left == 0 and skipped <= dropped, (name, seed, left, skipped, dropped)
 
 
 @pytest.mark.gpu
