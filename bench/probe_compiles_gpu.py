@@ -9,9 +9,9 @@ specialisation key; the last line is JSON {"new": count, "kernels": [...]}.
 ``every``: adaptive K held to a cycle through every move of K (bench/results/
 h200_1202d_probe_*: eagle3 crashed there until the draft argmax's NaN fix);
 ``stretches``: K = 0 stretches of 1 to 40 iterations between drafting ones (the catch-up
-after each runs eagerly). Each pattern: three rounds of four ragged requests, then one
-request alone (batch 1). ``--before``: the eager catch-up as before 2026-12-02 (the
-longest row's width, no eager warm-up). A fresh process each time: Triton's in-process
+after each runs eagerly). Each pattern: three rounds of four ragged requests, then a
+request alone (batch 1), greedy, then one sampled. ``--before``: the eager catch-up as
+before 2026-12-02 (the longest row's width, no eager warm-up). A fresh process each time: Triton's in-process
 caches outlive an engine, so only a fresh process sees what one engine's warm-up left out
 (tests/graphs/test_chain_adaptive.py runs this script)."""
 import argparse
@@ -73,12 +73,15 @@ def probe(method: str, pattern: list[int], tokens: int) -> list[dict]:
             seen[0] = compiled_variants()
             print("after warm-up", sum(map(len, seen[0].values())), "entries")
             await ragged_rounds(engine, PROBE_LENGTHS, True, tokens=tokens)
-            # A request alone: batch 1, where the engine's slots are a view 8 bytes past
-            # a 16-byte boundary (row 1 of a [2, B] tensor), as at every odd batch.
-            params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-            async for _ in engine.generate([5 + 7 * j % 300 for j in range(13)], params,
-                                           request_id="alone"):
-                pass
+            # A request alone, greedy then sampled: batch 1, where the engine's slots are
+            # a view 8 bytes past a 16-byte boundary (row 1 of a [2, B] tensor), as at
+            # every odd batch.
+            for i, temperature in enumerate((0.0, 0.8)):
+                params = SamplingParams(temperature=temperature, top_p=0.9, seed=i,
+                                        max_tokens=tokens, ignore_eos=True)
+                async for _ in engine.generate([5 + 7 * j % 300 for j in range(13 + i)],
+                                               params, request_id=f"alone{i}"):
+                    pass
     anyio.run(main)
     return found
 
