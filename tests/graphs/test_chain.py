@@ -116,6 +116,20 @@ def unmatched(plain, chained, same=same_call):
     return len(plain) - i, skipped
 
 
+def same_drafts(chain, k):
+    """The same draft distributions and drafts at every position the unchained replays
+    drafted (a random head's drafts are rarely accepted: outputs alone would not tell),
+    from ``planted.RECORDERS`` (the unchained run's, then the chained one's), the
+    chained run's dropped steps skipped."""
+    plain, with_chain = planted.RECORDERS
+    dropped = chain.queued_steps - chain.taken_steps
+    for seed in SEEDS:
+        for name, size in (("drafts", k), ("verified", 1)):
+            left, skipped = unmatched(calls(getattr(plain, name), seed, size),
+                                      calls(getattr(with_chain, name), seed, size))
+            assert left == 0 and skipped <= dropped, (name, seed, left, skipped, dropped)
+
+
 @pytest.mark.parametrize("spec", [
     {"method": "eagle3", "k": 3, "rejection": True},
     {"method": "mtp_eagle", "k": 2},
@@ -127,15 +141,7 @@ async def test_chained_equals_eager(tiny_dir, tiny_loaded, spec):
     graphs, _ = await serve(chain_config(tiny_dir, True, **spec), tiny_loaded, reqs, False)
     chained, chain = await serve(chain_config(tiny_dir, True, **spec), tiny_loaded, reqs, True)
     assert chained == eager == graphs
-    # The same draft distributions and drafts at every position the unchained replays
-    # drafted (a random head's drafts are rarely accepted: outputs alone would not tell).
-    plain, with_chain = planted.RECORDERS
-    dropped = chain.queued_steps - chain.taken_steps
-    for seed in SEEDS:
-        for name, size in (("drafts", spec["k"]), ("verified", 1)):
-            left, skipped = unmatched(calls(getattr(plain, name), seed, size),
-                                      calls(getattr(with_chain, name), seed, size))
-            assert left == 0 and skipped <= dropped, (name, seed, left, skipped, dropped)
+    same_drafts(chain, spec["k"])
     # Chained steps were taken, and some dropped (requests stopped or finished).
     assert chain.taken_steps > 0 and chain.queued_steps > chain.taken_steps
     assert chain.subset_steps > 0      # some taken after requests left
@@ -154,13 +160,7 @@ async def test_rows_left_run_at_their_own_bucket(tiny_dir, tiny_loaded):
                                  True, hold_back=False)
     assert chained == plain
     assert chain.subset_steps > 0 and chain.shrunk_steps > 0
-    unchained, with_chain = planted.RECORDERS
-    dropped = chain.queued_steps - chain.taken_steps
-    for seed in SEEDS:
-        for name, size in (("drafts", spec["k"]), ("verified", 1)):
-            left, skipped = unmatched(calls(getattr(unchained, name), seed, size),
-                                      calls(getattr(with_chain, name), seed, size))
-            assert left == 0 and skipped <= dropped, (name, seed, left, skipped, dropped)
+    same_drafts(chain, spec["k"])
 
 
 @pytest.mark.gpu
