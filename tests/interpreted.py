@@ -1,16 +1,154 @@
 """Triton kernels tested on the CPU: a child process runs the test's source under Triton's
 interpreter (TRITON_INTERPRET must be set before Triton is first imported, which this
-process may already have done)."""
+process may already have done).
 
+Each child is forked from a server process (one per test process, started on first use):
+the server imports torch, Triton (TRITON_INTERPRET=1) and the kernels' modules once, then
+forks a fresh child for every source, which runs it as ``python -c`` would (``__main__``,
+its own argv, the caller's environment) and exits. A child's monkeypatching and caches end with it; what the fork
+saves is the ~2.5 s of CPU a fresh interpreter spends importing torch and Triton (there
+are ~9 interpreted tests). A server is tied to the environment it started under
+(PYTEST_CURRENT_TEST aside): a call under another environment starts a new one."""
+
+import json
 import os
+import select
+import signal
 import subprocess
 import sys
+import tempfile
+
+# The server: reads one JSON request a line (source, argv, environment, paths for the
+# child's stdout and stderr), forks (the child takes the request's argv and environment),
+# and answers the child's exit code and CPU seconds; exits when its stdin closes.
+_SERVER = r"""
+import json, os, sys, traceback
+import torch, triton, numpy
+import specloop.models, specloop.samplers
+from specloop.models import _kernels, _linear, _skinny
+from specloop.models.drafters import _eagle3, _lm_head, _ngram_device
+from specloop.samplers import _sampler, _triton_greedy
+
+answers = sys.stdout
+for line in sys.stdin:
+    req = json.loads(line)
+    answers.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            out = os.open(req["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            err = os.open(req["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+            os.dup2(out, 1)
+            os.dup2(err, 2)
+            os.close(out)
+            os.close(err)
+            null = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(null, 0)
+            os.close(null)
+            sys.argv = ["-c", *req["args"]]
+            os.environ.clear()
+            os.environ.update(req["env"])
+            namespace = {"__name__": "__main__", "__builtins__": __builtins__}
+            try:
+                exec(compile(req["source"], "<string>", "exec"), namespace)
+                code = 0
+            except SystemExit as e:
+                code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+                if not isinstance(e.code, (int, type(None))):
+                    print(e.code, file=sys.stderr)
+            except BaseException:
+                traceback.print_exc()
+        finally:
+            try:
+                sys.stdout.flush()
+                sys.stderr.flush()
+            finally:
+                os._exit(code)
+    _, status, usage = os.wait4(pid, 0)
+    answers.write(json.dumps([os.waitstatus_to_exitcode(status),
+                              usage.ru_utime + usage.ru_stime]) + "\n")
+    answers.flush()
+"""
+
+_server: "subprocess.Popen[str] | None" = None
+_server_children_cpu = 0.0     # of the children the running server forked
+# CPU seconds (user + sys) of the children forked so far: this process never waits for them
+# (the server does), so tests/conftest.py adds this to its per-test CPU tally.
+forked_cpu_seconds = 0.0
+_server_env: dict = {}
+
+
+def _stop_server() -> None:
+    global _server, forked_cpu_seconds, _server_children_cpu
+    if _server is not None:
+        proc, _server = _server, None
+        try:
+            proc.stdin.close()
+            proc.wait(timeout=10)
+        except Exception:
+            _kill(proc)
+        # Reaped: RUSAGE_CHILDREN now holds the server's children too (counted once).
+        forked_cpu_seconds -= _server_children_cpu
+        _server_children_cpu = 0.0
+
+
+def _kill(proc: "subprocess.Popen[str]") -> None:
+    """The server and any child it forked (its own process group)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    proc.wait()
+
+
+def _get_server(env: dict) -> "subprocess.Popen[str]":
+    global _server, _server_env
+    # PYTEST_CURRENT_TEST changes with every test (the child still gets the caller's).
+    env = {k: v for k, v in env.items() if k != "PYTEST_CURRENT_TEST"}
+    if _server is not None and (_server.poll() is not None or env != _server_env):
+        _stop_server()
+    if _server is None:
+        _server = subprocess.Popen([sys.executable, "-c", _SERVER], env=env, text=True,
+                                   stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   start_new_session=True)
+        _server_env = env
+    return _server
+
+
+def _read(path: str) -> str:
+    if not os.path.exists(path):
+        return ""
+    with open(path) as f:
+        return f.read()
 
 
 def run_interpreted(child: str, *args: str) -> None:
     """Runs ``child`` (Python source that prints "ok" last when all its checks passed) with
-    ``args`` as its argv and TRITON_INTERPRET=1; fails with the child's stderr otherwise."""
+    ``args`` as its argv and TRITON_INTERPRET=1, in a process of its own (forked from the
+    server); fails with the child's stderr otherwise."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    done = subprocess.run([sys.executable, "-c", child, *args], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+    server = _get_server(env)
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = {"stdout": os.path.join(tmp, "stdout"), "stderr": os.path.join(tmp, "stderr")}
+        server.stdin.write(json.dumps({"source": child, "args": list(args), "env": env,
+                                       **paths}) + "\n")
+        server.stdin.flush()
+        ready, _, _ = select.select([server.stdout], [], [], 300)
+        answer = server.stdout.readline() if ready else ""
+        if not answer:                  # timed out, or the server died: start afresh
+            _kill(server)
+            _stop_server()
+        stdout, stderr = (_read(paths[k]) for k in ("stdout", "stderr"))
+    global forked_cpu_seconds, _server_children_cpu
+    returncode, cpu = json.loads(answer) if answer else (None, 0.0)
+    forked_cpu_seconds += cpu
+    _server_children_cpu += cpu
+    assert returncode == 0 and stdout.strip().endswith("ok"), \
+        f"exit {returncode}{'' if ready else ' (timed out after 300 s)'}\n" + stderr[-3000:]
+
+
+import atexit  # noqa: E402
+
+atexit.register(_stop_server)
