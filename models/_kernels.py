@@ -55,7 +55,7 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _per_row(*index_args: str, varying: tuple[str, ...] = ()) -> dict:
+def _per_row(*index_args: str, varying: tuple[str, ...] = ()) -> dict[str, list[str]]:
     """``triton.jit`` options for a kernel's per-row index tensors (``index_args``: each
     program loads a scalar or two from them, so their pointers' 16-byte alignment buys
     nothing) and ints that vary between calls but only offset positions (``varying``):

@@ -144,6 +144,9 @@ class Structural:
     def prefill_graphs(self, shapes: Sequence[tuple[int, int]], replay: Any) -> list[Any]:
         return []
 
+    def warm_up_eager(self, max_batch_size: int, sampler: Sampler) -> None:
+        pass
+
 
 def conform() -> None:
     cache: GraphCache = SealTakesAnArgument()

@@ -56,7 +56,7 @@ class PendingRows:
     @property
     def depth(self) -> int:
         """Rows a slot can hold (older ones are dropped past it)."""
-        return self.buffer.shape[1]
+        return int(self.buffer.shape[1])
 
     @property
     def deferred(self) -> int:

@@ -140,6 +140,7 @@ class Drafter(Protocol):
         paths serving may still take (shapes no graph has) for up to ``max_batch_size``
         rows, drafting through ``sampler``, so that their Triton kernels compile now, not
         in the middle of serving. Default: nothing."""
+        return None
 
     @property
     def point_mass(self) -> bool:
