@@ -34,21 +34,20 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import statistics
-import time
-
 import pathlib
+import statistics
 import sys
+import time
 
 import anyio
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # tests' helpers
-from tests.triton_variants import compiled_variants, new_variants  # noqa: E402
-
 from _common import (HELD_OUT, chat_prompts, device_sync, emit_row, engine_config,
                      generate_round, held_out_sets, held_out_texts, quiet_logs, steady_load,
                      timed_sets)
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # tests' helpers
+from tests.triton_variants import compiled_variants, new_variants  # noqa: E402
 
 
 class RunTrace:

@@ -48,17 +48,20 @@ def probe(method: str, pattern: list[int], tokens: int) -> list[dict]:
     found: list[dict] = []
     seen: list = [None]
 
+    def check(state: str, k: int | None, batch: int | None) -> None:
+        """Record the variants compiled since the last check, in ``state``."""
+        if seen[0] is None:
+            return
+        now = compiled_variants()
+        for name, keys in now.items():
+            for key in keys - seen[0].get(name, set()):
+                found.append({"kernel": name, "state": state, "k": k, "batch": batch,
+                              "key": key[:300]})
+        seen[0] = now
+
     class Observer:
         def on_transition(self, e):
-            if seen[0] is None:
-                return
-            now = compiled_variants()
-            for name, keys in now.items():
-                for key in keys - seen[0].get(name, set()):
-                    found.append({"kernel": name, "state": e.state.value,
-                                  "k": e.num_draft_tokens, "batch": e.batch_size,
-                                  "key": key[:300]})
-            seen[0] = now
+            check(e.state.value, e.num_draft_tokens, e.batch_size)
 
     path = write_tiny_checkpoint(pathlib.Path(tempfile.mkdtemp()) / "t", vocab_size=384,
                                  num_layers=2, hidden=64, seed=1)
@@ -83,6 +86,7 @@ def probe(method: str, pattern: list[int], tokens: int) -> list[dict]:
                                                params, request_id=f"alone{i}"):
                     pass
     anyio.run(main)
+    check("after serving", None, None)      # what compiled after the last transition
     return found
 
 

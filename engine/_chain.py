@@ -83,8 +83,8 @@ class DeviceChain:
         self._matched: tuple[Pending, Sequence[int]] | None = None
         # (VERIFY's key, K) -> (the chained VERIFY's key, its draft graph's key)
         self._keys: dict[tuple[GraphKey, int], tuple[GraphKey, GraphKey]] = {}
-        # (a larger bucket's key, the batch's rows) -> the key of the rows' own bucket
-        self._own: dict[tuple[GraphKey, int], GraphKey] = {}
+        # (a larger bucket's key, the batch's rows, the next K) -> the rows' own bucket's
+        self._own: dict[tuple[GraphKey, int, int], GraphKey] = {}
         self._slots: tuple[tuple[Request, ...], list[int]] = ((), [])  # the last batch's
         # The chained step taken (its outputs): its requests hold the next step's pages.
         self._kept: Pending | None = None
@@ -113,7 +113,7 @@ class DeviceChain:
         k = self.k if k is None else k
         batch = tuple(rec.batch)
         lengths = [len(r.token_ids) for r in batch]     # seq_len
-        own = self._own_key(rec)
+        own = self._own_key(rec, k)
         if not self._can_queue(rec, own, k, lengths):
             w.runner.keep_ahead = 0
             return None
@@ -205,7 +205,8 @@ class DeviceChain:
               ) -> dict[str, torch.Tensor]:
         """VERIFY's outputs the chain reads, ``padded`` rows, with the batch's rows first
         when requests left since that VERIFY was queued (its padding rows after them: any
-        row; a K = 0 step queued ahead for more requests may have more rows), its
+        row; a K = 0 step queued ahead, or a chained step, for more requests may have
+        more rows: a larger bucket than the batch's own, ``_own_key``), its
         columns padded to the draft graph's catch-up ``width`` (adaptive K: VERIFY n
         drafted fewer; the padding columns lie past the accepted row, as the graph's own
         padding: token 0, zero features). ``hidden`` False (a drafter chaining through
@@ -274,21 +275,24 @@ class DeviceChain:
             self._slots = (batch, [r.batch_slot for r in batch])
         return self._slots[1]
 
-    def _own_key(self, rec: IterationRecord) -> GraphKey:
+    def _own_key(self, rec: IterationRecord, k: int) -> GraphKey:
         """The key of the batch's own bucket: ``rec.key``, unless this iteration took a
         chained step queued for more requests at a larger bucket (``key_for``), whose
         rows the batch now fits in a smaller one; the step queued next runs there (a
         closed round's last rows, after the others finished, would otherwise pay the
         round's full bucket at every iteration: on the H200, K = 3 at batch 8 iterated in
-        ~1.1 ms down to its last row, against ~0.7 ms at bucket 1)."""
+        ~1.1 ms down to its last row, against ~0.7 ms at bucket 1). The bucket is the
+        one for the next step's K = ``k`` (the key keeps ``rec.key``'s K: ``_keys_for``
+        sets the next)."""
         key, rows = rec.key, len(rec.batch)
-        if key.batch_size <= rows:
+        if key.batch_size <= rows or not rows or not rec.graph_captured:
             return key
-        own = self._own.get((key, rows))
+        own = self._own.get((key, rows, k))
         if own is None:
             picked, captured = self.worker.graph_cache.pick(
-                rows, key.num_draft_tokens, key.sampling_path, key.all_greedy)
-            own = self._own[key, rows] = picked if captured else key
+                rows, k, key.sampling_path, key.all_greedy)
+            own = self._own[key, rows, k] = \
+                attrs.evolve(picked, num_draft_tokens=key.num_draft_tokens) if captured else key
         return own
 
     def _keys_for(self, key: GraphKey, k: int) -> tuple[GraphKey, GraphKey]:

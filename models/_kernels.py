@@ -223,7 +223,8 @@ if triton is not None:
         chunk = tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
         return chunk, tl.maximum((n_end + chunk - 1) // chunk, 1)
 
-    @triton.jit(**_per_row("slot_ptr", "start_ptr", varying=("pos_offset",)))
+    # (cnt_ptr: split-KV's counters, or start_pos again where none are used.)
+    @triton.jit(**_per_row("slot_ptr", "start_ptr", "cnt_ptr", varying=("pos_offset",)))
     def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
                                 m_ptr, l_ptr, acc_ptr, cnt_ptr, T, pos_offset, scale, s_page,
                                 s_off, s_table, pages_per_slot, HQ: tl.constexpr,

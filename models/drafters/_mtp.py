@@ -387,21 +387,24 @@ class MtpEagleDrafter(Drafter):
 
     @inference_mode
     def warm_up_eager(self, max_batch_size: int, sampler: Sampler) -> None:
-        """The eager proposal at both of ``_eager_width``'s CUDA widths for 1, 2, 4 .. rows
-        up to ``max_batch_size`` rounded up to a power of two (the attention's splits count
-        the batch so rounded, so these cover every batch), on the scratch slot: the
-        catch-up, then K head steps, each step's logits drafted by ``sampler`` greedily
-        and sampled (the eager steps draft through it, not the graphs' fused argmax)."""
-        if self.cache.device.type != "cuda":
-            return
+        """The eager proposal at both of ``_eager_width``'s CUDA widths, on the scratch
+        slot: the catch-up, then K head steps, each step's logits drafted by ``sampler``
+        greedily and sampled (the eager steps draft through it, not the graphs' fused
+        argmax). At every row count the skinny GEMMs take (their configuration is chosen
+        by exact row ranges, models/_linear.py), then 64, 128 .. up to ``max_batch_size``
+        rounded up to a power of two (the attention's splits and the greedy argmax's
+        chunks count the batch so rounded): every batch's kernels."""
+        from specloop.models._linear import SKINNY_MAX_ROWS  # noqa: PLC0415
+
         dev, k = self.cache.device, self.num_draft_tokens
         widths = sorted({self._eager_width([1]), self._eager_width([self.pending.depth])})
-        rows = 1
-        while True:
+        every = list(range(1, min(max_batch_size, SKINNY_MAX_ROWS) + 1))
+        powers = [1 << p for p in range(max(max_batch_size - 1, 1).bit_length() + 1)]
+        for rows in sorted({*every, *(n for n in powers if n <= 2 * max_batch_size - 1)}):
             scratch = torch.full((rows,), self.scratch, dtype=torch.int64, device=dev)
             zeros = torch.zeros(rows, dtype=torch.int64, device=dev)
-            batches = [SamplingBatch.padding(rows, all_greedy=greedy, device=dev)
-                       for greedy in (True, False)]
+            greedy, sampled = (SamplingBatch.padding(rows, all_greedy=g, device=dev)
+                               for g in (True, False))
             for width in widths:
                 inputs = {"cu_tokens": torch.zeros(rows, width, dtype=torch.int64, device=dev),
                           "cu_hidden": self.pending.rows(scratch, width), "cu_start": zeros,
@@ -411,14 +414,10 @@ class MtpEagleDrafter(Drafter):
                 hidden = next(loop)
                 for step in range(k):
                     logits, positions = self.lm.logits(hidden), inputs["seq_lens"] + step
-                    greedy, _ = (sampler.draft(logits, batch, positions,
-                                               advanced=not batch.all_greedy)
-                                 for batch in batches)
+                    sampler.draft(logits, sampled, positions, advanced=True)
+                    tokens = sampler.draft(logits, greedy, positions, advanced=False).token_ids
                     if step + 1 < k:
-                        hidden = loop.send(greedy.token_ids)
-            if rows >= max_batch_size:
-                break
-            rows *= 2
+                        hidden = loop.send(tokens)
 
     @property
     def can_chain(self) -> bool:

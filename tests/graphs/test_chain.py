@@ -148,7 +148,7 @@ async def test_chained_equals_eager(tiny_dir, tiny_loaded, spec):
 
 
 async def test_rows_left_run_at_their_own_bucket(tiny_dir, tiny_loaded):
-    """Requests ending apart (the batch shrinks 4 -> 1 over buckets 1, 2, 4, 8), the
+    """Requests ending apart (the batch shrinks 4 -> 1 over buckets 4, 2, 1), the
     chain queued after every VERIFY that can: the step queued after one taken for fewer
     requests runs at the rows' own, smaller bucket (``DeviceChain._own_key``), not at the
     round's first bucket to its end; outputs and drafts are the unchained graphs'."""
