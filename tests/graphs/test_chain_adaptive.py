@@ -246,3 +246,46 @@ def test_no_triton_compile_after_warm_up(before):
         assert result["new"] > 0, run.stdout[-2000:]
     else:
         assert result["new"] == 0, run.stdout[-3000:]
+
+
+async def test_warm_up_eager_writes_only_the_scratch_slot(tmp_path):
+    """``warm_up_eager`` (run at warm-up on a GPU; here on the CPU, where the engine does
+    not call it) drafts at every row count up to the batch (each of the skinny GEMMs' row
+    ranges) and then at powers of two, at each eager catch-up width, and leaves every real
+    slot's state as it was: the head's K/V outside the scratch page, the pending rows and
+    their counts."""
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    path = write_tiny_checkpoint(tmp_path / "t", vocab_size=384, num_layers=2, hidden=64,
+                                 seed=1)
+    loaded = load_model(path, dtype=torch.float32)
+    async with AsyncEngine(ragged_config(path, "cpu"), model=loaded) as engine:
+        await ragged_rounds(engine, PROBE_LENGTHS, True, tokens=8)   # real slots' state
+        drafter = engine.worker.drafter
+        cache, pending = drafter.cache, drafter.pending
+        # Every slot holds pages, as while requests are served (a finished one maps to
+        # the scratch page), with values of their own.
+        for slot in range(drafter.scratch):
+            cache.pages.resize(slot, 64)
+        cache.pages.sync()
+        real = slice(0, cache.pages.scratch_page)
+        cache.k[:, real].normal_()
+        cache.v[:, real].normal_()
+        before = (cache.k[:, real].clone(), cache.v[:, real].clone(),
+                  pending.buffer[:drafter.scratch].clone(),
+                  pending.counts(range(drafter.scratch)), pending.starts(range(drafter.scratch)))
+        shapes = []
+        steps = drafter._draft_steps
+
+        def spy(inputs, **kw):
+            shapes.append(tuple(inputs["cu_tokens"].shape))
+            return steps(inputs, **kw)
+        drafter._draft_steps = spy
+        drafter.warm_up_eager(3, engine.worker.sampler)
+        after = (cache.k[:, real], cache.v[:, real], pending.buffer[:drafter.scratch],
+                 pending.counts(range(drafter.scratch)), pending.starts(range(drafter.scratch)))
+    widths = sorted({1, pending.depth})            # the CPU's: the longest row's
+    assert shapes == [(rows, w) for rows in (1, 2, 3, 4) for w in widths]
+    assert all(torch.equal(a, b) for a, b in zip(before[:3], after[:3]))
+    assert before[3:] == after[3:]
