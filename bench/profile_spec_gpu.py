@@ -31,6 +31,8 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 K=2": {"method": "eagle3", "num_draft_tokens": 2, "draft_weights": HEAD},
            "eagle3 K=3": {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD},
            "eagle3 K=5": {"method": "eagle3", "num_draft_tokens": 5, "draft_weights": HEAD},
+           "eagle3 adaptive<=3": {"method": "eagle3", "num_draft_tokens": 3,
+                                  "draft_weights": HEAD, "adaptive": True},
            # n-gram (issue 12's batch-1 bar is at K = 4; adaptive: K = 0 .. 4 per iteration).
            "ngram K=4": {"method": "ngram", "num_draft_tokens": 4},
            "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True},
