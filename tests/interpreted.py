@@ -10,6 +10,7 @@ saves is the ~2.5 s of CPU a fresh interpreter spends importing torch and Triton
 are ~9 interpreted tests). A server is tied to the environment it started under
 (PYTEST_CURRENT_TEST aside): a call under another environment starts a new one."""
 
+import atexit
 import json
 import os
 import select
@@ -148,7 +149,5 @@ def run_interpreted(child: str, *args: str) -> None:
     assert returncode == 0 and stdout.strip().endswith("ok"), \
         f"exit {returncode}{'' if ready else ' (timed out after 300 s)'}\n" + stderr[-3000:]
 
-
-import atexit  # noqa: E402
 
 atexit.register(_stop_server)

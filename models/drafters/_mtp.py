@@ -394,13 +394,14 @@ class MtpEagleDrafter(Drafter):
         by exact row ranges, models/_linear.py), then 64, 128 .. up to ``max_batch_size``
         rounded up to a power of two (the attention's splits and the greedy argmax's
         chunks count the batch so rounded): every batch's kernels."""
+        from specloop.models._kernels import _pow2  # noqa: PLC0415
         from specloop.models._linear import SKINNY_MAX_ROWS  # noqa: PLC0415
 
         dev, k = self.cache.device, self.num_draft_tokens
         widths = sorted({self._eager_width([1]), self._eager_width([self.pending.depth])})
-        every = list(range(1, min(max_batch_size, SKINNY_MAX_ROWS) + 1))
-        powers = [1 << p for p in range(max(max_batch_size - 1, 1).bit_length() + 1)]
-        for rows in sorted({*every, *(n for n in powers if n <= 2 * max_batch_size - 1)}):
+        every = range(1, min(max_batch_size, SKINNY_MAX_ROWS) + 1)
+        powers = (1 << p for p in range(_pow2(max_batch_size).bit_length()))
+        for rows in sorted({*every, *powers}):
             scratch = torch.full((rows,), self.scratch, dtype=torch.int64, device=dev)
             zeros = torch.zeros(rows, dtype=torch.int64, device=dev)
             greedy, sampled = (SamplingBatch.padding(rows, all_greedy=g, device=dev)
