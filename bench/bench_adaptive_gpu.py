@@ -6,7 +6,7 @@ head, greedy, held-out chat prompts, EOS ignored.
 
 For each batch size every config's engine is built first (all stay open), one warm-up
 round each (a whole one), then ``--runs`` runs in which the configs take turns (so drift hits all
-alike). A run is, with ``--arrival closed`` (the default), one round: ``batch`` prompts
+alike; run r starts with config r mod n). A run is, with ``--arrival closed`` (the default), one round: ``batch`` prompts
 at once, timed until the last finishes (a round lasts until its slowest row is done);
 with ``--arrival steady``, steady load as a server sees it (vLLM's ``benchmark_serving
 --max-concurrency``): ``batch`` requests in flight at all times, a new prompt submitted
@@ -18,8 +18,11 @@ without their tail, while a server's requests end apart; ``--spread 0`` for equa
 lengths); its tokens/s are the tokens delivered from the ``batch``-th finish to the last
 submission over that window's seconds (bench/_common.py ``steady_load``: before it the
 engine fills, after it drains). Prints one JSON row per (batch, config):
-tokens/s per run, the median, the ratio to no speculation, AL, iterations per K; then
-adaptive ÷ max(others) per batch. ``--plot rows.jsonl`` draws tokens/s per batch (PNG)
+tokens/s per run, the median, the ratio to no speculation, AL, iterations per K (each
+state's median ms per K: ``runs_traced[].state_median_ms_by_k``); then adaptive ÷
+max(others) per batch, of the medians and per run (``paired_vs_max``: a run's adaptive
+over the best other config in that run; the configs take turns, each run starting one
+config further on). ``--plot rows.jsonl`` draws tokens/s per batch (PNG)
 from earlier rows, without a GPU. ``--device cpu`` (tiny ``--batches``/``--tokens``) is a
 smoke test of the script (tests/engine/test_bench_steady.py).
 
@@ -77,8 +80,17 @@ class RunTrace:
         for it in iters.values():
             by_k.setdefault(it["k"], []).append(it["ms"])
         slow = sorted(iters.items(), key=lambda kv: -kv[1]["ms"])[:4]
+        # Each state's median ms per K: which state a slow run's iterations spent more in
+        # (a round's first SCHEDULE, waiting between rounds, is left in: its median is not).
+        states: dict[int, dict[str, list[float]]] = {}
+        for it in iters.values():
+            for state, ms in it["states"].items():
+                states.setdefault(it["k"], {}).setdefault(state, []).append(ms)
         return {"iterations": len(iters), "triton_compiled": compiled,
                 "ms_by_k": {k: [len(v), round(sum(v), 1)] for k, v in sorted(by_k.items())},
+                "state_median_ms_by_k": {
+                    k: {state: round(statistics.median(v), 3) for state, v in per.items()}
+                    for k, per in sorted(states.items())},
                 "slowest": [{"iteration": i, "k": it["k"], "batch": it["batch"],
                              "ms": round(it["ms"], 2), "states": it["states"]}
                             for i, it in slow]}
@@ -116,9 +128,12 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
             # to the first timed run (batch 256: 31.8k tok/s against 84-89k after).
             await generate_round(engine, prompts, tokens)
             traces[name].take(0)
-        for _ in range(runs):
-            for name, engine in engines.items():
-                before = compiled_variants()
+        for run in range(runs):
+            # Each run starts one config further on: a config is not always the one
+            # that follows the same other (what runs before it warms or disturbs it).
+            order = names[run % len(names):] + names[:run % len(names)]
+            for name in order:
+                engine, before = engines[name], compiled_variants()
                 if steady is None:
                     wall = await timed_sets(engine, sets, tokens, sync)
                     rates[name].append(batch * len(sets) * tokens / wall)
@@ -185,21 +200,34 @@ def run(args) -> None:
         rates, extra = anyio.run(measure_batch, names, loaded, sets, args.tokens,
                                  args.runs, args.device, args.buckets, steady)
         medians = {name: statistics.median(r) for name, r in rates.items()}
+        others = [n for n in names if not n.startswith("adaptive")]
         for name in names:
             emit_row({"batch": batch, "config": name,
                       "tok_s": [round(r, 1) for r in rates[name]],
                       "median": round(medians[name], 1),
                       "vs_none": round(medians[name] / medians.get("none", medians[name]), 3),
+                      **({"paired_vs_max": [round(x, 3) for x in paired_ratios(
+                          rates, name, others)]}
+                         if name.startswith("adaptive") and others else {}),
                       **extra[name], "tokens": args.tokens, "runs": args.runs,
                       "prompts_per_run": batch * len(sets) if steady is None else None,
                       "buckets": args.buckets, "arrival": args.arrival,
                       "device": torch.cuda.get_device_name() if cuda else "cpu"}, args.out)
         for name in names:
-            if name.startswith("adaptive"):
-                others = [m for n, m in medians.items() if not n.startswith("adaptive")]
+            if name.startswith("adaptive") and others:
+                paired = paired_ratios(rates, name, others)
                 print(f"batch {batch}: {name} / max(fixed, none) = "
-                      f"{medians[name] / max(others):.3f}  ({time.perf_counter() - start:.0f} s)",
-                      flush=True)
+                      f"{medians[name] / max(medians[n] for n in others):.3f} (medians); "
+                      f"per run {statistics.median(paired):.3f} "
+                      f"({min(paired):.3f}-{max(paired):.3f}) "
+                      f"({time.perf_counter() - start:.0f} s)", flush=True)
+
+
+def paired_ratios(rates: dict[str, list[float]], name: str, others: list[str]) -> list[float]:
+    """``name``'s tokens/s in each run over the best of ``others`` in the same run (the
+    configs take turns within a run, so a run's ratio is what drift between runs, which
+    spread one config's runs by up to 1.5x at batch >= 32 on the H200, leaves alone)."""
+    return [rate / max(rates[n][i] for n in others) for i, rate in enumerate(rates[name])]
 
 
 def plot(rows_path: str, png: str) -> None:
