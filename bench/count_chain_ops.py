@@ -3,9 +3,9 @@ at the same K, on the CPU (no model: bench_chain_host's frozen replays, a tiny r
 target and eagle3 head, the chain forced on, as on one GPU rank).
 
 On the H200 at batch 1 adaptive K <= 3 ran ~5 % faster than fixed K = 3 at the same AL
-while drafting K = 3 in 221 of 235 iterations (docs/performance.md): if the two paths
-launched different device work per iteration (copies into the graphs' inputs, glue ops),
-it would show here as a different op count.
+while drafting K = 3 in 221 of 235 iterations (docs/performance-history.md, "Adaptive K in
+closed rounds"): if the two paths launched different device work per iteration (copies
+into the graphs' inputs, glue ops), it would show here as a different op count.
 
     python bench/count_chain_ops.py [--batches 1,8] [--iterations 200] [--k 3]
 

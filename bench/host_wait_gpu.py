@@ -7,7 +7,8 @@ then the same under cProfile with each run's top functions by own time.
     cd bench && python host_wait_gpu.py [--sets 16] [--tokens 128] [--profile]
         [--device cpu]     (cpu: a smoke test of this script)
 
-The seventh session's figures (docs/performance.md, "n-gram by match length, measured").
+The seventh session's figures (docs/performance-history.md, "n-gram by match length,
+measured").
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ token) accepting the drafts that equal the continuation and adding one token. Th
 speculation commits the same tokens as greedy decoding). For each minimum match
 length m it reports the iterations that would draft (match >= m), their share, the AL,
 and, at the given iteration times (``--t-none`` decode, ``--t-draft`` a K + 1-row VERIFY;
-default: the H200's at batch 1 with the shipped table, docs/performance.md), tokens/s over
-no speculation and that over AL — the bar's 0.8 x AL — for a drafter that verifies one row
-(no draft) below m:
+default: the H200's at batch 1 with the shipped table, docs/performance-history.md, "n-gram:
+half its iterations draft from no match"), tokens/s over no speculation and that over AL —
+the bar's 0.8 x AL — for a drafter that verifies one row (no draft) below m:
 
     cd bench && python ngram_match_study.py [--prompts 16] [--tokens 128]
 """

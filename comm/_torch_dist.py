@@ -86,8 +86,9 @@ class TorchDistributedCommunicator(Communicator):
         # rank of the group must set it alike (the first call of each size sets the file
         # up, collectively).
         # Not with ``checked``. On by default on CUDA ranks, whose hosts have cores for
-        # the polling ranks (2 H200s: see docs/performance.md); off on the CPU, where
-        # ranks polling compete with the compute for cores (gloo sleeps in a syscall).
+        # the polling ranks (2 H200s: see docs/performance-history.md, "ADP on 2 × H200");
+        # off on the CPU, where ranks polling compete with the compute for cores (gloo
+        # sleeps in a syscall).
         self.shared_memory = family.device.type == "cuda"
         self._shared: dict[int, _shm.SharedGather | None] = {}
 

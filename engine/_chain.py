@@ -254,7 +254,8 @@ class DeviceChain:
         step out of K = 0 (or out of a smaller K) pays two copies instead of a padded
         tensor's allocation, fill and concatenation and the replay's two copies of it (on
         the H200, with ``_copy_meta``'s packing, ~0.1 ms of the ~0.8 ms of host work of the
-        iteration leaving a K = 0 stretch: docs/performance.md).
+        iteration leaving a K = 0 stretch: docs/performance-history.md, "Leaving a K = 0
+        stretch (tenth session)").
         The columns past VERIFY n's keep what the last replay left: they lie past every
         row's accepted count, which the draft never reads. None where ``into`` lacks
         them, or they are not that shape."""

@@ -109,7 +109,8 @@ SKINNY_MAX_ROWS = 32
 # bench/results/h200_1201e_table_alltldot.json, 2026-12-01 17:08-17:12, 6 runs each): no
 # speculation 1,779-1,814 -> 1,981-2,020 tok/s at batch 1, speculation unchanged (eagle3
 # K = 3 2,301-2,318 -> 2,287-2,323: its VERIFY rows ran one-tile tl.dot configurations of
-# the same bit class before too) (docs/performance.md, "One-tile tl.dot for VERIFY's rows").
+# the same bit class before too) (docs/performance-history.md, "One-tile tl.dot for VERIFY's
+# rows").
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
     (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1')),

@@ -408,7 +408,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def norm_fusable(config: SkinnyConfig, k: int) -> bool:
     """``skinny_norm_linear`` runs ``config``: the broadcast path, all of K in one pass.
     (A tl.dot prologue was tried, 2026-12-01: faster alone in bench_skinny_gemm, slower in
-    the step, where the separate add_rms_norm overlaps under PDL; docs/performance.md.)"""
+    the step, where the separate add_rms_norm overlaps under PDL; docs/performance-history.md,
+    "One-tile `tl.dot` for VERIFY's rows".)"""
     return not config.dot and config.split_k == 1 and config.block_k >= k
 
 

@@ -18,7 +18,7 @@
 #   probe    Triton kernels compiled after warm-up, eagle3 and n-gram under adaptive K
 #            through every move of K with ragged prompts, and eagle3 through K = 0
 #            stretches (a tiny model: no SmolLM2 needed; eagle3 crashed on 2026-12-02
-#            until the argmax fix, docs/performance.md)
+#            until the argmax fix, docs/performance-history.md, "Leaving a K = 0 stretch")
 #   pdl      what Programmatic Dependent Launch would give 30 layers of decode GEMMs
 #   greedy   the all-greedy VERIFY epilogue: torch against the Triton kernels
 #   tables   the skinny tables in $TABLES (space-separated skinny_table.json files; "code"
