@@ -392,25 +392,23 @@ class AdaptiveK:
         class's counts decay at the iterations that drafted rows of it."""
         if k == 0 or not num_accepted:
             return
-        if classes is None:
-            classes = self.unclassed(len(num_accepted))
-        by_class: dict[int, list[int]] = {}
-        for c, n in zip(classes, num_accepted):
-            by_class.setdefault(c, []).append(n)
+        if classes is None:     # every row unclassed (no per-row work: a host-bound batch
+            by_class = {self.classes: num_accepted}     # of 32-256 rows pays for each)
+        else:
+            by_class = {}
+            for c, n in zip(classes, num_accepted):
+                by_class.setdefault(c, []).append(n)
         for c, accepted_rows in by_class.items():
             self._count(self._reached[c], self._accepted[c], k, accepted_rows)
             self._own_expected[c] = None
         self._own_expected[self.classes] = None
 
     def _count(self, reached_c: list[float], accepted_c: list[float], k: int,
-               num_accepted: list[int]) -> None:
-        hist: dict[int, int] = {}   # (a Counter costs more than the loop at batch 1)
-        for n in num_accepted:
-            hist[n] = hist.get(n, 0) + 1
+               num_accepted: Sequence[int]) -> None:
         at_least = len(num_accepted)    # rows with n >= j, for j = 0, 1, ...
         for j in range(k):
             reached = at_least          # draft j+1 was looked at: drafts 1..j accepted
-            at_least -= hist.get(j, 0)
+            at_least -= num_accepted.count(j)   # k passes in C, not a Python loop a row
             reached_c[j] = reached_c[j] * DECAY + reached
             accepted_c[j] = accepted_c[j] * DECAY + at_least
         for j in range(k, self.k_max):
@@ -501,9 +499,11 @@ class AdaptiveK:
         """``_expected([self._row(classes)])``, from per-class E(k) kept until the next
         ``record`` (the same fixed-point counts, so the same numbers)."""
         pooled = self.classes
-        if classes is not None and len(classes) == 1:   # one row (batch 1): n = total = 1
-            return self._own_class(classes[0])          # and 1 * e / 1 == e
-        sizes = collections.Counter(classes or ())
+        if classes is None:     # no row classed: the pooled counts alone
+            return self._own_class(pooled)
+        if len(classes) == 1:   # one row (batch 1): n = total = 1 and 1 * e / 1 == e
+            return self._own_class(classes[0])
+        sizes = collections.Counter(classes)
         if not sizes or set(sizes) == {pooled}:
             return self._own_class(pooled)
         total = len(classes or ())
