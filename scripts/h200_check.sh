@@ -10,7 +10,10 @@
 #   profile  eagle3 against no speculation, batch 1 and 32, closed rounds (issue 13)
 #   serving  the same at batch 32 with graphs for every bucket (the engine's default)
 #   busy     GPU busy / wall at batch 1, no speculation, 256 tokens (issue 12)
-#   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13)
+#   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13;
+#            BATCHES, RUNS as for closed)
+#   curve    the throughput curve, specloop against transformers compiled, batch 1 .. 256
+#            (CURVE, HF_CURVE: the batch sizes), and batch 64's table; a PNG (issue 12)
 #   closed   the same in closed rounds (BATCHES, RUNS: bench_adaptive_gpu.py's --batches, --runs)
 #   host     batch 1: each iteration's wall and the host's wait for the GPU (~1.5 min)
 #   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
@@ -91,8 +94,18 @@ for step in "$@"; do
         2>&1 | grep -i "busy\|tok/s" | cut -c1-200 | tail -6) ;;
     steady)
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
-        --out "$OUT/adaptive_steady.jsonl" --runs 3 --buckets serving --arrival steady \
+        --out "$OUT/adaptive_steady.jsonl" --runs "${RUNS:-3}" --buckets serving --arrival steady \
+        --batches "${BATCHES:-1,8,32,64,128,256}" \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+    curve)
+      # Tokens/s over batch 1 ... 256 (CURVE), specloop (a generate task per request, one
+      # run a batch) against transformers compiled (HF_CURVE), after the batch-64 table
+      # (3 runs, both consumers, transformers beside it); the PNG beside the rows.
+      (cd bench && python3 bench_gpu_e2e.py --out "$OUT/curve.json" --runs 3 --tokens 256 \
+        --batches 64 --hf-batches 64 --methods none --profile-batches "" \
+        --curve "${CURVE:-1,2,4,8,16,32,64,128,256}" --hf-curve "${HF_CURVE:-1,8,64,256}" \
+        2>&1 | grep '^{' | cut -c1-300
+       python3 plot_curve.py "$OUT/curve.json" "$OUT/throughput_h200.png") ;;
     host)
       # Host- or GPU-bound at batch 1: the host's wait for the GPU per iteration (none,
       # n-gram K = 4, n-gram adaptive by match length; each engine alone in turn).
