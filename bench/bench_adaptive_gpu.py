@@ -71,7 +71,7 @@ class RunTrace:
         if event.state.name != "SCHEDULE":     # SCHEDULE waits for requests: between
             it["ms"] += ms                      # rounds, while the other configs run
         it["states"][event.state.name] = round(it["states"].get(event.state.name, 0.0) + ms, 3)
-        if event.num_draft_tokens:
+        if event.state.name != "SCHEDULE":     # SYNC chooses K: SCHEDULE's is the config's
             it["k"] = event.num_draft_tokens
 
     def take(self, compiled: dict[str, int]) -> dict:

@@ -92,6 +92,12 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
         (traced,) = row["runs_traced"]
         assert traced["iterations"] == sum(n for n, _ in traced["ms_by_k"].values()) > 0
         assert traced["slowest"] and traced["slowest"][0]["ms"] > 0
+        assert set(traced["state_median_ms_by_k"]) == set(traced["ms_by_k"])
+    # The run's adaptive over the best other config of the same run.
+    assert rows[1]["paired_vs_max"] == [rows[1]["vs_none"]]     # one run: the medians'
+    # Iterations are counted at the K they ran (SYNC's choice, not the config's K).
+    # (the config's K = 3 in SCHEDULE's event labelled the burn-in's K = 0 iterations 3).
+    assert set(rows[1]["runs_traced"][0]["ms_by_k"]) <= set(rows[1]["iterations_per_k"])
 
 
 def test_union_us_is_busy_time_not_summed_durations(common):
