@@ -710,11 +710,13 @@ def offline(skinny_path: str, bits_path: str | None) -> dict:
     return table
 
 
-def bench_layer(table: dict, layers: int = 30) -> list[dict]:
+def bench_layer(table: dict | None, layers: int = 30) -> list[dict]:
     """A SmolLM2 layer without attention: add + RMSNorm, qkv, o, add + RMSNorm, gate-up,
     SwiGLU, down, over ``layers`` layers' weights, through the dispatcher: cuBLAS, the
     code's table, this run's table, and this run's with the norms in the GEMMs' prologue
-    (``skinny_norm``): us per layer."""
+    (``skinny_norm``), each with SwiGLU in the down GEMM's prologue; then with the norms
+    and SwiGLU in the gate-up GEMM's epilogue (``glu``, ``norm_mlp``): us per layer.
+    ``table`` None (``--layer-only``): the code's table for "this run's"."""
     from specloop.models import _linear
     from specloop.models._linear import PackedLinear
     QKV, H = SHAPES["qkv"][:2]
@@ -732,12 +734,14 @@ def bench_layer(table: dict, layers: int = 30) -> list[dict]:
         delta = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         o_in = torch.randn(rows, H, device=DEVICE, generator=gen).to(DTYPE)
         res = {}
-        for name, skinny, tab, norm in (("cublas", False, None, False),
-                                        ("code table", True, None, False),
-                                        ("bench table", True, table, False),
-                                        ("bench table + norms", True, table, True)):
+        for name, skinny, tab, norm, glu in (
+                ("cublas", False, None, False, False),
+                ("code table", True, None, False, False),
+                ("bench table", True, table, False, False),
+                ("bench table + norms", True, table, True, False),
+                ("bench table + norms + glu", True, table, True, True)):
             lin = PackedLinear(skinny=skinny)
-            lin.skinny_on_cpu, lin.skinny_norm = SMOKE, norm
+            lin.skinny_on_cpu, lin.skinny_norm, lin.glu = SMOKE, norm, glu
             saved = dict(_linear.SKINNY_TABLE)
             if tab is not None:
                 _linear.SKINNY_TABLE.update(tab)
@@ -745,8 +749,7 @@ def bench_layer(table: dict, layers: int = 30) -> list[dict]:
             def step(i, lin=lin):
                 wqkv, wo, wgu, wd = weights[i]
                 _, stream = lin.norm_linear(x, delta, norm_w, 1e-5, wqkv)
-                gate_up, _ = lin.norm_linear(stream, lin(o_in, wo), norm_w, 1e-5, wgu)
-                return lin.silu_mul_linear(gate_up, wd)
+                return lin.norm_mlp(stream, lin(o_in, wo), norm_w, 1e-5, wgu, wd)[0]
             try:
                 res[name], _ = time_graph(step, layers)
             finally:
@@ -755,7 +758,8 @@ def bench_layer(table: dict, layers: int = 30) -> list[dict]:
         print(f"layer without attention M={rows}: " + ", ".join(
             f"{k} {v:.2f} us" for k, v in res.items())
             + f"  -> x{res['bench table'] / res['cublas']:.2f}, with norms "
-              f"x{res['bench table + norms'] / res['cublas']:.2f}", flush=True)
+              f"x{res['bench table + norms'] / res['cublas']:.2f}, + glu "
+              f"x{res['bench table + norms + glu'] / res['cublas']:.2f}", flush=True)
         out.append({"rows": rows, "us_per_layer": res})
     return out
 
@@ -779,7 +783,7 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
     split, _ = cfg.k_splits(k)
     # GDC True with launch_pdl, as the kernels launch on an H200 (samplers/_pdl.py).
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
-                 BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True)
+                 BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True, GLU=False)
     const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
                       ONE_PASS=cfg.one_pass(k)))
@@ -864,6 +868,8 @@ def main() -> None:
                          "alike in every reduction; exit 1 if not")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU under TRITON_INTERPRET=1: this script's logic on shapes / 8")
+    ap.add_argument("--layer-only", action="store_true",
+                    help="no sweep: the layer bench on the code's table (+ norms, + glu)")
     args = ap.parse_args()
     global SMOKE, DEVICE, DTYPE
     if args.layouts:
@@ -891,6 +897,15 @@ def main() -> None:
         sys.exit("needs Triton")
     import triton
     t0 = time.perf_counter()
+    if args.layer_only:
+        layer = bench_layer(None, 2 if SMOKE else 30)
+        path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny_layer.json")
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            json.dump({"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
+                       "triton": triton.__version__, "layer": layer}, f, indent=1)
+        print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
+        return
     rows_list = [int(r) for r in args.rows.split(",")]
     shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
     tasks = []

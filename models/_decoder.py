@@ -276,11 +276,11 @@ class DecoderModel(nn.Module):
                                       a.num_heads, step.pos_offset)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset)
-        gate_up, x = self.linear.norm_linear(x, self.linear(o, w.wo), w.mlp_norm,
-                                             a.rms_norm_eps, w.w_gate_up)
-        # SwiGLU and the down projection: one kernel on the skinny path (silu * up formed
-        # in its prologue), else silu_mul then the down GEMM.
-        return x, self.linear.silu_mul_linear(gate_up, w.w_down)
+        # The MLP: on the skinny path SwiGLU in the gate-up GEMM's epilogue (or the down
+        # GEMM's prologue), else silu_mul between the two GEMMs (models/_linear norm_mlp).
+        mlp, x = self.linear.norm_mlp(x, self.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps,
+                                      w.w_gate_up, w.w_down)
+        return x, mlp
 
 
 def _resolve_kv_len(start_pos: torch.Tensor, T: int, cache: KVCache, kv_len: int | None) -> int:

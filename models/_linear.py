@@ -336,6 +336,9 @@ class PackedLinear:
         # the separate norm kernels (H200, batch 1, the third session's table: 1,332 ->
         # 1,578 tok/s with it).
         self.skinny_norm = self.skinny and os.environ.get("SPECLOOP_SKINNY_NORM", "1") != "0"
+        # SwiGLU in the gate-up GEMM's epilogue, the down GEMM without its prologue
+        # (norm_mlp); SPECLOOP_SKINNY_GLU=0 keeps the prologue path (the same bits).
+        self.glu = self.skinny and os.environ.get("SPECLOOP_SKINNY_GLU", "1") != "0"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
@@ -372,18 +375,74 @@ class PackedLinear:
         without tl.dot) and every prefix configuration takes K in one pass
         (``skinny_config(norm=True)``); else the norm kernel, then this dispatcher (the
         tl.dot tail or F.linear above the prefix)."""
-        if self.skinny_norm and norm_weight.dim() == 1 and \
-                (delta is None or delta.dtype == x.dtype and delta.shape == x.shape):
-            config = self._skinny_config(x, weight, bias, silu_mul=False, norm=True)
-            if config is not None:
-                return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
-                                                  config, capture)
+        config = self._norm_config(x, delta, norm_weight, weight, bias)
+        if config is not None:
+            return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
+                                              config, capture)
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
         return self(h, weight, bias), stream
 
+    def norm_mlp(self, x: torch.Tensor, delta: torch.Tensor | None,
+                 norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
+                 w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> (the MLP's output, x + delta): rms_norm(x + delta) through the gate-up GEMM
+        (``w_gate_up`` [2I, H]: gate rows, then up rows), SwiGLU and the down GEMM
+        (``w_down`` [H, I]). Where ``glu`` is on and the skinny kernel runs the gate-up GEMM
+        on a configuration that holds whole (gate, up) pairs, SwiGLU is that GEMM's
+        epilogue and the down GEMM reads the activation on its own configurations
+        (SKINNY_TABLE's silu entry) without the prologue, which recomputed silu * up in
+        every program (its half of the down GEMM's time at 3-8 rows on the H200: 3.7-4.6
+        against ~2.3 us for a 576-wide GEMM of K 1728 without it). Either way the bits of
+        ``norm_linear`` then ``silu_mul_linear``, the path taken otherwise."""
+        if self.glu:
+            activated = self._norm_glu(x, delta, norm_weight, eps, w_gate_up)
+            if activated is not None:
+                act, stream = activated
+                config = self._skinny_config(act, w_down, None, silu_mul=True, activated=True)
+                if config is not None:
+                    return _skinny.skinny_linear(act, w_down, None, config), stream
+                return self(act, w_down), stream
+        gate_up, stream = self.norm_linear(x, delta, norm_weight, eps, w_gate_up)
+        return self.silu_mul_linear(gate_up, w_down), stream
+
+    def _norm_glu(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``norm_linear`` with SwiGLU in the GEMM's epilogue -> (silu(gate) * up, x +
+        delta), or None where the GEMM's configuration cannot take it (F.linear, split K,
+        an odd BLOCK_N): the caller then takes the path without."""
+        n, k = weight.shape
+        if n % 2:
+            return None
+        fused = self._norm_config(x, delta, norm_weight, weight, None)
+        if fused is not None:
+            if not _skinny.glu_fits(fused, k):
+                return None
+            return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, None, fused,
+                                              glu=True)
+        config = self._skinny_config(x, weight, None, silu_mul=False)
+        if config is None or not _skinny.glu_fits(config, k):
+            return None
+        from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
+        h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps)
+        return _skinny.skinny_linear(h, weight, None, config, glu=True), stream
+
+    def _norm_config(self, x: torch.Tensor, delta: torch.Tensor | None,
+                     norm_weight: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None) -> SkinnyConfig | None:
+        """The configuration that runs ``norm_linear``'s norm in the GEMM's prologue, or
+        None (the separate norm kernel)."""
+        if self.skinny_norm and norm_weight.dim() == 1 and \
+                (delta is None or delta.dtype == x.dtype and delta.shape == x.shape):
+            return self._skinny_config(x, weight, bias, silu_mul=False, norm=True)
+        return None
+
     def _skinny_config(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       *, silu_mul: bool, norm: bool = False) -> SkinnyConfig | None:
+                       *, silu_mul: bool, norm: bool = False,
+                       activated: bool = False) -> SkinnyConfig | None:
+        """``activated``: x is silu(gate) * up already [..., K] (``norm_mlp``), run on the
+        silu entry's configurations (``silu_mul`` True) without the prologue."""
         if not self.skinny or x.dtype not in (torch.bfloat16, torch.float16) \
                 or weight.dtype != x.dtype or weight.dim() != 2 or weight.stride(1) != 1 \
                 or not (x.device.type == "cuda" or self.skinny_on_cpu and x.device.type == "cpu"):
@@ -391,7 +450,7 @@ class PackedLinear:
         if bias is not None and (bias.dtype != x.dtype or bias.dim() != 1 or bias.stride(0) != 1):
             return None
         n, k = weight.shape
-        if x.shape[-1] != (2 * k if silu_mul else k):
+        if x.shape[-1] != (2 * k if silu_mul and not activated else k):
             return None
         if _under_autograd(x, weight, bias):
             return None
@@ -428,8 +487,9 @@ class PackedLinear:
     def __deepcopy__(self, memo: dict[int, object]) -> "PackedLinear":
         clone = PackedLinear(enabled=self.enabled, skinny=self.skinny)
         clone.skinny_norm, clone.skinny_on_cpu = self.skinny_norm, self.skinny_on_cpu
+        clone.glu = self.glu
         return clone
 
     def __getstate__(self) -> dict[str, object]:
         return {"enabled": self.enabled, "skinny": self.skinny, "skinny_norm": self.skinny_norm,
-                "skinny_on_cpu": self.skinny_on_cpu, "_packed": {}}
+                "glu": self.glu, "skinny_on_cpu": self.skinny_on_cpu, "_packed": {}}

@@ -47,7 +47,13 @@ bits, and a CUDA-graph replay equals the eager call.
 
 ``ACT=1`` is the MLP's down projection on the fused gate-up output [M, 2I]: the prologue
 loads gate and up and forms silu(gate) * up in fp32, rounded to x's dtype exactly as
-``_kernels.silu_mul`` rounds it, so one kernel replaces silu_mul + the down GEMM.
+``_kernels.silu_mul`` rounds it, so one kernel replaces silu_mul + the down GEMM. ``GLU``
+puts the same arithmetic in the gate-up GEMM's epilogue instead: a program's tile of W is
+its output columns' gate rows, then the same columns' up rows, each sum is rounded as the
+gate-up output would be, and the program stores silu(gate) * up [M, I] (``glu_fits``
+configurations: whole pairs in a tile, no split-K). The down GEMM then reads the
+activation without a prologue, where the prologue form recomputed silu * up over all of
+K in every program (``models/_linear`` ``norm_mlp``); both give the same bits.
 
 ``_norm_skinny_kernel`` (``skinny_norm_linear``) also takes the fused layer's residual add
 + RMSNorm (``_kernels.add_rms_norm``'s arithmetic) into the prologue of the GEMM after it,
@@ -149,6 +155,12 @@ def _pow2(n: int) -> int:
 if triton is not None:
 
     @triton.jit
+    def _silu_mul(g, u):
+        """silu(g) * u in fp32 as _kernels.silu_mul computes it (g and u hold values of the
+        stream's dtype): the one expression the prologue and the GLU epilogue share."""
+        return g / (1.0 + tl.exp(-g)) * u
+
+    @triton.jit
     def _load_x(rows, ks, mask, K, ACT: tl.constexpr):
         """x's elements ``ks`` of ``rows``; ACT == 1: the rows are gate_up [M, 2K]'s, and
         this is silu(gate) * up as _kernels.silu_mul computes and rounds it (the GEMM's
@@ -156,11 +168,36 @@ if triton is not None:
         if ACT == 1:
             g = tl.load(rows + ks, mask=mask, other=0.0)
             u = tl.load(rows + K + ks, mask=mask, other=0.0).to(tl.float32)
-            gf = g.to(tl.float32)
-            a = (gf / (1.0 + tl.exp(-gf)) * u).to(g.dtype)
+            a = _silu_mul(g.to(tl.float32), u).to(g.dtype)
         else:
             a = tl.load(rows + ks, mask=mask, other=0.0)
         return a
+
+    @triton.jit
+    def _w_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+        """-> (the program's BLOCK_N rows of W, which are in range). GLU: W is [2N, K]
+        (gate rows, then up rows) and the program's output columns are BLOCK_N / 2 of N:
+        their gate rows, then the same columns' up rows, so each column's two sums sit in
+        one tile (``_glu``)."""
+        if GLU:
+            c = tl.arange(0, BLOCK_N)
+            col = pid_n * (BLOCK_N // 2) + c % (BLOCK_N // 2)
+            return col + (c // (BLOCK_N // 2)) * N, col < N
+        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        return rn, rn < N
+
+    @triton.jit
+    def _glu(acc, dtype, BLOCK_N: tl.constexpr):
+        """acc [..., BLOCK_N] fp32 (``_w_rows``' GLU order: gate sums, then up sums) ->
+        silu(gate) * up [..., BLOCK_N / 2] in ``dtype``: each sum rounded to ``dtype`` as
+        the gate-up GEMM stores it, then _kernels.silu_mul's arithmetic and rounding, so
+        the output is silu_mul(gate_up)'s, bit for bit."""
+        if len(acc.shape) == 2:
+            pairs = tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_N // 2]), (0, 2, 1))
+        else:
+            pairs = tl.permute(tl.reshape(acc, [2, BLOCK_N // 2]), (1, 0))
+        g, u = tl.split(pairs)
+        return _silu_mul(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)).to(dtype)
 
     # M is not specialised (Triton would compile M == 1 apart): one compile per config.
     @triton.jit(do_not_specialize=["M"])
@@ -169,15 +206,18 @@ if triton is not None:
                        DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE: tl.constexpr = False, GDC: tl.constexpr = False,
-                       ONE_PASS: tl.constexpr = False):
+                       ONE_PASS: tl.constexpr = False, GLU: tl.constexpr = False):
+        # GLU: W is a gate-up weight [2N, K] and y [M, N] is silu(gate) * up (``_glu``;
+        # SPLIT_K == 1). N is y's width either way.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
         if GDC:  # PDL: each path below waits once, after its weight loads, before x
             tl.extra.cuda.gdc_launch_dependents()
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn, n_ok = _w_rows(pid_n, N, BLOCK_N, GLU)
+        rc = pid_n * (BLOCK_N // 2 if GLU else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if GLU
+                                                                       else BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        n_ok = rn < N
         # This program's K range (k_per_split is a multiple of BLOCK_K).
         k_lo = pid_k * k_per_split
         k_hi = tl.minimum(K, k_lo + k_per_split)
@@ -233,8 +273,12 @@ if triton is not None:
             if SPLIT_K == 1:
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :]
-                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rc[None, :]
+                if GLU:
+                    tl.store(y, _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
+                             mask=m_ok[:, None] & (rc < N)[None, :])
+                else:
+                    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
             else:
                 # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
                 part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
@@ -259,8 +303,13 @@ if triton is not None:
                 if SPLIT_K == 1:
                     if HAS_BIAS:
                         acc += bias
-                    tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
-                             acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+                    if GLU:
+                        tl.store(y_ptr + row.to(tl.int64) * stride_ym + rc,
+                                 _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
+                                 mask=(rc < N) & (rc * 0 + row < M))
+                    else:
+                        tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
+                                 acc.to(y_ptr.dtype.element_ty), mask=y_ok)
                 else:
                     tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
 
@@ -270,15 +319,17 @@ if triton is not None:
                             HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, TILE: tl.constexpr = False,
-                            GDC: tl.constexpr = False):
+                            GDC: tl.constexpr = False, GLU: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
+        # GLU: as _skinny_kernel's (W [2N, K], y [M, N] silu(gate) * up).
         pid_n = tl.program_id(0)
         if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
             tl.extra.cuda.gdc_launch_dependents()
-        rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rn, n_ok = _w_rows(pid_n, N, BLOCK_N, GLU)
+        rc = pid_n * (BLOCK_N // 2 if GLU else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if GLU
+                                                                       else BLOCK_N)
         rk = tl.arange(0, BLOCK_K)
-        n_ok = rn < N
         k_ok = rk < K
         if TILE:
             # All BLOCK_M rows at once, as [BM, 1, BK] (the GEMM kernel's TILE layout):
@@ -310,8 +361,12 @@ if triton is not None:
             acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
-                     acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rc[None, :]
+            if GLU:
+                tl.store(y, _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
+                         mask=m_ok[:, None] & (rc < N)[None, :])
+            else:
+                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
         else:
             w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -340,8 +395,13 @@ if triton is not None:
                 acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
                 if HAS_BIAS:
                     acc += bias
-                tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
-                         acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
+                if GLU:
+                    tl.store(y_ptr + row.to(tl.int64) * stride_ym + rc,
+                             _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
+                             mask=(rc < N) & (rc * 0 + row < M))
+                else:
+                    tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
+                             acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
 
     @triton.jit(do_not_specialize=["M"])
     def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
@@ -364,17 +424,32 @@ if triton is not None:
                  mask=ok)
 
 
+def glu_fits(config: SkinnyConfig, k: int) -> bool:
+    """``config`` can end in the GLU epilogue (``glu=True``): each program's tile holds
+    whole (gate, up) pairs and one program covers K (no split-K partials to add first)."""
+    return config.block_n >= 2 and config.block_n % 2 == 0 and config.k_splits(k)[0] == 1
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: SkinnyConfig, *, silu_mul: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig, *, silu_mul: bool = False,
+                  glu: bool = False) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, by ``config``.
     ``silu_mul``: x is a gate-up output [..., 2K] and the product is silu(gate) * up
-    (rounded to x's dtype) @ weight^T. x's last dim and weight's rows must be contiguous;
-    x, weight and bias share a dtype (the caller, ``models/_linear``, checks)."""
+    (rounded to x's dtype) @ weight^T. ``glu``: weight is a gate-up weight [2I, K] (gate
+    rows, then up rows) and the result is silu(gate) * up [..., I], bit for bit
+    ``_kernels.silu_mul`` of the plain product (``glu_fits`` configurations). x's last dim
+    and weight's rows must be contiguous; x, weight and bias share a dtype (the caller,
+    ``models/_linear``, checks)."""
     N, K = weight.shape
     width = x.shape[-1]
     if width != (2 * K if silu_mul else K):
         raise ValueError(f"skinny_linear: x is [..., {width}], weight [{N}, {K}]"
                          f"{' (silu_mul: x must be [..., 2K])' if silu_mul else ''}")
+    if glu and (silu_mul or N % 2 or not glu_fits(config, K)):
+        raise ValueError(f"skinny_linear: glu needs a gate-up weight [2I, K] (got [{N}, {K}])"
+                         f" and a glu_fits config (got {config.tag()}), without silu_mul")
+    if glu:
+        N //= 2
     x2 = x.reshape(-1, width)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
@@ -387,7 +462,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     c = config
     bm = c.block_m(M)
     split, k_per = c.k_splits(K)
-    grid = (triton.cdiv(N, c.block_n), split, triton.cdiv(M, bm))
+    grid = (triton.cdiv(N, c.block_n // 2 if glu else c.block_n), split, triton.cdiv(M, bm))
     b = bias if bias is not None else weight
     pdl = _pdl.launch_kw(x2)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
@@ -396,7 +471,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
                          BLOCK_K=c.block_k, TILE=c.tile_m > 0, num_warps=c.num_warps,
                          num_stages=c.num_stages, **pdl,
-                         **({"ONE_PASS": True} if c.one_pass(K) else {}))
+                         **({"ONE_PASS": True} if c.one_pass(K) else {}),
+                         **({"GLU": True} if glu else {}))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
@@ -415,16 +491,21 @@ def norm_fusable(config: SkinnyConfig, k: int) -> bool:
 
 def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
-                       config: SkinnyConfig, copy_to: torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       config: SkinnyConfig, copy_to: torch.Tensor | None = None, *,
+                       glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta) for x, delta
     [..., K], weight [N, K], in one kernel: ``_kernels.add_rms_norm`` (delta None: no add;
     ``copy_to`` also receives x + delta) and the GEMM, the normed rows never stored. The
-    config must be ``norm_fusable`` (one pass over K computes each row's RMS first)."""
+    config must be ``norm_fusable`` (one pass over K computes each row's RMS first).
+    ``glu``: as ``skinny_linear``'s (the product's silu(gate) * up, [..., N / 2])."""
     N, K = weight.shape
-    if x.shape[-1] != K or not norm_fusable(config, K) or norm_weight.shape != (K,):
+    if x.shape[-1] != K or not norm_fusable(config, K) or norm_weight.shape != (K,) or \
+            glu and (N % 2 or not glu_fits(config, K)):
         raise ValueError(f"skinny_norm_linear: x [..., {x.shape[-1]}], weight [{N}, {K}], "
-                         f"norm weight {tuple(norm_weight.shape)}, config {config.tag()}")
+                         f"norm weight {tuple(norm_weight.shape)}, config {config.tag()}"
+                         f"{', glu' if glu else ''}")
+    if glu:
+        N //= 2
     if weight.stride(1) != 1:
         raise ValueError("skinny_norm_linear: weight rows must be contiguous")
     x = x.contiguous()
@@ -443,11 +524,12 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     if M == 0:
         return y, stream
     bm = config.block_m(M)
-    grid = (triton.cdiv(N, config.block_n), triton.cdiv(M, bm))
+    grid = (triton.cdiv(N, config.block_n // 2 if glu else config.block_n), triton.cdiv(M, bm))
     _norm_skinny_kernel[grid](
         x, d, norm_weight, weight, bias if bias is not None else weight, y, stream,
         x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
         HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
         BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x))
+        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x),
+        **({"GLU": True} if glu else {}))
     return y, stream

@@ -39,10 +39,12 @@
 #            n-gram adaptive<=4 on warm-up's times / learned) at BATCHES (default 1) --
 #            the same machine for both, whose host speed differs between machines
 #   pin      CPU placement: the same runs unpinned and pinned to $CPUS (taskset), in turns
+#   layer    the layer bench alone (bench_skinny_gemm.py --layer-only: + norms, + glu)
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
 #            in turn (default, SPECLOOP_PDL=0, SPECLOOP_SKINNY=0,
 #            SPECLOOP_ATTENTION_MAX_SPLITS=1, SPECLOOP_SKINNY_NORM=0: the norm prologue,
-#            which the shipped table runs for qkv and gate-up at 1 row), one process each
+#            which the shipped table runs for qkv and gate-up at 1 row), one process each;
+#            ENVS (e.g. "DEFAULT=1 SPECLOOP_SKINNY_GLU=0"), CONFIGS, BATCHES, ROUNDS replace them
 # PROMPTS: the held-out prompts file (default bench/prompts_heldout.jsonl, shipped: the eval
 # split of build_prompts(5000, 400, 0), bench/held_out_prompts.py). profile and
 # tables run 16 distinct prompts a run at batch 1 (--min-prompts 16; the figures up to the
@@ -169,13 +171,20 @@ for step in "$@"; do
       done ;;
     ab)
       # SPECLOOP_SKINNY_NORM=0: the shipped table fuses qkv's and gate-up's norms at 1 row.
-      envs="DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=0"
-      for env in $envs; do
-        echo "-- $env"
-        (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
-          --out "$OUT/ab_${env%%=*}.jsonl" --configs "none,eagle3 K=3" --batches 1,32 --runs 3 \
-          2>&1 | grep '^{' | cut -c1-150)
+      # ENVS, CONFIGS, BATCHES and ROUNDS (default 1) replace the defaults.
+      envs=${ENVS:-"DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=0"}
+      for round in $(seq 1 "${ROUNDS:-1}"); do
+        for env in $envs; do
+          echo "-- $env (round $round)"
+          (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+            --out "$OUT/ab_${env%%=*}_$round.jsonl" --configs "${CONFIGS:-none,eagle3 K=3}" \
+            --batches "${BATCHES:-1,32}" --runs 3 --min-prompts 16 2>&1 | grep '^{' | cut -c1-150)
+        done
       done ;;
+    layer)
+      # A SmolLM2 layer without attention (30 layers' weights, CUDA graphs) through the
+      # dispatcher at 1, 4, 5 and 8 rows: cuBLAS, the code's table, + norms, + glu.
+      (cd bench && python3 bench_skinny_gemm.py --layer-only 2>&1 | grep "layer\|wrote") ;;
     codeab)
       # The installed package (/tmp/site/specloop) with each of $OLD's package folders in
       # place of its own (a folder $OLD lacks stays this tree's); the files that differ

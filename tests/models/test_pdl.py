@@ -273,7 +273,8 @@ NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf
             "stride_cm": "i32", "eps": "fp32"}
 
 
-@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass"])
+@pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass",
+                                  "dot_one_pass_glu"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
@@ -289,9 +290,14 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
             "dot_split": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=2, BLOCK_M=16,
                               BLOCK_N=16, BLOCK_K=128, TILE=False, ONE_PASS=False),
             "dot_one_pass": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
-                                 BLOCK_N=16, BLOCK_K=1024, TILE=False, ONE_PASS=True)}[path]
+                                 BLOCK_N=16, BLOCK_K=1024, TILE=False, ONE_PASS=True),
+            # gate-up with SwiGLU in the epilogue (norm_mlp): its two halves of W before
+            "dot_one_pass_glu": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
+                                     BLOCK_N=64, BLOCK_K=1024, TILE=False, ONE_PASS=True,
+                                     GLU=True)}[path]
+    meta.setdefault("GLU", False)
     before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
-              "dot_one_pass": {"w_ptr"}}[path]
+              "dot_one_pass": {"w_ptr"}, "dot_one_pass_glu": {"w_ptr"}}[path]
     sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
@@ -299,10 +305,13 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
 def test_norm_skinny_and_splitk_reduce():
     from specloop.models import _skinny as S
 
-    for tile, before in ((False, {"nw_ptr", "w_ptr", "b_ptr"}), (True, {"nw_ptr", "w_ptr"})):
+    for tile, glu, before in ((False, False, {"nw_ptr", "w_ptr", "b_ptr"}),
+                              (True, False, {"nw_ptr", "w_ptr"}),
+                              (False, True, {"nw_ptr", "w_ptr", "b_ptr"})):
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
                      dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
-                          BLOCK_N=2, BLOCK_K=1024, TILE=tile), weights=before, sass=tile)
+                          BLOCK_N=4 if glu else 2, BLOCK_K=1024, TILE=tile, GLU=glu),
+                     weights=before, sass=tile)
     check_kernel(S._splitk_reduce_kernel,
                  {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
                   "stride_ym": "i32"}, dict(HAS_BIAS=True, SPLIT_K=2, BLOCK=1024),

@@ -243,6 +243,8 @@ def counting(module, name):
         calls[name] = calls.get(name, 0) + 1
         if name == "skinny_linear" and a[3].dot:
             calls["tl.dot"] = calls.get("tl.dot", 0) + 1
+        if k.get("glu"):
+            calls["glu"] = calls.get("glu", 0) + 1
         return fn(*a, **k)
     setattr(module, name, counted)
 for module, name in ((_skinny, "skinny_linear"), (_skinny, "skinny_norm_linear"),
@@ -255,10 +257,14 @@ out = {}
 # "dot": the shipped table's form for qkv and gate-up from 2 rows (the fifth session's at
 # every row count), one-tile tl.dot (ONE_PASS: BLOCK_K covers K), which takes no norm
 # prologue: add_rms_norm runs before them.
-for skinny, norm, dot in ((False, False, False), (True, False, False), (True, True, False),
-                          (True, True, True)):
+# glu: SwiGLU in the gate-up GEMM's epilogue, the down GEMM without its prologue (the same
+# bits as without: checked below).
+for skinny, norm, dot, glu in ((False, False, False, False), (True, False, False, False),
+                               (True, False, False, True), (True, True, False, False),
+                               (True, True, False, True), (True, True, True, False),
+                               (True, True, True, True)):
     model.linear.skinny = model.linear.skinny_on_cpu = skinny
-    model.linear.skinny_norm = norm
+    model.linear.skinny_norm, model.linear.glu = norm, glu
     for n in (qkv_n, gate_up_n):
         if dot:
             _linear.SKINNY_TABLE[(n, H, False)] = ((32, f"d16x{H}s1w4n1"),)
@@ -273,7 +279,7 @@ for skinny, norm, dot in ((False, False, False), (True, False, False), (True, Tr
     # Features captured after every layer (layer 0's by layer 1's norm: norm_linear's copy).
     hidden, feats = model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]), cache,
                           capture=tuple(range(L)))
-    out[skinny, norm, dot] = torch.cat([hidden, feats], dim=-1).float()
+    out[skinny, norm, dot, glu] = torch.cat([hidden, feats], dim=-1).float()
     if dot:      # qkv and gate-up on tl.dot after add_rms_norm, o, silu-down; the final norm
         want = {"skinny_linear": 4 * L, "tl.dot": 2 * L, "add_rms_norm": 2 * L + 1}
     elif norm:   # qkv and gate-up with their norms, o, silu-down; the final norm
@@ -282,12 +288,69 @@ for skinny, norm, dot in ((False, False, False), (True, False, False), (True, Tr
         want = {"skinny_linear": 4 * L, "add_rms_norm": 2 * L + 1}
     else:
         want = {"silu_mul": L, "add_rms_norm": 2 * L + 1}
-    assert calls == want, (skinny, norm, dot, calls)
+    if glu:      # the same kernels, the gate-up one with the epilogue
+        want["glu"] = L
+    assert calls == want, (skinny, norm, dot, glu, calls)
     assert feats.abs().sum() > 0
 for key in ((True, False, False), (True, True, False), (True, True, True)):
-    torch.testing.assert_close(out[key], out[False, False, False], rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out[key + (False,)], out[False, False, False, False],
+                               rtol=2e-2, atol=2e-2)
+    assert torch.equal(out[key + (True,)], out[key + (False,)]), key
 print("ok")
 """
+
+
+GLU_CHILD = r"""
+import torch
+from specloop.models import _kernels
+from specloop.models._skinny import SkinnyConfig, glu_fits, skinny_linear, skinny_norm_linear
+
+torch.manual_seed(0)
+K, I = 64, 48      # fp16: the interpreter's bf16 add of the norm's delta is not the GPU's
+w = (torch.randn(2 * I, K) * 0.2).half()
+wd = (torch.randn(K, I) * 0.2).half()
+nw = (1 + 0.1 * torch.randn(K)).half()
+configs = [SkinnyConfig(False, 4, 64, num_warps=2), SkinnyConfig(False, 8, 64, num_warps=2),
+           SkinnyConfig(False, 2, 64, tile_m=2, num_warps=2),
+           SkinnyConfig(False, 4, 64, tile_m=4, num_warps=2),
+           SkinnyConfig(True, 16, 64, num_warps=4),                    # one pass
+           SkinnyConfig(True, 32, 32, num_warps=4, num_stages=2)]     # K in a loop
+down = SkinnyConfig(False, 4, 64, tile_m=2, num_warps=2)
+for rows in (1, 5):
+    x, d = torch.randn(rows, K).half(), torch.randn(rows, K).half()
+    for c in configs:
+        gate_up = skinny_linear(x, w, None, c)
+        act = skinny_linear(x, w, None, c, glu=True)
+        assert torch.equal(act, _kernels.silu_mul(gate_up)), (rows, c.tag())
+        if not c.dot:       # the norm prologue, then the epilogue; the stream unchanged
+            g2, s2 = skinny_norm_linear(x, d, nw, 1e-5, w, None, c)
+            a2, s3 = skinny_norm_linear(x, d, nw, 1e-5, w, None, c, glu=True)
+            assert torch.equal(a2, _kernels.silu_mul(g2)) and torch.equal(s2, s3), c.tag()
+        # The down GEMM on the activation equals it with the silu prologue.
+        assert torch.equal(skinny_linear(act, wd, None, down),
+                           skinny_linear(gate_up, wd, None, down, silu_mul=True)), c.tag()
+# Configurations that cannot hold whole (gate, up) pairs, or split K, are refused.
+for c in (SkinnyConfig(False, 1, 64), SkinnyConfig(False, 4, 32),
+          SkinnyConfig(True, 16, 32, split_k=2)):
+    assert not glu_fits(c, K), c.tag()
+    try:
+        skinny_linear(x, w, None, c, glu=True)
+    except ValueError as e:
+        assert "glu" in str(e)
+    else:
+        raise AssertionError(c.tag())
+print("ok")
+"""
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_glu_epilogue_is_silu_mul_of_the_product_interpreted():
+    """SwiGLU in the gate-up GEMM's epilogue (``glu``): for the broadcast, one-reduction
+    and tl.dot (one pass and looped) paths, and after the norm prologue, the output is
+    ``_kernels.silu_mul`` of the plain product bit for bit (fp16, Triton's interpreter),
+    and the down GEMM on it equals the down GEMM with the silu prologue on the product;
+    configurations that cannot take it are refused."""
+    run_interpreted(GLU_CHILD)
 
 
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
@@ -297,7 +360,9 @@ def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
     layer's two norm kernels do not either, and the hidden states and captured features
     match the cuBLAS-shaped path's (F.linear + silu_mul + add_rms_norm) within fp16
     rounding. Also with the shipped table's form for qkv and gate-up from 2 rows (one-tile
-    tl.dot: add_rms_norm before them, no prologue, ``skinny_norm`` on). (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
+    tl.dot: add_rms_norm before them, no prologue, ``skinny_norm`` on). Each also with
+    ``glu`` (SwiGLU in the gate-up GEMM's epilogue, ``norm_mlp``): the same kernels, the
+    same bits. (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(tiny_dirs["llama"]))
 
 
