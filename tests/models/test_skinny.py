@@ -741,6 +741,43 @@ def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs, monkeypatch, tile):
 
 
 @pytest.mark.gpu
+def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
+    """``norm_mlp`` with SwiGLU in the gate-up GEMM's epilogue equals it with SwiGLU in the
+    down GEMM's prologue, bit for bit, at every row count 1..32 on SmolLM2's MLP shapes
+    (the shipped table, bf16, random weights), with and without the norm in the prologue;
+    the epilogue form runs at 1 row (the norm kernel) and from 2 rows (one-tile tl.dot)."""
+    from specloop.models import _skinny
+
+    H, I = 576, 1536
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    x, d, nw = rand(32, H), rand(32, H), (1 + rand(H, scale=0.1))
+    wgu, wd = rand(2 * I, H, scale=0.05), rand(H, I, scale=0.05)
+    glu_rows = []
+    for name in ("skinny_linear", "skinny_norm_linear"):
+        fn = getattr(_skinny, name)
+
+        def counted(*a, fn=fn, **k):
+            if k.get("glu"):
+                glu_rows.append(a[0].shape[0])
+            return fn(*a, **k)
+        monkeypatch.setattr(_skinny, name, counted)
+    for norm in (False, True):
+        lins = []
+        for glu in (True, False):
+            lin = PackedLinear(skinny=True)
+            lin.skinny_norm, lin.glu = norm, glu
+            lins.append(lin)
+        for m in range(1, 33):
+            (y1, s1), (y0, s0) = (lin.norm_mlp(x[:m], d[:m], nw, 1e-5, wgu, wd) for lin in lins)
+            assert torch.equal(y1, y0) and torch.equal(s1, s0), (norm, m)
+    assert 1 in glu_rows and max(glu_rows) == 32, glu_rows
+
+
+@pytest.mark.gpu
 def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
     """The RMSNorm prologue in bf16 on the GPU (the interpreter cannot check bf16 there):
     the stream and its copy equal add_rms_norm's bits, y is F.linear of its h within bf16
