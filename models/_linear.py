@@ -110,13 +110,18 @@ SKINNY_MAX_ROWS = 32
 # speculation 1,779-1,814 -> 1,981-2,020 tok/s at batch 1, speculation unchanged (eagle3
 # K = 3 2,301-2,318 -> 2,287-2,323: its VERIFY rows ran one-tile tl.dot configurations of
 # the same bit class before too) (docs/performance-history.md, "One-tile tl.dot for VERIFY's
-# rows").
+# rows"). The o projection took the same tail from 9 to 32 rows on 2026-12-02 (the 13:08
+# run had d64x1024 at 2.33 us for 32 rows against cuBLAS's 3.71, and its offline choice
+# with the bit classes had it, bench/results/h200_1201e_table_tail_offline.json): at batch 8
+# eagle3 K = 3 (32 rows) went from 10,006 to 11,279 tok/s, no speculation unchanged
+# (bench/results/h200_1202i_otail_*.jsonl; a cuBLAS GEMM also breaks PDL's chain of
+# Triton kernels around it), and the GPU tests passed with it (tabletests).
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
     (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1')),
     (576, 576, False): ((1, 'v4x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
                         (3, 'b2x4x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
-                        (16, 'b2x4x1024s1w4n3')),
+                        (8, 'b2x4x1024s1w4n3'), (32, 'd64x1024s1w8n1')),
     (3072, 576, False): ((1, 'v4x1024s1w4n3'), (32, 'd64x1024s1w8n1')),
     (576, 1536, True): ((1, 'v8x2048s1w16n3'), (2, 'v8x2048s1w8n3'),
                         (8, 'b2x4x2048s1w8n3')),
