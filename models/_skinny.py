@@ -199,6 +199,31 @@ if triton is not None:
         g, u = tl.split(pairs)
         return _silu_mul(g.to(dtype).to(tl.float32), u.to(dtype).to(tl.float32)).to(dtype)
 
+    @triton.jit
+    def _store_tile(y_ptr, rm, m_ok, rn, n_ok, rc, acc, N, stride_ym,
+                    BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+        """acc [BM, BLOCK_N] of rows ``rm`` rounded into y (GLU: silu(gate) * up at the
+        output columns ``rc``; else columns ``rn``)."""
+        if GLU:
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rc[None, :],
+                     _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
+                     mask=m_ok[:, None] & (rc < N)[None, :])
+        else:
+            tl.store(y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                     acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+
+    @triton.jit
+    def _store_row(y_ptr, row, M, rn, n_ok, rc, acc, N, stride_ym,
+                   BLOCK_N: tl.constexpr, GLU: tl.constexpr):
+        """acc [BLOCK_N] of row ``row`` (stored only if < M), as ``_store_tile``."""
+        if GLU:
+            tl.store(y_ptr + row.to(tl.int64) * stride_ym + rc,
+                     _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
+                     mask=(rc < N) & (rc * 0 + row < M))
+        else:
+            tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
+                     acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
+
     # M is not specialised (Triton would compile M == 1 apart): one compile per config.
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -273,12 +298,7 @@ if triton is not None:
             if SPLIT_K == 1:
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-                y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rc[None, :]
-                if GLU:
-                    tl.store(y, _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
-                             mask=m_ok[:, None] & (rc < N)[None, :])
-                else:
-                    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=out_mask)
+                _store_tile(y_ptr, rm, m_ok, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
             else:
                 # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
                 part = y_ptr + (pid_k * M + rm.to(tl.int64))[:, None] * N + rn[None, :]
@@ -303,13 +323,7 @@ if triton is not None:
                 if SPLIT_K == 1:
                     if HAS_BIAS:
                         acc += bias
-                    if GLU:
-                        tl.store(y_ptr + row.to(tl.int64) * stride_ym + rc,
-                                 _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
-                                 mask=(rc < N) & (rc * 0 + row < M))
-                    else:
-                        tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
-                                 acc.to(y_ptr.dtype.element_ty), mask=y_ok)
+                    _store_row(y_ptr, row, M, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
                 else:
                     tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
 
@@ -361,12 +375,7 @@ if triton is not None:
             acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            y = y_ptr + rm.to(tl.int64)[:, None] * stride_ym + rc[None, :]
-            if GLU:
-                tl.store(y, _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
-                         mask=m_ok[:, None] & (rc < N)[None, :])
-            else:
-                tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
+            _store_tile(y_ptr, rm, m_ok, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
         else:
             w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -395,13 +404,7 @@ if triton is not None:
                 acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
                 if HAS_BIAS:
                     acc += bias
-                if GLU:
-                    tl.store(y_ptr + row.to(tl.int64) * stride_ym + rc,
-                             _glu(acc, y_ptr.dtype.element_ty, BLOCK_N),
-                             mask=(rc < N) & (rc * 0 + row < M))
-                else:
-                    tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
-                             acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
+                _store_row(y_ptr, row, M, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
 
     @triton.jit(do_not_specialize=["M"])
     def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
