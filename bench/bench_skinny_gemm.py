@@ -85,6 +85,10 @@ SHAPES = {
     "draft_lm": (16384, 576, False),
     "lm_head": (49152, 576, False),
 }
+# Shapes swept only when named (--shapes): the down projection on the activation
+# (norm_mlp's GLU path), whose rows run the silu entry's configurations without the
+# prologue -- to time those and find a tl.dot tail of cuBLAS's bits above its 8 rows.
+EXTRA_SHAPES = {"down": (576, 1536, False)}
 # norm_linear's shapes: the fused layer's add + RMSNorm may run in their prologue (where the
 # table's prefix for them is norm-fusable).
 NORM_SHAPES = ("qkv", "gate_up")
@@ -852,7 +856,8 @@ def check_layouts(table: dict) -> list[str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
-    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"of {list(SHAPES)}")
+    ap.add_argument("--shapes", default=",".join(SHAPES),
+                    help=f"of {list(SHAPES) + list(EXTRA_SHAPES)}")
     ap.add_argument("--no-refine", dest="refine", action="store_false",
                     help="skip num_warps / num_stages variants around each best config")
     ap.add_argument("--workers", type=int, default=min(16, os.cpu_count() or 1))
@@ -907,7 +912,7 @@ def main() -> None:
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
         return
     rows_list = [int(r) for r in args.rows.split(",")]
-    shapes = {s: SHAPES[s] for s in args.shapes.split(",")}
+    shapes = {s: {**SHAPES, **EXTRA_SHAPES}[s] for s in args.shapes.split(",")}
     tasks = []
     from specloop.models._skinny import norm_fusable
     for name, (n, k, act) in shapes.items():
