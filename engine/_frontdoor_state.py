@@ -26,7 +26,7 @@ class OutputChannel:
     outputs sent since the last one. An anyio memory stream costs a checkpoint and an
     event per item on both sides, per request per iteration (issue 12)."""
 
-    __slots__ = ("_items", "_waiter", "_closed", "_open", "_wakes")
+    __slots__ = ("_items", "_waiter", "_closed", "_open", "_wakes", "_loop")
 
     def __init__(self, requests: int = 1) -> None:
         self._items: list[RequestOutput] = []
@@ -36,6 +36,8 @@ class OutputChannel:
         # (``AsyncEngine.generate_batch``); it closes when the last of them closes it.
         self._open = requests
         self._wakes = 0         # takes that waited (see ``take``)
+        # The consumer's asyncio loop, from its first wait (None: not yet, or not asyncio).
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     def put(self, output: RequestOutput) -> None:
         self._items.append(output)
@@ -55,14 +57,23 @@ class OutputChannel:
         if self._items:
             await anyio.lowlevel.checkpoint_if_cancelled()  # a cancelled consumer stops
         else:
+            loop = self._loop
+            if loop is None:
+                loop = self._loop = _running_loop()
             while not self._items:
                 if self._closed:
                     return []
-                waiter = self._waiter = _new_waiter()
-                if isinstance(waiter, asyncio.Future):
-                    await waiter
+                if loop is not None:
+                    # On asyncio a bare future: ``anyio.Event()`` looks the backend up each
+                    # time (~5 us of the ~6 us a consumer's wake-up cost; a consumer per
+                    # request waits once per iteration). Built directly: the loop's
+                    # ``create_future`` is one Python call more, per request per iteration.
+                    future: asyncio.Future[None] = _Future(loop=loop)
+                    self._waiter = future
+                    await future
                 else:
-                    await waiter.wait()
+                    event = self._waiter = anyio.Event()
+                    await event.wait()
             # A cancelled consumer stops also when woken by an output, at its 16th wake
             # at the latest: anyio does not cancel a task whose future is done, and an
             # engine putting an output every iteration can find it done at every one of
@@ -79,20 +90,21 @@ class OutputChannel:
         waiter = self._waiter
         if waiter is not None:
             self._waiter = None
-            if not isinstance(waiter, asyncio.Future):
+            if not isinstance(waiter, _Future):
                 waiter.set()
             elif not waiter.done():     # done: its consumer was cancelled
                 waiter.set_result(None)
 
 
-def _new_waiter() -> asyncio.Future[None] | anyio.Event:
-    """On asyncio a bare future: ``anyio.Event()`` looks the backend up each time (~5 us
-    of the ~6 us a consumer's wake-up cost; a streaming consumer per request waits once
-    per iteration, 128 of them per iteration at 2 x 64). Elsewhere (trio) anyio's."""
+_Future = asyncio.Future
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    """The running asyncio loop; None elsewhere (trio: anyio's events)."""
     try:
-        return asyncio.get_running_loop().create_future()
+        return asyncio.get_running_loop()
     except RuntimeError:
-        return anyio.Event()
+        return None
 
 
 class FrontDoor:
@@ -190,13 +202,16 @@ class FrontDoor:
             if stream is not None:
                 channel, text = stream
                 shown = output if text is None else text.fill(output)
-                channel.put(shown)
-                if shown.finished and not output.finished:
+                # OutputChannel.put inline: once per request per iteration.
+                channel._items.append(shown)
+                if channel._waiter is not None:
+                    channel._wake()
+                if output.finished:
+                    self._release(request_id)
+                elif shown.finished:
                     self.abandon(request_id)    # a stop string: end it in the engine
-            elif request_id not in live:
-                continue        # not ours (already ended here)
-            if output.finished:
-                self._release(request_id)
+            elif output.finished and request_id in live:
+                self._release(request_id)       # else not ours (already ended here)
 
     def request_id(self, handle: int) -> str | None:
         return self._ids.get(handle)

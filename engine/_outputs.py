@@ -68,38 +68,41 @@ class Outputs:
         # Rows to trim, in batch order; trimmed in one call before a finished row's slot
         # is released, so trims and releases keep the order of a row at a time.
         trims: list[Request] = []
-        output = RequestOutput
+        # Bound once: the usual row's work below runs per row per iteration.
+        output, handle, emit, trim = RequestOutput, handles.append, outputs.append, trims.append
         try:
             for request, row, n in zip(batch, rows, accepted):
+                n += 1      # the row's new tokens
                 # A whole row is used as it is (no speculation: always; nothing keeps or
                 # changes it), else its accepted part.
-                new = row if n + 1 == len(row) else row[:n + 1]
+                new = row if n == len(row) else row[:n]
                 token_ids = request.token_ids
                 stops = request.stop_tokens
                 if stops is None:
                     stops = self.rules(request)[1]
-                if len(token_ids) + n + 1 < request.stop_length and (
-                        not stops or stops.isdisjoint(new)):
+                length = len(token_ids) + n
+                if length < request.stop_length and (not stops or stops.isdisjoint(new)):
                     # The usual row: no stop can match. Inline, one output built directly.
                     token_ids += new
-                    request.num_cached = len(token_ids) - 1
-                    generated += n + 1
-                    trims.append(request)
-                    handles.append(request.handle)
-                    outputs.append(output(request.request_id, tuple(new), ""))
+                    request.num_cached = length - 1
+                    generated += n
+                    trim(request)
+                    handle(request.handle)
+                    emit(output(request.request_id, tuple(new), ""))
                     continue
                 emitted, reason = self._commit_each(request, new)
                 request.num_cached = len(token_ids) - 1
                 generated += len(emitted)
-                trims.append(request)
+                trim(request)
                 if reason is not None:
                     finished.append(request)
                     self.runner.trim_many(trims)
                     trims = []
+                    trim = trims.append
                     self._end(request, reason)
                 if emitted or reason is not None:
-                    handles.append(request.handle)
-                    outputs.append(self._output(request, emitted, reason is not None))
+                    handle(request.handle)
+                    emit(self._output(request, emitted, reason is not None))
         finally:
             if trims:
                 self.runner.trim_many(trims)

@@ -16,7 +16,7 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"          # the engine failed while serving it
 
 
-@attrs.frozen
+@attrs.frozen(init=False)
 class RequestOutput:
     """One streamed delta of a request."""
 
@@ -26,6 +26,25 @@ class RequestOutput:
     finished: bool = False
     finish_reason: FinishReason | None = None
     error: str | None = None
+
+    def __init__(self, request_id: str, token_ids: tuple[int, ...], text: str,
+                 finished: bool = False, finish_reason: FinishReason | None = None,
+                 error: str | None = None) -> None:
+        # attrs' frozen __init__, through the slots' own setters: RESCAN builds one per
+        # request per iteration, and attrs' (object.__setattr__ through a bound
+        # method-wrapper per field) costs ~30 % more.
+        _set_request_id(self, request_id)
+        _set_token_ids(self, token_ids)
+        _set_text(self, text)
+        _set_finished(self, finished)
+        _set_finish_reason(self, finish_reason)
+        _set_error(self, error)
+
+
+# The slots' setters (set once by __init__ and by the front door's text fill; the class
+# stays frozen to everyone else).
+(_set_request_id, _set_token_ids, _set_text, _set_finished, _set_finish_reason,
+ _set_error) = (RequestOutput.__dict__[f.name].__set__ for f in attrs.fields(RequestOutput))
 
 
 @attrs.frozen

@@ -169,3 +169,58 @@ async def test_cancelled_consumers_stop_while_outputs_keep_coming():
                 consumers.cancel_scope.cancel()
         assert cycles - at <= 40, cycles - at      # was: until the producer stopped
         outer.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("stops", [(), ("zz",), ("e", "th")])
+async def test_delivery_through_text_streams_equals_the_one_shot_decode(tiny_dir, stops):
+    """Outputs of 1-4 tokens (a speculative step's), several requests' in one ``deliver``:
+    each request's texts concatenate to the decode of its ids, cut before the first stop
+    string; a stop string ends the output with the token that completed it (finished,
+    STOP) and cancels the request; every output equals what ``TextStream.step`` (which
+    builds a new output, the reference) makes of the same engine outputs."""
+    import random
+
+    from specloop.engine._stop import TextStream
+    from specloop.models import Tokenizer
+    tok = Tokenizer.from_dir(tiny_dir)
+    words = tok.encode("the quick brown fox jumps over the lazy dog; café 🦙 naïve zz end")
+    rng = random.Random(len(stops))
+    stopped = 0
+    for trial in range(30):
+        front = FrontDoor()
+        news = [new(i, f"t{trial}-{i}") for i in range(3)]
+        channels = [front.submit(n, text=TextStream(tok, stops)) for n in news]
+        references = [TextStream(tok, stops) for _ in news]
+        front.take_message(one_rank)
+        sent: list[list[int]] = [[] for _ in news]
+        expect: list[list[RequestOutput]] = [[] for _ in news]
+        for step in range(12):
+            outputs, ending = [], []
+            for i, n in enumerate(news):
+                ids = tuple(rng.choice(words) if rng.random() < 0.8 else
+                            rng.randrange(tok.vocab_size) for _ in range(rng.randint(1, 4)))
+                last = step == 11
+                out = RequestOutput(n.request_id, ids, "", last,
+                                    FinishReason.LENGTH if last else None)
+                if not references[i].stopped and n.request_id in front.open_request_ids:
+                    sent[i].extend(ids)
+                    expect[i].append(references[i].step(out))
+                    if references[i].stopped and not last:
+                        ending.append(n.request_id)
+                outputs.append(out)
+            front.deliver(outputs)
+            # Ended at the front door by a stop string: the engine is asked to cancel it.
+            assert front.take_message(one_rank).cancels == tuple(ending)
+        for i, n in enumerate(news):
+            got = await take(channels[i])
+            assert got == expect[i]
+            text = tok.decode(sent[i])
+            cut = min((text.find(s) for s in stops if s in text), default=-1)
+            assert "".join(o.text for o in got) == (text if cut < 0 else text[:cut])
+            assert got[-1].finished and [o.finished for o in got[:-1]] == [False] * (len(got) - 1)
+            assert got[-1].finish_reason is (FinishReason.STOP if cut >= 0 else
+                                             FinishReason.LENGTH)
+            tokens = [t for o in got for t in o.token_ids]
+            assert tokens == (sent[i] if cut < 0 else sent[i][:len(tokens)])
+            stopped += cut >= 0
+    assert stopped > 0 if stops else stopped == 0

@@ -171,3 +171,22 @@ def test_sampling_rows_padded_to_the_batch_size_are_built_once():
     assert smaller_padded.seeds.tolist() == [2, 0, 0, 0]
     assert smaller_padded.top_p is padded.top_p and smaller_padded.min_p is padded.min_p
     assert smaller_padded.seeds is not padded.seeds
+
+
+def test_request_output_builds_as_attrs_would():
+    """RequestOutput's own __init__ (the slots' setters, per request per iteration) keeps
+    attrs' class: defaults, keywords, frozen, equality and hash, evolve, pickling."""
+    import pickle
+
+    import attrs
+
+    from specloop.engine import FinishReason
+    a = RequestOutput("r", (1, 2), "x")
+    assert attrs.astuple(a) == ("r", (1, 2), "x", False, None, None)
+    b = RequestOutput(request_id="r", token_ids=(1, 2), text="x", finished=False)
+    assert a == b and hash(a) == hash(b) and repr(a) == repr(b)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        a.text = "y"
+    c = attrs.evolve(a, text="y", finished=True, finish_reason=FinishReason.STOP, error="e")
+    assert attrs.astuple(c) == ("r", (1, 2), "y", True, FinishReason.STOP, "e")
+    assert pickle.loads(pickle.dumps(c)) == c and a != c
