@@ -392,12 +392,14 @@ class AdaptiveK:
         class's counts decay at the iterations that drafted rows of it."""
         if k == 0 or not num_accepted:
             return
+        by_class: dict[int, Sequence[int]]
         if classes is None:     # every row unclassed (no per-row work: a host-bound batch
             by_class = {self.classes: num_accepted}     # of 32-256 rows pays for each)
         else:
-            by_class = {}
+            rows: dict[int, list[int]] = {}
             for c, n in zip(classes, num_accepted):
-                by_class.setdefault(c, []).append(n)
+                rows.setdefault(c, []).append(n)
+            by_class = dict(rows)
         for c, accepted_rows in by_class.items():
             self._count(self._reached[c], self._accepted[c], k, accepted_rows)
             self._own_expected[c] = None
