@@ -20,6 +20,8 @@ from ._host import to_device
 log = structlog.get_logger(__name__)
 
 DEFAULT_PAGE_SIZE = 16
+# Past any length a slot is asked to hold (the bounds of a full or an empty slot).
+_UNBOUNDED = 1 << 62
 
 
 class CacheFullError(RuntimeError):
@@ -58,6 +60,12 @@ class PageTable:
         # against ~3 us through torch indexing (reserve and trim run every iteration).
         self._host_rows = self.host.numpy()
         self._dirty: set[int] = set()
+        # Per slot, the lengths its page count holds as they are: ``resize(slot, length)``
+        # changes nothing while ``shrink_at[slot] < length <= grow_at[slot]`` (one
+        # comparison a row where only growth is asked for). Kept by ``resize``; read-only
+        # to everyone else (the runner's per-row reservations and trims).
+        self.grow_at = [0] * (num_slots + 1)
+        self.shrink_at = [-_UNBOUNDED] * (num_slots + 1)
         with torch.inference_mode(False):
             self.table = self.host.to(device)
         if preallocate:
@@ -105,23 +113,30 @@ class PageTable:
         while len(owned) > want:
             self._free.append(owned.pop())
             row[len(owned)] = self.scratch_page
+        self.grow_at[slot] = want * self.page_size if want < self.pages_per_slot else _UNBOUNDED
+        self.shrink_at[slot] = (want - 1) * self.page_size if want else -_UNBOUNDED
         self._dirty.add(slot)
 
     def resize_many(self, lengths: Iterable[tuple[int, int]], *, shrink: bool = True) -> None:
-        """``resize(slot, length)`` of each (slot, length), in order; the page count
-        compared first, inline: most rows, most iterations, keep theirs (a row crosses a
-        page every page_size tokens), and a call cost ~0.2 us a row (RESCAN's trims and
-        the next step's reservations, per row per iteration). ``shrink`` False only adds
+        """``resize(slot, length)`` of each (slot, length), in order; the slot's bounds
+        (``grow_at``, ``shrink_at``) compared first, inline: most rows, most iterations,
+        keep their pages (a row crosses a page every page_size tokens), and a call cost
+        ~0.2 us a row (RESCAN's trims and the next step's reservations, per row per
+        iteration). ``shrink`` False only adds
         pages: a slot holding enough for ``length`` positions keeps them all (a
         reservation for the next step must not give back what another path reserved for
         a longer one: the two would take and free the same page every iteration, each
         time a copy of the table)."""
-        size, most, owned = self.page_size, self.pages_per_slot, self._owned
+        resize, grow_at = self.resize, self.grow_at
+        if not shrink:
+            for slot, length in lengths:
+                if length > grow_at[slot]:
+                    resize(slot, length)
+            return
+        shrink_at = self.shrink_at
         for slot, length in lengths:
-            want = -(-length // size) if length > 0 else 0
-            have, want = len(owned[slot]), want if want < most else most
-            if have < want or shrink and have > want:
-                self.resize(slot, length)
+            if length > grow_at[slot] or length <= shrink_at[slot]:
+                resize(slot, length)
 
     def release(self, slot: int) -> None:
         self.resize(slot, 0)

@@ -151,6 +151,79 @@ def test_resizing_only_rows_that_change_leaves_the_table_of_resizing_all(page, o
         assert pages.num_free == every.num_free
 
 
+def resize_many_by_count(pages, lengths, shrink=True):
+    """``resize_many`` comparing page counts (before the slots' bounds), the reference."""
+    size, most = pages.page_size, pages.pages_per_slot
+    for slot, length in lengths:
+        want = min(-(-length // size) if length > 0 else 0, most)
+        have = len(pages.pages_of(slot))
+        if have < want or shrink and have > want:
+            pages.resize(slot, length)
+
+
+@settings(max_examples=150, deadline=None)
+@given(page=st.integers(1, 5), max_len=st.integers(1, 26), ops=st.lists(
+    st.tuples(st.integers(0, 3), st.integers(-2, 30), st.integers(0, 3)), min_size=1,
+    max_size=40))
+def test_runner_reserve_and_trim_through_slot_bounds_equal_page_counts(page, max_len, ops):
+    """``ModelRunner.reserve`` / ``trim_many`` and ``resize_many`` (both skipping rows
+    through ``grow_at`` / ``shrink_at``) against the page-count comparison: the same
+    ``resize`` calls in the same order (pages, table, free list, changed rows), and each
+    slot's bounds are exactly the lengths its page count holds."""
+    from specloop.engine._runner import ModelRunner
+
+    class Stub:
+        keep_ahead = 1
+
+    def runner_for(table):
+        stub = Stub()
+        stub.pages = table
+        return stub
+
+    got, want = PageTable(4, max_len, page), PageTable(4, max_len, page)
+    calls, want_calls = [], []
+    resize, want_resize = got.resize, want.resize
+    got.resize = lambda slot, length: (calls.append((slot, length)), resize(slot, length))
+    want.resize = lambda slot, length: (want_calls.append((slot, length)),
+                                        want_resize(slot, length))
+    runner = runner_for(got)
+    for i in range(0, len(ops), 3):
+        chunk = ops[i:i + 3]
+        kind = chunk[0][2]
+        calls.clear()
+        want_calls.clear()
+        if kind == 0:       # reserve: len(token_ids) + extra, pages only added
+            extra = chunk[0][1] % 4
+            batch = [request(j, max(length, 0), slot) for j, (slot, length, _) in
+                     enumerate(chunk)]
+            ModelRunner.reserve(runner, batch, extra)
+            lengths = [(r.slot, len(r.token_ids) + extra) for r in batch]
+            resize_many_by_count(want, lengths, shrink=False)
+            want.sync()
+        elif kind == 1:     # trim_many: num_cached + keep_ahead, both ways
+            runner.keep_ahead = chunk[0][1] % 4
+            batch = [request(j, 1, slot) for j, (slot, _, _) in enumerate(chunk)]
+            for r, (_, length, _) in zip(batch, chunk):
+                r.num_cached = max(length, 0)
+            ModelRunner.trim_many(runner, batch)
+            lengths = [(r.slot, r.num_cached + runner.keep_ahead) for r in batch]
+            resize_many_by_count(want, lengths)
+        else:
+            lengths = [(slot, length) for slot, length, _ in chunk]
+            got.resize_many(lengths, shrink=kind == 2)
+            resize_many_by_count(want, lengths, shrink=kind == 2)
+        assert calls == want_calls
+        assert [got.pages_of(s) for s in range(4)] == [want.pages_of(s) for s in range(4)]
+        assert torch.equal(got.host, want.host)
+        assert got._free == want._free
+        assert got._dirty == want._dirty
+        for s in range(5):
+            have = len(got.pages_of(s))
+            for length in range(-2, 32):
+                holds = min(-(-length // page) if length > 0 else 0, got.pages_per_slot)
+                assert (holds == have) == (got.shrink_at[s] < length <= got.grow_at[s])
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.data())
 def test_sampling_rows_equal_from_params_but_greedy_batches_seeds(data):
