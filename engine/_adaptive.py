@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import collections
 import time
-from typing import Any, Hashable, Sequence, TypeVar
+from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
 import attrs
 import torch
@@ -392,15 +392,15 @@ class AdaptiveK:
         class's counts decay at the iterations that drafted rows of it."""
         if k == 0 or not num_accepted:
             return
-        by_class: dict[int, Sequence[int]]
+        groups: Iterable[tuple[int, Sequence[int]]]
         if classes is None:     # every row unclassed (no per-row work: a host-bound batch
-            by_class = {self.classes: num_accepted}     # of 32-256 rows pays for each)
+            groups = ((self.classes, num_accepted),)    # of 32-256 rows pays for each)
         else:
-            rows: dict[int, list[int]] = {}
+            by_class: dict[int, list[int]] = {}
             for c, n in zip(classes, num_accepted):
-                rows.setdefault(c, []).append(n)
-            by_class = dict(rows)
-        for c, accepted_rows in by_class.items():
+                by_class.setdefault(c, []).append(n)
+            groups = by_class.items()
+        for c, accepted_rows in groups:
             self._count(self._reached[c], self._accepted[c], k, accepted_rows)
             self._own_expected[c] = None
         self._own_expected[self.classes] = None
@@ -508,7 +508,7 @@ class AdaptiveK:
         sizes = collections.Counter(classes)
         if not sizes or set(sizes) == {pooled}:
             return self._own_class(pooled)
-        total = len(classes or ())
+        total = len(classes)
         per_class = {c: self._own_class(c) for c in sizes}
         return {k: sum(n * per_class[c][k] for c, n in sorted(sizes.items())) / total
                 for k in self.candidates}

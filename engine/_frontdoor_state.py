@@ -202,10 +202,7 @@ class FrontDoor:
             if stream is not None:
                 channel, text = stream
                 shown = output if text is None else text.fill(output)
-                # OutputChannel.put inline: once per request per iteration.
-                channel._items.append(shown)
-                if channel._waiter is not None:
-                    channel._wake()
+                channel.put(shown)
                 if output.finished:
                     self._release(request_id)
                 elif shown.finished:

@@ -175,16 +175,19 @@ if triton is not None:
 
     @triton.jit
     def _w_rows(pid_n, N, BLOCK_N: tl.constexpr, GLU: tl.constexpr):
-        """-> (the program's BLOCK_N rows of W, which are in range). GLU: W is [2N, K]
-        (gate rows, then up rows) and the program's output columns are BLOCK_N / 2 of N:
-        their gate rows, then the same columns' up rows, so each column's two sums sit in
-        one tile (``_glu``)."""
+        """-> (the program's BLOCK_N rows of W, which are in range, its output columns).
+        GLU: W is [2N, K] (gate rows, then up rows) and the program's output columns are
+        BLOCK_N / 2 of N: their gate rows, then the same columns' up rows, so each
+        column's two sums sit in one tile (``_glu``)."""
+        # (One output-column width for both returns: Triton types the branches alike.)
+        width: tl.constexpr = BLOCK_N // 2 if GLU else BLOCK_N
+        rc = pid_n * width + tl.arange(0, width)
         if GLU:
             c = tl.arange(0, BLOCK_N)
-            col = pid_n * (BLOCK_N // 2) + c % (BLOCK_N // 2)
-            return col + (c // (BLOCK_N // 2)) * N, col < N
+            col = pid_n * width + c % width
+            return col + (c // width) * N, col < N, rc
         rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        return rn, rn < N
+        return rn, rn < N, rc
 
     @triton.jit
     def _glu(acc, dtype, BLOCK_N: tl.constexpr):
@@ -239,9 +242,7 @@ if triton is not None:
         pid_m = tl.program_id(2)
         if GDC:  # PDL: each path below waits once, after its weight loads, before x
             tl.extra.cuda.gdc_launch_dependents()
-        rn, n_ok = _w_rows(pid_n, N, BLOCK_N, GLU)
-        rc = pid_n * (BLOCK_N // 2 if GLU else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if GLU
-                                                                       else BLOCK_N)
+        rn, n_ok, rc = _w_rows(pid_n, N, BLOCK_N, GLU)
         rk = tl.arange(0, BLOCK_K)
         # This program's K range (k_per_split is a multiple of BLOCK_K).
         k_lo = pid_k * k_per_split
@@ -340,9 +341,7 @@ if triton is not None:
         pid_n = tl.program_id(0)
         if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
             tl.extra.cuda.gdc_launch_dependents()
-        rn, n_ok = _w_rows(pid_n, N, BLOCK_N, GLU)
-        rc = pid_n * (BLOCK_N // 2 if GLU else BLOCK_N) + tl.arange(0, BLOCK_N // 2 if GLU
-                                                                       else BLOCK_N)
+        rn, n_ok, rc = _w_rows(pid_n, N, BLOCK_N, GLU)
         rk = tl.arange(0, BLOCK_K)
         k_ok = rk < K
         if TILE:
