@@ -1,10 +1,12 @@
-"""Host-bound or GPU-bound at batch 1: per iteration, the wall time and how long the host
-waited for the GPU in ``finish_read_back`` (the GPU's slack over the host; ~0 means the
-host is the bottleneck), for no speculation, n-gram K = 4 and n-gram under adaptive K,
-each engine alone in turn (built, run, closed), on the held-out chat prompts; optionally
-then the same under cProfile with each run's top functions by own time.
+"""Host-bound or GPU-bound: per iteration, the wall time and how long the host waited for
+the GPU in ``finish_read_back`` (the GPU's slack over the host; ~0 means the host is the
+bottleneck), for each of ``--configs`` (default: no speculation, n-gram K = 4 and n-gram
+under adaptive K) at ``--batch`` rows, each engine alone in turn (built, run, closed), on
+the held-out chat prompts; optionally then the same under cProfile with each run's top
+functions by own time (and the engine's functions by cumulative time).
 
     cd bench && python host_wait_gpu.py [--sets 16] [--tokens 128] [--profile]
+        [--batch 8 --configs "eagle3 K=3,eagle3 adaptive<=3"]
         [--device cpu]     (cpu: a smoke test of this script)
 
 The seventh session's figures (docs/performance-history.md, "n-gram by match length,
@@ -25,14 +27,19 @@ import anyio
 
 from _common import HELD_OUT, engine_config, generate_round, held_out_sets, quiet_logs
 
+EAGLE3 = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
 CONFIGS = {"none": {"method": "none"},
            "ngram K=4": {"method": "ngram", "num_draft_tokens": 4},
-           "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True}}
+           "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True},
+           "eagle3 K=3": {**EAGLE3, "num_draft_tokens": 3},
+           "eagle3 adaptive<=3": {**EAGLE3, "num_draft_tokens": 3, "adaptive": True}}
+DEFAULT_CONFIGS = "none,ngram K=4,ngram adaptive<=4"
 
 
 async def run(loaded, sets, spec, device, tokens, profile):
     from specloop.engine import AsyncEngine  # noqa: PLC0415
-    async with AsyncEngine(engine_config(spec, 1, device), model=loaded) as engine:
+    batch = len(sets[0])
+    async with AsyncEngine(engine_config(spec, batch, device), model=loaded) as engine:
         runner = engine.worker.runner
         finish, waits = runner.finish_read_back, []
 
@@ -56,7 +63,10 @@ async def run(loaded, sets, spec, device, tokens, profile):
         top = None
         if prof:
             text = io.StringIO()
-            pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(25)
+            stats = pstats.Stats(prof, stream=text)
+            stats.sort_stats("tottime").print_stats(25)
+            # Which engine steps the own times add up in (specloop's functions only).
+            stats.sort_stats("cumulative").print_stats("specloop", 40)
             top = text.getvalue()
     return {"wall_ms_per_iteration": round(wall * 1e3 / n, 3),
             "wait_ms_per_iteration": round(sum(waits) * 1e3 / n, 3), "iterations": n,
@@ -65,14 +75,16 @@ async def run(loaded, sets, spec, device, tokens, profile):
 
 async def main_async(args) -> None:
     quiet_logs()
-    ns = types.SimpleNamespace(device=args.device, prompts=args.prompts, batches="1")
+    ns = types.SimpleNamespace(device=args.device, prompts=args.prompts,
+                               batches=str(args.batch))
     loaded, _, sets = next(held_out_sets(ns, min_prompts=args.sets))
     sets = sets[:args.sets]
     rows = []
     for profile in (False, True) if args.profile else (False,):
-        for name, spec in CONFIGS.items():
-            row = {"config": name, "profiled": profile,
-                   **await run(loaded, sets, spec, args.device, args.tokens, profile)}
+        for name in args.configs.split(","):
+            row = {"config": name, "batch": args.batch, "profiled": profile,
+                   **await run(loaded, sets, CONFIGS[name], args.device, args.tokens,
+                               profile)}
             print(json.dumps({k: v for k, v in row.items() if k != "profile"}))
             rows.append(row)
     if args.out:
@@ -84,6 +96,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompts", default=HELD_OUT)
     ap.add_argument("--sets", type=int, default=16)
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--configs", default=DEFAULT_CONFIGS,
+                    help=f"comma-separated, of: {', '.join(CONFIGS)}")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--profile", action="store_true")

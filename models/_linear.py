@@ -13,7 +13,8 @@ over 32 rows; autograd) this is ``F.linear`` itself, so a decode step without sp
 is bit-for-bit what it was (short prompts' prefill now runs packed: fp32 rounding-level
 differences, as between any two GEMM kernels).
 
-On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, outside autograd). cuBLAS's tiles for so few
+On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, a tl.dot tail up to DOT_MAX_ROWS, outside
+autograd). cuBLAS's tiles for so few
 rows leave most SMs idle (an H200 at batch 1: 3.7-3.9 us per SmolLM2 GEMM, whose weights
 stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) finely.
 Which configuration runs per (N, K) and row count is SKINNY_TABLE: per shape, row ranges
@@ -50,8 +51,13 @@ from ._skinny import SkinnyConfig
 # rows on both cost the same, and long prefill chunks keep MKL's numerics).
 MIN_ROWS, MAX_ROWS = 2, 32
 
-# Rows for which the skinny kernel may run on CUDA.
+# Rows for which the skinny kernel may run on CUDA: the broadcast families (and the default
+# guess for shapes the table lacks) up to SKINNY_MAX_ROWS; a tl.dot tail (cuBLAS's bit class,
+# below) up to DOT_MAX_ROWS: VERIFY's rows at batch 32 with K = 3 are 128, at 64 with K = 3
+# 256, and a tl.dot program takes 16 of them (grid over the rows), so the tail's one-tile
+# configurations keep their per-row arithmetic at any row count.
 SKINNY_MAX_ROWS = 32
+DOT_MAX_ROWS = 256
 
 # (N, K, silu_mul) -> ((max rows, config tag), ...) in ascending max rows, or None for
 # F.linear: rows r run the first range with r <= max rows, F.linear above the last. The tags
@@ -116,12 +122,22 @@ SKINNY_MAX_ROWS = 32
 # eagle3 K = 3 (32 rows) went from 10,006 to 11,279 tok/s, no speculation unchanged
 # (bench/results/h200_1202i_otail_*.jsonl; a cuBLAS GEMM also breaks PDL's chain of
 # Triton kernels around it), and the GPU tests passed with it (tabletests).
+# Above 32 rows (VERIFY at batch 16-64 with K = 3; no speculation at batch 33-192) the tails
+# of qkv and o go on where bench/bench_skinny_tail.py timed them below cuBLAS (2026-12-02,
+# bench/results/h200_1202k_skinny_tail.json; every tl.dot configuration there gave F.linear's
+# bits at every row count, and cuBLAS a row the same bits at 32-256 rows): qkv's d64x1024 to
+# 64 rows (2.43 us against 3.74), o's to 96 and d128x1024 to 192 (2.70 against 3.72 at 128).
+# A tl.dot program takes 16 rows and reads its tile of W again for each 16, so the gate-up
+# GEMM (N = 3072) is slower than cuBLAS from 48 rows and keeps cuBLAS there. Engine, batch
+# 16, eagle3 K = 3: 17,051 -> 17,933 tok/s (h200_1202k_tables_*.jsonl; batch 32 within its
+# runs' spread); the GPU tests passed with it (tabletests).
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
-    (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1')),
+    (960, 576, False): ((1, 'v8x1024s1w2n3'), (64, 'd64x1024s1w8n1')),
     (576, 576, False): ((1, 'v4x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
                         (3, 'b2x4x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
-                        (8, 'b2x4x1024s1w4n3'), (32, 'd64x1024s1w8n1')),
+                        (8, 'b2x4x1024s1w4n3'), (96, 'd64x1024s1w8n1'),
+                        (192, 'd128x1024s1w8n1')),
     (3072, 576, False): ((1, 'v4x1024s1w4n3'), (32, 'd64x1024s1w8n1')),
     (576, 1536, True): ((1, 'v8x2048s1w16n3'), (2, 'v8x2048s1w8n3'),
                         (8, 'b2x4x2048s1w8n3')),
@@ -235,11 +251,14 @@ def _resolve_uncached(entry: SkinnyRanges, k: int) -> _Shape:
         if not (isinstance(r, tuple) and len(r) == 2 and type(r[0]) is int
                 and isinstance(r[1], str)):
             raise ValueError(f"skinny table entry {entry!r}: {r!r} is not (max rows, tag)")
-        if not last < r[0] <= SKINNY_MAX_ROWS:
+        cfg = parse_config(r[1])
+        limit = DOT_MAX_ROWS if cfg.dot else SKINNY_MAX_ROWS
+        if not last < r[0] <= limit:
             raise ValueError(f"skinny table entry {entry!r}: max rows must ascend strictly "
-                             f"within 1..{SKINNY_MAX_ROWS}")
+                             f"within 1..{SKINNY_MAX_ROWS} (a tl.dot range's within "
+                             f"1..{DOT_MAX_ROWS})")
         last = r[0]
-        ranges.append((r[0], parse_config(r[1])))
+        ranges.append((r[0], cfg))
     return _shape_of(tuple(ranges), k)
 
 
@@ -250,7 +269,8 @@ _resolve_cached = functools.lru_cache(maxsize=None)(_resolve_uncached)
 
 def check_table(table: dict[tuple[int, int, bool], SkinnyRanges | None]) -> None:
     """Every entry well formed (ValueError if not): None, or ((max rows, tag), ...) with
-    1 <= max rows <= SKINNY_MAX_ROWS strictly ascending, tags that parse, and no range
+    1 <= max rows <= SKINNY_MAX_ROWS (DOT_MAX_ROWS for tl.dot) strictly ascending, tags
+    that parse, and no range
     without tl.dot after a tl.dot one (the tl.dot tail stands in for cuBLAS: the table's
     comment)."""
     for (n, k, silu), entry in table.items():
@@ -288,7 +308,7 @@ def skinny_config(rows: int, n: int, k: int, silu_mul: bool = False, *,
     tail or above, and where not every prefix configuration is ``norm_fusable`` (then the
     prefix's rows all take the separate norm kernel, so a row's bits do not depend on the
     range it falls in)."""
-    if not 1 <= rows <= SKINNY_MAX_ROWS:
+    if not 1 <= rows <= DOT_MAX_ROWS:
         return None
     shape = _shape(n, k, silu_mul)
     if shape is None or norm and not (shape.norm and rows <= shape.prefix):
@@ -324,8 +344,8 @@ def skinny_available() -> bool:
 class PackedLinear:
     """``F.linear`` that, for CPU float32 inputs of MIN_ROWS..MAX_ROWS rows outside
     autograd, multiplies by a oneDNN-packed copy of the weight, packed on first use
-    (``enabled``), and for CUDA bf16/fp16 inputs of 1..SKINNY_MAX_ROWS rows runs the
-    skinny-GEMM kernel (``skinny``; configurations from SKINNY_TABLE).
+    (``enabled``), and for CUDA bf16/fp16 inputs of the rows SKINNY_TABLE covers (at most
+    DOT_MAX_ROWS) runs the skinny-GEMM kernel (``skinny``).
 
     One cache per model (no module-level state). An entry holds the weight view it was
     packed from, so its storage stays alive and its address cannot be reused by another

@@ -15,9 +15,11 @@
 #   curve    the throughput curve, specloop against transformers compiled, batch 1 .. 256
 #            (CURVE, HF_CURVE: the batch sizes), and batch 64's table; a PNG (issue 12)
 #   closed   the same in closed rounds (BATCHES, RUNS: bench_adaptive_gpu.py's --batches, --runs)
-#   host     batch 1: each iteration's wall and the host's wait for the GPU (~1.5 min)
+#   host     each iteration's wall and the host's wait for the GPU (HOST_BATCH, HOST_CONFIGS,
+#            HOST_SETS, HOST_PROFILE=1: cProfile too; batch 1's three configs ~1.5 min)
 #   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
+#   tail     the skinny GEMM's tl.dot tail at 32-256 rows against cuBLAS (no SmolLM2 needed)
 #   probe    Triton kernels compiled after warm-up, eagle3 and n-gram under adaptive K
 #            through every move of K with ragged prompts, and eagle3 through K = 0
 #            stretches (a tiny model: no SmolLM2 needed; eagle3 crashed on 2026-12-02
@@ -109,9 +111,13 @@ for step in "$@"; do
         2>&1 | grep '^{' | cut -c1-300
        python3 plot_curve.py "$OUT/curve.json" "$OUT/throughput_h200.png") ;;
     host)
-      # Host- or GPU-bound at batch 1: the host's wait for the GPU per iteration (none,
-      # n-gram K = 4, n-gram adaptive by match length; each engine alone in turn).
-      (cd bench && python3 host_wait_gpu.py --prompts "$PROMPTS" --sets 16 \
+      # Host- or GPU-bound: the host's wait for the GPU per iteration at HOST_BATCH (1) for
+      # HOST_CONFIGS (none, n-gram K = 4, n-gram adaptive by match length; each engine
+      # alone in turn); HOST_PROFILE=1 then each again under cProfile (the JSON has them).
+      (cd bench && python3 host_wait_gpu.py --prompts "$PROMPTS" --sets "${HOST_SETS:-16}" \
+        --batch "${HOST_BATCH:-1}" \
+        --configs "${HOST_CONFIGS:-none,ngram K=4,ngram adaptive<=4}" \
+        $([ "${HOST_PROFILE:-0}" = 1 ] && echo --profile) \
         --out "$OUT/host_wait.json" 2>&1 | grep '^{') ;;
     syncs)
       # Synchronizing CUDA calls outside the read-back, by engine line (n-gram K = 4 and
@@ -123,6 +129,9 @@ for step in "$@"; do
         --out "$OUT/adaptive_closed.jsonl" --runs "${RUNS:-3}" --buckets serving --min-prompts 16 \
         --batches "${BATCHES:-1,8,32,64,128,256}" \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+    tail)
+      # The skinny GEMM's tl.dot tail above 32 rows against cuBLAS: times and bits (~20 s).
+      (cd bench && python3 bench_skinny_tail.py 2>&1 | grep -v Warn) ;;
     skinny)
       # Also keeps the measured table where later calls on this machine find it:
       # SPECLOOP_SKINNY_TABLE=/root/skinny_table.json (models/_linear.py).

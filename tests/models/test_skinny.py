@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from specloop.models import _linear
-from specloop.models._linear import (SKINNY_MAX_ROWS, SKINNY_TABLE, PackedLinear,
+from specloop.models._linear import (DOT_MAX_ROWS, SKINNY_MAX_ROWS, SKINNY_TABLE, PackedLinear,
                                      default_config, parse_config, skinny_config)
 from specloop.models._skinny import SkinnyConfig
 
@@ -371,7 +371,8 @@ def test_table_tags_parse_and_round_trip():
         assert n > 0 and k > 0
         for max_rows, tag in entry or ():
             cfg = parse_config(tag)
-            assert cfg.tag() == tag and 1 <= max_rows <= SKINNY_MAX_ROWS
+            assert cfg.tag() == tag
+            assert 1 <= max_rows <= (DOT_MAX_ROWS if cfg.dot else SKINNY_MAX_ROWS)
             assert not cfg.dot or min(cfg.block_n, cfg.block_k) >= 16
     for tag, cfg in (("b4x2x1024s1w4n3", SkinnyConfig(False, 2, 1024, 1, 4, 3, tile_m=4)),
                      ("b8x1x2048s2w8n2", SkinnyConfig(False, 1, 2048, 2, 8, 2, tile_m=8)),
@@ -420,6 +421,14 @@ def test_skinny_config_row_ranges_and_window(monkeypatch):
     assert skinny_config(SKINNY_MAX_ROWS, 64, 64) == default_config(64, 64)
     assert skinny_config(SKINNY_MAX_ROWS, 64, 64, norm=True) == default_config(64, 64)
     assert skinny_config(SKINNY_MAX_ROWS + 1, 64, 64) is None
+    # A tl.dot tail may reach DOT_MAX_ROWS (VERIFY's rows at batch 32-64); the default
+    # guess and the broadcast ranges stop at SKINNY_MAX_ROWS.
+    monkeypatch.setitem(SKINNY_TABLE, (100, 80, False),
+                        ((1, v), (DOT_MAX_ROWS, "d16x128s1w4n3")))
+    for rows in (2, SKINNY_MAX_ROWS + 1, 128, DOT_MAX_ROWS):
+        assert skinny_config(rows, 100, 80) == parse_config("d16x128s1w4n3"), rows
+        assert skinny_config(rows, 100, 80, norm=True) is None, rows
+    assert skinny_config(DOT_MAX_ROWS + 1, 100, 80) is None
     assert skinny_config(0, 64, 64) is None
     assert skinny_config(0, 100, 50) is None
     for n, k in ((576, 576), (49152, 576), (64, 1536), (576, 3000)):
@@ -434,6 +443,8 @@ def test_skinny_config_row_ranges_and_window(monkeypatch):
     ((2, "v8x64s1w4n3"), (2, "b2x2x64s1w4n3")),          # not strictly
     ((0, "v8x64s1w4n3"),),                                # no rows
     ((SKINNY_MAX_ROWS + 1, "v8x64s1w4n3"),),              # past the kernel's window
+    ((1, "v8x64s1w4n3"), (SKINNY_MAX_ROWS + 1, "b2x2x64s1w4n3")),   # past it, no tl.dot
+    ((DOT_MAX_ROWS + 1, "d16x64s1w4n3"),),                # past the tl.dot tail's
     ((4, "v8x64"),),                                      # a tag that does not parse
     (("v8x64s1w4n3", 4),),                                # (tag, rows): the wrong order
     ((1, "d16x64s1w4n3"), (4, "v8x64s1w4n3")),            # no tl.dot after tl.dot

@@ -1,0 +1,104 @@
+"""H200: the skinny GEMM's tl.dot tail above 32 rows (models/_linear DOT_MAX_ROWS) against
+cuBLAS, for the GEMMs VERIFY runs at batch 8-64 with speculation (K = 3: 32-256 rows) and
+no speculation at batch 33-256: per shape and row count, cuBLAS's time and each tl.dot
+configuration's (the same timing as bench_skinny_gemm.py: a CUDA graph of back-to-back
+calls, each on its own copy of the weight, so weights stream from HBM), and its bits:
+
+- ``cublas``: whether the configuration's output equals F.linear's at that row count
+  (bench_skinny_gemm.py's probe inputs, on which two summation orders differ in ~80 % of
+  outputs) -- the table's rule for a tail (cuBLAS's bit class);
+- ``rows``: whether each row equals the same row of the 32-row call (the kernel's per-row
+  arithmetic: a graph padded to a larger bucket equals the unpadded call);
+- per shape, whether cuBLAS itself gives a row the same bits at every row count
+  (``cublas_invariant``): where it does not, F.linear above the table was a class of its own
+  at each row count already.
+
+No model weights needed (random bf16 of the real shapes). Writes $OUT/skinny_tail.json.
+
+    python bench/bench_skinny_tail.py [--rows 32,64,128,256] [--shapes qkv,o,gate_up]
+        [--configs d64x1024s1w8n1,d32x1024s1w4n1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+
+import bench_skinny_gemm as sg
+
+ROWS = (32, 48, 64, 96, 128, 160, 192, 256)
+CONFIGS = ("d64x1024s1w8n1", "d32x1024s1w4n1", "d64x1024s1w4n1", "d128x1024s1w8n1",
+           "d64x1024s1w8n2")
+SHAPES = ("qkv", "o", "gate_up")
+
+
+def bench(name: str, rows_list, tags) -> dict:
+    from specloop.models._linear import parse_config
+    from specloop.models._skinny import skinny_linear
+    n, k, _ = sg.SHAPES[name]
+    copies = max(2, math.ceil(sg.L2_FLUSH_BYTES / (n * k * 2)))
+    calls = min(sg.MAX_CALLS, max(sg.MIN_CALLS, copies))
+    copies = min(copies, calls)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    ws = [(torch.randn(n, k, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
+          for _ in range(copies)]
+    probe = sg.probe_inputs(n, k, False, "cuda", torch.bfloat16, rows=max(rows_list))
+    out = {"shape": name, "N": n, "K": k, "cublas_us": {}, "configs": {}}
+    ref32 = [F.linear(x[:32], w) for x, w, _ in probe]
+    out["cublas_invariant"] = all(
+        torch.equal(F.linear(x[:m], w)[:32], r) for m in rows_list for (x, w, _), r in
+        zip(probe, ref32))
+    for rows in rows_list:
+        x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+        out["cublas_us"][rows], _ = sg.time_graph(lambda i: F.linear(x, ws[i % copies]), calls)
+    for tag in tags:
+        cfg = parse_config(tag)
+        per = out["configs"][tag] = {}
+        for rows in rows_list:
+            x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+            try:
+                us, _ = sg.time_graph(lambda i: skinny_linear(x, ws[i % copies], None, cfg),
+                                      calls)
+                ys = [skinny_linear(px[:rows], w, None, cfg) for px, w, _ in probe]
+                cublas = all(torch.equal(y, F.linear(px[:rows], w))
+                             for y, (px, w, _) in zip(ys, probe))
+                same = all(torch.equal(y[:32], skinny_linear(px[:32], w, None, cfg))
+                           for y, (px, w, _) in zip(ys, probe))
+                per[rows] = {"us": round(us, 3), "cublas": cublas, "rows": same}
+            except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
+                per[rows] = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default=",".join(map(str, ROWS)))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    args = ap.parse_args()
+    rows_list = [int(r) for r in args.rows.split(",")]
+    results = []
+    for name in args.shapes.split(","):
+        r = bench(name, rows_list, args.configs.split(","))
+        results.append(r)
+        print(f"{name} ({r['N']}x{r['K']}) cuBLAS row-invariant: {r['cublas_invariant']}")
+        for rows in rows_list:
+            cells = [f"cublas {r['cublas_us'][rows]:.2f}"]
+            for tag, per in r["configs"].items():
+                c = per[rows]
+                cells.append(f"{tag} " + (c["error"][:30] if "error" in c else
+                             f"{c['us']:.2f}{'' if c['cublas'] else ' !cublas'}"
+                             f"{'' if c['rows'] else ' !rows'}"))
+            print(f"  {rows:4d} rows: " + " | ".join(cells), flush=True)
+    path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny_tail.json")
+    with open(path, "w") as f:
+        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
