@@ -49,6 +49,7 @@ DECAY = 0.98
 # Prior: PRIOR_ROWS pseudo-rows at acceptance PRIOR_ACCEPT for every position, so a
 # position never drafted yet looks worth a try, and one lucky row does not decide.
 PRIOR_ROWS, PRIOR_ACCEPT = 2.0, 0.5
+PRIOR_ACCEPTED = PRIOR_ACCEPT * PRIOR_ROWS
 # Weight of a new measurement of an iteration's host work beyond warm-up's time (``rest``,
 # an exponential average; it stands in for T(b, k) where (b, k) has no samples yet).
 REST_WEIGHT = 0.2
@@ -117,31 +118,32 @@ def expected_tokens(acceptance: Sequence[float], k: int) -> float:
 def expected_by_k(acceptance: Sequence[float], candidates: Sequence[int]) -> dict[int, float]:
     """{k: expected_tokens(acceptance, k)} for each of ``candidates`` in one pass (the same
     operations in the same order: the same floats)."""
-    wanted, found = set(candidates), {}
-    total, chain = 1.0, 1.0
-    if 0 in wanted:
-        found[0] = total
-    for j, a in enumerate(acceptance[:max(candidates)], 1):
+    totals, total, chain = [1.0], 1.0, 1.0      # E(0), E(1), ...
+    for a in acceptance[:max(candidates)]:
         chain *= a
         total += chain
-        if j in wanted:
-            found[j] = total
-    return {k: found.get(k, total) for k in candidates}
+        totals.append(total)
+    last = len(totals) - 1      # a K past the acceptances known: all of them
+    return {k: totals[k] if k <= last else total for k in candidates}
 
 
 def choose_k(candidates: Sequence[int], acceptance: Sequence[float],
              times: dict[int, float]) -> int:
     """The rule: the candidate with the largest E(k) / T(k); the smaller K on a tie."""
-    return choose_by_rate(candidates, expected_by_k(acceptance, candidates), times)
+    ks = sorted(candidates)
+    return choose_by_rate(ks, expected_by_k(acceptance, ks), times)
 
 
 def choose_by_rate(candidates: Sequence[int], expected: dict[int, float],
                    times: dict[int, float]) -> int:
-    """The candidate with the largest ``expected[k]`` / T(k); the smaller K on a tie."""
-    ks = sorted(candidates)
-    best, best_rate = ks[0], -1.0
-    for k in ks:
-        rate = expected[k] / max(times[k], 1e-9)
+    """The candidate with the largest ``expected[k]`` / T(k); the smaller K on a tie
+    (``candidates`` in ascending order: AdaptiveK's are)."""
+    best, best_rate = candidates[0], -1.0
+    for k in candidates:
+        t = times[k]
+        # max(t, 1e-9) written out (the same value): the builtin's calls were 60 % of
+        # this loop's host time, and it runs every iteration
+        rate = expected[k] / (1e-9 if t < 1e-9 else t)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best
@@ -149,8 +151,7 @@ def choose_by_rate(candidates: Sequence[int], expected: dict[int, float],
 
 def acceptance_from_counts(reached: Sequence[float], accepted: Sequence[float]
                            ) -> list[float]:
-    return [(a + PRIOR_ACCEPT * PRIOR_ROWS) / (r + PRIOR_ROWS)
-            for r, a in zip(reached, accepted)]
+    return [(a + PRIOR_ACCEPTED) / (r + PRIOR_ROWS) for r, a in zip(reached, accepted)]
 
 
 @attrs.define
@@ -220,12 +221,22 @@ class CostTable:
         return device if self._graph_of.get(bucket) == bucket else None
 
     def time(self, bucket: int, k: int) -> float:
-        seen = self.measured.get((bucket, k))
-        if seen is not None:
-            return seen
-        device = self._device(bucket, k)
-        assert device is not None, f"no warm-up time for K = {k}"
-        return device + self._rest(bucket)
+        return self.times(bucket, (k,))[k]
+
+    def times(self, bucket: int, ks: Iterable[int]) -> dict[int, float]:
+        """{k: T(bucket, k)} for each of ``ks`` (every choice asks for all its candidates:
+        one call, ``rest`` looked up once)."""
+        measured, found, rest = self.measured, {}, None
+        for k in ks:
+            seen = measured.get((bucket, k))
+            if seen is None:
+                device = self._device(bucket, k)
+                assert device is not None, f"no warm-up time for K = {k}"
+                if rest is None:
+                    rest = self._rest(bucket)
+                seen = device + rest
+            found[k] = seen
+        return found
 
     def _rest(self, bucket: int) -> float:
         if bucket in self.rest:
@@ -240,8 +251,7 @@ class CostTable:
         """Whether K = k has its first measurements at ``bucket``: FIRST_SAMPLES
         undisturbed ones, or FIRST_DISTURBED disturbed ones."""
         first = self._first.get((bucket, k))
-        return first is not None and (len(first[0]) >= FIRST_SAMPLES
-                                      or len(first[1]) >= FIRST_DISTURBED)
+        return first is not None and _has_first(first)
 
     def observe(self, bucket: int, k: int, seconds: float, disturbed: bool = False,
                 switched: bool = False, leaving: bool = False) -> None:
@@ -255,8 +265,10 @@ class CostTable:
         if not self.learn or device is None:
             return
         key = (bucket, k)
-        first = self._first.setdefault(key, ([], []))
-        trying = not self.tried(bucket, k)
+        first = self._first.get(key)
+        if first is None:
+            first = self._first[key] = ([], [])
+        trying = not _has_first(first)
         if (switched or leaving) and not trying:
             if disturbed:
                 self.ignored += 1
@@ -287,7 +299,12 @@ class CostTable:
             if not disturbed and not first[0]:
                 first[0].append(seconds)    # from now on, disturbed ones are not learned
         self.samples[key] = self.samples.get(key, 0) + 1
-        _average(self.rest, bucket, max(seconds - device, 0.0))
+        # ``rest``: an exponential average of the time beyond warm-up's (max(beyond, 0.0)
+        # written out).
+        beyond = seconds - device
+        beyond = 0.0 if beyond < 0.0 else beyond
+        old = self.rest.get(bucket)
+        self.rest[bucket] = beyond if old is None else old + REST_WEIGHT * (beyond - old)
 
     def switch_cost(self, bucket: int, k: int) -> float:
         """K = k's switch cost at ``bucket`` (seconds; the nearest bucket's where this one
@@ -307,6 +324,11 @@ class CostTable:
 Key = TypeVar("Key", bound=Hashable)
 
 
+def _has_first(first: tuple[list[float], list[float]]) -> bool:
+    """``CostTable.tried`` of a (bucket, K)'s first (undisturbed, disturbed) measurements."""
+    return len(first[0]) >= FIRST_SAMPLES or len(first[1]) >= FIRST_DISTURBED
+
+
 def _median_of_recent(recent: dict[Key, collections.deque[float]], key: Key,
                       value: float) -> float:
     """The median (low) of ``key``'s last RECENT values, ``value`` the newest."""
@@ -322,10 +344,6 @@ def _median_low(values: Sequence[float]) -> float:
     return sorted(values)[(len(values) - 1) // 2]
 
 
-def _average(table: dict[Key, float], key: Key, value: float) -> None:
-    """Exponential average (weight REST_WEIGHT)."""
-    old = table.get(key)
-    table[key] = value if old is None else old + REST_WEIGHT * (value - old)
 
 
 class AdaptiveK:
@@ -352,7 +370,8 @@ class AdaptiveK:
         self._calls = 0             # choices so far: the same count on every rank
         self._settled: set[int] = set()     # buckets where every K has its first samples
         self._committed: int | None = None     # ``commit``: the next choice
-        self.chosen: collections.Counter[int] = collections.Counter()
+        # Choices per K (a plain dict: a Counter's increment costs 3x, every iteration).
+        self.chosen: dict[int, int] = {}
         # E(k) per class (the last: all pooled) from this rank's counts alone
         # (``_expected_here``), each kept until ``record`` changes it: one GPU rank asks
         # every iteration (``next_k``).
@@ -413,13 +432,15 @@ class AdaptiveK:
             at_least -= num_accepted.count(j)   # k passes in C, not a Python loop a row
             reached_c[j] = reached_c[j] * DECAY + reached
             accepted_c[j] = accepted_c[j] * DECAY + at_least
-        for j in range(k, self.k_max):
-            reached_c[j] *= DECAY
-            accepted_c[j] *= DECAY
+        if k < self.k_max:      # (an empty range's loop costs ~10 % of the call)
+            for j in range(k, self.k_max):
+                reached_c[j] *= DECAY
+                accepted_c[j] *= DECAY
 
     def measured(self, seconds: float) -> None:
         """The iteration just run took ``seconds`` (prefill excluded)."""
-        self._measured_us = max(1, round(seconds * 1e6))
+        us = round(seconds * 1e6)
+        self._measured_us = us if us > 1 else 1    # max(1, us) without the builtin's call
 
     def disturb(self) -> None:
         """The time ``measured`` last (not sent yet) is disturbed: that iteration, or the
@@ -455,39 +476,45 @@ class AdaptiveK:
         lists). Learn the last iteration's time (the slowest rank's), pool the counts,
         apply the rule (or take the K held by ``commit``)."""
         rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
+        times = [row[-1] for row in rows]
         # The slowest rank's time; disturbed when any rank's was.
-        sample = self._sample([row[-1] for row in rows])
-        bucket = self.cost.bucket(padded_batch_size)
-        self._calls += 1
-        if self._committed is not None:
-            k, self._committed = self._committed, None
-        else:
-            if sample is not None and not self.cost.tried(sample[0], sample[1]):
-                self.cost.observe(*sample)     # a first sample: the rule's next pick
-                sample = None
-            k = self._rule(self._expected(rows), bucket, self._calls)
-        if sample is not None:  # learned once the K after it is known (leaving its K)
-            self.cost.observe(*sample, leaving=k != sample[1])
-        self._before = None if self._last is None else self._last[1]
-        self._last = (bucket, k)
-        self.chosen[k] += 1
-        return k
+        return self._choose(rows, max(map(abs, times)), min(times) < 0, padded_batch_size)
 
     def choose_committed(self, padded_batch_size: int) -> int:
         """One rank: ``choose`` where ``commit`` holds the choice (no columns to build:
         this rank's measured time is the only one)."""
         assert self._committed is not None, "choose_committed after commit only"
         measured, self._measured_us = self._measured_us, 0
-        return self.choose([[measured]], padded_batch_size)
+        return self._choose(None, abs(measured), measured < 0, padded_batch_size)
 
-    def _sample(self, times: list[int]) -> tuple[int, int, float, bool, bool] | None:
-        """The last iteration's (bucket, K, seconds, disturbed, switched to its K) from
-        the group's measured times, or None (nothing measured, or burning in)."""
-        measured = max(abs(t) for t in times)
-        if not measured or self._last is None or self._calls <= self.burn_in:
-            return None
-        switched = self._before is not None and self._before != self._last[1]
-        return (*self._last, measured / 1e6, min(times) < 0, switched)
+    def _choose(self, rows: list[list[int]] | None, measured_us: int, disturbed: bool,
+                padded_batch_size: int) -> int:
+        """``choose`` once the group's time is known (us, 0: none; ``rows`` None:
+        committed)."""
+        # The last iteration's time is learned (at its bucket and K; ``switched``: the one
+        # before it ran another K) unless nothing was measured or the engine is burning
+        # in. Plain arguments to ``observe``: a tuple of them passed with * took ~8 % more
+        # host time an iteration.
+        learn = self._last is not None and measured_us > 0 and self._calls > self.burn_in
+        last_bucket, last_k = self._last or (0, 0)      # (0, 0): nothing to learn
+        seconds, switched = measured_us / 1e6, self._before not in (None, last_k)
+        bucket = self.cost.bucket(padded_batch_size)
+        self._calls += 1
+        if self._committed is not None:
+            k, self._committed = self._committed, None
+        else:
+            if learn and not self.cost.tried(last_bucket, last_k):
+                # A first sample: the rule's next pick.
+                self.cost.observe(last_bucket, last_k, seconds, disturbed, switched)
+                learn = False
+            assert rows is not None
+            k = self._rule(self._expected(rows), bucket, self._calls)
+        if learn:   # learned once the K after it is known (``leaving`` its K)
+            self.cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
+        self._before = None if self._last is None else self._last[1]
+        self._last = (bucket, k)
+        self.chosen[k] = self.chosen.get(k, 0) + 1
+        return k
 
     def _row(self, classes: Sequence[int] | None) -> list[int]:
         counts = [round(x * SCALE) for c in range(self.classes + 1)
@@ -518,16 +545,27 @@ class AdaptiveK:
         ``_expected`` computes it from this rank's row."""
         found = self._own_expected[c]
         if found is None:
-            members = range(self.classes + 1) if c == self.classes else (c,)
-            fixed = [([round(x * SCALE) / SCALE for x in self._reached[m]],
-                      [round(x * SCALE) / SCALE for x in self._accepted[m]]) for m in members]
-            if len(fixed) == 1:     # one class (a drafter without classes: every iteration)
-                acceptance = acceptance_from_counts(*fixed[0])
-            else:
-                acceptance = acceptance_from_counts(
+            if c < self.classes or not self.classes:
+                # One class's counts (a drafter without classes: every iteration, after
+                # every ``record``): expected_by_k(acceptance_from_counts(R, A)), R and A
+                # the counts in fixed point, in one pass without the lists (half their host
+                # time). The same operations in the same order, so the same floats
+                # (test_one_ranks_kept_expectation_is_the_columns_one holds them to it).
+                totals, total, chain = [1.0], 1.0, 1.0      # E(0), E(1), ...
+                for r, a in zip(self._reached[c], self._accepted[c]):
+                    chain *= ((round(a * SCALE) / SCALE + PRIOR_ACCEPTED)
+                              / (round(r * SCALE) / SCALE + PRIOR_ROWS))
+                    total += chain
+                    totals.append(total)
+                found = {k: totals[k] for k in self.candidates}   # k <= K: every one known
+            else:   # every class's, pooled
+                fixed = [([round(x * SCALE) / SCALE for x in self._reached[m]],
+                          [round(x * SCALE) / SCALE for x in self._accepted[m]])
+                         for m in range(self.classes + 1)]
+                found = expected_by_k(acceptance_from_counts(
                     [sum(col) for col in zip(*(r for r, _ in fixed))],
-                    [sum(col) for col in zip(*(a for _, a in fixed))])
-            found = self._own_expected[c] = expected_by_k(acceptance, self.candidates)
+                    [sum(col) for col in zip(*(a for _, a in fixed))]), self.candidates)
+            self._own_expected[c] = found
         return found
 
     def _expected(self, rows: list[list[int]]) -> dict[int, float]:
@@ -550,16 +588,13 @@ class AdaptiveK:
         return {k: sum(size * e[k] for size, e in zip(sizes, per_class) if size) / total
                 for k in self.candidates}
 
-    def _stay(self, k: int, expected: dict[int, float], times: dict[int, float],
+    def _stay(self, k: int, last: int, expected: dict[int, float], times: dict[int, float],
               bucket: int) -> int:
-        """The last iteration's K unless ``k`` beats it by SWITCH_MARGIN once the switch
-        there and back is paid (``CostTable.switch_cost`` of both, spread over
+        """The last iteration's K, ``last``, unless ``k`` beats it by SWITCH_MARGIN once
+        the switch there and back is paid (``CostTable.switch_cost`` of both, spread over
         SWITCH_HORIZON iterations of ``k``): measured rates within noise of each other
         would flip K, and the first drafting iteration after K = 0 ones pays an eager
         catch-up (the last K is agreed: every rank's is the same)."""
-        last = None if self._last is None else self._last[1]
-        if last is None or last == k:
-            return k
         paid = self.cost.switch_cost(bucket, k) + self.cost.switch_cost(bucket, last)
         rate_k = expected[k] / max(times[k] + paid / SWITCH_HORIZON, 1e-9)
         rate_last = expected[last] / max(times[last], 1e-9)
@@ -599,7 +634,7 @@ class AdaptiveK:
 
     def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket``, E(k) ``expected``."""
-        times = {k: self.cost.time(bucket, k) for k in self.candidates}
+        times = self.cost.times(bucket, self.candidates)
         k = choose_by_rate(self.candidates, expected, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K
@@ -616,8 +651,10 @@ class AdaptiveK:
                     times = self._borrowed(bucket)
                     k = choose_by_rate(self.candidates, expected, times)
             explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN
-            if not explored:    # after an explored run the rule's K is back without a gate
-                k = self._stay(k, expected, times, bucket)
+            last = None if self._last is None else self._last[1]
+            # After an explored run the rule's K is back without a gate.
+            if not explored and last is not None and last != k:
+                k = self._stay(k, last, expected, times, bucket)
             if calls >= EXPLORE_EVERY and calls % EXPLORE_EVERY < EXPLORE_RUN:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
                 explore = self.candidates[turn % n_k]

@@ -662,6 +662,8 @@ def cycle_k(adaptive, pattern):
         calls[0] += 1
         return pattern[(calls[0] - 1) % len(pattern)]
     adaptive.choose = choose
+    # One GPU rank's committed choice too (it does not go through ``choose``).
+    adaptive.choose_committed = lambda batch: choose(None, batch)
     # One GPU rank takes the next K early to queue its step (whatever ``stay``).
     adaptive.next_k = lambda batch, k, stay=False, classes=None: pattern[calls[0] % len(pattern)]
 
