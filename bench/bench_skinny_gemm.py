@@ -790,7 +790,7 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
                  BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True, GLU=False)
     const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
-                      ONE_PASS=cfg.one_pass(k)))
+                      ONE_PASS=cfg.one_pass(k), PIECE=_skinny.one_pass_piece(cfg, k)))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

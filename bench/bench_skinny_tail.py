@@ -13,10 +13,14 @@ calls, each on its own copy of the weight, so weights stream from HBM), and its 
   (``cublas_invariant``): where it does not, F.linear above the table was a class of its own
   at each row count already.
 
+``--one-tile`` also times each configuration as one BLOCK_K tile over K (models/_skinny
+``PIECES`` off: K = 576 padded to 1024) beside the two tiles it runs now (512 + 64,
+``one_pass_piece``), and checks that both give the same bits.
+
 No model weights needed (random bf16 of the real shapes). Writes $OUT/skinny_tail.json.
 
     python bench/bench_skinny_tail.py [--rows 32,64,128,256] [--shapes qkv,o,gate_up]
-        [--configs d64x1024s1w8n1,d32x1024s1w4n1]
+        [--configs d64x1024s1w8n1,d32x1024s1w4n1] [--one-tile]
 """
 
 from __future__ import annotations
@@ -37,7 +41,8 @@ CONFIGS = ("d64x1024s1w8n1", "d32x1024s1w4n1", "d64x1024s1w4n1", "d128x1024s1w8n
 SHAPES = ("qkv", "o", "gate_up")
 
 
-def bench(name: str, rows_list, tags) -> dict:
+def bench(name: str, rows_list, tags, one_tile: bool = False) -> dict:
+    from specloop.models import _skinny
     from specloop.models._linear import parse_config
     from specloop.models._skinny import skinny_linear
     n, k, _ = sg.SHAPES[name]
@@ -47,18 +52,20 @@ def bench(name: str, rows_list, tags) -> dict:
     gen = torch.Generator(device="cuda").manual_seed(0)
     ws = [(torch.randn(n, k, device="cuda", generator=gen) * 0.05).to(torch.bfloat16)
           for _ in range(copies)]
-    probe = sg.probe_inputs(n, k, False, "cuda", torch.bfloat16, rows=max(rows_list))
+    probe = sg.probe_inputs(n, k, False, "cuda", torch.bfloat16, rows=max(*rows_list, 32))
     out = {"shape": name, "N": n, "K": k, "cublas_us": {}, "configs": {}}
     ref32 = [F.linear(x[:32], w) for x, w, _ in probe]
     out["cublas_invariant"] = all(
-        torch.equal(F.linear(x[:m], w)[:32], r) for m in rows_list for (x, w, _), r in
+        torch.equal(F.linear(x[:m], w)[:32], r[:m]) for m in rows_list for (x, w, _), r in
         zip(probe, ref32))
     for rows in rows_list:
         x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
         out["cublas_us"][rows], _ = sg.time_graph(lambda i: F.linear(x, ws[i % copies]), calls)
-    for tag in tags:
+    for label in [v for tag in tags for v in ((tag, tag + "/1") if one_tile else (tag,))]:
+        tag = label.removesuffix("/1")
         cfg = parse_config(tag)
-        per = out["configs"][tag] = {}
+        per = out["configs"][label] = {}
+        _skinny.PIECES = not label.endswith("/1")
         for rows in rows_list:
             x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
             try:
@@ -67,11 +74,18 @@ def bench(name: str, rows_list, tags) -> dict:
                 ys = [skinny_linear(px[:rows], w, None, cfg) for px, w, _ in probe]
                 cublas = all(torch.equal(y, F.linear(px[:rows], w))
                              for y, (px, w, _) in zip(ys, probe))
-                same = all(torch.equal(y[:32], skinny_linear(px[:32], w, None, cfg))
+                same = all(torch.equal(y[:32], skinny_linear(px[:32], w, None, cfg)[:rows])
                            for y, (px, w, _) in zip(ys, probe))
                 per[rows] = {"us": round(us, 3), "cublas": cublas, "rows": same}
+                if label != tag:    # one tile against the two tiles: the same bits
+                    _skinny.PIECES = True
+                    per[rows]["pieces_equal"] = all(
+                        torch.equal(y, skinny_linear(px[:rows], w, None, cfg))
+                        for y, (px, w, _) in zip(ys, probe))
+                    _skinny.PIECES = False
             except Exception as e:  # noqa: BLE001 - e.g. out of resources: report it
                 per[rows] = {"error": f"{type(e).__name__}: {str(e)[:80]}"}
+    _skinny.PIECES = True
     return out
 
 
@@ -80,11 +94,13 @@ def main() -> None:
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--one-tile", action="store_true",
+                    help="also each configuration as one BLOCK_K tile (label /1)")
     args = ap.parse_args()
     rows_list = [int(r) for r in args.rows.split(",")]
     results = []
     for name in args.shapes.split(","):
-        r = bench(name, rows_list, args.configs.split(","))
+        r = bench(name, rows_list, args.configs.split(","), args.one_tile)
         results.append(r)
         print(f"{name} ({r['N']}x{r['K']}) cuBLAS row-invariant: {r['cublas_invariant']}")
         for rows in rows_list:
@@ -93,7 +109,8 @@ def main() -> None:
                 c = per[rows]
                 cells.append(f"{tag} " + (c["error"][:30] if "error" in c else
                              f"{c['us']:.2f}{'' if c['cublas'] else ' !cublas'}"
-                             f"{'' if c['rows'] else ' !rows'}"))
+                             f"{'' if c['rows'] else ' !rows'}"
+                             f"{'' if c.get('pieces_equal', True) else ' !pieces'}"))
             print(f"  {rows:4d} rows: " + " | ".join(cells), flush=True)
     path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny_tail.json")
     with open(path, "w") as f:

@@ -122,23 +122,33 @@ DOT_MAX_ROWS = 256
 # eagle3 K = 3 (32 rows) went from 10,006 to 11,279 tok/s, no speculation unchanged
 # (bench/results/h200_1202i_otail_*.jsonl; a cuBLAS GEMM also breaks PDL's chain of
 # Triton kernels around it), and the GPU tests passed with it (tabletests).
-# Above 32 rows (VERIFY at batch 16-64 with K = 3; no speculation at batch 33-192) the tails
-# of qkv and o go on where bench/bench_skinny_tail.py timed them below cuBLAS (2026-12-02,
-# bench/results/h200_1202k_skinny_tail.json; every tl.dot configuration there gave F.linear's
-# bits at every row count, and cuBLAS a row the same bits at 32-256 rows): qkv's d64x1024 to
-# 64 rows (2.43 us against 3.74), o's to 96 and d128x1024 to 192 (2.70 against 3.72 at 128).
-# A tl.dot program takes 16 rows and reads its tile of W again for each 16, so the gate-up
-# GEMM (N = 3072) is slower than cuBLAS from 48 rows and keeps cuBLAS there. Engine, batch
-# 16, eagle3 K = 3: 17,051 -> 17,933 tok/s (h200_1202k_tables_*.jsonl; batch 32 within its
-# runs' spread); the GPU tests passed with it (tabletests).
+# Above 32 rows (VERIFY at batch 16-64 with K = 3; no speculation at batch 33-192) the
+# tails go on where bench/bench_skinny_tail.py timed them below cuBLAS (2026-12-02; every
+# tl.dot configuration there gave F.linear's bits at every row count 2-256, and cuBLAS a row
+# the same bits at all of them). Since the one-tile tl.dot takes K = 576 as two tiles, 512 +
+# 64, not one tile of 1024 padded with zeros (models/_skinny ``one_pass_piece``: the same MMA
+# steps less those over the padding, the same bits), d128x1024 (8 programs for qkv's 16-row
+# block) is the fastest alone: at 64 rows qkv 1.85 us against cuBLAS's 3.81, gate-up 3.98
+# against 4.25, o at 128 rows 1.84 against 3.75 (bench/results/h200_1202k_skinny_tail_d128
+# .json). Up to 32 rows d64x1024 stays: in the layer bench (30 layers in a chain, where a
+# program's tile of W is not loaded behind the kernel before as in back-to-back calls of one
+# GEMM) d128 everywhere was slower at 4 and 8 rows (12.60 / 15.31 us a layer against 12.09 /
+# 13.87). The gate-up GEMM loses to cuBLAS from 96 rows (a program reads its tile of W again
+# for each 16 rows) and keeps cuBLAS there. Engine (one H200 process each, 3 runs): the two
+# tiles against one at batch 1 and 8, h200_1202k_pieces{0,1}_d64_b1_b8.jsonl; above 32 rows,
+# batch 16 eagle3 K = 3 17,051 -> 17,933 tok/s with the first tails (d64, 4f4d73c), and
+# d128 above 32 rows within the runs' spread of d64 there (h200_1202k_final_b16_b32_*.jsonl);
+# the GPU tests passed with this table (tabletests).
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
-    (960, 576, False): ((1, 'v8x1024s1w2n3'), (64, 'd64x1024s1w8n1')),
+    (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1'),
+                        (128, 'd128x1024s1w8n1')),
     (576, 576, False): ((1, 'v4x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
                         (3, 'b2x4x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
-                        (8, 'b2x4x1024s1w4n3'), (96, 'd64x1024s1w8n1'),
+                        (8, 'b2x4x1024s1w4n3'), (32, 'd64x1024s1w8n1'),
                         (192, 'd128x1024s1w8n1')),
-    (3072, 576, False): ((1, 'v4x1024s1w4n3'), (32, 'd64x1024s1w8n1')),
+    (3072, 576, False): ((1, 'v4x1024s1w4n3'), (32, 'd64x1024s1w8n1'),
+                         (64, 'd128x1024s1w8n1')),
     (576, 1536, True): ((1, 'v8x2048s1w16n3'), (2, 'v8x2048s1w8n3'),
                         (8, 'b2x4x2048s1w8n3')),
     (576, 1728, False): ((1, 'v2x2048s1w4n3'), (8, 'b2x2x2048s1w4n3'),

@@ -16,7 +16,11 @@ GEMM spreads over many SMs:
   over K by num_stages; where one BLOCK_K covers a program's K range (``ONE_PASS``, e.g.
   ``d16x1024`` for K = 576), one load of W, issued before PDL's wait, and one tl.dot: the
   tensor cores make a row's cost nearly independent of the number of rows (1..16), where
-  the broadcast paths' fp32 products grow with them;
+  the broadcast paths' fp32 products grow with them. A K range that fills at most three
+  quarters of its power-of-two tile runs as two tiles chained through the accumulator
+  (``PIECE``: K = 576 as 512 + 64, 36 MMA steps a row block, not 64): the same steps in
+  the same order less those that add zeros, so the same bits (H200: qkv's d64x1024 at 2-16
+  rows 1.95-2.32 us against 2.21-2.34; ``SPECLOOP_SKINNY_PIECES=0``: one tile);
 - ``TILE=True`` (the ``b`` family, ``SkinnyConfig.tile_m`` > 0): like the broadcast path,
   but a program takes a fixed block of ``tile_m`` rows and reduces all of them in ONE
   reduction over K: x as [BLOCK_M, 1, BLOCK_K], the W tile once as [1, BLOCK_N, BLOCK_K],
@@ -77,6 +81,7 @@ is the kernels and their launchers only.
 
 from __future__ import annotations
 
+import os
 from typing import NamedTuple
 
 import torch
@@ -234,9 +239,11 @@ if triton is not None:
                        DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
                        BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE: tl.constexpr = False, GDC: tl.constexpr = False,
-                       ONE_PASS: tl.constexpr = False, GLU: tl.constexpr = False):
+                       ONE_PASS: tl.constexpr = False, GLU: tl.constexpr = False,
+                       PIECE: tl.constexpr = 0):
         # GLU: W is a gate-up weight [2N, K] and y [M, N] is silu(gate) * up (``_glu``;
-        # SPLIT_K == 1). N is y's width either way.
+        # SPLIT_K == 1). N is y's width either way. PIECE (ONE_PASS): the K range in two
+        # tiles, BLOCK_K / 2 then PIECE wide (``one_pass_pieces``), not one of BLOCK_K.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -256,17 +263,40 @@ if triton is not None:
                 x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 if ONE_PASS:
-                    # The program's K range in one tile (BLOCK_K >= k_per_split): W before
-                    # the wait, x after it, one tl.dot; the arithmetic of the loop below
-                    # when it runs once.
-                    ks = k_lo + rk
-                    k_ok = ks < k_hi
-                    w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                                other=0.0)
-                    if GDC:
-                        tl.extra.cuda.gdc_wait()
-                    a = _load_x(x_rows, ks[None, :], m_ok[:, None] & k_ok[None, :], K, ACT)
-                    acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+                    if PIECE > 0:
+                        # The K range as two tiles (K = 576: 512 + 64, where one tile of
+                        # 1024 runs 64 MMA steps a row block, 28 of them on zero padding):
+                        # W of both before the wait, then the two tl.dot chained through
+                        # the accumulator -- the same MMA steps in the same order as one
+                        # tile, less those that add zeros, so the same bits.
+                        HALF: tl.constexpr = BLOCK_K // 2
+                        ka = k_lo + tl.arange(0, HALF)
+                        kb = k_lo + HALF + tl.arange(0, PIECE)
+                        wa = tl.load(w_rows + ka[None, :],
+                                     mask=n_ok[:, None] & (ka < k_hi)[None, :], other=0.0)
+                        wb = tl.load(w_rows + kb[None, :],
+                                     mask=n_ok[:, None] & (kb < k_hi)[None, :], other=0.0)
+                        if GDC:
+                            tl.extra.cuda.gdc_wait()
+                        xa = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :],
+                                     K, ACT)
+                        xb = _load_x(x_rows, kb[None, :], m_ok[:, None] & (kb < k_hi)[None, :],
+                                     K, ACT)
+                        acc = tl.dot(xa, tl.trans(wa), acc, out_dtype=tl.float32)
+                        acc = tl.dot(xb, tl.trans(wb), acc, out_dtype=tl.float32)
+                    else:
+                        # The program's K range in one tile (BLOCK_K >= k_per_split): W
+                        # before the wait, x after it, one tl.dot; the arithmetic of the
+                        # loop below when it runs once.
+                        ks = k_lo + rk
+                        k_ok = ks < k_hi
+                        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
+                                    other=0.0)
+                        if GDC:
+                            tl.extra.cuda.gdc_wait()
+                        a = _load_x(x_rows, ks[None, :], m_ok[:, None] & k_ok[None, :], K,
+                                    ACT)
+                        acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
                 else:
                     if GDC:  # W and x interleave in the pipelined loop: the wait first
                         tl.extra.cuda.gdc_wait()
@@ -474,6 +504,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          BLOCK_K=c.block_k, TILE=c.tile_m > 0, num_warps=c.num_warps,
                          num_stages=c.num_stages, **pdl,
                          **({"ONE_PASS": True} if c.one_pass(K) else {}),
+                         **({"PIECE": piece} if (piece := one_pass_piece(c, K)) else {}),
                          **({"GLU": True} if glu else {}))
     if split > 1:
         block = 1024
@@ -481,6 +512,28 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             out, b, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split,
             BLOCK=block, num_warps=4, **pdl)
     return y.view(*x.shape[:-1], N)
+
+
+# SPECLOOP_SKINNY_PIECES=0: a one-tile tl.dot over K runs one BLOCK_K tile, zero padding
+# included (the same bits either way: one_pass_piece).
+PIECES = os.environ.get("SPECLOOP_SKINNY_PIECES", "1") != "0"
+
+
+def one_pass_piece(config: SkinnyConfig, k: int) -> int:
+    """The second tile's width where a one-tile tl.dot (``SkinnyConfig.one_pass``) takes
+    its K range as BLOCK_K / 2 then a smaller power of two (K = 576: 512 + 64 instead of
+    1024), else 0. tl.dot's MMA steps run over the tile's K in order, 16 at a time, each
+    adding into the accumulator; the two tiles chained through it run the same steps in
+    the same order less those over the padding, which add zero products: the same bits,
+    in fewer dependent steps (a row block's MMA chain is the one-tile kernel's latency)."""
+    if not (PIECES and config.one_pass(k)):
+        return 0
+    span = config.k_splits(k)[1] if config.split_k > 1 else k
+    half = config.block_k // 2
+    if span <= half or half < 16:
+        return 0
+    piece = max(16, _pow2(span - half))
+    return piece if piece < half else 0
 
 
 def norm_fusable(config: SkinnyConfig, k: int) -> bool:

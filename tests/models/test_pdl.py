@@ -274,7 +274,7 @@ NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf
 
 
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass",
-                                  "dot_one_pass_glu"])
+                                  "dot_one_pass_glu", "dot_pieces"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
@@ -294,10 +294,16 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
             # gate-up with SwiGLU in the epilogue (norm_mlp): its two halves of W before
             "dot_one_pass_glu": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
                                      BLOCK_N=64, BLOCK_K=1024, TILE=False, ONE_PASS=True,
-                                     GLU=True)}[path]
+                                     GLU=True),
+            # K = 576 as two tiles, 512 + 64 (one_pass_piece): both halves of W before
+            "dot_pieces": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
+                               BLOCK_N=16, BLOCK_K=1024, TILE=False, ONE_PASS=True,
+                               PIECE=64)}[path]
     meta.setdefault("GLU", False)
+    meta.setdefault("PIECE", 0)
     before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
-              "dot_one_pass": {"w_ptr"}, "dot_one_pass_glu": {"w_ptr"}}[path]
+              "dot_one_pass": {"w_ptr"}, "dot_one_pass_glu": {"w_ptr"},
+              "dot_pieces": {"w_ptr"}}[path]
     sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 

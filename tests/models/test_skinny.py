@@ -160,6 +160,37 @@ def test_skinny_launcher_takes_one_pass_where_block_k_covers_a_programs_k(monkey
         assert launches[0].get("ONE_PASS", False) is one_pass, tag
 
 
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_one_tile_dot_takes_k_as_two_tiles_where_it_pads_a_quarter(monkeypatch):
+    """A one-tile tl.dot whose K range fills at most 3/4 of its power-of-two BLOCK_K runs
+    it as BLOCK_K / 2 then the smallest power of two covering the rest (PIECE: K = 576 as
+    512 + 64): the launcher passes it, SPECLOOP_SKINNY_PIECES=0 (``PIECES``) keeps one tile,
+    and loops, split ranges of one BLOCK_K and the broadcast families never take it."""
+    from specloop.models import _skinny
+    launches: list = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta)
+    monkeypatch.setattr(_skinny, "_skinny_kernel", Recorder())
+    monkeypatch.setattr(_skinny, "_splitk_reduce_kernel", Recorder())
+    for k, tag, piece in ((576, "d64x1024s1w8n1", 64), (576, "d128x1024s1w8n1", 64),
+                          (1152, "d64x2048s1w8n1", 128), (520, "d16x1024s1w4n1", 16),
+                          (1024, "d64x1024s1w8n1", 0),        # fills its tile
+                          (900, "d64x1024s1w8n1", 0),         # 512 + 512: no gain
+                          (1728, "d64x2048s1w8n1", 0),        # 1024 + 1024
+                          (576, "d16x128s8w4n3", 0),          # splits of one BLOCK_K
+                          (576, "d16x64s1w4n3", 0),           # the loop
+                          (576, "v4x1024s1w4n3", 0), (576, "b2x2x1024s1w4n3", 0)):
+        cfg = parse_config(tag)
+        assert _skinny.one_pass_piece(cfg, k) == piece, (k, tag)
+        launches.clear()
+        _skinny.skinny_linear(torch.zeros(3, k).half(), torch.zeros(40, k).half(), None, cfg)
+        assert launches[0].get("PIECE", 0) == piece, (k, tag)
+    monkeypatch.setattr(_skinny, "PIECES", False)
+    assert _skinny.one_pass_piece(parse_config("d64x1024s1w8n1"), 576) == 0
+
+
 TILE_CHILD = CHECK_SOURCE + r"""
 import torch
 from specloop.models import _kernels
@@ -748,6 +779,31 @@ def test_decoder_on_skinny_kernel_bf16_cuda(tiny_dirs, monkeypatch, tile):
             graph.replay()
             eager = logits(model, step, start.clone(), eager_cache)
             assert torch.equal(captured, eager), (T, i)
+
+
+@pytest.mark.gpu
+def test_two_tiles_give_the_one_tiles_bits_bf16_cuda(monkeypatch):
+    """A one-tile tl.dot over K = 576 as two tiles (512 + 64, ``one_pass_piece``) gives
+    the bits of one 1024-wide tile, plain and with SwiGLU in the epilogue, on the bench's
+    probe inputs (products cancelling in pairs: another summation order changes most
+    outputs), for the shipped tail's configurations at 1..64 and 128 rows."""
+    from pathlib import Path
+
+    from specloop.models import _skinny
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import bench_skinny_gemm as bench
+
+    for n, glu in ((960, False), (576, False), (3072, True)):
+        for x, w, _ in bench.probe_inputs(n, 576, False, "cuda", torch.bfloat16, rows=128):
+            for tag in ("d64x1024s1w8n1", "d128x1024s1w8n1"):
+                cfg = parse_config(tag)
+                assert _skinny.one_pass_piece(cfg, 576) == 64
+                for m in (*range(1, 65), 128):
+                    two = _skinny.skinny_linear(x[:m], w, None, cfg, glu=glu)
+                    monkeypatch.setattr(_skinny, "PIECES", False)
+                    one = _skinny.skinny_linear(x[:m], w, None, cfg, glu=glu)
+                    monkeypatch.setattr(_skinny, "PIECES", True)
+                    assert torch.equal(two, one), (n, glu, tag, m)
 
 
 @pytest.mark.gpu
