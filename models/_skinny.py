@@ -81,6 +81,7 @@ is the kernels and their launchers only.
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
@@ -243,7 +244,7 @@ if triton is not None:
                        PIECE: tl.constexpr = 0):
         # GLU: W is a gate-up weight [2N, K] and y [M, N] is silu(gate) * up (``_glu``;
         # SPLIT_K == 1). N is y's width either way. PIECE (ONE_PASS): the K range in two
-        # tiles, BLOCK_K / 2 then PIECE wide (``one_pass_pieces``), not one of BLOCK_K.
+        # tiles, BLOCK_K / 2 then PIECE wide (``one_pass_piece``), not one of BLOCK_K.
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -526,13 +527,18 @@ def one_pass_piece(config: SkinnyConfig, k: int) -> int:
     adding into the accumulator; the two tiles chained through it run the same steps in
     the same order less those over the padding, which add zero products: the same bits,
     in fewer dependent steps (a row block's MMA chain is the one-tile kernel's latency)."""
-    if not (PIECES and config.one_pass(k)):
+    return _piece(config, k) if PIECES else 0
+
+
+@functools.lru_cache(maxsize=None)     # a table's few (config, K), asked at every launch
+def _piece(config: SkinnyConfig, k: int) -> int:
+    splits, _ = config.k_splits(k)
+    if not config.one_pass(k) or splits > 1:    # a split's range is one whole BLOCK_K
         return 0
-    span = config.k_splits(k)[1] if config.split_k > 1 else k
     half = config.block_k // 2
-    if span <= half or half < 16:
+    if k <= half or half < 16:
         return 0
-    piece = max(16, _pow2(span - half))
+    piece = max(16, _pow2(k - half))
     return piece if piece < half else 0
 
 
