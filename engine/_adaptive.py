@@ -49,7 +49,7 @@ DECAY = 0.98
 # Prior: PRIOR_ROWS pseudo-rows at acceptance PRIOR_ACCEPT for every position, so a
 # position never drafted yet looks worth a try, and one lucky row does not decide.
 PRIOR_ROWS, PRIOR_ACCEPT = 2.0, 0.5
-PRIOR_ACCEPTED = PRIOR_ACCEPT * PRIOR_ROWS
+PRIOR_ACCEPTED = PRIOR_ACCEPT * PRIOR_ROWS     # the prior's accepted pseudo-rows
 # Weight of a new measurement of an iteration's host work beyond warm-up's time (``rest``,
 # an exponential average; it stands in for T(b, k) where (b, k) has no samples yet).
 REST_WEIGHT = 0.2
@@ -342,8 +342,6 @@ def _median_of_recent(recent: dict[Key, collections.deque[float]], key: Key,
 def _median_low(values: Sequence[float]) -> float:
     """``statistics.median_low`` in less host time (once an iteration on one GPU rank)."""
     return sorted(values)[(len(values) - 1) // 2]
-
-
 
 
 class AdaptiveK:
