@@ -21,6 +21,9 @@ No model weights needed (random bf16 of the real shapes). Writes $OUT/skinny_tai
 
     python bench/bench_skinny_tail.py [--rows 32,64,128,256] [--shapes qkv,o,gate_up]
         [--configs d64x1024s1w8n1,d32x1024s1w4n1] [--one-tile]
+    # the down GEMM on the activation (K = 1536: two tiles of 1024 + 512, not 2048):
+    python bench/bench_skinny_tail.py --shapes down --rows 2,5,8,16,32 --one-tile \
+        --configs d16x2048s1w8n1,d32x2048s1w8n1,d16x2048s1w4n1
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def bench(name: str, rows_list, tags, one_tile: bool = False) -> dict:
     from specloop.models import _skinny
     from specloop.models._linear import parse_config
     from specloop.models._skinny import skinny_linear
-    n, k, _ = sg.SHAPES[name]
+    n, k, _ = {**sg.SHAPES, **sg.EXTRA_SHAPES}[name]
     copies = max(2, math.ceil(sg.L2_FLUSH_BYTES / (n * k * 2)))
     calls = min(sg.MAX_CALLS, max(sg.MIN_CALLS, copies))
     copies = min(copies, calls)
