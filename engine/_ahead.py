@@ -29,7 +29,7 @@ import attrs
 import torch
 
 from specloop.graphs import SamplingPath
-from specloop.models._grad import inference_mode
+from specloop.models._grad import inference, inference_mode
 from specloop.models._host import int64_tensor, to_device
 
 from ._request import Request
@@ -184,7 +184,7 @@ class RunAhead:
             return
         sampling = (w._sampling_batch(batch, rec.key.batch_size)
                     if rec.graph_captured else rec.batch_sampling)
-        with torch.inference_mode():
+        with inference():
             inputs = ahead_inputs(batch, pending[0]["token_ids"], rows, sampling,
                                   scratch_slot=w.runner.cache.scratch_slot,
                                   device=w.runner.device)
@@ -224,7 +224,7 @@ class RunAhead:
                             sampling=w._sampling_batch(batch, None))
         sampling = w._sampling_batch(batch, key.batch_size) if captured else \
             step.batch_sampling
-        with torch.inference_mode():
+        with inference():
             inputs = ahead_inputs(rec.batch, pending[0]["token_ids"], rows, sampling,
                                   scratch_slot=w.runner.cache.scratch_slot,
                                   device=w.runner.device, joining=joining)

@@ -29,6 +29,7 @@ import attrs
 import torch
 
 from specloop.graphs import GraphKey
+from specloop.models._grad import inference
 from specloop.models._host import int64_tensor, to_device
 
 from ._ahead import subset_rows
@@ -132,7 +133,7 @@ class DeviceChain:
         else:
             w.runner.reserve(batch, self.keep_ahead - 1)
         w.runner.keep_ahead = self.keep_ahead
-        with torch.inference_mode():
+        with inference():
             # The glue is written straight into the graphs' static inputs where the cache
             # shows them: no device-to-device copy per input at the replays.
             statics = getattr(w.graph_cache, "static_inputs", None)
