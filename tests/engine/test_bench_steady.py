@@ -1,5 +1,6 @@
 """bench/_common.py ``steady_load`` (bench_adaptive_gpu.py ``--arrival steady``) on the tiny
-model, and the bench script's steady mode on the CPU (slow: SmolLM2)."""
+model, and the bench scripts' CPU smoke modes (slow: SmolLM2): bench_adaptive_gpu.py's
+steady and closed modes, host_wait_gpu.py at a batch with eagle3 configs."""
 
 import importlib
 import json
@@ -159,3 +160,31 @@ def test_state_times_by_move(monkeypatch):
     assert then["0>0>4"]["host"] == then["0>0>4"]["VERIFY"] - 10.0
     assert {m: v["n"] for m, v in then.items()} == {
         "0>0>0": 4, "0>0>4": 4, "0>4>4": 4, "4>0>0": 3, "4>4>0": 3}
+
+
+@pytest.mark.slow
+def test_host_wait_bench_at_a_batch_with_eagle3_on_cpu(common, smollm2, tmp_path, monkeypatch):
+    """``host_wait_gpu.py --device cpu --batch 2 --configs "eagle3 K=3,eagle3 adaptive<=3"
+    --profile`` in-process: a row per config and pass (unprofiled, then profiled) with the
+    wall and the read-back wait an iteration, and the profiled rows' text with the
+    engine's functions by cumulative time."""
+    bench = importlib.import_module("host_wait_gpu")
+    monkeypatch.setattr(common, "load_smol", lambda device: smollm2)
+    monkeypatch.setattr(bench, "quiet_logs", lambda: None)     # global: other tests log
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"text": t, "split": "eval"}) + "\n" for t in
+                               ("Tell me about llamas.", "What is 2+2?")))
+    out = tmp_path / "host_wait.json"
+    args = bench.argparse.Namespace(
+        prompts=str(prompts), sets=2, tokens=4, device="cpu", profile=True, out=str(out),
+        batch=2, configs="eagle3 K=3,eagle3 adaptive<=3")
+    bench.anyio.run(bench.main_async, args)
+    rows = json.loads(out.read_text())
+    assert [(r["config"], r["profiled"]) for r in rows] == [
+        ("eagle3 K=3", False), ("eagle3 adaptive<=3", False),
+        ("eagle3 K=3", True), ("eagle3 adaptive<=3", True)]
+    for row in rows:
+        assert row["batch"] == 2 and row["iterations"] > 0
+        assert row["wall_ms_per_iteration"] > 0 and row["wait_ms_per_iteration"] >= 0
+        assert (row["profile"] is not None) == row["profiled"]
+    assert "cumulative" in rows[2]["profile"] and "specloop" in rows[2]["profile"]
