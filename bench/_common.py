@@ -220,10 +220,12 @@ def union_us(events) -> float:
 FEW_PROMPTS = 16
 
 
-def prompt_rounds(min_prompts: int, batch: int) -> int:
+def prompt_rounds(min_prompts: int, batch: int, min_rounds: int = 1) -> int:
     """Rounds of ``batch`` distinct prompts a timed run goes through: ceil(min_prompts /
-    batch), at least 1; says so on stderr when a run sees fewer than FEW_PROMPTS prompts."""
-    rounds = max(1, -(-min_prompts // batch))
+    batch), at least ``min_rounds`` (a round at batch 32-64 lasts ~0.1-0.2 s on the H200,
+    and one round a run spread the runs by +-8 %); says so on stderr when a run sees fewer
+    than FEW_PROMPTS prompts."""
+    rounds = max(1, -(-min_prompts // batch), min_rounds)
     if batch * rounds < FEW_PROMPTS:
         print(f"note: batch {batch} runs {batch * rounds} prompt(s) a timed run, so its "
               f"acceptance is theirs, not the drafter's (--min-prompts {FEW_PROMPTS})",
@@ -259,15 +261,17 @@ def speed_row(batch: int, name: str, rates, base: float, al, tokens: int, device
             "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
 
 
-def held_out_sets(args, cycle: bool = False, min_prompts: int | None = None):
+def held_out_sets(args, cycle: bool = False, min_prompts: int | None = None,
+                  min_rounds: int = 1):
     """SmolLM2 on ``args.device``, then for each size in ``args.batches``: (loaded, batch,
     sets), ``sets`` batches of distinct held-out chat prompts from ``args.prompts`` for a
     timed run to go through one after another: one, or with ``min_prompts``
-    prompt_rounds' count (a last set short of ``batch`` dropped unless it is the only one)."""
+    prompt_rounds' count (``min_rounds`` at least; a last set short of ``batch`` dropped
+    unless it is the only one; without ``cycle`` no more sets than the prompts fill)."""
     loaded = load_smol(args.device)
     texts = held_out_texts(args.prompts)
     for batch in [int(b) for b in args.batches.split(",")]:
-        rounds = 1 if min_prompts is None else prompt_rounds(min_prompts, batch)
+        rounds = 1 if min_prompts is None else prompt_rounds(min_prompts, batch, min_rounds)
         pool = chat_prompts(loaded.tokenizer, texts, batch * rounds, cycle)
         sets = [pool[i:i + batch] for i in range(0, len(pool), batch)]
         if len(sets) > 1 and len(sets[-1]) < batch:

@@ -190,7 +190,8 @@ def run(args) -> None:
     texts = held_out_texts(args.prompts)
     # Steady load draws its own requests (below); closed rounds go through the sets.
     closed = args.min_prompts if args.arrival == "closed" else None
-    for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=closed):
+    for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=closed,
+                                             min_rounds=args.min_rounds):
         start = time.perf_counter()
         steady = None
         if args.arrival == "steady":
@@ -280,6 +281,10 @@ def parser() -> argparse.ArgumentParser:
                     help="closed: each run goes through at least this many prompts, as "
                          "ceil(N / batch) rounds of distinct prompts one after another (at "
                          "batch 1 one prompt's acceptance is not the head's: 16 or more)")
+    ap.add_argument("--min-rounds", type=int, default=1,
+                    help="closed: and at least this many rounds a run (a round at batch "
+                         "32-64 is ~0.1-0.2 s on the H200: 4 keeps the runs' spread down; "
+                         "past the prompts' count they repeat)")
     ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
     ap.add_argument("--png", default="adaptive_h200.png")
     return ap

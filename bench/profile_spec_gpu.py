@@ -351,10 +351,14 @@ def main() -> None:
                     help="each timed run goes through at least this many prompts, as "
                          "ceil(N / batch) rounds of distinct prompts one after another (at "
                          "batch 1 one prompt's acceptance is not the drafter's: 16 or more)")
+    ap.add_argument("--min-rounds", type=int, default=1,
+                    help="and at least this many rounds a run (as many as the distinct "
+                         "prompts fill)")
     args = ap.parse_args()
     quiet_logs()
     names = args.configs.split(",")
-    for loaded, batch, sets in held_out_sets(args, min_prompts=args.min_prompts):
+    for loaded, batch, sets in held_out_sets(args, min_prompts=args.min_prompts,
+                                             min_rounds=args.min_rounds):
         traces = {name: f"{args.trace_dir}/trace_b{batch}_"
                         f"{name.replace(' ', '').replace('=', '')}.json"
                   for name in names} if args.trace_dir and batch == 1 else {}

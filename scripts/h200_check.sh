@@ -14,7 +14,8 @@
 #            BATCHES, RUNS as for closed)
 #   curve    the throughput curve, specloop against transformers compiled, batch 1 .. 256
 #            (CURVE, HF_CURVE: the batch sizes), and batch 64's table; a PNG (issue 12)
-#   closed   the same in closed rounds (BATCHES, RUNS: bench_adaptive_gpu.py's --batches, --runs)
+#   closed   the same in closed rounds (BATCHES, RUNS, MIN_ROUNDS: bench_adaptive_gpu.py's
+#            --batches, --runs, --min-rounds; MIN_ROUNDS defaults to 4)
 #   host     each iteration's wall and the host's wait for the GPU (HOST_BATCH, HOST_CONFIGS,
 #            HOST_SETS, HOST_PROFILE=1: cProfile too; batch 1's three configs ~1.5 min)
 #   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
@@ -125,9 +126,11 @@ for step in "$@"; do
       (cd bench && python3 sync_points_gpu.py --prompts "$PROMPTS" --out "$OUT/syncs.json" \
         2>&1 | grep '^{' | cut -c1-900) ;;
     closed)
+      # MIN_ROUNDS (4): rounds a run at least (batch 32-64: one round of ~0.1-0.2 s a run
+      # spread the runs by +-8 % until 2026-12-02; MIN_ROUNDS=1 is the runs before).
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
         --out "$OUT/adaptive_closed.jsonl" --runs "${RUNS:-3}" --buckets serving --min-prompts 16 \
-        --batches "${BATCHES:-1,8,32,64,128,256}" \
+        --min-rounds "${MIN_ROUNDS:-4}" --batches "${BATCHES:-1,8,32,64,128,256}" \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
     tail)
       # The skinny GEMM's tl.dot tail above 32 rows against cuBLAS: times and bits (~20 s).

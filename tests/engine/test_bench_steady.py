@@ -121,13 +121,14 @@ def test_union_us_is_busy_time_not_summed_durations(common):
 
 @pytest.mark.slow
 def test_bench_adaptive_closed_min_prompts_on_cpu(common, smollm2, tmp_path, monkeypatch):
-    """``--arrival closed --min-prompts 3`` at batch 1: a run goes through 3 rounds of
-    distinct prompts (batch 1 on one prompt measured that prompt's acceptance, not the
-    head's), and a row says how many prompts a run used."""
+    """``--arrival closed --min-prompts 2 --min-rounds 3`` at batch 1: a run goes through 3
+    rounds of distinct prompts (batch 1 on one prompt measured that prompt's acceptance,
+    not the head's; --min-rounds raises the rounds past --min-prompts'), and a row says
+    how many prompts a run used."""
     rows = _bench_rows(common, smollm2, tmp_path, monkeypatch,
-                       ["--configs", "none,K=3", "--min-prompts", "3"])
+                       ["--configs", "none,K=3", "--min-prompts", "2", "--min-rounds", "3"])
     assert [r["config"] for r in rows] == ["none", "K=3"]
-    for row in rows:
+    for row in rows:     # --min-rounds 3 over --min-prompts 2: 3 rounds of one prompt
         assert row["arrival"] == "closed" and row["prompts_per_run"] == 3
         assert row["median"] > 0
 
@@ -140,6 +141,8 @@ def test_prompt_rounds_say_when_a_run_sees_few_prompts(common, capsys):
     assert "1 prompt(s)" in capsys.readouterr().err
     assert common.prompt_rounds(16, 1) == 16 and common.prompt_rounds(16, 32) == 1
     assert common.prompt_rounds(17, 8) == 3
+    # At least min_rounds: a batch the prompts fill in one round still runs several.
+    assert common.prompt_rounds(16, 32, 4) == 4 and common.prompt_rounds(16, 1, 4) == 16
     assert capsys.readouterr().err == ""
 
 
