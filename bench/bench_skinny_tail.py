@@ -21,6 +21,10 @@ No model weights needed (random bf16 of the real shapes). Writes $OUT/skinny_tai
 
     python bench/bench_skinny_tail.py [--rows 32,64,128,256] [--shapes qkv,o,gate_up]
         [--configs d64x1024s1w8n1,d32x1024s1w4n1] [--one-tile]
+    # tl.dot over blocks of 32 / 64 rows (``m``: a program reads its tile of W once for
+    # them, not once for each 16; gate-up lost to cuBLAS from 96 rows with 16):
+    python bench/bench_skinny_tail.py --shapes gate_up,qkv,o --rows 64,96,128,192,256 \
+        --configs d64x1024s1w8n1m32,d64x1024s1w8n1m64,d128x1024s1w8n1m32,d128x1024s1w8n1
     # the down GEMM on the activation (K = 1536: two tiles of 1024 + 512, not 2048):
     python bench/bench_skinny_tail.py --shapes down --rows 2,5,8,16,32 --one-tile \
         --configs d16x2048s1w8n1,d32x2048s1w8n1,d16x2048s1w4n1

@@ -184,18 +184,23 @@ def _table_from_file(path: str) -> dict[tuple[int, int, bool], SkinnyRanges | No
     return table
 
 
-_TAG = re.compile(r"(?:([dv])|b(\d+)x)(\d+)x(\d+)s(\d+)w(\d+)n(\d+)")
+_TAG = re.compile(r"(?:([dv])|b(\d+)x)(\d+)x(\d+)s(\d+)w(\d+)n(\d+)(?:m(\d+))?")
 
 
 @functools.lru_cache(maxsize=None)     # a table's few tags, looked up on every call
 def parse_config(tag: str) -> SkinnyConfig:
     """SkinnyConfig.tag()'s inverse."""
     m = _TAG.fullmatch(tag)
-    if m is None or m.group(2) is not None and int(m.group(2)) < 1:
+    if m is None:
         raise ValueError(f"not a skinny config tag: {tag!r}")
-    d, tile_m, *ints = m.groups()
+    d, tile_m, *ints, dot_m = m.groups()
+    rows = int(tile_m or dot_m or 0)
+    # ``b`` blocks of at least one row; a tl.dot block (``m``) of a power of two >= 16 rows.
+    if tile_m is not None and rows < 1 or \
+            dot_m is not None and (d != "d" or rows < 16 or rows & (rows - 1)):
+        raise ValueError(f"not a skinny config tag: {tag!r}")
     bn, bk, split, warps, stages = map(int, ints)
-    return SkinnyConfig(d == "d", bn, bk, split, warps, stages, int(tile_m or 0))
+    return SkinnyConfig(d == "d", bn, bk, split, warps, stages, rows)
 
 
 def one_pass_block_k(k: int) -> int:

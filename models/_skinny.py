@@ -117,15 +117,18 @@ class SkinnyConfig(NamedTuple):
     split_k: int = 1  # dot: programs along K (> 1: fp32 partials + an ordered reduce)
     num_warps: int = 4
     num_stages: int = 3
-    tile_m: int = 0   # > 0 (no tl.dot): rows per program, all reduced in one 2-D reduction
+    tile_m: int = 0   # > 0: rows per program; no tl.dot: all reduced in one 2-D
+                      # reduction; tl.dot: its M (a power of two >= 16; 0: 16)
 
     def block_m(self, rows: int) -> int:
-        """Rows of x per program: 16 (padded) for tl.dot; ``tile_m`` (masked past M) for
-        the one-reduction family; else up to 8 (a power of two), one after the other over
-        the program's tile of W (more rows: more programs, each reading its tile of W
+        """Rows of x per program: for tl.dot 16 (padded), or ``tile_m`` where given (a
+        program then reads its tile of W once for that many rows: VERIFY's 64-256 rows at
+        batch 16-64, where 16 a program re-read W 4-16 times); ``tile_m`` (masked past M)
+        for the one-reduction family; else up to 8 (a power of two), one after the other
+        over the program's tile of W (more rows: more programs, each reading its tile of W
         again, from L2 after the first)."""
         if self.dot:
-            return 16
+            return self.tile_m or 16
         return self.tile_m if self.tile_m else min(_pow2(rows), 8)
 
     def k_splits(self, k: int) -> tuple[int, int]:
@@ -144,10 +147,12 @@ class SkinnyConfig(NamedTuple):
 
     def tag(self) -> str:
         """Compact name, e.g. ``d16x128s2w4n3`` (dot, BLOCK_N 16, BLOCK_K 128, split 2),
-        ``b4x2x1024s1w4n3`` (one reduction over 4 rows, BLOCK_N 2, BLOCK_K 1024)."""
+        ``d64x1024s1w8n1m64`` (dot over blocks of 64 rows), ``b4x2x1024s1w4n3`` (one
+        reduction over 4 rows, BLOCK_N 2, BLOCK_K 1024)."""
         family = "d" if self.dot else f"b{self.tile_m}x" if self.tile_m else "v"
+        rows = f"m{self.tile_m}" if self.dot and self.tile_m else ""
         return (f"{family}{self.block_n}x{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}n{self.num_stages}")
+                f"w{self.num_warps}n{self.num_stages}{rows}")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -502,7 +507,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _skinny_kernel[grid](x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0),
                          y.stride(0), k_per, ACT=int(silu_mul), HAS_BIAS=bias is not None,
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
-                         BLOCK_K=c.block_k, TILE=c.tile_m > 0, num_warps=c.num_warps,
+                         BLOCK_K=c.block_k, TILE=c.tile_m > 0 and not c.dot,
+                         num_warps=c.num_warps,
                          num_stages=c.num_stages, **pdl,
                          **({"ONE_PASS": True} if c.one_pass(K) else {}),
                          **({"PIECE": piece} if (piece := one_pass_piece(c, K)) else {}),

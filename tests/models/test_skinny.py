@@ -71,7 +71,7 @@ torch.manual_seed(0)
 # tl.dot: a loop over K, split 2 ways, and all of K in one tile (ONE_PASS).
 configs = [SkinnyConfig(False, 8, 32), SkinnyConfig(False, 8, 128), SkinnyConfig(False, 4, 64),
            SkinnyConfig(True, 16, 32), SkinnyConfig(True, 32, 16, split_k=2),
-           SkinnyConfig(True, 16, 128)]
+           SkinnyConfig(True, 16, 128), SkinnyConfig(True, 16, 128, tile_m=32)]
 N, K = 19, 83                      # neither a multiple of any block
 w32, b32 = torch.randn(N, K), torch.randn(N)
 gu32 = torch.randn(40, 2 * K) * 2
@@ -92,7 +92,9 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bf
         # tl.dot: rows 1..17 spread over the two configs, 40 = 3 row blocks. Broadcast
         # (rows one after the other in blocks of up to 8; slow to interpret): 1, 3, a
         # block and a row.
-        if cfg.dot:
+        if cfg.dot and cfg.tile_m:     # blocks of 32 rows: one partial, two (40)
+            cases = [(M, act) for M in (17, 40) for act in (False, True)]
+        elif cfg.dot:
             cases = [(M, act) for M in sorted({16, 17, 40, *range(1 + ci % 2, 18, 2)})
                      for act in (False, True)]
         else:
@@ -410,7 +412,14 @@ def test_table_tags_parse_and_round_trip():
                      ("v2x1024s1w4n3", SkinnyConfig(False, 2, 1024, 1, 4, 3))):
         assert parse_config(tag) == cfg and cfg.tag() == tag
         assert cfg.block_m(1) == (cfg.tile_m or 1) and cfg.block_m(32) == (cfg.tile_m or 8)
-    for bad in ("d16x128", "b0x2x1024s1w4n3", "b4x1024s1w4n3", "bx4x2x1024s1w4n3"):
+    # tl.dot: blocks of 16 rows, or of ``m`` rows (a power of two >= 16).
+    for tag, cfg in (("d64x1024s1w8n1", SkinnyConfig(True, 64, 1024, 1, 8, 1)),
+                     ("d64x1024s1w8n1m64", SkinnyConfig(True, 64, 1024, 1, 8, 1, tile_m=64))):
+        assert parse_config(tag) == cfg and cfg.tag() == tag
+        assert cfg.block_m(1) == cfg.block_m(200) == (cfg.tile_m or 16)
+    for bad in ("d16x128", "b0x2x1024s1w4n3", "b4x1024s1w4n3", "bx4x2x1024s1w4n3",
+                "d64x1024s1w8n1m8", "d64x1024s1w8n1m48", "v4x1024s1w4n3m64",
+                "b4x2x1024s1w4n3m32"):
         with pytest.raises(ValueError):
             parse_config(bad)
 
