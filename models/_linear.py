@@ -54,8 +54,9 @@ MIN_ROWS, MAX_ROWS = 2, 32
 # Rows for which the skinny kernel may run on CUDA: the broadcast families (and the default
 # guess for shapes the table lacks) up to SKINNY_MAX_ROWS; a tl.dot tail (cuBLAS's bit class,
 # below) up to DOT_MAX_ROWS: VERIFY's rows at batch 32 with K = 3 are 128, at 64 with K = 3
-# 256, and a tl.dot program takes 16 of them (grid over the rows), so the tail's one-tile
-# configurations keep their per-row arithmetic at any row count.
+# 256, and a tl.dot program takes a fixed block of them (16, or the tag's ``m``; grid over
+# the rows), so the tail's one-tile configurations keep their per-row arithmetic at any row
+# count.
 SKINNY_MAX_ROWS = 32
 DOT_MAX_ROWS = 256
 
