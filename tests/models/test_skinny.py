@@ -93,7 +93,7 @@ for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10), (torch.bf
         # (rows one after the other in blocks of up to 8; slow to interpret): 1, 3, a
         # block and a row.
         if cfg.dot and cfg.tile_m:     # blocks of 32 rows: one partial, two (40)
-            cases = [(M, act) for M in (17, 40) for act in (False, True)]
+            cases = [(17, False), (40, True)]
         elif cfg.dot:
             cases = [(M, act) for M in sorted({16, 17, 40, *range(1 + ci % 2, 18, 2)})
                      for act in (False, True)]
