@@ -154,6 +154,23 @@ def acceptance_from_counts(reached: Sequence[float], accepted: Sequence[float]
     return [(a + PRIOR_ACCEPTED) / (r + PRIOR_ROWS) for r, a in zip(reached, accepted)]
 
 
+def expected_from_counts(reached: Iterable[float], accepted: Iterable[float],
+                         candidates: Sequence[int], *, scale: int = 0) -> dict[int, float]:
+    """``expected_by_k(acceptance_from_counts(reached, accepted), candidates)`` in one pass
+    without the acceptance list (every choice runs it): the same operations in the same
+    order, so the same floats. ``scale``: each count taken in fixed point first,
+    round(x * scale) / scale (as a SYNC row carries it), without a list of them."""
+    totals, total, chain = [1.0], 1.0, 1.0      # E(0), E(1), ...
+    for r, a in zip(reached, accepted):
+        if scale:
+            r, a = round(r * scale) / scale, round(a * scale) / scale
+        chain *= (a + PRIOR_ACCEPTED) / (r + PRIOR_ROWS)
+        total += chain
+        totals.append(total)
+    last = len(totals) - 1      # a K past the counts known: all of them
+    return {k: totals[k] if k <= last else total for k in candidates}
+
+
 @attrs.define
 class CostTable:
     """T(b, k) in seconds, b a batch class (``bucket``: the batch rounded up to a power of
@@ -543,26 +560,20 @@ class AdaptiveK:
         ``_expected`` computes it from this rank's row."""
         found = self._own_expected[c]
         if found is None:
+            # The counts in fixed point, as this rank's SYNC row sends them
+            # (test_one_ranks_kept_expectation_is_the_columns_one holds the floats to
+            # ``_expected``'s).
             if c < self.classes or not self.classes:
-                # One class's counts (a drafter without classes: every iteration, after
-                # every ``record``): expected_by_k(acceptance_from_counts(R, A)), R and A
-                # the counts in fixed point, in one pass without the lists (half their host
-                # time). The same operations in the same order, so the same floats
-                # (test_one_ranks_kept_expectation_is_the_columns_one holds them to it).
-                totals, total, chain = [1.0], 1.0, 1.0      # E(0), E(1), ...
-                for r, a in zip(self._reached[c], self._accepted[c]):
-                    chain *= ((round(a * SCALE) / SCALE + PRIOR_ACCEPTED)
-                              / (round(r * SCALE) / SCALE + PRIOR_ROWS))
-                    total += chain
-                    totals.append(total)
-                found = {k: totals[k] for k in self.candidates}   # k <= K: every one known
+                # One class (a drafter without classes: every iteration).
+                found = expected_from_counts(self._reached[c], self._accepted[c],
+                                             self.candidates, scale=SCALE)
             else:   # every class's, pooled
                 fixed = [([round(x * SCALE) / SCALE for x in self._reached[m]],
                           [round(x * SCALE) / SCALE for x in self._accepted[m]])
                          for m in range(self.classes + 1)]
-                found = expected_by_k(acceptance_from_counts(
-                    [sum(col) for col in zip(*(r for r, _ in fixed))],
-                    [sum(col) for col in zip(*(a for _, a in fixed))]), self.candidates)
+                found = expected_from_counts([sum(col) for col in zip(*(r for r, _ in fixed))],
+                                             [sum(col) for col in zip(*(a for _, a in fixed))],
+                                             self.candidates)
             self._own_expected[c] = found
         return found
 
@@ -575,13 +586,13 @@ class AdaptiveK:
                   for c in range(self.classes + 1)]
         at = (self.classes + 1) * per
         sizes = [sum(row[at + c] for row in rows) for c in range(self.classes + 1)]
-        pooled = acceptance_from_counts([sum(col) for col in zip(*(x[:n] for x in counts))],
-                                        [sum(col) for col in zip(*(x[n:] for x in counts))])
+        pooled = expected_from_counts([sum(col) for col in zip(*(x[:n] for x in counts))],
+                                      [sum(col) for col in zip(*(x[n:] for x in counts))],
+                                      self.candidates)
         if not sum(sizes[:-1]):     # no classed row: the pooled counts alone
-            return expected_by_k(pooled, self.candidates)
-        acceptance = [acceptance_from_counts(x[:n], x[n:]) for x in counts[:-1]] + [pooled]
-        per_class = [expected_by_k(acc, self.candidates) if size else {}
-                     for size, acc in zip(sizes, acceptance)]
+            return pooled
+        per_class = [expected_from_counts(x[:n], x[n:], self.candidates) if size else {}
+                     for size, x in zip(sizes[:-1], counts[:-1])] + [pooled]
         total = sum(sizes)
         return {k: sum(size * e[k] for size, e in zip(sizes, per_class) if size) / total
                 for k in self.candidates}
