@@ -853,6 +853,18 @@ def check_layouts(table: dict) -> list[str]:
     return problems
 
 
+def write_out(name: str, rows: dict) -> str:
+    """``rows`` with the device and versions as $OUT/``name`` (OUT defaults to /tmp)."""
+    import triton
+    path = os.path.join(os.environ.get("OUT", "/tmp"), name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump({"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
+                   "torch": torch.__version__, "triton": triton.__version__, **rows}, f,
+                  indent=1)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default=",".join(map(str, ROWS)))
@@ -900,15 +912,9 @@ def main() -> None:
     from specloop.models import _skinny
     if not _skinny.available():
         sys.exit("needs Triton")
-    import triton
     t0 = time.perf_counter()
     if args.layer_only:
-        layer = bench_layer(None, 2 if SMOKE else 30)
-        path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny_layer.json")
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            json.dump({"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
-                       "triton": triton.__version__, "layer": layer}, f, indent=1)
+        path = write_out("skinny_layer.json", {"layer": bench_layer(None, 2 if SMOKE else 30)})
         print(f"wrote {path} ({time.perf_counter() - t0:.0f} s)")
         return
     rows_list = [int(r) for r in args.rows.split(",")]
@@ -935,14 +941,9 @@ def main() -> None:
               f"{r['ranges'] or 'cuBLAS'}")
     literal = table_literal(table)
     print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n" + literal)
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny.json")
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        json.dump({"device": "cpu (smoke)" if SMOKE else torch.cuda.get_device_name(),
-                   "torch": torch.__version__,
-                   "triton": triton.__version__, "shapes": results, "layer": layer,
-                   "table": {repr(k): v for k, v in table.items()}, "table_literal": literal,
-                   "seconds": time.perf_counter() - t0}, f, indent=1)
+    path = write_out("skinny.json", {
+        "shapes": results, "layer": layer, "table": {repr(k): v for k, v in table.items()},
+        "table_literal": literal, "seconds": time.perf_counter() - t0})
     # The same table as a file SPECLOOP_SKINNY_TABLE can point at (models/_linear.py).
     with open(os.path.join(os.path.dirname(path), "skinny_table.json"), "w") as f:
         json.dump(table_json(table), f, indent=1)

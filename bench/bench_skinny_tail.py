@@ -33,9 +33,7 @@ No model weights needed (random bf16 of the real shapes). Writes $OUT/skinny_tai
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 
 import torch
 import torch.nn.functional as F
@@ -119,9 +117,7 @@ def main() -> None:
                              f"{'' if c['rows'] else ' !rows'}"
                              f"{'' if c.get('pieces_equal', True) else ' !pieces'}"))
             print(f"  {rows:4d} rows: " + " | ".join(cells), flush=True)
-    path = os.path.join(os.environ.get("OUT", "/tmp"), "skinny_tail.json")
-    with open(path, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    sg.write_out("skinny_tail.json", {"results": results})
 
 
 if __name__ == "__main__":
