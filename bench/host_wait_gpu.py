@@ -27,12 +27,12 @@ import anyio
 
 from _common import HELD_OUT, engine_config, generate_round, held_out_sets, quiet_logs
 
-EAGLE3 = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
-CONFIGS = {"none": {"method": "none"},
-           "ngram K=4": {"method": "ngram", "num_draft_tokens": 4},
-           "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True},
-           "eagle3 K=3": {**EAGLE3, "num_draft_tokens": 3},
-           "eagle3 adaptive<=3": {**EAGLE3, "num_draft_tokens": 3, "adaptive": True}}
+from profile_spec_gpu import CONFIGS as SPEC_CONFIGS
+
+# profile_spec_gpu's configurations that are engine configs alone (its "warm-up times" and
+# "unchained" variants change the engine after it is built).
+CONFIGS = {name: spec for name, spec in SPEC_CONFIGS.items()
+           if not {"fixed_times", "unchained"} & set(spec)}
 DEFAULT_CONFIGS = "none,ngram K=4,ngram adaptive<=4"
 
 
