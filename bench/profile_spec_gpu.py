@@ -28,6 +28,7 @@ from _common import (add_round_args, device_events, device_sync, emit_row, engin
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
+           "eagle3 K=1": {"method": "eagle3", "num_draft_tokens": 1, "draft_weights": HEAD},
            "eagle3 K=2": {"method": "eagle3", "num_draft_tokens": 2, "draft_weights": HEAD},
            "eagle3 K=3": {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD},
            "eagle3 K=5": {"method": "eagle3", "num_draft_tokens": 5, "draft_weights": HEAD},

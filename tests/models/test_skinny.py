@@ -14,6 +14,8 @@ the GPU tests below, which also check the row-count invariance on the hardware. 
 dispatcher's choices (table, window, switches) run in-process.
 """
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -1117,3 +1119,39 @@ def test_probe_inputs_cancel_in_pairs(monkeypatch):
             assert not torch.equal(a, a.roll(1, -1))             # not trivially constant
 
 
+
+
+def test_bench_tail_compose_chooses_entries_from_a_run(monkeypatch):
+    """bench/bench_skinny_tail.py --compose: a shape whose prefix rows were timed gets prefix
+    and tail chosen again (here the down GEMM's broadcast rows 2..8 give way to a tl.dot
+    tail of F.linear's bits from 2 rows); a shape timed only above its prefix keeps the
+    ranges below its first timed row and gets a new tail; a tl.dot configuration that
+    missed F.linear's bits at one row count is never a tail; shapes not timed stay."""
+    _bench(monkeypatch)
+    tail = importlib.import_module("bench_skinny_tail")
+    table = dict(_linear.SKINNY_TABLE)
+    down = table[(576, 1536, True)]
+    ok = lambda us: {"us": us, "cublas": True, "rows": True}          # noqa: E731
+    rows = (1, 2, 4, 8, 16, 32)
+    down_run = {"shape": "down", "N": 576, "K": 1536,
+                "cublas_us": {str(r): 4.0 for r in rows},
+                "configs": {down[0][1]: {str(r): {**ok(1.0 if r == 1 else 1.5 + r),
+                                                  "cublas": False} for r in rows},
+                            "d16x2048s1w8n1": {str(r): ok(2.0) for r in rows},
+                            "d32x2048s1w8n1": {str(r): ok(1.0) if r != 4 else
+                                               {**ok(1.0), "cublas": False} for r in rows}}}
+    gate_up = table[(3072, 576, False)]
+    up_rows = (48, 64, 128, 256)
+    up_run = {"shape": "gate_up", "N": 3072, "K": 576,
+              "cublas_us": {str(r): 4.0 for r in up_rows},
+              "configs": {"d128x1024s1w8n1m64": {str(r): ok(3.0 if r <= 128 else 5.0)
+                                                 for r in up_rows}}}
+    new = tail.compose([down_run, up_run], table)
+    # The prefix (its bits need not be F.linear's) at 1 row, d16 from 2 (d32, faster, missed
+    # F.linear's bits at 4 rows).
+    assert new[(576, 1536, True)] == ((1, down[0][1]), (32, "d16x2048s1w8n1"))
+    assert new[(3072, 576, False)] == tuple(r for r in gate_up if r[0] < 48) + \
+        ((128, "d128x1024s1w8n1m64"),)
+    assert {k: v for k, v in new.items() if k not in ((576, 1536, True), (3072, 576, False))} \
+        == {k: v for k, v in table.items() if k not in ((576, 1536, True), (3072, 576, False))}
+    _linear.check_table(new)
