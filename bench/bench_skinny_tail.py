@@ -33,7 +33,8 @@ every timed row count.
     python bench/bench_skinny_tail.py [--rows 32,64,128,256] [--shapes qkv,o,gate_up]
         [--configs d64x1024s1w8n1,d32x1024s1w4n1] [--one-tile]
     # tl.dot over blocks of 32 / 64 rows (``m``: a program reads its tile of W once for
-    # them, not once for each 16; gate-up lost to cuBLAS from 96 rows with 16):
+    # them, not once for each 16; gate-up lost to cuBLAS from 96 rows with 16, and with
+    # ``m32`` from 128 alone -- the shipped table takes it to 128 for PDL's chain):
     python bench/bench_skinny_tail.py --shapes gate_up,qkv,o --rows 64,96,128,192,256 \
         --configs d64x1024s1w8n1m32,d64x1024s1w8n1m64,d128x1024s1w8n1m32,d128x1024s1w8n1
     # the down GEMM on the activation (K = 1536: two tiles of 1024 + 512, not 2048):
