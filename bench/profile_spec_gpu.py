@@ -375,6 +375,12 @@ def main() -> None:
                                prompts_per_run=batch * len(sets),
                                paired_vs_first=paired, **prof),
                      args.out)
+            # The profiled round's GPU time an iteration (the union of kernel spans): steadier
+            # between processes than tokens/s, which moved +-20 % on the H200 (a table's
+            # A/B read there, docs/performance-history.md "The down GEMM and 32-row blocks").
+            if "gpu_union_ms_per_iter" in prof:
+                print(f"gpu: batch {batch} {name}: {prof['gpu_union_ms_per_iter']} ms an "
+                      f"iteration (AL {al:.3f})", flush=True)
 
 if __name__ == "__main__":
     main()

@@ -168,7 +168,7 @@ for step in "$@"; do
              --configs "${CONFIGS:-none,ngram K=4,eagle3 K=3}" --batches "${BATCHES:-1,32}" \
              --runs 3 --min-prompts 16 \
              > "$OUT/tables_${i}_$round.log" 2>&1; rc=$?
-           grep '^{' "$OUT/tables_${i}_$round.log" | cut -c1-150
+           grep '^{\|^gpu:' "$OUT/tables_${i}_$round.log" | cut -c1-150
            # A failed run says why (the rows' grep alone would hide Python's traceback).
            [ $rc -eq 0 ] || tail -6 "$OUT/tables_${i}_$round.log")
         done
