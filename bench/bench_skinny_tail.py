@@ -26,9 +26,10 @@ cuBLAS, >= 3 %) and writes the code's table with them as a file SPECLOOP_SKINNY_
 reads: where the run timed the shape's prefix rows (its configurations without tl.dot, one
 bit class), prefix and tail are chosen together from them and the tail candidates; where it
 timed only rows above the prefix, the ranges below its first timed row stay and the tail
-above them is chosen. A tail
-candidate is a tl.dot configuration that gave F.linear's bits and each row the same bits at
-every timed row count.
+above them is chosen. A tail candidate is a tl.dot configuration that gave F.linear's bits
+and each row the same bits at every timed row count. The engine may still disagree with a
+choice made from calls alone (a cuBLAS GEMM breaks PDL's chain of Triton kernels): compare
+tables by GPU time an iteration (``h200_check.sh tables``, its ``gpu:`` lines).
 
     python bench/bench_skinny_tail.py [--rows 32,64,128,256] [--shapes qkv,o,gate_up]
         [--configs d64x1024s1w8n1,d32x1024s1w4n1] [--one-tile]
