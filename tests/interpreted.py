@@ -30,6 +30,65 @@ from specloop.models import _kernels, _linear, _skinny
 from specloop.models.drafters import _eagle3, _lm_head, _ngram_device
 from specloop.samplers import _sampler, _triton_greedy
 
+
+def _patch_lang_once_a_launch():
+    # Triton's interpreter re-patches triton.language on every call of a @triton.jit helper
+    # inside a kernel (InterpretedFunction.__call__ -> _patch_lang: inspect.getmembers over
+    # tl, tl.tensor, tl.math, then re-setting the same attributes); ~20% of an interpreted
+    # test's time. Inside a launch (GridExecutor.__call__, which patched them itself and
+    # restores them at its end) that repeat changes nothing, so it is skipped for helpers
+    # whose language modules the launch already patched; anything else runs Triton's own
+    # code (the kernels compute the same bits: checked against the unpatched interpreter).
+    # Without these internals (another Triton), nothing is changed.
+    import inspect
+    try:
+        import triton.language as tl
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        return
+    orig_patch = getattr(interp, "_patch_lang", None)
+    orig_call = getattr(getattr(interp, "GridExecutor", None), "__call__", None)
+    if orig_patch is None or orig_call is None:
+        return
+    state = {"launches": 0, "patched": set()}
+
+    class Patched:         # the scope a skipped patch returns (no caller restores it)
+        def restore(self):
+            pass
+
+    langs = {}      # fn -> the ids of tl, tl.core among its globals (_patch_lang's langs)
+
+    def langs_of(fn):
+        if fn not in langs:
+            langs[fn] = {id(v) for v in fn.__globals__.values()
+                         if inspect.ismodule(v) and (v is tl or v is tl.core)}
+        return langs[fn]
+
+    def patch_lang(fn):
+        if not state["launches"]:
+            return orig_patch(fn)
+        fn_langs = langs_of(fn)
+        if fn_langs and fn_langs <= state["patched"]:
+            return Patched()
+        scope = orig_patch(fn)
+        state["patched"] |= fn_langs
+        return scope
+
+    def call(self, *args, **kwargs):
+        outer = state["patched"]
+        state["launches"] += 1
+        state["patched"] = set()
+        try:
+            return orig_call(self, *args, **kwargs)
+        finally:
+            state["launches"] -= 1
+            state["patched"] = outer
+
+    interp._patch_lang = patch_lang
+    interp.GridExecutor.__call__ = call
+
+
+_patch_lang_once_a_launch()
 answers = sys.stdout
 for line in sys.stdin:
     req = json.loads(line)

@@ -341,7 +341,12 @@ from specloop.models import _kernels
 from specloop.models._skinny import SkinnyConfig, glu_fits, skinny_linear, skinny_norm_linear
 
 torch.manual_seed(0)
-K, I = 64, 48      # fp16: the interpreter's bf16 add of the norm's delta is not the GPU's
+# fp16: the interpreter's bf16 add of the norm's delta is not the GPU's. I = 20 (was 48;
+# each program is slow to interpret): every config still has several programs along I, and
+# the tl.dot ones (8 and 16 output columns a program) now also end in a partial tile of
+# (gate, up) pairs, which 48 never did. K = 64 as before: BLOCK_K 64 is one pass (no
+# PIECE: K fills the tile), BLOCK_K 32 a loop.
+K, I = 64, 20
 w = (torch.randn(2 * I, K) * 0.2).half()
 wd = (torch.randn(K, I) * 0.2).half()
 nw = (1 + 0.1 * torch.randn(K)).half()
@@ -349,7 +354,9 @@ configs = [SkinnyConfig(False, 4, 64, num_warps=2),                  # rows one 
            SkinnyConfig(False, 2, 64, tile_m=2, num_warps=2),          # one reduction
            SkinnyConfig(True, 16, 64, num_warps=4),                    # one pass
            SkinnyConfig(True, 32, 32, num_warps=4, num_stages=2)]     # K in a loop
-down = SkinnyConfig(False, 4, 64, tile_m=2, num_warps=2)
+# The down GEMM (N = K = 64): 8 columns a program (was 4), half the programs; which
+# config does not matter to the check (the same one with and without the prologue).
+down = SkinnyConfig(False, 8, 64, tile_m=2, num_warps=2)
 for rows in (1, 5):
     x, d = torch.randn(rows, K).half(), torch.randn(rows, K).half()
     for c in configs:
@@ -387,8 +394,19 @@ def test_glu_epilogue_is_silu_mul_of_the_product_interpreted():
     run_interpreted(GLU_CHILD)
 
 
+@pytest.fixture(scope="module")
+def narrow_llama(tmp_path_factory):
+    """tiny_dirs' llama with an MLP of 48 (not 128): the gate-up GEMM's N 96 (not 256) is 12
+    programs of the dispatcher's default BLOCK_N 8 (not 32, each slow to interpret); its
+    and the down GEMM's configs are of the same families (no tl.dot, K in one pass), and
+    qkv, o and the layer's structure are unchanged."""
+    from specloop.models.testing import write_tiny_checkpoint
+    return write_tiny_checkpoint(tmp_path_factory.mktemp("narrow") / "llama",
+                                 family="llama", intermediate=48)
+
+
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
-def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
+def test_fused_layer_on_skinny_kernel_interpreted(narrow_llama):
     """The fused decoder layer through the dispatcher's skinny path (fp16, CPU, Triton's
     interpreter): the GEMMs run on the kernel, silu_mul does not, with ``skinny_norm`` the
     layer's two norm kernels do not either, and the hidden states and captured features
@@ -397,7 +415,7 @@ def test_fused_layer_on_skinny_kernel_interpreted(tiny_dirs):
     tl.dot: add_rms_norm before them, no prologue, ``skinny_norm`` on). Each also with
     ``glu`` (SwiGLU in the gate-up GEMM's epilogue, ``norm_mlp``): the same kernels, the
     same bits. (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
-    run_interpreted(LAYER_CHILD, str(tiny_dirs["llama"]))
+    run_interpreted(LAYER_CHILD, str(narrow_llama))
 
 
 def test_table_tags_parse_and_round_trip():
