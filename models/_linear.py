@@ -140,22 +140,14 @@ DOT_MAX_ROWS = 256
 # batch 16 eagle3 K = 3 17,051 -> 17,933 tok/s with the first tails (d64, 4f4d73c), and
 # d128 above 32 rows within the runs' spread of d64 there (h200_1202k_final_b16_b32_*.jsonl);
 # the GPU tests passed with this table (tabletests).
-# The fourteenth session (2026-12-02, bench_skinny_tail.py --compose over the runs
-# bench/results/h200_1202m_skinny_tail_{down,big,lm}.json, then two hand-made ranges): the
-# down GEMM leaves cuBLAS from 9 rows (one-tile d32x2048, two tiles 1024 + 512: 3.0-3.3 us
-# at 9-32 rows, 4.3 at 64, against cuBLAS's 4.9-5.2; the broadcast prefix stays to 8 rows,
-# 2.2-2.8 us, and 1 row takes its 8-warp ``v``, 1.68 against 2.00) and to 128 rows on a
-# looped tl.dot (d64x256, 7.4 us against 5.3 alone: kept because a cuBLAS GEMM breaks PDL's
-# chain, and in the engine batch 32 eagle3 K = 3 ran 1.373 against 1.441 ms of GPU time an
-# iteration with it); gate-up takes 32-row blocks from 33 to 128 rows (``m32``: 3.1 us at
-# 48-64 rows against 4.0 with 16-row blocks; 4.8 at 128 against cuBLAS's 4.4 alone, kept
-# for the chain as the down GEMM's), qkv and o from 129 / 193 to 256 (2.8-3.2 against
-# 3.8-4.0). GPU time an iteration (profile_spec_gpu.py's union of kernel intervals, two
-# processes each): no speculation batch 16 0.845 -> 0.684 ms, eagle3 K = 3 batch 8 1.015 ->
-# 0.844, batch 16 1.109 -> 0.922, batch 1 0.780 -> 0.765. Extending gate-up (``m64``) and
-# down to 256 rows left batch 64 eagle3's GPU time as it was (1.834 against 1.823 ms): not
-# taken. The LM head stays on cuBLAS above 1 row (tl.dot 18.7-20 us at 2-16 rows against
-# 15.7-16.6). GPU tests passed with it (tabletests; bench/results/h200_1202m_*).
+# Since the fourteenth session the down GEMM leaves cuBLAS from 9 rows (one-tile d32x2048,
+# as 1024 + 512, to 64; a looped d64x256 to 128), gate-up takes 32-row blocks (m32) to 128
+# and qkv / o to 256: mostly bench_skinny_tail.py --compose's choice. Gate-up's 97-128 rows
+# and the down GEMM's 65-128 are slower than cuBLAS alone and kept because a cuBLAS GEMM
+# breaks PDL's chain of Triton kernels: in the engine batch 32 eagle3 K = 3 ran 1.373
+# against 1.441 ms of GPU time an iteration with them. Figures, and what was not taken
+# (256-row gate-up and down, a tl.dot LM head): docs/performance-history.md, "The down GEMM
+# and 32-row blocks on tl.dot (fourteenth session)"; GPU tests passed with this table.
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
     (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1'),

@@ -921,7 +921,6 @@ def test_skinny_table_file_replaces_the_shipped_table(tmp_path):
 
 
 def _bench(monkeypatch):
-    import importlib
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     return importlib.import_module("bench_skinny_gemm")
