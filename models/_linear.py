@@ -148,9 +148,13 @@ DOT_MAX_ROWS = 256
 # against 1.441 ms of GPU time an iteration with them. Figures, and what was not taken
 # (256-row gate-up and down, a tl.dot LM head): docs/performance-history.md, "The down GEMM
 # and 32-row blocks on tl.dot (fourteenth session)"; GPU tests passed with this table.
+# Fifteenth session: qkv's broadcast prefix reaches 4 rows (b2x4x1024s1w2n3, v8's class, its
+# norm in the prologue): batch-1 VERIFY at K = 3 takes one kernel less a layer (eagle3 K = 3
+# 0.770 -> 0.743 ms of GPU time an iteration); at 5 rows it lost in the layer bench (history,
+# "The norm in the qkv prologue at VERIFY's rows").
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
-    (960, 576, False): ((1, 'v8x1024s1w2n3'), (32, 'd64x1024s1w8n1'),
+    (960, 576, False): ((1, 'v8x1024s1w2n3'), (4, 'b2x4x1024s1w2n3'), (32, 'd64x1024s1w8n1'),
                         (128, 'd128x1024s1w8n1'), (256, 'd128x1024s1w8n1m32')),
     (576, 576, False): ((1, 'v4x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
                         (3, 'b2x4x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
