@@ -45,7 +45,9 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 K=3 unchained": {"method": "eagle3", "num_draft_tokens": 3,
                                     "draft_weights": HEAD, "unchained": True}}
 RUNTIME = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize",
-           "cudaEventSynchronize", "cudaDeviceSynchronize", "cuLaunchKernel")
+           "cudaEventSynchronize", "cudaDeviceSynchronize", "cuLaunchKernel",
+           "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaEventRecord", "cudaEventQuery",
+           "cudaStreamWaitEvent", "cudaMalloc", "cudaHostAlloc", "cudaFree")
 
 
 @contextlib.asynccontextmanager
@@ -155,7 +157,8 @@ def summarize_profile(prof, iterations, stacks=False):
     per = max(iterations, 1)
     kernels = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
     gpu_us = sum(e.self_device_time_total for e in kernels)
-    calls = {e.key: e.count for e in prof.key_averages() if e.key in RUNTIME}
+    runtime = [e for e in prof.key_averages() if e.key in RUNTIME]
+    calls = {e.key: e.count for e in runtime}
     top = sorted(kernels, key=lambda e: -e.self_device_time_total)[:8]
     # Every kernel name with its launches and GPU time per iteration (where the count is).
     by_count = sorted(kernels, key=lambda e: -e.count)
@@ -167,6 +170,9 @@ def summarize_profile(prof, iterations, stacks=False):
             "gpu_union_ms_per_iter": round(union_us(device_events(prof.events())) / per / 1e3,
                                            3),
             "runtime_calls_per_iter": {k: round(v / per, 2) for k, v in calls.items()},
+            # The host's time in them: a call that blocks for the GPU (a launch behind a
+            # full queue, a copy to pageable memory) shows here, outside the read-back.
+            "runtime_us_per_iter": {e.key: round(e.cpu_time_total / per, 1) for e in runtime},
             "top_kernels_us_per_iter": {e.key[:60]: round(e.self_device_time_total / per, 1)
                                         for e in top},
             "kernels_by_count_per_iter": {

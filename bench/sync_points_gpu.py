@@ -1,6 +1,6 @@
 """Where the host waits for the GPU outside the one read-back an iteration: every
 synchronizing CUDA call (``torch.cuda.set_sync_debug_mode("warn")``: ``.item()``,
-``.tolist()``, a copy to pageable memory, ``nonzero`` ...) in one round at batch 1,
+``.tolist()``, a copy to pageable memory, ``nonzero`` ...) in rounds at ``--batch`` (1),
 counted by the engine line that made it, per config. The engine's own read-back (pinned
 memory and a CUDA event) is not such a call, so a healthy iteration shows none; a line that
 shows up once per switch of adaptive K is a switch's cost.
@@ -38,14 +38,15 @@ def engine_line(stack: list[traceback.FrameSummary], root: str) -> str:
     return "(outside the engine)"
 
 
-async def count_syncs(loaded, prompts, name: str, tokens: int, device: str) -> dict:
+async def count_syncs(loaded, rounds, name: str, tokens: int, device: str) -> dict:
+    """``rounds``: lists of prompts, each a closed round at the batch of its length."""
     import specloop.engine  # noqa: PLC0415
     # The package's root: the folder holding engine/ (site-packages/specloop, or a
     # checkout installed editable).
     root = os.path.dirname(os.path.dirname(os.path.abspath(specloop.engine.__file__))) + os.sep
-    async with bench_engine(name, loaded, 1, device) as engine:
-        for prompt in prompts[:2]:     # warm: the first iterations' one-off work
-            await generate_round(engine, [prompt], 16)
+    async with bench_engine(name, loaded, len(rounds[0]), device) as engine:
+        for prompts in rounds[:2]:     # warm: the first iterations' one-off work
+            await generate_round(engine, prompts, 16)
         where: collections.Counter[str] = collections.Counter()
         shown = warnings.showwarning
 
@@ -62,8 +63,8 @@ async def count_syncs(loaded, prompts, name: str, tokens: int, device: str) -> d
             with warnings.catch_warnings():     # restores showwarning on the way out
                 warnings.simplefilter("always")
                 warnings.showwarning = show
-                for prompt in prompts:
-                    await generate_round(engine, [prompt], tokens)
+                for prompts in rounds:
+                    await generate_round(engine, prompts, tokens)
         finally:
             if device == "cuda":
                 torch.cuda.set_sync_debug_mode(0)
@@ -77,18 +78,22 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--configs", default="ngram K=4,ngram adaptive<=4 warm-up times")
     ap.add_argument("--prompts", default=os.path.join(HERE, "prompts_heldout.jsonl"))
-    ap.add_argument("--sets", type=int, default=4, help="held-out prompts, one after another")
+    ap.add_argument("--sets", type=int, default=4,
+                    help="rounds of held-out prompts, one after another")
+    ap.add_argument("--batch", type=int, default=1, help="prompts a round")
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     quiet_logs()
-    ns = types.SimpleNamespace(device=args.device, prompts=args.prompts, batches="1")
+    ns = types.SimpleNamespace(device=args.device, prompts=args.prompts,
+                               batches=str(args.batch))
     loaded, _, sets = next(held_out_sets(ns, min_prompts=args.sets))
-    prompts = [s[0] for s in sets[:args.sets]]
+    rounds = sets[:args.sets]
     rows = []
     for name in args.configs.split(","):
-        row = {"config": name, **anyio.run(count_syncs, loaded, prompts, name, args.tokens,
+        row = {"config": name, "batch": args.batch,
+               **anyio.run(count_syncs, loaded, rounds, name, args.tokens,
                                            args.device)}
         print(json.dumps(row), flush=True)
         rows.append(row)

@@ -9,6 +9,7 @@ every model that caches that request.
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterable
 
 import structlog
@@ -59,7 +60,10 @@ class PageTable:
         # The same memory as numpy: resize writes one entry at a time, ~0.1 us each here
         # against ~3 us through torch indexing (reserve and trim run every iteration).
         self._host_rows = self.host.numpy()
-        self._dirty: set[int] = set()
+        # Table entries changed since the last ``sync``: flat index (slot * pages_per_slot
+        # + i) -> page, the last write of each (a page taken and given back before a sync
+        # leaves one entry, not two copies racing in one scatter).
+        self._dirty: dict[int, int] = {}
         # Per slot, the lengths its page count holds as they are: ``resize(slot, length)``
         # changes nothing while ``shrink_at[slot] < length <= grow_at[slot]`` (one
         # comparison a row where only growth is asked for). Kept by ``resize``; read-only
@@ -105,17 +109,16 @@ class PageTable:
                 f"slot {slot} needs {want - len(owned)} more KV pages for {length} positions, "
                 f"{len(self._free)} free of {self.num_pages}; raise the page budget or "
                 "lower scheduler.max_batch_size")
-        row = self._host_rows[slot]
+        row, dirty, base = self._host_rows[slot], self._dirty, slot * self.pages_per_slot
         while len(owned) < want:
             page = self._free.pop()
-            row[len(owned)] = page
+            row[len(owned)] = dirty[base + len(owned)] = page
             owned.append(page)
         while len(owned) > want:
             self._free.append(owned.pop())
-            row[len(owned)] = self.scratch_page
+            row[len(owned)] = dirty[base + len(owned)] = self.scratch_page
         self.grow_at[slot] = want * self.page_size if want < self.pages_per_slot else _UNBOUNDED
         self.shrink_at[slot] = (want - 1) * self.page_size if want else -_UNBOUNDED
-        self._dirty.add(slot)
 
     def resize_many(self, lengths: Iterable[tuple[int, int]], *, shrink: bool = True) -> None:
         """``resize(slot, length)`` of each (slot, length), in order; the slot's bounds
@@ -142,18 +145,24 @@ class PageTable:
         self.resize(slot, 0)
 
     def sync(self) -> None:
-        """Bring the device table up to date (changed rows only; no device sync)."""
-        if not self._dirty:
+        """Bring the device table up to date (the changed entries only; no device sync):
+        their flat indices and pages in one host buffer, one copy, one scatter. A row
+        crosses a page every page_size tokens, so at batch 8 and up some row does nearly
+        every iteration; this is ~5 host calls into torch fewer than copying the changed
+        rows (indices, gather, two copies), ~20 us each on the H200's host."""
+        dirty = self._dirty
+        if not dirty:
             return
-        rows = torch.tensor(sorted(self._dirty), dtype=torch.int64)
-        self._dirty.clear()
-        if self.table.device.type == "cpu":
-            self.table[rows] = self.host[rows]
+        n = len(dirty)
+        packed = torch.frombuffer(array.array("i", [*dirty, *dirty.values()]),
+                                  dtype=torch.int32)
+        dirty.clear()
+        if self.table.data_ptr() == self.host.data_ptr():   # on the CPU: the same memory
             return
         # From pinned memory: a copy from pageable memory may wait for the work already
         # queued (a step queued ahead of the host, issue 12) instead of just queueing.
-        dev = self.table.device
-        self.table[to_device(rows, dev)] = to_device(self.host[rows], dev)
+        packed = to_device(packed, self.table.device)
+        self.table.view(-1)[packed[:n]] = packed[n:]
 
 
 class KVCache:
