@@ -170,8 +170,10 @@ def summarize_profile(prof, iterations, stacks=False):
             "gpu_union_ms_per_iter": round(union_us(device_events(prof.events())) / per / 1e3,
                                            3),
             "runtime_calls_per_iter": {k: round(v / per, 2) for k, v in calls.items()},
-            # The host's time in them: a call that blocks for the GPU (a launch behind a
-            # full queue, a copy to pageable memory) shows here, outside the read-back.
+            # The host's time in them: a call that blocks for the GPU (a copy to pageable
+            # memory) shows here, outside the read-back. Not cudaGraphLaunch's: under the
+            # profiler a graph launch pays CUPTI's cost for each of its kernel nodes
+            # (263-402 us an iteration at batch 1-2, where cProfile has ~20 us a replay).
             "runtime_us_per_iter": {e.key: round(e.cpu_time_total / per, 1) for e in runtime},
             "top_kernels_us_per_iter": {e.key[:60]: round(e.self_device_time_total / per, 1)
                                         for e in top},

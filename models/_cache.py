@@ -70,12 +70,12 @@ class PageTable:
         # to everyone else (the runner's per-row reservations and trims).
         self.grow_at = [0] * (num_slots + 1)
         self.shrink_at = [-_UNBOUNDED] * (num_slots + 1)
-        with torch.inference_mode(False):
-            self.table = self.host.to(device)
         if preallocate:
             for slot in range(num_slots):
                 self.resize(slot, max_seq_len)
-            self.sync()
+            self._dirty.clear()     # the table below is made from the filled host rows
+        with torch.inference_mode(False):
+            self.table = self.host.to(device)
 
     @property
     def scratch_slot(self) -> int:
@@ -148,8 +148,9 @@ class PageTable:
         """Bring the device table up to date (the changed entries only; no device sync):
         their flat indices and pages in one host buffer, one copy, one scatter. A row
         crosses a page every page_size tokens, so at batch 8 and up some row does nearly
-        every iteration; this is ~5 host calls into torch fewer than copying the changed
-        rows (indices, gather, two copies), ~20 us each on the H200's host."""
+        every iteration. Copying the changed rows instead (an index tensor, a gather, two
+        copies) took 72-74 us a call of the H200's host against 59-76 for this
+        (bench/bench_page_sync_gpu.py)."""
         dirty = self._dirty
         if not dirty:
             return
