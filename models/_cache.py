@@ -36,7 +36,7 @@ class PageTable:
     ``table`` [num_slots + 1, pages_per_slot] int32 on the device: ``table[s, i]`` is the page
     holding positions ``i*P .. i*P+P-1`` of slot ``s``; row ``num_slots`` (the scratch slot)
     is all scratch page. Host-side changes reach ``table`` in ``sync`` (one small copy of the
-    changed rows, non-blocking), never inside a captured graph.
+    changed entries, non-blocking), never inside a captured graph.
 
     ``preallocate=True`` gives every slot all its pages up front (a standalone cache then
     behaves like a dense one); the engine's table starts empty and grows per request.
