@@ -36,6 +36,27 @@ def copy_bandwidth_gbs(nbytes: int = 256 << 20, repeats: int = 5) -> float:
     return 2 * nbytes / best / 1e9
 
 
+def python_work() -> None:
+    """A fixed pure-Python workload (dict and list work, as the engine's per-row host
+    work): its time reads the host's speed, which on the lent H200 differs by ~1.9x
+    between processes (bench/host_speed_probe.py)."""
+    d: dict[int, list[int]] = {}
+    for i in range(20000):
+        d.setdefault(i % 64, []).append(i)
+    sum(len(v) for v in d.values())
+
+
+def host_python_us(reps: int = 5) -> float:
+    """``python_work``'s median µs over ``reps``, after one untimed call."""
+    python_work()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        python_work()
+        times.append(time.perf_counter() - start)
+    return round(statistics.median(times) * 1e6, 1)
+
+
 def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 

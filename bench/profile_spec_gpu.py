@@ -23,8 +23,8 @@ import anyio
 import torch
 
 from _common import (add_round_args, device_events, device_sync, emit_row, engine_config,
-                     generate_round, held_out_sets, quiet_logs, speed_row, timed_sets,
-                     union_us)
+                     generate_round, held_out_sets, host_python_us, quiet_logs, speed_row,
+                     timed_sets, union_us)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -211,9 +211,14 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             if name in observed:
                 observed[name]["timed"] = len(observed[name]["seen"])
         walls = {name: [] for name in names}
+        # The host's speed before each timed run (host_python_us): it differs by ~1.9x
+        # between processes on the lent H200, and host-bound rows (batch >= 2 with
+        # speculation) move with it.
+        speeds = {name: [] for name in names}
         ahead_counts = {}
         for _ in range(runs):
             for name, engine in engines.items():
+                speeds[name].append(host_python_us())
                 walls[name].append(await timed_sets(engine, sets, tokens, sync))
         # Steps queued ahead in the timed runs (``chain_queued_taken``: the engine's whole
         # life, profiled round included).
@@ -248,7 +253,8 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
                 prof.export_chrome_trace(traces[name])
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
-                         {"iteration_ms": round(wall_ms, 3), "states_ms": states,
+                         {"iteration_ms": round(wall_ms, 3), "host_python_us": speeds[name],
+                          "states_ms": states,
                           "per_position": per_position, "by_move_states_us": moves,
                           "by_move_then_states_us": moves_then,
                           "chain_queued_taken": chained,
