@@ -46,15 +46,20 @@ def python_work() -> None:
     sum(len(v) for v in d.values())
 
 
-def host_python_us(reps: int = 5) -> float:
-    """``python_work``'s median µs over ``reps``, after one untimed call."""
-    python_work()
+def median_seconds(fn, reps: int) -> float:
+    """``fn()``'s median wall seconds over ``reps`` calls, after one untimed call."""
+    fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
-        python_work()
+        fn()
         times.append(time.perf_counter() - start)
-    return round(statistics.median(times) * 1e6, 1)
+    return statistics.median(times)
+
+
+def host_python_us(reps: int = 5) -> float:
+    """``python_work``'s median µs over ``reps``: the host's speed now."""
+    return round(median_seconds(python_work, reps) * 1e6, 1)
 
 
 def weight_bytes(model: torch.nn.Module) -> int:

@@ -22,16 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
-import time
 
 
 def child(reps: int) -> dict:
     import torch  # noqa: PLC0415 - timed after import, in the child only
 
-    from _common import python_work  # noqa: PLC0415 - beside this script
+    from _common import median_seconds, python_work  # noqa: PLC0415 - beside this script
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -62,13 +60,7 @@ def child(reps: int) -> dict:
     out = {}
     for name, fn in parts.items():
         busy_gpu()
-        fn()
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        out[name + "_us"] = round(statistics.median(times) * 1e6, 1)
+        out[name + "_us"] = round(median_seconds(fn, reps) * 1e6, 1)
     with open("/proc/self/stat") as f:
         cpu = int(f.read().rsplit(")", 1)[1].split()[36])
     return {"cpu": cpu, "omp": os.environ.get("OMP_NUM_THREADS", "unset"),

@@ -16,26 +16,20 @@ from __future__ import annotations
 import argparse
 import collections
 import os
-import statistics
 import time
 
 import anyio
 import torch
 
-from _common import cpu_smol, quiet_logs
+from _common import cpu_smol, median_seconds, quiet_logs
 from bench_decode import make_config
 
 HEAD = "smollm2-135m-instruct-eagle3"
 
 
 def timed(fn, reps):
-    fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+    """``fn()``'s median ms over ``reps`` calls."""
+    return median_seconds(fn, reps) * 1e3
 
 
 def op_times(loaded, ids, k, reps):
