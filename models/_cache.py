@@ -154,12 +154,13 @@ class PageTable:
         dirty = self._dirty
         if not dirty:
             return
+        if self.table.data_ptr() == self.host.data_ptr():   # on the CPU: the same memory
+            dirty.clear()
+            return
         n = len(dirty)
         packed = torch.frombuffer(array.array("i", [*dirty, *dirty.values()]),
                                   dtype=torch.int32)
         dirty.clear()
-        if self.table.data_ptr() == self.host.data_ptr():   # on the CPU: the same memory
-            return
         # From pinned memory: a copy from pageable memory may wait for the work already
         # queued (a step queued ahead of the host, issue 12) instead of just queueing.
         packed = to_device(packed, self.table.device)
