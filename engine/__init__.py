@@ -16,6 +16,7 @@ if TYPE_CHECKING:
     from ._errors import (ConfigError, EngineClosedError, EngineStateError,
                           IllegalTransitionError, RequestError)
     from ._iteration import IterationMachine, IterationRecord
+    from ._process import ProcessEngine
     from ._request import FinishReason, RequestOutput
     from ._states import TRANSITIONS, IterationObserver, IterationState, TransitionEvent
     from ._stats import EngineStats
@@ -25,7 +26,8 @@ __all__ = [
     "EngineConfig", "EngineStateError", "EngineStats", "GraphsConfig", "FinishReason",
     "IllegalTransitionError",
     "IterationMachine", "IterationObserver", "IterationRecord", "IterationState",
-    "ModelConfig", "ParallelConfig", "RequestError", "RequestOutput", "SchedulerConfig",
+    "ModelConfig", "ParallelConfig", "ProcessEngine", "RequestError", "RequestOutput",
+    "SchedulerConfig",
     "SpeculativeConfig", "TRANSITIONS", "TransitionEvent", "known_components",
 ]
 
@@ -38,6 +40,7 @@ if not TYPE_CHECKING:      # mypy reads the imports above: an unknown name stays
         "._errors": ("ConfigError", "EngineClosedError", "EngineStateError",
                      "IllegalTransitionError", "RequestError"),
         "._iteration": ("IterationMachine", "IterationRecord"),
+        "._process": ("ProcessEngine",),
         "._request": ("FinishReason", "RequestOutput"),
         "._states": ("TRANSITIONS", "IterationObserver", "IterationState", "TransitionEvent"),
         "._stats": ("EngineStats",),

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import gc
-import re
-import secrets
 import threading
 from types import TracebackType
-from typing import TYPE_CHECKING, AsyncGenerator, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import anyio
 import anyio.abc
@@ -16,19 +14,19 @@ import structlog
 import torch
 
 from specloop.comm import pin_loop_thread
-from specloop.samplers import SamplingParams, SpecMetadata, derive_seed
+from specloop.samplers import SpecMetadata
 
 from ._components import (build_communicator, build_drafter, build_graph_cache,
                           build_observers, build_sampler)
 from ._config import EngineConfig
-from ._errors import ConfigError, EngineClosedError, EngineStateError, RequestError
-from ._frontdoor_state import FrontDoor, OutputChannel
+from ._errors import ConfigError, EngineClosedError, EngineStateError
+from ._front import FrontEnd
+from ._frontdoor_state import FrontDoor
 from ._iteration import IterationMachine, IterationRecord
-from ._request import FinishReason, NewRequest, RequestOutput
+from ._request import FinishReason
 from ._runner import DTYPES, ModelRunner, resolve_device
 from ._states import IterationObserver
 from ._stats import EngineStats
-from ._stop import TextStream
 from ._worker import RankWorker
 
 if TYPE_CHECKING:
@@ -36,13 +34,12 @@ if TYPE_CHECKING:
     from specloop.models import LoadedModel, Tokenizer
 
     from ._exchange import OutputExchange
+    from ._frontdoor import FrontDoorPort
 
 log = structlog.get_logger(__name__)
-# Automatic request ids are "req-N"; callers may not use that form, so the two never meet.
-_AUTO_ID = re.compile(r"req-[0-9]+")
 
 
-class AsyncEngine:
+class AsyncEngine(FrontEnd):
     """``async with AsyncEngine(config) as engine: async for out in engine.generate(...)``.
 
     Multi-rank: every rank builds an engine with its communicator; rank 0 is the front
@@ -50,8 +47,10 @@ class AsyncEngine:
     """
 
     def __init__(self, config: EngineConfig, *, communicator: Communicator | None = None,
-                 observers: Sequence[IterationObserver] = (), model: LoadedModel | None = None
-                 ) -> None:
+                 observers: Sequence[IterationObserver] = (), model: LoadedModel | None = None,
+                 front_door: FrontDoorPort | None = None) -> None:
+        """``front_door``: the one rank 0 serves instead of its own (a ``ProcessEngine``'s
+        core serves its pipe to the parent process; requests then come from there)."""
         self.config = config
         # A communicator the engine built is the engine's to close; an injected one is not.
         self._owns_comm = communicator is None
@@ -63,7 +62,9 @@ class AsyncEngine:
                               "make them agree (torchrun --nproc-per-node, LocalGroup size)")
         self.observers = tuple(observers)
         self._model = model
-        self.front = FrontDoor() if self.comm.rank == 0 else None
+        self.front: FrontDoorPort | None = None
+        if self.comm.rank == 0:
+            self.front = front_door if front_door is not None else FrontDoor()
         self.worker: RankWorker | None = None
         self.tokenizer: Tokenizer | None = None       # both set in __aenter__ (_build)
         self._exchange: OutputExchange | None = None  # the worker's (set in _build too)
@@ -191,76 +192,14 @@ class AsyncEngine:
         """Until the group shuts down (rank 0 leaving its ``async with``)."""
         await self._done.wait()
 
-    # front door -------------------------------------------------------------------------
-    async def generate(self, prompt: str | list[int], params: SamplingParams | None = None,
-                       *, request_id: str | None = None) -> AsyncGenerator[RequestOutput, None]:
-        new = self._admit(prompt, params, request_id)
-        # The front door detokenizes as it delivers (and ends the request at a stop
-        # string): what the channel holds is what the caller gets.
-        channel = self._front_door.submit(new, text=TextStream(self._tokenizer,
-                                                               new.params.stop))
-        finished = False        # the last output was (the engine's, or a stop string's)
-        try:
-            # One wake-up per iteration at most: all outputs sent meanwhile come at once.
-            while outputs := await channel.take():
-                for output in outputs:
-                    if output.error is not None:
-                        raise EngineClosedError(output.error) from self._failure
-                    finished = output.finished
-                    yield output
-                    if finished:
-                        return
-        finally:
-            if not finished:
-                # The consumer left early (break, cancel scope, error): cancel the request
-                # and free its slot; its id stays in use until the engine is done with it.
-                self._front_door.abandon(new.request_id)
-
-    async def generate_batch(self, prompts: Sequence[str | list[int]],
-                             params: SamplingParams | Sequence[SamplingParams] | None = None
-                             ) -> AsyncGenerator[list[RequestOutput], None]:
-        """Several requests as one stream: each item is every output the engine produced
-        for them since the last item, at most one item per iteration (``generate``'s
-        outputs, same fields, automatic ids in prompt order). One consumer for the whole
-        batch: no task wake-up per request per iteration (a batch job's path). Every
-        prompt is checked before any is submitted; leaving early cancels the requests
-        not finished yet."""
-        # Each item is checked in _admit (as generate's params are).
-        many: Sequence[object] = params if isinstance(params, (list, tuple)) \
-            else [params] * len(prompts)
-        if len(many) != len(prompts):
-            raise RequestError(f"{len(prompts)} prompts but {len(many)} params")
-        news = [self._admit(prompt, p, None) for prompt, p in zip(prompts, many)]
-        if not news:
-            return
-        channel = OutputChannel(len(news))
-        front, tokenizer = self._front_door, self._tokenizer
-        for new in news:
-            # Detokenized as delivered; a stop string ends its request at the front door.
-            front.submit(new, channel, TextStream(tokenizer, new.params.stop))
-        live = {new.request_id for new in news}     # whose last output is not out yet
-        try:
-            while live and (outputs := await channel.take()):
-                for output in outputs:
-                    if output.error is not None:
-                        raise EngineClosedError(output.error) from self._failure
-                    if output.finished:
-                        live.discard(output.request_id)
-                yield outputs
-        finally:
-            for request_id in live:
-                front.abandon(request_id)
-
-    def cancel(self, request_id: str) -> None:
-        """End a request (see docs/embedding.md); unknown or finished ids are ignored, so
-        is every id once the engine closed (its streams have all ended)."""
-        self._front_door.cancel(request_id)
-
+    # the front door's hooks (FrontEnd) ------------------------------------------------
     @property
     def _front_door(self) -> FrontDoor:
         """Rank 0's front door; other ranks have none to take requests with."""
-        if self.front is None:
-            raise EngineClosedError(f"rank {self.comm.rank} is not the front door; use rank 0")
+        if not isinstance(self.front, FrontDoor):
+            raise EngineClosedError(f"rank {self.comm.rank} is not the front door; use rank 0"
+                                    if self.front is None else
+                                    "this engine serves another process's front door")
         return self.front
 
     @property
@@ -274,79 +213,20 @@ class AsyncEngine:
         assert self.tokenizer is not None, "the engine is built in `async with` (__aenter__)"
         return self.tokenizer
 
+    @property
+    def _draft_k(self) -> int:
+        return self._built.k
+
+    @property
+    def _vocab_size(self) -> int:
+        return self._built.runner.args.vocab_size
+
     def _check_front(self) -> None:
         front = self._front_door
         if self.worker is None or self._done.is_set() or front.closing:
             raise EngineClosedError("engine is not running (use `async with AsyncEngine(...)`)"
                                     if self._failure is None else
                                     f"engine failed: {self._failure!r}")
-
-    def _admit(self, prompt: object, params: object, request_id: object) -> NewRequest:
-        """The request as submitted, every argument checked (callers' types unchecked)."""
-        self._check_front()
-        if params is None:
-            params = SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
-        request_id = self._request_id(request_id)
-        prompt_ids = self._encode(prompt)
-        k = self._built.k
-        room = self.config.model.max_seq_len - k - 1
-        if len(prompt_ids) > room:
-            raise RequestError(
-                f"prompt has {len(prompt_ids)} tokens; max_seq_len = "
-                f"{self.config.model.max_seq_len} with {k} draft tokens allows "
-                f"at most {room}")
-        handle, self._admitted = self._admitted, self._admitted + 1
-        return NewRequest(request_id, tuple(prompt_ids), params,
-                          self._seed_for(params, handle), handle=handle)
-
-    def _request_id(self, request_id: object) -> str:
-        """Caller ids are reusable once their request fully finished; automatic ids are
-        never reused and have a form caller ids may not take."""
-        if request_id is None:
-            request_id, self._next_id = f"req-{self._next_id}", self._next_id + 1
-            return request_id
-        if not isinstance(request_id, str) or not request_id:
-            raise RequestError(f"request_id must be a non-empty str, got {request_id!r}")
-        if _AUTO_ID.fullmatch(request_id):
-            raise RequestError(f"request_id {request_id!r} has the form of the engine's "
-                               "automatic ids ('req-N'); choose another or pass None")
-        if request_id in self._front_door.open_request_ids:
-            raise RequestError(f"request_id {request_id!r} is already in use (its request "
-                               "has not finished; an id is reusable once it has)")
-        return request_id
-
-    def _seed_for(self, params: SamplingParams, index: int) -> int:
-        """The request's own seed, else one derived at admission (DESIGN: Randomness)."""
-        if params.seed is not None:
-            return params.seed
-        base = self.config.scheduler.seed
-        return secrets.randbits(62) if base is None else derive_seed(base, index)
-
-    def _encode(self, prompt: object) -> list[int]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise RequestError("prompt is empty")
-            tokenizer = self._tokenizer
-            try:
-                if self.config.model.chat_template and tokenizer.chat_template:
-                    return tokenizer.encode_chat([{"role": "user", "content": prompt}])
-                return tokenizer.encode(prompt)
-            except (ValueError, TypeError) as exc:
-                raise RequestError(f"prompt cannot be tokenized: {exc}") from exc
-        if not isinstance(prompt, (list, tuple)):
-            raise RequestError(f"prompt must be a str or a list of token ids, "
-                               f"got {type(prompt).__name__}")
-        if not prompt:
-            raise RequestError("prompt is empty")
-        vocab = self._built.runner.args.vocab_size
-        bad = [t for t in prompt if isinstance(t, bool) or not isinstance(t, int)
-               or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token ids must be ints in [0, {vocab}); "
-                               f"got {bad[:5]}")
-        return list(prompt)
 
     # introspection ----------------------------------------------------------------------
     @property

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from specloop.comm import Communicator
 
     from ._config import EngineConfig
-    from ._frontdoor_state import FrontDoor
+    from ._frontdoor import FrontDoorPort
     from ._scheduler import Scheduler
 
 
@@ -50,7 +50,7 @@ class OutputExchange:
     ``facts`` (this rank's SYNC row) ride the same all-gather; ``gathered_facts`` then
     holds every rank's row, [world, len(facts)]."""
 
-    def __init__(self, *, config: EngineConfig, comm: Communicator, front: FrontDoor | None,
+    def __init__(self, *, config: EngineConfig, comm: Communicator, front: FrontDoorPort | None,
                  scheduler: Scheduler, device: torch.device) -> None:
         self.config = config
         self.comm = comm

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import attrs
 
-from ._request import NewRequest, RequestOutput
+from ._request import FinishReason, NewRequest, RequestOutput
 
 
 @attrs.frozen
@@ -42,3 +42,35 @@ class RankReport:
     """A serving rank's part of the exchange: the outputs it produced since the last one."""
 
     outputs: tuple[RequestOutput, ...] = ()
+
+
+class FrontDoorPort(Protocol):
+    """The front door as the engine's loop sees it (rank 0): ``FrontDoor`` in the engine's
+    process, ``PipeFrontDoor`` in a ``ProcessEngine``'s core (the real one is in the
+    parent, across a pipe)."""
+
+    closing: bool
+
+    @property
+    def has_news(self) -> bool:
+        """Requests or cancels the next SCHEDULE takes."""
+
+    async def wait_for_work(self, timeout: float | None) -> None:
+        """Until there is news (or ``timeout`` seconds passed)."""
+
+    def take_message(self, assign: Callable[[list[NewRequest]],
+                                            tuple[tuple[int, NewRequest], ...]]
+                     ) -> FrontDoorMessage:
+        """The news since the last call (``NO_MESSAGE``: none)."""
+
+    def deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        """Outputs towards their consumers, in the order produced."""
+
+    def request_id(self, handle: int) -> str | None:
+        """A live request's id by its handle (None: finished, or never seen)."""
+
+    def close(self) -> None:
+        """The engine is leaving: no new requests."""
+
+    def close_all(self, reason: FinishReason, error: str | None = None) -> None:
+        """End every live request with a final output of ``reason``."""

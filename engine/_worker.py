@@ -46,7 +46,7 @@ if TYPE_CHECKING:
     from specloop.models.drafters import Drafter
 
     from ._config import EngineConfig
-    from ._frontdoor_state import FrontDoor
+    from ._frontdoor import FrontDoorPort
     from ._runner import ModelRunner
 
 log = structlog.get_logger(__name__)
@@ -64,7 +64,7 @@ NUM_FACTS = 4
 class RankWorker:
     def __init__(self, *, config: EngineConfig, runner: ModelRunner, drafter: Drafter | None,
                  sampler: Sampler, comm: Communicator, graph_cache: GraphCache,
-                 front: FrontDoor | None) -> None:
+                 front: FrontDoorPort | None) -> None:
         self.config = config
         self.runner = runner
         self.drafter = drafter

@@ -56,9 +56,8 @@ def load_model(
     """Load weights (our safetensors reader) and tokenizer; GGUF is converted once and cached."""
     start = time.perf_counter()
     directory = resolve_model_path(name_or_path)
-    args = read_model_args(directory)
+    args, tokenizer = load_tokenizer(directory)
     files = safetensors_files(directory)
-    tokenizer = Tokenizer.from_dir(directory, extra_eos_token_ids=_eos_ids(directory, args))
     model = DecoderModel(args, dtype=dtype, device=device)
     load_safetensors_weights(model, files)
     model.eval()
@@ -71,6 +70,13 @@ def load_model(
         seconds=round(time.perf_counter() - start, 3),
     )
     return LoadedModel(model, tokenizer, args, directory)
+
+
+def load_tokenizer(directory: Path) -> tuple[ModelArgs, Tokenizer]:
+    """A checkpoint directory's args and tokenizer, without its weights (a process that
+    tokenizes for a model another process runs: ``ProcessEngine``)."""
+    args = read_model_args(directory)
+    return args, Tokenizer.from_dir(directory, extra_eos_token_ids=_eos_ids(directory, args))
 
 
 def _eos_ids(directory: Path, args: ModelArgs) -> tuple[int, ...]:

@@ -6,7 +6,7 @@ ENGINE = {
     "AsyncEngine", "ComponentsConfig", "ConfigError", "ENTRY_POINT_GROUP", "EngineClosedError",
     "EngineConfig", "EngineStateError", "EngineStats", "FinishReason", "GraphsConfig", "IllegalTransitionError",
     "IterationMachine", "IterationObserver", "IterationRecord", "IterationState",
-    "ModelConfig", "ParallelConfig", "RequestError", "RequestOutput", "SchedulerConfig",
+    "ModelConfig", "ParallelConfig", "ProcessEngine", "RequestError", "RequestOutput", "SchedulerConfig",
     "SpeculativeConfig", "TRANSITIONS", "TransitionEvent", "known_components",
 }
 GRAPHS = {"CudaGraphCache", "EagerGraphCache", "GraphCache", "GraphKey", "SamplingPath",

@@ -1,0 +1,177 @@
+"""The engine core of a ``ProcessEngine``: an ``AsyncEngine`` in a child process, serving
+the parent's front door across a pipe.
+
+Messages are tuples, their first item a kind. Parent -> core: ``("msg",
+FrontDoorMessage)`` (requests, cancels, shutdown), ``("stats",)``. Core -> parent:
+``("ready", {"k", "vocab_size"})`` or ``("failed", exception)`` once built, ``("out",
+rows)`` once per RESCAN (rows: ``output_row``), ``("close_all", reason index, error)``,
+``("stats", EngineStats)``. The core reads the pipe only in SCHEDULE (or while idle), so
+a message costs the loop one ``poll`` an iteration and nothing between.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+from multiprocessing.connection import Connection
+from typing import TYPE_CHECKING, Any, Callable, Iterable
+
+import anyio
+
+from ._frontdoor import NO_MESSAGE, FrontDoorMessage
+from ._request import FinishReason, NewRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from ._config import EngineConfig
+    from ._stats import EngineStats
+
+REASONS = tuple(FinishReason)
+_REASON_INDEX = {reason: i for i, reason in enumerate(REASONS)}
+
+# One output on the pipe: (request id, token ids, finished, finish reason index or -1,
+# error). Tuples pickle in C; the frozen attrs class would pickle through its __reduce__.
+Row = tuple[str, tuple[int, ...], bool, int, "str | None"]
+
+
+def output_row(output: RequestOutput) -> Row:
+    reason = output.finish_reason
+    return (output.request_id, output.token_ids, output.finished,
+            -1 if reason is None else _REASON_INDEX[reason], output.error)
+
+
+def row_output(row: Row) -> RequestOutput:
+    request_id, tokens, finished, reason, error = row
+    return RequestOutput(request_id, tokens, "", finished,
+                         None if reason < 0 else REASONS[reason], error)
+
+
+class Readable:
+    """``await readable()``: until the connection has data (or was closed) — anyio's
+    ``wait_readable`` (4.7+) on its descriptor, else ``wait_socket_readable`` on a socket
+    over a duplicate of it."""
+
+    def __init__(self, conn: Connection) -> None:
+        wait = getattr(anyio, "wait_readable", None)
+        if wait is not None:
+            fd = conn.fileno()
+            self._wait: Callable[[], Any] = lambda: wait(fd)
+        else:   # pragma: no cover - anyio < 4.7
+            sock = socket.socket(fileno=os.dup(conn.fileno()))
+            self._wait = lambda: anyio.wait_socket_readable(sock)
+
+    async def __call__(self) -> None:
+        await self._wait()
+
+
+class PipeFrontDoor:
+    """``FrontDoorPort`` for the core: news comes from the parent's pipe, outputs go back
+    on it. The parent assigned every request to rank 0 already. A closed pipe (the parent
+    exited without shutting down) reads as a shutdown."""
+
+    def __init__(self, conn: Connection) -> None:
+        self._conn = conn
+        self._readable = Readable(conn)
+        self._news: list[FrontDoorMessage] = []
+        self._gone = False          # the parent closed its end
+        self.closing = False
+        self.stats: Callable[[], EngineStats] | None = None
+
+    def send(self, message: tuple[Any, ...]) -> None:
+        if self._gone:
+            return
+        try:
+            self._conn.send_bytes(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+        except OSError:     # the parent is gone: what it would have read is moot
+            self._gone = True
+
+    def _receive(self) -> None:
+        conn = self._conn
+        while not self._gone and conn.poll():
+            try:
+                message = pickle.loads(conn.recv_bytes())
+            except (EOFError, OSError):
+                self._gone = True
+                self._news.append(FrontDoorMessage(shutdown=True))
+                return
+            if message[0] == "msg":
+                self._news.append(message[1])
+            elif message[0] == "stats":
+                self.send(("stats", None if self.stats is None else self.stats()))
+
+    @property
+    def has_news(self) -> bool:
+        self._receive()
+        return bool(self._news)
+
+    async def wait_for_work(self, timeout: float | None) -> None:
+        with anyio.move_on_after(timeout):
+            while not (self.has_news or self.closing or self._gone):
+                await self._readable()
+
+    def take_message(self, assign: Callable[[list[NewRequest]],
+                                            tuple[tuple[int, NewRequest], ...]]
+                     ) -> FrontDoorMessage:
+        self._receive()
+        if not self._news:
+            return NO_MESSAGE
+        news, self._news = self._news, []
+        if len(news) == 1:
+            return news[0]
+        return FrontDoorMessage(tuple(a for m in news for a in m.assignments),
+                                tuple(c for m in news for c in m.cancels),
+                                any(m.shutdown for m in news))
+
+    def deliver(self, outputs: Iterable[RequestOutput]) -> None:
+        self.send(("out", [output_row(o) for o in outputs]))
+
+    def request_id(self, handle: int) -> str | None:
+        return None     # one rank: the exchange never decodes another rank's block
+
+    def close(self) -> None:
+        self.closing = True
+
+    def close_all(self, reason: FinishReason, error: str | None = None) -> None:
+        self.send(("close_all", _REASON_INDEX[reason], error))
+
+
+def serve_core(conn: Connection, config: EngineConfig, log_level: str | None) -> None:
+    """The child's entry point (spawned): build the engine, report ready (or why not),
+    serve until the parent's shutdown, or until its pipe closes."""
+    if log_level is not None:
+        from .cli import configure_logging  # noqa: PLC0415 - the child's own logging
+
+        configure_logging("console", log_level)
+    try:
+        anyio.run(_serve, conn, config)
+    finally:
+        conn.close()
+
+
+async def _serve(conn: Connection, config: EngineConfig) -> None:
+    from ._engine import AsyncEngine  # noqa: PLC0415 - torch, in the child only
+
+    front = PipeFrontDoor(conn)
+    ready = False
+    try:
+        async with AsyncEngine(config, front_door=front) as engine:
+            worker = engine.worker
+            assert worker is not None, "built in `async with`"
+            front.stats = lambda: worker.stats
+            front.send(("ready", {"k": worker.k, "vocab_size": worker.runner.args.vocab_size}))
+            ready = True
+            await engine.wait_closed()
+    except BaseException as exc:
+        if not ready:
+            front.send(("failed", _picklable(exc)))
+            return
+        raise
+
+
+def _picklable(exc: BaseException) -> BaseException:
+    """The exception itself when it crosses the pipe, else a RuntimeError with its text."""
+    try:
+        pickle.loads(pickle.dumps(exc))
+        return exc
+    except Exception:   # noqa: BLE001 - any pickling failure: send its text instead
+        return RuntimeError(f"{type(exc).__name__}: {exc}")

