@@ -92,6 +92,26 @@ async def specloop_runs(name, loaded, prompts, tokens, runs, method="none", prof
     return by
 
 
+async def process_runs(name, prompts, tokens, runs):
+    """``runs`` timed rounds (a ``generate`` task per request) on a ``ProcessEngine``: the
+    engine core in a child process, which loads the model itself."""
+    from specloop.engine import ProcessEngine
+    out = []
+    async with ProcessEngine(engine_config(name, len(prompts), "none")) as engine:
+        await generate_round(engine, prompts, 8)  # warm-up
+        for _ in range(runs):
+            iterations = (await engine.fetch_stats()).num_iterations
+            _sync()
+            start = time.perf_counter()
+            await generate_round(engine, prompts, tokens)
+            _sync()
+            wall = time.perf_counter() - start
+            iterations = (await engine.fetch_stats()).num_iterations - iterations
+            out.append({"tok_s": len(prompts) * tokens / wall,
+                        "ms_iter": wall / max(iterations, 1) * 1e3})
+    return out
+
+
 class _StateTimes:
     """Each state's handler time summed over the iterations with requests (µs)."""
 
@@ -296,6 +316,9 @@ def main():
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--curve", default="1,2,4,16,32,128,256")
     ap.add_argument("--hf-curve", default="256")
+    ap.add_argument("--process-curve", default="",
+                    help="batch sizes the curve also runs on a ProcessEngine (the engine core "
+                    "in its own process; system specloop-process)")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--profile-batches", default="1",
                     help="batch sizes profiled (kernels, syncs, GPU busy)")
@@ -354,6 +377,10 @@ def main():
         record(system="specloop", method="none", batch=batch, curve=True,
                runs=anyio.run(specloop_runs, args.model, loaded, prompts, args.tokens, 1)[
                    "stream"])
+    for batch in [int(b) for b in args.process_curve.split(",") if b]:
+        prompts = chat_prompts(loaded.tokenizer, batch)
+        record(system="specloop-process", method="none", batch=batch, curve=True,
+               runs=anyio.run(process_runs, args.model, prompts, args.tokens, 1))
     for batch in [int(b) for b in args.hf_curve.split(",") if b]:
         if hf is not None:
             prompts = chat_prompts(loaded.tokenizer, batch)

@@ -11,6 +11,10 @@ request's consumer woken, detokenizing), which ``ProcessEngine`` moves to this p
     python bench/bench_process_gpu.py --out rows.jsonl [--configs "none,eagle3 K=3"]
         [--batches 1,32,64,128] [--runs 3] [--tokens 128] [--min-prompts 32]
         [--kinds process,in-process] [--consumer stream|batch] [--device cpu]
+        [--buckets serving] [--min-rounds 4]
+
+With an adaptive config among ``--configs`` ("eagle3 adaptive<=3") it also prints issue
+13's ratio: adaptive over the best of the others, per kind.
 
 Each row: one (batch, config, kind); ``vs_none`` its median over the same kind's first
 config's median, ``vs_in_process`` over the in-process engine of the same config (runs
@@ -31,8 +35,10 @@ from _common import (add_round_args, device_sync, emit_row, engine_config, gener
 from profile_spec_gpu import CONFIGS
 
 
-async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer):
-    """-> {(name, kind): (rates, AL)}; every engine built and warmed first."""
+async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets):
+    """-> {(name, kind): (rates, AL, extra)}; every engine built and warmed first (a whole
+    round: adaptive K explores its K values then), then ``runs`` runs in which the engines
+    take turns, each run starting one engine further on."""
     from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
 
     batch, sync = len(sets[0]), device_sync(device)
@@ -40,18 +46,21 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer):
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name in names:
-            config = engine_config(CONFIGS[name], batch, device)
+            spec = {k: v for k, v in CONFIGS[name].items() if k not in ("unchained", "fixed_times")}
+            config = engine_config(spec, batch, device, buckets)
             for kind in kinds:
                 engine = AsyncEngine(config, model=loaded) if kind == "in-process" \
                     else ProcessEngine(config)
                 engines[name, kind] = await stack.enter_async_context(engine)
         for engine in engines.values():
-            await generate_round(engine, sets[0], 8, consumer)
+            await generate_round(engine, sets[0], tokens, consumer)
         before = {key: await _stats(engine) for key, engine in engines.items()}
         walls = {key: [] for key in engines}
         speeds = {key: [] for key in engines}
-        for _ in range(runs):
-            for key, engine in engines.items():
+        keys = list(engines)
+        for run in range(runs):
+            for key in keys[run % len(keys):] + keys[:run % len(keys)]:
+                engine = engines[key]
                 speeds[key].append(host_python_us())
                 sync()
                 start = time.perf_counter()
@@ -78,6 +87,20 @@ async def _stats(engine):
     return await fetch() if fetch is not None else copy.deepcopy(engine.stats)
 
 
+def adaptive_vs_max(batch, kind, names, rates) -> None:
+    """Issue 13's adaptive bar: each adaptive config's median over the best other config's
+    median, and run by run (a run's adaptive over the best other in that run)."""
+    others = [n for n in names if "adaptive" not in n]
+    for name in names:
+        if "adaptive" not in name or not others:
+            continue
+        best = max(statistics.median(rates[n]) for n in others)
+        paired = [rate / max(rates[n][i] for n in others) for i, rate in enumerate(rates[name])]
+        print(f"batch {batch} {kind}: {name} / max(others) = "
+              f"{statistics.median(rates[name]) / best:.3f} (medians); runs "
+              + " ".join(f"{p:.3f}" for p in paired), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     add_round_args(ap, batches="1,32,64,128")
@@ -86,21 +109,27 @@ def main() -> None:
     ap.add_argument("--consumer", choices=("stream", "batch"), default="stream")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--min-prompts", type=int, default=32)
+    ap.add_argument("--min-rounds", type=int, default=1,
+                    help="rounds a run at least (as many as the distinct prompts fill)")
+    ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
+                    help="graphs for the batch only, or for every power of two up to it")
     args = ap.parse_args()
     quiet_logs()
     names, kinds = args.configs.split(","), args.kinds.split(",")
-    for loaded, batch, sets in held_out_sets(args, min_prompts=args.min_prompts):
+    for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=args.min_prompts,
+                                             min_rounds=args.min_rounds):
         got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
-                        args.device, args.consumer)
+                        args.device, args.consumer, args.buckets)
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
+            adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
             for name in names:
                 rates, al, extra = got[name, kind]
                 paired = None
                 if kind != "in-process" and (name, "in-process") in got:
                     paired = [round(a / b, 3) for a, b in zip(rates, got[name, "in-process"][0])]
                 emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device,
-                                   kind=kind, consumer=args.consumer,
+                                   kind=kind, consumer=args.consumer, buckets=args.buckets,
                                    prompts_per_run=batch * len(sets),
                                    vs_in_process=paired, **extra), args.out)
 

@@ -14,6 +14,9 @@
 #            BATCHES, RUNS as for closed)
 #   curve    the throughput curve, specloop against transformers compiled, batch 1 .. 256
 #            (CURVE, HF_CURVE: the batch sizes), and batch 64's table; a PNG (issue 12)
+#   process  the engine core in its own process (ProcessEngine) against AsyncEngine and
+#            adaptive K over the best fixed config in each (PROCESS_BATCHES, PROCESS_CONFIGS,
+#            PROCESS_KINDS, RUNS, MIN_ROUNDS; bench_process_gpu.py)
 #   closed   the same in closed rounds (BATCHES, RUNS, MIN_ROUNDS: bench_adaptive_gpu.py's
 #            --batches, --runs, --min-rounds; MIN_ROUNDS defaults to 4)
 #   host     each iteration's wall and the host's wait for the GPU (HOST_BATCH, HOST_CONFIGS,
@@ -109,6 +112,7 @@ for step in "$@"; do
       (cd bench && python3 bench_gpu_e2e.py --out "$OUT/curve.json" --runs 3 --tokens 256 \
         --batches 64 --hf-batches 64 --methods none --profile-batches "" \
         --curve "${CURVE:-1,2,4,8,16,32,64,128,256}" --hf-curve "${HF_CURVE:-1,8,64,256}" \
+        --process-curve "${PROCESS_CURVE:-1,8,32,64,128,256}" \
         2>&1 | grep '^{' | cut -c1-300
        python3 plot_curve.py "$OUT/curve.json" "$OUT/throughput_h200.png") ;;
     host)
@@ -125,6 +129,20 @@ for step in "$@"; do
       # adaptive on warm-up's times, batch 1, 4 held-out prompts x 64 tokens).
       (cd bench && python3 sync_points_gpu.py --prompts "$PROMPTS" --out "$OUT/syncs.json" \
         2>&1 | grep '^{' | cut -c1-900) ;;
+    process)
+      (cd bench && python3 bench_process_gpu.py --prompts "$PROMPTS" --out "$OUT/process.jsonl" \
+        --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
+        --batches "${PROCESS_BATCHES:-1,8,32,64,128,256}" --kinds "${PROCESS_KINDS:-process}" \
+        --configs "${PROCESS_CONFIGS:-none,eagle3 K=1,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \
+        2>&1 | grep -v Warn | python3 -c '
+import json, sys
+for line in sys.stdin:
+    try:
+        r = json.loads(line)
+    except ValueError:
+        print(line.rstrip()); continue
+    print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
+          "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"], "host", r["host_python_us"])') ;;
     closed)
       # MIN_ROUNDS (4): rounds a run at least (batch 32-64: one round of ~0.1-0.2 s a run
       # spread the runs by +-8 % until 2026-12-02; MIN_ROUNDS=1 is the runs before).
