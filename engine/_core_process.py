@@ -4,9 +4,11 @@ the parent's front door across a pipe.
 Messages are tuples, their first item a kind. Parent -> core: ``("msg",
 FrontDoorMessage)`` (requests, cancels, shutdown), ``("stats",)``. Core -> parent:
 ``("ready", {"k", "vocab_size"})`` or ``("failed", exception)`` once built, ``("out",
-rows)`` once per RESCAN (rows: ``output_row``), ``("close_all", reason index, error)``,
-``("stats", EngineStats)``. The core reads the pipe only in SCHEDULE (or while idle), so
-a message costs the loop one ``poll`` an iteration and nothing between.
+rows, free slots, events)`` once per RESCAN (rows: ``output_row``; events: the iteration
+events since the last message, for the parent's observers, ahead of the outputs; None
+without), ``("events", events, free slots)`` at SCHEDULE or idle (the rest of them),
+``("close_all", reason index, error)``, ``("stats", EngineStats)``. The core reads the pipe only in SCHEDULE (or
+while idle), so a message costs the loop one ``poll`` an iteration and nothing between.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ._request import FinishReason, NewRequest, RequestOutput
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
+    from ._states import TransitionEvent
     from ._stats import EngineStats
 
 REASONS = tuple(FinishReason)
@@ -69,13 +72,30 @@ class PipeFrontDoor:
     on it. The parent assigned every request to rank 0 already. A closed pipe (the parent
     exited without shutting down) reads as a shutdown."""
 
-    def __init__(self, conn: Connection) -> None:
+    def __init__(self, conn: Connection, *, forward_events: bool = False) -> None:
         self._conn = conn
         self._readable = Readable(conn)
         self._news: list[FrontDoorMessage] = []
         self._gone = False          # the parent closed its end
         self.closing = False
+        # Set once the engine is built: its counters, and its free slots (sent with the
+        # outputs, for the parent's ``num_free_slots``).
         self.stats: Callable[[], EngineStats] | None = None
+        self.free_slots: Callable[[], int] = lambda: 0
+        # The iteration events since the last SCHEDULE, for the parent's observers (None:
+        # it has none, nothing is kept).
+        self._events: list[TransitionEvent] | None = [] if forward_events else None
+
+    def on_transition(self, event: TransitionEvent) -> None:
+        """IterationObserver: keeps the event for the parent's observers."""
+        if self._events is not None:
+            self._events.append(event)
+
+    def _flush_events(self) -> None:
+        events = self._events
+        if events:
+            self._events = []
+            self.send(("events", events, self.free_slots()))
 
     def send(self, message: tuple[Any, ...]) -> None:
         if self._gone:
@@ -105,6 +125,7 @@ class PipeFrontDoor:
         return bool(self._news)
 
     async def wait_for_work(self, timeout: float | None) -> None:
+        self._flush_events()    # idle: the last iteration's, now rather than at the next
         with anyio.move_on_after(timeout):
             while not (self.has_news or self.closing or self._gone):
                 await self._readable()
@@ -112,6 +133,7 @@ class PipeFrontDoor:
     def take_message(self, assign: Callable[[list[NewRequest]],
                                             tuple[tuple[int, NewRequest], ...]]
                      ) -> FrontDoorMessage:
+        self._flush_events()    # the last iteration's, once per SCHEDULE
         self._receive()
         if not self._news:
             return NO_MESSAGE
@@ -123,7 +145,13 @@ class PipeFrontDoor:
                                 any(m.shutdown for m in news))
 
     def deliver(self, outputs: Iterable[RequestOutput]) -> None:
-        self.send(("out", [output_row(o) for o in outputs]))
+        # The iteration's events so far (its VERIFY's among them) ride along, ahead of
+        # the outputs: an observer has seen a request's last VERIFY when its consumer
+        # sees its last output (per-request counts, as in process).
+        events = self._events
+        if events:
+            self._events = []
+        self.send(("out", [output_row(o) for o in outputs], self.free_slots(), events))
 
     def request_id(self, handle: int) -> str | None:
         return None     # one rank: the exchange never decodes another rank's block
@@ -132,32 +160,37 @@ class PipeFrontDoor:
         self.closing = True
 
     def close_all(self, reason: FinishReason, error: str | None = None) -> None:
+        self._flush_events()
         self.send(("close_all", _REASON_INDEX[reason], error))
 
 
-def serve_core(conn: Connection, config: EngineConfig, log_level: str | None) -> None:
+def serve_core(conn: Connection, config: EngineConfig, log_level: str | None,
+               forward_events: bool = False) -> None:
     """The child's entry point (spawned): build the engine, report ready (or why not),
-    serve until the parent's shutdown, or until its pipe closes."""
+    serve until the parent's shutdown, or until its pipe closes. ``forward_events``: send
+    every iteration event to the parent (its observers)."""
     if log_level is not None:
         from .cli import configure_logging  # noqa: PLC0415 - the child's own logging
 
         configure_logging("console", log_level)
     try:
-        anyio.run(_serve, conn, config)
+        anyio.run(_serve, conn, config, forward_events)
     finally:
         conn.close()
 
 
-async def _serve(conn: Connection, config: EngineConfig) -> None:
+async def _serve(conn: Connection, config: EngineConfig, forward_events: bool) -> None:
     from ._engine import AsyncEngine  # noqa: PLC0415 - torch, in the child only
 
-    front = PipeFrontDoor(conn)
+    front = PipeFrontDoor(conn, forward_events=forward_events)
     ready = False
     try:
-        async with AsyncEngine(config, front_door=front) as engine:
+        async with AsyncEngine(config, front_door=front,
+                               observers=[front] if forward_events else ()) as engine:
             worker = engine.worker
             assert worker is not None, "built in `async with`"
             front.stats = lambda: worker.stats
+            front.free_slots = lambda: worker.scheduler.slots.num_free
             front.send(("ready", {"k": worker.k, "vocab_size": worker.runner.args.vocab_size}))
             ready = True
             await engine.wait_closed()

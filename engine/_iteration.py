@@ -138,9 +138,15 @@ class IterationMachine:
                         duration_us=event.duration_us, batch_size=event.batch_size,
                         num_draft_tokens=event.num_draft_tokens,
                         sampling_path=event.sampling_path, accepted=accepted)
-        for observer in self.observers:
-            try:
-                observer.on_transition(event)
-            except Exception as exc:  # noqa: BLE001 - a broken hook must not stop serving
-                log.error("observer_failed", observer=type(observer).__name__, error=repr(exc))
+        notify(self.observers, event)
+
+
+def notify(observers: Sequence[IterationObserver], event: TransitionEvent) -> None:
+    """Each observer's ``on_transition``; one that raises is logged (``observer_failed``)
+    and called again for later events: a broken hook costs its metrics, not serving."""
+    for observer in observers:
+        try:
+            observer.on_transition(event)
+        except Exception as exc:  # noqa: BLE001 - a broken hook must not stop serving
+            log.error("observer_failed", observer=type(observer).__name__, error=repr(exc))
 

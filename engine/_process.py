@@ -14,7 +14,7 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import anyio
 import anyio.abc
@@ -26,6 +26,7 @@ from ._errors import ConfigError, EngineClosedError, EngineStateError
 from ._front import FrontEnd
 from ._frontdoor import NO_MESSAGE
 from ._frontdoor_state import FrontDoor
+from ._iteration import notify
 from ._request import FinishReason, NewRequest
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ if TYPE_CHECKING:
     from specloop.models import Tokenizer
 
     from ._config import EngineConfig
+    from ._states import IterationObserver, TransitionEvent
     from ._stats import EngineStats
 
 log = structlog.get_logger(__name__)
@@ -50,20 +52,22 @@ class ProcessEngine(FrontEnd):
     The same ``generate``, ``generate_batch`` and ``cancel`` as ``AsyncEngine`` (the same
     checks, ids, seeds and outputs); the engine core runs in a spawned child process that
     loads the model itself (``config.model.name``). One rank only (``parallel.world_size
-    = 1``); iteration observers run in the core, so only those named in
-    ``components.observers`` apply. The core logs at ``log_level`` (console, stderr; None:
-    structlog's defaults). If the core dies, every live request ends with an error
-    (``EngineClosedError`` in its consumer) and new ones are refused.
+    = 1``). ``observers`` are called here, with the core's iteration events, once per
+    iteration (at its next SCHEDULE); those named in ``components.observers`` run in the
+    core. The core logs at ``log_level`` (console, stderr; None: structlog's defaults). If
+    the core dies, every live request ends with an error (``EngineClosedError`` in its
+    consumer) and new ones are refused.
     """
 
-    def __init__(self, config: EngineConfig, *, log_level: str | None = "warning",
-                 start_timeout_s: float = 600.0) -> None:
+    def __init__(self, config: EngineConfig, *, observers: Sequence[IterationObserver] = (),
+                 log_level: str | None = "warning", start_timeout_s: float = 600.0) -> None:
         if config.parallel.world_size != 1:
             raise ConfigError("parallel.world_size", config.parallel.world_size,
                               "a ProcessEngine runs one rank in its core process",
                               "use AsyncEngine on each rank for several")
         self.config = config
         self.front = FrontDoor()
+        self.observers = tuple(observers)
         self.tokenizer: Tokenizer | None = None
         self._log_level = log_level
         self._start_timeout_s = start_timeout_s
@@ -72,6 +76,7 @@ class ProcessEngine(FrontEnd):
         self._admitted = 0
         self._state = "new"     # -> "running" in __aenter__ -> "closed" in __aexit__
         self._core: dict[str, int] = {}     # the core's "ready" facts: k, vocab_size
+        self._free_slots = config.scheduler.max_batch_size     # as of its last message
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
         self._send_lock = anyio.Lock()
@@ -80,6 +85,7 @@ class ProcessEngine(FrontEnd):
         self._stats_reply: list[Any] = []
         self._stats_event: anyio.Event | None = None
         self._frozen = False
+        self._closed = anyio.Event()    # the core's pipe closed (it exited)
 
     # lifecycle --------------------------------------------------------------------------
     async def __aenter__(self) -> ProcessEngine:
@@ -128,7 +134,8 @@ class ProcessEngine(FrontEnd):
         self._conn = conn
         # Daemonic: ends with this process even if the engine is never closed.
         self._process = ctx.Process(target=serve_core, name="specloop-core", daemon=True,
-                                    args=(child, self.config, self._log_level))
+                                    args=(child, self.config, self._log_level,
+                                          bool(self.observers)))
         self._process.start()
         child.close()
         _, self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, directory)
@@ -159,6 +166,10 @@ class ProcessEngine(FrontEnd):
                 log.warning("engine_core_killed", pid=process.pid)
                 process.kill()
                 await anyio.to_thread.run_sync(process.join)
+
+    async def wait_closed(self) -> None:
+        """Until the core has exited (the engine's block left, or the core died)."""
+        await self._closed.wait()
 
     def _exit_code(self) -> int | None:
         process = self._process
@@ -216,11 +227,17 @@ class ProcessEngine(FrontEnd):
             front.close_all(FinishReason.CANCELLED)
         if self._stats_event is not None:
             self._stats_event.set()     # a stats request waiting ends (empty reply)
+        self._closed.set()
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "out":
+            self._free_slots = message[2]
+            self._notify(message[3])
             self.front.deliver([row_output(row) for row in message[1]])
+        elif kind == "events":
+            self._free_slots = message[2]
+            self._notify(message[1])
         elif kind == "close_all":
             self.front.close_all(REASONS[message[1]], message[2])
             if message[2] is not None:
@@ -229,6 +246,12 @@ class ProcessEngine(FrontEnd):
             self._stats_reply.append(message[1])
             if self._stats_event is not None:
                 self._stats_event.set()
+
+    def _notify(self, events: list[TransitionEvent] | None) -> None:
+        """The core's iteration events to this process's observers, in order."""
+        observers = self.observers
+        for event in events or ():
+            notify(observers, event)
 
     # the front end's hooks --------------------------------------------------------------
     @property
@@ -255,6 +278,11 @@ class ProcessEngine(FrontEnd):
                 if self._failure is None else f"engine failed: {self._failure}")
 
     # introspection ----------------------------------------------------------------------
+    @property
+    def num_free_slots(self) -> int:
+        """The core's free slots as of its last message (outputs or events)."""
+        return self._free_slots
+
     async def fetch_stats(self) -> EngineStats:
         """The core's ``EngineStats`` as of its next SCHEDULE (a copy)."""
         self._check_front()

@@ -24,7 +24,7 @@ from ._run import RequestRun, finish_reason
 from ._spec import SpecTracker
 
 if TYPE_CHECKING:
-    from specloop.engine import AsyncEngine
+    from specloop.engine import AsyncEngine, ProcessEngine
 
 
 class _Tokenizer(Protocol):
@@ -41,7 +41,7 @@ class _Tokenizer(Protocol):
 class ServerState:
     """What the handlers share: the engine (rank 0's), options and the observers."""
 
-    engine: AsyncEngine | None       # set once built; HTTP is served only after that
+    engine: AsyncEngine | ProcessEngine | None   # set once built; HTTP is served after that
     model_name: str
     metrics: ServeMetrics
     spec: SpecTracker
@@ -51,7 +51,7 @@ class ServerState:
     created: int = attrs.Factory(lambda: int(time.time()))
 
     @property
-    def built_engine(self) -> AsyncEngine:
+    def built_engine(self) -> AsyncEngine | ProcessEngine:
         assert self.engine is not None, "serve() builds the engine before serving HTTP"
         return self.engine
 

@@ -21,6 +21,7 @@ import structlog
 import uvicorn
 
 from specloop.engine._cli_common import leaf_error
+from specloop.engine import ProcessEngine
 from specloop.engine._cli_engine import open_engine
 
 from ._app import ServerState, build_app
@@ -43,6 +44,7 @@ class ServeOptions:
     cors_origins: tuple[str, ...] = ()
     trace: str | None = None
     shutdown_timeout_s: float = 10.0
+    core_process: bool = False      # the engine core in a child process (ProcessEngine)
 
 
 class _Server(uvicorn.Server):
@@ -90,8 +92,10 @@ async def serve(config: EngineConfig, options: ServeOptions,
         # Its own task: an engine that dies cancels only this, and the server stays up
         # to answer /health with 503.
         try:
-            async with open_engine(config, trace=options.trace,
-                                   observers=(metrics, spec)) as engine:
+            async with (ProcessEngine(config, observers=(metrics, spec))
+                        if options.core_process else
+                        open_engine(config, trace=options.trace,
+                                    observers=(metrics, spec))) as engine:
                 state.engine = engine
                 ready.set()
                 if engine.front is None:

@@ -25,7 +25,7 @@ torch.set_num_threads(1)
 SHARED_GROUPS = {
     "smollm2": {"smollm2", "smollm2_dir", "smollm2_hf", "smollm2_reference",
                 "smollm2_engine_reference"},
-    "serve": {"server"},
+    "serve": {"server", "core_server"},
     "plugin": {"plugin_venv"},
 }
 

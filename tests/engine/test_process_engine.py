@@ -54,12 +54,28 @@ async def _all(engine, prompts, params):
     return results
 
 
+class Seen:
+    """IterationObserver: the events of iterations with requests, and the drafts each
+    VERIFY accepted."""
+
+    def __init__(self):
+        self.events, self.accepted = [], 0
+
+    def on_transition(self, event):
+        if event.batch_size:
+            self.events.append(event)
+        if event.accepted is not None:
+            self.accepted += sum(event.accepted)
+
+
 async def test_process_engine_equals_in_process(tiny_dir, tiny_loaded):
     config = make_config(tiny_dir, method="ngram", k=3, max_batch_size=4)
     prompts = [PROMPTS[0], PROMPTS[1], "The quick brown fox", PROMPTS[3]]
     params = _params()
-    async with AsyncEngine(config, model=tiny_loaded) as local:
+    local_seen, seen = Seen(), Seen()
+    async with AsyncEngine(config, model=tiny_loaded, observers=[local_seen]) as local:
         expect = await _all(local, prompts, params)
+        local_accepted = local_seen.accepted
         full = expect[0][0]
         stop = full[len(full) // 2:len(full) // 2 + 3]
         stopped = await _one(local, prompts[0], SamplingParams(
@@ -67,10 +83,23 @@ async def test_process_engine_equals_in_process(tiny_dir, tiny_loaded):
         batch_expect = [await _one(local, p, q) for p, q in zip(prompts, params)]
         local_stats = local.stats
 
-    async with ProcessEngine(config) as engine:
+    async with ProcessEngine(config, observers=[seen]) as engine:
         with anyio.fail_after(120):
             got = await _all(engine, prompts, params)
             assert got == expect
+            # The core's iteration events reach this process's observers, in order, at
+            # the core's next SCHEDULE (the next request's first): the same drafts
+            # accepted (greedy n-gram: each request's own), every state of an iteration.
+            assert await _one(engine, prompts[2], params[2]) == expect[2]
+            ours = {f"r{i}" for i in range(len(prompts))}
+            assert sum(sum(e.accepted) for e in seen.events if e.accepted is not None
+                       and set(e.request_ids) <= ours) == local_accepted > 0
+            for before, after in zip(seen.events, seen.events[1:]):
+                assert (after.iteration, after.started_at) >= (before.iteration,
+                                                               before.started_at)
+                if after.iteration == before.iteration:
+                    assert after.state is before.next_state
+            assert engine.num_free_slots == config.scheduler.max_batch_size
             # A stop string is matched here, in the front door, and ends the request in
             # the core: the same text and tokens as in-process.
             assert await _one(engine, prompts[0], SamplingParams(

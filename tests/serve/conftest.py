@@ -109,6 +109,16 @@ def server(serve_config, tmp_path_factory):
     assert any(e["name"] == "VERIFY" for e in doc["traceEvents"])
 
 
+@pytest.fixture(scope="session")
+def core_server(serve_config):
+    """The same server with ``--core-process``: the engine core in a child process."""
+    srv = Server(["--config", serve_config, "--api-key", API_KEY, "--core-process",
+                  "--shutdown-timeout", "2"])
+    yield srv
+    code, _, err = srv.stop(signal.SIGTERM)
+    assert code == 0, err[-3000:]
+
+
 def metrics(url: str) -> dict[str, float]:
     """``{"name{label=value}": value}`` from /metrics."""
     import httpx

@@ -89,6 +89,32 @@ async def test_200_streams_50_disconnected(server):
 
 
 async def test_metrics_equal_what_responses_report(server):
+    await _metrics_add_up(server)
+
+
+async def test_core_process_server_serves_the_same(server, core_server):
+    """``--core-process`` (the engine core in a child process): the same greedy answers
+    as the in-process server, and its metrics, fed by the core's events across the pipe,
+    add up to what its responses report."""
+    import openai  # noqa: PLC0415
+
+    answers = []
+    for srv in (server, core_server):
+        async with openai.AsyncOpenAI(base_url=f"{srv.url}/v1", api_key=API_KEY,
+                                      max_retries=0) as client:
+            model = (await client.models.list()).data[0].id
+            got = []
+            for prompt in PROMPTS:
+                done = await client.completions.create(
+                    model=model, prompt=prompt, max_tokens=12, temperature=0,
+                    extra_body={"ignore_eos": True})
+                got.append(done.choices[0].text)
+            answers.append(got)
+    assert answers[0] == answers[1] and all(answers[1])
+    await _metrics_add_up(core_server)
+
+
+async def _metrics_add_up(server):
     # Closed at the end: an unclosed client leaks its sockets (ResourceWarning).
     import openai  # noqa: PLC0415 (~1 s to import: not at collection)
     async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY,
