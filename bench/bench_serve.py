@@ -2,6 +2,7 @@
 
     python bench/bench_serve.py [--config FILE] [--concurrency 1,2,4,...,64]
         [--max-tokens 128] [--runs 3] [--methods ngram,none] [--plot serve.png] [--out r.json]
+        [--core-process]
 
 For each method (speculation on, then off) and each concurrency level C it runs C closed-loop
 clients (each sends its next request when the previous one ends) for --requests-per-client
@@ -91,11 +92,12 @@ def summarize(timings: list[Timing], elapsed: float) -> dict:
 
 
 # through the server ---------------------------------------------------------------------
-def start_server(config: str, method: str) -> tuple[subprocess.Popen, str]:
+def start_server(config: str, method: str, *flags: str) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "specloop.engine.cli", "serve", "--config", config,
-         "--method", method, "--port", "0"], stdout=subprocess.PIPE, text=True, env=env)
+         "--method", method, "--port", "0", *flags], stdout=subprocess.PIPE, text=True,
+        env=env)
     line = proc.stdout.readline()
     if " on http://" not in line:
         raise SystemExit(f"server did not start: {line!r}")
@@ -178,6 +180,9 @@ def main() -> None:
     p.add_argument("--methods", default="ngram,none")
     p.add_argument("--runs", type=int, default=1)
     p.add_argument("--out", help="write every figure as JSON")
+    p.add_argument("--core-process", action="store_true",
+                   help="also through a server with --core-process (the engine core in a "
+                   "child process), beside the plain one")
     p.add_argument("--plot", help="PNG: tokens/s and p99 ITL against concurrency")
     args = p.parse_args()
     quiet_logs()
@@ -196,15 +201,19 @@ def bench_method(args, method: str, levels: list[int], run: int) -> list[dict]:
     from specloop.engine import AsyncEngine, EngineConfig  # noqa: PLC0415
 
     out = []
-    proc, url = start_server(args.config, method)
-    try:
-        for c in levels:
-            served = anyio.run(run_server, url, c, args.requests_per_client, args.max_tokens)
-            out.append({"method": method, "run": run, "concurrency": c, "path": "server",
-                        **served})
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+    servers = [("server", ())] + ([("server-core", ("--core-process",))]
+                                  if args.core_process else [])
+    for path, flags in servers:
+        proc, url = start_server(args.config, method, *flags)
+        try:
+            for c in levels:
+                served = anyio.run(run_server, url, c, args.requests_per_client,
+                                   args.max_tokens)
+                out.append({"method": method, "run": run, "concurrency": c, "path": path,
+                            **served})
+        finally:
+            proc.terminate()
+            proc.wait(timeout=60)
     data = EngineConfig.from_toml(args.config).to_dict()
     data["speculative"]["method"] = method
     config = EngineConfig.from_dict(data)
@@ -227,6 +236,14 @@ def bench_method(args, method: str, levels: list[int], run: int) -> list[dict]:
               f"{s['itl_ms'][99]:6.1f} ms  AL {s['mean_al']:.2f} | direct "
               f"{d['output_tokens_per_s']:8.1f} tok/s AL {d['mean_al']:.2f} | server/direct "
               f"{s['output_tokens_per_s'] / d['output_tokens_per_s']:.3f}", flush=True)
+        core = next((r for r in out if r["concurrency"] == c and r["path"] == "server-core"),
+                    None)
+        if core is not None:
+            print(f"{method:6s} run {run} C={c:3d}  --core-process "
+                  f"{core['output_tokens_per_s']:8.1f} tok/s  TTFT p50/p99 "
+                  f"{core['ttft_ms'][50]:7.1f}/{core['ttft_ms'][99]:7.1f} ms  ITL p50/p99 "
+                  f"{core['itl_ms'][50]:6.1f}/{core['itl_ms'][99]:6.1f} ms | core/server "
+                  f"{core['output_tokens_per_s'] / s['output_tokens_per_s']:.3f}", flush=True)
     return out
 
 
@@ -237,8 +254,10 @@ def plot(results: list[dict], path: str) -> None:
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     for method in sorted({r["method"] for r in results}):
-        for route, style in (("server", "-o"), ("direct", "--x")):
+        for route, style in (("server", "-o"), ("server-core", "-s"), ("direct", "--x")):
             rows = [r for r in results if r["method"] == method and r["path"] == route]
+            if not rows:
+                continue
             levels = sorted({r["concurrency"] for r in rows})
             tps = [statistics.median(r["output_tokens_per_s"] for r in rows
                                      if r["concurrency"] == c) for c in levels]
