@@ -2,13 +2,9 @@
 
 from __future__ import annotations
 
-import gc
-import threading
-from types import TracebackType
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
 import anyio
-import anyio.abc
 import anyio.lowlevel
 import structlog
 import torch
@@ -19,7 +15,7 @@ from specloop.samplers import SpecMetadata
 from ._components import (build_communicator, build_drafter, build_graph_cache,
                           build_observers, build_sampler)
 from ._config import EngineConfig
-from ._errors import ConfigError, EngineClosedError, EngineStateError
+from ._errors import ConfigError, EngineClosedError
 from ._front import FrontEnd
 from ._frontdoor_state import FrontDoor
 from ._iteration import IterationMachine, IterationRecord
@@ -68,55 +64,29 @@ class AsyncEngine(FrontEnd):
         self.worker: RankWorker | None = None
         self.tokenizer: Tokenizer | None = None       # both set in __aenter__ (_build)
         self._exchange: OutputExchange | None = None  # the worker's (set in _build too)
-        self._task_group: anyio.abc.TaskGroup | None = None
         self._done = anyio.Event()
         self._failure: BaseException | None = None
         self._next_id = 0
         self._admitted = 0
-        self._state = "new"     # -> "running" in __aenter__ -> "closed" in __aexit__
-        self._frozen = False    # holds the GC freeze (parallel.freeze_gc) while running
+        self._init_lifecycle()
 
-    # lifecycle --------------------------------------------------------------------------
-    async def __aenter__(self) -> AsyncEngine:
-        # One run per engine: its loop, streams and communicator end with the block.
-        if self._state != "new":
-            raise EngineStateError(
-                "this AsyncEngine is already running; nesting `async with` on one engine "
-                "is not supported" if self._state == "running" else
-                "this AsyncEngine has already run; an engine runs once, build a new one")
-        self._state = "running"
-        try:
-            await anyio.to_thread.run_sync(self._build)
-            # The loop thread on a core of its own, now that the build's threads exist.
-            pin_loop_thread(self.config.parallel.pin_host_cores,
-                            self._built.runner.device.type)
-            freeze = self.config.parallel.freeze_gc
-            if freeze == "on" or (freeze == "auto" and self._built.runner.device.type == "cuda"):
-                _FROZEN.enter()
-                self._frozen = True
-        except BaseException:
-            self._state = "closed"
-            await self._close_comm()
-            raise
-        task_group = self._task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        task_group.start_soon(self._loop)
-        return self
+    # lifecycle (FrontEnd's __aenter__ / __aexit__) ---------------------------------------
+    async def _start(self) -> str:
+        await anyio.to_thread.run_sync(self._build)
+        device_type: str = self._built.runner.device.type
+        # The loop thread on a core of its own, now that the build's threads exist.
+        pin_loop_thread(self.config.parallel.pin_host_cores, device_type)
+        return device_type
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
-        task_group = self._task_group
-        assert task_group is not None, "__aexit__ follows a successful __aenter__"
+    def _tasks(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
+        return (self._loop,)
+
+    async def _release(self) -> None:
+        await self._close_comm()
+
+    def _close_front(self) -> None:
         if self.front is not None:
             self.front.close()
-        try:
-            return await task_group.__aexit__(exc_type, exc, tb)
-        finally:
-            self._state, self._task_group = "closed", None
-            if self._frozen:
-                self._frozen = False
-                _FROZEN.leave()
-            await self._close_comm()
 
     async def _close_comm(self) -> None:
         if self._owns_comm:
@@ -238,39 +208,6 @@ class AsyncEngine(FrontEnd):
         return self._built.scheduler.slots.num_free
 
 
-class _GCFreeze:
-    """``gc.freeze`` while an engine of the process runs (``parallel.freeze_gc``): the
-    objects alive when one starts (torch, the model, the tokenizer: ~200k) leave the
-    cyclic GC's reach. Serving allocates GC-tracked objects per request per iteration
-    (outputs, futures, handles), so full collections come every few dozen iterations, and
-    each walked all of them: ~40 ms on the CPU bench at batch 256, ~0.4 ms an iteration
-    (bench_host_overhead --gpu-path). Frozen objects are still freed by reference
-    counting; cycles among them wait until the last engine closes (``gc.unfreeze``, then
-    a full collection)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._engines = 0
-
-    def enter(self) -> None:
-        with self._lock:
-            self._engines += 1
-            gc.freeze()     # O(1): the generations' lists moved, nothing walked
-
-    def leave(self) -> None:
-        with self._lock:
-            self._engines -= 1
-            if not self._engines:
-                gc.unfreeze()
-                # The closed engines' objects (in reference cycles: the worker and its
-                # parts) and their memory (KV caches: GBs, on a GPU too) go now, not at
-                # some later full collection: one frozen by the next engine to start
-                # would stay (engines built one after another in one process ran out
-                # of memory). ~40 ms, once an engine closes.
-                gc.collect()
-
-
-_FROZEN = _GCFreeze()
 
 
 def _bounded(comm: Communicator, config: EngineConfig) -> Communicator:

@@ -1,5 +1,6 @@
 """The request side shared by the engines: admission (every argument checked), request
-ids, seeds, tokenizing, and the streams ``generate`` and ``generate_batch`` hand out.
+ids, seeds, tokenizing, the streams ``generate`` and ``generate_batch`` hand out, and the
+``async with`` lifecycle (one run per engine, the GC freeze while it runs).
 
 ``AsyncEngine`` serves them in its own process; ``ProcessEngine`` from an engine core in a
 child process. Both put requests into a ``FrontDoor`` and read its channels; what differs
@@ -7,13 +8,19 @@ is who takes the front door's messages and delivers its outputs."""
 
 from __future__ import annotations
 
+import gc
 import re
 import secrets
-from typing import TYPE_CHECKING, AsyncGenerator, Sequence
+import threading
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, AsyncGenerator, Callable, Coroutine, Self, Sequence
+
+import anyio
+import anyio.abc
 
 from specloop.samplers import SamplingParams, derive_seed
 
-from ._errors import EngineClosedError, RequestError
+from ._errors import EngineClosedError, EngineStateError, RequestError
 from ._frontdoor_state import FrontDoor, OutputChannel
 from ._request import NewRequest, RequestOutput
 from ._stop import TextStream
@@ -30,12 +37,71 @@ _AUTO_ID = re.compile(r"req-[0-9]+")
 class FrontEnd:
     """``generate``, ``generate_batch`` and ``cancel`` over the engine's hooks:
     ``_front_door``, ``_check_front()`` (raises EngineClosedError when not serving),
-    ``_tokenizer``, ``_draft_k`` (the largest K an iteration drafts), ``_vocab_size``."""
+    ``_tokenizer``, ``_draft_k`` (the largest K an iteration drafts), ``_vocab_size``; and
+    the ``async with`` lifecycle over ``_start()`` (build; -> the device type, whose
+    ``parallel.freeze_gc = "auto"`` decides), ``_tasks()`` (run in the engine's task group
+    until it leaves) and ``_release()`` (after the block, or a failed start)."""
 
     config: EngineConfig
     _failure: BaseException | None
     _next_id: int
     _admitted: int
+
+    def _init_lifecycle(self) -> None:
+        self._state = "new"     # -> "running" in __aenter__ -> "closed" in __aexit__
+        self._frozen = False    # holds the GC freeze (parallel.freeze_gc) while running
+        self._task_group: anyio.abc.TaskGroup | None = None
+
+    async def _start(self) -> str:
+        raise NotImplementedError
+
+    def _tasks(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
+        raise NotImplementedError
+
+    async def _release(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        # One run per engine: its loop, streams and communicator end with the block.
+        name = type(self).__name__
+        if self._state != "new":
+            raise EngineStateError(
+                f"this {name} is already running; nesting `async with` on one engine "
+                "is not supported" if self._state == "running" else
+                f"this {name} has already run; an engine runs once, build a new one")
+        self._state = "running"
+        try:
+            device_type = await self._start()
+            freeze = self.config.parallel.freeze_gc
+            if freeze == "on" or (freeze == "auto" and device_type == "cuda"):
+                FROZEN.enter()
+                self._frozen = True
+        except BaseException:
+            self._state = "closed"
+            await self._release()
+            raise
+        task_group = self._task_group = anyio.create_task_group()
+        await task_group.__aenter__()
+        for task in self._tasks():
+            task_group.start_soon(task)
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None,
+                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
+        task_group = self._task_group
+        assert task_group is not None, "__aexit__ follows a successful __aenter__"
+        self._close_front()
+        try:
+            return await task_group.__aexit__(exc_type, exc, tb)
+        finally:
+            self._state, self._task_group = "closed", None
+            if self._frozen:
+                self._frozen = False
+                FROZEN.leave()
+            await self._release()
+
+    def _close_front(self) -> None:
+        self._front_door.close()
 
     @property
     def _front_door(self) -> FrontDoor:
@@ -186,3 +252,38 @@ class FrontEnd:
             raise RequestError(f"prompt token ids must be ints in [0, {vocab}); "
                                f"got {bad[:5]}")
         return list(prompt)
+
+
+class _GCFreeze:
+    """``gc.freeze`` while an engine of the process runs (``parallel.freeze_gc``): the
+    objects alive when one starts (torch, the model, the tokenizer: ~200k) leave the
+    cyclic GC's reach. Serving allocates GC-tracked objects per request per iteration
+    (outputs, futures, handles), so full collections come every few dozen iterations, and
+    each walked all of them: ~40 ms on the CPU bench at batch 256, ~0.4 ms an iteration
+    (bench_host_overhead --gpu-path). Frozen objects are still freed by reference
+    counting; cycles among them wait until the last engine closes (``gc.unfreeze``, then
+    a full collection)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._engines = 0
+
+    def enter(self) -> None:
+        with self._lock:
+            self._engines += 1
+            gc.freeze()     # O(1): the generations' lists moved, nothing walked
+
+    def leave(self) -> None:
+        with self._lock:
+            self._engines -= 1
+            if not self._engines:
+                gc.unfreeze()
+                # The closed engines' objects (in reference cycles: the worker and its
+                # parts) and their memory (KV caches: GBs, on a GPU too) go now, not at
+                # some later full collection: one frozen by the next engine to start
+                # would stay (engines built one after another in one process ran out
+                # of memory). ~40 ms, once an engine closes.
+                gc.collect()
+
+
+FROZEN = _GCFreeze()

@@ -13,16 +13,13 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
-from types import TracebackType
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
 import anyio
-import anyio.abc
 import structlog
 
 from ._core_process import REASONS, Readable, row_output, serve_core
-from ._engine import _FROZEN
-from ._errors import ConfigError, EngineClosedError, EngineStateError
+from ._errors import ConfigError, EngineClosedError
 from ._front import FrontEnd
 from ._frontdoor import NO_MESSAGE
 from ._frontdoor_state import FrontDoor
@@ -74,57 +71,22 @@ class ProcessEngine(FrontEnd):
         self._failure: BaseException | None = None
         self._next_id = 0
         self._admitted = 0
-        self._state = "new"     # -> "running" in __aenter__ -> "closed" in __aexit__
         self._core: dict[str, int] = {}     # the core's "ready" facts: k, vocab_size
         self._free_slots = config.scheduler.max_batch_size     # as of its last message
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
         self._send_lock = anyio.Lock()
-        self._task_group: anyio.abc.TaskGroup | None = None
         self._stats_lock = anyio.Lock()
         self._stats_reply: list[Any] = []
         self._stats_event: anyio.Event | None = None
-        self._frozen = False
         self._closed = anyio.Event()    # the core's pipe closed (it exited)
+        self._init_lifecycle()
 
-    # lifecycle --------------------------------------------------------------------------
-    async def __aenter__(self) -> ProcessEngine:
-        if self._state != "new":
-            raise EngineStateError(
-                "this ProcessEngine is already running" if self._state == "running" else
-                "this ProcessEngine has already run; an engine runs once, build a new one")
-        self._state = "running"
-        try:
-            await self._start()
-        except BaseException:
-            self._state = "closed"
-            await self._stop_process()
-            raise
-        if self.config.parallel.freeze_gc == "on" or (
-                self.config.parallel.freeze_gc == "auto" and self.config.model.device != "cpu"):
-            _FROZEN.enter()     # this process's per-request objects, as AsyncEngine's
-            self._frozen = True
-        task_group = self._task_group = anyio.create_task_group()
-        await task_group.__aenter__()
-        task_group.start_soon(self._pump)
-        task_group.start_soon(self._read)
-        return self
+    # lifecycle (FrontEnd's __aenter__ / __aexit__) ---------------------------------------
+    def _tasks(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
+        return (self._pump, self._read)
 
-    async def __aexit__(self, exc_type: type[BaseException] | None,
-                        exc: BaseException | None, tb: TracebackType | None) -> bool | None:
-        task_group = self._task_group
-        assert task_group is not None, "__aexit__ follows a successful __aenter__"
-        self.front.close()
-        try:
-            return await task_group.__aexit__(exc_type, exc, tb)
-        finally:
-            self._state, self._task_group = "closed", None
-            if self._frozen:
-                self._frozen = False
-                _FROZEN.leave()
-            await self._stop_process()
-
-    async def _start(self) -> None:
+    async def _start(self) -> str:
         from specloop.models._loading import load_tokenizer, resolve_model_path  # noqa: PLC0415
 
         # Resolved (a registry package installed) here first, so the core finds it ready.
@@ -153,8 +115,11 @@ class ProcessEngine(FrontEnd):
             raise payload
         self._core = payload
         log.info("process_engine_started", pid=self._process.pid, **payload)
+        # This process's per-request objects (outputs, futures) are the GC's concern here,
+        # as in AsyncEngine's: freeze_gc "auto" freezes with the core on a GPU.
+        return "cpu" if self.config.model.device == "cpu" else "cuda"
 
-    async def _stop_process(self) -> None:
+    async def _release(self) -> None:
         """The pipe closed first: a core not told to shut down (the body raised, the
         start failed) reads that as a shutdown and exits."""
         process, conn = self._process, self._conn
@@ -211,9 +176,10 @@ class ProcessEngine(FrontEnd):
         readable = Readable(conn)
         try:
             while True:
+                # One message a wake-up: the consumers it woke run before the next (a
+                # core faster than this loop would otherwise starve them).
                 await readable()
-                while conn.poll():
-                    self._handle(pickle.loads(conn.recv_bytes()))
+                self._handle(pickle.loads(conn.recv_bytes()))
         except (EOFError, OSError):
             pass
         if not front.closing:   # not a shutdown we asked for: the core died
