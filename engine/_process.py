@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from ._stats import EngineStats
 
 log = structlog.get_logger(__name__)
+# Messages the reader hands over per wake-up at most (see ``_read``).
+READ_BATCH = 8
 
 
 def _to_core(new: list[NewRequest]) -> tuple[tuple[int, NewRequest], ...]:
@@ -176,10 +178,15 @@ class ProcessEngine(FrontEnd):
         readable = Readable(conn)
         try:
             while True:
-                # One message a wake-up: the consumers it woke run before the next (a
-                # core faster than this loop would otherwise starve them).
                 await readable()
-                self._handle(pickle.loads(conn.recv_bytes()))
+                # What is pending, up to READ_BATCH messages, then the consumers run: when
+                # this loop lags, a consumer wakes once for several iterations' outputs
+                # (it takes all at once), which lets it catch up; the bound keeps a core
+                # faster than this loop from starving them (outputs would pile up).
+                for _ in range(READ_BATCH):
+                    self._handle(pickle.loads(conn.recv_bytes()))
+                    if not conn.poll():
+                        break
         except (EOFError, OSError):
             pass
         if not front.closing:   # not a shutdown we asked for: the core died
