@@ -251,3 +251,44 @@ async def test_random_lifecycles_lose_nothing(tiny_dir, tiny_loaded, seed):
             again = [await _one(engine, prompt, params, request_id=rid)
                      for rid, prompt, params, *_ in plans[:5]]
             assert [a[1] for a in again] == [reference[p[0]] for p in plans[:5]]
+
+
+async def test_reader_lets_consumers_run_between_batches(tiny_dir):
+    """The parent's reader hands over what is pending, up to READ_BATCH messages a
+    wake-up, then yields: a consumer takes several iterations' outputs at once when the
+    reader lags, and is never starved by a core faster than the reader. A core that
+    closes its pipe without a shutdown ends the stream with an error."""
+    import multiprocessing
+    import pickle
+
+    from specloop.engine._core_process import output_row
+    from specloop.engine._process import READ_BATCH
+    from specloop.engine._request import NewRequest, RequestOutput
+
+    engine = ProcessEngine(make_config(tiny_dir))
+    engine._conn, core = multiprocessing.Pipe()
+    channel = engine.front.submit(NewRequest("a", (1,), SamplingParams(), 0))
+    pending = 2 * READ_BATCH + 3
+    for i in range(pending):     # the core ran ahead: every message waits in the pipe
+        row = output_row(RequestOutput("a", (i,), ""))
+        core.send_bytes(pickle.dumps(("out", [row], 4, None)))
+    takes: list[list[int]] = []
+
+    async def consume():
+        while outputs := await channel.take():
+            takes.append([t for o in outputs for t in o.token_ids])
+            if outputs[-1].finished:
+                return
+
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(consume)
+            tg.start_soon(engine._read)
+            while sum(map(len, takes)) < pending:
+                await anyio.sleep(0.001)
+            core.close()
+    assert [len(t) for t in takes[:3]] == [READ_BATCH, READ_BATCH, 3]
+    assert [t for take in takes for t in take] == list(range(pending))
+    assert len(takes) == 4 and takes[3] == []           # the error's final output
+    assert engine.num_free_slots == 4
+    assert isinstance(engine._failure, EngineClosedError)
