@@ -74,8 +74,11 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
             al = 1 + (stats.num_accepted_tokens - first.num_accepted_tokens) / drafting \
                 if drafting else None
             iterations = stats.num_iterations - first.num_iterations
+            # Which K the timed runs drafted (adaptive K's choices).
+            per_k = {k: n - first.iterations_per_k.get(k, 0)
+                     for k, n in sorted(stats.iterations_per_k.items())}
             out[key] = ([batch * len(sets) * tokens / w for w in walls[key]], al,
-                        {"host_python_us": speeds[key],
+                        {"host_python_us": speeds[key], "iterations_per_k": per_k,
                          "iteration_ms": round(sum(walls[key]) * 1e3 / max(iterations, 1), 3)})
     return out
 
