@@ -21,7 +21,9 @@ from specloop.samplers import SamplingParams
 
 from .conftest import PROMPTS, make_config
 
-pytestmark = pytest.mark.distributed     # a second process: grouped with the others
+# A child process each (one torch thread), not a group of ranks: "slow" (out of
+# `make test-fast`), not "distributed" (whose tests run one at a time on one worker).
+pytestmark = pytest.mark.slow
 
 
 async def _one(engine, prompt, params, request_id=None):
