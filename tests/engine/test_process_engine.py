@@ -183,8 +183,15 @@ async def test_process_engine_refuses_what_it_cannot_run(tiny_dir, tmp_path):
     assert str(across.value) == str(in_process.value)
 
 
-@pytest.mark.parametrize("seed", [1, 2])
-async def test_random_lifecycles_lose_nothing(tiny_dir, tiny_loaded, seed):
+async def test_random_lifecycles_lose_nothing(tiny_dir, tiny_loaded):
+    """Two seeded scenarios on one engine (a spawn each would cost ~2.5 s of CPU)."""
+    config = make_config(tiny_dir, method="ngram", k=3, max_batch_size=3)
+    async with ProcessEngine(config) as engine:
+        for seed in (1, 2):
+            await _random_lifecycles(engine, config, tiny_loaded, seed)
+
+
+async def _random_lifecycles(engine, config, tiny_loaded, seed):
     """30 requests through 3 slots, each one at random: read to the end, left after a few
     outputs, cancelled by id mid-way or before its first output, greedy or seeded
     sampling, started at random moments. Every stream ends once; one read to the end
@@ -193,7 +200,6 @@ async def test_random_lifecycles_lose_nothing(tiny_dir, tiny_loaded, seed):
     import random
 
     rng = random.Random(seed)
-    config = make_config(tiny_dir, method="ngram", k=3, max_batch_size=3)
     plans = []
     for i in range(30):
         params = SamplingParams(temperature=rng.choice([0, 0, 0.8]), seed=rng.randrange(99),
@@ -205,54 +211,53 @@ async def test_random_lifecycles_lose_nothing(tiny_dir, tiny_loaded, seed):
         reference = {rid: (await _one(local, prompt, params))[1]
                      for rid, prompt, params, *_ in plans}
 
-    async with ProcessEngine(config) as engine:
-        ended: dict[str, list] = {}
+    ended: dict[str, list] = {}
 
-        async def cancel_soon(rid):
-            await anyio.sleep(0)    # its consumer has submitted it: queued, or in the core
-            engine.cancel(rid)
+    async def cancel_soon(rid):
+        await anyio.sleep(0)    # its consumer has submitted it: queued, or in the core
+        engine.cancel(rid)
 
-        async def run(rid, prompt, params, action, after, delay):
-            await anyio.sleep(delay)
-            outs = []
-            stream = engine.generate(prompt, params, request_id=rid)
-            if action == "cancel_first":
-                tg.start_soon(cancel_soon, rid)
-            async for out in stream:
-                outs.append(out)
-                if len(outs) == after and action == "leave":
-                    break
-                if len(outs) == after and action == "cancel":
-                    engine.cancel(rid)
-            await stream.aclose()
-            ended[rid] = outs
+    async def run(rid, prompt, params, action, after, delay):
+        await anyio.sleep(delay)
+        outs = []
+        stream = engine.generate(prompt, params, request_id=rid)
+        if action == "cancel_first":
+            tg.start_soon(cancel_soon, rid)
+        async for out in stream:
+            outs.append(out)
+            if len(outs) == after and action == "leave":
+                break
+            if len(outs) == after and action == "cancel":
+                engine.cancel(rid)
+        await stream.aclose()
+        ended[rid] = outs
 
-        with anyio.fail_after(120):
-            async with anyio.create_task_group() as tg:
-                for plan in plans:
-                    tg.start_soon(run, *plan)
-            assert set(ended) == {p[0] for p in plans}
-            for rid, _, _, action, after, _ in plans:
-                outs, expect = ended[rid], reference[rid]
-                ids = [t for o in outs for t in o.token_ids]
-                assert ids == expect[:len(ids)], rid
-                if action == "leave" and len(outs) == after and not outs[-1].finished:
-                    continue
-                assert outs[-1].finished and sum(o.finished for o in outs) == 1, rid
-                if outs[-1].finish_reason is FinishReason.CANCELLED:
-                    assert action in ("cancel", "cancel_first"), rid
-                else:
-                    assert ids == expect, rid
-            # The paths ran: some requests ended CANCELLED, some consumers left early.
-            reasons = [ended[p[0]][-1].finish_reason for p in plans if ended[p[0]]]
-            assert FinishReason.CANCELLED in reasons and FinishReason.LENGTH in reasons
-            assert any(not ended[p[0]][-1].finished for p in plans if p[3] == "leave")
-            while engine.num_free_slots != config.scheduler.max_batch_size:
-                await anyio.sleep(0.01)
-            # Every id is free again: a second round under the same ids runs.
-            again = [await _one(engine, prompt, params, request_id=rid)
-                     for rid, prompt, params, *_ in plans[:5]]
-            assert [a[1] for a in again] == [reference[p[0]] for p in plans[:5]]
+    with anyio.fail_after(120):
+        async with anyio.create_task_group() as tg:
+            for plan in plans:
+                tg.start_soon(run, *plan)
+        assert set(ended) == {p[0] for p in plans}
+        for rid, _, _, action, after, _ in plans:
+            outs, expect = ended[rid], reference[rid]
+            ids = [t for o in outs for t in o.token_ids]
+            assert ids == expect[:len(ids)], rid
+            if action == "leave" and len(outs) == after and not outs[-1].finished:
+                continue
+            assert outs[-1].finished and sum(o.finished for o in outs) == 1, rid
+            if outs[-1].finish_reason is FinishReason.CANCELLED:
+                assert action in ("cancel", "cancel_first"), rid
+            else:
+                assert ids == expect, rid
+        # The paths ran: some requests ended CANCELLED, some consumers left early.
+        reasons = [ended[p[0]][-1].finish_reason for p in plans if ended[p[0]]]
+        assert FinishReason.CANCELLED in reasons and FinishReason.LENGTH in reasons
+        assert any(not ended[p[0]][-1].finished for p in plans if p[3] == "leave")
+        while engine.num_free_slots != config.scheduler.max_batch_size:
+            await anyio.sleep(0.01)
+        # Every id is free again: a second round under the same ids runs.
+        again = [await _one(engine, prompt, params, request_id=rid)
+                 for rid, prompt, params, *_ in plans[:5]]
+        assert [a[1] for a in again] == [reference[p[0]] for p in plans[:5]]
 
 
 async def test_reader_lets_consumers_run_between_batches(tiny_dir):
