@@ -13,9 +13,7 @@ while idle), so a message costs the loop one ``poll`` an iteration and nothing b
 
 from __future__ import annotations
 
-import os
 import pickle
-import socket
 from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Callable, Iterable
 
@@ -23,13 +21,13 @@ import anyio
 
 from ._frontdoor import NO_MESSAGE, FrontDoorMessage
 from ._request import FinishReason, NewRequest, RequestOutput
+from ._wire import REASONS
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
     from ._states import TransitionEvent
     from ._stats import EngineStats
 
-REASONS = tuple(FinishReason)
 _REASON_INDEX = {reason: i for i, reason in enumerate(REASONS)}
 
 # One output on the pipe: (request id, token ids, finished, finish reason index or -1,
@@ -49,24 +47,6 @@ def row_output(row: Row) -> RequestOutput:
                          None if reason < 0 else REASONS[reason], error)
 
 
-class Readable:
-    """``await readable()``: until the connection has data (or was closed) — anyio's
-    ``wait_readable`` (4.7+) on its descriptor, else ``wait_socket_readable`` on a socket
-    over a duplicate of it."""
-
-    def __init__(self, conn: Connection) -> None:
-        wait = getattr(anyio, "wait_readable", None)
-        if wait is not None:
-            fd = conn.fileno()
-            self._wait: Callable[[], Any] = lambda: wait(fd)
-        else:   # pragma: no cover - anyio < 4.7
-            sock = socket.socket(fileno=os.dup(conn.fileno()))
-            self._wait = lambda: anyio.wait_socket_readable(sock)
-
-    async def __call__(self) -> None:
-        await self._wait()
-
-
 class PipeFrontDoor:
     """``FrontDoorPort`` for the core: news comes from the parent's pipe, outputs go back
     on it. The parent assigned every request to rank 0 already. A closed pipe (the parent
@@ -74,7 +54,6 @@ class PipeFrontDoor:
 
     def __init__(self, conn: Connection, *, forward_events: bool = False) -> None:
         self._conn = conn
-        self._readable = Readable(conn)
         self._news: list[FrontDoorMessage] = []
         self._gone = False          # the parent closed its end
         self.closing = False
@@ -91,10 +70,16 @@ class PipeFrontDoor:
         if self._events is not None:
             self._events.append(event)
 
-    def _flush_events(self) -> None:
+    def _take_events(self) -> list[TransitionEvent] | None:
+        """The events kept since the last message (None or [] when none)."""
         events = self._events
         if events:
             self._events = []
+        return events
+
+    def _flush_events(self) -> None:
+        events = self._take_events()
+        if events:
             self.send(("events", events, self.free_slots()))
 
     def send(self, message: tuple[Any, ...]) -> None:
@@ -128,7 +113,7 @@ class PipeFrontDoor:
         self._flush_events()    # idle: the last iteration's, now rather than at the next
         with anyio.move_on_after(timeout):
             while not (self.has_news or self.closing or self._gone):
-                await self._readable()
+                await anyio.wait_readable(self._conn.fileno())
 
     def take_message(self, assign: Callable[[list[NewRequest]],
                                             tuple[tuple[int, NewRequest], ...]]
@@ -148,10 +133,8 @@ class PipeFrontDoor:
         # The iteration's events so far (its VERIFY's among them) ride along, ahead of
         # the outputs: an observer has seen a request's last VERIFY when its consumer
         # sees its last output (per-request counts, as in process).
-        events = self._events
-        if events:
-            self._events = []
-        self.send(("out", [output_row(o) for o in outputs], self.free_slots(), events))
+        self.send(("out", [output_row(o) for o in outputs], self.free_slots(),
+                   self._take_events()))
 
     def request_id(self, handle: int) -> str | None:
         return None     # one rank: the exchange never decodes another rank's block

@@ -65,10 +65,7 @@ class AsyncEngine(FrontEnd):
         self.tokenizer: Tokenizer | None = None       # both set in __aenter__ (_build)
         self._exchange: OutputExchange | None = None  # the worker's (set in _build too)
         self._done = anyio.Event()
-        self._failure: BaseException | None = None
-        self._next_id = 0
-        self._admitted = 0
-        self._init_lifecycle()
+        self._init_front_end()
 
     # lifecycle (FrontEnd's __aenter__ / __aexit__) ---------------------------------------
     async def _start(self) -> str:

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from ._frontdoor import NO_MESSAGE, FrontDoorMessage, RankReport, assign_least_loaded
+from ._frontdoor import (NO_MESSAGE, FrontDoorMessage, RankReport, assign_least_loaded,
+                         assign_to_rank0)
 from ._request import RequestOutput
 from ._wire import decode_outputs, encode_rows
 
@@ -123,7 +124,7 @@ class OutputExchange:
         assert front is not None, "a single rank is rank 0, which holds the front door"
         if self.scheduler.num_requests == 0:
             await front.wait_for_work(timeout=None)
-        return front.take_message(lambda new: tuple((0, r) for r in new))
+        return front.take_message(assign_to_rank0)
 
     async def _group(self, facts: Sequence[int], defer: bool) -> FrontDoorMessage:
         """One tensor all-gather: each serving rank's outputs as a fixed-size block, its

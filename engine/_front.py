@@ -47,7 +47,11 @@ class FrontEnd:
     _next_id: int
     _admitted: int
 
-    def _init_lifecycle(self) -> None:
+    def _init_front_end(self) -> None:
+        """The shared state; each engine calls it in ``__init__``."""
+        self._failure = None    # set when the engine (or its core) failed
+        self._next_id = 0       # the next automatic id's number
+        self._admitted = 0      # the next request's handle
         self._state = "new"     # -> "running" in __aenter__ -> "closed" in __aexit__
         self._frozen = False    # holds the GC freeze (parallel.freeze_gc) while running
         self._task_group: anyio.abc.TaskGroup | None = None

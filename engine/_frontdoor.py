@@ -24,6 +24,11 @@ class FrontDoorMessage:
 NO_MESSAGE = FrontDoorMessage()
 
 
+def assign_to_rank0(new: Sequence[NewRequest]) -> tuple[tuple[int, NewRequest], ...]:
+    """One rank (or one core behind a pipe): every request to rank 0."""
+    return tuple((0, request) for request in new)
+
+
 def assign_least_loaded(new: Sequence[NewRequest], loads: Sequence[int]
                         ) -> tuple[tuple[int, NewRequest], ...]:
     """Deterministic: each request goes to the rank with the fewest requests, lowest rank

@@ -18,13 +18,14 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 import anyio
 import structlog
 
-from ._core_process import REASONS, Readable, row_output, serve_core
+from ._core_process import row_output, serve_core
 from ._errors import ConfigError, EngineClosedError
 from ._front import FrontEnd
-from ._frontdoor import NO_MESSAGE
+from ._frontdoor import NO_MESSAGE, assign_to_rank0
 from ._frontdoor_state import FrontDoor
 from ._iteration import notify
-from ._request import FinishReason, NewRequest
+from ._request import FinishReason
+from ._wire import REASONS
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -39,10 +40,6 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 # Messages the reader hands over per wake-up at most (see ``_read``).
 READ_BATCH = 8
-
-
-def _to_core(new: list[NewRequest]) -> tuple[tuple[int, NewRequest], ...]:
-    return tuple((0, request) for request in new)
 
 
 class ProcessEngine(FrontEnd):
@@ -70,9 +67,6 @@ class ProcessEngine(FrontEnd):
         self.tokenizer: Tokenizer | None = None
         self._log_level = log_level
         self._start_timeout_s = start_timeout_s
-        self._failure: BaseException | None = None
-        self._next_id = 0
-        self._admitted = 0
         self._core: dict[str, int] = {}     # the core's "ready" facts: k, vocab_size
         self._free_slots = config.scheduler.max_batch_size     # as of its last message
         self._process: BaseProcess | None = None
@@ -82,7 +76,7 @@ class ProcessEngine(FrontEnd):
         self._stats_reply: list[Any] = []
         self._stats_event: anyio.Event | None = None
         self._closed = anyio.Event()    # the core's pipe closed (it exited)
-        self._init_lifecycle()
+        self._init_front_end()
 
     # lifecycle (FrontEnd's __aenter__ / __aexit__) ---------------------------------------
     def _tasks(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
@@ -103,16 +97,16 @@ class ProcessEngine(FrontEnd):
         self._process.start()
         child.close()
         _, self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, directory)
-        readable = Readable(conn)
         with anyio.move_on_after(self._start_timeout_s) as scope:
-            await readable()
+            await anyio.wait_readable(conn.fileno())
         if scope.cancelled_caught:
             raise EngineClosedError(f"the engine core did not start in {self._start_timeout_s} s")
         try:
             kind, payload = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):
+            code = await anyio.to_thread.run_sync(self._exit_code)
             raise EngineClosedError("the engine core exited while starting (exit code "
-                                    f"{self._exit_code()})") from None
+                                    f"{code})") from None
         if kind == "failed":
             raise payload
         self._core = payload
@@ -165,7 +159,7 @@ class ProcessEngine(FrontEnd):
         front = self.front
         while True:
             await front.wait_for_work(None)
-            message = front.take_message(_to_core)
+            message = front.take_message(assign_to_rank0)
             if message is NO_MESSAGE:
                 continue
             if not await self._send(("msg", message)) or message.shutdown:
@@ -175,10 +169,9 @@ class ProcessEngine(FrontEnd):
         """The core's messages: outputs to the front door, until its pipe closes."""
         conn, front = self._conn, self.front
         assert conn is not None, "started in __aenter__"
-        readable = Readable(conn)
         try:
             while True:
-                await readable()
+                await anyio.wait_readable(conn.fileno())
                 # What is pending, up to READ_BATCH messages, then the consumers run: when
                 # this loop lags, a consumer wakes once for several iterations' outputs
                 # (it takes all at once), which lets it catch up; the bound keeps a core
