@@ -98,16 +98,63 @@ class RunTrace:
 
 HEAD = {"method": "eagle3", "draft_weights": "smollm2-135m-instruct-eagle3"}
 CONFIGS = {"none": {"method": "none"},
+           "K=1": {**HEAD, "num_draft_tokens": 1},
+           "K=2": {**HEAD, "num_draft_tokens": 2},
            "K=3": {**HEAD, "num_draft_tokens": 3},
            "K=5": {**HEAD, "num_draft_tokens": 5},
            "adaptive<=3": {**HEAD, "num_draft_tokens": 3, "adaptive": True},
            "adaptive<=5": {**HEAD, "num_draft_tokens": 5, "adaptive": True}}
 
 
-async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, steady=None):
+class LearnLog:
+    """``--learn-log``: what adaptive K learned and chose, one record per call, to tell a
+    K's learned T(b, k) from what a stretch of it costs (the fourteenth session's rows:
+    the K the rule ran least had learned 1.3-1.5x its fixed-K iteration time at batch
+    32-256). Wraps the engine's ``CostTable.observe`` (each learned time with its flags)
+    and ``AdaptiveK._rule`` (the times and E(k) each choice saw); ``mark`` starts a run."""
+
+    def __init__(self) -> None:
+        self.records: list[dict] = []
+
+    def attach(self, name: str, adaptive) -> None:
+        cost, records = adaptive.cost, self.records
+        observe, rule = cost.observe, adaptive._rule
+
+        def logged_observe(bucket, k, seconds, disturbed=False, switched=False,
+                           leaving=False):
+            records.append({"c": name, "ev": "observe", "b": bucket, "k": k,
+                            "ms": round(seconds * 1e3, 4), "dist": disturbed,
+                            "sw": switched, "leave": leaving,
+                            "trying": not cost.tried(bucket, k)})
+            observe(bucket, k, seconds, disturbed, switched, leaving)
+
+        def logged_rule(expected, bucket, calls):
+            k = rule(expected, bucket, calls)
+            times = cost.times(bucket, adaptive.candidates)
+            records.append({"c": name, "ev": "rule", "b": bucket, "calls": calls, "k": k,
+                            "e": {c: round(e, 3) for c, e in expected.items()},
+                            "t": {c: round(t * 1e3, 4) for c, t in times.items()},
+                            "settled": bucket in adaptive._settled})
+            return k
+
+        cost.observe, adaptive._rule = logged_observe, logged_rule
+
+    def mark(self, name: str, run: int, trace: dict | None = None) -> None:
+        self.records.append({"c": name, "ev": "run", "run": run,
+                             **({} if trace is None else {"ms_by_k": trace["ms_by_k"]})})
+
+    def write(self, path: str, batch: int) -> None:
+        with open(path, "a") as f:
+            for r in self.records:
+                f.write(json.dumps({"batch": batch, **r}) + "\n")
+        self.records = []
+
+
+async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, steady=None,
+                        learn_log=None):
     """``steady``: (the prompts to cycle, requests per run, spread of the lengths) for
     ``--arrival steady``; None: closed rounds, a run one round of each prompt set (a batch
-    each) in turn."""
+    each) in turn. ``learn_log``: a LearnLog for the adaptive configs."""
     from specloop.engine import AsyncEngine
     prompts = sets[0]
     batch, sync = len(prompts), device_sync(device)
@@ -121,6 +168,8 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
             engines[name] = await stack.enter_async_context(
                 AsyncEngine(engine_config(CONFIGS[name], batch, device, buckets), model=loaded,
                             observers=[traces[name]]))
+            if learn_log is not None and engines[name].worker.adaptive is not None:
+                learn_log.attach(name, engines[name].worker.adaptive)
         for name, engine in engines.items():
             # A whole round: adaptive K explores every K at each batch class in its first
             # iterations (FIRST_SAMPLES each, with eager catch-ups of the head after K = 0
@@ -144,6 +193,8 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
                     windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
                 runs_traced[name].append(traces[name].take(
                     {kernel: len(keys) for kernel, keys in new_variants(before).items()}))
+                if learn_log is not None:
+                    learn_log.mark(name, run, runs_traced[name][-1])
         extra = {}
         for name, engine in engines.items():
             stats, adaptive = engine.stats, engine.worker.adaptive
@@ -198,8 +249,11 @@ def run(args) -> None:
             requests = args.requests or max(4 * batch, 32)
             steady = (chat_prompts(loaded.tokenizer, texts, requests,
                                    cycle=True), requests, args.spread)
+        learn_log = LearnLog() if args.learn_log else None
         rates, extra = anyio.run(measure_batch, names, loaded, sets, args.tokens,
-                                 args.runs, args.device, args.buckets, steady)
+                                 args.runs, args.device, args.buckets, steady, learn_log)
+        if learn_log is not None:
+            learn_log.write(args.learn_log, batch)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         others = [n for n in names if not n.startswith("adaptive")]
         for name in names:
@@ -267,7 +321,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--batches", default="1,8,32,64,128,256")
-    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--configs", default="none,K=3,K=5,adaptive<=3,adaptive<=5")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
                     help="graph buckets: the batch only, or every power of two up to it")
@@ -285,6 +339,8 @@ def parser() -> argparse.ArgumentParser:
                     help="closed: and at least this many rounds a run (a round at batch "
                          "32-64 is ~0.1-0.2 s on the H200: 4 keeps the runs' spread down; "
                          "past the prompts' count they repeat)")
+    ap.add_argument("--learn-log", default="",
+                    help="append what adaptive K learned and chose to this JSON-lines file")
     ap.add_argument("--plot", help="rows (JSON lines) to draw instead of measuring")
     ap.add_argument("--png", default="adaptive_h200.png")
     return ap

@@ -80,10 +80,18 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
     """``bench_adaptive_gpu.py --device cpu --arrival steady`` in-process on the session's
     SmolLM2 (the shipped eagle3 head, tiny sizes: ~5 s): one row per config with the
     fields the H200 runs read."""
+    learned = tmp_path / "learned.jsonl"
     rows = _bench_rows(common, smollm2, tmp_path, monkeypatch, [
         "--configs", "none,adaptive<=3", "--arrival", "steady", "--requests", "3",
-        "--spread", "0.5"])
+        "--spread", "0.5", "--learn-log", str(learned)])
     assert [r["config"] for r in rows] == ["none", "adaptive<=3"]
+    # --learn-log: the adaptive config's choices with the times they saw, and a run mark.
+    records = [json.loads(line) for line in learned.read_text().splitlines()]
+    assert {r["c"] for r in records} == {"adaptive<=3"}
+    assert {r["ev"] for r in records} >= {"rule", "run"}
+    for r in records:
+        if r["ev"] == "rule":
+            assert r["k"] in (0, 1, 2, 3) and set(r["t"]) == set(r["e"]) == {"0", "1", "2", "3"}
     for row in rows:
         assert row["arrival"] == "steady" and row["median"] > 0 and row["requests"] == 3
         (seconds, tokens), = row["window_s_tokens"]
