@@ -115,29 +115,51 @@ class LearnLog:
 
     def __init__(self) -> None:
         self.records: list[dict] = []
+        self._names: dict[int, str] = {}     # id(CostTable) / id(AdaptiveK) -> config
 
     def attach(self, name: str, adaptive) -> None:
-        cost, records = adaptive.cost, self.records
-        observe, rule = cost.observe, adaptive._rule
+        """Log ``adaptive``'s calls as ``name``'s (the engine's CostTable is a slotted
+        attrs class: the methods are wrapped on the classes, once, by instance)."""
+        from specloop.engine._adaptive import AdaptiveK, CostTable  # noqa: PLC0415
+        self._names[id(adaptive.cost)] = self._names[id(adaptive)] = name
+        if getattr(CostTable.observe, "learn_log", None) is not None:    # attached
+            return
+        observe, rule = CostTable.observe, AdaptiveK._rule
 
-        def logged_observe(bucket, k, seconds, disturbed=False, switched=False,
+        def logged_observe(cost, bucket, k, seconds, disturbed=False, switched=False,
                            leaving=False):
-            records.append({"c": name, "ev": "observe", "b": bucket, "k": k,
-                            "ms": round(seconds * 1e3, 4), "dist": disturbed,
-                            "sw": switched, "leave": leaving,
-                            "trying": not cost.tried(bucket, k)})
-            observe(bucket, k, seconds, disturbed, switched, leaving)
+            log = logged_observe.learn_log
+            name = log._names.get(id(cost))
+            if name is not None:
+                log.records.append({"c": name, "ev": "observe", "b": bucket, "k": k,
+                                    "ms": round(seconds * 1e3, 4), "dist": disturbed,
+                                    "sw": switched, "leave": leaving,
+                                    "trying": not cost.tried(bucket, k)})
+            observe(cost, bucket, k, seconds, disturbed, switched, leaving)
 
-        def logged_rule(expected, bucket, calls):
-            k = rule(expected, bucket, calls)
-            times = cost.times(bucket, adaptive.candidates)
-            records.append({"c": name, "ev": "rule", "b": bucket, "calls": calls, "k": k,
-                            "e": {c: round(e, 3) for c, e in expected.items()},
-                            "t": {c: round(t * 1e3, 4) for c, t in times.items()},
-                            "settled": bucket in adaptive._settled})
+        def logged_rule(adaptive, expected, bucket, calls):
+            k = rule(adaptive, expected, bucket, calls)
+            log = logged_rule.learn_log
+            name = log._names.get(id(adaptive))
+            if name is not None:
+                times = adaptive.cost.times(bucket, adaptive.candidates)
+                log.records.append({
+                    "c": name, "ev": "rule", "b": bucket, "calls": calls, "k": k,
+                    "e": {c: round(e, 3) for c, e in expected.items()},
+                    "t": {c: round(t * 1e3, 4) for c, t in times.items()},
+                    "settled": bucket in adaptive._settled})
             return k
 
-        cost.observe, adaptive._rule = logged_observe, logged_rule
+        logged_observe.learn_log = logged_rule.learn_log = self
+        self._originals = (observe, rule)
+        CostTable.observe, AdaptiveK._rule = logged_observe, logged_rule
+
+    def detach(self) -> None:
+        """The classes' own methods back (the engines are closed)."""
+        from specloop.engine._adaptive import AdaptiveK, CostTable  # noqa: PLC0415
+        if getattr(self, "_originals", None) is not None:
+            CostTable.observe, AdaptiveK._rule = self._originals
+            self._originals = None
 
     def mark(self, name: str, run: int, trace: dict | None = None) -> None:
         self.records.append({"c": name, "ev": "run", "run": run,
@@ -253,6 +275,7 @@ def run(args) -> None:
         rates, extra = anyio.run(measure_batch, names, loaded, sets, args.tokens,
                                  args.runs, args.device, args.buckets, steady, learn_log)
         if learn_log is not None:
+            learn_log.detach()
             learn_log.write(args.learn_log, batch)
         medians = {name: statistics.median(r) for name, r in rates.items()}
         others = [n for n in names if not n.startswith("adaptive")]
