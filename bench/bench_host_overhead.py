@@ -143,28 +143,88 @@ async def direct_handlers_us(config, loaded, batch, iterations):
     return (time.perf_counter() - start) / iterations * 1e6
 
 
+class PipeParent:
+    """``--core``: the parent's end of a ProcessEngine core's pipe, played in this process:
+    ``submit`` sends the requests as the parent's pump does (pickled FrontDoorMessages),
+    a thread reads every message the core sends and drops it unread (the parent's reader
+    unpickles them in its own process, outside the core's time)."""
+
+    def __init__(self):
+        import multiprocessing  # noqa: PLC0415
+        import threading  # noqa: PLC0415
+        self.conn, self.core_conn = multiprocessing.Pipe()
+        self.messages = 0
+        self._reader = threading.Thread(target=self._drain, daemon=True)
+        self._reader.start()
+
+    def _drain(self):
+        while True:
+            try:
+                self.conn.recv_bytes()
+            except (EOFError, OSError):
+                return
+            self.messages += 1
+
+    def submit(self, batch, prompt, params):
+        import pickle  # noqa: PLC0415
+        from specloop.engine._frontdoor import FrontDoorMessage  # noqa: PLC0415
+        from specloop.engine._request import NewRequest  # noqa: PLC0415
+        news = tuple((0, NewRequest(f"r{i}", tuple(prompt), params, i, handle=i))
+                     for i in range(batch))
+        self.conn.send_bytes(pickle.dumps(("msg", FrontDoorMessage(news)),
+                                          pickle.HIGHEST_PROTOCOL))
+
+    def watch(self, stats, iterations, loop_thread, out, clear, snapshot):
+        """From a thread (the core's loop never yields while it has work, as in its own
+        process): after 30 iterations, ``clear`` the state times and time ``iterations``
+        iterations (wall, and the loop thread's CPU; ``snapshot`` the state times), then
+        send the parent's shutdown."""
+        import pickle  # noqa: PLC0415
+        from specloop.engine._frontdoor import FrontDoorMessage  # noqa: PLC0415
+        clock = time.pthread_getcpuclockid(loop_thread)
+        while stats.num_iterations < 30:
+            time.sleep(0.002)
+        clear()
+        first, start, cpu = stats.num_iterations, time.perf_counter(), time.clock_gettime(clock)
+        while stats.num_iterations < first + iterations:
+            time.sleep(0.002)
+        out.update(done=stats.num_iterations - first, elapsed=time.perf_counter() - start,
+                   thread=time.clock_gettime(clock) - cpu, states=snapshot())
+        self.conn.send_bytes(pickle.dumps(("msg", FrontDoorMessage(shutdown=True)),
+                                          pickle.HIGHEST_PROTOCOL))
+
+    def close(self):
+        self.core_conn.close()
+        self.conn.close()
+
+
+def _gpu_path_worker(worker):
+    """Set ``worker`` on one GPU rank's path (VERIFY from the event loop, the step queued
+    ahead or DRAFT + VERIFY chained) -> the count of steps taken so far, as a function."""
+    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
+    worker.verify_inline = True     # VERIFY from the event loop, as on CUDA
+    if worker.k == 0:
+        worker.ahead.always = True  # the step queued ahead
+    elif worker.drafter is not None and worker.drafter.can_chain:
+        worker.chain = DeviceChain(worker=worker)
+    chain = worker.chain
+    return lambda: worker.ahead.taken_steps + (chain.taken_steps if chain is not None else 0)
+
+
 async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=None):
     """One GPU rank's path on the CPU (see the module doc): -> (wall us per iteration,
     thread CPU us per iteration, {state: us per iteration}, {state: thread CPU us per
-    iteration}, share of iterations that took a step queued ahead or chained)."""
+    iteration}, share of iterations that took a step queued ahead or chained).
+    ``consumer`` "core": the engine core of a ProcessEngine instead (``core_path``)."""
+    if consumer == "core":
+        return await core_path(cfg, loaded, batch, iterations, profiler)
     from bench_chain_host import ThreadTimes  # noqa: PLC0415 - beside this script
     from specloop.engine import AsyncEngine  # noqa: PLC0415
-    from specloop.engine._chain import DeviceChain  # noqa: PLC0415
     from specloop.samplers import SamplingParams  # noqa: PLC0415
     params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
     times, cpu = StateTimes(), ThreadTimes()
     async with AsyncEngine(cfg, model=loaded, observers=[times, cpu]) as engine:
-        worker = engine.worker
-        worker.verify_inline = True     # VERIFY from the event loop, as on CUDA
-        if worker.k == 0:
-            worker.ahead.always = True  # the step queued ahead
-        elif worker.drafter is not None and worker.drafter.can_chain:
-            worker.chain = DeviceChain(worker=worker)
-        chain = worker.chain
-
-        def taken():
-            return worker.ahead.taken_steps + (chain.taken_steps if chain is not None else 0)
-
+        taken = _gpu_path_worker(engine.worker)
         async with anyio.create_task_group() as tg:
             start_consumers(tg, engine, consumer, batch, [1, 2, 3, 4, 5, 6], params)
             while engine.stats.num_iterations < 30:
@@ -186,6 +246,53 @@ async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=N
             share = (taken() - steps) / done
             engine.front.close()    # the consumers end with their requests
     return elapsed / done * 1e6, thread / done * 1e6, states, cpu_states, share
+
+
+async def core_path(cfg, loaded, batch, iterations, profiler=None):
+    """``gpu_path`` for the engine core of a ProcessEngine: the engine behind
+    engine/_core_process.py's PipeFrontDoor, the parent's side played by ``PipeParent``
+    (a thread times it: the core's loop never yields while it has work). The profile, if
+    any, covers the warm-up iterations too."""
+    import threading  # noqa: PLC0415
+    from bench_chain_host import ThreadTimes  # noqa: PLC0415 - beside this script
+    from specloop.engine import AsyncEngine  # noqa: PLC0415
+    from specloop.engine._core_process import PipeFrontDoor  # noqa: PLC0415
+    from specloop.samplers import SamplingParams  # noqa: PLC0415
+    params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
+    times, cpu = StateTimes(), ThreadTimes()
+    parent = PipeParent()
+    front = PipeFrontDoor(parent.core_conn)
+    out: dict = {}
+
+    def clear():
+        times.total_us.clear()
+        cpu.clear()
+
+    def snapshot():
+        return dict(times.total_us), dict(cpu.us)
+    try:
+        async with AsyncEngine(cfg, model=loaded, observers=[times, cpu],
+                               front_door=front) as engine:
+            worker = engine.worker
+            front.free_slots = lambda: worker.scheduler.slots.num_free
+            taken = _gpu_path_worker(worker)
+            watcher = threading.Thread(target=parent.watch, args=(
+                worker.stats, iterations, threading.get_ident(), out, clear, snapshot))
+            parent.submit(batch, [1, 2, 3, 4, 5, 6], params)
+            if profiler is not None:
+                profiler.enable()
+            watcher.start()
+            await engine.wait_closed()
+            if profiler is not None:
+                profiler.disable()
+            watcher.join()
+            share = taken() / engine.stats.num_iterations
+    finally:
+        parent.close()
+    done, (wall_us, cpu_us) = out["done"], out["states"]
+    return (out["elapsed"] / done * 1e6, out["thread"] / done * 1e6,
+            {s: v / done for s, v in wall_us.items()},
+            {s: v / done for s, v in cpu_us.items()}, share)
 
 
 def gpu_path_main(args):
@@ -256,7 +363,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", default="64", help="batch sizes, comma-separated")
     ap.add_argument("--iterations", type=int, default=300)
-    ap.add_argument("--consumers", default="stream,batch",
+    ap.add_argument("--consumers", default="stream,batch",  # --gpu-path: also "core"
                     help="stream: a generate task per request; batch: one generate_batch")
     ap.add_argument("--methods", default=None, help="default: none,ngram; --gpu-path "
                     "none,eagle3")

@@ -12,6 +12,11 @@ request's consumer woken, detokenizing), which ``ProcessEngine`` moves to this p
         [--batches 1,32,64,128] [--runs 3] [--tokens 128] [--min-prompts 32]
         [--kinds process,in-process] [--consumer stream|batch] [--device cpu]
         [--buckets serving] [--min-rounds 4]
+        [--arrival steady [--requests N] [--spread 0.5]]
+
+``--arrival steady``: a run is steady load instead of closed rounds (a server's: ``batch``
+requests in flight, a new one as each finishes; bench/_common.py ``steady_load``, as
+bench_adaptive_gpu.py's), tokens/s over its window.
 
 With an adaptive config among ``--configs`` ("eagle3 adaptive<=3") it also prints issue
 13's ratio: adaptive over the best of the others, per kind.
@@ -30,15 +35,19 @@ import time
 
 import anyio
 
-from _common import (add_round_args, device_sync, emit_row, engine_config, generate_round,
-                     held_out_sets, host_python_us, quiet_logs, speed_row)
+from _common import (add_round_args, chat_prompts, device_sync, emit_row, engine_config,
+                     generate_round, held_out_sets, held_out_texts, host_python_us,
+                     quiet_logs, speed_row, steady_load)
 from profile_spec_gpu import CONFIGS
 
 
-async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets):
+async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets,
+                  steady=None):
     """-> {(name, kind): (rates, AL, extra)}; every engine built and warmed first (a whole
     round: adaptive K explores its K values then), then ``runs`` runs in which the engines
-    take turns, each run starting one engine further on."""
+    take turns, each run starting one engine further on. ``steady``: (prompts to cycle,
+    requests a run, spread of the lengths): a run is steady load (``steady_load``), not
+    closed rounds over ``sets``."""
     from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
 
     batch, sync = len(sets[0]), device_sync(device)
@@ -56,6 +65,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
             await generate_round(engine, sets[0], tokens, consumer)
         before = {key: await _stats(engine) for key, engine in engines.items()}
         walls = {key: [] for key in engines}
+        rates = {key: [] for key in engines}
         speeds = {key: [] for key in engines}
         keys = list(engines)
         for run in range(runs):
@@ -64,10 +74,16 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 speeds[key].append(host_python_us())
                 sync()
                 start = time.perf_counter()
-                for prompts in sets:
-                    await generate_round(engine, prompts, tokens, consumer)
+                if steady is None:
+                    for prompts in sets:
+                        await generate_round(engine, prompts, tokens, consumer)
+                else:
+                    got = await steady_load(engine, steady[0], tokens, batch, steady[1],
+                                            spread=steady[2])
                 sync()
                 walls[key].append(time.perf_counter() - start)
+                rates[key].append(batch * len(sets) * tokens / walls[key][-1]
+                                  if steady is None else got["tok_s"])
         for key, engine in engines.items():
             stats, first = await _stats(engine), before[key]
             drafting = stats.num_drafting_rows - first.num_drafting_rows
@@ -77,7 +93,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
             # Which K the timed runs drafted (adaptive K's choices).
             per_k = {k: n - first.iterations_per_k.get(k, 0)
                      for k, n in sorted(stats.iterations_per_k.items())}
-            out[key] = ([batch * len(sets) * tokens / w for w in walls[key]], al,
+            out[key] = (rates[key], al,
                         {"host_python_us": speeds[key], "iterations_per_k": per_k,
                          "iteration_ms": round(sum(walls[key]) * 1e3 / max(iterations, 1), 3)})
     return out
@@ -116,13 +132,24 @@ def main() -> None:
                     help="rounds a run at least (as many as the distinct prompts fill)")
     ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
                     help="graphs for the batch only, or for every power of two up to it")
+    ap.add_argument("--arrival", choices=("closed", "steady"), default="closed")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="steady: requests a run (default max(4 x batch, 32))")
+    ap.add_argument("--spread", type=float, default=0.5,
+                    help="steady: request j asks for tokens x (1 +- spread)")
     args = ap.parse_args()
     quiet_logs()
     names, kinds = args.configs.split(","), args.kinds.split(",")
+    texts = held_out_texts(args.prompts)
     for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=args.min_prompts,
                                              min_rounds=args.min_rounds):
+        steady = None
+        if args.arrival == "steady":
+            requests = args.requests or max(4 * batch, 32)
+            steady = (chat_prompts(loaded.tokenizer, texts, requests, cycle=True), requests,
+                      args.spread)
         got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
-                        args.device, args.consumer, args.buckets)
+                        args.device, args.consumer, args.buckets, steady)
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
@@ -133,7 +160,9 @@ def main() -> None:
                     paired = [round(a / b, 3) for a, b in zip(rates, got[name, "in-process"][0])]
                 emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device,
                                    kind=kind, consumer=args.consumer, buckets=args.buckets,
-                                   prompts_per_run=batch * len(sets),
+                                   arrival=args.arrival,
+                                   prompts_per_run=batch * len(sets) if steady is None
+                                   else steady[1],
                                    vs_in_process=paired, **extra), args.out)
 
 
