@@ -201,8 +201,10 @@ def bench_method(args, method: str, levels: list[int], run: int) -> list[dict]:
     from specloop.engine import AsyncEngine, EngineConfig  # noqa: PLC0415
 
     out = []
-    servers = [("server", ())] + ([("server-core", ("--core-process",))]
-                                  if args.core_process else [])
+    # The plain server keeps the engine in its own process (on a GPU `serve` would
+    # otherwise run the core in a child by default).
+    servers = [("server", ("--no-core-process",))] + ([("server-core", ("--core-process",))]
+                                                       if args.core_process else [])
     for path, flags in servers:
         proc, url = start_server(args.config, method, *flags)
         try:

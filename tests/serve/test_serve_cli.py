@@ -55,3 +55,25 @@ def test_busy_port_fails_at_once_in_one_line(cli, poison):
     assert code == 1, err
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Address already in use" in lines[0]
+
+
+def test_core_process_defaults_to_the_gpu_and_one_rank(monkeypatch):
+    """``--core-process`` left out: on for one rank on a CUDA device without --trace (where
+    the in-process engine is host-bound at a server's batch sizes), off on the CPU, under
+    --trace, and for a group (ProcessEngine serves one rank)."""
+    import attrs
+
+    from specloop.engine import EngineConfig
+    from specloop.serve._cli import default_core_process
+
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    cpu = EngineConfig.from_dict({"model": {"name": "tiny", "device": "cpu"}})
+    gpu = attrs.evolve(cpu, model=attrs.evolve(cpu.model, device="cuda"))
+    assert default_core_process(gpu, traced=False)
+    assert not default_core_process(cpu, traced=False)
+    assert not default_core_process(gpu, traced=True)
+    group = attrs.evolve(gpu, parallel=attrs.evolve(gpu.parallel, world_size=2,
+                                                    attention_dp=True))
+    assert not default_core_process(group, traced=False)
+    monkeypatch.setenv("WORLD_SIZE", "2")     # torchrun's, before the config knows it
+    assert not default_core_process(gpu, traced=False)
