@@ -20,9 +20,17 @@ PY=.venv/bin/python
 # Missing on the device (structlog, cattrs, gguf, pytest-asyncio), or there at a version of
 # its own (the rest; the carried .venv's versions are the ones the CPU suite runs).
 # pytest-xdist and execnet: h200_check.sh's tests step compiles the kernels in 8 workers.
+# `specloop serve` and bench/bench_serve.py's client: starlette, uvicorn and the openai
+# client with their dependencies (none of them on the device; distro is openai's, not in
+# .venv: the registry's latest).
 PACKAGES="structlog cattrs gguf pytest-asyncio pytest-timeout hypothesis sortedcontainers
-          pytest-xdist execnet"
+          pytest-xdist execnet
+          starlette uvicorn click h11 httpx httpcore idna certifi sniffio openai jiter
+          pydantic pydantic-core typing-inspection annotated-types"
 rm -rf .whl && mkdir -p .whl
+"$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+  --platform manylinux2014_x86_64 -d .whl distro 2>&1 | { grep -v '^WARNING' || true; }
 for p in $PACKAGES; do
   v=$("$PY" -m pip show "$p" 2>/dev/null | awk '/^Version:/ {print $2}') || true
   [ -n "$v" ] || { echo "$p is not installed in .venv" >&2; exit 1; }
