@@ -10,6 +10,11 @@ set -e
 _carry=${DEVICE_CARRY_ROOT:-.}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site "$_carry"/.whl/*.whl >/dev/null 2>&1 || echo "device_env: wheel install failed" >&2
+# The serve extra and the openai client, where a call carried them (.whl2; once is enough).
+if ls "$_carry"/.whl2/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$_carry"/.whl2/*.whl >/dev/null 2>&1 || echo "device_env: serve wheel install failed" >&2
+fi
 python3 -m pip install -q --no-index --no-deps --no-build-isolation --no-compile --upgrade \
   --target /tmp/site . >/dev/null 2>&1 || echo "device_env: project install failed" >&2
 export PYTHONPATH=/tmp/site:/root/smolpkg${PYTHONPATH:+:$PYTHONPATH}
