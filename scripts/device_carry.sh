@@ -27,7 +27,7 @@ PACKAGES="structlog cattrs gguf pytest-asyncio pytest-timeout hypothesis sortedc
 # `specloop serve` and bench/bench_serve.py's client (none of them on the device): starlette,
 # uvicorn, the openai client and their dependencies, in .whl2 (carried with the model's third
 # part: .whl and the first part together leave no room for them under a call's 64 MiB).
-SERVE_PACKAGES="starlette uvicorn click h11 httpx httpcore idna certifi sniffio openai jiter
+SERVE_PACKAGES="starlette uvicorn click h11 httpx httpx2 httpcore httpcore2 truststore idna certifi sniffio openai jiter
                 pydantic pydantic-core typing-inspection annotated-types"
 download() {    # download DIR PACKAGE[==VERSION]: a cp312 manylinux wheel, no dependencies
   "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
