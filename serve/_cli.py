@@ -47,7 +47,8 @@ def default_core_process(config: EngineConfig, *, traced: bool) -> bool:
         return False
     from specloop.engine._runner import resolve_device  # noqa: PLC0415 - imports torch
 
-    return resolve_device(config.model.device).type == "cuda"
+    device: str = resolve_device(config.model.device).type
+    return device == "cuda"
 
 
 def run(args: argparse.Namespace) -> int:
