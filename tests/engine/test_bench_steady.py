@@ -198,3 +198,32 @@ def test_host_wait_bench_at_a_batch_with_eagle3_on_cpu(common, smollm2, tmp_path
         assert row["wall_ms_per_iteration"] > 0 and row["wait_ms_per_iteration"] >= 0
         assert (row["profile"] is not None) == row["profiled"]
     assert "cumulative" in rows[1]["profile"] and "specloop" in rows[1]["profile"]
+
+
+def test_host_overhead_core_path_smoke(common, capsys):
+    """``bench_host_overhead.py --gpu-path --consumers core``: the ProcessEngine core behind
+    its pipe (PipeFrontDoor, the parent played by a thread that reads every message) on
+    the CPU's frozen graph replays: it runs, every iteration's outputs reach the pipe, and
+    a thread times the core's loop (which never yields while it has work)."""
+    import argparse
+
+    bench = importlib.import_module("bench_host_overhead")
+    sent = []
+    original = bench.PipeParent._drain
+
+    def counting(self):
+        original(self)
+        sent.append(self.messages)
+    bench.PipeParent._drain = counting
+    try:
+        bench.gpu_path_main(argparse.Namespace(
+            methods="none", batch="3", k=3, runs=1, iterations=20, consumers="core",
+            profile="", uvloop=False))
+    finally:
+        bench.PipeParent._drain = original
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("none K=0 batch 3 core")]
+    wall = float(line.split("wall ")[1].split("-")[0])
+    assert wall > 0
+    # One "out" message an iteration at least (warm-up, the timed 20, the shutdown's).
+    assert sent and sent[0] >= 20
