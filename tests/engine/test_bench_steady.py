@@ -227,3 +227,19 @@ def test_host_overhead_core_path_smoke(common, capsys):
     assert wall > 0
     # One "out" message an iteration at least (warm-up, the timed 20, the shutdown's).
     assert sent and sent[0] >= 20
+
+
+def test_adaptive_sim_runs_the_real_rule(common):
+    """bench/adaptive_sim.py drives engine/_adaptive.py's AdaptiveK on a simulated clock: a
+    noiseless clock where K = 2 is clearly best lets the rule find it, and ``--set``
+    changes a constant for the run only."""
+    from specloop.engine import _adaptive
+
+    sim = importlib.import_module("adaptive_sim")
+    recent = _adaptive.RECENT
+    (row,) = sim.main(["--iterations", "400", "--seeds", "1", "--sigma", "0", "--dwell", "0",
+                       "--times", "1.0,1.1,1.2,3.0", "--accept", "0.9,0.9,0.1",
+                       "--set", "RECENT=7"])
+    assert _adaptive.RECENT == recent
+    assert row["best_k"] == 2 and row["chosen"][2] > 300
+    assert 0.9 < row["vs_best"] <= 1.0

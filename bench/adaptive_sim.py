@@ -1,0 +1,142 @@
+"""Adaptive K's rule (engine/_adaptive.py, the real ``AdaptiveK`` and ``CostTable``) on a
+simulated iteration clock, against every fixed K under the same noise: how much of the
+rule's loss on the H200 do noisy, drifting iteration times explain?
+
+The simulation: one rank, a steady batch of ``--batch`` rows (no admissions, no drain),
+one bucket. An iteration at K takes T(K) (``--times``, ms: the fixed engines' mean
+iterations) x a lognormal factor (``--sigma``, per iteration) x the host's speed factor,
+which switches between 1 and ``--slow`` with a mean dwell of ``--dwell`` iterations (the
+lent H200's host ran at two speeds ~2x apart, changing between runs of one process). Each
+row accepts draft j given 1..j-1 with probability ``--accept`` (conditional, per
+position). Fixed K runs on the same noise; the rule starts cold (warm-up's table
+``--warmup``, ms, default T) and runs ``--iterations``. Prints tokens per ms for each
+fixed K and the rule, the rule over the best fixed K, and what it chose, for ``--seeds``
+seeds. The seventeenth session's steady batch-8 figures are the defaults (in-process,
+slow host: ``bench/results/h200_1202q_adaptive_diag_steady.jsonl``).
+
+    python bench/adaptive_sim.py [--batch 8] [--times 0.709,0.883,0.960,0.949]
+        [--accept 0.50,0.51,0.59] [--sigma 0.2] [--slow 1.8] [--dwell 400]
+        [--iterations 3000] [--seeds 5] [--set RECENT=45 --set SWITCH_MARGIN=0]
+
+``--set NAME=VALUE`` changes one of engine/_adaptive.py's constants for the run (a
+variant of the rule to compare); several may be given.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import random
+import statistics
+
+
+def parse_floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+class Clock:
+    """The simulated machine: T(K) x a per-iteration lognormal x the host's speed, which
+    flips between fast (1) and slow (``slow``) with a mean dwell of ``dwell`` iterations."""
+
+    def __init__(self, times_ms: list[float], sigma: float, slow: float, dwell: float,
+                 rng: random.Random) -> None:
+        self.times, self.sigma, self.slow, self.dwell, self.rng = times_ms, sigma, slow, dwell, rng
+        self.factor = 1.0
+
+    def iteration(self, k: int) -> float:
+        """-> seconds for an iteration drafting k."""
+        if self.dwell and self.rng.random() < 1.0 / self.dwell:
+            self.factor = self.slow if self.factor == 1.0 else 1.0
+        noise = math.exp(self.rng.gauss(-self.sigma ** 2 / 2, self.sigma)) if self.sigma else 1.0
+        return self.times[k] * noise * self.factor / 1e3
+
+
+def accepted(k: int, rows: int, accept: list[float], rng: random.Random) -> list[int]:
+    """Each row's accepted drafts of k (the chain stops at the first rejection)."""
+    out = []
+    for _ in range(rows):
+        n = 0
+        while n < k and rng.random() < accept[n]:
+            n += 1
+        out.append(n)
+    return out
+
+
+def run_fixed(k: int, args, seed: int) -> float:
+    """Tokens per ms of a fixed K over the run (the same noise stream as the rule's)."""
+    rng, noise = random.Random(seed), random.Random(seed + 10_000)
+    clock = Clock(args.times, args.sigma, args.slow, args.dwell, noise)
+    tokens = seconds = 0.0
+    for _ in range(args.iterations):
+        seconds += clock.iteration(k)
+        tokens += sum(n + 1 for n in accepted(k, args.batch, args.accept, rng))
+    return tokens / (seconds * 1e3)
+
+
+def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
+    """Tokens per ms of the rule, and how often it chose each K."""
+    from specloop.engine import _adaptive  # noqa: PLC0415
+
+    rng, noise = random.Random(seed), random.Random(seed + 10_000)
+    clock = Clock(args.times, args.sigma, args.slow, args.dwell, noise)
+    ks = list(range(len(args.times)))
+    warm = args.warmup or args.times
+    # Warm-up's table keyed by the one bucket (batch rounded up to a power of two).
+    bucket = 1 << max(args.batch - 1, 0).bit_length()
+    cost = _adaptive.CostTable({(bucket, k): warm[k] / 1e3 for k in ks})
+    rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN)
+    tokens = seconds = 0.0
+    for _ in range(args.iterations):
+        k = rule.choose([rule.facts()], args.batch)
+        took = clock.iteration(k)
+        seconds += took
+        rows = accepted(k, args.batch, args.accept, rng)
+        tokens += sum(n + 1 for n in rows)
+        rule.record(k, rows)
+        rule.measured(took)
+    return tokens / (seconds * 1e3), dict(sorted(rule.chosen.items()))
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--times", type=parse_floats, default=[0.709, 0.883, 0.960, 0.949])
+    ap.add_argument("--warmup", type=parse_floats, default=None)
+    ap.add_argument("--accept", type=parse_floats, default=[0.50, 0.51, 0.59])
+    ap.add_argument("--sigma", type=float, default=0.2)
+    ap.add_argument("--slow", type=float, default=1.8)
+    ap.add_argument("--dwell", type=float, default=400)
+    ap.add_argument("--iterations", type=int, default=3000)
+    ap.add_argument("--seeds", type=int, default=5)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    args = ap.parse_args(argv)
+    from specloop.engine import _adaptive  # noqa: PLC0415
+
+    saved = {}
+    for item in args.set:
+        name, value = item.split("=", 1)
+        saved[name] = getattr(_adaptive, name)
+        setattr(_adaptive, name, type(saved[name])(float(value)) if "." in value
+                or isinstance(saved[name], float) else int(value))
+    rows = []
+    try:
+        for seed in range(args.seeds):
+            fixed = {k: run_fixed(k, args, seed) for k in range(len(args.times))}
+            rate, chosen = run_rule(args, seed)
+            best = max(fixed, key=fixed.get)
+            rows.append({"seed": seed, "fixed": {k: round(v, 3) for k, v in fixed.items()},
+                         "rule": round(rate, 3), "vs_best": round(rate / fixed[best], 3),
+                         "best_k": best, "chosen": chosen})
+            print(rows[-1], flush=True)
+    finally:
+        for name, value in saved.items():
+            setattr(_adaptive, name, value)
+    ratios = [r["vs_best"] for r in rows]
+    print(f"rule / best fixed K: median {statistics.median(ratios):.3f} "
+          f"({min(ratios):.3f}-{max(ratios):.3f}) over {len(rows)} seeds"
+          + (f"; variant {' '.join(args.set)}" if args.set else ""), flush=True)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
