@@ -4,7 +4,7 @@ the parent's front door across a pipe.
 Messages are tuples, their first item a kind. Parent -> core: ``("msg",
 FrontDoorMessage)`` (requests, cancels, shutdown), ``("stats",)``. Core -> parent:
 ``("ready", {"k", "vocab_size"})`` or ``("failed", exception)`` once built, ``("out",
-rows, free slots, events)`` once per RESCAN (rows: ``output_row``; events: the iteration
+rows, free slots, events)`` once per RESCAN (rows: ``_wire.OutputRow``; events: the iteration
 events since the last message, for the parent's observers, ahead of the outputs; None
 without), ``("events", events, free slots)`` at SCHEDULE or idle (the rest of them),
 ``("close_all", reason index, error)``, ``("stats", EngineStats)``. The core reads the pipe only in SCHEDULE (or
@@ -21,31 +21,12 @@ import anyio
 
 from ._frontdoor import NO_MESSAGE, FrontDoorMessage
 from ._request import FinishReason, NewRequest, RequestOutput
-from ._wire import REASONS
+from ._wire import REASON_INDEX, OutputRow, output_row
 
 if TYPE_CHECKING:
     from ._config import EngineConfig
     from ._states import TransitionEvent
     from ._stats import EngineStats
-
-_REASON_INDEX = {reason: i for i, reason in enumerate(REASONS)}
-
-# One output on the pipe: (request id, token ids, finished, finish reason index or -1,
-# error). Tuples pickle in C; the frozen attrs class would pickle through its __reduce__.
-Row = tuple[str, tuple[int, ...], bool, int, "str | None"]
-
-
-def output_row(output: RequestOutput) -> Row:
-    reason = output.finish_reason
-    return (output.request_id, output.token_ids, output.finished,
-            -1 if reason is None else _REASON_INDEX[reason], output.error)
-
-
-def row_output(row: Row) -> RequestOutput:
-    request_id, tokens, finished, reason, error = row
-    return RequestOutput(request_id, tokens, "", finished,
-                         None if reason < 0 else REASONS[reason], error)
-
 
 class PipeFrontDoor:
     """``FrontDoorPort`` for the core: news comes from the parent's pipe, outputs go back
@@ -130,11 +111,14 @@ class PipeFrontDoor:
                                 any(m.shutdown for m in news))
 
     def deliver(self, outputs: Iterable[RequestOutput]) -> None:
-        # The iteration's events so far (its VERIFY's among them) ride along, ahead of
-        # the outputs: an observer has seen a request's last VERIFY when its consumer
-        # sees its last output (per-request counts, as in process).
-        self.send(("out", [output_row(o) for o in outputs], self.free_slots(),
-                   self._take_events()))
+        self.deliver_rows([output_row(o) for o in outputs])
+
+    def deliver_rows(self, rows: list[OutputRow]) -> None:
+        """``deliver`` of outputs RESCAN built as rows (``Outputs.deliver_rows``). The
+        iteration's events so far (its VERIFY's among them) ride along, ahead of the
+        outputs: an observer has seen a request's last VERIFY when its consumer sees its
+        last output (per-request counts, as in process)."""
+        self.send(("out", rows, self.free_slots(), self._take_events()))
 
     def request_id(self, handle: int) -> str | None:
         return None     # one rank: the exchange never decodes another rank's block
@@ -144,7 +128,7 @@ class PipeFrontDoor:
 
     def close_all(self, reason: FinishReason, error: str | None = None) -> None:
         self._flush_events()
-        self.send(("close_all", _REASON_INDEX[reason], error))
+        self.send(("close_all", REASON_INDEX[reason], error))
 
 
 def serve_core(conn: Connection, config: EngineConfig, log_level: str | None,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Protocol, Sequence
 
 import attrs
 
 from ._request import FinishReason, NewRequest, RequestOutput
+
+if TYPE_CHECKING:
+    from ._wire import OutputRow
 
 
 @attrs.frozen
@@ -70,6 +73,12 @@ class FrontDoorPort(Protocol):
 
     def deliver(self, outputs: Iterable[RequestOutput]) -> None:
         """Outputs towards their consumers, in the order produced."""
+
+    @property
+    def deliver_rows(self) -> Callable[[list[OutputRow]], None] | None:
+        """``deliver`` for outputs built as ``_wire.OutputRow`` tuples, where the front
+        door takes them so (a ``ProcessEngine`` core's pipe: RESCAN then builds no
+        ``RequestOutput``); None: ``deliver`` only."""
 
     def request_id(self, handle: int) -> str | None:
         """A live request's id by its handle (None: finished, or never seen)."""

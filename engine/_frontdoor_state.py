@@ -108,6 +108,9 @@ def _running_loop() -> asyncio.AbstractEventLoop | None:
 
 
 class FrontDoor:
+    # Outputs reach it as RequestOutput objects only (FrontDoorPort.deliver_rows).
+    deliver_rows = None
+
     def __init__(self) -> None:
         self._inbox: dict[str, NewRequest] = {}      # submitted, not yet handed to a rank
         self._cancels: list[str] = []                # live ids to cancel at their rank

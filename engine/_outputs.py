@@ -3,9 +3,10 @@ and free a finished request's slot (in the runner and the drafter)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from ._request import FinishReason, Request, RequestOutput
+from ._wire import REASON_INDEX, OutputRow, usual_row
 
 if TYPE_CHECKING:
     from specloop.models.drafters import Drafter
@@ -15,15 +16,22 @@ if TYPE_CHECKING:
     from ._scheduler import Scheduler
     from ._stats import EngineStats
 
+# An output as RESCAN builds it: a RequestOutput, or an OutputRow for a front door that
+# takes rows (``Outputs.deliver_rows``).
+Out = TypeVar("Out")
+
 
 class Outputs:
     def __init__(self, *, config: EngineConfig, scheduler: Scheduler, runner: ModelRunner,
                  drafter: Drafter | None, stats: EngineStats,
                  deliver: Callable[[int, RequestOutput], None],
-                 deliver_many: Callable[[list[int], list[RequestOutput]], None] | None = None
-                 ) -> None:
+                 deliver_many: Callable[[list[int], list[RequestOutput]], None] | None = None,
+                 deliver_rows: Callable[[list[OutputRow]], None] | None = None) -> None:
         """``deliver``: one (handle, output) towards the front door; ``deliver_many``:
-        (handles, outputs), row for row, in order (default: ``deliver`` each)."""
+        (handles, outputs), row for row, in order (default: ``deliver`` each).
+        ``deliver_rows``: every output goes there instead, built as an ``OutputRow``
+        (a ``ProcessEngine`` core, one rank: its front door sends rows down a pipe, and a
+        row costs a fraction of a RequestOutput and its conversion)."""
         self.k = config.speculative.k
         self.max_seq_len = config.model.max_seq_len
         self.scheduler = scheduler
@@ -32,6 +40,7 @@ class Outputs:
         self.stats = stats
         self.deliver = deliver
         self.deliver_many = deliver_many or self._deliver_each
+        self.deliver_rows = deliver_rows
         self.eos_token_ids = frozenset(runner.loaded.tokenizer.eos_token_ids)
 
     def rules(self, request: Request) -> tuple[int, frozenset[int]]:
@@ -61,15 +70,27 @@ class Outputs:
         batch 64). The outputs reach ``deliver`` in batch order once every row is
         committed (no consumer runs before RESCAN ends either way). -> the requests
         that finished."""
+        if self.deliver_rows is not None:
+            return self._commit(batch, rows, accepted, usual_row, self._row, self._hand_rows)
+        return self._commit(batch, rows, accepted, RequestOutput, self._output,
+                            self.deliver_many)
+
+    def _commit(self, batch: Sequence[Request], rows: Sequence[Sequence[int]],
+                accepted: Sequence[int], usual: Callable[[str, tuple[int, ...], str], Out],
+                final: Callable[[Request, Sequence[int], bool], Out],
+                deliver: Callable[[list[int], list[Out]], None]) -> list[Request]:
+        """``commit`` with its outputs built by ``usual`` (a row that goes on: called as
+        ``RequestOutput(request_id, token_ids, "")``) and ``final`` (``_output``'s
+        arguments), handed to ``deliver`` (handles, outputs)."""
         handles: list[int] = []
-        outputs: list[RequestOutput] = []
+        outputs: list[Out] = []
         finished: list[Request] = []
         generated = 0
         # Rows to trim, in batch order; trimmed in one call before a finished row's slot
         # is released, so trims and releases keep the order of a row at a time.
         trims: list[Request] = []
         # Bound once: the usual row's work below runs per row per iteration.
-        output, handle, emit, trim = RequestOutput, handles.append, outputs.append, trims.append
+        output, handle, emit, trim = usual, handles.append, outputs.append, trims.append
         try:
             for request, row, n in zip(batch, rows, accepted):
                 n += 1      # the row's new tokens
@@ -102,13 +123,13 @@ class Outputs:
                     self._end(request, reason)
                 if emitted or reason is not None:
                     handle(request.handle)
-                    emit(self._output(request, emitted, reason is not None))
+                    emit(final(request, emitted, reason is not None))
         finally:
             if trims:
                 self.runner.trim_many(trims)
             self.stats.num_generated_tokens += generated
             if outputs:
-                self.deliver_many(handles, outputs)
+                deliver(handles, outputs)
         return finished
 
     def _commit_each(self, request: Request, new_tokens: Sequence[int]
@@ -151,13 +172,28 @@ class Outputs:
     def emit(self, request: Request, tokens: Sequence[int], finished: bool = False) -> None:
         if not tokens and not finished:
             return
-        self.deliver(request.handle, self._output(request, tokens, finished))
+        if self.deliver_rows is not None:
+            self.deliver_rows([self._row(request, tokens, finished)])
+        else:
+            self.deliver(request.handle, self._output(request, tokens, finished))
 
     @staticmethod
     def _output(request: Request, tokens: Sequence[int], finished: bool) -> RequestOutput:
         # Token ids only: text is decoded by the consumer (generate), off this hot path.
         return RequestOutput(request.request_id, tuple(tokens), "", finished,
                              request.finish_reason if finished else None)
+
+    @staticmethod
+    def _row(request: Request, tokens: Sequence[int], finished: bool) -> OutputRow:
+        """``_output`` as an OutputRow."""
+        reason = request.finish_reason if finished else None
+        return (request.request_id, tuple(tokens), finished,
+                -1 if reason is None else REASON_INDEX[reason], None)
+
+    def _hand_rows(self, handles: list[int], rows: list[OutputRow]) -> None:
+        """``deliver_many``'s place for rows: the front door takes them without handles."""
+        assert self.deliver_rows is not None, "rows only where the front door takes them"
+        self.deliver_rows(rows)
 
     def _deliver_each(self, handles: list[int], outputs: list[RequestOutput]) -> None:
         for handle, output in zip(handles, outputs):

@@ -18,14 +18,14 @@ from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 import anyio
 import structlog
 
-from ._core_process import row_output, serve_core
+from ._core_process import serve_core
 from ._errors import ConfigError, EngineClosedError
 from ._front import FrontEnd
 from ._frontdoor import NO_MESSAGE, assign_to_rank0
 from ._frontdoor_state import FrontDoor
 from ._iteration import notify
 from ._request import FinishReason
-from ._wire import REASONS
+from ._wire import REASONS, row_output
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection

@@ -1,8 +1,12 @@
-"""Outputs of serving ranks as one fixed-size int64 block per rank, so the SCHEDULE
-exchange is a plain tensor all-gather (NCCL on GPUs) rather than pickled objects.
+"""Outputs on the wire, in two forms.
 
-Row layout, ``width = K + 5``: handle + 1 (0 = empty row), token count, finished,
-finish reason index, then up to K + 1 token ids (-1 padded).
+- Serving ranks' outputs as one fixed-size int64 block per rank, so the SCHEDULE exchange
+  is a plain tensor all-gather (NCCL on GPUs) rather than pickled objects. Row layout,
+  ``width = K + 5``: handle + 1 (0 = empty row), token count, finished, finish reason
+  index, then up to K + 1 token ids (-1 padded).
+- A ``ProcessEngine`` core's outputs as ``OutputRow`` tuples, one pickled list an
+  iteration on its pipe (engine/_core_process.py); RESCAN builds them directly there
+  (``Outputs.deliver_rows``), no ``RequestOutput`` in between.
 """
 
 from __future__ import annotations
@@ -15,6 +19,29 @@ import torch
 from ._request import FinishReason, RequestOutput
 
 REASONS = tuple(FinishReason)
+REASON_INDEX = {reason: i for i, reason in enumerate(REASONS)}
+
+# One output on a core's pipe: (request id, token ids, finished, finish reason index or -1,
+# error). Tuples pickle in C; the frozen attrs class would pickle through its __reduce__.
+OutputRow = tuple[str, tuple[int, ...], bool, int, "str | None"]
+
+
+def usual_row(request_id: str, token_ids: tuple[int, ...], text: str) -> OutputRow:
+    """RESCAN's usual output (more tokens, not finished) as a row: called as
+    ``RequestOutput(request_id, token_ids, text)`` is (``Outputs._commit``'s ``usual``)."""
+    return (request_id, token_ids, False, -1, None)
+
+
+def output_row(output: RequestOutput) -> OutputRow:
+    reason = output.finish_reason
+    return (output.request_id, output.token_ids, output.finished,
+            -1 if reason is None else REASON_INDEX[reason], output.error)
+
+
+def row_output(row: OutputRow) -> RequestOutput:
+    request_id, tokens, finished, reason, error = row
+    return RequestOutput(request_id, tokens, "", finished,
+                         None if reason < 0 else REASONS[reason], error)
 
 
 def block_width(k: int) -> int:

@@ -90,7 +90,12 @@ class RankWorker:
         self.outputs = Outputs(config=config, scheduler=self.scheduler, runner=runner,
                                drafter=drafter, stats=self.stats,
                                deliver=self.exchange.deliver,
-                               deliver_many=self.exchange.deliver_many)
+                               deliver_many=self.exchange.deliver_many,
+                               # One rank whose front door takes rows (a ProcessEngine's
+                               # core): RESCAN's outputs go there as rows, past the
+                               # exchange, which hands a single rank's on unchanged.
+                               deliver_rows=front.deliver_rows
+                               if front is not None and comm.world_size == 1 else None)
         self.draft_step = self._draft_with_drafter if self.k else self._no_draft
         multi = comm.world_size > 1
         self.schedule = self._schedule_group if multi else self._schedule_local

@@ -268,7 +268,7 @@ async def test_reader_lets_consumers_run_between_batches(tiny_dir):
     import multiprocessing
     import pickle
 
-    from specloop.engine._core_process import output_row
+    from specloop.engine._wire import output_row
     from specloop.engine._process import READ_BATCH
     from specloop.engine._request import NewRequest, RequestOutput
 
