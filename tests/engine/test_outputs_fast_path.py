@@ -64,14 +64,32 @@ def test_fast_commit_equals_per_token_rules(k, max_seq_len, max_tokens, ignore_e
     assert results[0] == results[1]
 
 
+# A batch's requests (max_tokens, ignore_eos, stop tokens) and its steps: each row's 4
+# tokens and accepted count.
+BATCHES = dict(
+    k=st.integers(0, 3), max_seq_len=st.integers(12, 40),
+    requests=st.lists(st.tuples(st.integers(1, 12), st.booleans(),
+                                st.lists(st.integers(0, 9), max_size=2)),
+                      min_size=1, max_size=4),
+    steps=st.lists(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=4, max_size=4),
+                                      st.integers(0, 3)), min_size=4, max_size=4),
+                   max_size=6))
+
+
+def _admit(out, requests):
+    """``requests`` added and admitted -> the Request objects."""
+    made = []
+    for i, (max_tokens, ignore_eos, stops) in enumerate(requests):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                ignore_eos=ignore_eos, stop_token_ids=tuple(stops))
+        made.append(Request(f"r{i}", (5, 6, 7), params, 0, [5, 6, 7], handle=i))
+        out.scheduler.add(made[-1])
+    out.scheduler.admit()
+    return made
+
+
 @settings(max_examples=150, deadline=None)
-@given(k=st.integers(0, 3), max_seq_len=st.integers(12, 40),
-       requests=st.lists(st.tuples(st.integers(1, 12), st.booleans(),
-                                   st.lists(st.integers(0, 9), max_size=2)),
-                         min_size=1, max_size=4),
-       steps=st.lists(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=4, max_size=4),
-                                         st.integers(0, 3)), min_size=4, max_size=4),
-                      max_size=6))
+@given(**BATCHES)
 def test_batch_commit_equals_a_row_at_a_time(k, max_seq_len, requests, steps):
     """RESCAN's ``commit`` of a batch == ``append`` of each row in batch order: the same
     tokens, finish reasons, trims and releases, and the same outputs in the same
@@ -79,11 +97,7 @@ def test_batch_commit_equals_a_row_at_a_time(k, max_seq_len, requests, steps):
     results = []
     for batched in (True, False):
         out, runner, delivered = _outputs(k, max_seq_len, True)
-        for i, (max_tokens, ignore_eos, stops) in enumerate(requests):
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                    ignore_eos=ignore_eos, stop_token_ids=tuple(stops))
-            out.scheduler.add(Request(f"r{i}", (5, 6, 7), params, 0, [5, 6, 7], handle=i))
-        out.scheduler.admit()
+        _admit(out, requests)
         finished = []
         for step in steps:
             batch = list(out.scheduler.running)
@@ -103,13 +117,7 @@ def test_batch_commit_equals_a_row_at_a_time(k, max_seq_len, requests, steps):
 
 
 @settings(max_examples=150, deadline=None)
-@given(k=st.integers(0, 3), max_seq_len=st.integers(12, 40),
-       requests=st.lists(st.tuples(st.integers(1, 12), st.booleans(),
-                                   st.lists(st.integers(0, 9), max_size=2)),
-                         min_size=1, max_size=4),
-       steps=st.lists(st.lists(st.tuples(st.lists(st.integers(0, 9), min_size=4, max_size=4),
-                                         st.integers(0, 3)), min_size=4, max_size=4),
-                      max_size=6))
+@given(**BATCHES)
 def test_rows_are_the_objects_outputs_on_the_wire(k, max_seq_len, requests, steps):
     """A ProcessEngine core's RESCAN builds wire rows directly (``deliver_rows``): the
     same rows, in the same order, as the RequestOutputs it builds otherwise, each through
@@ -120,13 +128,7 @@ def test_rows_are_the_objects_outputs_on_the_wire(k, max_seq_len, requests, step
     results = []
     for rows_mode in (True, False):
         out, runner, delivered = _outputs(k, max_seq_len, True, rows=rows_mode)
-        made = []
-        for i, (max_tokens, ignore_eos, stops) in enumerate(requests):
-            params = SamplingParams(temperature=0.0, max_tokens=max_tokens,
-                                    ignore_eos=ignore_eos, stop_token_ids=tuple(stops))
-            made.append(Request(f"r{i}", (5, 6, 7), params, 0, [5, 6, 7], handle=i))
-            out.scheduler.add(made[-1])
-        out.scheduler.admit()
+        made = _admit(out, requests)
         for step in steps:
             batch = list(out.scheduler.running)
             out.commit(batch, [row for row, _ in step[:len(batch)]],
