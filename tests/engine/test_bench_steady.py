@@ -243,3 +243,27 @@ def test_adaptive_sim_runs_the_real_rule(common):
     assert _adaptive.RECENT == recent
     assert row["best_k"] == 2 and row["chosen"][2] > 300
     assert 0.9 < row["vs_best"] <= 1.0
+
+
+@pytest.mark.slow
+def test_core_cpu_ab_runs_both_trees(common, capsys):
+    """bench/core_cpu_ab.py: the ProcessEngine core's host time, this tree against a commit
+    checked out beside it (HEAD here), each in its own process importing its own tree;
+    the worktree is removed afterwards."""
+    import subprocess
+    import sys
+
+    bench = importlib.import_module("core_cpu_ab")
+    worktrees = subprocess.run(["git", "-C", str(BENCH.parent), "worktree", "list"],
+                               capture_output=True, text=True).stdout
+    saved = sys.argv
+    sys.argv = ["core_cpu_ab.py", "--base", "HEAD", "--batch", "2", "--rounds", "1",
+                "--runs", "1", "--iterations", "20"]
+    try:
+        bench.main()
+    finally:
+        sys.argv = saved
+    out = capsys.readouterr().out
+    assert "batch 2 none: event-loop thread CPU us an iteration, HEAD" in out
+    assert subprocess.run(["git", "-C", str(BENCH.parent), "worktree", "list"],
+                          capture_output=True, text=True).stdout == worktrees
