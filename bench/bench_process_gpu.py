@@ -93,8 +93,13 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
             # Which K the timed runs drafted (adaptive K's choices).
             per_k = {k: n - first.iterations_per_k.get(k, 0)
                      for k, n in sorted(stats.iterations_per_k.items())}
+            # Iterations whose step was queued ahead or chained (host and GPU overlapped;
+            # a request joining a chained batch breaks it).
+            overlapped = (stats.num_overlapped_iterations
+                          - first.num_overlapped_iterations) / max(iterations, 1)
             out[key] = (rates[key], al,
                         {"host_python_us": speeds[key], "iterations_per_k": per_k,
+                         "overlapped": round(overlapped, 3),
                          "iteration_ms": round(sum(walls[key]) * 1e3 / max(iterations, 1), 3)})
     return out
 

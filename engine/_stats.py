@@ -11,7 +11,11 @@ class EngineStats:
     rows of K = 0 iterations, adaptive K's "no drafting", draft nothing and do not count).
     Per draft position j (0-based): ``drafted_per_position[j]`` rows drafted it (K > j),
     ``accepted_per_position[j]`` had it accepted, so acceptance per position stays right
-    when K varies (adaptive K); ``iterations_per_k`` counts iterations by the K drafted."""
+    when K varies (adaptive K); ``iterations_per_k`` counts iterations by the K drafted.
+    ``num_overlapped_iterations``: iterations that took the step the last VERIFY queued
+    ahead of them (no speculation's step ahead, or DRAFT + VERIFY chained; one GPU rank),
+    so the host's work overlapped the GPU's; the rest queued their own after the host's
+    (a request joining a chained batch, a K switch, a group)."""
 
     def __init__(self) -> None:
         self.num_iterations = 0
@@ -20,6 +24,7 @@ class EngineStats:
         self.num_draft_tokens = 0
         self.num_accepted_tokens = 0
         self.num_generated_tokens = 0
+        self.num_overlapped_iterations = 0
         self.drafted_per_position: list[int] = []
         self.accepted_per_position: list[int] = []
         self.iterations_per_k: collections.Counter[int] = collections.Counter()

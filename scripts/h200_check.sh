@@ -144,6 +144,7 @@ for line in sys.stdin:
         print(line.rstrip()); continue
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
           "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"], "host", r["host_python_us"],
+          "overlapped", r.get("overlapped"),
           "K", r["iterations_per_k"])') ;;
     closed)
       # MIN_ROUNDS (4): rounds a run at least (batch 32-64: one round of ~0.1-0.2 s a run

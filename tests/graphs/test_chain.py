@@ -84,6 +84,9 @@ async def serve(cfg, loaded, reqs, chained, hold_back=True):
             for i, (prompt, params) in enumerate(reqs):
                 tg.start_soon(one, i, prompt, params)
         chain = worker.chain
+        # The stats count an iteration as overlapped exactly when it took a queued step.
+        taken = worker.ahead.taken_steps + (chain.taken_steps if chain is not None else 0)
+        assert engine.stats.num_overlapped_iterations == taken
     return [outs[i] for i in range(len(reqs))], chain
 
 
