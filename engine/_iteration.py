@@ -45,6 +45,9 @@ class IterationRecord:
     draft_token_ids: torch.Tensor | None = None  # [B, K]
     draft_probs: torch.Tensor | None = None      # [B, K, V] or None
     result: RejectionResult | None = None
+    # VERIFY: whether it took the step the last VERIFY queued ahead (or chained): the
+    # host's work then overlapped the GPU's (EngineStats.num_overlapped_iterations).
+    overlapped: bool = False
     finished: list[Request] = attrs.Factory(list)
     shutdown: bool = False
 
@@ -117,7 +120,9 @@ class IterationMachine:
               next_state: IterationState, start: float, duration_s: float) -> None:
         accepted: tuple[int, ...] | None = None
         request_ids: tuple[str, ...] = ()
+        overlapped: bool | None = None
         if state is S.VERIFY and record.result is not None:
+            overlapped = record.overlapped
             accepted = tuple(record.result.num_accepted.tolist())
             # Most iterations run the last one's batch: its ids again (a list comparison
             # by identity, not an attribute read and a tuple item per row).
@@ -131,13 +136,15 @@ class IterationMachine:
             duration_us=round(duration_s * 1e6, 1), batch_size=len(record.batch),
             num_draft_tokens=self.num_draft_tokens if record.num_draft_tokens is None
             else record.num_draft_tokens, sampling_path=record.sampling_path,
-            accepted=accepted, request_ids=request_ids, started_at=start)
+            accepted=accepted, request_ids=request_ids, started_at=start,
+            overlapped=overlapped)
         if bound is not None:
             bound.debug("iteration_state", rank=event.rank, iteration=event.iteration,
                         state=state.value, next_state=next_state.value,
                         duration_us=event.duration_us, batch_size=event.batch_size,
                         num_draft_tokens=event.num_draft_tokens,
-                        sampling_path=event.sampling_path, accepted=accepted)
+                        sampling_path=event.sampling_path, accepted=accepted,
+                        overlapped=overlapped)
         notify(self.observers, event)
 
 

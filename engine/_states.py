@@ -60,6 +60,10 @@ class TransitionEvent:
     request_ids: tuple[str, ...] = ()
     # time.perf_counter() when the state began (timelines place slices by it).
     started_at: float = 0.0
+    # VERIFY only: whether it took the step the last VERIFY queued ahead or chained (the
+    # host's work overlapped the GPU's); False where it queued its own (a request joining
+    # a chained batch, a K switch that cannot chain, a group, the CPU). None elsewhere.
+    overlapped: bool | None = None
 
 
 @runtime_checkable

@@ -458,7 +458,7 @@ class RankWorker:
             pending, rows = self.ahead.take(rec)
             if pending is None and self.chain is not None:
                 pending, rows = self.chain.take()
-            taken = pending is not None
+            taken = rec.overlapped = pending is not None
             self.stats.num_overlapped_iterations += taken
             if pending is None or rows is None:     # both None, or neither
                 pending, rows = self._queue_verify(rec), range(len(rec.batch))

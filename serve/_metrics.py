@@ -60,6 +60,10 @@ class ServeMetrics:
         self.sampling_path = Counter(P + "iterations_by_sampling_path",
                                      "Iterations by the sampling path taken", ["path"],
                                      registry=r)
+        self.overlapped = Counter(
+            P + "iterations_overlapped",
+            "Iterations whose step was queued ahead or chained behind the last one (host "
+            "and GPU overlapped), by whether it was", ["overlapped"], registry=r)
         self.running = Gauge(P + "num_requests_running", "Requests in flight", registry=r)
         self.slots_free = Gauge(P + "kv_slots_free", "Free KV-cache slots (rank 0)",
                                 registry=r)
@@ -74,6 +78,8 @@ class ServeMetrics:
         if event.state is IterationState.PICK_GRAPH_KEY and event.sampling_path:
             self.sampling_path.labels(path=event.sampling_path).inc()
             self.batch_size.observe(event.batch_size)
+        if event.overlapped is not None:
+            self.overlapped.labels(overlapped=str(event.overlapped).lower()).inc()
         if event.state is IterationState.VERIFY and event.accepted is not None and self.k:
             self.iterations_per_k.labels(k=str(event.num_draft_tokens)).inc()
             if event.accepted and event.num_draft_tokens:

@@ -61,7 +61,13 @@ def requests():
 
 async def serve(cfg, loaded, reqs, chained, hold_back=True):
     outs = {}
-    async with AsyncEngine(cfg, model=loaded) as engine:
+    flags = []      # each VERIFY event's ``overlapped``
+
+    class Overlaps:
+        def on_transition(self, event):
+            if event.overlapped is not None:
+                flags.append(event.overlapped)
+    async with AsyncEngine(cfg, model=loaded, observers=[Overlaps()]) as engine:
         worker = engine.worker
         if chained:     # the chain runs on CUDA only; here it is forced on
             worker.verify_inline = True
@@ -84,9 +90,11 @@ async def serve(cfg, loaded, reqs, chained, hold_back=True):
             for i, (prompt, params) in enumerate(reqs):
                 tg.start_soon(one, i, prompt, params)
         chain = worker.chain
-        # The stats count an iteration as overlapped exactly when it took a queued step.
+        # The stats, and each VERIFY's event, count an iteration as overlapped exactly
+        # when it took a queued step.
         taken = worker.ahead.taken_steps + (chain.taken_steps if chain is not None else 0)
-        assert engine.stats.num_overlapped_iterations == taken
+        assert engine.stats.num_overlapped_iterations == taken == sum(flags)
+        assert len(flags) == engine.stats.num_iterations     # one a VERIFY
     return [outs[i] for i in range(len(reqs))], chain
 
 

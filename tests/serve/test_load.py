@@ -142,3 +142,10 @@ async def _metrics_add_up(server):
         generated = "specloop:generation_tokens_total"
         assert after[generated] - before[generated] == \
             sum(r[2].completion_tokens for r in results)
+        # Every VERIFY counted once, by whether its step was queued ahead; on the CPU
+        # none is (the chain and the step ahead run on a GPU only).
+        per_k = sum(v - before.get(name, 0) for name, v in after.items()
+                    if name.startswith("specloop:spec_decode_iterations_per_k_total"))
+        overlapped = "specloop:iterations_overlapped_total{overlapped=%s}"
+        assert after.get(overlapped % "true", 0) == before.get(overlapped % "true", 0)
+        assert after[overlapped % "false"] - before.get(overlapped % "false", 0) == per_k > 0
