@@ -277,6 +277,25 @@ def add_round_args(ap, batches: str = "1,32") -> None:
     ap.add_argument("--batches", default=batches)
 
 
+def add_arrival_args(ap) -> None:
+    """``--arrival`` and its steady-load options (``steady_setup`` reads them)."""
+    ap.add_argument("--arrival", choices=("closed", "steady"), default="closed",
+                    help="closed rounds of `batch` prompts, or `batch` requests kept in flight")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="steady: requests per run (0: max(4 x batch, 32))")
+    ap.add_argument("--spread", type=float, default=0.5,
+                    help="steady: request lengths uniform in tokens x (1 +- spread)")
+
+
+def steady_setup(args, tokenizer, texts: list[str], batch: int):
+    """``--arrival steady``: (the chat prompts to cycle, requests a run, spread), as
+    ``steady_load`` takes them; None for closed rounds."""
+    if args.arrival != "steady":
+        return None
+    requests = args.requests or max(4 * batch, 32)
+    return chat_prompts(tokenizer, texts, requests, cycle=True), requests, args.spread
+
+
 def speed_row(batch: int, name: str, rates, base: float, al, tokens: int, device: str,
               **extra) -> dict:
     """One (batch, config) row: tokens/s per round, the median and its ratio to ``base``."""

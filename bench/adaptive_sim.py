@@ -116,8 +116,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for item in args.set:
         name, value = item.split("=", 1)
         saved[name] = getattr(_adaptive, name)
-        setattr(_adaptive, name, type(saved[name])(float(value)) if "." in value
-                or isinstance(saved[name], float) else int(value))
+        setattr(_adaptive, name, type(saved[name])(value))     # the constant's own type
     rows = []
     try:
         for seed in range(args.seeds):

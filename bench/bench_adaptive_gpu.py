@@ -45,9 +45,9 @@ import time
 import anyio
 import torch
 
-from _common import (HELD_OUT, chat_prompts, device_sync, emit_row, engine_config,
+from _common import (HELD_OUT, add_arrival_args, device_sync, emit_row, engine_config,
                      generate_round, held_out_sets, held_out_texts, quiet_logs, steady_load,
-                     timed_sets)
+                     steady_setup, timed_sets)
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))   # tests' helpers
 from tests.triton_variants import compiled_variants, new_variants  # noqa: E402
@@ -116,48 +116,45 @@ class LearnLog:
     def __init__(self) -> None:
         self.records: list[dict] = []
         self._names: dict[int, str] = {}     # id(CostTable) / id(AdaptiveK) -> config
+        self._originals: tuple | None = None   # the classes' own methods while attached
 
     def attach(self, name: str, adaptive) -> None:
         """Log ``adaptive``'s calls as ``name``'s (the engine's CostTable is a slotted
         attrs class: the methods are wrapped on the classes, once, by instance)."""
         from specloop.engine._adaptive import AdaptiveK, CostTable  # noqa: PLC0415
         self._names[id(adaptive.cost)] = self._names[id(adaptive)] = name
-        if getattr(CostTable.observe, "learn_log", None) is not None:    # attached
+        if self._originals is not None:
             return
-        observe, rule = CostTable.observe, AdaptiveK._rule
+        observe, rule = self._originals = CostTable.observe, AdaptiveK._rule
 
         def logged_observe(cost, bucket, k, seconds, disturbed=False, switched=False,
                            leaving=False):
-            log = logged_observe.learn_log
-            name = log._names.get(id(cost))
+            name = self._names.get(id(cost))
             if name is not None:
-                log.records.append({"c": name, "ev": "observe", "b": bucket, "k": k,
-                                    "ms": round(seconds * 1e3, 4), "dist": disturbed,
-                                    "sw": switched, "leave": leaving,
-                                    "trying": not cost.tried(bucket, k)})
+                self.records.append({"c": name, "ev": "observe", "b": bucket, "k": k,
+                                     "ms": round(seconds * 1e3, 4), "dist": disturbed,
+                                     "sw": switched, "leave": leaving,
+                                     "trying": not cost.tried(bucket, k)})
             observe(cost, bucket, k, seconds, disturbed, switched, leaving)
 
         def logged_rule(adaptive, expected, bucket, calls):
             k = rule(adaptive, expected, bucket, calls)
-            log = logged_rule.learn_log
-            name = log._names.get(id(adaptive))
+            name = self._names.get(id(adaptive))
             if name is not None:
                 times = adaptive.cost.times(bucket, adaptive.candidates)
-                log.records.append({
+                self.records.append({
                     "c": name, "ev": "rule", "b": bucket, "calls": calls, "k": k,
                     "e": {c: round(e, 3) for c, e in expected.items()},
                     "t": {c: round(t * 1e3, 4) for c, t in times.items()},
                     "settled": bucket in adaptive._settled})
             return k
 
-        logged_observe.learn_log = logged_rule.learn_log = self
-        self._originals = (observe, rule)
         CostTable.observe, AdaptiveK._rule = logged_observe, logged_rule
 
     def detach(self) -> None:
         """The classes' own methods back (the engines are closed)."""
         from specloop.engine._adaptive import AdaptiveK, CostTable  # noqa: PLC0415
-        if getattr(self, "_originals", None) is not None:
+        if self._originals is not None:
             CostTable.observe, AdaptiveK._rule = self._originals
             self._originals = None
 
@@ -266,11 +263,7 @@ def run(args) -> None:
     for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=closed,
                                              min_rounds=args.min_rounds):
         start = time.perf_counter()
-        steady = None
-        if args.arrival == "steady":
-            requests = args.requests or max(4 * batch, 32)
-            steady = (chat_prompts(loaded.tokenizer, texts, requests,
-                                   cycle=True), requests, args.spread)
+        steady = steady_setup(args, loaded.tokenizer, texts, batch)
         learn_log = LearnLog() if args.learn_log else None
         rates, extra = anyio.run(measure_batch, names, loaded, sets, args.tokens,
                                  args.runs, args.device, args.buckets, steady, learn_log)
@@ -348,12 +341,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
                     help="graph buckets: the batch only, or every power of two up to it")
-    ap.add_argument("--arrival", choices=("closed", "steady"), default="closed",
-                    help="closed rounds of `batch` prompts, or `batch` requests kept in flight")
-    ap.add_argument("--requests", type=int, default=0,
-                    help="steady: requests per run (0: max(4 x batch, 32))")
-    ap.add_argument("--spread", type=float, default=0.5,
-                    help="steady: request lengths uniform in tokens x (1 +- spread)")
+    add_arrival_args(ap)
     ap.add_argument("--min-prompts", type=int, default=1,
                     help="closed: each run goes through at least this many prompts, as "
                          "ceil(N / batch) rounds of distinct prompts one after another (at "

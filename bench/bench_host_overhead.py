@@ -198,17 +198,15 @@ class PipeParent:
         self.conn.close()
 
 
-def _gpu_path_worker(worker):
-    """Set ``worker`` on one GPU rank's path (VERIFY from the event loop, the step queued
-    ahead or DRAFT + VERIFY chained) -> the count of steps taken so far, as a function."""
+def _gpu_path_worker(worker) -> None:
+    """Set ``worker`` on one GPU rank's path: VERIFY from the event loop, the step queued
+    ahead or DRAFT + VERIFY chained (the steps it takes: ``num_overlapped_iterations``)."""
     from specloop.engine._chain import DeviceChain  # noqa: PLC0415
     worker.verify_inline = True     # VERIFY from the event loop, as on CUDA
     if worker.k == 0:
         worker.ahead.always = True  # the step queued ahead
     elif worker.drafter is not None and worker.drafter.can_chain:
         worker.chain = DeviceChain(worker=worker)
-    chain = worker.chain
-    return lambda: worker.ahead.taken_steps + (chain.taken_steps if chain is not None else 0)
 
 
 async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=None):
@@ -224,12 +222,13 @@ async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=N
     params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
     times, cpu = StateTimes(), ThreadTimes()
     async with AsyncEngine(cfg, model=loaded, observers=[times, cpu]) as engine:
-        taken = _gpu_path_worker(engine.worker)
+        _gpu_path_worker(engine.worker)
+        stats = engine.stats
         async with anyio.create_task_group() as tg:
             start_consumers(tg, engine, consumer, batch, [1, 2, 3, 4, 5, 6], params)
             while engine.stats.num_iterations < 30:
                 await anyio.sleep(0.005)
-            first, steps = engine.stats.num_iterations, taken()
+            first, steps = stats.num_iterations, stats.num_overlapped_iterations
             times.total_us.clear()
             cpu.clear()
             if profiler is not None:
@@ -243,7 +242,7 @@ async def gpu_path(cfg, loaded, batch, iterations, consumer="stream", profiler=N
             done = engine.stats.num_iterations - first
             states = {s: v / done for s, v in times.total_us.items()}
             cpu_states = {s: v / done for s, v in cpu.us.items()}
-            share = (taken() - steps) / done
+            share = (stats.num_overlapped_iterations - steps) / done
             engine.front.close()    # the consumers end with their requests
     return elapsed / done * 1e6, thread / done * 1e6, states, cpu_states, share
 
@@ -275,7 +274,7 @@ async def core_path(cfg, loaded, batch, iterations, profiler=None):
                                front_door=front) as engine:
             worker = engine.worker
             front.free_slots = lambda: worker.scheduler.slots.num_free
-            taken = _gpu_path_worker(worker)
+            _gpu_path_worker(worker)
             watcher = threading.Thread(target=parent.watch, args=(
                 worker.stats, iterations, threading.get_ident(), out, clear, snapshot))
             parent.submit(batch, [1, 2, 3, 4, 5, 6], params)
@@ -286,7 +285,7 @@ async def core_path(cfg, loaded, batch, iterations, profiler=None):
             if profiler is not None:
                 profiler.disable()
             watcher.join()
-            share = taken() / engine.stats.num_iterations
+            share = engine.stats.num_overlapped_iterations / engine.stats.num_iterations
     finally:
         parent.close()
     done, (wall_us, cpu_us) = out["done"], out["states"]

@@ -35,9 +35,9 @@ import time
 
 import anyio
 
-from _common import (add_round_args, chat_prompts, device_sync, emit_row, engine_config,
+from _common import (add_arrival_args, add_round_args, device_sync, emit_row, engine_config,
                      generate_round, held_out_sets, held_out_texts, host_python_us,
-                     quiet_logs, speed_row, steady_load)
+                     quiet_logs, speed_row, steady_load, steady_setup)
 from profile_spec_gpu import CONFIGS
 
 
@@ -137,22 +137,14 @@ def main() -> None:
                     help="rounds a run at least (as many as the distinct prompts fill)")
     ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
                     help="graphs for the batch only, or for every power of two up to it")
-    ap.add_argument("--arrival", choices=("closed", "steady"), default="closed")
-    ap.add_argument("--requests", type=int, default=0,
-                    help="steady: requests a run (default max(4 x batch, 32))")
-    ap.add_argument("--spread", type=float, default=0.5,
-                    help="steady: request j asks for tokens x (1 +- spread)")
+    add_arrival_args(ap)
     args = ap.parse_args()
     quiet_logs()
     names, kinds = args.configs.split(","), args.kinds.split(",")
     texts = held_out_texts(args.prompts)
     for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=args.min_prompts,
                                              min_rounds=args.min_rounds):
-        steady = None
-        if args.arrival == "steady":
-            requests = args.requests or max(4 * batch, 32)
-            steady = (chat_prompts(loaded.tokenizer, texts, requests, cycle=True), requests,
-                      args.spread)
+        steady = steady_setup(args, loaded.tokenizer, texts, batch)
         got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
                         args.device, args.consumer, args.buckets, steady)
         for kind in kinds:

@@ -39,14 +39,14 @@ def start(config: str, flags: list[str]) -> tuple[subprocess.Popen, str]:
     raise SystemExit("server not ready in 600 s")
 
 
-MODEL = {"id": ""}     # the served model's id, from /v1/models
+def model_id(url: str) -> str:
+    """The served model's id (/v1/models)."""
+    with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
+        return json.loads(r.read())["data"][0]["id"]
 
 
-def one(url: str, i: int, max_tokens: int) -> int:
-    if not MODEL["id"]:
-        with urllib.request.urlopen(f"{url}/v1/models", timeout=30) as r:
-            MODEL["id"] = json.loads(r.read())["data"][0]["id"]
-    body = json.dumps({"model": MODEL["id"], "messages": [{"role": "user", "content":
+def one(url: str, model: str, i: int, max_tokens: int) -> int:
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content":
                       f"Tell me something interesting about the number {i}."}],
                        "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}).encode()
     req = urllib.request.Request(f"{url}/v1/chat/completions", body,
@@ -55,12 +55,12 @@ def one(url: str, i: int, max_tokens: int) -> int:
         return json.loads(r.read())["usage"]["completion_tokens"]
 
 
-def level(url: str, c: int, per_client: int, max_tokens: int) -> float:
+def level(url: str, model: str, c: int, per_client: int, max_tokens: int) -> float:
     tokens = [0] * c
 
     def client(k: int) -> None:
         for r in range(per_client):
-            tokens[k] += one(url, k * per_client + r, max_tokens)
+            tokens[k] += one(url, model, k * per_client + r, max_tokens)
     threads = [threading.Thread(target=client, args=(k,)) for k in range(c)]
     start_t = time.perf_counter()
     for t in threads:
@@ -83,9 +83,10 @@ def main() -> None:
         children = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
                                   text=True).stdout.split()
         print(f"server pid {proc.pid}, child processes {len(children)}", flush=True)
-        one(url, 0, 8)      # warm up
+        model = model_id(url)
+        one(url, model, 0, 8)      # warm up
         for c in map(int, args.concurrency.split(",")):
-            rate = level(url, c, args.requests_per_client, args.max_tokens)
+            rate = level(url, model, c, args.requests_per_client, args.max_tokens)
             print(json.dumps({"concurrency": c, "output_tokens_per_s": round(rate, 1),
                               "flags": args.flags}), flush=True)
     finally:
