@@ -28,7 +28,6 @@ from typing import TYPE_CHECKING, Any, Sequence
 import attrs
 import torch
 
-from specloop.graphs import SamplingPath
 from specloop.models._grad import inference, inference_mode
 from specloop.models._host import int64_tensor, to_device
 
@@ -149,9 +148,10 @@ class RunAhead:
         """SCHEDULE's batch on one rank: the running requests, less those just admitted
         (``admitted``, the last of them) when a step queued ahead or chained for the
         others is on the device: they join at the next iteration, in the step this
-        iteration's VERIFY queues ahead (``queue``; a chained step does not take them in:
-        they join unchained), so this one takes its step (a newcomer's first token comes
-        one iteration later; SGLang's overlap scheduler makes the same trade). Never
+        iteration's VERIFY queues ahead (``queue``), or chains (``DeviceChain.queue``,
+        where the drafter takes joiners in), so this one takes its step (a newcomer's
+        first token comes one iteration later; SGLang's overlap scheduler makes the same
+        trade). Never
         later: ``joining`` holds this SCHEDULE's newcomers only."""
         self.joining = []
         chain = self.worker.chain
@@ -214,11 +214,7 @@ class RunAhead:
         for r in joining:   # their first step writes their prompt's last position
             w.runner.pages.resize(r.batch_slot, r.seq_len)
         self._reserve(rec.batch)
-        greedy = w._all_greedy(batch)
-        spec = rec.spec if rec.spec.is_all_greedy_sample == greedy else \
-            rec.spec.evolve(is_all_greedy_sample=greedy)
-        key, captured = w.graph_cache.pick(len(batch), rec.k, SamplingPath.of(spec),
-                                           spec.all_greedy)
+        key, captured, spec = w.next_key(batch, rec.spec, rec.k)
         step = attrs.evolve(rec, batch=batch, spec=spec, padded_batch_size=len(batch),
                             graph_key=key, graph_captured=captured,
                             sampling=w._sampling_batch(batch, None))

@@ -11,8 +11,10 @@ nothing waits for the host between the stages.
 
 Iteration n+1 uses the chained step when its batch is the same requests in the same order,
 or those less requests that left, each exactly as long as VERIFY n made it, under the
-same graph key (requests admitted meanwhile join one iteration later,
-``RunAhead.schedule``); DRAFT then skips the drafter and VERIFY takes the queued step. Otherwise it is dropped: its K/V writes (target
+same graph key (requests admitted meanwhile join one iteration later, ``RunAhead.schedule``,
+in the step chained for the batch and them: each joins as if a VERIFY had left it one
+position before its prompt's last, nothing accepted, ``Drafter.chains_joiners``); DRAFT
+then skips the drafter and VERIFY takes the queued step. Otherwise it is dropped: its K/V writes (target
 and head) lie at positions the real steps of n+1 write again before any query reads them,
 or in pages freed after it on the same stream (a finished request's), so dropping it is
 safe, and the drafter still has VERIFY n's rows (``on_verified`` runs either way).
@@ -98,6 +100,7 @@ class DeviceChain:
         # iteration's (``_own_key``).
         self.queued_steps = self.taken_steps = self.subset_steps = self.k0_steps = 0
         self.shrunk_steps = 0
+        self.joined_steps = 0       # queued with requests joining the batch
 
     # iteration n ------------------------------------------------------------------------
     def queue(self, rec: IterationRecord, pending: Pending, rows: Sequence[int],
@@ -113,25 +116,29 @@ class DeviceChain:
         kept, self._kept = self._kept is pending, None
         k = self.k if k is None else k
         batch = tuple(rec.batch)
-        lengths = [len(r.token_ids) for r in batch]     # seq_len
-        own = self._own_key(rec, k)
-        if not self._can_queue(rec, own, k, lengths):
+        # Requests admitted now join at the next iteration: in this step, after the batch.
+        joining = self._joining()
+        full = batch if not joining else (*batch, *joining)
+        lengths = [len(r.token_ids) for r in full]      # seq_len
+        own = self._own_key(rec, k) if not joining else self._joined_key(rec, full, k)
+        if own is None or not self._can_queue(rec, own, k, lengths, joining):
             w.runner.keep_ahead = 0
             return None
         key, draft_key = self._keys_for(own, k)
         # The draft graph goes on from its own last replay only under the same key.
-        continued = kept and self._kept_whole and own == rec.key
-        real, padded = len(batch), key.batch_size
+        continued = kept and self._kept_whole and own == rec.key and not joining
+        real, padded = len(full), key.batch_size
         # Pages for every position n+1 may write: up to K + 1 accepted now, then the
         # catch-up's K + 1 rows (K the drafter's: its graph's width). RESCAN's trim keeps
         # as many past the committed K/V (n+1 writes K + 1 of them), so that a page is
         # not given back at each RESCAN and taken again here (churn; a page table sync).
         # After a taken chained step every request of the batch holds them already (it
         # was in that step's batch, and RESCAN trimmed it to them): the table's sync only.
-        if kept:
+        # A joining request's step writes from its prompt's last position on.
+        if kept and not joining:
             w.runner.pages.sync()
         else:
-            w.runner.reserve(batch, self.keep_ahead - 1)
+            w.runner.reserve(joining if kept else full, self.keep_ahead - 1)
         w.runner.keep_ahead = self.keep_ahead
         with inference():
             # The glue is written straight into the graphs' static inputs where the cache
@@ -144,16 +151,24 @@ class DeviceChain:
             # VERIFY n's feature rows: read by a head's chained draft, kept for
             # ``on_verified``; a drafter chaining through K = 0 reads tokens only.
             keeps = w.on_verified is not None
-            out = self._rows(pending[0], rows, padded, self.k + 1,
-                             hidden=keeps or not self.through_k0, into=into)
-            sampling = w._sampling_batch(rec.batch, padded)
-            start = [n - 1 for n in lengths]
-            slots = self._slots_of(batch)
+            wants = keeps or not self.through_k0
+            if joining:
+                out = self._joined_rows(self._rows(pending[0], rows, len(batch), self.k + 1,
+                                                   hidden=wants), joining, padded)
+            else:
+                out = self._rows(pending[0], rows, padded, self.k + 1, hidden=wants,
+                                 into=into)
+            sampling = w._sampling_batch(list(full), padded)
+            # A joining row: as if a VERIFY had left it at its prompt's last position
+            # less one (P - 2), nothing accepted, the prompt's last token its bonus.
+            start = [n - 1 for n in lengths[:len(batch)]] + \
+                [n - 2 for n in lengths[len(batch):]]
+            slots = self._slots_of(full)
             draft_in = self.drafter.chained_inputs(out, start, slots, sampling, into=into,
-                                                   tokens=[r.token_ids for r in batch],
+                                                   tokens=[r.token_ids for r in full],
                                                    continued=continued)
             drafted = w.graph_cache.replay(draft_key, draft_in)
-            hidden = self._hidden_kept(out["hidden"], into, real, rec.k + 1) \
+            hidden = self._hidden_kept(out["hidden"], into, len(batch), rec.k + 1) \
                 if keeps else NOT_KEPT
             if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
                 # Fresh views: replay copies an input it has not seen (these change).
@@ -168,12 +183,55 @@ class DeviceChain:
             next_out = w.graph_cache.replay(key, inputs)
             read = w.runner.start_read_back(next_out["packed"][:real])
         if not k:   # the K = 0 graph: a step queued ahead after it takes the inputs it wrote
-            w.ahead.chained_k0(key, batch, read)
-        self._queued = _Queued(batch, slots, start, key, (next_out, read))
+            w.ahead.chained_k0(key, full, read)
+        self._queued = _Queued(full, slots, start, key, (next_out, read))
         self.queued_steps += 1
         self.k0_steps += not (rec.k and k)
-        self.shrunk_steps += own != rec.key
+        self.shrunk_steps += own != rec.key and not joining
+        self.joined_steps += bool(joining)
         return hidden
+
+    def _joining(self) -> list[Request]:
+        """The requests this iteration admitted, which join the batch at the next one
+        (``RunAhead.joining``, less those cancelled since): the chained step takes them
+        in where the drafter can (``Drafter.chains_joiners``) and each prompt has two
+        tokens or more (a one-token prompt leaves its head no target row); else none
+        (``_can_queue`` then queues no step: they join one iteration later, unchained)."""
+        joining = [r for r in self.worker.ahead.joining if r.slot is not None]
+        if joining and self.drafter.chains_joiners and \
+                all(len(r.token_ids) >= 2 for r in joining):
+            return joining
+        return []
+
+    def _joined_key(self, rec: IterationRecord, full: tuple[Request, ...], k: int
+                    ) -> GraphKey | None:
+        """The key PICK_GRAPH_KEY takes at the next iteration for the batch and the
+        requests joining it (``full``), when captured; else None (no step queued)."""
+        key, captured, _ = self.worker.next_key(list(full), rec.spec, k)
+        return key if captured else None
+
+    def _joined_rows(self, out: dict[str, torch.Tensor], joining: Sequence[Request],
+                     padded: int) -> dict[str, torch.Tensor]:
+        """``out`` (VERIFY n's rows of the batch, ``_rows`` at the batch's own size)
+        followed by a row for each joining request, as ``Drafter.chains_joiners`` has
+        it (its prompt's last token, then -1, count 0; feature row 0 the drafter's
+        ``joining_rows``, the rest zero), then padding rows (zero) up to ``padded``."""
+        packed, features = out["packed"], out["hidden"]
+        real, columns = packed.shape
+        extra = padded - real
+        host = [0] * (extra * columns)
+        for i, r in enumerate(joining):
+            host[i * columns:(i + 1) * columns] = \
+                [r.token_ids[-1], *[-1] * (columns - 2), 0]
+        added = to_device(int64_tensor(host), packed.device).view(extra, columns)
+        packed = torch.cat([packed, added.to(packed.dtype)])
+        first = self.drafter.joining_rows([r.batch_slot for r in joining])
+        if first is not None:
+            rows = features.new_zeros(extra, features.shape[1], features.shape[2])
+            rows[:len(joining), 0] = first
+            features = torch.cat([features[:real], rows])
+        return {"packed": packed, "hidden": features, "token_ids": packed[:, :-1],
+                "num_accepted": packed[:, -1]}
 
     @staticmethod
     def _tokens(bonus: torch.Tensor, drafts: torch.Tensor,
@@ -305,17 +363,18 @@ class DeviceChain:
             keys = self._keys[key, k] = (chained, attrs.evolve(chained, stage="draft"))
         return keys
 
-    def _can_queue(self, rec: IterationRecord, own: GraphKey, k: int, lengths: list[int]
-                   ) -> bool:
-        """Not when requests admitted now join the next iteration (``RunAhead.joining``:
-        the chained step would be dropped; one waiting to be admitted is held back an
-        iteration instead, as the step queued ahead does), when a position it writes may
-        lie past the cache, off the captured graphs (at
-        the next K), or, unless the drafter chains through K = 0, after a VERIFY that
-        drafted nothing (adaptive K's K = 0: a head then has more rows to catch up on than
-        VERIFY n's) or before one; never from K = 0 to K = 0 (the step queued ahead
-        without a drafter, engine/_ahead.py). ``own``: the batch's key (``_own_key``),
-        ``lengths``: its lengths."""
+    def _can_queue(self, rec: IterationRecord, own: GraphKey, k: int, lengths: list[int],
+                   joining: Sequence[Request]) -> bool:
+        """Not when requests admitted now join the next iteration and the step cannot
+        take them in (``_joining`` gave none of ``RunAhead.joining``: the chained step
+        would be dropped; one waiting to be admitted is held back an iteration instead,
+        as the step queued ahead does), when a position it writes may lie past the
+        cache, off the captured graphs (at the next K), or, unless the drafter chains
+        through K = 0, after a VERIFY that drafted nothing (adaptive K's K = 0: a head
+        then has more rows to catch up on than VERIFY n's) or before one; never from
+        K = 0 to K = 0 (the step queued ahead without a drafter, engine/_ahead.py).
+        ``own``: the key of the batch and ``joining`` (``_own_key``, ``_joined_key``),
+        ``lengths``: their lengths."""
         w = self.worker
         if not rec.graph_captured or not rec.batch or not (rec.k or k):
             return False
@@ -326,14 +385,16 @@ class DeviceChain:
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
-        return not w.ahead.joining
+        return bool(joining) or not w.ahead.joining
 
     def collected(self, rec: IterationRecord) -> None:
         """VERIFY n is read back: the lengths the chained step assumed are now known."""
         queued, self._queued = self._queued, None
         if queued is None or rec.result is None:
             return
+        # Rows joining in the chained step come after VERIFY n's, nothing accepted.
         grown = rec.result.num_accepted.tolist()
+        grown += [0] * (len(queued.start) - len(grown))
         self._chained = _Chained(queued, [s + n + 2 for s, n in zip(queued.start, grown)])
 
     # iteration n+1 ----------------------------------------------------------------------

@@ -24,7 +24,7 @@ import torch
 from specloop.graphs import GraphCache, SamplingPath, Tensors
 from specloop.models._grad import inference_mode
 from specloop.models._host import int64_tensor
-from specloop.samplers import RejectionResult, Sampler, SamplingBatch
+from specloop.samplers import RejectionResult, Sampler, SamplingBatch, SpecMetadata
 
 from ._adaptive import BURN_IN, CLASSED_ROWS, AdaptiveK, IterationClock
 from ._ahead import RunAhead
@@ -43,6 +43,7 @@ from ._warmup import calibrate, warm_up_graphs
 
 if TYPE_CHECKING:
     from specloop.comm import Communicator
+    from specloop.graphs import GraphKey
     from specloop.models.drafters import Drafter
 
     from ._config import EngineConfig
@@ -325,6 +326,18 @@ class RankWorker:
         if rec.batch:
             rec.sampling = self._sampling_batch(rec.batch, None)
         return S.DRAFT
+
+    def next_key(self, batch: list[Request], spec: SpecMetadata, k: int
+                 ) -> tuple[GraphKey, bool, SpecMetadata]:
+        """One rank: PICK_GRAPH_KEY's (key, captured) for ``batch`` at K = ``k`` as the
+        next iteration will take it, for a step queued for that batch now (requests
+        joining it), with ``spec`` carrying that batch's greedy flag; and that spec."""
+        greedy = self._all_greedy(batch)
+        if spec.is_all_greedy_sample != greedy:
+            spec = spec.evolve(is_all_greedy_sample=greedy)
+        key, captured = self.graph_cache.pick(len(batch), k, SamplingPath.of(spec),
+                                              spec.all_greedy)
+        return key, captured, spec
 
     def _sampling_batch(self, batch: list[Request], pad_to: int | None) -> SamplingBatch:
         """Per-row sampling tensors, rebuilt only when the batch's requests change (most

@@ -40,10 +40,13 @@
 #            before shipping a table the tables step liked
 #   codeab   the code in $OLD (a folder laid out as this repository, e.g. made here by
 #            `mkdir -p .dev/old && git archive <commit> engine models samplers graphs comm |
-#            tar -x -C .dev/old`, carried) against this tree's, one process each, taking
+#            tar -x -C .dev/old`, or only the files that changed since, carried) against
+#            this tree's, one process each, taking
 #            turns $ROUNDS times (default 2): profile_spec_gpu.py's CONFIGS (default none /
 #            n-gram adaptive<=4 on warm-up's times / learned) at BATCHES (default 1) --
-#            the same machine for both, whose host speed differs between machines
+#            the same machine for both, whose host speed differs between machines;
+#            CODEAB_BENCH=process: bench_process_gpu.py instead, PROCESS_* as for process
+#            (defaults: batch 64, ProcessEngine, steady load, none / eagle3 K=2 / adaptive)
 #   pin      CPU placement: the same runs unpinned and pinned to $CPUS (taskset), in turns
 #   layer    the layer bench alone (bench_skinny_gemm.py --layer-only: + norms, + glu)
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
@@ -219,9 +222,10 @@ for line in sys.stdin:
       # dispatcher at 1, 4, 5 and 8 rows: cuBLAS, the code's table, + norms, + glu.
       (cd bench && python3 bench_skinny_gemm.py --layer-only 2>&1 | grep "layer\|wrote") ;;
     codeab)
-      # The installed package (/tmp/site/specloop) with each of $OLD's package folders in
-      # place of its own (a folder $OLD lacks stays this tree's); the files that differ
-      # are listed, so an A/B of a tree against itself shows.
+      # The installed package (/tmp/site/specloop) with each file $OLD holds in place of
+      # its own (whole package folders, or only the files that changed: a file $OLD lacks
+      # stays this tree's); the files that differ are listed, so an A/B of a tree against
+      # itself shows.
       if [ ! -d "${OLD:-}/engine" ]; then
         echo "codeab: set OLD to a folder laid out as this repository (no ${OLD:-<unset>}/engine)"
         continue
@@ -230,7 +234,7 @@ for line in sys.stdin:
       rm -rf /tmp/old && mkdir -p /tmp/old && cp -r /tmp/site/specloop /tmp/old/specloop
       for pkg in engine samplers graphs comm models serve train; do
         if [ -d "$old/$pkg" ]; then
-          rm -rf "/tmp/old/specloop/$pkg" && cp -r "$old/$pkg" "/tmp/old/specloop/$pkg"
+          cp -r "$old/$pkg/." "/tmp/old/specloop/$pkg/"
         fi
       done
       echo "codeab: files that differ:"
@@ -239,6 +243,23 @@ for line in sys.stdin:
         for v in old new; do
           path=/tmp/site:/root/smolpkg; [ $v = old ] && path=/tmp/old:$path
           echo "-- $v (round $round)"
+          if [ "${CODEAB_BENCH:-profile}" = process ]; then
+            # bench_process_gpu.py as the process step runs it (PROCESS_* settings)
+            (cd bench && PYTHONPATH=$path python3 bench_process_gpu.py --prompts "$PROMPTS" \
+               --out "$OUT/codeab_${v}_$round.jsonl" --runs "${RUNS:-3}" --buckets serving \
+               --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
+               --batches "${PROCESS_BATCHES:-64}" --kinds "${PROCESS_KINDS:-process}" \
+               --arrival "${PROCESS_ARRIVAL:-steady}" \
+               --configs "${PROCESS_CONFIGS:-none,eagle3 K=2,eagle3 adaptive<=3}" \
+               > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
+             grep '^{' "$OUT/codeab_${v}_$round.log" | python3 -c '
+import json, sys
+for line in sys.stdin:
+    r = json.loads(line)
+    print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
+          "ms/it", r["iteration_ms"], "overlapped", r.get("overlapped"))')
+            continue
+          fi
           (cd bench && PYTHONPATH=$path python3 profile_spec_gpu.py --prompts "$PROMPTS" \
              --out "$OUT/codeab_${v}_$round.jsonl" --batches "${BATCHES:-1}" --runs 3 \
              --configs "${CONFIGS:-none,ngram adaptive<=4 warm-up times,ngram adaptive<=4}" \

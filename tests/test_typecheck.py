@@ -132,6 +132,11 @@ class Structural:
         raise NotImplementedError
 
     chains_through_k0: bool = False
+    chains_joiners: bool = False
+
+    def joining_rows(self, slots: Sequence[int]) -> torch.Tensor | None:
+        return None
+
     num_draft_classes: int = 0
 
     def draft_classes(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]]

@@ -471,6 +471,14 @@ class MtpEagleDrafter(Drafter):
             self._chain_meta_of = (key, (meta, meta[0]))
         return self._chain_meta_of[1]
 
+    @property
+    def chains_joiners(self) -> bool:
+        return True
+
+    def joining_rows(self, slots: Sequence[int]) -> torch.Tensor:
+        """Each slot's pending prompt row (``prefill`` left it: position P - 2)."""
+        return self.pending.prompt_rows(slots)
+
     def chained_consumed(self, slots: Sequence[int]) -> None:
         """The chained step fed these slots' rows (as ``propose`` would have); when they
         are all of its batch, its ``start_pos`` output is the next chained step's start."""

@@ -152,6 +152,11 @@ class NgramDrafter(Drafter):
         # token alone, and after a K = 0 VERIFY it drafts from that one token.
         return self.chainable
 
+    @property
+    def chains_joiners(self) -> bool:
+        # A joining row's prompt reaches the device through ``chained_inputs``' tokens.
+        return self.chainable
+
     def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
                    num_draft_tokens: int | None = None
                    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:

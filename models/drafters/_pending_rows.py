@@ -90,6 +90,18 @@ class PendingRows:
         self._start[slot] = max(n - 1, 0)
         self._count[slot] = 1 if n else 0
 
+    def prompt_rows(self, slots: Sequence[int]) -> torch.Tensor:
+        """[len(slots), F]: each slot's one pending row, its prompt's last target row
+        (``prompt``; no deferred call stores into a slot after it). Raises where a slot
+        holds another count (a 1-token prompt holds none; a slot drafted from since)."""
+        count = self._count
+        wrong = [s for s in slots if count[s] != 1]
+        if wrong:
+            raise ValueError(f"slots {wrong} hold {[count[s] for s in wrong]} pending rows; "
+                             f"a newly prefilled prompt's slot holds 1")
+        index = self._to_device(int64_tensor(slots))
+        return self.buffer[:, 0].index_select(0, index)
+
     def zero(self, slots: Sequence[int]) -> None:
         """These slots' rows are dead (fed to the head, or the request left): count 0,
         and no deferred call stores into them any more (the next store into an empty

@@ -268,6 +268,23 @@ class Drafter(Protocol):
         nothing."""
         return None
 
+    @property
+    def chains_joiners(self) -> bool:
+        """True when a chained step may take in requests prefilled since the last DRAFT
+        (engine/_chain.py): each such row reaches ``chained_inputs`` as if a VERIFY had
+        left it at ``start`` = P - 2 of its P-token prompt with nothing accepted and the
+        prompt's last token as its bonus (``packed``: that token, -1 after it, count 0),
+        its ``hidden`` row 0 ``joining_rows``' row, its ``tokens`` the prompt. Default
+        False: such requests join one iteration later, in an unchained step."""
+        return False
+
+    def joining_rows(self, slots: Sequence[int]) -> torch.Tensor | None:
+        """[len(slots), F]: the feature row each of these newly prefilled slots' first
+        catch-up starts from (its prompt's target row at position P - 2, which its
+        ``prefill`` left pending), for ``chains_joiners``; None where the chained draft
+        reads tokens only. Default None."""
+        return None
+
 
 def check_fixed_k(drafter: Drafter, num_draft_tokens: int | None) -> None:
     """For a drafter whose ``variable_k`` is False: a ``graph_step`` asked for another K

@@ -298,8 +298,10 @@ async def test_requests_joining_keep_the_chained_step(tiny_dir, tiny_loaded, spe
     """Steady load (a request submitted as each ends, lengths spread, greedy and seeded
     sampled rows): a request admitted while a chained step waits joins one iteration
     later (``RunAhead.schedule``), so the chained step is taken for the batch it was
-    queued for (before, it was not queued when a request was about to join); tokens equal
-    the eager engine's, no newcomer waits more than one iteration, pages come back."""
+    queued for (before, it was not queued when a request was about to join), and the
+    step chained then takes the newcomers in: the iteration they join runs chained
+    (before, it ran unchained) unless one has a one-token prompt; tokens equal the eager
+    engine's, no newcomer waits more than one iteration, pages come back."""
     import random
 
     from ..engine.test_ahead_steady import _steady
@@ -329,13 +331,68 @@ async def test_requests_joining_keep_the_chained_step(tiny_dir, tiny_loaded, spe
                         waits.append(engine.stats.num_iterations - admitted.pop(id(r)))
                 return await draft(rec)
             worker.draft = drafting
+            verify, last, joined = worker.verify, [[], []], []
+
+            async def verifying(rec):   # whether an iteration newcomers joined ran chained
+                state = await verify(rec)
+                batch, joining = last
+                if joining and list(rec.batch) == batch + joining:
+                    joined.append((rec.overlapped, min(len(r.prompt_ids) for r in joining)))
+                last[:] = list(rec.batch), list(worker.ahead.joining)
+                return state
+            worker.verify = verifying
             outs = await _steady(engine, lengths, 4)
             pages = worker.runner.pages
             assert pages.num_free == pages.num_pages
-        return outs, worker.chain, waits
+        return outs, worker.chain, waits, joined
 
-    eager, _, _ = await go(False)
-    chained, chain, waits = await go(True)
+    eager, _, _, _ = await go(False)
+    chained, chain, waits, joined = await go(True)
     assert chained == eager
     assert set(waits) == {0, 1}, waits
     assert chain.taken_steps > 0.5 * chain.queued_steps > 0
+    # (overlapped, the shortest newcomer's prompt): chained unless one has a single token
+    assert [o for o, _ in joined] == [n >= 2 for _, n in joined], joined
+    assert chain.joined_steps >= 2 and sum(n >= 2 for _, n in joined) >= 2, joined
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+async def test_requests_joining_the_chained_step_on_cuda(tmp_path, method):
+    """``test_requests_joining_keep_the_chained_step`` on real CUDA graphs (a tiny bf16
+    model; the chain on, and off for the reference): under a server's load newcomers
+    join the step chained for them, and every request's tokens (greedy and seeded
+    sampled rows) equal the unchained engine's."""
+    import random
+
+    from specloop.engine import EngineConfig
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    from ..engine.test_ahead_steady import _steady
+
+    path = write_tiny_checkpoint(tmp_path / "t", vocab_size=384, num_layers=2, hidden=64,
+                                 seed=1)
+    loaded = load_model(path, dtype=torch.bfloat16, device="cuda")
+    spec = {"method": method, "num_draft_tokens": 3}
+    if method == "eagle3":
+        spec["use_rejection_sampling"] = True
+    config = EngineConfig.from_dict({
+        "model": {"name": str(path), "dtype": "bfloat16", "device": "cuda",
+                  "max_seq_len": 512, "chat_template": False, "kv_page_size": 16},
+        "scheduler": {"max_batch_size": 4}, "speculative": spec,
+        "graphs": {"batch_buckets": [1, 2, 4]}})
+    rng = random.Random(3)
+    lengths = [rng.randint(8, 40) for _ in range(16)]
+    outs, joined = {}, 0
+    for chained in (False, True):
+        async with AsyncEngine(config, model=loaded) as engine:
+            worker = engine.worker
+            assert worker.chain is not None
+            if not chained:
+                worker.chain = None
+            outs[chained] = await _steady(engine, lengths, 4)
+            if chained:
+                joined = worker.chain.joined_steps
+    assert outs[True] == outs[False]
+    assert joined >= 3, joined

@@ -289,3 +289,39 @@ async def test_warm_up_eager_writes_only_the_scratch_slot(tmp_path):
     assert shapes == [(rows, w) for rows in (1, 2, 3, 4) for w in widths]
     assert all(torch.equal(a, b) for a, b in zip(before[:3], after[:3]))
     assert before[3:] == after[3:]
+
+
+@pytest.mark.parametrize("method", ["eagle3", "ngram"])
+async def test_requests_joining_the_chained_step_under_adaptive(tiny_dir, tiny_loaded,
+                                                                method):
+    """A server's load under adaptive K held to ``PATTERN``: requests admitted while a
+    chained step waits join the step chained at the next K (n-gram: into and out of K = 0
+    too); tokens equal the unchained engine's, and the chain took newcomers in. Greedy
+    rows: arrivals fall on other iterations in the two runs, so the cycle's K of a given
+    step differs between them, and a sampled row's tokens depend on the K it was
+    drafted at (its distribution does not); fixed K's sampled rows:
+    tests/graphs/test_chain.py, ``test_requests_joining_keep_the_chained_step``."""
+    import random
+
+    from specloop.samplers import SamplingParams
+
+    from ..engine.test_ahead_steady import _steady
+
+    def greedy(max_tokens, i):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    rng = random.Random(5)
+    lengths = [rng.randint(3, 20) for _ in range(14)]
+    outs, chain = {}, None
+    for chained in (False, True):
+        cfg = chain_config(tiny_dir, True, method=method, k=3, rejection=True,
+                           speculative={"adaptive": True})
+        async with AsyncEngine(cfg, model=tiny_loaded) as engine:
+            one_rank_adaptive(engine.worker, chained, PATTERN)
+            outs[chained] = await _steady(engine, lengths, 4, params=greedy)
+            pages = engine.worker.runner.pages
+            assert pages.num_free == pages.num_pages
+            chain = engine.worker.chain
+    assert outs[True] == outs[False]
+    assert chain is not None and chain.joined_steps >= 2 and chain.taken_steps >= 10, (
+        chain.joined_steps, chain.taken_steps)
