@@ -381,10 +381,10 @@ async def test_requests_joining_the_chained_step_on_cuda(tmp_path, method):
         "model": {"name": str(path), "dtype": "bfloat16", "device": "cuda",
                   "max_seq_len": 512, "chat_template": False, "kv_page_size": 16},
         "scheduler": {"max_batch_size": 4}, "speculative": spec,
-        "graphs": {"batch_buckets": [1, 2, 4]}})
+        "components": {"graph_cache": "cuda"}, "graphs": {"batch_buckets": [1, 2, 4]}})
     rng = random.Random(3)
     lengths = [rng.randint(8, 40) for _ in range(16)]
-    outs, joined = {}, 0
+    outs, chain = {}, None
     for chained in (False, True):
         async with AsyncEngine(config, model=loaded) as engine:
             worker = engine.worker
@@ -392,7 +392,7 @@ async def test_requests_joining_the_chained_step_on_cuda(tmp_path, method):
             if not chained:
                 worker.chain = None
             outs[chained] = await _steady(engine, lengths, 4)
-            if chained:
-                joined = worker.chain.joined_steps
+            chain = worker.chain
     assert outs[True] == outs[False]
-    assert joined >= 3, joined
+    assert chain.taken_steps >= 20 and chain.joined_steps >= 3, (
+        chain.queued_steps, chain.taken_steps, chain.joined_steps)
