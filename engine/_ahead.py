@@ -151,8 +151,7 @@ class RunAhead:
         iteration's VERIFY queues ahead (``queue``), or chains (``DeviceChain.queue``,
         where the drafter takes joiners in), so this one takes its step (a newcomer's
         first token comes one iteration later; SGLang's overlap scheduler makes the same
-        trade). Never
-        later: ``joining`` holds this SCHEDULE's newcomers only."""
+        trade). Never later: ``joining`` holds this SCHEDULE's newcomers only."""
         self.joining = []
         chain = self.worker.chain
         queued = self.queued is not None or (chain is not None and chain.has_step)
