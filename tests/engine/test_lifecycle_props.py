@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from specloop.comm import LocalGroup
-from specloop.engine import AsyncEngine, FinishReason, RequestError
+from specloop.engine import AsyncEngine, EngineConfig, FinishReason, RequestError
 from specloop.samplers import (SamplingBatch, SamplingParams, SamplingParamsError,
                                compute_probs, sample_tokens)
 
@@ -187,7 +187,7 @@ async def assert_empty(engines) -> None:
 
 
 async def scenario(config, loaded, world, batch: list[Plan], refs: References,
-                   ahead: bool = False) -> None:
+                   ahead: bool = False, chained: bool = False) -> None:
     before = asyncio.all_tasks()
     group = LocalGroup(world, timeout=20.0)
     engines, ended = [], []
@@ -197,6 +197,10 @@ async def scenario(config, loaded, world, batch: list[Plan], refs: References,
             engines.append(engine)
             if ahead:       # one GPU rank's path: steps queued ahead, newcomers deferred
                 engine.worker.verify_inline = engine.worker.ahead.always = True
+            if chained:     # one GPU rank's path with a drafter: DRAFT + VERIFY chained
+                from specloop.engine._chain import DeviceChain
+                engine.worker.verify_inline = True
+                engine.worker.chain = DeviceChain(worker=engine.worker)
             if comm.rank != 0:
                 await engine.wait_closed()
                 return
@@ -219,7 +223,7 @@ def fresh_plans() -> list[Plan]:
     return [Plan(i, None, 6, "complete", 1, None, 0) for i in (0, 1, 2)]
 
 
-def _engine_property(world, ahead=False):
+def _engine_property(world, ahead=False, chained=False):
     # No shrinking: a failure prints its example; shrinking engine runs takes minutes.
     @settings(max_examples=10, deadline=None, database=None,
               phases=(Phase.explicit, Phase.generate),
@@ -227,12 +231,18 @@ def _engine_property(world, ahead=False):
                                      HealthCheck.too_slow])
     @given(batch=st.lists(plans, min_size=2, max_size=7))
     def run(tiny_dir, tiny_loaded, batch):
-        config = make_config(tiny_dir, method="none" if ahead else "ngram",
+        method = "none" if ahead else "mtp_eagle" if chained else "ngram"
+        config = make_config(tiny_dir, method=method, k=2 if chained else 3,
                              max_batch_size=BATCH,
                              parallel={"world_size": world, "attention_dp": world > 1})
+        if chained:     # replays that write static outputs, as CUDA graphs do
+            data = config.to_dict()
+            data["components"]["graph_cache"] = "tests.graphs.test_chain:StaticOutputCache"
+            data["graphs"] = {"batch_buckets": [1, 2]}
+            config = EngineConfig.from_dict(data)
         # Shared by both rank counts: seeded outputs must not depend on placement.
         refs = _REFS.setdefault((id(tiny_loaded), ahead), References(tiny_loaded))
-        anyio.run(scenario, config, tiny_loaded, world, batch, refs, ahead)
+        anyio.run(scenario, config, tiny_loaded, world, batch, refs, ahead, chained)
     return run
 
 
@@ -241,3 +251,6 @@ test_interleavings_on_two_local_ranks = _engine_property(2)
 # No speculation on one GPU rank's path: steps queued ahead taken for the rows left after
 # cancels, breaks and ends, requests admitted meanwhile joining one iteration later.
 test_interleavings_with_steps_queued_ahead = _engine_property(1, ahead=True)
+# mtp_eagle on one GPU rank's path: DRAFT + VERIFY chained, taken for the rows left after
+# cancels, breaks and ends, requests admitted meanwhile joining the step chained for them.
+test_interleavings_with_chained_steps = _engine_property(1, chained=True)
