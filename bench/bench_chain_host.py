@@ -17,8 +17,8 @@ iteration moves a mean, not the median), and each state's thread CPU time per it
 (the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).
 ``--closed``: closed rounds of requests that end apart instead (batch changes: the chain
 taken for fewer rows, the sampling rows rebuilt), thread CPU per iteration; ``--sampled``:
-odd requests sample (seeded, top-p), so the batch is not all greedy. ``--cycle``: batch 1,
-adaptive K's one-rank path held to that cycle of K (n-gram: in and out of K = 0 stretches),
+odd requests sample (seeded, top-p), so the batch is not all greedy. ``--cycle``: batch 1
+(``--cycle-batch``: another), adaptive K's one-rank path held to that cycle of K (n-gram: in and out of K = 0 stretches),
 each state's median µs per move, the K before > this K > the K after (``0>0>4``: the K = 0
 iteration that queues the chained step leaving a stretch), as profile_spec_gpu.py's
 ``by_move_then_states_us`` on the H200.
@@ -230,9 +230,10 @@ async def closed_rounds(cfg, loaded, batch, rounds, sampled=False):
     return out
 
 
-async def moves(cfg, loaded, iterations: int, pattern: list[int]) -> dict:
-    """``--cycle``: one endless greedy request, K held to ``pattern``; -> per move (K
-    before > K > K after) the count and each state's median µs (``host``: their sum)."""
+async def moves(cfg, loaded, iterations: int, pattern: list[int], batch: int = 1) -> dict:
+    """``--cycle``: ``batch`` endless greedy requests, K held to ``pattern``; -> per move
+    (K before > K > K after) the count and each state's median µs (``host``: their
+    sum)."""
     from profile_spec_gpu import StateTimes as MoveTimes  # noqa: PLC0415  (by_move)
 
     from specloop.engine import AsyncEngine  # noqa: PLC0415
@@ -243,7 +244,7 @@ async def moves(cfg, loaded, iterations: int, pattern: list[int]) -> dict:
         force_chain(worker, max(pattern))
         cycle_k(worker.adaptive, pattern)
         async with anyio.create_task_group() as tg:
-            start_endless(tg, engine, 1)
+            start_endless(tg, engine, batch)
             await until(engine, 50)
             times.rows.clear()
             await until(engine, 50 + iterations)
@@ -273,6 +274,8 @@ def main() -> None:
     ap.add_argument("--cycle", default="", metavar="K,K,..",
                     help="batch 1, adaptive K held to this cycle: state times per move (a "
                          "cycle through K = 0 chains with --method ngram only)")
+    ap.add_argument("--cycle-batch", type=int, default=1,
+                    help="--cycle: this many endless requests (default 1)")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
@@ -282,9 +285,10 @@ def main() -> None:
         loaded = load_model(path, dtype=torch.float32)
         if args.cycle:
             pattern = [int(k) for k in args.cycle.split(",")]
-            cfg = config(path, args.method, max(pattern), 1, True)
+            cfg = config(path, args.method, max(pattern), args.cycle_batch, True)
             for _ in range(args.runs):
-                rows = anyio.run(moves, cfg, loaded, args.iterations, pattern)
+                rows = anyio.run(moves, cfg, loaded, args.iterations, pattern,
+                                 args.cycle_batch)
                 for move, row in rows.items():
                     states = " ".join(f"{s} {v:.0f}" for s, v in row.items()
                                       if s not in ("n", "wait", "host"))

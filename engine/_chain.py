@@ -270,21 +270,20 @@ class DeviceChain:
         drafted fewer; the padding columns lie past the accepted row, as the graph's own
         padding: token 0, zero features). ``hidden`` False (a drafter chaining through
         K = 0, which reads tokens only): the feature rows are not read, and left as VERIFY
-        wrote them (n-gram switching out of K = 0: two torch calls and kernels less);
-        then, where ``into`` (the draft graph's static inputs) holds ``verified``
-        [padded, width] and ``accepted``, the tokens and counts are copied there instead
-        of padded in new tensors (``_into_statics``; its padding columns are whatever the
-        last replay left, which such a drafter never reads: ``Drafter.chains_through_k0``).
-        The ``packed`` layout is then not given."""
+        wrote them. A narrower VERIFY's rows, in order, are copied into the draft graph's
+        static inputs where ``into`` shows them (``_into_statics``: no padded tensors,
+        and the replay copies none of them); their padding columns are then whatever the
+        last replay left there, which no real row reads."""
         short = width - out["token_ids"].shape[1]
         packed, features = out["packed"], out["hidden"]
         ordered = in_order(rows)
         if ordered and short <= 0 and packed.shape[0] == padded:
             return out      # the usual case: VERIFY's outputs as they are
-        if ordered and short > 0 and not hidden and packed.shape[0] >= padded:
-            written = DeviceChain._into_statics(packed[:padded], into, width)
+        if ordered and short > 0 and packed.shape[0] >= padded:
+            written = DeviceChain._into_statics(packed[:padded], features[:padded], into,
+                                                width, hidden)
             if written is not None:
-                return {**written, "hidden": features[:padded]}
+                return written
         if ordered and packed.shape[0] >= padded:
             # A step queued ahead for more requests than are left (the larger bucket).
             packed, features = packed[:padded], features[:padded]
@@ -305,29 +304,54 @@ class DeviceChain:
                 "num_accepted": packed[:, -1]}
 
     @staticmethod
-    def _into_statics(packed: torch.Tensor, into: dict[str, torch.Tensor] | None,
-                      width: int) -> dict[str, torch.Tensor] | None:
-        """VERIFY n's tokens and counts (``packed`` [padded, K_n + 2], fewer columns than
-        the draft graph's ``width``) copied into the draft graph's static ``verified``
-        and ``accepted``, which are returned (the replay then copies neither): an n-gram
-        step out of K = 0 (or out of a smaller K) pays two copies instead of a padded
-        tensor's allocation, fill and concatenation and the replay's two copies of it (on
-        the H200, with ``_copy_meta``'s packing, ~0.1 ms of the ~0.8 ms of host work of the
-        iteration leaving a K = 0 stretch: docs/performance-history.md, "Leaving a K = 0
-        stretch (tenth session)").
+    def _into_statics(packed: torch.Tensor, features: torch.Tensor,
+                      into: dict[str, torch.Tensor] | None, width: int, hidden: bool
+                      ) -> dict[str, torch.Tensor] | None:
+        """VERIFY n's tokens and counts (``packed`` [padded, K_n + 2], fewer token columns
+        than the draft graph's ``width``) and, with ``hidden``, its feature rows
+        (``features`` [padded, K_n + 1, F]) copied into the draft graph's static inputs,
+        which are returned in ``_rows``' form (the replay then copies none of them):
+
+        - a head's graph (``verified`` [padded, width + 1] in VERIFY's layout, the count
+          last, and ``cu_hidden`` [padded, width, F]): under adaptive K each iteration
+          drafting fewer than the largest K would otherwise pad both in new tensors (two
+          allocations, fills and concatenations) that the replay copies again (on this
+          repository's CPU ~50 µs of host work an iteration at batch 64,
+          ``bench_chain_host.py --cycle 3,3,3,3,3,2,2,2,2,2 --cycle-batch 64``);
+        - a drafter chaining through K = 0 (``verified`` [padded, width] and
+          ``accepted``): an n-gram step out of K = 0 (or out of a smaller K) pays two
+          copies instead (on the H200, with ``_copy_meta``'s packing, ~0.1 ms of the
+          ~0.8 ms of host work of the iteration leaving a K = 0 stretch:
+          docs/performance-history.md, "Leaving a K = 0 stretch (tenth session)");
+          ``hidden`` is then False and ``features`` returned as they are.
+
         The columns past VERIFY n's keep what the last replay left: they lie past every
-        row's accepted count, which the draft never reads. None where ``into`` lacks
-        them, or they are not that shape."""
+        row's accepted count, where no real row's draft reads (a head's catch-up computes
+        them, causally after the real ones, and its K/V there is written again before
+        any query reads it). None where ``into`` lacks the inputs, or they are not those
+        shapes."""
         if into is None:
             return None
-        verified, accepted = into.get("verified"), into.get("accepted")
-        rows = packed.shape[0]
-        if verified is None or accepted is None or verified.shape != (rows, width) \
-                or accepted.shape != (rows,):
+        verified = into.get("verified")
+        rows, n = packed.shape[0], packed.shape[1] - 1      # n: VERIFY n's token columns
+        if verified is None:
             return None
-        verified[:, :packed.shape[1] - 1].copy_(packed[:, :-1], non_blocking=True)
+        if hidden:      # a head's: VERIFY's layout, and its feature rows
+            static = into.get("cu_hidden")
+            if verified.shape != (rows, width + 1) or static is None or \
+                    static.shape != (rows, width, features.shape[2]):
+                return None
+            static[:, :n].copy_(features, non_blocking=True)
+            verified[:, :n].copy_(packed[:, :-1], non_blocking=True)
+            verified[:, width].copy_(packed[:, -1], non_blocking=True)
+            return {"packed": verified, "hidden": static, "token_ids": verified[:, :-1],
+                    "num_accepted": verified[:, -1]}
+        accepted = into.get("accepted")
+        if accepted is None or verified.shape != (rows, width) or accepted.shape != (rows,):
+            return None
+        verified[:, :n].copy_(packed[:, :-1], non_blocking=True)
         accepted.copy_(packed[:, -1], non_blocking=True)
-        return {"token_ids": verified, "num_accepted": accepted}
+        return {"token_ids": verified, "num_accepted": accepted, "hidden": features}
 
     def _slots_of(self, batch: tuple[Request, ...]) -> list[int]:
         """The batch's slots (one list per batch: most iterations run the last one's)."""

@@ -26,7 +26,7 @@ from ._mtp_head import MtpEagleHead, load_or_init
 from ._pending_rows import PendingRows
 from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, PrefillReplay, Step,
                         graph_int_inputs, graph_outputs, replay_proposal, sample_draft_step,
-                        stack_proposal)
+                        stack_proposal, static_or_view)
 
 # The drafting loop: yields the head's hidden state per step, is sent that step's tokens.
 DraftLoop = Generator[torch.Tensor, torch.Tensor, None]
@@ -441,8 +441,10 @@ class MtpEagleDrafter(Drafter):
         length 2). The graph computes VERIFY n+1's ``tokens`` and ``start_pos``.
         ``start`` goes to the device (the graphs' ``_lengths``) only when it is not
         there: after a chained step taken for this very batch, that step's ``start_pos``
-        output is it (``chained_consumed``). ``into``, ``tokens`` and ``continued`` are not
-        used."""
+        output is it (``chained_consumed``). ``packed`` and ``hidden`` may be the draft
+        graph's static ``verified`` and ``cu_hidden`` themselves (``into``: the chain
+        wrote a smaller K's VERIFY there), which the replay then does not copy;
+        ``tokens`` and ``continued`` are not used."""
         rows = sampling.size
         meta, slot_row = self._chain_meta(slots, rows)
         key, last = (tuple(slots), rows), self._last_chain
@@ -452,7 +454,8 @@ class MtpEagleDrafter(Drafter):
             copy_into(self._lengths_of(rows)[1],
                       int64_tensor([*start, *[0] * (rows - len(start))]))
         self._last_chain, self._starts_on_device = key, False
-        inputs = {"verified": verified["packed"][:], "cu_hidden": verified["hidden"][:],
+        inputs = {"verified": static_or_view(verified["packed"], into, "verified"),
+                  "cu_hidden": static_or_view(verified["hidden"], into, "cu_hidden"),
                   "meta": meta, "slots": slot_row}
         inputs.update(sampling.columns())
         return inputs

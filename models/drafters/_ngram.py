@@ -17,7 +17,7 @@ from specloop.samplers import Sampler, SamplingBatch
 
 from .._host import int64_tensor, to_device
 from ._ngram_device import ROW, chain_step
-from ._protocol import DraftContext, Drafter, DrafterDeps, DraftProposal
+from ._protocol import DraftContext, Drafter, DrafterDeps, DraftProposal, static_or_view
 
 
 @attrs.define
@@ -217,8 +217,8 @@ class NgramDrafter(Drafter):
             history, start, slots, rows, tokens)
         for slot, s in zip(slots, start):
             self._on_device[slot] = s + 1
-        return {"verified": _static_or_view(verified["token_ids"], into, "verified"),
-                "accepted": _static_or_view(verified["num_accepted"], into, "accepted"),
+        return {"verified": static_or_view(verified["token_ids"], into, "verified"),
+                "accepted": static_or_view(verified["num_accepted"], into, "accepted"),
                 "meta": meta_dev, "slots": meta_dev[ROW], "bonus": bonus[:rows, None],
                 "start_pos": start_pos[:rows]}
 
@@ -248,10 +248,3 @@ class NgramDrafter(Drafter):
             tail = packed[4 * rows:]
             history.view(-1).index_copy_(0, tail[:len(at)], tail[len(at):])
         return packed[:4 * rows].view(4, rows)
-
-
-def _static_or_view(tensor: torch.Tensor, into: dict[str, torch.Tensor] | None, name: str
-                    ) -> torch.Tensor:
-    """``tensor`` itself when it is the draft graph's static input ``name`` (written in
-    place: the replay copies nothing), else a fresh view of it."""
-    return tensor if into is not None and into.get(name) is tensor else tensor[:]

@@ -286,6 +286,14 @@ class Drafter(Protocol):
         return None
 
 
+def static_or_view(tensor: torch.Tensor, into: dict[str, torch.Tensor] | None, name: str
+                   ) -> torch.Tensor:
+    """For ``chained_inputs``: ``tensor`` itself when it is the draft graph's static input
+    ``name`` (the chain wrote it there in place: the replay copies nothing), else a fresh
+    view of it (a replay copies an input it has not been given before)."""
+    return tensor if into is not None and into.get(name) is tensor else tensor[:]
+
+
 def check_fixed_k(drafter: Drafter, num_draft_tokens: int | None) -> None:
     """For a drafter whose ``variable_k`` is False: a ``graph_step`` asked for another K
     than the drafter's own is a caller's bug, not something to draft silently."""

@@ -325,3 +325,24 @@ async def test_requests_joining_the_chained_step_under_adaptive(tiny_dir, tiny_l
     assert outs[True] == outs[False]
     assert chain is not None and chain.joined_steps >= 2 and chain.taken_steps >= 10, (
         chain.joined_steps, chain.taken_steps)
+
+
+async def test_narrower_verify_rows_go_into_the_draft_graphs_statics(tiny_dir, tiny_loaded,
+                                                                      monkeypatch):
+    """Under adaptive K a VERIFY that drafted fewer than the largest K hands its tokens,
+    counts and feature rows to the next chained draft in the draft graph's own static
+    inputs (``DeviceChain._into_statics``: no padded tensors, nothing for the replay to
+    copy; their padding columns hold what the last replay left): every such step of the
+    head went that way, and the tokens equal the unchained engine's."""
+    from specloop.engine._chain import DeviceChain
+    into_statics, written = DeviceChain._into_statics, []
+
+    def seen(packed, features, into, width, hidden):
+        out = into_statics(packed, features, into, width, hidden)
+        written.append((hidden, out is not None))
+        return out
+    plain, _ = await serve(tiny_dir, tiny_loaded, False)
+    monkeypatch.setattr(DeviceChain, "_into_statics", staticmethod(seen))
+    chained, _ = await serve(tiny_dir, tiny_loaded, True)
+    assert chained == plain
+    assert len(written) >= 5 and written == [(True, True)] * len(written), written

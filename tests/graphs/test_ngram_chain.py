@@ -394,8 +394,8 @@ async def test_switching_out_of_k0_finds_its_pages(tiny_dir, tiny_loaded):
         dirty.append(bool(self._dirty))
         return sync(self)
 
-    def seen_written(packed, into, width):
-        out = into_statics(packed, into, width)
+    def seen_written(*args):
+        out = into_statics(*args)
         written.append(out is not None)
         return out
 
