@@ -62,14 +62,70 @@ def accepted(k: int, rows: int, accept: list[float], rng: random.Random) -> list
     return out
 
 
+def bucket_of(rows: int) -> int:
+    """The power-of-two bucket a batch of ``rows`` runs at."""
+    return 1 << max(rows - 1, 0).bit_length()
+
+
+class Rows:
+    """The batch. Steady (default): ``--batch`` rows that never end, every row accepting
+    with ``--accept``. ``--closed TOKENS``: rounds of ``--batch`` rows, each done after
+    TOKENS tokens (a round's last iteration's extra tokens are not counted), each row's
+    conditional acceptance ``--accept`` x its own factor, uniform in 1 +- ``--spread``
+    (drawn per round, capped at 0.98); a new round starts when the last row ends."""
+
+    def __init__(self, args, rng: random.Random) -> None:
+        self.args, self.rng = args, rng
+        self.left: list[int] = []
+        self.accept: list[list[float]] = []
+        self._refill()
+
+    def _refill(self) -> None:
+        args = self.args
+        if not args.closed:
+            self.left, self.accept = [0] * args.batch, [args.accept] * args.batch
+            return
+        self.left = [args.closed] * args.batch
+        factors = [1 + self.rng.uniform(-args.spread, args.spread) for _ in self.left]
+        self.accept = [[min(a * f, 0.98) for a in args.accept] for f in factors]
+
+    @property
+    def active(self) -> int:
+        return len(self.left)
+
+    def step(self, k: int) -> tuple[int, list[int]]:
+        """-> (tokens that count, each row's accepted drafts) for an iteration drafting k."""
+        counts = [accepted(k, 1, accept, self.rng)[0] for accept in self.accept]
+        if not self.args.closed:
+            return sum(n + 1 for n in counts), counts
+        useful = [min(n + 1, left) for n, left in zip(counts, self.left)]
+        kept = [i for i, (u, left) in enumerate(zip(useful, self.left)) if left > u]
+        self.left = [self.left[i] - useful[i] for i in kept]
+        self.accept = [self.accept[i] for i in kept]
+        if not self.left:
+            self._refill()
+        return sum(useful), counts
+
+
+def scaled(times: list[float], rows: int, args) -> list[float]:
+    """The iteration times at ``rows`` rows' bucket: ``--row-cost`` of T scales with the
+    bucket over the full batch's (closed rounds' last rows run at smaller buckets)."""
+    if not args.closed:
+        return times
+    share = bucket_of(rows) / bucket_of(args.batch)
+    return [t * (1 - args.row_cost + args.row_cost * share) for t in times]
+
+
 def run_fixed(k: int, args, seed: int) -> float:
     """Tokens per ms of a fixed K over the run (the same noise stream as the rule's)."""
     rng, noise = random.Random(seed), random.Random(seed + 10_000)
     clock = Clock(args.times, args.sigma, args.slow, args.dwell, noise)
+    rows = Rows(args, rng)
     tokens = seconds = 0.0
     for _ in range(args.iterations):
+        clock.times = scaled(args.times, rows.active, args)
         seconds += clock.iteration(k)
-        tokens += sum(n + 1 for n in accepted(k, args.batch, args.accept, rng))
+        tokens += rows.step(k)[0]
     return tokens / (seconds * 1e3)
 
 
@@ -79,20 +135,24 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
 
     rng, noise = random.Random(seed), random.Random(seed + 10_000)
     clock = Clock(args.times, args.sigma, args.slow, args.dwell, noise)
+    rows = Rows(args, rng)
     ks = list(range(len(args.times)))
     warm = args.warmup or args.times
-    # Warm-up's table keyed by the one bucket (batch rounded up to a power of two).
-    bucket = 1 << max(args.batch - 1, 0).bit_length()
-    cost = _adaptive.CostTable({(bucket, k): warm[k] / 1e3 for k in ks})
+    # Warm-up's table keyed by each bucket up to the batch's (its times ``scaled``).
+    buckets = {bucket_of(n) for n in range(1, args.batch + 1)}
+    cost = _adaptive.CostTable({(b, k): t / 1e3 for b in buckets
+                                for k, t in enumerate(scaled(warm, b, args))})
     rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN)
     tokens = seconds = 0.0
     for _ in range(args.iterations):
-        k = rule.choose([rule.facts()], args.batch)
+        active = rows.active
+        k = rule.choose([rule.facts()], active)
+        clock.times = scaled(args.times, active, args)
         took = clock.iteration(k)
         seconds += took
-        rows = accepted(k, args.batch, args.accept, rng)
-        tokens += sum(n + 1 for n in rows)
-        rule.record(k, rows)
+        useful, counts = rows.step(k)
+        tokens += useful
+        rule.record(k, counts)
         rule.measured(took)
     return tokens / (seconds * 1e3), dict(sorted(rule.chosen.items()))
 
@@ -109,6 +169,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--iterations", type=int, default=3000)
     ap.add_argument("--seeds", type=int, default=5)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE")
+    ap.add_argument("--closed", type=int, default=0, metavar="TOKENS",
+                    help="closed rounds of --batch rows of TOKENS tokens each (default: "
+                         "steady, rows that never end)")
+    ap.add_argument("--spread", type=float, default=0.5,
+                    help="--closed: each row's acceptance x a factor in 1 +- this")
+    ap.add_argument("--row-cost", type=float, default=0.5,
+                    help="--closed: the share of an iteration's time that scales with "
+                         "its bucket")
     args = ap.parse_args(argv)
     from specloop.engine import _adaptive  # noqa: PLC0415
 

@@ -245,6 +245,21 @@ def test_adaptive_sim_runs_the_real_rule(common):
     assert 0.9 < row["vs_best"] <= 1.0
 
 
+def test_adaptive_sim_closed_rounds_end_with_their_slowest_row(common):
+    """``--closed``: rounds of rows that end after their tokens. Per iteration K = 3 and
+    K = 1 give the same tokens per ms here (1 + 0.9 + 0.81 + 0.729 = 3.439 in 2.0 ms
+    against 1.9 in 1.105), but rows whose acceptance is spread (1 +- 0.8) end far apart,
+    and a round lasts until its slowest row is done: K = 3's extra drafts help that row
+    least, so K = 1 serves more over the rounds; steady rows (no ends) keep them level."""
+    sim = importlib.import_module("adaptive_sim")
+    common = ["--iterations", "2000", "--seeds", "1", "--sigma", "0", "--dwell", "0",
+              "--batch", "16", "--times", "0.8,1.105,1.6,2.0", "--accept", "0.9,0.9,0.9"]
+    (closed,) = sim.main(common + ["--closed", "64", "--spread", "0.8"])
+    (steady,) = sim.main(common)
+    assert closed["fixed"][1] > 1.05 * closed["fixed"][3], closed
+    assert abs(steady["fixed"][1] / steady["fixed"][3] - 1) < 0.05, steady
+
+
 @pytest.mark.slow
 def test_core_cpu_ab_runs_both_trees(common, capsys):
     """bench/core_cpu_ab.py: the ProcessEngine core's host time, this tree against a commit
