@@ -94,7 +94,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
             per_k = {k: n - first.iterations_per_k.get(k, 0)
                      for k, n in sorted(stats.iterations_per_k.items())}
             # Iterations whose step was queued ahead or chained (host and GPU overlapped;
-            # a request joining a chained batch breaks it).
+            # a one-token prompt joining a chained batch, or a K switch that cannot chain, breaks it).
             overlapped = (stats.num_overlapped_iterations
                           - first.num_overlapped_iterations) / max(iterations, 1)
             out[key] = (rates[key], al,

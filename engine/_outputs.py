@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
 from ._request import FinishReason, Request, RequestOutput
-from ._wire import REASON_INDEX, OutputRow, usual_row
+from ._wire import OutputRow, make_row, usual_row
 
 if TYPE_CHECKING:
     from specloop.models.drafters import Drafter
@@ -186,9 +186,8 @@ class Outputs:
     @staticmethod
     def _row(request: Request, tokens: Sequence[int], finished: bool) -> OutputRow:
         """``_output`` as an OutputRow."""
-        reason = request.finish_reason if finished else None
-        return (request.request_id, tuple(tokens), finished,
-                -1 if reason is None else REASON_INDEX[reason], None)
+        return make_row(request.request_id, tuple(tokens), finished,
+                        request.finish_reason if finished else None)
 
     def _hand_rows(self, handles: list[int], rows: list[OutputRow]) -> None:
         """``deliver_many``'s place for rows: the front door takes them without handles."""

@@ -61,8 +61,9 @@ class TransitionEvent:
     # time.perf_counter() when the state began (timelines place slices by it).
     started_at: float = 0.0
     # VERIFY only: whether it took the step the last VERIFY queued ahead or chained (the
-    # host's work overlapped the GPU's); False where it queued its own (a request joining
-    # a chained batch, a K switch that cannot chain, a group, the CPU). None elsewhere.
+    # host's work overlapped the GPU's); False where it queued its own (a one-token prompt
+    # joining a chained batch, a K switch that cannot chain, a group, the CPU). None
+    # elsewhere.
     overlapped: bool | None = None
 
 

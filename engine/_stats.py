@@ -15,7 +15,7 @@ class EngineStats:
     ``num_overlapped_iterations``: iterations that took the step the last VERIFY queued
     ahead of them (no speculation's step ahead, or DRAFT + VERIFY chained; one GPU rank),
     so the host's work overlapped the GPU's; the rest queued their own after the host's
-    (a request joining a chained batch, a K switch, a group)."""
+    (a one-token prompt joining a chained batch, a K switch that cannot chain, a group)."""
 
     def __init__(self) -> None:
         self.num_iterations = 0

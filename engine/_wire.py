@@ -26,6 +26,13 @@ REASON_INDEX = {reason: i for i, reason in enumerate(REASONS)}
 OutputRow = tuple[str, tuple[int, ...], bool, int, "str | None"]
 
 
+def make_row(request_id: str, token_ids: tuple[int, ...], finished: bool,
+             reason: FinishReason | None, error: str | None = None) -> OutputRow:
+    """An ``OutputRow`` (the reason as its index in ``REASONS``, -1 for None)."""
+    return (request_id, token_ids, finished, -1 if reason is None else REASON_INDEX[reason],
+            error)
+
+
 def usual_row(request_id: str, token_ids: tuple[int, ...], text: str) -> OutputRow:
     """RESCAN's usual output (more tokens, not finished) as a row: called as
     ``RequestOutput(request_id, token_ids, text)`` is (``Outputs._commit``'s ``usual``)."""
@@ -33,9 +40,8 @@ def usual_row(request_id: str, token_ids: tuple[int, ...], text: str) -> OutputR
 
 
 def output_row(output: RequestOutput) -> OutputRow:
-    reason = output.finish_reason
-    return (output.request_id, output.token_ids, output.finished,
-            -1 if reason is None else REASON_INDEX[reason], output.error)
+    return make_row(output.request_id, output.token_ids, output.finished,
+                    output.finish_reason, output.error)
 
 
 def row_output(row: OutputRow) -> RequestOutput:
