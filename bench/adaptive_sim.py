@@ -67,41 +67,75 @@ def bucket_of(rows: int) -> int:
     return 1 << max(rows - 1, 0).bit_length()
 
 
+class Row:
+    """A row as adaptive K's tail reads a request (``_adaptive_tail._left``): its token
+    limit and its tokens so far (``len(token_ids)``)."""
+
+    def __init__(self, tokens: int) -> None:
+        self.stop_length = tokens
+        self.token_ids = self
+        self.generated = 0
+
+    def __len__(self) -> int:
+        return self.generated
+
+
 class Rows:
     """The batch. Steady (default): ``--batch`` rows that never end, every row accepting
     with ``--accept``. ``--closed TOKENS``: rounds of ``--batch`` rows, each done after
     TOKENS tokens (a round's last iteration's extra tokens are not counted), each row's
     conditional acceptance ``--accept`` x its own factor, uniform in 1 +- ``--spread``
-    (drawn per round, capped at 0.98); a new round starts when the last row ends."""
+    (drawn per row, capped at 0.98); a new round starts when the last row ends.
+    ``--refill TOKENS``: the same rows, each replaced by a new one as it ends (a server's
+    steady load). ``requests``: the rows as the engine's requests."""
 
     def __init__(self, args, rng: random.Random) -> None:
         self.args, self.rng = args, rng
+        self.tokens = args.closed or args.refill
         self.left: list[int] = []
         self.accept: list[list[float]] = []
+        self.rows: list[Row] = []
         self._refill()
+
+    def _row(self) -> list[float]:
+        factor = 1 + self.rng.uniform(-self.args.spread, self.args.spread)
+        return [min(a * factor, 0.98) for a in self.args.accept]
 
     def _refill(self) -> None:
         args = self.args
-        if not args.closed:
+        self.rows = [Row(self.tokens or 1 << 30) for _ in range(args.batch)]
+        if not self.tokens:
             self.left, self.accept = [0] * args.batch, [args.accept] * args.batch
             return
-        self.left = [args.closed] * args.batch
-        factors = [1 + self.rng.uniform(-args.spread, args.spread) for _ in self.left]
-        self.accept = [[min(a * f, 0.98) for a in args.accept] for f in factors]
+        self.left = [self.tokens] * args.batch
+        self.accept = [self._row() for _ in self.left]
 
     @property
     def active(self) -> int:
         return len(self.left)
 
+    def requests(self) -> list[Row]:
+        return list(self.rows)
+
     def step(self, k: int) -> tuple[int, list[int]]:
         """-> (tokens that count, each row's accepted drafts) for an iteration drafting k."""
         counts = [accepted(k, 1, accept, self.rng)[0] for accept in self.accept]
-        if not self.args.closed:
+        if not self.tokens:
             return sum(n + 1 for n in counts), counts
         useful = [min(n + 1, left) for n, left in zip(counts, self.left)]
+        for row, u in zip(self.rows, useful):
+            row.generated += u
+        if self.args.refill:
+            for i, u in enumerate(useful):
+                self.left[i] -= u
+                if self.left[i] <= 0:
+                    self.left[i], self.accept[i] = self.tokens, self._row()
+                    self.rows[i] = Row(self.tokens)
+            return sum(useful), counts
         kept = [i for i, (u, left) in enumerate(zip(useful, self.left)) if left > u]
         self.left = [self.left[i] - useful[i] for i in kept]
         self.accept = [self.accept[i] for i in kept]
+        self.rows = [self.rows[i] for i in kept]
         if not self.left:
             self._refill()
         return sum(useful), counts
@@ -110,7 +144,7 @@ class Rows:
 def scaled(times: list[float], rows: int, args) -> list[float]:
     """The iteration times at ``rows`` rows' bucket: ``--row-cost`` of T scales with the
     bucket over the full batch's (closed rounds' last rows run at smaller buckets)."""
-    if not args.closed:
+    if not args.closed or args.refill:
         return times
     share = bucket_of(rows) / bucket_of(args.batch)
     return [t * (1 - args.row_cost + args.row_cost * share) for t in times]
@@ -142,17 +176,20 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     buckets = {bucket_of(n) for n in range(1, args.batch + 1)}
     cost = _adaptive.CostTable({(b, k): t / 1e3 for b in buckets
                                 for k, t in enumerate(scaled(warm, b, args))})
-    rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN)
+    # The batch's tail (the engine's, for a drafter without classes) unless --pooled.
+    rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN, tail=not args.pooled)
     tokens = seconds = 0.0
     for _ in range(args.iterations):
-        active = rows.active
-        k = rule.choose([rule.facts()], active)
+        active, batch = rows.active, rows.requests()
+        tail_rows = rule.tail.rows(batch) if rule.tail is not None else 0
+        k = rule.choose([rule.facts(None, tail_rows)], active)
         clock.times = scaled(args.times, active, args)
         took = clock.iteration(k)
         seconds += took
         useful, counts = rows.step(k)
         tokens += useful
-        rule.record(k, counts)
+        rule.record(k, counts, None,
+                    rule.tail.accepted(batch, counts) if rule.tail is not None else None)
         rule.measured(took)
     return tokens / (seconds * 1e3), dict(sorted(rule.chosen.items()))
 
@@ -172,19 +209,27 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--closed", type=int, default=0, metavar="TOKENS",
                     help="closed rounds of --batch rows of TOKENS tokens each (default: "
                          "steady, rows that never end)")
+    ap.add_argument("--refill", type=int, default=0, metavar="TOKENS",
+                    help="steady load of --batch rows of TOKENS tokens each, each "
+                         "replaced by a new row as it ends")
     ap.add_argument("--spread", type=float, default=0.5,
-                    help="--closed: each row's acceptance x a factor in 1 +- this")
+                    help="--closed, --refill: each row's acceptance x a factor in 1 +- this")
+    ap.add_argument("--pooled", action="store_true",
+                    help="the rule without per-row counts (E(k) from the pooled ones)")
     ap.add_argument("--row-cost", type=float, default=0.5,
                     help="--closed: the share of an iteration's time that scales with "
                          "its bucket")
     args = ap.parse_args(argv)
     from specloop.engine import _adaptive  # noqa: PLC0415
 
+    from specloop.engine import _adaptive_tail  # noqa: PLC0415
+
     saved = {}
     for item in args.set:
         name, value = item.split("=", 1)
-        saved[name] = getattr(_adaptive, name)
-        setattr(_adaptive, name, type(saved[name])(value))     # the constant's own type
+        module = _adaptive if hasattr(_adaptive, name) else _adaptive_tail
+        saved[name] = (module, getattr(module, name))
+        setattr(module, name, type(saved[name][1])(value))     # the constant's own type
     rows = []
     try:
         for seed in range(args.seeds):
@@ -196,8 +241,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "best_k": best, "chosen": chosen})
             print(rows[-1], flush=True)
     finally:
-        for name, value in saved.items():
-            setattr(_adaptive, name, value)
+        for name, (module, value) in saved.items():
+            setattr(module, name, value)
     ratios = [r["vs_best"] for r in rows]
     print(f"rule / best fixed K: median {statistics.median(ratios):.3f} "
           f"({min(ratios):.3f}-{max(ratios):.3f}) over {len(rows)} seeds"

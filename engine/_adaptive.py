@@ -42,6 +42,8 @@ import torch
 
 from specloop.graphs import bucket_for
 
+from ._adaptive_tail import TAIL_PRIOR_ROWS, BatchTail
+
 # Counts travel as integers in 1/SCALE units (the exchange is an int64 tensor).
 SCALE = 16
 # Per-iteration decay of the counts (an iteration with drafts only): ~50 iterations' memory.
@@ -366,10 +368,12 @@ class AdaptiveK:
     the classes of its next batch's rows and its last measured iteration time (``facts``,
     its columns of the SYNC row), and ``choose``, which every rank runs on the gathered
     columns of all ranks, so all get the same K. ``classes``: the drafter's number of
-    draft classes (0: none; every row is then unclassed, class ``classes``)."""
+    draft classes (0: none; every row is then unclassed, class ``classes``). ``tail``:
+    without classes, E(k) is the batch's tail's (engine/_adaptive_tail.py: ``tail.rows``
+    of the next batch into ``facts`` / ``next_k``, ``tail.accepted`` into ``record``)."""
 
     def __init__(self, candidates: Sequence[int], cost: CostTable, classes: int = 0,
-                 burn_in: int = 0) -> None:
+                 burn_in: int = 0, tail: bool = False) -> None:
         self.candidates = tuple(sorted(set(candidates)))
         self.burn_in = burn_in      # iterations not learned (BURN_IN for an engine's)
         self.k_max = self.candidates[-1]
@@ -391,6 +395,12 @@ class AdaptiveK:
         # (``_expected_here``), each kept until ``record`` changes it: one GPU rank asks
         # every iteration (``next_k``).
         self._own_expected: list[dict[int, float] | None] = [None] * (classes + 1)
+        # The tail's decayed counts per position, and its E(k) from this rank's counts
+        # (kept until ``record`` changes them, as ``_own_expected``).
+        self.tail = BatchTail() if tail and not classes else None
+        self._tail_reached = [0.0] * self.k_max
+        self._tail_accepted = [0.0] * self.k_max
+        self._own_tail: dict[int, float] | None = None
 
     @property
     def reached(self) -> list[float]:
@@ -404,13 +414,15 @@ class AdaptiveK:
 
     @property
     def num_columns(self) -> int:
-        return (self.classes + 1) * (2 * self.k_max + 1) + 1
+        return (self.classes + 2) * (2 * self.k_max + 1) + 1
 
-    def facts(self, classes: Sequence[int] | None = None) -> list[int]:
+    def facts(self, classes: Sequence[int] | None = None, tail_rows: int = 0) -> list[int]:
         """[per class: reached_1..K, accepted_1..K (x SCALE); per class: the next batch's
-        rows of that class (``classes``: one per row; None: not told); measured iteration
-        time in us (negative when disturbed)]."""
-        row = self._row(classes)
+        rows of that class (``classes``: one per row; None: not told); the tail's
+        reached_1..K, accepted_1..K (x SCALE) and the next batch's tail rows
+        (``tail_rows``: ``tail.rows``); measured iteration time in us (negative when
+        disturbed)]."""
+        row = self._row(classes, tail_rows)
         row[-1] = self._measured_us
         self._measured_us = 0
         return row
@@ -420,12 +432,17 @@ class AdaptiveK:
         return [self.classes] * rows
 
     def record(self, k: int, num_accepted: Sequence[int],
-               classes: Sequence[int] | None = None) -> None:
+               classes: Sequence[int] | None = None,
+               tail_accepted: Sequence[int] | None = None) -> None:
         """After VERIFY: each row drafted k and had ``num_accepted`` of them accepted;
-        ``classes``: each row's class as the choice of k saw it (None: unclassed). A
-        class's counts decay at the iterations that drafted rows of it."""
+        ``classes``: each row's class as the choice of k saw it (None: unclassed);
+        ``tail_accepted``: the tail's rows' (``tail.accepted``; None: no tail). A class's
+        counts, and the tail's, decay at the iterations that drafted rows of them."""
         if k == 0 or not num_accepted:
             return
+        self._own_tail = None       # its prior is the pooled counts
+        if tail_accepted:
+            self._count(self._tail_reached, self._tail_accepted, k, tail_accepted)
         groups: Iterable[tuple[int, Sequence[int]]]
         if classes is None:     # every row unclassed (no per-row work: a host-bound batch
             groups = ((self.classes, num_accepted),)    # of 32-256 rows pays for each)
@@ -464,18 +481,19 @@ class AdaptiveK:
         self._measured_us = -abs(self._measured_us)
 
     def next_k(self, padded_batch_size: int, k: int, *, stay: bool = False,
-               classes: Sequence[int] | None = None) -> int:
+               classes: Sequence[int] | None = None, tail_rows: int = 0) -> int:
         """One rank only: the next iteration's K, decided now (by the rule on this rank's
         counts and the times learned so far: the next iteration's own choice taken early),
         so that its step can be queued before this one (at ``k``) is read back; ``classes``
-        its rows' (as the host knows them now: a step earlier than ``choose`` would).
+        its rows' (as the host knows them now: a step earlier than ``choose`` would),
+        ``tail_rows`` their tail's (``tail.rows``).
         ``stay``: ``k`` again, whatever the rule says (an iteration whose step was not
         queued ahead is followed by one that is, so a K gets timed as it runs in a
         stretch). Commits nothing: ``commit`` does, once the step is queued."""
         if stay:
             return k
-        return self._rule(self._expected_here(classes), self.cost.bucket(padded_batch_size),
-                          self._calls + 1)
+        expected = self._tail_here() if tail_rows else self._expected_here(classes)
+        return self._rule(expected, self.cost.bucket(padded_batch_size), self._calls + 1)
 
     def commit(self, k: int) -> None:
         """The next ``choose`` returns ``k`` without running the rule (one rank only)."""
@@ -531,13 +549,36 @@ class AdaptiveK:
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
 
-    def _row(self, classes: Sequence[int] | None) -> list[int]:
+    def _row(self, classes: Sequence[int] | None, tail_rows: int = 0) -> list[int]:
         counts = [round(x * SCALE) for c in range(self.classes + 1)
                   for x in self._reached[c] + self._accepted[c]]
         rows = [0] * (self.classes + 1)
         for c in classes or ():
             rows[c] += 1
-        return counts + rows + [0]
+        tail = [round(x * SCALE) for x in self._tail_reached + self._tail_accepted]
+        return counts + rows + tail + [tail_rows, 0]
+
+    def _tail_expected(self, reached: Sequence[float], accepted: Sequence[float],
+                       tail_reached: Sequence[float], tail_accepted: Sequence[float]
+                       ) -> dict[int, float]:
+        """E(k) per candidate from the tail's counts, with TAIL_PRIOR_ROWS pseudo-rows at
+        the pooled acceptance (``reached``, ``accepted``: all rows' counts)."""
+        pooled = acceptance_from_counts(reached, accepted)
+        return expected_by_k([(a + TAIL_PRIOR_ROWS * p) / (r + TAIL_PRIOR_ROWS)
+                              for r, a, p in zip(tail_reached, tail_accepted, pooled)],
+                             self.candidates)
+
+    def _tail_here(self) -> dict[int, float]:
+        """``_expected([self._row(None, rows)])`` for a batch with a tail, from this rank's
+        counts in fixed point (as its SYNC row sends them), kept until ``record``."""
+        found = self._own_tail
+        if found is None:
+            def fixed(values: list[float]) -> list[float]:
+                return [round(x * SCALE) / SCALE for x in values]
+            found = self._own_tail = self._tail_expected(
+                fixed(self._reached[0]), fixed(self._accepted[0]),
+                fixed(self._tail_reached), fixed(self._tail_accepted))
+        return found
 
     def _expected_here(self, classes: Sequence[int] | None) -> dict[int, float]:
         """``_expected([self._row(classes)])``, from per-class E(k) kept until the next
@@ -578,17 +619,22 @@ class AdaptiveK:
         return found
 
     def _expected(self, rows: list[list[int]]) -> dict[int, float]:
-        """E(k) per candidate from the gathered rows: the mean over the batches' rows of
-        their class's E(k) (unclassed rows, and every row when no rank told its classes:
-        all classes' counts pooled)."""
+        """E(k) per candidate from the gathered rows: the tail's where a rank sent tail
+        rows (its counts pooled over the ranks, engine/_adaptive_tail.py); else the mean
+        over the batches' rows of their class's E(k) (unclassed rows, and every row when
+        no rank told its classes: all classes' counts pooled)."""
         n, per = self.k_max, 2 * self.k_max
         counts = [[sum(row[c * per + j] for row in rows) / SCALE for j in range(per)]
                   for c in range(self.classes + 1)]
         at = (self.classes + 1) * per
         sizes = [sum(row[at + c] for row in rows) for c in range(self.classes + 1)]
-        pooled = expected_from_counts([sum(col) for col in zip(*(x[:n] for x in counts))],
-                                      [sum(col) for col in zip(*(x[n:] for x in counts))],
-                                      self.candidates)
+        reached = [sum(col) for col in zip(*(x[:n] for x in counts))]
+        accepted = [sum(col) for col in zip(*(x[n:] for x in counts))]
+        at += self.classes + 1      # the tail's columns
+        if sum(row[at + per] for row in rows):
+            tail = [sum(row[at + j] for row in rows) / SCALE for j in range(per)]
+            return self._tail_expected(reached, accepted, tail[:n], tail[n:])
+        pooled = expected_from_counts(reached, accepted, self.candidates)
         if not sum(sizes[:-1]):     # no classed row: the pooled counts alone
             return pooled
         per_class = [expected_from_counts(x[:n], x[n:], self.candidates) if size else {}

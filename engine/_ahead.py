@@ -127,7 +127,8 @@ class RunAhead:
         # The next iteration's rows' classes as the host knows them now (VERIFY n not
         # read back: one iteration behind its own SYNC's), which its record then counts.
         classes = w.draft_classes(rec.batch)
-        nxt = adaptive.next_k(rec.padded_batch_size, k, stay=not taken, classes=classes)
+        nxt = adaptive.next_k(rec.padded_batch_size, k, stay=not taken, classes=classes,
+                              tail_rows=w.tail_rows(rec.batch) if taken else 0)
         hidden, queued = None, False
         if nxt == 0 and k == 0:
             self.queue(rec, pending, rows)

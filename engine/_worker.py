@@ -146,7 +146,8 @@ class RankWorker:
             cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
             classes = self.drafter.num_draft_classes if self.drafter is not None else 0
-            self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN)
+            self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN,
+                                      tail=True)
             self.clock = IterationClock(self.adaptive, cuda=self.runner.device.type == "cuda")
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 
@@ -246,8 +247,9 @@ class RankWorker:
                 rec.num_draft_tokens = adaptive.choose_committed(rec.padded_batch_size)
             else:
                 rec.draft_classes = self.draft_classes(rec.batch)
-                rec.num_draft_tokens = adaptive.choose([adaptive.facts(rec.draft_classes)],
-                                                       rec.padded_batch_size)
+                rec.num_draft_tokens = adaptive.choose(
+                    [adaptive.facts(rec.draft_classes, self.tail_rows(rec.batch))],
+                    rec.padded_batch_size)
             self.clock.timed = True
         # Held for one iteration only (an empty one included: its rows may not come back).
         self.committed_classes = {}
@@ -271,6 +273,11 @@ class RankWorker:
                              f"(its num_draft_classes is {n})")
         return classes
 
+    def tail_rows(self, batch: list[Request]) -> int:
+        """Adaptive K's tail rows in ``batch`` (``BatchTail.rows``; 0 without a tail)."""
+        tail = self.adaptive.tail if self.adaptive is not None else None
+        return tail.rows(batch) if tail is not None else 0
+
     def _all_greedy(self, batch: list[Request]) -> bool:
         """Whether every request of ``batch`` samples greedily: from the batch's sampling
         rows (built once per batch; PICK_GRAPH_KEY's), not a pass over its params."""
@@ -285,7 +292,7 @@ class RankWorker:
         if self.adaptive is None:
             return row
         rec.draft_classes = self.draft_classes(batch)
-        return row + self.adaptive.facts(rec.draft_classes)
+        return row + self.adaptive.facts(rec.draft_classes, self.tail_rows(batch))
 
     async def _sync_group(self, rec: IterationRecord) -> IterationState:
         """Agreement from the facts gathered in SCHEDULE's exchange (no collective)."""
@@ -546,8 +553,11 @@ class RankWorker:
             rec.finished = self.outputs.commit(rec.batch, rec.result.token_ids.tolist(),
                                                accepted)
             self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)
-            if self.adaptive is not None:
-                self.adaptive.record(k, accepted, rec.draft_classes)
+            adaptive = self.adaptive
+            if adaptive is not None:
+                tail = adaptive.tail
+                adaptive.record(k, accepted, rec.draft_classes,
+                                tail.accepted(rec.batch, accepted) if tail is not None else None)
         return S.DONE
 
     def cancel_all(self) -> None:

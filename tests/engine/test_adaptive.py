@@ -665,7 +665,7 @@ def cycle_k(adaptive, pattern):
     # One GPU rank's committed choice too (it does not go through ``choose``).
     adaptive.choose_committed = lambda batch: choose(None, batch)
     # One GPU rank takes the next K early to queue its step (whatever ``stay``).
-    adaptive.next_k = lambda batch, k, stay=False, classes=None: pattern[calls[0] % len(pattern)]
+    adaptive.next_k = lambda batch, k, stay=False, classes=None, tail_rows=0: pattern[calls[0] % len(pattern)]
 
 
 def record_first_drafts(drafter, seen):

@@ -462,9 +462,9 @@ async def test_one_rank_records_the_classes_its_k_was_committed_with(tiny_dir, t
             events.append(("committed",))
             return committed(batch)
 
-        def logged_record(k, accepted, classes=None):
+        def logged_record(k, accepted, classes=None, tail_accepted=None):
             events.append(("record", k, None if classes is None else list(classes)))
-            record(k, accepted, classes)
+            record(k, accepted, classes, tail_accepted)
         w.draft_classes, adaptive.commit = logged_classes, logged_commit
         adaptive.choose_committed, adaptive.record = logged_committed, logged_record
         for prompt, params in ngram_requests()[:3]:

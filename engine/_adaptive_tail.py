@@ -1,0 +1,82 @@
+"""Adaptive K's tail of the batch: the rows it waits on longest (docs/configuration.md,
+"Adaptive K").
+
+A head's acceptance differs from prompt to prompt, and the rows that accept least stay in
+the batch longest. Pooled counts see the mean row. A batch whose rows all end (closed
+rounds, a burst of requests) lasts as long as its slowest rows, for which a smaller K is
+faster: on the H200 at batch 32, K = 1 ended rounds 1.10x faster than no speculation and
+K = 3 0.96x, at the same mean rate per iteration, and the rule with pooled counts drafted
+K = 3 (docs/performance-history.md, "Newcomers in the chained step").
+
+So for a drafter without draft classes, the rule's E(k) is the tail's: the TAIL_SHARE of
+the batch's rows (at least TAIL_MIN_ROWS; none in a batch no larger) with the most tokens
+left to their limit keep acceptance counts of their own (decayed as the pooled ones), and
+E(k) comes from those, with TAIL_PRIOR_ROWS pseudo-rows at the pooled acceptance. In a
+closed round the rows with most left are the slowest; under steady load they are the
+newest, whose acceptance is the pooled one. ``bench/adaptive_sim.py`` (``--closed``,
+``--refill``; ``--pooled`` for the rule without the tail) gives the rule 0.99 of the best
+fixed K in closed rounds at batch 32 with the tail, 0.88-0.95 without, and the same under
+steady load.
+
+Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance);
+the tail itself (a sort of the batch by tokens left) only when the batch's size changes
+or every TAIL_EVERY iterations.
+"""
+
+from __future__ import annotations
+
+from itertools import compress
+from typing import Sequence
+
+from ._request import Request
+
+# The share of the batch's rows whose acceptance the rule takes: those with the most
+# tokens left. bench/adaptive_sim.py --closed 128 at batch 32: 1/4 ends closed rounds as
+# fast as the best fixed K.
+TAIL_SHARE = 0.25
+# A tail is at least this many rows, and a batch of no more rows has none (its E(k) the
+# pooled counts'): a tail of 1-2 rows, whose counts hold a few iterations each, lost 1-2 %
+# to the pooled counts at batch 1 and 8 in the simulation.
+TAIL_MIN_ROWS = 4
+# The tail's acceptance at draft j: (its accepted + TAIL_PRIOR_ROWS * pooled a_j) / (its
+# reached + TAIL_PRIOR_ROWS): a tail that has drafted little looks like the pooled rows.
+TAIL_PRIOR_ROWS = 4.0
+# The tail is chosen again when the batch's size changes (a draining batch: each time a
+# row ends) or after this many iterations (steady load: rows come and go at one size).
+TAIL_EVERY = 8
+
+
+def _left(request: Request) -> int:
+    """Tokens left to the request's limit (-1 before its first commit sets the limit)."""
+    limit = request.stop_length
+    return limit - len(request.token_ids) if limit else -1
+
+
+class BatchTail:
+    """One rank's tail: which rows of its batch are in it (``rows`` before the choice of
+    K, ``accepted`` of them after VERIFY)."""
+
+    def __init__(self) -> None:
+        self.members: frozenset[Request] = frozenset()
+        self._size = -1
+        self._age = 0
+
+    def rows(self, batch: Sequence[Request]) -> int:
+        """The tail's rows in ``batch`` (the next iteration's): 0 where the batch has no
+        tail."""
+        self._age += 1
+        if len(batch) != self._size or self._age >= TAIL_EVERY:
+            self._size, self._age = len(batch), 0
+            take = max(TAIL_MIN_ROWS, round(len(batch) * TAIL_SHARE))
+            self.members = frozenset() if take >= len(batch) else \
+                frozenset(sorted(batch, key=_left, reverse=True)[:take])
+        return len(self.members)
+
+    def accepted(self, batch: Sequence[Request], num_accepted: Sequence[int]
+                 ) -> list[int] | None:
+        """The accepted drafts of ``batch``'s rows in the tail (None: no tail)."""
+        members = self.members
+        if not members:
+            return None
+        # (a comprehension's per-row test costs 2-3x at batch 64-256)
+        return list(compress(num_accepted, map(members.__contains__, batch)))

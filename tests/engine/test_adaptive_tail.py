@@ -1,0 +1,198 @@
+"""Adaptive K's tail of the batch (engine/_adaptive_tail.py): the rows the batch waits on
+longest, their own acceptance counts, and the group's agreement on K from them."""
+
+import random
+
+import pytest
+import torch
+
+from specloop.comm import LocalGroup
+from specloop.engine import AsyncEngine
+from specloop.engine._adaptive import (SCALE, AdaptiveK, CostTable, acceptance_from_counts,
+                                       choose_by_rate, expected_by_k)
+from specloop.engine._adaptive_tail import (TAIL_EVERY, TAIL_MIN_ROWS, TAIL_PRIOR_ROWS,
+                                            TAIL_SHARE, BatchTail)
+from specloop.samplers import SamplingParams
+
+from .conftest import make_config, serve_staggered
+from .test_adaptive import KLog, check_greedy
+
+KS = (0, 1, 2, 3)
+
+
+class Row:
+    """A request as the tail reads it: its token limit and its tokens so far."""
+
+    def __init__(self, limit: int, length: int) -> None:
+        self.stop_length, self.token_ids = limit, [0] * length
+
+
+def test_the_tail_is_the_rows_with_most_tokens_left():
+    rng = random.Random(5)
+    for _ in range(30):
+        n = rng.randint(1, 40)
+        batch = [Row(300, length) for length in rng.sample(range(10, 290), n)]
+        tail = BatchTail()
+        rows = tail.rows(batch)
+        take = max(TAIL_MIN_ROWS, round(n * TAIL_SHARE))
+        if take >= n:
+            assert rows == 0 and tail.accepted(batch, [1] * n) is None
+            continue
+        assert rows == take
+        shortest = sorted(batch, key=lambda r: len(r.token_ids))[:take]
+        assert tail.members == frozenset(shortest)
+        accepted = [rng.randint(0, 3) for _ in batch]
+        assert tail.accepted(batch, accepted) == \
+            [a for r, a in zip(batch, accepted) if r in tail.members]
+
+
+def test_the_tail_is_chosen_again_when_the_batch_changes_size_or_ages():
+    batch = [Row(100, length) for length in range(10, 30)]        # 20 rows: a tail of 5
+    tail = BatchTail()
+    tail.rows(batch)
+    first = tail.members
+    assert first == frozenset(batch[:5])
+    for row in batch[:5]:
+        row.token_ids = [0] * 99           # the tail's rows nearly done
+    for _ in range(TAIL_EVERY - 1):
+        tail.rows(batch)
+        assert tail.members == first       # held between choices
+    tail.rows(batch)
+    assert tail.members == frozenset(batch[5:10])     # aged: chosen again
+    del batch[12]
+    tail.rows(batch)                       # a row ended: chosen again at once
+    assert tail.members == frozenset(batch[5:10])
+    fresh = Row(0, 5)                      # not committed yet: no limit known, last
+    batch.append(fresh)
+    tail.rows(batch)
+    assert fresh not in tail.members and len(tail.members) == 5
+
+
+def draining(tail: bool):
+    """A batch of 16 rows after 60 iterations at K = 3, as one rank's AdaptiveK (with the
+    tail or without) has seen it: rows 0-7 accepted every draft, rows 8-15 none, and the
+    tail (the slow rows: most tokens left) has been rows 8-15. T(k) makes K = 3 the best
+    for the mean row and K = 0 for a row that accepts nothing."""
+    cost = CostTable({(16, k): 1.0 + 0.2 * k for k in KS}, learn=False)
+    adaptive = AdaptiveK(KS, cost, tail=tail)
+    for _ in range(60):
+        adaptive.record(3, [3] * 8 + [0] * 8, None, [0] * 8 if tail else None)
+    return adaptive
+
+
+def test_a_draining_batch_drafts_for_the_rows_it_waits_on():
+    """The batch lasts as long as its slow rows: their counts decide K (0), where the
+    mean row's pooled counts draft 3. The biased twin, pooled counts alone, drafts 3; both
+    on one rank (``next_k``) and through the SYNC row (``choose``)."""
+    slow = draining(tail=True)
+    assert slow.next_k(16, 3, tail_rows=4) == 0
+    assert slow.choose([slow.facts(None, 4)], 16) == 0
+    # Without tail rows this iteration (a batch as small as its tail): the pooled counts.
+    assert slow.next_k(16, 3) == 3 and draining(tail=True).choose([slow.facts()], 16) == 3
+    pooled = draining(tail=False)
+    assert pooled.tail is None
+    assert pooled.next_k(16, 3) == 3
+    assert pooled.choose([pooled.facts()], 16) == 3
+
+
+def test_the_tails_acceptance_leans_on_the_pooled_one_until_it_has_drafted():
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 for k in KS}, learn=False), tail=True)
+    adaptive.record(3, [3, 3, 3, 0], None, [0])
+    reached, accepted = adaptive._reached[0], adaptive._accepted[0]
+    pooled = acceptance_from_counts(reached, accepted)
+    tail = [(a + TAIL_PRIOR_ROWS * p) / (r + TAIL_PRIOR_ROWS)
+            for r, a, p in zip([1, 0, 0], [0, 0, 0], pooled)]
+    assert adaptive._tail_here() == pytest.approx(expected_by_k(tail, KS))
+    assert pooled[0] > tail[0] > 0       # one rejected row moves it only part of the way
+
+
+def test_group_pools_the_tails_counts():
+    """Ranks send their tails' counts and rows; every rank takes E(k) from the tails'
+    counts summed over the ranks and the prior from everyone's pooled counts; a rank
+    without a tail this iteration adds its pooled counts only."""
+    a, b, c = draining(True), draining(True), draining(True)
+    b.record(3, [3] * 8, None, [3] * 8)          # b's tail accepts too
+    columns = torch.tensor([a.facts(None, 4), b.facts(None, 4), c.facts(None, 0)])
+    rows = columns.tolist()
+    per, n = 2 * 3, 3
+    at = per + 1                                  # after the counts and the class rows
+    summed = [sum(row[j] for row in rows) / SCALE for j in range(per)]
+    tail = [sum(row[at + j] for row in rows) / SCALE for j in range(per)]
+    assert tail[:n] == pytest.approx([sum(x._tail_reached[j] for x in (a, b, c))
+                                      for j in range(n)], abs=3 / SCALE)
+    expected = a._tail_expected(summed[:n], summed[n:], tail[:n], tail[n:])
+    assert a._expected(rows) == b._expected(rows) == c._expected(rows) == expected
+    times = {k: 1.0 + 0.2 * k for k in KS}
+    choice = choose_by_rate(KS, expected, times)
+    assert a.choose(columns, 16) == b.choose(columns, 16) == c.choose(columns, 16) == choice
+
+
+def test_one_ranks_early_choice_is_its_sync_rows():
+    """next_k's E(k) from the tail, kept between records, equals the one ``choose``
+    computes from this rank's SYNC row, bit for bit, as counts change."""
+    rng = random.Random(11)
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 for k in KS}), tail=True)
+    for _ in range(200):
+        k = rng.randint(0, 3)
+        accepted = [rng.randint(0, k) for _ in range(rng.randint(1, 8))]
+        adaptive.record(k, accepted, None, accepted[:rng.randint(0, len(accepted))])
+        assert adaptive._tail_here() == adaptive._expected([adaptive._row(None, 4)])
+
+
+def ragged(n=14):
+    """Greedy and sampled requests of very different lengths, arriving in two waves."""
+    out = []
+    for i in range(n):
+        prompt = [5 + i, 30 + 3 * i, 9, 70 + i, 5 + i]
+        tokens = 8 + (37 * i) % 40
+        params = SamplingParams(temperature=0.8, seed=7 + i, max_tokens=tokens,
+                                ignore_eos=True) if i % 5 == 4 else \
+            SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
+        out.append((prompt, params, 0.05 * (i // 7)))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2])
+async def test_ranks_agree_on_k_from_their_tails(tiny_dir, tiny_loaded, world):
+    """mtp_eagle under adaptive K with batches of up to 12 rows a rank (tails of 3-4
+    rows): tails ride the SYNC row on every rank that has one, every rank runs the same K
+    each iteration (LM-head TP: a K apart would enter different collectives), and greedy
+    rows equal greedy without speculation."""
+    config = make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True,
+                         max_batch_size=12, speculative={"adaptive": True},
+                         parallel={"world_size": world, "attention_dp": world > 1,
+                                   "lm_head_tp_in_adp": world > 1})
+    reqs = ragged()
+    group = LocalGroup(world, timeout=5.0)
+
+    async def rank_main(comm):
+        klog, tails = KLog(), []
+        async with AsyncEngine(config, communicator=comm, model=tiny_loaded,
+                               observers=[klog]) as engine:
+            adaptive = engine.worker.adaptive
+            assert adaptive is not None and adaptive.tail is not None
+            choose = adaptive.choose
+
+            def logged(columns, batch):
+                rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
+                at = 2 * (2 * adaptive.k_max + 1) - 1     # the tail rows' column
+                tails.append([row[at] for row in rows])
+                return choose(columns, batch)
+            adaptive.choose = logged
+            if comm.rank == 0:
+                outs = await serve_staggered(engine, reqs)
+            else:
+                outs = None
+                await engine.wait_closed()
+        return outs, klog.ks, tails
+
+    results = await group.run(rank_main)
+    check_greedy(tiny_loaded, reqs, results[0][0])
+    logs = [dict(ks) for _, ks, _ in results]
+    for rank in range(1, world):
+        common = logs[0].keys() & logs[rank].keys()
+        assert len(common) >= 10 and all(logs[0][i] == logs[rank][i] for i in common)
+    tails = results[0][2]
+    assert sum(1 for t in tails if any(t)) >= 5, tails
+    if world > 1:   # the facts path (one rank commits its K early and sends no row)
+        assert any(all(t) for t in tails), tails
