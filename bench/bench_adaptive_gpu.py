@@ -146,6 +146,8 @@ class LearnLog:
                     "c": name, "ev": "rule", "b": bucket, "calls": calls, "k": k,
                     "e": {c: round(e, 3) for c, e in expected.items()},
                     "t": {c: round(t * 1e3, 4) for c, t in times.items()},
+                    # E(k) of the pooled counts, where ``e`` may be the batch's tail's
+                    "ep": {c: round(e, 3) for c, e in adaptive._expected_here(None).items()},
                     "settled": bucket in adaptive._settled})
             return k
 

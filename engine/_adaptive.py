@@ -102,6 +102,16 @@ SWITCH_HORIZON = 8
 # most (n-gram then drafted where K = 0 was faster). A real change moves the median
 # within RECENT / 2 iterations at that K; one pause does not move it.
 RECENT = 15
+# A K with fewer learned samples than this at a bucket is not well measured there: its
+# first samples (FIRST_SAMPLES, run once at the first bucket, the first of them right
+# after another K's stretch, or catching the head up after K = 0) ran 15-35 % above what
+# a stretch of it costs on the H200 (batch 32 in-process: T(32, 1) learned 1.413 ms from
+# them, 1.23 in a stretch), and a K the rule does not pick is measured again only at its
+# turns to explore (EXPLORE_EVERY). Its T is then at most the time of the K measured most
+# there moved by the difference of their warm-up times (``CostTable.times``): optimistic,
+# so the rule tries it, and its own samples from that stretch decide from then on. The
+# first samples leave a K's window once FIRST_SAMPLES more have come.
+WELL_MEASURED = 2 * FIRST_SAMPLES
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -208,6 +218,12 @@ class CostTable:
         factory=dict, init=False, repr=False)
     _bucket_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     _graph_of: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
+    # Per bucket: the K with the most learned samples, once it has WELL_MEASURED.
+    _anchor: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
+    # Per (bucket, K) whose first samples are still in its window: [how many, samples
+    # learned since]; FIRST_SAMPLES later they leave it.
+    _provisional: dict[tuple[int, int], list[int]] = attrs.field(factory=dict, init=False,
+                                                                 repr=False)
 
     @property
     def buckets(self) -> list[int]:
@@ -244,8 +260,11 @@ class CostTable:
 
     def times(self, bucket: int, ks: Iterable[int]) -> dict[int, float]:
         """{k: T(bucket, k)} for each of ``ks`` (every choice asks for all its candidates:
-        one call, ``rest`` looked up once)."""
-        measured, found, rest = self.measured, {}, None
+        one call, ``rest`` looked up once): measured, else warm-up's plus ``rest``; a K
+        not WELL_MEASURED at a bucket whose anchor is takes at most the anchor's time
+        moved by their warm-up times' difference (``moved``)."""
+        measured, samples, found, rest = self.measured, self.samples, {}, None
+        anchor = self._anchor.get(bucket)
         for k in ks:
             seen = measured.get((bucket, k))
             if seen is None:
@@ -254,8 +273,23 @@ class CostTable:
                 if rest is None:
                     rest = self._rest(bucket)
                 seen = device + rest
+            if anchor is not None and k != anchor and \
+                    samples.get((bucket, k), 0) < WELL_MEASURED:
+                moved = self.moved(bucket, anchor, k)
+                if moved < seen:
+                    seen = moved
             found[k] = seen
         return found
+
+    def moved(self, bucket: int, anchor: int, k: int) -> float:
+        """T(bucket, anchor) moved to K = k by the difference of their warm-up times
+        (and no lower than shrunk in their proportion: iterations can run below warm-up's
+        times, so the difference alone could reach zero)."""
+        t = self.measured[(bucket, anchor)]
+        there, here = self._device(bucket, anchor), self._device(bucket, k)
+        if there is None or here is None or there <= 0:
+            return t
+        return max(t + here - there, t * min(here / there, 1.0))
 
     def _rest(self, bucket: int) -> float:
         if bucket in self.rest:
@@ -313,11 +347,27 @@ class CostTable:
         recent = _median_of_recent(self._recent, key, seconds)
         if trying:
             self.measured[key] = _median_low(first[0] or first[1])
+            if _has_first(first):   # the last first sample: they stay provisional
+                self._provisional[key] = [len(self._recent[key]), 0]
         else:
+            provisional = self._provisional.get(key)
+            if provisional is not None:
+                provisional[1] += 1
+                if provisional[1] == FIRST_SAMPLES:
+                    # As many samples since: the first ones leave the window (WELL_MEASURED).
+                    window = self._recent[key]
+                    for _ in range(min(provisional[0], len(window) - FIRST_SAMPLES)):
+                        window.popleft()
+                    del self._provisional[key]
+                    recent = _median_low(window)
             self.measured[key] = recent
             if not disturbed and not first[0]:
                 first[0].append(seconds)    # from now on, disturbed ones are not learned
-        self.samples[key] = self.samples.get(key, 0) + 1
+        count = self.samples[key] = self.samples.get(key, 0) + 1
+        anchor = self._anchor.get(bucket)
+        if count >= WELL_MEASURED and anchor != k and \
+                (anchor is None or count > self.samples[(bucket, anchor)]):
+            self._anchor[bucket] = k
         # ``rest``: an exponential average of the time beyond warm-up's (max(beyond, 0.0)
         # written out).
         beyond = seconds - device

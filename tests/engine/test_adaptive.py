@@ -9,8 +9,8 @@ import torch
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
 from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_RARELY, EXPLORE_RUN,
-                                       FIRST_SAMPLES,
-                                       RECENT, SCALE, AdaptiveK, CostTable,
+                                       FIRST_SAMPLES, RECENT, SCALE, WELL_MEASURED,
+                                       AdaptiveK, CostTable,
                                        acceptance_from_counts, choose_k, expected_tokens)
 from specloop.engine._states import IterationState
 from specloop.engine._errors import ConfigError
@@ -197,19 +197,65 @@ def test_measured_time_decides_over_warm_up():
     assert cost.measured[(1, 0)] == pytest.approx(0.002)
     assert cost.switch_cost(1, 0) == pytest.approx(0.0005)
     # Later, one pause does not move T (the median of the last RECENT), a lasting change
-    # does within RECENT / 2 iterations.
+    # does within RECENT / 2 iterations at K = 0. (Meanwhile each other K, not
+    # WELL_MEASURED, looks as cheap as K = 0 moved by warm-up's difference and runs a
+    # stretch that measures it: T(1, 3) is then its own again.)
     adaptive.measured(0.2)
-    adaptive.choose([adaptive.facts()], 1)
+    k = adaptive.choose([adaptive.facts()], 1)
     assert cost.measured[(1, 0)] == pytest.approx(0.002)
-    for _ in range(RECENT):
-        adaptive.measured(0.002)
-        adaptive.choose([adaptive.facts()], 1)
+
+    def iterations(time_at_0):
+        nonlocal k
+        adaptive.measured(time_at_0 if k == 0 else 0.012 + 0.001 * k)
+        ran, k = k, adaptive.choose([adaptive.facts()], 1)
+        return ran
+    while sum(iterations(0.002) == 0 for _ in range(RECENT)) < RECENT:
+        pass
+    assert all(cost.samples[(1, c)] >= WELL_MEASURED for c in KS)
+    assert cost.time(1, 3) == pytest.approx(0.015)
     slower = 0
     while cost.measured[(1, 0)] < 0.004:
-        adaptive.measured(0.004)
-        adaptive.choose([adaptive.facts()], 1)
-        slower += 1
+        slower += iterations(0.004) == 0
     assert slower <= RECENT // 2 + 1
+
+
+def test_a_k_not_well_measured_is_priced_from_the_one_measured_most():
+    """K = 1's first samples ran dear (as on the H200, 15-35 % above its stretches): until
+    it has WELL_MEASURED samples, T(b, 1) is at most the anchor's (the K measured most)
+    moved by their warm-up times' difference, so the rule tries it; from then on its own
+    samples decide. The biased twin (no anchor: WELL_MEASURED = 0) keeps the first
+    samples' price and never drafts K = 1 again."""
+    device = {(1, 0): 0.0010, (1, 1): 0.0011, (1, 3): 0.0015}
+    cost = CostTable(dict(device))
+    for _ in range(FIRST_SAMPLES):
+        cost.observe(1, 1, 0.0030)          # K = 1's first samples, dear
+    for _ in range(WELL_MEASURED):
+        cost.observe(1, 3, 0.0020)          # K = 3 runs: the anchor
+    assert cost.measured[(1, 1)] == pytest.approx(0.0030)
+    assert cost.times(1, (1, 3)) == pytest.approx({1: 0.0020 - 0.0004, 3: 0.0020})
+    assert cost.time(1, 0) == pytest.approx(0.0020 - 0.0005)    # never measured: moved too
+    adaptive = AdaptiveK((1, 3), cost)     # both tried: the rule decides at bucket 1
+    adaptive.record(3, [1, 1, 0, 1])       # E(1) / T(1) beats E(3) / T(3) at those times
+    assert adaptive._rule(adaptive._expected_here(None), 1, 10) == 1
+    for _ in range(FIRST_SAMPLES):
+        cost.observe(1, 1, 0.0017)          # its stretch: the first samples leave the window
+    assert cost.samples[(1, 1)] == WELL_MEASURED
+    assert cost.time(1, 1) == pytest.approx(0.0017)
+
+
+def test_first_samples_leave_the_window_once_as_many_have_come():
+    cost = CostTable({(1, 0): 0.001})
+    for _ in range(FIRST_SAMPLES):
+        cost.observe(1, 0, 0.003)
+    assert cost.tried(1, 0)
+    for t in (0.0010, 0.0011):
+        cost.observe(1, 0, t)
+    assert cost.time(1, 0) == pytest.approx(0.003)     # the first ones still count
+    cost.observe(1, 0, 0.0012)
+    assert cost.time(1, 0) == pytest.approx(0.0011)    # the median of its own three
+    for t in (0.0009, 0.0013):
+        cost.observe(1, 0, t)
+    assert list(cost._recent[(1, 0)]) == [0.0010, 0.0011, 0.0012, 0.0009, 0.0013]
 
 
 def test_measured_time_teaches_the_rest_of_the_iteration():
