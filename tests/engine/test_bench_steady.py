@@ -260,6 +260,32 @@ def test_adaptive_sim_closed_rounds_end_with_their_slowest_row(common):
     assert abs(steady["fixed"][1] / steady["fixed"][3] - 1) < 0.05, steady
 
 
+def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
+    """The H200's batch-32 closed rounds (its fixed engines' iteration times and the
+    eagle3 head's acceptance, spread 1 +- 0.5 a row): K = 1 serves the rounds best while
+    per iteration K = 1 and K = 3 run level. The rule with the batch's tail (the
+    default) finds K = 1; with pooled counts (``--pooled``) it drafts K = 3 half the time
+    and loses. ``--first-bias``: each K's first samples 1.3x dear, as on the H200: the
+    rule still finds K = 1, and without pricing a K not well measured from the anchor
+    (``WELL_MEASURED=0``) it never drafts K = 1 again. ``--refill`` (each row replaced
+    as it ends: steady load) keeps the rule level with the best fixed K."""
+    sim = importlib.import_module("adaptive_sim")
+    common = ["--iterations", "1500", "--seeds", "1", "--sigma", "0", "--dwell", "0",
+              "--batch", "32", "--times", "0.811,1.008,1.196,1.254",
+              "--accept", "0.524,0.5,0.458", "--spread", "0.5"]
+    (tail,) = sim.main(common + ["--closed", "128"])
+    (pooled,) = sim.main(common + ["--closed", "128", "--pooled"])
+    (biased,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3"])
+    (stuck,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3",
+                                  "--set", "WELL_MEASURED=0"])
+    (steady,) = sim.main(common + ["--refill", "128"])
+    assert tail["best_k"] == 1 and tail["vs_best"] > 0.97, tail
+    assert pooled["vs_best"] < tail["vs_best"] - 0.03, pooled
+    assert biased["vs_best"] > 0.97 and biased["chosen"][1] > 1000, biased
+    assert stuck["vs_best"] < 0.92 and stuck["chosen"][1] < 50, stuck
+    assert steady["vs_best"] > 0.97, steady
+
+
 @pytest.mark.slow
 def test_core_cpu_ab_runs_both_trees(common, capsys):
     """bench/core_cpu_ab.py: the ProcessEngine core's host time, this tree against a commit
