@@ -14,9 +14,12 @@ left to their limit keep acceptance counts of their own (decayed as the pooled o
 E(k) comes from those, with TAIL_PRIOR_ROWS pseudo-rows at the pooled acceptance. In a
 closed round the rows with most left are the slowest; under steady load they are the
 newest, whose acceptance is the pooled one. ``bench/adaptive_sim.py`` (``--closed``,
-``--refill``; ``--pooled`` for the rule without the tail) gives the rule 0.99 of the best
-fixed K in closed rounds at batch 32 with the tail, 0.88-0.95 without, and the same under
-steady load.
+``--refill``; ``--pooled`` for the rule without the tail) gives the rule 0.97-1.00 of the
+best fixed K in closed rounds at batch 32 with the tail, 0.92-0.97 without, and the same
+under steady load. On the H200 it did not move the closed rounds: there the tail quarter
+accepted ~0.9x the mean row (the simulation's spread gives ~0.6x), and K = 1 and K = 3
+came out level for it (docs/performance-history.md, "The batch's tail, and a K not well
+measured").
 
 Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance);
 the tail itself (a sort of the batch by tokens left) only when the batch's size changes
