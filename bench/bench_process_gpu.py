@@ -42,12 +42,13 @@ from profile_spec_gpu import CONFIGS
 
 
 async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets,
-                  steady=None):
+                  steady=None, core_log_level="warning"):
     """-> {(name, kind): (rates, AL, extra)}; every engine built and warmed first (a whole
     round: adaptive K explores its K values then), then ``runs`` runs in which the engines
     take turns, each run starting one engine further on. ``steady``: (prompts to cycle,
     requests a run, spread of the lengths): a run is steady load (``steady_load``), not
-    closed rounds over ``sets``."""
+    closed rounds over ``sets``. ``core_log_level``: the ProcessEngine core's (its stderr;
+    "info" shows adaptive K's ``adaptive_k`` events)."""
     from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
 
     batch, sync = len(sets[0]), device_sync(device)
@@ -59,7 +60,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
             config = engine_config(spec, batch, device, buckets)
             for kind in kinds:
                 engine = AsyncEngine(config, model=loaded) if kind == "in-process" \
-                    else ProcessEngine(config)
+                    else ProcessEngine(config, log_level=core_log_level)
                 engines[name, kind] = await stack.enter_async_context(engine)
         for engine in engines.values():
             await generate_round(engine, sets[0], tokens, consumer)
@@ -137,6 +138,9 @@ def main() -> None:
                     help="rounds a run at least (as many as the distinct prompts fill)")
     ap.add_argument("--buckets", choices=("batch", "serving"), default="batch",
                     help="graphs for the batch only, or for every power of two up to it")
+    ap.add_argument("--core-log-level", default="warning",
+                    help="the ProcessEngine core's log level (info: adaptive K's view, "
+                         "an adaptive_k event every 256 choices, on stderr)")
     add_arrival_args(ap)
     args = ap.parse_args()
     quiet_logs()
@@ -146,7 +150,8 @@ def main() -> None:
                                              min_rounds=args.min_rounds):
         steady = steady_setup(args, loaded.tokenizer, texts, batch)
         got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
-                        args.device, args.consumer, args.buckets, steady)
+                        args.device, args.consumer, args.buckets, steady,
+                        args.core_log_level)
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})

@@ -448,6 +448,8 @@ class AdaptiveK:
         # The tail's decayed counts per position, and its E(k) from this rank's counts
         # (kept until ``record`` changes them, as ``_own_expected``).
         self.tail = BatchTail() if tail and not classes else None
+        # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
+        self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
         self._tail_reached = [0.0] * self.k_max
         self._tail_accepted = [0.0] * self.k_max
         self._own_tail: dict[int, float] | None = None
@@ -737,9 +739,33 @@ class AdaptiveK:
             scale = cost.measured[(bucket, most)] / max(estimate[most], 1e-9)
         return {c: t * scale for c, t in estimate.items()}
 
+    @property
+    def choices(self) -> int:
+        """Choices so far (the same count on every rank)."""
+        return self._calls
+
+    def summary(self) -> dict[str, Any]:
+        """What the rule saw at its last decision and has learned at that bucket (the
+        worker's ``adaptive_k`` log event): K chosen so far, E(k) and T(b, k) as the
+        rule took them, each K's measured time, samples and switch cost there."""
+        bucket, expected, times = self._view
+        cost = self.cost
+        return {
+            "choices": self._calls, "chosen": dict(sorted(self.chosen.items())),
+            "bucket": bucket,
+            "expected": {k: round(e, 3) for k, e in expected.items()},
+            "times_ms": {k: round(t * 1e3, 3) for k, t in times.items()},
+            "measured_ms": {k: round(cost.measured[(bucket, k)] * 1e3, 3)
+                            for k in self.candidates if (bucket, k) in cost.measured},
+            "samples": {k: cost.samples.get((bucket, k), 0) for k in self.candidates},
+            "switch_ms": {k: round(cost.switch[(bucket, k)] * 1e3, 3)
+                          for k in self.candidates if (bucket, k) in cost.switch},
+            "tail_rows": None if self.tail is None else len(self.tail.members)}
+
     def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket``, E(k) ``expected``."""
         times = self.cost.times(bucket, self.candidates)
+        self._view = (bucket, expected, times)
         k = choose_by_rate(self.candidates, expected, times)
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K

@@ -102,8 +102,7 @@ class IterationMachine:
         # when debug is filtered out and nobody observes, an event costs nothing.
         # structlog unconfigured prints every level to stdout: a library stays quiet then.
         bound = log.bind()
-        debug = structlog.is_configured() and getattr(
-            bound, "is_enabled_for", lambda level: True)(logging.DEBUG)
+        debug = enabled_for(bound, logging.DEBUG)
         emit = debug or bool(self.observers)
         while state is not S.DONE:
             start = time.perf_counter()
@@ -146,6 +145,14 @@ class IterationMachine:
                         sampling_path=event.sampling_path, accepted=accepted,
                         overlapped=overlapped)
         notify(self.observers, event)
+
+
+def enabled_for(bound: structlog.typing.FilteringBoundLogger, level: int) -> bool:
+    """Whether ``bound`` (a ``log.bind()`` under the logging config of the moment) lets
+    ``level`` through: never while structlog is unconfigured (it would print every level
+    to stdout; a library stays quiet then)."""
+    return structlog.is_configured() and getattr(
+        bound, "is_enabled_for", lambda level: True)(level)
 
 
 def notify(observers: Sequence[IterationObserver], event: TransitionEvent) -> None:

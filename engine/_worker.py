@@ -12,6 +12,7 @@ never re-decide it per step.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
@@ -31,7 +32,7 @@ from ._ahead import RunAhead
 from ._chain import DeviceChain
 from ._exchange import OutputExchange
 from ._frontdoor import FrontDoorMessage
-from ._iteration import Handler, IterationRecord
+from ._iteration import Handler, IterationRecord, enabled_for
 from ._outputs import Outputs
 from ._request import FinishReason, Request
 from ._runner import ReadBack
@@ -60,6 +61,8 @@ Pending = tuple[Tensors, ReadBack]
 # rule's inputs follow: AdaptiveK.facts).
 FACT_TOKENS, FACT_BATCH, FACT_REQUESTS, FACT_ALL_GREEDY = range(4)
 NUM_FACTS = 4
+# Adaptive K's view is logged (``adaptive_k``, info) once in this many choices.
+ADAPTIVE_LOG_EVERY = 256
 
 
 class RankWorker:
@@ -251,6 +254,7 @@ class RankWorker:
                     [adaptive.facts(rec.draft_classes, self.tail_rows(rec.batch))],
                     rec.padded_batch_size)
             self.clock.timed = True
+            self._log_adaptive()
         # Held for one iteration only (an empty one included: its rows may not come back).
         self.committed_classes = {}
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
@@ -272,6 +276,18 @@ class RankWorker:
                              f"{len(batch)} rows; want one class in 0 .. {n - 1} a row "
                              f"(its num_draft_classes is {n})")
         return classes
+
+    def _log_adaptive(self) -> None:
+        """Every ADAPTIVE_LOG_EVERY choices, the rule's view (``AdaptiveK.summary``) as an
+        ``adaptive_k`` info event: what a server's operator (or a bench, through the
+        engine core's log) reads to see why K is what it is. Filtered out, it costs a
+        modulo an iteration."""
+        adaptive = self.adaptive
+        if adaptive is None or adaptive.choices % ADAPTIVE_LOG_EVERY:
+            return
+        bound = log.bind()
+        if enabled_for(bound, logging.INFO):
+            bound.info("adaptive_k", rank=self.comm.rank, **adaptive.summary())
 
     def tail_rows(self, batch: list[Request]) -> int:
         """Adaptive K's tail rows in ``batch`` (``BatchTail.rows``; 0 without a tail)."""
@@ -318,6 +334,7 @@ class RankWorker:
             rec.num_draft_tokens = self.adaptive.choose(facts[:, NUM_FACTS:],
                                                         rec.padded_batch_size)
             self.clock.timed = True
+            self._log_adaptive()
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
 
     # PICK_GRAPH_KEY ---------------------------------------------------------------------

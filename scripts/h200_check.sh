@@ -16,7 +16,9 @@
 #            (CURVE, HF_CURVE: the batch sizes), and batch 64's table; a PNG (issue 12)
 #   process  the engine core in its own process (ProcessEngine) against AsyncEngine and
 #            adaptive K over the best fixed config in each (PROCESS_BATCHES, PROCESS_CONFIGS,
-#            PROCESS_KINDS, PROCESS_ARRIVAL (closed | steady), RUNS, MIN_ROUNDS; bench_process_gpu.py)
+#            PROCESS_KINDS, PROCESS_ARRIVAL (closed | steady), RUNS, MIN_ROUNDS; bench_process_gpu.py;
+#            PROCESS_CORE_LOG=info: the core's adaptive_k events, every 256 choices, in
+#            $OUT/process.log or codeab's logs)
 #   closed   the same in closed rounds (BATCHES, RUNS, MIN_ROUNDS: bench_adaptive_gpu.py's
 #            --batches, --runs, --min-rounds; MIN_ROUNDS defaults to 4)
 #   host     each iteration's wall and the host's wait for the GPU (HOST_BATCH, HOST_CONFIGS,
@@ -136,9 +138,9 @@ for step in "$@"; do
       (cd bench && python3 bench_process_gpu.py --prompts "$PROMPTS" --out "$OUT/process.jsonl" \
         --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
         --batches "${PROCESS_BATCHES:-1,8,32,64,128,256}" --kinds "${PROCESS_KINDS:-process}" \
-        --arrival "${PROCESS_ARRIVAL:-closed}" \
+        --arrival "${PROCESS_ARRIVAL:-closed}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
         --configs "${PROCESS_CONFIGS:-none,eagle3 K=1,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \
-        2>&1 | grep -v Warn | python3 -c '
+        2>&1 | grep -v Warn | tee "$OUT/process.log" | python3 -c '
 import json, sys
 for line in sys.stdin:
     try:
@@ -249,7 +251,7 @@ for line in sys.stdin:
                --out "$OUT/codeab_${v}_$round.jsonl" --runs "${RUNS:-3}" --buckets serving \
                --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
                --batches "${PROCESS_BATCHES:-64}" --kinds "${PROCESS_KINDS:-process}" \
-               --arrival "${PROCESS_ARRIVAL:-steady}" \
+               --arrival "${PROCESS_ARRIVAL:-steady}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
                --configs "${PROCESS_CONFIGS:-none,eagle3 K=2,eagle3 adaptive<=3}" \
                > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
              grep '^{' "$OUT/codeab_${v}_$round.log" | python3 -c '

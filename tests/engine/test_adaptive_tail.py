@@ -196,3 +196,38 @@ async def test_ranks_agree_on_k_from_their_tails(tiny_dir, tiny_loaded, world):
     assert sum(1 for t in tails if any(t)) >= 5, tails
     if world > 1:   # the facts path (one rank commits its K early and sends no row)
         assert any(all(t) for t in tails), tails
+
+
+async def test_the_rules_view_is_logged_at_info(tiny_dir, tiny_loaded, monkeypatch):
+    """Every ADAPTIVE_LOG_EVERY choices the worker logs ``adaptive_k`` at info: the K
+    chosen so far, E(k) and T(b, k) as the rule took them, each K's measured time and
+    samples at that bucket, the tail's rows. Filtered out (warning), nothing."""
+    import logging
+
+    import structlog
+    from structlog.testing import capture_logs
+
+    from specloop.engine import _worker
+
+    monkeypatch.setattr(_worker, "ADAPTIVE_LOG_EVERY", 8)
+    config = make_config(tiny_dir, method="mtp_eagle", k=3, max_batch_size=12,
+                         speculative={"adaptive": True})
+    seen = {}
+    for level in (logging.INFO, logging.WARNING):
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
+        try:
+            with capture_logs() as logs:
+                async with AsyncEngine(config, model=tiny_loaded) as engine:
+                    await serve_staggered(engine, ragged())
+                    choices = engine.worker.adaptive.choices
+        finally:
+            structlog.configure(
+                wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
+        seen[level] = [e for e in logs if e["event"] == "adaptive_k"]
+    events = seen[logging.INFO]
+    assert len(events) == choices // 8 and not seen[logging.WARNING]
+    last = events[-1]
+    assert last["choices"] % 8 == 0 and sum(last["chosen"].values()) == last["choices"]
+    assert set(last["expected"]) == set(last["times_ms"]) == set(last["samples"]) == set(KS)
+    assert last["expected"][0] == 1.0 and last["bucket"] in (1, 2, 4, 8, 16)
+    assert any(e["tail_rows"] for e in events)
