@@ -11,14 +11,17 @@ before drafting (``Drafter.draft_classes``: n-gram, the length of the match it w
 draft from) has counts per class, and E(k) is then the mean over the batch's rows of
 their class's E(k): a batch of rows without a match drafts nothing, one whose rows
 continue a long match drafts K (rows the drafter does not class, or past
-CLASSED_ROWS, take the counts of all classes pooled). T(b, k) the iteration's time: VERIFY and
-DRAFT as timed at warm-up (``calibrate``) plus the rest of the iteration (host work)
-until iterations at (b, k) have been measured (whole iterations, start to start, less
+CLASSED_ROWS, take the counts of all classes pooled). A drafter without classes (the
+heads) takes E(k) from the batch's tail instead: the rows with the most tokens left,
+which a batch whose rows all end waits on longest (engine/_adaptive_tail.py). T(b, k) the
+iteration's time: VERIFY and DRAFT as timed at warm-up (``calibrate``) plus the rest of
+the iteration (host work) until iterations at (b, k) have been measured (whole iterations, start to start, less
 prefill, on a GPU as long as its kernels ran, and waits: the worker's clock), then the
 median of the last RECENT (each K runs FIRST_SAMPLES times in a row at the first bucket
 before the rule decides there, later buckets borrow its times, each K's moved by the
 change in its own warm-up time and all scaled to the bucket's own measured one, and
-EXPLORE_RUN choices in EXPLORE_EVERY try the K values in turn). The iterations on either
+EXPLORE_RUN choices in EXPLORE_EVERY try the K values in turn; a K not WELL_MEASURED
+at a bucket is priced from the K measured most there). The iterations on either
 side of a switch of K teach that K's switch cost instead, which the rule pays before it
 leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An
 iteration that admitted requests, or whose next one did, is disturbed and learned only where no undisturbed one was (its extra cost
@@ -445,14 +448,14 @@ class AdaptiveK:
         # (``_expected_here``), each kept until ``record`` changes it: one GPU rank asks
         # every iteration (``next_k``).
         self._own_expected: list[dict[int, float] | None] = [None] * (classes + 1)
-        # The tail's decayed counts per position, and its E(k) from this rank's counts
-        # (kept until ``record`` changes them, as ``_own_expected``).
+        # The batch's tail: its decayed counts per position, and its E(k) from this rank's
+        # counts (kept until ``record`` changes them, as ``_own_expected``).
         self.tail = BatchTail() if tail and not classes else None
-        # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
-        self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
         self._tail_reached = [0.0] * self.k_max
         self._tail_accepted = [0.0] * self.k_max
         self._own_tail: dict[int, float] | None = None
+        # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
+        self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
 
     @property
     def reached(self) -> list[float]:
