@@ -163,6 +163,29 @@ def run_fixed(k: int, args, seed: int) -> float:
     return tokens / (seconds * 1e3)
 
 
+def expected_max(rows: int) -> float:
+    """E[max of ``rows`` standard normals], the Gumbel approximation (0 for one row)."""
+    if rows < 2:
+        return 0.0
+    s = math.sqrt(2 * math.log(rows))
+    return max(s - (math.log(math.log(rows)) + math.log(4 * math.pi)) / (2 * s), 0.0)
+
+
+def drain_expected(expected: dict[int, float], left: float, rows: int) -> dict[int, float]:
+    """``--drain-objective``: E(k) made the tokens an iteration that would end a draining
+    batch soonest. A row needs left / E iterations give or take sigma * sqrt(left / E) /
+    E (sigma: one iteration's tokens' spread, from P(n >= j) = E(j) - E(j - 1)), and the
+    slowest of ``rows`` about ``expected_max(rows)`` of those more; the value returned is
+    left over that (docs/performance-history.md, "A model of a closed round's length")."""
+    z, out = expected_max(rows), {}
+    for k, e in expected.items():
+        reach = [expected[j] - expected[j - 1] for j in range(1, k + 1)]   # P(n >= j)
+        var = sum((2 * j - 1) * p for j, p in enumerate(reach, 1)) - (e - 1) ** 2
+        iterations = left / e + z * math.sqrt(max(var, 0.0) * left / e) / e
+        out[k] = left / iterations if iterations > 0 else e
+    return out
+
+
 def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     """Tokens per ms of the rule, and how often it chose each K."""
     from specloop.engine import _adaptive  # noqa: PLC0415
@@ -178,6 +201,15 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
                                 for k, t in enumerate(scaled(warm, b, args))})
     # The batch's tail (the engine's, for a drafter without classes) unless --pooled.
     rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN, tail=not args.pooled)
+    if args.drain_objective and args.closed:
+        # An oracle for "the batch drains" (closed rounds: always): the rule's E(k) as
+        # the tokens an iteration that end the round soonest, at the rows' mean tokens left.
+        rule_of = rule._rule
+
+        def drained(expected, bucket, calls):
+            left = sum(rows.left) / max(len(rows.left), 1)
+            return rule_of(drain_expected(expected, left, rows.active), bucket, calls)
+        rule._rule = drained
     tokens = seconds = 0.0
     for _ in range(args.iterations):
         active, batch = rows.active, rows.requests()
@@ -219,6 +251,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--first-bias", type=float, default=1.0,
                     help="each K's first samples at a bucket take this many times its "
                          "time (on the H200 they ran 15-35 %% above a stretch's)")
+    ap.add_argument("--drain-objective", action="store_true",
+                    help="--closed: the rule's E(k) made a draining batch's (the slowest "
+                         "row's expected iterations; performance-history.md, 'A model of "
+                         "a closed round's length'), knowing the batch drains")
     ap.add_argument("--pooled", action="store_true",
                     help="the rule without per-row counts (E(k) from the pooled ones)")
     ap.add_argument("--row-cost", type=float, default=0.5,

@@ -286,6 +286,19 @@ def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
     assert steady["vs_best"] > 0.97, steady
 
 
+def test_adaptive_sim_drain_objective_is_the_slowest_rows_rate(common):
+    """``--drain-objective``'s E(k): one row (no slowest of several) keeps E(k); K = 0
+    (no variance) keeps 1; with rows, a larger K's spread costs it more: here K = 1's
+    rate stays ahead of K = 3's, which per iteration is 1.25x."""
+    sim = importlib.import_module("adaptive_sim")
+    expected = {0: 1.0, 1: 1.524, 2: 1.786, 3: 1.906}
+    assert sim.drain_expected(expected, 128, 1) == pytest.approx(expected)
+    many = sim.drain_expected(expected, 128, 32)
+    assert many[0] == 1.0 and 1.40 < many[1] < 1.524 and many[3] < 1.906
+    assert many[3] / many[1] < expected[3] / expected[1]
+    assert sim.expected_max(32) == pytest.approx(2.07, abs=0.2)
+
+
 @pytest.mark.slow
 def test_core_cpu_ab_runs_both_trees(common, capsys):
     """bench/core_cpu_ab.py: the ProcessEngine core's host time, this tree against a commit
