@@ -17,6 +17,15 @@ slow host: ``bench/results/h200_1202q_adaptive_diag_steady.jsonl``).
     python bench/adaptive_sim.py [--batch 8] [--times 0.709,0.883,0.960,0.949]
         [--accept 0.50,0.51,0.59] [--sigma 0.2] [--slow 1.8] [--dwell 400]
         [--iterations 3000] [--seeds 5] [--set RECENT=45 --set SWITCH_MARGIN=0]
+        [--closed 128 | --refill 128] [--spread 0.5] [--row-cost 0.5] [--pooled]
+        [--first-bias 1.3] [--drain-objective]
+
+``--closed``: rounds of rows that end after their tokens; ``--refill``: each row replaced
+as it ends (steady load); ``--pooled``: the rule without the batch's tail;
+``--first-bias``: each K's first samples dearer; ``--drain-objective``: the closed-round
+model as the rule's objective (an oracle that knows the batch drains). The H200's
+ProcessEngine closed rounds at batch 32 are best matched by ``--spread 0.3 --row-cost 0``
+(docs/performance-history.md, "The batch's tail, and a K not well measured").
 
 ``--set NAME=VALUE`` changes one of engine/_adaptive.py's constants for the run (a
 variant of the rule to compare); several may be given.
