@@ -454,6 +454,7 @@ class AdaptiveK:
         self._tail_reached = [0.0] * self.k_max
         self._tail_accepted = [0.0] * self.k_max
         self._own_tail: dict[int, float] | None = None
+        self._no_tail = [0] * (2 * self.k_max)      # the tail's columns without a tail
         # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
         self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
 
@@ -610,7 +611,8 @@ class AdaptiveK:
         rows = [0] * (self.classes + 1)
         for c in classes or ():
             rows[c] += 1
-        tail = [round(x * SCALE) for x in self._tail_reached + self._tail_accepted]
+        tail = [round(x * SCALE) for x in self._tail_reached + self._tail_accepted] \
+            if self.tail is not None else self._no_tail
         return counts + rows + tail + [tail_rows, 0]
 
     def _tail_expected(self, reached: Sequence[float], accepted: Sequence[float],
