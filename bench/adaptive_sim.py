@@ -77,16 +77,15 @@ def bucket_of(rows: int) -> int:
 
 
 class Row:
-    """A row as adaptive K's tail reads a request (``_adaptive_tail._left``): its token
-    limit and its tokens so far (``len(token_ids)``)."""
+    """A row: its tokens ``left``, read by adaptive K's tail as a request's
+    (``_adaptive_tail._left``: its limit, ``stop_length``, less ``len(token_ids)``)."""
 
     def __init__(self, tokens: int) -> None:
-        self.stop_length = tokens
+        self.stop_length = self.left = tokens
         self.token_ids = self
-        self.generated = 0
 
     def __len__(self) -> int:
-        return self.generated
+        return self.stop_length - self.left
 
 
 class Rows:
@@ -101,7 +100,6 @@ class Rows:
     def __init__(self, args, rng: random.Random) -> None:
         self.args, self.rng = args, rng
         self.tokens = args.closed or args.refill
-        self.left: list[int] = []
         self.accept: list[list[float]] = []
         self.rows: list[Row] = []
         self._refill()
@@ -113,15 +111,16 @@ class Rows:
     def _refill(self) -> None:
         args = self.args
         self.rows = [Row(self.tokens or 1 << 30) for _ in range(args.batch)]
-        if not self.tokens:
-            self.left, self.accept = [0] * args.batch, [args.accept] * args.batch
-            return
-        self.left = [self.tokens] * args.batch
-        self.accept = [self._row() for _ in self.left]
+        self.accept = [self._row() for _ in self.rows] if self.tokens else \
+            [args.accept] * args.batch
 
     @property
     def active(self) -> int:
-        return len(self.left)
+        return len(self.rows)
+
+    @property
+    def left(self) -> list[int]:
+        return [row.left for row in self.rows]
 
     def requests(self) -> list[Row]:
         return list(self.rows)
@@ -131,21 +130,18 @@ class Rows:
         counts = [accepted(k, 1, accept, self.rng)[0] for accept in self.accept]
         if not self.tokens:
             return sum(n + 1 for n in counts), counts
-        useful = [min(n + 1, left) for n, left in zip(counts, self.left)]
+        useful = [min(n + 1, row.left) for n, row in zip(counts, self.rows)]
         for row, u in zip(self.rows, useful):
-            row.generated += u
+            row.left -= u
         if self.args.refill:
-            for i, u in enumerate(useful):
-                self.left[i] -= u
-                if self.left[i] <= 0:
-                    self.left[i], self.accept[i] = self.tokens, self._row()
-                    self.rows[i] = Row(self.tokens)
+            for i, row in enumerate(self.rows):
+                if row.left <= 0:
+                    self.rows[i], self.accept[i] = Row(self.tokens), self._row()
             return sum(useful), counts
-        kept = [i for i, (u, left) in enumerate(zip(useful, self.left)) if left > u]
-        self.left = [self.left[i] - useful[i] for i in kept]
+        kept = [i for i, row in enumerate(self.rows) if row.left > 0]
         self.accept = [self.accept[i] for i in kept]
         self.rows = [self.rows[i] for i in kept]
-        if not self.left:
+        if not self.rows:
             self._refill()
         return sum(useful), counts
 

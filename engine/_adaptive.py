@@ -278,21 +278,16 @@ class CostTable:
                 seen = device + rest
             if anchor is not None and k != anchor and \
                     samples.get((bucket, k), 0) < WELL_MEASURED:
-                moved = self.moved(bucket, anchor, k)
-                if moved < seen:
-                    seen = moved
+                priced = self.moved(bucket, anchor, k)
+                if priced < seen:
+                    seen = priced
             found[k] = seen
         return found
 
     def moved(self, bucket: int, anchor: int, k: int) -> float:
-        """T(bucket, anchor) moved to K = k by the difference of their warm-up times
-        (and no lower than shrunk in their proportion: iterations can run below warm-up's
-        times, so the difference alone could reach zero)."""
-        t = self.measured[(bucket, anchor)]
-        there, here = self._device(bucket, anchor), self._device(bucket, k)
-        if there is None or here is None or there <= 0:
-            return t
-        return max(t + here - there, t * min(here / there, 1.0))
+        """T(bucket, anchor) moved to K = k by their warm-up times (``moved``)."""
+        return moved(self.measured[(bucket, anchor)], self._device(bucket, anchor),
+                     self._device(bucket, k))
 
     def _rest(self, bucket: int) -> float:
         if bucket in self.rest:
@@ -394,6 +389,21 @@ class CostTable:
 
 
 Key = TypeVar("Key", bound=Hashable)
+
+
+def moved(measured: float, there: float | None, here: float | None) -> float:
+    """A time ``measured`` where warm-up timed ``there``, moved to where it timed ``here``:
+    by their difference, and no lower than shrunk in their proportion (measured iterations
+    can run below warm-up's times, so the difference alone could reach zero); unmoved
+    without both warm-up times."""
+    if there is None or here is None or there <= 0:
+        return measured
+    return max(measured + here - there, measured * min(here / there, 1.0))
+
+
+def fixed_point(values: Iterable[float]) -> list[float]:
+    """Counts as a SYNC row carries them: round(x * SCALE) / SCALE."""
+    return [round(x * SCALE) / SCALE for x in values]
 
 
 def _has_first(first: tuple[list[float], list[float]]) -> bool:
@@ -630,11 +640,9 @@ class AdaptiveK:
         counts in fixed point (as its SYNC row sends them), kept until ``record``."""
         found = self._own_tail
         if found is None:
-            def fixed(values: list[float]) -> list[float]:
-                return [round(x * SCALE) / SCALE for x in values]
             found = self._own_tail = self._tail_expected(
-                fixed(self._reached[0]), fixed(self._accepted[0]),
-                fixed(self._tail_reached), fixed(self._tail_accepted))
+                fixed_point(self._reached[0]), fixed_point(self._accepted[0]),
+                fixed_point(self._tail_reached), fixed_point(self._tail_accepted))
         return found
 
     def _expected_here(self, classes: Sequence[int] | None) -> dict[int, float]:
@@ -666,8 +674,7 @@ class AdaptiveK:
                 found = expected_from_counts(self._reached[c], self._accepted[c],
                                              self.candidates, scale=SCALE)
             else:   # every class's, pooled
-                fixed = [([round(x * SCALE) / SCALE for x in self._reached[m]],
-                          [round(x * SCALE) / SCALE for x in self._accepted[m]])
+                fixed = [(fixed_point(self._reached[m]), fixed_point(self._accepted[m]))
                          for m in range(self.classes + 1)]
                 found = expected_from_counts([sum(col) for col in zip(*(r for r, _ in fixed))],
                                              [sum(col) for col in zip(*(a for _, a in fixed))],
@@ -729,14 +736,8 @@ class AdaptiveK:
         near = min(self._settled,
                    key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
 
-        def moved(c: int) -> float:
-            measured = cost.measured[(near, c)]
-            here, there = cost.own_device(bucket, c), cost.own_device(near, c)
-            if here is None or there is None or there <= 0:
-                return measured
-            return max(measured + here - there, measured * min(here / there, 1.0))
-
-        estimate = {c: moved(c) for c in self.candidates}
+        estimate = {c: moved(cost.measured[(near, c)], cost.own_device(near, c),
+                             cost.own_device(bucket, c)) for c in self.candidates}
         here = [c for c in self.candidates if (bucket, c) in cost.measured]
         scale = 1.0
         if here:
