@@ -1,10 +1,13 @@
 """Host time of adaptive K's per-iteration calls at batch 1 (one GPU rank's path), on the
 CPU: ``next_k`` + ``commit``, ``measured``, ``choose_committed``, ``record``, for a rule
 with n-gram's 4 draft classes and K = 0 .. 4, each row's class drawn at random. Two
-tables: fixed at warm-up's times (nothing learned) and learning. µs an iteration, 3 runs
+tables: fixed at warm-up's times (nothing learned) and learning. ``--tail-batch N``: a
+head's rule instead (no classes, K = 0 .. 3, the batch's tail: ``tail.rows`` before the
+choice, ``tail.accepted`` into ``record``) over N rows under a server's load (a row ends
+and another joins about every other iteration). µs an iteration, 3 runs
 each of ``--iterations``.
 
-    python bench/bench_adaptive_host.py [--iterations 20000]
+    python bench/bench_adaptive_host.py [--iterations 20000] [--tail-batch 64]
         [--module /tmp/old_adaptive.py]   (another version of engine/_adaptive.py, e.g.
                                            ``git show <commit>:engine/_adaptive.py``)
 """
@@ -52,12 +55,78 @@ def loop(adaptive, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e6
 
 
+class _Row:
+    """What the tail reads of a request: its limit and its tokens so far."""
+
+    def __init__(self, rng: random.Random) -> None:
+        self.stop_length = rng.randrange(64, 256)
+        self.token_ids = [0] * rng.randrange(1, 32)
+
+
+def make_tail(module, learn: bool):
+    candidates = [0, 1, 2, 3]
+    cost = module.CostTable({(64, k): 0.0015 + 0.0001 * k for k in candidates}, learn=learn)
+    adaptive = module.AdaptiveK(candidates, cost, burn_in=0, tail=True)
+    rng = random.Random(0)
+    for _ in range(300):
+        k = rng.choice(candidates[1:])
+        adaptive.record(k, [rng.randrange(k + 1) for _ in range(8)], None,
+                        [rng.randrange(k + 1) for _ in range(2)])
+    return adaptive
+
+
+def loop_tail(adaptive, n: int, batch_size: int) -> float:
+    """µs an iteration of the one-rank path's calls for a head over ``batch_size`` rows."""
+    rng = random.Random(1)
+    batch = [_Row(rng) for _ in range(batch_size)]
+    tail, k = adaptive.tail, 0
+    start = time.perf_counter()
+    for _ in range(n):
+        adaptive.commit(adaptive.next_k(batch_size, k, tail_rows=tail.rows(batch)))
+        adaptive.measured(0.0015 + rng.random() * 1e-5)
+        k = adaptive.choose_committed(batch_size)
+        accepted = [rng.randrange(k + 1) if k else 0 for _ in batch]
+        adaptive.record(k, accepted, None, tail.accepted(batch, accepted))
+        for row, m in zip(batch, accepted):
+            row.token_ids += [0] * (m + 1)
+        if rng.random() < 0.5:      # one ends, another joins
+            batch[rng.randrange(batch_size)] = _Row(rng)
+    return (time.perf_counter() - start) / n * 1e6 - _rows_us(n, batch_size)
+
+
+def _rows_us(n: int, batch_size: int) -> float:
+    """The loop's own row bookkeeping (accepted drafts drawn, tokens grown), not the
+    rule's: µs an iteration, subtracted."""
+    rng = random.Random(1)
+    batch = [_Row(rng) for _ in range(batch_size)]
+    start = time.perf_counter()
+    for _ in range(n):
+        accepted = [rng.randrange(3 + 1) for _ in batch]
+        for row, m in zip(batch, accepted):
+            row.token_ids += [0] * (m + 1)
+        if rng.random() < 0.5:
+            batch[rng.randrange(batch_size)] = _Row(rng)
+    return (time.perf_counter() - start) / n * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=20000)
     ap.add_argument("--module", default="", help="another engine/_adaptive.py to time")
+    ap.add_argument("--tail-batch", type=int, default=0,
+                    help="a head's rule with the batch's tail over this many rows")
     args = ap.parse_args()
     module = load(args.module)
+    if args.tail_batch:
+        for learn in (False, True):
+            adaptive = make_tail(module, learn)
+            loop_tail(adaptive, 500, args.tail_batch)
+            runs = [round(loop_tail(adaptive, args.iterations // 4, args.tail_batch), 1)
+                    for _ in range(3)]
+            print(f"tail, batch {args.tail_batch}, "
+                  f"{'learning' if learn else 'warm-up times'}: {runs} us an iteration "
+                  f"(K chosen: {dict(sorted(adaptive.chosen.items()))})")
+        return
     for learn in (False, True):
         adaptive = make(module, learn)
         loop(adaptive, 2000)        # warm

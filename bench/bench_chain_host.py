@@ -9,14 +9,16 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
         [--method eagle3] [--k 3] [--profile prof.txt] [--closed [--sampled]]
-        [--adaptive-at K] [--cycle 0,0,0,0,0,0,4,4]
+        [--adaptive-at K] [--cycle 0,0,0,0,0,0,4,4] [--steady]
 
 Per run: each state's mean time per iteration, (``per-iteration medians``) the median of
 its per-iteration times, which a shared, loaded host disturbs far less (a preempted
 iteration moves a mean, not the median), and each state's thread CPU time per iteration
 (the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).
 ``--closed``: closed rounds of requests that end apart instead (batch changes: the chain
-taken for fewer rows, the sampling rows rebuilt), thread CPU per iteration; ``--sampled``:
+taken for fewer rows, the sampling rows rebuilt), thread CPU per iteration and the K mix;
+``--steady``: a server's load instead of endless requests (each of the batch's clients
+sends another request as its last one ends; also with ``--cycle``); ``--sampled``:
 odd requests sample (seeded, top-p), so the batch is not all greedy. ``--cycle``: batch 1
 (``--cycle-batch``: another), adaptive K's one-rank path held to that cycle of K (n-gram: in and out of K = 0 stretches),
 each state's median µs per move, the K before > this K > the K after (``0>0>4``: the K = 0
@@ -139,22 +141,34 @@ def force_chain(worker, adaptive_at: int | None = None) -> None:
         worker.chain = DeviceChain(worker=worker)
     if adaptive_at is not None:
         worker.ahead.at_k0 = True
+        if adaptive_at < 0:     # --adaptive-at -1: the rule free, learning this host's times
+            return
         cost = worker.adaptive.cost
         cost.learn = False
         for key in list(cost.device):
             cost.device[key] = 0.001 if key[1] == adaptive_at else 1.0
 
 
-def start_endless(tg, engine, batch: int) -> None:
-    """``batch`` greedy requests that never end (steady decode) started in ``tg``."""
+def start_endless(tg, engine, batch: int, steady: bool = False) -> list[int]:
+    """``batch`` greedy requests that never end (steady decode) started in ``tg``;
+    ``steady``: a server's load instead, each of ``batch`` clients sending a request of
+    20 + 4 (i mod 16) tokens again as its last one ends (a request ends and another joins
+    every iteration or two at batch 32-64, as on the H200's steady load). -> a list that
+    grows by one as each request ends."""
     from specloop.samplers import SamplingParams  # noqa: PLC0415
-    params = SamplingParams(temperature=0.0, max_tokens=10 ** 6, ignore_eos=True)
+    ended: list[int] = []
 
     async def one(i):
-        async for _ in engine.generate([1, 2, 3, 4, 5, 6], params, request_id=f"r{i}"):
-            pass
+        for n in range(10 ** 9 if steady else 1):
+            params = SamplingParams(temperature=0.0, ignore_eos=True, max_tokens=(
+                20 + 4 * ((i + n) % 16) if steady else 10 ** 6))
+            async for _ in engine.generate([1, 2, 3, 4, 5, 6], params,
+                                           request_id=f"r{i}-{n}"):
+                pass
+            ended.append(i)
     for i in range(batch):
         tg.start_soon(one, i)
+    return ended
 
 
 async def until(engine, iterations: int) -> None:
@@ -163,18 +177,19 @@ async def until(engine, iterations: int) -> None:
         await anyio.sleep(0.002)
 
 
-async def measure(cfg, loaded, batch, iterations, profiler, adaptive_at=None):
+async def measure(cfg, loaded, batch, iterations, profiler, adaptive_at=None, steady=False):
     """-> (wall us per iteration, {state: us per iteration}, chained steps taken share,
-    {state: median us of an iteration}, {state: thread CPU us per iteration})."""
+    {state: median us of an iteration}, {state: thread CPU us per iteration}, requests
+    that ended in the timed iterations)."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     times, each, cpu = StateTimes(), IterationTimes(), ThreadTimes()
     async with AsyncEngine(cfg, model=loaded, observers=[times, each, cpu]) as engine:
         worker = engine.worker
         force_chain(worker, adaptive_at)
         async with anyio.create_task_group() as tg:
-            start_endless(tg, engine, batch)
+            ended = start_endless(tg, engine, batch, steady)
             await until(engine, 30)
-            first = engine.stats.num_iterations
+            first, ended_before = engine.stats.num_iterations, len(ended)
             taken = worker.chain.taken_steps if worker.chain is not None else 0
             times.total_us.clear()
             each.us.clear()
@@ -192,21 +207,26 @@ async def measure(cfg, loaded, batch, iterations, profiler, adaptive_at=None):
             thread = {s: v / done for s, v in cpu.us.items()}
             share = ((worker.chain.taken_steps - taken) / done
                      if worker.chain is not None else 0.0)
+            ended_here = len(ended) - ended_before
             tg.cancel_scope.cancel()
-    return elapsed / done * 1e6, states, share, medians, thread
+    return elapsed / done * 1e6, states, share, medians, thread, ended_here
 
 
-async def closed_rounds(cfg, loaded, batch, rounds, sampled=False):
+async def closed_rounds(cfg, loaded, batch, rounds, sampled=False, adaptive_at=None):
     """Closed rounds: ``batch`` requests at once, request i ending after 20 + 4i tokens
     (a batch change every ~2 iterations at batch 32, as a round's requests finish apart);
-    the first round warms up. -> per round, {state: thread CPU us per iteration}."""
+    the first round warms up. ``adaptive_at``: as ``measure``'s. -> (per round, {state:
+    thread CPU us per iteration}; iterations per K over the timed rounds)."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     from specloop.samplers import SamplingParams  # noqa: PLC0415
     cpu = ThreadTimes()
     out = []
     async with AsyncEngine(cfg, model=loaded, observers=[cpu]) as engine:
-        force_chain(engine.worker)
+        force_chain(engine.worker, adaptive_at)
+        per_k: dict[int, int] = {}
         for r in range(rounds + 1):
+            if r == 1:
+                per_k = dict(engine.stats.iterations_per_k)
             cpu.clear()
             first = engine.stats.num_iterations
 
@@ -227,10 +247,13 @@ async def closed_rounds(cfg, loaded, batch, rounds, sampled=False):
             if r:
                 done = engine.stats.num_iterations - first
                 out.append({s: v / done for s, v in cpu.us.items()})
-    return out
+        per_k = {k: n - per_k.get(k, 0) for k, n in engine.stats.iterations_per_k.items()
+                 if n > per_k.get(k, 0)}
+    return out, per_k
 
 
-async def moves(cfg, loaded, iterations: int, pattern: list[int], batch: int = 1) -> dict:
+async def moves(cfg, loaded, iterations: int, pattern: list[int], batch: int = 1,
+                steady: bool = False) -> dict:
     """``--cycle``: ``batch`` endless greedy requests, K held to ``pattern``; -> per move
     (K before > K > K after) the count and each state's median µs (``host``: their
     sum)."""
@@ -244,7 +267,7 @@ async def moves(cfg, loaded, iterations: int, pattern: list[int], batch: int = 1
         force_chain(worker, max(pattern))
         cycle_k(worker.adaptive, pattern)
         async with anyio.create_task_group() as tg:
-            start_endless(tg, engine, batch)
+            start_endless(tg, engine, batch, steady)
             await until(engine, 50)
             times.rows.clear()
             await until(engine, 50 + iterations)
@@ -265,12 +288,16 @@ def main() -> None:
     ap.add_argument("--closed", action="store_true",
                     help="closed rounds of requests of different lengths instead (--runs "
                          "rounds): thread CPU per iteration, batch changes included")
+    ap.add_argument("--steady", action="store_true",
+                    help="a server's load instead of endless requests: each of the batch's "
+                         "clients sends its next request (20-80 tokens) as its last ends")
     ap.add_argument("--sampled", action="store_true",
                     help="--closed: odd requests sample (temperature 0.8, top-p 0.95, "
                          "seeded) instead of all greedy")
     ap.add_argument("--adaptive-at", type=int, default=None, metavar="K",
                     help="adaptive K's one-rank path held at K (its bookkeeping, the "
-                         "draft classes and the early choice on top of a fixed K's)")
+                         "draft classes and the early choice on top of a fixed K's); -1: "
+                         "the rule free, learning this CPU's times (its switches' host work)")
     ap.add_argument("--cycle", default="", metavar="K,K,..",
                     help="batch 1, adaptive K held to this cycle: state times per move (a "
                          "cycle through K = 0 chains with --method ngram only)")
@@ -288,7 +315,7 @@ def main() -> None:
             cfg = config(path, args.method, max(pattern), args.cycle_batch, True)
             for _ in range(args.runs):
                 rows = anyio.run(moves, cfg, loaded, args.iterations, pattern,
-                                 args.cycle_batch)
+                                 args.cycle_batch, args.steady)
                 for move, row in rows.items():
                     states = " ".join(f"{s} {v:.0f}" for s, v in row.items()
                                       if s not in ("n", "wait", "host"))
@@ -298,8 +325,8 @@ def main() -> None:
         for batch in map(int, args.batches.split(",")):
             cfg = config(path, args.method, args.k, batch, args.adaptive_at is not None)
             if args.closed:
-                rows = anyio.run(closed_rounds, cfg, loaded, batch, args.runs,
-                                 args.sampled)
+                rows, per_k = anyio.run(closed_rounds, cfg, loaded, batch, args.runs,
+                                        args.sampled, args.adaptive_at)
                 for t in rows:
                     print(f"  batch {batch} closed round, thread CPU: "
                           + " ".join(f"{s} {v:.0f}" for s, v in t.items()), flush=True)
@@ -307,13 +334,14 @@ def main() -> None:
                                                        "VERIFY")) for t in rows]
                 print(f"{args.method} K={args.k} batch {batch}, closed rounds: thread CPU "
                       f"SYNC+PICK+DRAFT+VERIFY {min(handled):.0f}-{max(handled):.0f} "
-                      "us/iteration", flush=True)
+                      f"us/iteration (K: {per_k})", flush=True)
                 continue
             walls, per_state, per_median, handled = [], {}, {}, []
             profiler = cProfile.Profile() if args.profile else None
             for _ in range(args.runs):
-                wall, states, share, medians, thread = anyio.run(
-                    measure, cfg, loaded, batch, args.iterations, profiler, args.adaptive_at)
+                wall, states, share, medians, thread, _ = anyio.run(
+                    measure, cfg, loaded, batch, args.iterations, profiler, args.adaptive_at,
+                    args.steady)
                 walls.append(wall)
                 handled.append(sum(thread.get(s, 0.0)
                                    for s in ("VERIFY", "DRAFT", "PICK_GRAPH_KEY")))
@@ -340,6 +368,9 @@ def main() -> None:
                 out = io.StringIO()
                 pstats.Stats(profiler, stream=out).sort_stats("tottime").print_stats(45)
                 pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(r"engine|drafters|_cache|graphs", 60)
+                # Adaptive K's own calls, all of them (its cost beside a fixed K's).
+                pstats.Stats(profiler, stream=out).sort_stats("cumulative").print_stats(
+                    r"_adaptive|_ahead")
                 with open(args.profile, "w") as f:
                     f.write(out.getvalue())
 

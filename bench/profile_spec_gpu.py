@@ -34,6 +34,17 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 K=5": {"method": "eagle3", "num_draft_tokens": 5, "draft_weights": HEAD},
            "eagle3 adaptive<=3": {"method": "eagle3", "num_draft_tokens": 3,
                                   "draft_weights": HEAD, "adaptive": True},
+           # Adaptive K's machinery over fewer K values (``adaptive_k``): among {3} alone it
+           # runs K = 3 every iteration; set beside "eagle3 K=3" and "adaptive<=3" they part
+           # the machinery's own cost from the mix's.
+           "eagle3 adaptive{3}": {"method": "eagle3", "num_draft_tokens": 3,
+                                  "draft_weights": HEAD, "adaptive": True, "adaptive_k": [3]},
+           "eagle3 adaptive{2+3}": {"method": "eagle3", "num_draft_tokens": 3,
+                                    "draft_weights": HEAD, "adaptive": True,
+                                    "adaptive_k": [2, 3]},
+           "eagle3 adaptive{1+2+3}": {"method": "eagle3", "num_draft_tokens": 3,
+                                      "draft_weights": HEAD, "adaptive": True,
+                                      "adaptive_k": [1, 2, 3]},
            # n-gram (issue 12's batch-1 bar is at K = 4; adaptive: K = 0 .. 4 per iteration).
            "ngram K=4": {"method": "ngram", "num_draft_tokens": 4},
            "ngram adaptive<=4": {"method": "ngram", "num_draft_tokens": 4, "adaptive": True},

@@ -454,6 +454,7 @@ class AdaptiveK:
         self._committed: int | None = None     # ``commit``: the next choice
         # Choices per K (a plain dict: a Counter's increment costs 3x, every iteration).
         self.chosen: dict[int, int] = {}
+        self.switches = 0           # choices whose K is not the last one's (``summary``)
         # E(k) per class (the last: all pooled) from this rank's counts alone
         # (``_expected_here``), each kept until ``record`` changes it: one GPU rank asks
         # every iteration (``next_k``).
@@ -611,6 +612,7 @@ class AdaptiveK:
         if learn:   # learned once the K after it is known (``leaving`` its K)
             self.cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
         self._before = None if self._last is None else self._last[1]
+        self.switches += self._before is not None and self._before != k
         self._last = (bucket, k)
         self.chosen[k] = self.chosen.get(k, 0) + 1
         return k
@@ -758,6 +760,7 @@ class AdaptiveK:
         cost = self.cost
         return {
             "choices": self._calls, "chosen": dict(sorted(self.chosen.items())),
+            "switches": self.switches,
             "bucket": bucket,
             "expected": {k: round(e, 3) for k, e in expected.items()},
             "times_ms": {k: round(t * 1e3, 3) for k, t in times.items()},

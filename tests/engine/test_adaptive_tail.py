@@ -228,6 +228,9 @@ async def test_the_rules_view_is_logged_at_info(tiny_dir, tiny_loaded, monkeypat
     assert len(events) == choices // 8 and not seen[logging.WARNING]
     last = events[-1]
     assert last["choices"] % 8 == 0 and sum(last["chosen"].values()) == last["choices"]
+    # Every K was chosen (the first samples run each in turn), so K switched at least
+    # len(KS) - 1 times, and never more often than it was chosen.
+    assert len(KS) - 1 <= last["switches"] < last["choices"]
     assert set(last["expected"]) == set(last["times_ms"]) == set(last["samples"]) == set(KS)
     assert last["expected"][0] == 1.0 and last["bucket"] in (1, 2, 4, 8, 16)
     assert any(e["tail_rows"] for e in events)

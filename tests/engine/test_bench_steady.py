@@ -321,3 +321,27 @@ def test_core_cpu_ab_runs_both_trees(common, capsys):
     assert "batch 2 none: event-loop thread CPU us an iteration, HEAD" in out
     assert subprocess.run(["git", "-C", str(BENCH.parent), "worktree", "list"],
                           capture_output=True, text=True).stdout == worktrees
+
+
+def test_chain_host_bench_holds_adaptive_k_in_closed_rounds_and_steady_load(common, tmp_path):
+    """bench_chain_host.py ``--adaptive-at K`` holds adaptive K's one-rank path at K in
+    closed rounds too (it ran the rule free there, unchained, until the twentieth
+    session), and ``--steady`` is a server's load: requests end and others join while
+    every iteration takes the chained step."""
+    import anyio
+
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    bench = importlib.import_module("bench_chain_host")
+    path = write_tiny_checkpoint(tmp_path / "t", vocab_size=384, num_layers=2, hidden=64,
+                                 seed=1)
+    loaded = load_model(path)
+    cfg = bench.config(path, "eagle3", 3, 4, adaptive=True)
+    rounds, per_k = anyio.run(bench.closed_rounds, cfg, loaded, 4, 1, False, 2)
+    assert len(rounds) == 1 and per_k and set(per_k) == {2}, per_k
+    wall, states, share, _, _, ended = anyio.run(bench.measure, cfg, loaded, 4, 80, None,
+                                                  2, True)
+    # Requests of 20-80 tokens, 3 a row an iteration, over 80 iterations: several ended
+    # (and others took their places), most iterations took the chained step.
+    assert wall > 0 and "SCHEDULE" in states and ended >= 4 and share > 0.5, (ended, share)
