@@ -12,7 +12,10 @@ request's consumer woken, detokenizing), which ``ProcessEngine`` moves to this p
         [--batches 1,32,64,128] [--runs 3] [--tokens 128] [--min-prompts 32]
         [--kinds process,in-process] [--consumer stream|batch] [--device cpu]
         [--buckets serving] [--min-rounds 4]
-        [--arrival steady [--requests N] [--spread 0.5]]
+        [--arrival steady [--requests N] [--spread 0.5]] [--timers]
+
+``--timers``: for each in-process engine, µs an iteration in adaptive K's calls and the
+chained step's queueing (bench/_host_timers.py) and in each iteration state.
 
 ``--arrival steady``: a run is steady load instead of closed rounds (a server's: ``batch``
 requests in flight, a new one as each finishes; bench/_common.py ``steady_load``, as
@@ -42,29 +45,38 @@ from profile_spec_gpu import CONFIGS
 
 
 async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets,
-                  steady=None, core_log_level="warning"):
+                  steady=None, core_log_level="warning", timers=None):
     """-> {(name, kind): (rates, AL, extra)}; every engine built and warmed first (a whole
     round: adaptive K explores its K values then), then ``runs`` runs in which the engines
     take turns, each run starting one engine further on. ``steady``: (prompts to cycle,
     requests a run, spread of the lengths): a run is steady load (``steady_load``), not
     closed rounds over ``sets``. ``core_log_level``: the ProcessEngine core's (its stderr;
-    "info" shows adaptive K's ``adaptive_k`` events)."""
+    "info" shows adaptive K's ``adaptive_k`` events). ``timers``: a ``HostTimers``
+    installed in this process: each in-process engine's time in its functions, and its
+    iteration states' (observers), µs an iteration over its timed runs."""
+    from bench_host_overhead import StateTimes  # noqa: PLC0415
     from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
 
     batch, sync = len(sets[0]), device_sync(device)
     out = {}
+    states = {(name, kind): StateTimes() for name in names for kind in kinds}
+    spent: dict[tuple[str, str], dict[str, float]] = {}
     async with contextlib.AsyncExitStack() as stack:
         engines = {}
         for name in names:
             spec = {k: v for k, v in CONFIGS[name].items() if k not in ("unchained", "fixed_times")}
             config = engine_config(spec, batch, device, buckets)
             for kind in kinds:
-                engine = AsyncEngine(config, model=loaded) if kind == "in-process" \
+                observers = [states[name, kind]] if timers is not None else []
+                engine = AsyncEngine(config, model=loaded, observers=observers) \
+                    if kind == "in-process" \
                     else ProcessEngine(config, log_level=core_log_level)
                 engines[name, kind] = await stack.enter_async_context(engine)
         for engine in engines.values():
             await generate_round(engine, sets[0], tokens, consumer)
         before = {key: await _stats(engine) for key, engine in engines.items()}
+        for times in states.values():
+            times.total_us.clear()
         walls = {key: [] for key in engines}
         rates = {key: [] for key in engines}
         speeds = {key: [] for key in engines}
@@ -74,6 +86,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 engine = engines[key]
                 speeds[key].append(host_python_us())
                 sync()
+                mark = timers.snapshot() if timers is not None else None
                 start = time.perf_counter()
                 if steady is None:
                     for prompts in sets:
@@ -83,6 +96,9 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                                             spread=steady[2])
                 sync()
                 walls[key].append(time.perf_counter() - start)
+                if mark is not None:
+                    for label, sec in timers.since(mark).items():
+                        spent.setdefault(key, {})[label] = spent.get(key, {}).get(label, 0) + sec
                 rates[key].append(batch * len(sets) * tokens / walls[key][-1]
                                   if steady is None else got["tok_s"])
         for key, engine in engines.items():
@@ -102,6 +118,12 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                         {"host_python_us": speeds[key], "iterations_per_k": per_k,
                          "overlapped": round(overlapped, 3),
                          "iteration_ms": round(sum(walls[key]) * 1e3 / max(iterations, 1), 3)})
+            if timers is not None and key[1] == "in-process":
+                per = max(iterations, 1)
+                out[key][2]["states_us"] = {s: round(v / per, 1)
+                                            for s, v in states[key].total_us.items()}
+                out[key][2]["timers_us"] = {s: round(v * 1e6 / per, 1)
+                                            for s, v in sorted(spent.get(key, {}).items())}
     return out
 
 
@@ -141,9 +163,17 @@ def main() -> None:
     ap.add_argument("--core-log-level", default="warning",
                     help="the ProcessEngine core's log level (info: adaptive K's view, "
                          "an adaptive_k event every 256 choices, on stderr)")
+    ap.add_argument("--timers", action="store_true",
+                    help="in-process engines: µs an iteration in adaptive K's calls "
+                         "(bench/_host_timers.py) and in each iteration state")
     add_arrival_args(ap)
     args = ap.parse_args()
     quiet_logs()
+    timers = None
+    if args.timers:
+        from _host_timers import HostTimers  # noqa: PLC0415
+        timers = HostTimers()
+        timers.install()
     names, kinds = args.configs.split(","), args.kinds.split(",")
     texts = held_out_texts(args.prompts)
     for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=args.min_prompts,
@@ -151,7 +181,7 @@ def main() -> None:
         steady = steady_setup(args, loaded.tokenizer, texts, batch)
         got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
                         args.device, args.consumer, args.buckets, steady,
-                        args.core_log_level)
+                        args.core_log_level, timers)
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})

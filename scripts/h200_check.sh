@@ -139,6 +139,7 @@ for step in "$@"; do
         --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
         --batches "${PROCESS_BATCHES:-1,8,32,64,128,256}" --kinds "${PROCESS_KINDS:-process}" \
         --arrival "${PROCESS_ARRIVAL:-closed}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
+        $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
         --configs "${PROCESS_CONFIGS:-none,eagle3 K=1,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \
         2>&1 | grep -v Warn | tee "$OUT/process.log" | python3 -c '
 import json, sys
@@ -150,7 +151,10 @@ for line in sys.stdin:
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
           "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"], "host", r["host_python_us"],
           "overlapped", r.get("overlapped"),
-          "K", r["iterations_per_k"])') ;;
+          "K", r["iterations_per_k"])
+    for extra in ("states_us", "timers_us"):
+        if r.get(extra):
+            print("   ", extra, r[extra])') ;;
     closed)
       # MIN_ROUNDS (4): rounds a run at least (batch 32-64: one round of ~0.1-0.2 s a run
       # spread the runs by +-8 % until 2026-12-02; MIN_ROUNDS=1 is the runs before).

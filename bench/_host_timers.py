@@ -1,0 +1,79 @@
+"""Wall time inside chosen engine functions, summed per function (any thread): where an
+engine's host time goes beside another's, without a profiler's per-call overhead on
+everything else. ``bench_process_gpu.py --timers`` prices adaptive K's own calls on the
+in-process engines this way (docs/performance-history.md, "Adaptive K's own cost against
+its mix's").
+
+    timers = HostTimers(ADAPTIVE_CALLS); timers.install()
+    before = timers.snapshot(); ...; spent = timers.since(before)   # {label: seconds}
+    timers.uninstall()
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import time
+
+# (module, class, method): adaptive K's calls on one GPU rank's path, and the chained
+# step's queueing (inside ``_adaptive_next``, and a fixed K's own) to set them beside.
+ADAPTIVE_CALLS = (
+    ("specloop.engine._adaptive", "IterationClock", "tick"),
+    ("specloop.engine._adaptive", "IterationClock", "prefill_started"),
+    ("specloop.engine._adaptive", "IterationClock", "prefill_done"),
+    ("specloop.engine._adaptive", "AdaptiveK", "next_k"),
+    ("specloop.engine._adaptive", "AdaptiveK", "choose"),
+    ("specloop.engine._adaptive", "AdaptiveK", "choose_committed"),
+    ("specloop.engine._adaptive", "AdaptiveK", "record"),
+    ("specloop.engine._adaptive", "AdaptiveK", "measured"),
+    ("specloop.engine._adaptive", "AdaptiveK", "disturb"),
+    ("specloop.engine._adaptive_tail", "BatchTail", "rows"),
+    ("specloop.engine._adaptive_tail", "BatchTail", "accepted"),
+    ("specloop.engine._ahead", "RunAhead", "_adaptive_next"),
+    ("specloop.engine._ahead", "RunAhead", "after_verify"),
+    ("specloop.engine._chain", "DeviceChain", "queue"),
+    ("specloop.engine._worker", "RankWorker", "draft_classes"),
+    ("specloop.engine._worker", "RankWorker", "tail_rows"),
+)
+
+
+class HostTimers:
+    def __init__(self, calls=ADAPTIVE_CALLS) -> None:
+        self.calls = calls
+        self.seconds: dict[str, float] = {}
+        self.counts: dict[str, int] = {}
+        self._originals: list[tuple[type, str, object]] = []
+
+    def install(self) -> None:
+        for module, cls_name, name in self.calls:
+            cls = getattr(importlib.import_module(module), cls_name)
+            original = cls.__dict__[name]
+            label = f"{cls_name}.{name}"
+            setattr(cls, name, self._timed(original, label))
+            self._originals.append((cls, name, original))
+
+    def uninstall(self) -> None:
+        for cls, name, original in reversed(self._originals):
+            setattr(cls, name, original)
+        self._originals.clear()
+
+    def _timed(self, fn, label: str):
+        seconds, counts, clock = self.seconds, self.counts, time.perf_counter
+
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[label] = seconds.get(label, 0.0) + clock() - start
+                counts[label] = counts.get(label, 0) + 1
+        return timed
+
+    def snapshot(self) -> dict[str, float]:
+        return dict(self.seconds)
+
+    def since(self, before: dict[str, float]) -> dict[str, float]:
+        """Seconds in each function since ``before`` (a ``snapshot``)."""
+        return {k: v - before.get(k, 0.0) for k, v in self.seconds.items()
+                if v - before.get(k, 0.0) > 0}
