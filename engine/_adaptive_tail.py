@@ -22,8 +22,8 @@ came out level for it (docs/performance-history.md, "The batch's tail, and a K n
 measured").
 
 Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance);
-the tail itself (a sort of the batch by tokens left) only when the batch's size changes
-or every TAIL_EVERY iterations.
+the tail itself (a sort of the batch by tokens left) only when the batch's size moved by
+a quarter or every TAIL_EVERY iterations.
 """
 
 from __future__ import annotations
@@ -44,8 +44,13 @@ TAIL_MIN_ROWS = 4
 # The tail's acceptance at draft j: (its accepted + TAIL_PRIOR_ROWS * pooled a_j) / (its
 # reached + TAIL_PRIOR_ROWS): a tail that has drafted little looks like the pooled rows.
 TAIL_PRIOR_ROWS = 4.0
-# The tail is chosen again when the batch's size changes (a draining batch: each time a
-# row ends) or after this many iterations (steady load: rows come and go at one size).
+# The tail is chosen again after this many iterations (steady load: rows come and go at
+# one size), when the batch's size moved by more than a quarter since the last choice (a
+# draining batch: the tail's share of it), and when the batch no longer has a tail. Not at
+# every change of size: under a server's load the size moves by a row nearly every
+# iteration, and sorting 64 rows each time cost ~9 us an iteration on the H200's host
+# (bench_process_gpu.py --timers; the rows with most tokens left stay the tail while
+# others end, so a choice ages slowly).
 TAIL_EVERY = 8
 
 
@@ -68,8 +73,10 @@ class BatchTail:
         """The tail's rows in ``batch`` (the next iteration's): 0 where the batch has no
         tail."""
         self._age += 1
-        if len(batch) != self._size or self._age >= TAIL_EVERY:
-            self._size, self._age = len(batch), 0
+        n, size = len(batch), self._size
+        if self._age >= TAIL_EVERY or abs(n - size) * 4 > size or \
+                (n <= TAIL_MIN_ROWS and self.members):
+            self._size, self._age = n, 0
             take = max(TAIL_MIN_ROWS, round(len(batch) * TAIL_SHARE))
             self.members = frozenset() if take >= len(batch) else \
                 frozenset(sorted(batch, key=_left, reverse=True)[:take])

@@ -198,12 +198,15 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
     them. The clock leaves out the longer of the host's and the device's time for the
     prefill (CUDA events, faked here: 50 ms on the device, 10 ms on the host) and marks
     the iteration, and the one before it, disturbed (a negative time in the facts)."""
+    made = []
+
     class Event:
         def __init__(self, enable_timing):
             assert enable_timing
+            made.append(self)
 
-        def record(self):
-            pass
+        def record(self, stream):
+            assert stream == "the current stream"
 
         def query(self):
             return True     # VERIFY's read-back waited behind the prefill
@@ -212,6 +215,7 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
             return 50.0
     now = [100.0]
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "the current stream")
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])   # the clock's module's too
     adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
     clock = IterationClock(adaptive, cuda=True)
@@ -228,6 +232,11 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
     now[0] += 0.060                 # VERIFY: 40 ms behind the prefill, 20 ms its own
     clock.tick()
     assert adaptive.facts()[-1] == -20000
+    clock.timed = True              # the next one admits too: the same two events again
+    clock.prefill_done(clock.prefill_started())
+    now[0] += 0.060
+    clock.tick()
+    assert adaptive.facts()[-1] == -10000 and len(made) == 2
 
 
 def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
@@ -240,7 +249,7 @@ def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
         def __init__(self, enable_timing):
             pass
 
-        def record(self):
+        def record(self, stream):
             pass
 
         def query(self):
@@ -253,6 +262,7 @@ def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
             raise AssertionError("timed an iteration that did not wait for its prefill")
     now = [100.0]
     monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
     clock = IterationClock(adaptive, cuda=True)

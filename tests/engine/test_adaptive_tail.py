@@ -46,7 +46,7 @@ def test_the_tail_is_the_rows_with_most_tokens_left():
             [a for r, a in zip(batch, accepted) if r in tail.members]
 
 
-def test_the_tail_is_chosen_again_when_the_batch_changes_size_or_ages():
+def test_the_tail_is_chosen_again_when_the_batch_changes_size_by_a_quarter_or_ages():
     batch = [Row(100, length) for length in range(10, 30)]        # 20 rows: a tail of 5
     tail = BatchTail()
     tail.rows(batch)
@@ -59,13 +59,20 @@ def test_the_tail_is_chosen_again_when_the_batch_changes_size_or_ages():
         assert tail.members == first       # held between choices
     tail.rows(batch)
     assert tail.members == frozenset(batch[5:10])     # aged: chosen again
+    for row in batch[5:10]:
+        row.token_ids = [0] * 99           # these nearly done too
     del batch[12]
-    tail.rows(batch)                       # a row ended: chosen again at once
+    tail.rows(batch)                       # a row ended (19): held (a server's load)
     assert tail.members == frozenset(batch[5:10])
     fresh = Row(0, 5)                      # not committed yet: no limit known, last
     batch.append(fresh)
+    tail.rows(batch)                       # 20 again: held
+    assert tail.members == frozenset(batch[5:10])
+    del batch[:6]                          # 14 rows: moved by more than a quarter
     tail.rows(batch)
-    assert fresh not in tail.members and len(tail.members) == 5
+    assert fresh not in tail.members and tail.members == frozenset(batch[4:8])
+    del batch[4:]                          # 4 rows: no tail, at once
+    assert tail.rows(batch) == 0 and tail.accepted(batch, [1] * 4) is None
 
 
 def draining(tail: bool):
