@@ -828,8 +828,9 @@ class IterationClock:
     _events: tuple[Any, Any, float] | None = attrs.field(default=None, init=False)
     # The two timing events every prefill records, and the stream it queues on, made once:
     # under a server's load a prefill runs nearly every iteration, and two new events a
-    # time (created, recorded on the stream looked up again, destroyed) cost ~35 us of an
-    # iteration's host time at batch 64 on the H200 (bench_process_gpu.py --timers). An
+    # time (created, recorded on the stream looked up again, destroyed) cost ~40 us of an
+    # iteration's host time at batch 64 on the H200, the pair made once ~16
+    # (bench_process_gpu.py --timers: prefill_started + prefill_done). An
     # event recorded again before it completed stands for its latest record; ``tick`` has
     # read this iteration's pair by then (or found it not done: not timed).
     _pair: tuple[Any, Any, Any] | None = attrs.field(default=None, init=False)
