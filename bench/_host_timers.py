@@ -41,7 +41,6 @@ class HostTimers:
     def __init__(self, calls=ADAPTIVE_CALLS) -> None:
         self.calls = calls
         self.seconds: dict[str, float] = {}
-        self.counts: dict[str, int] = {}
         self._originals: list[tuple[type, str, object]] = []
 
     def install(self) -> None:
@@ -58,7 +57,7 @@ class HostTimers:
         self._originals.clear()
 
     def _timed(self, fn, label: str):
-        seconds, counts, clock = self.seconds, self.counts, time.perf_counter
+        seconds, clock = self.seconds, time.perf_counter
 
         @functools.wraps(fn)
         def timed(*args, **kwargs):
@@ -67,7 +66,6 @@ class HostTimers:
                 return fn(*args, **kwargs)
             finally:
                 seconds[label] = seconds.get(label, 0.0) + clock() - start
-                counts[label] = counts.get(label, 0) + 1
         return timed
 
     def snapshot(self) -> dict[str, float]:

@@ -97,8 +97,9 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 sync()
                 walls[key].append(time.perf_counter() - start)
                 if mark is not None:
+                    mine = spent.setdefault(key, {})
                     for label, sec in timers.since(mark).items():
-                        spent.setdefault(key, {})[label] = spent.get(key, {}).get(label, 0) + sec
+                        mine[label] = mine.get(label, 0.0) + sec
                 rates[key].append(batch * len(sets) * tokens / walls[key][-1]
                                   if steady is None else got["tok_s"])
         for key, engine in engines.items():

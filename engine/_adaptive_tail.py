@@ -77,8 +77,8 @@ class BatchTail:
         if self._age >= TAIL_EVERY or abs(n - size) * 4 > size or \
                 (n <= TAIL_MIN_ROWS and self.members):
             self._size, self._age = n, 0
-            take = max(TAIL_MIN_ROWS, round(len(batch) * TAIL_SHARE))
-            self.members = frozenset() if take >= len(batch) else \
+            take = max(TAIL_MIN_ROWS, round(n * TAIL_SHARE))
+            self.members = frozenset() if take >= n else \
                 frozenset(sorted(batch, key=_left, reverse=True)[:take])
         return len(self.members)
 
