@@ -36,9 +36,32 @@ ADAPTIVE_CALLS = (
     ("specloop.engine._worker", "RankWorker", "tail_rows"),
 )
 
+# Inside the chained step's queueing (``DeviceChain.queue``) and RESCAN: where a drafting
+# iteration's host time goes under a server's load (nested calls count in each: a row is
+# the time inside that function, its callees' included).
+CHAIN_CALLS = (
+    ("specloop.engine._chain", "DeviceChain", "_joined_key"),
+    ("specloop.engine._chain", "DeviceChain", "_joined_rows"),
+    ("specloop.engine._chain", "DeviceChain", "_rows"),
+    ("specloop.engine._chain", "DeviceChain", "_can_queue"),
+    ("specloop.engine._chain", "DeviceChain", "collected"),
+    ("specloop.engine._worker", "RankWorker", "_sampling_batch"),
+    ("specloop.engine._worker", "RankWorker", "rescan"),
+    ("specloop.engine._worker", "RankWorker", "_collect_verify"),
+    ("specloop.engine._outputs", "Outputs", "commit"),
+    ("specloop.engine._runner", "ModelRunner", "start_read_back"),
+    ("specloop.engine._runner", "ModelRunner", "finish_read_back"),
+    ("specloop.engine._runner", "ModelRunner", "reserve"),
+    ("specloop.engine._runner", "ModelRunner", "trim_many"),
+    ("specloop.models._cache", "PageTable", "sync"),
+    ("specloop.models.drafters._mtp", "MtpEagleDrafter", "chained_inputs"),
+    ("specloop.models.drafters._mtp", "MtpEagleDrafter", "on_verified"),
+    ("specloop.graphs._cuda", "CudaGraphCache", "replay"),
+)
+
 
 class HostTimers:
-    def __init__(self, calls=ADAPTIVE_CALLS) -> None:
+    def __init__(self, calls=ADAPTIVE_CALLS + CHAIN_CALLS) -> None:
         self.calls = calls
         self.seconds: dict[str, float] = {}
         self._originals: list[tuple[type, str, object]] = []
@@ -48,7 +71,10 @@ class HostTimers:
             cls = getattr(importlib.import_module(module), cls_name)
             original = cls.__dict__[name]
             label = f"{cls_name}.{name}"
-            setattr(cls, name, self._timed(original, label))
+            if isinstance(original, staticmethod):
+                setattr(cls, name, staticmethod(self._timed(original.__func__, label)))
+            else:
+                setattr(cls, name, self._timed(original, label))
             self._originals.append((cls, name, original))
 
     def uninstall(self) -> None:

@@ -173,14 +173,30 @@ class SamplingBatch:
     def real_rows(self) -> SamplingBatch:
         """The batch of the real rows alone, as views of these columns (nothing built or
         copied; padding rows hold the sentinel, so the flags other than ``any_greedy``
-        are the same). Needs ``host`` (from_params) where there is padding."""
+        are the same), with their host values and flags (so ``changed`` can slice it at
+        the next batch change). Needs ``host`` (from_params) where there is padding."""
         n = self.num_real
         if n == self.size:
             return self
+        return self.first_rows(n)
+
+    def first_rows(self, n: int) -> SamplingBatch:
+        """The batch of this one's first ``n`` rows (its real ones, or any number of an
+        all-greedy batch's: padding rows are greedy with the sentinel's params), as views
+        of its columns and slices of its host values; ``row_flags`` where they are those
+        rows' own (None past the real rows). Needs ``host``."""
         if self.host is None:
             raise ValueError("real_rows of a batch not built by from_params (no host values)")
-        return attrs.evolve(self, host=None, row_flags=None,
-                            any_greedy=any(self.host["is_greedy"][:n]),
+        if n != self.num_real and not self.all_greedy:
+            # (its flags are its real rows': fewer rows may have others)
+            raise ValueError(f"first_rows: {n} rows of a batch of {self.num_real} real rows "
+                             "that is not all greedy")
+        greedy = self.host["is_greedy"][:n]
+        flags = self.row_flags
+        return attrs.evolve(self, num_real=n, any_greedy=any(greedy),
+                            host={name: values[:n] for name, values in self.host.items()},
+                            row_flags=None if flags is None else
+                            (flags[:n] if n <= len(flags) else None),
                             **{name: getattr(self, name)[:n] for name in self.COLUMNS})
 
     def with_columns(self, columns: Mapping[str, torch.Tensor]) -> SamplingBatch:

@@ -256,6 +256,7 @@ for line in sys.stdin:
                --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
                --batches "${PROCESS_BATCHES:-64}" --kinds "${PROCESS_KINDS:-process}" \
                --arrival "${PROCESS_ARRIVAL:-steady}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
+               $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
                --configs "${PROCESS_CONFIGS:-none,eagle3 K=2,eagle3 adaptive<=3}" \
                > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
              grep '^{' "$OUT/codeab_${v}_$round.log" | python3 -c '
@@ -263,7 +264,9 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
-          "ms/it", r["iteration_ms"], "overlapped", r.get("overlapped"))')
+          "ms/it", r["iteration_ms"], "overlapped", r.get("overlapped"))
+    if r.get("timers_us"):  # PROCESS_TIMERS=1: µs an iteration, calls of 5 µs or more
+        print("    timers_us", {k: v for k, v in r["timers_us"].items() if v >= 5})')
             continue
           fi
           (cd bench && PYTHONPATH=$path python3 profile_spec_gpu.py --prompts "$PROMPTS" \

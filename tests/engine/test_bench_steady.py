@@ -345,3 +345,28 @@ def test_chain_host_bench_holds_adaptive_k_in_closed_rounds_and_steady_load(comm
     # Requests of 20-80 tokens, 3 a row an iteration, over 80 iterations: several ended
     # (and others took their places), most iterations took the chained step.
     assert wall > 0 and "SCHEDULE" in states and ended >= 4 and share > 0.5, (ended, share)
+
+
+def test_host_timers_time_methods_and_static_ones_and_restore_them(monkeypatch):
+    """bench/_host_timers.py (``bench_process_gpu.py --timers``): every call set names a
+    method that exists; installed, a method's and a staticmethod's calls are timed (the
+    staticmethod still called without an instance); uninstalled, the originals are back."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    timers_mod = importlib.import_module("_host_timers")
+    for module, cls, name in timers_mod.ADAPTIVE_CALLS + timers_mod.CHAIN_CALLS:
+        assert name in vars(getattr(importlib.import_module(module), cls)), (cls, name)
+    from specloop.engine._chain import DeviceChain, in_order
+
+    rows = DeviceChain.__dict__["_rows"]
+    timers = timers_mod.HostTimers((("specloop.engine._chain", "DeviceChain", "_rows"),))
+    timers.install()
+    try:
+        import torch
+        out = {"packed": torch.zeros(2, 3, dtype=torch.int64), "hidden": torch.zeros(2, 2, 4)}
+        out["token_ids"], out["num_accepted"] = out["packed"][:, :-1], out["packed"][:, -1]
+        before = timers.snapshot()
+        assert DeviceChain._rows(out, [0, 1], 2, 2) is out and in_order([0, 1])
+        assert timers.since(before)["DeviceChain._rows"] > 0
+    finally:
+        timers.uninstall()
+    assert DeviceChain.__dict__["_rows"] is rows

@@ -190,3 +190,52 @@ def test_request_output_builds_as_attrs_would():
     c = attrs.evolve(a, text="y", finished=True, finish_reason=FinishReason.STOP, error="e")
     assert attrs.astuple(c) == ("r", (1, 2), "y", True, FinishReason.STOP, "e")
     assert pickle.loads(pickle.dumps(c)) == c and a != c
+
+
+def test_a_full_batchs_rows_at_a_join_build_nothing(monkeypatch):
+    """At the largest padding (a server's load at the largest bucket: a request ends and
+    one joins nearly every iteration), an all-greedy batch's unpadded rows are the first
+    rows of an all-greedy batch built before (views: nothing built, nothing copied); a
+    batch with a sampled row is then built from the real rows kept (``changed``), not
+    from every row's params."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from specloop.engine._worker import RankWorker
+    from specloop.samplers import SamplingBatch
+
+    class Worker:
+        _sampling_batch = RankWorker._sampling_batch
+
+        def __init__(self):
+            self._sampling_cache = {}
+            self.runner = SimpleNamespace(device=torch.device("cpu"))
+
+    def request(t, seed):
+        return SimpleNamespace(params=SamplingParams(temperature=t), seed=seed)
+
+    worker = Worker()
+    batch = [request(0.0, s) for s in range(4)]
+    first = worker._sampling_batch(batch, None)        # built once
+    built = []
+    real = SamplingBatch.from_params.__func__
+    monkeypatch.setattr(SamplingBatch, "from_params", classmethod(
+        lambda cls, *a, **kw: built.append(len(a[0])) or real(cls, *a, **kw)))
+    joined = [*batch[1:], request(0.0, 9)]              # one ended, one joined
+    rows = worker._sampling_batch(joined, None)
+    assert built == [] and rows.size == 4 and rows.all_greedy and rows.num_real == 4
+    assert all(getattr(rows, n).data_ptr() == getattr(first, n).data_ptr()
+               for n in SamplingBatch.COLUMNS)
+    assert worker._sampling_batch(joined, None) is rows
+    # A sampled request joins: built from the params once (the greedy rows' seeds were
+    # another batch's); at the next change the rows kept are sliced, only the new built.
+    sampled = [*joined[1:], request(0.8, 5)]
+    assert not worker._sampling_batch(sampled, None).all_greedy and built == [4]
+    again = [*sampled[1:], request(0.9, 6)]
+    got = worker._sampling_batch(again, None)
+    assert built == [4]
+    want = SamplingBatch.from_params([r.params for r in again], [r.seed for r in again])
+    for name in SamplingBatch.COLUMNS:
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert got.row_flags == want.row_flags and not got.all_greedy

@@ -126,5 +126,9 @@ def test_changed_needs_its_rows_host_values():
     with pytest.raises(ValueError, match="pad_to"):
         batch.changed([(0, 1)], [SamplingParams()] * 2, [1, 2], pad_to=2)
     with pytest.raises(ValueError, match="host values"):
-        batch.real_rows().changed([(0, 1)], [], [])
+        batch.with_columns(batch.columns()).changed([(0, 1)], [], [])
+    # The real rows keep their host values and flags: ``changed`` slices them.
+    assert_same(batch.real_rows().changed([(0, 1)], [SamplingParams(temperature=0.5)], [4]),
+                SamplingBatch.from_params([SamplingParams(), SamplingParams(temperature=0.5)],
+                                          [3, 4]))
     assert isinstance(batch.row_flags, array.array)

@@ -188,7 +188,10 @@ def test_real_rows_are_views_with_the_real_rows_flags():
         assert torch.equal(got, want) and got.data_ptr() == getattr(padded, name).data_ptr()
     for name, want in flags.items():
         assert getattr(real, name) == want, name
-    assert padded.any_greedy and not real.any_greedy and real.host is None
+    assert padded.any_greedy and not real.any_greedy
+    # Its host values and flags are the real rows' own (``changed`` slices them).
+    assert dict(real.host) == dict(SamplingBatch.from_params([s], [9]).host)
+    assert real.row_flags == padded.row_flags
     whole = SamplingBatch.from_params([g, s], [1, 2])
     assert whole.real_rows() is whole
     statics = padded.with_columns(padded.columns())
