@@ -10,12 +10,15 @@ request's consumer woken, detokenizing), which ``ProcessEngine`` moves to this p
 
     python bench/bench_process_gpu.py --out rows.jsonl [--configs "none,eagle3 K=3"]
         [--batches 1,32,64,128] [--runs 3] [--tokens 128] [--min-prompts 32]
-        [--kinds process,in-process] [--consumer stream|batch] [--device cpu]
+        [--kinds process,process-pinned,in-process] [--consumer stream|batch] [--device cpu]
         [--buckets serving] [--min-rounds 4]
         [--arrival steady [--requests N] [--spread 0.5]] [--timers]
 
 ``--timers``: for each in-process engine, µs an iteration in adaptive K's calls and the
 chained step's queueing (bench/_host_timers.py) and in each iteration state.
+
+``--kinds process-pinned``: a ``ProcessEngine`` whose core pins its loop thread
+(``parallel.pin_host_cores = "on"``), taking turns with the unpinned one run by run.
 
 ``--arrival steady``: a run is steady load instead of closed rounds (a server's: ``batch``
 requests in flight, a new one as each finishes; bench/_common.py ``steady_load``, as
@@ -37,6 +40,7 @@ import statistics
 import time
 
 import anyio
+import attrs
 
 from _common import (add_arrival_args, add_round_args, device_sync, emit_row, engine_config,
                      generate_round, held_out_sets, held_out_texts, host_python_us,
@@ -70,7 +74,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 observers = [states[name, kind]] if timers is not None else []
                 engine = AsyncEngine(config, model=loaded, observers=observers) \
                     if kind == "in-process" \
-                    else ProcessEngine(config, log_level=core_log_level)
+                    else ProcessEngine(_pinned(config, kind), log_level=core_log_level)
                 engines[name, kind] = await stack.enter_async_context(engine)
         for engine in engines.values():
             await generate_round(engine, sets[0], tokens, consumer)
@@ -128,6 +132,14 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
     return out
 
 
+def _pinned(config, kind: str):
+    """``process-pinned``: the core's loop thread on a core of its own
+    (``parallel.pin_host_cores = "on"``); ``process``: the config's own setting."""
+    if kind != "process-pinned":
+        return config
+    return attrs.evolve(config, parallel=attrs.evolve(config.parallel, pin_host_cores="on"))
+
+
 async def _stats(engine):
     """A copy of the engine's counters (the core's, across the pipe)."""
     import copy  # noqa: PLC0415
@@ -153,7 +165,9 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     add_round_args(ap, batches="1,32,64,128")
     ap.add_argument("--configs", default="none,eagle3 K=3")
-    ap.add_argument("--kinds", default="process,in-process")
+    ap.add_argument("--kinds", default="process,in-process",
+                    help="process, process-pinned (its core's loop thread pinned: "
+                         "parallel.pin_host_cores = on), in-process")
     ap.add_argument("--consumer", choices=("stream", "batch"), default="stream")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--min-prompts", type=int, default=32)
