@@ -115,16 +115,6 @@ RECENT = 15
 # so the rule tries it, and its own samples from that stretch decide from then on. The
 # first samples leave a K's window once FIRST_SAMPLES more have come.
 WELL_MEASURED = 2 * FIRST_SAMPLES
-# A K is stale at a bucket when fewer than WELL_MEASURED of its own samples came in the
-# bucket's last STALE learned iterations: its median is from another moment, and from the
-# moment the rule left it, which it does when that median ran high (a 15-sample median of
-# one K swung 0.66-0.81 ms at batch 1 on a steady H200 host, the K values 4 % apart). On
-# the H200 at batch 1 such a stale T(1, 2) = 0.814 ms held for 3,000 choices while fixed
-# K = 2 iterated in 0.735 and K = 3 in 0.813: the rule drafted K = 3 (0.959-0.971 of
-# fixed K = 2). A stale K's T is at most the K running now moved by their warm-up times'
-# difference (``moved``), so both are priced at one moment; its window starts afresh at
-# its next sample.
-STALE = 64
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -237,12 +227,6 @@ class CostTable:
     # learned since]; FIRST_SAMPLES later they leave it.
     _provisional: dict[tuple[int, int], list[int]] = attrs.field(factory=dict, init=False,
                                                                  repr=False)
-    # Per bucket: learned samples so far (any K), and the K of the last one; per (bucket,
-    # K): that count at its last WELL_MEASURED samples (STALE).
-    _ticks: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
-    _current: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
-    _stamps: dict[tuple[int, int], collections.deque[int]] = attrs.field(
-        factory=dict, init=False, repr=False)
 
     @property
     def buckets(self) -> list[int]:
@@ -281,13 +265,9 @@ class CostTable:
         """{k: T(bucket, k)} for each of ``ks`` (every choice asks for all its candidates:
         one call, ``rest`` looked up once): measured, else warm-up's plus ``rest``; a K
         not WELL_MEASURED at a bucket whose anchor is takes at most the anchor's time
-        moved by their warm-up times' difference (``moved``); a STALE one at most the time
-        of the K running now (when that one is not stale) moved the same way."""
+        moved by their warm-up times' difference (``moved``)."""
         measured, samples, found, rest = self.measured, self.samples, {}, None
         anchor = self._anchor.get(bucket)
-        current = self._current.get(bucket)
-        if current is not None and self._stale(bucket, current):
-            current = None
         for k in ks:
             seen = measured.get((bucket, k))
             if seen is None:
@@ -301,20 +281,8 @@ class CostTable:
                 priced = self.moved(bucket, anchor, k)
                 if priced < seen:
                     seen = priced
-            elif current is not None and k != current and self._stale(bucket, k):
-                priced = self.moved(bucket, current, k)
-                if priced < seen:
-                    seen = priced
             found[k] = seen
         return found
-
-    def _stale(self, bucket: int, k: int) -> bool:
-        """Whether fewer than WELL_MEASURED of K = k's samples at ``bucket`` are among its
-        last STALE (STALE; a K without samples is not stale: it is priced otherwise)."""
-        stamps = self._stamps.get((bucket, k))
-        if not stamps:      # (WELL_MEASURED = 0: never)
-            return False
-        return len(stamps) < WELL_MEASURED or self._ticks[bucket] - stamps[0] >= STALE
 
     def moved(self, bucket: int, anchor: int, k: int) -> float:
         """T(bucket, anchor) moved to K = k by their warm-up times (``moved``)."""
@@ -374,16 +342,6 @@ class CostTable:
             # The first undisturbed sample (appended above while trying): the disturbed
             # ones before it leave the window.
             self._recent.pop(key, None)
-        tick = self._ticks[bucket] = self._ticks.get(bucket, 0) + 1
-        self._current[bucket] = k
-        stamps = self._stamps.get(key)
-        if stamps is None:
-            stamps = self._stamps[key] = collections.deque(maxlen=WELL_MEASURED)
-        elif stamps and tick - stamps[-1] > STALE and key not in self._provisional:
-            # Back after STALE samples of other K values: the window is another moment's.
-            self._recent.pop(key, None)
-            stamps.clear()
-        stamps.append(tick)
         recent = _median_of_recent(self._recent, key, seconds)
         if trying:
             self.measured[key] = _median_low(first[0] or first[1])

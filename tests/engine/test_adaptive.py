@@ -9,7 +9,7 @@ import torch
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
 from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_RARELY, EXPLORE_RUN,
-                                       FIRST_SAMPLES, RECENT, SCALE, STALE, WELL_MEASURED,
+                                       FIRST_SAMPLES, RECENT, SCALE, WELL_MEASURED,
                                        AdaptiveK, CostTable,
                                        acceptance_from_counts, choose_k, expected_tokens)
 from specloop.engine._states import IterationState
@@ -241,55 +241,6 @@ def test_a_k_not_well_measured_is_priced_from_the_one_measured_most():
         cost.observe(1, 1, 0.0017)          # its stretch: the first samples leave the window
     assert cost.samples[(1, 1)] == WELL_MEASURED
     assert cost.time(1, 1) == pytest.approx(0.0017)
-
-
-def _left_dear_then_stale(cost):
-    """K = 2 ran a long stretch, the last of its window dear (the rule leaves a K when its
-    median runs high), then K = 3 ran STALE iterations at 0.0020."""
-    for _ in range(2 * RECENT):
-        cost.observe(1, 2, 0.0018)
-    for _ in range(RECENT):
-        cost.observe(1, 2, 0.0024)
-    for _ in range(STALE):
-        cost.observe(1, 3, 0.0020)
-
-
-def test_a_stale_k_is_priced_from_the_k_running_now():
-    """The H200 at batch 1 (twenty-second session): T(1, 2) held a window's dear median
-    for 3,000 choices while K = 3 ran. A K with fewer than WELL_MEASURED samples in the
-    bucket's last STALE is priced at most from the K running now, moved by their warm-up
-    times' difference, and its window starts afresh at its next sample. The biased twin
-    (STALE never reached) keeps the dear median and K = 2 is never drafted again."""
-    device = {(1, 0): 0.0010, (1, 2): 0.0014, (1, 3): 0.0015}
-    cost = CostTable(dict(device))
-    _left_dear_then_stale(cost)
-    assert cost.measured[(1, 2)] == pytest.approx(0.0024)
-    assert cost.times(1, (2, 3)) == pytest.approx({2: 0.0020 - 0.0001, 3: 0.0020})
-    adaptive = AdaptiveK((2, 3), cost)
-    for _ in range(20):
-        adaptive.record(3, [2, 2, 2, 2])    # E(3) hardly above E(2)
-    adaptive._last, adaptive._calls = (1, 3), 5000
-    assert adaptive._rule(adaptive._expected_here(None), 1, 5000) == 2
-    # Back at K = 2: its window is the new moment's alone.
-    cost.observe(1, 2, 0.0017)
-    assert list(cost._recent[(1, 2)]) == [0.0017]
-    assert cost.time(1, 2) == pytest.approx(0.0017)
-    # K = 3 ran a moment ago: its own median, not yet stale.
-    assert cost.time(1, 3) == pytest.approx(0.0020)
-
-
-def test_a_stale_k_keeps_its_median_without_the_one_moment_pricing(monkeypatch):
-    """The biased twin of the test above: with STALE out of reach T(1, 2) stays the dear
-    median it was left with, and the rule keeps K = 3."""
-    monkeypatch.setattr("specloop.engine._adaptive.STALE", 10 ** 9)
-    cost = CostTable({(1, 0): 0.0010, (1, 2): 0.0014, (1, 3): 0.0015})
-    _left_dear_then_stale(cost)
-    assert cost.time(1, 2) == pytest.approx(0.0024)
-    adaptive = AdaptiveK((2, 3), cost)
-    for _ in range(20):
-        adaptive.record(3, [2, 2, 2, 2])
-    adaptive._last, adaptive._calls = (1, 3), 5000
-    assert adaptive._rule(adaptive._expected_here(None), 1, 5000) == 3
 
 
 def test_first_samples_leave_the_window_once_as_many_have_come():
