@@ -1,8 +1,6 @@
-"""Host time of ``PageTable.sync`` on a GPU: the shipped path (the changed entries staged in
-a ring of pinned and device buffers made once, one copy, ``scatter_``) against the
-fifteenth session's (one packed host buffer pinned a call, a copy to a new device tensor,
-an indexed write) and the fourteenth session's (the changed rows: an index tensor, a
-gather, two copies), one row crossing a page a call, as at batch 8
+"""Host time of ``PageTable.sync`` on a GPU: the shipped path (the changed entries in one
+packed host buffer, one copy, one scatter) against the fourteenth session's (the changed
+rows: an index tensor, a gather, two copies), one row crossing a page a call, as at batch 8
 with eagle3, with matmuls queued now and then so the copies queue behind GPU work as in
 the engine. Each round checks that the device table equals the host's afterwards.
 
@@ -15,7 +13,6 @@ performance-history.md, "qkv's prefix to 4 rows, the LM head's tail, the curve")
 from __future__ import annotations
 
 import argparse
-import array
 import statistics
 import time
 
@@ -23,21 +20,6 @@ import torch
 
 from specloop.models import PageTable
 from specloop.models._host import to_device
-
-
-class PackedSync(PageTable):
-    """The fifteenth session's sync: one packed buffer pinned a call, an indexed write."""
-
-    def sync(self) -> None:
-        dirty = self._dirty
-        if not dirty:
-            return
-        n = len(dirty)
-        packed = torch.frombuffer(array.array("i", [*dirty, *dirty.values()]),
-                                  dtype=torch.int32)
-        dirty.clear()
-        packed = to_device(packed, self.table.device)
-        self.table.view(-1)[packed[:n]] = packed[n:]
 
 
 class RowsSync(PageTable):
@@ -81,7 +63,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     for _ in range(args.rounds):
-        for cls in (RowsSync, PackedSync, PageTable):
+        for cls in (RowsSync, PageTable):
             print(f"{cls.__name__:10s} sync: median {median_us(cls, args.calls):.1f} us a call")
 
 

@@ -16,7 +16,7 @@ import structlog
 import torch
 
 from ._args import ModelArgs
-from ._host import StagingRing, to_device
+from ._host import to_device
 
 log = structlog.get_logger(__name__)
 
@@ -76,7 +76,6 @@ class PageTable:
             self._dirty.clear()     # the table below is made from the filled host rows
         with torch.inference_mode(False):
             self.table = self.host.to(device)
-        self._staging: StagingRing | None = None    # ``sync``'s buffers, made at its first
 
     @property
     def scratch_slot(self) -> int:
@@ -151,9 +150,7 @@ class PageTable:
         crosses a page every page_size tokens, so at batch 8 and up some row does nearly
         every iteration. Copying the changed rows instead (an index tensor, a gather, two
         copies) took 72-74 us a call of the H200's host against 59-76 for this
-        (bench/bench_page_sync_gpu.py); the buffer now comes from a ring of pinned and
-        device buffers made once (``StagingRing``), and the scatter is ``scatter_``.
-        """
+        (bench/bench_page_sync_gpu.py)."""
         dirty = self._dirty
         if not dirty:
             return
@@ -161,18 +158,6 @@ class PageTable:
             dirty.clear()
             return
         n = len(dirty)
-        staging = self._staging
-        if staging is None:
-            staging = self._staging = StagingRing(self.table.device)
-        # Indices as int64 (scatter_'s), then the pages as int32 (the table's): 8n bytes,
-        # then 4n, so both views are aligned.
-        staged = staging.stage(array.array("q", dirty), array.array("i", dirty.values()))
-        if staged is not None:
-            dirty.clear()
-            self.table.view(-1).scatter_(0, staged[:8 * n].view(torch.int64),
-                                         staged[8 * n:].view(torch.int32))
-            staging.done()
-            return
         packed = torch.frombuffer(array.array("i", [*dirty, *dirty.values()]),
                                   dtype=torch.int32)
         dirty.clear()

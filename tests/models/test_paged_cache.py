@@ -58,55 +58,6 @@ def test_pages_never_leak_or_get_shared(case):
     assert table.num_free == table.num_pages
 
 
-class _Busy:
-    """An event the device has not reached."""
-
-    def query(self):
-        return False
-
-
-def test_sync_stages_in_a_ring_and_copies_as_before_when_every_slot_is_busy():
-    """``sync`` stages the changed entries in a ring of buffers made once (``StagingRing``;
-    int64 indices then int32 pages in one buffer) and scatters them; a ring whose slots
-    are all still read by queued work (every event pending) is bypassed, not waited for:
-    the copy then goes as before (``to_device``), and the table is right either way."""
-    table = PageTable(NUM_SLOTS, MAX_LEN, 4, num_pages=NUM_SLOTS * 10)
-    table.table = table.host.clone()    # a copy of its own, as on a GPU
-    table.resize(0, 9)
-    table.sync()
-    ring = table._staging
-    assert ring is not None and torch.equal(table.table, table.host)
-    first = ring._dev[0].data_ptr()
-    table.resize(1, 17)
-    ring._events = [_Busy()] * ring.slots
-    table.sync()                        # every slot busy: the copy as before
-    assert torch.equal(table.table, table.host) and not table._dirty
-    ring._events = [None] * ring.slots
-    table.resize(2, 40)
-    table.release(0)
-    table.sync()
-    assert torch.equal(table.table, table.host)
-    assert ring._dev[0].data_ptr() == first     # the same buffers, no allocation a call
-
-
-def test_staging_ring_lays_parts_end_to_end_and_grows():
-    import array
-
-    from specloop.models._host import StagingRing
-    ring = StagingRing("cpu", slots=2, capacity=16)
-    idx, vals = array.array("q", [5, 1 << 40]), array.array("i", [-3, 7])
-    got = ring.stage(idx, vals)
-    assert got.numel() == 24
-    assert got[:16].view(torch.int64).tolist() == [5, 1 << 40]
-    assert got[16:].view(torch.int32).tolist() == [-3, 7]
-    ring.done()
-    big = array.array("i", range(100))
-    assert ring.stage(big).view(torch.int32).tolist() == list(range(100))
-    assert ring.capacity >= 400
-    ring._events = [_Busy()] * ring.slots
-    assert ring.stage(big) is None
-
-
 def test_cache_full_names_the_fix():
     table = PageTable(2, 32, 4, num_pages=5)
     table.resize(0, 16)
