@@ -186,7 +186,8 @@ class SamplingBatch:
         of its columns and slices of its host values; ``row_flags`` where they are those
         rows' own (None past the real rows). Needs ``host``."""
         if self.host is None:
-            raise ValueError("real_rows of a batch not built by from_params (no host values)")
+            raise ValueError("first_rows / real_rows of a batch not built by from_params "
+                             "(no host values)")
         if n != self.num_real and not self.all_greedy:
             # (its flags are its real rows': fewer rows may have others)
             raise ValueError(f"first_rows: {n} rows of a batch of {self.num_real} real rows "

@@ -197,3 +197,17 @@ def test_real_rows_are_views_with_the_real_rows_flags():
     statics = padded.with_columns(padded.columns())
     with pytest.raises(ValueError, match="not built by from_params"):
         statics.real_rows()
+
+
+def test_first_rows_of_an_all_greedy_batch_only_past_its_real_rows():
+    """Any number of an all-greedy batch's rows (padding rows are greedy); fewer rows of a
+    mixed batch would keep its flags, which are its real rows', so they are refused."""
+    g, s = SamplingParams(temperature=0), SamplingParams(temperature=0.7)
+    greedy = SamplingBatch.from_params([g, g], [1, 2], pad_to=4)
+    three = greedy.first_rows(3)
+    assert three.size == 3 and three.num_real == 3 and three.all_greedy
+    assert three.is_greedy.data_ptr() == greedy.is_greedy.data_ptr()
+    assert three.row_flags is None      # past the real rows: not their own
+    mixed = SamplingBatch.from_params([g, s], [1, 2])
+    with pytest.raises(ValueError, match="not all greedy"):
+        mixed.first_rows(1)
