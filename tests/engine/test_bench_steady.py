@@ -370,3 +370,15 @@ def test_host_timers_time_methods_and_static_ones_and_restore_them(monkeypatch):
     finally:
         timers.uninstall()
     assert DeviceChain.__dict__["_rows"] is rows
+
+
+def test_process_pinned_kind_pins_the_core_and_leaves_the_others(common):
+    """``bench_process_gpu.py --kinds process-pinned``: that ProcessEngine's config has
+    ``parallel.pin_host_cores = "on"`` (its core pins its loop thread); the other kinds
+    keep the config as given."""
+    bench = importlib.import_module("bench_process_gpu")
+    config = common.engine_config({"method": "none"}, 2, "cpu")
+    assert config.parallel.pin_host_cores == "auto"
+    pinned = bench._pinned(config, "process-pinned")
+    assert pinned.parallel.pin_host_cores == "on" and pinned.model == config.model
+    assert bench._pinned(config, "process") is config
