@@ -132,6 +132,9 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
     return out
 
 
+KINDS = ("process", "process-pinned", "in-process")
+
+
 def _pinned(config, kind: str):
     """``process-pinned``: the core's loop thread on a core of its own
     (``parallel.pin_host_cores = "on"``); ``process``: the config's own setting."""
@@ -166,8 +169,8 @@ def main() -> None:
     add_round_args(ap, batches="1,32,64,128")
     ap.add_argument("--configs", default="none,eagle3 K=3")
     ap.add_argument("--kinds", default="process,in-process",
-                    help="process, process-pinned (its core's loop thread pinned: "
-                         "parallel.pin_host_cores = on), in-process")
+                    help="of " + ", ".join(KINDS) + " (process-pinned: its core's loop "
+                         "thread pinned, parallel.pin_host_cores = on)")
     ap.add_argument("--consumer", choices=("stream", "batch"), default="stream")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--min-prompts", type=int, default=32)
@@ -190,6 +193,9 @@ def main() -> None:
         timers = HostTimers()
         timers.install()
     names, kinds = args.configs.split(","), args.kinds.split(",")
+    unknown = sorted(set(kinds) - set(KINDS))
+    if unknown:     # a misspelt kind would otherwise run as an unpinned ProcessEngine
+        ap.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})")
     texts = held_out_texts(args.prompts)
     for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=args.min_prompts,
                                              min_rounds=args.min_rounds):
