@@ -99,13 +99,16 @@ class Rows:
 
     def __init__(self, args, rng: random.Random) -> None:
         self.args, self.rng = args, rng
+        # The rows' acceptance factors from a stream of their own: every policy (each fixed
+        # K, the rule) sees the same requests in the same order, whatever it drafts.
+        self.factors = random.Random(rng.getrandbits(32))
         self.tokens = args.closed or args.refill
         self.accept: list[list[float]] = []
         self.rows: list[Row] = []
         self._refill()
 
     def _row(self) -> list[float]:
-        factor = 1 + self.rng.uniform(-self.args.spread, self.args.spread)
+        factor = 1 + self.factors.uniform(-self.args.spread, self.args.spread)
         return [min(a * factor, 0.98) for a in self.args.accept]
 
     def _refill(self) -> None:

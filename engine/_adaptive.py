@@ -37,6 +37,7 @@ iteration; so every rank picks the same K.
 from __future__ import annotations
 
 import collections
+import math
 import time
 from typing import Any, Hashable, Iterable, Sequence, TypeVar
 
@@ -115,6 +116,25 @@ RECENT = 15
 # so the rule tries it, and its own samples from that stretch decide from then on. The
 # first samples leave a K's window once FIRST_SAMPLES more have come.
 WELL_MEASURED = 2 * FIRST_SAMPLES
+# Paired pricing: a K the rule does not run is priced from the K running now, by the
+# difference between them learned from the iterations. Each own sample of a K taken while
+# another K's window is fresh (all RECENT of its samples within the bucket's last
+# FRESH_SPAN measurements: it is running) is evidence of their ratio, log(x) - log(that
+# window's median); the median of a pair's last PAIR_WINDOW such values prices the K not
+# running once PAIRED_MIN have come: T(k) = T(running) * exp(D(k, running)). On the H200 at
+# batch 1 a K's window of 15 swung 0.66-0.81 ms within a steady run, and a K the rule left
+# kept the median it was left with for thousands of choices (its own samples come one per
+# explored run): the rule then chose between a fresh median and a stale one. A ratio
+# learned over many pairs neither drifts with the host nor goes stale.
+FRESH_SPAN = 2 * RECENT
+PAIR_WINDOW = 63
+PAIRED_MIN = 8
+# A K whose expected rate is within NEAR_RATE of the best's is a contender: besides the
+# turns of EXPLORE_EVERY, one run of EXPLORE_RUN in every EXPLORE_NEAR choices tries the
+# best contender (the K not running with the highest rate), so the pair that decides gets
+# its evidence (at a few % apart, a run costs a few % of 3 iterations in EXPLORE_NEAR).
+NEAR_RATE = 0.9
+EXPLORE_NEAR = 32
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -227,6 +247,16 @@ class CostTable:
     # learned since]; FIRST_SAMPLES later they leave it.
     _provisional: dict[tuple[int, int], list[int]] = attrs.field(factory=dict, init=False,
                                                                  repr=False)
+    # Paired pricing (FRESH_SPAN): per bucket, its measurements so far; per (bucket, K),
+    # the measurement index of each sample in its window; per (bucket, lo K, hi K), the
+    # evidence of log T(hi) - log T(lo), and its median once PAIRED_MIN have come.
+    _clock: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
+    _stamps: dict[tuple[int, int], collections.deque[int]] = attrs.field(
+        factory=dict, init=False, repr=False)
+    _pairs: dict[tuple[int, int, int], collections.deque[float]] = attrs.field(
+        factory=dict, init=False, repr=False)
+    paired: dict[tuple[int, int, int], float] = attrs.field(factory=dict, init=False,
+                                                            repr=False)
 
     @property
     def buckets(self) -> list[int]:
@@ -282,7 +312,54 @@ class CostTable:
                 if priced < seen:
                     seen = priced
             found[k] = seen
+        if self.paired:
+            running = self.running(bucket)
+            if running is not None:
+                base = measured[(bucket, running)]
+                for k in found:
+                    if k != running and not self._fresh(bucket, k):
+                        ratio = self.ratio(bucket, k, running)
+                        if ratio is not None:
+                            found[k] = base * ratio
         return found
+
+    def running(self, bucket: int) -> int | None:
+        """The K whose window is fresh at ``bucket`` (FRESH_SPAN; the latest sampled where
+        more than one is), or None."""
+        best, latest = None, -1
+        for (b, k), stamps in self._stamps.items():
+            if b == bucket and stamps[-1] > latest and self._fresh(bucket, k):
+                best, latest = k, stamps[-1]
+        return best
+
+    def _fresh(self, bucket: int, k: int) -> bool:
+        stamps = self._stamps.get((bucket, k))
+        return stamps is not None and len(stamps) == RECENT and \
+            stamps[0] > self._clock.get(bucket, 0) - FRESH_SPAN
+
+    def ratio(self, bucket: int, k: int, base: int) -> float | None:
+        """T(bucket, k) / T(bucket, base) as learned from pairs (PAIRED_MIN), or None."""
+        lo, hi = (k, base) if k < base else (base, k)
+        d = self.paired.get((bucket, lo, hi))
+        if d is None:
+            return None
+        return math.exp(d if k == hi else -d)
+
+    def _pair(self, bucket: int, k: int, seconds: float) -> None:
+        """An own sample of K = k: evidence against every other K whose window is fresh."""
+        if seconds <= 0:
+            return
+        for (b, j), stamps in list(self._stamps.items()):
+            if b != bucket or j == k or not self._fresh(bucket, j):
+                continue
+            e = math.log(seconds) - math.log(self.measured[(bucket, j)])
+            lo, hi = (k, j) if k < j else (j, k)
+            window = self._pairs.get((bucket, lo, hi))
+            if window is None:
+                window = self._pairs[(bucket, lo, hi)] = collections.deque(maxlen=PAIR_WINDOW)
+            window.append(e if k == hi else -e)
+            if len(window) >= PAIRED_MIN:
+                self.paired[(bucket, lo, hi)] = _median_low(window)
 
     def moved(self, bucket: int, anchor: int, k: int) -> float:
         """T(bucket, anchor) moved to K = k by their warm-up times (``moved``)."""
@@ -316,6 +393,7 @@ class CostTable:
         if not self.learn or device is None:
             return
         key = (bucket, k)
+        clock = self._clock[bucket] = self._clock.get(bucket, 0) + 1
         first = self._first.get(key)
         if first is None:
             first = self._first[key] = ([], [])
@@ -342,7 +420,14 @@ class CostTable:
             # The first undisturbed sample (appended above while trying): the disturbed
             # ones before it leave the window.
             self._recent.pop(key, None)
+            self._stamps.pop(key, None)
+        if not trying:
+            self._pair(bucket, k, seconds)
         recent = _median_of_recent(self._recent, key, seconds)
+        stamps = self._stamps.get(key)
+        if stamps is None:
+            stamps = self._stamps[key] = collections.deque(maxlen=RECENT)
+        stamps.append(clock)
         if trying:
             self.measured[key] = _median_low(first[0] or first[1])
             if _has_first(first):   # the last first sample: they stay provisional
@@ -353,9 +438,10 @@ class CostTable:
                 provisional[1] += 1
                 if provisional[1] == FIRST_SAMPLES:
                     # As many samples since: the first ones leave the window (WELL_MEASURED).
-                    window = self._recent[key]
+                    window, stamps = self._recent[key], self._stamps[key]
                     for _ in range(min(provisional[0], len(window) - FIRST_SAMPLES)):
                         window.popleft()
+                        stamps.popleft()
                     del self._provisional[key]
                     recent = _median_low(window)
             self.measured[key] = recent
@@ -466,6 +552,8 @@ class AdaptiveK:
         self._tail_accepted = [0.0] * self.k_max
         self._own_tail: dict[int, float] | None = None
         self._no_tail = [0] * (2 * self.k_max)      # the tail's columns without a tail
+        # The near run (EXPLORE_NEAR) the rule is in and its K (None: none near enough).
+        self._near: tuple[int, int | None] = (-1, None)
         # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
         self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
 
@@ -758,6 +846,7 @@ class AdaptiveK:
         rule took them, each K's measured time, samples and switch cost there."""
         bucket, expected, times = self._view
         cost = self.cost
+        running = cost.running(bucket)
         return {
             "choices": self._calls, "chosen": dict(sorted(self.chosen.items())),
             "switches": self.switches,
@@ -769,6 +858,11 @@ class AdaptiveK:
             "samples": {k: cost.samples.get((bucket, k), 0) for k in self.candidates},
             "switch_ms": {k: round(cost.switch[(bucket, k)] * 1e3, 3)
                           for k in self.candidates if (bucket, k) in cost.switch},
+            # Paired pricing: the K running and each other K's T over its (PAIRED_MIN).
+            "running": running,
+            "paired": {} if running is None else {
+                k: round(ratio, 3) for k in self.candidates if k != running
+                for ratio in (cost.ratio(bucket, k, running),) if ratio is not None},
             "tail_rows": None if self.tail is None else len(self.tail.members)}
 
     def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
@@ -790,7 +884,10 @@ class AdaptiveK:
                 else:
                     times = self._borrowed(bucket)
                     k = choose_by_rate(self.candidates, expected, times)
-            explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN
+            explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN or \
+                calls % EXPLORE_NEAR == EXPLORE_RUN and \
+                self._near == (calls // EXPLORE_NEAR, self._near[1]) and \
+                self._near[1] is not None
             last = None if self._last is None else self._last[1]
             # After an explored run the rule's K is back without a gate.
             if not explored and last is not None and last != k:
@@ -802,7 +899,29 @@ class AdaptiveK:
                 if rate[explore] >= EXPLORE_RATE * rate[k] or \
                         (turn // n_k) % EXPLORE_RARELY == 0:
                     k = explore
+            elif calls > EXPLORE_NEAR and calls % EXPLORE_NEAR < EXPLORE_RUN and \
+                    bucket in self._settled:
+                k = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
         return k
+
+    def _contender(self, run: int, k: int, expected: dict[int, float],
+                   times: dict[int, float], bucket: int) -> int:
+        """The K of the ``run``-th near run (EXPLORE_NEAR), chosen at its first iteration:
+        the K other than ``k`` with the best rate once the switch there and back is paid
+        over the run (on the H200 at batch 1 a switch to eagle3 K = 1 cost ~0.3 ms, to
+        K = 2 or 3 ~0.05), if that is within NEAR_RATE of ``k``'s; else ``k``."""
+        if self._near[0] != run:
+            there = self.cost.switch_cost(bucket, k)
+            rate_k = expected[k] / max(times[k], 1e-9)
+            best, best_rate = None, NEAR_RATE * rate_k
+            for c in self.candidates:
+                if c != k:
+                    paid = (self.cost.switch_cost(bucket, c) + there) / EXPLORE_RUN
+                    rate = expected[c] / max(times[c] + paid, 1e-9)
+                    if rate >= best_rate:
+                        best, best_rate = c, rate
+            self._near = (run, best)
+        return k if self._near[1] is None else self._near[1]
 
 
 @attrs.define
