@@ -118,8 +118,8 @@ RECENT = 15
 WELL_MEASURED = 2 * FIRST_SAMPLES
 # Paired pricing: a K the rule does not run is priced from the K running now, by the
 # difference between them learned from the iterations. Each own sample of a K taken while
-# another K's window is fresh (all RECENT of its samples within the bucket's last
-# FRESH_SPAN measurements: it is running) is evidence of their ratio, log(x) - log(that
+# another K's window is fresh (all RECENT of its samples among the bucket's last
+# FRESH_SPAN own samples: it is running) is evidence of their ratio, log(x) - log(that
 # window's median); the median of a pair's last PAIR_WINDOW such values prices the K not
 # running once PAIRED_MIN have come: T(k) = T(running) * exp(D(k, running)). On the H200 at
 # batch 1 a K's window of 15 swung 0.66-0.81 ms within a steady run, and a K the rule left
@@ -247,12 +247,14 @@ class CostTable:
     # learned since]; FIRST_SAMPLES later they leave it.
     _provisional: dict[tuple[int, int], list[int]] = attrs.field(factory=dict, init=False,
                                                                  repr=False)
-    # Paired pricing (FRESH_SPAN): per bucket, its measurements so far; per (bucket, K),
-    # the measurement index of each sample in its window; per (bucket, lo K, hi K), the
-    # evidence of log T(hi) - log T(lo), and its median once PAIRED_MIN have come.
+    # Paired pricing (FRESH_SPAN): per bucket, its own samples so far, per K the index of
+    # each sample in its window, and the K whose window is fresh (``running``); per
+    # (bucket, lo K, hi K), the evidence of log T(hi) - log T(lo), and its median once
+    # PAIRED_MIN have come.
     _clock: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
-    _stamps: dict[tuple[int, int], collections.deque[int]] = attrs.field(
+    _stamps: dict[int, dict[int, collections.deque[int]]] = attrs.field(
         factory=dict, init=False, repr=False)
+    _running: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     _pairs: dict[tuple[int, int, int], collections.deque[float]] = attrs.field(
         factory=dict, init=False, repr=False)
     paired: dict[tuple[int, int, int], float] = attrs.field(factory=dict, init=False,
@@ -313,7 +315,7 @@ class CostTable:
                     seen = priced
             found[k] = seen
         if self.paired:
-            running = self.running(bucket)
+            running = self._running.get(bucket)
             if running is not None:
                 base = measured[(bucket, running)]
                 for k in found:
@@ -326,16 +328,29 @@ class CostTable:
     def running(self, bucket: int) -> int | None:
         """The K whose window is fresh at ``bucket`` (FRESH_SPAN; the latest sampled where
         more than one is), or None."""
-        best, latest = None, -1
-        for (b, k), stamps in self._stamps.items():
-            if b == bucket and stamps[-1] > latest and self._fresh(bucket, k):
-                best, latest = k, stamps[-1]
-        return best
+        return self._running.get(bucket)
 
     def _fresh(self, bucket: int, k: int) -> bool:
-        stamps = self._stamps.get((bucket, k))
+        stamps = self._stamps.get(bucket, {}).get(k)
         return stamps is not None and len(stamps) == RECENT and \
             stamps[0] > self._clock.get(bucket, 0) - FRESH_SPAN
+
+    def _stamp(self, bucket: int, k: int) -> None:
+        """An own sample of K = k joined its window: its index, and the running K."""
+        clock = self._clock[bucket] = self._clock.get(bucket, 0) + 1
+        at = self._stamps.get(bucket)
+        if at is None:
+            at = self._stamps[bucket] = {}
+        stamps = at.get(k)
+        if stamps is None:
+            stamps = at[k] = collections.deque(maxlen=RECENT)
+        stamps.append(clock)
+        if self._fresh(bucket, k):
+            self._running[bucket] = k
+        else:
+            running = self._running.get(bucket)
+            if running is not None and not self._fresh(bucket, running):
+                del self._running[bucket]
 
     def ratio(self, bucket: int, k: int, base: int) -> float | None:
         """T(bucket, k) / T(bucket, base) as learned from pairs (PAIRED_MIN), or None."""
@@ -349,8 +364,8 @@ class CostTable:
         """An own sample of K = k: evidence against every other K whose window is fresh."""
         if seconds <= 0:
             return
-        for (b, j), stamps in list(self._stamps.items()):
-            if b != bucket or j == k or not self._fresh(bucket, j):
+        for j in self._stamps.get(bucket, ()):
+            if j == k or not self._fresh(bucket, j):
                 continue
             e = math.log(seconds) - math.log(self.measured[(bucket, j)])
             lo, hi = (k, j) if k < j else (j, k)
@@ -393,7 +408,6 @@ class CostTable:
         if not self.learn or device is None:
             return
         key = (bucket, k)
-        clock = self._clock[bucket] = self._clock.get(bucket, 0) + 1
         first = self._first.get(key)
         if first is None:
             first = self._first[key] = ([], [])
@@ -420,14 +434,11 @@ class CostTable:
             # The first undisturbed sample (appended above while trying): the disturbed
             # ones before it leave the window.
             self._recent.pop(key, None)
-            self._stamps.pop(key, None)
+            self._stamps.get(bucket, {}).pop(k, None)
         if not trying:
             self._pair(bucket, k, seconds)
         recent = _median_of_recent(self._recent, key, seconds)
-        stamps = self._stamps.get(key)
-        if stamps is None:
-            stamps = self._stamps[key] = collections.deque(maxlen=RECENT)
-        stamps.append(clock)
+        self._stamp(bucket, k)
         if trying:
             self.measured[key] = _median_low(first[0] or first[1])
             if _has_first(first):   # the last first sample: they stay provisional
@@ -438,7 +449,7 @@ class CostTable:
                 provisional[1] += 1
                 if provisional[1] == FIRST_SAMPLES:
                     # As many samples since: the first ones leave the window (WELL_MEASURED).
-                    window, stamps = self._recent[key], self._stamps[key]
+                    window, stamps = self._recent[key], self._stamps[bucket][k]
                     for _ in range(min(provisional[0], len(window) - FIRST_SAMPLES)):
                         window.popleft()
                         stamps.popleft()
