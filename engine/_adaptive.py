@@ -121,20 +121,22 @@ WELL_MEASURED = 2 * FIRST_SAMPLES
 # Paired pricing: a K the rule does not run is priced from the K running now, by the
 # difference between them learned from the iterations. Each own sample of a K taken while
 # another K's window is fresh (all RECENT of its samples among the bucket's last
-# FRESH_SPAN own samples: it is running) is evidence of their ratio, log(x) - log(that
-# window's median); the median of a pair's last PAIR_WINDOW such values prices the K not
-# running once PAIRED_MIN have come: T(k) = T(running) * exp(D(k, running)). On the H200 at
-# batch 1 a K's window of 15 swung 0.66-0.81 ms within a steady run, and a K the rule left
-# kept the median it was left with for thousands of choices (its own samples come one per
-# explored run): the rule then chose between a fresh median and a stale one. A ratio
-# learned over many pairs neither drifts with the host nor goes stale.
+# FRESH_SPAN own samples: it is running), right after that K's own sample (``_pair``), is
+# evidence of their ratio, log(x) - log(that window's median); the median of a pair's
+# last PAIR_WINDOW such values prices the K not running once PAIRED_MIN have come:
+# T(k) = T(running) * exp(D(k, running)). On the H200 at batch 1 a K's window of 15 swung
+# 0.66-0.81 ms within a steady run, and a K the rule left kept the median it was left with
+# for thousands of choices (its own samples come one per explored run): the rule then
+# chose between a fresh median and a stale one. A ratio learned over many pairs neither
+# drifts with the host nor goes stale.
 FRESH_SPAN = 2 * RECENT
 PAIR_WINDOW = 63
 PAIRED_MIN = 8
-# A K whose expected rate is within NEAR_RATE of the best's is a contender: besides the
-# turns of EXPLORE_EVERY, one run of EXPLORE_RUN in every EXPLORE_NEAR choices tries the
-# best contender (the K not running with the highest rate), so the pair that decides gets
-# its evidence (at a few % apart, a run costs a few % of 3 iterations in EXPLORE_NEAR).
+# A K whose expected rate, with the switch there and back spread over EXPLORE_RUN, is
+# within NEAR_RATE of the rule's K's is a contender: besides the turns of EXPLORE_EVERY,
+# one run of EXPLORE_RUN in every EXPLORE_NEAR choices tries the best contender
+# (``_contender``), so the pair that decides gets its evidence (at a few % apart, a run
+# costs a few % of 3 iterations in EXPLORE_NEAR).
 NEAR_RATE = 0.9
 EXPLORE_NEAR = 32
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
@@ -363,11 +365,19 @@ class CostTable:
         return math.exp(d if k == hi else -d)
 
     def _pair(self, bucket: int, k: int, seconds: float) -> None:
-        """An own sample of K = k: evidence against every other K whose window is fresh."""
+        """An own sample of K = k: evidence against every other K whose window is fresh
+        and which gave one of the bucket's last two own samples. Not against a K left
+        longer ago: the rule leaves a K when its median runs high, and each sample of the
+        new K against that window would make the new K look cheaper (a near run's own
+        sample comes right after the running K's last)."""
         if seconds <= 0:
             return
-        for j in self._stamps.get(bucket, ()):
-            if j == k or not self._fresh(bucket, j):
+        stamps_at = self._stamps.get(bucket)
+        if not stamps_at:
+            return
+        recent = self._clock.get(bucket, 0) - 1
+        for j, stamps in stamps_at.items():
+            if j == k or stamps[-1] < recent or not self._fresh(bucket, j):
                 continue
             e = math.log(seconds) - math.log(self.measured[(bucket, j)])
             lo, hi = (k, j) if k < j else (j, k)
@@ -912,7 +922,7 @@ class AdaptiveK:
                 if rate[explore] >= EXPLORE_RATE * rate[k] or \
                         (turn // n_k) % EXPLORE_RARELY == 0:
                     k = explore
-            elif calls > EXPLORE_NEAR and calls % EXPLORE_NEAR < EXPLORE_RUN and \
+            elif calls >= EXPLORE_NEAR and calls % EXPLORE_NEAR < EXPLORE_RUN and \
                     bucket in self._settled:
                 k = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
         return k

@@ -8,8 +8,9 @@ import torch
 
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
-from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_RARELY, EXPLORE_RUN,
-                                       FIRST_SAMPLES, RECENT, SCALE, WELL_MEASURED,
+from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_NEAR, EXPLORE_RARELY,
+                                       EXPLORE_RUN, FIRST_SAMPLES, NEAR_RATE, PAIRED_MIN,
+                                       RECENT, SCALE, WELL_MEASURED,
                                        AdaptiveK, CostTable,
                                        acceptance_from_counts, choose_k, expected_tokens)
 from specloop.engine._states import IterationState
@@ -782,3 +783,205 @@ async def test_rejection_sampling_stays_exact_when_k_changes(tiny_dir, tiny_load
     assert_matches(firsts, seconds, *exact_distributions(tiny_loaded, T),
                    wrong=exact_distributions(tiny_loaded, WRONG_T))
     assert len(set(map(tuple, greedy))) == 1
+
+
+# Paired pricing (a K not running priced from the K running) and near runs ----------------
+PAIRED_T = {0: 1.0e-3, 1: 1.25e-3, 2: 1.5e-3, 3: 1.6e-3}    # each K's time at the usual level
+
+
+def _pairs_learned(evidence, level=1.0):
+    """A CostTable at bucket 1 where K = 3 runs (its first samples and a stretch: its
+    window fresh) and K = 2 is explored: its first samples, then ``evidence`` runs of
+    EXPLORE_RUN as the rule runs them (the first a switch and the last before one, each
+    twice its time: switch costs, not evidence; the one between them its own sample,
+    K = 3's window fresh: evidence of T(2) / T(3)), each followed by K = 3's switch and
+    own samples (K = 3 stays fresh, K = 2 never is). Every time PAIRED_T's x the host's
+    ``level``."""
+    t2, t3 = level * PAIRED_T[2], level * PAIRED_T[3]
+    cost = CostTable({(1, k): t for k, t in PAIRED_T.items()})
+    for _ in range(2 * RECENT):
+        cost.observe(1, 3, t3)
+    for _ in range(FIRST_SAMPLES):
+        cost.observe(1, 2, t2)
+    cost.observe(1, 3, 2 * t3, switched=True)     # back to K = 3 before K = 2 is explored
+    for _ in range(3):
+        cost.observe(1, 3, t3)
+    for _ in range(evidence):
+        cost.observe(1, 2, 2 * t2, switched=True)
+        cost.observe(1, 2, t2)
+        cost.observe(1, 2, 2 * t2, leaving=True)
+        cost.observe(1, 3, 2 * t3, switched=True)
+        for _ in range(3):
+            cost.observe(1, 3, t3)
+    return cost
+
+
+def test_a_k_left_keeps_no_stale_median():
+    """K = 2's window was learned while the host ran 1.3x slower (K = 3 running beside
+    it, explored one run at a time); then the host is fast again and only K = 3 runs.
+    K = 2's own median is stale (1.3x its time now); once PAIRED_MIN pairs were learned,
+    T(2) is T(3) x their ratio: its time at today's level. Priced by its own median (as
+    before paired pricing), the rule compares K = 3's fresh median with K = 2's stale one
+    for as long as it does not run K = 2 (its own samples come one an explored run:
+    thousands of choices on the H200). With fewer pairs than PAIRED_MIN, the own median."""
+    t2, t3 = PAIRED_T[2], PAIRED_T[3]
+    for evidence in (PAIRED_MIN, PAIRED_MIN - 1):
+        cost = _pairs_learned(evidence, level=1.3)
+        for _ in range(RECENT):
+            cost.observe(1, 3, t3)      # the host fast again: K = 3 alone runs
+        times = cost.times(1, [2, 3])
+        assert cost.measured[(1, 2)] == pytest.approx(1.3 * t2)     # K = 2's own: stale
+        assert times[3] == pytest.approx(t3)
+        if evidence < PAIRED_MIN:       # no ratio yet: the own median
+            assert times[2] == pytest.approx(1.3 * t2)
+            assert cost.ratio(1, 2, 3) is None
+        else:
+            assert times[2] == pytest.approx(t3 * (t2 / t3), rel=0.02)
+            assert abs(times[2] - 1.3 * t2) > 0.2 * t2
+            assert cost.running(1) == 3
+            # The switches' dear iterations taught switch costs, not the ratio.
+            assert cost.ratio(1, 2, 3) == pytest.approx(t2 / t3)
+            assert cost.ratio(1, 3, 2) == pytest.approx(t3 / t2)
+            assert cost.switch_cost(1, 2) == pytest.approx(2 * 1.3 * t2)   # each side: T again
+
+
+def test_a_k_left_follows_the_hosts_level_through_the_k_running():
+    """Pairs learned at the host's usual level; then K = 3's iterations all run 20 %
+    slower (a slow host phase: on the H200 a K's window of 15 swung 0.66-0.81 ms within a
+    steady run), then back, then faster. T(2), K = 2 not running, moves with K = 3's
+    median: T(2) / T(3) stays the ratio learned. By its own median K = 2 would look 20 %
+    cheaper than it is in the slow phase (and the rule leave K = 3 for it on that alone)."""
+    t2, t3 = PAIRED_T[2], PAIRED_T[3]
+    cost = _pairs_learned(PAIRED_MIN)
+    for level in (1.2, 1.0, 0.9):
+        for _ in range(RECENT):
+            cost.observe(1, 3, level * t3)
+        times = cost.times(1, [2, 3])
+        assert times[3] == pytest.approx(level * t3)
+        assert times[2] == pytest.approx(level * t2), level
+        assert times[2] / times[3] == pytest.approx(t2 / t3)
+        assert cost.running(1) == 3
+    assert cost.measured[(1, 2)] == pytest.approx(t2)      # its own window never moved
+
+
+def test_a_k_whose_own_window_is_fresh_keeps_its_own_median():
+    """Paired pricing is for a K whose window is stale: one that ran RECENT times within
+    the bucket's last FRESH_SPAN own samples has a median of today's host, and it is T
+    even where another K is the running one (the latest sampled). Here K = 2, priced from
+    K = 3 while stale, runs a stretch 10 % dearer than the ratio learned says (enough
+    pairs learned before that the stretch's evidence does not move it), then K = 3 runs
+    again: T(2) is K = 2's own median, not T(3) x the old ratio."""
+    t2, t3 = PAIRED_T[2], PAIRED_T[3]
+    cost = _pairs_learned(2 * RECENT)
+    for _ in range(RECENT):
+        cost.observe(1, 3, 1.2 * t3)        # a slow host: K = 2 (stale) priced from K = 3
+    assert cost.times(1, [2, 3])[2] == pytest.approx(1.2 * t2)
+    assert cost.measured[(1, 2)] == pytest.approx(t2)
+    for _ in range(RECENT):
+        cost.observe(1, 2, 1.1 * 1.2 * t2)  # K = 2 runs: its window fresh
+    cost.observe(1, 3, 1.2 * t3)            # and K = 3 again (its window still fresh)
+    assert cost.running(1) == 3
+    assert cost.ratio(1, 2, 3) == pytest.approx(t2 / t3)   # T(3) x it: 1.2 t2
+    times = cost.times(1, [2, 3])
+    assert times == pytest.approx({2: 1.1 * 1.2 * t2, 3: 1.2 * t3})
+    # Once K = 3 has run on, K = 2's window is stale: priced from K = 3 again. Only the
+    # sample next to each switch was evidence (K = 2's first against K = 3's window, K =
+    # 3's first back against K = 2's): two pieces among 2 x RECENT do not move the ratio.
+    # Every sample of a stretch against the window of the K just left would have: the
+    # rule leaves a K when its median runs high, and the K it moved to would look cheaper.
+    for _ in range(RECENT):
+        cost.observe(1, 3, 1.2 * t3)
+    assert cost.running(1) == 3
+    assert cost.ratio(1, 2, 3) == pytest.approx(t2 / t3)
+    assert cost.times(1, [2, 3])[2] == pytest.approx(1.2 * t2)
+
+
+
+def test_a_k_just_left_is_evidence_once_not_for_a_stretch():
+    """The rule leaves a K when its median runs high. A stretch of the new K against the
+    window of the one just left (still fresh: its RECENT samples among the bucket's last
+    FRESH_SPAN) would be evidence that the new K is cheaper at every sample: K = 3's
+    stretch here against K = 2's window left 1.3x dear would price K = 2 from it at 1.3x.
+    Only an own sample that follows the other K's (one of the bucket's last two own
+    samples) is evidence: one piece a switch, below PAIRED_MIN."""
+    t2, t3 = PAIRED_T[2], PAIRED_T[3]
+    cost = CostTable({(1, k): t for k, t in PAIRED_T.items()})
+    for _ in range(FIRST_SAMPLES):
+        cost.observe(1, 3, t3)
+    for _ in range(2 * RECENT):
+        cost.observe(1, 2, 1.3 * t2)        # K = 2 runs while its median is high
+    cost.observe(1, 3, 2 * t3, switched=True)
+    for _ in range(2 * RECENT):
+        cost.observe(1, 3, t3)              # the rule moved to K = 3
+    assert cost.ratio(1, 2, 3) is None
+    assert cost.times(1, [2, 3])[2] == pytest.approx(1.3 * t2)   # its own (stale) median
+
+def _near_runs(rates, switch, choices=4 * EXPLORE_EVERY + EXPLORE_NEAR):
+    """A learning AdaptiveK at batch 1 whose K's rates E(k) / T(k) are ``rates`` (x K = 2's,
+    whose T is 1; acceptance fixed: one record before the first choice, E(k) from it):
+    its choices, picks[c] the c-th (from 1). Every iteration at K takes T(k), the first
+    after another K ``switch`` more (each K's switch cost, once learned)."""
+    adaptive = AdaptiveK(KS, CostTable({}))
+    adaptive.record(3, [3, 3, 2, 1, 3, 0, 2, 3])
+    expected = adaptive._expected_here(None)
+    times = {k: expected[k] / (expected[2] * rates[k]) for k in KS}   # K = 2's rate: 1
+    adaptive.cost = CostTable({(1, k): t for k, t in times.items()})
+    picks = [None]
+    for _ in range(choices):
+        k = adaptive.choose([adaptive.facts()], 1)
+        adaptive.measured(times[k] + (switch if picks[-1] not in (None, k) else 0.0))
+        picks.append(k)
+    return picks
+
+
+def _turn(c):
+    """The K explored at choice ``c`` in an EXPLORE_EVERY turn (every K here is within
+    EXPLORE_RATE of the best: explored at each of its turns), or None outside them."""
+    if c >= EXPLORE_EVERY and c % EXPLORE_EVERY < EXPLORE_RUN:
+        return KS[(c // EXPLORE_EVERY) % len(KS)]
+    return None
+
+
+def test_a_contender_runs_once_in_every_explore_near_choices():
+    """K = 2 is the best and K = 3 within 4 % of it (a contender: within NEAR_RATE once
+    the switch there and back is paid over EXPLORE_RUN), K = 0 and K = 1 far behind. Once
+    settled, the first EXPLORE_RUN choices of every EXPLORE_NEAR run K = 3 (outside the
+    turns of EXPLORE_EVERY, which try each K in turn), and the rule's K = 2 is back right
+    after: the switch back, paid over SWITCH_HORIZON, would not beat K = 3 by
+    SWITCH_MARGIN, so behind the switch gate K = 3 would hold until the next turn. K = 0
+    and K = 1 run at their turns only. Without near runs the contender is measured once
+    in EXPLORE_EVERY x len(KS) choices, and the pair that decides learns its ratio from ~1
+    sample in 1000. The biased twin, K = 3 far behind too (below NEAR_RATE): no near run,
+    K = 3 runs at its turns only; and so when it is within NEAR_RATE only before the
+    switch there and back is paid (a run would cost more than the evidence is worth)."""
+    rates = {0: 0.7, 1: 0.8, 2: 1.0, 3: 0.96}
+    # A switch costs 8 % of T(2): K = 3's rate with both switches over EXPLORE_RUN is
+    # ~0.92 of K = 2's (a contender), K = 2's over SWITCH_HORIZON ~1.02 x K = 3's (< 1.03).
+    picks = _near_runs(rates, switch=0.08)
+    settled = FIRST_SAMPLES * len(KS)
+    assert picks[1:settled + 1] == [k for k in KS for _ in range(FIRST_SAMPLES)]
+    for c in range(settled + 1, len(picks)):
+        if picks[c] in (0, 1):
+            assert _turn(c) == picks[c], c
+    # (The first near run, calls 33-34, is cut short by ``calls > EXPLORE_NEAR``.)
+    runs = 0
+    for start in range(2 * EXPLORE_NEAR, len(picks) - EXPLORE_NEAR + 1, EXPLORE_NEAR):
+        run = picks[start:start + EXPLORE_RUN]
+        if start % EXPLORE_EVERY == 0:      # a turn of EXPLORE_EVERY instead
+            assert run == [_turn(start)] * EXPLORE_RUN, start
+        else:
+            assert run == [3] * EXPLORE_RUN, (start, run)
+            runs += 1
+        assert picks[start + EXPLORE_RUN:start + EXPLORE_NEAR] == \
+            [2] * (EXPLORE_NEAR - EXPLORE_RUN), start
+    assert runs >= 25
+
+    # K = 3 far behind; and near before the switches' cost, not after it (0.93 x K = 2's
+    # rate, ~0.89 with both switches paid over EXPLORE_RUN; the first near run, K = 3's
+    # switch cost not learned yet, may try it).
+    assert 0.8 < NEAR_RATE < 0.93
+    for rate, since in ((0.8, settled + 1), (0.93, 2 * EXPLORE_NEAR)):
+        far = _near_runs({**rates, 3: rate}, switch=0.08)
+        for c in range(since, len(far)):
+            assert far[c] == (_turn(c) if _turn(c) is not None else 2), (rate, c)
+        assert far[since:].count(3) == EXPLORE_RUN      # its turn only

@@ -267,7 +267,8 @@ def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
     default) finds K = 1; with pooled counts (``--pooled``) it drafts K = 3 half the time
     and loses. ``--first-bias``: each K's first samples 1.3x dear, as on the H200: the
     rule still finds K = 1, and without pricing a K not well measured from the anchor
-    (``WELL_MEASURED=0``) it never drafts K = 1 again. ``--refill`` (each row replaced
+    (``WELL_MEASURED=0``) and without near runs (``EXPLORE_NEAR``: they try K = 1 as a
+    contender every 32 choices) it never drafts K = 1 again. ``--refill`` (each row replaced
     as it ends: steady load) keeps the rule level with the best fixed K."""
     sim = importlib.import_module("adaptive_sim")
     common = ["--iterations", "1500", "--seeds", "1", "--sigma", "0", "--dwell", "0",
@@ -277,7 +278,7 @@ def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
     (pooled,) = sim.main(common + ["--closed", "128", "--pooled"])
     (biased,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3"])
     (stuck,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3",
-                                  "--set", "WELL_MEASURED=0"])
+                                  "--set", "WELL_MEASURED=0", "--set", "EXPLORE_NEAR=100000"])
     (steady,) = sim.main(common + ["--refill", "128"])
     assert tail["best_k"] == 1 and tail["vs_best"] > 0.97, tail
     assert pooled["vs_best"] < tail["vs_best"] - 0.03, pooled
