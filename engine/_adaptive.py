@@ -259,6 +259,12 @@ class CostTable:
     _stamps: dict[int, dict[int, collections.deque[int]]] = attrs.field(
         factory=dict, init=False, repr=False)
     _running: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
+    # Per bucket: the K values whose windows are fresh, and each K priced from the running
+    # one ({K: ratio}: a K not fresh with PAIRED_MIN pairs), kept by ``_stamp`` (``times``
+    # runs every iteration, and a K's freshness changes only at an own sample).
+    _fresh_ks: dict[int, set[int]] = attrs.field(factory=dict, init=False, repr=False)
+    _priced: dict[int, dict[int, float]] = attrs.field(factory=dict, init=False, repr=False)
+    _paired_changed: set[int] = attrs.field(factory=set, init=False, repr=False)
     _pairs: dict[tuple[int, int, int], collections.deque[float]] = attrs.field(
         factory=dict, init=False, repr=False)
     paired: dict[tuple[int, int, int], float] = attrs.field(factory=dict, init=False,
@@ -318,15 +324,13 @@ class CostTable:
                 if priced < seen:
                     seen = priced
             found[k] = seen
-        if self.paired:
-            running = self._running.get(bucket)
-            if running is not None:
-                base = measured[(bucket, running)]
-                for k in found:
-                    if k != running and not self._fresh(bucket, k):
-                        ratio = self.ratio(bucket, k, running)
-                        if ratio is not None:
-                            found[k] = base * ratio
+        if self._priced:
+            by_ratio = self._priced.get(bucket)
+            if by_ratio:    # a K not running, priced from the one running (``_stamp``)
+                base = measured[(bucket, self._running[bucket])]
+                for k, ratio in by_ratio.items():
+                    if k in found:
+                        found[k] = base * ratio
         return found
 
     def running(self, bucket: int) -> int | None:
@@ -349,12 +353,33 @@ class CostTable:
         if stamps is None:
             stamps = at[k] = collections.deque(maxlen=RECENT)
         stamps.append(clock)
-        if self._fresh(bucket, k):
-            self._running[bucket] = k
-        else:
-            running = self._running.get(bucket)
-            if running is not None and not self._fresh(bucket, running):
-                del self._running[bucket]
+        fresh = self._fresh_ks.get(bucket)
+        if fresh is None:
+            fresh = self._fresh_ks[bucket] = set()
+        changed = bucket in self._paired_changed
+        limit = clock - FRESH_SPAN      # ``_fresh`` written out: once an iteration
+        if (len(stamps) == RECENT and stamps[0] > limit) != (k in fresh):
+            fresh.symmetric_difference_update((k,))     # k's own window may have shrunk
+            changed = True
+        for j in fresh:
+            # Another K's window changes only at its own samples: only age ends it here,
+            # and at one K a sample at most (each sample's index is the bucket's own).
+            if j != k and at[j][0] <= limit:
+                fresh.discard(j)
+                changed = True
+                break
+        running = self._running.get(bucket)
+        if k in fresh:
+            changed = changed or running != k
+            self._running[bucket] = running = k
+        elif running is not None and running not in fresh:
+            del self._running[bucket]
+            running, changed = None, True
+        if changed:
+            self._paired_changed.discard(bucket)
+            self._priced[bucket] = {} if running is None else {
+                j: ratio for j in at if j != running and j not in fresh
+                for ratio in (self.ratio(bucket, j, running),) if ratio is not None}
 
     def ratio(self, bucket: int, k: int, base: int) -> float | None:
         """T(bucket, k) / T(bucket, base) as learned from pairs (PAIRED_MIN), or None."""
@@ -365,28 +390,24 @@ class CostTable:
         return math.exp(d if k == hi else -d)
 
     def _pair(self, bucket: int, k: int, seconds: float) -> None:
-        """An own sample of K = k: evidence against every other K whose window is fresh
-        and which gave one of the bucket's last two own samples. Not against a K left
-        longer ago: the rule leaves a K when its median runs high, and each sample of the
-        new K against that window would make the new K look cheaper (a near run's own
-        sample comes right after the running K's last)."""
-        if seconds <= 0:
+        """An own sample of K = k: evidence against the running K (its window fresh) if
+        that gave one of the bucket's last two own samples. Not against a K left longer
+        ago: the rule leaves a K when its median runs high, and each sample of the new K
+        against that window would make the new K look cheaper (a near run's own sample
+        comes right after the running K's last)."""
+        j = self._running.get(bucket)
+        if j is None or j == k or seconds <= 0 or \
+                self._stamps[bucket][j][-1] < self._clock[bucket] - 1:
             return
-        stamps_at = self._stamps.get(bucket)
-        if not stamps_at:
-            return
-        recent = self._clock.get(bucket, 0) - 1
-        for j, stamps in stamps_at.items():
-            if j == k or stamps[-1] < recent or not self._fresh(bucket, j):
-                continue
-            e = math.log(seconds) - math.log(self.measured[(bucket, j)])
-            lo, hi = (k, j) if k < j else (j, k)
-            window = self._pairs.get((bucket, lo, hi))
-            if window is None:
-                window = self._pairs[(bucket, lo, hi)] = collections.deque(maxlen=PAIR_WINDOW)
-            window.append(e if k == hi else -e)
-            if len(window) >= PAIRED_MIN:
-                self.paired[(bucket, lo, hi)] = _median_low(window)
+        e = math.log(seconds) - math.log(self.measured[(bucket, j)])
+        lo, hi = (k, j) if k < j else (j, k)
+        window = self._pairs.get((bucket, lo, hi))
+        if window is None:
+            window = self._pairs[(bucket, lo, hi)] = collections.deque(maxlen=PAIR_WINDOW)
+        window.append(e if k == hi else -e)
+        if len(window) >= PAIRED_MIN:
+            self.paired[(bucket, lo, hi)] = _median_low(window)
+            self._paired_changed.add(bucket)
 
     def moved(self, bucket: int, anchor: int, k: int) -> float:
         """T(bucket, anchor) moved to K = k by their warm-up times (``moved``)."""

@@ -5,6 +5,8 @@ import collections
 import anyio
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
@@ -985,3 +987,57 @@ def test_a_contender_runs_once_in_every_explore_near_choices():
         for c in range(since, len(far)):
             assert far[c] == (_turn(c) if _turn(c) is not None else 2), (rate, c)
         assert far[since:].count(3) == EXPLORE_RUN      # its turn only
+
+
+_STRETCHES = st.tuples(st.integers(0, 3), st.sampled_from([1, 2, 3, 3, 3, 16, 20, 30]),
+                       st.floats(0.8, 1.4), st.integers(0, 12))
+# Episodes as the rule runs them: a long stretch of one K, then an explored run of another
+# (three: one own sample between a switch and a leaving), now and then the roles swapped.
+_EPISODES = st.tuples(st.sampled_from([16, 20, 30]), st.sampled_from([1, 3, 3, 3, 5]),
+                      st.floats(0.8, 1.4), st.integers(0, 12), st.booleans())
+
+
+@st.composite
+def _stretches(draw):
+    if draw(st.booleans()):
+        return draw(st.lists(_STRETCHES, min_size=1, max_size=40))
+    a, b = draw(st.sampled_from([(a, b) for a in range(4) for b in range(4) if a != b]))
+    runs = []
+    for long, short, level, seed, swap in draw(st.lists(_EPISODES, min_size=1,
+                                                        max_size=24)):
+        if swap:
+            a, b = b, a
+        runs += [(a, long, level, seed), (b, short, level, seed)]
+    return runs
+
+
+@given(runs=_stretches())
+@settings(max_examples=80, deadline=None)
+def test_paired_prices_kept_by_stamp_equal_the_ones_computed_afresh(runs):
+    """``CostTable`` keeps each bucket's fresh K values, its running K and the prices of
+    the others from it (``_stamp``), because ``times`` runs every iteration. After any
+    sequence of stretches (each K's samples as the rule makes them: its first after
+    another K a switch, its last before one leaving; one in ten disturbed in some
+    stretches; the host's level moving stretch by stretch; random stretches, or long ones
+    of one K with explored runs of another between them, which learn their pairs), they
+    equal what the windows say computed afresh: the running K is the fresh one sampled
+    last, and every K not fresh with PAIRED_MIN pairs is T(running) x their ratio."""
+    cost = CostTable({(1, k): t for k, t in PAIRED_T.items()})
+    flat = [(k, level, i % 10 == seed) for k, n, level, seed in runs for i in range(n)]
+    for i, (k, level, disturbed) in enumerate(flat):
+        switched = i > 0 and flat[i - 1][0] != k
+        leaving = i + 1 < len(flat) and flat[i + 1][0] != k
+        cost.observe(1, k, level * PAIRED_T[k] * (1 + 0.01 * (i % 7)), disturbed=disturbed,
+                     switched=switched, leaving=leaving)
+        fresh = [j for j in PAIRED_T if cost._fresh(1, j)]
+        running = max(fresh, key=lambda j: cost._stamps[1][j][-1]) if fresh else None
+        assert cost.running(1) == running
+        kept, cost._priced = cost._priced, {}
+        expected = cost.times(1, list(PAIRED_T))   # without paired pricing
+        cost._priced = kept
+        if running is not None:
+            for j in PAIRED_T:
+                ratio = cost.ratio(1, j, running)
+                if j != running and j not in fresh and ratio is not None:
+                    expected[j] = cost.measured[(1, running)] * ratio
+        assert cost.times(1, list(PAIRED_T)) == expected
