@@ -139,6 +139,16 @@ PAIRED_MIN = 8
 # costs a few % of 3 iterations in EXPLORE_NEAR).
 NEAR_RATE = 0.9
 EXPLORE_NEAR = 32
+# Once settled at a bucket, a drafter without draft classes holds the K the rule chose
+# again (the same as the last iteration's) for the next HOLD - 1 choices at that bucket,
+# without computing E(k) or T(b, k): on this repository's CPU the rule took ~25 of
+# adaptive K's ~37 us an iteration (bench_adaptive_host.py --tail-batch 8), and from
+# batch ~2 a speculative iteration on the H200 is host-bound (adaptive ran 0.955-0.960 of
+# fixed K = 3 at batch 8 while drafting K = 3 in 99 % of its iterations). Not in the
+# EXPLORE_NEAR choices' first EXPLORE_RUN + 1 (near runs, explore turns, the choice after
+# them); not for a drafter with classes (n-gram: a row's class changes iteration to
+# iteration, and with it the best K).
+HOLD = 4
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -596,6 +606,8 @@ class AdaptiveK:
         self._tail_accepted = [0.0] * self.k_max
         self._own_tail: dict[int, float] | None = None
         self._no_tail = [0] * (2 * self.k_max)      # the tail's columns without a tail
+        # HOLD: (bucket, K, the last choice held) after a choice that kept its K, or None.
+        self._hold: tuple[int, int, int] | None = None
         # The near run (EXPLORE_NEAR) the rule is in and its K (None: none near enough).
         self._near: tuple[int, int | None] = (-1, None)
         # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
@@ -691,8 +703,20 @@ class AdaptiveK:
         stretch). Commits nothing: ``commit`` does, once the step is queued."""
         if stay:
             return k
+        bucket, calls = self.cost.bucket(padded_batch_size), self._calls + 1
+        held = self._held(bucket, calls)
+        if held is not None:
+            return held
         expected = self._tail_here() if tail_rows else self._expected_here(classes)
-        return self._rule(expected, self.cost.bucket(padded_batch_size), self._calls + 1)
+        return self._rule(expected, bucket, calls)
+
+    def _held(self, bucket: int, calls: int) -> int | None:
+        """The K held for the ``calls``-th choice at ``bucket`` (HOLD), or None."""
+        hold = self._hold
+        if hold is None or calls > hold[2] or hold[0] != bucket or \
+                calls % EXPLORE_NEAR <= EXPLORE_RUN:
+            return None
+        return hold[1]
 
     def commit(self, k: int) -> None:
         """The next ``choose`` returns ``k`` without running the rule (one rank only)."""
@@ -740,7 +764,9 @@ class AdaptiveK:
                 self.cost.observe(last_bucket, last_k, seconds, disturbed, switched)
                 learn = False
             assert rows is not None
-            k = self._rule(self._expected(rows), bucket, self._calls)
+            held = self._held(bucket, self._calls)
+            k = held if held is not None else \
+                self._rule(self._expected(rows), bucket, self._calls)
         if learn:   # learned once the K after it is known (``leaving`` its K)
             self.cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
         self._before = None if self._last is None else self._last[1]
@@ -946,6 +972,9 @@ class AdaptiveK:
             elif calls >= EXPLORE_NEAR and calls % EXPLORE_NEAR < EXPLORE_RUN and \
                     bucket in self._settled:
                 k = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
+            if k == last and not self.classes and bucket in self._settled and \
+                    calls % EXPLORE_NEAR > EXPLORE_RUN:
+                self._hold = (bucket, k, calls + HOLD - 1)
         return k
 
     def _contender(self, run: int, k: int, expected: dict[int, float],

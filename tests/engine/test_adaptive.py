@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
 from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_NEAR, EXPLORE_RARELY,
-                                       EXPLORE_RUN, FIRST_SAMPLES, NEAR_RATE, PAIRED_MIN,
+                                       EXPLORE_RUN, FIRST_SAMPLES, HOLD, NEAR_RATE,
+                                       PAIRED_MIN,
                                        RECENT, SCALE, WELL_MEASURED,
                                        AdaptiveK, CostTable,
                                        acceptance_from_counts, choose_k, expected_tokens)
@@ -1041,3 +1042,86 @@ def test_paired_prices_kept_by_stamp_equal_the_ones_computed_afresh(runs):
                 if j != running and j not in fresh and ratio is not None:
                     expected[j] = cost.measured[(1, running)] * ratio
         assert cost.times(1, list(PAIRED_T)) == expected
+
+
+def _drive(adaptive, times, choices, *, one_rank, rows=8, seed=0):
+    """``choices`` iterations of a learning rule at batch ``rows`` with the batch's tail:
+    on one GPU rank's path (``next_k`` + ``commit`` + ``choose_committed``, as
+    engine/_ahead.py runs it) or the group's (``choose`` on the gathered facts). Each
+    iteration at K takes ``times[K]``; acceptance drawn from ``seed``'s stream, the same
+    for both paths. -> the K chosen at each."""
+    import random
+    rng, batch, picks, k = random.Random(seed), [], [], 0
+
+    class Row:
+        def __init__(self):
+            self.stop_length, self.token_ids = rng.randrange(64, 256), [0] * rng.randrange(1, 8)
+
+    batch = [Row() for _ in range(rows)]
+    for _ in range(choices):
+        tail_rows = adaptive.tail.rows(batch)
+        if one_rank and picks:
+            adaptive.commit(adaptive.next_k(rows, k, tail_rows=tail_rows))
+            k = adaptive.choose_committed(rows)
+        else:
+            k = adaptive.choose([adaptive.facts(None, tail_rows)], rows)
+        picks.append(k)
+        accepted = [min(k, rng.randrange(4)) for _ in batch]
+        adaptive.record(k, accepted, None, adaptive.tail.accepted(batch, accepted))
+        adaptive.measured(times[k] * (1 + 0.02 * rng.random()))
+        for row, n in zip(batch, accepted):
+            row.token_ids += [0] * (n + 1)
+    return picks
+
+
+def test_a_kept_k_is_held_without_the_rule_on_either_path():
+    """Once settled, a choice that keeps its K holds it for the next HOLD - 1 choices at
+    that bucket without the rule (E(k) and T(b, k) are the rule's host time: ~25 of ~37 us
+    an iteration on this CPU, where a batch-8 iteration on the H200 is host-bound), except
+    in the first EXPLORE_RUN + 1 choices of every EXPLORE_NEAR (near runs, explore turns,
+    the choice after them). One GPU rank's early choice (``next_k``, which learns the last
+    iteration's time a choice later) and the group's (``choose``: on every rank alike,
+    from the agreed choice count, bucket and last K) both hold. The biased twin: HOLD = 1
+    runs the rule at every choice (below)."""
+    times = {0: 0.8e-3, 1: 0.95e-3, 2: 1.05e-3, 3: 1.1e-3}
+    for one_rank in (True, False):
+        adaptive = AdaptiveK(KS, CostTable({(8, k): t for k, t in times.items()}),
+                             tail=True)
+        rule, ran = adaptive._rule, []
+        adaptive._rule = lambda e, b, c, rule=rule, ran=ran: ran.append(c) or rule(e, b, c)
+        picks = [None] + _drive(adaptive, times, 4 * EXPLORE_EVERY, one_rank=one_rank)
+        settled = FIRST_SAMPLES * len(KS) + 2 * EXPLORE_NEAR
+        late = [c for c in range(settled, len(picks)) if c % EXPLORE_NEAR > EXPLORE_RUN]
+        held = [c for c in late if c not in ran]
+        assert len(held) > 0.6 * len(late) * (HOLD - 1) / HOLD, (one_rank, len(held))
+        for c in held:      # a held choice repeats the K kept before it
+            assert picks[c] == picks[c - 1] == picks[c - 2], (one_rank, c)
+        assert all(c in ran for c in range(2, len(picks)) if c % EXPLORE_NEAR <= EXPLORE_RUN)
+
+
+def test_hold_1_runs_the_rule_at_every_choice(monkeypatch):
+    """The twin of the hold: with HOLD = 1 nothing is held."""
+    from specloop.engine import _adaptive
+    monkeypatch.setattr(_adaptive, "HOLD", 1)
+    times = {0: 0.8e-3, 1: 0.95e-3, 2: 1.05e-3, 3: 1.1e-3}
+    adaptive = AdaptiveK(KS, CostTable({(8, k): t for k, t in times.items()}), tail=True)
+    rule, ran = adaptive._rule, []
+    adaptive._rule = lambda e, b, c: ran.append(c) or rule(e, b, c)
+    picks = _drive(adaptive, times, 2 * EXPLORE_EVERY, one_rank=False)
+    assert ran == list(range(1, len(picks) + 1))
+
+
+def test_a_drafter_with_classes_is_never_held():
+    """n-gram's rows change class from iteration to iteration (a match found or lost), and
+    the best K with them (K = 0 for a row without a match, K = 4 along a long one): its
+    rule runs at every choice, settled or not."""
+    times = {0: 0.5e-3, 1: 0.6e-3, 2: 0.65e-3, 3: 0.7e-3}
+    adaptive = AdaptiveK(KS, CostTable({(1, k): t for k, t in times.items()}), classes=2)
+    rule, ran = adaptive._rule, []
+    adaptive._rule = lambda e, b, c: ran.append(c) or rule(e, b, c)
+    for c in range(1, 2 * EXPLORE_EVERY + 1):
+        cls = [c % 3 // 2]      # the row's class: 0, 0, 1, 0, 0, 1, ...
+        k = adaptive.choose([adaptive.facts(cls)], 1)
+        adaptive.record(k, [k if cls[0] else 0], cls)
+        adaptive.measured(times[k])
+    assert ran == list(range(1, 2 * EXPLORE_EVERY + 1))
