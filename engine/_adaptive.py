@@ -23,7 +23,8 @@ change in its own warm-up time and all scaled to the bucket's own measured one, 
 EXPLORE_RUN choices in EXPLORE_EVERY try the K values in turn, and EXPLORE_RUN in
 EXPLORE_NEAR the contender, the K within NEAR_RATE of the rule's; a K not WELL_MEASURED
 at a bucket is priced from the K measured most there, and a K not running from the K
-running, by their ratio learned in pairs: PAIRED_MIN). The iterations on either
+running, by their ratio learned in pairs: PAIRED_MIN; a head's K kept at a settled
+bucket is held HOLD - 1 more choices without the rule). The iterations on either
 side of a switch of K teach that K's switch cost instead, which the rule pays before it
 leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An
 iteration that admitted requests, or whose next one did, is disturbed and learned only where no undisturbed one was (its extra cost
