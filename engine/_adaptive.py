@@ -929,7 +929,8 @@ class AdaptiveK:
             "samples": {k: cost.samples.get((bucket, k), 0) for k in self.candidates},
             "switch_ms": {k: round(cost.switch[(bucket, k)] * 1e3, 3)
                           for k in self.candidates if (bucket, k) in cost.switch},
-            # Paired pricing: the K running and each other K's T over its (PAIRED_MIN).
+            # Paired pricing: the K running, and each other K's T over the running one's
+            # where PAIRED_MIN pairs have priced it.
             "running": running,
             "paired": {} if running is None else {
                 k: round(ratio, 3) for k in self.candidates if k != running
@@ -955,10 +956,11 @@ class AdaptiveK:
                 else:
                     times = self._borrowed(bucket)
                     k = choose_by_rate(self.candidates, expected, times)
+            # An explored run just ended: an EXPLORE_EVERY turn, or the near run
+            # ``_contender`` chose at this EXPLORE_NEAR's start.
             explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN or \
                 calls % EXPLORE_NEAR == EXPLORE_RUN and \
-                self._near == (calls // EXPLORE_NEAR, self._near[1]) and \
-                self._near[1] is not None
+                self._near[0] == calls // EXPLORE_NEAR and self._near[1] is not None
             last = None if self._last is None else self._last[1]
             # After an explored run the rule's K is back without a gate.
             if not explored and last is not None and last != k:
