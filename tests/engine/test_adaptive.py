@@ -12,8 +12,7 @@ from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
 from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_NEAR, EXPLORE_RARELY,
                                        EXPLORE_RUN, FIRST_SAMPLES, HOLD, NEAR_RATE,
-                                       PAIRED_MIN,
-                                       RECENT, SCALE, WELL_MEASURED,
+                                       PAIRED_MIN, RECENT, SCALE, WELL_MEASURED,
                                        AdaptiveK, CostTable,
                                        acceptance_from_counts, choose_k, expected_tokens)
 from specloop.engine._states import IterationState
