@@ -10,6 +10,8 @@ each of ``--iterations``.
     python bench/bench_adaptive_host.py [--iterations 20000] [--tail-batch 64]
         [--module /tmp/old_adaptive.py]   (another version of engine/_adaptive.py, e.g.
                                            ``git show <commit>:engine/_adaptive.py``)
+        [--against /tmp/old_adaptive.py]  (with --tail-batch: this tree's module and that
+                                           one taking turns, --runs each, µs per call)
 """
 
 from __future__ import annotations
@@ -75,37 +77,83 @@ def make_tail(module, learn: bool):
     return adaptive
 
 
-def loop_tail(adaptive, n: int, batch_size: int) -> float:
+CALLS = ("tail.rows", "next_k", "measured", "choose_committed", "tail.accepted", "record")
+
+
+def loop_tail(adaptive, n: int, batch_size: int, calls: dict | None = None) -> float:
     """µs an iteration in the one-rank path's calls for a head over ``batch_size`` rows
-    (only theirs: the loop's own row bookkeeping is not timed)."""
+    (only theirs: the loop's own row bookkeeping is not timed); ``calls``: each call's
+    (CALLS) µs an iteration added to it."""
     rng = random.Random(1)
     batch = [_Row(rng) for _ in range(batch_size)]
     tail, k, clock, spent = adaptive.tail, 0, time.perf_counter, 0.0
+    split = [0.0] * len(CALLS)
     for _ in range(n):
-        start = clock()
-        adaptive.commit(adaptive.next_k(batch_size, k, tail_rows=tail.rows(batch)))
+        t0 = clock()
+        tail_rows = tail.rows(batch)
+        t1 = clock()
+        adaptive.commit(adaptive.next_k(batch_size, k, tail_rows=tail_rows))
+        t2 = clock()
         adaptive.measured(0.0015 + rng.random() * 1e-5)
+        t3 = clock()
         k = adaptive.choose_committed(batch_size)
-        spent += clock() - start
+        t4 = clock()
         accepted = [rng.randrange(k + 1) if k else 0 for _ in batch]
-        start = clock()
-        adaptive.record(k, accepted, None, tail.accepted(batch, accepted))
-        spent += clock() - start
+        t5 = clock()
+        tail_accepted = tail.accepted(batch, accepted)
+        t6 = clock()
+        adaptive.record(k, accepted, None, tail_accepted)
+        t7 = clock()
+        for i, took in enumerate((t1 - t0, t2 - t1, t3 - t2, t4 - t3, t6 - t5, t7 - t6)):
+            split[i] += took
+        spent += t4 - t0 + t7 - t5
         for row, m in zip(batch, accepted):
             row.token_ids += [0] * (m + 1)
         if rng.random() < 0.5:      # one ends, another joins
             batch[rng.randrange(batch_size)] = _Row(rng)
+    if calls is not None:
+        for name, took in zip(CALLS, split):
+            calls[name] = calls.get(name, 0.0) + took / n * 1e6
     return spent / n * 1e6
 
 
-def main() -> None:
+def against(modules: dict, batch_size: int, iterations: int, runs: int) -> dict:
+    """Each module's learning head rule over ``batch_size`` rows, the modules taking turns
+    ``runs`` times (a fresh rule each run, 500 iterations to warm): -> {name: {"total":
+    sorted µs an iteration, call: sorted µs}} (a shared box's drift hits all alike)."""
+    found: dict = {name: {} for name in modules}
+    for _ in range(runs):
+        for name, module in modules.items():
+            adaptive = make_tail(module, True)
+            loop_tail(adaptive, 500, batch_size)
+            calls: dict = {}
+            total = loop_tail(adaptive, iterations, batch_size, calls)
+            for key, value in (("total", total), *calls.items()):
+                found[name].setdefault(key, []).append(round(value, 1))
+    return {name: {key: sorted(v) for key, v in per.items()} for name, per in found.items()}
+
+
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--iterations", type=int, default=20000)
     ap.add_argument("--module", default="", help="another engine/_adaptive.py to time")
     ap.add_argument("--tail-batch", type=int, default=0,
                     help="a head's rule with the batch's tail over this many rows")
-    args = ap.parse_args()
+    ap.add_argument("--against", default="",
+                    help="with --tail-batch: another engine/_adaptive.py taking turns with "
+                         "this tree's, µs per call")
+    ap.add_argument("--runs", type=int, default=4, help="--against: runs of each")
+    args = ap.parse_args(argv)
     module = load(args.module)
+    if args.against:
+        if not args.tail_batch:
+            ap.error("--against times the head's rule: give --tail-batch")
+        found = against({"this": module, "other": load(args.against)}, args.tail_batch,
+                        args.iterations // 4, args.runs)
+        for name, per in found.items():
+            print(f"tail, batch {args.tail_batch}, {name}: " +
+                  "; ".join(f"{key} {values}" for key, values in per.items()))
+        return
     if args.tail_batch:
         for learn in (False, True):
             adaptive = make_tail(module, learn)

@@ -383,3 +383,22 @@ def test_process_pinned_kind_pins_the_core_and_leaves_the_others(common):
     pinned = bench._pinned(config, "process-pinned")
     assert pinned.parallel.pin_host_cores == "on" and pinned.model == config.model
     assert bench._pinned(config, "process") is config
+
+
+def test_adaptive_host_bench_times_two_modules_call_by_call(common, capsys):
+    """``bench_adaptive_host.py --against``: this tree's rule and another file's take turns
+    (here the same file twice), each with a total and every call of the one-rank path, so
+    a host-time change can be read per call on a shared box (the twenty-third session's
+    hold: ``next_k``)."""
+    bench = importlib.import_module("bench_adaptive_host")
+    this = Path(__file__).parents[2] / "engine" / "_adaptive.py"
+    bench.main(["--tail-batch", "8", "--iterations", "400", "--runs", "2",
+                "--against", str(this)])
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split(":")[0] for line in lines] == ["tail, batch 8, this",
+                                                      "tail, batch 8, other"]
+    for line in lines:
+        for call in ("total",) + bench.CALLS:
+            assert f"; {call} [" in line or f": {call} [" in line, (call, line)
+    with pytest.raises(SystemExit):
+        bench.main(["--against", str(this)])    # the head's rule needs --tail-batch
