@@ -275,7 +275,6 @@ class CostTable:
     # runs every iteration, and a K's freshness changes only at an own sample).
     _fresh_ks: dict[int, set[int]] = attrs.field(factory=dict, init=False, repr=False)
     _priced: dict[int, dict[int, float]] = attrs.field(factory=dict, init=False, repr=False)
-    _paired_changed: set[int] = attrs.field(factory=set, init=False, repr=False)
     _pairs: dict[tuple[int, int, int], collections.deque[float]] = attrs.field(
         factory=dict, init=False, repr=False)
     paired: dict[tuple[int, int, int], float] = attrs.field(factory=dict, init=False,
@@ -351,11 +350,12 @@ class CostTable:
 
     def _fresh(self, bucket: int, k: int) -> bool:
         stamps = self._stamps.get(bucket, {}).get(k)
-        return stamps is not None and len(stamps) == RECENT and \
-            stamps[0] > self._clock.get(bucket, 0) - FRESH_SPAN
+        return stamps is not None and \
+            _fresh_window(stamps, self._clock.get(bucket, 0) - FRESH_SPAN)
 
-    def _stamp(self, bucket: int, k: int) -> None:
-        """An own sample of K = k joined its window: its index, and the running K."""
+    def _stamp(self, bucket: int, k: int, paired: bool) -> None:
+        """An own sample of K = k joined its window: its index, and the running K
+        (``paired``: the sample changed a pair's ratio)."""
         clock = self._clock[bucket] = self._clock.get(bucket, 0) + 1
         at = self._stamps.get(bucket)
         if at is None:
@@ -367,9 +367,9 @@ class CostTable:
         fresh = self._fresh_ks.get(bucket)
         if fresh is None:
             fresh = self._fresh_ks[bucket] = set()
-        changed = bucket in self._paired_changed
-        limit = clock - FRESH_SPAN      # ``_fresh`` written out: once an iteration
-        if (len(stamps) == RECENT and stamps[0] > limit) != (k in fresh):
+        changed = paired
+        limit = clock - FRESH_SPAN
+        if _fresh_window(stamps, limit) != (k in fresh):
             fresh.symmetric_difference_update((k,))     # k's own window may have shrunk
             changed = True
         for j in fresh:
@@ -387,7 +387,6 @@ class CostTable:
             del self._running[bucket]
             running, changed = None, True
         if changed:
-            self._paired_changed.discard(bucket)
             self._priced[bucket] = {} if running is None else {
                 j: ratio for j in at if j != running and j not in fresh
                 for ratio in (self.ratio(bucket, j, running),) if ratio is not None}
@@ -400,25 +399,26 @@ class CostTable:
             return None
         return math.exp(d if k == hi else -d)
 
-    def _pair(self, bucket: int, k: int, seconds: float) -> None:
+    def _pair(self, bucket: int, k: int, seconds: float) -> bool:
         """An own sample of K = k: evidence against the running K (its window fresh) if
         that gave one of the bucket's last two own samples. Not against a K left longer
         ago: the rule leaves a K when its median runs high, and each sample of the new K
         against that window would make the new K look cheaper (a near run's own sample
-        comes right after the running K's last)."""
+        comes right after the running K's last). -> whether a pair's ratio changed."""
         j = self._running.get(bucket)
         if j is None or j == k or seconds <= 0 or \
                 self._stamps[bucket][j][-1] < self._clock[bucket] - 1:
-            return
+            return False
         e = math.log(seconds) - math.log(self.measured[(bucket, j)])
         lo, hi = (k, j) if k < j else (j, k)
         window = self._pairs.get((bucket, lo, hi))
         if window is None:
             window = self._pairs[(bucket, lo, hi)] = collections.deque(maxlen=PAIR_WINDOW)
         window.append(e if k == hi else -e)
-        if len(window) >= PAIRED_MIN:
-            self.paired[(bucket, lo, hi)] = _median_low(window)
-            self._paired_changed.add(bucket)
+        if len(window) < PAIRED_MIN:
+            return False
+        self.paired[(bucket, lo, hi)] = _median_low(window)
+        return True
 
     def moved(self, bucket: int, anchor: int, k: int) -> float:
         """T(bucket, anchor) moved to K = k by their warm-up times (``moved``)."""
@@ -479,10 +479,9 @@ class CostTable:
             # ones before it leave the window.
             self._recent.pop(key, None)
             self._stamps.get(bucket, {}).pop(k, None)
-        if not trying:
-            self._pair(bucket, k, seconds)
+        paired = not trying and self._pair(bucket, k, seconds)
         recent = _median_of_recent(self._recent, key, seconds)
-        self._stamp(bucket, k)
+        self._stamp(bucket, k, paired)
         if trying:
             self.measured[key] = _median_low(first[0] or first[1])
             if _has_first(first):   # the last first sample: they stay provisional
@@ -560,6 +559,18 @@ def _median_of_recent(recent: dict[Key, collections.deque[float]], key: Key,
         window = recent[key] = collections.deque(maxlen=RECENT)
     window.append(value)
     return _median_low(window)
+
+
+def _may_hold(calls: int) -> bool:
+    """Whether the ``calls``-th choice may be held (HOLD): not one of the first
+    EXPLORE_RUN + 1 of its EXPLORE_NEAR (near runs, explore turns, the choice after)."""
+    return calls % EXPLORE_NEAR > EXPLORE_RUN
+
+
+def _fresh_window(stamps: collections.deque[int], limit: int) -> bool:
+    """A K's window is fresh: full (RECENT samples), its oldest after ``limit`` (the
+    bucket's own-sample index FRESH_SPAN back)."""
+    return len(stamps) == RECENT and stamps[0] > limit
 
 
 def _median_low(values: Sequence[float]) -> float:
@@ -714,8 +725,7 @@ class AdaptiveK:
     def _held(self, bucket: int, calls: int) -> int | None:
         """The K held for the ``calls``-th choice at ``bucket`` (HOLD), or None."""
         hold = self._hold
-        if hold is None or calls > hold[2] or hold[0] != bucket or \
-                calls % EXPLORE_NEAR <= EXPLORE_RUN:
+        if hold is None or calls > hold[2] or hold[0] != bucket or not _may_hold(calls):
             return None
         return hold[1]
 
@@ -976,7 +986,7 @@ class AdaptiveK:
                     bucket in self._settled:
                 k = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
             if k == last and not self.classes and bucket in self._settled and \
-                    calls % EXPLORE_NEAR > EXPLORE_RUN:
+                    _may_hold(calls):
                 self._hold = (bucket, k, calls + HOLD - 1)
         return k
 
