@@ -271,10 +271,12 @@ class CostTable:
         factory=dict, init=False, repr=False)
     _running: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     # Per bucket: the K values whose windows are fresh, and each K priced from the running
-    # one ({K: ratio}: a K not fresh with PAIRED_MIN pairs), kept by ``_stamp`` (``times``
-    # runs every iteration, and a K's freshness changes only at an own sample).
+    # one ({K: ratio}: a K not fresh, with its ratio once PAIRED_MIN pairs have come, else
+    # None: STALE), kept by ``_stamp`` (``times`` runs every iteration, and a K's
+    # freshness changes only at an own sample).
     _fresh_ks: dict[int, set[int]] = attrs.field(factory=dict, init=False, repr=False)
-    _priced: dict[int, dict[int, float]] = attrs.field(factory=dict, init=False, repr=False)
+    _priced: dict[int, dict[int, float | None]] = attrs.field(factory=dict, init=False,
+                                                              repr=False)
     _pairs: dict[tuple[int, int, int], collections.deque[float]] = attrs.field(
         factory=dict, init=False, repr=False)
     paired: dict[tuple[int, int, int], float] = attrs.field(factory=dict, init=False,
@@ -337,10 +339,17 @@ class CostTable:
         if self._priced:
             by_ratio = self._priced.get(bucket)
             if by_ratio:    # a K not running, priced from the one running (``_stamp``)
-                base = measured[(bucket, self._running[bucket])]
+                running = self._running[bucket]
+                base = measured[(bucket, running)]
                 for k, ratio in by_ratio.items():
                     if k in found:
-                        found[k] = base * ratio
+                        if ratio is not None:
+                            found[k] = base * ratio
+                        else:   # not paired yet: at most the running K's time moved
+                            priced = moved(base, self._device(bucket, running),
+                                           self._device(bucket, k))
+                            if priced < found[k]:
+                                found[k] = priced
         return found
 
     def running(self, bucket: int) -> int | None:
@@ -361,13 +370,13 @@ class CostTable:
         if at is None:
             at = self._stamps[bucket] = {}
         stamps = at.get(k)
+        changed = paired or stamps is None      # a K new here is priced from now on
         if stamps is None:
             stamps = at[k] = collections.deque(maxlen=RECENT)
         stamps.append(clock)
         fresh = self._fresh_ks.get(bucket)
         if fresh is None:
             fresh = self._fresh_ks[bucket] = set()
-        changed = paired
         limit = clock - FRESH_SPAN
         if _fresh_window(stamps, limit) != (k in fresh):
             fresh.symmetric_difference_update((k,))     # k's own window may have shrunk
@@ -388,8 +397,8 @@ class CostTable:
             running, changed = None, True
         if changed:
             self._priced[bucket] = {} if running is None else {
-                j: ratio for j in at if j != running and j not in fresh
-                for ratio in (self.ratio(bucket, j, running),) if ratio is not None}
+                j: self.ratio(bucket, j, running) for j in at
+                if j != running and j not in fresh}
 
     def ratio(self, bucket: int, k: int, base: int) -> float | None:
         """T(bucket, k) / T(bucket, base) as learned from pairs (PAIRED_MIN), or None."""

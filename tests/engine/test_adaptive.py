@@ -14,7 +14,8 @@ from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_NEAR, EXPLORE_RARE
                                        EXPLORE_RUN, FIRST_SAMPLES, HOLD, NEAR_RATE,
                                        PAIRED_MIN, RECENT, SCALE, WELL_MEASURED,
                                        AdaptiveK, CostTable,
-                                       acceptance_from_counts, choose_k, expected_tokens)
+                                       acceptance_from_counts, choose_by_rate, choose_k,
+                                       expected_tokens)
 from specloop.engine._states import IterationState
 from specloop.engine._errors import ConfigError
 from specloop.samplers import SamplingParams
@@ -177,7 +178,6 @@ def test_group_classes_are_the_gathered_rows():
 
 
 def choose_k_by(expected, cost):
-    from specloop.engine._adaptive import choose_by_rate
     return choose_by_rate(KS, expected, {k: cost[(1, k)] for k in KS})
 
 
@@ -825,7 +825,8 @@ def test_a_k_left_keeps_no_stale_median():
     T(2) is T(3) x their ratio: its time at today's level. Priced by its own median (as
     before paired pricing), the rule compares K = 3's fresh median with K = 2's stale one
     for as long as it does not run K = 2 (its own samples come one an explored run:
-    thousands of choices on the H200). With fewer pairs than PAIRED_MIN, the own median."""
+    thousands of choices on the H200). With fewer pairs than PAIRED_MIN, at most K = 3's
+    time moved by their warm-up times' difference (here the iterations' own: t2)."""
     t2, t3 = PAIRED_T[2], PAIRED_T[3]
     for evidence in (PAIRED_MIN, PAIRED_MIN - 1):
         cost = _pairs_learned(evidence, level=1.3)
@@ -834,8 +835,8 @@ def test_a_k_left_keeps_no_stale_median():
         times = cost.times(1, [2, 3])
         assert cost.measured[(1, 2)] == pytest.approx(1.3 * t2)     # K = 2's own: stale
         assert times[3] == pytest.approx(t3)
-        if evidence < PAIRED_MIN:       # no ratio yet: the own median
-            assert times[2] == pytest.approx(1.3 * t2)
+        if evidence < PAIRED_MIN:       # no ratio yet: moved from K = 3's time
+            assert times[2] == pytest.approx(t2)
             assert cost.ratio(1, 2, 3) is None
         else:
             assert times[2] == pytest.approx(t3 * (t2 / t3), rel=0.02)
@@ -845,6 +846,37 @@ def test_a_k_left_keeps_no_stale_median():
             assert cost.ratio(1, 2, 3) == pytest.approx(t2 / t3)
             assert cost.ratio(1, 3, 2) == pytest.approx(t3 / t2)
             assert cost.switch_cost(1, 2) == pytest.approx(2 * 1.3 * t2)   # each side: T again
+
+
+def test_a_host_that_speeds_up_under_k0_leaves_no_k_priced_at_the_slow_level():
+    """The host ran 1.8x slow while K = 3 ran (K = 0..2 tried then too); it is fast again
+    just as K = 0 runs (an explored turn, or the rule's pick on the slow medians), and K =
+    0 runs on: its window is fresh at today's level, every other K's own median stale at
+    1.8x, and no pair with K = 0 learned (K = 0 is explored a run at a time). Priced by
+    their own medians, every drafting K looks 1.8x dear and K = 0 keeps winning, for as
+    long as the rule runs it (bench/adaptive_sim.py at batch 8 with the host's 1.8x
+    phases: 1,580 of 3,000 iterations at K = 0 on one seed, 0.866 of the best fixed K). A
+    K not paired with the running K is priced at most at the running K's time moved by
+    their warm-up times' difference: here its time today, and K = 3's rate wins again."""
+    slow, table = 1.8, {0: 1.0e-3, 1: 1.25e-3, 2: 1.3e-3, 3: 1.35e-3}
+    cost = CostTable({(1, k): t for k, t in table.items()})
+    for k in (0, 1, 2):
+        for _ in range(FIRST_SAMPLES):
+            cost.observe(1, k, slow * table[k])
+    for _ in range(2 * RECENT):
+        cost.observe(1, 3, slow * table[3])
+    for _ in range(2 * RECENT):
+        cost.observe(1, 0, table[0])        # the host fast again: K = 0 runs
+    assert cost.running(1) == 0
+    assert all(cost.ratio(1, k, 0) is None for k in (1, 2, 3))
+    assert all(cost.measured[(1, k)] == pytest.approx(slow * table[k]) for k in (1, 2, 3))
+    expected = {0: 1.0, 1: 1.5, 2: 1.75, 3: 1.9}
+    times = cost.times(1, list(table))
+    assert times == pytest.approx(table)
+    assert choose_by_rate(list(table), expected, times) == 3
+    # The biased twin: the stale medians (paired pricing's fallback taken out) keep K = 0.
+    stale = {k: cost.measured[(1, k)] for k in table}
+    assert choose_by_rate(list(table), expected, stale) == 0
 
 
 def test_a_k_left_follows_the_hosts_level_through_the_k_running():
@@ -916,7 +948,10 @@ def test_a_k_just_left_is_evidence_once_not_for_a_stretch():
     for _ in range(2 * RECENT):
         cost.observe(1, 3, t3)              # the rule moved to K = 3
     assert cost.ratio(1, 2, 3) is None
-    assert cost.times(1, [2, 3])[2] == pytest.approx(1.3 * t2)   # its own (stale) median
+    # Not paired: at most K = 3's time moved by warm-up's difference (t2: this table's
+    # warm-up times are the iterations'), not its own stale 1.3 t2, and not K = 3's
+    # window x a ratio learned from the stretch (1.3 t2 again).
+    assert cost.times(1, [2, 3])[2] == pytest.approx(t2)
 
 def _near_runs(rates, switch, choices=4 * EXPLORE_EVERY + EXPLORE_NEAR):
     """A learning AdaptiveK at batch 1 whose K's rates E(k) / T(k) are ``rates`` (x K = 2's,
@@ -1021,7 +1056,8 @@ def test_paired_prices_kept_by_stamp_equal_the_ones_computed_afresh(runs):
     stretches; the host's level moving stretch by stretch; random stretches, or long ones
     of one K with explored runs of another between them, which learn their pairs), they
     equal what the windows say computed afresh: the running K is the fresh one sampled
-    last, and every K not fresh with PAIRED_MIN pairs is T(running) x their ratio."""
+    last, every K not fresh with PAIRED_MIN pairs is T(running) x their ratio, and every
+    other K not fresh at most T(running) moved by their warm-up times."""
     cost = CostTable({(1, k): t for k, t in PAIRED_T.items()})
     flat = [(k, level, i % 10 == seed) for k, n, level, seed in runs for i in range(n)]
     for i, (k, level, disturbed) in enumerate(flat):
@@ -1037,9 +1073,13 @@ def test_paired_prices_kept_by_stamp_equal_the_ones_computed_afresh(runs):
         cost._priced = kept
         if running is not None:
             for j in PAIRED_T:
+                if j == running or j in fresh or (1, j) not in cost.measured:
+                    continue
                 ratio = cost.ratio(1, j, running)
-                if j != running and j not in fresh and ratio is not None:
+                if ratio is not None:
                     expected[j] = cost.measured[(1, running)] * ratio
+                else:
+                    expected[j] = min(expected[j], cost.moved(1, running, j))
         assert cost.times(1, list(PAIRED_T)) == expected
 
 
