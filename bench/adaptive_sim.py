@@ -19,6 +19,8 @@ slow host: ``bench/results/h200_1202q_adaptive_diag_steady.jsonl``).
         [--iterations 3000] [--seeds 5] [--set RECENT=45 --set SWITCH_MARGIN=0]
         [--closed 128 | --refill 128] [--spread 0.5] [--row-cost 0.5] [--pooled]
         [--first-bias 1.3] [--drain-objective]
+        [--module /tmp/old_adaptive.py]    (another version of engine/_adaptive.py, e.g.
+                                            ``git show <commit>:engine/_adaptive.py``)
 
 ``--closed``: rounds of rows that end after their tokens; ``--refill``: each row replaced
 as it ends (steady load); ``--pooled``: the rule without the batch's tail;
@@ -34,9 +36,20 @@ variant of the rule to compare); several may be given.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import random
 import statistics
+import sys
+
+
+def _load(path: str):
+    """Another version of engine/_adaptive.py, as a module (it imports ``._adaptive_tail``
+    relatively: loaded under the engine package's name)."""
+    spec = importlib.util.spec_from_file_location("specloop.engine._adaptive", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def parse_floats(text: str) -> list[float]:
@@ -265,14 +278,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "a closed round's length'), knowing the batch drains")
     ap.add_argument("--pooled", action="store_true",
                     help="the rule without per-row counts (E(k) from the pooled ones)")
+    ap.add_argument("--module", default="",
+                    help="run the rule of another engine/_adaptive.py (e.g. a commit's, "
+                         "from git show) in place of this tree's")
     ap.add_argument("--row-cost", type=float, default=0.5,
                     help="--closed: the share of an iteration's time that scales with "
                          "its bucket")
     args = ap.parse_args(argv)
-    from specloop.engine import _adaptive  # noqa: PLC0415
+    import specloop.engine  # noqa: PLC0415
+    from specloop.engine import _adaptive, _adaptive_tail  # noqa: PLC0415
 
-    from specloop.engine import _adaptive_tail  # noqa: PLC0415
-
+    tree = _adaptive
+    if args.module:     # run_rule imports the module in its place
+        _adaptive = _load(args.module)
+        sys.modules["specloop.engine._adaptive"] = specloop.engine._adaptive = _adaptive
     saved = {}
     for item in args.set:
         name, value = item.split("=", 1)
@@ -292,6 +311,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     finally:
         for name, (module, value) in saved.items():
             setattr(module, name, value)
+        sys.modules["specloop.engine._adaptive"] = specloop.engine._adaptive = tree
     ratios = [r["vs_best"] for r in rows]
     print(f"rule / best fixed K: median {statistics.median(ratios):.3f} "
           f"({min(ratios):.3f}-{max(ratios):.3f}) over {len(rows)} seeds"

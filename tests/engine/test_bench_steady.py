@@ -245,6 +245,28 @@ def test_adaptive_sim_runs_the_real_rule(common):
     assert 0.9 < row["vs_best"] <= 1.0
 
 
+
+def test_adaptive_sim_module_runs_another_rule_for_the_run_only(common, tmp_path):
+    """``--module``: the rule of another engine/_adaptive.py (a commit's, to set beside
+    this tree's) runs in place of this tree's, with ``--set`` applied to it, and the
+    tree's module is back afterwards. The other file here always drafts K = 0 (its
+    ``choose_by_rate`` patched), which this tree's rule never does on this clock."""
+    import specloop.engine
+    from specloop.engine import _adaptive
+
+    other = tmp_path / "other_adaptive.py"
+    other.write_text(Path(_adaptive.__file__).read_text() +
+                     "\n\ndef choose_by_rate(candidates, expected, times):\n"
+                     "    return candidates[0]\n")
+    sim = importlib.import_module("adaptive_sim")
+    args = ["--iterations", "400", "--seeds", "1", "--sigma", "0", "--dwell", "0",
+            "--times", "1.0,1.1,1.2,3.0", "--accept", "0.9,0.9,0.1"]
+    (row,) = sim.main([*args, "--module", str(other), "--set", "RECENT=7"])
+    assert row["chosen"][0] > 300
+    assert specloop.engine._adaptive is _adaptive and _adaptive.RECENT != 7
+    (row,) = sim.main(args)
+    assert row["chosen"].get(0, 0) < 100
+
 def test_adaptive_sim_closed_rounds_end_with_their_slowest_row(common):
     """``--closed``: rounds of rows that end after their tokens. Per iteration K = 3 and
     K = 1 give the same tokens per ms here (1 + 0.9 + 0.81 + 0.729 = 3.439 in 2.0 ms
@@ -267,8 +289,10 @@ def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
     default) finds K = 1; with pooled counts (``--pooled``) it drafts K = 3 half the time
     and loses. ``--first-bias``: each K's first samples 1.3x dear, as on the H200: the
     rule still finds K = 1, and without pricing a K not well measured from the anchor
-    (``WELL_MEASURED=0``) and without near runs (``EXPLORE_NEAR``: they try K = 1 as a
-    contender every 32 choices) it never drafts K = 1 again. ``--refill`` (each row replaced
+    (``WELL_MEASURED=0``), without near runs (``EXPLORE_NEAR``: they try K = 1 as a
+    contender every 32 choices) and without pricing a K not running from the running one
+    (``FRESH_SPAN=0``: no K's window is ever fresh, so none is running) it never drafts
+    K = 1 again. ``--refill`` (each row replaced
     as it ends: steady load) keeps the rule level with the best fixed K."""
     sim = importlib.import_module("adaptive_sim")
     common = ["--iterations", "1500", "--seeds", "1", "--sigma", "0", "--dwell", "0",
@@ -278,7 +302,8 @@ def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
     (pooled,) = sim.main(common + ["--closed", "128", "--pooled"])
     (biased,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3"])
     (stuck,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3",
-                                  "--set", "WELL_MEASURED=0", "--set", "EXPLORE_NEAR=100000"])
+                                  "--set", "WELL_MEASURED=0", "--set", "EXPLORE_NEAR=100000",
+                                  "--set", "FRESH_SPAN=0"])
     (steady,) = sim.main(common + ["--refill", "128"])
     assert tail["best_k"] == 1 and tail["vs_best"] > 0.97, tail
     assert pooled["vs_best"] < tail["vs_best"] - 0.03, pooled
