@@ -23,7 +23,8 @@ change in its own warm-up time and all scaled to the bucket's own measured one, 
 EXPLORE_RUN choices in EXPLORE_EVERY try the K values in turn, and EXPLORE_RUN in
 EXPLORE_NEAR the contender, the K within NEAR_RATE of the rule's; a K not WELL_MEASURED
 at a bucket is priced from the K measured most there, and a K not running from the K
-running, by their ratio learned in pairs: PAIRED_MIN; a head's K kept at a settled
+running, by their ratio learned in pairs once PAIRED_MIN have come, at most by their
+warm-up times' difference before; a head's K kept at a settled
 bucket is held HOLD - 1 more choices without the rule). The iterations on either
 side of a switch of K teach that K's switch cost instead, which the rule pays before it
 leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An
@@ -129,7 +130,12 @@ WELL_MEASURED = 2 * FIRST_SAMPLES
 # 0.66-0.81 ms within a steady run, and a K the rule left kept the median it was left with
 # for thousands of choices (its own samples come one per explored run): the rule then
 # chose between a fresh median and a stale one. A ratio learned over many pairs neither
-# drifts with the host nor goes stale.
+# drifts with the host nor goes stale. Before PAIRED_MIN, such a K is priced at most at
+# the running K's time moved by their warm-up times' difference (``moved``): a host that
+# sped up while K = 0 ran (an explore turn) otherwise left every drafting K at its slow
+# median, and K = 0 won for as long as it ran (bench/adaptive_sim.py, batch 8, host phases
+# 1.8x apart: 1,580 of 3,000 iterations on one seed). Warm-up's difference flatters a
+# dearer K: the rule tries it, and the switches bring the pair's evidence.
 FRESH_SPAN = 2 * RECENT
 PAIR_WINDOW = 63
 PAIRED_MIN = 8
@@ -272,8 +278,8 @@ class CostTable:
     _running: dict[int, int] = attrs.field(factory=dict, init=False, repr=False)
     # Per bucket: the K values whose windows are fresh, and each K priced from the running
     # one ({K: ratio}: a K not fresh, with its ratio once PAIRED_MIN pairs have come, else
-    # None: STALE), kept by ``_stamp`` (``times`` runs every iteration, and a K's
-    # freshness changes only at an own sample).
+    # None: at most the running K's time moved by warm-up's), kept by ``_stamp``
+    # (``times`` runs every iteration, and a K's freshness changes only at an own sample).
     _fresh_ks: dict[int, set[int]] = attrs.field(factory=dict, init=False, repr=False)
     _priced: dict[int, dict[int, float | None]] = attrs.field(factory=dict, init=False,
                                                               repr=False)
@@ -346,8 +352,7 @@ class CostTable:
                         if ratio is not None:
                             found[k] = base * ratio
                         else:   # not paired yet: at most the running K's time moved
-                            priced = moved(base, self._device(bucket, running),
-                                           self._device(bucket, k))
+                            priced = self.moved(bucket, running, k)
                             if priced < found[k]:
                                 found[k] = priced
         return found
