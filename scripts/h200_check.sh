@@ -16,7 +16,9 @@
 #            (CURVE, HF_CURVE: the batch sizes), and batch 64's table; a PNG (issue 12)
 #   process  the engine core in its own process (ProcessEngine) against AsyncEngine and
 #            adaptive K over the best fixed config in each (PROCESS_BATCHES, PROCESS_CONFIGS,
-#            PROCESS_KINDS, PROCESS_ARRIVAL (closed | steady), RUNS, MIN_ROUNDS; bench_process_gpu.py;
+#            PROCESS_KINDS, PROCESS_ARRIVAL (closed | steady), RUNS, MIN_ROUNDS, STEADY_ROUNDS
+#            (steady: requests a run as a multiple of the batch, default 4; the timed window
+#            is STEADY_ROUNDS - 2 batches of finishes); bench_process_gpu.py;
 #            PROCESS_CORE_LOG=info: the core's adaptive_k events, every 256 choices, in
 #            $OUT/process.log or codeab's logs)
 #   closed   the same in closed rounds (BATCHES, RUNS, MIN_ROUNDS: bench_adaptive_gpu.py's
@@ -138,7 +140,7 @@ for step in "$@"; do
       (cd bench && python3 bench_process_gpu.py --prompts "$PROMPTS" --out "$OUT/process.jsonl" \
         --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
         --batches "${PROCESS_BATCHES:-1,8,32,64,128,256}" --kinds "${PROCESS_KINDS:-process}" \
-        --arrival "${PROCESS_ARRIVAL:-closed}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
+        --arrival "${PROCESS_ARRIVAL:-closed}" --steady-rounds "${STEADY_ROUNDS:-4}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
         $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
         --configs "${PROCESS_CONFIGS:-none,eagle3 K=1,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \
         2>&1 | grep -v Warn | tee "$OUT/process.log" | python3 -c '
@@ -255,7 +257,7 @@ for line in sys.stdin:
                --out "$OUT/codeab_${v}_$round.jsonl" --runs "${RUNS:-3}" --buckets serving \
                --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
                --batches "${PROCESS_BATCHES:-64}" --kinds "${PROCESS_KINDS:-process}" \
-               --arrival "${PROCESS_ARRIVAL:-steady}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
+               --arrival "${PROCESS_ARRIVAL:-steady}" --steady-rounds "${STEADY_ROUNDS:-4}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
                $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
                --configs "${PROCESS_CONFIGS:-none,eagle3 K=2,eagle3 adaptive<=3}" \
                > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
