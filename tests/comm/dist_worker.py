@@ -182,30 +182,53 @@ async def latency(comm: TorchDistributedCommunicator, iters: int = 200) -> dict:
     return out
 
 
-async def main(checked: bool) -> None:
-    device = "cuda" if "--cuda" in sys.argv else "cpu"
+async def run(flags: list[str]) -> dict:
+    """One launch's worth (what its flags ask) on a process group of its own."""
+    checked = "--checked" in flags
+    device = "cuda" if "--cuda" in flags else "cpu"
     comm = TorchDistributedCommunicator.from_env(device=device, checked=checked, timeout=3.0)
     result = {}
-    if "--inline" in sys.argv:
+    if "--inline" in flags:
         # First the default path (unchecked, from a thread): the plain run, in this launch
         # rather than a fourth pair of processes importing torch.
         result["ops_plain"] = await ops(comm)
         comm.inline = True      # gloo: issued on the loop and polled, as NCCL by default
-    comm.shared_memory = "--shm" in sys.argv
+    comm.shared_memory = "--shm" in flags
     result.update({"ops": await ops(comm), "inline": comm.inline})
-    if "--latency" in sys.argv:
+    if "--latency" in flags:
         result["latency_us"] = await latency(comm)
     if checked:
         result["mismatches"] = await mismatches(comm)
     if checked and comm.device.type == "cpu":  # NCCL's watchdog aborts instead
         result["timeout"] = await timeout(comm)
-    if "--inline" in sys.argv and comm.device.type == "cpu":
+    if "--inline" in flags and comm.device.type == "cpu":
         result["timeout"] = await inline_timeout(comm)
     if comm.shared_memory:
         result["shared_memory"] = await shared_memory(comm)
     print("RESULT " + json.dumps(result), flush=True)
     comm.close()
+    return result
+
+
+async def main() -> None:
+    """``--checked --then --inline --then --shm``: the runs in turn, a RESULT line each.
+    Each run leaves its group broken on purpose (a collective that timed out): the next
+    joins a new one, from_env again after close(), on the next port of
+    SPECLOOP_TEST_PORTS (a fresh store: one reused after destroy_process_group can hand
+    out the old group's keys). One process for several runs: each process's torch import
+    (~2.5 s of CPU) costs more than a run."""
+    runs: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--then":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    ports = os.environ.get("SPECLOOP_TEST_PORTS", "").split(",")
+    for i, flags in enumerate(runs):
+        if i:
+            os.environ["MASTER_PORT"] = ports[i - 1]
+        await run(flags)
 
 
 if __name__ == "__main__":
-    anyio.run(main, "--checked" in sys.argv)
+    anyio.run(main)

@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-# Each module fixture starts two processes that import torch and join gloo: minutes on a
-# loaded 2-core machine, so the per-process limit below is generous and the test's too.
+# One module fixture starts two processes that import torch and join gloo three times in
+# turn: minutes on a loaded 2-core machine, so the per-process limit below is generous and
+# the test's too.
 pytestmark = [pytest.mark.distributed, pytest.mark.timeout(600)]
 
 WORKER = Path(__file__).with_name("dist_worker.py")
@@ -24,26 +25,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(*args: str, world_size: int = 2) -> list[dict]:
+def _launch(*args: str, world_size: int = 2) -> list[list[dict]]:
+    """-> per rank, the RESULT of each run (runs separated by ``--then``)."""
     with tempfile.TemporaryDirectory(prefix="dist-signal-") as signals:
         return _launch_in(signals, *args, world_size=world_size)
 
 
-def _launch_in(signals: str, *args: str, world_size: int) -> list[dict]:
-    port = _free_port()
+def _launch_in(signals: str, *args: str, world_size: int) -> list[list[dict]]:
+    runs = 1 + args.count("--then")
+    port, *more = (_free_port() for _ in range(runs))
     procs = []
     for rank in range(world_size):
         # SPECLOOP_TEST_SIGNAL_DIR: where rank 0 says it has timed out in the collective
         # rank 1 skips, so rank 1 leaves then (dist_worker.stay_until_rank0_done).
+        # SPECLOOP_TEST_PORTS: the ports of the runs after the first (each its own group).
         env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "CUDA_VISIBLE_DEVICES": "",
-               "SPECLOOP_TEST_SIGNAL_DIR": signals}
+               "SPECLOOP_TEST_SIGNAL_DIR": signals,
+               "SPECLOOP_TEST_PORTS": ",".join(map(str, more))}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=env,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     outputs = []
     for proc in procs:
         try:
-            out, _ = proc.communicate(timeout=240)
+            out, _ = proc.communicate(timeout=480)
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
@@ -51,32 +56,41 @@ def _launch_in(signals: str, *args: str, world_size: int) -> list[dict]:
             raise
         assert proc.returncode == 0, out
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
-        assert lines, out
-        outputs.append(json.loads(lines[-1].removeprefix("RESULT ")))
+        assert len(lines) == runs, out
+        outputs.append([json.loads(line.removeprefix("RESULT ")) for line in lines])
     return outputs
 
 
 @pytest.fixture(scope="module")
+def launched() -> dict[str, list[dict]]:
+    """The three modes in turn in one pair of processes (each its own process group, as
+    its own launch had): mode -> each rank's results."""
+    per_rank = _launch("--checked", "--then", "--inline", "--then", "--shm")
+    return {mode: [runs[i] for runs in per_rank]
+            for i, mode in enumerate(("checked", "inline", "shm"))}
+
+
+@pytest.fixture(scope="module")
 def unchecked(inline) -> list[dict]:
-    """The default path's results (unchecked, not inline): the --inline launch runs it
-    first, before it turns inline on (one pair of processes fewer)."""
+    """The default path's results (unchecked, not inline): the --inline run does it
+    first, before it turns inline on."""
     assert not any(res["inline"] is False for res in inline)
     return [{"ops": res["ops_plain"]} for res in inline]
 
 
 @pytest.fixture(scope="module")
-def checked() -> list[dict]:
-    return _launch("--checked")
+def checked(launched) -> list[dict]:
+    return launched["checked"]
 
 
 @pytest.fixture(scope="module")
-def inline() -> list[dict]:
-    return _launch("--inline")
+def inline(launched) -> list[dict]:
+    return launched["inline"]
 
 
 @pytest.fixture(scope="module")
-def shared() -> list[dict]:
-    return _launch("--shm")
+def shared(launched) -> list[dict]:
+    return launched["shm"]
 
 
 def _assert_ops(results: list[dict]) -> None:
