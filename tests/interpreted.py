@@ -88,7 +88,26 @@ def _patch_lang_once_a_launch():
     interp.GridExecutor.__call__ = call
 
 
+def _skip_discarded_overflow_checks():
+    # The interpreter's options have sanitize_overflow on and debug off: every int32 add,
+    # sub and mul is redone in int64 and compared with the type's range, and the result
+    # goes to device_assert, which returns at once when debug is off (semantic.py: "if not
+    # self.builder.options.debug: return"). ~40% of an interpreted kernel's time computed
+    # and thrown away: with debug off it is skipped (the same bits, and no check lost);
+    # with debug on (another Triton, or one that honours TRITON_DEBUG here) it stays.
+    import dataclasses
+    try:
+        from triton.runtime import interpreter as interp
+        builder = interp.interpreter_builder
+        options = builder.options
+    except (ImportError, AttributeError):
+        return
+    if not getattr(options, "debug", True) and getattr(options, "sanitize_overflow", False):
+        builder.options = dataclasses.replace(options, sanitize_overflow=False)
+
+
 _patch_lang_once_a_launch()
+_skip_discarded_overflow_checks()
 answers = sys.stdout
 for line in sys.stdin:
     req = json.loads(line)
