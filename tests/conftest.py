@@ -1,7 +1,12 @@
 import logging
 import os
 import resource
+import shutil
+import subprocess
+import sys
 import time
+import tomllib
+from pathlib import Path
 
 # One torch (OpenMP) thread per test process, children included. The tests' tensors are
 # small: a second thread mostly spins waiting for work, and on a loaded 2-core machine it
@@ -26,7 +31,7 @@ SHARED_GROUPS = {
     "smollm2": {"smollm2", "smollm2_dir", "smollm2_hf", "smollm2_reference",
                 "smollm2_engine_reference"},
     "serve": {"server", "core_server"},
-    "plugin": {"plugin_venv"},
+    "plugin": {"plugin_venv", "project_wheels"},
 }
 
 
@@ -147,6 +152,41 @@ def _quiet_structlog():
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
         processors=[structlog.dev.ConsoleRenderer(colors=False)])
     yield
+
+
+# The project's wheel and the example plugin's, built once per session (pip wheel of the
+# project: ~4.5 s of CPU) for test_packaging and tests/plugin (one xdist group, above).
+ROOT = Path(__file__).resolve().parents[1]
+_BUILT = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__")
+
+
+def _copy_project(dest: Path) -> Path:
+    """What building specloop reads: pyproject, README and the package folders."""
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    dest.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy2(ROOT / name, dest / name)
+    for folder in {f.split("/")[0] for f in meta["tool"]["setuptools"]["package-dir"].values()}:
+        shutil.copytree(ROOT / folder, dest / folder, ignore=_BUILT)
+    return dest
+
+
+@pytest.fixture(scope="session")
+def project_wheels(tmp_path_factory) -> dict[str, Path]:
+    """Distribution name -> its wheel: specloop and examples/plugin. Built from copies:
+    setuptools writes build/ and *.egg-info next to the sources (a stale build/ in the
+    tree could also slip into the wheel)."""
+    tmp = tmp_path_factory.mktemp("wheels")
+    dist = tmp / "dist"
+    sources = [_copy_project(tmp / "specloop"),
+               shutil.copytree(ROOT / "examples" / "plugin", tmp / "plugin", ignore=_BUILT)]
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
+                            "--no-build-isolation", "-w", str(dist), *map(str, sources)],
+                           capture_output=True, text=True)
+    assert built.returncode == 0, built.stderr[-3000:]
+    wheels = {w.name.split("-")[0]: w for w in dist.glob("*.whl")}
+    assert sorted(wheels) == ["specloop", "specloop_example_plugin"], wheels
+    return wheels
 
 
 # SmolLM2 (slow tests only): loaded and its transformers reference computed once per

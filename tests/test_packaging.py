@@ -87,11 +87,8 @@ def test_engine_packages_import_no_server_libraries(package):
 
 
 @pytest.mark.slow
-def test_built_wheel_installs_into_a_fresh_venv(tmp_path):
-    dist = tmp_path / "dist"
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                    "-w", str(dist), str(ROOT)], check=True, capture_output=True)
-    wheel = next(dist.glob("specloop-*.whl"))
+def test_built_wheel_installs_into_a_fresh_venv(tmp_path, project_wheels):
+    wheel = project_wheels["specloop"]     # tests/conftest.py: built once, from a copy
     tops = {name.split("/")[0] for name in zipfile.ZipFile(wheel).namelist()}
     assert tops == {"specloop", "specloop-0.1.0.dist-info"}, tops
     venv = tmp_path / "venv"

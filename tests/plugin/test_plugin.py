@@ -9,12 +9,10 @@ from __future__ import annotations
 import ast
 import json
 import re
-import shutil
 import subprocess
 import sys
 import sysconfig
 import textwrap
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -31,36 +29,12 @@ EXCERPT = re.compile(r"^```python no-run: excerpt of (?P<path>\S+)\n(?P<code>.*?
                      re.M | re.S)
 
 
-_BUILT = shutil.ignore_patterns("build", "dist", "*.egg-info", "__pycache__")
-
-
-def _copy_project(dest: Path) -> Path:
-    """What building specloop reads: pyproject, README and the package folders."""
-    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    dest.mkdir()
-    for name in ("pyproject.toml", "README.md"):
-        shutil.copy2(ROOT / name, dest / name)
-    for folder in {f.split("/")[0] for f in meta["tool"]["setuptools"]["package-dir"].values()}:
-        shutil.copytree(ROOT / folder, dest / folder, ignore=_BUILT)
-    return dest
-
-
 @pytest.fixture(scope="module")
-def plugin_venv(tmp_path_factory) -> Path:
+def plugin_venv(tmp_path_factory, project_wheels) -> Path:
     """A fresh venv with specloop and the plugin installed from wheels; torch & co. come
     from this environment's site-packages through a .pth file (not reinstalled)."""
     tmp = tmp_path_factory.mktemp("plugin")
-    dist = tmp / "dist"
-    # Built from copies: setuptools writes build/ and *.egg-info next to the sources, and
-    # another test (test_packaging) may be building the tree at the same time.
-    sources = [_copy_project(tmp / "specloop"),
-               shutil.copytree(PLUGIN, tmp / "plugin", ignore=_BUILT)]
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps",
-                            "--no-build-isolation", "-w", str(dist), *map(str, sources)],
-                           capture_output=True, text=True)
-    assert built.returncode == 0, built.stderr[-3000:]
-    wheels = sorted(dist.glob("*.whl"))
-    assert [w.name.split("-")[0] for w in wheels] == ["specloop", "specloop_example_plugin"]
+    wheels = [project_wheels["specloop"], project_wheels["specloop_example_plugin"]]
     venv = tmp / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     py = venv / "bin" / "python"
