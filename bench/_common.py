@@ -297,8 +297,13 @@ def steady_setup(args, tokenizer, texts: list[str], batch: int):
     ``steady_load`` takes them; None for closed rounds."""
     if args.arrival != "steady":
         return None
-    requests = args.requests or max(args.steady_rounds * batch, 32)
+    requests = steady_requests(args, batch)
     return chat_prompts(tokenizer, texts, requests, cycle=True), requests, args.spread
+
+
+def steady_requests(args, batch: int) -> int:
+    """Requests a steady run submits: ``--requests``, else max(STEADY_ROUNDS x batch, 32)."""
+    return args.requests or max(args.steady_rounds * batch, 32)
 
 
 def speed_row(batch: int, name: str, rates, base: float, al, tokens: int, device: str,
