@@ -7,8 +7,9 @@ the server imports torch, Triton (TRITON_INTERPRET=1) and the kernels' modules o
 forks a fresh child for every source, which runs it as ``python -c`` would (``__main__``,
 its own argv, the caller's environment) and exits. A child's monkeypatching and caches end with it; what the fork
 saves is the ~2.5 s of CPU a fresh interpreter spends importing torch and Triton (there
-are ~9 interpreted tests). A server is tied to the environment it started under
-(PYTEST_CURRENT_TEST aside): a call under another environment starts a new one."""
+are ~9 interpreted tests). The tests that use it share an xdist group ("interpreted"),
+so one worker starts one server for all. A server is tied to the environment it started
+under (PYTEST_CURRENT_TEST aside): a call under another environment starts a new one."""
 
 import atexit
 import json

@@ -206,6 +206,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.slow   # a fresh interpreter with Triton's (~5 s CPU)
 def test_kernel_equals_host_drafts_interpreted():
     pytest.importorskip("triton")

@@ -110,6 +110,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.slow
 def test_fused_draft_kernels_equal_plain_ops(tiny_dirs):
     run_interpreted(CHILD, str(tiny_dirs["llama"]))

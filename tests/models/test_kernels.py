@@ -57,6 +57,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.slow
 def test_fused_layer_equals_reference(tiny_dirs):
     run_interpreted(CHILD, str(tiny_dirs["llama"]))

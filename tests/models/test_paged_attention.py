@@ -120,6 +120,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.slow
 def test_split_kv_equals_reference_interpreted():
     pytest.importorskip("triton")

@@ -134,6 +134,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_skinny_kernel_equals_float64_reference_interpreted():
     run_interpreted(KERNEL_CHILD)
@@ -256,6 +257,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_one_reduction_tile_equals_float64_reference_interpreted():
     """The ``b`` family (a block of rows reduced over K in one reduction; models/_skinny):
@@ -384,6 +386,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_glu_epilogue_is_silu_mul_of_the_product_interpreted():
     """SwiGLU in the gate-up GEMM's epilogue (``glu``): for the broadcast, one-reduction
@@ -405,6 +408,7 @@ def narrow_llama(tmp_path_factory):
                                  family="llama", intermediate=48)
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_fused_layer_on_skinny_kernel_interpreted(narrow_llama):
     """The fused decoder layer through the dispatcher's skinny path (fp16, CPU, Triton's

@@ -122,6 +122,7 @@ print("ok")
 """
 
 
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.skipif(not _triton_greedy._triton_importable(), reason="needs Triton")
 def test_kernels_equal_torch_path_interpreted():
     run_interpreted(CHILD)
