@@ -29,7 +29,9 @@ With an adaptive config among ``--configs`` ("eagle3 adaptive<=3") it also print
 
 Each row: one (batch, config, kind); ``vs_none`` its median over the same kind's first
 config's median, ``vs_in_process`` over the in-process engine of the same config (runs
-paired by order), ``al`` from the engine's (the core's) stats.
+paired by order), ``al`` from the engine's (the core's) stats; an adaptive config's
+``vs_mix``: its wall per iteration over its K mix's at the fixed configs' beside it
+(``adaptive_vs_mix``).
 """
 
 from __future__ import annotations
@@ -150,6 +152,37 @@ async def _stats(engine):
     return await fetch() if fetch is not None else copy.deepcopy(engine.stats)
 
 
+def fixed_k(name: str) -> tuple[str, int] | None:
+    """(method, K) of a fixed config of CONFIGS ("none": K = 0 of any method), or None for
+    an adaptive one."""
+    spec = CONFIGS[name]
+    if spec.get("adaptive"):
+        return None
+    return ("", 0) if spec["method"] == "none" else (spec["method"], spec["num_draft_tokens"])
+
+
+def adaptive_vs_mix(name: str, per_k: dict, iteration_ms: float,
+                    fixed_ms: dict[str, float]) -> float | None:
+    """An adaptive config's wall per iteration over its K mix's: each K's share of its
+    iterations (``per_k``, {"K": count}) at the same method's fixed config's wall per
+    iteration in the same process (``fixed_ms``: {config: ms}; K = 0 at "none"'s, which
+    does not feed a head). Above 1: adaptive's iterations cost more than the same K values
+    run by fixed engines (its own work, its switches, a K = 0 that feeds the head);
+    None where a K of the mix has no fixed config beside it. (The twenty-fifth session's
+    batch 32-128: 1.05-1.13, docs/performance-history.md, "Long steady windows".)"""
+    method = CONFIGS[name]["method"]
+    at = {}
+    for config, ms in fixed_ms.items():
+        found = fixed_k(config)
+        if found is not None and found[0] in ("", method):
+            at[found[1]] = ms
+    counts = {int(k): n for k, n in per_k.items() if n}
+    if not counts or any(k not in at for k in counts):
+        return None
+    mix = sum(at[k] * n for k, n in counts.items()) / sum(counts.values())
+    return round(iteration_ms / mix, 3)
+
+
 def adaptive_vs_max(batch, kind, names, rates) -> None:
     """Issue 13's adaptive bar: each adaptive config's median over the best other config's
     median, and run by run (a run's adaptive over the best other in that run)."""
@@ -206,8 +239,15 @@ def main() -> None:
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
+            fixed_ms = {n: got[n, kind][2]["iteration_ms"] for n in names
+                        if fixed_k(n) is not None}
             for name in names:
                 rates, al, extra = got[name, kind]
+                if fixed_k(name) is None:
+                    extra = {**extra, "vs_mix": adaptive_vs_mix(
+                        name, extra["iterations_per_k"], extra["iteration_ms"], fixed_ms)}
+                    print(f"batch {batch} {kind}: {name} ms an iteration / its K mix's at "
+                          f"the fixed configs' = {extra['vs_mix']}", flush=True)
                 paired = None
                 if kind != "in-process" and (name, "in-process") in got:
                     paired = [round(a / b, 3) for a, b in zip(rates, got[name, "in-process"][0])]

@@ -152,7 +152,7 @@ for line in sys.stdin:
         print(line.rstrip()); continue
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
           "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"], "host", r["host_python_us"],
-          "overlapped", r.get("overlapped"),
+          "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
           "K", r["iterations_per_k"])
     for extra in ("states_us", "timers_us"):
         if r.get(extra):
@@ -266,7 +266,8 @@ import json, sys
 for line in sys.stdin:
     r = json.loads(line)
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
-          "ms/it", r["iteration_ms"], "overlapped", r.get("overlapped"))
+          "ms/it", r["iteration_ms"], "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
+          "K", r["iterations_per_k"])
     if r.get("timers_us"):  # PROCESS_TIMERS=1: µs an iteration, calls of 5 µs or more
         print("    timers_us", {k: v for k, v in r["timers_us"].items() if v >= 5})')
             continue

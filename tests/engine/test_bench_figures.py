@@ -1,0 +1,52 @@
+"""What the H200 benches' figures are made of, checked on the CPU: how many requests a
+steady run submits (bench/_common.py; the timed window is the finishes between the
+batch-th and the last submission, so the requests set how long a run measures), and
+bench_process_gpu.py's adaptive-over-its-K-mix ratio."""
+
+import argparse
+import importlib
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.fixture
+def common(monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    return importlib.import_module("_common")
+
+
+def _args(common, *argv):
+    ap = argparse.ArgumentParser()
+    common.add_arrival_args(ap)
+    return ap.parse_args(list(argv))
+
+
+def test_steady_rounds_scale_the_requests_with_the_batch(common):
+    # The default keeps the figures before --steady-rounds comparable: 4 batches a run.
+    assert common.steady_requests(_args(common), 32) == 128
+    assert common.steady_requests(_args(common), 1) == 32          # never below 32
+    assert common.steady_requests(_args(common, "--steady-rounds", "16"), 32) == 512
+    assert common.steady_requests(_args(common, "--steady-rounds", "16"), 1) == 32
+    # --requests wins over the rounds.
+    assert common.steady_requests(_args(common, "--steady-rounds", "16", "--requests", "70"),
+                                  32) == 70
+
+
+def test_adaptive_vs_mix_prices_each_k_at_its_fixed_engine(common):
+    """``vs_mix``: adaptive's wall per iteration over the same K mix at the fixed configs'
+    walls (K = 0 at "none"'s); None when a K it ran has no fixed config beside it."""
+    bench = importlib.import_module("bench_process_gpu")
+    fixed = {"none": 1.0, "eagle3 K=1": 2.0, "eagle3 K=3": 3.0, "ngram K=4": 9.0}
+    # 1 iteration at K = 0, 1 at K = 1, 2 at K = 3: mix (1 + 2 + 6) / 4 = 2.25 ms.
+    per_k = {"0": 1, "1": 1, "2": 0, "3": 2}
+    assert bench.adaptive_vs_mix("eagle3 adaptive<=3", per_k, 2.7, fixed) == \
+        pytest.approx(1.2)
+    # K = 2 ran, no fixed K = 2 beside it (another method's K does not stand in).
+    assert bench.adaptive_vs_mix("eagle3 adaptive<=3", {**per_k, "2": 1}, 2.7, fixed) is None
+    assert bench.adaptive_vs_mix("ngram adaptive<=4", {"0": 1, "4": 1}, 5.0, fixed) == \
+        pytest.approx(1.0)
+    assert bench.fixed_k("eagle3 adaptive{3}") is None
+    assert bench.fixed_k("none") == ("", 0) and bench.fixed_k("eagle3 K=3") == ("eagle3", 3)
