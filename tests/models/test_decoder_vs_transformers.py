@@ -6,8 +6,9 @@ import torch
 from specloop.models import load_model
 
 # transformers' model classes cost ~5 s CPU to import: imported on first use (not at
-# collection), and the module's tests run on one xdist worker, so only one pays it.
-pytestmark = pytest.mark.xdist_group("transformers")
+# collection), and the module's tests run on one xdist worker, so only one pays it: the
+# SmolLM2 tests' (tests/conftest.py), whose reference imports them too.
+pytestmark = pytest.mark.xdist_group("smollm2")
 
 FAMILIES = ["llama", "llama_untied", "qwen2", "llama3_rope"]
 

@@ -27,7 +27,7 @@ def test_special_tokens(tok):
     assert tok.decode(ids) == "user"
 
 
-@pytest.mark.xdist_group("transformers")    # with test_decoder_vs_transformers: one import
+@pytest.mark.xdist_group("smollm2")    # with test_decoder_vs_transformers: one import
 def test_chat_template_matches_transformers(tok, tiny_dirs):
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoTokenizer.from_pretrained(tiny_dirs["llama"])
