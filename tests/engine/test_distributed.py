@@ -12,25 +12,17 @@ from specloop.models.testing import write_tiny_checkpoint
 
 from .conftest import write_gloo_config
 
-# Two launches for the three gloo cases (one rank, two ranks; each bounded at 280 s, both in
-# the first case's 600) and one for the CLI.
+# One launch for the three gloo cases and their one-rank references, one for the CLI.
 pytestmark = [pytest.mark.distributed, pytest.mark.slow, pytest.mark.timeout(600)]
 ROOT = Path(__file__).resolve().parents[2]
 WORKER = Path(__file__).with_name("adp_worker.py")
 
 
-def launch(n, *args, timeout=240):
-    """``args`` under torchrun on ``n`` ranks; one rank as a plain process: without
-    WORLD_SIZE, adp_run.py runs world 1 on the single communicator, what torchrun's one
-    rank ran (same tokens), without the launcher's own torch import and agent (~2 s of CPU
-    a run)."""
-    env = {k: v for k, v in os.environ.items()
-           if n > 1 or k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "MASTER_ADDR",
-                                 "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}"] \
-        if n > 1 else []
-    return subprocess.run([sys.executable, *launcher, *map(str, args)], env=env, cwd=ROOT,
+def launch(*args, timeout=240):
+    """``args`` under torchrun on 2 ranks."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node=2", *map(str, args)], env=env, cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
 
 
@@ -45,37 +37,33 @@ ONE_RANK = {"ngram": "--method ngram", "checked": CASES["checked"].replace(" --c
 ONE_RANK["inline"] = ONE_RANK["checked"]
 
 
-def run_all(n, runs, out_dir):
-    """Every run of ``runs`` (name -> adp_run options) in one launch on ``n`` ranks
-    (tests/engine/adp_worker.py: a launch's torch imports and torchrun agent, not a run,
-    were most of a case's time) -> name -> the outputs rank 0 wrote."""
-    names = list(runs)
-    out_dir.mkdir()
-    proc = launch(n, WORKER, out_dir, *(runs[name] for name in names), timeout=280)
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Every case on 2 gloo ranks and each distinct one-rank reference, in one torchrun
+    launch (tests/engine/adp_worker.py: a launch's torch imports and agent, not a run,
+    were most of a case's time; the one-rank runs are rank 0's alone, world 1, as a plain
+    process would run them) -> (case -> 2-rank outputs, case -> 1-rank outputs)."""
+    out_dir = tmp_path_factory.mktemp("adp")
+    references = list(dict.fromkeys(ONE_RANK.values()))
+    argv = [*CASES.values(), *(f"world=1 {opts}" for opts in references)]
+    proc = launch(WORKER, out_dir, *argv, timeout=480)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Every rank of every run reported its SYNC cost.
-    assert proc.stdout.count("SYNC median") == n * len(names), proc.stdout[-3000:]
-    return {name: json.loads((out_dir / f"run{i}.json").read_text())["outputs"]
-            for i, name in enumerate(names)}
-
-
-@pytest.fixture(scope="module")
-def one_rank(tmp_path_factory):
-    distinct = {opts: opts for opts in ONE_RANK.values()}      # two runs for three cases
-    got = run_all(1, distinct, tmp_path_factory.mktemp("one") / "out")
-    return {case: got[opts] for case, opts in ONE_RANK.items()}
-
-
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    return run_all(2, CASES, tmp_path_factory.mktemp("two") / "out")
+    assert proc.stdout.count("SYNC median") == 2 * len(CASES) + len(references), \
+        proc.stdout[-3000:]
+    outputs = [json.loads((out_dir / f"run{i}.json").read_text())["outputs"]
+               for i in range(len(argv))]
+    two = dict(zip(CASES, outputs))
+    one = {case: outputs[len(CASES) + references.index(opts)]
+           for case, opts in ONE_RANK.items()}
+    return two, one
 
 
 @pytest.mark.parametrize("case", list(CASES))
-def test_two_gloo_ranks_equal_one_rank(case, one_rank, two_ranks):
+def test_two_gloo_ranks_equal_one_rank(case, runs):
     # What `bench/adp_run.py --compare` checks (every greedy and seeded sampled request's
     # tokens identical), read here rather than in another process that imports torch.
-    one, two = one_rank[case], two_ranks[case]
+    two, one = runs[0][case], runs[1][case]
     assert len(one) == 18 and all(one), one
     assert two == one
 
@@ -83,8 +71,8 @@ def test_two_gloo_ranks_equal_one_rank(case, one_rank, two_ranks):
 def test_cli_under_torchrun(tmp_path):
     model = write_tiny_checkpoint(tmp_path / "tiny", vocab_size=384)
     config = write_gloo_config(tmp_path / "adp2.toml", model)
-    proc = launch(2, "-m", "specloop.engine.cli", "generate", "--config", config,
-                    "--prompt", "hello", "--prompt", "world", "--max-tokens", "8")
+    proc = launch("-m", "specloop.engine.cli", "generate", "--config", config,
+                  "--prompt", "hello", "--prompt", "world", "--max-tokens", "8")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("--- prompt") == 2
     assert "[specloop] new tokens 16" in proc.stdout
