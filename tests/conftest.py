@@ -16,12 +16,13 @@ os.environ["OMP_NUM_THREADS"] = "1"
 
 import pytest  # noqa: E402
 import structlog  # noqa: E402
-import torch  # noqa: E402
 
 from . import interpreted  # noqa: E402
 from . import smollm2 as smol  # noqa: E402
 
-torch.set_num_threads(1)
+# torch is imported where tests run (pytest_configure below, the fixtures), not at this
+# module's import: xdist's controller imports this file before it starts the workers, and
+# torch's import (~2 s) there held every worker back that long.
 
 # Tests that share an expensive session fixture run on one xdist worker (`--dist
 # loadgroup`), so it is built once: the SmolLM2 model and its transformers reference, the
@@ -38,6 +39,8 @@ SHARED_GROUPS = {
 @pytest.hookimpl(tryfirst=True)   # before xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs CUDA")
+    import torch  # noqa: PLC0415
+
     cuda = torch.cuda.is_available()
     grouping = config.pluginmanager.hasplugin("xdist")
     for item in items:
@@ -139,9 +142,14 @@ class CpuTally:
 
 
 def pytest_configure(config):
-    if not hasattr(config, "workerinput"):   # an xdist worker reports to the controller
+    worker = hasattr(config, "workerinput")
+    if not worker:   # an xdist worker reports to the controller
         config.pluginmanager.register(CpuTally(config.getoption("cpu_durations")),
                                       "specloop-cpu-tally")
+    if worker or not getattr(config.option, "numprocesses", None):   # runs tests
+        import torch  # noqa: PLC0415
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -201,6 +209,8 @@ def smollm2_dir():
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir):
+    import torch  # noqa: PLC0415
+
     from specloop.models import load_model  # noqa: PLC0415
     return load_model(smollm2_dir, dtype=torch.float32)
 

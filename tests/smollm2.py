@@ -4,7 +4,6 @@ transformers greedy reference, computed once per session (fixtures in tests/conf
 import importlib.util
 
 import pytest
-import torch
 
 PROMPTS = [
     "Tell me about llamas.",
@@ -25,6 +24,7 @@ def require_smollm2() -> None:
 
 
 def load_hf(model_dir):
+    import torch  # noqa: PLC0415  (not at import: tests/conftest.py imports this module)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
