@@ -40,6 +40,8 @@ def hf_greedy(hf, tokenizer, prompts=PROMPTS, n=NEW_TOKENS) -> list[list[int]]:
     the mask). A step costs about what a one-row step does on the CPU (it reads the weights
     once), so this is ~3x cheaper than one prompt at a time (6 s of CPU instead of 17-22 s
     for the session's 5 x 48 tokens), and gave the same tokens for every prompt."""
+    import torch  # noqa: PLC0415
+
     ids = [tokenizer.encode_chat([{"role": "user", "content": p}]) for p in prompts]
     width = max(map(len, ids))
     pad = hf.generation_config.pad_token_id
