@@ -18,7 +18,7 @@ slow host: ``bench/results/h200_1202q_adaptive_diag_steady.jsonl``).
         [--accept 0.50,0.51,0.59] [--sigma 0.2] [--slow 1.8] [--dwell 400]
         [--iterations 3000] [--seeds 5] [--set RECENT=45 --set SWITCH_MARGIN=0]
         [--closed 128 | --refill 128] [--spread 0.5] [--row-cost 0.5] [--pooled]
-        [--first-bias 1.3] [--drain-objective]
+        [--first-bias 1.3] [--drain-objective] [--lengths 0.5] [--disturbed 0.8]
         [--module /tmp/old_adaptive.py]    (another version of engine/_adaptive.py, e.g.
                                             ``git show <commit>:engine/_adaptive.py``)
 
@@ -116,9 +116,19 @@ class Rows:
         # K, the rule) sees the same requests in the same order, whatever it drafts.
         self.factors = random.Random(rng.getrandbits(32))
         self.tokens = args.closed or args.refill
+        self.refilled = 0       # --refill: rows replaced by the last step (new requests)
         self.accept: list[list[float]] = []
         self.rows: list[Row] = []
         self._refill()
+
+    def _tokens(self) -> int:
+        """A new row's tokens: TOKENS, or uniform in TOKENS x (1 +- ``--lengths``) (the
+        H200's steady load asks 128 +- 50 %: rows of equal length refilled together stay
+        in step, one admission for all)."""
+        spread = self.args.lengths
+        if not spread:
+            return self.tokens
+        return max(1, round(self.tokens * (1 + self.factors.uniform(-spread, spread))))
 
     def _row(self) -> list[float]:
         factor = 1 + self.factors.uniform(-self.args.spread, self.args.spread)
@@ -126,7 +136,8 @@ class Rows:
 
     def _refill(self) -> None:
         args = self.args
-        self.rows = [Row(self.tokens or 1 << 30) for _ in range(args.batch)]
+        self.rows = [Row(self._tokens() if self.tokens else 1 << 30)
+                     for _ in range(args.batch)]
         self.accept = [self._row() for _ in self.rows] if self.tokens else \
             [args.accept] * args.batch
 
@@ -150,9 +161,11 @@ class Rows:
         for row, u in zip(self.rows, useful):
             row.left -= u
         if self.args.refill:
+            self.refilled = 0
             for i, row in enumerate(self.rows):
                 if row.left <= 0:
-                    self.rows[i], self.accept[i] = Row(self.tokens), self._row()
+                    self.rows[i], self.accept[i] = Row(self._tokens()), self._row()
+                    self.refilled += 1
             return sum(useful), counts
         kept = [i for i, row in enumerate(self.rows) if row.left > 0]
         self.accept = [self.accept[i] for i in kept]
@@ -177,10 +190,12 @@ def run_fixed(k: int, args, seed: int) -> float:
     clock = Clock(args.times, args.sigma, args.slow, args.dwell, noise)
     rows = Rows(args, rng)
     tokens = seconds = 0.0
+    admits = False
     for _ in range(args.iterations):
         clock.times = scaled(args.times, rows.active, args)
-        seconds += clock.iteration(k)
+        seconds += clock.iteration(k) + (args.disturbed / 1e3 if admits else 0.0)
         tokens += rows.step(k)[0]
+        admits = rows.refilled > 0
     return tokens / (seconds * 1e3)
 
 
@@ -232,6 +247,7 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
             return rule_of(drain_expected(expected, left, rows.active), bucket, calls)
         rule._rule = drained
     tokens = seconds = 0.0
+    admits = False      # --disturbed: this iteration admits the rows the last one refilled
     for _ in range(args.iterations):
         active, batch = rows.active, rows.requests()
         tail_rows = rule.tail.rows(batch) if rule.tail is not None else 0
@@ -240,16 +256,24 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
         took = clock.iteration(k)
         if args.first_bias != 1 and not rule.cost.tried(rule.cost.bucket(active), k):
             took *= args.first_bias     # a K's first samples, as the H200's ran
+        if admits:
+            took += args.disturbed / 1e3
         seconds += took
         useful, counts = rows.step(k)
         tokens += useful
         rule.record(k, counts, None,
                     rule.tail.accepted(batch, counts) if rule.tail is not None else None)
         rule.measured(took)
+        # As the engine's clock: an iteration that admitted requests, and the one before it,
+        # are disturbed (IterationClock.tick, prefill_done).
+        if args.disturbed and (admits or rows.refilled):
+            rule.disturb()
+        admits = bool(args.disturbed) and rows.refilled > 0
     return tokens / (seconds * 1e3), dict(sorted(rule.chosen.items()))
 
 
-def main(argv: list[str] | None = None) -> list[dict]:
+def parser() -> argparse.ArgumentParser:
+    """The command line (tests parse their arguments with it)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--times", type=parse_floats, default=[0.709, 0.883, 0.960, 0.949])
@@ -281,10 +305,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--module", default="",
                     help="run the rule of another engine/_adaptive.py (e.g. a commit's, "
                          "from git show) in place of this tree's")
+    ap.add_argument("--lengths", type=float, default=0.0, metavar="SPREAD",
+                    help="--closed, --refill: each row's tokens uniform in TOKENS x (1 +- "
+                         "SPREAD) (the H200's steady load: 0.5)")
+    ap.add_argument("--disturbed", type=float, default=0.0, metavar="MS",
+                    help="--refill: an iteration that admits new rows (those the last one "
+                         "refilled) takes MS more at any K, and it and the one before it "
+                         "are disturbed to the rule, as the engine's clock flags them (the "
+                         "H200's steady load: a prefill's host work, no step queued ahead)")
     ap.add_argument("--row-cost", type=float, default=0.5,
                     help="--closed: the share of an iteration's time that scales with "
                          "its bucket")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parser().parse_args(argv)
     import specloop.engine  # noqa: PLC0415
     from specloop.engine import _adaptive, _adaptive_tail  # noqa: PLC0415
 

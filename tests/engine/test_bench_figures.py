@@ -50,3 +50,48 @@ def test_adaptive_vs_mix_prices_each_k_at_its_fixed_engine(common):
         pytest.approx(1.0)
     assert bench.fixed_k("eagle3 adaptive{3}") is None
     assert bench.fixed_k("none") == ("", 0) and bench.fixed_k("eagle3 K=3") == ("eagle3", 3)
+
+
+def test_adaptive_sim_admissions_cost_and_are_disturbed(common, monkeypatch):
+    """bench/adaptive_sim.py ``--refill --lengths --disturbed``: rows of spread lengths are
+    refilled at different iterations (equal lengths stay in step: all at once), an
+    iteration that admits refilled rows takes ``--disturbed`` ms more at any K, and the
+    rule is told that iteration and the one before it are disturbed, as the engine's
+    clock tells it."""
+    import random
+
+    from specloop.engine import _adaptive
+
+    sim = importlib.import_module("adaptive_sim")
+    base = ["--batch", "4", "--refill", "10", "--sigma", "0", "--dwell", "0",
+            "--times", "1.0,1.0", "--accept", "0.5", "--iterations", "100", "--seeds", "1"]
+
+    def args(*extra):
+        return sim.parser().parse_args(base + list(extra))
+
+    def refills(*extra) -> list[int]:
+        rows = sim.Rows(args(*extra), random.Random(0))
+        out = []
+        for i in range(60):
+            rows.step(0)
+            if rows.refilled:
+                out.append(i)
+        return out
+
+    assert refills() == [9, 19, 29, 39, 49, 59]         # every row at once, every 10th
+    assert len(refills("--lengths", "0.5")) > 12        # spread: 3x the iterations admit
+
+    plain, costly = sim.run_fixed(0, args(), 0), sim.run_fixed(0, args("--disturbed", "1"), 0)
+    # K = 0, 4 rows of 10 tokens, 1 ms an iteration: the 9 iterations in 100 that admit
+    # (after each 10th) take 1 ms more, 100 ms -> 109 ms for the same tokens.
+    assert plain / costly == pytest.approx(1.09)
+
+    told = []
+    monkeypatch.setattr(_adaptive.AdaptiveK, "disturb",
+                        lambda self: told.append(self._calls))
+    sim.run_rule(args(), 0)
+    assert told == []                                   # nothing disturbed without it
+    sim.run_rule(args("--disturbed", "1"), 0)
+    # Each admitting iteration and the one before it, at K = 0 (with drafts the rows
+    # end at other iterations): 2 x 9, and the rule's calls two apart each time.
+    assert len(told) >= 18 and len(set(told)) == len(told)
