@@ -39,14 +39,19 @@ CONFIGS = {"none": {"method": "none"},
            # the machinery's own cost from the mix's.
            "eagle3 adaptive{3}": {"method": "eagle3", "num_draft_tokens": 3,
                                   "draft_weights": HEAD, "adaptive": True, "adaptive_k": [3]},
-           # The same held at K = 1 or 2: with PROCESS_CORE_LOG=info each logs the time the
-           # rule learns for its K in a stretch (``adaptive_k``'s measured_ms) beside that
-           # K's wall per iteration, to see whether what the learned times leave out (the
-           # prefill, disturbed iterations) is the same per iteration at every K.
-           "eagle3 adaptive{1}": {"method": "eagle3", "num_draft_tokens": 3,
+           # The same held at K = 1 or 2 (num_draft_tokens is always among the K values:
+           # it is the K held): with PROCESS_CORE_LOG=info each logs the time the rule
+           # learns for its K in a stretch (``adaptive_k``'s measured_ms) beside that K's
+           # wall per iteration: what the learned times leave out (the prefill, disturbed
+           # iterations) was the same per iteration at every K (X(b), engine/_adaptive.py).
+           "eagle3 adaptive{1}": {"method": "eagle3", "num_draft_tokens": 1,
                                   "draft_weights": HEAD, "adaptive": True, "adaptive_k": [1]},
-           "eagle3 adaptive{2}": {"method": "eagle3", "num_draft_tokens": 3,
+           "eagle3 adaptive{2}": {"method": "eagle3", "num_draft_tokens": 2,
                                   "draft_weights": HEAD, "adaptive": True, "adaptive_k": [2]},
+           # Two K values: the switches' own cost (twenty-sixth session).
+           "eagle3 adaptive{1+3}": {"method": "eagle3", "num_draft_tokens": 3,
+                                    "draft_weights": HEAD, "adaptive": True,
+                                    "adaptive_k": [1, 3]},
            "eagle3 adaptive{2+3}": {"method": "eagle3", "num_draft_tokens": 3,
                                     "draft_weights": HEAD, "adaptive": True,
                                     "adaptive_k": [2, 3]},

@@ -29,7 +29,11 @@ bucket is held HOLD - 1 more choices without the rule). The iterations on either
 side of a switch of K teach that K's switch cost instead, which the rule pays before it
 leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An
 iteration that admitted requests, or whose next one did, is disturbed and learned only where no undisturbed one was (its extra cost
-is the same at any K, and at a round's start it would all fall on K = 0). On one GPU
+is the same at any K, and at a round's start it would all fall on K = 0). What those
+iterations, the prefill and the tail of the times above their medians cost an iteration
+at any K is added to every K's T(b, k): X(b), the mean of the bucket's recent iterations'
+time with their prefill less their K's T (OVERHEAD_WINDOW); a cost paid per iteration
+favours the K that makes more tokens an iteration. On one GPU
 rank ``next_k`` takes the next choice early and ``commit`` holds the next iteration to
 it, so the worker can queue that step ahead (K = 0: as without speculation; K > 0: DRAFT
 + VERIFY chained on the device). Ties go to the smaller K. Every input is agreed by the
@@ -159,6 +163,20 @@ HOLD = 4
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
+# What an iteration costs beyond its K's T(b, k), the same at any K (``CostTable.overhead``):
+# the prefill its clock leaves out (it admitted requests), the disturbed iterations' extra
+# (no step queued ahead of them), the mean's excess over the median T(b, k) is. On the H200
+# under a server's load (steady arrival, eagle3) the fixed engines' wall per iteration
+# exceeded the rule's T(b, k) by the same ~0.35 ms at K = 1, 2 and 3 at batch 32 (0.46-0.52
+# at 64, ~0.75 at 128): a per-iteration cost, which favours the K that makes more tokens
+# an iteration, and without it the rule chose K = 1 where fixed K = 3 made 2.5 % more
+# tokens/s (twenty-sixth session). X(b) is the mean of the bucket's last OVERHEAD_WINDOW
+# samples (iterations that neither switched K nor were the first samples of theirs), each
+# at most OVERHEAD_CAP times its T(b, k) (one 100 ms pause moves it by 1 %), once
+# OVERHEAD_MIN have come (the nearest bucket's before).
+OVERHEAD_WINDOW = 256
+OVERHEAD_MIN = 16
+OVERHEAD_CAP = 3.0
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -252,6 +270,12 @@ class CostTable:
     switch: dict[tuple[int, int], float] = attrs.Factory(dict)
     # Disturbed measurements left out (where undisturbed ones were), for benches.
     ignored: int = 0
+    # Per bucket: X(b), the iteration's cost beyond T(b, k) at any K (OVERHEAD_WINDOW),
+    # added to every K's T there (``times``).
+    overhead: dict[int, float] = attrs.Factory(dict)
+    _over: dict[int, collections.deque[float]] = attrs.field(factory=dict, init=False,
+                                                              repr=False)
+    _over_sum: dict[int, list[float]] = attrs.field(factory=dict, init=False, repr=False)
     # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
     _first: dict[tuple[int, int], tuple[list[float], list[float]]] = attrs.field(
         factory=dict, init=False, repr=False)
@@ -355,7 +379,48 @@ class CostTable:
                             priced = self.moved(bucket, running, k)
                             if priced < found[k]:
                                 found[k] = priced
+        if self.overhead:
+            x = self.overhead_at(bucket)
+            for k in found:
+                found[k] += x
         return found
+
+    def overhead_at(self, bucket: int) -> float:
+        """X(b) (OVERHEAD_WINDOW): the bucket's, else the nearest bucket's, else 0."""
+        over = self.overhead
+        x = over.get(bucket)
+        if x is None:
+            if not over:
+                return 0.0
+            x = over[min(over, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
+        return x
+
+    def iteration_overhead(self, bucket: int, k: int, full: float) -> None:
+        """An iteration at (bucket, k) that kept its K took ``full`` seconds with its
+        prefill: one sample of X(b), ``full`` less T(bucket, k) as learned (at most
+        OVERHEAD_CAP times it)."""
+        t = self.measured.get((bucket, k))
+        if t is None:
+            return
+        x = full - t
+        if x > OVERHEAD_CAP * t:
+            x = OVERHEAD_CAP * t
+        window = self._over.get(bucket)
+        if window is None:
+            window = self._over[bucket] = collections.deque(maxlen=OVERHEAD_WINDOW)
+            self._over_sum[bucket] = [0.0, 0.0]
+        total = self._over_sum[bucket]
+        if len(window) == OVERHEAD_WINDOW:
+            total[0] -= window[0]
+        window.append(x)
+        total[1] += 1
+        if total[1] % OVERHEAD_WINDOW:      # a running sum (every iteration), summed
+            total[0] += x                   # afresh once a window so no error piles up
+        else:
+            total[0] = math.fsum(window)
+        if len(window) >= OVERHEAD_MIN:
+            mean = total[0] / len(window)
+            self.overhead[bucket] = mean if mean > 0.0 else 0.0
 
     def running(self, bucket: int) -> int | None:
         """The K whose window is fresh at ``bucket`` (FRESH_SPAN; the latest sampled where
@@ -398,8 +463,14 @@ class CostTable:
             changed = changed or running != k
             self._running[bucket] = running = k
         elif running is not None and running not in fresh:
-            del self._running[bucket]
-            running, changed = None, True
+            # The running K's window aged out: the fresh K sampled last runs now, if any
+            # is (another K's window can outlive it: it was sampled last before).
+            changed = True
+            if fresh:
+                running = self._running[bucket] = max(fresh, key=lambda j: at[j][-1])
+            else:
+                del self._running[bucket]
+                running = None
         if changed:
             self._priced[bucket] = {} if running is None else {
                 j: self.ratio(bucket, j, running) for j in at
@@ -611,8 +682,10 @@ class AdaptiveK:
         # Per class (the last one: unclassed rows), per position.
         self._reached = [[0.0] * self.k_max for _ in range(classes + 1)]
         self._accepted = [[0.0] * self.k_max for _ in range(classes + 1)]
-        # The last iteration's time, sent once in ``facts`` (negative: ``disturb``).
+        # The last iteration's time, sent once in ``facts`` (negative: ``disturb``), and
+        # with its prefill (X(b): CostTable.iteration_overhead).
         self._measured_us = 0
+        self._full_us = 0
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
         self._before: int | None = None     # the K of the iteration before it
         self._calls = 0             # choices so far: the same count on every rank
@@ -651,17 +724,17 @@ class AdaptiveK:
 
     @property
     def num_columns(self) -> int:
-        return (self.classes + 2) * (2 * self.k_max + 1) + 1
+        return (self.classes + 2) * (2 * self.k_max + 1) + 2
 
     def facts(self, classes: Sequence[int] | None = None, tail_rows: int = 0) -> list[int]:
         """[per class: reached_1..K, accepted_1..K (x SCALE); per class: the next batch's
         rows of that class (``classes``: one per row; None: not told); the tail's
         reached_1..K, accepted_1..K (x SCALE) and the next batch's tail rows
-        (``tail_rows``: ``tail.rows``); measured iteration time in us (negative when
-        disturbed)]."""
+        (``tail_rows``: ``tail.rows``); the measured iteration's time with its prefill in
+        us; its time in us (negative when disturbed)]."""
         row = self._row(classes, tail_rows)
-        row[-1] = self._measured_us
-        self._measured_us = 0
+        row[-2], row[-1] = self._full_us, self._measured_us
+        self._measured_us = self._full_us = 0
         return row
 
     def unclassed(self, rows: int) -> list[int]:
@@ -706,10 +779,16 @@ class AdaptiveK:
                 reached_c[j] *= DECAY
                 accepted_c[j] *= DECAY
 
-    def measured(self, seconds: float) -> None:
-        """The iteration just run took ``seconds`` (prefill excluded)."""
+    def measured(self, seconds: float, full: float | None = None) -> None:
+        """The iteration just run took ``seconds`` (prefill excluded), ``full`` with its
+        prefill (None: ``seconds``)."""
         us = round(seconds * 1e6)
         self._measured_us = us if us > 1 else 1    # max(1, us) without the builtin's call
+        if full is not None:
+            us = round(full * 1e6)
+            self._full_us = us if us > self._measured_us else self._measured_us
+        else:
+            self._full_us = self._measured_us
 
     def disturb(self) -> None:
         """The time ``measured`` last (not sent yet) is disturbed: that iteration, or the
@@ -759,19 +838,21 @@ class AdaptiveK:
         rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
         times = [row[-1] for row in rows]
         # The slowest rank's time; disturbed when any rank's was.
-        return self._choose(rows, max(map(abs, times)), min(times) < 0, padded_batch_size)
+        return self._choose(rows, max(map(abs, times)), min(times) < 0, padded_batch_size,
+                            max(row[-2] for row in rows))
 
     def choose_committed(self, padded_batch_size: int) -> int:
         """One rank: ``choose`` where ``commit`` holds the choice (no columns to build:
         this rank's measured time is the only one)."""
         assert self._committed is not None, "choose_committed after commit only"
         measured, self._measured_us = self._measured_us, 0
-        return self._choose(None, abs(measured), measured < 0, padded_batch_size)
+        full, self._full_us = self._full_us, 0
+        return self._choose(None, abs(measured), measured < 0, padded_batch_size, full)
 
     def _choose(self, rows: list[list[int]] | None, measured_us: int, disturbed: bool,
-                padded_batch_size: int) -> int:
-        """``choose`` once the group's time is known (us, 0: none; ``rows`` None:
-        committed)."""
+                padded_batch_size: int, full_us: int = 0) -> int:
+        """``choose`` once the group's time is known (us, 0: none; ``full_us``: with the
+        prefill; ``rows`` None: committed)."""
         # The last iteration's time is learned (at its bucket and K; ``switched``: the one
         # before it ran another K) unless nothing was measured or the engine is burning
         # in. Plain arguments to ``observe``: a tuple of them passed with * took ~8 % more
@@ -794,6 +875,8 @@ class AdaptiveK:
                 self._rule(self._expected(rows), bucket, self._calls)
         if learn:   # learned once the K after it is known (``leaving`` its K)
             self.cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
+            if not switched and k == last_k and full_us:
+                self.cost.iteration_overhead(last_bucket, last_k, full_us / 1e6)
         self._before = None if self._last is None else self._last[1]
         self.switches += self._before is not None and self._before != k
         self._last = (bucket, k)
@@ -808,7 +891,7 @@ class AdaptiveK:
             rows[c] += 1
         tail = [round(x * SCALE) for x in self._tail_reached + self._tail_accepted] \
             if self.tail is not None else self._no_tail
-        return counts + rows + tail + [tail_rows, 0]
+        return counts + rows + tail + [tail_rows, 0, 0]
 
     def _tail_expected(self, reached: Sequence[float], accepted: Sequence[float],
                        tail_reached: Sequence[float], tail_accepted: Sequence[float]
@@ -928,7 +1011,8 @@ class AdaptiveK:
         if here:
             most = max(here, key=lambda c: (cost.samples.get((bucket, c), 0), c))
             scale = cost.measured[(bucket, most)] / max(estimate[most], 1e-9)
-        return {c: t * scale for c, t in estimate.items()}
+        x = cost.overhead_at(bucket)
+        return {c: t * scale + x for c, t in estimate.items()}
 
     @property
     def choices(self) -> int:
@@ -953,6 +1037,8 @@ class AdaptiveK:
             "samples": {k: cost.samples.get((bucket, k), 0) for k in self.candidates},
             "switch_ms": {k: round(cost.switch[(bucket, k)] * 1e3, 3)
                           for k in self.candidates if (bucket, k) in cost.switch},
+            # X(b): in times_ms, beyond measured_ms (OVERHEAD_WINDOW).
+            "overhead_ms": round(cost.overhead_at(bucket) * 1e3, 3),
             # Paired pricing: the K running, and each other K's T over the running one's
             # where PAIRED_MIN pairs have priced it.
             "running": running,
@@ -1041,6 +1127,8 @@ class IterationClock:
     cuda: bool = False
     started: float = 0.0
     excluded_s: float = 0.0
+    # The part of ``excluded_s`` that is this iteration's prefill (X(b) counts it).
+    prefill_s: float = 0.0
     timed: bool = False
     prefilled: bool = False
     # (start event, end event, host seconds already excluded) of this iteration's prefill.
@@ -1065,14 +1153,17 @@ class IterationClock:
         # here, and this iteration (disturbed anyway) is not timed.
         done = self._events is None or self._events[1].query()
         if self.timed and done:
-            excluded = self.excluded_s
+            excluded, prefill = self.excluded_s, self.prefill_s
             if self._events is not None:
                 start, end, host = self._events
-                excluded += max(start.elapsed_time(end) / 1e3 - host, 0.0)
-            self.adaptive.measured(now - self.started - excluded)
+                device = max(start.elapsed_time(end) / 1e3 - host, 0.0)
+                excluded += device
+                prefill += device
+            seconds = now - self.started - excluded
+            self.adaptive.measured(seconds, seconds + prefill)
             if self.prefilled:
                 self.adaptive.disturb()
-        self.started, self.excluded_s, self.timed = now, 0.0, False
+        self.started, self.excluded_s, self.prefill_s, self.timed = now, 0.0, 0.0, False
         self.prefilled, self._events = False, None
 
     def exclude(self, seconds: float) -> None:
@@ -1100,6 +1191,7 @@ class IterationClock:
             return
         host = time.perf_counter() - mark[0]
         self.excluded_s += host
+        self.prefill_s += host
         self.prefilled = True
         self.adaptive.disturb()
         if mark[1] is not None:

@@ -107,7 +107,7 @@ async def test_iteration_is_timed_start_to_start_without_prefill(tiny_dir, tiny_
             anyio.from_thread.run(anyio.sleep, 0.3)
             prefill(admitted)
         worker.exchange, worker._prefill = slow_exchange, slow_prefill
-        worker.adaptive.measured = lambda s: (times.append(s), measured(s))
+        worker.adaptive.measured = lambda s, full=None: (times.append(s), measured(s, full))
         await collect(engine, PROMPTS[0], SamplingParams(temperature=0.0, max_tokens=8,
                                                          ignore_eos=True))
     # The first iteration's exchange waited for the request: all of it left out.

@@ -29,7 +29,7 @@ async def serve(tiny_dir, loaded, chained, pattern=PATTERN, drop=False, times=No
         one_rank_adaptive(worker, chained, pattern)
         if times is not None:
             measured = worker.adaptive.measured
-            worker.adaptive.measured = lambda s: (times.append(s), measured(s))
+            worker.adaptive.measured = lambda s, full=None: (times.append(s), measured(s, full))
         if chained:
             chain, queue, take = worker.chain, worker.chain.queue, worker.chain.take
             if drop:
