@@ -102,6 +102,31 @@ def test_choice_depends_only_on_the_gathered_columns():
     assert a.choose(columns, 1) == choose_k(KS, pooled, times)
 
 
+def test_ranks_learn_the_same_overhead_from_the_gathered_columns():
+    """X(b) is learned from the columns alone: ranks whose own iterations took different
+    times with their prefill (one admitted requests, the other did not) learn the same
+    T(b, k) and X(b) from the slowest rank's, and choose alike."""
+    import random
+    rng = random.Random(5)
+    ranks = [AdaptiveK(KS, CostTable({(4, k): 1e-3 * (1 + 0.1 * k) for k in KS}))
+             for _ in range(2)]
+    for i in range(400):
+        for rank, adaptive in enumerate(ranks):
+            seconds = 1e-3 * (1 + 0.1 * rng.random())
+            prefill = 0.5e-3 if (i + rank) % 3 == 0 else 0.0
+            adaptive.measured(seconds, seconds + prefill)
+            if prefill:
+                adaptive.disturb()
+        columns = [adaptive.facts() for adaptive in ranks]
+        assert columns[0][-2] >= abs(columns[0][-1]) and columns[1][-2] >= abs(columns[1][-1])
+        (k,) = {adaptive.choose(columns, 4) for adaptive in ranks}    # one K for all
+        for adaptive in ranks:
+            adaptive.record(k, [1, 0, 2, 3])
+    a, b = (adaptive.cost for adaptive in ranks)
+    assert a.overhead == b.overhead and a.overhead[4] > 0.2e-3
+    assert a.measured == b.measured
+
+
 # Draft classes (n-gram: the length of the match a row drafts from) ------------------------
 def test_counts_are_kept_per_draft_class():
     """Each row's acceptance counts under its class; ``reached``/``accepted`` pool them;
