@@ -19,7 +19,7 @@ slow host: ``bench/results/h200_1202q_adaptive_diag_steady.jsonl``).
         [--iterations 3000] [--seeds 5] [--set RECENT=45 --set SWITCH_MARGIN=0]
         [--closed 128 | --refill 128] [--spread 0.5] [--row-cost 0.5] [--pooled]
         [--first-bias 1.3] [--drain-objective] [--lengths 0.5] [--disturbed 0.8]
-        [--module /tmp/old_adaptive.py]    (another version of engine/_adaptive.py, e.g.
+        [--unseen 0.35] [--module /tmp/old_adaptive.py]    (another version of engine/_adaptive.py, e.g.
                                             ``git show <commit>:engine/_adaptive.py``)
 
 ``--closed``: rounds of rows that end after their tokens; ``--refill``: each row replaced
@@ -29,6 +29,15 @@ model as the rule's objective (an oracle that knows the batch drains). The H200'
 ProcessEngine closed rounds at batch 32 are best matched by ``--spread 0.3 --row-cost 0``
 (docs/performance-history.md, "The batch's tail, and a K not well measured").
 
+``--unseen MS``: every iteration takes MS more than the rule's clock says, at any K (the
+prefill, disturbed iterations' extra, the mean over the median: the H200's steady load at
+batch 32, 0.35 ms), told to the rule only as the iteration's time with its prefill
+(``measured``'s ``full``, which X(b) learns from). The H200's batch 32 under a server's
+load (twenty-sixth session): ``--batch 32 --refill 128 --lengths 0.5 --times
+0.71,0.93,1.14,1.20 --accept 0.53,0.47,0.52 --sigma 0.1 --slow 1 --dwell 0 --unseen
+0.35`` (the rule's learned T, fixed walls less 0.35 ms; docs/performance-history.md,
+"What every iteration pays").
+
 ``--set NAME=VALUE`` changes one of engine/_adaptive.py's constants for the run (a
 variant of the rule to compare); several may be given.
 """
@@ -37,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import inspect
 import math
 import random
 import statistics
@@ -193,7 +203,8 @@ def run_fixed(k: int, args, seed: int) -> float:
     admits = False
     for _ in range(args.iterations):
         clock.times = scaled(args.times, rows.active, args)
-        seconds += clock.iteration(k) + (args.disturbed / 1e3 if admits else 0.0)
+        seconds += clock.iteration(k) + (args.disturbed / 1e3 if admits else 0.0) + \
+            args.unseen / 1e3
         tokens += rows.step(k)[0]
         admits = rows.refilled > 0
     return tokens / (seconds * 1e3)
@@ -246,6 +257,8 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
             left = sum(rows.left) / max(len(rows.left), 1)
             return rule_of(drain_expected(expected, left, rows.active), bucket, calls)
         rule._rule = drained
+    # A rule whose ``measured`` takes the time with the prefill (X(b)); older ones do not.
+    full = "full" in inspect.signature(rule.measured).parameters
     tokens = seconds = 0.0
     admits = False      # --disturbed: this iteration admits the rows the last one refilled
     for _ in range(args.iterations):
@@ -258,12 +271,15 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
             took *= args.first_bias     # a K's first samples, as the H200's ran
         if admits:
             took += args.disturbed / 1e3
-        seconds += took
+        seconds += took + args.unseen / 1e3
         useful, counts = rows.step(k)
         tokens += useful
         rule.record(k, counts, None,
                     rule.tail.accepted(batch, counts) if rule.tail is not None else None)
-        rule.measured(took)
+        if full:
+            rule.measured(took, took + args.unseen / 1e3)
+        else:
+            rule.measured(took)
         # As the engine's clock: an iteration that admitted requests, and the one before it,
         # are disturbed (IterationClock.tick, prefill_done).
         if args.disturbed and (admits or rows.refilled):
@@ -313,6 +329,10 @@ def parser() -> argparse.ArgumentParser:
                          "refilled) takes MS more at any K, and it and the one before it "
                          "are disturbed to the rule, as the engine's clock flags them (the "
                          "H200's steady load: a prefill's host work, no step queued ahead)")
+    ap.add_argument("--unseen", type=float, default=0.0, metavar="MS",
+                    help="every iteration takes MS more at any K than the rule's clock "
+                         "times, seen only in its time with the prefill (X(b); the H200's "
+                         "steady load at batch 32: 0.35)")
     ap.add_argument("--row-cost", type=float, default=0.5,
                     help="--closed: the share of an iteration's time that scales with "
                          "its bucket")
