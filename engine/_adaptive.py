@@ -165,7 +165,7 @@ HOLD = 4
 CLASSED_ROWS = 64
 # What an iteration costs beyond its K's T(b, k), the same at any K (``CostTable.overhead``):
 # the prefill its clock leaves out (it admitted requests), the disturbed iterations' extra
-# (no step queued ahead of them), the mean's excess over the median T(b, k) is. On the H200
+# (no step queued ahead of them), and how far the mean lies above T(b, k), a median. On the H200
 # under a server's load (steady arrival, eagle3) the fixed engines' wall per iteration
 # exceeded the rule's T(b, k) by the same ~0.35 ms at K = 1, 2 and 3 at batch 32 (0.46-0.52
 # at 64, ~0.75 at 128): a per-iteration cost, which favours the K that makes more tokens
