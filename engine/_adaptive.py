@@ -273,9 +273,7 @@ class CostTable:
     # Per bucket: X(b), the iteration's cost beyond T(b, k) at any K (OVERHEAD_WINDOW),
     # added to every K's T there (``times``).
     overhead: dict[int, float] = attrs.Factory(dict)
-    _over: dict[int, collections.deque[float]] = attrs.field(factory=dict, init=False,
-                                                              repr=False)
-    _over_sum: dict[int, list[float]] = attrs.field(factory=dict, init=False, repr=False)
+    _over: dict[int, _RecentMean] = attrs.field(factory=dict, init=False, repr=False)
     # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
     _first: dict[tuple[int, int], tuple[list[float], list[float]]] = attrs.field(
         factory=dict, init=False, repr=False)
@@ -390,9 +388,7 @@ class CostTable:
         over = self.overhead
         x = over.get(bucket)
         if x is None:
-            if not over:
-                return 0.0
-            x = over[min(over, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))]
+            return over[_nearest_class(over, bucket)] if over else 0.0
         return x
 
     def iteration_overhead(self, bucket: int, k: int, full: float) -> None:
@@ -405,21 +401,11 @@ class CostTable:
         x = full - t
         if x > OVERHEAD_CAP * t:
             x = OVERHEAD_CAP * t
-        window = self._over.get(bucket)
-        if window is None:
-            window = self._over[bucket] = collections.deque(maxlen=OVERHEAD_WINDOW)
-            self._over_sum[bucket] = [0.0, 0.0]
-        total = self._over_sum[bucket]
-        if len(window) == OVERHEAD_WINDOW:
-            total[0] -= window[0]
-        window.append(x)
-        total[1] += 1
-        if total[1] % OVERHEAD_WINDOW:      # a running sum (every iteration), summed
-            total[0] += x                   # afresh once a window so no error piles up
-        else:
-            total[0] = math.fsum(window)
-        if len(window) >= OVERHEAD_MIN:
-            mean = total[0] / len(window)
+        recent = self._over.get(bucket)
+        if recent is None:
+            recent = self._over[bucket] = _RecentMean(OVERHEAD_WINDOW)
+        mean = recent.add(x)
+        if len(recent.window) >= OVERHEAD_MIN:
             self.overhead[bucket] = mean if mean > 0.0 else 0.0
 
     def running(self, bucket: int) -> int | None:
@@ -629,6 +615,36 @@ def moved(measured: float, there: float | None, here: float | None) -> float:
 def fixed_point(values: Iterable[float]) -> list[float]:
     """Counts as a SYNC row carries them: round(x * SCALE) / SCALE."""
     return [round(x * SCALE) / SCALE for x in values]
+
+
+def _nearest_class(buckets: Iterable[int], bucket: int) -> int:
+    """The batch class among ``buckets`` nearest ``bucket`` in powers of two (the smaller
+    on a tie)."""
+    return min(buckets, key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+
+
+class _RecentMean:
+    """The mean of the last ``size`` values added, kept as a running sum (once an
+    iteration), summed afresh once a window so no rounding error piles up."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.window: collections.deque[float] = collections.deque(maxlen=size)
+        self._total = 0.0
+        self._added = 0
+
+    def add(self, x: float) -> float:
+        """Add ``x``; -> the mean of the window."""
+        window = self.window
+        if len(window) == self.size:
+            self._total -= window[0]
+        window.append(x)
+        self._added += 1
+        if self._added % self.size:
+            self._total += x
+        else:
+            self._total = math.fsum(window)
+        return self._total / len(window)
 
 
 def _has_first(first: tuple[list[float], list[float]]) -> bool:
@@ -1001,8 +1017,7 @@ class AdaptiveK:
         proportion to the warm-up times (measured iterations can run below warm-up's, so
         the difference alone could reach zero and make that K look free)."""
         cost = self.cost
-        near = min(self._settled,
-                   key=lambda b: (abs(b.bit_length() - bucket.bit_length()), b))
+        near = _nearest_class(self._settled, bucket)
 
         estimate = {c: moved(cost.measured[(near, c)], cost.own_device(near, c),
                              cost.own_device(bucket, c)) for c in self.candidates}
