@@ -4,7 +4,7 @@ of the real code path, with the peer's side (a second ``SharedGather`` on the sa
 driven from the same process) posted before or during each call.
 
     python bench/bench_shm_exchange.py [--calls 2000] [--runs 3] [--slots 64] [--k 0]
-        [--two-process]
+        [--busy] [--two-process]
 
 What it times, per call (median / min µs over ``--calls`` calls, per run):
 - ``gather``: ``TorchDistributedCommunicator.all_gather`` of SCHEDULE's header, the peer's
@@ -16,6 +16,10 @@ What it times, per call (median / min µs over ``--calls`` calls, per run):
   event loop posts the peer's row: peer's post -> this rank's call returned;
 - ``objects``: the flagged exchange's ``all_gather_object`` (rank 1's empty report out,
   rank 0's message in), the peer's lengths and pickle posted first.
+
+``--busy`` runs a second thread of small torch ops meanwhile, as the compute thread
+queueing the step run ahead does under ADP: each torch op of the exchange releases the
+GIL and must take it back from that thread.
 
 ``--two-process`` instead runs the gather in lock step between this process (core 0) and
 a child (core 1), both polling: per call, what each rank's ``all_gather`` took (its own
@@ -31,6 +35,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from types import SimpleNamespace
 
@@ -206,6 +211,25 @@ async def two_process(args: argparse.Namespace, header: torch.Tensor) -> None:
         print(f"run {run + 1}: two processes, rank 0 {mine}; rank 1 {theirs}", flush=True)
 
 
+class Busy:
+    """A thread of small torch ops (a 64 x 64 multiply-add at a time, the GIL released
+    in each and taken back), until ``stop``."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        x = torch.randn(64, 64)
+        while not self._stop.is_set():
+            x = x * 1.0001 + 0.0001
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 async def main(args: argparse.Namespace) -> None:
     numel = 2 + 4 + args.slots * block_width(args.k)
     header = torch.arange(numel, dtype=torch.int64)
@@ -216,8 +240,17 @@ async def main(args: argparse.Namespace) -> None:
     if args.two_process:
         await two_process(args, header)
         return
-    print(f"SCHEDULE header: {numel} int64 ({8 * numel} bytes), {args.calls} calls per run",
-          flush=True)
+    print(f"SCHEDULE header: {numel} int64 ({8 * numel} bytes), {args.calls} calls per run"
+          + (", a busy torch thread beside" if args.busy else ""), flush=True)
+    busy = Busy() if args.busy else None
+    try:
+        await _runs(args, header)
+    finally:
+        if busy is not None:
+            busy.stop()
+
+
+async def _runs(args: argparse.Namespace, header: torch.Tensor) -> None:
     for run in range(args.runs):
         print(f"run {run + 1}: gather   {await bench_gather(header, args.calls)}", flush=True)
         print(f"run {run + 1}: exchange {await bench_exchange(args.slots, args.k, args.calls)}",
@@ -232,6 +265,8 @@ if __name__ == "__main__":
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--slots", type=int, default=64, help="max_batch_size: the block's rows")
     ap.add_argument("--k", type=int, default=0, help="speculative.k: the block's width - 5")
+    ap.add_argument("--busy", action="store_true",
+                    help="a thread of small torch ops beside (the compute thread under ADP)")
     ap.add_argument("--two-process", action="store_true",
                     help="lock step with a child process, one per core (see above)")
     ap.add_argument("--peer", help=argparse.SUPPRESS)   # the child of --two-process

@@ -10,6 +10,13 @@ rank can start call n + 2 (which overwrites buffer n % 2) only once call n + 1 c
 that is once every rank stored n + 1, which each does after it finished reading call n.
 The row is stored before the sequence number and read after it: program order, which
 x86-64 keeps for stores and for loads (``supported`` says where this runs).
+
+A row goes in and the rows come out through numpy and the map's buffer, not torch ops:
+each torch op releases the GIL and takes it back, and under ADP the rank's compute thread
+(queueing the step run ahead) then holds it, so every op of the exchange waited for it —
+a small ``copy_`` ~4x its idle time, the exchange ~60-90 us instead of ~15 on an H200
+host (docs/performance-history.md, "The exchange on one shared H200"). numpy's small
+copies keep the GIL. A dtype numpy lacks (bfloat16) takes tensor views of the map.
 """
 from __future__ import annotations
 
@@ -18,6 +25,7 @@ import os
 import platform
 import tempfile
 
+import numpy as np
 import torch
 
 
@@ -44,13 +52,12 @@ class SharedGather:
     def __init__(self, path: str, rank: int, world: int, nbytes: int) -> None:
         with open(path, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), _size(world, nbytes))
-        self._seq = memoryview(self._map)[:8 * world].cast("q")   # [world] int64
+        self._bytes = memoryview(self._map)
+        self._seq = self._bytes[:8 * world].cast("q")   # [world] int64
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._n = 0
-        # (dtype, shape) -> for each buffer, tensors over the map: its rows
-        # [world, *shape] and this rank's row [*shape]. A post is then one copy_ and a
-        # result one clone (~1.5 us together, against ~3.3 us through numpy, bytes and
-        # frombuffer each call; issue 12).
+        # A dtype numpy lacks: (dtype, shape) -> for each buffer, tensors over the map:
+        # its rows [world, *shape] and this rank's row [*shape].
         self._views: dict[tuple[torch.dtype, torch.Size],
                           tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
 
@@ -82,10 +89,15 @@ class SharedGather:
         return tuple(views)
 
     def post(self, tensor: torch.Tensor) -> None:
-        """Write this rank's row of the next call, then announce it. One copy_ into a
-        view of the map (torch ops on a small tensor cost microseconds each: one op)."""
+        """Write this rank's row of the next call (a host tensor of ``nbytes``), then
+        announce it."""
         self._n += 1
-        self._views_for(tensor)[self._n % 2][1].copy_(tensor.detach())
+        row = _numpy(tensor)
+        if row is not None and row.nbytes == self.nbytes:
+            start = self._buffer(self._n) + self.rank * self.nbytes
+            self._bytes[start:start + self.nbytes] = row.tobytes()
+        else:
+            self._views_for(tensor)[self._n % 2][1].copy_(tensor.detach())
         self._seq[self.rank] = self._n
 
     def ready(self) -> bool:
@@ -93,13 +105,37 @@ class SharedGather:
         return min(self._seq) >= self._n
 
     def result(self, like: torch.Tensor) -> torch.Tensor:
-        """[world, *like.shape]: every rank's row of the current call (a copy)."""
-        return self._views_for(like)[self._n % 2][0].clone()
+        """[world, *like.shape]: every rank's row of the current call (a copy; over a numpy
+        array where numpy has the dtype, so ``.numpy()`` reads it without a torch op)."""
+        dtype = _NUMPY_DTYPES.get(like.dtype)
+        if dtype is None:
+            return self._views_for(like)[self._n % 2][0].clone()
+        start = self._buffer(self._n)
+        rows = np.frombuffer(bytearray(self._bytes[start:start + self.world * self.nbytes]),
+                             dtype=dtype)
+        return torch.from_numpy(rows.reshape(self.world, *like.shape))
 
     def close(self) -> None:
         self._views.clear()     # the tensors over the map, so that it can close
         self._seq.release()
+        self._bytes.release()
         try:
             self._map.close()
         except BufferError:     # a view still alive: the map goes with it
             pass
+
+
+_NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
+    d: np.dtype(n) for d, n in ((torch.int64, "int64"), (torch.int32, "int32"),
+                                (torch.uint8, "uint8"), (torch.int8, "int8"),
+                                (torch.float32, "float32"), (torch.float64, "float64"),
+                                (torch.float16, "float16"), (torch.bool, "bool"))}
+
+
+def _numpy(tensor: torch.Tensor) -> np.ndarray | None:
+    """The host tensor's elements as a C-contiguous numpy array sharing its memory
+    (``Tensor.numpy`` keeps the GIL), or None where numpy cannot hold them."""
+    if tensor.dtype not in _NUMPY_DTYPES or tensor.requires_grad:
+        return None
+    row = tensor.numpy()
+    return row if row.flags.c_contiguous else None

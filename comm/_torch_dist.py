@@ -13,6 +13,7 @@ from typing import Any
 
 import anyio
 import attrs
+import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
@@ -189,18 +190,19 @@ class TorchDistributedCommunicator(Communicator):
     async def _shared_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` through shared memory; None (before any exchange of the
         pickles) when the ranks are not on one host or a pickle is past ``_OBJECT_MAX``."""
+        # numpy arrays under the tensors, read and written without torch ops (comm/_shm.py).
         data = pickle.dumps(obj)
-        lengths = await self._shared_call(torch.tensor([len(data)], dtype=torch.int64),
+        lengths = await self._shared_call(torch.from_numpy(np.array([len(data)], np.int64)),
                                           "all_gather_object")
         if lengths is None:
             return None
-        sizes = lengths[:, 0].tolist()
+        sizes = lengths.numpy()[:, 0].tolist()
         cap = max(_OBJECT_MIN, 1 << (max(sizes) - 1).bit_length())
         if cap > _OBJECT_MAX:
             return None
-        row = torch.zeros(cap, dtype=torch.uint8)
-        memoryview(row.numpy())[:len(data)] = data
-        rows = await self._shared_call(row, "all_gather_object")
+        row = np.zeros(cap, np.uint8)
+        row[:len(data)] = np.frombuffer(data, np.uint8)
+        rows = await self._shared_call(torch.from_numpy(row), "all_gather_object")
         assert rows is not None, "this host's ranks gathered the lengths through it"
         pickles = rows.numpy()
         return [pickle.loads(pickles[r, :n].tobytes()) for r, n in enumerate(sizes)]
@@ -298,7 +300,7 @@ class TorchDistributedCommunicator(Communicator):
         """The host ``tensor``'s all-gather through shared memory; None when the ranks
         are not all on this host. A size is set up (collectively) at its first call.
         ``op``: what a timeout error says was called."""
-        nbytes = tensor.numel() * tensor.element_size()
+        nbytes = tensor.nbytes
         shared = self._shared[nbytes] if nbytes in self._shared else \
             await self._shared_gather(nbytes)
         return None if shared is None else await self._run_shared(shared, tensor, op)
@@ -447,11 +449,16 @@ def _object_call(op: str, group: str, seq: int, detail: str) -> CollectiveCall:
 
 
 def _pick_device(device: str | torch.device | None, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK, or the named device. With fewer GPUs than local ranks, ranks share
+    them round-robin (the model runner's rule, ``engine._runner.resolve_device``): NCCL
+    refuses two ranks on one GPU, so only a group without device collectives (no LM-head
+    TP; the host exchange through shared memory or gloo) runs so, e.g. ``bench/adp_run.py``
+    measuring the exchange on a one-GPU machine."""
     if device is None:
-        return torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+        device = "cuda" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
     if dev.type == "cuda" and dev.index is None:
-        return torch.device("cuda", local_rank)
+        return torch.device("cuda", local_rank % max(torch.cuda.device_count(), 1))
     return dev
 
 

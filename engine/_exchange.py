@@ -12,6 +12,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from ._frontdoor import (NO_MESSAGE, FrontDoorMessage, RankReport, assign_least_loaded,
@@ -48,8 +49,8 @@ class ExchangeTimes:
 class OutputExchange:
     """``await exchange(facts)`` -> the front door's message for this iteration;
     ``deliver(handle, output)`` hands one output towards the front door. In a group,
-    ``facts`` (this rank's SYNC row) ride the same all-gather; ``gathered_facts`` then
-    holds every rank's row, [world, len(facts)]."""
+    ``facts`` (this rank's SYNC row) ride the same all-gather; ``gathered_rows`` then
+    holds every rank's row, world lists of len(facts) ints."""
 
     def __init__(self, *, config: EngineConfig, comm: Communicator, front: FrontDoorPort | None,
                  scheduler: Scheduler, device: torch.device) -> None:
@@ -67,13 +68,13 @@ class OutputExchange:
         # Requests per rank, as of the last SYNC: where rank 0 assigns new requests.
         self.loads = [0] * comm.world_size
         self._exchange = self._group if comm.world_size > 1 else self._local
-        self.gathered_facts: torch.Tensor | None = None
-        # The same rows as Python ints (SYNC's agreement reads them without tensor ops).
+        # Every rank's SYNC facts, as Python ints (SYNC's agreement reads them without
+        # tensor ops).
         self.gathered_rows: list[list[int]] = []
         self.times = ExchangeTimes()
         # Rank 0: the other ranks' output blocks of the last exchange, not yet decoded
         # and delivered (``hand_over``); the empty block it sends itself, built once.
-        self._held: torch.Tensor | None = None
+        self._held: np.ndarray | None = None       # [world - 1, block]
         self._empty: array[int] | None = None
         # Rank 0, once an exchange was deferred: its own outputs wait for ``hand_over``
         # too, so no consumer is woken between RESCAN and the next exchange (they would
@@ -160,13 +161,17 @@ class OutputExchange:
         row = array("q", (int(flag), *facts, 0)) + block
         row[width - 1] = arrived = time.time_ns() // 1000
         header = torch.frombuffer(row, dtype=torch.int64)
-        # [world, 2 + facts + rows*width]
-        gathered = (await self.comm.all_gather(header.to(self.device))).cpu()
-        # The flags and stamps as Python ints: one read, not a tensor op for each.
+        # [world, 2 + facts + rows*width], read through numpy: a torch op releases the
+        # GIL and waits to take it back from the compute thread, which under ADP is
+        # queueing the step run ahead (~4x an op's idle time; comm/_shm.py).
+        if self.on_host:
+            gathered = (await self.comm.all_gather(header)).numpy()
+        else:
+            gathered = (await self.comm.all_gather(header.to(self.device))).cpu().numpy()
+        # The flags and stamps as Python ints: one read, not an op for each.
         head = gathered[:, :width].tolist()
         last = max(row[width - 1] for row in head)
         self.times.record(last - arrived, time.time_ns() // 1000 - last)
-        self.gathered_facts = gathered[:, 1:width - 1]
         self.gathered_rows = [row[1:width - 1] for row in head]
         if self.front is not None:
             self._held = gathered[1:, width:]

@@ -33,7 +33,7 @@ class IterationRecord:
     spec: SpecMetadata
     batch: list[Request] = attrs.Factory(list)
     padded_batch_size: int = 0
-    group_facts: torch.Tensor | None = None      # [world, 4 (+ adaptive K's)] from SYNC
+    group_facts: list[list[int]] | None = None   # world rows of 4 (+ adaptive K's) from SYNC
     # K this iteration drafts: SYNC's choice under adaptive K, else the configured K.
     num_draft_tokens: int | None = None
     # Adaptive K: each row's draft class as the choice of K saw it (``Drafter.draft_classes``;
@@ -57,11 +57,6 @@ class IterationRecord:
 
     # The fields as read by the states after the one that sets them (the transition
     # table orders the states, so each is set by then).
-    @property
-    def facts(self) -> torch.Tensor:
-        assert self.group_facts is not None, "a group's SYNC sets group_facts"
-        return self.group_facts
-
     @property
     def k(self) -> int:
         assert self.num_draft_tokens is not None, "PICK_GRAPH_KEY sets num_draft_tokens"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from array import array
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 
 from ._request import FinishReason, RequestOutput
@@ -88,7 +89,7 @@ def encode_rows(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: int
     return flat
 
 
-def decode_outputs(flat: torch.Tensor, k: int, request_id: Callable[[int], str | None]
+def decode_outputs(flat: torch.Tensor | np.ndarray, k: int, request_id: Callable[[int], str | None]
                    ) -> list[RequestOutput]:
     outputs = []
     for row in flat.reshape(-1, block_width(k)).tolist():

@@ -312,10 +312,9 @@ class RankWorker:
 
     async def _sync_group(self, rec: IterationRecord) -> IterationState:
         """Agreement from the facts gathered in SCHEDULE's exchange (no collective)."""
-        facts = rec.group_facts = self.exchange.gathered_facts
-        assert facts is not None, "a group's SCHEDULE exchange gathers them"
         # Read as Python ints: a tensor op per fact cost ~50 us per iteration (issue 12).
-        rows = self.exchange.gathered_rows
+        rows = rec.group_facts = self.exchange.gathered_rows
+        assert rows, "a group's SCHEDULE exchange gathers them"
         greedy = [row[FACT_ALL_GREEDY] for row in rows]
         mine = bool(greedy[self.comm.rank])
         group = all(greedy) if self.group_sync else None
@@ -331,7 +330,7 @@ class RankWorker:
         rec.padded_batch_size = max(row[FACT_BATCH] for row in rows)
         if self.adaptive is not None and rec.padded_batch_size:
             # From gathered values only: every rank computes the same K.
-            rec.num_draft_tokens = self.adaptive.choose(facts[:, NUM_FACTS:],
+            rec.num_draft_tokens = self.adaptive.choose([row[NUM_FACTS:] for row in rows],
                                                         rec.padded_batch_size)
             self.clock.timed = True
             self._log_adaptive()

@@ -163,3 +163,22 @@ def test_host_all_gathers_through_shared_memory(shared):
     waiting = shared[0]["shared_memory"]
     assert waiting["error"] is not None and "not completed within 3 s" in waiting["error"]
     assert waiting["elapsed"] < 10
+
+
+@pytest.mark.parametrize("gpus, local_rank, want", [(2, 0, "cuda:0"), (2, 1, "cuda:1"),
+                                                    (1, 1, "cuda:0"), (2, 3, "cuda:1")])
+def test_ranks_share_gpus_round_robin_when_there_are_fewer_gpus(monkeypatch, gpus, local_rank, want):
+    """cuda:LOCAL_RANK, or with fewer GPUs than local ranks the model runner's rule
+    (rank mod GPUs): bench/adp_run.py runs 2 ranks on a one-GPU machine this way."""
+    import torch
+
+    from specloop.comm._torch_dist import _pick_device
+    from specloop.engine._runner import resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert str(_pick_device(None, local_rank)) == want
+    assert str(_pick_device("cuda", local_rank)) == want == str(resolve_device("cuda", local_rank))
+    assert str(_pick_device("cuda:0", local_rank)) == "cuda:0"     # named: as named
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert str(_pick_device(None, local_rank)) == "cpu"
