@@ -96,7 +96,7 @@ async def bench_gather(header: torch.Tensor, calls: int) -> str:
     times = []
     for i in range(calls + 100):
         peer_row[0] = i
-        peer.post(peer_row)
+        peer.post(_shm.tensor_bytes(peer_row))
         start = time.perf_counter_ns()
         got = await comm.all_gather(header)
         times.append(time.perf_counter_ns() - start)
@@ -110,8 +110,7 @@ def _exchange(comm: TorchDistributedCommunicator, slots: int, k: int) -> OutputE
     config = SimpleNamespace(speculative=SimpleNamespace(k=k),
                              scheduler=SimpleNamespace(idle_wait_s=0.1))
     scheduler = SimpleNamespace(num_requests=1, slots=SimpleNamespace(num_slots=slots))
-    return OutputExchange(config=config, comm=comm, front=None, scheduler=scheduler,
-                          device=torch.device("cpu"))
+    return OutputExchange(config=config, comm=comm, front=None, scheduler=scheduler)
 
 
 async def bench_exchange(slots: int, k: int, calls: int) -> str:
@@ -125,7 +124,7 @@ async def bench_exchange(slots: int, k: int, calls: int) -> str:
     for i in range(calls + 100):
         peer_row[1] = i
         peer_row[width - 1] = time.time_ns() // 1000
-        peer.post(peer_row)
+        peer.post(_shm.tensor_bytes(peer_row))
         start = time.perf_counter_ns()
         await exchange(facts)
         times.append(time.perf_counter_ns() - start)
@@ -149,10 +148,8 @@ async def bench_objects(calls: int) -> str:
     pickles = _add_size(comm, cap)
     times = []
     for _ in range(calls + 100):
-        lengths.post(torch.tensor([len(data)]))
-        row = torch.zeros(cap, dtype=torch.uint8)
-        row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        pickles.post(row)
+        lengths.post(len(data).to_bytes(8, "little"))
+        pickles.post(data + bytes(cap - len(data)))
         start = time.perf_counter_ns()
         got = await comm.all_gather_object(report)
         times.append(time.perf_counter_ns() - start)
@@ -170,7 +167,7 @@ async def bench_notice(header: torch.Tensor, calls: int) -> str:
         async def late_peer() -> None:
             await anyio.sleep(0)       # the waiting rank has posted and polls
             await anyio.sleep(0)
-            peer.post(header)
+            peer.post(_shm.tensor_bytes(header))
             posted[0] = time.perf_counter_ns()
 
         async with anyio.create_task_group() as tg:

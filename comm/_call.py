@@ -7,7 +7,8 @@ import attrs
 import torch
 
 # Op codes for the fixed-size signature exchanged in checked mode; append only.
-OPS = ("all_gather", "all_gather_object", "all_reduce", "broadcast_object", "barrier")
+OPS = ("all_gather", "all_gather_object", "all_reduce", "broadcast_object", "barrier",
+       "all_gather_bytes")
 
 
 def _dtype_name(dtype: torch.dtype | None) -> str | None:

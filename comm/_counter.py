@@ -109,6 +109,10 @@ class CollectiveCounter(Communicator):
         self._record("all_gather_object")
         return await self.inner.all_gather_object(obj)
 
+    async def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        self._record("all_gather_bytes")
+        return await self.inner.all_gather_bytes(data)
+
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._record("all_reduce")
         return await self.inner.all_reduce(tensor, op)

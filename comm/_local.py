@@ -142,6 +142,12 @@ class LocalCommunicator(Communicator):
         blobs = await self._enter(call, pickle.dumps(obj), list)
         return [pickle.loads(b) for b in blobs]
 
+    async def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        # The length is part of the call: ranks passing different lengths mismatch.
+        call = self._call("all_gather_bytes", detail=f"bytes={len(data)}")
+        rows: list[bytes] = await self._enter(call, bytes(data), list)
+        return rows
+
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         check_tensor(tensor)
         check_reduce_op(op)

@@ -20,7 +20,8 @@ class Communicator(Protocol):
 
     Subclass it to inherit the defaults of `timeout_s` (None: waits are not bounded),
     `bounded` (returns self: cannot bound; the engine then logs `communicator_unbounded`),
-    `close` (does nothing) and `host_tensors` (False), or implement every member. The factory named in config is
+    `close` (does nothing), `host_tensors` (False) and `all_gather_bytes` (through
+    `all_gather_object`), or implement every member. The factory named in config is
     called as `factory(config)`.
     """
 
@@ -64,6 +65,16 @@ class Communicator(Protocol):
         """Any picklable object -> list of every rank's object, in rank order."""
         ...
 
+    async def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Every rank's `data`, in rank order; all ranks pass the same length. SCHEDULE's
+        exchange, once per iteration in a group: an implementation for speed runs no
+        torch op on the way (each releases the GIL and must take it back from the
+        rank's busy compute thread; `torch_distributed` goes through shared memory).
+        Default: `all_gather_object`, the lengths checked."""
+        gathered: list[bytes] = await self.all_gather_object(bytes(data))
+        check_lengths([len(d) for d in gathered])
+        return gathered
+
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         """Elementwise reduction over ranks; returns a new tensor, the input is untouched."""
         ...
@@ -81,6 +92,13 @@ class Communicator(Protocol):
         Inside, ranks are renumbered 0..len(ranks)-1 in the order of `ranks` sorted.
         """
         ...
+
+
+def check_lengths(lengths: Sequence[int]) -> None:
+    """`all_gather_bytes`' rule, checked where the lengths are seen: one length."""
+    if len(set(lengths)) > 1:
+        raise ValueError(f"all_gather_bytes: the ranks passed {list(lengths)} bytes; every "
+                         "rank must pass the same length")
 
 
 def check_tensor(tensor: object) -> torch.Tensor:

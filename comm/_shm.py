@@ -11,12 +11,12 @@ that is once every rank stored n + 1, which each does after it finished reading 
 The row is stored before the sequence number and read after it: program order, which
 x86-64 keeps for stores and for loads (``supported`` says where this runs).
 
-A row goes in and the rows come out through numpy and the map's buffer, not torch ops:
-each torch op releases the GIL and takes it back, and under ADP the rank's compute thread
-(queueing the step run ahead) then holds it, so every op of the exchange waited for it —
-a small ``copy_`` ~4x its idle time, the exchange ~60-90 us instead of ~15 on an H200
-host (docs/performance-history.md, "The exchange on one shared H200"). numpy's small
-copies keep the GIL. A dtype numpy lacks (bfloat16) takes tensor views of the map.
+Rows are bytes (``post``, ``result``): no torch op runs on the way. Each torch op
+releases the GIL and takes it back, and under ADP the rank's compute thread (queueing the
+step run ahead) then holds it, so every op of the exchange waited for it — a small
+``copy_`` ~5x its idle time on an H200 host (docs/performance-history.md, "The exchange on
+one shared H200"). ``tensor_bytes`` / ``tensor_from`` carry tensors (through numpy, whose
+small copies keep the GIL, where numpy has the dtype).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ def create_file(world: int, nbytes: int) -> str:
 
 
 class SharedGather:
-    """One rank's side of the all-gather of ``nbytes``-byte tensors."""
+    """One rank's side of the all-gather of ``nbytes``-byte rows."""
 
     def __init__(self, path: str, rank: int, world: int, nbytes: int) -> None:
         with open(path, "r+b") as f:
@@ -56,67 +56,31 @@ class SharedGather:
         self._seq = self._bytes[:8 * world].cast("q")   # [world] int64
         self.rank, self.world, self.nbytes = rank, world, nbytes
         self._n = 0
-        # A dtype numpy lacks: (dtype, shape) -> for each buffer, tensors over the map:
-        # its rows [world, *shape] and this rank's row [*shape].
-        self._views: dict[tuple[torch.dtype, torch.Size],
-                          tuple[tuple[torch.Tensor, torch.Tensor], ...]] = {}
 
     def _buffer(self, n: int) -> int:
         """Byte offset of call ``n``'s buffer (rows of ``nbytes``, rank order)."""
         return 8 * self.world + (n % 2) * self.world * self.nbytes
 
-    def _views_for(self, like: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        views = self._views.get((like.dtype, like.shape))
-        if views is None:
-            views = self._views[(like.dtype, like.shape)] = self._make_views(like)
-        return views
-
-    def _make_views(self, like: torch.Tensor) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        if like.numel() * like.element_size() != self.nbytes:
-            raise ValueError(f"a {tuple(like.shape)} {like.dtype} tensor is not {self.nbytes} bytes")
-        shape = (self.world, *like.shape)
-        views = []
-        # Plain tensors even when the first call runs under inference_mode: an
-        # inference tensor could not be written in place outside it.
-        with torch.inference_mode(False):
-            for n in (0, 1):
-                if self.nbytes == 0:     # frombuffer refuses an empty range
-                    rows = torch.empty(shape, dtype=like.dtype)
-                else:
-                    rows = torch.frombuffer(self._map, dtype=like.dtype, offset=self._buffer(n),
-                                            count=self.world * like.numel()).view(shape)
-                views.append((rows, rows[self.rank]))
-        return tuple(views)
-
-    def post(self, tensor: torch.Tensor) -> None:
-        """Write this rank's row of the next call (a host tensor of ``nbytes``), then
-        announce it."""
+    def post(self, row: bytes) -> None:
+        """Write this rank's row of the next call (``nbytes`` of them), then announce it."""
+        if len(row) != self.nbytes:
+            raise ValueError(f"a row of {len(row)} bytes is not {self.nbytes} bytes")
         self._n += 1
-        row = _numpy(tensor)
-        if row is not None and row.nbytes == self.nbytes:
-            start = self._buffer(self._n) + self.rank * self.nbytes
-            self._bytes[start:start + self.nbytes] = row.tobytes()
-        else:
-            self._views_for(tensor)[self._n % 2][1].copy_(tensor.detach())
+        start = self._buffer(self._n) + self.rank * self.nbytes
+        self._bytes[start:start + self.nbytes] = row
         self._seq[self.rank] = self._n
 
     def ready(self) -> bool:
         """Whether every rank has posted the current call."""
         return min(self._seq) >= self._n
 
-    def result(self, like: torch.Tensor) -> torch.Tensor:
-        """[world, *like.shape]: every rank's row of the current call (a copy; over a numpy
-        array where numpy has the dtype, so ``.numpy()`` reads it without a torch op)."""
-        dtype = _NUMPY_DTYPES.get(like.dtype)
-        if dtype is None:
-            return self._views_for(like)[self._n % 2][0].clone()
+    def result(self) -> bytes:
+        """Every rank's row of the current call, in rank order, as one copy
+        (``world * nbytes`` bytes)."""
         start = self._buffer(self._n)
-        rows = np.frombuffer(bytearray(self._bytes[start:start + self.world * self.nbytes]),
-                             dtype=dtype)
-        return torch.from_numpy(rows.reshape(self.world, *like.shape))
+        return self._bytes[start:start + self.world * self.nbytes].tobytes()
 
     def close(self) -> None:
-        self._views.clear()     # the tensors over the map, so that it can close
         self._seq.release()
         self._bytes.release()
         try:
@@ -132,10 +96,24 @@ _NUMPY_DTYPES: dict[torch.dtype, np.dtype] = {
                                 (torch.float16, "float16"), (torch.bool, "bool"))}
 
 
-def _numpy(tensor: torch.Tensor) -> np.ndarray | None:
-    """The host tensor's elements as a C-contiguous numpy array sharing its memory
-    (``Tensor.numpy`` keeps the GIL), or None where numpy cannot hold them."""
-    if tensor.dtype not in _NUMPY_DTYPES or tensor.requires_grad:
-        return None
-    row = tensor.numpy()
-    return row if row.flags.c_contiguous else None
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """A host tensor's elements in row-major order (strided or not), through numpy where
+    numpy has the dtype (``Tensor.numpy`` keeps the GIL)."""
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    if tensor.dtype not in _NUMPY_DTYPES:
+        tensor = tensor.contiguous().reshape(-1).view(torch.uint8)
+    data: bytes = tensor.numpy().tobytes()
+    return data
+
+
+def tensor_from(rows: bytes, world: int, like: torch.Tensor) -> torch.Tensor:
+    """[world, *like.shape] of ``like``'s dtype over a copy of ``rows``
+    (``SharedGather.result``); over a numpy array where numpy has the dtype."""
+    shape = (world, *like.shape)
+    dtype = _NUMPY_DTYPES.get(like.dtype)
+    if dtype is not None:
+        return torch.from_numpy(np.frombuffer(bytearray(rows), dtype=dtype).reshape(shape))
+    if not rows:        # frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=like.dtype)
+    return torch.frombuffer(bytearray(rows), dtype=torch.uint8).view(like.dtype).view(shape)

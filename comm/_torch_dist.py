@@ -13,7 +13,6 @@ from typing import Any
 
 import anyio
 import attrs
-import numpy as np
 import structlog
 import torch
 import torch.distributed as dist
@@ -159,9 +158,10 @@ class TorchDistributedCommunicator(Communicator):
         0.53 ms median after the last rank arrived, against 0.88 ms through the thread)."""
         check_tensor(tensor)
         if self.shared_memory and not self._checked and tensor.device.type == "cpu":
-            gathered = await self._shared_call(tensor)
-            if gathered is not None:
-                return gathered
+            rows = await self._shared_call(_shm.tensor_bytes(tensor), lambda seq: (
+                CollectiveCall.for_tensor("all_gather", self._name, seq, tensor)))
+            if rows is not None:
+                return _shm.tensor_from(rows, self.world_size, tensor)
         group = self._group_for(tensor)
         host = tensor.device.type == "cpu" and self.device.type == "cuda"
         if (self.inline or host) and not self._checked:
@@ -182,6 +182,20 @@ class TorchDistributedCommunicator(Communicator):
                 return shared
         return await self._gloo_all_gather_object(obj)
 
+    async def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        """Through shared memory where every rank is on this host (``shared_memory``, not
+        ``checked``): no torch op on the way. Else a host uint8 tensor's ``all_gather``
+        (gloo; checked in ``checked`` mode)."""
+        if self.shared_memory and not self._checked:
+            rows = await self._shared_call(data, lambda seq: CollectiveCall(
+                "all_gather_bytes", self._name, seq, (len(data),), "uint8"))
+            if rows is not None:
+                n = len(data)
+                return [rows[r * n:(r + 1) * n] for r in range(self.world_size)]
+        row = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else \
+            torch.empty(0, dtype=torch.uint8)
+        return [r.tobytes() for r in (await self.all_gather(row)).numpy()]
+
     async def _gloo_all_gather_object(self, obj: Any) -> list[Any]:
         gathered: list[Any] = await self._run(CollectiveCall, ("all_gather_object",),
                                               self._all_gather_object, obj)
@@ -190,22 +204,21 @@ class TorchDistributedCommunicator(Communicator):
     async def _shared_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` through shared memory; None (before any exchange of the
         pickles) when the ranks are not on one host or a pickle is past ``_OBJECT_MAX``."""
-        # numpy arrays under the tensors, read and written without torch ops (comm/_shm.py).
         data = pickle.dumps(obj)
-        lengths = await self._shared_call(torch.from_numpy(np.array([len(data)], np.int64)),
-                                          "all_gather_object")
+        def call(seq: int) -> CollectiveCall:
+            return CollectiveCall("all_gather_object", self._name, seq)
+
+        lengths = await self._shared_call(len(data).to_bytes(8, "little"), call)
         if lengths is None:
             return None
-        sizes = lengths.numpy()[:, 0].tolist()
+        sizes = [int.from_bytes(lengths[8 * r:8 * r + 8], "little")
+                 for r in range(self.world_size)]
         cap = max(_OBJECT_MIN, 1 << (max(sizes) - 1).bit_length())
         if cap > _OBJECT_MAX:
             return None
-        row = np.zeros(cap, np.uint8)
-        row[:len(data)] = np.frombuffer(data, np.uint8)
-        rows = await self._shared_call(torch.from_numpy(row), "all_gather_object")
+        rows = await self._shared_call(data + bytes(cap - len(data)), call)
         assert rows is not None, "this host's ranks gathered the lengths through it"
-        pickles = rows.numpy()
-        return [pickle.loads(pickles[r, :n].tobytes()) for r, n in enumerate(sizes)]
+        return [pickle.loads(rows[r * cap:r * cap + n]) for r, n in enumerate(sizes)]
 
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         self._check_device(check_tensor(tensor))
@@ -295,23 +308,23 @@ class TorchDistributedCommunicator(Communicator):
         self._shared[nbytes] = shared
         return shared
 
-    async def _shared_call(self, tensor: torch.Tensor, op: str = "all_gather"
-                           ) -> torch.Tensor | None:
-        """The host ``tensor``'s all-gather through shared memory; None when the ranks
-        are not all on this host. A size is set up (collectively) at its first call.
-        ``op``: what a timeout error says was called."""
-        nbytes = tensor.nbytes
+    async def _shared_call(self, row: bytes, call: Callable[[int], CollectiveCall]
+                           ) -> bytes | None:
+        """Every rank's ``row`` through shared memory (``SharedGather.result``); None when
+        the ranks are not all on this host. A length is set up (collectively) at its first
+        call. ``call(seq)``: what a timeout error says was called (built only then)."""
+        nbytes = len(row)
         shared = self._shared[nbytes] if nbytes in self._shared else \
             await self._shared_gather(nbytes)
-        return None if shared is None else await self._run_shared(shared, tensor, op)
+        return None if shared is None else await self._run_shared(shared, row, call)
 
-    async def _run_shared(self, shared: _shm.SharedGather, tensor: torch.Tensor,
-                          op: str = "all_gather") -> torch.Tensor:
+    async def _run_shared(self, shared: _shm.SharedGather, row: bytes,
+                          call: Callable[[int], CollectiveCall]) -> bytes:
         """Post, then poll until every rank has; the last rank to arrive finds the call
-        complete and never yields (nor builds the call's record, needed for a timeout).
-        The lock is taken without yielding when free, whatever anyio's version (before
-        4.5 ``acquire`` always yields: rank 0's consumers could then run between its
-        arrival stamp and its post, and the other ranks waited for them)."""
+        complete and never yields (nor builds the call's record). The lock is taken without yielding when free,
+        whatever anyio's version (before 4.5 ``acquire`` always yields: rank 0's
+        consumers could then run between its arrival stamp and its post, and the other
+        ranks waited for them)."""
         lock = self._family.lock
         try:
             lock.acquire_nowait()
@@ -320,12 +333,11 @@ class TorchDistributedCommunicator(Communicator):
         try:
             seq = self._seq
             self._seq += 1
-            shared.post(tensor)
+            shared.post(row)
             if not shared.ready():
-                call = CollectiveCall.for_tensor(op, self._name, seq, tensor)
                 with anyio.CancelScope(shield=True):    # seen through, as the other paths
-                    await self._poll(shared.ready, call)
-            return shared.result(tensor)
+                    await self._poll(shared.ready, call(seq))
+            return shared.result()
         finally:
             lock.release()
 

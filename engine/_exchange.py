@@ -12,7 +12,6 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
 from ._frontdoor import (NO_MESSAGE, FrontDoorMessage, RankReport, assign_least_loaded,
@@ -53,16 +52,16 @@ class OutputExchange:
     holds every rank's row, world lists of len(facts) ints."""
 
     def __init__(self, *, config: EngineConfig, comm: Communicator, front: FrontDoorPort | None,
-                 scheduler: Scheduler, device: torch.device) -> None:
+                 scheduler: Scheduler) -> None:
         self.config = config
         self.comm = comm
         self.front = front          # FrontDoor on rank 0, None elsewhere
         self.scheduler = scheduler
-        # The exchange's tensors stay on the host when the communicator gathers host
-        # tensors (torch.distributed: over gloo): then it neither syncs the device nor
-        # waits behind a step queued there (RunAhead.always in a group).
+        # The exchange stays on the host when the communicator keeps host collectives
+        # there (``host_tensors``; torch.distributed: shared memory or gloo): then it
+        # neither syncs the device nor waits behind a step queued there (RunAhead.always
+        # in a group).
         self.on_host = comm.host_tensors
-        self.device = torch.device("cpu") if self.on_host else device
         self.k = config.speculative.k
         self.pending: list[tuple[int, RequestOutput]] = []
         # Requests per rank, as of the last SYNC: where rank 0 assigns new requests.
@@ -72,9 +71,10 @@ class OutputExchange:
         # tensor ops).
         self.gathered_rows: list[list[int]] = []
         self.times = ExchangeTimes()
-        # Rank 0: the other ranks' output blocks of the last exchange, not yet decoded
-        # and delivered (``hand_over``); the empty block it sends itself, built once.
-        self._held: np.ndarray | None = None       # [world - 1, block]
+        # Rank 0: the other ranks' output blocks of the last exchange (int64 bytes), not
+        # yet decoded and delivered (``hand_over``); the empty block it sends itself,
+        # built once.
+        self._held: list[bytes] | None = None
         self._empty: array[int] | None = None
         # Rank 0, once an exchange was deferred: its own outputs wait for ``hand_over``
         # too, so no consumer is woken between RESCAN and the next exchange (they would
@@ -105,7 +105,8 @@ class OutputExchange:
         if held is None or front is None:
             return
         for flat in held:
-            front.deliver(decode_outputs(flat, self.k, front.request_id))
+            front.deliver(decode_outputs(memoryview(flat).cast("q").tolist(), self.k,
+                                         front.request_id))
 
     def deliver(self, handle: int, output: RequestOutput) -> None:
         self.deliver_many([handle], [output])
@@ -128,12 +129,13 @@ class OutputExchange:
         return front.take_message(assign_to_rank0)
 
     async def _group(self, facts: Sequence[int], defer: bool) -> FrontDoorMessage:
-        """One tensor all-gather: each serving rank's outputs as a fixed-size block, its
-        SYNC facts, its arrival time and a flag; only when some rank raised the flag
-        (rank 0 has requests, cancels or shutdown to send; an output block overflowed)
-        does a pickled object exchange follow. The flags are gathered first, so every
-        rank agrees on whether it happens. On the device (``on_host`` False) it runs while
-        the device is idle (the last VERIFY was read back; no step is queued ahead).
+        """One ``all_gather_bytes``: each serving rank's outputs as a fixed-size block, its
+        SYNC facts, its arrival time and a flag (int64); only when some rank raised the
+        flag (rank 0 has requests, cancels or shutdown to send; an output block
+        overflowed) does a pickled object exchange follow. The flags are gathered first,
+        so every rank agrees on whether it happens. Without ``on_host`` the communicator
+        may go through the device: then it runs while the device is idle (the last VERIFY
+        was read back; no step is queued ahead).
         Rank 0 delivers the other ranks' block outputs here, or at ``hand_over`` with
         ``defer`` (a flagged exchange delivers at once)."""
         message, pending = NO_MESSAGE, self.pending
@@ -156,25 +158,19 @@ class OutputExchange:
         if block is None:
             block = self._empty_block()
         width = 2 + len(facts)
-        # One int64 array, one tensor over it (torch.tensor + cat cost ~10 us); the
-        # arrival stamp goes in last, just before the collective.
+        # One int64 array as bytes, no torch op from the arrival stamp to the read: each
+        # releases the GIL and waits to take it back from the compute thread, which under
+        # ADP is queueing the step run ahead (comm/_shm.py). The stamp goes in last.
         row = array("q", (int(flag), *facts, 0)) + block
         row[width - 1] = arrived = time.time_ns() // 1000
-        header = torch.frombuffer(row, dtype=torch.int64)
-        # [world, 2 + facts + rows*width], read through numpy: a torch op releases the
-        # GIL and waits to take it back from the compute thread, which under ADP is
-        # queueing the step run ahead (~4x an op's idle time; comm/_shm.py).
-        if self.on_host:
-            gathered = (await self.comm.all_gather(header)).numpy()
-        else:
-            gathered = (await self.comm.all_gather(header.to(self.device))).cpu().numpy()
-        # The flags and stamps as Python ints: one read, not an op for each.
-        head = gathered[:, :width].tolist()
-        last = max(row[width - 1] for row in head)
+        rows = await self.comm.all_gather_bytes(row.tobytes())
+        # The flags, facts and stamps as Python ints.
+        head = [memoryview(r)[:8 * width].cast("q").tolist() for r in rows]
+        last = max(r[width - 1] for r in head)
         self.times.record(last - arrived, time.time_ns() // 1000 - last)
-        self.gathered_rows = [row[1:width - 1] for row in head]
+        self.gathered_rows = [r[1:width - 1] for r in head]
         if self.front is not None:
-            self._held = gathered[1:, width:]
+            self._held = [r[8 * width:] for r in rows[1:]]
         flagged = any(row[0] for row in head)
         if not defer or flagged:
             self.hand_over()

@@ -142,6 +142,10 @@ class TracedCommunicator(Communicator):
     async def all_gather_object(self, obj: Any) -> list[Any]:
         return await self._traced("all_gather_object", self.inner.all_gather_object(obj))
 
+    async def all_gather_bytes(self, data: bytes) -> list[bytes]:
+        return await self._traced("all_gather_bytes", self.inner.all_gather_bytes(data),
+                                  (len(data),))
+
     async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
         return await self._traced("all_reduce", self.inner.all_reduce(tensor, op),
                                   tuple(tensor.shape))

@@ -1,7 +1,7 @@
 """Outputs on the wire, in two forms.
 
 - Serving ranks' outputs as one fixed-size int64 block per rank, so the SCHEDULE exchange
-  is a plain tensor all-gather (NCCL on GPUs) rather than pickled objects. Row layout,
+  is one ``all_gather_bytes`` of fixed-size rows rather than pickled objects. Row layout,
   ``width = K + 5``: handle + 1 (0 = empty row), token count, finished, finish reason
   index, then up to K + 1 token ids (-1 padded).
 - A ``ProcessEngine`` core's outputs as ``OutputRow`` tuples, one pickled list an
@@ -13,9 +13,6 @@ from __future__ import annotations
 
 from array import array
 from typing import Callable, Sequence
-
-import numpy as np
-import torch
 
 from ._request import FinishReason, RequestOutput
 
@@ -55,21 +52,10 @@ def block_width(k: int) -> int:
     return k + 5
 
 
-def encode_outputs(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: int
-                   ) -> torch.Tensor | None:
-    """[rows * width] int64, or None when the outputs do not fit (send them as objects)."""
-    flat = encode_rows(outputs, rows, k)
-    if flat is None:
-        return None
-    if not flat:
-        return torch.empty(0, dtype=torch.int64)    # frombuffer refuses an empty buffer
-    return torch.frombuffer(flat, dtype=torch.int64)     # keeps ``flat`` alive
-
-
 def encode_rows(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: int
                 ) -> array[int] | None:
-    """``encode_outputs``' block as an int64 ``array`` (the exchange appends it to its
-    header without tensor ops), or None when the outputs do not fit."""
+    """The outputs as a block of ``rows`` rows, an int64 ``array`` (the exchange appends it
+    to its header, no tensor op), or None when they do not fit (sent as objects)."""
     width = block_width(k)
     if len(outputs) > rows:
         return None
@@ -89,10 +75,14 @@ def encode_rows(outputs: Sequence[tuple[int, RequestOutput]], rows: int, k: int
     return flat
 
 
-def decode_outputs(flat: torch.Tensor | np.ndarray, k: int, request_id: Callable[[int], str | None]
+def decode_outputs(flat: Sequence[int], k: int, request_id: Callable[[int], str | None]
                    ) -> list[RequestOutput]:
+    """A block's outputs (``flat``: its ints, ``encode_rows``' layout) whose consumers are
+    still there (``request_id`` of a handle: None once it left)."""
     outputs = []
-    for row in flat.reshape(-1, block_width(k)).tolist():
+    width = block_width(k)
+    for at in range(0, len(flat), width):
+        row = flat[at:at + width]
         if row[0] == 0:
             continue
         rid = request_id(row[0] - 1)

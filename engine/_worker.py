@@ -90,7 +90,7 @@ class RankWorker:
         self._sampling_cache: dict[int | None, tuple[tuple[Request, ...], SamplingBatch]] = {}
         self.group_sync = config.group_sync_greedy_flag
         self.exchange = OutputExchange(config=config, comm=comm, front=front,
-                                       scheduler=self.scheduler, device=runner.device)
+                                       scheduler=self.scheduler)
         self.outputs = Outputs(config=config, scheduler=self.scheduler, runner=runner,
                                drafter=drafter, stats=self.stats,
                                deliver=self.exchange.deliver,

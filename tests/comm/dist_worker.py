@@ -34,6 +34,7 @@ async def ops(comm: TorchDistributedCommunicator) -> dict:
         "max": (await comm.all_reduce(torch.tensor([r, -r]), op="max")).tolist(),
         "min": (await comm.all_reduce(torch.tensor([r, -r]), op="min")).tolist(),
         "objects": await comm.all_gather_object({"rank": r}),
+        "bytes": [b.hex() for b in await comm.all_gather_bytes(bytes([r, 7, r]))],
         "broadcast": await comm.broadcast_object(f"from {r}", src=1),
     }
     await comm.barrier()

@@ -92,3 +92,38 @@ def test_constructor_arguments_are_checked():
         LocalGroup(2, timeout=0)
     with pytest.raises(ValueError, match="rank"):
         LocalGroup(2).communicator(2)
+
+
+async def test_bytes_are_gathered_in_rank_order(group: LocalGroup):
+    async def body(c):
+        return await c.all_gather_bytes(bytes([c.rank]) * 5)
+
+    for got in await group.run(body):
+        assert got == [bytes([r]) * 5 for r in range(group.world_size)]
+
+
+async def test_the_protocols_default_bytes_gather_checks_the_lengths(group: LocalGroup):
+    """A communicator that inherits ``all_gather_bytes`` gets it through
+    ``all_gather_object``; ranks passing different lengths all get the same error."""
+    from specloop.comm import Communicator
+
+    class ObjectsOnly(Communicator):
+        def __init__(self, inner):
+            self.inner = inner
+
+        rank = property(lambda self: self.inner.rank)
+        world_size = property(lambda self: self.inner.world_size)
+        name = property(lambda self: self.inner.name)
+
+        async def all_gather_object(self, obj):
+            return await self.inner.all_gather_object(obj)
+
+    async def body(c):
+        wrapped = ObjectsOnly(c)
+        equal = await wrapped.all_gather_bytes(bytes([c.rank, 1]))
+        with pytest.raises(ValueError, match=r"passed \[1, 2.*same length"):
+            await wrapped.all_gather_bytes(bytes(1 + c.rank))
+        return equal
+
+    for got in await group.run(body):
+        assert got == [bytes([r, 1]) for r in range(group.world_size)]

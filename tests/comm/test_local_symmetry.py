@@ -46,13 +46,15 @@ async def test_two_collectives_reordered_on_one_rank(group: LocalGroup):
     assert set(results[0].calls) == set(range(group.world_size)) - set(results[0].missing)
 
 
-@pytest.mark.parametrize("what", ["shape", "dtype", "src", "reduce_op", "group"])
+@pytest.mark.parametrize("what", ["shape", "dtype", "src", "reduce_op", "group", "bytes"])
 async def test_different_arguments_at_the_same_sequence(group: LocalGroup, what):
     odd = {"shape": lambda c: c.all_gather(torch.zeros(4)),
            "dtype": lambda c: c.all_gather(torch.zeros(3, dtype=torch.float16)),
            "src": lambda c: c.broadcast_object(None, src=1),
-           "reduce_op": lambda c: c.all_reduce(torch.zeros(3), op="max")}
-    even = {"src": lambda c: c.broadcast_object(None, src=0), "reduce_op": lambda c: c.all_reduce(torch.zeros(3))}
+           "reduce_op": lambda c: c.all_reduce(torch.zeros(3), op="max"),
+           "bytes": lambda c: c.all_gather_bytes(bytes(4))}
+    even = {"src": lambda c: c.broadcast_object(None, src=0), "reduce_op": lambda c: c.all_reduce(torch.zeros(3)),
+            "bytes": lambda c: c.all_gather_bytes(bytes(3))}
 
     async def body(c):
         if what == "group":  # same op, but rank 0 thinks it is in another group

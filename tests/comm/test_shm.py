@@ -31,6 +31,14 @@ def sides():
         side.close()
 
 
+def _post(side: _shm.SharedGather, tensor: torch.Tensor) -> None:
+    side.post(_shm.tensor_bytes(tensor))
+
+
+def _result(side: _shm.SharedGather, like: torch.Tensor) -> torch.Tensor:
+    return _shm.tensor_from(side.result(), side.world, like)
+
+
 def _bits(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes: NaN payloads and -0.0 compare exactly."""
     return t.contiguous().view(-1).view(torch.uint8) if t.numel() else t.reshape(-1)
@@ -69,11 +77,11 @@ def test_many_calls_round_trip_bit_exactly(sides, world):
             rows = _rows(world, shape, dtype, call)
             order = list(range(world))[call % world:] + list(range(world))[:call % world]
             for i, r in enumerate(order):
-                group[r].post(rows[r])
+                _post(group[r], rows[r])
                 assert group[r].ready() == (i == world - 1)
             want = torch.stack(rows)
             for side in group:
-                got = side.result(rows[0])
+                got = _result(side, rows[0])
                 assert got.shape == (world, *shape) and got.dtype == dtype
                 assert torch.equal(_bits(got), _bits(want)), (shape, dtype, call)
             held.append((got, want))
@@ -87,40 +95,40 @@ def test_a_rank_one_call_ahead_does_not_overwrite_the_call_its_peer_reads(sides)
     leaves call n's rows intact for the rank still reading them."""
     a, b = sides(2, 8 * 3)
     for n in range(6):
-        a.post(torch.full((3,), 10 * n, dtype=torch.int64))
-        b.post(torch.full((3,), 10 * n + 1, dtype=torch.int64))
+        _post(a, torch.full((3,), 10 * n, dtype=torch.int64))
+        _post(b, torch.full((3,), 10 * n + 1, dtype=torch.int64))
         assert a.ready() and b.ready()
-        first = a.result(torch.empty(3, dtype=torch.int64))
-        a.post(torch.full((3,), -1, dtype=torch.int64))      # a moves on to call n + 1 ...
+        first = _result(a, torch.empty(3, dtype=torch.int64))
+        _post(a, torch.full((3,), -1, dtype=torch.int64))      # a moves on to call n + 1 ...
         assert not a.ready()
-        late = b.result(torch.empty(3, dtype=torch.int64))   # ... b still reads call n
+        late = _result(b, torch.empty(3, dtype=torch.int64))   # ... b still reads call n
         assert torch.equal(first, late) and late[:, 0].tolist() == [10 * n, 10 * n + 1]
-        b.post(torch.full((3,), -2, dtype=torch.int64))
+        _post(b, torch.full((3,), -2, dtype=torch.int64))
         assert a.ready() and b.ready()
-        assert a.result(torch.empty(3, dtype=torch.int64))[:, 0].tolist() == [-1, -2]
+        assert _result(a, torch.empty(3, dtype=torch.int64))[:, 0].tolist() == [-1, -2]
 
 
 def test_inputs_that_are_not_plain_contiguous_tensors(sides):
     """A strided view, a tensor that requires grad, and a first call under
-    inference_mode followed by calls outside it (the map's views stay writable)."""
+    inference_mode followed by calls outside it (results are fresh tensors)."""
     a, b = sides(2, 4 * 6)
     base = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     strided = base[:, 1::2].t()                       # [2, 3], not contiguous
     with torch.inference_mode():
-        a.post(strided)
-        b.post(strided * 2)
-        assert torch.equal(a.result(strided), torch.stack([strided, strided * 2]))
+        _post(a, strided)
+        _post(b, strided * 2)
+        assert torch.equal(_result(a, strided), torch.stack([strided, strided * 2]))
     grad = torch.ones(2, 3, requires_grad=True)
-    a.post(grad)
-    b.post(strided)
-    got = b.result(grad)
+    _post(a, grad)
+    _post(b, strided)
+    got = _result(b, grad)
     assert not got.requires_grad and torch.equal(got, torch.stack([torch.ones(2, 3), strided]))
 
 
 def test_a_tensor_of_another_size_is_refused(sides):
     (a, _) = sides(2, 16)
     with pytest.raises(ValueError, match="not 16 bytes"):
-        a.post(torch.zeros(3, dtype=torch.int64))
+        _post(a, torch.zeros(3, dtype=torch.int64))
 
 
 @pytest.fixture
@@ -168,20 +176,33 @@ async def test_objects_go_through_shared_memory_as_lengths_then_padded_pickles(l
     theirs, mine = {"rank": 0, "tokens": list(range(300, 600))}, ("rank 1", None)
     data = pickle.dumps(theirs)
     assert 512 < len(data) <= 1024      # the longer pickle sets the padded size
-    lengths.post(torch.tensor([len(data)]))
-    row = torch.full((1024,), 7, dtype=torch.uint8)     # the padding: any bytes
-    row[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-    pickles.post(row)
+    lengths.post(len(data).to_bytes(8, "little"))
+    pickles.post(data + b"\x07" * (1024 - len(data)))     # the padding: any bytes
     assert await comm.all_gather_object(mine) == [theirs, mine]
 
 
-@pytest.mark.parametrize("op", ["all_gather", "all_gather_object"])
-async def test_a_peer_that_never_posts_is_a_timeout_error_naming_the_call(lone_rank, op):
+async def test_bytes_go_through_shared_memory_in_rank_order(lone_rank):
+    """SCHEDULE's exchange: every rank's bytes, this rank (1) after its peer (0), many
+    calls over the two buffers; no tensor on the way."""
+    comm, peer = lone_rank
+    side = peer(24)
+    for n in range(5):
+        theirs, mine = bytes([n]) * 24, bytes(range(n, n + 24))
+        side.post(theirs)
+        assert await comm.all_gather_bytes(mine) == [theirs, mine]
+
+
+@pytest.mark.parametrize("op, want", [
+    ("all_gather", r"all_gather\(shape=\(1,\), dtype=int64\)"),
+    ("all_gather_object", r"all_gather_object\(\)"),
+    ("all_gather_bytes", r"all_gather_bytes\(shape=\(8,\), dtype=uint8\)")])
+async def test_a_peer_that_never_posts_is_a_timeout_error_naming_the_call(lone_rank, op, want):
     from specloop.comm import CollectiveTimeoutError
 
     comm, peer = lone_rank
     peer(8)
-    call = comm.all_gather(torch.zeros(1, dtype=torch.int64)) if op == "all_gather" else \
-        comm.all_gather_object("never gathered")
-    with pytest.raises(CollectiveTimeoutError, match=rf"{op}\(shape=\(1,\).*not completed within 0.3 s"):
+    call = {"all_gather": lambda: comm.all_gather(torch.zeros(1, dtype=torch.int64)),
+            "all_gather_object": lambda: comm.all_gather_object("never gathered"),
+            "all_gather_bytes": lambda: comm.all_gather_bytes(bytes(8))}[op]()
+    with pytest.raises(CollectiveTimeoutError, match=rf"{want} #0 .*not completed within 0.3 s"):
         await call

@@ -102,6 +102,7 @@ def _assert_ops(results: list[dict]) -> None:
         assert ops["sum"] == [2.0, 1.0]
         assert (ops["max"], ops["min"]) == ([1, 0], [0, -1])
         assert ops["objects"] == [{"rank": 0}, {"rank": 1}]
+        assert ops["bytes"] == ["000700", "010701"]
         assert ops["broadcast"] == "from 1"
         assert ops["sub_rank"] == rank and ops["sub_gather"] == [[0], [1]]
         assert ops["argmax"] == ops["argmax_expected"]
@@ -117,12 +118,12 @@ def test_checked_mode_gives_the_same_results(checked):
 
 def test_checked_mode_turns_asymmetry_into_errors_on_both_ranks(checked):
     expected = {
-        "shape": ("rank 0 called all_gather(shape=(3,), dtype=float32) #8 on group 'world'",
-                  "rank 1 called all_gather(shape=(4,), dtype=float32) #8 on group 'world'"),
-        "dtype": ("rank 0 called all_gather(shape=(3,), dtype=float32) #9",
-                  "rank 1 called all_gather(shape=(3,), dtype=int64) #9"),
-        "op": ("rank 0 called all_gather(shape=(3,), dtype=float32) #10",
-               "rank 1 called all_reduce(op=sum, shape=(3,), dtype=float32) #10"),
+        "shape": ("rank 0 called all_gather(shape=(3,), dtype=float32) #9 on group 'world'",
+                  "rank 1 called all_gather(shape=(4,), dtype=float32) #9 on group 'world'"),
+        "dtype": ("rank 0 called all_gather(shape=(3,), dtype=float32) #10",
+                  "rank 1 called all_gather(shape=(3,), dtype=int64) #10"),
+        "op": ("rank 0 called all_gather(shape=(3,), dtype=float32) #11",
+               "rank 1 called all_reduce(op=sum, shape=(3,), dtype=float32) #11"),
     }
     for res in checked:
         mismatches = res["mismatches"]
@@ -157,9 +158,11 @@ def test_host_all_gathers_through_shared_memory(shared):
     _assert_ops(shared)
     for res in shared:
         assert res["shared_memory"]["wrong"] == 0
-        # [0] f32, [4] bf16 and the pickles' lengths, [2] i64, [2, 3] f32, [5] i64,
-        # [3, 2] f64, small, ~1 KB pickles, [326] i64, ~5 KB pickles (2 MiB ones: gloo).
-        assert res["shared_memory"]["sizes"] == [0, 8, 16, 24, 40, 48, 256, 1024, 2608, 8192]
+        # [0] f32, 3 bytes (all_gather_bytes), [4] bf16 and the pickles' lengths, [2]
+        # i64, [2, 3] f32, [5] i64, [3, 2] f64, small, ~1 KB pickles, [326] i64, ~5 KB
+        # pickles (2 MiB ones: gloo).
+        assert res["shared_memory"]["sizes"] == [0, 3, 8, 16, 24, 40, 48, 256, 1024, 2608,
+                                                 8192]
     waiting = shared[0]["shared_memory"]
     assert waiting["error"] is not None and "not completed within 3 s" in waiting["error"]
     assert waiting["elapsed"] < 10

@@ -97,7 +97,7 @@ async def test_one_collective_per_iteration_sync_facts_ride_the_exchange(
                     observers=lambda c: [CountIterations(c)])
     for rank, counter in counters.items():
         by_label = counter.by_label()
-        assert counter.count("all_gather", label="SCHEDULE") == iterations[rank] > 0, by_label
+        assert counter.count("all_gather_bytes", label="SCHEDULE") == iterations[rank] > 0, by_label
         assert counter.count("all_gather_object", label="SCHEDULE") <= len(PROMPTS) + 1
         for state in ("SYNC", "PICK_GRAPH_KEY", "DRAFT", "VERIFY", "RESCAN"):
             assert counter.count(label=state) == 0, by_label
@@ -247,7 +247,7 @@ async def test_rank0_defers_other_ranks_outputs_until_hand_over(tiny_dir):
 
     async def rank_main(comm):
         ex = OutputExchange(config=config, comm=comm, front=front if comm.rank == 0 else None,
-                            scheduler=Scheduler(4, 512), device=torch.device("cpu"))
+                            scheduler=Scheduler(4, 512))
         ex.loads = [0, 1]       # rank 0 does not wait for work
         for n, defer in enumerate((True, True, False)):
             if comm.rank == 1:
@@ -286,7 +286,7 @@ async def test_rank0_holds_its_own_outputs_after_a_deferred_exchange(tiny_dir):
 
     async def rank_main(comm):
         ex = OutputExchange(config=config, comm=comm, front=front if comm.rank == 0 else None,
-                            scheduler=Scheduler(4, 512), device=torch.device("cpu"))
+                            scheduler=Scheduler(4, 512))
         ex.loads = [1, 0]
         own = (lambda t: ex.deliver(6, RequestOutput("own", (t,), "", False, None))) \
             if comm.rank == 0 else (lambda t: None)

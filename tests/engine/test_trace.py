@@ -90,7 +90,7 @@ async def test_trace_of_two_local_ranks(tiny_dir, tiny_loaded, tmp_path):
         colls = [e for e in slices if e["pid"] == rank and e["tid"] == COLLECTIVES_TID]
         syncs = [e for e in states[rank] if e["name"] == "SYNC"]
         # One all-gather per iteration: SCHEDULE's exchange, carrying SYNC's facts.
-        assert sum(e["name"] == "all_gather" for e in colls) >= len(syncs)
+        assert sum(e["name"] == "all_gather_bytes" for e in colls) >= len(syncs)
         for c in colls:
             assert any(s["ts"] - 1e-3 <= c["ts"] and c["ts"] + c["dur"] <= s["ts"] + s["dur"]
                        + 1e-3 for s in states[rank]), c

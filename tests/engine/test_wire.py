@@ -9,20 +9,20 @@ def test_outputs_round_trip_through_the_block():
     outs = [(3, RequestOutput("a", (5, 6, 7), "", False, None)),
             (0, RequestOutput("b", (9,), "", True, FinishReason.STOP)),
             (11, RequestOutput("c", (), "", True, FinishReason.CANCELLED))]
-    flat = _wire.encode_outputs(outs, rows=4, k=2)
+    flat = _wire.encode_rows(outs, rows=4, k=2)
     names = {3: "a", 0: "b", 11: "c"}
     assert _wire.decode_outputs(flat, 2, names.get) == [o for _, o in outs]
 
 
 def test_too_many_or_too_long_outputs_do_not_fit():
     one = RequestOutput("a", (1,), "", False, None)
-    assert _wire.encode_outputs([(0, one)] * 3, rows=2, k=2) is None
-    assert _wire.encode_outputs([(0, RequestOutput("a", (1, 2, 3, 4), ""))], rows=2, k=2) \
+    assert _wire.encode_rows([(0, one)] * 3, rows=2, k=2) is None
+    assert _wire.encode_rows([(0, RequestOutput("a", (1, 2, 3, 4), ""))], rows=2, k=2) \
         is None
 
 
 def test_outputs_of_a_consumer_that_left_are_dropped():
-    flat = _wire.encode_outputs([(1, RequestOutput("gone", (1,), ""))], rows=1, k=0)
+    flat = _wire.encode_rows([(1, RequestOutput("gone", (1,), ""))], rows=1, k=0)
     assert _wire.decode_outputs(flat, 0, {}.get) == []
 
 
