@@ -47,7 +47,7 @@ from __future__ import annotations
 import collections
 import math
 import time
-from typing import Any, Hashable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
 import attrs
 import torch
@@ -600,6 +600,7 @@ class CostTable:
 
 
 Key = TypeVar("Key", bound=Hashable)
+T = TypeVar("T")
 
 
 def moved(measured: float, there: float | None, here: float | None) -> float:
@@ -1136,10 +1137,10 @@ class IterationClock:
     (``AdaptiveK.disturb``). Without ``adaptive`` it keeps no time."""
 
     adaptive: AdaptiveK | None = None
-    # On a GPU: the prefill's device time from CUDA events (its kernels run after the host
-    # queued them, replayed graphs in far less host time than they take on the device, and
-    # this iteration's VERIFY read-back waits behind them).
-    cuda: bool = False
+    # On a GPU (the rank's device): the prefill's device time from CUDA events (its
+    # kernels run after the host queued them, replayed graphs in far less host time than
+    # they take on the device, and this iteration's VERIFY read-back waits behind them).
+    device: torch.device | None = None
     started: float = 0.0
     excluded_s: float = 0.0
     # The part of ``excluded_s`` that is this iteration's prefill (X(b) counts it).
@@ -1156,6 +1157,8 @@ class IterationClock:
     # event recorded again before it completed stands for its latest record; ``tick`` has
     # read this iteration's pair by then (or found it not done: not timed).
     _pair: tuple[Any, Any, Any] | None = attrs.field(default=None, init=False)
+    # Whether ``on_device``'s job recorded the pair for this prefill.
+    _recorded: bool = attrs.field(default=False, init=False)
 
     def tick(self) -> None:
         """The last iteration ends where this one starts: hand its time to the rule."""
@@ -1184,33 +1187,45 @@ class IterationClock:
     def exclude(self, seconds: float) -> None:
         self.excluded_s += seconds
 
-    def prefill_started(self) -> tuple[float, Any]:
-        """Before the prefill is queued: (host time, CUDA event or None)."""
-        event = None
-        if self.adaptive is not None and self.cuda:
+    def prefill_started(self) -> float:
+        """Before the prefill is queued: the host's time."""
+        return time.perf_counter()
+
+    def on_device(self, prefill: Callable[[], T]) -> Callable[[], T]:
+        """``prefill`` with the pair of timing events recorded around it on the device's
+        stream, for the compute thread to run: a CUDA call on the loop thread releases the
+        GIL and waits to take it back from the compute thread (comm/_shm.py), where the
+        compute thread runs its own torch calls anyway. ``prefill`` itself without
+        adaptive K or off a GPU."""
+        if self.adaptive is None or self.device is None or self.device.type != "cuda":
+            return prefill
+
+        def timed() -> T:
             pair = self._pair
             if pair is None:
-                # The engine queues all its work on the device's current stream (only graph
-                # capture, at warm-up, uses a side stream).
+                # The engine queues all its work on the device's current stream (only
+                # graph capture, at warm-up, uses a side stream).
                 pair = self._pair = (torch.cuda.Event(enable_timing=True),
                                      torch.cuda.Event(enable_timing=True),
-                                     torch.cuda.current_stream())
-            event = pair[0]
-            event.record(pair[2])
-        return time.perf_counter(), event
+                                     torch.cuda.current_stream(self.device))
+            pair[0].record(pair[2])
+            out = prefill()
+            pair[1].record(pair[2])
+            self._recorded = True
+            return out
+        return timed
 
-    def prefill_done(self, mark: tuple[float, Any]) -> None:
+    def prefill_done(self, mark: float) -> None:
         """After it is queued (``mark``: ``prefill_started``'s): excluded, and this
         iteration and the last disturbed."""
         if self.adaptive is None:
             return
-        host = time.perf_counter() - mark[0]
+        host = time.perf_counter() - mark
         self.excluded_s += host
         self.prefill_s += host
         self.prefilled = True
         self.adaptive.disturb()
-        if mark[1] is not None:
-            assert self._pair is not None, "prefill_started made the pair"
-            end = self._pair[1]
-            end.record(self._pair[2])
-            self._events = (mark[1], end, host)
+        if self._recorded:
+            assert self._pair is not None, "on_device's job made the pair"
+            self._recorded = False
+            self._events = (self._pair[0], self._pair[1], host)

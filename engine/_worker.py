@@ -151,7 +151,7 @@ class RankWorker:
             classes = self.drafter.num_draft_classes if self.drafter is not None else 0
             self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN,
                                       tail=True)
-            self.clock = IterationClock(self.adaptive, cuda=self.runner.device.type == "cuda")
+            self.clock = IterationClock(self.adaptive, device=self.runner.device)
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 
     async def agree_costs(self) -> None:
@@ -221,7 +221,7 @@ class RankWorker:
         admitted = self.scheduler.admit()
         if admitted:
             mark = self.clock.prefill_started()
-            await self.run_sync(lambda: self._prefill(admitted))
+            await self.run_sync(self.clock.on_device(lambda: self._prefill(admitted)))
             self.clock.prefill_done(mark)
         return admitted
 

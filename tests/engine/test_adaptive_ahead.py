@@ -201,7 +201,7 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
     them. The clock leaves out the longer of the host's and the device's time for the
     prefill (CUDA events, faked here: 50 ms on the device, 10 ms on the host) and marks
     the iteration, and the one before it, disturbed (a negative time in the facts)."""
-    made = []
+    made, records = [], []
 
     class Event:
         def __init__(self, enable_timing):
@@ -210,6 +210,7 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
 
         def record(self, stream):
             assert stream == "the current stream"
+            records.append("record")
 
         def query(self):
             return True     # VERIFY's read-back waited behind the prefill
@@ -218,10 +219,10 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
             return 50.0
     now = [100.0]
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: "the current stream")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "the current stream")
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])   # the clock's module's too
     adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
-    clock = IterationClock(adaptive, cuda=True)
+    clock = IterationClock(adaptive, device=torch.device("cuda"))
     clock.tick()
     clock.timed = True
     now[0] += 0.005
@@ -229,17 +230,29 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
     clock.timed = True
     assert adaptive._measured_us == 5000
     mark = clock.prefill_started()  # ... but the next one admits
+    assert not records
+    # The events are recorded by the compute thread's job, around the prefill: no CUDA
+    # call on the loop thread (it would wait for the GIL held by the compute thread).
+    assert clock.on_device(lambda: records.append("prefill") or 7)() == 7
+    assert records == ["record", "prefill", "record"]
     now[0] += 0.010
     clock.prefill_done(mark)
+    assert len(records) == 3
     assert adaptive.facts()[-1] == -5000
     now[0] += 0.060                 # VERIFY: 40 ms behind the prefill, 20 ms its own
     clock.tick()
     assert adaptive.facts()[-1] == -20000
     clock.timed = True              # the next one admits too: the same two events again
-    clock.prefill_done(clock.prefill_started())
+    mark = clock.prefill_started()
+    clock.on_device(lambda: None)()
+    clock.prefill_done(mark)
     now[0] += 0.060
     clock.tick()
     assert adaptive.facts()[-1] == -10000 and len(made) == 2
+    # Without adaptive K, or off a GPU, the prefill runs as it is.
+    job = lambda: None  # noqa: E731
+    assert IterationClock(None, device=torch.device("cuda")).on_device(job) is job
+    assert IterationClock(adaptive, device=torch.device("cpu")).on_device(job) is job
 
 
 def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
@@ -265,13 +278,15 @@ def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
             raise AssertionError("timed an iteration that did not wait for its prefill")
     now = [100.0]
     monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda: None)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
     monkeypatch.setattr(time, "perf_counter", lambda: now[0])
     adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
-    clock = IterationClock(adaptive, cuda=True)
+    clock = IterationClock(adaptive, device=torch.device("cuda"))
     clock.tick()
     clock.timed = True
-    clock.prefill_done(clock.prefill_started())
+    mark = clock.prefill_started()
+    clock.on_device(lambda: None)()
+    clock.prefill_done(mark)
     now[0] += 0.004
     clock.tick()
     assert adaptive.facts()[-1] == 0        # nothing learned from it
