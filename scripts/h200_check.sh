@@ -28,6 +28,12 @@
 #   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   tail     the skinny GEMM's tl.dot tail at 32-256 rows against cuBLAS (no SmolLM2 needed)
+#   adp      ADP: 1 then 2 ranks (torch.distributed.run --standalone) of bench/adp_run.py,
+#            128 equal greedy requests of 256 tokens, batch 64 a rank, 3 rounds of one
+#            generate_batch and 3 of a task per request, the exchange through shared
+#            memory; bench/adp_trace.py's summary and the 1-rank/2-rank output check. On
+#            nvidia-h200-x2 the ratio is ADP's scaling; on one H200 both ranks share the
+#            GPU and only the exchange's cost means something (ADP_ROUNDS, ADP_METHOD)
 #   probe    Triton kernels compiled after warm-up, eagle3 and n-gram under adaptive K
 #            through every move of K with ragged prompts, and eagle3 through K = 0
 #            stretches (a tiny model: no SmolLM2 needed; eagle3 crashed on 2026-12-02
@@ -301,6 +307,17 @@ for line in sys.stdin:
     print(r["batch"], r["config"], r["tok_s"], r["vs_none"], r["iteration_ms"], "host_us", host)')
         done
       done ;;
+    adp)
+      d="$OUT/adp"; mkdir -p "$d"
+      for w in 1 2; do
+        python3 -m torch.distributed.run --standalone --nproc-per-node $w bench/adp_run.py \
+          --model smollm2-135m-instruct --dtype bfloat16 --graphs --balanced-tokens 256 \
+          --requests 128 --batch 64 --buckets 64 --rounds "${ADP_ROUNDS:-3}" \
+          --method "${ADP_METHOD:-none}" --consumer batch,stream --shared-memory-exchange \
+          --trace-out "$d" --out "$d/o$w.json" > "$d/w$w.log" 2>&1 || tail -20 "$d/w$w.log"
+      done
+      python3 bench/adp_trace.py "$d" | tee "$OUT/adp_summary.txt"
+      python3 bench/adp_run.py --compare "$d/o1.json" "$d/o2.json" ;;
     *) echo "unknown step: $step" ;;
   esac
 done
