@@ -321,10 +321,10 @@ class TorchDistributedCommunicator(Communicator):
     async def _run_shared(self, shared: _shm.SharedGather, row: bytes,
                           call: Callable[[int], CollectiveCall]) -> bytes:
         """Post, then poll until every rank has; the last rank to arrive finds the call
-        complete and never yields (nor builds the call's record). The lock is taken without yielding when free,
-        whatever anyio's version (before 4.5 ``acquire`` always yields: rank 0's
-        consumers could then run between its arrival stamp and its post, and the other
-        ranks waited for them)."""
+        complete and never yields (nor builds the call's record). The lock is taken
+        without yielding when free, whatever anyio's version (before 4.5 ``acquire``
+        always yields: rank 0's consumers could then run between its arrival stamp and
+        its post, and the other ranks waited for them)."""
         lock = self._family.lock
         try:
             lock.acquire_nowait()
