@@ -26,11 +26,12 @@ def launch(*args, timeout=240):
                           capture_output=True, text=True, timeout=timeout)
 
 
-# bench/adp_run.py's options per case: n-gram; MTP-EAGLE with rejection sampling and LM-head
-# TP, collectives checked; the same with collectives issued on the loop and polled (gloo
-# here). How collectives are issued (checked, inline) changes nothing on one rank: the
-# last two share their one-rank reference.
-CASES = {"ngram": "--method ngram",
+# bench/adp_run.py's options per case: n-gram, SCHEDULE's exchange through shared memory
+# (the default on CUDA ranks); MTP-EAGLE with rejection sampling and LM-head TP,
+# collectives checked (the exchange a host tensor over gloo); the same with collectives
+# issued on the loop and polled (gloo here). How collectives are issued (checked, inline,
+# shared memory) changes nothing on one rank: the last two share their one-rank reference.
+CASES = {"ngram": "--method ngram --shared-memory-exchange",
          "checked": "--method mtp_eagle --rejection --lm-head-tp --checked",
          "inline": "--method mtp_eagle --rejection --lm-head-tp --inline-collectives"}
 ONE_RANK = {"ngram": "--method ngram", "checked": CASES["checked"].replace(" --checked", "")}
