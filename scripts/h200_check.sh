@@ -33,7 +33,9 @@
 #            generate_batch and 3 of a task per request, the exchange through shared
 #            memory; bench/adp_trace.py's summary and the 1-rank/2-rank output check. On
 #            nvidia-h200-x2 the ratio is ADP's scaling; on one H200 both ranks share the
-#            GPU and only the exchange's cost means something (ADP_ROUNDS, ADP_METHOD)
+#            GPU and only the exchange's cost means something (ADP_ROUNDS, ADP_METHOD;
+#            ADP_MODEL_ARGS, ADP_TOKENS, ADP_REQUESTS, ADP_BATCH for a smoke run, e.g.
+#            ADP_MODEL_ARGS=--tiny on the CPU)
 #   probe    Triton kernels compiled after warm-up, eagle3 and n-gram under adaptive K
 #            through every move of K with ragged prompts, and eagle3 through K = 0
 #            stretches (a tiny model: no SmolLM2 needed; eagle3 crashed on 2026-12-02
@@ -310,9 +312,11 @@ for line in sys.stdin:
     adp)
       d="$OUT/adp"; mkdir -p "$d"
       for w in 1 2; do
+        # shellcheck disable=SC2086  # ADP_MODEL_ARGS: several arguments
         python3 -m torch.distributed.run --standalone --nproc-per-node $w bench/adp_run.py \
-          --model smollm2-135m-instruct --dtype bfloat16 --graphs --balanced-tokens 256 \
-          --requests 128 --batch 64 --buckets 64 --rounds "${ADP_ROUNDS:-3}" \
+          ${ADP_MODEL_ARGS:---model smollm2-135m-instruct --dtype bfloat16 --graphs} \
+          --balanced-tokens "${ADP_TOKENS:-256}" --requests "${ADP_REQUESTS:-128}" \
+          --batch "${ADP_BATCH:-64}" --buckets "${ADP_BATCH:-64}" --rounds "${ADP_ROUNDS:-3}" \
           --method "${ADP_METHOD:-none}" --consumer batch,stream --shared-memory-exchange \
           --trace-out "$d" --out "$d/o$w.json" > "$d/w$w.log" 2>&1 || tail -20 "$d/w$w.log"
       done
