@@ -14,9 +14,9 @@ x86-64 keeps for stores and for loads (``supported`` says where this runs).
 Rows are bytes (``post``, ``result``): no torch op runs on the way. Each torch op
 releases the GIL and takes it back, and under ADP the rank's compute thread (queueing the
 step run ahead) then holds it, so every op of the exchange waited for it — a small
-``copy_`` ~5x its idle time on an H200 host (docs/performance-history.md, "The exchange on
-one shared H200, and on two"). ``tensor_bytes`` / ``tensor_from`` carry tensors (through numpy, whose
-small copies keep the GIL, where numpy has the dtype).
+``copy_`` ~5x its idle time on an H200 host (docs/performance-history.md, "The exchange
+on one shared H200, and on two"). ``tensor_bytes`` / ``tensor_from`` carry tensors
+(through numpy, whose small copies keep the GIL, where numpy has the dtype).
 """
 from __future__ import annotations
 
