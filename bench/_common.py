@@ -9,6 +9,7 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
 
 import anyio
@@ -44,6 +45,26 @@ def python_work() -> None:
     for i in range(20000):
         d.setdefault(i % 64, []).append(i)
     sum(len(v) for v in d.values())
+
+
+class BusyTorchThread:
+    """A thread of small torch ops (a 64 x 64 multiply-add at a time, the GIL released
+    in each and taken back), until ``stop``: what a rank's compute thread queueing the
+    step run ahead does beside the loop thread."""
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        x = torch.randn(64, 64)
+        while not self._stop.is_set():
+            x = x * 1.0001 + 0.0001
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
 
 
 def median_seconds(fn, reps: int) -> float:

@@ -12,12 +12,16 @@ from __future__ import annotations
 
 import argparse
 import mmap
-import threading
+import os
+import sys
 import time
 from array import array
 
 import numpy as np
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import BusyTorchThread  # noqa: E402
 
 
 def ops() -> dict:
@@ -53,23 +57,14 @@ def main() -> None:
     torch.set_num_threads(1)
     table = ops()
     idle = {name: timed(fn, args.calls) for name, fn in table.items()}
-    stop = threading.Event()
-
-    def busy() -> None:
-        x = torch.randn(64, 64)
-        while not stop.is_set():
-            x = x * 1.0001 + 0.0001
-
-    thread = threading.Thread(target=busy, daemon=True)
-    thread.start()
+    busy = BusyTorchThread()
     time.sleep(0.1)
     try:
         for name, fn in table.items():
             print(f"{name:38s} idle {idle[name]:6.2f} µs, busy thread beside "
                   f"{timed(fn, max(args.calls // 10, 100)):6.2f} µs", flush=True)
     finally:
-        stop.set()
-        thread.join()
+        busy.stop()
 
 
 if __name__ == "__main__":

@@ -35,7 +35,6 @@ import os
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from types import SimpleNamespace
 
@@ -47,6 +46,9 @@ from specloop.comm import _shm
 from specloop.comm._torch_dist import TorchDistributedCommunicator, _Family
 from specloop.engine._exchange import OutputExchange
 from specloop.engine._wire import block_width
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import BusyTorchThread  # noqa: E402
 
 ME, PEER, WORLD = 1, 0, 2
 
@@ -208,25 +210,6 @@ async def two_process(args: argparse.Namespace, header: torch.Tensor) -> None:
         print(f"run {run + 1}: two processes, rank 0 {mine}; rank 1 {theirs}", flush=True)
 
 
-class Busy:
-    """A thread of small torch ops (a 64 x 64 multiply-add at a time, the GIL released
-    in each and taken back), until ``stop``."""
-
-    def __init__(self) -> None:
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        x = torch.randn(64, 64)
-        while not self._stop.is_set():
-            x = x * 1.0001 + 0.0001
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join()
-
-
 async def main(args: argparse.Namespace) -> None:
     numel = 2 + 4 + args.slots * block_width(args.k)
     header = torch.arange(numel, dtype=torch.int64)
@@ -239,7 +222,7 @@ async def main(args: argparse.Namespace) -> None:
         return
     print(f"SCHEDULE header: {numel} int64 ({8 * numel} bytes), {args.calls} calls per run"
           + (", a busy torch thread beside" if args.busy else ""), flush=True)
-    busy = Busy() if args.busy else None
+    busy = BusyTorchThread() if args.busy else None
     try:
         await _runs(args, header)
     finally:

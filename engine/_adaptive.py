@@ -848,11 +848,10 @@ class AdaptiveK:
         """Whether the next ``choose`` is held by ``commit``."""
         return self._committed is not None
 
-    def choose(self, columns: torch.Tensor | list[list[int]], padded_batch_size: int) -> int:
-        """columns [world, num_columns]: every rank's ``facts`` (a tensor, or rows as
-        lists). Learn the last iteration's time (the slowest rank's), pool the counts,
-        apply the rule (or take the K held by ``commit``)."""
-        rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
+    def choose(self, rows: list[list[int]], padded_batch_size: int) -> int:
+        """``rows``: every rank's ``facts`` (world lists of ``num_columns`` ints, as SYNC
+        gathers them). Learn the last iteration's time (the slowest rank's), pool the
+        counts, apply the rule (or take the K held by ``commit``)."""
         times = [row[-1] for row in rows]
         # The slowest rank's time; disturbed when any rank's was.
         return self._choose(rows, max(map(abs, times)), min(times) < 0, padded_batch_size,

@@ -33,7 +33,6 @@ class IterationRecord:
     spec: SpecMetadata
     batch: list[Request] = attrs.Factory(list)
     padded_batch_size: int = 0
-    group_facts: list[list[int]] | None = None   # world rows of 4 (+ adaptive K's) from SYNC
     # K this iteration drafts: SYNC's choice under adaptive K, else the configured K.
     num_draft_tokens: int | None = None
     # Adaptive K: each row's draft class as the choice of K saw it (``Drafter.draft_classes``;

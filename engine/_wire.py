@@ -82,9 +82,9 @@ def decode_outputs(flat: Sequence[int], k: int, request_id: Callable[[int], str 
     outputs = []
     width = block_width(k)
     for at in range(0, len(flat), width):
-        row = flat[at:at + width]
-        if row[0] == 0:
+        if flat[at] == 0:       # an empty row
             continue
+        row = flat[at:at + width]
         rid = request_id(row[0] - 1)
         if rid is None:
             continue        # its consumer already left

@@ -313,7 +313,7 @@ class RankWorker:
     async def _sync_group(self, rec: IterationRecord) -> IterationState:
         """Agreement from the facts gathered in SCHEDULE's exchange (no collective)."""
         # Read as Python ints: a tensor op per fact cost ~50 us per iteration (issue 12).
-        rows = rec.group_facts = self.exchange.gathered_rows
+        rows = self.exchange.gathered_rows
         assert rows, "a group's SCHEDULE exchange gathers them"
         greedy = [row[FACT_ALL_GREEDY] for row in rows]
         mine = bool(greedy[self.comm.rank])
