@@ -276,7 +276,6 @@ async def core_path(cfg, loaded, batch, iterations, profiler=None):
         async with AsyncEngine(cfg, model=loaded, observers=[times, cpu],
                                front_door=front) as engine:
             worker = engine.worker
-            front.free_slots = lambda: worker.scheduler.slots.num_free
             _gpu_path_worker(worker)
             watcher = threading.Thread(target=parent.watch, args=(
                 worker.stats, iterations, threading.get_ident(), out, clear, snapshot))

@@ -4,18 +4,19 @@ the parent's front door across a pipe.
 Messages are tuples, their first item a kind. Parent -> core: ``("msg",
 FrontDoorMessage)`` (requests, cancels, shutdown), ``("stats",)``. Core -> parent:
 ``("ready", {"k", "vocab_size"})`` or ``("failed", exception)`` once built, ``("out",
-rows, free slots, events)`` once per RESCAN (rows: ``_wire.OutputRow``; events: the iteration
+rows, events)`` once per RESCAN (rows: ``_wire.OutputRow``; events: the iteration
 events since the last message, for the parent's observers, ahead of the outputs; None
-without), ``("events", events, free slots)`` at SCHEDULE or idle (the rest of them),
+without), ``("events", events)`` at SCHEDULE or idle (the rest of them),
 ``("close_all", reason index, error)``, ``("stats", EngineStats)``. The core reads the pipe only in SCHEDULE (or
 while idle), so a message costs the loop one ``poll`` an iteration and nothing between.
 """
 
 from __future__ import annotations
 
+import os
 import pickle
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import anyio
 
@@ -38,10 +39,8 @@ class PipeFrontDoor:
         self._news: list[FrontDoorMessage] = []
         self._gone = False          # the parent closed its end
         self.closing = False
-        # Set once the engine is built: its counters, and its free slots (sent with the
-        # outputs, for the parent's ``num_free_slots``).
+        # Set once the engine is built: its counters.
         self.stats: Callable[[], EngineStats] | None = None
-        self.free_slots: Callable[[], int] = lambda: 0
         # The iteration events since the last SCHEDULE, for the parent's observers (None:
         # it has none, nothing is kept).
         self._events: list[TransitionEvent] | None = [] if forward_events else None
@@ -61,7 +60,7 @@ class PipeFrontDoor:
     def _flush_events(self) -> None:
         events = self._take_events()
         if events:
-            self.send(("events", events, self.free_slots()))
+            self.send(("events", events))
 
     def send(self, message: tuple[Any, ...]) -> None:
         if self._gone:
@@ -104,9 +103,9 @@ class PipeFrontDoor:
         if not self._news:
             return NO_MESSAGE
         news, self._news = self._news, []
-        if len(news) == 1:
-            return news[0]
-        return FrontDoorMessage(tuple(a for m in news for a in m.assignments),
+        # The parent put every request on rank 0; the group's loads are known here.
+        requests = [request for m in news for _, request in m.assignments]
+        return FrontDoorMessage(assign(requests) if requests else (),
                                 tuple(c for m in news for c in m.cancels),
                                 any(m.shutdown for m in news))
 
@@ -118,10 +117,12 @@ class PipeFrontDoor:
         iteration's events so far (its VERIFY's among them) ride along, ahead of the
         outputs: an observer has seen a request's last VERIFY when its consumer sees its
         last output (per-request counts, as in process)."""
-        self.send(("out", rows, self.free_slots(), self._take_events()))
+        self.send(("out", rows, self._take_events()))
 
-    def request_id(self, handle: int) -> str | None:
-        return None     # one rank: the exchange never decodes another rank's block
+    def deliver_blocks(self, blocks: Sequence[bytes], k: int) -> None:
+        """Other ranks' output blocks, as bytes: the parent knows the handles' request
+        ids and decodes them (a rank's outputs stay in order: one pipe, in sequence)."""
+        self.send(("blocks", list(blocks)))
 
     def close(self) -> None:
         self.closing = True
@@ -132,23 +133,31 @@ class PipeFrontDoor:
 
 
 def serve_core(conn: Connection, config: EngineConfig, log_level: str | None,
-               forward_events: bool = False) -> None:
+               forward_events: bool = False, rank_env: dict[str, str] | None = None) -> None:
     """The child's entry point (spawned): build the engine, report ready (or why not),
     serve until the parent's shutdown, or until its pipe closes. ``forward_events``: send
-    every iteration event to the parent (its observers)."""
+    every iteration event to the parent (its observers). ``rank_env``: one rank of a
+    group the parent spawned (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, as
+    torchrun would set them); rank 0 serves the pipe as its front door, the others use
+    theirs only to report ready and serve until rank 0 shuts the group down."""
+    if rank_env:
+        os.environ.update(rank_env)     # read by the communicator as the engine builds
     if log_level is not None:
         from .cli import configure_logging  # noqa: PLC0415 - the child's own logging
 
         configure_logging("console", log_level)
+    rank = int((rank_env or {}).get("RANK", "0"))
     try:
-        anyio.run(_serve, conn, config, forward_events)
+        anyio.run(_serve, conn, config, forward_events and rank == 0, rank)
     finally:
         conn.close()
 
 
-async def _serve(conn: Connection, config: EngineConfig, forward_events: bool) -> None:
+async def _serve(conn: Connection, config: EngineConfig, forward_events: bool,
+                 rank: int) -> None:
     from ._engine import AsyncEngine  # noqa: PLC0415 - torch, in the child only
 
+    # Rank 0's front door; on the other ranks only its ``send`` (ready, failed) is used.
     front = PipeFrontDoor(conn, forward_events=forward_events)
     ready = False
     try:
@@ -157,8 +166,8 @@ async def _serve(conn: Connection, config: EngineConfig, forward_events: bool) -
             worker = engine.worker
             assert worker is not None, "built in `async with`"
             front.stats = lambda: worker.stats
-            front.free_slots = lambda: worker.scheduler.slots.num_free
-            front.send(("ready", {"k": worker.k, "vocab_size": worker.runner.args.vocab_size}))
+            front.send(("ready", {"k": worker.k, "vocab_size": worker.runner.args.vocab_size,
+                                  "rank": rank}))
             ready = True
             await engine.wait_closed()
     except BaseException as exc:

@@ -17,7 +17,7 @@ import torch
 from ._frontdoor import (NO_MESSAGE, FrontDoorMessage, RankReport, assign_least_loaded,
                          assign_to_rank0)
 from ._request import RequestOutput
-from ._wire import decode_outputs, encode_rows
+from ._wire import encode_rows
 
 if TYPE_CHECKING:
     from specloop.comm import Communicator
@@ -104,9 +104,7 @@ class OutputExchange:
         front = self.front
         if held is None or front is None:
             return
-        for flat in held:
-            front.deliver(decode_outputs(memoryview(flat).cast("q").tolist(), self.k,
-                                         front.request_id))
+        front.deliver_blocks(held, self.k)
 
     def deliver(self, handle: int, output: RequestOutput) -> None:
         self.deliver_many([handle], [output])

@@ -80,8 +80,11 @@ class FrontDoorPort(Protocol):
         door takes them so (a ``ProcessEngine`` core's pipe: RESCAN then builds no
         ``RequestOutput``); None: ``deliver`` only."""
 
-    def request_id(self, handle: int) -> str | None:
-        """A live request's id by its handle (None: finished, or never seen)."""
+    def deliver_blocks(self, blocks: Sequence[bytes], k: int) -> None:
+        """Other ranks' outputs as the exchange carried them: one int64 block each
+        (``_wire.encode_rows``' layout, handles for request ids), in the order produced.
+        Decoded where the request ids are known: here (``FrontDoor``), or in a
+        ``ProcessEngine``'s parent (``PipeFrontDoor`` forwards the bytes)."""
 
     def close(self) -> None:
         """The engine is leaving: no new requests."""

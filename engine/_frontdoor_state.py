@@ -8,7 +8,7 @@ reused id can never receive an earlier request's outputs or cancel (issue 10, de
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 import anyio
 import anyio.lowlevel
@@ -16,6 +16,7 @@ import anyio.lowlevel
 from ._frontdoor import NO_MESSAGE, FrontDoorMessage
 from ._request import FinishReason, NewRequest, RequestOutput
 from ._stop import TextStream
+from ._wire import decode_outputs
 
 
 
@@ -213,8 +214,12 @@ class FrontDoor:
             elif output.finished and request_id in live:
                 self._release(request_id)       # else not ours (already ended here)
 
-    def request_id(self, handle: int) -> str | None:
-        return self._ids.get(handle)
+    def deliver_blocks(self, blocks: Sequence[bytes], k: int) -> None:
+        """Other ranks' output blocks: decoded by handle, outputs whose consumer left
+        dropped."""
+        for flat in blocks:
+            self.deliver(decode_outputs(memoryview(flat).cast("q").tolist(), k,
+                                        self._ids.get))
 
     def close_all(self, reason: FinishReason, error: str | None = None) -> None:
         self._inbox.clear()

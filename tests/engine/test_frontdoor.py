@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from specloop.engine._frontdoor import assign_least_loaded
 from specloop.engine._frontdoor_state import FrontDoor, OutputChannel
 from specloop.engine._request import FinishReason, NewRequest, RequestOutput
+from specloop.engine._wire import encode_rows
 from specloop.samplers import SamplingParams
 
 
@@ -24,6 +25,16 @@ def one_rank(batch: list[NewRequest]) -> tuple[tuple[int, NewRequest], ...]:
 
 def ids(message) -> list[str]:
     return [n.request_id for _, n in message.assignments]
+
+
+K = 2
+
+
+def block(handle: int, output: RequestOutput) -> bytes:
+    """Another rank's output block as the exchange carries it (int64 bytes, 2 rows)."""
+    flat = encode_rows([(handle, output)], 2, K)
+    assert flat is not None
+    return flat.tobytes()
 
 
 def final(request_id: str, reason: FinishReason = FinishReason.STOP) -> RequestOutput:
@@ -44,13 +55,15 @@ async def test_submitted_requests_go_out_once_in_order_and_ids_stay_reserved():
     assert not door.has_news and ids(door.take_message(one_rank)) == []
     with pytest.raises(ValueError, match="live"):
         door.submit(new(9, "r1"))           # still being served
-    door.deliver([RequestOutput("r1", (5,), "", False)])
-    assert "r1" in door.open_request_ids and door.request_id(1) == "r1"
+    # Another rank's outputs come as the exchange's blocks, named by handle.
+    door.deliver_blocks([block(1, RequestOutput("", (5,), "", False))], K)
+    assert "r1" in door.open_request_ids
     door.deliver([final("r1")])
-    assert "r1" not in door.open_request_ids and door.request_id(1) is None
+    assert "r1" not in door.open_request_ids
     assert [o.token_ids for o in await take(channels[1])] == [(5,), (7,)]
     assert await take(channels[1]) == []    # closed by the final output
     door.deliver([RequestOutput("r1", (8,), "", False)])    # not live: dropped
+    door.deliver_blocks([block(1, RequestOutput("", (8,), "", False))], K)    # so is its handle
     door.submit(new(4, "r1"))               # reusable once final
 
 

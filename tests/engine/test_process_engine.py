@@ -170,8 +170,9 @@ async def test_core_death_ends_every_stream_with_an_error(tiny_dir):
 
 
 async def test_process_engine_refuses_what_it_cannot_run(tiny_dir, tmp_path):
-    with pytest.raises(ConfigError, match="world_size"):
-        ProcessEngine(make_config(tiny_dir, parallel={"world_size": 2}))
+    # Ranks it spawns talk through torch.distributed: another communicator is refused.
+    with pytest.raises(ConfigError, match='components.communicator.*"torch_distributed"'):
+        ProcessEngine(make_config(tiny_dir, parallel={"world_size": 2, "attention_dp": True}))
     # The core's own build error reaches the caller, as the in-process engine raises it.
     bad = make_config(tiny_dir, method="draft_model", draft_model=tmp_path / "missing")
     with pytest.raises(Exception) as in_process:
@@ -278,7 +279,7 @@ async def test_reader_lets_consumers_run_between_batches(tiny_dir):
     pending = 2 * READ_BATCH + 3
     for i in range(pending):     # the core ran ahead: every message waits in the pipe
         row = output_row(RequestOutput("a", (i,), ""))
-        core.send_bytes(pickle.dumps(("out", [row], 4, None)))
+        core.send_bytes(pickle.dumps(("out", [row], None)))
     takes: list[list[int]] = []
 
     async def consume():
@@ -299,3 +300,79 @@ async def test_reader_lets_consumers_run_between_batches(tiny_dir):
     assert len(takes) == 4 and takes[3] == []           # the error's final output
     assert engine.num_free_slots == 4
     assert isinstance(engine._failure, EngineClosedError)
+
+
+@pytest.mark.distributed
+async def test_process_engine_of_two_ranks_equals_one_rank(tiny_dir, tiny_loaded):
+    """Two cores spawned as a gloo group (no torchrun), rank 0 taking the requests:
+    greedy and seeded sampled requests spread over both ranks give the outputs of one
+    in-process rank, token for token (streams and ``generate_batch``); the other rank's
+    outputs reach this process as the exchange's blocks; cancels reach either rank;
+    every slot of the group comes back. Then a rank > 0 dies: every live stream ends with
+    an error naming it, nothing hangs."""
+    config = make_config(tiny_dir, method="ngram", k=3, max_batch_size=2)
+    group = make_config(tiny_dir, method="ngram", k=3, max_batch_size=2,
+                        parallel={"world_size": 2, "attention_dp": True},
+                        components={"communicator": "torch_distributed"})
+    prompts = [PROMPTS[0], PROMPTS[1], "The quick brown fox", PROMPTS[3], PROMPTS[2],
+               "Once upon a time"]
+    params = [*_params(), *_params()[:2]]
+    async with AsyncEngine(config, model=tiny_loaded) as local:
+        expect = await _all(local, prompts, params)
+    engine = ProcessEngine(group)
+    kinds: list[str] = []
+    handle = engine._handle
+    engine._handle = lambda message: (kinds.append(message[0]), handle(message))[1]
+    async with engine:
+        with anyio.fail_after(180):
+            assert engine.num_free_slots == 4
+            assert await _all(engine, prompts, params) == expect
+            assert "blocks" in kinds            # rank 1 served some of them
+            got: dict[str, list[int]] = {}
+            async for item in engine.generate_batch(prompts, params):
+                for out in item:
+                    got.setdefault(out.request_id, []).extend(out.token_ids)
+            # In prompt order (automatic ids "req-N", N increasing): two ranks' first
+            # outputs arrive in no fixed order.
+            assert [got[rid] for rid in sorted(got, key=lambda r: int(r.split("-")[1]))] \
+                == [e[1] for e in expect]
+            # Two long requests at once go to the two ranks (least loaded): each is
+            # cancelled mid-way and ends CANCELLED.
+            long = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+            ends = {}
+
+            async def cancelled(rid, prompt):
+                outs = []
+                async for out in engine.generate(prompt, long, request_id=rid):
+                    outs.append(out)
+                    if len(outs) == 3:
+                        engine.cancel(rid)
+                ends[rid] = outs
+
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(cancelled, "long0", PROMPTS[0])
+                tg.start_soon(cancelled, "long1", PROMPTS[1])
+            for outs in ends.values():
+                assert outs[-1].finish_reason is FinishReason.CANCELLED
+                assert sum(len(o.token_ids) for o in outs) < 200
+            while engine.num_free_slots != 4:
+                await anyio.sleep(0.01)
+            # Rank 1 dies with requests on both ranks.
+            errors: list[BaseException] = []
+            endless = SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True)
+
+            async def consume(prompt):
+                try:
+                    async for _ in engine.generate(prompt, endless):
+                        pass
+                except EngineClosedError as exc:
+                    errors.append(exc)
+
+            async with anyio.create_task_group() as tg:
+                for prompt in PROMPTS[:3]:
+                    tg.start_soon(consume, prompt)
+                while (await engine.fetch_stats()).num_generated_tokens < 20:
+                    await anyio.sleep(0.01)
+                os.kill(engine._ranks[0][0].pid, signal.SIGKILL)
+            assert len(errors) == 3
+            assert all("rank 1's engine core process exited" in str(e) for e in errors)
