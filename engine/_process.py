@@ -103,16 +103,16 @@ class ProcessEngine(FrontEnd):
         world = self.config.parallel.world_size
         group = _group_env(world) if world > 1 else [None]
         ctx = multiprocessing.get_context("spawn")     # no fork of a process holding CUDA
-        cores = []
+        cores: list[tuple[BaseProcess, Connection]] = []
         for rank_env in group:
             conn, child = ctx.Pipe()
             # Daemonic: ends with this process even if the engine is never closed.
-            process = ctx.Process(target=serve_core, name=f"specloop-core{len(cores) or ''}",
-                                  daemon=True, args=(child, self.config, self._log_level,
-                                                     bool(self.observers), rank_env))
-            process.start()
+            core = ctx.Process(target=serve_core, name=f"specloop-core{len(cores) or ''}",
+                               daemon=True, args=(child, self.config, self._log_level,
+                                                  bool(self.observers), rank_env))
+            core.start()
             child.close()
-            cores.append((process, conn))
+            cores.append((core, conn))
         (self._process, self._conn), self._ranks = cores[0], cores[1:]
         _, self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, directory)
         # Every rank's "ready" (rank 0's carries the facts), or the first failure.

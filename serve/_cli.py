@@ -30,8 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--core-process", action=argparse.BooleanOptionalAction, default=None,
                    help="run the engine core in a child process and the HTTP side here "
                    "(ProcessEngine: 1.1-2x the tokens/s from batch ~128 on an H200, ~1 %% "
-                   "less at batch 1-8). Default: on for one rank on a CUDA device without "
-                   "--trace, off otherwise")
+                   "less at batch 1-8); with parallel.world_size N > 1, N cores it starts "
+                   "as a torch.distributed group, no torchrun. Default: on for one rank on "
+                   "a CUDA device and for N > 1 ranks outside torchrun, without --trace; "
+                   "off otherwise")
     p.add_argument("--trace", metavar="FILE",
                    help="on shutdown, write a timeline of every iteration state and "
                    "collective on every rank (Chrome trace-event JSON, for Perfetto)")
@@ -42,9 +44,13 @@ def default_core_process(config: EngineConfig, *, traced: bool) -> bool:
     can run, one rank on a CUDA device without ``--trace`` (on the H200 the in-process
     engine is host-bound from batch ~128, docs/performance.md); a CPU's step is long
     enough that the front door's share of an iteration is small there, and the tests and
-    the demo start faster without a child."""
-    if traced or config.parallel.world_size != 1 or int(os.environ.get("WORLD_SIZE", "1")) != 1:
+    the demo start faster without a child. Several ranks outside torchrun: the cores are
+    the only way to start the group from one command (under torchrun each rank runs its
+    engine in its own process already)."""
+    if traced or _under_torchrun():
         return False
+    if config.parallel.world_size > 1:
+        return True
     from specloop.engine._runner import resolve_device  # noqa: PLC0415 - imports torch
 
     device: str = resolve_device(config.model.device).type
@@ -62,6 +68,9 @@ def run(args: argparse.Namespace) -> int:
     if args.core_process and args.trace:
         raise UsageError("--trace needs the engine in the server's process; leave out "
                          "--core-process")
+    if args.core_process and _under_torchrun():
+        raise UsageError("--core-process starts the group's ranks itself; run it without "
+                         "torchrun, or leave out --core-process under torchrun")
     config = load_config(args)
     core_process = args.core_process
     if core_process is None:
@@ -82,3 +91,8 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
     anyio.run(serve, config, options, sock)
     return 0
+
+
+def _under_torchrun() -> bool:
+    """This process is one rank of a group torchrun started."""
+    return int(os.environ.get("WORLD_SIZE", "1")) != 1

@@ -57,10 +57,11 @@ def test_busy_port_fails_at_once_in_one_line(cli, poison):
     assert len(lines) == 1 and "Address already in use" in lines[0]
 
 
-def test_core_process_defaults_to_the_gpu_and_one_rank(monkeypatch):
+def test_core_process_defaults_to_the_gpu_and_to_groups_outside_torchrun(monkeypatch):
     """``--core-process`` left out: on for one rank on a CUDA device without --trace (where
-    the in-process engine is host-bound at a server's batch sizes), off on the CPU, under
-    --trace, and for a group (ProcessEngine serves one rank)."""
+    the in-process engine is host-bound at a server's batch sizes), off on the CPU and
+    under --trace; on for a group outside torchrun (ProcessEngine starts its ranks), off
+    under torchrun (each rank is a process already)."""
     import attrs
 
     from specloop.engine import EngineConfig
@@ -74,6 +75,17 @@ def test_core_process_defaults_to_the_gpu_and_one_rank(monkeypatch):
     assert not default_core_process(gpu, traced=True)
     group = attrs.evolve(gpu, parallel=attrs.evolve(gpu.parallel, world_size=2,
                                                     attention_dp=True))
-    assert not default_core_process(group, traced=False)
+    assert default_core_process(group, traced=False)      # it starts the ranks
+    assert default_core_process(attrs.evolve(group, model=cpu.model), traced=False)
+    assert not default_core_process(group, traced=True)
     monkeypatch.setenv("WORLD_SIZE", "2")     # torchrun's, before the config knows it
     assert not default_core_process(gpu, traced=False)
+    assert not default_core_process(group, traced=False)  # torchrun started them
+
+
+def test_core_process_under_torchrun_is_a_usage_error(cli, poison, monkeypatch):
+    """Each torchrun rank would start a group of its own: refused, in one line."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    code, out, err = cli("serve", "--config", poison, "--core-process")
+    assert code == 2 and len(err.strip().splitlines()) == 1, err
+    assert "--core-process starts the group's ranks itself" in err

@@ -1,4 +1,6 @@
-"""`torchrun ... -m specloop.engine.cli serve` over gloo: rank 0's front door, ADP behind."""
+"""Two ranks serving over gloo, ADP behind one HTTP front: started by torchrun (rank 0's
+engine the front door), or by `specloop serve` alone (a ProcessEngine spawning the two
+cores: the server's default for a group outside torchrun)."""
 
 from __future__ import annotations
 
@@ -17,7 +19,12 @@ from .conftest import ENV, write_config
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
-def test_torchrun_two_ranks_serve(serve_model, tmp_path):
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+
+
+@pytest.mark.parametrize("launch", [[*TORCHRUN, "-m"], [sys.executable, "-m"]],
+                         ids=["torchrun", "core-processes"])
+def test_two_ranks_serve(serve_model, tmp_path, launch):
     config = write_config(tmp_path / "adp2.toml", serve_model, extra="""
 [parallel]
 world_size = 2
@@ -27,8 +34,7 @@ attention_dp = true
 communicator = "torch_distributed"
 """)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-         "-m", "specloop.engine.cli", "serve", "--config", config, "--port", "0"],
+        [*launch, "specloop.engine.cli", "serve", "--config", config, "--port", "0"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         env={**ENV, "OMP_NUM_THREADS": "1"})
     try:
@@ -51,7 +57,7 @@ communicator = "torch_distributed"
             assert [r.status_code for r in replies] == [200] * 4
             assert all(r.json()["usage"]["completion_tokens"] == 8 for r in replies)
             assert http.get("/health").json() == {"status": "ok"}
-        os.kill(rank0, signal.SIGTERM)          # rank 0 shuts the whole group down
+        os.kill(rank0, signal.SIGTERM)          # the server (rank 0) shuts the group down
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 0, err[-3000:]
     finally:
