@@ -115,12 +115,17 @@ class ProcessEngine(FrontEnd):
             cores.append((core, conn))
         (self._process, self._conn), self._ranks = cores[0], cores[1:]
         _, self.tokenizer = await anyio.to_thread.run_sync(load_tokenizer, directory)
-        # Every rank's "ready" (rank 0's carries the facts), or the first failure.
+        # Every rank's "ready" (rank 0's carries the facts), or the first failure from
+        # whichever rank sends it first: the others may be waiting for the failed one in
+        # a collective, until their timeout.
+        facts: dict[int, dict[str, int]] = {}
         with anyio.move_on_after(self._start_timeout_s) as scope:
-            for rank, (process, conn) in enumerate(cores):
-                payload = await self._ready(rank, process, conn)
-                if rank == 0:
-                    self._core = payload
+            while len(facts) < len(cores):
+                for rank, (process, conn) in enumerate(cores):
+                    if rank not in facts and conn.poll():     # a message, or its exit
+                        facts[rank] = await self._ready(rank, process, conn)
+                await anyio.sleep(0.02)
+            self._core = facts[0]
         if scope.cancelled_caught:
             raise EngineClosedError(f"the engine core did not start in {self._start_timeout_s} s")
         log.info("process_engine_started", pids=[p.pid for p, _ in cores], **self._core)
@@ -129,8 +134,8 @@ class ProcessEngine(FrontEnd):
         return "cpu" if self.config.model.device == "cpu" else "cuda"
 
     async def _ready(self, rank: int, process: BaseProcess, conn: Connection) -> dict[str, int]:
-        """A core's first message: its facts once built; its exception, raised here."""
-        await anyio.wait_readable(conn.fileno())
+        """A core's first message, there to read: its facts once built; its exception,
+        raised here."""
         try:
             kind, payload = pickle.loads(conn.recv_bytes())
         except (EOFError, OSError):

@@ -376,3 +376,23 @@ async def test_process_engine_of_two_ranks_equals_one_rank(tiny_dir, tiny_loaded
                 os.kill(engine._ranks[0][0].pid, signal.SIGKILL)
             assert len(errors) == 3
             assert all("rank 1's engine core process exited" in str(e) for e in errors)
+
+
+@pytest.mark.distributed
+async def test_a_group_that_cannot_build_raises_the_build_error(tiny_dir, tmp_path):
+    """Every rank fails to build (a missing draft model): the first failure to arrive is
+    raised from ``__aenter__``, as the in-process engine raises it, and nothing waits for
+    a collective's timeout."""
+    bad = make_config(tiny_dir, method="draft_model", draft_model=tmp_path / "missing",
+                      parallel={"world_size": 2, "attention_dp": True,
+                                "collective_timeout_s": 300.0},
+                      components={"communicator": "torch_distributed"})
+    with pytest.raises(Exception) as in_process:
+        async with AsyncEngine(make_config(tiny_dir, method="draft_model",
+                                           draft_model=tmp_path / "missing")):
+            pass
+    with anyio.fail_after(60):
+        with pytest.raises(type(in_process.value)) as across:
+            async with ProcessEngine(bad):
+                pass
+    assert str(across.value) == str(in_process.value)
