@@ -36,8 +36,10 @@ def engine_config(args, model, world):
         "model": {"name": str(model), "dtype": args.dtype, "device": device,
                   "max_seq_len": 512, "chat_template": False},
         "scheduler": {"max_batch_size": args.batch},
-        "speculative": {"method": args.method, "num_draft_tokens": args.k},
-        "parallel": {"world_size": world, "attention_dp": world > 1},
+        "speculative": {"method": args.method, "num_draft_tokens": args.k,
+                        "use_rejection_sampling": args.rejection},
+        "parallel": {"world_size": world, "attention_dp": world > 1,
+                     "lm_head_tp_in_adp": args.lm_head_tp and world > 1},
         "components": {"communicator": "torch_distributed" if world > 1 else "single",
                        "graph_cache": "cuda" if args.graphs and device == "cuda" else "eager"},
         "graphs": {"batch_buckets": [int(b) for b in args.buckets.split(",")]}})
@@ -93,6 +95,9 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--method", default="none")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--rejection", action="store_true")
+    ap.add_argument("--lm-head-tp", action="store_true",
+                    help="the drafter's LM head split over the ranks (parallel.lm_head_tp_in_adp)")
     ap.add_argument("--graphs", action="store_true")
     ap.add_argument("--batch", type=int, default=16, help="max_batch_size per rank")
     ap.add_argument("--buckets", default="1,2,4,8,16,32", help="CUDA-graph batch buckets")
