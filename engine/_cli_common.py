@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import traceback
 from importlib.resources import files
@@ -159,3 +160,14 @@ def check_model_name(name: str | None, field: str) -> None:
     raise ConfigError(field, name, "neither a registry model nor an existing path",
                       f"use one of: {', '.join(KNOWN_MODELS)}; or a checkpoint directory or "
                       ".gguf file")
+
+
+def under_torchrun() -> bool:
+    """This process is one rank of a group torchrun started (WORLD_SIZE set, not 1)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) != 1
+
+
+def spawns_group(config: EngineConfig) -> bool:
+    """A config of several ranks run outside torchrun: the command starts the ranks itself
+    (a ``ProcessEngine``, one core process per rank)."""
+    return config.parallel.world_size > 1 and not under_torchrun()

@@ -10,13 +10,15 @@ from typing import TYPE_CHECKING
 import anyio
 import attrs
 
-from ._cli_common import EXIT_INTERRUPTED, UsageError, add_engine_arguments, load_config
+from ._cli_common import (EXIT_INTERRUPTED, UsageError, add_engine_arguments, load_config,
+                          spawns_group)
 
 if TYPE_CHECKING:
     from specloop.samplers import SamplingParams
 
     from ._config import EngineConfig
     from ._engine import AsyncEngine
+    from ._process import ProcessEngine
     from ._stats import EngineStats
 
 HELP = "generate a completion for each --prompt"
@@ -87,6 +89,10 @@ def run(args: argparse.Namespace) -> int:
     if any(not p.strip() for p in prompts):
         raise UsageError("--prompt is empty; give some text")
     config = load_config(args)
+    if args.trace and spawns_group(config):
+        raise UsageError(f"--trace on {config.parallel.world_size} ranks needs each rank's "
+                         "engine in its own torchrun process: launch with torchrun "
+                         f"--nproc-per-node {config.parallel.world_size}")
     if args.system is not None and not config.model.chat_template:
         raise UsageError("--system needs the chat template; drop --no-chat-template or "
                          "--system")
@@ -104,22 +110,37 @@ async def _generate(config: EngineConfig, args: argparse.Namespace, params: Samp
                     progress: Progress) -> None:
     from ._cli_engine import open_engine  # noqa: PLC0415
 
+    progress.scope = " on rank 0" if config.parallel.world_size > 1 else ""
+    if spawns_group(config):    # several ranks without torchrun: it starts them itself
+        from ._process import ProcessEngine  # noqa: PLC0415
+
+        async with ProcessEngine(config) as group:
+            await _complete(group, args, params, progress)
+            progress.stats = await group.fetch_stats()
+        _finish(progress, config, args, interrupted=False)
+        return
     async with open_engine(config, trace=args.trace) as engine:
         if engine.front is None:          # ranks > 0 under torchrun: serve until rank 0 exits
             await engine.wait_closed()
             return
         progress.stats = engine.stats
-        progress.scope = " on rank 0" if config.parallel.world_size > 1 else ""
-        progress.start = time.perf_counter()
-        prompts = [_prompt(engine, c.prompt, args.system) for c in progress.completions]
-        stream = len(prompts) == 1 and not args.json
-        async with anyio.create_task_group() as tg:
-            for completion, prompt in zip(progress.completions, prompts):
-                tg.start_soon(_one, engine, prompt, params, completion, stream)
+        await _complete(engine, args, params, progress)
     _finish(progress, config, args, interrupted=False)
 
 
-def _prompt(engine: AsyncEngine, text: str, system: str | None) -> str | list[int]:
+async def _complete(engine: AsyncEngine | ProcessEngine, args: argparse.Namespace,
+                    params: SamplingParams, progress: Progress) -> None:
+    """Every prompt at once, the one of a single prompt streamed to stdout."""
+    progress.start = time.perf_counter()
+    prompts = [_prompt(engine, c.prompt, args.system) for c in progress.completions]
+    stream = len(prompts) == 1 and not args.json
+    async with anyio.create_task_group() as tg:
+        for completion, prompt in zip(progress.completions, prompts):
+            tg.start_soon(_one, engine, prompt, params, completion, stream)
+
+
+def _prompt(engine: AsyncEngine | ProcessEngine, text: str, system: str | None
+            ) -> str | list[int]:
     """A string lets the engine apply its own chat template; --system needs the messages."""
     if system is None:
         return text
@@ -131,7 +152,7 @@ def _prompt(engine: AsyncEngine, text: str, system: str | None) -> str | list[in
                                   {"role": "user", "content": text}])
 
 
-async def _one(engine: AsyncEngine, prompt: str | list[int], params: SamplingParams,
+async def _one(engine: AsyncEngine | ProcessEngine, prompt: str | list[int], params: SamplingParams,
                completion: Completion, stream: bool) -> None:
     async for out in engine.generate(prompt, params):
         completion.text += out.text

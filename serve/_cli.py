@@ -6,7 +6,8 @@ import argparse
 import os
 from typing import TYPE_CHECKING
 
-from specloop.engine._cli_common import UsageError, add_engine_arguments, load_config
+from specloop.engine._cli_common import (UsageError, add_engine_arguments, load_config,
+                                         spawns_group, under_torchrun)
 
 if TYPE_CHECKING:
     from specloop.engine import EngineConfig
@@ -47,9 +48,9 @@ def default_core_process(config: EngineConfig, *, traced: bool) -> bool:
     the demo start faster without a child. Several ranks outside torchrun: the cores are
     the only way to start the group from one command (under torchrun each rank runs its
     engine in its own process already)."""
-    if traced or _under_torchrun():
+    if traced or under_torchrun():
         return False
-    if config.parallel.world_size > 1:
+    if spawns_group(config):
         return True
     from specloop.engine._runner import resolve_device  # noqa: PLC0415 - imports torch
 
@@ -68,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     if args.core_process and args.trace:
         raise UsageError("--trace needs the engine in the server's process; leave out "
                          "--core-process")
-    if args.core_process and _under_torchrun():
+    if args.core_process and under_torchrun():
         raise UsageError("--core-process starts the group's ranks itself; run it without "
                          "torchrun, or leave out --core-process under torchrun")
     config = load_config(args)
@@ -92,7 +93,3 @@ def run(args: argparse.Namespace) -> int:
     anyio.run(serve, config, options, sock)
     return 0
 
-
-def _under_torchrun() -> bool:
-    """This process is one rank of a group torchrun started."""
-    return int(os.environ.get("WORLD_SIZE", "1")) != 1

@@ -57,6 +57,8 @@ USAGE_CASES = {
     "bad method": (["--method", "magic"], "speculative.method"),
     "empty stop": (["--stop", ""], "SamplingParams.stop"),
     "system without template": (["--system", "be brief", "--no-chat-template"], "--system"),
+    "trace on spawned ranks": (["--config", "{group}", "--trace", "t.json"],
+                               "--trace on 2 ranks needs each rank's engine"),
 }
 
 
@@ -80,13 +82,18 @@ def cli(capsys):
 
 
 @pytest.mark.parametrize("case", sorted(USAGE_CASES))
-def test_usage_errors_are_one_line_exit_2_before_loading(cli, poison, tmp_path, case):
+def test_usage_errors_are_one_line_exit_2_before_loading(cli, poison, tmp_path, case,
+                                                        monkeypatch):
     typo = tmp_path / "typo.toml"
     typo.write_text('[model]\nnmae = "x"\n')
     gate = write_config(tmp_path / "gate.toml", poison.parent / "model",
                         "[parallel]\nlm_head_tp_in_adp = true\n")
+    group = write_config(tmp_path / "group.toml", poison.parent / "model",
+                         '[parallel]\nworld_size = 2\nattention_dp = true\n\n'
+                         '[components]\ncommunicator = "torch_distributed"\n')
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     args, expected = USAGE_CASES[case]
-    args = [a.format(typo=typo, gate=gate) for a in args]
+    args = [a.format(typo=typo, gate=gate, group=group) for a in args]
     if "--config" not in args:
         args = ["--config", poison, *args]
     code, out, err = cli("generate", *args)

@@ -69,11 +69,38 @@ def test_two_gloo_ranks_equal_one_rank(case, runs):
     assert two == one
 
 
-def test_cli_under_torchrun(tmp_path):
+def test_cli_under_torchrun_and_without(tmp_path):
+    """`specloop generate` on a 2-rank config: under torchrun (each rank its process), and
+    alone (it spawns the two ranks: a ProcessEngine): the same completions, token for
+    token, equal to one rank's."""
     model = write_tiny_checkpoint(tmp_path / "tiny", vocab_size=384)
     config = write_gloo_config(tmp_path / "adp2.toml", model)
-    proc = launch("-m", "specloop.engine.cli", "generate", "--config", config,
-                  "--prompt", "hello", "--prompt", "world", "--max-tokens", "8")
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("--- prompt") == 2
-    assert "[specloop] new tokens 16" in proc.stdout
+    one_rank = config.with_name("one.toml")
+    one_rank.write_text(config.read_text().replace("world_size = 2", "world_size = 1")
+                        .replace("attention_dp = true", "attention_dp = false")
+                        .replace('"torch_distributed"', '"single"'))
+
+    def argv(path):
+        return ["-m", "specloop.engine.cli", "generate", "--config", str(path), "--prompt",
+                "hello", "--prompt", "world", "--prompt", "again", "--max-tokens", "8",
+                "--json"]
+
+    def alone(path):        # a plain process, not a torchrun rank
+        env = {**os.environ, "OMP_NUM_THREADS": "1"}
+        env.pop("WORLD_SIZE", None)
+        proc = subprocess.run([sys.executable, *argv(path)], env=env, cwd=ROOT,
+                              capture_output=True, text=True, timeout=240)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc
+
+    under = launch(*argv(config))
+    assert under.returncode == 0, under.stderr[-3000:]
+    spawned, one = alone(config), alone(one_rank)
+
+    def completions(proc):
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert len(rows) == 3 and all(len(r["token_ids"]) == 8 for r in rows), proc.stdout
+        return [r["token_ids"] for r in rows]
+
+    assert completions(under) == completions(spawned) == completions(one)
+    assert "[specloop] new tokens 24" in spawned.stdout and "on rank 0" in spawned.stdout
