@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 # Messages the reader hands over per wake-up at most (see ``_read``).
 READ_BATCH = 8
+# How long rank 0's error waits for each other rank's exit to show (``_dead_ranks``).
+DEATH_WAIT_S = 0.2
 
 
 class ProcessEngine(FrontEnd):
@@ -248,6 +250,18 @@ class ProcessEngine(FrontEnd):
             self._kill_group()
         return watch
 
+    def _dead_ranks(self, error: str) -> str:
+        """Rank 0's error, led by the ranks > 0 that died: a collective fails on rank 0
+        as soon as a peer's connection drops, which can be before that peer's exit is
+        complete, so each gets a moment (a failure's path, once)."""
+        dead = []
+        for rank, (process, _) in enumerate(self._ranks, 1):
+            process.join(DEATH_WAIT_S)
+            if process.exitcode is not None:
+                dead.append(f"rank {rank}'s engine core process exited (exit code "
+                            f"{process.exitcode})")
+        return "; ".join([*dead, error])
+
     def _kill_group(self) -> None:
         """A core died: the group's collectives cannot complete, so the others would
         only wait for their timeout before exiting. End them now."""
@@ -265,9 +279,10 @@ class ProcessEngine(FrontEnd):
         elif kind == "events":
             self._notify(message[1])
         elif kind == "close_all":
-            self.front.close_all(REASONS[message[1]], message[2])
-            if message[2] is not None:
-                self._failure = EngineClosedError(message[2])
+            error = message[2] if message[2] is None else self._dead_ranks(message[2])
+            self.front.close_all(REASONS[message[1]], error)
+            if error is not None:
+                self._failure = EngineClosedError(error)
         elif kind == "stats":
             self._stats_reply.append(message[1])
             if self._stats_event is not None:

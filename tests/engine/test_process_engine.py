@@ -375,7 +375,8 @@ async def test_process_engine_of_two_ranks_equals_one_rank(tiny_dir, tiny_loaded
                     await anyio.sleep(0.01)
                 os.kill(engine._ranks[0][0].pid, signal.SIGKILL)
             assert len(errors) == 3
-            assert all("rank 1's engine core process exited" in str(e) for e in errors)
+            assert all("rank 1's engine core process exited" in str(e) for e in errors), \
+                [str(e) for e in errors]
 
 
 @pytest.mark.distributed
