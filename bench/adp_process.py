@@ -22,27 +22,10 @@ import tempfile
 import time
 
 import anyio
-import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from _common import quiet_logs  # noqa: E402
-from adp_run import SMOLLM2_SHAPE, serve, workload  # noqa: E402
-
-
-def engine_config(args, model, world):
-    from specloop.engine import EngineConfig
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    return EngineConfig.from_dict({
-        "model": {"name": str(model), "dtype": args.dtype, "device": device,
-                  "max_seq_len": 512, "chat_template": False},
-        "scheduler": {"max_batch_size": args.batch},
-        "speculative": {"method": args.method, "num_draft_tokens": args.k,
-                        "use_rejection_sampling": args.rejection},
-        "parallel": {"world_size": world, "attention_dp": world > 1,
-                     "lm_head_tp_in_adp": args.lm_head_tp and world > 1},
-        "components": {"communicator": "torch_distributed" if world > 1 else "single",
-                       "graph_cache": "cuda" if args.graphs and device == "cuda" else "eager"},
-        "graphs": {"batch_buckets": [int(b) for b in args.buckets.split(",")]}})
+from adp_run import SMOLLM2_SHAPE, engine_config, serve, workload  # noqa: E402
 
 
 async def run_world(args, model, world):

@@ -85,21 +85,28 @@ async def serve(engine, reqs, consumer="stream"):
     return [outs[i] for i in range(len(reqs))]
 
 
-async def main_async(args, path, world):
-    from specloop.engine import AsyncEngine, EngineConfig
+def engine_config(args, model, world, **parallel):
+    """The run's EngineConfig (bench/adp_process.py's too); ``parallel``: more of its
+    [parallel] section."""
+    from specloop.engine import EngineConfig
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    config = EngineConfig.from_dict({
-        "model": {"name": str(path), "dtype": args.dtype, "device": device,
+    return EngineConfig.from_dict({
+        "model": {"name": str(model), "dtype": args.dtype, "device": device,
                   "max_seq_len": 512, "chat_template": False},
         "scheduler": {"max_batch_size": args.batch},
         "speculative": {"method": args.method, "num_draft_tokens": args.k,
                         "use_rejection_sampling": args.rejection},
         "parallel": {"world_size": world, "attention_dp": world > 1,
-                     "lm_head_tp_in_adp": args.lm_head_tp and world > 1,
-                     "checked_collectives": args.checked, "pin_host_cores": args.pin},
+                     "lm_head_tp_in_adp": args.lm_head_tp and world > 1, **parallel},
         "components": {"communicator": "torch_distributed" if world > 1 else "single",
                        "graph_cache": "cuda" if args.graphs and device == "cuda" else "eager"},
         "graphs": {"batch_buckets": [int(b) for b in args.buckets.split(",")]}})
+
+
+async def main_async(args, path, world):
+    from specloop.engine import AsyncEngine
+    config = engine_config(args, path, world, checked_collectives=args.checked,
+                           pin_host_cores=args.pin)
     cost = StateCost()
     engine = AsyncEngine(config, observers=[cost])
     if args.inline_collectives and hasattr(engine.comm, "inline"):

@@ -140,29 +140,36 @@ async def test_process_engine_equals_in_process(tiny_dir, tiny_loaded):
         await _one(engine, prompts[0], params[0])
 
 
+async def _errors_when_killed(engine, pid: int) -> list[BaseException]:
+    """Three endless streams, then the core process ``pid`` killed once tokens flow: the
+    errors the consumers got (each should have got one)."""
+    endless = SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True)
+    got: list[BaseException] = []
+
+    async def consume(prompt):
+        try:
+            async for _ in engine.generate(prompt, endless):
+                pass
+        except EngineClosedError as exc:
+            got.append(exc)
+
+    async with anyio.create_task_group() as tg:
+        for prompt in PROMPTS[:3]:
+            tg.start_soon(consume, prompt)
+        while (await engine.fetch_stats()).num_generated_tokens < 20:
+            await anyio.sleep(0.01)
+        os.kill(pid, signal.SIGKILL)
+    return got
+
+
 async def test_core_death_ends_every_stream_with_an_error(tiny_dir):
     config = make_config(tiny_dir, max_batch_size=2)
     async with ProcessEngine(config) as engine:
         with anyio.fail_after(120):
             await _one(engine, PROMPTS[0], _params()[2])     # it serves
-            long = SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True)
-            got: list[BaseException] = []
-
-            async def consume(prompt):
-                try:
-                    async for _ in engine.generate(prompt, long):
-                        pass
-                except EngineClosedError as exc:
-                    got.append(exc)
-
-            async with anyio.create_task_group() as tg:
-                # Two running, one waiting for a slot: every one ends, none hangs.
-                for prompt in PROMPTS[:3]:
-                    tg.start_soon(consume, prompt)
-                while (await engine.fetch_stats()).num_generated_tokens < 20:
-                    await anyio.sleep(0.01)
-                assert engine._process is not None
-                os.kill(engine._process.pid, signal.SIGKILL)
+            assert engine._process is not None
+            # Two running, one waiting for a slot: every one ends, none hangs.
+            got = await _errors_when_killed(engine, engine._process.pid)
             assert len(got) == 3
             assert all("engine core process exited" in str(e) for e in got)
             with pytest.raises(EngineClosedError, match="engine failed"):
@@ -358,22 +365,7 @@ async def test_process_engine_of_two_ranks_equals_one_rank(tiny_dir, tiny_loaded
             while engine.num_free_slots != 4:
                 await anyio.sleep(0.01)
             # Rank 1 dies with requests on both ranks.
-            errors: list[BaseException] = []
-            endless = SamplingParams(temperature=0, max_tokens=10 ** 4, ignore_eos=True)
-
-            async def consume(prompt):
-                try:
-                    async for _ in engine.generate(prompt, endless):
-                        pass
-                except EngineClosedError as exc:
-                    errors.append(exc)
-
-            async with anyio.create_task_group() as tg:
-                for prompt in PROMPTS[:3]:
-                    tg.start_soon(consume, prompt)
-                while (await engine.fetch_stats()).num_generated_tokens < 20:
-                    await anyio.sleep(0.01)
-                os.kill(engine._ranks[0][0].pid, signal.SIGKILL)
+            errors = await _errors_when_killed(engine, engine._ranks[0][0].pid)
             assert len(errors) == 3
             assert all("rank 1's engine core process exited" in str(e) for e in errors), \
                 [str(e) for e in errors]
