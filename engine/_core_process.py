@@ -7,7 +7,9 @@ FrontDoorMessage)`` (requests, cancels, shutdown), ``("stats",)``. Core -> paren
 rows, events)`` once per RESCAN (rows: ``_wire.OutputRow``; events: the iteration
 events since the last message, for the parent's observers, ahead of the outputs; None
 without), ``("events", events)`` at SCHEDULE or idle (the rest of them),
-``("close_all", reason index, error)``, ``("stats", EngineStats)``. The core reads the pipe only in SCHEDULE (or
+``("close_all", reason index, error)``, ``("stats", EngineStats)``. A rank > 0 of a
+group sends ``("ready", {...})`` or ``("failed", exception)``, then, where the parent has
+observers, ``("events", events)`` at the end of each of its iterations. The core reads the pipe only in SCHEDULE (or
 while idle), so a message costs the loop one ``poll`` an iteration and nothing between.
 """
 
@@ -22,6 +24,7 @@ import anyio
 
 from ._frontdoor import NO_MESSAGE, FrontDoorMessage
 from ._request import FinishReason, NewRequest, RequestOutput
+from ._states import IterationState
 from ._wire import REASON_INDEX, OutputRow, output_row
 
 if TYPE_CHECKING:
@@ -132,6 +135,24 @@ class PipeFrontDoor:
         self.send(("close_all", REASON_INDEX[reason], error))
 
 
+class PipeEvents:
+    """IterationObserver of a rank > 0 of a ``ProcessEngine`` group: its iteration events
+    to the parent's observers, one message at each iteration's end (the transition into
+    DONE). That is before SCHEDULE's exchange carries the iteration's outputs towards
+    rank 0, so the parent, which reads a rank's pending events before delivering blocks
+    from it, has seen a request's last VERIFY when its consumer sees its last output."""
+
+    def __init__(self, send: Callable[[tuple[Any, ...]], None]) -> None:
+        self._send = send
+        self._events: list[TransitionEvent] = []
+
+    def on_transition(self, event: TransitionEvent) -> None:
+        self._events.append(event)
+        if event.next_state is IterationState.DONE:
+            events, self._events = self._events, []
+            self._send(("events", events))
+
+
 def serve_core(conn: Connection, config: EngineConfig, log_level: str | None,
                forward_events: bool = False, rank_env: dict[str, str] | None = None) -> None:
     """The child's entry point (spawned): build the engine, report ready (or why not),
@@ -148,7 +169,7 @@ def serve_core(conn: Connection, config: EngineConfig, log_level: str | None,
         configure_logging("console", log_level)
     rank = int((rank_env or {}).get("RANK", "0"))
     try:
-        anyio.run(_serve, conn, config, forward_events and rank == 0, rank)
+        anyio.run(_serve, conn, config, forward_events, rank)
     finally:
         conn.close()
 
@@ -157,12 +178,14 @@ async def _serve(conn: Connection, config: EngineConfig, forward_events: bool,
                  rank: int) -> None:
     from ._engine import AsyncEngine  # noqa: PLC0415 - torch, in the child only
 
-    # Rank 0's front door; on the other ranks only its ``send`` (ready, failed) is used.
-    front = PipeFrontDoor(conn, forward_events=forward_events)
+    # Rank 0's front door; on the other ranks only its ``send`` (ready, failed) is used,
+    # and their events go through a ``PipeEvents``.
+    front = PipeFrontDoor(conn, forward_events=forward_events and rank == 0)
+    observer: PipeFrontDoor | PipeEvents = front if rank == 0 else PipeEvents(front.send)
     ready = False
     try:
         async with AsyncEngine(config, front_door=front,
-                               observers=[front] if forward_events else ()) as engine:
+                               observers=[observer] if forward_events else ()) as engine:
             worker = engine.worker
             assert worker is not None, "built in `async with`"
             front.stats = lambda: worker.stats

@@ -62,7 +62,8 @@ class ProcessEngine(FrontEnd):
     start them, without torchrun. Rank 0's core takes the requests from here and assigns
     them to the ranks; every rank's outputs come back here through it, as the exchange
     carried them (bytes; decoded here), so no rank runs a consumer or detokenizes.
-    Observers and ``fetch_stats`` see rank 0's iterations. A rank that dies ends every
+    Observers see every rank's iterations (``event.rank`` tells them apart; a request's
+    VERIFY before its consumer's output); ``fetch_stats`` is rank 0's. A rank that dies ends every
     live request with an error, as one core's death does.
     """
 
@@ -230,13 +231,14 @@ class ProcessEngine(FrontEnd):
         self._closed.set()
 
     def _watcher(self, rank: int) -> Callable[[], Coroutine[Any, Any, None]]:
-        """Rank ``rank`` > 0's pipe carries nothing after "ready": when it closes, that
-        core is gone; if the engine was not shutting down, it died (rank 0 would see it
-        only at its collective timeout)."""
+        """Rank ``rank`` > 0's pipe: its iteration events (where there are observers) to
+        the observers; when it closes, that core is gone, and if the engine was not
+        shutting down, it died (rank 0 would see it only at its collective timeout)."""
         async def watch() -> None:
             process, conn = self._ranks[rank - 1]
             try:
-                await anyio.wait_readable(conn.fileno())
+                while self._drain_rank(rank):
+                    await anyio.wait_readable(conn.fileno())
             except (OSError, ValueError):      # closed here: the engine is leaving
                 return
             if self.front.closing:
@@ -249,6 +251,19 @@ class ProcessEngine(FrontEnd):
             self.front.close()
             self._kill_group()
         return watch
+
+    def _drain_rank(self, rank: int) -> bool:
+        """Rank ``rank`` > 0's pending messages (its events) to the observers, in order;
+        False once its pipe has closed."""
+        conn = self._ranks[rank - 1][1]
+        try:
+            while conn.poll():
+                message = pickle.loads(conn.recv_bytes())
+                if message[0] == "events":
+                    self._notify(message[1])
+        except (EOFError, OSError):
+            return False
+        return True
 
     def _dead_ranks(self, error: str) -> str:
         """Rank 0's error, led by the ranks > 0 that died: a collective fails on rank 0
@@ -275,6 +290,10 @@ class ProcessEngine(FrontEnd):
             self._notify(message[2])
             self.front.deliver([row_output(row) for row in message[1]])
         elif kind == "blocks":      # the other ranks' outputs, as the exchange carried them
+            # Their ranks' events first (sent before these outputs left them): observers
+            # have seen a request's VERIFY before its consumer sees the output.
+            for rank in range(1, len(self._ranks) + 1):
+                self._drain_rank(rank)
             self.front.deliver_blocks(message[1], self._core["k"])
         elif kind == "events":
             self._notify(message[1])

@@ -36,8 +36,9 @@ class RequestSpec:
 
 
 class SpecTracker:
-    """An IterationObserver that follows the requests ``track`` was called for; rank 0
-    sees only its own rows, so under torchrun ADP other ranks' requests report none."""
+    """An IterationObserver that follows the requests ``track`` was called for; under
+    torchrun ADP rank 0 sees only its own rows, so other ranks' requests report none (a
+    ``ProcessEngine`` group forwards every rank's events: all report)."""
 
     def __init__(self, num_draft_tokens: int) -> None:
         self.k = num_draft_tokens

@@ -140,6 +140,32 @@ async def test_process_engine_equals_in_process(tiny_dir, tiny_loaded):
         await _one(engine, prompts[0], params[0])
 
 
+class VerifiedBeforeOutput(Seen):
+    """Seen, counting each request's VERIFY rows; and, when a request's final output
+    reaches the front door (``watch``), how many had been seen by then."""
+
+    def __init__(self):
+        super().__init__()
+        self.rows: dict[str, int] = {}
+        self.rows_at_final: dict[str, int] = {}
+
+    def watch(self, front):
+        deliver = front.deliver
+
+        def counted(outputs):
+            outputs = list(outputs)
+            for out in outputs:
+                if out.finished:
+                    self.rows_at_final[out.request_id] = self.rows.get(out.request_id, 0)
+            deliver(outputs)
+        front.deliver = counted
+
+    def on_transition(self, event):
+        super().on_transition(event)
+        for rid in event.request_ids:
+            self.rows[rid] = self.rows.get(rid, 0) + 1
+
+
 async def _errors_when_killed(engine, pid: int) -> list[BaseException]:
     """Three endless streams, then the core process ``pid`` killed once tokens flow: the
     errors the consumers got (each should have got one)."""
@@ -326,7 +352,9 @@ async def test_process_engine_of_two_ranks_equals_one_rank(tiny_dir, tiny_loaded
     params = [*_params(), *_params()[:2]]
     async with AsyncEngine(config, model=tiny_loaded) as local:
         expect = await _all(local, prompts, params)
-    engine = ProcessEngine(group)
+    seen = VerifiedBeforeOutput()
+    engine = ProcessEngine(group, observers=[seen])
+    seen.watch(engine.front)
     kinds: list[str] = []
     handle = engine._handle
     engine._handle = lambda message: (kinds.append(message[0]), handle(message))[1]
@@ -335,6 +363,11 @@ async def test_process_engine_of_two_ranks_equals_one_rank(tiny_dir, tiny_loaded
             assert engine.num_free_slots == 4
             assert await _all(engine, prompts, params) == expect
             assert "blocks" in kinds            # rank 1 served some of them
+            # Both ranks' iterations reach the observers here; each request's VERIFY
+            # rows all came before its consumer saw its final output.
+            assert {e.rank for e in seen.events} == {0, 1}
+            assert seen.rows_at_final == {f"r{i}": seen.rows[f"r{i}"]
+                                          for i in range(len(prompts))}
             got: dict[str, list[int]] = {}
             async for item in engine.generate_batch(prompts, params):
                 for out in item:
@@ -389,3 +422,38 @@ async def test_a_group_that_cannot_build_raises_the_build_error(tiny_dir, tmp_pa
             async with ProcessEngine(bad):
                 pass
     assert str(across.value) == str(in_process.value)
+
+
+def test_blocks_are_delivered_after_their_ranks_pending_events(tiny_dir):
+    """A rank > 0's events reach the observers before outputs it sent later through rank
+    0: the parent reads every rank's pending events before it delivers blocks (no core
+    here: the pipes are faked)."""
+    import multiprocessing
+    import pickle
+
+    from specloop.engine._request import NewRequest, RequestOutput
+    from specloop.engine._states import IterationState, TransitionEvent
+    from specloop.engine._wire import encode_rows
+
+    order: list[str] = []
+
+    class Order:
+        def on_transition(self, event):
+            order.append(f"event {event.request_ids[0]}")
+
+    engine = ProcessEngine(make_config(tiny_dir), observers=[Order()])
+    parent, rank1 = multiprocessing.Pipe()
+    engine._ranks, engine._core = [(None, parent)], {"k": 2}
+    engine.front.submit(NewRequest("a", (1,), SamplingParams(), 0, handle=5))
+    deliver = engine.front.deliver
+    engine.front.deliver = lambda outs: (order.extend(f"output {o.request_id}" for o in outs),
+                                         deliver(outs))
+    verify = TransitionEvent(rank=1, iteration=3, state=IterationState.VERIFY,
+                             next_state=IterationState.RESCAN, duration_us=1.0, batch_size=1,
+                             num_draft_tokens=2, sampling_path="greedy", accepted=(1,),
+                             request_ids=("a",))
+    rank1.send_bytes(pickle.dumps(("events", [verify])))
+    block = encode_rows([(5, RequestOutput("", (7, 8), "", True, FinishReason.LENGTH))], 2, 2)
+    assert block is not None
+    engine._handle(("blocks", [block.tobytes()]))
+    assert order == ["event a", "output a"]

@@ -56,6 +56,11 @@ communicator = "torch_distributed"
                 replies = list(pool.map(one, range(4)))
             assert [r.status_code for r in replies] == [200] * 4
             assert all(r.json()["usage"]["completion_tokens"] == 8 for r in replies)
+            # Each request's drafts as its rank's VERIFY events saw them: under torchrun
+            # only rank 0's reach the server; with the cores it started, every rank's.
+            drafted = ["spec_decode" in r.json()["usage"] for r in replies]
+            if launch[0:len(TORCHRUN)] != TORCHRUN:
+                assert all(drafted), [r.json()["usage"] for r in replies]
             assert http.get("/health").json() == {"status": "ok"}
         os.kill(rank0, signal.SIGTERM)          # the server (rank 0) shuts the group down
         _, err = proc.communicate(timeout=120)
