@@ -9,8 +9,9 @@ events since the last message, for the parent's observers, ahead of the outputs;
 without), ``("events", events)`` at SCHEDULE or idle (the rest of them),
 ``("close_all", reason index, error)``, ``("stats", EngineStats)``. A rank > 0 of a
 group sends ``("ready", {...})`` or ``("failed", exception)``, then, where the parent has
-observers, ``("events", events)`` at the end of each of its iterations. The core reads the pipe only in SCHEDULE (or
-while idle), so a message costs the loop one ``poll`` an iteration and nothing between.
+observers, ``("events", events)`` at the end of each of its iterations. The core reads
+the pipe only in SCHEDULE (or while idle), so a message costs the loop one ``poll`` an
+iteration and nothing between.
 """
 
 from __future__ import annotations
@@ -189,8 +190,7 @@ async def _serve(conn: Connection, config: EngineConfig, forward_events: bool,
             worker = engine.worker
             assert worker is not None, "built in `async with`"
             front.stats = lambda: worker.stats
-            front.send(("ready", {"k": worker.k, "vocab_size": worker.runner.args.vocab_size,
-                                  "rank": rank}))
+            front.send(("ready", {"k": worker.k, "vocab_size": worker.runner.args.vocab_size}))
             ready = True
             await engine.wait_closed()
     except BaseException as exc:

@@ -63,8 +63,8 @@ class ProcessEngine(FrontEnd):
     them to the ranks; every rank's outputs come back here through it, as the exchange
     carried them (bytes; decoded here), so no rank runs a consumer or detokenizes.
     Observers see every rank's iterations (``event.rank`` tells them apart; a request's
-    VERIFY before its consumer's output); ``fetch_stats`` is rank 0's. A rank that dies ends every
-    live request with an error, as one core's death does.
+    VERIFY before its consumer's output); ``fetch_stats`` is rank 0's. A rank that dies
+    ends every live request with an error, as one core's death does.
     """
 
     def __init__(self, config: EngineConfig, *, observers: Sequence[IterationObserver] = (),
@@ -172,7 +172,6 @@ class ProcessEngine(FrontEnd):
         """Until the core has exited (the engine's block left, or the core died)."""
         await self._closed.wait()
 
-
     # the pipe ---------------------------------------------------------------------------
     async def _send(self, message: tuple[Any, ...]) -> bool:
         """False once the core is gone. From a worker thread: a large message (many
@@ -217,13 +216,7 @@ class ProcessEngine(FrontEnd):
         except (EOFError, OSError):
             pass
         if not front.closing:   # not a shutdown we asked for: the core died
-            code = await anyio.to_thread.run_sync(_exit_code, self._process)
-            self._failure = EngineClosedError(f"the engine core process exited (exit code "
-                                              f"{code})")
-            log.error("engine_core_exited", exit_code=code)
-            front.close_all(FinishReason.ERROR, str(self._failure))
-            front.close()
-            self._kill_group()
+            await self._died(self._process, "the engine core process")
         else:
             front.close_all(FinishReason.CANCELLED)
         if self._stats_event is not None:
@@ -241,16 +234,20 @@ class ProcessEngine(FrontEnd):
                     await anyio.wait_readable(conn.fileno())
             except (OSError, ValueError):      # closed here: the engine is leaving
                 return
-            if self.front.closing:
-                return
-            code = await anyio.to_thread.run_sync(_exit_code, process)
-            self._failure = EngineClosedError(f"rank {rank}'s engine core process exited "
-                                              f"(exit code {code})")
-            log.error("engine_core_exited", rank=rank, exit_code=code)
-            self.front.close_all(FinishReason.ERROR, str(self._failure))
-            self.front.close()
-            self._kill_group()
+            if not self.front.closing:
+                await self._died(process, f"rank {rank}'s engine core process")
         return watch
+
+    async def _died(self, process: BaseProcess | None, which: str) -> None:
+        """A core exited while the engine ran: every live request ends with an error
+        naming it and its exit code, new ones are refused, and the rest of the group is
+        killed (its collectives could only wait for their timeout)."""
+        code = await anyio.to_thread.run_sync(_exit_code, process)
+        self._failure = EngineClosedError(f"{which} exited (exit code {code})")
+        log.error("engine_core_exited", core=which, exit_code=code)
+        self.front.close_all(FinishReason.ERROR, str(self._failure))
+        self.front.close()
+        self._kill_group()
 
     def _drain_rank(self, rank: int) -> bool:
         """Rank ``rank`` > 0's pending messages (its events) to the observers, in order;
@@ -278,8 +275,7 @@ class ProcessEngine(FrontEnd):
         return "; ".join([*dead, error])
 
     def _kill_group(self) -> None:
-        """A core died: the group's collectives cannot complete, so the others would
-        only wait for their timeout before exiting. End them now."""
+        """Every core still running (after one died)."""
         for process, _ in [(self._process, None), *self._ranks]:
             if process is not None and process.is_alive():
                 process.kill()
