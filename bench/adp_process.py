@@ -77,6 +77,7 @@ def main():
     ap.add_argument("--tiny", action="store_true", help="a tiny random model (tests)")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--method", default="none")
+    ap.add_argument("--draft-weights", help="a shipped head (e.g. smollm2-135m-instruct-eagle3)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--rejection", action="store_true")
     ap.add_argument("--lm-head-tp", action="store_true",

@@ -95,7 +95,9 @@ def engine_config(args, model, world, **parallel):
                   "max_seq_len": 512, "chat_template": False},
         "scheduler": {"max_batch_size": args.batch},
         "speculative": {"method": args.method, "num_draft_tokens": args.k,
-                        "use_rejection_sampling": args.rejection},
+                        "use_rejection_sampling": args.rejection,
+                        **({"draft_weights": args.draft_weights} if args.draft_weights
+                           else {})},
         "parallel": {"world_size": world, "attention_dp": world > 1,
                      "lm_head_tp_in_adp": args.lm_head_tp and world > 1, **parallel},
         "components": {"communicator": "torch_distributed" if world > 1 else "single",
@@ -187,6 +189,7 @@ def main():
     ap.add_argument("--model")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--method", default="mtp_eagle")
+    ap.add_argument("--draft-weights", help="a shipped head (e.g. smollm2-135m-instruct-eagle3)")
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--rejection", action="store_true")
     ap.add_argument("--lm-head-tp", action="store_true")
