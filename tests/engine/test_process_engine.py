@@ -225,8 +225,21 @@ async def test_random_lifecycles_lose_nothing(tiny_dir, tiny_loaded):
             await _random_lifecycles(engine, config, tiny_loaded, seed)
 
 
+@pytest.mark.distributed
+async def test_random_lifecycles_lose_nothing_over_two_ranks(tiny_dir, tiny_loaded):
+    """The same on a group of two spawned ranks (3 slots each): cancels and consumers
+    leaving reach whichever rank serves the request, outputs equal one in-process rank's,
+    and the group's every slot comes back."""
+    one = make_config(tiny_dir, method="ngram", k=3, max_batch_size=3)
+    group = make_config(tiny_dir, method="ngram", k=3, max_batch_size=3,
+                        parallel={"world_size": 2, "attention_dp": True},
+                        components={"communicator": "torch_distributed"})
+    async with ProcessEngine(group) as engine:
+        await _random_lifecycles(engine, one, tiny_loaded, 3)
+
+
 async def _random_lifecycles(engine, config, tiny_loaded, seed):
-    """30 requests through 3 slots, each one at random: read to the end, left after a few
+    """30 requests through 3 slots a rank, each at random: read to the end, left after a few
     outputs, cancelled by id mid-way or before its first output, greedy or seeded
     sampling, started at random moments. Every stream ends once; one read to the end
     equals the in-process engine token for token; a cancelled one ends CANCELLED with a
@@ -286,7 +299,8 @@ async def _random_lifecycles(engine, config, tiny_loaded, seed):
         reasons = [ended[p[0]][-1].finish_reason for p in plans if ended[p[0]]]
         assert FinishReason.CANCELLED in reasons and FinishReason.LENGTH in reasons
         assert any(not ended[p[0]][-1].finished for p in plans if p[3] == "leave")
-        while engine.num_free_slots != config.scheduler.max_batch_size:
+        slots = engine.config.scheduler.max_batch_size * engine.config.parallel.world_size
+        while engine.num_free_slots != slots:
             await anyio.sleep(0.01)
         # Every id is free again: a second round under the same ids runs.
         again = [await _one(engine, prompt, params, request_id=rid)
