@@ -1,4 +1,5 @@
-"""Speculation with the next iteration chained on the device (one GPU rank, CUDA graphs).
+"""Speculation with the next iteration chained on the device (a GPU rank, CUDA graphs; in
+a group only where the step holds no collective and K is fixed: ``RankWorker.chain``).
 
 After VERIFY n is queued and before it is read back, the next iteration's DRAFT and VERIFY
 are queued too, their inputs built on the GPU from VERIFY n's outputs: the head's
@@ -75,6 +76,9 @@ class DeviceChain:
         self.worker = worker
         self.drafter = worker.drafter
         self.k = self.drafter.num_draft_tokens
+        # One rank of a group: keys are agreed in SYNC, and requests admitted join the
+        # batch at once (no newcomer is held back: ``RunAhead.defers_joins``).
+        self.group = worker.comm.world_size > 1
         # Adaptive K: a drafter whose chained draft reads tokens only chains into and out
         # of K = 0 too (``Drafter.chains_through_k0``: n-gram), else K > 0 to K > 0 only.
         self.through_k0 = self.drafter.chains_through_k0
@@ -369,7 +373,9 @@ class DeviceChain:
         one for the next step's K = ``k`` (the key keeps ``rec.key``'s K: ``_keys_for``
         sets the next)."""
         key, rows = rec.key, len(rec.batch)
-        if key.batch_size <= rows or not rows or not rec.graph_captured:
+        # In a group the key's bucket is the group's (SYNC's padded batch): a rank's own
+        # smaller one would never match the next iteration's.
+        if key.batch_size <= rows or not rows or not rec.graph_captured or self.group:
             return key
         own = self._own.get((key, rows, k))
         if own is None:
@@ -409,6 +415,8 @@ class DeviceChain:
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
+        if self.group and w.ahead.will_admit():
+            return False    # the next batch will have its newcomer: the step would drop
         return bool(joining) or not w.ahead.joining
 
     def collected(self, rec: IterationRecord) -> None:

@@ -1,0 +1,79 @@
+"""DRAFT and VERIFY chained on the device in a group of ranks (ADP, no LM-head TP), on the
+CPU through graphs whose replays write static outputs (tests/graphs/test_chain.py): each
+rank takes its chained step when SYNC agreed on the key it was queued under, else drops
+it; outputs equal one rank's unchained, token for token, greedy and seeded sampled rows.
+(Each batch all greedy or all sampled: ranks whose greedy flags differ run eagerly,
+``RankWorker._group_agrees``, so no graph and no chain.)"""
+
+import anyio
+import pytest
+
+from specloop.comm import LocalGroup
+from specloop.engine import AsyncEngine, EngineConfig
+from specloop.engine._chain import DeviceChain
+
+from specloop.samplers import SamplingParams
+
+from ..engine.conftest import PROMPTS
+from .test_chain import SEEDS, chain_config
+
+
+def group_config(tiny_dir, world, **spec):
+    data = chain_config(tiny_dir, True, **spec).to_dict()
+    data["parallel"] = {"world_size": world, "attention_dp": True}
+    data["scheduler"]["max_batch_size"] = 2
+    return EngineConfig.from_dict(data)
+
+
+async def one_rank(cfg, loaded, reqs):
+    async with AsyncEngine(cfg, model=loaded) as engine:
+        return await _serve(engine, reqs)
+
+
+async def _serve(engine, reqs):
+    outs = {}
+
+    async def one(i, prompt, params):
+        outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
+
+    async with anyio.create_task_group() as tg:
+        for i, (prompt, params) in enumerate(reqs):
+            tg.start_soon(one, i, prompt, params)
+    return [outs[i] for i in range(len(reqs))]
+
+
+def requests(sampled: bool):
+    """Requests of different lengths (some end early, stop tokens in some), every one
+    greedy or every one seeded sampled."""
+    stops = tuple(range(40, 90))
+    return [(p, SamplingParams(temperature=0.9 if sampled else 0.0, top_p=0.9,
+                               seed=SEEDS[i % len(SEEDS)], max_tokens=10 + 3 * i,
+                               stop_token_ids=stops if i % 3 == 1 else (), ignore_eos=True))
+            for i, p in enumerate(PROMPTS * 2)]
+
+
+@pytest.mark.parametrize("spec", [{"method": "eagle3", "k": 3, "rejection": True},
+                                  {"method": "mtp_eagle", "k": 2, "rejection": False}])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+async def test_group_chained_equals_one_rank(tiny_dir, tiny_loaded, spec, sampled):
+    reqs = requests(sampled)
+    expected = await one_rank(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs)
+    cfg = group_config(tiny_dir, 2, **spec)
+    chains = {}
+
+    async def rank_main(comm):
+        async with AsyncEngine(cfg, communicator=comm, model=tiny_loaded) as engine:
+            worker = engine.worker
+            # The chain runs on CUDA only; here it is forced on, as on a GPU rank.
+            worker.verify_inline = True
+            worker.chain = chains[comm.rank] = DeviceChain(worker=worker)
+            if comm.rank == 0:
+                return await _serve(engine, reqs)
+            await engine.wait_closed()
+            return None
+
+    results = await LocalGroup(2, timeout=30.0).run(rank_main)
+    assert results[0] == expected
+    # Both ranks chained steps and took some; a key or batch SYNC changed dropped others.
+    for chain in chains.values():
+        assert chain.taken_steps > 0, (chain.queued_steps, chain.taken_steps)
