@@ -5,17 +5,16 @@ it; outputs equal one rank's unchained, token for token, greedy and seeded sampl
 (Each batch all greedy or all sampled: ranks whose greedy flags differ run eagerly,
 ``RankWorker._group_agrees``, so no graph and no chain.)"""
 
-import anyio
 import pytest
 
 from specloop.comm import LocalGroup
 from specloop.engine import AsyncEngine, EngineConfig
 from specloop.engine._chain import DeviceChain
-
 from specloop.samplers import SamplingParams
 
 from ..engine.conftest import PROMPTS
 from .test_chain import SEEDS, chain_config
+from .test_static_steps import outputs_of
 
 
 def group_config(tiny_dir, world, **spec):
@@ -27,19 +26,7 @@ def group_config(tiny_dir, world, **spec):
 
 async def one_rank(cfg, loaded, reqs):
     async with AsyncEngine(cfg, model=loaded) as engine:
-        return await _serve(engine, reqs)
-
-
-async def _serve(engine, reqs):
-    outs = {}
-
-    async def one(i, prompt, params):
-        outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
-
-    async with anyio.create_task_group() as tg:
-        for i, (prompt, params) in enumerate(reqs):
-            tg.start_soon(one, i, prompt, params)
-    return [outs[i] for i in range(len(reqs))]
+        return await outputs_of(engine, reqs)
 
 
 def requests(sampled: bool):
@@ -68,7 +55,7 @@ async def test_group_chained_equals_one_rank(tiny_dir, tiny_loaded, spec, sample
             worker.verify_inline = True
             worker.chain = chains[comm.rank] = DeviceChain(worker=worker)
             if comm.rank == 0:
-                return await _serve(engine, reqs)
+                return await outputs_of(engine, reqs)
             await engine.wait_closed()
             return None
 

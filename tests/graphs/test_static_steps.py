@@ -56,19 +56,25 @@ def requests():
     return out
 
 
+async def outputs_of(engine, reqs):
+    """Every request at once, each through its own ``generate``: its token ids, in order."""
+    outs = {}
+
+    async def one(i, prompt, params):
+        outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
+
+    async with anyio.create_task_group() as tg:
+        for i, (prompt, params) in enumerate(reqs):
+            tg.start_soon(one, i, prompt, params)
+    return [outs[i] for i in range(len(reqs))]
+
+
 async def run(cfg, loaded, reqs):
     async with AsyncEngine(cfg, model=loaded) as engine:
-        outs = {}
-
-        async def one(i, prompt, params):
-            outs[i] = [t async for o in engine.generate(prompt, params) for t in o.token_ids]
-
-        async with anyio.create_task_group() as tg:
-            for i, (prompt, params) in enumerate(reqs):
-                tg.start_soon(one, i, prompt, params)
+        outs = await outputs_of(engine, reqs)
         counts = engine.worker.graph_cache.replay_counts() if hasattr(
             engine.worker.graph_cache, "replay_counts") else {}
-    return [outs[i] for i in range(len(reqs))], counts
+    return outs, counts
 
 
 @pytest.mark.parametrize("spec", [
