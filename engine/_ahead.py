@@ -262,6 +262,12 @@ class RunAhead:
             scheduler.waiting or w._carried.assignments
             or (w.front is not None and w.front.has_news)))
 
+    def drops_next(self) -> bool:
+        """In a group (no newcomer held back, ``defers_joins``): whether the next
+        iteration will likely admit a request, so a step queued now for this batch
+        would be dropped (this one, or the chain's)."""
+        return not self.defers_joins and self.will_admit()
+
     def blocked(self, batch: list[Request]) -> bool:
         """Whether no step may be queued ahead for ``batch`` (see ``queue``): the position
         it writes, each row's length, must lie in the cache. A row that may end at this
@@ -269,7 +275,7 @@ class RunAhead:
         iteration takes the step for the rows left (``take``), and a finished row's write
         lands in pages freed after it on the stream (the module doc)."""
         limit = self.worker.config.model.max_seq_len
-        if (not self.defers_joins and self.will_admit()) or \
+        if self.drops_next() or \
                 (batch and max(map(len, [r.token_ids for r in batch])) >= limit):
             self.worker.runner.keep_ahead = 0
             return True

@@ -76,8 +76,7 @@ class DeviceChain:
         self.worker = worker
         self.drafter = worker.drafter
         self.k = self.drafter.num_draft_tokens
-        # One rank of a group: keys are agreed in SYNC, and requests admitted join the
-        # batch at once (no newcomer is held back: ``RunAhead.defers_joins``).
+        # One rank of a group: its keys' buckets are agreed in SYNC (``_own_key``).
         self.group = worker.comm.world_size > 1
         # Adaptive K: a drafter whose chained draft reads tokens only chains into and out
         # of K = 0 too (``Drafter.chains_through_k0``: n-gram), else K > 0 to K > 0 only.
@@ -415,8 +414,8 @@ class DeviceChain:
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
-        if self.group and w.ahead.will_admit():
-            return False    # the next batch will have its newcomer: the step would drop
+        if w.ahead.drops_next():
+            return False    # the next batch will have its newcomer
         return bool(joining) or not w.ahead.joining
 
     def collected(self, rec: IterationRecord) -> None:

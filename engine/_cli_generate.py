@@ -152,8 +152,8 @@ def _prompt(engine: AsyncEngine | ProcessEngine, text: str, system: str | None
                                   {"role": "user", "content": text}])
 
 
-async def _one(engine: AsyncEngine | ProcessEngine, prompt: str | list[int], params: SamplingParams,
-               completion: Completion, stream: bool) -> None:
+async def _one(engine: AsyncEngine | ProcessEngine, prompt: str | list[int],
+               params: SamplingParams, completion: Completion, stream: bool) -> None:
     async for out in engine.generate(prompt, params):
         completion.text += out.text
         completion.token_ids.extend(out.token_ids)

@@ -12,8 +12,6 @@ from collections import deque
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-import torch
-
 from ._frontdoor import (NO_MESSAGE, FrontDoorMessage, RankReport, assign_least_loaded,
                          assign_to_rank0)
 from ._request import RequestOutput

@@ -123,10 +123,12 @@ class ProcessEngine(FrontEnd):
         # a collective, until their timeout.
         facts: dict[int, dict[str, int]] = {}
         with anyio.move_on_after(self._start_timeout_s) as scope:
-            while len(facts) < len(cores):
+            while True:
                 for rank, (process, conn) in enumerate(cores):
                     if rank not in facts and conn.poll():     # a message, or its exit
                         facts[rank] = await self._ready(rank, process, conn)
+                if len(facts) == len(cores):
+                    break
                 await anyio.sleep(0.02)
             self._core = facts[0]
         if scope.cancelled_caught:

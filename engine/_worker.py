@@ -125,14 +125,14 @@ class RankWorker:
         # Speculation on a GPU: each VERIFY also queues the next iteration's DRAFT and
         # VERIFY, chained on the device (engine/_chain.py); under adaptive K for a drafter
         # drafting any K (its draft graphs are per K), at the next K, taken early (one
-        # rank). In a group where the step holds no collective (no LM-head TP, nothing
-        # drafted on idle ranks), the exchange runs on the host, and K is fixed: the
-        # next iteration takes the step when SYNC agreed on its key (``matches``).
-        alone = not multi or (self.exchange.on_host and not self.draft_when_idle
-                              and not config.parallel.lm_head_tp_in_adp
-                              and not config.speculative.adaptive)
+        # rank). In a group where the step holds no collective (a drafter with LM-head TP
+        # drafts on idle ranks too: ``draft_when_idle``), the exchange runs on the host,
+        # and K is fixed: the next iteration takes the step when SYNC agreed on its key
+        # (``matches``).
+        local_step = not multi or (self.exchange.on_host and not self.draft_when_idle
+                                   and not config.speculative.adaptive)
         self.chain = DeviceChain(worker=self) if (
-            self.verify_inline and self.k and alone and drafter is not None
+            self.verify_inline and self.k and local_step and drafter is not None
             and drafter.can_chain
             and (drafter.variable_k or not config.speculative.adaptive)) else None
 
