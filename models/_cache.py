@@ -9,14 +9,14 @@ every model that caches that request.
 
 from __future__ import annotations
 
-import array
 from collections.abc import Iterable
 
+import numpy
 import structlog
 import torch
 
 from ._args import ModelArgs
-from ._host import to_device
+from ._host import StagingRing
 
 log = structlog.get_logger(__name__)
 
@@ -76,6 +76,7 @@ class PageTable:
             self._dirty.clear()     # the table below is made from the filled host rows
         with torch.inference_mode(False):
             self.table = self.host.to(device)
+        self._staging = StagingRing(self.table.device, torch.int32)
 
     @property
     def scratch_slot(self) -> int:
@@ -146,10 +147,11 @@ class PageTable:
 
     def sync(self) -> None:
         """Bring the device table up to date (the changed entries only; no device sync):
-        their flat indices and pages in one host buffer, one copy, one scatter. A row
-        crosses a page every page_size tokens, so at batch 8 and up some row does nearly
-        every iteration. Copying the changed rows instead (an index tensor, a gather, two
-        copies) took 72-74 us a call of the H200's host against 59-76 for this
+        their flat indices and pages in one pinned host buffer of the staging ring, one
+        copy, one ``index_copy_``. A row crosses a page every page_size tokens, so at
+        batch 8 and up some row does nearly every iteration, and RESCAN's trims and the
+        next step's reservations each call it. Packing into a fresh pageable buffer, pinning
+        it and scattering with advanced indexing took 59-76 us a call of the H200's host
         (bench/bench_page_sync_gpu.py)."""
         dirty = self._dirty
         if not dirty:
@@ -158,13 +160,15 @@ class PageTable:
             dirty.clear()
             return
         n = len(dirty)
-        packed = torch.frombuffer(array.array("i", [*dirty, *dirty.values()]),
-                                  dtype=torch.int32)
+        words, staged = self._staging.take(3 * n)
+        # int32 words: the indices as int64 in words[0:2n] (index_copy_'s index type),
+        # the pages in words[2n:3n].
+        words[:2 * n].view(numpy.int64)[:] = numpy.fromiter(dirty, numpy.int64, n)
+        words[2 * n:3 * n] = numpy.fromiter(dirty.values(), numpy.int32, n)
         dirty.clear()
-        # From pinned memory: a copy from pageable memory may wait for the work already
-        # queued (a step queued ahead of the host, issue 12) instead of just queueing.
-        packed = to_device(packed, self.table.device)
-        self.table.view(-1)[packed[:n]] = packed[n:]
+        device = self._staging.copy(staged, 3 * n)
+        self.table.view(-1).index_copy_(0, device[:2 * n].view(torch.int64),
+                                        device[2 * n:3 * n])
 
 
 class KVCache:

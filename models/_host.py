@@ -9,7 +9,7 @@ and their copy to the device without waiting.
 from __future__ import annotations
 
 import array
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -38,3 +38,60 @@ def copy_into(dst: torch.Tensor, host: torch.Tensor) -> torch.Tensor:
 
 def _pinned(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory() if device.type == "cuda" else host
+
+
+class StagingRing:
+    """Pinned host buffers taken in turn, and one device buffer, for a small
+    host-to-device copy that one caller makes every iteration (``PageTable.sync``):
+    nothing allocated or pinned a call, where ``to_device`` pins a fresh buffer from torch's
+    caching host allocator each time. A host buffer is written again only once the copy
+    that last read it is done (its event: with DEPTH buffers the host waits only when the
+    GPU lags DEPTH copies behind). The device buffer is reused in stream order: the caller
+    queues what reads one copy before it takes the next. A larger request than the buffers
+    hold makes new ones (the old ones' pending copies keep them: torch's host allocator
+    records each copy's use). On the CPU the same without pinning or events (a table that
+    stands in for a device's copy, in tests)."""
+
+    DEPTH = 8
+    MIN_CAPACITY = 1024     # elements a buffer, made at the first ``take``
+
+    def __init__(self, device: torch.device, dtype: torch.dtype) -> None:
+        self.device, self.dtype = device, dtype
+        self._capacity, self._next = 0, 0
+        self._host: list[torch.Tensor] = []
+        self._numpy: list[Any] = []
+        self._events: list[Any] = []
+        self._on_device = torch.empty(0, dtype=dtype, device=device)
+
+    def _grow(self, capacity: int) -> None:
+        self._capacity = capacity
+        cuda = self.device.type == "cuda"
+        self._host = [torch.empty(capacity, dtype=self.dtype, pin_memory=cuda)
+                      for _ in range(self.DEPTH)]
+        self._numpy = [h.numpy() for h in self._host]
+        self._events = [None] * self.DEPTH
+        self._on_device = torch.empty(capacity, dtype=self.dtype, device=self.device)
+
+    def take(self, n: int) -> tuple[Any, int]:
+        """A host buffer of at least ``n`` elements to write (a numpy view) and its number
+        for ``copy``."""
+        if n > self._capacity:
+            self._grow(max(n, 2 * self._capacity, self.MIN_CAPACITY))
+        i = self._next
+        self._next = (i + 1) % self.DEPTH
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()     # the copy that last read it (done, nearly always)
+        return self._numpy[i], i
+
+    def copy(self, i: int, n: int) -> torch.Tensor:
+        """Queue the copy of host buffer ``i``'s first ``n`` elements; -> their device
+        copy (valid until the next ``copy`` is queued behind what reads it)."""
+        out = self._on_device[:n]
+        out.copy_(self._host[i][:n], non_blocking=True)
+        if self.device.type == "cuda":
+            event = self._events[i]
+            if event is None:
+                event = self._events[i] = torch.cuda.Event()
+            event.record()
+        return out

@@ -197,3 +197,35 @@ def test_on_verified_does_not_wait_for_the_gpu(tiny_dirs):
     assert drafter.pending.counts([0]) == [4]
     assert torch.equal(drafter.pending.buffer[0, :3], hidden[0, :3])
     assert torch.equal(drafter.pending.buffer[0, 3], hidden[0, 0])
+
+
+def test_page_table_sync_through_the_staging_ring():
+    """The device table equals the host's after random growth, rewinds and releases
+    synced while GPU work is queued: more syncs than the ring has buffers (each buffer
+    written again only after its copy), and a sync of more entries than the buffers held
+    (the ring grows while its old buffers' copies are pending)."""
+    import random
+
+    from specloop.models import PageTable
+
+    rng = random.Random(0)
+    pages = PageTable(64, 4096, 16, device="cuda")
+    lengths = [0] * 64
+    x = torch.randn(2048, 2048, device="cuda")
+    for i in range(400):
+        if i % 10 == 0:
+            for _ in range(10):
+                x = x @ x / 45      # queued work: the copies wait behind it
+        for _ in range(rng.randrange(1, 6)):
+            slot = rng.randrange(64)
+            lengths[slot] = rng.choice([0, lengths[slot] + rng.randrange(1, 40),
+                                        max(lengths[slot] - rng.randrange(1, 40), 0)])
+            pages.resize(slot, min(lengths[slot], 4096))
+        if i == 200:    # 8 full slots at once: 2,048 entries, 6,144 words > 1,024
+            for slot in range(8):
+                lengths[slot] = 4096
+                pages.resize(slot, 4096)
+        pages.sync()
+        if i % 50 == 49 or i == 200:
+            torch.cuda.synchronize()
+            assert torch.equal(pages.table.cpu(), pages.host), f"after sync {i}"
