@@ -66,11 +66,14 @@ class StagingRing:
     def _grow(self, capacity: int) -> None:
         self._capacity = capacity
         cuda = self.device.type == "cuda"
-        self._host = [torch.empty(capacity, dtype=self.dtype, pin_memory=cuda)
-                      for _ in range(self.DEPTH)]
+        # Plain tensors even when the first ``take`` runs under inference mode (a step's
+        # forward): an inference tensor cannot be written outside it.
+        with torch.inference_mode(False):
+            self._host = [torch.empty(capacity, dtype=self.dtype, pin_memory=cuda)
+                          for _ in range(self.DEPTH)]
+            self._on_device = torch.empty(capacity, dtype=self.dtype, device=self.device)
         self._numpy = [h.numpy() for h in self._host]
         self._events = [None] * self.DEPTH
-        self._on_device = torch.empty(capacity, dtype=self.dtype, device=self.device)
 
     def take(self, n: int) -> tuple[Any, int]:
         """A host buffer of at least ``n`` elements to write (a numpy view) and its number

@@ -119,3 +119,19 @@ def test_paged_equals_dense_through_growth_rewind_and_reuse(tiny_llama, seed):
     for slot in range(NUM_SLOTS):
         pages.release(slot)
     assert pages.num_free == pages.num_pages
+
+
+def test_sync_inside_and_outside_inference_mode():
+    """The staging ring made by a sync under inference mode (a forward's) serves a sync
+    outside it (RESCAN's trims, the next step's reservations), and the other way round."""
+    table = PageTable(4, 64, 4)
+    table.table = table.host.clone()    # a copy of its own, as on a GPU
+    with torch.inference_mode():
+        table.resize(0, 10)
+        table.sync()
+    table.resize(1, 10)
+    table.sync()
+    with torch.inference_mode():
+        table.resize(2, 10)
+        table.sync()
+    assert torch.equal(table.table, table.host)
