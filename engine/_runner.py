@@ -15,7 +15,7 @@ from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
 from specloop.models import KVCache, LoadedModel, PageTable
 from specloop.models._prefill import padded_shape, prefill_shapes
 from specloop.models._grad import inference_mode
-from specloop.models._host import to_device
+from specloop.models._host import current_stream, to_device
 
 from ._request import Request
 
@@ -111,7 +111,7 @@ class ModelRunner:
         host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
         host.copy_(packed, non_blocking=True)
         done = torch.cuda.Event()
-        done.record()
+        done.record(current_stream(packed.device.index))
         return ReadBack(host, done)
 
     def finish_read_back(self, pending: ReadBack) -> torch.Tensor:

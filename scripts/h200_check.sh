@@ -30,6 +30,7 @@
 #   tail     the skinny GEMM's tl.dot tail at 32-256 rows against cuBLAS (no SmolLM2 needed)
 #   pagesync PageTable.sync's host time a call, the staging ring against the earlier syncs,
 #            and a small input's copy through the ring against to_device (no SmolLM2 needed)
+#   hostops  the host time of single torch / CUDA calls an iteration is made of (no SmolLM2)
 #   adp      ADP: 1 then 2 ranks (torch.distributed.run --standalone) of bench/adp_run.py,
 #            128 equal greedy requests of 256 tokens, batch 64 a rank, 3 rounds of one
 #            generate_batch and 3 of a task per request, the exchange through shared
@@ -178,6 +179,8 @@ for line in sys.stdin:
         --out "$OUT/adaptive_closed.jsonl" --runs "${RUNS:-3}" --buckets serving --min-prompts 16 \
         --min-rounds "${MIN_ROUNDS:-4}" --batches "${BATCHES:-1,8,32,64,128,256}" \
         --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+    hostops)
+      (cd bench && python3 bench_host_ops_gpu.py --calls 2000 --rounds 3 2>&1 | grep -v Warn) ;;
     pagesync)
       (cd bench && python3 bench_page_sync_gpu.py --calls 2000 --rounds 3 2>&1 | grep -v Warn) ;;
     tail)
