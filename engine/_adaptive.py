@@ -245,6 +245,29 @@ def expected_from_counts(reached: Iterable[float], accepted: Iterable[float],
     return {k: totals[k] if k <= last else total for k in candidates}
 
 
+def tail_expected_from_counts(reached: Iterable[float], accepted: Iterable[float],
+                              tail_reached: Iterable[float], tail_accepted: Iterable[float],
+                              candidates: Sequence[int], *, scale: int = 0
+                              ) -> dict[int, float]:
+    """E(k) per candidate from the tail's counts, with TAIL_PRIOR_ROWS pseudo-rows at the
+    pooled acceptance (``reached``, ``accepted``: all rows' counts):
+    ``expected_by_k`` of the tail's acceptances, each (tail accepted + TAIL_PRIOR_ROWS *
+    ``acceptance_from_counts``) / (tail reached + TAIL_PRIOR_ROWS), in one pass without
+    their lists (one GPU rank runs it at most choices the rule makes): the same operations
+    in the same order, so the same floats. ``scale``: as ``expected_from_counts``'s."""
+    totals, total, chain = [1.0], 1.0, 1.0      # E(0), E(1), ...
+    for r, a, tr, ta in zip(reached, accepted, tail_reached, tail_accepted):
+        if scale:
+            r, a = round(r * scale) / scale, round(a * scale) / scale
+            tr, ta = round(tr * scale) / scale, round(ta * scale) / scale
+        pooled = (a + PRIOR_ACCEPTED) / (r + PRIOR_ROWS)
+        chain *= (ta + TAIL_PRIOR_ROWS * pooled) / (tr + TAIL_PRIOR_ROWS)
+        total += chain
+        totals.append(total)
+    last = len(totals) - 1      # a K past the counts known: all of them
+    return {k: totals[k] if k <= last else total for k in candidates}
+
+
 @attrs.define
 class CostTable:
     """T(b, k) in seconds, b a batch class (``bucket``: the batch rounded up to a power of
@@ -328,11 +351,15 @@ class CostTable:
 
     def _device(self, bucket: int, k: int) -> float | None:
         """Warm-up's time of the graph bucket that serves class ``bucket``."""
+        return self.device.get((self._graph(bucket), k))
+
+    def _graph(self, bucket: int) -> int:
+        """The graph bucket that serves class ``bucket``."""
         graph = self._graph_of.get(bucket)
         if graph is None:
             buckets = self.buckets
             graph = self._graph_of[bucket] = bucket_for(bucket, buckets) or buckets[-1]
-        return self.device.get((graph, k))
+        return graph
 
     def own_device(self, bucket: int, k: int) -> float | None:
         """Warm-up's time for class ``bucket`` where a graph bucket of that size was timed
@@ -349,38 +376,43 @@ class CostTable:
         not WELL_MEASURED at a bucket whose anchor is takes at most the anchor's time
         moved by their warm-up times' difference (``moved``)."""
         measured, samples, found, rest = self.measured, self.samples, {}, None
+        # Every K in one pass, warm-up's times looked up here, not through ``moved``
+        # (the rule runs this at most of its choices, and prices most K values from
+        # another): the same operations on each K as one step after another would do.
+        graph, device = self._graph(bucket), self.device
         anchor = self._anchor.get(bucket)
+        if anchor is not None:      # (measured: it has WELL_MEASURED samples)
+            at_anchor, there_anchor = measured[(bucket, anchor)], device.get((graph, anchor))
+        # A K not running, priced from the one running (``_stamp``).
+        by_ratio = self._priced.get(bucket) if self._priced else None
+        if by_ratio:
+            running = self._running[bucket]
+            base, there = measured[(bucket, running)], device.get((graph, running))
+        x = self.overhead_at(bucket) if self.overhead else None
         for k in ks:
-            seen = measured.get((bucket, k))
+            key = (bucket, k)
+            seen = measured.get(key)
+            here = device.get((graph, k))
             if seen is None:
-                device = self._device(bucket, k)
-                assert device is not None, f"no warm-up time for K = {k}"
+                assert here is not None, f"no warm-up time for K = {k}"
                 if rest is None:
                     rest = self._rest(bucket)
-                seen = device + rest
-            if anchor is not None and k != anchor and \
-                    samples.get((bucket, k), 0) < WELL_MEASURED:
-                priced = self.moved(bucket, anchor, k)
+                seen = here + rest
+            if anchor is not None and k != anchor and samples.get(key, 0) < WELL_MEASURED:
+                priced = moved(at_anchor, there_anchor, here)
                 if priced < seen:
                     seen = priced
-            found[k] = seen
-        if self._priced:
-            by_ratio = self._priced.get(bucket)
-            if by_ratio:    # a K not running, priced from the one running (``_stamp``)
-                running = self._running[bucket]
-                base = measured[(bucket, running)]
-                for k, ratio in by_ratio.items():
-                    if k in found:
-                        if ratio is not None:
-                            found[k] = base * ratio
-                        else:   # not paired yet: at most the running K's time moved
-                            priced = self.moved(bucket, running, k)
-                            if priced < found[k]:
-                                found[k] = priced
-        if self.overhead:
-            x = self.overhead_at(bucket)
-            for k in found:
-                found[k] += x
+            if by_ratio and k in by_ratio:
+                ratio = by_ratio[k]
+                if ratio is not None:
+                    seen = base * ratio
+                # Not paired yet: at most the running K's time moved (done just above
+                # where the running K is the anchor and this K is not well measured).
+                elif running != anchor or samples.get(key, 0) >= WELL_MEASURED:
+                    priced = moved(base, there, here)
+                    if priced < seen:
+                        seen = priced
+            found[k] = seen if x is None else seen + x
         return found
 
     def overhead_at(self, bucket: int) -> float:
@@ -511,6 +543,15 @@ class CostTable:
         first = self._first.get((bucket, k))
         return first is not None and _has_first(first)
 
+    def learns_disturbed(self, bucket: int, k: int) -> bool:
+        """Whether the seconds of a disturbed iteration at (bucket, k) can change the table
+        (``observe``): not once an undisturbed one was learned there (it then only counts
+        toward ``tried``), nor where nothing is learned."""
+        first = self._first.get((bucket, k))
+        if first is not None and first[0]:
+            return False
+        return self.learn and self._device(bucket, k) is not None
+
     def observe(self, bucket: int, k: int, seconds: float, disturbed: bool = False,
                 switched: bool = False, leaving: bool = False) -> None:
         """An iteration at (bucket, k) took ``seconds``; ``disturbed``: it or the next one
@@ -519,8 +560,10 @@ class CostTable:
         it does (once K = k has its first samples, either is learned as its switch cost
         only: on one GPU rank the iteration before a switch queues the next K's step,
         the one after it does without a step queued ahead)."""
-        device = self._device(bucket, k)
-        if not self.learn or device is None:
+        if not self.learn:
+            return
+        device = self.device.get((self._graph(bucket), k))
+        if device is None:
             return
         key = (bucket, k)
         first = self._first.get(key)
@@ -610,7 +653,12 @@ def moved(measured: float, there: float | None, here: float | None) -> float:
     without both warm-up times."""
     if there is None or here is None or there <= 0:
         return measured
-    return max(measured + here - there, measured * min(here / there, 1.0))
+    # max(by_difference, shrunk) and min(ratio, 1.0) written out, as the builtins pick
+    # (the rule prices most K values through this at most of its choices).
+    ratio = here / there
+    shrunk = measured * (1.0 if 1.0 < ratio else ratio)
+    by_difference = measured + here - there
+    return shrunk if shrunk > by_difference else by_difference
 
 
 def fixed_point(values: Iterable[float]) -> list[float]:
@@ -770,18 +818,19 @@ class AdaptiveK:
         self._own_tail = None       # its prior is the pooled counts
         if tail_accepted:
             self._count(self._tail_reached, self._tail_accepted, k, tail_accepted)
-        groups: Iterable[tuple[int, Sequence[int]]]
-        if classes is None:     # every row unclassed (no per-row work: a host-bound batch
-            groups = ((self.classes, num_accepted),)    # of 32-256 rows pays for each)
+        pooled = self.classes
+        if classes is None:
+            # Every row unclassed (no per-row work: a host-bound batch of 32-256 rows pays
+            # for each).
+            self._count(self._reached[pooled], self._accepted[pooled], k, num_accepted)
         else:
             by_class: dict[int, list[int]] = {}
             for c, n in zip(classes, num_accepted):
                 by_class.setdefault(c, []).append(n)
-            groups = by_class.items()
-        for c, accepted_rows in groups:
-            self._count(self._reached[c], self._accepted[c], k, accepted_rows)
-            self._own_expected[c] = None
-        self._own_expected[self.classes] = None
+            for c, accepted_rows in by_class.items():
+                self._count(self._reached[c], self._accepted[c], k, accepted_rows)
+                self._own_expected[c] = None
+        self._own_expected[pooled] = None
 
     def _count(self, reached_c: list[float], accepted_c: list[float], k: int,
                num_accepted: Sequence[int]) -> None:
@@ -806,6 +855,17 @@ class AdaptiveK:
             self._full_us = us if us > self._measured_us else self._measured_us
         else:
             self._full_us = self._measured_us
+
+    def uses_disturbed_time(self) -> bool:
+        """Whether the seconds of a disturbed time ``measured`` now can change what the
+        rule learns (``IterationClock.tick``): not where ``commit`` holds the next choice
+        (one rank: its ``choose_committed`` alone reads them, no ``facts`` send them) and
+        the table learns nothing from them at the last iteration's bucket and K
+        (``CostTable.learns_disturbed``; nothing else learns from them: ``full`` is the
+        overhead's). Until that choice, neither changes (only a choice learns)."""
+        last = self._last
+        return self._committed is None or last is None or \
+            self.cost.learns_disturbed(last[0], last[1])
 
     def disturb(self) -> None:
         """The time ``measured`` last (not sent yet) is disturbed: that iteration, or the
@@ -873,30 +933,33 @@ class AdaptiveK:
         # before it ran another K) unless nothing was measured or the engine is burning
         # in. Plain arguments to ``observe``: a tuple of them passed with * took ~8 % more
         # host time an iteration.
-        learn = self._last is not None and measured_us > 0 and self._calls > self.burn_in
-        last_bucket, last_k = self._last or (0, 0)      # (0, 0): nothing to learn
-        seconds, switched = measured_us / 1e6, self._before not in (None, last_k)
-        bucket = self.cost.bucket(padded_batch_size)
-        self._calls += 1
-        if self._committed is not None:
-            k, self._committed = self._committed, None
+        cost, last, before = self.cost, self._last, self._before
+        learn = last is not None and measured_us > 0 and self._calls > self.burn_in
+        last_bucket, last_k = last or (0, 0)      # (0, 0): nothing to learn
+        seconds, switched = measured_us / 1e6, before is not None and before != last_k
+        bucket = cost.bucket(padded_batch_size)
+        calls = self._calls = self._calls + 1
+        k = self._committed
+        if k is not None:
+            self._committed = None
         else:
-            if learn and not self.cost.tried(last_bucket, last_k):
+            if learn and not cost.tried(last_bucket, last_k):
                 # A first sample: the rule's next pick.
-                self.cost.observe(last_bucket, last_k, seconds, disturbed, switched)
+                cost.observe(last_bucket, last_k, seconds, disturbed, switched)
                 learn = False
             assert rows is not None
-            held = self._held(bucket, self._calls)
-            k = held if held is not None else \
-                self._rule(self._expected(rows), bucket, self._calls)
+            k = self._held(bucket, calls)
+            if k is None:
+                k = self._rule(self._expected(rows), bucket, calls)
         if learn:   # learned once the K after it is known (``leaving`` its K)
-            self.cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
+            cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
             if not switched and k == last_k and full_us:
-                self.cost.iteration_overhead(last_bucket, last_k, full_us / 1e6)
-        self._before = None if self._last is None else self._last[1]
-        self.switches += self._before is not None and self._before != k
+                cost.iteration_overhead(last_bucket, last_k, full_us / 1e6)
+        before = self._before = None if last is None else last_k
+        self.switches += before is not None and before != k
         self._last = (bucket, k)
-        self.chosen[k] = self.chosen.get(k, 0) + 1
+        chosen = self.chosen
+        chosen[k] = chosen.get(k, 0) + 1
         return k
 
     def _row(self, classes: Sequence[int] | None, tail_rows: int = 0) -> list[int]:
@@ -914,19 +977,17 @@ class AdaptiveK:
                        ) -> dict[int, float]:
         """E(k) per candidate from the tail's counts, with TAIL_PRIOR_ROWS pseudo-rows at
         the pooled acceptance (``reached``, ``accepted``: all rows' counts)."""
-        pooled = acceptance_from_counts(reached, accepted)
-        return expected_by_k([(a + TAIL_PRIOR_ROWS * p) / (r + TAIL_PRIOR_ROWS)
-                              for r, a, p in zip(tail_reached, tail_accepted, pooled)],
-                             self.candidates)
+        return tail_expected_from_counts(reached, accepted, tail_reached, tail_accepted,
+                                         self.candidates)
 
     def _tail_here(self) -> dict[int, float]:
         """``_expected([self._row(None, rows)])`` for a batch with a tail, from this rank's
         counts in fixed point (as its SYNC row sends them), kept until ``record``."""
         found = self._own_tail
         if found is None:
-            found = self._own_tail = self._tail_expected(
-                fixed_point(self._reached[0]), fixed_point(self._accepted[0]),
-                fixed_point(self._tail_reached), fixed_point(self._tail_accepted))
+            found = self._own_tail = tail_expected_from_counts(
+                self._reached[0], self._accepted[0], self._tail_reached,
+                self._tail_accepted, self.candidates, scale=SCALE)
         return found
 
     def _expected_here(self, classes: Sequence[int] | None) -> dict[int, float]:
@@ -1131,9 +1192,10 @@ class IterationClock:
     to the start of the next (``tick``), less what does not depend on K (``exclude``:
     waiting for work, waiting for the group's last rank; ``prefill_started`` /
     ``prefill_done``: the prefill, on a GPU as long as the device took for it, which
-    VERIFY's read-back waits behind). ``timed``: this iteration chose K and its time is
-    learned; an iteration that prefilled, and the one before it, are disturbed
-    (``AdaptiveK.disturb``). Without ``adaptive`` it keeps no time."""
+    VERIFY's read-back waits behind, read where the rule can use it). ``timed``: this
+    iteration chose K and its time is learned; an iteration that prefilled, and the one
+    before it, are disturbed (``AdaptiveK.disturb``). Without ``adaptive`` it keeps no
+    time."""
 
     adaptive: AdaptiveK | None = None
     # On a GPU (the rank's device): the prefill's device time from CUDA events (its
@@ -1154,32 +1216,38 @@ class IterationClock:
     # iteration's host time at batch 64 on the H200, the pair made once ~16
     # (bench_process_gpu.py --timers: prefill_started + prefill_done). An
     # event recorded again before it completed stands for its latest record; ``tick`` has
-    # read this iteration's pair by then (or found it not done: not timed).
+    # read this iteration's pair by then (or found it not done: not timed; or its time not
+    # needed).
     _pair: tuple[Any, Any, Any] | None = attrs.field(default=None, init=False)
     # Whether ``on_device``'s job recorded the pair for this prefill.
     _recorded: bool = attrs.field(default=False, init=False)
 
     def tick(self) -> None:
         """The last iteration ends where this one starts: hand its time to the rule."""
-        if self.adaptive is None:
+        adaptive = self.adaptive
+        if adaptive is None:
             return
         now = time.perf_counter()
         # The prefill's kernels are done when VERIFY's read-back waited behind them; not
         # when that VERIFY took a step queued before them (one GPU rank: newcomers held
         # back an iteration, RunAhead.schedule). Then the host must not wait for them
-        # here, and this iteration (disturbed anyway) is not timed.
-        done = self._events is None or self._events[1].query()
-        if self.timed and done:
-            excluded, prefill = self.excluded_s, self.prefill_s
-            if self._events is not None:
-                start, end, host = self._events
-                device = max(start.elapsed_time(end) / 1e3 - host, 0.0)
-                excluded += device
-                prefill += device
-            seconds = now - self.started - excluded
-            self.adaptive.measured(seconds, seconds + prefill)
+        # here, and this iteration (disturbed anyway) is not timed. Each CUDA call here
+        # costs the loop thread a GIL handoff (``on_device``): asked of a timed
+        # iteration only.
+        events = self._events
+        if self.timed and (events is None or events[1].query()):
+            seconds = now - self.started - self.excluded_s
+            # With its prefill (X(b)'s sample): the prefill's device time moves time from
+            # ``seconds`` to the prefill's part, so ``full`` does not depend on it.
+            full = seconds + self.prefill_s
+            # An iteration that prefilled is disturbed, whose seconds the rule often does
+            # not learn: then its device time is not read.
+            if events is not None and adaptive.uses_disturbed_time():
+                start, end, host = events
+                seconds -= max(start.elapsed_time(end) / 1e3 - host, 0.0)
+            adaptive.measured(seconds, full)
             if self.prefilled:
-                self.adaptive.disturb()
+                adaptive.disturb()
         self.started, self.excluded_s, self.prefill_s, self.timed = now, 0.0, 0.0, False
         self.prefilled, self._events = False, None
 

@@ -296,6 +296,69 @@ def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
     assert adaptive.facts()[-1] == 3000
 
 
+def test_clock_reads_the_prefills_device_time_only_where_the_rule_can_use_it(monkeypatch):
+    """Reading the prefill's device time (``elapsed_time``) is a CUDA call on the loop
+    thread, a GIL handoff to the compute thread, under a server's load nearly every
+    iteration. A prefilling iteration is disturbed: the rule learns its seconds only at a
+    (bucket, K) with no undisturbed sample yet; its time with the prefill (X(b)'s) does
+    not depend on the device time. So on one rank, where the next choice is committed
+    (its ``choose_committed`` alone reads the time), the clock reads the events only
+    while its K has no undisturbed sample; a choice from the facts (a group sends them)
+    always has them read. Either way the time with the prefill is the same."""
+    read = []
+
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self, stream):
+            pass
+
+        def query(self):
+            return True
+
+        def elapsed_time(self, end):
+            read.append(1)
+            return 2.0      # ms: 1 beyond the host's
+
+    now = [100.0]
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
+    clock = IterationClock(adaptive, device=torch.device("cuda"))
+    clock.tick()
+
+    def iteration(prefill: bool, commit: bool) -> None:
+        if adaptive.committed:
+            k = adaptive.choose_committed(1)
+        else:
+            k = adaptive.choose([adaptive.facts()], 1)
+        clock.timed = True
+        if prefill:
+            mark = clock.prefill_started()
+            clock.on_device(lambda: None)()
+            now[0] += 0.001
+            clock.prefill_done(mark)
+        if commit:
+            adaptive.commit(k)
+        now[0] += 0.004
+        clock.tick()
+        assert adaptive._full_us == (5000 if prefill else 4000)
+
+    iteration(prefill=True, commit=False)       # a choice from the facts: read
+    assert read == [1] and adaptive._measured_us == -3000
+    iteration(prefill=True, commit=True)        # K = 0 has no undisturbed sample: read
+    assert read == [1, 1] and adaptive._measured_us == -3000
+    iteration(prefill=False, commit=True)       # its first undisturbed one
+    iteration(prefill=True, commit=True)        # then disturbed ones: not read
+    iteration(prefill=True, commit=True)
+    assert read == [1, 1] and adaptive._measured_us < 0
+    iteration(prefill=True, commit=False)       # a choice from the facts: read
+    assert read == [1, 1, 1] and adaptive._measured_us == -3000
+    assert adaptive.cost.samples[(1, 0)] == 3 and adaptive.cost.ignored == 2
+
+
 async def test_k0_stretch_queues_ahead_and_keeps_the_head_current(tiny_dir, tiny_loaded):
     """One GPU rank's path (on CPU, outputs reused by every replay as CUDA graphs do):
     K = 0 iterations followed by K = 0 take a step queued ahead; greedy equals no
