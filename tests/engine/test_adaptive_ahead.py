@@ -196,6 +196,47 @@ def test_disturbed_iterations_are_learned_only_where_nothing_else_is():
     assert cost.tried(1, 0) and cost.measured[(1, 0)] == 0.002
 
 
+def _fake_events(done: bool, elapsed_ms: float | None = None,
+                 read: list[int] | None = None) -> type:
+    """CUDA events whose ``query`` says ``done``; ``elapsed_time`` gives ``elapsed_ms``
+    (noted in ``read``), or fails where the clock must not read it (None), as does
+    ``synchronize`` (the clock never waits for a prefill)."""
+    class Event:
+        def __init__(self, enable_timing):
+            pass
+
+        def record(self, stream):
+            pass
+
+        def query(self):
+            return done
+
+        def synchronize(self):
+            raise AssertionError("the clock waited for the prefill")
+
+        def elapsed_time(self, end):
+            if elapsed_ms is None:
+                raise AssertionError("timed an iteration that did not wait for its prefill")
+            if read is not None:
+                read.append(1)
+            return elapsed_ms
+    return Event
+
+
+def _clock_on_fake_cuda(monkeypatch, event: type, stream: object = None):
+    """An adaptive rule's clock on a GPU rank whose CUDA events are ``event`` and whose
+    current stream is ``stream``, on a host clock the test moves (``now[0]``, seconds);
+    -> (now, the rule, the clock, started: one ``tick`` made)."""
+    now = [100.0]
+    monkeypatch.setattr(torch.cuda, "Event", event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: stream)
+    monkeypatch.setattr(time, "perf_counter", lambda: now[0])   # the clock's module's too
+    adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
+    clock = IterationClock(adaptive, device=torch.device("cuda"))
+    clock.tick()
+    return now, adaptive, clock
+
+
 def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
     """On a GPU the prefill's kernels run after the host queued them; VERIFY waits for
     them. The clock leaves out the longer of the host's and the device's time for the
@@ -217,13 +258,7 @@ def test_clock_leaves_out_the_prefills_device_time(monkeypatch):
 
         def elapsed_time(self, end):
             return 50.0
-    now = [100.0]
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: "the current stream")
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])   # the clock's module's too
-    adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
-    clock = IterationClock(adaptive, device=torch.device("cuda"))
-    clock.tick()
+    now, adaptive, clock = _clock_on_fake_cuda(monkeypatch, Event, "the current stream")
     clock.timed = True
     now[0] += 0.005
     clock.tick()                    # an iteration of 5 ms, undisturbed so far ...
@@ -261,28 +296,8 @@ def test_clock_does_not_wait_for_a_prefill_nobody_waited_for(monkeypatch):
     clock neither waits for them (no synchronize: the host would stall behind the GPU)
     nor learns that iteration's time (it would subtract a device time it did not wait
     for); the next iteration is timed again."""
-    class Event:
-        def __init__(self, enable_timing):
-            pass
-
-        def record(self, stream):
-            pass
-
-        def query(self):
-            return False    # still running
-
-        def synchronize(self):
-            raise AssertionError("the clock waited for the prefill")
-
-        def elapsed_time(self, end):
-            raise AssertionError("timed an iteration that did not wait for its prefill")
-    now = [100.0]
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
-    clock = IterationClock(adaptive, device=torch.device("cuda"))
-    clock.tick()
+    Event = _fake_events(done=False)    # still running
+    now, adaptive, clock = _clock_on_fake_cuda(monkeypatch, Event)
     clock.timed = True
     mark = clock.prefill_started()
     clock.on_device(lambda: None)()
@@ -305,29 +320,9 @@ def test_clock_reads_the_prefills_device_time_only_where_the_rule_can_use_it(mon
     (its ``choose_committed`` alone reads the time), the clock reads the events only
     while its K has no undisturbed sample; a choice from the facts (a group sends them)
     always has them read. Either way the time with the prefill is the same."""
-    read = []
-
-    class Event:
-        def __init__(self, enable_timing):
-            pass
-
-        def record(self, stream):
-            pass
-
-        def query(self):
-            return True
-
-        def elapsed_time(self, end):
-            read.append(1)
-            return 2.0      # ms: 1 beyond the host's
-
-    now = [100.0]
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device: None)
-    monkeypatch.setattr(time, "perf_counter", lambda: now[0])
-    adaptive = AdaptiveK(KS, CostTable({(1, k): 0.001 for k in KS}))
-    clock = IterationClock(adaptive, device=torch.device("cuda"))
-    clock.tick()
+    read: list[int] = []
+    Event = _fake_events(done=True, elapsed_ms=2.0, read=read)     # ms: 1 beyond the host's
+    now, adaptive, clock = _clock_on_fake_cuda(monkeypatch, Event)
 
     def iteration(prefill: bool, commit: bool) -> None:
         if adaptive.committed:
