@@ -12,8 +12,10 @@ one message; the front door here turns them into text and wakes the consumers.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.connection
 import pickle
 import socket
+import time
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
 import anyio
@@ -41,8 +43,12 @@ if TYPE_CHECKING:
 log = structlog.get_logger(__name__)
 # Messages the reader hands over per wake-up at most (see ``_read``).
 READ_BATCH = 8
-# How long rank 0's error waits for each other rank's exit to show (``_dead_ranks``).
-DEATH_WAIT_S = 0.2
+# How long rank 0's error waits for another rank's exit to show (``_dead_ranks``), and,
+# once one has, for the others'. A collective fails on rank 0 as soon as a peer's
+# connection drops, before that peer's exit is complete; on a loaded 2-core machine (the
+# full test suite) it completed more than 0.2 s later.
+DEATH_WAIT_S = 2.0
+DEATH_GRACE_S = 0.2
 
 
 class ProcessEngine(FrontEnd):
@@ -212,7 +218,13 @@ class ProcessEngine(FrontEnd):
                 # (it takes all at once), which lets it catch up; the bound keeps a core
                 # faster than this loop from starving them (outputs would pile up).
                 for _ in range(READ_BATCH):
-                    self._handle(pickle.loads(conn.recv_bytes()))
+                    message = pickle.loads(conn.recv_bytes())
+                    if message[0] == "close_all" and message[2] is not None and self._ranks:
+                        # Rank 0's error, led by the ranks that died: waiting for their
+                        # exits blocks, off the event loop.
+                        error = await anyio.to_thread.run_sync(self._dead_ranks, message[2])
+                        message = (*message[:2], error)
+                    self._handle(message)
                     if not conn.poll():
                         break
         except (EOFError, OSError):
@@ -267,14 +279,22 @@ class ProcessEngine(FrontEnd):
     def _dead_ranks(self, error: str) -> str:
         """Rank 0's error, led by the ranks > 0 that died: a collective fails on rank 0
         as soon as a peer's connection drops, which can be before that peer's exit is
-        complete, so each gets a moment (a failure's path, once)."""
-        dead = []
-        for rank, (process, _) in enumerate(self._ranks, 1):
-            process.join(DEATH_WAIT_S)
-            if process.exitcode is not None:
-                dead.append(f"rank {rank}'s engine core process exited (exit code "
-                            f"{process.exitcode})")
-        return "; ".join([*dead, error])
+        complete, so their exits get DEATH_WAIT_S to show, and the others DEATH_GRACE_S
+        more once one has (a failure's path, once; blocking: run in a thread)."""
+        # (keyed by what ``wait`` hands back: each process's sentinel)
+        pending: dict[Any, tuple[int, BaseProcess]] = {
+            process.sentinel: (rank, process) for rank, (process, _) in enumerate(self._ranks, 1)}
+        deadline = time.monotonic() + DEATH_WAIT_S
+        dead: dict[int, int | None] = {}
+        while pending and (left := deadline - time.monotonic()) > 0:
+            for sentinel in multiprocessing.connection.wait(list(pending), left):
+                rank, process = pending.pop(sentinel)
+                process.join()      # exited: reaped at once
+                dead[rank] = process.exitcode
+            if dead:
+                deadline = min(deadline, time.monotonic() + DEATH_GRACE_S)
+        return "; ".join([*(f"rank {rank}'s engine core process exited (exit code {code})"
+                            for rank, code in sorted(dead.items())), error])
 
     def _kill_group(self) -> None:
         """Every core still running (after one died)."""
@@ -296,7 +316,7 @@ class ProcessEngine(FrontEnd):
         elif kind == "events":
             self._notify(message[1])
         elif kind == "close_all":
-            error = message[2] if message[2] is None else self._dead_ranks(message[2])
+            error = message[2]      # led by the dead ranks (``_read``)
             self.front.close_all(REASONS[message[1]], error)
             if error is not None:
                 self._failure = EngineClosedError(error)
