@@ -162,14 +162,13 @@ class ProcessEngine(FrontEnd):
     async def _release(self) -> None:
         """The pipe closed first: a core not told to shut down (the body raised, the
         start failed) reads that as a shutdown and exits."""
-        cores = [] if self._process is None else [(self._process, self._conn)]
-        for process, conn in [*cores, *self._ranks]:
-            if conn is not None:
-                conn.close()
+        cores = self._cores()
+        for _, conn in cores:
+            conn.close()
         # Rank 0 first: the others follow its shutdown through the group. A group that
         # never started may wait in its rendezvous for a rank that failed: not for long.
         wait = 30.0 if self._core else 2.0
-        for process, _ in [*cores, *self._ranks]:
+        for process, _ in cores:
             await anyio.to_thread.run_sync(process.join, wait)
             if process.is_alive():
                 log.warning("engine_core_killed", pid=process.pid)
@@ -298,9 +297,15 @@ class ProcessEngine(FrontEnd):
 
     def _kill_group(self) -> None:
         """Every core still running (after one died)."""
-        for process, _ in [(self._process, None), *self._ranks]:
-            if process is not None and process.is_alive():
+        for process, _ in self._cores():
+            if process.is_alive():
                 process.kill()
+
+    def _cores(self) -> list[tuple[BaseProcess, Connection]]:
+        """Every core started and its pipe, rank 0's first."""
+        if self._process is None or self._conn is None:
+            return []
+        return [(self._process, self._conn), *self._ranks]
 
     def _handle(self, message: tuple[Any, ...]) -> None:
         kind = message[0]

@@ -90,7 +90,8 @@ class StagingRing:
                           for _ in range(self.DEPTH)]
             self._on_device = torch.empty(capacity, dtype=self.dtype, device=self.device)
         self._numpy = [h.numpy() for h in self._host]
-        self._events = [None] * self.DEPTH
+        # One event a buffer (on a GPU): the copy that last read it.
+        self._events = [torch.cuda.Event() for _ in range(self.DEPTH)] if cuda else []
 
     def take(self, n: int) -> tuple[Any, int]:
         """A host buffer of at least ``n`` elements to write (a numpy view) and its number
@@ -99,9 +100,8 @@ class StagingRing:
             self._grow(max(n, 2 * self._capacity, self.MIN_CAPACITY))
         i = self._next
         self._next = (i + 1) % self.DEPTH
-        event = self._events[i]
-        if event is not None:
-            event.synchronize()     # the copy that last read it (done, nearly always)
+        if self._events:    # (an event never recorded is done)
+            self._events[i].synchronize()   # the copy that last read it: done, nearly always
         return self._numpy[i], i
 
     def copy(self, i: int, n: int) -> torch.Tensor:
@@ -109,9 +109,6 @@ class StagingRing:
         copy (valid until the next ``copy`` is queued behind what reads it)."""
         out = self._on_device[:n]
         out.copy_(self._host[i][:n], non_blocking=True)
-        if self.device.type == "cuda":
-            event = self._events[i]
-            if event is None:
-                event = self._events[i] = torch.cuda.Event()
-            event.record(current_stream(out.device.index))
+        if self._events:
+            self._events[i].record(current_stream(out.device.index))
         return out

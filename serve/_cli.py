@@ -92,4 +92,3 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port) if int(os.environ.get("RANK", "0")) == 0 else None
     anyio.run(serve, config, options, sock)
     return 0
-
