@@ -12,7 +12,7 @@ request's consumer woken, detokenizing), which ``ProcessEngine`` moves to this p
         [--batches 1,32,64,128] [--runs 3] [--tokens 128] [--min-prompts 32]
         [--kinds process,process-pinned,in-process] [--consumer stream|batch] [--device cpu]
         [--buckets serving] [--min-rounds 4]
-        [--arrival steady [--requests N] [--spread 0.5]] [--timers]
+        [--arrival steady [--requests N] [--spread 0.5]] [--timers] [--replicas 3]
 
 ``--timers``: for each in-process engine, µs an iteration in adaptive K's calls and the
 chained step's queueing (bench/_host_timers.py) and in each iteration state.
@@ -51,7 +51,7 @@ from profile_spec_gpu import CONFIGS
 
 
 async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets,
-                  steady=None, core_log_level="warning", timers=None):
+                  steady=None, core_log_level="warning", timers=None, replicas=1):
     """-> {(name, kind): (rates, AL, extra)}; every engine built and warmed first (a whole
     round: adaptive K explores its K values then), then ``runs`` runs in which the engines
     take turns, each run starting one engine further on. ``steady``: (prompts to cycle,
@@ -59,7 +59,10 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
     closed rounds over ``sets``. ``core_log_level``: the ProcessEngine core's (its stderr;
     "info" shows adaptive K's ``adaptive_k`` events). ``timers``: a ``HostTimers``
     installed in this process: each in-process engine's time in its functions, and its
-    iteration states' (observers), µs an iteration over its timed runs."""
+    iteration states' (observers), µs an iteration over its timed runs. ``replicas``:
+    engines of each ProcessEngine kind per config (each core its own process, so its own
+    draw of the host's speed), taking turns with the others; a key's rates are all its
+    replicas' runs, replica after replica, and ``replica_medians`` each one's median."""
     from bench_host_overhead import StateTimes  # noqa: PLC0415
     from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
 
@@ -68,16 +71,17 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
     states = {(name, kind): StateTimes() for name in names for kind in kinds}
     spent: dict[tuple[str, str], dict[str, float]] = {}
     async with contextlib.AsyncExitStack() as stack:
-        engines = {}
+        engines = {}     # (name, kind, replica) -> engine
         for name in names:
             spec = {k: v for k, v in CONFIGS[name].items() if k not in ("unchained", "fixed_times")}
             config = engine_config(spec, batch, device, buckets)
             for kind in kinds:
                 observers = [states[name, kind]] if timers is not None else []
-                engine = AsyncEngine(config, model=loaded, observers=observers) \
-                    if kind == "in-process" \
-                    else ProcessEngine(_pinned(config, kind), log_level=core_log_level)
-                engines[name, kind] = await stack.enter_async_context(engine)
+                for replica in range(1 if kind == "in-process" else replicas):
+                    engine = AsyncEngine(config, model=loaded, observers=observers) \
+                        if kind == "in-process" \
+                        else ProcessEngine(_pinned(config, kind), log_level=core_log_level)
+                    engines[name, kind, replica] = await stack.enter_async_context(engine)
         for engine in engines.values():
             await generate_round(engine, sets[0], tokens, consumer)
         before = {key: await _stats(engine) for key, engine in engines.items()}
@@ -103,34 +107,45 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 sync()
                 walls[key].append(time.perf_counter() - start)
                 if mark is not None:
-                    mine = spent.setdefault(key, {})
+                    mine = spent.setdefault(key[:2], {})
                     for label, sec in timers.since(mark).items():
                         mine[label] = mine.get(label, 0.0) + sec
                 rates[key].append(batch * len(sets) * tokens / walls[key][-1]
                                   if steady is None else got["tok_s"])
+        # Per (name, kind), summed over its replicas: [drafting rows, accepted tokens,
+        # iterations, overlapped iterations, {K: iterations}].
+        counts: dict[tuple[str, str], list] = {}
         for key, engine in engines.items():
             stats, first = await _stats(engine), before[key]
-            drafting = stats.num_drafting_rows - first.num_drafting_rows
-            al = 1 + (stats.num_accepted_tokens - first.num_accepted_tokens) / drafting \
-                if drafting else None
-            iterations = stats.num_iterations - first.num_iterations
-            # Which K the timed runs drafted (adaptive K's choices).
-            per_k = {k: n - first.iterations_per_k.get(k, 0)
-                     for k, n in sorted(stats.iterations_per_k.items())}
-            # Iterations whose step was queued ahead or chained (host and GPU overlapped;
-            # a one-token prompt joining a chained batch, or a K switch that cannot chain, breaks it).
-            overlapped = (stats.num_overlapped_iterations
-                          - first.num_overlapped_iterations) / max(iterations, 1)
-            out[key] = (rates[key], al,
-                        {"host_python_us": speeds[key], "iterations_per_k": per_k,
-                         "overlapped": round(overlapped, 3),
-                         "iteration_ms": round(sum(walls[key]) * 1e3 / max(iterations, 1), 3)})
-            if timers is not None and key[1] == "in-process":
+            got = counts.setdefault(key[:2], [0, 0, 0, 0, {}])
+            got[0] += stats.num_drafting_rows - first.num_drafting_rows
+            got[1] += stats.num_accepted_tokens - first.num_accepted_tokens
+            got[2] += stats.num_iterations - first.num_iterations
+            got[3] += stats.num_overlapped_iterations - first.num_overlapped_iterations
+            for k, n in stats.iterations_per_k.items():
+                got[4][k] = got[4].get(k, 0) + n - first.iterations_per_k.get(k, 0)
+        for pair, (drafting, accepted, iterations, overlapped, per_k) in counts.items():
+            mine = [key for key in keys if key[:2] == pair]
+            al = 1 + accepted / drafting if drafting else None
+            extra = {"host_python_us": [s for key in mine for s in speeds[key]],
+                     # Which K the timed runs drafted (adaptive K's choices).
+                     "iterations_per_k": dict(sorted(per_k.items())),
+                     # Iterations whose step was queued ahead or chained (host and GPU
+                     # overlapped; a one-token prompt joining a chained batch, or a K
+                     # switch that cannot chain, breaks it).
+                     "overlapped": round(overlapped / max(iterations, 1), 3),
+                     "iteration_ms": round(sum(w for key in mine for w in walls[key]) * 1e3
+                                           / max(iterations, 1), 3)}
+            if len(mine) > 1:
+                extra["replica_medians"] = [round(statistics.median(rates[key]), 1)
+                                            for key in mine]
+            out[pair] = ([r for key in mine for r in rates[key]], al, extra)
+            if timers is not None and pair[1] == "in-process":
                 per = max(iterations, 1)
-                out[key][2]["states_us"] = {s: round(v / per, 1)
-                                            for s, v in states[key].total_us.items()}
-                out[key][2]["timers_us"] = {s: round(v * 1e6 / per, 1)
-                                            for s, v in sorted(spent.get(key, {}).items())}
+                extra["states_us"] = {s: round(v / per, 1)
+                                      for s, v in states[pair].total_us.items()}
+                extra["timers_us"] = {s: round(v * 1e6 / per, 1)
+                                      for s, v in sorted(spent.get(pair, {}).items())}
     return out
 
 
@@ -217,6 +232,10 @@ def main() -> None:
     ap.add_argument("--timers", action="store_true",
                     help="in-process engines: µs an iteration in adaptive K's calls "
                          "(bench/_host_timers.py) and in each iteration state")
+    ap.add_argument("--replicas", type=int, default=1,
+                    help="ProcessEngines per config and kind (each core its own process: "
+                         "the lent H200's host runs at one of two speeds a process, so one "
+                         "core a config compares its draws as much as the configs)")
     add_arrival_args(ap)
     args = ap.parse_args()
     quiet_logs()
@@ -235,7 +254,7 @@ def main() -> None:
         steady = steady_setup(args, loaded.tokenizer, texts, batch)
         got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
                         args.device, args.consumer, args.buckets, steady,
-                        args.core_log_level, timers)
+                        args.core_log_level, timers, args.replicas)
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
@@ -249,7 +268,7 @@ def main() -> None:
                     print(f"batch {batch} {kind}: {name} ms an iteration / its K mix's at "
                           f"the fixed configs' = {extra['vs_mix']}", flush=True)
                 paired = None
-                if kind != "in-process" and (name, "in-process") in got:
+                if kind != "in-process" and (name, "in-process") in got and args.replicas == 1:
                     paired = [round(a / b, 3) for a, b in zip(rates, got[name, "in-process"][0])]
                 emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device,
                                    kind=kind, consumer=args.consumer, buckets=args.buckets,

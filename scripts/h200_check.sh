@@ -156,6 +156,7 @@ for step in "$@"; do
         --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
         --batches "${PROCESS_BATCHES:-1,8,32,64,128,256}" --kinds "${PROCESS_KINDS:-process}" \
         --arrival "${PROCESS_ARRIVAL:-closed}" --steady-rounds "${STEADY_ROUNDS:-4}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
+        --replicas "${REPLICAS:-1}" \
         $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
         --configs "${PROCESS_CONFIGS:-none,eagle3 K=1,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \
         2>&1 | grep -v Warn | tee "$OUT/process.log" | python3 -c '
@@ -168,6 +169,7 @@ for line in sys.stdin:
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
           "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"], "host", r["host_python_us"],
           "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
+          "replicas", r.get("replica_medians"),
           "K", r["iterations_per_k"])
     for extra in ("states_us", "timers_us"):
         if r.get(extra):
@@ -277,6 +279,7 @@ for line in sys.stdin:
                --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
                --batches "${PROCESS_BATCHES:-64}" --kinds "${PROCESS_KINDS:-process}" \
                --arrival "${PROCESS_ARRIVAL:-steady}" --steady-rounds "${STEADY_ROUNDS:-4}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
+        --replicas "${REPLICAS:-1}" \
                $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
                --configs "${PROCESS_CONFIGS:-none,eagle3 K=2,eagle3 adaptive<=3}" \
                > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
@@ -286,6 +289,7 @@ for line in sys.stdin:
     r = json.loads(line)
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
           "ms/it", r["iteration_ms"], "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
+          "replicas", r.get("replica_medians"),
           "K", r["iterations_per_k"])
     if r.get("timers_us"):  # PROCESS_TIMERS=1: µs an iteration, calls of 5 µs or more
         print("    timers_us", {k: v for k, v in r["timers_us"].items() if v >= 5})')
