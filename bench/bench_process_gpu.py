@@ -112,34 +112,10 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                         mine[label] = mine.get(label, 0.0) + sec
                 rates[key].append(batch * len(sets) * tokens / walls[key][-1]
                                   if steady is None else got["tok_s"])
-        # Per (name, kind), summed over its replicas: [drafting rows, accepted tokens,
-        # iterations, overlapped iterations, {K: iterations}].
-        counts: dict[tuple[str, str], list] = {}
-        for key, engine in engines.items():
-            stats, first = await _stats(engine), before[key]
-            got = counts.setdefault(key[:2], [0, 0, 0, 0, {}])
-            got[0] += stats.num_drafting_rows - first.num_drafting_rows
-            got[1] += stats.num_accepted_tokens - first.num_accepted_tokens
-            got[2] += stats.num_iterations - first.num_iterations
-            got[3] += stats.num_overlapped_iterations - first.num_overlapped_iterations
-            for k, n in stats.iterations_per_k.items():
-                got[4][k] = got[4].get(k, 0) + n - first.iterations_per_k.get(k, 0)
-        for pair, (drafting, accepted, iterations, overlapped, per_k) in counts.items():
-            mine = [key for key in keys if key[:2] == pair]
-            al = 1 + accepted / drafting if drafting else None
-            extra = {"host_python_us": [s for key in mine for s in speeds[key]],
-                     # Which K the timed runs drafted (adaptive K's choices).
-                     "iterations_per_k": dict(sorted(per_k.items())),
-                     # Iterations whose step was queued ahead or chained (host and GPU
-                     # overlapped; a one-token prompt joining a chained batch, or a K
-                     # switch that cannot chain, breaks it).
-                     "overlapped": round(overlapped / max(iterations, 1), 3),
-                     "iteration_ms": round(sum(w for key in mine for w in walls[key]) * 1e3
-                                           / max(iterations, 1), 3)}
-            if len(mine) > 1:
-                extra["replica_medians"] = [round(statistics.median(rates[key]), 1)
-                                            for key in mine]
-            out[pair] = ([r for key in mine for r in rates[key]], al, extra)
+        deltas = {key: (await _stats(engine), before[key]) for key, engine in engines.items()}
+        merged = merge_replicas(keys, deltas, rates, walls, speeds)
+        for pair, (pair_rates, al, extra, iterations) in merged.items():
+            out[pair] = (pair_rates, al, extra)
             if timers is not None and pair[1] == "in-process":
                 per = max(iterations, 1)
                 extra["states_us"] = {s: round(v / per, 1)
@@ -147,6 +123,43 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 extra["timers_us"] = {s: round(v * 1e6 / per, 1)
                                       for s, v in sorted(spent.get(pair, {}).items())}
     return out
+
+
+def merge_replicas(keys, deltas, rates, walls, speeds):
+    """-> {(name, kind): (rates, AL, extra, iterations)} from each engine's
+    ``keys`` (name, kind, replica): its counters after and before the timed runs
+    (``deltas``: {key: (stats, first)}), its runs' tokens/s, walls and host speeds. A
+    pair's counters are summed over its replicas; its rates, walls and speeds listed
+    replica after replica (``keys``' order); ``replica_medians`` where it has more than
+    one."""
+    counts: dict[tuple[str, str], list] = {}
+    for key in keys:
+        stats, first = deltas[key]
+        got = counts.setdefault(key[:2], [0, 0, 0, 0, {}])
+        got[0] += stats.num_drafting_rows - first.num_drafting_rows
+        got[1] += stats.num_accepted_tokens - first.num_accepted_tokens
+        got[2] += stats.num_iterations - first.num_iterations
+        got[3] += stats.num_overlapped_iterations - first.num_overlapped_iterations
+        for k, n in stats.iterations_per_k.items():
+            got[4][k] = got[4].get(k, 0) + n - first.iterations_per_k.get(k, 0)
+    merged = {}
+    for pair, (drafting, accepted, iterations, overlapped, per_k) in counts.items():
+        mine = [key for key in keys if key[:2] == pair]
+        extra = {"host_python_us": [s for key in mine for s in speeds[key]],
+                 # Which K the timed runs drafted (adaptive K's choices).
+                 "iterations_per_k": dict(sorted(per_k.items())),
+                 # Iterations whose step was queued ahead or chained (host and GPU
+                 # overlapped; a one-token prompt joining a chained batch, or a K switch
+                 # that cannot chain, breaks it).
+                 "overlapped": round(overlapped / max(iterations, 1), 3),
+                 "iteration_ms": round(sum(w for key in mine for w in walls[key]) * 1e3
+                                       / max(iterations, 1), 3)}
+        if len(mine) > 1:
+            extra["replica_medians"] = [round(statistics.median(rates[key]), 1)
+                                        for key in mine]
+        merged[pair] = ([r for key in mine for r in rates[key]],
+                        1 + accepted / drafting if drafting else None, extra, iterations)
+    return merged
 
 
 KINDS = ("process", "process-pinned", "in-process")

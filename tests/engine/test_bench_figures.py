@@ -52,6 +52,40 @@ def test_adaptive_vs_mix_prices_each_k_at_its_fixed_engine(common):
     assert bench.fixed_k("none") == ("", 0) and bench.fixed_k("eagle3 K=3") == ("eagle3", 3)
 
 
+def test_replicas_merge_their_counters_and_keep_each_runs(common):
+    """``bench_process_gpu.py --replicas``: a config's engines (one core process each) are
+    one row: counters summed over the replicas (AL, K mix, iterations), runs listed
+    replica after replica, each replica's median beside them; a config of one engine has
+    no ``replica_medians``."""
+    from types import SimpleNamespace
+
+    bench = importlib.import_module("bench_process_gpu")
+
+    def stats(drafting, accepted, iterations, overlapped, per_k):
+        return SimpleNamespace(num_drafting_rows=drafting, num_accepted_tokens=accepted,
+                               num_iterations=iterations, num_overlapped_iterations=overlapped,
+                               iterations_per_k=per_k)
+
+    zero = stats(0, 0, 0, 0, {})
+    keys = [("a", "process", 0), ("a", "process", 1), ("k", "process", 0)]
+    deltas = {keys[0]: (stats(110, 60, 20, 20, {2: 12, 3: 18}), stats(10, 0, 10, 10, {3: 10})),
+              keys[1]: (stats(100, 40, 10, 9, {3: 10}), zero),
+              keys[2]: (stats(50, 50, 50, 50, {3: 50}), zero)}
+    rates = {keys[0]: [1.0, 3.0], keys[1]: [5.0, 7.0], keys[2]: [2.0]}
+    walls = {keys[0]: [0.01, 0.01], keys[1]: [0.02, 0.0], keys[2]: [0.1]}
+    speeds = {keys[0]: [1, 2], keys[1]: [3, 4], keys[2]: [5]}
+    merged = bench.merge_replicas(keys, deltas, rates, walls, speeds)
+    got_rates, al, extra, iterations = merged["a", "process"]
+    assert got_rates == [1.0, 3.0, 5.0, 7.0] and iterations == 20
+    assert al == pytest.approx(1 + 100 / 200)          # (60 + 40) / (100 + 100)
+    assert extra["iterations_per_k"] == {2: 12, 3: 18}  # 8 + 10 at K = 3
+    assert extra["overlapped"] == pytest.approx(19 / 20)
+    assert extra["iteration_ms"] == pytest.approx(40 / 20)
+    assert extra["host_python_us"] == [1, 2, 3, 4] and extra["replica_medians"] == [2.0, 6.0]
+    single = merged["k", "process"]
+    assert single[0] == [2.0] and "replica_medians" not in single[2] and single[1] == 2.0
+
+
 def test_adaptive_sim_admissions_cost_and_are_disturbed(common, monkeypatch):
     """bench/adaptive_sim.py ``--refill --lengths --disturbed``: rows of spread lengths are
     refilled at different iterations (equal lengths stay in step: all at once), an
