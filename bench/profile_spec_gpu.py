@@ -303,7 +303,7 @@ def record_observations(adaptive) -> dict:
     """Every iteration time adaptive K's clock hands its rule (bucket, K, seconds,
     disturbed), learned or not (``cost.learn``): ``observations`` sums them up."""
     record = {"seen": [], "timed": 0, "learned": []}
-    sample, observe = adaptive._sample, adaptive.cost.observe
+    choose, observe = adaptive._choose, adaptive.cost.observe
     cost = adaptive.cost
 
     def observed_by_table(bucket, k, seconds, disturbed=False, switched=False,
@@ -325,17 +325,16 @@ def record_observations(adaptive) -> dict:
             observed_by_table(*args, **kw)
     cost.__class__ = Logged
 
-    def observed(times):
-        # Every choice's last iteration, burning in too, and an untimed one (None: the
-        # clock left it out, e.g. a step not queued ahead) so that moves pair with the
-        # iteration really before.
-        measured = max(abs(t) for t in times)
+    def observed(rows, measured_us, disturbed, padded_batch_size, full_us=0):
+        # Every choice's last iteration (the group's time, as ``_choose`` gets it), burning
+        # in too, and an untimed one (None: the clock left it out, e.g. a step not queued
+        # ahead) so that moves pair with the iteration really before.
         if adaptive._last is not None:
-            record["seen"].append((*adaptive._last, measured / 1e6 if measured else None,
-                                   min(times) < 0))
-        return sample(times)
+            record["seen"].append((*adaptive._last,
+                                   measured_us / 1e6 if measured_us else None, disturbed))
+        return choose(rows, measured_us, disturbed, padded_batch_size, full_us)
 
-    adaptive._sample = observed
+    adaptive._choose = observed
     return record
 
 

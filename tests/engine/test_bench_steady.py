@@ -427,3 +427,29 @@ def test_adaptive_host_bench_times_two_modules_call_by_call(common, capsys):
             assert f"; {call} [" in line or f": {call} [" in line, (call, line)
     with pytest.raises(SystemExit):
         bench.main(["--against", str(this)])    # the head's rule needs --tail-batch
+
+
+def test_profile_records_what_adaptive_k_observes(monkeypatch):
+    """bench/profile_spec_gpu.py ``record_observations`` on a real ``AdaptiveK`` (it
+    wraps the rule's private ``_choose`` and the table's ``observe``: a rename in
+    engine/_adaptive.py broke the bench before): each choice's last iteration is seen as
+    (bucket, K, seconds, disturbed), and what the table made of each learned time."""
+    from specloop.engine._adaptive import FIRST_SAMPLES, AdaptiveK, CostTable
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    profile = importlib.import_module("profile_spec_gpu")
+    adaptive = AdaptiveK((0, 3), CostTable({(1, 0): 1.0, (1, 3): 1.0}))
+    record = profile.record_observations(adaptive)
+    for i in range(FIRST_SAMPLES + 2):
+        adaptive.commit(3)
+        adaptive.choose_committed(1)
+        adaptive.measured(0.002 + i * 0.001)
+        if i == FIRST_SAMPLES:
+            adaptive.disturb()
+    assert len(record["seen"]) == FIRST_SAMPLES + 1     # the first choice had no iteration
+    assert record["seen"][0] == (1, 3, 0.002, False)
+    assert record["seen"][-1][:3] == (1, 3, 0.002 + FIRST_SAMPLES * 0.001)
+    assert record["seen"][-1][3] is True
+    kinds = [kind for k, kind, seconds, t in record["learned"]]
+    assert kinds[:FIRST_SAMPLES] == ["first"] * FIRST_SAMPLES and kinds[-1] == "ignored"
+    assert adaptive.cost.tried(1, 3)
