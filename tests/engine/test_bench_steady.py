@@ -453,3 +453,22 @@ def test_profile_records_what_adaptive_k_observes(monkeypatch):
     kinds = [kind for k, kind, seconds, t in record["learned"]]
     assert kinds[:FIRST_SAMPLES] == ["first"] * FIRST_SAMPLES and kinds[-1] == "ignored"
     assert adaptive.cost.tried(1, 3)
+
+
+def test_serve_bench_default_config_is_a_file_with_ngram(monkeypatch):
+    """bench/bench_serve.py with no --config reads a config that exists (its default was
+    the package's engine/defaults/smollm2-ngram.toml, gone since c141830: the server quit
+    with "config file ... not found"); the direct engine's config comes from the same
+    file, n-gram as the benched method."""
+    from specloop.engine import EngineConfig
+
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("bench_serve")
+    seen = []
+    monkeypatch.setattr(bench, "bench_method",
+                        lambda args, method, levels, run: seen.append(args) or [])
+    monkeypatch.setattr("sys.argv", ["bench_serve.py", "--methods", "ngram"])
+    bench.main()
+    config = Path(seen[0].config)
+    assert config.is_file(), config
+    assert EngineConfig.from_toml(str(config)).speculative.method == "ngram"
