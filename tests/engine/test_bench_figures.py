@@ -147,3 +147,29 @@ def test_adaptive_sim_unseen_cost_flips_the_best_k_and_the_rule_follows(common):
         assert row["best_k"] == best
         assert max(row["chosen"], key=row["chosen"].get) == best
         assert row["vs_best"] >= 0.97
+
+
+def test_every_bench_script_imports():
+    """Every bench/*.py imports against this tree (in a fresh interpreter: some set
+    sys.path or torch's threads at import). The GPU benches run only on a lent H200, so a
+    name they import that the engine renamed would otherwise surface there, costing
+    device time (bench_serve.py and profile_spec_gpu.py had rotted that way: they now have
+    tests of their own)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import importlib, pathlib, sys\n"
+        f"sys.path.insert(0, {str(BENCH)!r})\n"
+        "bad = {}\n"
+        f"for p in sorted(pathlib.Path({str(BENCH)!r}).glob('*.py')):\n"
+        "    try:\n"
+        "        importlib.import_module(p.stem)\n"
+        "    except Exception as e:\n"
+        "        bad[p.name] = repr(e)\n"
+        f"print(len(list(pathlib.Path({str(BENCH)!r}).glob('*.py'))), bad)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    count, bad = out.stdout.strip().split(" ", 1)
+    assert int(count) > 40 and bad == "{}", out.stdout
