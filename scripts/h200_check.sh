@@ -20,7 +20,8 @@
 #            (steady: requests a run as a multiple of the batch, default 4; the timed window
 #            is STEADY_ROUNDS - 2 batches of finishes); bench_process_gpu.py;
 #            PROCESS_CORE_LOG=info: the core's adaptive_k events, every 256 choices, in
-#            $OUT/process.log or codeab's logs)
+#            $OUT/process.log or codeab's logs; REPLICAS=N: N ProcessEngine cores a
+#            config, each its own draw of the host's speed, runs spread over them)
 #   closed   the same in closed rounds (BATCHES, RUNS, MIN_ROUNDS: bench_adaptive_gpu.py's
 #            --batches, --runs, --min-rounds; MIN_ROUNDS defaults to 4)
 #   host     each iteration's wall and the host's wait for the GPU (HOST_BATCH, HOST_CONFIGS,
