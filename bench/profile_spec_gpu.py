@@ -22,9 +22,9 @@ import time
 import anyio
 import torch
 
-from _common import (add_round_args, device_events, device_sync, emit_row, engine_config,
-                     generate_round, held_out_sets, host_python_us, quiet_logs, speed_row,
-                     timed_sets, union_us)
+from _common import (add_round_args, critical_path_us, device_events, device_sync,
+                     emit_row, engine_config, generate_round, held_out_sets, host_python_us,
+                     quiet_logs, speed_row, timed_sets, union_us)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -193,6 +193,10 @@ def summarize_profile(prof, iterations, stacks=False):
             "gpu_busy_ms_per_iter": round(gpu_us / per / 1e3, 3),
             "gpu_union_ms_per_iter": round(union_us(device_events(prof.events())) / per / 1e3,
                                            3),
+            # What each kernel (and copy) adds to that union, and the idle time before it:
+            # the critical path's shares under PDL (``critical_path_us``).
+            "critical_path_us_per_iter": critical_path_us(
+                device_events(prof.events(), copies=True), per),
             "runtime_calls_per_iter": {k: round(v / per, 2) for k, v in calls.items()},
             # The host's time in them: a call that blocks for the GPU (a copy to pageable
             # memory) shows here, outside the read-back. Not cudaGraphLaunch's: under the

@@ -75,6 +75,27 @@ def _bench_rows(common, smollm2, tmp_path, monkeypatch, args):
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
+
+def test_critical_path_charges_each_kernel_what_it_adds(common):
+    """bench/_common.py ``critical_path_us``: a kernel launched early (PDL) is charged
+    only what it runs past the kernel before it, an idle stretch is charged apart to the
+    event after it, and the added times sum to the union."""
+    from types import SimpleNamespace as NS
+
+    def ev(s, e, name):
+        return NS(time_range=NS(start=s, end=e), name=name)
+
+    # gemm [0, 10]; norm launched at 5, waits, ends at 12 (adds 2); gemm [12, 13] (adds
+    # 1); idle 13 -> 20; copy [20, 25] (adds 5, idle 7); gemm inside it adds nothing.
+    spans = [ev(0, 10, "gemm"), ev(5, 12, "norm"), ev(12, 13, "gemm"), ev(20, 25, "copy"),
+             ev(21, 22, "gemm")]
+    out = common.critical_path_us(spans, per=1)
+    assert out == {"gemm": [3, 11.0, 0.0], "copy": [1, 5.0, 7.0], "norm": [1, 2.0, 0.0]}
+    assert sum(added for _, added, _ in out.values()) == common.union_us(spans)
+    assert list(out) == ["gemm", "copy", "norm"]        # by added time
+    halved = common.critical_path_us(spans, per=2)      # per iteration
+    assert halved["gemm"] == [1.5, 5.5, 0.0]
+
 @pytest.mark.slow
 def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypatch):
     """``bench_adaptive_gpu.py --device cpu --arrival steady`` in-process on the session's
