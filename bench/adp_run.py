@@ -142,9 +142,17 @@ async def main_async(args, path, world):
         else:
             await engine.wait_closed()
         iters = engine.stats.num_iterations
+        # This rank's own rows: each rank drafts for its batch alone (its AL is its own).
+        al = engine.stats.mean_acceptance_length
+        per_k = dict(sorted(engine.stats.iterations_per_k.items()))
+        chain = engine.worker.chain
+        chained = "off" if chain is None else f"{chain.queued_steps} queued, " \
+            f"{chain.taken_steps} taken"
         times = engine.worker.exchange.times
     sync = cost.us.get("SYNC", [0.0])
-    print(f"[rank {rank}] iterations {iters}, SYNC median {statistics.median(sync):.0f} us "
+    print(f"[rank {rank}] iterations {iters}, acceptance length {al:.3f}, iterations by K "
+          f"{per_k}, chained steps {chained}", flush=True)
+    print(f"[rank {rank}] SYNC median {statistics.median(sync):.0f} us "
           f"mean {statistics.mean(sync):.0f} us over {len(sync)}; median state us: "
           + ", ".join(f"{k} {statistics.median(v):.0f}" for k, v in cost.us.items()),
           flush=True)

@@ -63,9 +63,8 @@ class RunAhead:
         self.always = always
         self.at_k0 = False          # set at warm-up with adaptive K on one GPU rank
         self.queued: Ahead | None = None
-        # One rank: requests admitted while a step queued ahead is on the device join the
-        # batch at the next iteration, in the step the next VERIFY queues (``schedule``).
-        self.defers_joins = worker.comm.world_size == 1
+        # Requests admitted while a step queued ahead (or chained) is on the device join
+        # the batch at the next iteration, in the step the next VERIFY queues (``schedule``).
         self.joining: list[Request] = []
         self.joined_steps = 0       # for tests and benches: steps queued with joiners
         self._expected = False      # adaptive K: the last VERIFY queued this one's step
@@ -146,7 +145,7 @@ class RunAhead:
         return hidden
 
     def schedule(self, running: list[Request], admitted: list[Request]) -> list[Request]:
-        """SCHEDULE's batch on one rank: the running requests, less those just admitted
+        """SCHEDULE's batch (a rank's): the running requests, less those just admitted
         (``admitted``, the last of them) when a step queued ahead or chained for the
         others is on the device: they join at the next iteration, in the step this
         iteration's VERIFY queues ahead (``queue``), or chains (``DeviceChain.queue``,
@@ -156,7 +155,7 @@ class RunAhead:
         self.joining = []
         chain = self.worker.chain
         queued = self.queued is not None or (chain is not None and chain.has_step)
-        if admitted and self.defers_joins and queued and len(running) > len(admitted):
+        if admitted and queued and len(running) > len(admitted):
             self.joining = admitted
             return running[:len(running) - len(admitted)]
         return list(running)
@@ -165,8 +164,7 @@ class RunAhead:
         """Queue the next iteration's step for this batch and the requests joining it
         there (``joining``, appended: the batch's order then), the batch's tokens rows
         ``rows`` of ``pending``'s outputs, the joiners' their prompt's last. Not when its
-        position would lie past the cache, nor (in a group) when the next iteration will
-        likely admit a request (it would be dropped)."""
+        position would lie past the cache."""
         w, batch = self.worker, rec.batch
         if self.blocked(batch):
             return
@@ -214,7 +212,7 @@ class RunAhead:
         for r in joining:   # their first step writes their prompt's last position
             w.runner.pages.resize(r.batch_slot, r.seq_len)
         self._reserve(rec.batch)
-        key, captured, spec = w.next_key(batch, rec.spec, rec.k)
+        key, captured, spec = w.next_key(rec, batch, rec.k)
         step = attrs.evolve(rec, batch=batch, spec=spec, padded_batch_size=len(batch),
                             graph_key=key, graph_captured=captured,
                             sampling=w._sampling_batch(batch, None))
@@ -253,21 +251,6 @@ class RunAhead:
                 and last[2] is pending[1] and last[0] == rec.key
                 and last[1] == tuple(rec.batch) and feeds is not None and feeds(rec.key))
 
-    def will_admit(self) -> bool:
-        """Whether the next iteration will likely admit a request (a step queued for this
-        batch would then be dropped): a free slot and a request waiting or on its way."""
-        w = self.worker
-        scheduler = w.scheduler
-        return bool(scheduler.slots.num_free and (
-            scheduler.waiting or w._carried.assignments
-            or (w.front is not None and w.front.has_news)))
-
-    def drops_next(self) -> bool:
-        """In a group (no newcomer held back, ``defers_joins``): whether the next
-        iteration will likely admit a request, so a step queued now for this batch
-        would be dropped (this one, or the chain's)."""
-        return not self.defers_joins and self.will_admit()
-
     def blocked(self, batch: list[Request]) -> bool:
         """Whether no step may be queued ahead for ``batch`` (see ``queue``): the position
         it writes, each row's length, must lie in the cache. A row that may end at this
@@ -275,8 +258,7 @@ class RunAhead:
         iteration takes the step for the rows left (``take``), and a finished row's write
         lands in pages freed after it on the stream (the module doc)."""
         limit = self.worker.config.model.max_seq_len
-        if self.drops_next() or \
-                (batch and max(map(len, [r.token_ids for r in batch])) >= limit):
+        if batch and max(map(len, [r.token_ids for r in batch])) >= limit:
             self.worker.runner.keep_ahead = 0
             return True
         return False

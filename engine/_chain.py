@@ -210,7 +210,7 @@ class DeviceChain:
                     ) -> GraphKey | None:
         """The key PICK_GRAPH_KEY takes at the next iteration for the batch and the
         requests joining it (``full``), when captured; else None (no step queued)."""
-        key, captured, _ = self.worker.next_key(list(full), rec.spec, k)
+        key, captured, _ = self.worker.next_key(rec, list(full), k)
         return key if captured else None
 
     def _joined_rows(self, out: dict[str, torch.Tensor], joining: Sequence[Request],
@@ -414,8 +414,6 @@ class DeviceChain:
             return False
         if max(lengths) + self.keep_ahead > w.config.model.max_seq_len:
             return False
-        if w.ahead.drops_next():
-            return False    # the next batch will have its newcomer
         return bool(joining) or not w.ahead.joining
 
     def collected(self, rec: IterationRecord) -> None:

@@ -196,8 +196,11 @@ class RankWorker:
         it brings apply at the start of the next iteration."""
         self.clock.tick()
         self._apply(self._carried)
-        await self._admit()
-        rec.batch = list(self.scheduler.running)
+        admitted = await self._admit()
+        self._joined = bool(self.ahead.joining)     # the last SCHEDULE's newcomers join
+        # Newcomers join at the next iteration when a step queued ahead or chained for
+        # the others is on the device (``RunAhead.schedule``), as on one rank.
+        rec.batch = self.ahead.schedule(self.scheduler.running, admitted)
         if self.ahead.always:
             # Inline host exchange: rank 0 posts its row first; the consumers woken by
             # the last RESCAN and the other ranks' outputs (``defer``) wait for VERIFY,
@@ -356,16 +359,28 @@ class RankWorker:
             rec.sampling = self._sampling_batch(rec.batch, None)
         return S.DRAFT
 
-    def next_key(self, batch: list[Request], spec: SpecMetadata, k: int
+    def next_key(self, rec: IterationRecord, batch: list[Request], k: int
                  ) -> tuple[GraphKey, bool, SpecMetadata]:
-        """One rank: PICK_GRAPH_KEY's (key, captured) for ``batch`` at K = ``k`` as the
-        next iteration will take it, for a step queued for that batch now (requests
-        joining it), with ``spec`` carrying that batch's greedy flag; and that spec."""
+        """PICK_GRAPH_KEY's (key, captured) for ``batch`` (``rec``'s batch and the
+        requests joining it) at K = ``k`` as the next iteration will likely take it, for
+        a step queued for that batch now, with ``rec.spec`` carrying that batch's greedy
+        flag; and that spec. In a group, the key the group agrees on if no other rank's
+        batch changes: the padded batch of this iteration's SYNC or this batch's, the
+        larger, and the group's greedy flag with the joiners' (AND); another rank's
+        change makes the next iteration's key differ, which drops the step then."""
         greedy = self._all_greedy(batch)
+        spec, padded, agreed = rec.spec, len(batch), True
+        if self.comm.world_size > 1:
+            group = spec.group_all_greedy_sample
+            if group is not None and group and not greedy:
+                spec = spec.evolve(group_all_greedy_sample=False)
+            padded = max(padded, rec.padded_batch_size)
+            agreed = self._group_agrees(rec) and (group is not None or greedy ==
+                                                  spec.is_all_greedy_sample)
         if spec.is_all_greedy_sample != greedy:
             spec = spec.evolve(is_all_greedy_sample=greedy)
-        key, captured = self.graph_cache.pick(len(batch), k, SamplingPath.of(spec),
-                                              spec.all_greedy)
+        key, captured = self.graph_cache.pick(padded, k, SamplingPath.of(spec),
+                                              spec.all_greedy, agreed=agreed)
         return key, captured, spec
 
     def _sampling_batch(self, batch: list[Request], pad_to: int | None) -> SamplingBatch:

@@ -66,7 +66,9 @@
 #            n-gram adaptive<=4 on warm-up's times / learned) at BATCHES (default 1) --
 #            the same machine for both, whose host speed differs between machines;
 #            CODEAB_BENCH=process: bench_process_gpu.py instead, PROCESS_* as for process
-#            (defaults: batch 64, ProcessEngine, steady load, none / eagle3 K=2 / adaptive)
+#            (defaults: batch 64, ProcessEngine, steady load, none / eagle3 K=2 / adaptive);
+#            CODEAB_BENCH=adp: the adp step's 1- and 2-rank runs (ADP_*; nvidia-h200-x2),
+#            each rank's tok/s, AL and chained steps queued / taken
 #   pin      CPU placement: the same runs unpinned and pinned to $CPUS (taskset), in turns
 #   layer    the layer bench alone (bench_skinny_gemm.py --layer-only: + norms, + glu)
 #   ab       eagle3 K=3 against none at batch 1 and 32 with each kernel switch turned off
@@ -98,6 +100,21 @@ use_table() {
   if [ "$1" = code ]; then unset SPECLOOP_SKINNY_TABLE; return 0; fi
   if [ ! -f "$1" ]; then echo "no such table file: $1"; return 1; fi
   export SPECLOOP_SKINNY_TABLE=$(realpath "$1")
+}
+# The adp step's runs: 1 then 2 ranks under torchrun into folder $1 (o1.json, w1.log, ...),
+# the project from $PYTHONPATH as set (codeab's old tree, or the installed one).
+adp_runs() {
+  local d=$1 w
+  mkdir -p "$d"
+  for w in 1 2; do
+    # shellcheck disable=SC2086  # ADP_MODEL_ARGS: several arguments
+    python3 -m torch.distributed.run --standalone --nproc-per-node $w bench/adp_run.py \
+      ${ADP_MODEL_ARGS:---model smollm2-135m-instruct --dtype bfloat16 --graphs} \
+      --balanced-tokens "${ADP_TOKENS:-256}" --requests "${ADP_REQUESTS:-128}" \
+      --batch "${ADP_BATCH:-64}" --buckets "${ADP_BATCH:-64}" --rounds "${ADP_ROUNDS:-3}" \
+      --method "${ADP_METHOD:-none}" --consumer batch,stream --shared-memory-exchange \
+      --trace-out "$d" --out "$d/o$w.json" > "$d/w$w.log" 2>&1 || tail -20 "$d/w$w.log"
+  done
 }
 for step in "$@"; do
   echo "== $step $(date -u +%H:%M:%S)"
@@ -273,6 +290,14 @@ for line in sys.stdin:
         for v in old new; do
           path=/tmp/site:/root/smolpkg; [ $v = old ] && path=/tmp/old:$path
           echo "-- $v (round $round)"
+          if [ "${CODEAB_BENCH:-profile}" = adp ]; then
+            # The adp step's runs (ADP_* settings; run on nvidia-h200-x2), traces dropped
+            # (the device tool brings 8 files back): each rank's rates, AL, chained steps.
+            PYTHONPATH=$path adp_runs "$OUT/adp_${v}_$round"
+            rm -f "$OUT/adp_${v}_$round"/trace_*.json
+            grep -h "tok/s per round\|acceptance length" "$OUT/adp_${v}_$round"/w*.log
+            continue
+          fi
           if [ "${CODEAB_BENCH:-profile}" = process ]; then
             # bench_process_gpu.py as the process step runs it (PROCESS_* settings)
             (cd bench && PYTHONPATH=$path python3 bench_process_gpu.py --prompts "$PROMPTS" \
@@ -326,16 +351,7 @@ for line in sys.stdin:
         done
       done ;;
     adp)
-      d="$OUT/adp"; mkdir -p "$d"
-      for w in 1 2; do
-        # shellcheck disable=SC2086  # ADP_MODEL_ARGS: several arguments
-        python3 -m torch.distributed.run --standalone --nproc-per-node $w bench/adp_run.py \
-          ${ADP_MODEL_ARGS:---model smollm2-135m-instruct --dtype bfloat16 --graphs} \
-          --balanced-tokens "${ADP_TOKENS:-256}" --requests "${ADP_REQUESTS:-128}" \
-          --batch "${ADP_BATCH:-64}" --buckets "${ADP_BATCH:-64}" --rounds "${ADP_ROUNDS:-3}" \
-          --method "${ADP_METHOD:-none}" --consumer batch,stream --shared-memory-exchange \
-          --trace-out "$d" --out "$d/o$w.json" > "$d/w$w.log" 2>&1 || tail -20 "$d/w$w.log"
-      done
+      d="$OUT/adp"; adp_runs "$d"
       python3 bench/adp_trace.py "$d" | tee "$OUT/adp_summary.txt"
       python3 bench/adp_run.py --compare "$d/o1.json" "$d/o2.json" ;;
     adpproc)

@@ -254,3 +254,7 @@ test_interleavings_with_steps_queued_ahead = _engine_property(1, ahead=True)
 # mtp_eagle on one GPU rank's path: DRAFT + VERIFY chained, taken for the rows left after
 # cancels, breaks and ends, requests admitted meanwhile joining the step chained for them.
 test_interleavings_with_chained_steps = _engine_property(1, chained=True)
+# The same two paths on two ranks: each rank holds the requests it admits back one
+# iteration while its step queued ahead (or chained) is on the device, as one rank does.
+test_interleavings_with_steps_queued_ahead_in_a_group = _engine_property(2, ahead=True)
+test_interleavings_with_chained_steps_in_a_group = _engine_property(2, chained=True)

@@ -142,6 +142,9 @@ async def test_models_health_auth_and_metrics(server, model_id):
     import openai  # noqa: PLC0415 (~1 s to import: not at collection)
     async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key=API_KEY) as client:
         assert [m.id for m in (await client.models.list()).data] == [model_id]
+        # One request of its own: the iteration metrics below exist once an iteration
+        # ran, which must not hang on another test having run first on this server.
+        await client.completions.create(model=model_id, prompt=PROMPT, max_tokens=4)
     m = metrics(server.url)
     assert m["specloop:kv_slots_free"] == MAX_BATCH
     for pos in range(K):
