@@ -39,19 +39,14 @@ def requests(sampled: bool):
             for i, p in enumerate(PROMPTS * 2)]
 
 
-@pytest.mark.parametrize("spec", [{"method": "eagle3", "k": 3, "rejection": True},
-                                  {"method": "mtp_eagle", "k": 2, "rejection": False}])
-@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
-async def test_group_chained_equals_one_rank(tiny_dir, tiny_loaded, spec, sampled):
-    reqs = requests(sampled)
-    expected = await one_rank(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs)
-    cfg = group_config(tiny_dir, 2, **spec)
-    chains = {}
+async def chained_group(cfg, loaded, reqs) -> tuple[list, dict[int, DeviceChain]]:
+    """``reqs`` through 2 LocalGroup ranks with DRAFT + VERIFY chained (forced on, as on a
+    GPU rank: the chain runs on CUDA only) -> (rank 0's outputs, each rank's chain)."""
+    chains: dict[int, DeviceChain] = {}
 
     async def rank_main(comm):
-        async with AsyncEngine(cfg, communicator=comm, model=tiny_loaded) as engine:
+        async with AsyncEngine(cfg, communicator=comm, model=loaded) as engine:
             worker = engine.worker
-            # The chain runs on CUDA only; here it is forced on, as on a GPU rank.
             worker.verify_inline = True
             worker.chain = chains[comm.rank] = DeviceChain(worker=worker)
             if comm.rank == 0:
@@ -60,7 +55,17 @@ async def test_group_chained_equals_one_rank(tiny_dir, tiny_loaded, spec, sample
             return None
 
     results = await LocalGroup(2, timeout=30.0).run(rank_main)
-    assert results[0] == expected
+    return results[0], chains
+
+
+@pytest.mark.parametrize("spec", [{"method": "eagle3", "k": 3, "rejection": True},
+                                  {"method": "mtp_eagle", "k": 2, "rejection": False}])
+@pytest.mark.parametrize("sampled", [False, True], ids=["greedy", "sampled"])
+async def test_group_chained_equals_one_rank(tiny_dir, tiny_loaded, spec, sampled):
+    reqs = requests(sampled)
+    expected = await one_rank(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs)
+    got, chains = await chained_group(group_config(tiny_dir, 2, **spec), tiny_loaded, reqs)
+    assert got == expected
     # Both ranks chained steps and took some; a key or batch SYNC changed dropped others.
     for chain in chains.values():
         assert chain.taken_steps > 0, (chain.queued_steps, chain.taken_steps)
@@ -78,21 +83,8 @@ async def test_group_newcomers_wait_for_the_chained_step(tiny_dir, tiny_loaded):
              SamplingParams(temperature=0.0, max_tokens=6 + (5 * i) % 13, ignore_eos=True))
             for i in range(24)]
     expected = await one_rank(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs)
-    cfg = group_config(tiny_dir, 2, **spec)
-    chains = {}
-
-    async def rank_main(comm):
-        async with AsyncEngine(cfg, communicator=comm, model=tiny_loaded) as engine:
-            worker = engine.worker
-            worker.verify_inline = True
-            worker.chain = chains[comm.rank] = DeviceChain(worker=worker)
-            if comm.rank == 0:
-                return await outputs_of(engine, reqs)
-            await engine.wait_closed()
-            return None
-
-    results = await LocalGroup(2, timeout=30.0).run(rank_main)
-    assert results[0] == expected
+    got, chains = await chained_group(group_config(tiny_dir, 2, **spec), tiny_loaded, reqs)
+    assert got == expected
     for chain in chains.values():
         assert chain.joined_steps > 0, "no newcomer joined a chained step"
         # A step is dropped only where the other rank's batch changed the group's key.
