@@ -197,7 +197,6 @@ class RankWorker:
         self.clock.tick()
         self._apply(self._carried)
         admitted = await self._admit()
-        self._joined = bool(self.ahead.joining)     # the last SCHEDULE's newcomers join
         # Newcomers join at the next iteration when a step queued ahead or chained for
         # the others is on the device (``RunAhead.schedule``), as on one rank.
         rec.batch = self.ahead.schedule(self.scheduler.running, admitted)
