@@ -560,10 +560,8 @@ class CostTable:
         it does (once K = k has its first samples, either is learned as its switch cost
         only: on one GPU rank the iteration before a switch queues the next K's step,
         the one after it does without a step queued ahead)."""
-        if not self.learn:
-            return
-        device = self.device.get((self._graph(bucket), k))
-        if device is None:
+        device = self._device(bucket, k)
+        if not self.learn or device is None:
             return
         key = (bucket, k)
         first = self._first.get(key)
@@ -972,14 +970,6 @@ class AdaptiveK:
             if self.tail is not None else self._no_tail
         return counts + rows + tail + [tail_rows, 0, 0]
 
-    def _tail_expected(self, reached: Sequence[float], accepted: Sequence[float],
-                       tail_reached: Sequence[float], tail_accepted: Sequence[float]
-                       ) -> dict[int, float]:
-        """E(k) per candidate from the tail's counts, with TAIL_PRIOR_ROWS pseudo-rows at
-        the pooled acceptance (``reached``, ``accepted``: all rows' counts)."""
-        return tail_expected_from_counts(reached, accepted, tail_reached, tail_accepted,
-                                         self.candidates)
-
     def _tail_here(self) -> dict[int, float]:
         """``_expected([self._row(None, rows)])`` for a batch with a tail, from this rank's
         counts in fixed point (as its SYNC row sends them), kept until ``record``."""
@@ -1042,7 +1032,8 @@ class AdaptiveK:
         at += self.classes + 1      # the tail's columns
         if sum(row[at + per] for row in rows):
             tail = [sum(row[at + j] for row in rows) / SCALE for j in range(per)]
-            return self._tail_expected(reached, accepted, tail[:n], tail[n:])
+            return tail_expected_from_counts(reached, accepted, tail[:n], tail[n:],
+                                             self.candidates)
         pooled = expected_from_counts(reached, accepted, self.candidates)
         if not sum(sizes[:-1]):     # no classed row: the pooled counts alone
             return pooled

@@ -9,7 +9,8 @@ import torch
 from specloop.comm import LocalGroup
 from specloop.engine import AsyncEngine
 from specloop.engine._adaptive import (SCALE, AdaptiveK, CostTable, acceptance_from_counts,
-                                       choose_by_rate, expected_by_k)
+                                       choose_by_rate, expected_by_k,
+                                       tail_expected_from_counts)
 from specloop.engine._adaptive_tail import (TAIL_EVERY, TAIL_MIN_ROWS, TAIL_PRIOR_ROWS,
                                             TAIL_SHARE, BatchTail)
 from specloop.samplers import SamplingParams
@@ -127,7 +128,8 @@ def test_group_pools_the_tails_counts():
     tail = [sum(row[at + j] for row in rows) / SCALE for j in range(per)]
     assert tail[:n] == pytest.approx([sum(x._tail_reached[j] for x in (a, b, c))
                                       for j in range(n)], abs=3 / SCALE)
-    expected = a._tail_expected(summed[:n], summed[n:], tail[:n], tail[n:])
+    expected = tail_expected_from_counts(summed[:n], summed[n:], tail[:n], tail[n:],
+                                         a.candidates)
     assert a._expected(rows) == b._expected(rows) == c._expected(rows) == expected
     times = {k: 1.0 + 0.2 * k for k in KS}
     choice = choose_by_rate(KS, expected, times)
