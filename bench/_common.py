@@ -271,15 +271,11 @@ def critical_path_us(events, per: int, name_len: int = 60) -> dict:
     iteration, by added time; the added times sum to ``union_us``. Self device time
     (``top_kernels_us_per_iter``) counts a kernel's wait too."""
     rows: dict[str, list[float]] = {}
-    frontier = None
-    for s, e, name in sorted((e.time_range.start, e.time_range.end, e.name[:name_len])
-                             for e in events):
+    spans = sorted((e.time_range.start, e.time_range.end, e.name[:name_len]) for e in events)
+    frontier = spans[0][0] if spans else 0.0        # the first event: no idle before it
+    for s, e, name in spans:
         row = rows.setdefault(name, [0, 0.0, 0.0])
         row[0] += 1
-        if frontier is None:
-            row[1] += e - s
-            frontier = e
-            continue
         row[2] += max(0.0, s - frontier)
         row[1] += max(0.0, e - max(s, frontier))
         frontier = max(frontier, e)

@@ -138,12 +138,14 @@ class _FakeEvent:
         return 0.3      # ms: 0.2 beyond the host's 0.1 (below)
 
 
-def make_clock(module, adaptive, now: list[float]):
-    """``module``'s IterationClock for ``adaptive`` on a (fake) GPU; the module's clock
+def make_clock(module, adaptive, now: list[float], event=None):
+    """``module``'s IterationClock for ``adaptive`` on a (fake) GPU, its prefill timed by
+    two ``event`` (a fake CUDA event class; ``_FakeEvent`` by default); the module's clock
     reads ``now[0]`` until ``module.time`` is given back (``time``)."""
+    event = event or _FakeEvent
     module.time = types.SimpleNamespace(perf_counter=lambda: now[0])
     clock = module.IterationClock(adaptive, device=torch.device("cuda"))
-    clock._pair = (_FakeEvent(), _FakeEvent(), None)
+    clock._pair = (event(), event(), None)
     return clock
 
 

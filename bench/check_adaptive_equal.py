@@ -18,12 +18,10 @@ such iteration). Three kinds of sequence:
 import pathlib
 import random
 import sys
-import types
 
-import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_adaptive_host import load_revision  # noqa: E402
+from bench_adaptive_host import load_revision, make_clock  # noqa: E402
 
 from specloop.engine import _adaptive as new  # noqa: E402
 
@@ -113,14 +111,6 @@ class FakeEvent:
         return FakeEvent.ms
 
 
-def clocked(mod, adaptive, now):
-    """``mod``'s IterationClock on a fake GPU, reading the simulated ``now[0]``."""
-    mod.time = types.SimpleNamespace(perf_counter=lambda: now[0])
-    clock = mod.IterationClock(adaptive, device=torch.device("cuda"))
-    clock._pair = (FakeEvent(), FakeEvent(), None)
-    return clock
-
-
 def one_rank_tail(ref, seed):
     """A head's rule on one rank as the worker runs it (engine/_worker.py, _ahead.py):
     SCHEDULE's tick and prefill, SYNC's choice (committed, else from the facts), RESCAN's
@@ -128,7 +118,7 @@ def one_rank_tail(ref, seed):
     rng = random.Random(1000 + seed)
     a, b = build(ref, 0, tail=True), build(new, 0, tail=True)
     now = [100.0]
-    clocks = clocked(ref, a, now), clocked(new, b, now)
+    clocks = make_clock(ref, a, now, FakeEvent), make_clock(new, b, now, FakeEvent)
     # Steady load at one size, or batches that grow and drain.
     size = rng.choice([8, 32, 64]) if seed % 2 else rng.randrange(1, 64)
     rows = [Row(rng) for _ in range(size)]
