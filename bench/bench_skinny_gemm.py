@@ -53,6 +53,8 @@ estimated 10-30 s cold on 16 cores (0.2 s each on this repository's CPU box).
     python bench/bench_skinny_gemm.py --offline skinny.json --bits bits.json
     # a table's configurations split K alike per shape (offline sm_90 compiles, CPU):
     python bench/bench_skinny_gemm.py --layouts [skinny_table.json]
+    # every kernel a table may launch, its registers and spills (offline sm_90, CPU):
+    python bench/bench_skinny_gemm.py --resources [skinny_table.json]
 """
 
 from __future__ import annotations
@@ -768,16 +770,13 @@ def bench_layer(table: dict | None, layers: int = 30) -> list[dict]:
     return out
 
 
-def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
-    """--layouts: the kernel compiled offline for sm_90 (no GPU; Triton's own toolchain) as
-    the device launches it for K = ``k`` (pointers, N, K and strides divisible by 16: the
-    launch specialises them, and without that every layout differs) -> how each reduction
-    in its TTGIR splits the reduced axis: ((programs along K,), (extent, elements a thread,
-    lanes, warps), ...). Configurations whose splits differ sum in different orders;
-    equal splits are what every measured bit class has in common (the device's probe is
-    the arbiter)."""
-    import re
-
+def compile_offline(cfg, k: int, act: bool = False, norm: bool = False, glu: bool = False):
+    """The kernel compiled offline for sm_90 (no GPU; Triton's own toolchain) as the device
+    launches ``cfg`` for K = ``k`` (pointers, N, K and strides divisible by 16: the launch
+    specialises them, and without that every layout differs; GDC with launch_pdl, as on
+    an H200, samplers/_pdl.py): ``_norm_skinny_kernel`` if ``norm``, else
+    ``_skinny_kernel`` (``act``: the silu-mul prologue), ``glu``: the SwiGLU epilogue.
+    -> Triton's compiled kernel (``asm`` holds its TTGIR and PTX)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -785,9 +784,8 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
     from specloop.models import _skinny
     fn = _skinny._norm_skinny_kernel if norm else _skinny._skinny_kernel
     split, _ = cfg.k_splits(k)
-    # GDC True with launch_pdl, as the kernels launch on an H200 (samplers/_pdl.py).
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
-                 BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True, GLU=False)
+                 BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True, GLU=glu)
     const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
                       ONE_PASS=cfg.one_pass(k), PIECE=_skinny.one_pass_piece(cfg, k)))
@@ -800,10 +798,21 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
             if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
         if name not in ("M", "eps"):
             attrs[(i,)] = [["tt.divisibility", 16]]
-    ir = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
-                        target=GPUTarget("cuda", 90, 32),
-                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages,
-                                 "launch_pdl": True}).asm["ttgir"]
+    return triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32),
+                          options={"num_warps": cfg.num_warps,
+                                   "num_stages": cfg.num_stages, "launch_pdl": True})
+
+
+def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
+    """--layouts: ``compile_offline``'s TTGIR -> how each reduction in it splits the
+    reduced axis: ((programs along K,), (extent, elements a thread, lanes, warps), ...).
+    Configurations whose splits differ sum in different orders; equal splits are what
+    every measured bit class has in common (the device's probe is the arbiter)."""
+    import re
+
+    split, _ = cfg.k_splits(k)
+    ir = compile_offline(cfg, k, act, norm).asm["ttgir"]
     layouts = dict(re.findall(r"^(#\w+) = (#ttg\.blocked<\{[^}]*\}>)", ir, re.M))
     out = set()
     for m in re.finditer(r'"tt\.reduce"\(.*?<\{axis = (\d+) : i32\}>.*?\}\) : '
@@ -819,6 +828,89 @@ def reduce_splits(cfg, k: int, act: bool = False, norm: bool = False) -> tuple:
                                            for f in ("sizePerThread", "threadsPerWarp",
                                                      "warpsPerCTA")))
     return ((split,),) + tuple(sorted(out, key=repr))
+
+
+def kernel_resources(compiled) -> dict[str, int]:
+    """``compile_offline``'s PTX through Triton's own ptxas for sm_90a with -v ->
+    registers a thread, bytes of stack frame, of spill stores and of spill loads."""
+    import re
+    import subprocess
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        ptxas = get_ptxas(90).path
+    except ImportError:         # an older Triton: one ptxas
+        from triton import knobs
+        ptxas = knobs.nvidia.ptxas.path
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = os.path.join(tmp, "kernel.ptx")
+        with open(ptx, "w") as f:
+            f.write(compiled.asm["ptx"])
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", ptx, "-o",
+                              os.path.join(tmp, "kernel.cubin")],
+                             capture_output=True, text=True, check=True)
+    text = run.stdout + run.stderr
+    frame = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
+                      r"(\d+) bytes spill loads", text)
+    regs = re.search(r"Used (\d+) registers", text)
+    if frame is None or regs is None:
+        raise RuntimeError(f"ptxas -v said nothing of registers or stack: {text[-500:]}")
+    stack, stores, loads = map(int, frame.groups())
+    return {"registers": int(regs.group(1)), "stack": stack, "spill_stores": stores,
+            "spill_loads": loads}
+
+
+def launched_variants(shape, n: int, k: int, act: bool):
+    """-> (max rows, config, what) for every kernel the dispatcher may launch with a
+    resolved table entry (models/_linear): each range's plain GEMM; for a silu entry its
+    configurations on the activation without the prologue (``norm_mlp``, and
+    ``silu_mul_linear`` on a one-tile tl.dot) and with it where ``prologue_fits``; for
+    other shapes of even N the SwiGLU epilogue where the configuration holds whole pairs
+    (``_norm_glu``: gate-up), and in the norm-fusable prefix the norm kernel, with GLU
+    too."""
+    from specloop.models._skinny import glu_fits, prologue_fits
+    for max_rows, cfg in shape.ranges:
+        if act:
+            yield max_rows, cfg, dict()
+            if prologue_fits(cfg, k):
+                yield max_rows, cfg, dict(act=True)
+            continue
+        yield max_rows, cfg, dict()
+        glu = n % 2 == 0 and glu_fits(cfg, k)
+        if glu:
+            yield max_rows, cfg, dict(glu=True)
+        if shape.norm and max_rows <= shape.prefix:
+            yield max_rows, cfg, dict(norm=True)
+            if glu:
+                yield max_rows, cfg, dict(norm=True, glu=True)
+
+
+def check_resources(table: dict) -> list[str]:
+    """--resources: every kernel the dispatcher may launch for the table's configurations
+    (``launched_variants``), compiled offline for sm_90 (``kernel_resources``); -> those
+    that spill to local memory. (A norm kernel whose stream store sat under ``if pid_n ==
+    0`` compiled to 32 registers and ~3 KB of spills a thread and ran ~10x slower on the
+    H200: docs/performance-history.md, thirty-second session.)"""
+    from specloop.models._linear import _resolve
+    problems, seen = [], set()
+    for (n, k, act), entry in table.items():
+        if not entry:
+            continue
+        for max_rows, cfg, what in launched_variants(_resolve(entry, k), n, k, act):
+            key = (cfg, k, tuple(sorted(what.items())))
+            if key in seen:
+                continue
+            seen.add(key)
+            use = kernel_resources(compile_offline(cfg, k, **what))
+            label = "+".join(name for name, on in what.items() if on) or "plain"
+            spills = use["spill_stores"] + use["spill_loads"] + use["stack"]
+            print(f"{n}x{k}{' silu' if act else ''} <= {max_rows:3d} rows {cfg.tag():22s} "
+                  f"{label:9s} {use['registers']:3d} registers, stack {use['stack']} B, "
+                  f"spills {use['spill_stores']}/{use['spill_loads']} B", flush=True)
+            if spills:
+                problems.append(f"{(n, k, act)} {cfg.tag()} {label}: {use}")
+    return problems
 
 
 def check_layouts(table: dict) -> list[str]:
@@ -883,6 +975,10 @@ def main() -> None:
                     help="no GPU: compile each shape's configurations of the code's table (or "
                          "a skinny_table.json) offline for sm_90 and check that they split K "
                          "alike in every reduction; exit 1 if not")
+    ap.add_argument("--resources", nargs="?", const="code", metavar="TABLE_JSON",
+                    help="no GPU: compile every kernel the dispatcher may launch for the "
+                         "code's table (or a skinny_table.json) offline for sm_90 and print "
+                         "its registers and spills (ptxas -v); exit 1 if any spills")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU under TRITON_INTERPRET=1: this script's logic on shapes / 8")
     ap.add_argument("--layer-only", action="store_true",
@@ -895,6 +991,13 @@ def main() -> None:
             _linear._table_from_file(args.layouts)
         problems = check_layouts(table)
         print("\n".join(["", "layouts differ:"] + problems) if problems else "\nall alike")
+        sys.exit(1 if problems else 0)
+    if args.resources:
+        from specloop.models import _linear
+        table = _linear.SKINNY_TABLE if args.resources == "code" else \
+            _linear._table_from_file(args.resources)
+        problems = check_resources(table)
+        print("\n".join(["", "spills:"] + problems) if problems else "\nno spills")
         sys.exit(1 if problems else 0)
     if args.offline:
         print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n"

@@ -409,12 +409,17 @@ class PackedLinear:
 
     def silu_mul_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """gate_up [..., 2I] (gate, up), weight [H, I] -> (silu(gate) * up) @ weight^T: one
-        skinny kernel where it runs, else the fused path's silu_mul kernel and this
-        dispatcher (the MLP's down projection of ``DecoderModel._fused_layer``)."""
+        skinny kernel where it runs and its configuration takes the silu-mul prologue
+        (``_skinny.prologue_fits``), else the fused path's silu_mul kernel and the GEMM
+        (that configuration's, or this dispatcher's): the same bits either way (the MLP's
+        down projection of ``DecoderModel._fused_layer`` where ``norm_mlp`` could not put
+        SwiGLU in the gate-up GEMM)."""
         config = self._skinny_config(gate_up, weight, None, silu_mul=True)
-        if config is not None:
+        if config is not None and _skinny.prologue_fits(config, weight.shape[1]):
             return _skinny.skinny_linear(gate_up, weight, None, config, silu_mul=True)
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
+        if config is not None:      # a one-tile tl.dot: silu_mul apart (prologue_fits)
+            return _skinny.skinny_linear(_kernels.silu_mul(gate_up), weight, None, config)
         return self(_kernels.silu_mul(gate_up), weight)
 
     def norm_linear(self, x: torch.Tensor, delta: torch.Tensor | None,

@@ -548,6 +548,18 @@ def _piece(config: SkinnyConfig, k: int) -> int:
     return piece if piece < half else 0
 
 
+def prologue_fits(config: SkinnyConfig, k: int) -> bool:
+    """``skinny_linear(silu_mul=True)`` may run ``config`` for an activation of K = ``k``:
+    not a one-tile tl.dot (``one_pass``), whose programs hold their whole tile of W across
+    PDL's wait while the prologue's silu * up sits in tl.dot's operand layout (every warp
+    all of it): compiled offline for sm_90, the down GEMM's ``d32x2048s1w8n1`` with the
+    prologue keeps 32 registers and spills ~31 KB a thread (255 registers, no spill
+    without it: ``bench/bench_skinny_gemm.py --resources``), and the fifth session's
+    one-tile down projection ran 718 us a call on the H200. The dispatcher then runs
+    _kernels.silu_mul and the GEMM without the prologue: the same bits."""
+    return not config.one_pass(k)
+
+
 def norm_fusable(config: SkinnyConfig, k: int) -> bool:
     """``skinny_norm_linear`` runs ``config``: the broadcast path, all of K in one pass.
     (A tl.dot prologue was tried, 2026-12-01: faster alone in bench_skinny_gemm, slower in

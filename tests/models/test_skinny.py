@@ -586,6 +586,43 @@ def test_norm_linear_fuses_only_where_every_range_is_fusable(monkeypatch):
         assert calls == want, (k, rows, calls)
 
 
+def test_silu_mul_prologue_only_where_its_configuration_takes_it(monkeypatch):
+    """PackedLinear.silu_mul_linear (the down GEMM where norm_mlp could not put SwiGLU in
+    the gate-up GEMM): the silu-mul prologue on broadcast and looped tl.dot
+    configurations; on a one-tile tl.dot, which spills with it (sm_90: 31 KB a thread for
+    d32x2048 at K = 1536, ``_skinny.prologue_fits``), the silu_mul kernel and then that
+    configuration without the prologue (the same bits); beyond the last range silu_mul and
+    the dispatcher on the activation (F.linear here). (The kernels are stand-ins: this is
+    the dispatch.)"""
+    from specloop.models import _kernels
+    calls: list = []
+
+    def gemm(x, w, b, cfg, silu_mul=False):
+        calls.append(("gemm", cfg.tag(), silu_mul))
+        k = w.shape[1]
+        return F.linear(x[..., :k] if silu_mul else x, w, b)
+
+    def silu_mul(gate_up):
+        calls.append(("silu_mul",))
+        return gate_up[..., :gate_up.shape[-1] // 2]
+    monkeypatch.setattr(_linear._skinny, "skinny_linear", gemm)
+    monkeypatch.setattr(_kernels, "silu_mul", silu_mul)
+    v, one_tile, looped = "v2x32s1w4n3", "d16x32s1w4n1", "d16x16s1w4n3"
+    assert _linear._skinny.prologue_fits(_linear.parse_config(looped), 32)
+    assert not _linear._skinny.prologue_fits(_linear.parse_config(one_tile), 32)
+    monkeypatch.setitem(SKINNY_TABLE, (24, 32, True), ((2, v), (4, one_tile), (8, looped)))
+    monkeypatch.setitem(SKINNY_TABLE, (24, 32, False), None)   # the activation's: F.linear
+    lin = PackedLinear(skinny=True)
+    lin.skinny_on_cpu = True
+    for rows, want in ((1, [("gemm", v, True)]), (2, [("gemm", v, True)]),
+                       (3, [("silu_mul",), ("gemm", one_tile, False)]),
+                       (4, [("silu_mul",), ("gemm", one_tile, False)]),
+                       (6, [("gemm", looped, True)]), (9, [("silu_mul",)])):
+        calls.clear()
+        out = lin.silu_mul_linear(torch.randn(rows, 64).half(), torch.randn(24, 32).half())
+        assert calls == want and out.shape == (rows, 24), (rows, calls)
+
+
 def test_cpu_fp32_never_takes_the_skinny_path(monkeypatch):
     """On the CPU the dispatcher is what it was (packed for 2..32 fp32 rows, F.linear else);
     the kernel is not even asked, in any dtype."""
@@ -928,6 +965,33 @@ def _bench(monkeypatch):
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
     return importlib.import_module("bench_skinny_gemm")
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_bench_resources_lists_what_the_dispatcher_launches(monkeypatch):
+    """bench/bench_skinny_gemm.py --resources: the kernels a table entry may launch (a silu
+    entry's prologue only where ``prologue_fits``: not on its one-tile tl.dot; gate-up's
+    GLU epilogue; the norm kernel in a fusable prefix), and one offline sm_90 compile read
+    back through ptxas -v."""
+    bench = _bench(monkeypatch)
+    from specloop.models._linear import _resolve
+    silu = _resolve(((2, "v2x64s1w4n3"), (8, "d16x64s1w4n1")), 64)
+    assert [(m, c.tag(), w) for m, c, w in bench.launched_variants(silu, 24, 64, True)] == [
+        (2, "v2x64s1w4n3", {}), (2, "v2x64s1w4n3", {"act": True}), (8, "d16x64s1w4n1", {})]
+    gate_up = _resolve(((1, "v2x64s1w4n3"), (8, "d16x64s1w4n1")), 64)
+    assert [(m, c.tag(), w) for m, c, w in bench.launched_variants(gate_up, 24, 64, False)] \
+        == [(1, "v2x64s1w4n3", {}), (1, "v2x64s1w4n3", {"glu": True}),
+            (1, "v2x64s1w4n3", {"norm": True}), (1, "v2x64s1w4n3", {"norm": True, "glu": True}),
+            (8, "d16x64s1w4n1", {}), (8, "d16x64s1w4n1", {"glu": True})]
+    # Triton 3.9 warns where this is unset; on (Triton's default) as the device compiles.
+    monkeypatch.setenv("TRITON_DEFAULT_FP_FUSION", "1")
+    try:
+        from triton.backends.compiler import GPUTarget  # noqa: F401
+        use = bench.kernel_resources(bench.compile_offline(
+            _linear.parse_config("b2x2x64s1w4n3"), 64))
+    except (ImportError, FileNotFoundError, RuntimeError) as exc:  # no CUDA backend / ptxas
+        pytest.skip(f"no offline sm_90 toolchain: {exc}")
+    assert use["registers"] > 0 and use["stack"] == use["spill_stores"] == 0, use
 
 
 def test_bench_sweep_and_chooser(monkeypatch):
