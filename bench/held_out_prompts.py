@@ -10,7 +10,14 @@ elsewhere.
 
     python bench/held_out_prompts.py            # rebuild it (needs Debian's
                                                 # wordnet-base and fortunes)
-    python bench/held_out_prompts.py --check    # rebuild in memory, compare with the file
+    python bench/held_out_prompts.py --check    # every shipped prompt is a fortune in
+                                                # one of the forms (needs fortunes)
+
+A rebuild is not the shipped file row for row in general: the held-out prompts are drawn
+from the random stream after the training builders, whose draws depend on Debian's package
+list at the last ``apt-get update`` (the package summaries) and on Python's docstrings. The
+shipped file is the one every GPU figure since the sixth session read; ``--check`` checks
+that it is made from the corpus (``fortune_prompt_forms``), which holds on any of those.
 """
 
 from __future__ import annotations
@@ -44,13 +51,17 @@ def read(path: Path = PATH) -> list[dict]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
-                    help="compare a rebuild with the shipped file instead of writing it")
+                    help="check that every shipped prompt is a fortune of the installed "
+                         "corpus in one of fortune_prompts' forms, instead of rebuilding")
     args = ap.parse_args()
-    rows = build()
     if args.check:
-        same = rows == read()
-        print("same as the shipped file" if same else "DIFFERENT from the shipped file")
-        sys.exit(0 if same else 1)
+        from specloop.train._prompts import fortune_prompt_forms  # noqa: PLC0415
+        forms = fortune_prompt_forms()
+        missing = [r for r in read() if (r["text"], r["form"]) not in forms]
+        print(f"{len(missing)} of the shipped prompts are no fortune in one of the forms"
+              if missing else "every shipped prompt is a fortune in one of the forms")
+        sys.exit(1 if missing else 0)
+    rows = build()
     PATH.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"wrote {len(rows)} prompts to {PATH}")
 

@@ -178,17 +178,30 @@ def docstring_prompts(rng: random.Random) -> list[Prompt]:
     return prompts
 
 
-def fortune_prompts(rng: random.Random) -> list[Prompt]:
-    prompts = []
+def _fortune_texts() -> Iterator[str]:
+    """The fortunes a held-out prompt may quote, in file order (30-400 characters)."""
     for path in sorted(FORTUNES.iterdir()):
         if path.suffix or path.is_dir() or path.name in ("ascii-art", "art"):
             continue
         for text in path.read_text(errors="replace").split("\n%\n"):
             text = text.strip()
             if 30 <= len(text) <= 400:
-                form, tpl = rng.choice(FORTUNE_FORMS)
-                prompts.append(Prompt(tpl.format(text=text), "fortunes", form))
+                yield text
+
+
+def fortune_prompts(rng: random.Random) -> list[Prompt]:
+    prompts = []
+    for text in _fortune_texts():
+        form, tpl = rng.choice(FORTUNE_FORMS)
+        prompts.append(Prompt(tpl.format(text=text), "fortunes", form))
     return prompts
+
+
+def fortune_prompt_forms() -> set[tuple[str, str]]:
+    """Every (text, form) ``fortune_prompts`` can make from the installed fortunes, in any
+    random stream: what a held-out prompt drawn from them must be."""
+    return {(tpl.format(text=text), form) for text in _fortune_texts()
+            for form, tpl in FORTUNE_FORMS}
 
 
 def _train_prompts(rng: random.Random, num_train: int, nouns: int,
