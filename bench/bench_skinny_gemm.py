@@ -985,20 +985,18 @@ def main() -> None:
                     help="no sweep: the layer bench on the code's table (+ norms, + glu)")
     args = ap.parse_args()
     global SMOKE, DEVICE, DTYPE
-    if args.layouts:
-        from specloop.models import _linear
-        table = _linear.SKINNY_TABLE if args.layouts == "code" else \
-            _linear._table_from_file(args.layouts)
-        problems = check_layouts(table)
-        print("\n".join(["", "layouts differ:"] + problems) if problems else "\nall alike")
-        sys.exit(1 if problems else 0)
-    if args.resources:
-        from specloop.models import _linear
-        table = _linear.SKINNY_TABLE if args.resources == "code" else \
-            _linear._table_from_file(args.resources)
-        problems = check_resources(table)
-        print("\n".join(["", "spills:"] + problems) if problems else "\nno spills")
-        sys.exit(1 if problems else 0)
+    # The offline checks (CPU): a table's layouts, or its kernels' spills; exit 1 on a problem.
+    for source, check, bad, good in ((args.layouts, check_layouts, "layouts differ:",
+                                      "all alike"),
+                                     (args.resources, check_resources, "spills:",
+                                      "no spills")):
+        if source:
+            from specloop.models import _linear
+            table = _linear.SKINNY_TABLE if source == "code" else \
+                _linear._table_from_file(source)
+            problems = check(table)
+            print("\n".join(["", bad] + problems) if problems else "\n" + good)
+            sys.exit(1 if problems else 0)
     if args.offline:
         print("\n# Paste into models/_linear.py (replacing SKINNY_TABLE):\n"
               + table_literal(offline(args.offline, args.bits)))
