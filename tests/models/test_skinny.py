@@ -15,6 +15,7 @@ dispatcher's choices (table, window, switches) run in-process.
 """
 
 import importlib
+import subprocess
 
 import pytest
 import torch
@@ -989,8 +990,8 @@ def test_bench_resources_lists_what_the_dispatcher_launches(monkeypatch):
         from triton.backends.compiler import GPUTarget  # noqa: F401
         use = bench.kernel_resources(bench.compile_offline(
             _linear.parse_config("b2x2x64s1w4n3"), 64))
-    except (ImportError, FileNotFoundError, RuntimeError) as exc:  # no CUDA backend / ptxas
-        pytest.skip(f"no offline sm_90 toolchain: {exc}")
+    except (ImportError, OSError, RuntimeError, subprocess.CalledProcessError) as exc:
+        pytest.skip(f"no offline sm_90 toolchain here: {exc}")    # no CUDA backend / ptxas
     assert use["registers"] > 0 and use["stack"] == use["spill_stores"] == 0, use
 
 
