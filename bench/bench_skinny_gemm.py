@@ -871,12 +871,11 @@ def launched_variants(shape, n: int, k: int, act: bool):
     too."""
     from specloop.models._skinny import glu_fits, prologue_fits
     for max_rows, cfg in shape.ranges:
+        yield max_rows, cfg, dict()
         if act:
-            yield max_rows, cfg, dict()
             if prologue_fits(cfg, k):
                 yield max_rows, cfg, dict(act=True)
             continue
-        yield max_rows, cfg, dict()
         glu = n % 2 == 0 and glu_fits(cfg, k)
         if glu:
             yield max_rows, cfg, dict(glu=True)

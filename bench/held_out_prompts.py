@@ -48,6 +48,14 @@ def read(path: Path = PATH) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def not_from_corpus(rows: list[dict]) -> list[dict]:
+    """The rows that are no fortune of the installed corpus in one of fortune_prompts'
+    forms (``fortune_prompt_forms``; needs Debian's fortunes)."""
+    from specloop.train._prompts import fortune_prompt_forms  # noqa: PLC0415
+    forms = fortune_prompt_forms()
+    return [r for r in rows if (r["text"], r["form"]) not in forms]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true",
@@ -55,9 +63,7 @@ def main() -> None:
                          "corpus in one of fortune_prompts' forms, instead of rebuilding")
     args = ap.parse_args()
     if args.check:
-        from specloop.train._prompts import fortune_prompt_forms  # noqa: PLC0415
-        forms = fortune_prompt_forms()
-        missing = [r for r in read() if (r["text"], r["form"]) not in forms]
+        missing = not_from_corpus(read())
         print(f"{len(missing)} of the shipped prompts are no fortune in one of the forms"
               if missing else "every shipped prompt is a fortune in one of the forms")
         sys.exit(1 if missing else 0)
