@@ -65,6 +65,10 @@ class _Server(uvicorn.Server):
                 signal.signal(sig, handler)
 
 
+# uvicorn's default backlog, which its server passes to listen() too.
+BACKLOG = 2048
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -160,6 +164,11 @@ async def _serve_http(state: ServerState, options: ServeOptions, sock: socket.so
         # uvicorn passes it to asyncio.wait_for, which takes a float; its annotation says int.
         timeout_graceful_shutdown=options.shutdown_timeout_s,  # type: ignore[arg-type]
         access_log=False))
+    # Listening before the address is announced: a client that connects on reading it
+    # (a supervisor, a test) is queued, where before uvicorn's own listen() it was refused
+    # (seen once in test_two_ranks_serve). uvicorn's listen() on it again only sets the
+    # backlog.
+    sock.listen(BACKLOG)
     host, port = sock.getsockname()[:2]
     print(f"specloop serve: {state.model_name} on http://{host}:{port} "
           f"(pid {os.getpid()}; Ctrl-C to stop)", flush=True)

@@ -95,3 +95,30 @@ async def test_ctrl_c_while_the_model_loads_stops_serve(serve_model):
     finally:
         timer.cancel()
         sock.close()
+
+
+async def test_the_address_is_announced_once_it_accepts_connections(monkeypatch, capsys):
+    """serve's "on http://HOST:PORT" line comes once the socket listens: a client that
+    connects on reading it is queued, not refused (uvicorn's serve, stubbed here, listens
+    only later; a test that connected at once was refused)."""
+    import socket
+
+    from specloop.serve import _server
+    from specloop.serve._app import ServerState
+    from specloop.serve._metrics import ServeMetrics
+    from specloop.serve._spec import SpecTracker
+
+    connected = []
+
+    async def serve_stub(self, sockets):
+        host, port = sockets[0].getsockname()[:2]
+        assert " on http://" in capsys.readouterr().out
+        with socket.create_connection((host, port), timeout=5):
+            connected.append(port)
+    monkeypatch.setattr(_server._Server, "serve", serve_stub)
+    state = ServerState(engine=None, model_name="m", metrics=ServeMetrics(num_draft_tokens=2),
+                        spec=SpecTracker(2))
+    with bind("127.0.0.1", 0) as sock:
+        port = sock.getsockname()[1]
+        await _server._serve_http(state, ServeOptions(), sock)
+    assert connected == [port]
