@@ -57,6 +57,8 @@ CHAIN_CALLS = (
     ("specloop.models.drafters._mtp", "MtpEagleDrafter", "chained_inputs"),
     ("specloop.models.drafters._mtp", "MtpEagleDrafter", "on_verified"),
     ("specloop.graphs._cuda", "CudaGraphCache", "replay"),
+    # The launch alone (CudaGraphCache.replay also copies the inputs that changed).
+    ("torch.cuda.graphs", "CUDAGraph", "replay"),
 )
 
 

@@ -194,11 +194,17 @@ class SamplingBatch:
                              "that is not all greedy")
         greedy = self.host["is_greedy"][:n]
         flags = self.row_flags
+        # All the rows: the same column tensors, not views of them. A graph replay copies
+        # an input whose tensor it has not seen (views are new tensors each time), so an
+        # all-greedy batch at its bucket's size, taken from another batch's rows at every
+        # batch change, would otherwise copy all six columns into the graphs' inputs.
+        columns = {} if n == self.size else \
+            {name: getattr(self, name)[:n] for name in self.COLUMNS}
         return attrs.evolve(self, num_real=n, any_greedy=any(greedy),
                             host={name: values[:n] for name, values in self.host.items()},
                             row_flags=None if flags is None else
                             (flags[:n] if n <= len(flags) else None),
-                            **{name: getattr(self, name)[:n] for name in self.COLUMNS})
+                            **columns)
 
     def with_columns(self, columns: Mapping[str, torch.Tensor]) -> SamplingBatch:
         """The same Python flags over other per-row tensors (e.g. static graph inputs)."""
