@@ -174,8 +174,12 @@ class DeviceChain:
             hidden = self._hidden_kept(out["hidden"], into, len(batch), rec.k + 1) \
                 if keeps else NOT_KEPT
             if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
-                # Fresh views: replay copies an input it has not seen (these change).
-                tokens, start_pos = drafted["tokens"][:], drafted["start_pos"][:]
+                # VERIFY's own static inputs where the draft graph wrote them there
+                # (graphs/_capture.into_verify_inputs: the replay copies nothing); else
+                # fresh views, as replay copies only an input it has not seen (these
+                # change at every replay).
+                tokens, start_pos = (_own_or_view(drafted[name], verify_in, name)
+                                     for name in ("tokens", "start_pos"))
             else:
                 tokens = self._tokens(draft_in["bonus"], drafted["token_ids"], verify_in)
                 start_pos = draft_in["start_pos"]
@@ -499,3 +503,12 @@ def in_order(rows: Sequence[int]) -> bool:
     if isinstance(rows, range):
         return rows.start == 0 and rows.step == 1
     return list(rows) == list(range(len(rows)))
+
+
+def _own_or_view(made: torch.Tensor, verify_in: dict[str, torch.Tensor] | None,
+                 name: str) -> torch.Tensor:
+    """A draft graph's output ``made`` for VERIFY's input ``name``: VERIFY's static input
+    itself when it is that tensor, else a fresh view of it."""
+    if verify_in is not None and verify_in.get(name) is made:
+        return made
+    return made[:]

@@ -54,6 +54,7 @@ def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | I
     has_q = {(path, greedy): q for path, greedy, q in variants}
     ks = [num_draft_tokens] if isinstance(num_draft_tokens, int) else list(num_draft_tokens)
     keys = [key for k in ks for key in cache.keys_to_capture(max_batch_size, k, list(has_q))]
+    statics = getattr(cache, "static_inputs", None)
     for key in keys:
         template = graph_template(key, device)
         with torch.inference_mode():
@@ -61,10 +62,43 @@ def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | I
                                                               key.all_greedy)]))
             drafted = draft(key, template)
             if drafted is not None:
-                cache.capture(attrs.evolve(key, stage="draft"), *drafted)
+                step, example = drafted
+                if statics is not None:
+                    step = into_verify_inputs(step, statics(key))
+                cache.capture(attrs.evolve(key, stage="draft"), step, example)
     if keys and also is not None:
         with torch.inference_mode():
             for key, step, example in also():
                 cache.capture(key, step, example)
     cache.seal()
     return keys
+
+
+# The draft graph's outputs that are its VERIFY's next inputs (a chaining drafter's glue:
+# models/drafters/_mtp.py ``graph_step``).
+VERIFY_INPUTS = ("tokens", "start_pos")
+
+
+def into_verify_inputs(step: Step, verify_in: Tensors) -> Step:
+    """``step`` (a draft graph's) that also writes its outputs ``VERIFY_INPUTS`` into the
+    same key's VERIFY static inputs ``verify_in``, and returns those tensors in their
+    place: the chained step (engine/_chain.py) hands them to VERIFY's replay as they are,
+    which then copies nothing for them. The copies run inside the draft graph, where the
+    replay copied them from the host before (two torch calls an iteration, ~10-25 µs each
+    on the H200's host; the same device work). An output of another shape or dtype than
+    VERIFY's input is left as it is (copied at the replay, as before)."""
+    targets = {name: verify_in[name] for name in VERIFY_INPUTS if name in verify_in}
+    if not targets:
+        return step
+
+    def written(inputs: Tensors) -> Tensors:
+        out = step(inputs)
+        moved = {}
+        for name, static in targets.items():
+            made = out.get(name)
+            if made is not None and made.shape == static.shape and made.dtype == static.dtype:
+                static.copy_(made)
+                moved[name] = static
+        return {**out, **moved} if moved else out
+
+    return written

@@ -1,0 +1,120 @@
+"""The chained step's draft graph writes its VERIFY's next inputs (``tokens``,
+``start_pos``) into that VERIFY's own static inputs (graphs/_capture.into_verify_inputs),
+and the chain hands VERIFY those very tensors, so its replay copies nothing for them.
+
+On the CPU, with a cache that replays as ``CudaGraphCache`` does (an input is copied only
+when its tensor was not handed in last time and is not the static itself: a copy skipped
+wrongly would leave VERIFY another step's tokens) and whose outputs are the tensors the
+capture-time call returned (a CUDA graph's static outputs, persistent buffers included):
+outputs equal the eager engine's token for token, and VERIFY's tokens are never copied
+at a chained replay."""
+
+import attrs
+import pytest
+import torch
+
+from specloop.graphs import CudaGraphCache
+from specloop.graphs._cache import inputs_written
+from specloop.graphs._capture import into_verify_inputs
+from specloop.graphs._cuda import _Captured
+
+from ..engine import planted
+from .test_chain import chain_config, requests, same_drafts, serve
+
+# VERIFY replays at K > 0 whose tokens and positions were handed in as the static inputs
+# themselves (nothing copied), and all VERIFY replays at K > 0.
+HANDED = {"static": 0, "all": 0}
+
+
+class _Replayed:
+    """A captured step's stand-in for torch.cuda.CUDAGraph: replay() runs the step on the
+    static inputs and writes its results into the capture-time outputs."""
+
+    def __init__(self, step, inputs, outputs):
+        self.step, self.inputs, self.outputs = step, inputs, outputs
+
+    def replay(self) -> None:
+        for name, made in self.step(self.inputs).items():
+            if made is not self.outputs[name]:
+                self.outputs[name].copy_(made)
+
+
+class GraphLikeCache(CudaGraphCache):
+    def capture(self, key, step, example) -> None:
+        if self.sealed:
+            raise RuntimeError("capture after warmup")
+        inputs = {name: t.clone() for name, t in example.items()}
+        outputs = step(inputs)
+        self._graphs[key] = _Captured(_Replayed(step, inputs, outputs), inputs, outputs,
+                                      inputs_written(step))
+
+    def replay(self, key, inputs):
+        captured = self._graphs[key]
+        if inputs is not None and key.stage == "verify" and key.num_draft_tokens:
+            HANDED["all"] += 1
+            HANDED["static"] += all(inputs[name] is captured.inputs[name]
+                                    for name in ("tokens", "start_pos"))
+        return super().replay(key, inputs)
+
+
+def test_draft_step_writes_verify_inputs():
+    verify_in = {"tokens": torch.zeros(2, 3, dtype=torch.int64),
+                 "start_pos": torch.zeros(2, dtype=torch.int64),
+                 "slots": torch.zeros(2, dtype=torch.int64)}
+
+    def draft(inputs):
+        return {"token_ids": inputs["x"][:, :2], "tokens": inputs["x"] + 1,
+                "start_pos": inputs["x"][:, 0] * 10, "slots": torch.ones(3)}
+
+    step = into_verify_inputs(draft, verify_in)
+    out = step({"x": torch.tensor([[1, 2, 3], [4, 5, 6]])})
+    assert out["tokens"] is verify_in["tokens"] and out["start_pos"] is verify_in["start_pos"]
+    assert verify_in["tokens"].tolist() == [[2, 3, 4], [5, 6, 7]]
+    assert verify_in["start_pos"].tolist() == [10, 40]
+    # Another shape than VERIFY's input: left as the step made it (copied at the replay).
+    assert out["slots"] is not verify_in["slots"] and verify_in["slots"].tolist() == [0, 0]
+    assert out["token_ids"].tolist() == [[1, 2], [4, 5]]
+    # No VERIFY input of those names: the step itself.
+    assert into_verify_inputs(draft, {"slots": verify_in["slots"]}) is draft
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "eagle3", "k": 3, "rejection": True},
+    {"method": "mtp_eagle", "k": 2},
+])
+async def test_chained_verify_takes_the_draft_graphs_writes(tiny_dir, tiny_loaded, spec):
+    from specloop.engine import EngineConfig
+
+    reqs = requests()
+    eager, _ = await serve(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs, False)
+    cfg = chain_config(tiny_dir, True, **spec).to_dict()
+    cfg["components"]["graph_cache"] = "tests.graphs.test_chain_into_verify:GraphLikeCache"
+    planted.RECORDERS.clear()
+    HANDED.update(static=0, all=0)
+    plain, _ = await serve(EngineConfig.from_dict(cfg), tiny_loaded, reqs, False)
+    assert HANDED["static"] == 0 < HANDED["all"]    # unchained: fresh inputs, copied
+    HANDED.update(static=0, all=0)
+    chained, chain = await serve(EngineConfig.from_dict(cfg), tiny_loaded, reqs, True)
+    assert chained == plain == eager
+    same_drafts(chain, spec["k"])
+    # Every chained step handed its VERIFY the tensors its draft graph wrote (no copy);
+    # the other VERIFYs (unchained iterations) copied theirs.
+    assert 0 < HANDED["static"] == chain.queued_steps < HANDED["all"]
+
+
+async def test_draft_graphs_write_into_their_verify_inputs(tiny_dir, tiny_loaded):
+    """After warm-up, each drafting key's draft graph outputs VERIFY's tokens and
+    positions as that key's VERIFY static inputs."""
+    from specloop.engine import AsyncEngine, EngineConfig
+
+    cfg = chain_config(tiny_dir, True, method="eagle3", k=3, rejection=True).to_dict()
+    cfg["components"]["graph_cache"] = "tests.graphs.test_chain_into_verify:GraphLikeCache"
+    async with AsyncEngine(EngineConfig.from_dict(cfg), model=tiny_loaded) as engine:
+        cache = engine.worker.graph_cache
+        keys = [key for key in cache._graphs if key.stage == "verify"
+                and key.num_draft_tokens]
+        assert keys
+        for key in keys:
+            drafted = cache._graphs[attrs.evolve(key, stage="draft")].outputs
+            for name in ("tokens", "start_pos"):
+                assert drafted[name] is cache.static_inputs(key)[name], (key, name)
