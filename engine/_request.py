@@ -77,6 +77,14 @@ class Request:
     # unless ignored). Derived from the params on the request's first commit.
     stop_length: int = 0
     stop_tokens: frozenset[int] | None = None
+    # ``params.is_greedy``, kept as a plain attribute: the worker asks it of every row of a
+    # batch at each batch change (``is_greedy`` is a property: a Python call a row; a
+    # server's load at batch 128 changes the batch nearly every iteration).
+    greedy: bool = attrs.field(init=False)
+
+    @greedy.default
+    def _greedy(self) -> bool:
+        return self.params.is_greedy
 
     @classmethod
     def from_new(cls, new: NewRequest) -> Request:

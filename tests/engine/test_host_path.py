@@ -213,7 +213,8 @@ def test_a_full_batchs_rows_at_a_join_build_nothing(monkeypatch):
             self.runner = SimpleNamespace(device=torch.device("cpu"))
 
     def request(t, seed):
-        return SimpleNamespace(params=SamplingParams(temperature=t), seed=seed)
+        params = SamplingParams(temperature=t)
+        return SimpleNamespace(params=params, seed=seed, greedy=params.is_greedy)
 
     worker = Worker()
     batch = [request(0.0, s) for s in range(4)]
@@ -244,3 +245,16 @@ def test_a_full_batchs_rows_at_a_join_build_nothing(monkeypatch):
     for name in SamplingBatch.COLUMNS:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.row_flags == want.row_flags and not got.all_greedy
+
+
+def test_a_requests_greedy_is_its_params():
+    """``Request.greedy`` (read at every batch change, a C-level pass) is
+    ``params.is_greedy``: temperature 0, or top-k 1 at any temperature."""
+    from specloop.engine._request import Request
+
+    for params, greedy in ((SamplingParams(temperature=0.0), True),
+                           (SamplingParams(temperature=0.7, top_k=1), True),
+                           (SamplingParams(temperature=0.7), False),
+                           (SamplingParams(temperature=1.0, top_p=0.9), False)):
+        r = Request("r", (1, 2), params, 0, [1, 2])
+        assert r.greedy is greedy is params.is_greedy
