@@ -38,13 +38,16 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import statistics
-import time
+import os
+import sys
 from typing import Callable
 
 import torch
 
 from specloop.samplers import _pdl
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_host_ops_gpu import timed  # noqa: E402
 
 try:
     import triton
@@ -130,19 +133,6 @@ def build(kind: str, kernels: int, stream: torch.cuda.Stream):
     return g, x
 
 
-def timed(fn: Callable[[], object], calls: int, work: Callable[[], None]) -> float:
-    times = []
-    for i in range(calls):
-        if i % 50 == 0:
-            torch.cuda.synchronize()
-            work()
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
-
-
 def device_us(fn: Callable[[], object], launches: int = 20) -> float:
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -194,7 +184,7 @@ def main() -> None:
                 found: dict[str, list[float]] = {name: [] for name in forms}
                 for _ in range(args.rounds):
                     for name, fn in forms.items():
-                        found[name].append(timed(fn, args.calls, work))
+                        found[name].append(timed(fn, args.calls, work, every=50))
                 line = "  ".join(f"{name} {min(us):6.1f}-{max(us):6.1f}"
                                  for name, us in found.items())
                 dev = "  ".join(f"{name} {device_us(fn):6.1f}" for name, fn in forms.items())

@@ -24,10 +24,15 @@ import torch
 from specloop.models._host import current_stream
 
 
-def timed(fn: Callable[[], object], calls: int, work: Callable[[], None]) -> float:
+def timed(fn: Callable[[], object], calls: int, work: Callable[[], None],
+          every: int = 100) -> float:
+    """Median µs of a call of ``fn``, each call timed alone; every ``every`` calls the GPU
+    is drained and ``work`` (~1 ms) queued ahead, so the launch queue holds little: the
+    host's time, not the GPU's (bench_graph_launch_gpu.py)."""
     times = []
     for i in range(calls):
-        if i % 100 == 0:
+        if i % every == 0:
+            torch.cuda.synchronize()
             work()
         start = time.perf_counter()
         fn()

@@ -141,10 +141,14 @@ def same_drafts(chain, k):
             assert left == 0 and skipped <= dropped, (name, seed, left, skipped, dropped)
 
 
-@pytest.mark.parametrize("spec", [
+# The chaining heads: one with rejection sampling, one without.
+CHAINING_SPECS = [
     {"method": "eagle3", "k": 3, "rejection": True},
     {"method": "mtp_eagle", "k": 2},
-])
+]
+
+
+@pytest.mark.parametrize("spec", CHAINING_SPECS)
 async def test_chained_equals_eager(tiny_dir, tiny_loaded, spec):
     reqs = requests()
     eager, _ = await serve(chain_config(tiny_dir, False, **spec), tiny_loaded, reqs, False)

@@ -19,7 +19,7 @@ from specloop.graphs._capture import into_verify_inputs
 from specloop.graphs._cuda import _Captured
 
 from ..engine import planted
-from .test_chain import chain_config, requests, same_drafts, serve
+from .test_chain import CHAINING_SPECS, chain_config, requests, same_drafts, serve
 
 # VERIFY replays at K > 0 whose tokens and positions were handed in as the static inputs
 # themselves (nothing copied), and all VERIFY replays at K > 0.
@@ -78,10 +78,7 @@ def test_draft_step_writes_verify_inputs():
     assert into_verify_inputs(draft, {"slots": verify_in["slots"]}) is draft
 
 
-@pytest.mark.parametrize("spec", [
-    {"method": "eagle3", "k": 3, "rejection": True},
-    {"method": "mtp_eagle", "k": 2},
-])
+@pytest.mark.parametrize("spec", CHAINING_SPECS)
 async def test_chained_verify_takes_the_draft_graphs_writes(tiny_dir, tiny_loaded, spec):
     from specloop.engine import EngineConfig
 
