@@ -11,7 +11,8 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
         [--method eagle3] [--k 3] [--profile prof.txt] [--closed [--sampled]]
         [--adaptive-at K] [--cycle 0,0,0,0,0,0,4,4] [--steady]
 
-Per run: each state's mean time per iteration, (``per-iteration medians``) the median of
+Per run: the copies into the graphs' static inputs an iteration, by input (each a torch
+call on the host: what a replay costs beyond its ~2.5 µs launch); each state's mean time per iteration, (``per-iteration medians``) the median of
 its per-iteration times, which a shared, loaded host disturbs far less (a preempted
 iteration moves a mean, not the median), and each state's thread CPU time per iteration
 (the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).
@@ -29,6 +30,7 @@ iteration that queues the chained step leaving a stretch), as profile_spec_gpu.p
 from __future__ import annotations
 
 import argparse
+import collections
 import cProfile
 import io
 import os
@@ -89,7 +91,14 @@ class ThreadTimes:
 
 
 class FrozenReplayCache(CudaGraphCache):
-    """Captures by running the step once; replays copy inputs, compute nothing."""
+    """Captures by running the step once; replays copy inputs, compute nothing. Counts
+    the copies by input name (``copies``): each is a torch call of ~10-25 µs on the
+    H200's host (docs/performance-history.md, "Graph launches, the sampling columns, and
+    one lease's sweep (thirty-third session)")."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.copies: collections.Counter[str] = collections.Counter()
 
     def capture(self, key: GraphKey, step, example) -> None:
         inputs = {n: t.clone() for n, t in example.items()}
@@ -109,6 +118,7 @@ class FrozenReplayCache(CudaGraphCache):
                 if kept.sources.get(name) is not source:
                     if source is not static:    # else written in place (static_inputs)
                         static.copy_(source, non_blocking=True)
+                        self.copies[name] += 1
                     kept.sources[name] = source
         kept.replays += 1
         for name in kept.writes:
@@ -194,6 +204,9 @@ async def measure(cfg, loaded, batch, iterations, profiler, adaptive_at=None, st
             times.total_us.clear()
             each.us.clear()
             cpu.clear()
+            copies = getattr(worker.graph_cache, "copies", None)
+            if copies is not None:
+                copies.clear()
             if profiler is not None:
                 profiler.enable()
             start = time.perf_counter()
@@ -208,8 +221,9 @@ async def measure(cfg, loaded, batch, iterations, profiler, adaptive_at=None, st
             share = ((worker.chain.taken_steps - taken) / done
                      if worker.chain is not None else 0.0)
             ended_here = len(ended) - ended_before
+            copied = {name: n / done for name, n in (copies or {}).items()}
             tg.cancel_scope.cancel()
-    return elapsed / done * 1e6, states, share, medians, thread, ended_here
+    return elapsed / done * 1e6, states, share, medians, thread, ended_here, copied
 
 
 async def closed_rounds(cfg, loaded, batch, rounds, sampled=False, adaptive_at=None):
@@ -339,7 +353,7 @@ def main() -> None:
             walls, per_state, per_median, handled = [], {}, {}, []
             profiler = cProfile.Profile() if args.profile else None
             for _ in range(args.runs):
-                wall, states, share, medians, thread, _ = anyio.run(
+                wall, states, share, medians, thread, _, copied = anyio.run(
                     measure, cfg, loaded, batch, args.iterations, profiler, args.adaptive_at,
                     args.steady)
                 walls.append(wall)
@@ -353,7 +367,10 @@ def main() -> None:
                       + " ".join(f"{s} {v:.0f}" for s, v in states.items())
                       + "; per-iteration medians: "
                       + " ".join(f"{s} {v:.0f}" for s, v in medians.items())
-                      + "; thread CPU: " + " ".join(f"{s} {v:.0f}" for s, v in thread.items()),
+                      + "; thread CPU: " + " ".join(f"{s} {v:.0f}" for s, v in thread.items())
+                      + f"; copies into graph inputs {sum(copied.values()):.1f} an iteration ("
+                      + ", ".join(f"{n} {v:.2f}" for n, v in sorted(copied.items(),
+                                                                 key=lambda c: -c[1])) + ")",
                       flush=True)
             summary = " ".join(f"{s} {statistics.median(v):.0f}" for s, v in per_state.items())
             handlers = sum(statistics.median(v) for v in per_state.values())

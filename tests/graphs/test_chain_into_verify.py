@@ -115,3 +115,31 @@ async def test_draft_graphs_write_into_their_verify_inputs(tiny_dir, tiny_loaded
             drafted = cache._graphs[attrs.evolve(key, stage="draft")].outputs
             for name in ("tokens", "start_pos"):
                 assert drafted[name] is cache.static_inputs(key)[name], (key, name)
+
+
+async def test_what_a_chained_iteration_copies_under_a_servers_load(tmp_path, monkeypatch):
+    """``bench/bench_chain_host.py``'s engine (the chain forced on, a cache whose replays
+    copy inputs as ``CudaGraphCache``'s and count the copies) under a server's load at
+    batch 8: each iteration copies VERIFY n's rows into the draft graph (``verified``,
+    ``cu_hidden``) and, at a join, the batch's ``meta`` and ``slots``; not the sampling
+    columns of an all-greedy batch (new views of the same tensors at each join copied all
+    six before), nor VERIFY's tokens and positions (the draft graph writes them in VERIFY's
+    own inputs). 13.8 copies an iteration at batch 32 before the two changes, 3.4 after."""
+    from pathlib import Path
+
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+    from specloop.samplers import SamplingBatch
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import bench_chain_host as bench
+
+    path = write_tiny_checkpoint(tmp_path, vocab_size=384, num_layers=2, hidden=64, seed=1)
+    loaded = load_model(path, dtype=torch.float32)
+    cfg = bench.config(path, "eagle3", 3, 8)
+    *_, ended, copied = await bench.measure(cfg, loaded, 8, 120, None, steady=True)
+    assert ended > 0                                    # requests ended and joined
+    assert not set(copied) & {*SamplingBatch.COLUMNS, "tokens", "start_pos"}, copied
+    assert 0.9 < copied["verified"] <= 1.01 and copied["cu_hidden"] == copied["verified"]
+    assert 0 < copied.get("meta", 0) < 1
+    assert sum(copied.values()) < 4, copied
