@@ -183,8 +183,10 @@ class DeviceChain:
             else:
                 tokens = self._tokens(draft_in["bonus"], drafted["token_ids"], verify_in)
                 start_pos = draft_in["start_pos"]
-            inputs = {"tokens": tokens, "start_pos": start_pos,
-                      "slots": draft_in["slots"], **sampling.columns()}
+            slots_in = _own_or_view(drafted["slots"], verify_in, "slots") \
+                if "slots" in drafted else draft_in["slots"]
+            inputs = {"tokens": tokens, "start_pos": start_pos, "slots": slots_in,
+                      **sampling.columns()}
             if "probs" in drafted:      # a fresh view: replay copies inputs it has not seen
                 inputs["draft_probs"] = drafted["probs"][:]
             next_out = w.graph_cache.replay(key, inputs)

@@ -75,8 +75,8 @@ def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | I
 
 
 # The draft graph's outputs that are its VERIFY's next inputs (a chaining drafter's glue:
-# models/drafters/_mtp.py ``graph_step``).
-VERIFY_INPUTS = ("tokens", "start_pos")
+# models/drafters/_mtp.py and _ngram.py ``graph_step``).
+VERIFY_INPUTS = ("tokens", "start_pos", "slots")
 
 
 def into_verify_inputs(step: Step, verify_in: Tensors) -> Step:
@@ -84,7 +84,7 @@ def into_verify_inputs(step: Step, verify_in: Tensors) -> Step:
     same key's VERIFY static inputs ``verify_in``, and returns those tensors in their
     place: the chained step (engine/_chain.py) hands them to VERIFY's replay as they are,
     which then copies nothing for them. The copies run inside the draft graph, where the
-    replay copied them from the host before (two torch calls an iteration, ~10-25 µs each
+    replay copied them from the host before (a torch call each an iteration, ~10-25 µs
     on the H200's host; the same device work). An output of another shape or dtype than
     VERIFY's input is left as it is (copied at the replay, as before)."""
     targets = {name: verify_in[name] for name in VERIFY_INPUTS if name in verify_in}

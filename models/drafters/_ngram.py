@@ -161,7 +161,10 @@ class NgramDrafter(Drafter):
                    num_draft_tokens: int | None = None
                    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """The chained draft: inputs ``verified`` [Bp, K+1] and ``accepted`` [Bp] (VERIFY
-        n's outputs), ``meta`` [4, Bp] (``_ngram_device``) -> ``token_ids`` [Bp, k]."""
+        n's outputs), ``meta`` [4, Bp] (``_ngram_device``) -> ``token_ids`` [Bp, k], and
+        VERIFY n+1's inputs: ``tokens`` [Bp, k+1] (the bonus, then the drafts),
+        ``start_pos`` [Bp] and ``slots`` [Bp] (which the capture writes into that VERIFY's
+        own static inputs in the graph: graphs/_capture.into_verify_inputs)."""
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
         history, bonus, start_pos = self._device_buffers()
 
@@ -171,7 +174,8 @@ class NgramDrafter(Drafter):
                                 inputs["meta"], k=k, ngram_min=self.ngram_min,
                                 ngram_max=self.ngram_max, bonus=bonus[:rows],
                                 start_pos=start_pos[:rows], next_meta=self._meta_view(rows))
-            return {"token_ids": drafts}
+            return {"token_ids": drafts, "tokens": torch.cat([bonus[:rows, None], drafts], 1),
+                    "start_pos": start_pos[:rows], "slots": inputs["meta"][ROW]}
 
         return step
 

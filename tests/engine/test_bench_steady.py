@@ -387,8 +387,8 @@ def test_chain_host_bench_holds_adaptive_k_in_closed_rounds_and_steady_load(comm
     cfg = bench.config(path, "eagle3", 3, 4, adaptive=True)
     rounds, per_k = anyio.run(bench.closed_rounds, cfg, loaded, 4, 1, False, 2)
     assert len(rounds) == 1 and per_k and set(per_k) == {2}, per_k
-    wall, states, share, _, _, ended = anyio.run(bench.measure, cfg, loaded, 4, 80, None,
-                                                  2, True)
+    wall, states, share, _, _, ended, _ = anyio.run(bench.measure, cfg, loaded, 4, 80, None,
+                                                     2, True)
     # Requests of 20-80 tokens, 3 a row an iteration, over 80 iterations: several ended
     # (and others took their places), most iterations took the chained step.
     assert wall > 0 and "SCHEDULE" in states and ended >= 4 and share > 0.5, (ended, share)

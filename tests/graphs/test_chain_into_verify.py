@@ -71,11 +71,12 @@ def test_draft_step_writes_verify_inputs():
     assert out["tokens"] is verify_in["tokens"] and out["start_pos"] is verify_in["start_pos"]
     assert verify_in["tokens"].tolist() == [[2, 3, 4], [5, 6, 7]]
     assert verify_in["start_pos"].tolist() == [10, 40]
-    # Another shape than VERIFY's input: left as the step made it (copied at the replay).
+    # Another shape or dtype than VERIFY's input: left as the step made it (copied at the
+    # replay).
     assert out["slots"] is not verify_in["slots"] and verify_in["slots"].tolist() == [0, 0]
     assert out["token_ids"].tolist() == [[1, 2], [4, 5]]
     # No VERIFY input of those names: the step itself.
-    assert into_verify_inputs(draft, {"slots": verify_in["slots"]}) is draft
+    assert into_verify_inputs(draft, {"seeds": verify_in["slots"]}) is draft
 
 
 @pytest.mark.parametrize("spec", CHAINING_SPECS)
@@ -143,3 +144,76 @@ async def test_what_a_chained_iteration_copies_under_a_servers_load(tmp_path, mo
     assert 0.9 < copied["verified"] <= 1.01 and copied["cu_hidden"] == copied["verified"]
     assert 0 < copied.get("meta", 0) < 1
     assert sum(copied.values()) < 4, copied
+
+
+GRAPH_LIKE = "tests.graphs.test_chain_into_verify:GraphLikeCache"
+
+
+@pytest.mark.parametrize("max_batch_size", [8, 2])     # 2: requests wait, slots reused
+async def test_chained_ngram_takes_the_draft_graphs_writes(tiny_dir, tiny_loaded,
+                                                          max_batch_size):
+    """n-gram's draft graph also writes VERIFY's ``slots``: the chained engine equals the
+    eager one, and every chained step handed VERIFY the draft graph's writes."""
+    from specloop.engine import EngineConfig
+
+    from .test_ngram_chain import ngram_config, ngram_requests
+
+    reqs = ngram_requests()
+    eager, _ = await serve(ngram_config(tiny_dir, False, max_batch_size), tiny_loaded, reqs,
+                           False)
+    cfg = ngram_config(tiny_dir, True, max_batch_size).to_dict()
+    cfg["components"]["graph_cache"] = GRAPH_LIKE
+    HANDED.update(static=0, all=0)
+    chained, chain = await serve(EngineConfig.from_dict(cfg), tiny_loaded, reqs, True)
+    assert chained == eager
+    assert 0 < HANDED["static"] == chain.queued_steps < HANDED["all"]
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+async def test_chained_ngram_through_k0_takes_the_draft_graphs_writes(tiny_dir, tiny_loaded,
+                                                                     rows):
+    """Adaptive n-gram in and out of K = 0 stretches, where the K = 0 VERIFY graph also
+    writes its own next inputs (a step queued ahead right after a chained K = 0 step
+    replays it on them): on the cache that replays as ``CudaGraphCache``, the outputs
+    equal the unchained engine's, greedy and seeded sampled rows."""
+    from specloop.samplers import SamplingParams
+
+    from .test_ngram_chain import adaptive_chain_run, ngram_requests
+
+    pattern = [2, 0, 0, 0, 3, 0, 0, 3, 1, 0, 0]
+    params = [SamplingParams(temperature=0.0, max_tokens=60 - 13 * i, ignore_eos=True)
+              if i % 2 == 0 else SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i,
+                                                max_tokens=60 - 13 * i, ignore_eos=True)
+              for i in range(rows)]
+    reqs = [([300, 5, 300, 5, 300, 5, 300, 5][i:], params[i]) for i in range(rows)]
+    plain, _ = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, False,
+                                        graph_cache=GRAPH_LIKE)
+    chained, chain = await adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, True,
+                                              graph_cache=GRAPH_LIKE)
+    assert chained == plain and chain.k0_steps >= 3
+    assert chain.worker.ahead.after_chain_steps > 0     # K = 0 steps fed by their graph
+    more = ngram_requests()
+    plain, _ = await adaptive_chain_run(tiny_dir, tiny_loaded, more, pattern + [2, 3], False,
+                                        graph_cache=GRAPH_LIKE)
+    chained, chain = await adaptive_chain_run(tiny_dir, tiny_loaded, more, pattern + [2, 3],
+                                              True, graph_cache=GRAPH_LIKE)
+    assert chained == plain and chain.taken_steps >= 5
+
+
+async def test_what_a_chained_ngram_iteration_copies(tmp_path, monkeypatch):
+    """n-gram K = 4 at batch 1 (``bench_chain_host.py --method ngram``): VERIFY n's tokens
+    and counts and the step's ``meta`` go into the draft graph; VERIFY's tokens,
+    positions and slots are the draft graph's writes (5 copies an iteration and an eager
+    concatenation before, 3 now)."""
+    from pathlib import Path
+
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import bench_chain_host as bench
+
+    path = write_tiny_checkpoint(tmp_path, vocab_size=384, num_layers=2, hidden=64, seed=1)
+    loaded = load_model(path, dtype=torch.float32)
+    *_, copied = await bench.measure(bench.config(path, "ngram", 4, 1), loaded, 1, 80, None)
+    assert copied == {"verified": 1.0, "accepted": 1.0, "meta": 1.0}, copied

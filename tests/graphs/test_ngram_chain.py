@@ -311,16 +311,22 @@ def reservations_never_shrink(worker, seen):
     worker.runner.reserve = checked
 
 
-async def adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, chained, reserved=None):
+async def adaptive_chain_run(tiny_dir, tiny_loaded, reqs, pattern, chained, reserved=None,
+                             graph_cache=None):
     """Serve ``reqs`` with n-gram under adaptive K held to ``pattern`` (one CUDA rank's
     path on the CPU), chained on the device or not; -> (outputs, the chain or None).
-    ``reserved``: a list for ``reservations_never_shrink``."""
-    from specloop.engine import AsyncEngine
+    ``reserved``: a list for ``reservations_never_shrink``; ``graph_cache``: another
+    cache component than ``chain_config``'s."""
+    from specloop.engine import AsyncEngine, EngineConfig
 
     from ..engine.conftest import serve_staggered
 
     cfg = chain_config(tiny_dir, True, method="ngram", k=3, rejection=True,
                        speculative={"adaptive": True})
+    if graph_cache is not None:
+        data = cfg.to_dict()
+        data["components"]["graph_cache"] = graph_cache
+        cfg = EngineConfig.from_dict(data)
     async with AsyncEngine(cfg, model=tiny_loaded) as engine:
         worker = engine.worker
         one_rank_adaptive(worker, chained, pattern)
