@@ -150,7 +150,7 @@ class DeviceChain:
             into = verify_in = None
             if statics is not None:
                 verify_in = statics(key)
-                into = {**statics(draft_key), "start_pos": verify_in["start_pos"]}
+                into = statics(draft_key)
             # VERIFY n's feature rows: read by a head's chained draft, kept for
             # ``on_verified``; a drafter chaining through K = 0 reads tokens only.
             keeps = w.on_verified is not None
@@ -173,20 +173,16 @@ class DeviceChain:
             drafted = w.graph_cache.replay(draft_key, draft_in)
             hidden = self._hidden_kept(out["hidden"], into, len(batch), rec.k + 1) \
                 if keeps else NOT_KEPT
-            if "tokens" in drafted:     # the graph wrote VERIFY's tokens and positions
-                # VERIFY's own static inputs where the draft graph wrote them there
-                # (graphs/_capture.into_verify_inputs: the replay copies nothing); else
-                # fresh views, as replay copies only an input it has not seen (these
-                # change at every replay).
-                tokens, start_pos = (_own_or_view(drafted[name], verify_in, name)
-                                     for name in ("tokens", "start_pos"))
-            else:
-                tokens = self._tokens(draft_in["bonus"], drafted["token_ids"], verify_in)
-                start_pos = draft_in["start_pos"]
-            slots_in = _own_or_view(drafted["slots"], verify_in, "slots") \
-                if "slots" in drafted else draft_in["slots"]
-            inputs = {"tokens": tokens, "start_pos": start_pos, "slots": slots_in,
-                      **sampling.columns()}
+            # The draft graph computed VERIFY n+1's tokens and positions (and a drafter's
+            # may give its slots): VERIFY's own static inputs where the graph wrote them
+            # there (graphs/_capture.into_verify_inputs: the replay copies nothing); else
+            # fresh views, as a replay copies only an input it has not seen (these change
+            # at every replay).
+            inputs = {name: _own_or_view(drafted[name], verify_in, name)
+                      for name in ("tokens", "start_pos", "slots") if name in drafted}
+            if "slots" not in inputs:
+                inputs["slots"] = draft_in["slots"]
+            inputs.update(sampling.columns())
             if "probs" in drafted:      # a fresh view: replay copies inputs it has not seen
                 inputs["draft_probs"] = drafted["probs"][:]
             next_out = w.graph_cache.replay(key, inputs)
@@ -241,18 +237,6 @@ class DeviceChain:
             features = torch.cat([features[:real], rows])
         return {"packed": packed, "hidden": features, "token_ids": packed[:, :-1],
                 "num_accepted": packed[:, -1]}
-
-    @staticmethod
-    def _tokens(bonus: torch.Tensor, drafts: torch.Tensor,
-                verify_in: dict[str, torch.Tensor] | None) -> torch.Tensor:
-        """VERIFY n+1's tokens [Bp, K+1] (its first, then the drafts), written into its
-        graph's static input where the cache shows it (no copy at the replay)."""
-        pair = [bonus, drafts]
-        width = bonus.shape[1] + drafts.shape[1]
-        static = verify_in.get("tokens") if verify_in is not None else None
-        if static is not None and static.shape == (bonus.shape[0], width):
-            return torch.cat(pair, dim=1, out=static)
-        return torch.cat(pair, dim=1)
 
     @staticmethod
     def _hidden_kept(verified: torch.Tensor, into: dict[str, torch.Tensor] | None,

@@ -204,8 +204,8 @@ class NgramDrafter(Drafter):
         """The chained draft's inputs (VERIFY n's rows), after copying to the device the
         tokens it lacks of each row's first ``start + 1`` (``tokens``: those committed
         since the row's last chained step, drafted on the host or verified at K = 0; a
-        row whose last step was chained has them all); ``bonus`` and ``start_pos`` are
-        the graph's outputs, valid once it has run. ``continued``: VERIFY n is the step
+        row whose last step was chained has them all); VERIFY n+1's tokens, positions
+        and slots are the graph's outputs (``graph_step``). ``continued``: VERIFY n is the step
         the last call queued, for these rows: then nothing is copied (its draft wrote
         the tokens and this step's meta on the device: at batch 1 on the H200 the
         copy's host work, a pinned tensor and three torch calls, was ~0.15 ms an
@@ -216,15 +216,14 @@ class NgramDrafter(Drafter):
         rows = sampling.size
         key = (tuple(slots), rows)
         continues, self._last_chain = continued and self._last_chain == key, key
-        history, bonus, start_pos = self._device_buffers()
+        history = self._device_buffers()[0]
         meta_dev = self._meta_view(rows) if continues else self._copy_meta(
             history, start, slots, rows, tokens)
         for slot, s in zip(slots, start):
             self._on_device[slot] = s + 1
         return {"verified": static_or_view(verified["token_ids"], into, "verified"),
                 "accepted": static_or_view(verified["num_accepted"], into, "accepted"),
-                "meta": meta_dev, "slots": meta_dev[ROW], "bonus": bonus[:rows, None],
-                "start_pos": start_pos[:rows]}
+                "meta": meta_dev, "slots": meta_dev[ROW]}
 
     def _copy_meta(self, history: torch.Tensor, start: Sequence[int], slots: Sequence[int],
                    rows: int, tokens: Sequence[Sequence[int]] | None) -> torch.Tensor:

@@ -248,13 +248,14 @@ class Drafter(Protocol):
         """``graph_inputs`` of the iteration after a VERIFY whose rows sat at ``start``
         (L - 1) in ``slots``, built on the device from its outputs (``token_ids``,
         ``num_accepted``, ``hidden``, ``packed``) for ``sampling.size`` rows, plus
-        ``slots`` [Bp] (VERIFY n+1's). VERIFY n+1's ``tokens`` [Bp, K+1] and
-        ``start_pos`` [Bp] (0 on padding rows) are either outputs of the draft graph of
-        those names, or ``bonus`` [Bp, 1] (its first token, the drafts follow) and
-        ``start_pos`` here, valid once the graph ran; only called where ``can_chain`` is
-        True. ``into``: tensors (the draft graph's static inputs, VERIFY's ``start_pos``)
-        an input of the same name and shape may be written into in place and returned as
-        itself, so that the replay copies nothing for it; a drafter may ignore it.
+        ``slots`` [Bp] (VERIFY n+1's, unless the draft graph outputs them). VERIFY n+1's
+        ``tokens`` [Bp, K+1] and ``start_pos`` [Bp] (0 on padding rows) are outputs of the
+        draft graph of those names (``graph_step``; the capture writes each such output
+        into VERIFY's static input of that name, in the graph:
+        graphs/_capture.into_verify_inputs); only called where ``can_chain`` is True.
+        ``into``: the draft graph's static inputs; an input of the same name and shape
+        may be written into in place and returned as itself, so that the replay copies
+        nothing for it; a drafter may ignore it.
         ``tokens``: each row's committed tokens (the requests' own lists, ``start + 1``
         long), for a drafter that keeps them on the device. ``continued``: VERIFY n is the
         chained step the last call queued, taken for its whole batch, nothing run between:

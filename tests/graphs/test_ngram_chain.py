@@ -170,11 +170,14 @@ def test_chained_drafts_equal_host_drafts_as_requests_come_and_go(seed, k):
                 {"token_ids": verified, "num_accepted": accepted}, start, batch,
                 types.SimpleNamespace(size=rows), tokens=[tokens[s] for s in batch],
                 continued=bool(taken))
-            drafts = step(inputs)["token_ids"]
+            out = step(inputs)
+            drafts = out["token_ids"]
             for i, s in enumerate(batch):
                 assert drafts[i].tolist() == host_drafts(tokens[s] + new[i], k, 1, 3)
-                assert int(inputs["bonus"][i, 0]) == new[i][-1]
-                assert int(inputs["start_pos"][i]) == len(tokens[s]) + len(new[i]) - 1
+                # VERIFY n+1's inputs: the bonus token, then the drafts; its position; slot
+                assert out["tokens"][i].tolist() == [new[i][-1], *drafts[i].tolist()]
+                assert int(out["start_pos"][i]) == len(tokens[s]) + len(new[i]) - 1
+                assert int(out["slots"][i]) == s
             chained = set(batch)
         for s, row in zip(batch, new):
             tokens[s] += row
