@@ -12,7 +12,8 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
         [--adaptive-at K] [--cycle 0,0,0,0,0,0,4,4] [--steady]
 
 Per run: the copies into the graphs' static inputs an iteration, by input (each a torch
-call on the host: what a replay costs beyond its ~2.5 µs launch); each state's mean time per iteration, (``per-iteration medians``) the median of
+call on the host: what a replay costs beyond its ~2.5 µs launch); each state's mean time
+per iteration, (``per-iteration medians``) the median of
 its per-iteration times, which a shared, loaded host disturbs far less (a preempted
 iteration moves a mean, not the median), and each state's thread CPU time per iteration
 (the event loop thread's; the summary gives VERIFY + DRAFT + PICK_GRAPH_KEY's range).

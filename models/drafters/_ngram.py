@@ -205,8 +205,8 @@ class NgramDrafter(Drafter):
         tokens it lacks of each row's first ``start + 1`` (``tokens``: those committed
         since the row's last chained step, drafted on the host or verified at K = 0; a
         row whose last step was chained has them all); VERIFY n+1's tokens, positions
-        and slots are the graph's outputs (``graph_step``). ``continued``: VERIFY n is the step
-        the last call queued, for these rows: then nothing is copied (its draft wrote
+        and slots are the graph's outputs (``graph_step``). ``continued``: VERIFY n is
+        the step the last call queued, for these rows: then nothing is copied (its draft wrote
         the tokens and this step's meta on the device: at batch 1 on the H200 the
         copy's host work, a pinned tensor and three torch calls, was ~0.15 ms an
         iteration). ``into``: the draft graph's static inputs; VERIFY n's tokens and
