@@ -223,7 +223,7 @@ class NgramDrafter(Drafter):
             self._on_device[slot] = s + 1
         return {"verified": static_or_view(verified["token_ids"], into, "verified"),
                 "accepted": static_or_view(verified["num_accepted"], into, "accepted"),
-                "meta": meta_dev, "slots": meta_dev[ROW]}
+                "meta": meta_dev}
 
     def _copy_meta(self, history: torch.Tensor, start: Sequence[int], slots: Sequence[int],
                    rows: int, tokens: Sequence[Sequence[int]] | None) -> torch.Tensor:

@@ -118,6 +118,25 @@ async def test_draft_graphs_write_into_their_verify_inputs(tiny_dir, tiny_loaded
                 assert drafted[name] is cache.static_inputs(key)[name], (key, name)
 
 
+async def _chain_host_copies(tmp_path, monkeypatch, method, k, batch, iterations,
+                             steady=False):
+    """``bench/bench_chain_host.py``'s engine on its tiny model, chained as on one CUDA
+    rank: -> (requests that ended, copies into the graphs' inputs an iteration by input)."""
+    from pathlib import Path
+
+    from specloop.models import load_model
+    from specloop.models.testing import write_tiny_checkpoint
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
+    import bench_chain_host as bench
+
+    path = write_tiny_checkpoint(tmp_path, vocab_size=384, num_layers=2, hidden=64, seed=1)
+    loaded = load_model(path, dtype=torch.float32)
+    *_, ended, copied = await bench.measure(bench.config(path, method, k, batch), loaded,
+                                            batch, iterations, None, steady=steady)
+    return ended, copied
+
+
 async def test_what_a_chained_iteration_copies_under_a_servers_load(tmp_path, monkeypatch):
     """``bench/bench_chain_host.py``'s engine (the chain forced on, a cache whose replays
     copy inputs as ``CudaGraphCache``'s and count the copies) under a server's load at
@@ -126,19 +145,10 @@ async def test_what_a_chained_iteration_copies_under_a_servers_load(tmp_path, mo
     columns of an all-greedy batch (new views of the same tensors at each join copied all
     six before), nor VERIFY's tokens and positions (the draft graph writes them in VERIFY's
     own inputs). 13.8 copies an iteration at batch 32 before the two changes, 3.4 after."""
-    from pathlib import Path
-
-    from specloop.models import load_model
-    from specloop.models.testing import write_tiny_checkpoint
     from specloop.samplers import SamplingBatch
 
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    import bench_chain_host as bench
-
-    path = write_tiny_checkpoint(tmp_path, vocab_size=384, num_layers=2, hidden=64, seed=1)
-    loaded = load_model(path, dtype=torch.float32)
-    cfg = bench.config(path, "eagle3", 3, 8)
-    *_, ended, copied = await bench.measure(cfg, loaded, 8, 120, None, steady=True)
+    ended, copied = await _chain_host_copies(tmp_path, monkeypatch, "eagle3", 3, 8, 120,
+                                             steady=True)
     assert ended > 0                                    # requests ended and joined
     assert not set(copied) & {*SamplingBatch.COLUMNS, "tokens", "start_pos"}, copied
     assert 0.9 < copied["verified"] <= 1.01 and copied["cu_hidden"] == copied["verified"]
@@ -205,15 +215,5 @@ async def test_what_a_chained_ngram_iteration_copies(tmp_path, monkeypatch):
     and counts and the step's ``meta`` go into the draft graph; VERIFY's tokens,
     positions and slots are the draft graph's writes (5 copies an iteration and an eager
     concatenation before, 3 now)."""
-    from pathlib import Path
-
-    from specloop.models import load_model
-    from specloop.models.testing import write_tiny_checkpoint
-
-    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "bench"))
-    import bench_chain_host as bench
-
-    path = write_tiny_checkpoint(tmp_path, vocab_size=384, num_layers=2, hidden=64, seed=1)
-    loaded = load_model(path, dtype=torch.float32)
-    *_, copied = await bench.measure(bench.config(path, "ngram", 4, 1), loaded, 1, 80, None)
+    _, copied = await _chain_host_copies(tmp_path, monkeypatch, "ngram", 4, 1, 80)
     assert copied == {"verified": 1.0, "accepted": 1.0, "meta": 1.0}, copied
