@@ -13,7 +13,7 @@ import structlog
 import torch
 
 from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
-from specloop.models import KVCache, LoadedModel, PageTable
+from specloop.models import KVCache, LoadedModel, PageTable, TreeMask
 from specloop.models._prefill import padded_shape, prefill_shapes
 from specloop.models._grad import inference_mode
 from specloop.models._host import current_stream, to_device
@@ -85,15 +85,18 @@ class ModelRunner:
         self.prefill_cache: GraphCache | None = None
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
-                *, kv_len: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                *, kv_len: int | None = None, tree: TreeMask | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (final hidden [B, T, H] for the logits, what the drafter reads: the same
-        tensor, or the feature layers concatenated [B, T, F*H]; no extra work without)."""
+        tensor, or the feature layers concatenated [B, T, F*H]; no extra work without).
+        ``tree``: the rows are a draft tree's (models/_decoder.py ``TreeMask``)."""
         if not self.feature_layers:
             hidden: torch.Tensor = self.model(tokens, start_pos, slots, self.cache,
-                                              kv_len=kv_len)
+                                              kv_len=kv_len, tree=tree)
             return hidden, hidden
         both: tuple[torch.Tensor, torch.Tensor] = self.model(
-            tokens, start_pos, slots, self.cache, kv_len=kv_len, capture=self.feature_layers)
+            tokens, start_pos, slots, self.cache, kv_len=kv_len, capture=self.feature_layers,
+            tree=tree)
         return both
 
     def read_back(self, packed: torch.Tensor) -> torch.Tensor:

@@ -22,9 +22,11 @@ import torch
 
 from specloop.graphs import Step, Tensors
 from specloop.graphs._cache import FeedsItself
+from specloop.models import TreeMask
 from specloop.models._host import to_device
 from specloop.samplers import SamplingBatch
 from specloop.samplers._sampler import packed_result
+from specloop.samplers._tree import DraftTree, TreeTables, accept_greedy
 
 from ._request import Request
 
@@ -128,3 +130,29 @@ def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBa
                 "hidden": features, "packed": packed}
 
     return FeedsItself(step, ("tokens", "start_pos")) if feeds_itself else step
+
+
+def make_tree_verify_step(runner: ModelRunner, tree: DraftTree, *, kv_len: int | None
+                          ) -> Step:
+    """Greedy VERIFY of a draft tree (samplers/_tree.py) for all-greedy rows, on the
+    reference path. Its inputs are a chain's of K = ``tree.size`` (``tokens`` [Bp, 1 + N]:
+    the last committed token, then the nodes in the tree's order; ``start_pos``,
+    ``slots``); its outputs a chain's of K = ``tree.depth``: the accepted path's tokens
+    and count, its rows' hidden states (what the drafter reads: [Bp, D + 1, F]) and
+    ``packed``. Every node's K/V is written at start_pos + its row; the accepted path's
+    then move to start_pos + depth (``KVCache.keep_path``), where a chain's would be."""
+    tables = TreeTables.of(tree, runner.device)
+    mask = TreeMask(tables.depths, tree.visible(runner.device))
+
+    def step(inputs: Tensors) -> Tensors:
+        tokens, start, slots = inputs["tokens"], inputs["start_pos"], inputs["slots"]
+        hidden, features = runner.forward(tokens, start, slots, kv_len=kv_len, tree=mask)
+        target = runner.model.logits(hidden).argmax(dim=-1)
+        result = accept_greedy(tables, tokens, target)
+        runner.cache.keep_path(slots, start, result.path)
+        path = result.path[:, :, None].expand(-1, -1, features.shape[-1])
+        packed = torch.cat([result.token_ids, result.num_accepted[:, None]], dim=1)
+        return {"token_ids": result.token_ids, "num_accepted": result.num_accepted,
+                "hidden": features.gather(1, path), "packed": packed}
+
+    return step

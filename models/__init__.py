@@ -11,7 +11,7 @@ from specloop.samplers._lazy import lazy_exports
 if TYPE_CHECKING:
     from ._args import ModelArgs, RopeScaling
     from ._cache import DEFAULT_PAGE_SIZE, CacheFullError, KVCache, PageTable
-    from ._decoder import KV_LEN_MULTIPLE, DecoderModel
+    from ._decoder import KV_LEN_MULTIPLE, DecoderModel, TreeMask
     from ._detokenizer import IncrementalDetokenizer
     from ._errors import ModelLoadError, ModelNotFoundError, UnsupportedModelError
     from ._loading import LoadedModel, load_model, resolve_model_path
@@ -35,6 +35,7 @@ __all__ = [
     "PageTable",
     "RopeScaling",
     "Tokenizer",
+    "TreeMask",
     "UnsupportedModelError",
     "cache_root",
     "ensure_gguf_cached",
@@ -47,7 +48,7 @@ if not TYPE_CHECKING:      # mypy reads the imports above: an unknown name stays
     __getattr__, __dir__ = lazy_exports(globals(), {
         "._args": ("ModelArgs", "RopeScaling"),
         "._cache": ("DEFAULT_PAGE_SIZE", "CacheFullError", "KVCache", "PageTable"),
-        "._decoder": ("KV_LEN_MULTIPLE", "DecoderModel"),
+        "._decoder": ("KV_LEN_MULTIPLE", "DecoderModel", "TreeMask"),
         "._detokenizer": ("IncrementalDetokenizer",),
         "._errors": ("ModelLoadError", "ModelNotFoundError", "UnsupportedModelError"),
         "._loading": ("LoadedModel", "load_model", "resolve_model_path"),

@@ -259,6 +259,21 @@ class KVCache:
 
         return gather(self.k), gather(self.v)
 
+    def keep_path(self, slots: torch.Tensor, start_pos: torch.Tensor, path: torch.Tensor
+                  ) -> None:
+        """After a draft tree's VERIFY (rows stored at start_pos + row): the K/V of row
+        ``path[b, j]`` move to position start_pos + j, every layer, so the accepted path
+        sits where a chain's would (``path`` [B, D + 1], row 0 the root, stored there
+        already). All are read before any is written (a row's index is at least its
+        depth, so no source is overwritten first either way). Positions past a row's
+        accepted drafts receive some row's entries: past the committed length, they are
+        masked, then overwritten, as a chain's rejected drafts."""
+        dest = start_pos[:, None] + torch.arange(path.shape[1], device=path.device)
+        src_page, src_off = self.locate(slots, start_pos[:, None] + path)
+        dst_page, dst_off = self.locate(slots, dest)
+        for store in (self.k, self.v):
+            store[:, dst_page, dst_off] = store[:, src_page, src_off]
+
     def clear_slot(self, slot: int) -> None:
         """Zero one slot's pages (never needed for correctness; useful for debugging)."""
         for page in self.pages.pages_of(slot):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import attrs
 import structlog
 import torch
 import torch.nn.functional as F
@@ -45,6 +46,32 @@ class _Step(NamedTuple):
     mask: torch.Tensor | None  # [B, 1, G*T, kv_len] bool, True = attend (reference path)
     kv_len: int
     pos_offset: int  # added to start_pos by the fused kernels (the reference path's is in)
+
+
+@attrs.frozen(eq=False)
+class TreeMask:
+    """The T rows of a forward are a draft tree's (samplers/_tree.py): row i is stored at
+    start_pos + i, sits at position start_pos + ``depths[i]``, and attends the cache
+    before start_pos and, among the T rows, those ``visible[i]`` marks (itself and its
+    ancestors)."""
+
+    depths: torch.Tensor    # [T] i64
+    visible: torch.Tensor   # [T, T] bool
+
+    def check(self, rows: int) -> None:
+        if self.depths.shape != (rows,) or self.visible.shape != (rows, rows):
+            raise ValueError(f"tree mask for {tuple(self.depths.shape)} rows "
+                             f"(visible {tuple(self.visible.shape)}), forward of {rows}")
+
+    def among_rows(self, start_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
+        """bool [B, T, kv_len]: False where key j is one of the tree's rows that query i
+        must not see; True elsewhere (the causal mask does the rest)."""
+        rows = self.depths.shape[0]
+        dev = start_pos.device
+        rel = torch.arange(kv_len, device=dev)[None, :] - start_pos[:, None]   # [B, kv]
+        inside = (rel >= 0) & (rel < rows)
+        seen = self.visible.to(dev)[:, rel.clamp(0, rows - 1)]                   # [T, B, kv]
+        return ~inside[:, None, :] | seen.permute(1, 0, 2)
 
 
 class _LayerWeights(NamedTuple):
@@ -130,6 +157,7 @@ class DecoderModel(nn.Module):
         num_layers: int | None = None,
         kv_len: int | None = None,
         capture: tuple[int, ...] = (),
+        tree: TreeMask | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """tokens [B, T] i64 at positions start_pos [B].. of cache slots [B] -> hidden [B, T, H].
 
@@ -140,10 +168,11 @@ class DecoderModel(nn.Module):
         up to KV_LEN_MULTIPLE, which reads ``start_pos`` on the host. ``capture`` (layer
         indices, 0-based) also returns the residual stream after each of those layers,
         concatenated: (hidden, features [B, T, len(capture) * H]), e.g. for an EAGLE-3 head.
+        ``tree``: the T rows are a draft tree's (``TreeMask``), not a sequence.
         """
         return self.forward_embeds(
             self.embed(tokens), start_pos, slots, cache, num_layers=num_layers, kv_len=kv_len,
-            capture=capture,
+            capture=capture, tree=tree,
         )
 
     @no_grad
@@ -158,6 +187,7 @@ class DecoderModel(nn.Module):
         kv_len: int | None = None,
         capture: tuple[int, ...] = (),
         pos_offset: int = 0,
+        tree: TreeMask | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input).
         ``pos_offset``: the rows sit at start_pos + pos_offset.. (the fused kernels add it
@@ -166,9 +196,16 @@ class DecoderModel(nn.Module):
         if list(capture) != sorted(set(capture)) or any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
         fused = self.uses_kernels
+        if tree is not None:
+            if fused:
+                raise NotImplementedError(
+                    "draft trees run on the reference path only (fp32/fp64, or "
+                    "model.kernels = False): the fused kernels attend causally")
+            tree.check(embeds.shape[1])
         if pos_offset and not fused:
             start_pos = start_pos + pos_offset
-        step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len, fused, pos_offset)
+        step = self._step(embeds.shape[1], start_pos, slots, cache, kv_len, fused, pos_offset,
+                          tree)
         weights = self._layer_weights(n)
         eps = self.args.rms_norm_eps
         if fused:
@@ -217,7 +254,7 @@ class DecoderModel(nn.Module):
 
     def _step(
         self, T: int, start_pos: torch.Tensor, slots: torch.Tensor, cache: KVCache,
-        kv_len: int | None, fused: bool, pos_offset: int = 0,
+        kv_len: int | None, fused: bool, pos_offset: int = 0, tree: TreeMask | None = None,
     ) -> _Step:
         if self.device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
             cache.pages.sync()
@@ -228,10 +265,14 @@ class DecoderModel(nn.Module):
         pos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
         page, offset = cache.locate(slots, pos)
         kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
-        rope_pos = pos.clamp(max=self.rope_cos.shape[0] - 1)
+        # A tree's row sits at its depth's position (RoPE) but is stored at its own index.
+        rope_pos = pos if tree is None else start_pos[:, None] + tree.depths.to(dev)[None, :]
+        rope_pos = rope_pos.clamp(max=self.rope_cos.shape[0] - 1)
         cos = self.rope_cos[rope_pos][:, :, None, :]
         sin = self.rope_sin[rope_pos][:, :, None, :]
         mask = torch.arange(kv_len, device=dev)[None, None, :] <= pos[:, :, None]  # [B, T, kv]
+        if tree is not None:
+            mask = mask & tree.among_rows(start_pos, kv_len)
         groups = self.args.num_heads // self.args.num_kv_heads
         B = pos.shape[0]
         mask = mask[:, None, None].expand(B, 1, groups, T, kv_len).reshape(B, 1, groups * T, kv_len)
