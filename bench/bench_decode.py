@@ -75,9 +75,12 @@ async def specloop_tps(config, loaded, prompts_ids, n):
     return total / elapsed, [outs[i] for i in range(len(prompts_ids))], al
 
 
-def make_config(method, dtype, k=4, batch=8, early_exit_layers=None, draft_weights=None):
+def make_config(method, dtype, k=4, batch=8, early_exit_layers=None, draft_weights=None,
+                tree=None):
     from specloop.engine import EngineConfig
     spec = {"method": method, "num_draft_tokens": k}
+    if tree:
+        spec["tree"] = tree
     if early_exit_layers:
         spec["early_exit_layers"] = early_exit_layers
     if draft_weights:

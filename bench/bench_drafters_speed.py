@@ -5,7 +5,11 @@ Each configuration runs ``--repeats`` times, interleaved (this machine is shared
 prints min-max tokens/s and the ratio of medians to transformers, both per wall-clock second
 and per process CPU second (with ``--threads 1`` the latter is what an idle core would do).
 
-    python bench/bench_drafters_speed.py [--tokens 64] [--repeats 3]
+    python bench/bench_drafters_speed.py [--tokens 64] [--repeats 3] [--ks 2,3]
+        [--tree '[[0], [1], [0, 0]]'] [--only transformers,none,eagle3]
+
+``--tree``: also each eagle3 head with that draft tree (``speculative.tree``; its depth is
+its K); ``--only``: the configurations whose names contain one of these words.
 """
 
 from __future__ import annotations
@@ -66,6 +70,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ks", default="2,3", help="draft lengths for each head")
+    ap.add_argument("--tree", default=None, help="a draft tree (JSON list of paths)")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated words: run the configurations naming one")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads for every configuration (0: torch's default)")
     args = ap.parse_args()
@@ -81,10 +88,19 @@ def main() -> None:
         for k in map(int, args.ks.split(",")):
             configs[f"{head} K={k}"] = make_config(method, "float32", k=k, batch=1,
                                                    draft_weights=head)
+        if args.tree and method == "eagle3":
+            tree = json.loads(args.tree)
+            depth = max(map(len, tree))
+            configs[f"{head} tree N={len(tree)} D={depth}"] = make_config(
+                method, "float32", k=depth, batch=1, draft_weights=head, tree=tree)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()
-    wall = {name: [] for name in ["transformers", *configs]}
+    names = ["transformers", *configs]
+    if args.only:
+        words = args.only.split(",")
+        names = [n for n in names if any(w in n for w in words)]
+    wall = {name: [] for name in names}
     cpu = {name: [] for name in wall}
     als = {}
     for _ in range(args.repeats):   # interleaved: each round runs every configuration

@@ -23,7 +23,8 @@ the engine's own starts (``walk``: draft, accept n, move n + 1; what greedy deco
 through the engine would measure, train/_evaluate.py), as the card's figures.
 
     python bench/tree_acceptance.py [--prompts 48] [--tokens 96] [--depth 5]
-        [--nodes 3,4,7,8,11,15] [--out bench/results/cpu_tree_acceptance.json]
+        [--nodes 3,4,7,8,11,15] [--skip 0] [--fit 15,3]
+        [--out bench/results/cpu_tree_acceptance.json]
 """
 
 from __future__ import annotations
@@ -167,6 +168,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=96, help="answer tokens generated")
     ap.add_argument("--depth", type=int, default=5, help="the deepest tree (draft steps)")
     ap.add_argument("--nodes", default="3,4,5,7,8,11,15")
+    ap.add_argument("--skip", type=int, default=0,
+                    help="start at this held-out prompt (the benches read the first ones: "
+                         "fit a tree to ship on others)")
+    ap.add_argument("--fit", default=None, metavar="N,DEPTH",
+                    help="also print the tree of N nodes at most DEPTH deep fitted on all "
+                         "these prompts' starts (as a speculative.tree value)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     quiet_logs()
@@ -175,7 +182,8 @@ def main() -> None:
     start = time.perf_counter()
     loaded = load_model(NAME, dtype=torch.float32, device="cpu")
     texts = [json.loads(line)["text"] for line in HELD_OUT.read_text().splitlines()]
-    answers = greedy_answers(loaded, texts[:args.prompts], args.tokens + args.depth + 1)
+    answers = greedy_answers(loaded, texts[args.skip:args.skip + args.prompts],
+                             args.tokens + args.depth + 1)
     print(f"{len(answers)} greedy answers in {time.perf_counter() - start:.0f} s", flush=True)
     head = load_head(loaded, max(len(p) + len(a) for p, a in answers) + args.depth + 2)
     per_answer = rank_paths(loaded, head, answers, args.depth)
@@ -204,10 +212,18 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:26s} {r['nodes'] + 1:11d} {str(r['every']):>20s} "
               f"{str(r['walk']):>20s}")
+    fitted = None
+    if args.fit:
+        size, depth = (int(x) for x in args.fit.split(","))
+        starts = [p[:args.tokens] for p in per_answer]
+        fitted = [list(p) for p in best_tree([p for a in starts for p in a], size, depth).paths]
+        print(f"tree of {size} nodes, depth <= {depth}, fitted on all {len(answers)} "
+              f"prompts' starts: {json.dumps(fitted)}")
     if args.out:
         Path(args.out).write_text(json.dumps({
-            "prompts": args.prompts, "answer_tokens": args.tokens, "head": HEAD,
-            "first_rank_share": share, "rows": rows}, indent=1))
+            "prompts": args.prompts, "skip": args.skip, "answer_tokens": args.tokens,
+            "head": HEAD, "first_rank_share": share, "rows": rows, "fitted": fitted},
+            indent=1))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,8 @@ from ._components import check_component_name, check_method, component_registry
 from ._errors import ConfigError
 
 if TYPE_CHECKING:
+    from specloop.samplers._tree import DraftTree
+
     # An attrs validator: (instance, attribute, value) -> None, raising ConfigError.
     Validator = Callable[[object, attrs.Attribute[Any], object], None]
 
@@ -116,6 +118,10 @@ class SpeculativeConfig:
     adaptive: bool = False
     # The K values adaptive chooses among (each captured as graphs); None: 0 .. K.
     adaptive_k: tuple[int, ...] | None = attrs.field(default=None)
+    # A static greedy draft tree (docs/configuration.md, "Draft trees"): its nodes' paths
+    # of sibling ranks, e.g. [[0], [1], [0, 0]]; all-greedy batches draft and verify it,
+    # others the chain of its depth (num_draft_tokens). None: chains only.
+    tree: tuple[tuple[int, ...], ...] | None = attrs.field(default=None)
 
     @method.validator
     def _check_method(self, attribute: attrs.Attribute[Any], value: str) -> None:
@@ -140,6 +146,33 @@ class SpeculativeConfig:
                               f"must be a non-empty list of integers in [0, "
                               f"num_draft_tokens = {self.num_draft_tokens}]",
                               "or leave it unset for 0 .. num_draft_tokens")
+
+    @tree.validator
+    def _check_tree(self, attribute: attrs.Attribute[Any],
+                    value: tuple[tuple[int, ...], ...] | None) -> None:
+        if value is None:
+            return
+        from specloop.samplers._tree import DraftTree  # noqa: PLC0415
+        try:
+            tree = DraftTree(value)
+        except ValueError as exc:
+            raise ConfigError("speculative.tree", [list(p) for p in value], str(exc),
+                              "list each node's path of sibling ranks from the root, "
+                              "e.g. [[0], [1], [0, 0]]") from None
+        if tree.depth != self.num_draft_tokens:
+            raise ConfigError("speculative.tree", [list(p) for p in value],
+                              f"is {tree.depth} deep, num_draft_tokens = "
+                              f"{self.num_draft_tokens} (batches that sample draft the "
+                              "chain of the tree's depth)",
+                              f"set num_draft_tokens = {tree.depth}")
+
+    @property
+    def draft_tree(self) -> DraftTree | None:
+        """``tree`` as a DraftTree (None: chains only)."""
+        if self.tree is None or not self.enabled:
+            return None
+        from specloop.samplers._tree import DraftTree  # noqa: PLC0415
+        return DraftTree(self.tree)
 
     @property
     def enabled(self) -> bool:
@@ -288,6 +321,15 @@ def check_gates(config: EngineConfig) -> None:
     if spec.early_exit_layers is not None and spec.early_exit_layers < 1:
         raise ConfigError("speculative.early_exit_layers", spec.early_exit_layers,
                           "must be >= 1", "or leave it unset for a quarter of the layers")
+    if spec.tree is not None and spec.enabled:
+        for field, value, clash in (
+                ("speculative.adaptive", spec.adaptive, spec.adaptive),
+                ("parallel.world_size", par.world_size, par.world_size > 1),
+                ("components.graph_cache", comp.graph_cache, comp.graph_cache != "eager")):
+            if clash:
+                raise ConfigError(field, value, "speculative.tree drafts and verifies "
+                                  "eagerly, on one rank, at a fixed tree (the first slice "
+                                  "of draft trees)", "leave speculative.tree unset for it")
     registry = component_registry()
     for kind in ("sampler", "communicator", "graph_cache"):
         check_component_name(kind, getattr(comp, kind), f"components.{kind}",

@@ -17,6 +17,7 @@ import torch
 
 from specloop.graphs import GraphKey
 from specloop.samplers import RejectionResult, SamplingBatch, SpecMetadata
+from specloop.samplers._tree import DraftTree
 
 from ._request import Request
 from ._states import IterationObserver, IterationState, TransitionEvent, check_transition
@@ -35,6 +36,9 @@ class IterationRecord:
     padded_batch_size: int = 0
     # K this iteration drafts: SYNC's choice under adaptive K, else the configured K.
     num_draft_tokens: int | None = None
+    # The greedy draft tree this iteration drafts and verifies (``speculative.tree`` on an
+    # all-greedy batch; num_draft_tokens is then its size), else None: a chain.
+    tree: DraftTree | None = None
     # Adaptive K: each row's draft class as the choice of K saw it (``Drafter.draft_classes``;
     # None: unclassed), which RESCAN counts its acceptance under.
     draft_classes: list[int] | None = None

@@ -23,7 +23,7 @@ import attrs
 import structlog
 import torch
 
-from specloop.graphs import GraphCache, SamplingPath, Tensors
+from specloop.graphs import GraphCache, SamplingPath, Step, Tensors
 from specloop.models._grad import inference_mode
 from specloop.models._host import int64_tensor
 from specloop.samplers import RejectionResult, Sampler, SamplingBatch, SpecMetadata
@@ -40,7 +40,8 @@ from ._runner import ReadBack
 from ._scheduler import Scheduler
 from ._states import IterationState
 from ._stats import EngineStats
-from ._verify import make_verify_step, verify_inputs
+from ._errors import ConfigError
+from ._verify import make_tree_verify_step, make_verify_step, verify_inputs
 from ._warmup import calibrate, warm_up_graphs
 
 if TYPE_CHECKING:
@@ -138,6 +139,24 @@ class RankWorker:
             self.verify_inline and self.k and local_step and drafter is not None
             and drafter.can_chain
             and (drafter.variable_k or not config.speculative.adaptive)) else None
+        # ``speculative.tree``: all-greedy batches draft and verify it (PICK_GRAPH_KEY).
+        self.tree = config.speculative.draft_tree
+        self._tree_verify: Step | None = None
+        if self.tree is not None:
+            self._check_tree(drafter)
+
+    def _check_tree(self, drafter: Drafter | None) -> None:
+        """``speculative.tree`` where it can run: a drafter that drafts trees, the
+        reference path on the CPU (the GPU's kernels attend causally, and its graphs and
+        chained steps take chains)."""
+        field, tree = "speculative.tree", [list(p) for p in self.config.speculative.tree or ()]
+        if drafter is None or not drafter.drafts_trees:
+            raise ConfigError(field, tree, f"the drafter ({type(drafter).__name__}) drafts "
+                              "chains only", "draft trees need an mtp_eagle or eagle3 head "
+                              "without LM-head TP")
+        if self.runner.device.type != "cpu" or self.runner.model.uses_kernels:
+            raise ConfigError(field, tree, "draft trees run on the CPU's reference path "
+                              "only in this release", "leave it unset on a GPU")
 
     def handlers(self) -> dict[IterationState, Handler]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,
@@ -353,6 +372,9 @@ class RankWorker:
     async def pick_graph_key(self, rec: IterationRecord) -> IterationState:
         if rec.num_draft_tokens is None:
             rec.num_draft_tokens = self.k
+        # The tree's greedy verification needs every row's target token to be its argmax.
+        if self.tree is not None and rec.batch and rec.spec.all_greedy:
+            rec.tree, rec.num_draft_tokens = self.tree, self.tree.size
         rec.graph_key, rec.graph_captured = self.graph_cache.pick(
             rec.padded_batch_size, rec.num_draft_tokens, SamplingPath.of(rec.spec),
             rec.spec.all_greedy,
@@ -487,7 +509,7 @@ class RankWorker:
         # Both in one copy, without blocking (a blocking host-to-device copy is a sync).
         both = self.runner.to_device(int64_tensor(seq_lens + slots).reshape(2, -1))
         ctx = DraftContext(
-            num_draft_tokens=k if variable else None,
+            num_draft_tokens=k if variable else None, tree=rec.tree,
             token_ids=[r.token_ids for r in rec.batch], seq_lens=both[0], slots=both[1],
             host_slots=slots, host_seq_lens=seq_lens,
             # An idle rank's call (needs_empty_calls): the empty batch's sampling rows.
@@ -558,12 +580,19 @@ class RankWorker:
                 inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
             out = self.graph_cache.replay(key, inputs)
         else:
-            step = make_verify_step(self.runner, self.sampler, rec.batch_sampling,
-                                    advanced=advanced, kv_len=None)
+            step = self._tree_step() if rec.tree is not None else make_verify_step(
+                self.runner, self.sampler, rec.batch_sampling, advanced=advanced, kv_len=None)
             out = step(inputs or self._inputs(rec, rec.batch_sampling))
         pending = out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
         self.ahead.replayed(rec, pending)
         return pending
+
+    def _tree_step(self) -> Step:
+        """The tree's VERIFY step (its index tables built once)."""
+        if self._tree_verify is None:
+            assert self.tree is not None, "a tree VERIFY with speculative.tree set only"
+            self._tree_verify = make_tree_verify_step(self.runner, self.tree, kv_len=None)
+        return self._tree_verify
 
     @inference_mode
     def _collect_verify(self, rec: IterationRecord, pending: Pending,
@@ -600,7 +629,9 @@ class RankWorker:
             k = rec.k
             rec.finished = self.outputs.commit(rec.batch, rec.result.token_ids.tolist(),
                                                accepted)
-            self.stats.record_iteration(len(rec.batch), k, sum(accepted), accepted)
+            # A tree's drafts per row: its depth (a path accepts at most that many).
+            drafted = k if rec.tree is None else rec.tree.depth
+            self.stats.record_iteration(len(rec.batch), drafted, sum(accepted), accepted)
             adaptive = self.adaptive
             if adaptive is not None:
                 tail = adaptive.tail

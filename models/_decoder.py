@@ -50,27 +50,32 @@ class _Step(NamedTuple):
 
 @attrs.frozen(eq=False)
 class TreeMask:
-    """The T rows of a forward are a draft tree's (samplers/_tree.py): row i is stored at
-    start_pos + i, sits at position start_pos + ``depths[i]``, and attends the cache
-    before start_pos and, among the T rows, those ``visible[i]`` marks (itself and its
-    ancestors)."""
+    """The T rows of a forward are a draft tree's (samplers/_tree.py), or one depth's of
+    them: row t is stored at start_pos + t (as any forward's), sits at position start_pos
+    + ``offsets[t]`` (RoPE), and attends the cache before the tree's rows and, among
+    them, those ``visible[t]`` marks (itself and its ancestors). The tree's W rows
+    stored so far end with the forward's own: they sit at start_pos + T - W ..
+    start_pos + T - 1 (W = T: the whole tree in one forward, as VERIFY runs it)."""
 
-    depths: torch.Tensor    # [T] i64
-    visible: torch.Tensor   # [T, T] bool
+    offsets: torch.Tensor   # [T] i64
+    visible: torch.Tensor   # [T, W] bool
 
     def check(self, rows: int) -> None:
-        if self.depths.shape != (rows,) or self.visible.shape != (rows, rows):
-            raise ValueError(f"tree mask for {tuple(self.depths.shape)} rows "
-                             f"(visible {tuple(self.visible.shape)}), forward of {rows}")
+        shape = tuple(self.visible.shape)
+        if self.offsets.shape != (rows,) or len(shape) != 2 or shape[0] != rows or \
+                shape[1] < rows:
+            raise ValueError(f"tree mask for {tuple(self.offsets.shape)} rows (visible "
+                             f"{shape}), forward of {rows}")
 
     def among_rows(self, start_pos: torch.Tensor, kv_len: int) -> torch.Tensor:
-        """bool [B, T, kv_len]: False where key j is one of the tree's rows that query i
+        """bool [B, T, kv_len]: False where key j is one of the tree's rows that query t
         must not see; True elsewhere (the causal mask does the rest)."""
-        rows = self.depths.shape[0]
+        rows, width = self.visible.shape
         dev = start_pos.device
-        rel = torch.arange(kv_len, device=dev)[None, :] - start_pos[:, None]   # [B, kv]
-        inside = (rel >= 0) & (rel < rows)
-        seen = self.visible.to(dev)[:, rel.clamp(0, rows - 1)]                   # [T, B, kv]
+        first = start_pos + rows - width                                       # [B]
+        rel = torch.arange(kv_len, device=dev)[None, :] - first[:, None]     # [B, kv]
+        inside = (rel >= 0) & (rel < width)
+        seen = self.visible.to(dev)[:, rel.clamp(0, width - 1)]                # [T, B, kv]
         return ~inside[:, None, :] | seen.permute(1, 0, 2)
 
 
@@ -265,8 +270,8 @@ class DecoderModel(nn.Module):
         pos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
         page, offset = cache.locate(slots, pos)
         kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
-        # A tree's row sits at its depth's position (RoPE) but is stored at its own index.
-        rope_pos = pos if tree is None else start_pos[:, None] + tree.depths.to(dev)[None, :]
+        # A tree's row sits at its depth's position (RoPE), stored at its own index.
+        rope_pos = pos if tree is None else start_pos[:, None] + tree.offsets.to(dev)[None, :]
         rope_pos = rope_pos.clamp(max=self.rope_cos.shape[0] - 1)
         cos = self.rope_cos[rope_pos][:, :, None, :]
         sin = self.rope_sin[rope_pos][:, :, None, :]

@@ -45,12 +45,16 @@ def _check_paths(paths: Sequence[Path]) -> None:
             raise ValueError(f"draft tree: node {path} has no parent {path[:-1]}")
 
 
+def _in_order(paths: Iterable[Sequence[int]]) -> tuple[Path, ...]:
+    """The paths as tuples, by depth, then path (the tree's row order)."""
+    return tuple(sorted((tuple(p) for p in paths), key=lambda p: (len(p), p)))
+
+
 @attrs.frozen
 class DraftTree:
     """A static tree of ``size`` draft nodes under the root (see the module doc)."""
 
-    paths: tuple[Path, ...] = attrs.field(
-        converter=lambda ps: tuple(sorted((tuple(p) for p in ps), key=lambda p: (len(p), p))))
+    paths: tuple[Path, ...] = attrs.field(converter=_in_order)
 
     def __attrs_post_init__(self) -> None:
         if not self.paths:

@@ -92,6 +92,7 @@ class Structural:
     point_mass = True
     feature_layers: tuple[int, ...] = ()
     variable_k: bool = False
+    drafts_trees: bool = False
 
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None
                 ) -> None:

@@ -16,7 +16,9 @@ from typing import Any, Callable, Generator, Sequence
 import torch
 
 from specloop.samplers import DefaultSampler, Sampler, SamplingBatch
+from specloop.samplers._tree import DraftTree
 
+from .._decoder import TreeMask
 from .._grad import inference_mode
 from .._host import copy_into, int64_tensor, to_device
 from .._prefill import padded_shape
@@ -75,6 +77,8 @@ class MtpEagleDrafter(Drafter):
         # Set by prefill_graphs at warm-up: the padded shapes and their graphs' replay.
         self._prefill_shapes: frozenset[tuple[int, int]] = frozenset()
         self._prefill_replay: PrefillReplay | None = None
+        # Per draft tree: its levels' index tensors (``_tree_plan``).
+        self._tree_plans: dict[DraftTree, list[_TreeLevel]] = {}
 
     @staticmethod
     def weights_path(config: Any, deps: DrafterDeps) -> Path | None:
@@ -101,6 +105,12 @@ class MtpEagleDrafter(Drafter):
     @property
     def variable_k(self) -> bool:
         return True
+
+    @property
+    def drafts_trees(self) -> bool:
+        """Greedy draft trees (``DraftContext.tree``: ``_draft_tree_local``), eager,
+        with the local head."""
+        return not self.lm.lm_head_tp
 
     @inference_mode
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
@@ -513,6 +523,8 @@ class MtpEagleDrafter(Drafter):
                 # and back (~0.1-0.2 ms per iteration), as VERIFY on CUDA.
                 return self._replay(ctx, advanced)
             return await ctx.run_sync(lambda: self._replay(ctx, advanced))
+        if rows == 0 and ctx.tree is not None:
+            return DraftProposal(torch.zeros(0, ctx.tree.size, dtype=torch.int64))
         if rows == 0:
             # An idle rank still enters every LM-head-TP collective, with dummy rows.
             hidden = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size)
@@ -521,6 +533,9 @@ class MtpEagleDrafter(Drafter):
                     await self.lm.tokens(ctx, hidden, step)
             return DraftProposal(torch.zeros(0, k, dtype=torch.int64))
 
+        if ctx.tree is not None:
+            tree = ctx.tree
+            return await ctx.run_sync(lambda: self._draft_tree_local(ctx, tree))
         if not self.lm.uses_collectives(ctx):
             # The whole proposal in one hop into the compute thread (not 2K + 1).
             return await ctx.run_sync(lambda: self._draft_local(ctx, k))
@@ -565,3 +580,72 @@ class MtpEagleDrafter(Drafter):
                                              device=hidden.device))
         return stack_proposal(drafted, probs)
 
+
+    @inference_mode
+    def _draft_tree_local(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
+        """A greedy draft tree (samplers/_tree.py) with the local head, eager: the
+        catch-up (its last row is the root's), then one head forward per depth over that
+        depth's nodes, each fed its token and its parent's output hidden state at the
+        position of its depth (stored at the position of its row: L - 2 + row), attending
+        the head's cache before the tree and its own ancestors (``TreeMask``); a row's
+        children are the ranks the tree names among its draft logits. Drafts that a chain
+        of the tree's first choices would draft, token for token, on the chain's paths.
+        -> token_ids [B, N], the nodes in the tree's order."""
+        loop = self._draft_steps(self._eager_inputs(ctx), kv_len=None, k=0)
+        root = next(loop)
+        loop.close()
+        rows, n = root.shape[0], tree.size
+        hidden = root.new_empty(rows, n + 1, root.shape[-1])
+        hidden[:, 0] = root
+        tokens = torch.zeros(rows, n + 1, dtype=torch.int64, device=root.device)
+        for level in self._tree_plan(tree, root.device):
+            if level.mask is not None:      # depth >= 1: the head over its rows
+                a, b = level.first, level.end
+                hidden[:, a:b] = self.head(
+                    tokens[:, a:b], hidden[:, level.parents], ctx.seq_lens + (a - 2),
+                    ctx.slots, self.cache, tree=level.mask)
+            if level.expand is not None:    # their children: the ranks the tree names
+                logits = self.lm.logits(hidden[:, level.expand].flatten(0, 1))
+                top = logits.topk(level.width, dim=-1).indices.view(rows, -1, level.width)
+                tokens[:, level.children] = top[:, level.child_of, level.rank]
+        self.pending.zero(ctx.slot_list())
+        return DraftProposal(tokens[:, 1:])
+
+    def _tree_plan(self, tree: DraftTree, device: torch.device) -> list[_TreeLevel]:
+        """Per depth, the index tensors ``_draft_tree_local`` uses (built once a tree)."""
+        plan = self._tree_plans.get(tree)
+        if plan is None:
+            plan = self._tree_plans[tree] = _tree_levels(tree, device)
+        return plan
+
+
+class _TreeLevel:
+    """One depth d of a draft tree, as ``MtpEagleDrafter._draft_tree_local`` runs it: the
+    head over rows ``first`` .. ``end`` - 1 (depth >= 1: their ``parents``, ``mask``),
+    then the children of rows ``expand``: ``children[i]`` is rank ``rank[i]`` among the
+    top ``width`` of ``expand[child_of[i]]``'s logits."""
+
+    def __init__(self, tree: DraftTree, depth: int, device: torch.device) -> None:
+        rows = [r for r, d in enumerate(tree.depths) if d == depth]
+        self.first, self.end = rows[0], rows[-1] + 1
+        self.mask: TreeMask | None = None
+        self.parents = torch.tensor([tree.parents[r] for r in rows], device=device)
+        if depth:
+            a, b = self.first, self.end
+            # Rows a..b-1 at depth d: RoPE position L - 2 + d = (L - 2 + a) + (d - a);
+            # the tree's rows 1..b-1 stored so far end with them.
+            self.mask = TreeMask(torch.full((b - a,), depth - a, device=device),
+                                 tree.visible(device)[a:b, 1:b])
+        kids = tree.children()
+        parents = [r for r in rows if r in kids]
+        self.expand = torch.tensor(parents, device=device) if parents else None
+        pairs = [(i, c) for i, r in enumerate(parents) for c in kids[r]]
+        self.children = torch.tensor([c for _, c in pairs], device=device)
+        self.child_of = torch.tensor([i for i, _ in pairs], device=device)
+        ranks = [tree.paths[c - 1][-1] for _, c in pairs]
+        self.rank = torch.tensor(ranks, device=device)
+        self.width = max(ranks, default=0) + 1
+
+
+def _tree_levels(tree: DraftTree, device: torch.device) -> list[_TreeLevel]:
+    return [_TreeLevel(tree, d, device) for d in range(tree.depth)]

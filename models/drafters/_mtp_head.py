@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from ._heads import target_shape
 
 if TYPE_CHECKING:
-    from specloop.models import DecoderModel, KVCache
+    from specloop.models import DecoderModel, KVCache, TreeMask
 
 HeadT = TypeVar("HeadT", bound="MtpEagleHead")
 
@@ -96,9 +96,10 @@ class MtpEagleHead(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
                 slots: torch.Tensor, cache: KVCache, kv_len: int | None = None,
-                pos_offset: int = 0) -> torch.Tensor:
+                pos_offset: int = 0, tree: TreeMask | None = None) -> torch.Tensor:
         """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos +
-        pos_offset.. -> the head's hidden [B, T, H]; logits come from the shared LM head."""
+        pos_offset.. -> the head's hidden [B, T, H]; logits come from the shared LM head.
+        ``tree``: the rows are draft-tree nodes (models/_decoder.py ``TreeMask``)."""
         if self.block.uses_kernels:
             # Embedding gather, both norms and the concat in one kernel (the same bits as
             # a norm kernel each: a draft step is launch-bound on the GPU).
@@ -109,7 +110,7 @@ class MtpEagleHead(torch.nn.Module):
             x = torch.cat([self.norm(self.block.embed(tokens), self.enorm),
                            self.norm(hidden, self.hnorm)], dim=-1)
         return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,
-                                         kv_len=kv_len, pos_offset=pos_offset)
+                                         kv_len=kv_len, pos_offset=pos_offset, tree=tree)
 
 
 def load_or_init(head: HeadT, path: str | Path | None) -> HeadT:

@@ -9,6 +9,7 @@ import torch
 
 from specloop.comm import Communicator
 from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
+from specloop.samplers._tree import DraftTree
 
 from .._host import int64_tensor, to_device
 
@@ -46,6 +47,9 @@ class DraftContext:
     # Drafts this call (adaptive K, 0 .. the drafter's num_draft_tokens); None: all of
     # them. Only drafters whose ``variable_k`` is True are given a number.
     num_draft_tokens: int | None = None
+    # A greedy draft tree to propose instead of a chain (its nodes in its order: token_ids
+    # [B, tree.size]); only drafters whose ``drafts_trees`` is True are given one.
+    tree: DraftTree | None = None
 
     def draft_count(self, drafter: Drafter) -> int:
         """How many drafts ``drafter`` proposes in this call."""
@@ -97,7 +101,7 @@ class Drafter(Protocol):
     in config is called as ``factory(config, deps: DrafterDeps)``.
 
     Defaults: ``point_mass`` False (proposals carry q), ``variable_k`` False,
-    ``needs_empty_calls`` False,
+    ``drafts_trees`` False, ``needs_empty_calls`` False,
     ``feature_layers`` () (no target features), ``on_verified`` and ``warm_up_eager`` do nothing,
     ``can_graph`` False (so ``graph_step`` and ``graph_inputs``, which raise, are never
     called).
@@ -155,6 +159,14 @@ class Drafter(Protocol):
         engine then does not call ``propose`` (``on_verified`` still runs, with one row per
         request: keep what the next ``propose`` needs). Default False: under adaptive K
         the engine asks for all ``num_draft_tokens`` and keeps the first K."""
+        return False
+
+    @property
+    def drafts_trees(self) -> bool:
+        """True when ``propose`` drafts ``ctx.tree`` where it is given (a greedy draft tree,
+        samplers/_tree.py: token_ids [B, tree.size], the nodes in the tree's order; the
+        engine gives one only to an all-greedy batch, with ``speculative.tree`` set, and
+        verifies it eagerly). Default False: the engine refuses ``speculative.tree``."""
         return False
 
     @property

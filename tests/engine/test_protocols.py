@@ -24,7 +24,8 @@ USED = {
                 "needs_empty_calls", "feature_layers", "on_verified", "can_graph",
                 "graph_step", "graph_inputs", "variable_k", "can_chain", "chained_inputs",
                 "chained_consumed", "prefill_many", "prefill_graphs", "chains_through_k0",
-                "chains_joiners", "joining_rows", "num_draft_classes", "draft_classes", "warm_up_eager"},
+                "chains_joiners", "joining_rows", "num_draft_classes", "draft_classes", "warm_up_eager",
+                "drafts_trees"},
     "observer": {"on_transition"},
 }
 

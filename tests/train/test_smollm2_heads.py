@@ -45,3 +45,22 @@ async def test_trained_head_greedy_equals_transformers(smollm2, smollm2_engine_r
     outs, stats = await run(config(method, k, draft_weights=HEADS[method]), smollm2)
     assert outs == smollm2_engine_reference_long
     assert stats.num_accepted_tokens > 0       # the trained head's drafts do get accepted
+
+
+# The draft tree examples/smollm2-eagle3-tree.toml ships (docs/configuration.md, "Draft
+# trees"): all-greedy batches draft and verify it, on the CPU's reference path.
+def shipped_tree() -> list[list[int]]:
+    import tomllib
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "examples" / "smollm2-eagle3-tree.toml"
+    return tomllib.loads(path.read_text())["speculative"]["tree"]
+
+
+async def test_eagle3_with_its_draft_tree_equals_transformers(smollm2,
+                                                              smollm2_engine_reference_long):
+    tree = shipped_tree()
+    outs, stats = await run(config("eagle3", max(map(len, tree)),
+                                   draft_weights=HEADS["eagle3"], tree=tree), smollm2)
+    assert outs == smollm2_engine_reference_long
+    assert stats.num_accepted_tokens > 0

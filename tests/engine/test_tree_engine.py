@@ -1,0 +1,148 @@
+"""Draft trees through the engine (``speculative.tree``; CPU, the tiny float64 model, an
+eagle3 head drafting the target's own next token, so drafts are accepted): greedy equals
+greedy without speculation, all-greedy batches draft the tree and others its chain, the
+tree accepts more than its chain alone, and the configurations it cannot run are refused
+with a message naming the field."""
+
+import collections
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from specloop.engine import AsyncEngine
+from specloop.engine._errors import ConfigError
+from specloop.samplers import SamplingParams
+from specloop.samplers._tree import DraftTree
+from specloop.train import TrainableEagle3Head
+
+from .conftest import make_config, serve_staggered
+from .test_engine import reference_greedy
+
+# The chain of 3 and siblings at every depth.
+TREE = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+
+
+@pytest.fixture(scope="module")
+def head_file(tiny_loaded, tmp_path_factory):
+    model = tiny_loaded.model
+    head = TrainableEagle3Head(tiny_loaded.args, model.embed_tokens, model.lm_head_weight,
+                               torch.arange(384), 64, (0, 2, 3))
+    head.init_from_target(model, seed=5)
+    path = tmp_path_factory.mktemp("head") / "h.safetensors"
+    save_file({k: v.contiguous() for k, v in head.export_state().items()}, str(path),
+              metadata={"method": "eagle3", "feature_layers": "0,2,3"})
+    return path
+
+
+def tree_config(tiny_dir, head_file, tree=TREE, components=None, parallel=None, **spec):
+    sections = {name: value for name, value in (("components", components),
+                                                ("parallel", parallel)) if value}
+    return make_config(tiny_dir, method="eagle3", k=3, speculative={
+        "draft_weights": str(head_file), **({"tree": tree} if tree else {}), **spec},
+        **sections)
+
+
+def requests(sampled_every=0):
+    out = []
+    for i in range(8):
+        prompt = [3 + i, 40 + 2 * i, 7, 90 + i, 3 + i, 40 + 2 * i]
+        if sampled_every and i % sampled_every == sampled_every - 1:
+            params = SamplingParams(temperature=0.9, seed=100 + i, max_tokens=20 + i,
+                                    ignore_eos=True)
+        else:
+            params = SamplingParams(temperature=0.0, max_tokens=24 + 3 * i, ignore_eos=True)
+        out.append((prompt, params, 0.02 * (i % 3)))
+    return out
+
+
+class Drafted:
+    """Per VERIFY: (rows, drafts per row as the iteration's event reports them)."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, int]] = []
+
+    def on_transition(self, event):
+        if event.accepted is not None:
+            self.rows.append((len(event.accepted), event.num_draft_tokens))
+
+
+async def run(config, loaded, reqs):
+    drafted = Drafted()
+    async with AsyncEngine(config, model=loaded, observers=[drafted]) as engine:
+        outs = await serve_staggered(engine, reqs)
+        stats = engine.stats
+    return outs, stats, drafted
+
+
+async def test_greedy_with_a_tree_equals_greedy_without(tiny_dir, tiny_loaded, head_file):
+    """Greedy requests alone: every iteration drafts the tree (8 nodes)."""
+    reqs = requests()
+    outs, stats, drafted = await run(tree_config(tiny_dir, head_file), tiny_loaded, reqs)
+    for (prompt, params, _), out in zip(reqs, outs):
+        assert out == reference_greedy(tiny_loaded, prompt, params.max_tokens)
+    assert {k for _, k in drafted.rows} == {len(TREE)}
+    assert stats.num_accepted_tokens > 0
+    # A tree's drafts per row are counted as its depth (what a path can accept).
+    assert sum(stats.drafted_per_position) == stats.num_draft_tokens
+    assert len(stats.drafted_per_position) == 3
+
+
+async def test_a_batch_that_samples_drafts_the_chain_and_outputs_do_not_change(
+        tiny_dir, tiny_loaded, head_file):
+    """Sampled requests among greedy ones: their iterations draft the chain of 3 (and
+    verify it as without a tree), the all-greedy ones the tree; every output equals the
+    chain-only engine's (sampled ones too: same seeds, same exact sampling)."""
+    reqs = requests(sampled_every=3)
+    tree_outs, _, drafted = await run(tree_config(tiny_dir, head_file), tiny_loaded, reqs)
+    chain_outs, _, _ = await run(tree_config(tiny_dir, head_file, tree=None), tiny_loaded,
+                                 reqs)
+    assert tree_outs == chain_outs
+    kinds = collections.Counter(k for _, k in drafted.rows)
+    assert kinds[3] and kinds[len(TREE)], kinds
+
+
+async def test_the_tree_accepts_more_than_its_chain(tiny_dir, tiny_loaded, head_file):
+    """The tree holds the chain of 3 (its first choices): with the same head it takes
+    fewer iterations for the same greedy tokens."""
+    reqs = requests()
+    _, tree_stats, _ = await run(tree_config(tiny_dir, head_file), tiny_loaded, reqs)
+    _, chain_stats, _ = await run(tree_config(tiny_dir, head_file, tree=None), tiny_loaded,
+                                  reqs)
+    assert tree_stats.num_accepted_tokens > chain_stats.num_accepted_tokens
+    assert tree_stats.num_iterations < chain_stats.num_iterations
+
+
+@pytest.mark.parametrize("spec, field, words", [
+    ({"tree": [[0], [0, 0]]}, "speculative.tree", "set num_draft_tokens = 2"),
+    ({"tree": [[0], [1, 0]]}, "speculative.tree", "no parent"),
+    ({"tree": TREE, "adaptive": True}, "speculative.adaptive", "first slice"),
+])
+def test_a_tree_the_engine_cannot_run_is_refused_by_the_config(tiny_dir, head_file, spec,
+                                                              field, words):
+    with pytest.raises(ConfigError, match=words) as info:
+        tree_config(tiny_dir, head_file, **spec)
+    assert info.value.field == field
+
+
+@pytest.mark.parametrize("sections, field", [
+    ({"components": {"graph_cache": "cuda"}}, "components.graph_cache"),
+    ({"parallel": {"world_size": 2, "attention_dp": True}}, "parallel.world_size"),
+])
+def test_a_tree_with_graphs_or_ranks_is_refused(tiny_dir, head_file, sections, field):
+    with pytest.raises(ConfigError, match="first slice") as info:
+        tree_config(tiny_dir, head_file, **sections)
+    assert info.value.field == field
+
+
+async def test_a_drafter_without_trees_is_refused_at_start(tiny_dir, tiny_loaded):
+    config = make_config(tiny_dir, method="ngram", k=3, speculative={"tree": TREE})
+    with pytest.raises(ConfigError, match="drafts chains only"):
+        async with AsyncEngine(config, model=tiny_loaded):
+            pass
+
+
+def test_the_tree_in_config_is_the_samplers_tree(tiny_dir, head_file):
+    tree = tree_config(tiny_dir, head_file).speculative.draft_tree
+    assert tree == DraftTree([tuple(p) for p in TREE])
+    assert tree.size == 8 and tree.depth == 3
