@@ -1,15 +1,16 @@
 """CPU batch-1 greedy tokens/s with each shipped head vs n-gram, no speculation and
-transformers' ``generate`` on the same SmolLM2 weights, in one process.
+transformers' ``generate`` on the same SmolLM2 weights, in one process (the demo's
+prompt, or ``--held-out N`` chat prompts one after another).
 
 Each configuration runs ``--repeats`` times, interleaved (this machine is shared and noisy);
 prints min-max tokens/s and the ratio of medians to transformers, both per wall-clock second
 and per process CPU second (with ``--threads 1`` the latter is what an idle core would do).
 
     python bench/bench_drafters_speed.py [--tokens 64] [--repeats 3] [--ks 2,3]
-        [--tree '[[0], [1], [0, 0]]'] [--only transformers,none,eagle3]
+        [--tree '[[0], [1], [0, 0]]'] [--only transformers,none,eagle3] [--held-out 8]
 
-``--tree``: also each eagle3 head with that draft tree (``speculative.tree``; its depth is
-its K); ``--only``: the configurations whose names contain one of these words.
+``--tree``: also each eagle3 head with each of these draft trees (``speculative.tree``; its depth is
+its K); ``--only``: the configurations whose names contain one of these words (and transformers).
 """
 
 from __future__ import annotations
@@ -36,31 +37,41 @@ def timed(fn):
     return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def transformers_rates(model, ids, n):
-    prompt = torch.tensor([ids])
-    # An explicit mask: SmolLM2's pad id is <|im_end|>, which the chat prompt contains.
-    mask = torch.ones_like(prompt)
+def transformers_rates(model, prompts, n):
+    """Greedy ``generate`` of each prompt in turn (batch 1) -> (tokens per wall second,
+    per process CPU second, None)."""
+    tokens, wall, cpu = 0, 0.0, 0.0
     with torch.inference_mode():
-        model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
-        out, wall, cpu = timed(lambda: model.generate(prompt, attention_mask=mask,
-                                                      max_new_tokens=n, do_sample=False))
-    tokens = out.shape[1] - prompt.shape[1]
+        for ids in prompts:
+            prompt = torch.tensor([ids])
+            # An explicit mask: SmolLM2's pad id is <|im_end|>, which the chat prompt holds.
+            mask = torch.ones_like(prompt)
+            model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            out, w, c = timed(lambda: model.generate(prompt, attention_mask=mask,
+                                                     max_new_tokens=n, do_sample=False))
+            tokens += out.shape[1] - prompt.shape[1]
+            wall, cpu = wall + w, cpu + c
     return tokens / wall, tokens / cpu, None
 
 
-async def specloop_rates(config, loaded, ids, n):
+async def specloop_rates(config, loaded, prompts, n):
+    """Each prompt in turn (batch 1) through one engine -> (tokens per wall second, per
+    process CPU second, AL over the timed requests)."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     from specloop.samplers import SamplingParams  # noqa: PLC0415
 
     async with AsyncEngine(config, model=loaded) as engine:
-        async for _ in engine.generate(ids, SamplingParams(temperature=0, max_tokens=4)):
+        async for _ in engine.generate(prompts[0], SamplingParams(temperature=0,
+                                                                   max_tokens=4)):
             pass
         engine.stats.__init__()
         tokens = 0
         wall, cpu = time.perf_counter(), time.process_time()
-        # Stops at EOS, as transformers does.
-        async for out in engine.generate(ids, SamplingParams(temperature=0.0, max_tokens=n)):
-            tokens += len(out.token_ids)
+        for ids in prompts:
+            # Stops at EOS, as transformers does.
+            async for out in engine.generate(ids, SamplingParams(temperature=0.0,
+                                                                 max_tokens=n)):
+                tokens += len(out.token_ids)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         return tokens / wall, tokens / cpu, engine.stats.mean_acceptance_length
 
@@ -70,7 +81,11 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--ks", default="2,3", help="draft lengths for each head")
-    ap.add_argument("--tree", default=None, help="a draft tree (JSON list of paths)")
+    ap.add_argument("--tree", default=None,
+                    help="draft trees (JSON lists of paths, separated by ';')")
+    ap.add_argument("--held-out", type=int, default=0,
+                    help="run the first N held-out chat prompts (bench/prompts_heldout.jsonl) "
+                         "in turn instead of the demo's prompt")
     ap.add_argument("--only", default=None,
                     help="comma-separated words: run the configurations naming one")
     ap.add_argument("--threads", type=int, default=0,
@@ -78,6 +93,12 @@ def main() -> None:
     args = ap.parse_args()
     quiet_logs()
     loaded, ids = cpu_smol(args.threads)
+    prompts = [ids]
+    if args.held_out:
+        from held_out_prompts import PATH  # noqa: PLC0415
+        texts = [json.loads(line)["text"] for line in PATH.read_text().splitlines()]
+        prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}])
+                   for t in texts[:args.held_out]]
     from specloop.models.drafters._heads import heads_dir, shipped_heads  # noqa: PLC0415
 
     configs = {"none": make_config("none", "float32", batch=1),
@@ -88,8 +109,8 @@ def main() -> None:
         for k in map(int, args.ks.split(",")):
             configs[f"{head} K={k}"] = make_config(method, "float32", k=k, batch=1,
                                                    draft_weights=head)
-        if args.tree and method == "eagle3":
-            tree = json.loads(args.tree)
+        for text in args.tree.split(";") if args.tree and method == "eagle3" else ():
+            tree = json.loads(text)
             depth = max(map(len, tree))
             configs[f"{head} tree N={len(tree)} D={depth}"] = make_config(
                 method, "float32", k=depth, batch=1, draft_weights=head, tree=tree)
@@ -99,16 +120,18 @@ def main() -> None:
     names = ["transformers", *configs]
     if args.only:
         words = args.only.split(",")
-        names = [n for n in names if any(w in n for w in words)]
+        # transformers always: the ratios are to it
+        names = [n for n in names if n == "transformers" or any(w in n for w in words)]
     wall = {name: [] for name in names}
     cpu = {name: [] for name in wall}
     als = {}
     for _ in range(args.repeats):   # interleaved: each round runs every configuration
         for name in wall:
             if name == "transformers":
-                w, c, al = transformers_rates(hf, ids, args.tokens)
+                w, c, al = transformers_rates(hf, prompts, args.tokens)
             else:
-                w, c, al = anyio.run(specloop_rates, configs[name], loaded, ids, args.tokens)
+                w, c, al = anyio.run(specloop_rates, configs[name], loaded, prompts,
+                                     args.tokens)
             wall[name].append(w)
             cpu[name].append(c)
             als[name] = al

@@ -23,7 +23,7 @@ the engine's own starts (``walk``: draft, accept n, move n + 1; what greedy deco
 through the engine would measure, train/_evaluate.py), as the card's figures.
 
     python bench/tree_acceptance.py [--prompts 48] [--tokens 96] [--depth 5]
-        [--nodes 3,4,7,8,11,15] [--skip 0] [--fit 15,3]
+        [--nodes 3,4,7,8,11,15] [--skip 0] [--fit "15,3;7,3"]
         [--out bench/results/cpu_tree_acceptance.json]
 """
 
@@ -171,7 +171,7 @@ def main() -> None:
     ap.add_argument("--skip", type=int, default=0,
                     help="start at this held-out prompt (the benches read the first ones: "
                          "fit a tree to ship on others)")
-    ap.add_argument("--fit", default=None, metavar="N,DEPTH",
+    ap.add_argument("--fit", default=None, metavar="N,DEPTH[;N,DEPTH...]",
                     help="also print the tree of N nodes at most DEPTH deep fitted on all "
                          "these prompts' starts (as a speculative.tree value)")
     ap.add_argument("--out", default=None)
@@ -212,13 +212,14 @@ def main() -> None:
     for r in rows:
         print(f"{r['shape']:26s} {r['nodes'] + 1:11d} {str(r['every']):>20s} "
               f"{str(r['walk']):>20s}")
-    fitted = None
-    if args.fit:
-        size, depth = (int(x) for x in args.fit.split(","))
+    fitted = {}
+    for fit in args.fit.split(";") if args.fit else ():
+        size, depth = (int(x) for x in fit.split(","))
         starts = [p[:args.tokens] for p in per_answer]
-        fitted = [list(p) for p in best_tree([p for a in starts for p in a], size, depth).paths]
+        tree = [list(p) for p in best_tree([p for a in starts for p in a], size, depth).paths]
+        fitted[fit] = tree
         print(f"tree of {size} nodes, depth <= {depth}, fitted on all {len(answers)} "
-              f"prompts' starts: {json.dumps(fitted)}")
+              f"prompts' starts: {json.dumps(tree)}")
     if args.out:
         Path(args.out).write_text(json.dumps({
             "prompts": args.prompts, "skip": args.skip, "answer_tokens": args.tokens,

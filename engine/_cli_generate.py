@@ -193,5 +193,8 @@ def summary_line(progress: Progress, config: EngineConfig, interrupted: bool) ->
     if config.speculative.adaptive and config.speculative.k:
         per_k = dict(sorted(stats.iterations_per_k.items())) if stats is not None else {}
         k = f"adaptive K <= {config.speculative.k}, iterations per K {per_k}"
+    tree = config.speculative.draft_tree
+    if tree is not None:    # greedy batches draft it; the chain of its depth otherwise
+        k += f", a draft tree of {tree.size} nodes"
     line += f" (method {config.speculative.method}, {k})"
     return line + (" [interrupted]" if interrupted else "")

@@ -167,6 +167,12 @@ class SpeculativeConfig:
                               f"set num_draft_tokens = {tree.depth}")
 
     @property
+    def verify_drafts(self) -> int:
+        """The most draft rows one VERIFY adds to a request, which its cache must have room
+        for: the tree's nodes with a tree, else K (0 when disabled)."""
+        return len(self.tree) if self.tree is not None and self.enabled else self.k
+
+    @property
     def draft_tree(self) -> DraftTree | None:
         """``tree`` as a DraftTree (None: chains only)."""
         if self.tree is None or not self.enabled:

@@ -3,8 +3,8 @@ the parent's front door across a pipe.
 
 Messages are tuples, their first item a kind. Parent -> core: ``("msg",
 FrontDoorMessage)`` (requests, cancels, shutdown), ``("stats",)``. Core -> parent:
-``("ready", {"k", "vocab_size"})`` or ``("failed", exception)`` once built, ``("out",
-rows, events)`` once per RESCAN (rows: ``_wire.OutputRow``; events: the iteration
+``("ready", {"k", "verify_drafts", "vocab_size"})`` or ``("failed", exception)`` once
+built, ``("out", rows, events)`` once per RESCAN (rows: ``_wire.OutputRow``; events: the iteration
 events since the last message, for the parent's observers, ahead of the outputs; None
 without), ``("events", events)`` at SCHEDULE or idle (the rest of them),
 ``("close_all", reason index, error)``, ``("stats", EngineStats)``. A rank > 0 of a
@@ -190,7 +190,8 @@ async def _serve(conn: Connection, config: EngineConfig, forward_events: bool,
             worker = engine.worker
             assert worker is not None, "built in `async with`"
             front.stats = lambda: worker.stats
-            front.send(("ready", {"k": worker.k, "vocab_size": worker.runner.args.vocab_size}))
+            front.send(("ready", {"k": worker.k, "verify_drafts": worker.verify_drafts,
+                                  "vocab_size": worker.runner.args.vocab_size}))
             ready = True
             await engine.wait_closed()
     except BaseException as exc:

@@ -181,8 +181,8 @@ class AsyncEngine(FrontEnd):
         return self.tokenizer
 
     @property
-    def _draft_k(self) -> int:
-        return self._built.k
+    def _verify_drafts(self) -> int:
+        return self._built.verify_drafts
 
     @property
     def _vocab_size(self) -> int:

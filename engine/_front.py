@@ -37,7 +37,8 @@ _AUTO_ID = re.compile(r"req-[0-9]+")
 class FrontEnd:
     """``generate``, ``generate_batch`` and ``cancel`` over the engine's hooks:
     ``_front_door``, ``_check_front()`` (raises EngineClosedError when not serving),
-    ``_tokenizer``, ``_draft_k`` (the largest K an iteration drafts), ``_vocab_size``; and
+    ``_tokenizer``, ``_verify_drafts`` (the most draft rows a VERIFY adds to a request:
+    the largest K, or a draft tree's nodes), ``_vocab_size``; and
     the ``async with`` lifecycle over ``_start()`` (build; -> the device type, whose
     ``parallel.freeze_gc = "auto"`` decides), ``_tasks()`` (run in the engine's task group
     until it leaves) and ``_release()`` (after the block, or a failed start)."""
@@ -116,7 +117,7 @@ class FrontEnd:
         raise NotImplementedError
 
     @property
-    def _draft_k(self) -> int:
+    def _verify_drafts(self) -> int:
         raise NotImplementedError
 
     @property
@@ -199,7 +200,7 @@ class FrontEnd:
             raise RequestError(f"params must be a SamplingParams, got {type(params).__name__}")
         request_id = self._request_id(request_id)
         prompt_ids = self._encode(prompt)
-        k = self._draft_k
+        k = self._verify_drafts
         room = self.config.model.max_seq_len - k - 1
         if len(prompt_ids) > room:
             raise RequestError(

@@ -32,7 +32,8 @@ class Outputs:
         ``deliver_rows``: every output goes there instead, built as an ``OutputRow``
         (a ``ProcessEngine`` core, one rank: its front door sends rows down a pipe, and a
         row costs a fraction of a RequestOutput and its conversion)."""
-        self.k = config.speculative.k
+        # The most draft rows a VERIFY writes past a request's length (a tree's nodes).
+        self.k = config.speculative.verify_drafts
         self.max_seq_len = config.model.max_seq_len
         self.scheduler = scheduler
         self.runner = runner

@@ -87,7 +87,8 @@ class ProcessEngine(FrontEnd):
         self.tokenizer: Tokenizer | None = None
         self._log_level = log_level
         self._start_timeout_s = start_timeout_s
-        self._core: dict[str, int] = {}     # the core's "ready" facts: k, vocab_size
+        # The core's "ready" facts: k, verify_drafts, vocab_size.
+        self._core: dict[str, int] = {}
         # Rank 0's core and its pipe; the other ranks' (several ranks), theirs.
         self._process: BaseProcess | None = None
         self._conn: Connection | None = None
@@ -347,8 +348,8 @@ class ProcessEngine(FrontEnd):
         return self.tokenizer
 
     @property
-    def _draft_k(self) -> int:
-        return self._core["k"]
+    def _verify_drafts(self) -> int:
+        return self._core["verify_drafts"]
 
     @property
     def _vocab_size(self) -> int:

@@ -81,6 +81,8 @@ class RankWorker:
         self.graph_cache = graph_cache
         self.front = front          # FrontDoor on rank 0, None elsewhere
         self.k = config.speculative.k      # the largest K an iteration may draft
+        # The most draft rows a VERIFY adds to a request (a draft tree's nodes, else K).
+        self.verify_drafts = config.speculative.verify_drafts
         # Set at warm-up when speculative.adaptive: the per-iteration choice of K.
         self.adaptive: AdaptiveK | None = None
         # The classes of the rows of the iteration adaptive K committed to early (one GPU

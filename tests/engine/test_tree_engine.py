@@ -11,12 +11,12 @@ import torch
 from safetensors.torch import save_file
 
 from specloop.engine import AsyncEngine
-from specloop.engine._errors import ConfigError
+from specloop.engine._errors import ConfigError, RequestError
 from specloop.samplers import SamplingParams
 from specloop.samplers._tree import DraftTree
 from specloop.train import TrainableEagle3Head
 
-from .conftest import make_config, serve_staggered
+from .conftest import collect, make_config, serve_staggered
 from .test_engine import reference_greedy
 
 # The chain of 3 and siblings at every depth.
@@ -35,10 +35,11 @@ def head_file(tiny_loaded, tmp_path_factory):
     return path
 
 
-def tree_config(tiny_dir, head_file, tree=TREE, components=None, parallel=None, **spec):
+def tree_config(tiny_dir, head_file, tree=TREE, components=None, parallel=None,
+                max_seq_len=256, **spec):
     sections = {name: value for name, value in (("components", components),
                                                 ("parallel", parallel)) if value}
-    return make_config(tiny_dir, method="eagle3", k=3, speculative={
+    return make_config(tiny_dir, method="eagle3", k=3, max_seq_len=max_seq_len, speculative={
         "draft_weights": str(head_file), **({"tree": tree} if tree else {}), **spec},
         **sections)
 
@@ -111,6 +112,22 @@ async def test_the_tree_accepts_more_than_its_chain(tiny_dir, tiny_loaded, head_
                                   reqs)
     assert tree_stats.num_accepted_tokens > chain_stats.num_accepted_tokens
     assert tree_stats.num_iterations < chain_stats.num_iterations
+
+
+async def test_a_tree_leaves_room_in_the_cache_for_its_nodes(tiny_dir, tiny_loaded,
+                                                              head_file):
+    """A VERIFY writes all 8 nodes past a request's length: a prompt must leave room for
+    them (not just the chain's 3), and a request ends by length before they would pass
+    max_seq_len, its tokens greedy decoding's."""
+    config = tree_config(tiny_dir, head_file, max_seq_len=64)
+    prompt = [(7 * i + 3) % 384 for i in range(40)]
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        with pytest.raises(RequestError, match="with 8 draft tokens allows at most 55"):
+            await collect(engine, [5] * 56, SamplingParams(temperature=0.0, max_tokens=1))
+        out = await collect(engine, prompt, SamplingParams(temperature=0.0, max_tokens=100,
+                                                           ignore_eos=True))
+    assert len(prompt) + len(out) == 64 - len(TREE)
+    assert out == reference_greedy(tiny_loaded, prompt, len(out))
 
 
 @pytest.mark.parametrize("spec, field, words", [
