@@ -148,17 +148,17 @@ class RankWorker:
             self._check_tree(drafter)
 
     def _check_tree(self, drafter: Drafter | None) -> None:
-        """``speculative.tree`` where it can run: a drafter that drafts trees, the
-        reference path on the CPU (the GPU's kernels attend causally, and its graphs and
-        chained steps take chains)."""
+        """``speculative.tree`` where it can run: a drafter that drafts trees, on the CPU
+        (the fused kernels take trees, but a GPU's graphs, chained and queued-ahead steps
+        take chains)."""
         field, tree = "speculative.tree", [list(p) for p in self.config.speculative.tree or ()]
         if drafter is None or not drafter.drafts_trees:
             raise ConfigError(field, tree, f"the drafter ({type(drafter).__name__}) drafts "
                               "chains only", "draft trees need an mtp_eagle or eagle3 head "
                               "without LM-head TP")
-        if self.runner.device.type != "cpu" or self.runner.model.uses_kernels:
-            raise ConfigError(field, tree, "draft trees run on the CPU's reference path "
-                              "only in this release", "leave it unset on a GPU")
+        if self.runner.device.type != "cpu":
+            raise ConfigError(field, tree, "draft trees run on the CPU only in this "
+                              "release", "leave it unset on a GPU")
 
     def handlers(self) -> dict[IterationState, Handler]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,

@@ -11,6 +11,7 @@ skinny-GEMM kernel, which takes SwiGLU into the down projection, see _linear).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, NamedTuple
 
 import attrs
@@ -46,9 +47,14 @@ class _Step(NamedTuple):
     mask: torch.Tensor | None  # [B, 1, G*T, kv_len] bool, True = attend (reference path)
     kv_len: int
     pos_offset: int  # added to start_pos by the fused kernels (the reference path's is in)
+    # The fused kernels' draft tree: RoPE offsets [T] and visibility words [T] (``bits``),
+    # and the tree's rows stored before the forward's own (TreeMask).
+    tree_offsets: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
+    tree_back: int = 0
 
 
-@attrs.frozen(eq=False)
+@attrs.frozen(eq=False, slots=False)     # (no slots: ``bits`` is cached on the instance)
 class TreeMask:
     """The T rows of a forward are a draft tree's (samplers/_tree.py), or one depth's of
     them: row t is stored at start_pos + t (as any forward's), sits at position start_pos
@@ -77,6 +83,22 @@ class TreeMask:
         inside = (rel >= 0) & (rel < width)
         seen = self.visible.to(dev)[:, rel.clamp(0, width - 1)]                # [T, B, kv]
         return ~inside[:, None, :] | seen.permute(1, 0, 2)
+
+    @property
+    def back(self) -> int:
+        """The tree's rows stored before the forward's own (W - T)."""
+        return int(self.visible.shape[1] - self.visible.shape[0])
+
+    @functools.cached_property
+    def bits(self) -> torch.Tensor:
+        """int64 [T] on ``visible``'s device: bit j of row t's word set where it sees the
+        tree's row j (the fused attention kernel's form; 63 rows at most). Built once per
+        mask, outside any graph capture (a tree's masks are made once)."""
+        width = self.visible.shape[1]
+        if width > 63:
+            raise ValueError(f"tree mask over {width} rows: the fused kernels take 63")
+        weights = torch.tensor([1 << j for j in range(width)], dtype=torch.int64)
+        return (self.visible.cpu().long() * weights).sum(dim=1).to(self.visible.device)
 
 
 class _LayerWeights(NamedTuple):
@@ -202,10 +224,6 @@ class DecoderModel(nn.Module):
             raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
         fused = self.uses_kernels
         if tree is not None:
-            if fused:
-                raise NotImplementedError(
-                    "draft trees run on the reference path only (fp32/fp64, or "
-                    "model.kernels = False): the fused kernels attend causally")
             tree.check(embeds.shape[1])
         if pos_offset and not fused:
             start_pos = start_pos + pos_offset
@@ -266,7 +284,11 @@ class DecoderModel(nn.Module):
         dev = self.device
         start_pos, slots = start_pos.to(dev, non_blocking=True), slots.to(dev, non_blocking=True)
         if fused:  # the kernels find positions, pages and lengths on the device
-            return _Step(None, None, None, slots, start_pos, None, None, None, 0, pos_offset)
+            if tree is None:
+                return _Step(None, None, None, slots, start_pos, None, None, None, 0,
+                             pos_offset)
+            return _Step(None, None, None, slots, start_pos, None, None, None, 0, pos_offset,
+                         tree.offsets.to(dev), tree.bits.to(dev), tree.back)
         pos = start_pos[:, None] + torch.arange(T, device=dev)  # [B, T]
         page, offset = cache.locate(slots, pos)
         kv_len = _resolve_kv_len(start_pos, T, cache, kv_len)
@@ -319,9 +341,10 @@ class DecoderModel(nn.Module):
         q = _kernels.rope_cache_write(qkv, step.start_pos, step.slots, cache.pages.table,
                                       cache.max_seq_len, cache.pages.scratch_page,
                                       self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],
-                                      a.num_heads, step.pos_offset)
+                                      a.num_heads, step.pos_offset, step.tree_offsets)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
-                                     step.start_pos, step.pos_offset)
+                                     step.start_pos, step.pos_offset,
+                                     tree_bits=step.tree_bits, tree_back=step.tree_back)
         # The MLP: on the skinny path SwiGLU in the gate-up GEMM's epilogue (or the down
         # GEMM's prologue), else silu_mul between the two GEMMs (models/_linear norm_mlp).
         mlp, x = self.linear.norm_mlp(x, self.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps,

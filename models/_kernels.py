@@ -162,13 +162,14 @@ if triton is not None:
             best_id = tl.load(map_ptr + best_id)
         tl.store(out_ptr + row * out_stride, best_id)
 
-    @triton.jit(**_per_row("start_ptr", "slot_ptr", varying=("pos_offset",)))
+    @triton.jit(**_per_row("start_ptr", "slot_ptr", "rope_ptr", varying=("pos_offset",)))
     def _rope_write_kernel(qkv_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr, sin_ptr, q_ptr,
-                           kc_ptr, vc_ptr, T, pos_offset, max_pos, s_page, s_off, s_table,
-                           pages_per_slot, max_seq_len, scratch_page,
+                           kc_ptr, vc_ptr, rope_ptr, T, pos_offset, max_pos, s_page, s_off,
+                           s_table, pages_per_slot, max_seq_len, scratch_page,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            PAGE: tl.constexpr, BLOCK_QK: tl.constexpr,
-                           BLOCK_V: tl.constexpr, GDC: tl.constexpr = False):
+                           BLOCK_V: tl.constexpr, TREE: tl.constexpr = False,
+                           GDC: tl.constexpr = False):
         tok = tl.program_id(0)
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
@@ -184,7 +185,10 @@ if triton is not None:
         page = tl.load(table_ptr + tl.load(slot_ptr + row) * s_table + index).to(tl.int64)
         page = tl.where(p < max_seq_len, page, scratch_page)
         off = p % PAGE
-        pos = tl.minimum(p, max_pos)
+        if TREE:    # a draft tree's row: stored at p, rotated at its depth's position
+            pos = tl.minimum(p - tok % T + tl.load(rope_ptr + tok % T), max_pos)
+        else:
+            pos = tl.minimum(p, max_pos)
         d = tl.arange(0, half)
         heads = tl.arange(0, BLOCK_QK)[:, None]
         hm = heads < HQ + HKV
@@ -223,16 +227,19 @@ if triton is not None:
         chunk = tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
         return chunk, tl.maximum((n_end + chunk - 1) // chunk, 1)
 
-    # (cnt_ptr: split-KV's counters, or start_pos again where none are used.)
-    @triton.jit(**_per_row("slot_ptr", "start_ptr", "cnt_ptr", varying=("pos_offset",)))
+    # (cnt_ptr: split-KV's counters, or start_pos again where none are used; tree_ptr: a
+    # draft tree's visibility bits, or start_pos again without a tree.)
+    @triton.jit(**_per_row("slot_ptr", "start_ptr", "cnt_ptr", "tree_ptr",
+                           varying=("pos_offset", "tree_back")))
     def _paged_attention_kernel(q_ptr, kc_ptr, vc_ptr, table_ptr, slot_ptr, start_ptr, o_ptr,
-                                m_ptr, l_ptr, acc_ptr, cnt_ptr, T, pos_offset, scale, s_page,
-                                s_off, s_table, pages_per_slot, HQ: tl.constexpr,
-                                HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                                SPLITS: tl.constexpr, SPLIT_MIN: tl.constexpr,
-                                LAST_COMBINES: tl.constexpr, SC: tl.constexpr,
-                                S_BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+                                m_ptr, l_ptr, acc_ptr, cnt_ptr, tree_ptr, T, pos_offset,
+                                tree_back, scale, s_page, s_off, s_table, pages_per_slot,
+                                HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                                PAGE: tl.constexpr, BLOCK_M: tl.constexpr,
+                                BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
+                                SPLIT_MIN: tl.constexpr, LAST_COMBINES: tl.constexpr,
+                                SC: tl.constexpr, S_BLOCK: tl.constexpr,
+                                TREE: tl.constexpr = False, GDC: tl.constexpr = False):
         # One program per (row, KV head, block of query rows, split). SPLITS = 1: the one
         # kernel (a program walks all of its row's positions). SPLITS > 1 (flash-decoding):
         # a row block's positions are cut into active splits on the device (_split_chunk);
@@ -268,6 +275,12 @@ if triton is not None:
         q_off = ((b * T + t) * HQ + head)[:, None] * D + d[None, :]
         q = tl.load(q_ptr + q_off, mask=rm[:, None], other=0.0)
         limit = start + t  # the last position each query row may see (causal)
+        if TREE:
+            # A draft tree's rows: bit j of a query row's word marks the tree row stored
+            # at start - tree_back + j as one it sees (itself, its ancestors); positions
+            # before the tree's rows are all seen.
+            seen = tl.load(tree_ptr + t, mask=rm, other=0)
+            first = start - tree_back
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -281,7 +294,12 @@ if triton is not None:
             kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
             k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            s = tl.where((n[None, :] <= limit[:, None]) & nm[None, :], s, float("-inf"))
+            ok = (n[None, :] <= limit[:, None]) & nm[None, :]
+            if TREE:
+                rel = n - first
+                bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)[None, :]) & 1
+                ok = ok & ((rel < 0)[None, :] | (bit != 0))
+            s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # A row may see none of a later split's range (VERIFY's earlier rows near its
             # start): its max stays -inf, and exp(-inf - -inf) would be NaN. (The first
@@ -462,22 +480,26 @@ def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
 def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
                      table: torch.Tensor, max_seq_len: int, scratch_page: int,
                      cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                     v_cache: torch.Tensor, num_heads: int, pos_offset: int = 0
-                     ) -> torch.Tensor:
+                     v_cache: torch.Tensor, num_heads: int, pos_offset: int = 0,
+                     rope_offsets: torch.Tensor | None = None) -> torch.Tensor:
     """qkv [B, T, (Hq + 2 Hkv) D] of positions start_pos [B] + pos_offset.. in slots [B]
     -> rotated q [B, T, Hq, D]; rotated k and v are written into k_cache / v_cache [pages, page_size,
     Hkv, D] at each position's page (through the block table ``table``; positions past
-    ``max_seq_len``: ``scratch_page``) and offset, as ``KVCache.locate`` finds them."""
+    ``max_seq_len``: ``scratch_page``) and offset, as ``KVCache.locate`` finds them.
+    ``rope_offsets`` [T] (a draft tree's rows, models/_decoder.py ``TreeMask``): row t is
+    still stored at start + t but rotated at start + ``rope_offsets[t]``."""
     B, T = qkv.shape[:2]
     _, page_size, hkv, D = k_cache.shape
     q = qkv.new_empty(B, T, num_heads, D)
+    tree = rope_offsets is not None
     _rope_write_kernel[(B * T,)](
         qkv.contiguous(), start_pos.contiguous(), slots.contiguous(), table, cos, sin,
-        q, k_cache, v_cache, T, pos_offset, cos.shape[0] - 1, k_cache.stride(0),
-        k_cache.stride(1),
+        q, k_cache, v_cache, rope_offsets if tree else start_pos, T, pos_offset,
+        cos.shape[0] - 1, k_cache.stride(0), k_cache.stride(1),
         table.stride(0), table.shape[1], max_seq_len, scratch_page,
         HQ=num_heads, HKV=hkv, D=D, PAGE=page_size, BLOCK_QK=_pow2(num_heads + hkv),
-        BLOCK_V=_pow2(hkv), num_warps=4, **_pdl.launch_kw(qkv))
+        BLOCK_V=_pow2(hkv), num_warps=4, **({"TREE": True} if tree else {}),
+        **_pdl.launch_kw(qkv))
     return q
 
 
@@ -574,7 +596,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     table: torch.Tensor, slots: torch.Tensor, start_pos: torch.Tensor,
                     pos_offset: int = 0, *, splits: int | None = None, block_n: int = 64,
                     num_warps: int = 4, num_stages: int | None = None,
-                    combine: str | None = None, split_min: int | None = None) -> torch.Tensor:
+                    combine: str | None = None, split_min: int | None = None,
+                    tree_bits: torch.Tensor | None = None, tree_back: int = 0
+                    ) -> torch.Tensor:
     """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
     Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``.
 
@@ -589,7 +613,10 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     "last", by the last of its programs to finish (no second launch; a counter buffer per
     device, kept zero between calls, so calls on one device must not run concurrently on
     two streams); "kernel", by a second kernel (launched whenever splits > 1, returning at
-    once for rows that did not split)."""
+    once for rows that did not split). ``tree_bits`` [T] int64 (a draft tree's rows,
+    models/_decoder.py ``TreeMask.bits``): query row t sees, besides its causal limit, only
+    the tree rows whose bits its word sets, bit j the one stored at start - ``tree_back``
+    + j (at most 63 of them); positions before them all."""
     B, T, hq, D = q.shape
     _, page, hkv, _ = k_cache.shape
     q = q.contiguous()
@@ -601,17 +628,23 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     combine = _COMBINE if combine is None else combine
     if combine not in ("kernel", "last"):
         raise ValueError(f"combine={combine!r}: 'kernel' or 'last'")
-    args = (T, pos_offset, 1.0 / math.sqrt(D), k_cache.stride(0), k_cache.stride(1),
-            table.stride(0), table.shape[1])
+    if tree_bits is not None and (tree_bits.shape != (T,) or T + tree_back > 63 or
+                                  tree_back < 0):
+        raise ValueError(f"paged_attention: tree bits {tuple(tree_bits.shape)} for {T} rows, "
+                         f"{tree_back} tree rows before them (63 at most in all)")
+    args = (T, pos_offset, tree_back, 1.0 / math.sqrt(D), k_cache.stride(0),
+            k_cache.stride(1), table.stride(0), table.shape[1])
     pdl = _pdl.launch_kw(q)
     meta = dict(HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
-                num_warps=num_warps, **pdl)
+                num_warps=num_warps, **({"TREE": True} if tree_bits is not None else {}),
+                **pdl)
     if num_stages is not None:
         meta["num_stages"] = num_stages
     slots, start_pos = slots.contiguous(), start_pos.contiguous()
+    bits = tree_bits.contiguous() if tree_bits is not None else start_pos
     if splits == 1:  # no scratch: every row block is one active split (SPLIT_MIN unused)
         _paged_attention_kernel[(B, hkv, row_blocks)](
-            q, k_cache, v_cache, table, slots, start_pos, o, o, o, o, start_pos, *args,
+            q, k_cache, v_cache, table, slots, start_pos, o, o, o, o, start_pos, bits, *args,
             SPLITS=1, SPLIT_MIN=0, LAST_COMBINES=False, SC=1, S_BLOCK=1, **meta)
         return o.view(B, T, hq * D)
     # Partials in fp32 (inside a graph capture these come from the graph's pool); only
@@ -627,7 +660,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     sc = max(1, min(s_block, 4096 // (block_m * D)))
     _paged_attention_kernel[(B, hkv, row_blocks * splits)](
         q, k_cache, v_cache, table, slots, start_pos, o, part_m, part_l, part_acc, counters,
-        *args, SPLITS=splits, SPLIT_MIN=split_min, LAST_COMBINES=last, SC=sc,
+        bits, *args, SPLITS=splits, SPLIT_MIN=split_min, LAST_COMBINES=last, SC=sc,
         S_BLOCK=s_block, **meta)
     if last:
         return o.view(B, T, hq * D)

@@ -103,15 +103,6 @@ def test_the_tree_accepts_greedy_decodings_path_and_decodes_on_from_it(tiny_load
         torch.testing.assert_close(lg, logits[b][n + 1:n + 4], rtol=1e-10, atol=1e-10)
 
 
-def test_a_tree_on_the_fused_kernels_is_refused(tiny_loaded, monkeypatch):
-    monkeypatch.setattr(type(tiny_loaded.model), "uses_kernels", property(lambda self: True))
-    runner = _runner(tiny_loaded)
-    with pytest.raises(NotImplementedError, match="reference path"):
-        runner.model(torch.tensor([[1, 2]]), torch.tensor([0]), torch.tensor([0]),
-                     runner.cache, tree=TreeMask(torch.tensor([0, 1]),
-                                                 DraftTree.chain(1).visible()))
-
-
 def test_a_tree_mask_of_the_wrong_size_is_refused(tiny_loaded):
     runner = _runner(tiny_loaded)
     with pytest.raises(ValueError, match="forward of 3"):

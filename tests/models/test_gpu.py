@@ -98,6 +98,37 @@ def test_fused_kernels_match_reference_bf16(tiny_dirs, T):
     assert err_fused <= 1.5 * err_ref + 1e-3, (err_fused, err_ref)
 
 
+def test_fused_tree_forward_matches_reference_bf16(tiny_dirs):
+    """A draft tree's VERIFY rows (RoPE at their depth, the attention's visibility words)
+    through the Triton kernels in bf16: no further from the fp32 reference tree forward
+    than the bf16 reference path's (tests/models/test_kernels.py checks the same in the
+    interpreter, float32)."""
+    from specloop.models import PageTable, TreeMask
+    from specloop.samplers._tree import DraftTree
+
+    tree = DraftTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+    out = {}
+    for name, dtype, fused in (("fp32", torch.float32, False), ("ref", torch.bfloat16, False),
+                               ("fused", torch.bfloat16, True)):
+        model = load_model(tiny_dirs["llama"], dtype=dtype, device="cuda").model
+        model.kernels = fused
+        mask = TreeMask(torch.tensor(tree.depths, device="cuda"), tree.visible("cuda"))
+        V, starts = model.args.vocab_size, torch.tensor([5, 30])
+        pages = PageTable(2, 128, 4, device="cuda")
+        cache = model.make_cache(2, 128, pages=pages)
+        g = torch.Generator().manual_seed(0)
+        for slot, start in enumerate(starts.tolist()):
+            pages.resize(slot, start + 8)
+            ids = torch.randint(0, V, (1, start), generator=g).cuda()
+            model(ids, torch.tensor([0]).cuda(), torch.tensor([slot]).cuda(), cache)
+        tokens = torch.randint(0, V, (2, 8), generator=g).cuda()
+        out[name] = model.logits(model(tokens, starts.cuda(), torch.arange(2).cuda(), cache,
+                                       tree=mask))
+    err_ref = (out["ref"] - out["fp32"]).abs().max().item()
+    err_fused = (out["fused"] - out["fp32"]).abs().max().item()
+    assert err_fused <= 1.5 * err_ref + 1e-3, (err_fused, err_ref)
+
+
 def test_eagle3_head_fused_norms_match_reference_bf16(tiny_dirs):
     """The eagle3 head's enorm/hnorm/fnorm as one fused kernel each == the plain ops."""
     from specloop.models import KVCache

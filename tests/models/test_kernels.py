@@ -61,3 +61,63 @@ print("ok")
 @pytest.mark.slow
 def test_fused_layer_equals_reference(tiny_dirs):
     run_interpreted(CHILD, str(tiny_dirs["llama"]))
+
+
+TREE_CHILD = r"""
+import random, sys, torch
+from specloop.models import PageTable, TreeMask, load_model
+from specloop.samplers._tree import DraftTree
+
+model = load_model(sys.argv[1]).model
+V = model.args.vocab_size
+tree = DraftTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)])
+depths, visible = torch.tensor(tree.depths), tree.visible()
+# VERIFY's form (the whole tree, W = T), and one depth's rows of a head's forward (rows 4..6
+# of the tree, rows 1..3 stored before them: W = 6, T = 3, RoPE at the rows' depth).
+cases = [(TreeMask(depths, visible), 8),
+         (TreeMask(torch.full((3,), 2 - 4), visible[4:7, 1:7]), 3)]
+for mask, T in cases:
+    out = {}
+    for fused in (False, True):
+        model.kernels = fused
+        rng = random.Random(T)
+        pages = PageTable(2, 64, 4)
+        cache = model.make_cache(2, 64, pages=pages)
+        starts = [7, 13]        # the tree's rows cross pages of 4 in both rows
+        for slot, start in enumerate(starts):
+            pages.resize(slot, start + T)
+            ids = torch.tensor([[rng.randrange(V) for _ in range(start)]])
+            model(ids, torch.tensor([0]), torch.tensor([slot]), cache)
+        tokens = torch.tensor([[rng.randrange(V) for _ in range(T)] for _ in starts])
+        out[fused] = model.logits(model(tokens, torch.tensor(starts), torch.tensor([0, 1]),
+                                        cache, tree=mask))
+    torch.testing.assert_close(out[True], out[False], rtol=1e-4, atol=1e-4)
+    # The mask matters: the causal forward of the same rows gives other logits.
+    model.kernels = True
+    causal = model.logits(model(tokens, torch.tensor(starts), torch.tensor([0, 1]), cache))
+    assert not torch.allclose(causal, out[True], rtol=1e-3, atol=1e-3)
+# Split-KV with a tree: the rows' ranges cut into splits (some seeing none of a split's
+# tree rows) add up to the one kernel's output.
+from specloop.models import _kernels
+gen = torch.Generator().manual_seed(1)
+mask = cases[0][0]
+q = torch.randn(2, 8, 4, 16, generator=gen)
+k = torch.randn(33, 4, 2, 16, generator=gen)
+v = torch.randn(33, 4, 2, 16, generator=gen)
+table = torch.randperm(32, generator=gen).int().view(2, 16)
+args = (q, k, v, table, torch.tensor([1, 0]), torch.tensor([19, 37]))
+one = _kernels.paged_attention(*args, splits=1, block_n=16, tree_bits=mask.bits)
+for combine in ("kernel", "last"):
+    split = _kernels.paged_attention(*args, splits=4, block_n=16, split_min=8,
+                                     combine=combine, tree_bits=mask.bits)
+    torch.testing.assert_close(split, one, rtol=1e-5, atol=1e-5)
+print("ok")
+"""
+
+
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
+@pytest.mark.slow
+def test_fused_tree_forward_equals_reference(tiny_dirs):
+    """A draft tree through the fused kernels (RoPE at each row's depth, the attention's
+    visibility words) equals the reference path's tree forward (interpreted, float32)."""
+    run_interpreted(TREE_CHILD, str(tiny_dirs["llama"]))
