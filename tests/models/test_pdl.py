@@ -213,21 +213,33 @@ def test_kernels_wait_before_reading_activations_or_storing():
     check_kernel(K._rope_write_kernel,
                  {"qkv_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
                   "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                  "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "T": "i32",
-                  "pos_offset": "i32", "max_pos": "i32", "s_page": "i32", "s_off": "i32",
+                  "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "rope_ptr": "*i64",
+                  "T": "i32", "pos_offset": "i32", "max_pos": "i32", "s_page": "i32",
+                  "s_off": "i32",
                   "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
                   "scratch_page": "i32"},
-                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4},
-                 weights=set())
+                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4,
+                  "TREE": False}, weights=set())
+    # A draft tree's rows: their RoPE offsets are read after the wait too.
+    check_kernel(K._rope_write_kernel,
+                 {"qkv_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
+                  "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                  "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "rope_ptr": "*i64",
+                  "T": "i32", "pos_offset": "i32", "max_pos": "i32", "s_page": "i32",
+                  "s_off": "i32",
+                  "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
+                  "scratch_page": "i32"},
+                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4,
+                  "TREE": True}, weights=set())
     check_kernel(K._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32"},
                  {"BLOCK": 1024}, weights=set())
 
 
 ATTENTION_SIG = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "table_ptr": "*i32",
                  "slot_ptr": "*i64", "start_ptr": "*i64", "o_ptr": "*bf16", "m_ptr": "*fp32",
-                 "l_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": "*i32", "T": "i32",
-                 "pos_offset": "i32", "scale": "fp32", "s_page": "i32", "s_off": "i32",
-                 "s_table": "i32", "pages_per_slot": "i32"}
+                 "l_ptr": "*fp32", "acc_ptr": "*fp32", "cnt_ptr": "*i32", "tree_ptr": "*i64",
+                 "T": "i32", "pos_offset": "i32", "tree_back": "i32", "scale": "fp32",
+                 "s_page": "i32", "s_off": "i32", "s_table": "i32", "pages_per_slot": "i32"}
 
 
 def test_attention_waits_before_its_early_return_and_counters():
@@ -238,7 +250,12 @@ def test_attention_waits_before_its_early_return_and_counters():
     check_kernel(K._paged_attention_kernel, ATTENTION_SIG,
                  {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64,
                   "SPLITS": 8, "SPLIT_MIN": 512, "LAST_COMBINES": True, "SC": 4,
-                  "S_BLOCK": 8}, weights=set(), sass=True)
+                  "S_BLOCK": 8, "TREE": False}, weights=set(), sass=True)
+    # A draft tree's rows: the visibility words are read after the wait too.
+    check_kernel(K._paged_attention_kernel, ATTENTION_SIG,
+                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64,
+                  "SPLITS": 1, "SPLIT_MIN": 0, "LAST_COMBINES": False, "SC": 1,
+                  "S_BLOCK": 1, "TREE": True}, weights=set())
     check_kernel(K._attention_combine_kernel,
                  {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": "*bf16",
                   "start_ptr": "*i64", "n_rows": "i32", "T": "i32", "pos_offset": "i32"},
