@@ -31,7 +31,8 @@ def _outputs(k, max_seq_len, fast, rows=False):
     runner = _Runner(loaded=attrs.make_class("L", ["tokenizer"])(
         attrs.make_class("T", ["eos_token_ids"])([EOS])))
     config = attrs.make_class("C", ["speculative", "model"])(
-        attrs.make_class("S", ["k"])(k), attrs.make_class("M", ["max_seq_len"])(max_seq_len))
+        attrs.make_class("S", ["k", "verify_drafts"])(k, k),
+        attrs.make_class("M", ["max_seq_len"])(max_seq_len))
     delivered = []
     out = Outputs(config=config, scheduler=Scheduler(4, 10**6), runner=runner, drafter=None,
                   stats=EngineStats(), deliver=lambda handle, o: delivered.append(o),
