@@ -9,7 +9,10 @@ same code, to check it without a GPU). Steps:
 - ``chain K=k``: the same for the chain's k + 1 rows (VERIFY's forward; the greedy check
   itself adds two small kernels on CUDA);
 - ``tree N=n``: ``engine/_verify.make_tree_verify_step`` for a tree of n nodes (its 1 + n
-  rows' forward with the tree mask, the greedy walk, the accepted path's K/V moved).
+  rows' forward with the tree mask, the greedy walk, the accepted path's K/V moved);
+- ``draft chain K=3`` and ``draft tree N=n``: the shipped eagle3 head's drafting after the
+  catch-up (``MtpEagleDrafter.tree_from_root``: a head forward per depth and the ranks'
+  top-k; the chain as the tree of its first choices, so both run the same code).
 
 The steps take turns for ``--rounds`` rounds of ``--replays`` replays each (CUDA events
 around each round: device time); prints each step's median time a replay, and its ratio
@@ -43,6 +46,20 @@ TREES = {
     15: [[0], [1], [2], [3], [4], [5], [0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [0, 0, 0],
          [0, 0, 1], [0, 1, 0], [1, 0, 0]],
 }
+
+
+def drafter_of(runner):
+    """The shipped eagle3 head as the engine builds it, on the runner's page table."""
+    from specloop.engine import EngineConfig  # noqa: PLC0415
+    from specloop.models.drafters import DrafterDeps  # noqa: PLC0415
+    from specloop.models.drafters._eagle3 import Eagle3Drafter  # noqa: PLC0415
+
+    config = EngineConfig.from_dict({
+        "model": {"name": "smollm2-135m-instruct", "max_seq_len": runner.max_seq_len},
+        "speculative": {"method": "eagle3", "num_draft_tokens": 3,
+                        "draft_weights": "smollm2-135m-instruct-eagle3"}})
+    return Eagle3Drafter(config, DrafterDeps(runner.loaded, runner.cache, 2,
+                                             runner.max_seq_len))
 
 
 def build(device: str):
@@ -81,6 +98,15 @@ def steps(runner, ids, trees: list[int]):
                                    kv_len=runner.max_seq_len)
         return {"argmax": runner.model.logits(hidden).argmax(dim=-1)}
 
+    drafter = drafter_of(runner)
+    root = {"root": torch.randn(1, runner.args.hidden_size, generator=gen).to(
+        dev, runner.dtype), "seq_lens": torch.tensor([len(ids)], device=dev),
+        "slots": torch.tensor([0], device=dev)}
+
+    def drafting(tree):
+        return lambda inp: {"tokens": drafter.tree_from_root(inp["root"], inp["seq_lens"],
+                                                             inp["slots"], tree)}
+
     out = {"T=1": (forward, inputs(1))}
     for k in sorted({len(max(TREES[n], key=len)) for n in trees} | {3}):
         out[f"chain K={k}"] = (forward, inputs(k + 1))
@@ -88,6 +114,9 @@ def steps(runner, ids, trees: list[int]):
         tree = DraftTree([tuple(p) for p in TREES[n]])
         out[f"tree N={n}"] = (make_tree_verify_step(runner, tree, kv_len=runner.max_seq_len),
                               inputs(n + 1))
+    out["draft chain K=3"] = (drafting(DraftTree.chain(3)), root)
+    for n in trees:
+        out[f"draft tree N={n}"] = (drafting(DraftTree([tuple(p) for p in TREES[n]])), root)
     return out
 
 
@@ -126,6 +155,7 @@ def main() -> None:
                 graph, _ = capture_graph(lambda step=step, inp=inp: step(inp), warmups=2)
                 calls[name] = graph.replay
             else:
+                step(inp)       # warm, as capture_graph's warm-up calls
                 calls[name] = lambda step=step, inp=inp: step(inp)
         times: dict[str, list[float]] = {name: [] for name in calls}
         for _ in range(args.rounds):
@@ -136,9 +166,10 @@ def main() -> None:
           f"{args.replays} replays; median us a step (range), x T=1, x the chain of its depth")
     rows = []
     for name, t in times.items():
-        depth = len(max(TREES[int(name.split("=")[1])], key=len)) if name.startswith("tree") \
-            else None
-        chain = med.get(f"chain K={depth}") if depth else None
+        depth = len(max(TREES[int(name.split("=")[1])], key=len)) \
+            if name.startswith(("tree", "draft tree")) else None
+        prefix = "draft chain" if name.startswith("draft") else "chain"
+        chain = med.get(f"{prefix} K={depth}") if depth else None
         rows.append({"step": name, "us": [round(x * 1e6, 1) for x in t],
                      "median_us": round(med[name] * 1e6, 1),
                      "vs_t1": round(med[name] / med["T=1"], 3),

@@ -584,16 +584,25 @@ class MtpEagleDrafter(Drafter):
     @inference_mode
     def _draft_tree_local(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
         """A greedy draft tree (samplers/_tree.py) with the local head, eager: the
-        catch-up (its last row is the root's), then one head forward per depth over that
-        depth's nodes, each fed its token and its parent's output hidden state at the
-        position of its depth (stored at the position of its row: L - 2 + row), attending
-        the head's cache before the tree and its own ancestors (``TreeMask``); a row's
-        children are the ranks the tree names among its draft logits. Drafts that a chain
-        of the tree's first choices would draft, token for token, on the chain's paths.
+        catch-up (its last row is the root's), then ``tree_from_root``.
         -> token_ids [B, N], the nodes in the tree's order."""
         loop = self._draft_steps(self._eager_inputs(ctx), kv_len=None, k=0)
         root = next(loop)
         loop.close()
+        tokens = self.tree_from_root(root, ctx.seq_lens, ctx.slots, tree)
+        self.pending.zero(ctx.slot_list())
+        return DraftProposal(tokens)
+
+    def tree_from_root(self, root: torch.Tensor, seq_lens: torch.Tensor,
+                       slots: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+        """The tree's drafts from the root's head output ``root`` [B, H] (the catch-up's
+        last row, at L - 2; ``seq_lens`` [B] the rows' lengths L): one head forward per
+        depth over that depth's nodes, each fed its token and its parent's output hidden
+        state at the position of its depth (stored at the position of its row: L - 2 +
+        row), attending the head's cache before the tree and its own ancestors
+        (``TreeMask``); a row's children are the ranks the tree names among its draft
+        logits. The chain's nodes (0,), (0, 0), ... get the chain's tokens. Static shapes,
+        no host sync (capturable). -> token_ids [B, N], the nodes in the tree's order."""
         rows, n = root.shape[0], tree.size
         hidden = root.new_empty(rows, n + 1, root.shape[-1])
         hidden[:, 0] = root
@@ -602,14 +611,14 @@ class MtpEagleDrafter(Drafter):
             if level.mask is not None:      # depth >= 1: the head over its rows
                 a, b = level.first, level.end
                 hidden[:, a:b] = self.head(
-                    tokens[:, a:b], hidden[:, level.parents], ctx.seq_lens + (a - 2),
-                    ctx.slots, self.cache, tree=level.mask)
+                    tokens[:, a:b], hidden[:, level.parents], seq_lens + (a - 2), slots,
+                    self.cache, kv_len=self.cache.max_seq_len if root.is_cuda else None,
+                    tree=level.mask)
             if level.expand is not None:    # their children: the ranks the tree names
                 logits = self.lm.logits(hidden[:, level.expand].flatten(0, 1))
                 top = logits.topk(level.width, dim=-1).indices.view(rows, -1, level.width)
                 tokens[:, level.children] = top[:, level.child_of, level.rank]
-        self.pending.zero(ctx.slot_list())
-        return DraftProposal(tokens[:, 1:])
+        return tokens[:, 1:]
 
     def _tree_plan(self, tree: DraftTree, device: torch.device) -> list[_TreeLevel]:
         """Per depth, the index tensors ``_draft_tree_local`` uses (built once a tree)."""
