@@ -210,27 +210,17 @@ def test_kernels_wait_before_reading_activations_or_storing():
                  {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
                   "out_stride": "i32"}, {"MAP": 2, "BLOCK": 4096}, weights=set(),
                  num_warps=16)
-    check_kernel(K._rope_write_kernel,
-                 {"qkv_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
-                  "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                  "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "rope_ptr": "*i64",
-                  "T": "i32", "pos_offset": "i32", "max_pos": "i32", "s_page": "i32",
-                  "s_off": "i32",
-                  "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
-                  "scratch_page": "i32"},
-                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4,
-                  "TREE": False}, weights=set())
-    # A draft tree's rows: their RoPE offsets are read after the wait too.
-    check_kernel(K._rope_write_kernel,
-                 {"qkv_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
-                  "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                  "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "rope_ptr": "*i64",
-                  "T": "i32", "pos_offset": "i32", "max_pos": "i32", "s_page": "i32",
-                  "s_off": "i32",
-                  "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
-                  "scratch_page": "i32"},
-                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4,
-                  "TREE": True}, weights=set())
+    # With a draft tree's rows too: their RoPE offsets are read after the wait.
+    for tree in (False, True):
+        check_kernel(K._rope_write_kernel,
+                     {"qkv_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
+                      "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
+                      "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+                      "rope_ptr": "*i64", "T": "i32", "pos_offset": "i32", "max_pos": "i32",
+                      "s_page": "i32", "s_off": "i32", "s_table": "i32",
+                      "pages_per_slot": "i32", "max_seq_len": "i32", "scratch_page": "i32"},
+                     {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4,
+                      "TREE": tree}, weights=set())
     check_kernel(K._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32"},
                  {"BLOCK": 1024}, weights=set())
 
