@@ -104,8 +104,8 @@ def steps(runner, ids, trees: list[int]):
         "slots": torch.tensor([0], device=dev)}
 
     def drafting(tree):
-        return lambda inp: {"tokens": drafter.tree_from_root(inp["root"], inp["seq_lens"],
-                                                             inp["slots"], tree)}
+        return lambda inp: {"tokens": drafter.tree_from_root(
+            inp["root"], inp["seq_lens"], inp["slots"], tree, runner.max_seq_len)}
 
     out = {"T=1": (forward, inputs(1))}
     for k in sorted({len(max(TREES[n], key=len)) for n in trees} | {3}):

@@ -330,12 +330,11 @@ def check_gates(config: EngineConfig) -> None:
     if spec.tree is not None and spec.enabled:
         for field, value, clash in (
                 ("speculative.adaptive", spec.adaptive, spec.adaptive),
-                ("parallel.world_size", par.world_size, par.world_size > 1),
-                ("components.graph_cache", comp.graph_cache, comp.graph_cache != "eager")):
+                ("parallel.world_size", par.world_size, par.world_size > 1)):
             if clash:
-                raise ConfigError(field, value, "speculative.tree drafts and verifies "
-                                  "eagerly, on one rank, at a fixed tree (the first slice "
-                                  "of draft trees)", "leave speculative.tree unset for it")
+                raise ConfigError(field, value, "speculative.tree drafts on one rank, at "
+                                  "a fixed tree (the first slice of draft trees)",
+                                  "leave speculative.tree unset for it")
     registry = component_registry()
     for kind in ("sampler", "communicator", "graph_cache"):
         check_component_name(kind, getattr(comp, kind), f"components.{kind}",

@@ -19,7 +19,7 @@ from specloop.graphs._capture import DraftBuilder, capture_variants, graph_templ
 from specloop.models._grad import inference_mode
 from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
 
-from ._verify import make_verify_step, verify_inputs
+from ._verify import make_tree_verify_step, make_verify_step, verify_inputs
 
 if TYPE_CHECKING:
     from specloop.comm import Communicator
@@ -45,6 +45,12 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
     may run, before serving; -> the step builders (verify, draft), for ``calibrate``."""
     device = runner.device
     point_mass = drafter is None or drafter.point_mass
+    # A draft tree's graphs: the keys of its node count on the all-greedy variant (the
+    # chain's K is its depth, always smaller: config.py).
+    tree = config.speculative.draft_tree
+
+    def is_tree(key: GraphKey) -> bool:
+        return tree is not None and key.all_greedy and key.num_draft_tokens == tree.size
 
     def verify(key: GraphKey, template: SamplingBatch, has_q: bool,
                kv_len: int | None = runner.cache.max_seq_len) -> tuple[Step, Tensors]:
@@ -53,6 +59,8 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
             q = torch.zeros(0, k, runner.args.vocab_size, device=device)
         example = verify_inputs([], None, q, template, k=k,
                                 scratch_slot=runner.cache.scratch_slot, device=device)
+        if tree is not None and is_tree(key):
+            return make_tree_verify_step(runner, tree, kv_len=kv_len), example
         # Captured (a static kv_len) at K = 0: the graph writes the inputs of a step queued
         # ahead for the same batch itself (engine/_verify.py, engine/_ahead.py).
         step = make_verify_step(runner, sampler, template,
@@ -68,7 +76,7 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
         advanced, k = key.sampling_path is SamplingPath.ADVANCED, key.num_draft_tokens
         if drafter is None or not drafter.can_graph(advanced):
             return None
-        if k != drafter.num_draft_tokens and not drafter.variable_k:
+        if k != drafter.num_draft_tokens and not drafter.variable_k and not is_tree(key):
             return None     # the engine drafts the maximum and keeps the first k
         if not k and not drafter.chains_through_k0:
             # K = 0: the engine does not call the drafter (one chained through K = 0 places
@@ -81,6 +89,8 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
         ctx = DraftContext(token_ids=[], seq_lens=empty, slots=empty, sampling=template,
                            spec=spec, sampler=sampler, comm=comm,
                            run_sync=anyio.to_thread.run_sync, graph_sampling=template)
+        if tree is not None and is_tree(key):
+            return drafter.tree_graph_step(sampler, template, tree), drafter.graph_inputs(ctx)
         return (drafter.graph_step(sampler, template, advanced=advanced, num_draft_tokens=k),
                 drafter.graph_inputs(ctx))
 
@@ -91,7 +101,7 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
     warm_up(graph_cache, max_batch_size=config.scheduler.max_batch_size, num_draft_tokens=ks,
             variants=capture_variants(config.speculative.use_rejection_sampling, point_mass),
             device=device, verify=verify, draft=draft,
-            also=lambda: prefill)
+            also=lambda: prefill, tree_k=tree.size if tree is not None else 0)
     # Prefill replays what was captured (an eager forward at the same padded shape else).
     runner.prefill_cache = graph_cache
     if drafter is not None and device.type == "cuda":

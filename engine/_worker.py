@@ -141,24 +141,23 @@ class RankWorker:
             self.verify_inline and self.k and local_step and drafter is not None
             and drafter.can_chain
             and (drafter.variable_k or not config.speculative.adaptive)) else None
-        # ``speculative.tree``: all-greedy batches draft and verify it (PICK_GRAPH_KEY).
+        # ``speculative.tree``: all-greedy batches draft and verify it (PICK_GRAPH_KEY),
+        # from graphs where captured (their keys: the tree's node count as K), unchained:
+        # the chained step drafts the chain of the next iteration's K.
         self.tree = config.speculative.draft_tree
         self._tree_verify: Step | None = None
         if self.tree is not None:
             self._check_tree(drafter)
+            self.chain = None
 
     def _check_tree(self, drafter: Drafter | None) -> None:
-        """``speculative.tree`` where it can run: a drafter that drafts trees, on the CPU
-        (the fused kernels take trees, but a GPU's graphs, chained and queued-ahead steps
-        take chains)."""
-        field, tree = "speculative.tree", [list(p) for p in self.config.speculative.tree or ()]
+        """``speculative.tree`` needs a drafter that drafts trees."""
         if drafter is None or not drafter.drafts_trees:
-            raise ConfigError(field, tree, f"the drafter ({type(drafter).__name__}) drafts "
-                              "chains only", "draft trees need an mtp_eagle or eagle3 head "
-                              "without LM-head TP")
-        if self.runner.device.type != "cpu":
-            raise ConfigError(field, tree, "draft trees run on the CPU only in this "
-                              "release", "leave it unset on a GPU")
+            raise ConfigError("speculative.tree",
+                              [list(p) for p in self.config.speculative.tree or ()],
+                              f"the drafter ({type(drafter).__name__}) drafts chains only",
+                              "draft trees need an mtp_eagle or eagle3 head without LM-head "
+                              "TP")
 
     def handlers(self) -> dict[IterationState, Handler]:  # schedule/sync: set in __init__
         return {S.SCHEDULE: self.schedule, S.SYNC: self.sync,

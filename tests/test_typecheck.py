@@ -118,6 +118,10 @@ class Structural:
     def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
         raise NotImplementedError
 
+    def tree_graph_step(self, sampler: Sampler, template: SamplingBatch, tree: Any
+                        ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        raise NotImplementedError
+
     can_chain: bool = False
 
     def prefill_many(self, slots: Sequence[int], token_ids: Sequence[Sequence[int]],

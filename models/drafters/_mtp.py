@@ -297,8 +297,15 @@ class MtpEagleDrafter(Drafter):
                     2, rows, dtype=torch.int64, device=self.pending.buffer.device)
         return buffer
 
+    def tree_graph_step(self, sampler: Sampler, template: SamplingBatch, tree: DraftTree
+                        ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """``graph_step``'s catch-up and glue, then ``tree_from_root`` (outputs as
+        ``graph_step``'s, ``token_ids`` [Bp, N] the tree's nodes, VERIFY's ``tokens``
+        [Bp, 1 + N])."""
+        return self.graph_step(sampler, template, advanced=False, tree=tree)
+
     def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
-                   num_draft_tokens: int | None = None
+                   num_draft_tokens: int | None = None, tree: DraftTree | None = None
                    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
         """``_draft_steps`` on static tensors (``graph_inputs``' form), drafting with the
         local head (argmax, or sampled with q kept); for CUDA-graph capture. Never used on
@@ -309,6 +316,8 @@ class MtpEagleDrafter(Drafter):
         ``start_pos`` [Bp] (VERIFY's: length - 1, padding rows 0)."""
         kv_len = self.cache.max_seq_len
         k = self.num_draft_tokens if num_draft_tokens is None else num_draft_tokens
+        if tree is not None:    # the catch-up alone (a K = 0 loop), then the tree
+            k = 0
 
         greedy = not advanced and type(sampler).draft is DefaultSampler.draft
         # Made before any capture (not in one: its memory and zero-fill outside graphs).
@@ -320,6 +329,9 @@ class MtpEagleDrafter(Drafter):
             loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
             caught_up()     # before anything reads seq_lens
+            if tree is not None:
+                return {"token_ids": self.tree_from_root(hidden, seq_lens, inputs["slots"],
+                                                         tree, kv_len)}
             if not k:
                 return {"token_ids": seq_lens.new_zeros(seq_lens.shape[0], 0)}
             if greedy:      # argmax drafts, each written into its column of the output
@@ -594,15 +606,18 @@ class MtpEagleDrafter(Drafter):
         return DraftProposal(tokens)
 
     def tree_from_root(self, root: torch.Tensor, seq_lens: torch.Tensor,
-                       slots: torch.Tensor, tree: DraftTree) -> torch.Tensor:
+                       slots: torch.Tensor, tree: DraftTree, kv_len: int | None = None
+                       ) -> torch.Tensor:
         """The tree's drafts from the root's head output ``root`` [B, H] (the catch-up's
         last row, at L - 2; ``seq_lens`` [B] the rows' lengths L): one head forward per
         depth over that depth's nodes, each fed its token and its parent's output hidden
         state at the position of its depth (stored at the position of its row: L - 2 +
         row), attending the head's cache before the tree and its own ancestors
         (``TreeMask``); a row's children are the ranks the tree names among its draft
-        logits. The chain's nodes (0,), (0, 0), ... get the chain's tokens. Static shapes,
-        no host sync (capturable). -> token_ids [B, N], the nodes in the tree's order."""
+        logits. The chain's nodes (0,), (0, 0), ... get the chain's tokens. ``kv_len``:
+        the head's attended length (the cache's whole length: static shapes, no host
+        sync, capturable; None: the positions written). -> token_ids [B, N], the nodes
+        in the tree's order."""
         rows, n = root.shape[0], tree.size
         hidden = root.new_empty(rows, n + 1, root.shape[-1])
         hidden[:, 0] = root
@@ -612,8 +627,7 @@ class MtpEagleDrafter(Drafter):
                 a, b = level.first, level.end
                 hidden[:, a:b] = self.head(
                     tokens[:, a:b], hidden[:, level.parents], seq_lens + (a - 2), slots,
-                    self.cache, kv_len=self.cache.max_seq_len if root.is_cuda else None,
-                    tree=level.mask)
+                    self.cache, kv_len=kv_len, tree=level.mask)
             if level.expand is not None:    # their children: the ranks the tree names
                 logits = self.lm.logits(hidden[:, level.expand].flatten(0, 1))
                 top = logits.topk(level.width, dim=-1).indices.view(rows, -1, level.width)

@@ -208,10 +208,19 @@ class Drafter(Protocol):
                            "(its can_graph is False)")
 
     def graph_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
-        """The static inputs of ``graph_step`` for ``ctx``'s rows padded to
-        ``ctx.graph_rows``; called only where ``can_graph`` is True."""
+        """The static inputs of ``graph_step`` (and ``tree_graph_step``) for ``ctx``'s
+        rows padded to ``ctx.graph_rows``; called only where ``can_graph`` is True."""
         raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
                            "(its can_graph is False)")
+
+    def tree_graph_step(self, sampler: Sampler, template: SamplingBatch, tree: DraftTree
+                        ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        """A greedy draft tree's proposal as a function over static tensors (inputs as
+        ``graph_inputs`` builds them -> ``token_ids`` [Bp, tree.size], the nodes in the
+        tree's order); called only where ``drafts_trees`` and ``can_graph(False)`` are
+        True (the engine captures it with the tree's all-greedy VERIFY graphs)."""
+        raise RuntimeError(f"{type(self).__name__} does not draft trees in CUDA graphs "
+                           "(its drafts_trees is False)")
 
     @property
     def can_chain(self) -> bool:

@@ -25,7 +25,7 @@ USED = {
                 "graph_step", "graph_inputs", "variable_k", "can_chain", "chained_inputs",
                 "chained_consumed", "prefill_many", "prefill_graphs", "chains_through_k0",
                 "chains_joiners", "joining_rows", "num_draft_classes", "draft_classes", "warm_up_eager",
-                "drafts_trees"},
+                "drafts_trees", "tree_graph_step"},
     "observer": {"on_transition"},
 }
 

@@ -142,14 +142,40 @@ def test_a_tree_the_engine_cannot_run_is_refused_by_the_config(tiny_dir, head_fi
     assert info.value.field == field
 
 
-@pytest.mark.parametrize("sections, field", [
-    ({"components": {"graph_cache": "cuda"}}, "components.graph_cache"),
-    ({"parallel": {"world_size": 2, "attention_dp": True}}, "parallel.world_size"),
-])
-def test_a_tree_with_graphs_or_ranks_is_refused(tiny_dir, head_file, sections, field):
+def test_a_tree_on_several_ranks_is_refused(tiny_dir, head_file):
     with pytest.raises(ConfigError, match="first slice") as info:
-        tree_config(tiny_dir, head_file, **sections)
-    assert info.value.field == field
+        tree_config(tiny_dir, head_file, parallel={"world_size": 2, "attention_dp": True})
+    assert info.value.field == "parallel.world_size"
+
+
+async def test_the_tree_from_graphs_equals_the_eager_tree(tiny_dir, tiny_loaded, head_file):
+    """The tree's DRAFT and VERIFY captured at its keys (K = its 8 nodes, the all-greedy
+    variant; a cache that keeps the step functions and runs them on its static inputs, as
+    a CUDA graph's replay, at rows padded to buckets of 1, 2, 4, 8): every output equals
+    the eager tree's, and the tree's graphs served the all-greedy iterations."""
+    from ..graphs.test_static_steps import StepReplayCache
+
+    reqs = requests(sampled_every=3)
+    eager_outs, eager_stats, _ = await run(tree_config(tiny_dir, head_file), tiny_loaded, reqs)
+    config = tree_config(tiny_dir, head_file,
+                         components={"graph_cache":
+                                     "tests.graphs.test_static_steps:StepReplayCache"})
+    drafted = Drafted()
+    async with AsyncEngine(config, model=tiny_loaded, observers=[drafted]) as engine:
+        outs = await serve_staggered(engine, reqs)
+        cache = engine.worker.graph_cache
+        stats = engine.stats
+    assert isinstance(cache, StepReplayCache)
+    assert outs == eager_outs
+    assert stats.num_accepted_tokens == eager_stats.num_accepted_tokens
+    tree_keys = [key for key in cache._graphs if key.num_draft_tokens == len(TREE)]
+    assert {key.stage for key in tree_keys} == {"verify", "draft"}
+    assert all(key.all_greedy for key in tree_keys)
+    tree_iterations = sum(1 for _, k in drafted.rows if k == len(TREE))
+    assert tree_iterations > 0
+    for stage in ("draft", "verify"):
+        assert sum(cache._graphs[key].replays for key in tree_keys
+                   if key.stage == stage) == tree_iterations, stage
 
 
 async def test_a_drafter_without_trees_is_refused_at_start(tiny_dir, tiny_loaded):
