@@ -20,6 +20,18 @@ import torch
 HELD_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts_heldout.jsonl")
 
 
+# Draft trees of depth 3 for the shipped eagle3 head (speculative.tree), by node count:
+# the trees that accept most on held-out prompts 200-263 (bench/tree_acceptance.py --skip
+# 200 --prompts 64 --fit ...; bench/results/cpu_1204_tree_fit_200_263.json).
+TREES = {
+    4: [[0], [1], [0, 0], [0, 0, 0]],
+    7: [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
+    11: [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1],
+         [0, 1, 0]],
+    15: [[0], [1], [2], [3], [4], [5], [0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [0, 0, 0],
+         [0, 0, 1], [0, 1, 0], [1, 0, 0]],
+}
+
 def quiet_logs() -> None:
     structlog.configure(
         wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))

@@ -34,19 +34,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import quiet_logs  # noqa: E402
+from _common import TREES, quiet_logs  # noqa: E402
 from held_out_prompts import PATH as HELD_OUT  # noqa: E402
-
-# The trees of bench/results/cpu_1204_tree_fit_200_263.json (depth <= 3).
-TREES = {
-    4: [[0], [1], [0, 0], [0, 0, 0]],
-    7: [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
-    11: [[0], [1], [2], [3], [0, 0], [0, 1], [1, 0], [2, 0], [0, 0, 0], [0, 0, 1],
-         [0, 1, 0]],
-    15: [[0], [1], [2], [3], [4], [5], [0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [0, 0, 0],
-         [0, 0, 1], [0, 1, 0], [1, 0, 0]],
-}
-
 
 def drafter_of(runner):
     """The shipped eagle3 head as the engine builds it, on the runner's page table."""

@@ -22,7 +22,7 @@ import time
 import anyio
 import torch
 
-from _common import (add_round_args, critical_path_us, device_events, device_sync,
+from _common import (TREES, add_round_args, critical_path_us, device_events, device_sync,
                      emit_row, engine_config, generate_round, held_out_sets, host_python_us,
                      quiet_logs, speed_row, timed_sets, union_us)
 
@@ -67,7 +67,11 @@ CONFIGS = {"none": {"method": "none"},
                                                "adaptive": True, "fixed_times": True},
            # The same engine with DRAFT and VERIFY not chained on the device (before).
            "eagle3 K=3 unchained": {"method": "eagle3", "num_draft_tokens": 3,
-                                    "draft_weights": HEAD, "unchained": True}}
+                                    "draft_weights": HEAD, "unchained": True},
+           # Draft trees of depth 3 (speculative.tree; unchained, as "K=3 unchained").
+           **{f"eagle3 tree{n}": {"method": "eagle3", "num_draft_tokens": 3,
+                                  "draft_weights": HEAD, "tree": tree}
+              for n, tree in TREES.items()}}
 RUNTIME = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize",
            "cudaEventSynchronize", "cudaDeviceSynchronize", "cuLaunchKernel",
            "cudaLaunchKernelExC", "cuLaunchKernelEx", "cudaEventRecord", "cudaEventQuery",
