@@ -81,9 +81,14 @@ class DeviceChain:
         # Adaptive K: a drafter whose chained draft reads tokens only chains into and out
         # of K = 0 too (``Drafter.chains_through_k0``: n-gram), else K > 0 to K > 0 only.
         self.through_k0 = self.drafter.chains_through_k0
-        # Pages RESCAN keeps past the committed K/V while chaining: the K + 1 positions a
-        # chained step writes for the accepted tokens, then its catch-up's K + 1 rows.
-        self.keep_ahead = 2 * self.k + 2
+        # A draft tree (``speculative.tree``): a tree iteration's chained step drafts and
+        # verifies the tree again (its keys: K = the tree's node count), another the chain.
+        tree = worker.tree
+        self.tree_k = 0 if tree is None else tree.size
+        # Pages RESCAN keeps past the committed K/V while chaining: the K + 1 positions of
+        # the tokens VERIFY n may accept, then the rows the chained step writes past them
+        # (its VERIFY's K + 1, a tree's node count + 1; the catch-up's K + 1).
+        self.keep_ahead = self.k + 1 + max(self.k, self.tree_k) + 1
         self._queued: _Queued | None = None     # until VERIFY n is read back
         self._chained: _Chained | None = None
         self._matched: tuple[Pending, Sequence[int]] | None = None
@@ -117,7 +122,8 @@ class DeviceChain:
         w = self.worker
         self._queued = self._chained = self._matched = None
         kept, self._kept = self._kept is pending, None
-        k = self.k if k is None else k
+        if k is None:   # a tree iteration's next step drafts the tree again
+            k = self.tree_k if rec.tree is not None else self.k
         batch = tuple(rec.batch)
         # Requests admitted now join at the next iteration: in this step, after the batch.
         joining = self._joining()

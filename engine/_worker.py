@@ -135,20 +135,19 @@ class RankWorker:
         # drafts on idle ranks too: ``draft_when_idle``), the exchange runs on the host,
         # and K is fixed: the next iteration takes the step when SYNC agreed on its key
         # (``matches``).
+        # ``speculative.tree``: all-greedy batches draft and verify it (PICK_GRAPH_KEY),
+        # from graphs where captured (their keys: the tree's node count as K), and the
+        # chained step of a tree iteration drafts the tree again.
+        self.tree = config.speculative.draft_tree
+        self._tree_verify: Step | None = None
+        if self.tree is not None:
+            self._check_tree(drafter)
         local_step = not multi or (self.exchange.on_host and not self.draft_when_idle
                                    and not config.speculative.adaptive)
         self.chain = DeviceChain(worker=self) if (
             self.verify_inline and self.k and local_step and drafter is not None
             and drafter.can_chain
             and (drafter.variable_k or not config.speculative.adaptive)) else None
-        # ``speculative.tree``: all-greedy batches draft and verify it (PICK_GRAPH_KEY),
-        # from graphs where captured (their keys: the tree's node count as K), unchained:
-        # the chained step drafts the chain of the next iteration's K.
-        self.tree = config.speculative.draft_tree
-        self._tree_verify: Step | None = None
-        if self.tree is not None:
-            self._check_tree(drafter)
-            self.chain = None
 
     def _check_tree(self, drafter: Drafter | None) -> None:
         """``speculative.tree`` needs a drafter that drafts trees."""

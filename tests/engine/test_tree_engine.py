@@ -178,6 +178,41 @@ async def test_the_tree_from_graphs_equals_the_eager_tree(tiny_dir, tiny_loaded,
                    if key.stage == stage) == tree_iterations, stage
 
 
+async def test_the_tree_chained_on_the_device_equals_the_eager_tree(tiny_dir, tiny_loaded,
+                                                                    head_file):
+    """A tree iteration's next DRAFT and VERIFY queued behind it from VERIFY's outputs
+    (engine/_chain.py, forced on the CPU with a cache whose replays write static outputs,
+    as CUDA graphs do): the tree's outputs bit for bit, and the chain took tree steps."""
+    from specloop.engine._chain import DeviceChain
+
+    reqs = requests(sampled_every=3)
+    eager_outs, _, _ = await run(tree_config(tiny_dir, head_file), tiny_loaded, reqs)
+    config = tree_config(tiny_dir, head_file,
+                         components={"graph_cache": "tests.graphs.test_chain:StaticOutputCache"})
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        worker = engine.worker
+        worker.verify_inline = True     # the chain runs on CUDA only; forced on here
+        worker.chain = chain = DeviceChain(worker=worker)
+        queued, queue = [], chain.queue
+
+        def recording(rec, pending, rows, k=None):
+            hidden = queue(rec, pending, rows, k)
+            if chain._queued is not None:
+                queued.append((rec.tree is not None, chain._queued.key.num_draft_tokens))
+            return hidden
+        chain.queue = recording
+        outs = await serve_staggered(engine, reqs)
+        cache = worker.graph_cache
+    assert outs == eager_outs
+    assert chain.taken_steps > 0
+    # Behind a tree iteration the chain queued the tree (K = its nodes), else the chain.
+    assert {k for tree, k in queued if tree} == {len(TREE)}
+    assert {k for tree, k in queued if not tree} <= {3}
+    tree_verify = [key for key in cache._graphs
+                   if key.num_draft_tokens == len(TREE) and key.stage == "verify"]
+    assert sum(cache._graphs[key].replays for key in tree_verify) > 0
+
+
 async def test_a_drafter_without_trees_is_refused_at_start(tiny_dir, tiny_loaded):
     config = make_config(tiny_dir, method="ngram", k=3, speculative={"tree": TREE})
     with pytest.raises(ConfigError, match="drafts chains only"):
