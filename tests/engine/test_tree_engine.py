@@ -130,6 +130,25 @@ async def test_a_tree_leaves_room_in_the_cache_for_its_nodes(tiny_dir, tiny_load
     assert out == reference_greedy(tiny_loaded, prompt, len(out))
 
 
+async def test_a_tree_in_a_process_engine(tiny_dir, tiny_loaded, head_file):
+    """The engine core in its own process runs the tree (greedy: greedy decoding's tokens)
+    and its front door checks a prompt's room for the tree's nodes (the core's
+    ``verify_drafts``)."""
+    import anyio
+
+    from specloop.engine import ProcessEngine
+
+    config = tree_config(tiny_dir, head_file, max_seq_len=64)
+    prompt = [(5 * i + 2) % 384 for i in range(12)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    async with ProcessEngine(config) as engine:
+        with anyio.fail_after(120):
+            assert await collect(engine, prompt, params) == \
+                reference_greedy(tiny_loaded, prompt, 20)
+            with pytest.raises(RequestError, match="with 8 draft tokens"):
+                await collect(engine, [5] * 56, params)
+
+
 @pytest.mark.parametrize("spec, field, words", [
     ({"tree": [[0], [0, 0]]}, "speculative.tree", "set num_draft_tokens = 2"),
     ({"tree": [[0], [1, 0]]}, "speculative.tree", "no parent"),
