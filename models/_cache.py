@@ -267,7 +267,14 @@ class KVCache:
         already). All are read before any is written (a row's index is at least its
         depth, so no source is overwritten first either way). Positions past a row's
         accepted drafts receive some row's entries: past the committed length, they are
-        masked, then overwritten, as a chain's rejected drafts."""
+        masked, then overwritten, as a chain's rejected drafts. On CUDA one kernel
+        (``_kernels.keep_path``: the same moves), else the torch ops below."""
+        from . import _kernels  # noqa: PLC0415
+
+        if self.k.is_cuda and _kernels.available():
+            _kernels.keep_path(self.k, self.v, self.pages.table, slots, start_pos, path,
+                               self.max_seq_len, self.pages.scratch_page)
+            return
         dest = start_pos[:, None] + torch.arange(path.shape[1], device=path.device)
         src_page, src_off = self.locate(slots, start_pos[:, None] + path)
         dst_page, dst_off = self.locate(slots, dest)

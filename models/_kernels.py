@@ -359,6 +359,48 @@ if triton is not None:
                     out = out / tl.maximum(den, 1e-30)[:, None]
                     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
 
+    @triton.jit(**_per_row("slot_ptr", "start_ptr", "path_ptr"))
+    def _keep_path_kernel(k_ptr, v_ptr, table_ptr, slot_ptr, start_ptr, path_ptr, D1,
+                          s_layer, s_page, s_off, s_table, pages_per_slot, max_seq_len,
+                          scratch_page, WIDTH: tl.constexpr, PAGE: tl.constexpr,
+                          D_P2: tl.constexpr, BLOCK: tl.constexpr,
+                          GDC: tl.constexpr = False):
+        # Program (row b, layer): the K/V of tree row path[b, j] (stored at start + it)
+        # move to start + j, j < D1, WIDTH = Hkv * D values each. Every load first, a
+        # barrier, then the stores: a row's destination may be another's source.
+        if GDC:
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        b = tl.program_id(0)
+        layer = tl.program_id(1).to(tl.int64)
+        j = tl.arange(0, D_P2)
+        e = tl.arange(0, BLOCK)
+        rows = j < D1
+        start = tl.load(start_ptr + b)
+        slot = tl.load(slot_ptr + b)
+        src = start + tl.load(path_ptr + b * D1 + j, mask=rows, other=0)
+        dst = start + j
+        moves = rows & (src != dst)
+        # Each position's page and offset (KVCache.locate; past max_seq_len: scratch).
+        s_page_of = tl.load(table_ptr + slot * s_table + tl.minimum(src // PAGE,
+                                                                    pages_per_slot - 1),
+                            mask=moves, other=0).to(tl.int64)
+        s_page_of = tl.where(src < max_seq_len, s_page_of, scratch_page)
+        d_page_of = tl.load(table_ptr + slot * s_table + tl.minimum(dst // PAGE,
+                                                                    pages_per_slot - 1),
+                            mask=moves, other=0).to(tl.int64)
+        d_page_of = tl.where(dst < max_seq_len, d_page_of, scratch_page)
+        m = moves[:, None] & (e < WIDTH)[None, :]
+        src_off = (layer * s_layer + s_page_of * s_page + (src % PAGE) * s_off)[:, None] + \
+            e[None, :]
+        dst_off = (layer * s_layer + d_page_of * s_page + (dst % PAGE) * s_off)[:, None] + \
+            e[None, :]
+        k = tl.load(k_ptr + src_off, mask=m)
+        v = tl.load(v_ptr + src_off, mask=m)
+        tl.debug_barrier()
+        tl.store(k_ptr + dst_off, k, mask=m)
+        tl.store(v_ptr + dst_off, v, mask=m)
+
     @triton.jit(**_per_row("start_ptr", varying=("pos_offset",)))
     def _attention_combine_kernel(m_ptr, l_ptr, acc_ptr, o_ptr, start_ptr, n_rows, T,
                                   pos_offset, HQ: tl.constexpr, HKV: tl.constexpr,
@@ -673,6 +715,24 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         BLOCK_M=block_m, BLOCK_N=block_n, SPLITS=splits, SPLIT_MIN=split_min,
         S_BLOCK=s_block, ROWS=rows_per, num_warps=4, **pdl)
     return o.view(B, T, hq * D)
+
+
+def keep_path(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
+              slots: torch.Tensor, start_pos: torch.Tensor, path: torch.Tensor,
+              max_seq_len: int, scratch_page: int) -> None:
+    """``KVCache.keep_path`` in one kernel: for every layer of k_cache / v_cache [L, pages,
+    page_size, Hkv, D], row b's entries at start_pos[b] + path[b, j] move to start_pos[b]
+    + j (pages through ``table``; positions past ``max_seq_len``: ``scratch_page``)."""
+    L, _, page, hkv, D = k_cache.shape
+    B, d1 = path.shape
+    if B == 0:
+        return
+    _keep_path_kernel[(B, L)](
+        k_cache, v_cache, table, slots.contiguous(), start_pos.contiguous(),
+        path.contiguous(), d1, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        table.stride(0), table.shape[1], max_seq_len, scratch_page, WIDTH=hkv * D,
+        PAGE=page, D_P2=_pow2(d1), BLOCK=_pow2(hkv * D), num_warps=4,
+        **_pdl.launch_kw(k_cache))
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -179,11 +179,58 @@ def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, T_P2: tl.constexpr,
     _emit(toks, t, b, d_ptr, out_ptr, K, s_d, COUNT)
 
 
-_JIT = ("_best", "_emit", "_partials_kernel", "_combine_kernel", "_row_kernel")
+def _tree_kernel(pv_ptr, pi_ptr, tok_ptr, tgt_ptr, par_ptr, anc_ptr, dep_ptr, out_ptr,
+                 path_ptr, R, D, S, s_tok, T_P2: tl.constexpr, S_P2: tl.constexpr,
+                 D_P2: tl.constexpr, IMAX: tl.constexpr, GDC: tl.constexpr = False):
+    # Row b of a draft tree's greedy VERIFY (samplers/_tree.py accept_greedy): its R tree
+    # rows' S partials -> their targets (stored in tgt [B, R], then read back at the
+    # parents: one program, after a barrier); a row is accepted where every row on its
+    # path (ancestors anc [R, D+1]) holds its parent's target; the deepest accepted row
+    # (the first in the tree's order among equals) ends the path. out [B, D+2]: the
+    # path's drafts, the target after them at n, -1 past it, then n; path [B, D+1].
+    if GDC:
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    b = tl.program_id(0)
+    t = tl.arange(0, T_P2)
+    sp = tl.arange(0, S_P2)
+    ok = (t < R)[:, None] & (sp < S)[None, :]
+    at = (b * R + t)[:, None] * S + sp[None, :]
+    pv = tl.load(pv_ptr + at, mask=ok, other=float("-inf"))
+    pi = tl.load(pi_ptr + at, mask=ok, other=IMAX)
+    _, tgt = _best(pv, pi, IMAX)
+    tgt_row = tgt_ptr + b.to(tl.int64) * R
+    tl.store(tgt_row + t, tgt.to(tl.int64), mask=t < R)
+    tl.debug_barrier()      # every lane's targets stored before any lane reads them
+    j = tl.arange(0, D_P2)
+    inside = (t < R)[:, None] & (j <= D)[None, :]
+    anc = tl.load(anc_ptr + t[:, None] * (D + 1) + j[None, :], mask=inside, other=0)
+    parent = tl.load(par_ptr + anc, mask=inside, other=0)
+    tok_row = tok_ptr + b.to(tl.int64) * s_tok
+    mine = tl.load(tok_row + anc, mask=inside, other=0)
+    theirs = tl.load(tgt_row + parent, mask=inside, other=0)
+    match = (mine == theirs) | (anc == 0) | ~inside
+    accepted = tl.min(match.to(tl.int32), axis=1) > 0
+    depth = tl.load(dep_ptr + t, mask=t < R, other=0)
+    score = tl.where(accepted & (t < R), depth * R + (R - 1 - t), -1)
+    best = tl.argmax(score, axis=0)
+    n = tl.load(dep_ptr + best)
+    path = tl.load(anc_ptr + best * (D + 1) + j, mask=j <= D, other=0)
+    after = tl.load(anc_ptr + best * (D + 1) + j + 1, mask=j < D, other=0)
+    drafts = tl.load(tok_row + after, mask=j < D, other=0)
+    bonus = tl.load(tgt_row + best)
+    row = out_ptr + b.to(tl.int64) * (D + 2)
+    tl.store(row + j, tl.where(j < n, drafts, tl.where(j == n, bonus, -1)), mask=j <= D)
+    tl.store(row + D + 1, n.to(tl.int64))
+    tl.store(path_ptr + b.to(tl.int64) * (D + 1) + j, path, mask=j <= D)
+
+
+_JIT = ("_best", "_emit", "_partials_kernel", "_combine_kernel", "_row_kernel",
+        "_tree_kernel")
 
 
 @functools.cache
-def _kernels() -> tuple[Any, Any, Any]:
+def _kernels() -> tuple[Any, Any, Any, Any]:
     """Compile-on-first-use: jit the functions above in place (Triton resolves callees and
     `tl` through module globals, the interpreter included); without triton, never runs."""
     import triton
@@ -193,7 +240,7 @@ def _kernels() -> tuple[Any, Any, Any]:
     g["tl"] = tl
     for name in _JIT:
         g[name] = triton.jit(g[name])
-    return g["_partials_kernel"], g["_combine_kernel"], g["_row_kernel"]
+    return g["_partials_kernel"], g["_combine_kernel"], g["_row_kernel"], g["_tree_kernel"]
 
 
 def usable_argmax(logits: torch.Tensor) -> bool:
@@ -226,7 +273,7 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
     """d None: the argmax [B] of target_logits [B, 1, V]; else greedy_verify's packed."""
     import triton
 
-    partials_kernel, combine_kernel, row_kernel = _kernels()
+    partials_kernel, combine_kernel, row_kernel, _ = _kernels()
     mode = _MODE if mode is None else mode
     if mode not in ("split", "row"):
         raise ValueError(f"greedy_verify: mode={mode!r} (or $SPECLOOP_GREEDY_VERIFY): "
@@ -263,3 +310,42 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
                          S_P2=triton.next_power_of_2(S), IMAX=_INT_MAX,
                          COUNT=d is not None, num_warps=1, **pdl)
     return out
+
+
+def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
+                       parents: torch.Tensor, ancestors: torch.Tensor,
+                       depths: torch.Tensor, *, chunk: int | None = None,
+                       block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """A draft tree's greedy VERIFY in two kernels (``samplers/_tree.accept_greedy`` of
+    ``target_logits.argmax(-1)``, the same choice): tokens [B, R] (the root and the
+    nodes), target_logits [B, R, V], the tree's tables (``TreeTables``: parents [R],
+    ancestors [R, D+1], depths [R]) -> (packed [B, D+2]: the path's tokens, the target
+    after them, -1 past it, then the count; path [B, D+1]). The partials kernel is
+    greedy_verify's; ``chunk``, ``block`` as its."""
+    import triton
+
+    partials_kernel, _, _, tree_kernel = _kernels()
+    B, R, V = target_logits.shape
+    D = ancestors.shape[1] - 1
+    if target_logits.stride(2) != 1:
+        target_logits = target_logits.contiguous()
+    tokens = tokens if tokens.stride(1) == 1 else tokens.contiguous()
+    dev = target_logits.device
+    rows = B * R
+    chunk = chunk_size(rows, V) if chunk is None else chunk
+    block = min(_BLOCK if block is None else block, chunk)
+    S = triton.cdiv(V, chunk)
+    pv = torch.empty(rows * S, dtype=torch.float32, device=dev)
+    pi = torch.empty(rows * S, dtype=torch.int32, device=dev)
+    tgt = torch.empty(B, R, dtype=torch.int64, device=dev)
+    packed = torch.empty(B, D + 2, dtype=torch.int64, device=dev)
+    path = torch.empty(B, D + 1, dtype=torch.int64, device=dev)
+    pdl = _pdl.launch_kw(target_logits)
+    partials_kernel[(rows, S)](target_logits, pv, pi, V, R, target_logits.stride(0),
+                               target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
+                               IMAX=_INT_MAX, num_warps=4, **pdl)
+    tree_kernel[(B,)](pv, pi, tokens, tgt, parents, ancestors, depths, packed, path, R, D,
+                      S, tokens.stride(0), T_P2=triton.next_power_of_2(R),
+                      S_P2=triton.next_power_of_2(S), D_P2=triton.next_power_of_2(D + 1),
+                      IMAX=_INT_MAX, num_warps=1, **pdl)
+    return packed, path

@@ -121,3 +121,67 @@ def test_fused_tree_forward_equals_reference(tiny_dirs):
     """A draft tree through the fused kernels (RoPE at each row's depth, the attention's
     visibility words) equals the reference path's tree forward (interpreted, float32)."""
     run_interpreted(TREE_CHILD, str(tiny_dirs["llama"]))
+
+
+TREE_VERIFY_CHILD = r"""
+import random, torch
+from specloop.models import _kernels, KVCache, PageTable
+from specloop.models._args import ModelArgs
+from specloop.samplers._tree import DraftTree, TreeTables, accept_greedy
+from specloop.samplers._triton_greedy import tree_greedy_verify
+
+gen = torch.Generator().manual_seed(0)
+rng = random.Random(0)
+trees = [DraftTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
+         DraftTree.chain(3), DraftTree([(0,), (1,)])]
+for tree in trees:
+    tables = TreeTables.of(tree, "cpu")
+    B, R, V = 5, tree.size + 1, 300
+    # Tokens from a vocabulary of 4 on the tree's rows, the argmax planted among them:
+    # matches, misses and sibling repeats all occur.
+    tokens = torch.randint(0, 4, (B, R), generator=gen)
+    logits = torch.randn(B, R, V, generator=gen)
+    best = torch.randint(0, 4, (B, R), generator=gen)
+    logits.scatter_(2, best[..., None], 10.0)
+    want = accept_greedy(tables, tokens, logits.argmax(-1))
+    packed, path = tree_greedy_verify(tokens, logits, tables.parents, tables.ancestors,
+                                      tables.depths, chunk=128, block=64)
+    assert torch.equal(packed[:, :-1], want.token_ids), (tree, packed, want.token_ids)
+    assert torch.equal(packed[:, -1], want.num_accepted)
+    assert torch.equal(path, want.path)
+    assert want.num_accepted.max() > 0
+# The path move: the kernel's cache equals KVCache.keep_path's (every layer, pages of 4,
+# rows crossing pages, one row past max_seq_len's end on the scratch page).
+args = ModelArgs(model_type="llama", vocab_size=16, hidden_size=32, intermediate_size=64,
+                 num_layers=3,
+                 num_heads=4, num_kv_heads=2, head_dim=8, rms_norm_eps=1e-5,
+                 rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=True)
+""" + r"""
+pages = PageTable(3, 32, 4)
+for slot in range(3):
+    pages.resize(slot, 32)
+caches = []
+for kernel in (False, True):
+    cache = KVCache(args, 3, 32, pages=pages)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
+    slots, start = torch.tensor([2, 0, 1]), torch.tensor([5, 13, 27])
+    path = torch.tensor([[0, 2, 5, 6], [0, 1, 3, 3], [0, 1, 4, 4]])
+    if kernel:
+        _kernels.keep_path(cache.k, cache.v, pages.table, slots, start, path, 32,
+                           pages.scratch_page)
+    else:
+        cache.keep_path(slots, start, path)
+    caches.append(cache)
+assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+print("ok")
+"""
+
+
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
+@pytest.mark.slow
+def test_tree_verify_kernels_equal_the_torch_ops():
+    """The tree's greedy VERIFY kernel (argmax partials, the walk, packed and path) equals
+    samplers/_tree.accept_greedy of the argmax, and the path-move kernel equals
+    KVCache.keep_path (interpreted)."""
+    run_interpreted(TREE_VERIFY_CHILD)

@@ -256,7 +256,7 @@ def test_attention_waits_before_its_early_return_and_counters():
 def test_greedy_kernels_wait_first():
     from specloop.samplers import _triton_greedy as G
 
-    partials, combine, row = G._kernels()
+    partials, combine, row, tree = G._kernels()
     imax = G._INT_MAX
     check_kernel(partials, {"x_ptr": "*bf16", "pv_ptr": "*fp32", "pi_ptr": "*i32", "V": "i32",
                             "T": "i32", "s_b": "i32", "s_t": "i32", "S": "i32"},
@@ -269,6 +269,24 @@ def test_greedy_kernels_wait_first():
                        "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32"},
                  {"T_P2": 4, "BLOCK": 8192, "IMAX": imax, "COUNT": True}, weights=set(),
                  num_warps=16)
+    # A draft tree's walk (its targets stored and read back after a barrier).
+    check_kernel(tree, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "tok_ptr": "*i64",
+                        "tgt_ptr": "*i64", "par_ptr": "*i64", "anc_ptr": "*i64",
+                        "dep_ptr": "*i64", "out_ptr": "*i64", "path_ptr": "*i64", "R": "i32",
+                        "D": "i32", "S": "i32", "s_tok": "i32"},
+                 {"T_P2": 16, "S_P2": 32, "D_P2": 4, "IMAX": imax}, weights=set(),
+                 num_warps=1)
+
+
+def test_tree_path_move_waits_first():
+    from specloop.models import _kernels as K
+
+    check_kernel(K._keep_path_kernel,
+                 {"k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "slot_ptr": "*i64",
+                  "start_ptr": "*i64", "path_ptr": "*i64", "D1": "i32", "s_layer": "i32",
+                  "s_page": "i32", "s_off": "i32", "s_table": "i32", "pages_per_slot": "i32",
+                  "max_seq_len": "i32", "scratch_page": "i32"},
+                 {"WIDTH": 192, "PAGE": 16, "D_P2": 4, "BLOCK": 256}, weights=set())
 
 
 SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
@@ -387,7 +405,7 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
         for name in names:
             monkeypatch.setattr(mod, name, _Recorder(name, calls))
     monkeypatch.setattr(G, "_kernels", lambda: tuple(
-        _Recorder(n, calls) for n in ("partials", "combine", "row")))
+        _Recorder(n, calls) for n in ("partials", "combine", "row", "tree")))
     monkeypatch.setattr(R, "_kernels", lambda: tuple(
         _Recorder(n, calls) for n in ("chunk_sums", "sample")))
     f, i64 = torch.float32, torch.int64
