@@ -64,6 +64,14 @@ class DraftHead:
         tokens = self.logits(hidden).argmax(dim=-1)
         return tokens if out is None else out.copy_(tokens)
 
+    def top(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
+        """hidden [B, H] -> the k most likely draft tokens [B, k] (target ids), most likely
+        first: a top-k over the draft rows' logits, mapped through ``d2t`` (no scatter to
+        the whole vocabulary; a draft tree's children, ``tree_from_root``). Among equal
+        logits the order is top-k's (drafts only: VERIFY decides what is kept)."""
+        ids = self._matmul(hidden).topk(k, dim=-1).indices
+        return ids if self.d2t is None else self.d2t[ids]
+
     def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         if self._weight_t is None:
             # CUDA: few rows on the skinny-GEMM kernel (models/_linear); elsewhere F.linear

@@ -629,8 +629,8 @@ class MtpEagleDrafter(Drafter):
                     tokens[:, a:b], hidden[:, level.parents], seq_lens + (a - 2), slots,
                     self.cache, kv_len=kv_len, tree=level.mask)
             if level.expand is not None:    # their children: the ranks the tree names
-                logits = self.lm.logits(hidden[:, level.expand].flatten(0, 1))
-                top = logits.topk(level.width, dim=-1).indices.view(rows, -1, level.width)
+                top = self.lm.top(hidden[:, level.expand].flatten(0, 1), level.width)
+                top = top.view(rows, -1, level.width)
                 tokens[:, level.children] = top[:, level.child_of, level.rank]
         return tokens[:, 1:]
 
