@@ -5,12 +5,12 @@ A chain of K drafts verifies K + 1 rows per request, and a request accepts the d
 to its first miss. A tree verifies 1 + N rows: the root (the last committed token) and N
 draft nodes, each a token proposed after its parent's. Greedy verification accepts the
 longest root-to-node path whose every token is the target's argmax after its parent, so a
-miss at one child can be made up by a sibling. At batch 1 on the H200 VERIFY's GEMMs cost
-about the same for 4 rows as for 16 (the one-tile ``tl.dot`` pads rows to 16), and on the
-CPU a forward reads its weights once whatever its rows: there the extra rows are nearly
-free, and ``bench/tree_acceptance.py`` puts the shipped eagle3 head's acceptance length
-at 2.49-2.61 with 15 nodes of depth 3 against 1.98-2.04 for the chain of 3 (offline,
-greedy, held-out chat prompts on SmolLM2).
+miss at one child can be made up by a sibling. At batch 1 on the H200 VERIFY's GEMMs should
+cost about the same for 4 rows as for 16 (the one-tile ``tl.dot`` pads rows to 16; on the
+CPU each row costs its GEMMs' arithmetic, ~3 ms of one core for SmolLM2), and
+``bench/tree_acceptance.py`` puts the shipped eagle3 head's acceptance length at 2.46-2.59
+with 15 nodes of depth 3 against 1.95-2.00 for the chain of 3 (offline, greedy, held-out
+chat prompts on SmolLM2; 2.55 against 2.06 through the engine).
 
 A node is named by its PATH, the tuple of sibling ranks from the root: (0,) is the
 drafter's first choice after the root, (1,) its second, (0, 0) the first choice after

@@ -129,13 +129,18 @@ def _combine_kernel(pv_ptr, pi_ptr, d_ptr, out_ptr, K, S, s_d, T_P2: tl.constexp
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     t = tl.arange(0, T_P2)
+    tok = _targets(pv_ptr, pi_ptr, b, t, K + 1, S, S_P2, IMAX)
+    _emit(tok.to(tl.int64), t, b, d_ptr, out_ptr, K, s_d, COUNT)
+
+
+def _targets(pv_ptr, pi_ptr, b, t, T, S, S_P2: tl.constexpr, IMAX: tl.constexpr):
+    """Row b's T positions (t [T_P2]): each one's argmax from its S partials."""
     sp = tl.arange(0, S_P2)
-    ok = (t < K + 1)[:, None] & (sp < S)[None, :]
-    at = (b * (K + 1) + t)[:, None] * S + sp[None, :]
+    ok = (t < T)[:, None] & (sp < S)[None, :]
+    at = (b * T + t)[:, None] * S + sp[None, :]
     pv = tl.load(pv_ptr + at, mask=ok, other=float("-inf"))
     pi = tl.load(pi_ptr + at, mask=ok, other=IMAX)
-    _, tok = _best(pv, pi, IMAX)
-    _emit(tok.to(tl.int64), t, b, d_ptr, out_ptr, K, s_d, COUNT)
+    return _best(pv, pi, IMAX)[1]
 
 
 def _emit(tok, t, b, d_ptr, out_ptr, K, s_d, COUNT: tl.constexpr):
@@ -193,12 +198,7 @@ def _tree_kernel(pv_ptr, pi_ptr, tok_ptr, tgt_ptr, par_ptr, anc_ptr, dep_ptr, ou
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     t = tl.arange(0, T_P2)
-    sp = tl.arange(0, S_P2)
-    ok = (t < R)[:, None] & (sp < S)[None, :]
-    at = (b * R + t)[:, None] * S + sp[None, :]
-    pv = tl.load(pv_ptr + at, mask=ok, other=float("-inf"))
-    pi = tl.load(pi_ptr + at, mask=ok, other=IMAX)
-    _, tgt = _best(pv, pi, IMAX)
+    tgt = _targets(pv_ptr, pi_ptr, b, t, R, S, S_P2, IMAX)
     tgt_row = tgt_ptr + b.to(tl.int64) * R
     tl.store(tgt_row + t, tgt.to(tl.int64), mask=t < R)
     tl.debug_barrier()      # every lane's targets stored before any lane reads them
@@ -225,7 +225,7 @@ def _tree_kernel(pv_ptr, pi_ptr, tok_ptr, tgt_ptr, par_ptr, anc_ptr, dep_ptr, ou
     tl.store(path_ptr + b.to(tl.int64) * (D + 1) + j, path, mask=j <= D)
 
 
-_JIT = ("_best", "_emit", "_partials_kernel", "_combine_kernel", "_row_kernel",
+_JIT = ("_best", "_emit", "_targets", "_partials_kernel", "_combine_kernel", "_row_kernel",
         "_tree_kernel")
 
 
@@ -297,15 +297,7 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
                          BLOCK=_ROW_BLOCK if block is None else block, IMAX=_INT_MAX,
                          COUNT=d is not None, num_warps=16, **pdl)
         return out
-    rows = B * T
-    chunk = chunk_size(rows, V) if chunk is None else chunk
-    block = min(_BLOCK if block is None else block, chunk)
-    S = triton.cdiv(V, chunk)
-    pv = torch.empty(rows * S, dtype=torch.float32, device=dev)
-    pi = torch.empty(rows * S, dtype=torch.int32, device=dev)
-    partials_kernel[(rows, S)](target_logits, pv, pi, V, T, target_logits.stride(0),
-                               target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
-                               IMAX=_INT_MAX, num_warps=4, **pdl)
+    pv, pi, S = _partials(partials_kernel, target_logits, chunk, block, pdl)
     combine_kernel[(B,)](pv, pi, d_arg, out, T - 1, S, s_d, T_P2=t_p2,
                          S_P2=triton.next_power_of_2(S), IMAX=_INT_MAX,
                          COUNT=d is not None, num_warps=1, **pdl)
@@ -331,21 +323,33 @@ def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
         target_logits = target_logits.contiguous()
     tokens = tokens if tokens.stride(1) == 1 else tokens.contiguous()
     dev = target_logits.device
-    rows = B * R
-    chunk = chunk_size(rows, V) if chunk is None else chunk
-    block = min(_BLOCK if block is None else block, chunk)
-    S = triton.cdiv(V, chunk)
-    pv = torch.empty(rows * S, dtype=torch.float32, device=dev)
-    pi = torch.empty(rows * S, dtype=torch.int32, device=dev)
     tgt = torch.empty(B, R, dtype=torch.int64, device=dev)
     packed = torch.empty(B, D + 2, dtype=torch.int64, device=dev)
     path = torch.empty(B, D + 1, dtype=torch.int64, device=dev)
     pdl = _pdl.launch_kw(target_logits)
-    partials_kernel[(rows, S)](target_logits, pv, pi, V, R, target_logits.stride(0),
-                               target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
-                               IMAX=_INT_MAX, num_warps=4, **pdl)
+    pv, pi, S = _partials(partials_kernel, target_logits, chunk, block, pdl)
     tree_kernel[(B,)](pv, pi, tokens, tgt, parents, ancestors, depths, packed, path, R, D,
                       S, tokens.stride(0), T_P2=triton.next_power_of_2(R),
                       S_P2=triton.next_power_of_2(S), D_P2=triton.next_power_of_2(D + 1),
                       IMAX=_INT_MAX, num_warps=1, **pdl)
     return packed, path
+
+
+def _partials(partials_kernel: Any, target_logits: torch.Tensor, chunk: int | None,
+              block: int | None, pdl: dict[str, Any]
+              ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Kernel 1 over target_logits [B, T, V] (last dim contiguous): -> (the partial maxima
+    [B*T*S], their first indices, S chunks a row)."""
+    import triton
+
+    B, T, V = target_logits.shape
+    rows = B * T
+    chunk = chunk_size(rows, V) if chunk is None else chunk
+    block = min(_BLOCK if block is None else block, chunk)
+    S = triton.cdiv(V, chunk)
+    pv = torch.empty(rows * S, dtype=torch.float32, device=target_logits.device)
+    pi = torch.empty(rows * S, dtype=torch.int32, device=target_logits.device)
+    partials_kernel[(rows, S)](target_logits, pv, pi, V, T, target_logits.stride(0),
+                               target_logits.stride(1), S, CHUNK=chunk, BLOCK=block,
+                               IMAX=_INT_MAX, num_warps=4, **pdl)
+    return pv, pi, S

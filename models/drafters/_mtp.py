@@ -592,7 +592,6 @@ class MtpEagleDrafter(Drafter):
                                              device=hidden.device))
         return stack_proposal(drafted, probs)
 
-
     @inference_mode
     def _draft_tree_local(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
         """A greedy draft tree (samplers/_tree.py) with the local head, eager: the
@@ -635,7 +634,7 @@ class MtpEagleDrafter(Drafter):
         return tokens[:, 1:]
 
     def _tree_plan(self, tree: DraftTree, device: torch.device) -> list[_TreeLevel]:
-        """Per depth, the index tensors ``_draft_tree_local`` uses (built once a tree)."""
+        """Per depth, the index tensors ``tree_from_root`` uses (built once a tree)."""
         plan = self._tree_plans.get(tree)
         if plan is None:
             plan = self._tree_plans[tree] = _tree_levels(tree, device)
@@ -643,7 +642,7 @@ class MtpEagleDrafter(Drafter):
 
 
 class _TreeLevel:
-    """One depth d of a draft tree, as ``MtpEagleDrafter._draft_tree_local`` runs it: the
+    """One depth d of a draft tree, as ``MtpEagleDrafter.tree_from_root`` runs it: the
     head over rows ``first`` .. ``end`` - 1 (depth >= 1: their ``parents``, ``mask``),
     then the children of rows ``expand``: ``children[i]`` is rank ``rank[i]`` among the
     top ``width`` of ``expand[child_of[i]]``'s logits."""
