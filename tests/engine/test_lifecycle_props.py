@@ -2,8 +2,8 @@
 interleavings of submit / cancel / break / timeout / id reuse on 1 and 2 LocalGroup ranks.
 
 Invariants after each run: every stream ended exactly once; every token a request saw is
-its own (a prefix of its reference); seeded outputs repeat; slots, schedulers and the
-front door are empty again; no task is left; the engine still serves a fresh batch.
+its own (a prefix of its reference); seeded outputs repeat; slots, pages, schedulers and
+the front door are empty again; no task is left; the engine still serves a fresh batch.
 """
 
 import asyncio
@@ -180,7 +180,8 @@ async def assert_empty(engines) -> None:
         while True:
             busy = [e for e in engines if e.num_free_slots != BATCH
                     or e.worker.scheduler.num_requests
-                    or (e.front is not None and e.front.open_request_ids)]
+                    or (e.front is not None and e.front.open_request_ids)
+                    or e.worker.runner.pages.num_free != e.worker.runner.pages.num_pages]
             if not busy:
                 return
             await anyio.sleep(0.005)
@@ -223,7 +224,7 @@ def fresh_plans() -> list[Plan]:
     return [Plan(i, None, 6, "complete", 1, None, 0) for i in (0, 1, 2)]
 
 
-def _engine_property(world, ahead=False, chained=False):
+def _engine_property(world, ahead=False, chained=False, tree=False):
     # No shrinking: a failure prints its example; shrinking engine runs takes minutes.
     @settings(max_examples=10, deadline=None, database=None,
               phases=(Phase.explicit, Phase.generate),
@@ -232,8 +233,10 @@ def _engine_property(world, ahead=False, chained=False):
     @given(batch=st.lists(plans, min_size=2, max_size=7))
     def run(tiny_dir, tiny_loaded, batch):
         method = "none" if ahead else "mtp_eagle" if chained else "ngram"
+        # A draft tree of depth 2 (all-greedy batches draft it, chained after a tree).
+        spec = {"tree": [[0], [1], [0, 0], [1, 0]]} if tree else {}
         config = make_config(tiny_dir, method=method, k=2 if chained else 3,
-                             max_batch_size=BATCH,
+                             max_batch_size=BATCH, speculative=spec,
                              parallel={"world_size": world, "attention_dp": world > 1})
         if chained:     # replays that write static outputs, as CUDA graphs do
             data = config.to_dict()
@@ -258,3 +261,5 @@ test_interleavings_with_chained_steps = _engine_property(1, chained=True)
 # iteration while its step queued ahead (or chained) is on the device, as one rank does.
 test_interleavings_with_steps_queued_ahead_in_a_group = _engine_property(2, ahead=True)
 test_interleavings_with_chained_steps_in_a_group = _engine_property(2, chained=True)
+# A draft tree on one GPU rank's path (chained): pages for its nodes taken and given back.
+test_interleavings_with_a_draft_tree_chained = _engine_property(1, chained=True, tree=True)
