@@ -122,6 +122,9 @@ class SpeculativeConfig:
     # of sibling ranks, e.g. [[0], [1], [0, 0]]; all-greedy batches draft and verify it,
     # others the chain of its depth (num_draft_tokens). None: chains only.
     tree: tuple[tuple[int, ...], ...] | None = attrs.field(default=None)
+    # The largest (padded) batch that drafts the tree; larger ones draft its chain: a
+    # tree's VERIFY rows are nearly free at small batches only (docs/configuration.md).
+    tree_max_batch: int = attrs.field(default=8, validator=_at_least("speculative", 1))
 
     @method.validator
     def _check_method(self, attribute: attrs.Attribute[Any], value: str) -> None:

@@ -101,7 +101,8 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
     warm_up(graph_cache, max_batch_size=config.scheduler.max_batch_size, num_draft_tokens=ks,
             variants=capture_variants(config.speculative.use_rejection_sampling, point_mass),
             device=device, verify=verify, draft=draft,
-            also=lambda: prefill, tree_k=tree.size if tree is not None else 0)
+            also=lambda: prefill, tree_k=tree.size if tree is not None else 0,
+            tree_max_batch=config.speculative.tree_max_batch)
     # Prefill replays what was captured (an eager forward at the same padded shape else).
     runner.prefill_cache = graph_cache
     if drafter is not None and device.type == "cuda":

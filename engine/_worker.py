@@ -139,6 +139,7 @@ class RankWorker:
         # from graphs where captured (their keys: the tree's node count as K), and the
         # chained step of a tree iteration drafts the tree again.
         self.tree = config.speculative.draft_tree
+        self.tree_max_batch = config.speculative.tree_max_batch
         self._tree_verify: Step | None = None
         if self.tree is not None:
             self._check_tree(drafter)
@@ -372,8 +373,10 @@ class RankWorker:
     async def pick_graph_key(self, rec: IterationRecord) -> IterationState:
         if rec.num_draft_tokens is None:
             rec.num_draft_tokens = self.k
-        # The tree's greedy verification needs every row's target token to be its argmax.
-        if self.tree is not None and rec.batch and rec.spec.all_greedy:
+        # The tree's greedy verification needs every row's target token to be its argmax;
+        # and its rows pay at small batches only (speculative.tree_max_batch).
+        if self.tree is not None and rec.batch and rec.spec.all_greedy and \
+                rec.padded_batch_size <= self.tree_max_batch:
             rec.tree, rec.num_draft_tokens = self.tree, self.tree.size
         rec.graph_key, rec.graph_captured = self.graph_cache.pick(
             rec.padded_batch_size, rec.num_draft_tokens, SamplingPath.of(rec.spec),

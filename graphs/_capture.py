@@ -46,19 +46,25 @@ def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | I
             variants: Iterable[tuple[SamplingPath, bool, bool]], device: torch.device | str,
             verify: VerifyBuilder, draft: DraftBuilder,
             also: Callable[[], Iterable[tuple[GraphKey, Step, Tensors]]] | None = None,
-            tree_k: int = 0) -> list[GraphKey]:
+            tree_k: int = 0, tree_max_batch: int = 0) -> list[GraphKey]:
     """Capture every key the cache asks for, VERIFY and then DRAFT (stage "draft"), then
     the steps ``also`` lists (e.g. prefill, stage "prefill") when the cache captures any
     key, and seal the cache; -> the VERIFY keys captured. Several ``num_draft_tokens``
     (adaptive K): the keys of each. ``tree_k``: a draft tree's node count, whose keys
     (VERIFY's rows less one, as a chain's K) are captured for the all-greedy variant
-    only: only an all-greedy batch drafts the tree."""
+    only (only an all-greedy batch drafts the tree), at the buckets that serve batches of
+    up to ``tree_max_batch`` rows."""
     has_q = {(path, greedy): q for path, greedy, q in variants}
     ks = [num_draft_tokens] if isinstance(num_draft_tokens, int) else list(num_draft_tokens)
     keys = [key for k in ks for key in cache.keys_to_capture(max_batch_size, k, list(has_q))]
     if tree_k:
         greedy = [(path, all_greedy) for path, all_greedy in has_q if all_greedy]
-        keys += cache.keys_to_capture(max_batch_size, tree_k, greedy)
+        tree_keys = cache.keys_to_capture(max_batch_size, tree_k, greedy)
+        # A bucket serves the batches above the bucket below it: those that reach one of
+        # up to tree_max_batch rows.
+        sizes = sorted({key.batch_size for key in tree_keys})
+        served = {b for below, b in zip([0] + sizes, sizes) if below < tree_max_batch}
+        keys += [key for key in tree_keys if key.batch_size in served]
     statics = getattr(cache, "static_inputs", None)
     for key in keys:
         template = graph_template(key, device)

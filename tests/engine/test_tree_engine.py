@@ -249,6 +249,34 @@ async def test_the_tree_chained_on_the_device_equals_the_eager_tree(tiny_dir, ti
     assert sum(cache._graphs[key].replays for key in tree_verify) > 0
 
 
+async def test_a_batch_above_tree_max_batch_drafts_the_chain(tiny_dir, tiny_loaded,
+                                                              head_file):
+    """``tree_max_batch = 2``: all-greedy iterations of 3 or 4 rows draft the chain, of 1
+    or 2 the tree; outputs unchanged; with graphs (buckets 1, 2, 4, 8) the tree's keys
+    are captured at buckets 1 and 2 only."""
+    from ..graphs.test_static_steps import StepReplayCache
+
+    reqs = requests()
+    eager_outs, _, _ = await run(tree_config(tiny_dir, head_file), tiny_loaded, reqs)
+    for graphs in (False, True):
+        components = {"graph_cache": "tests.graphs.test_static_steps:StepReplayCache"} \
+            if graphs else None
+        config = tree_config(tiny_dir, head_file, components=components, tree_max_batch=2)
+        drafted = Drafted()
+        async with AsyncEngine(config, model=tiny_loaded, observers=[drafted]) as engine:
+            outs = await serve_staggered(engine, reqs)
+            cache = engine.worker.graph_cache
+        assert outs == eager_outs
+        by_rows = {rows: {k for r, k in drafted.rows if r == rows} for rows, _ in drafted.rows}
+        assert all(ks == {len(TREE)} for rows, ks in by_rows.items() if rows <= 2), by_rows
+        assert all(ks == {3} for rows, ks in by_rows.items() if rows > 2), by_rows
+        assert any(rows > 2 for rows in by_rows) and any(rows <= 2 for rows in by_rows)
+        if graphs:
+            assert isinstance(cache, StepReplayCache)
+            assert {key.batch_size for key in cache._graphs
+                    if key.num_draft_tokens == len(TREE)} == {1, 2}
+
+
 async def test_a_drafter_without_trees_is_refused_at_start(tiny_dir, tiny_loaded):
     config = make_config(tiny_dir, method="ngram", k=3, speculative={"tree": TREE})
     with pytest.raises(ConfigError, match="drafts chains only"):
