@@ -22,7 +22,8 @@ HELD_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts_hel
 
 # Draft trees of depth 3 for the shipped eagle3 head (speculative.tree), by node count:
 # the trees that accept most on held-out prompts 200-263 (bench/tree_acceptance.py --skip
-# 200 --prompts 64 --fit ...; bench/results/cpu_1204_tree_fit_200_263.json).
+# 200 --prompts 64 --fit ...; bench/results/cpu_1204_tree_fit_200_263.json, and *_big
+# for 23 and 31 nodes).
 TREES = {
     4: [[0], [1], [0, 0], [0, 0, 0]],
     7: [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
@@ -30,7 +31,15 @@ TREES = {
          [0, 1, 0]],
     15: [[0], [1], [2], [3], [4], [5], [0, 0], [0, 1], [0, 2], [1, 0], [2, 0], [0, 0, 0],
          [0, 0, 1], [0, 1, 0], [1, 0, 0]],
+    23: [[0], [1], [2], [3], [4], [5], [6], [0, 0], [0, 1], [0, 2], [0, 3],
+         [0, 4], [1, 0], [1, 1], [2, 0], [3, 0], [0, 0, 0], [0, 0, 1],
+         [0, 0, 2], [0, 1, 0], [0, 2, 0], [1, 0, 0], [2, 0, 0]],
+    31: [[0], [1], [2], [3], [4], [5], [6], [7], [8], [0, 0], [0, 1], [0, 2],
+         [0, 3], [0, 4], [0, 6], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1],
+         [3, 0], [4, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0],
+         [0, 2, 0], [0, 4, 0], [1, 0, 0], [1, 0, 1], [2, 0, 0]],
 }
+
 
 def quiet_logs() -> None:
     structlog.configure(

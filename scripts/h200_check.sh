@@ -32,7 +32,7 @@
 #   pagesync PageTable.sync's host time a call, the staging ring against the earlier syncs,
 #            and a small input's copy through the ring against to_device (no SmolLM2 needed)
 #   hostops  the host time of single torch / CUDA calls an iteration is made of (no SmolLM2)
-#   treeverify  a draft tree's VERIFY (4-15 nodes) against the chain's and plain decoding's
+#   treeverify  a draft tree's VERIFY (4-31 nodes) against the chain's and plain decoding's
 #            forward at batch 1, each captured: device time a step (bench_tree_verify_gpu.py)
 #   adp      ADP: 1 then 2 ranks (torch.distributed.run --standalone) of bench/adp_run.py,
 #            128 equal greedy requests of 256 tokens, batch 64 a rank, 3 rounds of one
@@ -206,7 +206,7 @@ for line in sys.stdin:
     treeverify)
       # A draft tree's VERIFY against the chain's at batch 1, captured (the premise of
       # tree drafting on the GPU; SmolLM2 needed).
-      python3 bench/bench_tree_verify_gpu.py --rounds 5 --replays 200 --trees 4,7,11,15 \
+      python3 bench/bench_tree_verify_gpu.py --rounds 5 --replays 200 --trees 4,7,15,23,31 \
         --out "$OUT/tree_verify.json" 2>&1 | grep -v Warn ;;
     pagesync)
       (cd bench && python3 bench_page_sync_gpu.py --calls 2000 --rounds 3 2>&1 | grep -v Warn) ;;
