@@ -643,12 +643,16 @@ class MtpEagleDrafter(Drafter):
 
 class _TreeLevel:
     """One depth d of a draft tree, as ``MtpEagleDrafter.tree_from_root`` runs it: the
-    head over rows ``first`` .. ``end`` - 1 (depth >= 1: their ``parents``, ``mask``),
-    then the children of rows ``expand``: ``children[i]`` is rank ``rank[i]`` among the
-    top ``width`` of ``expand[child_of[i]]``'s logits."""
+    head over rows ``first`` .. ``end`` - 1 (depth >= 1: their ``parents``, ``mask``; up
+    to the depth's last row with children: a row past it, a leaf, needs no head output,
+    and no row attends it), then the children of rows ``expand``: ``children[i]`` is
+    rank ``rank[i]`` among the top ``width`` of ``expand[child_of[i]]``'s logits."""
 
     def __init__(self, tree: DraftTree, depth: int, device: torch.device) -> None:
+        kids = tree.children()
         rows = [r for r, d in enumerate(tree.depths) if d == depth]
+        # (A depth above the deepest always holds a row with children.)
+        rows = rows[:rows.index(max(r for r in rows if r in kids)) + 1]
         self.first, self.end = rows[0], rows[-1] + 1
         self.mask: TreeMask | None = None
         self.parents = torch.tensor([tree.parents[r] for r in rows], device=device)
@@ -658,7 +662,6 @@ class _TreeLevel:
             # the tree's rows 1..b-1 stored so far end with them.
             self.mask = TreeMask(torch.full((b - a,), depth - a, device=device),
                                  tree.visible(device)[a:b, 1:b])
-        kids = tree.children()
         parents = [r for r in rows if r in kids]
         self.expand = torch.tensor(parents, device=device) if parents else None
         pairs = [(i, c) for i, r in enumerate(parents) for c in kids[r]]
