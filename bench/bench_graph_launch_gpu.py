@@ -47,6 +47,7 @@ import torch
 from specloop.samplers import _pdl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import device_seconds  # noqa: E402
 from bench_host_ops_gpu import timed  # noqa: E402
 
 try:
@@ -133,17 +134,6 @@ def build(kind: str, kernels: int, stream: torch.cuda.Stream):
     return g, x
 
 
-def device_us(fn: Callable[[], object], launches: int = 20) -> float:
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(launches):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / launches
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=1000)
@@ -187,7 +177,8 @@ def main() -> None:
                         found[name].append(timed(fn, args.calls, work, every=50))
                 line = "  ".join(f"{name} {min(us):6.1f}-{max(us):6.1f}"
                                  for name, us in found.items())
-                dev = "  ".join(f"{name} {device_us(fn):6.1f}" for name, fn in forms.items())
+                dev = "  ".join(f"{name} {device_seconds(fn, 20) * 1e6:6.1f}"
+                                for name, fn in forms.items())
                 print(f"{kind:7s} {n:4d} kernels ({drv.nodes(raw)} nodes), host us a launch: "
                       f"{line}; same result: {same}")
                 print(f"{'':7s} device us a launch (20 back to back): {dev}", flush=True)

@@ -17,6 +17,7 @@ import argparse
 
 import torch
 
+from _common import device_seconds
 from specloop.graphs._cuda import capture_graph
 from specloop.samplers import _rejection, rejection_sample
 
@@ -77,14 +78,7 @@ def eager_ms(sets, point_mass: bool, repeats: int) -> float:
     fn = lambda: rejection_sample(d, t, None if point_mass else q, seeds=s,  # noqa: E731
                                   positions=pos, validate=False)
     fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / repeats
+    return device_seconds(fn, repeats) * 1e3
 
 
 def torch_path():

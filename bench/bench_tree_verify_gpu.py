@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TREES, quiet_logs  # noqa: E402
+from _common import TREES, device_seconds, quiet_logs  # noqa: E402
 from held_out_prompts import PATH as HELD_OUT  # noqa: E402
 
 def drafter_of(runner):
@@ -112,13 +112,7 @@ def steps(runner, ids, trees: list[int]):
 def timer(device: str, fn, replays: int) -> float:
     """Seconds per call of ``fn`` over ``replays`` calls (device time on CUDA)."""
     if device == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(replays):
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / replays
+        return device_seconds(fn, replays)
     t = time.perf_counter()
     for _ in range(replays):
         fn()

@@ -15,6 +15,7 @@ import numpy
 import structlog
 import torch
 
+from . import _kernels
 from ._args import ModelArgs
 from ._host import StagingRing
 
@@ -269,8 +270,6 @@ class KVCache:
         accepted drafts receive some row's entries: past the committed length, they are
         masked, then overwritten, as a chain's rejected drafts. On CUDA one kernel
         (``_kernels.keep_path``: the same moves), else the torch ops below."""
-        from . import _kernels  # noqa: PLC0415
-
         if self.k.is_cuda and _kernels.available():
             _kernels.keep_path(self.k, self.v, self.pages.table, slots, start_pos, path,
                                self.max_seq_len, self.pages.scratch_page)
