@@ -8,6 +8,13 @@ acceptance per position (head against head and against n-gram) beside this scrip
     python bench/bench_drafters.py [--prompts 16] [--tokens 96] [--device cpu]
     python bench/bench_drafters.py --from-cards     # no run: the heads' cards' engine
                                                     # figures (held-out, from training)
+    python bench/bench_drafters.py --only eagle3 --ks 3 --trees 7,15 --strict
+
+``--trees``: also each eagle3 head with these draft trees (``bench/_common.TREES`` by node
+count; depth 3, so K = 3 only), verified strictly at every temperature (a tree's sampled
+rows: samplers/_tree.py). ``--strict``: also the chains at T > 0 verified strictly (point-
+mass drafts, ``use_rejection_sampling = false``), the tree's verification, beside rejection
+sampling. ``--only``: the methods whose label contains one of these words.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from _common import quiet_logs
+from _common import TREES, quiet_logs
 
 HELD_OUT_FALLBACK = [   # used when Debian fortunes is not installed
     "Tell me about llamas.", "What does this saying mean? \"A rolling stone gathers no moss.\"",
@@ -53,6 +60,11 @@ def main() -> None:
                     "beside this script")
     ap.add_argument("--from-cards", action="store_true",
                     help="plot the engine figures the shipped heads' model cards hold")
+    ap.add_argument("--temperatures", default="0.0,0.7")
+    ap.add_argument("--trees", default="", help="node counts from bench/_common.TREES")
+    ap.add_argument("--strict", action="store_true",
+                    help="also chains at T > 0 verified strictly")
+    ap.add_argument("--only", default=None, help="comma-separated words a label contains")
     args = ap.parse_args()
     here = Path(__file__).parent
     if args.from_cards:
@@ -82,19 +94,35 @@ def main() -> None:
     for head in shipped_heads():
         method = _card(head).get("method", "mtp_eagle")
         methods[f"{head} ({method})"] = {"method": method, "draft_weights": head}
+    trees = [int(n) for n in args.trees.split(",") if n]
+    temps = [float(t) for t in args.temperatures.split(",")]
+    words = args.only.split(",") if args.only else None
     results = []
     for k in [int(x) for x in args.ks.split(",")]:
+        runs = []   # (label, speculative, temperature)
         for label, spec in methods.items():
-            for temp in (0.0, 0.7):
-                start = time.perf_counter()
-                r = engine_acceptance(loaded, name, ids, {**spec, "num_draft_tokens": k},
-                                      temperature=temp, top_p=1.0, max_tokens=args.tokens,
-                                      device=args.device, dtype=args.dtype, batch_size=8)
-                r.update(method=label, seconds=round(time.perf_counter() - start, 1))
-                results.append(r)
-                print(f"{label:42s} K={k} T={temp:.1f}  AL {r['al']:.3f}  per position "
-                      f"{' '.join(f'{a:.3f}' for a in r['per_position'])}  "
-                      f"({r['verify_rows']} verify rows, {r['seconds']} s)", flush=True)
+            for temp in temps:
+                runs.append((label, {**spec, "num_draft_tokens": k}, temp))
+                if args.strict and temp > 0:
+                    runs.append((f"{label} strict", {**spec, "num_draft_tokens": k,
+                                                     "use_rejection_sampling": False}, temp))
+            for n in trees if spec["method"] == "eagle3" and k == 3 else ():
+                for temp in temps:
+                    runs.append((f"{label} tree N={n}", {
+                        **spec, "num_draft_tokens": k, "tree": TREES[n],
+                        "use_rejection_sampling": False}, temp))
+        for label, spec, temp in runs:
+            if words and not any(w in label for w in words):
+                continue
+            start = time.perf_counter()
+            r = engine_acceptance(loaded, name, ids, spec,
+                                  temperature=temp, top_p=1.0, max_tokens=args.tokens,
+                                  device=args.device, dtype=args.dtype, batch_size=8)
+            r.update(method=label, seconds=round(time.perf_counter() - start, 1))
+            results.append(r)
+            print(f"{label:42s} K={k} T={temp:.1f}  AL {r['al']:.3f}  per position "
+                  f"{' '.join(f'{a:.3f}' for a in r['per_position'])}  "
+                  f"({r['verify_rows']} verify rows, {r['seconds']} s)", flush=True)
     _ratios(results)
     _plot(results, args.png)
     Path(args.png).with_suffix(".json").write_text(json.dumps(results, indent=1))
@@ -130,8 +158,10 @@ def _ratios(results) -> None:
     for r in results:
         if r["method"] == "ngram":
             continue
-        base = next(b for b in results if b["method"] == "ngram" and b["k"] == r["k"]
-                    and b["temperature"] == r["temperature"])
+        base = next((b for b in results if b["method"] == "ngram" and b["k"] == r["k"]
+                     and b["temperature"] == r["temperature"]), None)
+        if base is None:
+            continue
         print(f"{r['method']} K={r['k']} T={r['temperature']}: AL / n-gram AL = "
               f"{r['al'] / base['al']:.2f}")
 

@@ -118,9 +118,10 @@ class SpeculativeConfig:
     adaptive: bool = False
     # The K values adaptive chooses among (each captured as graphs); None: 0 .. K.
     adaptive_k: tuple[int, ...] | None = attrs.field(default=None)
-    # A static greedy draft tree (docs/configuration.md, "Draft trees"): its nodes' paths
-    # of sibling ranks, e.g. [[0], [1], [0, 0]]; all-greedy batches draft and verify it,
-    # others the chain of its depth (num_draft_tokens). None: chains only.
+    # A static draft tree (docs/configuration.md, "Draft trees"): its nodes' paths of
+    # sibling ranks, e.g. [[0], [1], [0, 0]]; batches verified strictly (greedy, or
+    # sampled without rejection sampling) draft and verify it, batches on the advanced
+    # path the chain of its depth (num_draft_tokens). None: chains only.
     tree: tuple[tuple[int, ...], ...] | None = attrs.field(default=None)
     # The largest (padded) batch that drafts the tree; larger ones draft its chain: a
     # tree's VERIFY rows are nearly free at small batches only (docs/configuration.md).
@@ -165,8 +166,8 @@ class SpeculativeConfig:
         if tree.depth != self.num_draft_tokens:
             raise ConfigError("speculative.tree", [list(p) for p in value],
                               f"is {tree.depth} deep, num_draft_tokens = "
-                              f"{self.num_draft_tokens} (batches that sample draft the "
-                              "chain of the tree's depth)",
+                              f"{self.num_draft_tokens} (batches on the advanced path "
+                              "draft the chain of the tree's depth)",
                               f"set num_draft_tokens = {tree.depth}")
 
     @property

@@ -15,6 +15,7 @@ then replays the graph with no inputs: no copy runs between the two graphs.
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
@@ -26,7 +27,7 @@ from specloop.models import TreeMask
 from specloop.models._host import to_device
 from specloop.samplers import SamplingBatch
 from specloop.samplers._sampler import packed_result
-from specloop.samplers._tree import DraftTree, TreeTables, accept_greedy
+from specloop.samplers._tree import DraftTree, TreeTables, accept_tree
 from specloop.samplers._triton_greedy import tree_greedy_verify, usable
 
 from ._request import Request
@@ -133,30 +134,41 @@ def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBa
     return FeedsItself(step, ("tokens", "start_pos")) if feeds_itself else step
 
 
-def make_tree_verify_step(runner: ModelRunner, tree: DraftTree, *, kv_len: int | None
-                          ) -> Step:
-    """Greedy VERIFY of a draft tree (samplers/_tree.py) for all-greedy rows, on the
+@functools.lru_cache(maxsize=8)
+def tree_layout(tree: DraftTree, device: torch.device) -> tuple[TreeTables, TreeMask]:
+    """A tree's index tables and attention mask on ``device`` (built once a tree)."""
+    tables = TreeTables.of(tree, device)
+    return tables, TreeMask(tables.depths, tree.visible(device))
+
+
+def make_tree_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBatch,
+                          tree: DraftTree, *, kv_len: int | None) -> Step:
+    """Strict VERIFY of a draft tree (samplers/_tree.py) for the rows of a batch that is
+    not on the advanced path (greedy rows, and sampled rows verified strictly), on the
     reference path. Its inputs are a chain's of K = ``tree.size`` (``tokens`` [Bp, 1 + N]:
     the last committed token, then the nodes in the tree's order; ``start_pos``,
-    ``slots``); its outputs a chain's of K = ``tree.depth``: the accepted path's tokens
-    and count, its rows' hidden states (what the drafter reads: [Bp, D + 1, F]) and
-    ``packed``. Every node's K/V is written at start_pos + its row; the accepted path's
-    then move to start_pos + depth (``KVCache.keep_path``), where a chain's would be. On
-    CUDA the argmax, the walk and the move are three kernels
-    (``samplers._triton_greedy.tree_greedy_verify``, ``models._kernels.keep_path``), not
-    ~35 small torch ops (~2.5 µs of device time each on the H200)."""
-    tables = TreeTables.of(tree, runner.device)
-    mask = TreeMask(tables.depths, tree.visible(runner.device))
+    ``slots``, the sampling columns); its outputs a chain's of K = ``tree.depth``: the
+    accepted path's tokens and count, its rows' hidden states (what the drafter reads:
+    [Bp, D + 1, F]) and ``packed``. Every node's K/V is written at start_pos + its row;
+    the accepted path's then move to start_pos + depth (``KVCache.keep_path``), where a
+    chain's would be. A row's target token is the sampler's ``strict_targets`` at the
+    position it predicts (start_pos + 1 + its depth). On CUDA an all-greedy batch's
+    argmax, walk and move are three kernels (``samplers._triton_greedy.tree_greedy_verify``,
+    ``models._kernels.keep_path``), not ~35 small torch ops (~2.5 µs of device time each
+    on the H200)."""
+    tables, mask = tree_layout(tree, torch.device(runner.device))
 
     def step(inputs: Tensors) -> Tensors:
         tokens, start, slots = inputs["tokens"], inputs["start_pos"], inputs["slots"]
         hidden, features = runner.forward(tokens, start, slots, kv_len=kv_len, tree=mask)
         logits = runner.model.logits(hidden)
-        if usable(tokens[:, 1:], logits):   # CUDA: the argmax and the walk in two kernels
+        if template.all_greedy and usable(tokens[:, 1:], logits):
             packed, rows = tree_greedy_verify(tokens, logits, tables.parents,
                                               tables.ancestors, tables.depths)
         else:
-            result = accept_greedy(tables, tokens, logits.argmax(dim=-1))
+            positions = (start + 1).unsqueeze(1) + tables.depths
+            target = sampler.strict_targets(logits, template.with_columns(inputs), positions)
+            result = accept_tree(tables, tokens, target)
             packed = torch.cat([result.token_ids, result.num_accepted[:, None]], dim=1)
             rows = result.path
         runner.cache.keep_path(slots, start, rows)

@@ -45,12 +45,13 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
     may run, before serving; -> the step builders (verify, draft), for ``calibrate``."""
     device = runner.device
     point_mass = drafter is None or drafter.point_mass
-    # A draft tree's graphs: the keys of its node count on the all-greedy variant (the
-    # chain's K is its depth, always smaller: config.py).
+    # A draft tree's graphs: the keys of its node count off the advanced path (the chain's
+    # K is its depth, always smaller: config.py).
     tree = config.speculative.draft_tree
 
     def is_tree(key: GraphKey) -> bool:
-        return tree is not None and key.all_greedy and key.num_draft_tokens == tree.size
+        return tree is not None and key.sampling_path is SamplingPath.GREEDY and \
+            key.num_draft_tokens == tree.size
 
     def verify(key: GraphKey, template: SamplingBatch, has_q: bool,
                kv_len: int | None = runner.cache.max_seq_len) -> tuple[Step, Tensors]:
@@ -60,7 +61,8 @@ def warm_up_graphs(*, config: EngineConfig, runner: ModelRunner, sampler: Sample
         example = verify_inputs([], None, q, template, k=k,
                                 scratch_slot=runner.cache.scratch_slot, device=device)
         if tree is not None and is_tree(key):
-            return make_tree_verify_step(runner, tree, kv_len=kv_len), example
+            return make_tree_verify_step(runner, sampler, template, tree,
+                                         kv_len=kv_len), example
         # Captured (a static kv_len) at K = 0: the graph writes the inputs of a step queued
         # ahead for the same batch itself (engine/_verify.py, engine/_ahead.py).
         step = make_verify_step(runner, sampler, template,

@@ -23,7 +23,7 @@ import attrs
 import structlog
 import torch
 
-from specloop.graphs import GraphCache, SamplingPath, Step, Tensors
+from specloop.graphs import GraphCache, SamplingPath, Tensors
 from specloop.models._grad import inference_mode
 from specloop.models._host import int64_tensor
 from specloop.samplers import RejectionResult, Sampler, SamplingBatch, SpecMetadata
@@ -135,12 +135,11 @@ class RankWorker:
         # drafts on idle ranks too: ``draft_when_idle``), the exchange runs on the host,
         # and K is fixed: the next iteration takes the step when SYNC agreed on its key
         # (``matches``).
-        # ``speculative.tree``: all-greedy batches draft and verify it (PICK_GRAPH_KEY),
-        # from graphs where captured (their keys: the tree's node count as K), and the
-        # chained step of a tree iteration drafts the tree again.
+        # ``speculative.tree``: batches off the advanced path draft and verify it
+        # (PICK_GRAPH_KEY), from graphs where captured (their keys: the tree's node count
+        # as K), and the chained step of a tree iteration drafts the tree again.
         self.tree = config.speculative.draft_tree
         self.tree_max_batch = config.speculative.tree_max_batch
-        self._tree_verify: Step | None = None
         if self.tree is not None:
             self._check_tree(drafter)
         local_step = not multi or (self.exchange.on_host and not self.draft_when_idle
@@ -373,9 +372,11 @@ class RankWorker:
     async def pick_graph_key(self, rec: IterationRecord) -> IterationState:
         if rec.num_draft_tokens is None:
             rec.num_draft_tokens = self.k
-        # The tree's greedy verification needs every row's target token to be its argmax;
-        # and its rows pay at small batches only (speculative.tree_max_batch).
-        if self.tree is not None and rec.batch and rec.spec.all_greedy and \
+        # The tree is verified strictly (greedy rows and sampled rows off the advanced
+        # path: samplers/_tree.py), and its rows pay at small batches only
+        # (speculative.tree_max_batch).
+        if self.tree is not None and rec.batch and \
+                not rec.spec.wants_advanced_draft_sampling and \
                 rec.padded_batch_size <= self.tree_max_batch:
             rec.tree, rec.num_draft_tokens = self.tree, self.tree.size
         rec.graph_key, rec.graph_captured = self.graph_cache.pick(
@@ -583,19 +584,15 @@ class RankWorker:
                 inputs = self._inputs(rec, self._sampling_batch(batch, key.batch_size))
             out = self.graph_cache.replay(key, inputs)
         else:
-            step = self._tree_step() if rec.tree is not None else make_verify_step(
-                self.runner, self.sampler, rec.batch_sampling, advanced=advanced, kv_len=None)
+            step = make_tree_verify_step(
+                self.runner, self.sampler, rec.batch_sampling, rec.tree, kv_len=None) \
+                if rec.tree is not None else make_verify_step(
+                    self.runner, self.sampler, rec.batch_sampling, advanced=advanced,
+                    kv_len=None)
             out = step(inputs or self._inputs(rec, rec.batch_sampling))
         pending = out, self.runner.start_read_back(out["packed"][:len(rec.batch)])
         self.ahead.replayed(rec, pending)
         return pending
-
-    def _tree_step(self) -> Step:
-        """The tree's VERIFY step (its index tables built once)."""
-        if self._tree_verify is None:
-            assert self.tree is not None, "a tree VERIFY with speculative.tree set only"
-            self._tree_verify = make_tree_verify_step(self.runner, self.tree, kv_len=None)
-        return self._tree_verify
 
     @inference_mode
     def _collect_verify(self, rec: IterationRecord, pending: Pending,

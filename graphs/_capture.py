@@ -51,15 +51,15 @@ def warm_up(cache: GraphCache, *, max_batch_size: int, num_draft_tokens: int | I
     the steps ``also`` lists (e.g. prefill, stage "prefill") when the cache captures any
     key, and seal the cache; -> the VERIFY keys captured. Several ``num_draft_tokens``
     (adaptive K): the keys of each. ``tree_k``: a draft tree's node count, whose keys
-    (VERIFY's rows less one, as a chain's K) are captured for the all-greedy variant
-    only (only an all-greedy batch drafts the tree), at the buckets that serve batches of
+    (VERIFY's rows less one, as a chain's K) are captured for the variants off the
+    advanced path (a batch on it drafts the chain), at the buckets that serve batches of
     up to ``tree_max_batch`` rows."""
     has_q = {(path, greedy): q for path, greedy, q in variants}
     ks = [num_draft_tokens] if isinstance(num_draft_tokens, int) else list(num_draft_tokens)
     keys = [key for k in ks for key in cache.keys_to_capture(max_batch_size, k, list(has_q))]
     if tree_k:
-        greedy = [(path, all_greedy) for path, all_greedy in has_q if all_greedy]
-        tree_keys = cache.keys_to_capture(max_batch_size, tree_k, greedy)
+        strict = [variant for variant in has_q if variant[0] is SamplingPath.GREEDY]
+        tree_keys = cache.keys_to_capture(max_batch_size, tree_k, strict)
         # A bucket serves the batches above the bucket below it: those that reach one of
         # up to tree_max_batch rows.
         sizes = sorted({key.batch_size for key in tree_keys})

@@ -29,14 +29,32 @@ class Sampler(Protocol):
                draft_probs: torch.Tensor | None, batch: SamplingBatch,
                positions: torch.Tensor, *, advanced: bool) -> RejectionResult: ...
 
+    def strict_targets(self, target_logits: torch.Tensor, batch: SamplingBatch,
+                       positions: torch.Tensor) -> torch.Tensor:
+        """Optional (this default): the token strict verification holds each VERIFY row
+        against, [B, R] from target_logits [B, R, V] and each row's position [B, R] (the
+        position of the token the row predicts). A draft tree's VERIFY (samplers/_tree.py)
+        accepts a node whose token is its parent row's target, so these must be exact
+        draws from p: argmax for greedy rows, else independent across positions."""
+        return strict_targets(target_logits, batch, positions)
+
+
+def strict_targets(target_logits: torch.Tensor, batch: SamplingBatch,
+                   positions: torch.Tensor) -> torch.Tensor:
+    """[B, R]: argmax for greedy rows, else drawn from p at ``positions`` [B, R] with
+    Stream.BONUS. Rows at one position share its uniform (a tree's siblings): one of
+    them at most is on a path, and a path's rows are at different positions."""
+    if batch.all_greedy:  # padding rows are greedy too
+        return target_logits.argmax(dim=-1)  # same tokens as one-hot rows, no softmax
+    return sample_tokens(compute_probs(target_logits, batch), batch.seeds, positions,
+                         Stream.BONUS, validate=False)
+
 
 def _target_tokens(target_logits: torch.Tensor, batch: SamplingBatch,
                    positions: torch.Tensor) -> torch.Tensor:
-    """[B, K+1]: argmax for greedy rows, else sampled from p with Stream.BONUS."""
-    if batch.all_greedy:  # padding rows are greedy too
-        return target_logits.argmax(dim=-1)  # same tokens as one-hot rows, no softmax
-    return target_tokens_from_probs(compute_probs(target_logits, batch), batch.seeds,
-                                    positions)
+    """[B, K+1]: ``strict_targets`` of a chain's rows, at positions L..L+K."""
+    steps = torch.arange(target_logits.shape[1], device=positions.device)
+    return strict_targets(target_logits, batch, positions.unsqueeze(1) + steps)
 
 
 def target_tokens_from_probs(probs: torch.Tensor, seeds: torch.Tensor,
@@ -101,6 +119,10 @@ class DefaultSampler:
         q = compute_probs(logits, batch)
         tokens = sample_tokens(q, batch.seeds, positions, Stream.DRAFT, validate=False)
         return DraftSample(token_ids=tokens, probs=q)
+
+    def strict_targets(self, target_logits: torch.Tensor, batch: SamplingBatch,
+                       positions: torch.Tensor) -> torch.Tensor:
+        return strict_targets(target_logits, batch, positions)
 
     def verify(self, draft_token_ids: torch.Tensor, target_logits: torch.Tensor,
                draft_probs: torch.Tensor | None, batch: SamplingBatch,

@@ -1,13 +1,19 @@
-"""Static draft trees, and their greedy verification (the first slice of tree drafting:
-docs/architecture.md, "Draft trees").
+"""Static draft trees, and their strict verification (docs/architecture.md, "Draft
+trees").
 
 A chain of K drafts verifies K + 1 rows per request, and a request accepts the drafts up
 to its first miss. A tree verifies 1 + N rows: the root (the last committed token) and N
-draft nodes, each a token proposed after its parent's. Greedy verification accepts the
-longest root-to-node path whose every token is the target's argmax after its parent, so a
-miss at one child can be made up by a sibling. At batch 1 on the H200 VERIFY's GEMMs should
-cost about the same for 4 rows as for 16 (the one-tile ``tl.dot`` pads rows to 16; on the
-CPU each row costs its GEMMs' arithmetic, ~3 ms of one core for SmolLM2), and
+draft nodes, each a token proposed after its parent's. Verification is strict: every row
+gets the target's token after it (``Sampler.strict_targets``: the argmax for a greedy row,
+else a draw from the row's p at the position it predicts), and the longest root-to-node
+path whose every token is its parent row's target token is accepted, so a miss at one
+child can be made up by a sibling. That is exact for any drafts: along the path, each
+emitted token is the target's draw at its position given the tokens before it, and the
+draws at different positions are independent (siblings share a position's draw; one of
+them at most is on the path). Greedy rows emit what greedy decoding would, and a seeded
+sampled row what it would emit without speculation. At batch 1 on the H200 VERIFY's GEMMs
+should cost about the same for 4 rows as for 16 (the one-tile ``tl.dot`` pads rows to 16;
+on the CPU each row costs its GEMMs' arithmetic, ~3 ms of one core for SmolLM2), and
 ``bench/tree_acceptance.py`` puts the shipped eagle3 head's acceptance length at 2.46-2.59
 with 15 nodes of depth 3 against 1.95-2.00 for the chain of 3 (offline, greedy, held-out
 chat prompts on SmolLM2; 2.55 against 2.06 through the engine).
@@ -139,7 +145,7 @@ def best_tree(rank_paths: Iterable[Sequence[int]], size: int, max_depth: int) ->
 
 @attrs.frozen(eq=False)
 class TreeTables:
-    """A tree's index tables on a device, for ``accept_greedy`` (built once per tree)."""
+    """A tree's index tables on a device, for ``accept_tree`` (built once per tree)."""
 
     parents: torch.Tensor      # [1 + N] i64
     depths: torch.Tensor       # [1 + N] i64
@@ -159,7 +165,7 @@ class TreeTables:
 
 @attrs.frozen(eq=False)
 class TreeAcceptance:
-    """``accept_greedy``'s result, in the chain's form where the engine reads it."""
+    """``accept_tree``'s result, in the chain's form where the engine reads it."""
 
     token_ids: torch.Tensor     # [B, D + 1] i64: the accepted drafts, the target's token
                                 # after them at n, -1 past it (as a chain's verify)
@@ -168,15 +174,16 @@ class TreeAcceptance:
                                 # deepest accepted row repeated past its depth)
 
 
-def accept_greedy(tables: TreeTables, tokens: torch.Tensor, target: torch.Tensor
-                  ) -> TreeAcceptance:
-    """Greedy verification of a tree: ``tokens`` [B, 1 + N] the root and the draft nodes
-    (VERIFY's rows), ``target`` [B, 1 + N] the target's argmax at each row. A node is
-    accepted where its parent is and its token is the target's token at its parent; the
-    accepted path ends at the deepest accepted node (siblings hold different tokens in a
-    drafter's tree, so one path at most is accepted; where siblings repeat a token, the
-    first in the tree's order among the deepest). Its tokens, then the target's token at
-    its end, are what greedy decoding would emit."""
+def accept_tree(tables: TreeTables, tokens: torch.Tensor, target: torch.Tensor
+                ) -> TreeAcceptance:
+    """Strict verification of a tree (see the module doc): ``tokens`` [B, 1 + N] the root
+    and the draft nodes (VERIFY's rows), ``target`` [B, 1 + N] the target's token after
+    each row (``Sampler.strict_targets``). A node is accepted where its parent is and its
+    token is the target's token at its parent; the accepted path ends at the deepest
+    accepted node (siblings hold different tokens in a drafter's tree, so one path at most
+    is accepted; where siblings repeat a token, the first in the tree's order among the
+    deepest). Its tokens, then the target's token at its end, are what decoding without
+    speculation would emit (greedy; or sampled with the same draws)."""
     parents, depth = tables.parents, tables.ancestors.shape[1] - 1
     # match[:, i]: node i's token is the target's after its parent (the root: True).
     match = tokens == target.index_select(1, parents)

@@ -187,7 +187,7 @@ def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, T_P2: tl.constexpr,
 def _tree_kernel(pv_ptr, pi_ptr, tok_ptr, tgt_ptr, par_ptr, anc_ptr, dep_ptr, out_ptr,
                  path_ptr, R, D, S, s_tok, T_P2: tl.constexpr, S_P2: tl.constexpr,
                  D_P2: tl.constexpr, IMAX: tl.constexpr, GDC: tl.constexpr = False):
-    # Row b of a draft tree's greedy VERIFY (samplers/_tree.py accept_greedy): its R tree
+    # Row b of a draft tree's greedy VERIFY (samplers/_tree.py accept_tree): its R tree
     # rows' S partials -> their targets (stored in tgt [B, R], then read back at the
     # parents: one program, after a barrier); a row is accepted where every row on its
     # path (ancestors anc [R, D+1]) holds its parent's target; the deepest accepted row
@@ -308,7 +308,7 @@ def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
                        parents: torch.Tensor, ancestors: torch.Tensor,
                        depths: torch.Tensor, *, chunk: int | None = None,
                        block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """A draft tree's greedy VERIFY in two kernels (``samplers/_tree.accept_greedy`` of
+    """A draft tree's greedy VERIFY in two kernels (``samplers/_tree.accept_tree`` of
     ``target_logits.argmax(-1)``, the same choice): tokens [B, R] (the root and the
     nodes), target_logits [B, R, V], the tree's tables (``TreeTables``: parents [R],
     ancestors [R, D+1], depths [R]) -> (packed [B, D+2]: the path's tokens, the target

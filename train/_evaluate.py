@@ -138,9 +138,11 @@ def engine_acceptance(loaded: LoadedModel, model_name: str, prompts_ids: Sequenc
                       dtype: str, batch_size: int = 64, seed: int = 0) -> dict[str, Any]:
     """Run the prompts through the engine with ``speculative``; -> acceptance summary."""
     k = speculative.get("num_draft_tokens", 4)
+    # The draft rows a VERIFY writes past a request: a draft tree's nodes, else K.
+    rows = len(speculative.get("tree") or ()) or k
     config = EngineConfig.from_dict({
         "model": {"name": model_name, "dtype": dtype, "device": device,
-                  "max_seq_len": max(len(p) for p in prompts_ids) + max_tokens + k + 2,
+                  "max_seq_len": max(len(p) for p in prompts_ids) + max_tokens + rows + 2,
                   "chat_template": False},
         "scheduler": {"max_batch_size": batch_size, "seed": seed,
                       "max_num_tokens": 4096},

@@ -37,6 +37,9 @@ class RecordingSampler:
         return self.inner.verify(draft_token_ids, target_logits, draft_probs, batch,
                                  positions, advanced=advanced)
 
+    def strict_targets(self, target_logits, batch, positions):
+        return self.inner.strict_targets(target_logits, batch, positions)
+
 
 def recording_sampler(config) -> RecordingSampler:
     recorder = RecordingSampler(default_sampler(config))
@@ -117,6 +120,9 @@ class SeedPlusOneSampler:
         return self.inner.verify(draft_token_ids, target_logits, draft_probs,
                                  self._shift(batch), positions, advanced=advanced)
 
+    def strict_targets(self, target_logits, batch, positions):
+        return self.inner.strict_targets(target_logits, self._shift(batch), positions)
+
 
 def one_rank_off_by_one(config):
     inner = default_sampler(config)
@@ -149,3 +155,28 @@ def near_target_drafter(config, deps):
     drafter = DraftModelDrafter(config, deps)
     drafter.model = _FlatterLogits(drafter.model, 0.7)
     return drafter
+
+
+@attrs.define(eq=False)
+class OnePositionTreeSampler:
+    """The default sampler, but a draft tree's rows all drawn with the root's uniform (its
+    position's), not each at its own: along a path the draws are then dependent, and the
+    tokens after an accepted node are biased (vLLM-style shared noise, in a tree)."""
+
+    inner: object
+
+    def draft(self, logits, batch, positions, *, advanced):
+        return self.inner.draft(logits, batch, positions, advanced=advanced)
+
+    def verify(self, draft_token_ids, target_logits, draft_probs, batch, positions, *,
+               advanced):
+        return self.inner.verify(draft_token_ids, target_logits, draft_probs, batch,
+                                 positions, advanced=advanced)
+
+    def strict_targets(self, target_logits, batch, positions):
+        return self.inner.strict_targets(target_logits, batch,
+                                         positions[:, :1].expand_as(positions))
+
+
+def one_position_tree_sampler(config) -> OnePositionTreeSampler:
+    return OnePositionTreeSampler(default_sampler(config))

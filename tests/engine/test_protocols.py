@@ -15,7 +15,7 @@ from .conftest import make_config
 
 # What the engine uses of each kind: a protocol that drops one of these fails here.
 USED = {
-    "sampler": {"draft", "verify"},
+    "sampler": {"draft", "verify", "strict_targets"},
     "communicator": {"rank", "world_size", "name", "all_gather", "all_gather_object", "all_gather_bytes",
                      "all_reduce", "broadcast_object", "barrier", "subgroup", "timeout_s",
                      "bounded", "close", "host_tensors"},

@@ -1,8 +1,9 @@
 """Draft trees through the engine (``speculative.tree``; CPU, the tiny float64 model, an
 eagle3 head drafting the target's own next token, so drafts are accepted): greedy equals
-greedy without speculation, all-greedy batches draft the tree and others its chain, the
-tree accepts more than its chain alone, and the configurations it cannot run are refused
-with a message naming the field."""
+greedy without speculation and seeded sampled rows what they emit without it, batches
+verified strictly draft the tree and batches on the advanced path (rejection sampling)
+its chain, the tree accepts more than its chain alone, and the configurations it cannot
+run are refused with a message naming the field."""
 
 import collections
 
@@ -36,10 +37,11 @@ def head_file(tiny_loaded, tmp_path_factory):
 
 
 def tree_config(tiny_dir, head_file, tree=TREE, components=None, parallel=None,
-                max_seq_len=256, **spec):
+                max_seq_len=256, rejection=False, **spec):
     sections = {name: value for name, value in (("components", components),
                                                 ("parallel", parallel)) if value}
-    return make_config(tiny_dir, method="eagle3", k=3, max_seq_len=max_seq_len, speculative={
+    return make_config(tiny_dir, method="eagle3", k=3, max_seq_len=max_seq_len,
+                       rejection=rejection, speculative={
         "draft_weights": str(head_file), **({"tree": tree} if tree else {}), **spec},
         **sections)
 
@@ -89,18 +91,50 @@ async def test_greedy_with_a_tree_equals_greedy_without(tiny_dir, tiny_loaded, h
     assert len(stats.drafted_per_position) == 3
 
 
-async def test_a_batch_that_samples_drafts_the_chain_and_outputs_do_not_change(
+async def test_sampled_rows_draft_the_tree_and_emit_what_they_would_without_speculation(
         tiny_dir, tiny_loaded, head_file):
-    """Sampled requests among greedy ones: their iterations draft the chain of 3 (and
-    verify it as without a tree), the all-greedy ones the tree; every output equals the
-    chain-only engine's (sampled ones too: same seeds, same exact sampling)."""
+    """Sampled requests among greedy ones, verified strictly (no rejection sampling):
+    every iteration drafts the tree, and every output equals the chain-only engine's and
+    the engine's without speculation, the seeded sampled ones too (a row's token at a
+    position is the target's draw there with the same uniform, whichever node it
+    follows: samplers/_tree.py)."""
     reqs = requests(sampled_every=3)
-    tree_outs, _, drafted = await run(tree_config(tiny_dir, head_file), tiny_loaded, reqs)
+    tree_outs, stats, drafted = await run(tree_config(tiny_dir, head_file), tiny_loaded,
+                                          reqs)
     chain_outs, _, _ = await run(tree_config(tiny_dir, head_file, tree=None), tiny_loaded,
                                  reqs)
+    plain_outs, _, _ = await run(make_config(tiny_dir), tiny_loaded, reqs)
+    assert tree_outs == chain_outs == plain_outs
+    assert {k for _, k in drafted.rows} == {len(TREE)}
+    assert stats.num_accepted_tokens > 0
+
+
+async def test_with_rejection_sampling_a_batch_that_samples_drafts_the_chain(
+        tiny_dir, tiny_loaded, head_file):
+    """With rejection sampling on, a batch with a sampled row is on the advanced path: it
+    drafts (sampling) and verifies the chain of 3 as without a tree; all-greedy batches
+    the tree. Every output equals the chain-only engine's (a sampled request is in
+    advanced batches only, so its drafts and draws are the chain engine's)."""
+    reqs = requests(sampled_every=3)
+    tree_outs, _, drafted = await run(tree_config(tiny_dir, head_file, rejection=True),
+                                      tiny_loaded, reqs)
+    chain_outs, _, _ = await run(tree_config(tiny_dir, head_file, tree=None, rejection=True),
+                                 tiny_loaded, reqs)
     assert tree_outs == chain_outs
     kinds = collections.Counter(k for _, k in drafted.rows)
     assert kinds[3] and kinds[len(TREE)], kinds
+    # With graphs: the tree's keys are captured for the all-greedy variant only (the
+    # other one is on the advanced path), and the outputs do not change.
+    from ..graphs.test_static_steps import StepReplayCache
+
+    config = tree_config(tiny_dir, head_file, rejection=True, components={
+        "graph_cache": "tests.graphs.test_static_steps:StepReplayCache"})
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        assert await serve_staggered(engine, reqs) == tree_outs
+        cache = engine.worker.graph_cache
+    assert isinstance(cache, StepReplayCache)
+    assert {key.all_greedy for key in cache._graphs
+            if key.num_draft_tokens == len(TREE)} == {True}
 
 
 async def test_the_chain_as_a_tree_drafts_the_chains_tokens(tiny_dir, tiny_loaded, head_file):
@@ -186,9 +220,10 @@ def test_a_tree_on_several_ranks_is_refused(tiny_dir, head_file):
 
 async def test_the_tree_from_graphs_equals_the_eager_tree(tiny_dir, tiny_loaded, head_file):
     """The tree's DRAFT and VERIFY captured at its keys (K = its 8 nodes, the all-greedy
-    variant; a cache that keeps the step functions and runs them on its static inputs, as
-    a CUDA graph's replay, at rows padded to buckets of 1, 2, 4, 8): every output equals
-    the eager tree's, and the tree's graphs served the all-greedy iterations."""
+    variant and the one with sampled rows; a cache that keeps the step functions and runs
+    them on its static inputs, as a CUDA graph's replay, at rows padded to buckets of 1,
+    2, 4, 8): every output equals the eager tree's, and the tree's graphs served every
+    iteration, those with sampled rows too."""
     from ..graphs.test_static_steps import StepReplayCache
 
     reqs = requests(sampled_every=3)
@@ -205,8 +240,8 @@ async def test_the_tree_from_graphs_equals_the_eager_tree(tiny_dir, tiny_loaded,
     assert outs == eager_outs
     assert stats.num_accepted_tokens == eager_stats.num_accepted_tokens
     tree_keys = [key for key in cache._graphs if key.num_draft_tokens == len(TREE)]
-    assert {key.stage for key in tree_keys} == {"verify", "draft"}
-    assert all(key.all_greedy for key in tree_keys)
+    assert {(key.stage, key.all_greedy) for key in tree_keys} == {
+        (stage, greedy) for stage in ("verify", "draft") for greedy in (True, False)}
     tree_iterations = sum(1 for _, k in drafted.rows if k == len(TREE))
     assert tree_iterations > 0
     for stage in ("draft", "verify"):

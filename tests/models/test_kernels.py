@@ -127,7 +127,7 @@ TREE_VERIFY_CHILD = r"""
 import random, torch
 from specloop.models import _kernels, KVCache, PageTable
 from specloop.models._args import ModelArgs
-from specloop.samplers._tree import DraftTree, TreeTables, accept_greedy
+from specloop.samplers._tree import DraftTree, TreeTables, accept_tree
 from specloop.samplers._triton_greedy import tree_greedy_verify
 
 gen = torch.Generator().manual_seed(0)
@@ -143,7 +143,7 @@ for tree in trees:
     logits = torch.randn(B, R, V, generator=gen)
     best = torch.randint(0, 4, (B, R), generator=gen)
     logits.scatter_(2, best[..., None], 10.0)
-    want = accept_greedy(tables, tokens, logits.argmax(-1))
+    want = accept_tree(tables, tokens, logits.argmax(-1))
     packed, path = tree_greedy_verify(tokens, logits, tables.parents, tables.ancestors,
                                       tables.depths, chunk=128, block=64)
     assert torch.equal(packed[:, :-1], want.token_ids), (tree, packed, want.token_ids)
@@ -182,6 +182,6 @@ print("ok")
 @pytest.mark.slow
 def test_tree_verify_kernels_equal_the_torch_ops():
     """The tree's greedy VERIFY kernel (argmax partials, the walk, packed and path) equals
-    samplers/_tree.accept_greedy of the argmax, and the path-move kernel equals
+    samplers/_tree.accept_tree of the argmax, and the path-move kernel equals
     KVCache.keep_path (interpreted)."""
     run_interpreted(TREE_VERIFY_CHILD)

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specloop.samplers._tree import DraftTree, TreeTables, accept_greedy, best_tree
+from specloop.samplers._tree import DraftTree, TreeTables, accept_tree, best_tree
 
 
 def test_a_chain_is_a_tree_of_one_path():
@@ -130,7 +130,7 @@ def test_greedy_verification_emits_what_the_walk_down_the_tree_emits(tree, batch
     rows = tree.size + 1
     tokens = [[rng.randrange(3) for _ in range(rows)] for _ in range(batch)]
     target = [[rng.randrange(3) for _ in range(rows)] for _ in range(batch)]
-    got = accept_greedy(TreeTables.of(tree, "cpu"), torch.tensor(tokens),
+    got = accept_tree(TreeTables.of(tree, "cpu"), torch.tensor(tokens),
                         torch.tensor(target))
     for b in range(batch):
         emitted, n = _walk(tree, tokens[b], target[b])
@@ -149,7 +149,7 @@ def test_a_chain_tree_verifies_as_the_chain():
     drafts = torch.randint(0, 3, (64, 4), generator=gen)
     target = torch.randint(0, 3, (64, 5), generator=gen)
     tokens = torch.cat([torch.zeros(64, 1, dtype=torch.int64), drafts], dim=1)
-    tree = accept_greedy(TreeTables.of(DraftTree.chain(4), "cpu"), tokens, target)
+    tree = accept_tree(TreeTables.of(DraftTree.chain(4), "cpu"), tokens, target)
     chain = strict_from_targets(drafts, target)
     assert torch.equal(tree.num_accepted, chain.num_accepted)
     assert torch.equal(tree.token_ids, chain.token_ids)
