@@ -332,13 +332,15 @@ def check_gates(config: EngineConfig) -> None:
         raise ConfigError("speculative.early_exit_layers", spec.early_exit_layers,
                           "must be >= 1", "or leave it unset for a quarter of the layers")
     if spec.tree is not None and spec.enabled:
-        for field, value, clash in (
-                ("speculative.adaptive", spec.adaptive, spec.adaptive),
-                ("parallel.world_size", par.world_size, par.world_size > 1)):
-            if clash:
-                raise ConfigError(field, value, "speculative.tree drafts on one rank, at "
-                                  "a fixed tree (the first slice of draft trees)",
-                                  "leave speculative.tree unset for it")
+        if spec.adaptive:
+            raise ConfigError("speculative.adaptive", True, "speculative.tree drafts at a "
+                              "fixed tree (adaptive K chooses among chains)",
+                              "leave speculative.tree unset for it")
+        if par.lm_head_tp_in_adp:
+            raise ConfigError("parallel.lm_head_tp_in_adp", True, "speculative.tree drafts "
+                              "with each rank's whole LM head (a tree's top-k ranks over a "
+                              "sharded vocabulary are not built)",
+                              "set lm_head_tp_in_adp = false or leave speculative.tree unset")
     registry = component_registry()
     for kind in ("sampler", "communicator", "graph_cache"):
         check_component_name(kind, getattr(comp, kind), f"components.{kind}",

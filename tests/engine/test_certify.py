@@ -15,6 +15,7 @@ from specloop.engine._cli_certify import main
 
 from . import planted
 from .conftest import make_config
+from .test_tree_engine import TREE, head_file  # noqa: F401 (a fixture)
 
 T1 = "temperature=1.0"
 TOP_P = "temperature=0.7,top_p=0.9"
@@ -205,3 +206,29 @@ async def test_certify_passes_adp_with_lm_head_tp(tiny_dir, tiny_draft_dir, tiny
     report = await certify(config, opts, model=tiny_loaded)
     assert report["verdict"] == "pass", [c["summary"] for c in report["checks"]
                                          if c["status"] != "pass"]
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
+async def test_certify_passes_a_draft_tree_and_fails_one_uniform_for_its_path(
+        tiny_dir, tiny_loaded, head_file):
+    """A draft tree verified strictly (sampled rows too: ``use_rejection_sampling`` off,
+    every batch up to 64 rows drafting the tree): the distribution check passes; with
+    the tree's rows all drawn at the root's position (a sampler whose ``strict_targets``
+    only a tree iteration calls) it fails."""
+    def tree_config(**sections):
+        return make_config(tiny_dir, method="eagle3", k=3, max_batch_size=64,
+                           max_seq_len=64, speculative={
+                               "draft_weights": str(head_file), "tree": TREE,
+                               "tree_max_batch": 64}, **sections)
+
+    opts = CertifyOptions(ranks=(1,), trials=800, positions=2, params=(T1, TOP_P),
+                          checks=("distribution",))
+    report = await certify(tree_config(), opts, model=tiny_loaded)
+    assert report["verdict"] == "pass", report["checks"][0]["summary"]
+    bad = tree_config(components={"sampler": "tests.engine.planted:one_position_tree_sampler"})
+    # The bug shows at position 2 only, after an accepted node: at 1600 trials chi2 245
+    # against a threshold of 138 there (800 trials: 100 against 86).
+    report = await certify(bad, attrs.evolve(opts, trials=1600, params=(T1,)),
+                           model=tiny_loaded)
+    assert failed(report) == ["distribution"], report["checks"][0]["summary"]

@@ -203,7 +203,7 @@ async def test_a_tree_in_a_process_engine(tiny_dir, tiny_loaded, head_file):
 @pytest.mark.parametrize("spec, field, words", [
     ({"tree": [[0], [0, 0]]}, "speculative.tree", "set num_draft_tokens = 2"),
     ({"tree": [[0], [1, 0]]}, "speculative.tree", "no parent"),
-    ({"tree": TREE, "adaptive": True}, "speculative.adaptive", "first slice"),
+    ({"tree": TREE, "adaptive": True}, "speculative.adaptive", "adaptive K chooses"),
 ])
 def test_a_tree_the_engine_cannot_run_is_refused_by_the_config(tiny_dir, head_file, spec,
                                                               field, words):
@@ -212,10 +212,59 @@ def test_a_tree_the_engine_cannot_run_is_refused_by_the_config(tiny_dir, head_fi
     assert info.value.field == field
 
 
-def test_a_tree_on_several_ranks_is_refused(tiny_dir, head_file):
-    with pytest.raises(ConfigError, match="first slice") as info:
-        tree_config(tiny_dir, head_file, parallel={"world_size": 2, "attention_dp": True})
-    assert info.value.field == "parallel.world_size"
+def test_a_tree_with_lm_head_tp_is_refused(tiny_dir, head_file):
+    with pytest.raises(ConfigError, match="whole LM head") as info:
+        tree_config(tiny_dir, head_file, parallel={"world_size": 2, "attention_dp": True,
+                                                   "lm_head_tp_in_adp": True})
+    assert info.value.field == "parallel.lm_head_tp_in_adp"
+
+
+@pytest.mark.parametrize("world, rejection", [(2, False), (3, False), (2, True)])
+async def test_a_tree_under_adp_equals_one_rank(tiny_dir, tiny_loaded, head_file, world,
+                                                rejection):
+    """Attention data parallelism (LocalGroup ranks, 2 rows a rank), greedy and seeded
+    sampled requests: rank 0's outputs equal one rank's with the tree (each rank drafts
+    and verifies its own batch's tree; nothing of it is collective, so with rejection
+    sampling a rank whose batch samples drafts the chain while another drafts the tree),
+    every rank served some, every rank drafted trees, and the group ran one tensor
+    collective an iteration, in SCHEDULE only."""
+    from specloop.comm import CollectiveCounter
+
+    from .test_adp import LabelByState, run_group
+
+    reqs = requests(sampled_every=3)
+    one, _, _ = await run(tree_config(tiny_dir, head_file, rejection=rejection),
+                          tiny_loaded, reqs)
+    config = make_config(tiny_dir, method="eagle3", k=3, max_batch_size=2,
+                         rejection=rejection, speculative={
+                             "draft_weights": str(head_file), "tree": TREE},
+                         parallel={"world_size": world, "attention_dp": True})
+    counters, iterations, trees = {}, collections.Counter(), collections.Counter()
+
+    def wrap(comm):
+        counters[comm.rank] = CollectiveCounter(comm)
+        return counters[comm.rank]
+
+    class Count(LabelByState):
+        def __init__(self, comm):
+            super().__init__(counters[comm.rank])
+
+        def on_transition(self, event):
+            super().on_transition(event)
+            iterations[event.rank] += event.state.value == "SYNC"
+            trees[event.rank] += event.accepted is not None and \
+                event.num_draft_tokens == len(TREE)
+
+    results, _ = await run_group(world, config, tiny_loaded,
+                                 lambda engine: serve_staggered(engine, reqs), wrap=wrap,
+                                 observers=lambda comm: [Count(comm)], timeout=30.0)
+    assert results[0] == one
+    assert all(n > 0 for n in results[1:])
+    assert all(trees[rank] > 0 for rank in range(world)), trees
+    for rank, counter in counters.items():
+        assert counter.count("all_gather_bytes", label="SCHEDULE") == iterations[rank] > 0
+        for state in ("SYNC", "PICK_GRAPH_KEY", "DRAFT", "VERIFY", "RESCAN"):
+            assert counter.count(label=state) == 0, counter.by_label()
 
 
 async def test_the_tree_from_graphs_equals_the_eager_tree(tiny_dir, tiny_loaded, head_file):
