@@ -182,41 +182,45 @@ def device_sync(device: str):
     return torch.cuda.synchronize if device == "cuda" else (lambda: None)
 
 
-async def generate_round(engine, prompts, n: int, consumer: str = "stream") -> None:
-    """Every prompt at once: greedy, ``n`` tokens each, EOS ignored. consumer "stream":
-    one ``generate`` task per request (a server's path); "batch": one ``generate_batch``
-    for all (a batch job's path, like transformers' ``generate``)."""
+async def generate_round(engine, prompts, n: int, consumer: str = "stream",
+                         temperature: float = 0.0) -> None:
+    """Every prompt at once: greedy (``temperature`` > 0: sampled, request i seeded i),
+    ``n`` tokens each, EOS ignored. consumer "stream": one ``generate`` task per request
+    (a server's path); "batch": one ``generate_batch`` for all (a batch job's path, like
+    transformers' ``generate``)."""
     from specloop.samplers import SamplingParams  # noqa: PLC0415
 
-    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    def params(i: int) -> SamplingParams:
+        return SamplingParams(temperature=temperature, max_tokens=n, ignore_eos=True,
+                              seed=i if temperature else None)
     if consumer == "batch":
-        async for _ in engine.generate_batch(prompts, params):
+        async for _ in engine.generate_batch(prompts, params(0)):
             pass
         return
 
-    async def one(ids):
-        async for _ in engine.generate(ids, params):
+    async def one(i, ids):
+        async for _ in engine.generate(ids, params(i)):
             pass
 
     async with anyio.create_task_group() as tg:
-        for ids in prompts:
-            tg.start_soon(one, ids)
+        for i, ids in enumerate(prompts):
+            tg.start_soon(one, i, ids)
 
 
-async def timed_round(engine, prompts, n: int, sync) -> float:
+async def timed_round(engine, prompts, n: int, sync, temperature: float = 0.0) -> float:
     """Wall seconds of one generate_round, the device synchronized on both sides."""
     sync()
     start = time.perf_counter()
-    await generate_round(engine, prompts, n)
+    await generate_round(engine, prompts, n, temperature=temperature)
     sync()
     return time.perf_counter() - start
 
 
-async def timed_sets(engine, sets, n: int, sync) -> float:
+async def timed_sets(engine, sets, n: int, sync, temperature: float = 0.0) -> float:
     """Wall seconds of one timed_round per prompt set, one after another."""
     wall = 0.0
     for prompts in sets:
-        wall += await timed_round(engine, prompts, n, sync)
+        wall += await timed_round(engine, prompts, n, sync, temperature)
     return wall
 
 

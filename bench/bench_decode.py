@@ -76,9 +76,9 @@ async def specloop_tps(config, loaded, prompts_ids, n):
 
 
 def make_config(method, dtype, k=4, batch=8, early_exit_layers=None, draft_weights=None,
-                tree=None):
+                tree=None, rejection=False):
     from specloop.engine import EngineConfig
-    spec = {"method": method, "num_draft_tokens": k}
+    spec = {"method": method, "num_draft_tokens": k, "use_rejection_sampling": rejection}
     if tree:
         spec["tree"] = tree
     if early_exit_layers:

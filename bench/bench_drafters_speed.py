@@ -1,6 +1,8 @@
 """CPU batch-1 greedy tokens/s with each shipped head vs n-gram, no speculation and
 transformers' ``generate`` on the same SmolLM2 weights, in one process (the demo's
-prompt, or ``--held-out N`` chat prompts one after another).
+prompt, or ``--held-out N`` chat prompts one after another). ``--temperature T``: sampled
+instead (seeded; transformers samples too), and each head's chains also verified by
+rejection sampling ("K=k rejection"; the others strictly, as a tree's sampled rows).
 
 Each configuration runs ``--repeats`` times, interleaved (this machine is shared and noisy);
 prints min-max tokens/s and the ratio of medians to transformers, both per wall-clock second
@@ -37,24 +39,27 @@ def timed(fn):
     return out, time.perf_counter() - wall, time.process_time() - cpu
 
 
-def transformers_rates(model, prompts, n):
-    """Greedy ``generate`` of each prompt in turn (batch 1) -> (tokens per wall second,
-    per process CPU second, None)."""
+def transformers_rates(model, prompts, n, temperature=0.0):
+    """Greedy (or sampled) ``generate`` of each prompt in turn (batch 1) -> (tokens per
+    wall second, per process CPU second, None)."""
     tokens, wall, cpu = 0, 0.0, 0.0
+    sampling = {"do_sample": True, "temperature": temperature, "top_p": 1.0, "top_k": 0} \
+        if temperature else {"do_sample": False}
     with torch.inference_mode():
         for ids in prompts:
             prompt = torch.tensor([ids])
             # An explicit mask: SmolLM2's pad id is <|im_end|>, which the chat prompt holds.
             mask = torch.ones_like(prompt)
-            model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            model.generate(prompt, attention_mask=mask, max_new_tokens=4, **sampling)
+            torch.manual_seed(0)
             out, w, c = timed(lambda: model.generate(prompt, attention_mask=mask,
-                                                     max_new_tokens=n, do_sample=False))
+                                                     max_new_tokens=n, **sampling))
             tokens += out.shape[1] - prompt.shape[1]
             wall, cpu = wall + w, cpu + c
     return tokens / wall, tokens / cpu, None
 
 
-async def specloop_rates(config, loaded, prompts, n):
+async def specloop_rates(config, loaded, prompts, n, temperature=0.0):
     """Each prompt in turn (batch 1) through one engine -> (tokens per wall second, per
     process CPU second, AL over the timed requests)."""
     from specloop.engine import AsyncEngine  # noqa: PLC0415
@@ -67,10 +72,11 @@ async def specloop_rates(config, loaded, prompts, n):
         engine.stats.__init__()
         tokens = 0
         wall, cpu = time.perf_counter(), time.process_time()
-        for ids in prompts:
+        for i, ids in enumerate(prompts):
             # Stops at EOS, as transformers does.
-            async for out in engine.generate(ids, SamplingParams(temperature=0.0,
-                                                                 max_tokens=n)):
+            params = SamplingParams(temperature=temperature, max_tokens=n,
+                                    seed=i if temperature else None)
+            async for out in engine.generate(ids, params):
                 tokens += len(out.token_ids)
         wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
         return tokens / wall, tokens / cpu, engine.stats.mean_acceptance_length
@@ -88,6 +94,7 @@ def main() -> None:
                          "in turn instead of the demo's prompt")
     ap.add_argument("--only", default=None,
                     help="comma-separated words: run the configurations naming one")
+    ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads for every configuration (0: torch's default)")
     args = ap.parse_args()
@@ -109,6 +116,9 @@ def main() -> None:
         for k in map(int, args.ks.split(",")):
             configs[f"{head} K={k}"] = make_config(method, "float32", k=k, batch=1,
                                                    draft_weights=head)
+            if args.temperature:
+                configs[f"{head} K={k} rejection"] = make_config(
+                    method, "float32", k=k, batch=1, draft_weights=head, rejection=True)
         for text in args.tree.split(";") if args.tree and method == "eagle3" else ():
             tree = json.loads(text)
             depth = max(map(len, tree))
@@ -128,10 +138,10 @@ def main() -> None:
     for _ in range(args.repeats):   # interleaved: each round runs every configuration
         for name in wall:
             if name == "transformers":
-                w, c, al = transformers_rates(hf, prompts, args.tokens)
+                w, c, al = transformers_rates(hf, prompts, args.tokens, args.temperature)
             else:
                 w, c, al = anyio.run(specloop_rates, configs[name], loaded, prompts,
-                                     args.tokens)
+                                     args.tokens, args.temperature)
             wall[name].append(w)
             cpu[name].append(c)
             als[name] = al

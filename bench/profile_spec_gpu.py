@@ -6,7 +6,8 @@ config, and each run's ratio to the first config's run beside it; ``--min-prompt
 run goes through several batches of distinct prompts, one after another), time per iteration
 state through the engine's observers, and one profiled round (torch.profiler, CPU + CUDA):
 kernels, GPU busy time, graph launches, copies and host waits per iteration, the top
-kernels by time, and every kernel's launches and time per iteration. Greedy, held-out chat prompts, EOS ignored. Rows go to --out (JSON lines).
+kernels by time, and every kernel's launches and time per iteration. Greedy (``--temperature``:
+sampled, each request seeded), held-out chat prompts, EOS ignored. Rows go to --out (JSON lines).
 
     python bench/profile_spec_gpu.py --prompts prompts.jsonl --out rows.jsonl
 """
@@ -68,6 +69,10 @@ CONFIGS = {"none": {"method": "none"},
            # The same engine with DRAFT and VERIFY not chained on the device (before).
            "eagle3 K=3 unchained": {"method": "eagle3", "num_draft_tokens": 3,
                                     "draft_weights": HEAD, "unchained": True},
+           # Sampled rows (--temperature): the chain verified by rejection sampling (the
+           # others verify strictly: a tree's sampled rows, and the chain's beside it).
+           "eagle3 K=3 rejection": {"method": "eagle3", "num_draft_tokens": 3,
+                                    "draft_weights": HEAD, "use_rejection_sampling": True},
            # Draft trees of depth 3 (speculative.tree; unchained, as "K=3 unchained").
            **{f"eagle3 tree{n}": {"method": "eagle3", "num_draft_tokens": 3,
                                   "draft_weights": HEAD, "tree": tree}
@@ -216,7 +221,7 @@ def summarize_profile(prof, iterations, stacks=False):
 
 
 async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stacks=False,
-                  buckets="batch"):
+                  buckets="batch", temperature=0.0):
     """Every config's engine is built and warmed first (all stay open), then ``runs`` timed
     runs in which the configs take turns (drift on a shared machine hits all alike), each
     run the prompt ``sets`` one round after another (one batch each), then one profiled
@@ -235,7 +240,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             if adaptive is not None:
                 observed[name] = record_observations(adaptive)
         for name, engine in engines.items():
-            await generate_round(engine, prompts, 8)
+            await generate_round(engine, prompts, 8, temperature=temperature)
             observers[name].us.clear()
             observers[name].iterations = 0
             observers[name].rows.clear()
@@ -251,7 +256,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
         for _ in range(runs):
             for name, engine in engines.items():
                 speeds[name].append(host_python_us())
-                walls[name].append(await timed_sets(engine, sets, tokens, sync))
+                walls[name].append(await timed_sets(engine, sets, tokens, sync, temperature))
         # Steps queued ahead in the timed runs (``chain_queued_taken``: the engine's whole
         # life, profiled round included).
         for name, engine in engines.items():
@@ -278,7 +283,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
                 **adaptive_state(adaptive), **observations(observed[name])}
             obs.iterations = 0
             with profile(activities=activities, with_stack=stacks) as prof:
-                await generate_round(engine, prompts, 32)
+                await generate_round(engine, prompts, 32, temperature=temperature)
                 sync()
             summary = summarize_profile(prof, obs.iterations, stacks)
             if traces.get(name):
@@ -397,6 +402,8 @@ def main() -> None:
                     help="each timed run goes through at least this many prompts, as "
                          "ceil(N / batch) rounds of distinct prompts one after another (at "
                          "batch 1 one prompt's acceptance is not the drafter's: 16 or more)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: sampled rows (request i seeded i), e.g. 0.7")
     ap.add_argument("--min-rounds", type=int, default=1,
                     help="and at least this many rounds a run (as many as the distinct "
                          "prompts fill)")
@@ -409,7 +416,7 @@ def main() -> None:
                         f"{name.replace(' ', '').replace('=', '')}.json"
                   for name in names} if args.trace_dir and batch == 1 else {}
         got = anyio.run(measure, names, loaded, sets, args.tokens, args.runs, traces,
-                        args.device, args.stacks, args.buckets)
+                        args.device, args.stacks, args.buckets, args.temperature)
         base_rates = got[names[0]][0]
         for name in names:
             rates, al, prof = got[name]
@@ -418,7 +425,8 @@ def main() -> None:
             emit_row(speed_row(batch, name, rates, statistics.median(base_rates), al,
                                args.tokens, args.device, buckets=args.buckets,
                                prompts_per_run=batch * len(sets),
-                               paired_vs_first=paired, **prof),
+                               paired_vs_first=paired, temperature=args.temperature,
+                               **prof),
                      args.out)
             # The profiled round's GPU time an iteration (the union of kernel spans): steadier
             # between processes than tokens/s, which moved +-20 % on the H200 (a table's

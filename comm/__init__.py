@@ -4,6 +4,7 @@ Private modules behind this thin re-export; everything public is in `__all__`.
 """
 from ._affinity import pin_loop_thread
 from ._argmax import distributed_argmax
+from ._topk import distributed_topk
 from ._call import CollectiveCall
 from ._counter import CollectiveCounter, collective_label
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, InjectedFault
@@ -29,5 +30,6 @@ __all__ = [
     "TorchrunEnv",
     "collective_label",
     "distributed_argmax",
+    "distributed_topk",
     "pin_loop_thread",
 ]

@@ -336,11 +336,6 @@ def check_gates(config: EngineConfig) -> None:
             raise ConfigError("speculative.adaptive", True, "speculative.tree drafts at a "
                               "fixed tree (adaptive K chooses among chains)",
                               "leave speculative.tree unset for it")
-        if par.lm_head_tp_in_adp:
-            raise ConfigError("parallel.lm_head_tp_in_adp", True, "speculative.tree drafts "
-                              "with each rank's whole LM head (a tree's top-k ranks over a "
-                              "sharded vocabulary are not built)",
-                              "set lm_head_tp_in_adp = false or leave speculative.tree unset")
     registry = component_registry()
     for kind in ("sampler", "communicator", "graph_cache"):
         check_component_name(kind, getattr(comp, kind), f"components.{kind}",

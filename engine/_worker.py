@@ -375,8 +375,9 @@ class RankWorker:
         # The tree is verified strictly (greedy rows and sampled rows off the advanced
         # path: samplers/_tree.py), and its rows pay at small batches only
         # (speculative.tree_max_batch).
-        if self.tree is not None and rec.batch and \
-                not rec.spec.wants_advanced_draft_sampling and \
+        # From agreed values only (an idle rank too): under LM-head TP every rank then
+        # enters the tree's collectives alike.
+        if self.tree is not None and not rec.spec.wants_advanced_draft_sampling and \
                 rec.padded_batch_size <= self.tree_max_batch:
             rec.tree, rec.num_draft_tokens = self.tree, self.tree.size
         rec.graph_key, rec.graph_captured = self.graph_cache.pick(

@@ -17,7 +17,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from specloop.comm import Communicator, distributed_argmax
+from specloop.comm import Communicator, distributed_argmax, distributed_topk
 from specloop.models._linear import PackedLinear
 
 from ._protocol import DraftContext, sample_draft_step
@@ -94,16 +94,38 @@ class DraftHead:
         logits = await ctx.run_sync(lambda: self.logits(hidden))
         return sample_draft_step(ctx, logits, step)
 
+    async def top_tokens(self, ctx: DraftContext, hidden: torch.Tensor, k: int, *,
+                         per_row: int) -> torch.Tensor:
+        """``top(hidden, k)`` for a draft tree's depth: with the local head, or under
+        LM-head TP across the group's vocabulary shards (every rank calls it, an idle one
+        with no rows; ``per_row``: the depth's rows a request, so every rank's rows pad
+        to ``max_rows * per_row``)."""
+        if not self.uses_collectives(ctx):
+            return await ctx.run_sync(lambda: self.top(hidden, k))
+        comm = ctx.comm
+        shard_logits = await self._tp_shard_logits(ctx, hidden, self.max_rows * per_row)
+        ids = await distributed_topk(comm, shard_logits, k, vocab_size=self.weight.shape[0])
+        return self._own(ids, comm.rank * self.max_rows * per_row, hidden.shape[0])
+
     async def _tp_argmax(self, ctx: DraftContext, hidden: torch.Tensor) -> torch.Tensor:
-        comm, m = ctx.comm, self.max_rows
-        rows = hidden.shape[0]
-        padded = hidden.new_zeros(m, hidden.shape[1])
-        padded[:rows] = hidden
-        stacked = await comm.all_gather(padded)                  # [g, M, H]
-        shard_logits = await ctx.run_sync(lambda: self._shard_logits(stacked, comm))
+        comm = ctx.comm
+        shard_logits = await self._tp_shard_logits(ctx, hidden, self.max_rows)
         ids = await distributed_argmax(comm, shard_logits, vocab_size=self.weight.shape[0])
-        start = comm.rank * m
-        ids = ids[start:start + rows]                            # this rank's own rows
+        return self._own(ids, comm.rank * self.max_rows, hidden.shape[0])
+
+    async def _tp_shard_logits(self, ctx: DraftContext, hidden: torch.Tensor, m: int
+                               ) -> torch.Tensor:
+        """Every rank's rows (``hidden`` padded to ``m``) against this rank's vocabulary
+        shard: [g*m, ceil(V/g)]; one all_gather."""
+        comm = ctx.comm
+        padded = hidden.new_zeros(m, hidden.shape[1])
+        padded[:hidden.shape[0]] = hidden
+        stacked = await comm.all_gather(padded)                  # [g, m, H]
+        return await ctx.run_sync(lambda: self._shard_logits(stacked, comm))
+
+    def _own(self, ids: torch.Tensor, start: int, rows: int) -> torch.Tensor:
+        """This rank's own rows of the group's ids, as target ids."""
+        ids = ids[start:start + rows]
         return ids if self.d2t is None else self.d2t[ids]
 
     def _shard_logits(self, stacked: torch.Tensor, comm: Communicator) -> torch.Tensor:

@@ -108,9 +108,9 @@ class MtpEagleDrafter(Drafter):
 
     @property
     def drafts_trees(self) -> bool:
-        """Greedy draft trees (``DraftContext.tree``: ``_draft_tree_local``), eager,
-        with the local head."""
-        return not self.lm.lm_head_tp
+        """Draft trees (``DraftContext.tree``): ``_draft_tree_local`` with the local head
+        (eager, or ``tree_graph_step`` captured), ``_draft_tree_tp`` under LM-head TP."""
+        return True
 
     @inference_mode
     def prefill(self, slot: int, token_ids: Sequence[int], hidden: torch.Tensor | None) -> None:
@@ -535,6 +535,8 @@ class MtpEagleDrafter(Drafter):
                 # and back (~0.1-0.2 ms per iteration), as VERIFY on CUDA.
                 return self._replay(ctx, advanced)
             return await ctx.run_sync(lambda: self._replay(ctx, advanced))
+        if ctx.tree is not None and self.lm.uses_collectives(ctx):
+            return await self._draft_tree_tp(ctx, ctx.tree)
         if rows == 0 and ctx.tree is not None:
             return DraftProposal(torch.zeros(0, ctx.tree.size, dtype=torch.int64))
         if rows == 0:
@@ -617,6 +619,23 @@ class MtpEagleDrafter(Drafter):
         the head's attended length (the cache's whole length: static shapes, no host
         sync, capturable; None: the positions written). -> token_ids [B, N], the nodes
         in the tree's order."""
+        steps = self._tree_steps(root, seq_lens, slots, tree, kv_len)
+        try:
+            ask = next(steps)
+            while True:
+                hidden, level = ask
+                ask = steps.send(self.lm.top(hidden, level.width))
+        except StopIteration as done:
+            return done.value
+
+    @inference_mode
+    def _tree_steps(self, root: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
+                    tree: DraftTree, kv_len: int | None
+                    ) -> Generator[tuple[torch.Tensor, _TreeLevel], torch.Tensor, torch.Tensor]:
+        """``tree_from_root`` as a generator: at each depth it runs the head, then yields
+        (the hidden states of the rows whose children it drafts [B * E, H], the level)
+        and is sent their top ``level.width`` draft tokens [B * E, width] (the local LM
+        head's, or the group's under LM-head TP); returns token_ids [B, N]."""
         rows, n = root.shape[0], tree.size
         hidden = root.new_empty(rows, n + 1, root.shape[-1])
         hidden[:, 0] = root
@@ -627,11 +646,54 @@ class MtpEagleDrafter(Drafter):
                 hidden[:, a:b] = self.head(
                     tokens[:, a:b], hidden[:, level.parents], seq_lens + (a - 2), slots,
                     self.cache, kv_len=kv_len, tree=level.mask)
-            if level.expand is not None:    # their children: the ranks the tree names
-                top = self.lm.top(hidden[:, level.expand].flatten(0, 1), level.width)
-                top = top.view(rows, -1, level.width)
-                tokens[:, level.children] = top[:, level.child_of, level.rank]
+            assert level.expand is not None, "every depth above the deepest has children"
+            top = yield hidden[:, level.expand].flatten(0, 1), level
+            top = top.view(rows, -1, level.width)       # their children: the ranks named
+            tokens[:, level.children] = top[:, level.child_of, level.rank]
         return tokens[:, 1:]
+
+    async def _draft_tree_tp(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
+        """The draft tree under LM-head TP (eager): the head on this rank's rows, and at
+        each depth the top ranks of the rows with children across the group's vocabulary
+        shards (``DraftHead.top_tokens``: two collectives a depth, as a chain's step). An
+        idle rank enters the same collectives with no rows."""
+        rows = len(ctx.token_ids)
+        device = self.cache.device
+        if not rows:
+            for level in self._tree_plan(tree, device):
+                assert level.expand is not None
+                empty = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size)
+                await self.lm.top_tokens(ctx, empty, level.width, per_row=len(level.expand))
+            return DraftProposal(torch.zeros(0, tree.size, dtype=torch.int64, device=device))
+
+        @inference_mode
+        def start() -> Generator[tuple[torch.Tensor, _TreeLevel], torch.Tensor, torch.Tensor]:
+            loop = self._draft_steps(self._eager_inputs(ctx), kv_len=None, k=0)
+            root = next(loop)
+            loop.close()
+            return self._tree_steps(root, ctx.seq_lens, ctx.slots, tree, None)
+
+        steps = await ctx.run_sync(start)
+
+        def advance(top: torch.Tensor | None
+                    ) -> tuple[tuple[torch.Tensor, _TreeLevel] | None, torch.Tensor | None]:
+            # (the next ask, None), or (None, the tokens) at the end: a StopIteration
+            # must not cross the coroutines that run this on the compute thread.
+            try:
+                return (next(steps) if top is None else steps.send(top)), None
+            except StopIteration as done:
+                return None, done.value
+
+        ask, tokens = await ctx.run_sync(lambda: advance(None))
+        while ask is not None:
+            hidden, level = ask
+            assert level.expand is not None
+            top = await self.lm.top_tokens(ctx, hidden, level.width,
+                                           per_row=len(level.expand))
+            ask, tokens = await ctx.run_sync(lambda: advance(top))
+        assert tokens is not None
+        self.pending.zero(ctx.slot_list())
+        return DraftProposal(tokens)
 
     def _tree_plan(self, tree: DraftTree, device: torch.device) -> list[_TreeLevel]:
         """Per depth, the index tensors ``tree_from_root`` uses (built once a tree)."""

@@ -9,7 +9,7 @@ EXPECTED = {
     "CollectiveCall", "CollectiveCounter", "CollectiveMismatchError", "CollectiveTimeoutError",
     "CommError", "Communicator", "InjectedFault", "LocalCommunicator", "LocalGroup", "ReduceOp",
     "SingleRankCommunicator", "TorchDistributedCommunicator", "TorchrunEnv", "collective_label",
-    "distributed_argmax", "pin_loop_thread",
+    "distributed_argmax", "distributed_topk", "pin_loop_thread",
 }
 
 

@@ -212,22 +212,20 @@ def test_a_tree_the_engine_cannot_run_is_refused_by_the_config(tiny_dir, head_fi
     assert info.value.field == field
 
 
-def test_a_tree_with_lm_head_tp_is_refused(tiny_dir, head_file):
-    with pytest.raises(ConfigError, match="whole LM head") as info:
-        tree_config(tiny_dir, head_file, parallel={"world_size": 2, "attention_dp": True,
-                                                   "lm_head_tp_in_adp": True})
-    assert info.value.field == "parallel.lm_head_tp_in_adp"
-
-
-@pytest.mark.parametrize("world, rejection", [(2, False), (3, False), (2, True)])
+@pytest.mark.parametrize("world, rejection, lm_head_tp", [
+    (2, False, False), (3, False, False), (2, True, False),
+    (2, False, True), (3, False, True), (2, True, True)])
 async def test_a_tree_under_adp_equals_one_rank(tiny_dir, tiny_loaded, head_file, world,
-                                                rejection):
+                                                rejection, lm_head_tp):
     """Attention data parallelism (LocalGroup ranks, 2 rows a rank), greedy and seeded
-    sampled requests: rank 0's outputs equal one rank's with the tree (each rank drafts
-    and verifies its own batch's tree; nothing of it is collective, so with rejection
-    sampling a rank whose batch samples drafts the chain while another drafts the tree),
-    every rank served some, every rank drafted trees, and the group ran one tensor
-    collective an iteration, in SCHEDULE only."""
+    sampled requests: rank 0's outputs equal one rank's with the tree, every rank served
+    some and drafted trees. Without LM-head TP each rank drafts and verifies its own
+    batch's tree and nothing of it is collective (with rejection sampling a rank whose
+    batch samples drafts the chain while another drafts the tree): the group ran one
+    tensor collective an iteration, in SCHEDULE only. With LM-head TP every rank, an idle
+    one too, enters each depth's two collectives (the rows' hidden states, then the top
+    ranks across the vocabulary shards: ``distributed_topk``) in DRAFT and nowhere else,
+    as many on every rank (a rank that missed one would hang the group)."""
     from specloop.comm import CollectiveCounter
 
     from .test_adp import LabelByState, run_group
@@ -238,7 +236,8 @@ async def test_a_tree_under_adp_equals_one_rank(tiny_dir, tiny_loaded, head_file
     config = make_config(tiny_dir, method="eagle3", k=3, max_batch_size=2,
                          rejection=rejection, speculative={
                              "draft_weights": str(head_file), "tree": TREE},
-                         parallel={"world_size": world, "attention_dp": True})
+                         parallel={"world_size": world, "attention_dp": True,
+                                   "lm_head_tp_in_adp": lm_head_tp})
     counters, iterations, trees = {}, collections.Counter(), collections.Counter()
 
     def wrap(comm):
@@ -263,8 +262,13 @@ async def test_a_tree_under_adp_equals_one_rank(tiny_dir, tiny_loaded, head_file
     assert all(trees[rank] > 0 for rank in range(world)), trees
     for rank, counter in counters.items():
         assert counter.count("all_gather_bytes", label="SCHEDULE") == iterations[rank] > 0
-        for state in ("SYNC", "PICK_GRAPH_KEY", "DRAFT", "VERIFY", "RESCAN"):
+        quiet = ("SYNC", "PICK_GRAPH_KEY", "VERIFY", "RESCAN") if lm_head_tp else \
+            ("SYNC", "PICK_GRAPH_KEY", "DRAFT", "VERIFY", "RESCAN")
+        for state in quiet:
             assert counter.count(label=state) == 0, counter.by_label()
+    if lm_head_tp:
+        drafts = {rank: counter.count(label="DRAFT") for rank, counter in counters.items()}
+        assert len(set(drafts.values())) == 1 and drafts[0] > 0, drafts
 
 
 async def test_the_tree_from_graphs_equals_the_eager_tree(tiny_dir, tiny_loaded, head_file):

@@ -16,8 +16,9 @@ from .test_static_steps import requests, run
 
 pytestmark = pytest.mark.gpu
 
-# A draft tree of depth 3 (speculative.tree): all-greedy batches draft and verify it from
-# its own graphs (keys of K = 7, all-greedy variant), the others the chain of 3.
+# A draft tree of depth 3 (speculative.tree): batches verified strictly draft and verify
+# it from its own graphs (keys of K = 7; without rejection sampling the sampled rows too),
+# batches on the advanced path (rejection sampling and a sampled row) the chain of 3.
 TREE = {"speculative": {"tree": [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]}}
 
 
@@ -42,6 +43,7 @@ def cfg(tiny_dir, graphs, **kw):
     {"method": "mtp_eagle", "k": 2, "rejection": True},
     {"method": "eagle3", "k": 3, "rejection": True},
     {"method": "eagle3", "k": 3, **TREE},
+    {"method": "eagle3", "k": 3, "rejection": True, **TREE},
 ])
 async def test_replay_equals_eager(tiny_dir, tiny_draft_dir, gpu_loaded, spec):
     spec = dict(spec)
@@ -186,6 +188,7 @@ def gpu_bf16(tiny_dir):
     {"method": "mtp_eagle", "k": 2, "rejection": True},
     {"method": "eagle3", "k": 3, "rejection": True},
     {"method": "eagle3", "k": 3, **TREE},
+    {"method": "eagle3", "k": 3, "rejection": True, **TREE},
 ])
 async def test_fused_kernels_replay_equals_eager(tiny_dir, gpu_bf16, spec):
     """bf16 on the fused Triton path (paged attention over real lengths inside the graph):
