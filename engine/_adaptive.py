@@ -733,10 +733,16 @@ class AdaptiveK:
     columns of all ranks, so all get the same K. ``classes``: the drafter's number of
     draft classes (0: none; every row is then unclassed, class ``classes``). ``tail``:
     without classes, E(k) is the batch's tail's (engine/_adaptive_tail.py: ``tail.rows``
-    of the next batch into ``facts`` / ``next_k``, ``tail.accepted`` into ``record``)."""
+    of the next batch into ``facts`` / ``next_k``, ``tail.accepted`` into ``record``).
+    ``tree``: a draft tree of depth ``k_max`` (``speculative.tree``) stands for K = k_max
+    where the group agrees a batch may draft it (``choose(..., tree=True)``): the tree's
+    iterations keep counts of their own per depth (``record(..., tree=True)``), and there
+    E(k_max) is theirs (pooled, not the tail's); T(b, k_max) is what K = k_max costs at
+    that batch class, a tree's at the classes where batches draft it (warm-up times the
+    tree there: ``calibrate``)."""
 
     def __init__(self, candidates: Sequence[int], cost: CostTable, classes: int = 0,
-                 burn_in: int = 0, tail: bool = False) -> None:
+                 burn_in: int = 0, tail: bool = False, tree: bool = False) -> None:
         self.candidates = tuple(sorted(set(candidates)))
         self.burn_in = burn_in      # iterations not learned (BURN_IN for an engine's)
         self.k_max = self.candidates[-1]
@@ -768,6 +774,12 @@ class AdaptiveK:
         self._tail_accepted = [0.0] * self.k_max
         self._own_tail: dict[int, float] | None = None
         self._no_tail = [0] * (2 * self.k_max)      # the tail's columns without a tail
+        # A draft tree's decayed counts per depth, and its E(k_max) from this rank's counts
+        # (kept until ``record`` changes them).
+        self.tree = tree
+        self._tree_reached = [0.0] * self.k_max
+        self._tree_accepted = [0.0] * self.k_max
+        self._own_tree: float | None = None
         # HOLD: (bucket, K, the last choice held) after a choice that kept its K, or None.
         self._hold: tuple[int, int, int] | None = None
         # The near run (EXPLORE_NEAR) the rule is in and its K (None: none near enough).
@@ -787,14 +799,16 @@ class AdaptiveK:
 
     @property
     def num_columns(self) -> int:
-        return (self.classes + 2) * (2 * self.k_max + 1) + 2
+        return (self.classes + 2) * (2 * self.k_max + 1) + 2 + \
+            (2 * self.k_max if self.tree else 0)
 
     def facts(self, classes: Sequence[int] | None = None, tail_rows: int = 0) -> list[int]:
         """[per class: reached_1..K, accepted_1..K (x SCALE); per class: the next batch's
         rows of that class (``classes``: one per row; None: not told); the tail's
         reached_1..K, accepted_1..K (x SCALE) and the next batch's tail rows
-        (``tail_rows``: ``tail.rows``); the measured iteration's time with its prefill in
-        us; its time in us (negative when disturbed)]."""
+        (``tail_rows``: ``tail.rows``); with a tree, its reached_1..K, accepted_1..K
+        (x SCALE); the measured iteration's time with its prefill in us; its time in us
+        (negative when disturbed)]."""
         row = self._row(classes, tail_rows)
         row[-2], row[-1] = self._full_us, self._measured_us
         self._measured_us = self._full_us = 0
@@ -806,12 +820,18 @@ class AdaptiveK:
 
     def record(self, k: int, num_accepted: Sequence[int],
                classes: Sequence[int] | None = None,
-               tail_accepted: Sequence[int] | None = None) -> None:
+               tail_accepted: Sequence[int] | None = None, *, tree: bool = False) -> None:
         """After VERIFY: each row drafted k and had ``num_accepted`` of them accepted;
         ``classes``: each row's class as the choice of k saw it (None: unclassed);
         ``tail_accepted``: the tail's rows' (``tail.accepted``; None: no tail). A class's
-        counts, and the tail's, decay at the iterations that drafted rows of them."""
+        counts, and the tail's, decay at the iterations that drafted rows of them.
+        ``tree``: the iteration drafted the tree (k its depth): its own counts only."""
         if k == 0 or not num_accepted:
+            return
+        if tree:
+            assert self.tree, "a tree's iteration is recorded where the rule knows the tree"
+            self._count(self._tree_reached, self._tree_accepted, k, num_accepted)
+            self._own_tree = None
             return
         self._own_tail = None       # its prior is the pooled counts
         if tail_accepted:
@@ -872,12 +892,14 @@ class AdaptiveK:
         self._measured_us = -abs(self._measured_us)
 
     def next_k(self, padded_batch_size: int, k: int, *, stay: bool = False,
-               classes: Sequence[int] | None = None, tail_rows: int = 0) -> int:
+               classes: Sequence[int] | None = None, tail_rows: int = 0,
+               tree: bool = False) -> int:
         """One rank only: the next iteration's K, decided now (by the rule on this rank's
         counts and the times learned so far: the next iteration's own choice taken early),
         so that its step can be queued before this one (at ``k``) is read back; ``classes``
         its rows' (as the host knows them now: a step earlier than ``choose`` would),
-        ``tail_rows`` their tail's (``tail.rows``).
+        ``tail_rows`` their tail's (``tail.rows``); ``tree``: the batch may draft the tree
+        (as ``choose``'s).
         ``stay``: ``k`` again, whatever the rule says (an iteration whose step was not
         queued ahead is followed by one that is, so a K gets timed as it runs in a
         stretch). Commits nothing: ``commit`` does, once the step is queued."""
@@ -888,6 +910,8 @@ class AdaptiveK:
         if held is not None:
             return held
         expected = self._tail_here() if tail_rows else self._expected_here(classes)
+        if tree:
+            expected = self._with_tree(expected, self._tree_here())
         return self._rule(expected, bucket, calls)
 
     def _held(self, bucket: int, calls: int) -> int | None:
@@ -906,14 +930,16 @@ class AdaptiveK:
         """Whether the next ``choose`` is held by ``commit``."""
         return self._committed is not None
 
-    def choose(self, rows: list[list[int]], padded_batch_size: int) -> int:
+    def choose(self, rows: list[list[int]], padded_batch_size: int, *,
+               tree: bool = False) -> int:
         """``rows``: every rank's ``facts`` (world lists of ``num_columns`` ints, as SYNC
         gathers them). Learn the last iteration's time (the slowest rank's), pool the
-        counts, apply the rule (or take the K held by ``commit``)."""
+        counts, apply the rule (or take the K held by ``commit``). ``tree``: the group
+        agrees this batch may draft the tree (K = k_max then drafts it)."""
         times = [row[-1] for row in rows]
         # The slowest rank's time; disturbed when any rank's was.
         return self._choose(rows, max(map(abs, times)), min(times) < 0, padded_batch_size,
-                            max(row[-2] for row in rows))
+                            max(row[-2] for row in rows), tree)
 
     def choose_committed(self, padded_batch_size: int) -> int:
         """One rank: ``choose`` where ``commit`` holds the choice (no columns to build:
@@ -924,7 +950,7 @@ class AdaptiveK:
         return self._choose(None, abs(measured), measured < 0, padded_batch_size, full)
 
     def _choose(self, rows: list[list[int]] | None, measured_us: int, disturbed: bool,
-                padded_batch_size: int, full_us: int = 0) -> int:
+                padded_batch_size: int, full_us: int = 0, tree: bool = False) -> int:
         """``choose`` once the group's time is known (us, 0: none; ``full_us``: with the
         prefill; ``rows`` None: committed)."""
         # The last iteration's time is learned (at its bucket and K; ``switched``: the one
@@ -948,7 +974,7 @@ class AdaptiveK:
             assert rows is not None
             k = self._held(bucket, calls)
             if k is None:
-                k = self._rule(self._expected(rows), bucket, calls)
+                k = self._rule(self._expected(rows, tree), bucket, calls)
         if learn:   # learned once the K after it is known (``leaving`` its K)
             cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
             if not switched and k == last_k and full_us:
@@ -968,7 +994,23 @@ class AdaptiveK:
             rows[c] += 1
         tail = [round(x * SCALE) for x in self._tail_reached + self._tail_accepted] \
             if self.tail is not None else self._no_tail
-        return counts + rows + tail + [tail_rows, 0, 0]
+        tree = [round(x * SCALE) for x in self._tree_reached + self._tree_accepted] \
+            if self.tree else []
+        return counts + rows + tail + [tail_rows] + tree + [0, 0]
+
+    def _tree_here(self) -> float:
+        """The tree's E(k_max) from this rank's counts in fixed point (as its SYNC row
+        sends them), kept until ``record``."""
+        found = self._own_tree
+        if found is None:
+            found = self._own_tree = expected_from_counts(
+                self._tree_reached, self._tree_accepted, (self.k_max,),
+                scale=SCALE)[self.k_max]
+        return found
+
+    def _with_tree(self, expected: dict[int, float], tree: float) -> dict[int, float]:
+        """E(k) with K = k_max drafting the tree: its E in place of the chain's."""
+        return {**expected, self.k_max: tree}
 
     def _tail_here(self) -> dict[int, float]:
         """``_expected([self._row(None, rows)])`` for a batch with a tail, from this rank's
@@ -1017,11 +1059,23 @@ class AdaptiveK:
             self._own_expected[c] = found
         return found
 
-    def _expected(self, rows: list[list[int]]) -> dict[int, float]:
+    def _expected(self, rows: list[list[int]], tree: bool = False) -> dict[int, float]:
         """E(k) per candidate from the gathered rows: the tail's where a rank sent tail
         rows (its counts pooled over the ranks, engine/_adaptive_tail.py); else the mean
         over the batches' rows of their class's E(k) (unclassed rows, and every row when
-        no rank told its classes: all classes' counts pooled)."""
+        no rank told its classes: all classes' counts pooled). ``tree``: K = k_max drafts
+        the tree, whose E(k_max) comes from the tree's counts pooled over the ranks."""
+        expected = self._chain_expected(rows)
+        if not tree:
+            return expected
+        n, per = self.k_max, 2 * self.k_max
+        at = (self.classes + 1) * (per + 1) + per + 1       # the tree's columns
+        counts = [sum(row[at + j] for row in rows) / SCALE for j in range(per)]
+        return self._with_tree(expected, expected_from_counts(counts[:n], counts[n:],
+                                                              (n,))[n])
+
+    def _chain_expected(self, rows: list[list[int]]) -> dict[int, float]:
+        """``_expected`` of the chains."""
         n, per = self.k_max, 2 * self.k_max
         counts = [[sum(row[c * per + j] for row in rows) / SCALE for j in range(per)]
                   for c in range(self.classes + 1)]

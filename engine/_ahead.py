@@ -126,14 +126,20 @@ class RunAhead:
         # The next iteration's rows' classes as the host knows them now (VERIFY n not
         # read back: one iteration behind its own SYNC's), which its record then counts.
         classes = w.draft_classes(rec.batch)
-        nxt = adaptive.next_k(rec.padded_batch_size, k, stay=not taken, classes=classes,
-                              tail_rows=w.tail_rows(rec.batch) if taken else 0)
+        # The next batch may draft the tree as this one may (a change drops the step); a
+        # tree iteration's K, as the rule knows it, is the drafter's (the tree's depth).
+        tree = w.tree_fits(rec.padded_batch_size, rec.spec)
+        nxt = adaptive.next_k(rec.padded_batch_size, k if rec.tree is None else w.k,
+                              stay=not taken, classes=classes,
+                              tail_rows=w.tail_rows(rec.batch) if taken else 0, tree=tree)
         hidden, queued = None, False
         if nxt == 0 and k == 0:
             self.queue(rec, pending, rows)
             queued = self.queued is not None
         elif chain is not None and (nxt and k or chain.through_k0):
-            hidden = chain.queue(rec, pending, rows, nxt)
+            # The tree's step where K = the drafter's stands for it (PICK_GRAPH_KEY's).
+            hidden = chain.queue(rec, pending, rows,
+                                 chain.tree_k if tree and nxt == w.k else nxt)
             queued = hidden is not None
         if queued:
             adaptive.commit(nxt)

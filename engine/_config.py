@@ -331,11 +331,6 @@ def check_gates(config: EngineConfig) -> None:
     if spec.early_exit_layers is not None and spec.early_exit_layers < 1:
         raise ConfigError("speculative.early_exit_layers", spec.early_exit_layers,
                           "must be >= 1", "or leave it unset for a quarter of the layers")
-    if spec.tree is not None and spec.enabled:
-        if spec.adaptive:
-            raise ConfigError("speculative.adaptive", True, "speculative.tree drafts at a "
-                              "fixed tree (adaptive K chooses among chains)",
-                              "leave speculative.tree unset for it")
     registry = component_registry()
     for kind in ("sampler", "communicator", "graph_cache"):
         check_component_name(kind, getattr(comp, kind), f"components.{kind}",

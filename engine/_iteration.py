@@ -36,9 +36,12 @@ class IterationRecord:
     padded_batch_size: int = 0
     # K this iteration drafts: SYNC's choice under adaptive K, else the configured K.
     num_draft_tokens: int | None = None
-    # The greedy draft tree this iteration drafts and verifies (``speculative.tree`` on an
-    # all-greedy batch; num_draft_tokens is then its size), else None: a chain.
+    # The draft tree this iteration drafts and verifies (``speculative.tree`` on a batch
+    # off the advanced path; num_draft_tokens is then its size), else None: a chain.
     tree: DraftTree | None = None
+    # Adaptive K: whether SYNC let K = num_draft_tokens stand for the tree (from values
+    # the group agrees on, so every rank's rule reads the tree's acceptance alike).
+    tree_agreed: bool = False
     # Adaptive K: each row's draft class as the choice of K saw it (``Drafter.draft_classes``;
     # None: unclassed), which RESCAN counts its acceptance under.
     draft_classes: list[int] | None = None

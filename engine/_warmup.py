@@ -138,7 +138,9 @@ def calibrate(*, config: EngineConfig, runner: ModelRunner, drafter: Drafter | N
     """The cost table of adaptive K: VERIFY + DRAFT seconds per (batch bucket, K), timed
     on padding rows (the scratch slot) by replaying the captured graphs of the all-greedy
     variant, or running the steps eagerly where nothing was captured (then only the
-    smallest and the largest batch, to keep warm-up short)."""
+    smallest and the largest batch, to keep warm-up short). With a draft tree, K = the
+    largest at a bucket whose batches draft the tree is the tree's steps (its graphs are
+    captured there; eager: up to ``tree_max_batch``): there the tree stands for it."""
     from ._adaptive import CostTable  # noqa: PLC0415
 
     device, ks = runner.device, config.speculative.k_values
@@ -148,17 +150,25 @@ def calibrate(*, config: EngineConfig, runner: ModelRunner, drafter: Drafter | N
     buckets = sorted({b for b in config.graphs.batch_buckets if b < max_batch} | {max_batch}) \
         if captured else sorted({1, max_batch})
     reps = reps or (5 if device.type == "cuda" else 2)
+    tree = config.speculative.draft_tree
     table: dict[tuple[int, int], float] = {}
     for bucket in buckets:
         for k in ks:
             key = GraphKey(bucket, k, SamplingPath.GREEDY, True)
+            if tree is not None and k == k_max:
+                grown = attrs.evolve(key, num_draft_tokens=tree.size)
+                if graph_cache.has(grown) if captured else \
+                        bucket <= config.speculative.tree_max_batch:
+                    key = grown
             template = graph_template(key, device)
             # Eager: attention over the positions written, not max_seq_len (as served).
             step, example = verify(key, template, False,
                                    **({} if graph_cache.has(key) else {"kv_len": None}))
             seconds = _time(_runner_of(graph_cache, key, step, example), device, reps)
-            # A drafter without variable K drafts the maximum every iteration.
-            dk = k if drafter is None or drafter.variable_k else k_max
+            # The tree drafts its nodes; a drafter without variable K drafts the maximum
+            # every iteration.
+            dk = key.num_draft_tokens if key.num_draft_tokens != k or drafter is None \
+                or drafter.variable_k else k_max
             # (K = 0 runs no draft but a chained step's, and the step queued ahead none.)
             drafted = draft(attrs.evolve(key, num_draft_tokens=dk), template) \
                 if drafter is not None and dk else None

@@ -178,7 +178,7 @@ class RankWorker:
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
             classes = self.drafter.num_draft_classes if self.drafter is not None else 0
             self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN,
-                                      tail=True)
+                                      tail=True, tree=self.tree is not None)
             self.clock = IterationClock(self.adaptive, device=self.runner.device)
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 
@@ -273,6 +273,7 @@ class RankWorker:
         rec.padded_batch_size = len(rec.batch)
         adaptive = self.adaptive
         if adaptive is not None and rec.batch:
+            rec.tree_agreed = self.tree_fits(rec.padded_batch_size, rec.spec)
             if adaptive.committed:  # taken early (RunAhead._adaptive_next), with its classes
                 committed = self.committed_classes
                 rec.draft_classes = None if not committed else \
@@ -282,7 +283,7 @@ class RankWorker:
                 rec.draft_classes = self.draft_classes(rec.batch)
                 rec.num_draft_tokens = adaptive.choose(
                     [adaptive.facts(rec.draft_classes, self.tail_rows(rec.batch))],
-                    rec.padded_batch_size)
+                    rec.padded_batch_size, tree=rec.tree_agreed)
             self.clock.timed = True
             self._log_adaptive()
         # Held for one iteration only (an empty one included: its rows may not come back).
@@ -361,9 +362,15 @@ class RankWorker:
         self.exchange.loads = loads
         rec.padded_batch_size = max(row[FACT_BATCH] for row in rows)
         if self.adaptive is not None and rec.padded_batch_size:
-            # From gathered values only: every rank computes the same K.
+            # From gathered values only: every rank computes the same K (the tree's
+            # eligibility from the group's greedy flags, whether or not SYNC agrees the
+            # sampling path: the rule reads the tree's acceptance on every rank or none).
+            rec.tree_agreed = self.tree is not None and \
+                rec.padded_batch_size <= self.tree_max_batch and \
+                (not self.config.speculative.use_rejection_sampling or all(greedy))
             rec.num_draft_tokens = self.adaptive.choose([row[NUM_FACTS:] for row in rows],
-                                                        rec.padded_batch_size)
+                                                        rec.padded_batch_size,
+                                                        tree=rec.tree_agreed)
             self.clock.timed = True
             self._log_adaptive()
         return S.PICK_GRAPH_KEY if rec.padded_batch_size else S.DONE
@@ -374,12 +381,13 @@ class RankWorker:
             rec.num_draft_tokens = self.k
         # The tree is verified strictly (greedy rows and sampled rows off the advanced
         # path: samplers/_tree.py), and its rows pay at small batches only
-        # (speculative.tree_max_batch).
-        # From agreed values only (an idle rank too): under LM-head TP every rank then
-        # enters the tree's collectives alike.
-        if self.tree is not None and not rec.spec.wants_advanced_draft_sampling and \
-                rec.padded_batch_size <= self.tree_max_batch:
-            rec.tree, rec.num_draft_tokens = self.tree, self.tree.size
+        # (speculative.tree_max_batch). From agreed values only (an idle rank too): under
+        # LM-head TP every rank then enters the tree's collectives alike. Under adaptive
+        # K the tree stands for K = num_draft_tokens where SYNC agreed it may.
+        tree = self.tree
+        if tree is not None and self.tree_fits(rec.padded_batch_size, rec.spec) and (
+                self.adaptive is None or rec.tree_agreed and rec.num_draft_tokens == self.k):
+            rec.tree, rec.num_draft_tokens = tree, tree.size
         rec.graph_key, rec.graph_captured = self.graph_cache.pick(
             rec.padded_batch_size, rec.num_draft_tokens, SamplingPath.of(rec.spec),
             rec.spec.all_greedy,
@@ -389,6 +397,13 @@ class RankWorker:
         if rec.batch:
             rec.sampling = self._sampling_batch(rec.batch, None)
         return S.DRAFT
+
+    def tree_fits(self, padded_batch_size: int, spec: SpecMetadata) -> bool:
+        """Whether a batch of ``padded_batch_size`` rows on ``spec``'s path may draft the
+        tree: one is set, the batch is verified strictly, and it is no larger than
+        ``speculative.tree_max_batch``."""
+        return self.tree is not None and not spec.wants_advanced_draft_sampling and \
+            padded_batch_size <= self.tree_max_batch
 
     def next_key(self, rec: IterationRecord, batch: list[Request], k: int
                  ) -> tuple[GraphKey, bool, SpecMetadata]:
@@ -634,7 +649,9 @@ class RankWorker:
             drafted = k if rec.tree is None else rec.tree.depth
             self.stats.record_iteration(len(rec.batch), drafted, sum(accepted), accepted)
             adaptive = self.adaptive
-            if adaptive is not None:
+            if adaptive is not None and rec.tree is not None:
+                adaptive.record(drafted, accepted, tree=True)
+            elif adaptive is not None:
                 tail = adaptive.tail
                 adaptive.record(k, accepted, rec.draft_classes,
                                 tail.accepted(rec.batch, accepted) if tail is not None else None)

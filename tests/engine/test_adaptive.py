@@ -160,6 +160,39 @@ def test_one_ranks_kept_expectation_is_the_columns_one():
                 adaptive._expected([adaptive._row(classes)]), classes
 
 
+def test_a_tree_stands_for_k_max_with_counts_of_its_own():
+    """With a draft tree (``tree=True``): its iterations keep their own counts; where the
+    group lets a batch draft it, E(k_max) is the tree's and the rule weighs it against
+    the chains'; elsewhere the chains' counts alone decide. Two ranks with different
+    counts choose alike from the same columns, and one rank's kept E (``next_k``'s)
+    equals the one its columns give."""
+    cost = CostTable({(1, k): 1.0 + 0.25 * k for k in KS}, learn=False)
+    a = AdaptiveK(KS, cost, tree=True)
+    b = AdaptiveK(KS, cost, tree=True)
+    for _ in range(20):
+        a.record(3, [0, 0, 0, 1])           # the chain: a_1 = 0.25
+        a.record(3, [3, 3, 2, 3], tree=True)  # the tree accepts nearly all
+        b.record(2, [0, 1])
+    assert len(a.facts()) == a.num_columns == AdaptiveK(KS, cost).num_columns + 2 * 3
+    rows = [a.facts(), b.facts()]
+    with_tree, chains = a.choose(rows, 1, tree=True), a.choose(rows, 1)
+    assert with_tree == b.choose(rows, 1, tree=True) == 3
+    assert chains == b.choose(rows, 1) < 3
+    # E(3) is the tree's pooled counts' (every rank's columns), E(1), E(2) the chains'.
+    expected = a._expected(rows, tree=True)
+    n = 3
+    tree_at = len(rows[0]) - 2 - 2 * n
+    pooled = acceptance_from_counts(
+        [sum(row[tree_at + j] for row in rows) / SCALE for j in range(n)],
+        [sum(row[tree_at + n + j] for row in rows) / SCALE for j in range(n)])
+    assert expected[3] == pytest.approx(expected_tokens(pooled, 3))
+    assert expected[1] == a._expected(rows)[1] < 1.5
+    # One rank: next_k's kept E(k) (the tree's from its fixed-point counts) is its row's.
+    alone = [a._row(None)]
+    assert a._with_tree(a._expected_here(None), a._tree_here()) == \
+        a._expected(alone, tree=True)
+
+
 def trained_on_two_classes(classes):
     """Rows of class 0 never accepted, rows of class 1 always (n-gram without a match,
     and along a long one), as AdaptiveK with ``classes`` classes or none sees them."""
@@ -688,9 +721,9 @@ async def run_group(world, config, loaded, reqs, *, local_only=False, timeout=5.
             if local_only:
                 # The bug the agreement prevents: each rank decides from its own facts.
                 choose = adaptive.choose
-                adaptive.choose = lambda columns, batch: choose(
+                adaptive.choose = lambda columns, batch, **kw: choose(
                     columns[comm.rank:comm.rank + 1],
-                    len(engine.worker.scheduler.running) or 1)
+                    len(engine.worker.scheduler.running) or 1, **kw)
             if comm.rank == 0:
                 outs = await serve_staggered(engine, reqs)
             else:
@@ -792,14 +825,15 @@ def cycle_k(adaptive, pattern):
     change at chosen iterations, whatever the timings)."""
     calls = [0]
 
-    def choose(columns, batch):
+    def choose(columns, batch, tree=False):
         calls[0] += 1
         return pattern[(calls[0] - 1) % len(pattern)]
     adaptive.choose = choose
     # One GPU rank's committed choice too (it does not go through ``choose``).
     adaptive.choose_committed = lambda batch: choose(None, batch)
     # One GPU rank takes the next K early to queue its step (whatever ``stay``).
-    adaptive.next_k = lambda batch, k, stay=False, classes=None, tail_rows=0: pattern[calls[0] % len(pattern)]
+    adaptive.next_k = lambda batch, k, stay=False, classes=None, tail_rows=0, tree=False: \
+        pattern[calls[0] % len(pattern)]
 
 
 def record_first_drafts(drafter, seen):

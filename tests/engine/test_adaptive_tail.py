@@ -182,11 +182,11 @@ async def test_ranks_agree_on_k_from_their_tails(tiny_dir, tiny_loaded, world):
             assert adaptive is not None and adaptive.tail is not None
             choose = adaptive.choose
 
-            def logged(columns, batch):
+            def logged(columns, batch, **kw):
                 rows = columns.tolist() if isinstance(columns, torch.Tensor) else columns
                 at = 2 * (2 * adaptive.k_max + 1) - 1     # the tail rows' column
                 tails.append([row[at] for row in rows])
-                return choose(columns, batch)
+                return choose(columns, batch, **kw)
             adaptive.choose = logged
             if comm.rank == 0:
                 outs = await serve_staggered(engine, reqs)

@@ -11,6 +11,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from specloop.comm import LocalGroup
 from specloop.engine import AsyncEngine
 from specloop.engine._errors import ConfigError, RequestError
 from specloop.samplers import SamplingParams
@@ -203,7 +204,6 @@ async def test_a_tree_in_a_process_engine(tiny_dir, tiny_loaded, head_file):
 @pytest.mark.parametrize("spec, field, words", [
     ({"tree": [[0], [0, 0]]}, "speculative.tree", "set num_draft_tokens = 2"),
     ({"tree": [[0], [1, 0]]}, "speculative.tree", "no parent"),
-    ({"tree": TREE, "adaptive": True}, "speculative.adaptive", "adaptive K chooses"),
 ])
 def test_a_tree_the_engine_cannot_run_is_refused_by_the_config(tiny_dir, head_file, spec,
                                                               field, words):
@@ -269,6 +269,90 @@ async def test_a_tree_under_adp_equals_one_rank(tiny_dir, tiny_loaded, head_file
     if lm_head_tp:
         drafts = {rank: counter.count(label="DRAFT") for rank, counter in counters.items()}
         assert len(set(drafts.values())) == 1 and drafts[0] > 0, drafts
+
+
+def small_batches_draft():
+    """A fixed cost table: a draft costs 0.1 % of an iteration at batches 1 and 2, three
+    iterations' worth at 4."""
+    from specloop.engine._adaptive import CostTable
+
+    per_draft = {1: 0.001, 2: 0.001, 4: 3.0}
+    return CostTable({(b, k): 1.0 + per_draft[b] * k for b in per_draft for k in range(4)},
+                     learn=False)
+
+
+class Chosen:
+    """Per PICK_GRAPH_KEY: (iteration, K as VERIFY runs it: a tree's node count)."""
+
+    def __init__(self):
+        self.ks: list[tuple[int, int]] = []
+
+    def on_transition(self, event):
+        if event.state.value == "PICK_GRAPH_KEY":
+            self.ks.append((event.iteration, event.num_draft_tokens))
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+async def test_adaptive_k_drafts_the_tree_for_its_largest_k(tiny_dir, tiny_loaded,
+                                                           head_file, graphs):
+    """Adaptive K with a tree (a fixed cost table: drafting nearly free at batches 1 and
+    2, dear at 4):
+    where the rule picks K = 3 on a batch that may draft the tree, the iteration drafts
+    the tree (8 nodes), and its acceptance goes to the tree's own counts; K = 0 at large
+    batches; greedy outputs equal greedy decoding's, sampled ones the engine's without
+    speculation. With graphs (the step-replay cache): the same outputs, and the tree's
+    time at K = 3 in warm-up's table where its graphs were captured (buckets 1, 2)."""
+    reqs = requests(sampled_every=3)
+    plain, _, _ = await run(make_config(tiny_dir, max_batch_size=4), tiny_loaded, reqs)
+    components = {"graph_cache": "tests.graphs.test_static_steps:StepReplayCache"} \
+        if graphs else None
+    config = tree_config(tiny_dir, head_file, components=components, adaptive=True,
+                         tree_max_batch=2)
+    chosen = Chosen()
+    async with AsyncEngine(config, model=tiny_loaded, observers=[chosen]) as engine:
+        adaptive = engine.worker.adaptive
+        warm = dict(adaptive.cost.device)
+        adaptive.cost = small_batches_draft()
+        outs = await serve_staggered(engine, reqs)
+    assert outs == plain
+    ks = collections.Counter(k for _, k in chosen.ks)
+    assert ks[len(TREE)] and ks[0], ks
+    assert sum(adaptive._tree_reached) > 0 and sum(adaptive._tree_accepted) > 0
+    assert adaptive.chosen[3] >= ks[len(TREE)]
+    if graphs:
+        assert warm[(1, 3)] > warm[(1, 2)] and warm[(2, 3)] > warm[(2, 2)]
+
+
+async def test_adaptive_k_with_a_tree_under_lm_head_tp_runs_one_k_per_iteration(
+        tiny_dir, tiny_loaded, head_file):
+    """Two LocalGroup ranks, LM-head TP, rejection sampling on: every rank runs the same
+    K at every iteration (the tree where the group agrees a batch may draft it, the
+    tree's collectives on every rank), and rank 0's outputs equal one rank's."""
+    reqs = requests(sampled_every=3)
+    one, _, _ = await run(tree_config(tiny_dir, head_file, rejection=True), tiny_loaded,
+                          reqs)
+    config = make_config(tiny_dir, method="eagle3", k=3, max_batch_size=2, rejection=True,
+                         speculative={"draft_weights": str(head_file), "tree": TREE,
+                                      "adaptive": True},
+                         parallel={"world_size": 2, "attention_dp": True,
+                                   "lm_head_tp_in_adp": True})
+    group = LocalGroup(2, timeout=30.0)
+
+    async def rank_main(comm):
+        chosen = Chosen()
+        async with AsyncEngine(config, communicator=comm, model=tiny_loaded,
+                               observers=[chosen]) as engine:
+            engine.worker.adaptive.cost = small_batches_draft()
+            outs = await serve_staggered(engine, reqs) if comm.rank == 0 else \
+                await engine.wait_closed()
+        return outs, dict(chosen.ks)
+
+    (outs, ks0), (_, ks1) = await group.run(rank_main)
+    assert outs == one
+    common = ks0.keys() & ks1.keys()
+    assert len(common) >= 10 and all(ks0[i] == ks1[i] for i in common)
+    # The tree where every row was greedy, chains where a rank's batch sampled.
+    assert len(TREE) in ks0.values() and {2, 3} & set(ks0.values()), ks0
 
 
 async def test_the_tree_from_graphs_equals_the_eager_tree(tiny_dir, tiny_loaded, head_file):

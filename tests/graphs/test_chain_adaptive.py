@@ -346,3 +346,48 @@ async def test_narrower_verify_rows_go_into_the_draft_graphs_statics(tiny_dir, t
     chained, _ = await serve(tiny_dir, tiny_loaded, True)
     assert chained == plain
     assert len(written) >= 5 and written == [(True, True)] * len(written), written
+
+
+async def test_chained_under_adaptive_with_a_tree_equals_unchained(tiny_dir, tiny_loaded):
+    """A draft tree under adaptive K (its K = 3 stands for the tree; strict verification,
+    so sampled rows draft it too): chained steps queued at the tree's K (its 7 nodes) and
+    taken, and every token equals the unchained run's."""
+    tree = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    cfg = chain_config(tiny_dir, True, method="eagle3", k=3,
+                       speculative={"adaptive": True, "tree": tree})
+    reqs = [(p, params, 0) for p, params in requests()]
+
+    async def run(chained):
+        queued = []
+        async with AsyncEngine(cfg, model=tiny_loaded) as engine:
+            worker = engine.worker
+            one_rank_adaptive(worker, chained, [3, 3, 2, 3, 0, 3, 3, 1, 3])
+            taken = []
+            if chained:
+                chain = worker.chain
+                queue, take = chain.queue, chain.take
+
+                def recording(rec, pending, rows, k=None):
+                    hidden = queue(rec, pending, rows, k)
+                    queued.append((rec.k, k, hidden is not None))
+                    return hidden
+
+                def taking():
+                    pending, rows = take()
+                    if pending is not None:
+                        taken.append(queued[-1][1])
+                    return pending, rows
+                chain.queue, chain.take = recording, taking
+            outs = await serve_staggered(engine, reqs)
+        return outs, queued, taken
+
+    plain, _, _ = await run(False)
+    chained, queued, taken = await run(True)
+    assert chained == plain
+    # Chained tree steps and chain steps were taken by the iterations they were for.
+    assert len(tree) in taken and {1, 2} & set(taken), taken
+    # Tree to tree, tree to a chain and a chain to the tree were queued.
+    kinds = {(a, b) for a, b, ok in queued if ok}
+    assert (len(tree), len(tree)) in kinds, kinds
+    assert any(a == len(tree) and b in (1, 2) for a, b in kinds), kinds
+    assert any(a in (1, 2) and b == len(tree) for a, b in kinds), kinds
