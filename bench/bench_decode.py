@@ -76,9 +76,10 @@ async def specloop_tps(config, loaded, prompts_ids, n):
 
 
 def make_config(method, dtype, k=4, batch=8, early_exit_layers=None, draft_weights=None,
-                tree=None, rejection=False):
+                tree=None, rejection=False, adaptive=False):
     from specloop.engine import EngineConfig
-    spec = {"method": method, "num_draft_tokens": k, "use_rejection_sampling": rejection}
+    spec = {"method": method, "num_draft_tokens": k, "use_rejection_sampling": rejection,
+            "adaptive": adaptive}
     if tree:
         spec["tree"] = tree
     if early_exit_layers:

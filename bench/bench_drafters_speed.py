@@ -12,7 +12,8 @@ and per process CPU second (with ``--threads 1`` the latter is what an idle core
         [--tree '[[0], [1], [0, 0]]'] [--only transformers,none,eagle3] [--held-out 8]
 
 ``--tree``: also each eagle3 head with each of these draft trees (``speculative.tree``; its depth is
-its K); ``--only``: the configurations whose names contain one of these words (and transformers).
+its K); ``--adaptive``: also each head's largest K, and each tree, under adaptive K;
+``--only``: the configurations whose names contain one of these words (and transformers).
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def main() -> None:
     ap.add_argument("--only", default=None,
                     help="comma-separated words: run the configurations naming one")
     ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--adaptive", action="store_true")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads for every configuration (0: torch's default)")
     args = ap.parse_args()
@@ -119,11 +121,19 @@ def main() -> None:
             if args.temperature:
                 configs[f"{head} K={k} rejection"] = make_config(
                     method, "float32", k=k, batch=1, draft_weights=head, rejection=True)
+        if args.adaptive:
+            k = max(map(int, args.ks.split(",")))
+            configs[f"{head} adaptive<={k}"] = make_config(
+                method, "float32", k=k, batch=1, draft_weights=head, adaptive=True)
         for text in args.tree.split(";") if args.tree and method == "eagle3" else ():
             tree = json.loads(text)
             depth = max(map(len, tree))
             configs[f"{head} tree N={len(tree)} D={depth}"] = make_config(
                 method, "float32", k=depth, batch=1, draft_weights=head, tree=tree)
+            if args.adaptive:
+                configs[f"{head} adaptive tree N={len(tree)} D={depth}"] = make_config(
+                    method, "float32", k=depth, batch=1, draft_weights=head, tree=tree,
+                    adaptive=True)
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()

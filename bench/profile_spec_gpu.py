@@ -76,6 +76,11 @@ CONFIGS = {"none": {"method": "none"},
            # Draft trees of depth 3 (speculative.tree; unchained, as "K=3 unchained").
            **{f"eagle3 tree{n}": {"method": "eagle3", "num_draft_tokens": 3,
                                   "draft_weights": HEAD, "tree": tree}
+              for n, tree in TREES.items()},
+           # Adaptive K with a tree standing for K = 3 where a batch may draft it.
+           **{f"eagle3 adaptive<=3 tree{n}": {"method": "eagle3", "num_draft_tokens": 3,
+                                              "draft_weights": HEAD, "tree": tree,
+                                              "adaptive": True}
               for n, tree in TREES.items()}}
 RUNTIME = ("cudaGraphLaunch", "cudaLaunchKernel", "cudaMemcpyAsync", "cudaStreamSynchronize",
            "cudaEventSynchronize", "cudaDeviceSynchronize", "cuLaunchKernel",
