@@ -224,7 +224,7 @@ def fresh_plans() -> list[Plan]:
     return [Plan(i, None, 6, "complete", 1, None, 0) for i in (0, 1, 2)]
 
 
-def _engine_property(world, ahead=False, chained=False, tree=False):
+def _engine_property(world, ahead=False, chained=False, tree=False, adaptive=False):
     # No shrinking: a failure prints its example; shrinking engine runs takes minutes.
     @settings(max_examples=10, deadline=None, database=None,
               phases=(Phase.explicit, Phase.generate),
@@ -232,10 +232,13 @@ def _engine_property(world, ahead=False, chained=False, tree=False):
                                      HealthCheck.too_slow])
     @given(batch=st.lists(plans, min_size=2, max_size=7))
     def run(tiny_dir, tiny_loaded, batch):
-        method = "none" if ahead else "mtp_eagle" if chained else "ngram"
-        # A draft tree of depth 2 (all-greedy batches draft it, chained after a tree).
+        method = "none" if ahead else "mtp_eagle" if chained or tree else "ngram"
+        # A draft tree of depth 2 (every batch drafts it: strict verification; chained
+        # after a tree; under adaptive K where the rule picks K = 2).
         spec = {"tree": [[0], [1], [0, 0], [1, 0]]} if tree else {}
-        config = make_config(tiny_dir, method=method, k=2 if chained else 3,
+        if adaptive:
+            spec["adaptive"] = True
+        config = make_config(tiny_dir, method=method, k=2 if chained or tree else 3,
                              max_batch_size=BATCH, speculative=spec,
                              parallel={"world_size": world, "attention_dp": world > 1})
         if chained:     # replays that write static outputs, as CUDA graphs do
@@ -263,3 +266,6 @@ test_interleavings_with_steps_queued_ahead_in_a_group = _engine_property(2, ahea
 test_interleavings_with_chained_steps_in_a_group = _engine_property(2, chained=True)
 # A draft tree on one GPU rank's path (chained): pages for its nodes taken and given back.
 test_interleavings_with_a_draft_tree_chained = _engine_property(1, chained=True, tree=True)
+# A draft tree under adaptive K on two ranks (each rank's batch its own tree or chain).
+test_interleavings_with_a_draft_tree_under_adaptive_k_in_a_group = _engine_property(
+    2, tree=True, adaptive=True)
