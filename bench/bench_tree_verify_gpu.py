@@ -70,17 +70,19 @@ def build(device: str):
 def steps(runner, ids, trees: list[int]):
     """name -> (step, inputs): each a callable over static tensors."""
     from specloop.engine._verify import make_tree_verify_step  # noqa: PLC0415
+    from specloop.samplers import DefaultSampler, SamplingBatch  # noqa: PLC0415
     from specloop.samplers._tree import DraftTree  # noqa: PLC0415
 
     dev = runner.device
     gen = torch.Generator().manual_seed(0)
     vocab = runner.args.vocab_size
+    greedy = SamplingBatch.padding(1, all_greedy=True, device=dev)   # one greedy row
 
     def inputs(rows: int) -> dict[str, torch.Tensor]:
         tokens = torch.randint(0, vocab, (1, rows), generator=gen)
         tokens[0, 0] = ids[-1]
         return {"tokens": tokens.to(dev), "start_pos": torch.tensor([len(ids) - 1], device=dev),
-                "slots": torch.tensor([0], device=dev)}
+                "slots": torch.tensor([0], device=dev), **greedy.columns()}
 
     def forward(inp: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         hidden, _ = runner.forward(inp["tokens"], inp["start_pos"], inp["slots"],
@@ -101,7 +103,8 @@ def steps(runner, ids, trees: list[int]):
         out[f"chain K={k}"] = (forward, inputs(k + 1))
     for n in trees:
         tree = DraftTree([tuple(p) for p in TREES[n]])
-        out[f"tree N={n}"] = (make_tree_verify_step(runner, tree, kv_len=runner.max_seq_len),
+        out[f"tree N={n}"] = (make_tree_verify_step(runner, DefaultSampler(), greedy, tree,
+                                                    kv_len=runner.max_seq_len),
                               inputs(n + 1))
     out["draft chain K=3"] = (drafting(DraftTree.chain(3)), root)
     for n in trees:
