@@ -343,14 +343,14 @@ def record_observations(adaptive) -> dict:
             observed_by_table(*args, **kw)
     cost.__class__ = Logged
 
-    def observed(rows, measured_us, disturbed, padded_batch_size, full_us=0):
+    def observed(rows, measured_us, disturbed, padded_batch_size, full_us=0, tree=False):
         # Every choice's last iteration (the group's time, as ``_choose`` gets it), burning
         # in too, and an untimed one (None: the clock left it out, e.g. a step not queued
         # ahead) so that moves pair with the iteration really before.
         if adaptive._last is not None:
             record["seen"].append((*adaptive._last,
                                    measured_us / 1e6 if measured_us else None, disturbed))
-        return choose(rows, measured_us, disturbed, padded_batch_size, full_us)
+        return choose(rows, measured_us, disturbed, padded_batch_size, full_us, tree)
 
     adaptive._choose = observed
     return record
