@@ -93,18 +93,20 @@ async def test_dropped_chained_steps_are_not_timed(tiny_dir, tiny_loaded, drop):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
-async def test_chained_under_adaptive_on_cuda(tiny_dir, dtype):
+@pytest.mark.parametrize("dtype, tree", [(torch.float64, False), (torch.bfloat16, False),
+                                         (torch.float64, True), (torch.bfloat16, True)])
+async def test_chained_under_adaptive_on_cuda(tiny_dir, dtype, tree):
     """Real CUDA graphs (bf16: the fused Triton path), the chain on by default under
     adaptive K: the same tokens as the same K per iteration unchained, and chained steps
-    taken at K changes."""
+    taken at K changes; with a draft tree standing for K = 3 (strict verification: every
+    batch may draft it), the tree's steps chained too."""
     from specloop.models import load_model
 
-    from .test_cuda_graphs import cfg
+    from .test_cuda_graphs import TREE, cfg
 
     loaded = load_model(tiny_dir, dtype=dtype, device="cuda")
-    config = cfg(tiny_dir, True, method="eagle3", k=3, rejection=True,
-                 speculative={"adaptive": True})
+    spec = {"adaptive": True, **(TREE["speculative"] if tree else {})}
+    config = cfg(tiny_dir, True, method="eagle3", k=3, rejection=not tree, speculative=spec)
 
     async def go(chained):
         async with AsyncEngine(config, model=loaded) as engine:
