@@ -8,6 +8,10 @@
 # closed, ~4 min for steady: split them over calls (10 minutes a call at most).
 #   tests    the GPU test suite (no SmolLM2 needed)
 #   profile  eagle3 against no speculation, batch 1 and 32, closed rounds (issue 13)
+#   trees    draft trees at batch 1 (issue 13's 1.6x bar): the chain of 3 and the fitted
+#            trees of 7, 15 and 31 nodes, adaptive K with the 15-node tree, against no
+#            speculation, greedy (TREE_CONFIGS; TREE_TEMPERATURE=0.7 for sampled rows,
+#            with "eagle3 K=3 rejection" beside them)
 #   serving  the same at batch 32 with graphs for every bucket (the engine's default)
 #   busy     GPU busy / wall at batch 1, no speculation, 256 tokens (issue 12)
 #   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13;
@@ -134,6 +138,13 @@ for step in "$@"; do
       (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" --out "$OUT/spec.jsonl" \
         --configs "none,eagle3 K=3,eagle3 K=5" --batches 1,32 --runs 3 --min-prompts 16 2>&1 \
         | grep '^{' | cut -c1-160) ;;
+    trees)
+      configs="none,eagle3 K=3,eagle3 tree7,eagle3 tree15,eagle3 tree31,eagle3 adaptive<=3 tree15"
+      if [ -n "${TREE_TEMPERATURE:-}" ]; then configs="$configs,eagle3 K=3 rejection"; fi
+      (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+        --out "$OUT/trees_b1.jsonl" --configs "${TREE_CONFIGS:-$configs}" --batches 1 \
+        --runs 3 --min-prompts 16 --temperature "${TREE_TEMPERATURE:-0}" 2>&1 \
+        | grep '^{\|^gpu:' | cut -c1-200) ;;
     serving)
       (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
         --out "$OUT/spec_serving.jsonl" --configs "none,eagle3 K=3" --batches 32 --runs 3 \
