@@ -97,7 +97,8 @@ def engine_config(args, model, world, **parallel):
         "speculative": {"method": args.method, "num_draft_tokens": args.k,
                         "use_rejection_sampling": args.rejection,
                         **({"draft_weights": args.draft_weights} if args.draft_weights
-                           else {})},
+                           else {}),
+                        **({"tree": json.loads(args.tree)} if args.tree else {})},
         "parallel": {"world_size": world, "attention_dp": world > 1,
                      "lm_head_tp_in_adp": args.lm_head_tp and world > 1, **parallel},
         "components": {"communicator": "torch_distributed" if world > 1 else "single",
@@ -199,6 +200,8 @@ def main():
     ap.add_argument("--method", default="mtp_eagle")
     ap.add_argument("--draft-weights", help="a shipped head (e.g. smollm2-135m-instruct-eagle3)")
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--tree", default=None,
+                    help="a draft tree (speculative.tree, JSON), e.g. '[[0], [1], [0, 0]]'")
     ap.add_argument("--rejection", action="store_true")
     ap.add_argument("--lm-head-tp", action="store_true")
     ap.add_argument("--graphs", action="store_true")

@@ -29,12 +29,19 @@ def launch(*args, timeout=240):
 # bench/adp_run.py's options per case: n-gram, SCHEDULE's exchange through shared memory
 # (the default on CUDA ranks); MTP-EAGLE with rejection sampling and LM-head TP,
 # collectives checked (the exchange a host tensor over gloo); the same with collectives
-# issued on the loop and polled (gloo here). How collectives are issued (checked, inline,
-# shared memory) changes nothing on one rank: the last two share their one-rank reference.
+# issued on the loop and polled (gloo here); a draft tree with LM-head TP, collectives
+# checked (each depth's children ranked across the ranks' vocabulary shards; sampled rows
+# verified strictly through the tree). How collectives are issued (checked, inline,
+# shared memory) changes nothing on one rank: the two mtp_eagle chains share their
+# one-rank reference.
+# (4 rows a rank: batches up to speculative.tree_max_batch draft the tree.)
+TREE = "--batch 4 --tree '[[0], [1], [0, 0], [1, 0], [0, 0, 0]]'"
 CASES = {"ngram": "--method ngram --shared-memory-exchange",
          "checked": "--method mtp_eagle --rejection --lm-head-tp --checked",
-         "inline": "--method mtp_eagle --rejection --lm-head-tp --inline-collectives"}
-ONE_RANK = {"ngram": "--method ngram", "checked": CASES["checked"].replace(" --checked", "")}
+         "inline": "--method mtp_eagle --rejection --lm-head-tp --inline-collectives",
+         "tree": f"--method mtp_eagle --lm-head-tp --checked {TREE}"}
+ONE_RANK = {"ngram": "--method ngram", "checked": CASES["checked"].replace(" --checked", ""),
+            "tree": f"--method mtp_eagle {TREE}"}
 ONE_RANK["inline"] = ONE_RANK["checked"]
 
 
