@@ -596,7 +596,7 @@ class MtpEagleDrafter(Drafter):
 
     @inference_mode
     def _draft_tree_local(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
-        """A greedy draft tree (samplers/_tree.py) with the local head, eager: the
+        """A draft tree (samplers/_tree.py) with the local head, eager: the
         catch-up (its last row is the root's), then ``tree_from_root``.
         -> token_ids [B, N], the nodes in the tree's order."""
         loop = self._draft_steps(self._eager_inputs(ctx), kv_len=None, k=0)

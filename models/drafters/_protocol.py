@@ -47,8 +47,9 @@ class DraftContext:
     # Drafts this call (adaptive K, 0 .. the drafter's num_draft_tokens); None: all of
     # them. Only drafters whose ``variable_k`` is True are given a number.
     num_draft_tokens: int | None = None
-    # A greedy draft tree to propose instead of a chain (its nodes in its order: token_ids
-    # [B, tree.size]); only drafters whose ``drafts_trees`` is True are given one.
+    # A draft tree to propose instead of a chain (its nodes, the drafter's top-ranked
+    # tokens whatever the rows' sampling, in its order: token_ids [B, tree.size]); only
+    # drafters whose ``drafts_trees`` is True are given one.
     tree: DraftTree | None = None
 
     def draft_count(self, drafter: Drafter) -> int:
@@ -163,10 +164,12 @@ class Drafter(Protocol):
 
     @property
     def drafts_trees(self) -> bool:
-        """True when ``propose`` drafts ``ctx.tree`` where it is given (a greedy draft tree,
-        samplers/_tree.py: token_ids [B, tree.size], the nodes in the tree's order; the
-        engine gives one only to an all-greedy batch, with ``speculative.tree`` set, and
-        verifies it eagerly). Default False: the engine refuses ``speculative.tree``."""
+        """True when ``propose`` drafts ``ctx.tree`` where it is given (a draft tree,
+        samplers/_tree.py: token_ids [B, tree.size], the nodes in the tree's order, each
+        row's children its top-ranked tokens; the engine gives one to a batch off the
+        advanced path, with ``speculative.tree`` set, and verifies it strictly; under
+        LM-head TP the drafter enters the same collectives on every rank, an idle one
+        too). Default False: the engine refuses ``speculative.tree``."""
         return False
 
     @property
@@ -215,10 +218,11 @@ class Drafter(Protocol):
 
     def tree_graph_step(self, sampler: Sampler, template: SamplingBatch, tree: DraftTree
                         ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        """A greedy draft tree's proposal as a function over static tensors (inputs as
+        """A draft tree's proposal as a function over static tensors (inputs as
         ``graph_inputs`` builds them -> ``token_ids`` [Bp, tree.size], the nodes in the
         tree's order); called only where ``drafts_trees`` and ``can_graph(False)`` are
-        True (the engine captures it with the tree's all-greedy VERIFY graphs)."""
+        True (the engine captures it with the tree's VERIFY graphs, both variants off the
+        advanced path)."""
         raise RuntimeError(f"{type(self).__name__} does not draft trees in CUDA graphs "
                            "(its drafts_trees is False)")
 
