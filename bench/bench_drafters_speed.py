@@ -104,8 +104,8 @@ def main() -> None:
     loaded, ids = cpu_smol(args.threads)
     prompts = [ids]
     if args.held_out:
-        from held_out_prompts import PATH  # noqa: PLC0415
-        texts = [json.loads(line)["text"] for line in PATH.read_text().splitlines()]
+        from held_out_prompts import read  # noqa: PLC0415
+        texts = [row["text"] for row in read()]
         prompts = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}])
                    for t in texts[:args.held_out]]
     from specloop.models.drafters._heads import heads_dir, shipped_heads  # noqa: PLC0415

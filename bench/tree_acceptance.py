@@ -39,7 +39,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import quiet_logs  # noqa: E402
-from held_out_prompts import PATH as HELD_OUT  # noqa: E402
+from held_out_prompts import read as held_out  # noqa: E402
 
 from specloop.samplers._tree import DraftTree, best_tree  # noqa: E402
 
@@ -181,7 +181,7 @@ def main() -> None:
 
     start = time.perf_counter()
     loaded = load_model(NAME, dtype=torch.float32, device="cpu")
-    texts = [json.loads(line)["text"] for line in HELD_OUT.read_text().splitlines()]
+    texts = [row["text"] for row in held_out()]
     answers = greedy_answers(loaded, texts[args.skip:args.skip + args.prompts],
                              args.tokens + args.depth + 1)
     print(f"{len(answers)} greedy answers in {time.perf_counter() - start:.0f} s", flush=True)

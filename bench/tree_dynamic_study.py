@@ -36,7 +36,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TREES, quiet_logs  # noqa: E402
-from held_out_prompts import PATH as HELD_OUT  # noqa: E402
+from held_out_prompts import read as held_out  # noqa: E402
 
 NAME, HEAD = "smollm2-135m-instruct", "smollm2-135m-instruct-eagle3"
 CANDIDATES = sorted(
@@ -123,9 +123,8 @@ def main() -> None:
 
     start = time.perf_counter()
     loaded = load_model(NAME, dtype=torch.float32, device="cpu")
-    texts = [json.loads(line)["text"] for line in HELD_OUT.read_text().splitlines()]
-    ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": t}])
-           for t in texts[:args.prompts]]
+    ids = [loaded.tokenizer.encode_chat([{"role": "user", "content": row["text"]}])
+           for row in held_out()[:args.prompts]]
     tree = DraftTree(CANDIDATES)
     for n in SIZES:
         assert set(map(tuple, TREES[n])) <= set(tree.paths), n
