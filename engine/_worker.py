@@ -363,11 +363,10 @@ class RankWorker:
         rec.padded_batch_size = max(row[FACT_BATCH] for row in rows)
         if self.adaptive is not None and rec.padded_batch_size:
             # From gathered values only: every rank computes the same K (the tree's
-            # eligibility from the group's greedy flags, whether or not SYNC agrees the
+            # eligibility on the group's greedy flag, whether or not SYNC agrees the
             # sampling path: the rule reads the tree's acceptance on every rank or none).
-            rec.tree_agreed = self.tree is not None and \
-                rec.padded_batch_size <= self.tree_max_batch and \
-                (not self.config.speculative.use_rejection_sampling or all(greedy))
+            rec.tree_agreed = self.tree is not None and self.tree_fits(
+                rec.padded_batch_size, rec.spec.evolve(group_all_greedy_sample=all(greedy)))
             rec.num_draft_tokens = self.adaptive.choose([row[NUM_FACTS:] for row in rows],
                                                         rec.padded_batch_size,
                                                         tree=rec.tree_agreed)

@@ -660,9 +660,9 @@ class MtpEagleDrafter(Drafter):
         rows = len(ctx.token_ids)
         device = self.cache.device
         if not rows:
+            empty = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size)
             for level in self._tree_plan(tree, device):
                 assert level.expand is not None
-                empty = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size)
                 await self.lm.top_tokens(ctx, empty, level.width, per_row=len(level.expand))
             return DraftProposal(torch.zeros(0, tree.size, dtype=torch.int64, device=device))
 
