@@ -10,10 +10,14 @@ and per process CPU second (with ``--threads 1`` the latter is what an idle core
 
     python bench/bench_drafters_speed.py [--tokens 64] [--repeats 3] [--ks 2,3]
         [--tree '[[0], [1], [0, 0]]'] [--only transformers,none,eagle3] [--held-out 8]
+        [--draft-dtypes float32]
 
 ``--tree``: also each eagle3 head with each of these draft trees (``speculative.tree``; its depth is
 its K); ``--adaptive``: also each head's largest K, and each tree, under adaptive K;
-``--only``: the configurations whose names contain one of these words (and transformers).
+``--only``: the configurations whose names contain one of these words (and transformers);
+``--draft-dtypes float32``: each head's configurations also with its head computing in
+that dtype (``speculative.draft_dtype``; the default, auto, is bf16 on a CPU with native
+bf16 GEMMs), in the same rounds.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import statistics
 import time
 
 import anyio
+import attrs
 import torch
 
 from _common import cpu_smol, quiet_logs
@@ -97,6 +102,9 @@ def main() -> None:
                     help="comma-separated words: run the configurations naming one")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--adaptive", action="store_true")
+    ap.add_argument("--draft-dtypes", default=None,
+                    help="also each head's configurations with these speculative.draft_dtype "
+                         "values (comma-separated, e.g. float32: the head as the target)")
     ap.add_argument("--threads", type=int, default=0,
                     help="torch intra-op threads for every configuration (0: torch's default)")
     args = ap.parse_args()
@@ -134,6 +142,11 @@ def main() -> None:
                 configs[f"{head} adaptive tree N={len(tree)} D={depth}"] = make_config(
                     method, "float32", k=depth, batch=1, draft_weights=head, tree=tree,
                     adaptive=True)
+    for dtype in args.draft_dtypes.split(",") if args.draft_dtypes else ():
+        for name in [n for n in configs if n not in ("none", "ngram K=4")]:
+            cfg = configs[name]
+            configs[f"{name} draft {dtype}"] = attrs.evolve(
+                cfg, speculative=attrs.evolve(cfg.speculative, draft_dtype=dtype))
     from transformers import AutoModelForCausalLM  # noqa: PLC0415
 
     hf = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()

@@ -3,7 +3,10 @@
 Two views, one process:
 - ops: the pieces timed directly (median of N): the target's forward for 1 and K+1
   tokens, its LM head, one transformers decode step on the same weights, and each part
-  of an eagle3 draft step (fc3 over the features, the head's layer, the reduced LM head).
+  of an eagle3 draft step (fc3 over the features, the head's layer, the reduced LM head;
+  in the dtype the engine's head computes in, speculative.draft_dtype's auto). Timed in
+  a loop, a piece's weights stay in the CPU's caches: in the engine the target's forward
+  evicts the head's, and its steps take ~1.5-2x these.
 - engine: time per iteration state (SCHEDULE ... RESCAN) through the engine's observers,
   for no speculation and eagle3 K=3, plus tokens/s.
 
@@ -37,6 +40,7 @@ def op_times(loaded, ids, k, reps):
     from specloop.models.drafters._eagle3 import Eagle3Head  # noqa: PLC0415
     from specloop.models.drafters._heads import resolve_head  # noqa: PLC0415
     from specloop.models.drafters._lm_head import DraftHead  # noqa: PLC0415
+    from specloop.models.drafters._mtp import draft_dtype  # noqa: PLC0415
 
     model = loaded.model
     cache = KVCache(model.args, 2, 1024, dtype=model.dtype, device="cpu")
@@ -57,10 +61,11 @@ def op_times(loaded, ids, k, reps):
         hk = model(many, at, slot, cache)
         rows["target LM head 1 row"] = timed(lambda: model.logits(h1), reps)
         rows[f"target LM head {k + 1} rows"] = timed(lambda: model.logits(hk), reps)
-        head = Eagle3Head(model, dtype=model.dtype, device="cpu", feature_layers=layers)
+        dtype = draft_dtype("auto", model)      # what the engine's head computes in
+        head = Eagle3Head(model, dtype=dtype, device="cpu", feature_layers=layers)
         path, _ = resolve_head(HEAD)
         head.load(str(path))
-        hcache = KVCache(head.block.args, 2, 1024, dtype=model.dtype, device="cpu")
+        hcache = KVCache(head.block.args, 2, 1024, dtype=dtype, device="cpu")
         feats = torch.randn(1, k + 1, 3 * model.args.hidden_size)
         head(prompt[:, 1:], torch.randn(1, pos - 1, 3 * model.args.hidden_size),
              torch.tensor([0]), slot, hcache)
@@ -69,8 +74,9 @@ def op_times(loaded, ids, k, reps):
             lambda: head(many, feats, at, slot, hcache), reps)
         hid = torch.randn(1, 1, model.args.hidden_size)
         rows["head step (1 row)"] = timed(lambda: head(one, hid, at, slot, hcache), reps)
-        lm = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=1, d2t=head.d2t)
-        rows[f"draft LM head ({head.d2t.numel()} rows) -> full V"] = timed(
+        lm = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=1, d2t=head.d2t,
+                       dtype=dtype)
+        rows[f"draft LM head ({head.d2t.numel()} rows, {str(dtype)[6:]}) -> full V"] = timed(
             lambda: lm.logits(hid[:, 0]), reps)
         rows["  + argmax over V"] = timed(lambda: lm.logits(hid[:, 0]).argmax(-1), reps)
     rows.update(transformers_step(loaded.path, ids, pos, reps))

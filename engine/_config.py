@@ -113,6 +113,12 @@ class SpeculativeConfig:
     # .safetensors path; checked against its model card and the target. Wins over
     # mtp_weights.
     draft_weights: str | None = None
+    # The dtype a draft head (mtp_eagle, eagle3) computes in: "auto" = the target's, except
+    # bfloat16 for a float32 target on a CPU with native bf16 GEMMs (a draft step there
+    # is bound by the bytes it reads: half of them). Drafts need no exactness: VERIFY
+    # decides what is kept, in the target's dtype.
+    draft_dtype: str = attrs.field(default="auto",
+                                   validator=_in("speculative", ("auto", *DTYPES)))
     # Choose K per iteration (0 .. num_draft_tokens, which becomes the maximum) by the rule
     # in docs/configuration.md, "Adaptive K": drafting only where it pays.
     adaptive: bool = False

@@ -11,7 +11,12 @@ reordered once into its blocked layout takes 10.1 ms for 4 rows and 14.3 ms for 
 figures in docs/performance.md, "On the CPU"). Outside that window (1 row; prefill chunks
 over 32 rows; autograd) this is ``F.linear`` itself, so a decode step without speculation
 is bit-for-bit what it was (short prompts' prefill now runs packed: fp32 rounding-level
-differences, as between any two GEMM kernels).
+differences, as between any two GEMM kernels). bfloat16 on a CPU with native bf16 GEMMs
+(``bf16_packing_available``: oneDNN's AMX / AVX512-BF16 kernels) runs packed from 1 row:
+F.linear's bf16 path converts as it goes (a draft head's reduced LM head [16384, 576], one
+thread: 3.8 ms for 1 row against 2.5 packed), and no bf16 product here is held to
+another library's bits (the draft heads compute in it on the CPU: drafts need no
+exactness).
 
 On CUDA (bf16/fp16, 1..SKINNY_MAX_ROWS rows, a tl.dot tail up to DOT_MAX_ROWS, outside
 autograd). cuBLAS's tiles for so few
@@ -364,16 +369,25 @@ def packing_available() -> bool:
                                                             "_linear_pointwise")
 
 
+@functools.cache
+def bf16_packing_available() -> bool:
+    """oneDNN multiplies bf16 natively on this CPU (AMX or AVX512-BF16); elsewhere it
+    would emulate them, slower than float32."""
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return packing_available() and check is not None and bool(check())
+
+
 def skinny_available() -> bool:
     """The skinny kernel may run: Triton imports and ``SPECLOOP_SKINNY`` is not 0."""
     return _skinny.available() and os.environ.get("SPECLOOP_SKINNY", "1") != "0"
 
 
 class PackedLinear:
-    """``F.linear`` that, for CPU float32 inputs of MIN_ROWS..MAX_ROWS rows outside
-    autograd, multiplies by a oneDNN-packed copy of the weight, packed on first use
-    (``enabled``), and for CUDA bf16/fp16 inputs of the rows SKINNY_TABLE covers (at most
-    DOT_MAX_ROWS) runs the skinny-GEMM kernel (``skinny``).
+    """``F.linear`` that, for CPU float32 inputs of MIN_ROWS..MAX_ROWS rows (bfloat16:
+    1..MAX_ROWS, where ``bf16_packing_available``) outside autograd, multiplies by a
+    oneDNN-packed copy of the weight, packed on first use (``enabled``), and for CUDA
+    bf16/fp16 inputs of the rows SKINNY_TABLE covers (at most DOT_MAX_ROWS) runs the
+    skinny-GEMM kernel (``skinny``).
 
     One cache per model (no module-level state). An entry holds the weight view it was
     packed from, so its storage stays alive and its address cannot be reused by another
@@ -516,16 +530,22 @@ class PackedLinear:
 
     def _applies(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> bool:
-        if not self.enabled or x.device.type != "cpu" or x.dtype != torch.float32 \
-                or weight.dtype != torch.float32 or weight.dim() != 2 \
+        if not self.enabled or x.device.type != "cpu" or weight.dtype != x.dtype \
+                or weight.dim() != 2 \
                 or weight.is_inference():    # no version counter to notice a rewrite
             return False
+        if x.dtype == torch.float32:
+            low = MIN_ROWS      # 1 row: MKL's gemv, F.linear's bits
+        elif x.dtype == torch.bfloat16 and bf16_packing_available():
+            low = 1
+        else:
+            return False
         rows = x.numel() // max(x.shape[-1], 1)
-        if not MIN_ROWS <= rows <= MAX_ROWS:
+        if not low <= rows <= MAX_ROWS:
             return False
         if _under_autograd(x, weight, bias):
             return False
-        return bias is None or bias.dtype == torch.float32
+        return bias is None or bias.dtype == x.dtype
 
     def _pack(self, weight: torch.Tensor) -> torch.Tensor:
         key = (weight.data_ptr(), tuple(weight.shape), weight.stride())

@@ -61,8 +61,8 @@ class Eagle3Head(MtpEagleHead):
         super().save(path, meta)
 
     def project(self, features: torch.Tensor) -> torch.Tensor:
-        """[..., F*H] target features -> [..., H]."""
-        parts = features.unflatten(-1, tuple(self.fnorm.shape))        # [..., F, H]
+        """[..., F*H] target features -> [..., H] (in the head's dtype)."""
+        parts = features.to(self.dtype).unflatten(-1, tuple(self.fnorm.shape))  # [..., F, H]
         # Each part normed with its own weight row (fused: one kernel, weight row r % F
         # for row r, as rms_norm does: normalise in fp32, cast, multiply).
         normed = self.norm(parts, self.fnorm)
@@ -96,7 +96,7 @@ class Eagle3Drafter(MtpEagleDrafter):
         path = self.weights_path(config, deps)
         layers = (file_feature_layers(path) if path is not None else None) or \
             default_feature_layers(target.args.num_layers)
-        return load_or_init(Eagle3Head(target, dtype=target.dtype, device=target.device,
+        return load_or_init(Eagle3Head(target, dtype=self.dtype, device=target.device,
                                        feature_layers=layers), path)
 
     @property

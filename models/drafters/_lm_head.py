@@ -25,20 +25,24 @@ from ._protocol import DraftContext, sample_draft_step
 
 class DraftHead:
     def __init__(self, weight: torch.Tensor, *, lm_head_tp: bool, max_rows: int,
-                 d2t: torch.Tensor | None = None) -> None:
+                 d2t: torch.Tensor | None = None, dtype: torch.dtype | None = None) -> None:
         self.vocab_size = weight.shape[0]          # V of the target
         self.d2t = None if d2t is None else d2t.to(weight.device)   # [N] i64 or None
         # An increasing map (a trained head's is): the fused argmax reads it once.
         self.d2t_increasing = d2t is not None and bool((d2t[1:] > d2t[:-1]).all())
-        # [V, H] shared with the target, or a gathered copy of the draft rows [N, H].
-        self.weight = weight if d2t is None else weight[self.d2t].contiguous()
-        # CPU fp32 with a private (reduced) copy: 1 row runs fastest against the weight
-        # stored [H, N] (MKL's gemv in that layout: ~2x F.linear's for [16384, 576] on
-        # this project's x86 box, 4.3 vs 15 ms one thread), 2-32 rows on oneDNN-packed
-        # weights (PackedLinear). Draft numerics need no exactness: VERIFY decides.
-        self._cpu = d2t is not None and self.weight.device.type == "cpu" and \
+        # [V, H] shared with the target, or a private copy: the draft rows [N, H], and/or
+        # in the head's dtype (``dtype``, speculative.draft_dtype).
+        rows = (weight if self.d2t is None else weight[self.d2t]).to(dtype or weight.dtype)
+        self.weight = rows if rows is weight else rows.contiguous()
+        self._private = self.weight is not weight
+        # A private copy on the CPU runs on oneDNN-packed weights (PackedLinear: 2-32 rows
+        # in fp32, from 1 row in bf16); 1 fp32 row fastest against the weight stored
+        # [H, N] (MKL's gemv in that layout: ~2x F.linear's for [16384, 576] on this
+        # project's x86 box, 4.3 vs 15 ms one thread). Draft numerics need no exactness:
+        # VERIFY decides.
+        cpu32 = self._private and self.weight.device.type == "cpu" and \
             self.weight.dtype == torch.float32
-        self._weight_t = self.weight.t().contiguous() if self._cpu else None
+        self._weight_t = self.weight.t().contiguous() if cpu32 else None
         self._packed = PackedLinear()
         self.lm_head_tp = lm_head_tp
         self.max_rows = max_rows                   # M = max_batch_size
@@ -73,14 +77,15 @@ class DraftHead:
         return ids if self.d2t is None else self.d2t[ids]
 
     def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self._weight_t is None:
-            # CUDA: few rows on the skinny-GEMM kernel (models/_linear); elsewhere F.linear
-            # (no packed copy of a shared [V, H] weight on the CPU).
-            return self._packed(hidden, self.weight) if hidden.is_cuda else \
-                F.linear(hidden, self.weight)
-        if hidden.shape[0] == 1 and not hidden.requires_grad:
+        hidden = hidden.to(self.weight.dtype)
+        if self._weight_t is not None and hidden.shape[0] == 1 and not hidden.requires_grad:
             return hidden @ self._weight_t
-        return self._packed(hidden, self.weight)
+        # CUDA: few rows on the skinny-GEMM kernel (models/_linear); a private copy on the
+        # CPU packed; the target's shared [V, H] on the CPU through F.linear (no second
+        # packed copy of it).
+        if hidden.is_cuda or self._private:
+            return self._packed(hidden, self.weight)
+        return F.linear(hidden, self.weight)
 
     def uses_collectives(self, ctx: DraftContext) -> bool:
         # Reads the one predicate (group-synced when the gate is on); config decides TP.
@@ -118,7 +123,9 @@ class DraftHead:
         """Every rank's rows (``hidden`` padded to ``m``) against this rank's vocabulary
         shard: [g*m, ceil(V/g)]; one all_gather."""
         comm = ctx.comm
-        padded = hidden.new_zeros(m, hidden.shape[1])
+        # In the head's dtype whatever the caller's rows (an idle rank's are empty): every
+        # rank's all_gather must match.
+        padded = hidden.new_zeros(m, hidden.shape[1], dtype=self.weight.dtype)
         padded[:hidden.shape[0]] = hidden
         stacked = await comm.all_gather(padded)                  # [g, m, H]
         return await ctx.run_sync(lambda: self._shard_logits(stacked, comm))

@@ -48,6 +48,12 @@ class MtpEagleHead(torch.nn.Module):
         self.target_args = target.args     # the shape a saved head records
 
     @property
+    def dtype(self) -> torch.dtype:
+        """What the head computes in (``speculative.draft_dtype``); the embedding it shares
+        with the target, and the target rows it reads, may be wider."""
+        return self.fc.dtype
+
+    @property
     def feature_size(self) -> int:
         """Width of the target rows the head reads at step 0 (here the final hidden)."""
         return self.block.args.hidden_size
@@ -107,8 +113,8 @@ class MtpEagleHead(torch.nn.Module):
             x = _kernels.eagle_prologue(tokens, self.block.embed_tokens, hidden, self.enorm,
                                         self.hnorm, self.block.args.rms_norm_eps)
         else:
-            x = torch.cat([self.norm(self.block.embed(tokens), self.enorm),
-                           self.norm(hidden, self.hnorm)], dim=-1)
+            x = torch.cat([self.norm(self.block.embed(tokens).to(self.dtype), self.enorm),
+                           self.norm(hidden.to(self.dtype), self.hnorm)], dim=-1)
         return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,
                                          kv_len=kv_len, pos_offset=pos_offset, tree=tree)
 

@@ -1,7 +1,7 @@
 """A head with a reduced draft vocabulary (q = 0 outside it) keeps the target's
 distribution under rejection sampling: per-position chi-square (tests/chi2.py), T = 1 and
-T = 0.7 with top-p. Drafts cover only every 4th token id, so most accepted mass must come
-from residual sampling."""
+T = 0.7 with top-p (and with the head computing in bf16). Drafts cover only every 4th
+token id, so most accepted mass must come from residual sampling."""
 
 import anyio
 import pytest
@@ -45,11 +45,15 @@ def reduced_head(tiny_loaded, tmp_path_factory):
 
 @pytest.mark.slow
 @pytest.mark.usefixtures("batched_prefill")   # tests/engine/conftest.py: why
-@pytest.mark.parametrize("temperature, top_p", [(1.0, 1.0), (0.7, 0.9)])
+@pytest.mark.parametrize("temperature, top_p, draft_dtype", [
+    (1.0, 1.0, "auto"), (0.7, 0.9, "auto"),
+    # The head computing in bf16 (a CPU's speculative.draft_dtype): q from its logits.
+    (0.7, 0.9, "bfloat16")])
 async def test_reduced_vocab_rejection_sampling_is_exact(tiny_dir, tiny_loaded, reduced_head,
-                                                         temperature, top_p):
+                                                         temperature, top_p, draft_dtype):
     config = make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True,
-                         max_batch_size=64, speculative={"draft_weights": str(reduced_head)})
+                         max_batch_size=64, speculative={"draft_weights": str(reduced_head),
+                                                         "draft_dtype": draft_dtype})
     firsts, seconds = [], []
 
     async def one(engine, i):

@@ -209,7 +209,7 @@ def test_on_verified_does_not_wait_for_the_gpu(tiny_dirs):
 
     loaded = load_model(tiny_dirs["llama"], dtype=torch.bfloat16, device="cuda")
     spec = SimpleNamespace(num_draft_tokens=3, adaptive=False, draft_weights=None,
-                           mtp_weights=None, method="mtp_eagle")
+                           draft_dtype="auto", mtp_weights=None, method="mtp_eagle")
     config = SimpleNamespace(speculative=spec,
                              parallel=SimpleNamespace(lm_head_tp_in_adp=False))
     drafter = MtpEagleDrafter(config, DrafterDeps(loaded, loaded.model.make_cache(4, 128), 4,

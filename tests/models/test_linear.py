@@ -5,7 +5,9 @@ import torch
 import torch.nn.functional as F
 
 from specloop.models import KVCache
-from specloop.models._linear import MAX_ROWS, MIN_ROWS, PackedLinear, packing_available
+from specloop.models import _linear
+from specloop.models._linear import (MAX_ROWS, MIN_ROWS, PackedLinear, bf16_packing_available,
+                                     packing_available)
 
 needs_packing = pytest.mark.skipif(not packing_available(), reason="no oneDNN in this torch")
 
@@ -66,6 +68,27 @@ def test_a_used_model_still_deep_copies_and_pickles():
         torch.testing.assert_close(clone(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not bf16_packing_available(), reason="no native bf16 GEMMs here")
+@pytest.mark.parametrize("rows", [1, 3, MAX_ROWS])
+def test_bf16_runs_packed_from_one_row(rows):
+    """bfloat16 (a draft head's dtype on such a CPU) runs packed from 1 row, to the
+    float64 product within bf16's rounding."""
+    x, w, b = (t.bfloat16() for t in _case(rows))
+    lin = PackedLinear()
+    got = lin(x, w, b)
+    assert got.dtype == torch.bfloat16 and len(lin._packed) == 1
+    want = F.linear(x.double(), w.double(), b.double())
+    torch.testing.assert_close(got.double(), want, rtol=2e-2, atol=0.15)
+
+
+def test_bf16_without_native_gemms_is_f_linear(monkeypatch):
+    monkeypatch.setattr(_linear, "bf16_packing_available", lambda: False)
+    x, w, b = (t.bfloat16() for t in _case(3))
+    lin = PackedLinear()
+    assert torch.equal(lin(x, w, b), F.linear(x, w, b))
+    assert not lin._packed
+
+
 def test_autograd_and_other_dtypes_fall_back():
     x, w, _ = _case(4)
     lin = PackedLinear()
@@ -98,19 +121,28 @@ def test_decoder_verify_rows_match_unpacked(tiny_llama):
     assert torch.equal(packed.argmax(-1), plain.argmax(-1))
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("reduced", [True, False])
 @pytest.mark.parametrize("rows", [1, 3])
-def test_reduced_draft_head_logits_on_the_cpu_paths(rows):
-    """DraftHead with a d2t on the CPU (1 row: transposed copy; several: packed) gives
-    F.linear's logits on the draft vocabulary and -inf elsewhere."""
+def test_draft_head_logits_on_the_cpu_paths(rows, reduced, dtype):
+    """DraftHead on the CPU (a private copy: 1 fp32 row against the transposed copy,
+    several packed; bf16 packed from 1 row) gives F.linear's logits on the draft
+    vocabulary (all of it without a d2t) and -inf elsewhere, as float32; the target's
+    weight is shared (not copied) only where it is used as it is."""
     from specloop.models.drafters._lm_head import DraftHead
 
     gen = torch.Generator().manual_seed(rows)
     weight = torch.randn(50, 16, generator=gen)
-    d2t = torch.tensor([1, 4, 7, 30, 49])
+    d2t = torch.tensor([1, 4, 7, 30, 49]) if reduced else None
     hidden = torch.randn(rows, 16, generator=gen)
-    head = DraftHead(weight, lm_head_tp=False, max_rows=4, d2t=d2t)
+    head = DraftHead(weight, lm_head_tp=False, max_rows=4, d2t=d2t, dtype=dtype)
+    assert head.weight.dtype == (dtype or weight.dtype)
+    assert (head.weight is weight) == (not reduced and dtype is None)
     with torch.inference_mode():
         got = head.logits(hidden)
+    rows_of = slice(None) if d2t is None else d2t
     want = torch.full((rows, 50), float("-inf"))
-    want[:, d2t] = F.linear(hidden, weight[d2t])
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    want[:, rows_of] = F.linear(hidden, weight[rows_of])
+    tol = 1e-5 if dtype is None else 0.1       # bf16: 8 bits of mantissa, sums of 16
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=tol, atol=tol)

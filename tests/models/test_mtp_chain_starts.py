@@ -24,7 +24,7 @@ ROWS = 2
 def drafter(tmp_path_factory):
     loaded = load_model(write_tiny_checkpoint(tmp_path_factory.mktemp("tiny") / "m"))
     spec = SimpleNamespace(num_draft_tokens=2, adaptive=False, draft_weights=None,
-                           mtp_weights=None, method="mtp_eagle")
+                           draft_dtype="auto", mtp_weights=None, method="mtp_eagle")
     config = SimpleNamespace(speculative=spec, parallel=SimpleNamespace(lm_head_tp_in_adp=False))
     d = MtpEagleDrafter(config, DrafterDeps(loaded, loaded.model.make_cache(4, 64), 4, 64))
     template = SamplingBatch.from_params([], [], pad_to=ROWS)

@@ -34,7 +34,7 @@ def loaded(tmp_path_factory):
 
 def _drafter(cls, loaded):
     spec = SimpleNamespace(num_draft_tokens=3, adaptive=True, draft_weights=None,
-                           mtp_weights=None, method="mtp_eagle")
+                           draft_dtype="auto", mtp_weights=None, method="mtp_eagle")
     config = SimpleNamespace(speculative=spec, parallel=SimpleNamespace(lm_head_tp_in_adp=False))
     cache = loaded.model.make_cache(4, 128)
     return cls(config, DrafterDeps(loaded, cache, 4, 128))

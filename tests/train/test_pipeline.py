@@ -180,7 +180,8 @@ def test_engine_acceptance_equals_the_trainers_chains(setup):
     prompts = [list(s.tokens[:s.prompt_len]) for s in seqs]
     k, n = 3, 16
     truth, _ = _greedy(loaded, str(tiny_dir), prompts, n + k + 1, {"method": "none"})
-    spec = {"method": "mtp_eagle", "num_draft_tokens": k,
+    # The trainer's chains are float32: the engine's head too (not bf16 on an AMX CPU).
+    spec = {"method": "mtp_eagle", "num_draft_tokens": k, "draft_dtype": "float32",
             "draft_weights": str(out / "tiny-eagle.safetensors")}
     answers, counter = _greedy(loaded, str(tiny_dir), prompts, n, spec)
     assert answers == [t[:n] for t in truth]
