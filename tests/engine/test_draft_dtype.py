@@ -50,19 +50,23 @@ def test_an_unknown_draft_dtype_is_refused_by_the_config(tiny_dir):
     assert info.value.field == "speculative.draft_dtype"
 
 
-@pytest.mark.parametrize("tree", [None, TREE])
-async def test_a_bf16_head_on_a_float64_target_keeps_greedy_exact(tiny_dir, tiny_loaded,
-                                                                  head_file, tree):  # noqa: F811
+@pytest.mark.parametrize("tree, dtype", [(None, "bfloat16"), (TREE, "bfloat16"),
+                                         (TREE, "float16"), (None, "float32")])
+async def test_a_narrower_head_on_a_float64_target_keeps_greedy_exact(tiny_dir, tiny_loaded,
+                                                                      head_file,  # noqa: F811
+                                                                      tree, dtype):
     """Chain and tree: outputs equal greedy without speculation, drafts are accepted, and
-    only the head's own tensors are bf16 (the shared embedding is the target's object)."""
+    only the head's own tensors take the dtype (the shared embedding is the target's
+    object)."""
     reqs = [(p, prm, d) for p, prm, d in requests() if prm.is_greedy]
-    config = tree_config(tiny_dir, head_file, tree=tree, draft_dtype="bfloat16")
+    config = tree_config(tiny_dir, head_file, tree=tree, draft_dtype=dtype)
+    want = getattr(torch, dtype)
     embed = tiny_loaded.model.embed_tokens
     async with AsyncEngine(config, model=tiny_loaded) as engine:
         drafter = engine.worker.drafter
         own = drafter.head.own_state()
-        assert own and all(t.dtype == torch.bfloat16 for n, t in own.items() if n != "d2t")
-        assert drafter.cache.dtype == drafter.lm.weight.dtype == torch.bfloat16
+        assert own and all(t.dtype == want for n, t in own.items() if n != "d2t")
+        assert drafter.cache.dtype == drafter.lm.weight.dtype == want
         assert drafter.head.block.embed_tokens is embed and embed.dtype == torch.float64
         outs = await serve_staggered(engine, reqs)
         stats = engine.stats
