@@ -649,7 +649,8 @@ class MtpEagleDrafter(Drafter):
             ask = next(steps)
             while True:
                 hidden, level = ask
-                ask = steps.send(self.lm.top(hidden, level.width))
+                ask = steps.send(self.lm.top(hidden, level.width,
+                                             fused=self.head.block.uses_kernels))
         except StopIteration as done:
             return done.value
 
@@ -715,7 +716,8 @@ class MtpEagleDrafter(Drafter):
             hidden, level = ask
             assert level.expand is not None
             top = await self.lm.top_tokens(ctx, hidden, level.width,
-                                           per_row=len(level.expand))
+                                           per_row=len(level.expand),
+                                           fused=self.head.block.uses_kernels)
             ask, tokens = await ctx.run_sync(lambda: advance(top))
         assert tokens is not None
         self.pending.zero(ctx.slot_list())

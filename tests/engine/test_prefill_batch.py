@@ -10,6 +10,9 @@ from specloop.samplers import SamplingParams
 
 from .conftest import make_config, serve_staggered
 
+# The requests the prefill tests build by hand (a Request reads its params' greediness).
+GREEDY = SamplingParams(temperature=0.0)
+
 # Lengths 1 (nothing to prefill), 40 (over the 24- or 32-token budget: alone, in chunks)
 # and short ones that share forwards, padded to the longest of their group.
 LENGTHS = [5, 1, 9, 40, 3, 12, 7, 2]
@@ -73,7 +76,7 @@ def test_batched_prefill_equals_single_on_the_fused_kernels(tmp_path):
     def run(batched):
         runner = ModelRunner(loaded, num_slots=8, max_seq_len=128, max_prefill_tokens=512)
         runner.batch_prefill = batched
-        requests = [Request(f"r{i}", (), None, 0, [(13 * i + j) % 380 + 1 for j in range(n)],
+        requests = [Request(f"r{i}", (), GREEDY, 0, [(13 * i + j) % 380 + 1 for j in range(n)],
                             slot=7 - i) for i, n in enumerate(lengths)]
         hidden = runner.prefill_many(requests)
         kv = []
@@ -119,7 +122,7 @@ def test_prefill_graphs_replay_what_the_padded_eager_forward_computes(tmp_path):
                 for key, step, example in runner.prefill_graphs():
                     cache.capture(key, step, example)
             runner.prefill_cache = cache
-        requests = [Request(f"r{i}", (), None, 0, [(13 * i + j) % 380 + 1 for j in range(n)],
+        requests = [Request(f"r{i}", (), GREEDY, 0, [(13 * i + j) % 380 + 1 for j in range(n)],
                             slot=7 - i) for i, n in enumerate(lengths)]
         hidden = runner.prefill_many(requests)
         kv = []

@@ -3,8 +3,9 @@ float32, in a child process: the interpreter is chosen before Triton is imported
 
 Covered: the target's feature capture stored by the next norm kernel, positions given as
 start + pos_offset inside the kernels, the head's prologue kernel (embedding, enorm,
-hnorm, concat), the per-part fnorm, and the greedy draft token as one argmax-and-map
-kernel (ties to the smallest target id, whatever the map's order). The same comparisons
+hnorm, concat), the per-part fnorm, the greedy draft token as one argmax-and-map
+kernel (ties to the smallest target id, whatever the map's order), and a draft tree's
+children as one top-k-and-map kernel (the same order, k times). The same comparisons
 run on CUDA in bf16 in tests/models/test_gpu.py.
 """
 
@@ -106,6 +107,23 @@ x[0, 30000] = float("nan")
 x[1, 3] = float("nan")
 x[1, 35000] = float("nan")
 assert _kernels.argmax_map(x, None).tolist() == [30000, 3] == x.argmax(dim=-1).tolist()
+
+# A draft tree's children: the top k of the draft rows, largest first, mapped; ties to the
+# smallest target id (argmax_map's order k times), NaN as -inf; each map kind. Rows: a
+# three-way tie at the top, a NaN, all -inf (the k smallest ids), and plain ones.
+z = logits.clone()
+z[:4, 10] = z[:4, 150] = z[:4, 20] = z[:4].max(dim=1).values + 1
+z[5, 3] = float("nan")
+z[6, :] = float("-inf")
+plain = torch.where(z.isnan(), float("-inf"), z)
+for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
+    ids = torch.arange(z.shape[1]) if index_map is None else index_map
+    for k in (1, 5, 9):
+        got = _kernels.topk_map(z, k, index_map, **kind)
+        for r in range(8):
+            order = sorted(range(z.shape[1]), key=lambda c: (-plain[r, c].item(), ids[c].item()))
+            assert got[r].tolist() == [ids[c].item() for c in order[:k]], (r, k, got[r])
+assert torch.equal(lm.top(hidden, 4, fused=True), lm.top(hidden, 4, fused=False))
 print("ok")
 """
 

@@ -178,6 +178,15 @@ def test_draft_greedy_kernel_equals_argmax_bf16(tiny_dirs):
         full = logits.float().new_full((32, V), float("-inf")).index_copy_(1, d2t,
                                                                              logits.float())
         assert torch.equal(got, full.argmax(dim=-1))
+        # A draft tree's children (top k, mapped, ties to the smallest target id): the
+        # reference sorts the -inf-padded vocabulary by (-logit, id), bf16 logits exact.
+        plain = lm._matmul(hidden).float()
+        plain_full = plain.new_full((32, V), float("-inf")).index_copy_(1, d2t, plain)
+        for k in (1, 6):
+            want = torch.argsort(-full, dim=-1, stable=True)[:, :k]    # ids ascending
+            assert torch.equal(_kernels.topk_map(logits, k, d2t), want), k
+            want = torch.argsort(-plain_full, dim=-1, stable=True)[:, :k]
+            assert torch.equal(lm.top(hidden, k, fused=True), want), k
 
 
 def test_fused_feature_capture_bf16(tiny_dirs):
