@@ -565,8 +565,7 @@ class MtpEagleDrafter(Drafter):
             return DraftProposal(torch.zeros(0, ctx.tree.size, dtype=torch.int64))
         if rows == 0:
             # An idle rank still enters every LM-head-TP collective, with dummy rows.
-            hidden = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size,
-                                                   dtype=self.dtype)
+            hidden = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size)
             if self.lm.uses_collectives(ctx):
                 for step in range(k):
                     await self.lm.tokens(ctx, hidden, step)
@@ -686,8 +685,7 @@ class MtpEagleDrafter(Drafter):
         rows = len(ctx.token_ids)
         device = self.cache.device
         if not rows:
-            empty = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size,
-                                                   dtype=self.dtype)
+            empty = self.pending.buffer.new_zeros(0, self.head.block.args.hidden_size)
             for level in self._tree_plan(tree, device):
                 assert level.expand is not None
                 await self.lm.top_tokens(ctx, empty, level.width, per_row=len(level.expand))
