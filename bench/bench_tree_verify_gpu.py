@@ -18,8 +18,13 @@ The steps take turns for ``--rounds`` rounds of ``--replays`` replays each (CUDA
 around each round: device time); prints each step's median time a replay, and its ratio
 to T=1 and to the chain of the tree's depth.
 
+``--kernels N`` (CUDA) then profiles N replays of each step (torch.profiler) and prints
+its critical path a replay (``_common.critical_path_us``: under PDL each kernel charged
+only what it runs past the ones before it), the top rows by added time, kept in --out:
+where a tree's VERIFY or DRAFT spends what the chain's does not.
+
     python bench/bench_tree_verify_gpu.py [--device cuda] [--rounds 5] [--replays 200]
-        [--trees 4,7,15] [--out results.json]
+        [--trees 4,7,15] [--kernels 50] [--out results.json]
 """
 
 from __future__ import annotations
@@ -34,7 +39,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import TREES, device_seconds, quiet_logs  # noqa: E402
+from _common import (TREES, critical_path_us, device_events, device_seconds,  # noqa: E402
+                     quiet_logs)
 from held_out_prompts import PATH as HELD_OUT  # noqa: E402
 
 def drafter_of(runner):
@@ -122,12 +128,24 @@ def timer(device: str, fn, replays: int) -> float:
     return (time.perf_counter() - t) / replays
 
 
+def kernel_path(call, replays: int) -> dict:
+    """The critical path of ``replays`` replays of ``call``, a replay (us, launches)."""
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            call()
+        torch.cuda.synchronize()
+    return critical_path_us(device_events(prof.events(), copies=True), replays)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--replays", type=int, default=200)
     ap.add_argument("--trees", default="4,7,15")
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="CUDA: profile this many replays of each step (critical path)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     quiet_logs()
@@ -147,6 +165,8 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, call in calls.items():
                 times[name].append(timer(args.device, call, args.replays))
+        paths = {name: kernel_path(call, args.kernels) for name, call in calls.items()} \
+            if args.kernels and args.device == "cuda" else {}
     med = {name: statistics.median(t) for name, t in times.items()}
     print(f"{args.device}, prompt of {len(ids)} tokens, {args.rounds} rounds x "
           f"{args.replays} replays; median us a step (range), x T=1, x the chain of its depth")
@@ -163,9 +183,13 @@ def main() -> None:
         r = rows[-1]
         print(f"  {name:12s} {r['median_us']:9.1f} ({min(r['us']):.1f}-{max(r['us']):.1f})  "
               f"x{r['vs_t1']:.3f}" + (f"  x{r['vs_chain']:.3f} chain" if chain else ""))
+    for name, path in paths.items():
+        print(f"  {name}: critical path a replay, us (launches): " + ", ".join(
+            f"{k[:40]} {v[1]} ({v[0]:g})" for k, v in list(path.items())[:8]))
     if args.out:
         Path(args.out).write_text(json.dumps({"device": args.device, "prompt_tokens": len(ids),
-                                              "rows": rows}, indent=1))
+                                              "rows": rows, "critical_path_us": paths},
+                                             indent=1))
 
 
 if __name__ == "__main__":

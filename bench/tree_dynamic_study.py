@@ -150,7 +150,7 @@ def main() -> None:
             drafter = engine.worker.drafter
             recorder = Recorder(drafter, tree)
             head = drafter.lm
-            head.top = lambda hidden, k: recorder.top(head, hidden, k)
+            head.top = lambda hidden, k, **_: recorder.top(head, hidden, k)
             _verify.accept_tree = accept
             params = SamplingParams(temperature=0.0, max_tokens=args.tokens,
                                     ignore_eos=True)

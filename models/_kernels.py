@@ -97,11 +97,15 @@ if triton is not None:
         tl.store(h_ptr + row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit(**_per_row("tok_ptr"))
-    def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, H, eps,
+    def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, H, eps, T,
+                               tok_sb, tok_st, hid_sb, hid_st,
                                BLOCK: tl.constexpr, GDC: tl.constexpr = False):
         # One token row of an EAGLE head's input: [enorm(emb(t)); hnorm(h)] (each norm as
-        # _add_rms_norm_kernel computes it, so the bits are the unfused kernels').
+        # _add_rms_norm_kernel computes it, so the bits are the unfused kernels'). Row
+        # (b, t) of [B, T] reads tokens and hidden through their strides (a draft tree's
+        # parents as a view: a slice, or one row repeated with stride 0; no gather).
         row = tl.program_id(0)
+        b, t = row // T, row % T
         cols = tl.arange(0, BLOCK)
         m = cols < H
         if GDC:
@@ -110,25 +114,29 @@ if triton is not None:
         hw = tl.load(hw_ptr + cols, mask=m, other=0.0)
         if GDC:
             tl.extra.cuda.gdc_wait()
-        tok = tl.load(tok_ptr + row).to(tl.int64)     # a token: after (so its embedding row)
+        # a token: after (so its embedding row)
+        tok = tl.load(tok_ptr + b.to(tl.int64) * tok_sb + t * tok_st).to(tl.int64)
         e = tl.load(emb_ptr + tok * H + cols, mask=m, other=0.0)
         ef = e.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(ef * ef, axis=0) / H + eps)
         tl.store(out_ptr + row * 2 * H + cols, ew * (ef * inv).to(e.dtype), mask=m)
-        x = tl.load(hid_ptr + row * H + cols, mask=m, other=0.0)
+        x = tl.load(hid_ptr + b.to(tl.int64) * hid_sb + t.to(tl.int64) * hid_st + cols,
+                    mask=m, other=0.0)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
         tl.store(out_ptr + row * 2 * H + H + cols, hw * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit
-    def _topk_map_kernel(x_ptr, map_ptr, out_ptr, N, out_stride, K: tl.constexpr,
-                         MAP: tl.constexpr, BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    def _topk_map_kernel(x_ptr, map_ptr, out_ptr, dest_ptr, N, out_stride, E,
+                         K: tl.constexpr, MAP: tl.constexpr, BLOCK: tl.constexpr,
+                         DEST: tl.constexpr = False, GDC: tl.constexpr = False):
         # Row-wise top K of x [B, N] (N <= BLOCK: the row stays in registers), largest first,
         # mapped through map [N] as _argmax_map_kernel's MAP: K rounds of its argmax (ties
         # to the smallest mapped id), each taking its pick out. NaN counts as -inf (draft
         # tree children only: VERIFY decides). torch.topk's radix select took ~50 us a
         # call on the H200 for a draft tree's depth (16384 draft rows), ~16 % of a tree
-        # iteration.
+        # iteration. DEST: pick j of row r goes to out[r // E, dest[r % E, j]] (none
+        # where -1): a draft tree's children straight into their nodes' columns.
         if GDC:  # nothing to load before the wait (see the module doc)
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
@@ -151,7 +159,12 @@ if triton is not None:
             ids = tl.where(taken, big, ids)
             if MAP == 1:
                 pick = tl.load(map_ptr + pick)
-            tl.store(out_ptr + row * out_stride + j, pick)
+            if DEST:
+                col = tl.load(dest_ptr + (row % E) * K + j)
+                tl.store(out_ptr + (row // E).to(tl.int64) * out_stride + tl.maximum(col, 0),
+                         pick, mask=col >= 0)
+            else:
+                tl.store(out_ptr + row * out_stride + j, pick)
 
     @triton.jit
     def _argmax_map_kernel(x_ptr, map_ptr, out_ptr, N, out_stride, MAP: tl.constexpr,
@@ -521,16 +534,24 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def eagle_prologue(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor,
                    enorm: torch.Tensor, hnorm: torch.Tensor, eps: float) -> torch.Tensor:
-    """tokens [..., ] i64, hidden [..., H] -> [..., 2H] = [rms_norm(embedding[tokens],
-    enorm); rms_norm(hidden, hnorm)] in one kernel (an EAGLE head's fc input)."""
+    """tokens [B, T] or [B] i64, hidden [B, T, H] or [B, H] -> [..., 2H] =
+    [rms_norm(embedding[tokens], enorm); rms_norm(hidden, hnorm)] in one kernel (an EAGLE
+    head's fc input). Both are read through their strides: views (a slice of a draft
+    tree's rows, a row expanded) need no copy."""
     H = embedding.shape[1]
-    hidden = hidden.contiguous()
-    out = hidden.new_empty(*hidden.shape[:-1], 2 * H)
-    rows = hidden.numel() // H
-    _eagle_prologue_kernel[(rows,)](tokens.contiguous(), embedding, hidden, enorm, hnorm,
-                                    out, H, eps, BLOCK=_pow2(H), num_warps=4,
-                                    **_pdl.launch_kw(hidden))
-    return out
+    flat = hidden.dim() == 2
+    if flat:
+        hidden, tokens = hidden.unsqueeze(1), tokens.unsqueeze(1)
+    if hidden.dim() != 3 or hidden.stride(-1) != 1:
+        raise ValueError(f"eagle_prologue: hidden {tuple(hidden.shape)} with strides "
+                         f"{hidden.stride()} (want [B, T, H], H contiguous)")
+    B, T = hidden.shape[:2]
+    out = hidden.new_empty(B, T, 2 * H)
+    _eagle_prologue_kernel[(B * T,)](tokens, embedding, hidden, enorm, hnorm, out, H, eps,
+                                     T, tokens.stride(0), tokens.stride(1), hidden.stride(0),
+                                     hidden.stride(1), BLOCK=_pow2(H), num_warps=4,
+                                     **_pdl.launch_kw(hidden))
+    return out.squeeze(1) if flat else out
 
 
 def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
@@ -558,20 +579,33 @@ TOPK_MAX_N, TOPK_MAX_K = 16384, 16
 
 
 def topk_map(x: torch.Tensor, k: int, index_map: torch.Tensor | None, *,
-             increasing: bool = False) -> torch.Tensor:
-    """x [B, N] -> i64 [B, k]: index_map[the k largest of each row], largest first (the
+             increasing: bool = False, out: torch.Tensor | None = None,
+             dest: torch.Tensor | None = None) -> torch.Tensor:
+    """x [R, N] -> i64 [R, k]: index_map[the k largest of each row], largest first (the
     indices themselves without a map); ties go to the smallest mapped id, as ``argmax_map``
     k times; NaN counts as -inf. ``increasing``: as ``argmax_map``'s. N <= TOPK_MAX_N,
-    1 <= k <= min(N, TOPK_MAX_K) (``DraftHead.top`` uses torch.topk elsewhere)."""
-    B, N = x.shape
+    1 <= k <= min(N, TOPK_MAX_K) (``DraftHead.top`` uses torch.topk elsewhere).
+    ``out`` [B, W] i64 with ``dest`` [E, k] (R = B * E): pick j of row r is written to
+    ``out[r // E, dest[r % E, j]]`` instead, none where dest is -1 (a draft tree's
+    children into their nodes' columns: no gather and scatter after); returns ``out``."""
+    R, N = x.shape
     if N > TOPK_MAX_N or not 1 <= k <= min(N, TOPK_MAX_K):
         raise ValueError(f"topk_map: k = {k} of N = {N} (at most {TOPK_MAX_K} of "
                          f"{TOPK_MAX_N})")
     x = x.contiguous()
-    out = torch.empty(B, k, dtype=torch.int64, device=x.device)
     kind = 0 if index_map is None else 1 if increasing else 2
-    _topk_map_kernel[(B,)](x, x if index_map is None else index_map, out, N, out.stride(0),
-                           K=k, MAP=kind, BLOCK=_pow2(N), num_warps=16,
+    if dest is None:
+        out = torch.empty(R, k, dtype=torch.int64, device=x.device)
+        e = 1
+    else:
+        if out is None or out.stride(1) != 1 or dest.shape[1] != k or \
+                R != out.shape[0] * dest.shape[0]:
+            raise ValueError(f"topk_map: dest {tuple(dest.shape)} for {R} rows of top-{k} "
+                             f"into out {None if out is None else tuple(out.shape)}")
+        dest, e = dest.contiguous(), dest.shape[0]
+    _topk_map_kernel[(R,)](x, x if index_map is None else index_map, out,
+                           x if dest is None else dest, N, out.stride(0), e, K=k,
+                           MAP=kind, BLOCK=_pow2(N), DEST=dest is not None, num_warps=16,
                            **_pdl.launch_kw(x))
     return out
 

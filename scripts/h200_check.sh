@@ -37,7 +37,8 @@
 #            and a small input's copy through the ring against to_device (no SmolLM2 needed)
 #   hostops  the host time of single torch / CUDA calls an iteration is made of (no SmolLM2)
 #   treeverify  a draft tree's VERIFY (4-31 nodes) against the chain's and plain decoding's
-#            forward at batch 1, each captured: device time a step (bench_tree_verify_gpu.py)
+#            forward at batch 1, each captured: device time a step, and each step's critical
+#            path over TREE_KERNELS (50) profiled replays (bench_tree_verify_gpu.py)
 #   adp      ADP: 1 then 2 ranks (torch.distributed.run --standalone) of bench/adp_run.py,
 #            128 equal greedy requests of 256 tokens, batch 64 a rank, 3 rounds of one
 #            generate_batch and 3 of a task per request, the exchange through shared
@@ -218,6 +219,7 @@ for line in sys.stdin:
       # A draft tree's VERIFY against the chain's at batch 1, captured (the premise of
       # tree drafting on the GPU; SmolLM2 needed).
       python3 bench/bench_tree_verify_gpu.py --rounds 5 --replays 200 --trees 4,7,15,23,31 \
+        --kernels "${TREE_KERNELS:-50}" \
         --out "$OUT/tree_verify.json" 2>&1 | grep -v Warn ;;
     pagesync)
       (cd bench && python3 bench_page_sync_gpu.py --calls 2000 --rounds 3 2>&1 | grep -v Warn) ;;

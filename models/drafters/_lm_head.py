@@ -68,21 +68,34 @@ class DraftHead:
         tokens = self.logits(hidden).argmax(dim=-1)
         return tokens if out is None else out.copy_(tokens)
 
-    def top(self, hidden: torch.Tensor, k: int, *, fused: bool = False) -> torch.Tensor:
-        """hidden [B, H] -> the k most likely draft tokens [B, k] (target ids), most likely
+    def top(self, hidden: torch.Tensor, k: int, *, fused: bool = False,
+            into: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """hidden [R, H] -> the k most likely draft tokens [R, k] (target ids), most likely
         first: a top-k over the draft rows' logits, mapped through ``d2t`` (no scatter to
         the whole vocabulary; a draft tree's children, ``tree_from_root``). ``fused``
-        (CUDA): one kernel for the top-k and the map (``_kernels.topk_map``: ties to the
-        smallest target id; torch.topk's radix select cost ~50 us a depth on the H200),
-        where its row fits one block. Elsewhere among equal logits the order is
-        torch.topk's (drafts only: VERIFY decides what is kept)."""
+        (CUDA, where ``fused_top_fits(k)``): one kernel for the top-k and the map
+        (``_kernels.topk_map``: ties to the smallest target id; torch.topk's radix select
+        cost ~50 us a depth on the H200); ``into`` = (tokens [B, W], dest [R / B, k]):
+        the kernel writes rank j of row r into ``tokens[r // (R / B), dest[r % (R / B),
+        j]]`` (skipped where -1) and this returns None. Elsewhere among equal logits the
+        order is torch.topk's (drafts only: VERIFY decides what is kept)."""
         logits = self._matmul(hidden)
         if fused:
             from specloop.models import _kernels  # noqa: PLC0415
-            if logits.shape[-1] <= _kernels.TOPK_MAX_N and k <= _kernels.TOPK_MAX_K:
-                return _kernels.topk_map(logits, k, self.d2t, increasing=self.d2t_increasing)
+            if not self.fused_top_fits(k):
+                raise ValueError(f"a fused top-{k} of {self.weight.shape[0]} draft rows")
+            out, dest = into if into is not None else (None, None)
+            ids = _kernels.topk_map(logits, k, self.d2t, increasing=self.d2t_increasing,
+                                    out=out, dest=dest)
+            return None if into is not None else ids
         ids = logits.topk(k, dim=-1).indices
         return ids if self.d2t is None else self.d2t[ids]
+
+    def fused_top_fits(self, k: int) -> bool:
+        """Whether ``top(..., k, fused=True)`` runs in one kernel (a row in one block)."""
+        from specloop.models import _kernels  # noqa: PLC0415
+        rows: int = self.weight.shape[0]
+        return rows <= _kernels.TOPK_MAX_N and 1 <= k <= min(_kernels.TOPK_MAX_K, rows)
 
     def _matmul(self, hidden: torch.Tensor) -> torch.Tensor:
         hidden = hidden.to(self.weight.dtype)
@@ -108,13 +121,15 @@ class DraftHead:
         return sample_draft_step(ctx, logits, step)
 
     async def top_tokens(self, ctx: DraftContext, hidden: torch.Tensor, k: int, *,
-                         per_row: int, fused: bool = False) -> torch.Tensor:
+                         per_row: int) -> torch.Tensor:
         """``top(hidden, k)`` for a draft tree's depth: with the local head, or under
         LM-head TP across the group's vocabulary shards (every rank calls it, an idle one
         with no rows; ``per_row``: the depth's rows a request, so every rank's rows pad
         to ``max_rows * per_row``)."""
         if not self.uses_collectives(ctx):
-            return await ctx.run_sync(lambda: self.top(hidden, k, fused=fused))
+            ids = await ctx.run_sync(lambda: self.top(hidden, k))
+            assert ids is not None
+            return ids
         comm = ctx.comm
         shard_logits = await self._tp_shard_logits(ctx, hidden, self.max_rows * per_row)
         ids = await distributed_topk(comm, shard_logits, k, vocab_size=self.weight.shape[0])

@@ -643,38 +643,51 @@ class MtpEagleDrafter(Drafter):
         the head's attended length (the cache's whole length: static shapes, no host
         sync, capturable; None: the positions written). -> token_ids [B, N], the nodes
         in the tree's order."""
-        steps = self._tree_steps(root, seq_lens, slots, tree, kv_len)
+        fused = self.head.block.uses_kernels and self.lm.fused_top_fits(
+            max(level.width for level in self._tree_plan(tree, root.device)))
+        steps = self._tree_steps(root, seq_lens, slots, tree, kv_len, whole_depth=fused)
         try:
             ask = next(steps)
             while True:
-                hidden, level = ask
-                ask = steps.send(self.lm.top(hidden, level.width,
-                                             fused=self.head.block.uses_kernels))
+                hidden, level, tokens = ask
+                if fused:   # the ranks straight into their nodes' columns: None sent
+                    self.lm.top(hidden, level.width, fused=True,
+                                into=(tokens, level.dest_depth))
+                    ask = steps.send(None)
+                else:
+                    ask = steps.send(self.lm.top(hidden, level.width))
         except StopIteration as done:
             return done.value
 
     @inference_mode
     def _tree_steps(self, root: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
-                    tree: DraftTree, kv_len: int | None
-                    ) -> Generator[tuple[torch.Tensor, _TreeLevel], torch.Tensor, torch.Tensor]:
+                    tree: DraftTree, kv_len: int | None, *, whole_depth: bool = False
+                    ) -> Generator[tuple[torch.Tensor, _TreeLevel, torch.Tensor],
+                                   torch.Tensor | None, torch.Tensor]:
         """``tree_from_root`` as a generator: at each depth it runs the head, then yields
-        (the hidden states of the rows whose children it drafts [B * E, H], the level)
-        and is sent their top ``level.width`` draft tokens [B * E, width] (the local LM
-        head's, or the group's under LM-head TP); returns token_ids [B, N]."""
+        (hidden states [B * R, H], the level, the nodes' tokens [B, 1 + N]) and is sent
+        the top ``level.width`` draft tokens of those R rows a request [B * R, width] (the
+        local LM head's, or the group's under LM-head TP), which it puts into the
+        children's columns; or None, when the caller has put them there itself (through
+        ``level.dest_depth``). The R rows: the depth's rows with children
+        (``level.expand``), or with ``whole_depth`` all its rows up to the last with
+        children (``level.first`` .. ``level.end`` - 1: the head's output as it is, no
+        gather; a row without children has no destination). Returns token_ids [B, N]."""
         rows, n = root.shape[0], tree.size
         hidden = root.new_empty(rows, n + 1, root.shape[-1])
         hidden[:, 0] = root
         tokens = torch.zeros(rows, n + 1, dtype=torch.int64, device=root.device)
         for level in self._tree_plan(tree, root.device):
+            a, b = level.first, level.end
             if level.mask is not None:      # depth >= 1: the head over its rows
-                a, b = level.first, level.end
                 hidden[:, a:b] = self.head(
-                    tokens[:, a:b], hidden[:, level.parents], seq_lens + (a - 2), slots,
+                    tokens[:, a:b], level.parents_of(hidden), seq_lens + (a - 2), slots,
                     self.cache, kv_len=kv_len, tree=level.mask)
             assert level.expand is not None, "every depth above the deepest has children"
-            top = yield hidden[:, level.expand].flatten(0, 1), level
-            top = top.view(rows, -1, level.width)       # their children: the ranks named
-            tokens[:, level.children] = top[:, level.child_of, level.rank]
+            ranked = hidden[:, a:b] if whole_depth else level.expanding(hidden)
+            top = yield ranked.flatten(0, 1), level, tokens
+            if top is not None:
+                level.place(tokens, top, whole_depth=whole_depth)
         return tokens[:, 1:]
 
     async def _draft_tree_tp(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
@@ -692,7 +705,8 @@ class MtpEagleDrafter(Drafter):
             return DraftProposal(torch.zeros(0, tree.size, dtype=torch.int64, device=device))
 
         @inference_mode
-        def start() -> Generator[tuple[torch.Tensor, _TreeLevel], torch.Tensor, torch.Tensor]:
+        def start() -> Generator[tuple[torch.Tensor, _TreeLevel, torch.Tensor],
+                                 torch.Tensor | None, torch.Tensor]:
             loop = self._draft_steps(self._eager_inputs(ctx), kv_len=None, k=0)
             root = next(loop)
             loop.close()
@@ -701,7 +715,8 @@ class MtpEagleDrafter(Drafter):
         steps = await ctx.run_sync(start)
 
         def advance(top: torch.Tensor | None
-                    ) -> tuple[tuple[torch.Tensor, _TreeLevel] | None, torch.Tensor | None]:
+                    ) -> tuple[tuple[torch.Tensor, _TreeLevel, torch.Tensor] | None,
+                               torch.Tensor | None]:
             # (the next ask, None), or (None, the tokens) at the end: a StopIteration
             # must not cross the coroutines that run this on the compute thread.
             try:
@@ -711,11 +726,10 @@ class MtpEagleDrafter(Drafter):
 
         ask, tokens = await ctx.run_sync(lambda: advance(None))
         while ask is not None:
-            hidden, level = ask
+            hidden, level, _ = ask
             assert level.expand is not None
             top = await self.lm.top_tokens(ctx, hidden, level.width,
-                                           per_row=len(level.expand),
-                                           fused=self.head.block.uses_kernels)
+                                           per_row=len(level.expand))
             ask, tokens = await ctx.run_sync(lambda: advance(top))
         assert tokens is not None
         self.pending.zero(ctx.slot_list())
@@ -734,7 +748,13 @@ class _TreeLevel:
     head over rows ``first`` .. ``end`` - 1 (depth >= 1: their ``parents``, ``mask``; up
     to the depth's last row with children: a row past it, a leaf, needs no head output,
     and no row attends it), then the children of rows ``expand``: ``children[i]`` is
-    rank ``rank[i]`` among the top ``width`` of ``expand[child_of[i]]``'s logits."""
+    rank ``rank[i]`` among the top ``width`` of ``expand[child_of[i]]``'s logits.
+
+    Where an index is a run of rows (or one row repeated), the rows are taken as a view
+    (``parents_of``, ``expanding``): on the GPU each gather is a kernel of its own in a
+    launch-bound step. ``dest_depth`` [end - first, width]: for each row of the depth and
+    rank, the node (column of the tokens [B, 1 + N]) it drafts, -1 for none
+    (``_kernels.topk_map``'s ``dest``)."""
 
     def __init__(self, tree: DraftTree, depth: int, device: torch.device) -> None:
         kids = tree.children()
@@ -743,21 +763,74 @@ class _TreeLevel:
         rows = rows[:rows.index(max(r for r in rows if r in kids)) + 1]
         self.first, self.end = rows[0], rows[-1] + 1
         self.mask: TreeMask | None = None
-        self.parents = torch.tensor([tree.parents[r] for r in rows], device=device)
+        parents = [tree.parents[r] for r in rows]
+        self.parents = torch.tensor(parents, device=device)
+        self._parent_run = _run(parents)
         if depth:
             a, b = self.first, self.end
             # Rows a..b-1 at depth d: RoPE position L - 2 + d = (L - 2 + a) + (d - a);
             # the tree's rows 1..b-1 stored so far end with them.
             self.mask = TreeMask(torch.full((b - a,), depth - a, device=device),
                                  tree.visible(device)[a:b, 1:b])
-        parents = [r for r in rows if r in kids]
-        self.expand = torch.tensor(parents, device=device) if parents else None
-        pairs = [(i, c) for i, r in enumerate(parents) for c in kids[r]]
+        expand = [r for r in rows if r in kids]
+        self.expand = torch.tensor(expand, device=device) if expand else None
+        self._expand_run = _run(expand)
+        pairs = [(i, c) for i, r in enumerate(expand) for c in kids[r]]
         self.children = torch.tensor([c for _, c in pairs], device=device)
         self.child_of = torch.tensor([i for i, _ in pairs], device=device)
         ranks = [tree.paths[c - 1][-1] for _, c in pairs]
         self.rank = torch.tensor(ranks, device=device)
         self.width = max(ranks, default=0) + 1
+        dest = torch.full((self.end - self.first, self.width), -1, dtype=torch.int64)
+        for (i, c), rank in zip(pairs, ranks):
+            dest[expand[i] - self.first, rank] = c
+        self.dest_depth = dest.to(device)
+        # Placing a depth's ranks [B, end - first, width] from its rows in order.
+        self._depth_src = torch.nonzero(dest.flatten() >= 0).flatten().to(device)
+        self._depth_cols = dest.flatten()[dest.flatten() >= 0].to(device)
+
+    def parents_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, 1 + N, H] -> the depth's rows' parents' [B, end - first, H]."""
+        return _take(hidden, self.parents, self._parent_run)
+
+    def expanding(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [B, 1 + N, H] -> the rows with children [B, len(expand), H]."""
+        assert self.expand is not None
+        return _take(hidden, self.expand, self._expand_run)
+
+    def place(self, tokens: torch.Tensor, top: torch.Tensor, *, whole_depth: bool = False
+              ) -> None:
+        """Put the ranks ``top`` [B * R, width] (R: the rows with children, or with
+        ``whole_depth`` the depth's rows) into their children's columns of tokens."""
+        rows = tokens.shape[0]
+        if whole_depth:
+            tokens[:, self._depth_cols] = top.view(rows, -1)[:, self._depth_src]
+        else:
+            tokens[:, self.children] = top.view(rows, -1, self.width)[:, self.child_of,
+                                                                      self.rank]
+
+
+def _run(index: list[int]) -> tuple[int, int, int] | None:
+    """(start, length, step) where ``index`` is a run start, start + 1, ... (step 1) or one
+    row repeated (step 0); else None."""
+    if not index:
+        return None
+    if all(i == index[0] for i in index):
+        return index[0], len(index), 0
+    if index == list(range(index[0], index[0] + len(index))):
+        return index[0], len(index), 1
+    return None
+
+
+def _take(hidden: torch.Tensor, index: torch.Tensor, run: tuple[int, int, int] | None
+          ) -> torch.Tensor:
+    """hidden[:, index] [B, len(index), H], a view where ``index`` is a ``_run``."""
+    if run is None:
+        return hidden.index_select(1, index)
+    start, length, step = run
+    if step:
+        return hidden[:, start:start + length]
+    return hidden[:, start:start + 1].expand(-1, length, -1)
 
 
 def _tree_levels(tree: DraftTree, device: torch.device) -> list[_TreeLevel]:

@@ -5,7 +5,8 @@ Covered: the target's feature capture stored by the next norm kernel, positions 
 start + pos_offset inside the kernels, the head's prologue kernel (embedding, enorm,
 hnorm, concat), the per-part fnorm, the greedy draft token as one argmax-and-map
 kernel (ties to the smallest target id, whatever the map's order), and a draft tree's
-children as one top-k-and-map kernel (the same order, k times). The same comparisons
+children as one top-k-and-map kernel (the same order, k times), written into their nodes'
+columns; the prologue reading strided rows (a tree's parents as a view). The same comparisons
 run on CUDA in bf16 in tests/models/test_gpu.py.
 """
 
@@ -124,6 +125,32 @@ for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
             order = sorted(range(z.shape[1]), key=lambda c: (-plain[r, c].item(), ids[c].item()))
             assert got[r].tolist() == [ids[c].item() for c in order[:k]], (r, k, got[r])
 assert torch.equal(lm.top(hidden, 4, fused=True), lm.top(hidden, 4, fused=False))
+# ... written straight into a tree's node columns: z's 8 rows as 2 requests x 4 rows of a
+# depth, dest [4, k] naming each (row, rank)'s node, -1 for none (a row without children).
+dest = torch.tensor([[3, 1, -1], [-1, -1, -1], [2, -1, 6], [-1, 5, -1]])
+for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
+    top = _kernels.topk_map(z, 3, index_map, **kind)
+    out = torch.full((2, 8), -7, dtype=torch.int64)
+    assert _kernels.topk_map(z, 3, index_map, **kind, out=out, dest=dest) is out
+    want = torch.full((2, 8), -7, dtype=torch.int64)
+    for r in range(8):
+        for j in range(3):
+            if dest[r % 4, j] >= 0:
+                want[r // 4, dest[r % 4, j]] = top[r, j]
+    assert torch.equal(out, want), (out, want)
+
+# The head's prologue reads its rows through their strides: a slice of a tree's rows and
+# one row repeated (stride 0) give what their copies give.
+emb = model.embed_tokens
+rows = torch.randn(2, 7, H)
+toks = torch.randint(0, V, (2, 7))
+ones = torch.ones(H)
+for view, tview in ((rows[:, 2:5], toks[:, 2:5]), (rows[:, 1:2].expand(-1, 4, -1), toks[:, 1:5]),
+                    (rows[:, 3], toks[:, 3])):
+    got = _kernels.eagle_prologue(tview, emb, view, ones, ones * 2, 1e-5)
+    want = _kernels.eagle_prologue(tview.contiguous(), emb, view.contiguous(), ones, ones * 2,
+                                   1e-5)
+    assert torch.equal(got, want) and got.shape == (*view.shape[:-1], 2 * H)
 print("ok")
 """
 

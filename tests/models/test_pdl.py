@@ -204,8 +204,16 @@ def test_kernels_wait_before_reading_activations_or_storing():
                  weights={"w_ptr"})
     check_kernel(K._eagle_prologue_kernel,
                  {"tok_ptr": "*i64", "emb_ptr": "*bf16", "hid_ptr": "*bf16", "ew_ptr": "*bf16",
-                  "hw_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32"},
+                  "hw_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32",
+                  "T": "i32", "tok_sb": "i32", "tok_st": "i32", "hid_sb": "i32",
+                  "hid_st": "i32"},
                  {"BLOCK": 1024}, weights={"ew_ptr", "hw_ptr"})
+    for dest in (False, True):     # a draft tree's children, into their nodes' columns too
+        check_kernel(K._topk_map_kernel,
+                     {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64",
+                      "dest_ptr": "*i64", "N": "i32", "out_stride": "i32", "E": "i32"},
+                     {"K": 3, "MAP": 2, "BLOCK": 4096, "DEST": dest}, weights=set(),
+                     num_warps=16)
     check_kernel(K._argmax_map_kernel,
                  {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
                   "out_stride": "i32"}, {"MAP": 2, "BLOCK": 4096}, weights=set(),
@@ -397,7 +405,7 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     calls: list = []
     monkeypatch.setattr(_pdl, "launch_kw", lambda t: _pdl.ON)
     for mod, names in ((K, ["_add_rms_norm_kernel", "_eagle_prologue_kernel",
-                            "_argmax_map_kernel", "_rope_write_kernel",
+                            "_argmax_map_kernel", "_topk_map_kernel", "_rope_write_kernel",
                             "_paged_attention_kernel", "_attention_combine_kernel",
                             "_silu_mul_kernel"]),
                        (S, ["_skinny_kernel", "_norm_skinny_kernel", "_splitk_reduce_kernel"]),
@@ -414,6 +422,9 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     K.eagle_prologue(torch.zeros(2, dtype=i64), torch.zeros(10, 8), x, torch.ones(8),
                      torch.ones(8), 1e-5)
     K.argmax_map(torch.zeros(2, 16), None)
+    K.topk_map(torch.zeros(2, 16), 3, None)
+    K.topk_map(torch.zeros(2, 16), 2, None, out=torch.zeros(1, 5, dtype=i64),
+               dest=torch.zeros(2, 2, dtype=i64))
     kc = torch.zeros(8, 16, 1, 16)
     table, one = torch.zeros(1, 64, dtype=torch.int32), torch.zeros(1, dtype=i64)
     K.rope_cache_write(torch.zeros(1, 1, 4 * 16), one, one, table, 1024, 0,
@@ -436,7 +447,7 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
                          bonus=one.clone(), start_pos=one.clone())
     launched = {name for name, _ in calls}
     assert launched == {"_add_rms_norm_kernel", "_eagle_prologue_kernel", "_argmax_map_kernel",
-                        "_rope_write_kernel", "_paged_attention_kernel",
+                        "_topk_map_kernel", "_rope_write_kernel", "_paged_attention_kernel",
                         "_attention_combine_kernel", "_silu_mul_kernel", "_skinny_kernel",
                         "_norm_skinny_kernel", "_splitk_reduce_kernel", "_ngram_chain_kernel",
                         "partials", "combine", "row", "chunk_sums", "sample"}, launched
