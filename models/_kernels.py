@@ -143,20 +143,25 @@ if triton is not None:
         row = tl.program_id(0)
         n = tl.arange(0, BLOCK)
         m = n < N
-        big = 9223372036854775807
         v = tl.load(x_ptr + row * N + n, mask=m, other=float("-inf")).to(tl.float32)
         v = tl.where(v != v, float("-inf"), v)
+        v = tl.where(v == 0.0, 0.0, v)      # -0.0 as 0.0: equal values tie on the id
         if MAP == 2:
             ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
         else:
             ids = n.to(tl.int64)
-        ids = tl.where(m, ids, big)         # past N: never picked (K <= N)
+        # One int64 key a value, ordered as (value, -id): the float's bits made monotonic
+        # (negatives' magnitude bits flipped) above, 2^32 - 1 - id below (ids < 2^32), so
+        # each round is ONE max reduction (not a max, then a min over the ties' ids).
+        # Past N: the smallest int64, never picked (K <= N; a -inf value still is).
+        bits = v.to(tl.int32, bitcast=True)
+        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        least = -9223372036854775807 - 1
+        key = tl.where(m, (mono.to(tl.int64) << 32) | (4294967295 - ids), least)
         for j in tl.static_range(K):
-            top = tl.max(v, axis=0)
-            pick = tl.min(tl.where(v == top, ids, big), axis=0)
-            taken = ids == pick
-            v = tl.where(taken, float("-inf"), v)
-            ids = tl.where(taken, big, ids)
+            top = tl.max(key, axis=0)
+            key = tl.where(key == top, least, key)
+            pick = 4294967295 - (top & 4294967295)
             if MAP == 1:
                 pick = tl.load(map_ptr + pick)
             if DEST:
@@ -273,6 +278,50 @@ if triton is not None:
         chunk = tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
         return chunk, tl.maximum((n_end + chunk - 1) // chunk, 1)
 
+    @triton.jit
+    def _attention_tile(q, n0, hi, limit, seen, first, m_i, l_i, acc, kc_ptr, vc_ptr,
+                        table_ptr, slot, s_table, pages_per_slot, s_page, s_off, kvh, d,
+                        scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+                        TREE: tl.constexpr, MASKED: tl.constexpr):
+        # One BLOCK_N tile of positions n0.. for the program's query rows: online softmax
+        # update of (max m_i, sum l_i, output acc). MASKED: positions past ``hi`` or a
+        # row's causal ``limit`` (TREE: or unseen tree rows at ``first``.., bits ``seen``)
+        # count as -inf; without it every position is seen (tiles wholly below ``first``).
+        n = n0 + tl.arange(0, BLOCK_N)
+        pidx = tl.minimum(n // PAGE, pages_per_slot - 1)
+        if MASKED:
+            nm = n < hi
+            page = tl.load(table_ptr + slot * s_table + pidx, mask=nm, other=0).to(tl.int64)
+        else:
+            page = tl.load(table_ptr + slot * s_table + pidx).to(tl.int64)
+        kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
+        if MASKED:
+            k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
+        else:
+            k = tl.load(kc_ptr + kv_off)
+        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+        if MASKED:
+            ok = (n[None, :] <= limit[:, None]) & nm[None, :]
+            if TREE:
+                rel = n - first
+                bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)[None, :]) & 1
+                ok = ok & ((rel < 0)[None, :] | (bit != 0))
+            s = tl.where(ok, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        # A row may see none of a later split's range (VERIFY's earlier rows near its
+        # start): its max stays -inf, and exp(-inf - -inf) would be NaN. (The first
+        # range holds position 0, seen by every row: there m_safe is m_new.)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_safe)
+        p = tl.exp(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
+        else:
+            v = tl.load(vc_ptr + kv_off)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+        return m_new, l_i, acc
+
     # (cnt_ptr: split-KV's counters, or start_pos again where none are used; tree_ptr: a
     # draft tree's visibility bits, or start_pos again without a tree.)
     @triton.jit(**_per_row("slot_ptr", "start_ptr", "cnt_ptr", "tree_ptr",
@@ -327,36 +376,29 @@ if triton is not None:
             # before the tree's rows are all seen.
             seen = tl.load(tree_ptr + t, mask=rm, other=0)
             first = start - tree_back
+        else:
+            seen = limit        # (unused)
+            first = start + 1   # positions up to start: seen by every row (causal)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        for n0 in range(lo, hi, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
-            nm = n < hi
-            pidx = tl.minimum(n // PAGE, pages_per_slot - 1)
-            page = tl.load(table_ptr + slot * s_table + pidx, mask=nm, other=0).to(tl.int64)
-            kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
-            k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            ok = (n[None, :] <= limit[:, None]) & nm[None, :]
-            if TREE:
-                rel = n - first
-                bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)[None, :]) & 1
-                ok = ok & ((rel < 0)[None, :] | (bit != 0))
-            s = tl.where(ok, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, axis=1))
-            # A row may see none of a later split's range (VERIFY's earlier rows near its
-            # start): its max stays -inf, and exp(-inf - -inf) would be NaN. (The first
-            # range holds position 0, seen by every row: there m_safe is m_new.)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp(m_i - m_safe)
-            p = tl.exp(s - m_safe[:, None])
-            l_i = l_i * alpha + tl.sum(p, axis=1)
-            v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-            m_i = m_new
+        # The same BLOCK_N tiles from lo in the same order, in two loops: the whole tiles
+        # below ``first``, which every query row sees, with no mask at all; then the rest,
+        # masked (causal, the tree's bits, the range's end). A row's arithmetic is the
+        # masked loop's in both (a mask that keeps everything changes nothing).
+        mid = lo + tl.maximum(tl.minimum(hi, first) - lo, 0) // BLOCK_N * BLOCK_N
+        for n0 in range(lo, mid, BLOCK_N):
+            m_i, l_i, acc = _attention_tile(
+                q, n0, hi, limit, seen, first, m_i, l_i, acc, kc_ptr, vc_ptr, table_ptr,
+                slot, s_table, pages_per_slot, s_page, s_off, kvh, d, scale, D=D, PAGE=PAGE,
+                BLOCK_N=BLOCK_N, TREE=TREE, MASKED=False)
+        for n0 in range(mid, hi, BLOCK_N):
+            m_i, l_i, acc = _attention_tile(
+                q, n0, hi, limit, seen, first, m_i, l_i, acc, kc_ptr, vc_ptr, table_ptr,
+                slot, s_table, pages_per_slot, s_page, s_off, kvh, d, scale, D=D, PAGE=PAGE,
+                BLOCK_N=BLOCK_N, TREE=TREE, MASKED=True)
         if active == 1:
             out = acc / tl.maximum(l_i, 1e-30)[:, None]
             tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])

@@ -111,11 +111,14 @@ assert _kernels.argmax_map(x, None).tolist() == [30000, 3] == x.argmax(dim=-1).t
 
 # A draft tree's children: the top k of the draft rows, largest first, mapped; ties to the
 # smallest target id (argmax_map's order k times), NaN as -inf; each map kind. Rows: a
-# three-way tie at the top, a NaN, all -inf (the k smallest ids), and plain ones.
+# three-way tie at the top, a NaN, all -inf (the k smallest ids), +0.0 and -0.0 at the top
+# (equal), and plain ones.
 z = logits.clone()
 z[:4, 10] = z[:4, 150] = z[:4, 20] = z[:4].max(dim=1).values + 1
 z[5, 3] = float("nan")
 z[6, :] = float("-inf")
+z[7, :] = -1.0                  # zeros of both signs at the top: equal, so by id
+z[7, [40, 3, 17, 90]] = torch.tensor([0.0, -0.0, -0.0, 0.0])
 plain = torch.where(z.isnan(), float("-inf"), z)
 for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
     ids = torch.arange(z.shape[1]) if index_map is None else index_map
