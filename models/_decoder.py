@@ -32,6 +32,9 @@ log = structlog.get_logger(__name__)
 # The dynamic path attends over a cache prefix rounded up to this, so shapes repeat.
 KV_LEN_MULTIPLE = 64
 
+# DecoderModel.embed: above this many tokens a CUDA lookup indexes the table (see there).
+EMBED_INDEX_FROM = 1
+
 
 class _Step(NamedTuple):
     """Per-forward tensors shared by every layer."""
@@ -161,11 +164,14 @@ class DecoderModel(nn.Module):
         return self.embed_tokens.device
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [B, T] i64 -> embeddings [B, T, H]. On CUDA by indexing, a thread an
-        element: F.embedding's index_select kernel for few indices walks them one after
-        another (H100, captured: 1.6 us for one token, 11.1 for a 15-node tree's 16 VERIFY
-        rows; bench_tree_verify_gpu.py --kernels). The same values."""
-        if tokens.is_cuda:
+        """tokens [B, T] i64 -> embeddings [B, T, H]; the same values either way. On CUDA
+        for more than EMBED_INDEX_FROM tokens by indexing (PyTorch's vectorized gather):
+        F.embedding's index_select kernel walks up to 16 indices one after another (an
+        H100, captured: 1.6-1.8 us for 1 token, 3.3-3.8 for 4, 11.1 for a 15-node tree's 16
+        VERIFY rows) where the gather took 1.5-1.6 us for 4 to 32; for one token indexing
+        runs a slower kernel (4.6-4.8 us). bench_tree_verify_gpu.py --kernels and
+        profile_spec_gpu.py's critical paths, 2026-12-05."""
+        if tokens.is_cuda and tokens.numel() > EMBED_INDEX_FROM:
             return self.embed_tokens[tokens]
         return F.embedding(tokens, self.embed_tokens)
 

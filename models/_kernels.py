@@ -278,50 +278,6 @@ if triton is not None:
         chunk = tl.maximum(tl.where(n_end < SPLIT_MIN, n_end, chunk), 1)
         return chunk, tl.maximum((n_end + chunk - 1) // chunk, 1)
 
-    @triton.jit
-    def _attention_tile(q, n0, hi, limit, seen, first, m_i, l_i, acc, kc_ptr, vc_ptr,
-                        table_ptr, slot, s_table, pages_per_slot, s_page, s_off, kvh, d,
-                        scale, D: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-                        TREE: tl.constexpr, MASKED: tl.constexpr):
-        # One BLOCK_N tile of positions n0.. for the program's query rows: online softmax
-        # update of (max m_i, sum l_i, output acc). MASKED: positions past ``hi`` or a
-        # row's causal ``limit`` (TREE: or unseen tree rows at ``first``.., bits ``seen``)
-        # count as -inf; without it every position is seen (tiles wholly below ``first``).
-        n = n0 + tl.arange(0, BLOCK_N)
-        pidx = tl.minimum(n // PAGE, pages_per_slot - 1)
-        if MASKED:
-            nm = n < hi
-            page = tl.load(table_ptr + slot * s_table + pidx, mask=nm, other=0).to(tl.int64)
-        else:
-            page = tl.load(table_ptr + slot * s_table + pidx).to(tl.int64)
-        kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
-        if MASKED:
-            k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
-        else:
-            k = tl.load(kc_ptr + kv_off)
-        s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-        if MASKED:
-            ok = (n[None, :] <= limit[:, None]) & nm[None, :]
-            if TREE:
-                rel = n - first
-                bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)[None, :]) & 1
-                ok = ok & ((rel < 0)[None, :] | (bit != 0))
-            s = tl.where(ok, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        # A row may see none of a later split's range (VERIFY's earlier rows near its
-        # start): its max stays -inf, and exp(-inf - -inf) would be NaN. (The first
-        # range holds position 0, seen by every row: there m_safe is m_new.)
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_safe)
-        p = tl.exp(s - m_safe[:, None])
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        if MASKED:
-            v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
-        else:
-            v = tl.load(vc_ptr + kv_off)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
-        return m_new, l_i, acc
-
     # (cnt_ptr: split-KV's counters, or start_pos again where none are used; tree_ptr: a
     # draft tree's visibility bits, or start_pos again without a tree.)
     @triton.jit(**_per_row("slot_ptr", "start_ptr", "cnt_ptr", "tree_ptr",
@@ -376,29 +332,36 @@ if triton is not None:
             # before the tree's rows are all seen.
             seen = tl.load(tree_ptr + t, mask=rm, other=0)
             first = start - tree_back
-        else:
-            seen = limit        # (unused)
-            first = start + 1   # positions up to start: seen by every row (causal)
         lo = split * chunk
         hi = tl.minimum(lo + chunk, n_end)
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, D], tl.float32)
-        # The same BLOCK_N tiles from lo in the same order, in two loops: the whole tiles
-        # below ``first``, which every query row sees, with no mask at all; then the rest,
-        # masked (causal, the tree's bits, the range's end). A row's arithmetic is the
-        # masked loop's in both (a mask that keeps everything changes nothing).
-        mid = lo + tl.maximum(tl.minimum(hi, first) - lo, 0) // BLOCK_N * BLOCK_N
-        for n0 in range(lo, mid, BLOCK_N):
-            m_i, l_i, acc = _attention_tile(
-                q, n0, hi, limit, seen, first, m_i, l_i, acc, kc_ptr, vc_ptr, table_ptr,
-                slot, s_table, pages_per_slot, s_page, s_off, kvh, d, scale, D=D, PAGE=PAGE,
-                BLOCK_N=BLOCK_N, TREE=TREE, MASKED=False)
-        for n0 in range(mid, hi, BLOCK_N):
-            m_i, l_i, acc = _attention_tile(
-                q, n0, hi, limit, seen, first, m_i, l_i, acc, kc_ptr, vc_ptr, table_ptr,
-                slot, s_table, pages_per_slot, s_page, s_off, kvh, d, scale, D=D, PAGE=PAGE,
-                BLOCK_N=BLOCK_N, TREE=TREE, MASKED=True)
+        for n0 in range(lo, hi, BLOCK_N):
+            n = n0 + tl.arange(0, BLOCK_N)
+            nm = n < hi
+            pidx = tl.minimum(n // PAGE, pages_per_slot - 1)
+            page = tl.load(table_ptr + slot * s_table + pidx, mask=nm, other=0).to(tl.int64)
+            kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
+            k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
+            ok = (n[None, :] <= limit[:, None]) & nm[None, :]
+            if TREE:
+                rel = n - first
+                bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)[None, :]) & 1
+                ok = ok & ((rel < 0)[None, :] | (bit != 0))
+            s = tl.where(ok, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, axis=1))
+            # A row may see none of a later split's range (VERIFY's earlier rows near its
+            # start): its max stays -inf, and exp(-inf - -inf) would be NaN. (The first
+            # range holds position 0, seen by every row: there m_safe is m_new.)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp(m_i - m_safe)
+            p = tl.exp(s - m_safe[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            v = tl.load(vc_ptr + kv_off, mask=nm[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v).to(tl.float32)
+            m_i = m_new
         if active == 1:
             out = acc / tl.maximum(l_i, 1e-30)[:, None]
             tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
