@@ -32,6 +32,17 @@ def test_cuda_matches_cpu(pair):
     torch.testing.assert_close(out.cpu(), ref, atol=2e-4, rtol=2e-4)
 
 
+def test_embedding_lookup_equals_f_embedding_at_every_count(pair):
+    """The lookup indexes the table from 2 tokens and uses F.embedding for 1 (their CUDA
+    kernels' costs differ by count, DecoderModel.embed): the same rows either way."""
+    import torch.nn.functional as F
+    _, gpu = pair
+    gen = torch.Generator().manual_seed(3)
+    for shape in ((1, 1), (1, 2), (1, 16), (4, 5), (2, 40)):
+        ids = torch.randint(0, gpu.args.vocab_size, shape, generator=gen).cuda()
+        assert torch.equal(gpu.embed(ids), F.embedding(ids, gpu.embed_tokens)), shape
+
+
 def test_cuda_graph_decode_step(pair):
     """Capture one batched decode step at kv_len=max_seq_len; replays equal eager steps."""
     _, gpu = pair
