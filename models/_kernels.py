@@ -713,10 +713,14 @@ def attention_splits(batch: int, kv_heads: int, row_blocks: int, max_len: int, b
     return splits
 
 
-def _row_blocks(T: int, hq: int, hkv: int) -> tuple[int, int]:
-    """(BLOCK_M, row blocks) of one (row, KV head): its T * G query rows, token-major."""
+def _row_blocks(T: int, hq: int, hkv: int, block_m: int | None = None) -> tuple[int, int]:
+    """(BLOCK_M, row blocks) of one (row, KV head): its T * G query rows, token-major
+    (``block_m``: a given BLOCK_M, a power of two >= 16)."""
     rows = T * (hq // hkv)
-    block_m = 16 if rows <= 16 else 32 if rows <= 256 else 64
+    if block_m is None:
+        block_m = 16 if rows <= 16 else 32 if rows <= 256 else 64
+    elif block_m < 16 or block_m & (block_m - 1):
+        raise ValueError(f"paged_attention: block_m {block_m} (a power of two >= 16)")
     return block_m, -(-rows // block_m)
 
 
@@ -735,8 +739,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
                     pos_offset: int = 0, *, splits: int | None = None, block_n: int = 64,
                     num_warps: int = 4, num_stages: int | None = None,
                     combine: str | None = None, split_min: int | None = None,
-                    tree_bits: torch.Tensor | None = None, tree_back: int = 0
-                    ) -> torch.Tensor:
+                    tree_bits: torch.Tensor | None = None, tree_back: int = 0,
+                    block_m: int | None = None) -> torch.Tensor:
     """q [B, T, Hq, D] at positions start_pos [B] + pos_offset.. of slots [B] -> o [B, T,
     Hq D]: each query attends to its slot's positions 0..its own, read from pages via ``table``.
 
@@ -745,8 +749,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     when its real length reaches ``split_min`` positions (None: ``_SPLIT_MIN``), decided on
     the device; a shorter one runs the one kernel's loop in a single program, which writes
     its output (the bits of ``splits=1``). ``block_n``, ``num_warps``, ``num_stages``: the
-    KV tile, warps and software-pipelining stages (None: Triton's default), parameters for
-    sweeps (bench/bench_paged_attention.py). ``combine`` (None: "last" unless
+    KV tile, warps and software-pipelining stages (None: Triton's default), and ``block_m``
+    the query rows a program (None: ``_row_blocks``' rule), parameters for sweeps
+    (bench/bench_paged_attention.py, bench/bench_tree_attention_gpu.py). ``combine`` (None: "last" unless
     $SPECLOOP_ATTENTION_COMBINE says otherwise): how a split row's partials are added:
     "last", by the last of its programs to finish (no second launch; a counter buffer per
     device, kept zero between calls, so calls on one device must not run concurrently on
@@ -759,7 +764,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     _, page, hkv, _ = k_cache.shape
     q = q.contiguous()
     o = torch.empty_like(q)
-    block_m, row_blocks = _row_blocks(T, hq, hkv)
+    block_m, row_blocks = _row_blocks(T, hq, hkv, block_m)
     split_min = _SPLIT_MIN if split_min is None else split_min
     if splits is None:
         splits = default_splits(q, k_cache, table, block_n, split_min)

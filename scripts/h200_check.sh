@@ -39,6 +39,8 @@
 #   treeverify  a draft tree's VERIFY (4-31 nodes) against the chain's and plain decoding's
 #            forward at batch 1, each captured: device time a step, and each step's critical
 #            path over TREE_KERNELS (50) profiled replays (bench_tree_verify_gpu.py)
+#   treeattn paged attention at VERIFY's rows (4-32 tokens): a tree's visibility words and
+#            BLOCK_M 16 / 32 against the chain's mask (bench_tree_attention_gpu.py; no SmolLM2)
 #   adp      ADP: 1 then 2 ranks (torch.distributed.run --standalone) of bench/adp_run.py,
 #            128 equal greedy requests of 256 tokens, batch 64 a rank, 3 rounds of one
 #            generate_batch and 3 of a task per request, the exchange through shared
@@ -221,6 +223,11 @@ for line in sys.stdin:
       python3 bench/bench_tree_verify_gpu.py --rounds 5 --replays 200 --trees 4,7,15,23,31 \
         --kernels "${TREE_KERNELS:-50}" \
         --out "$OUT/tree_verify.json" 2>&1 | grep -v Warn ;;
+    treeattn)
+      # Paged attention at VERIFY's rows: a tree's visibility words and BLOCK_M 16 / 32
+      # against the chain's causal mask (no SmolLM2 needed).
+      python3 bench/bench_tree_attention_gpu.py --out "$OUT/tree_attention.json" 2>&1 \
+        | grep -v Warn ;;
     pagesync)
       (cd bench && python3 bench_page_sync_gpu.py --calls 2000 --rounds 3 2>&1 | grep -v Warn) ;;
     tail)
