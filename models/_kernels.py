@@ -718,7 +718,12 @@ def _row_blocks(T: int, hq: int, hkv: int, block_m: int | None = None) -> tuple[
     (``block_m``: a given BLOCK_M, a power of two >= 16)."""
     rows = T * (hq // hkv)
     if block_m is None:
-        block_m = 16 if rows <= 16 else 32 if rows <= 256 else 64
+        # 16 up to VERIFY's rows (a draft tree's, a chain's of K >= 5): on an H100 a call
+        # at 18-96 rows took 7.5-7.7 us at 16 against 9.6-9.9 at 32 (context 320; 24 / 29
+        # at 1000, 4.1 / 5.0 at 100: bench_tree_attention_gpu.py, 2026-12-05), more
+        # programs each walking the positions with a smaller tile (32 spilled registers
+        # in an offline sm_90 compile). Prefill chunks' rows: larger tiles.
+        block_m = 16 if rows <= 96 else 32 if rows <= 256 else 64
     elif block_m < 16 or block_m & (block_m - 1):
         raise ValueError(f"paged_attention: block_m {block_m} (a power of two >= 16)")
     return block_m, -(-rows // block_m)

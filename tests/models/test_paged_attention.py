@@ -92,7 +92,7 @@ for page, max_len, block_n, split_min in ((4, 96, 16, 40), (16, 128, 32, 64)):
                 again = _kernels.paged_attention(q, k, v, table, slots, starts, **kw)
                 assert torch.equal(got, again), (page, T, combine)
             checked += 1
-    # A prefill chunk (T 12: 72 query rows of a KV head, 3 row blocks of 32 ending at their
+    # A prefill chunk (T 12: 36 query rows of a KV head, 3 row blocks of 16 ending at their
     # own causal limits; the first block's rows end below split_min, the last's above).
     T = 12
     starts = torch.tensor([split_min - 20, 3])
