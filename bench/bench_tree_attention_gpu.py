@@ -7,7 +7,8 @@ visibility words alone), and from 6 rows the rule's BLOCK_M of 32 spills in an o
 sm_90 compile (Triton 3.9: 28 bytes with the tree, 12 without; 16 rows: none). For each
 query token count T (batch 1, one context) this times the one kernel (S = 1) with and
 without the tree's words (the words of a chain: row t sees rows 0..t, so both compute the
-same bits, checked) at BLOCK_M 16, 32 and the rule's, each in a CUDA graph of ``--calls``
+same bits, checked; in int64 words and, for trees of <= 31 rows, int32 ones) at BLOCK_M
+16, 32 and the rule's, each in a CUDA graph of ``--calls``
 calls (the model's 30 layers; one cache per call). Prints µs per call; JSON to --out.
 
     python bench/bench_tree_attention_gpu.py [--tokens 4,5,8,16,32] [--context 320]
@@ -39,6 +40,8 @@ def main() -> None:
     ap.add_argument("--tokens", default="4,5,8,16,32", help="query tokens (1 + tree nodes)")
     ap.add_argument("--context", type=int, default=320)
     ap.add_argument("--block-ms", default="16,32")
+    ap.add_argument("--words", default="64,32",
+                    help="the tree's visibility words: int64 and/or int32 (<= 31 rows)")
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--calls", type=int, default=30)
@@ -56,13 +59,15 @@ def main() -> None:
         rule = _kernels._row_blocks(T, HQ, HKV)[0]
         row = {"T": T, "query_rows": T * HQ // HKV, "rule_block_m": rule, "us": {}}
         ref: dict[int, torch.Tensor] = {}
-        for tree in (False, True):
+        words = [w for w in (int(x) for x in args.words.split(",")) if w == 64 or T <= 31]
+        for tree in (None, *words):
             for bm in dict.fromkeys([*(int(x) for x in args.block_ms.split(",")), rule]):
                 def call(i, tree=tree, bm=bm):
                     k, v = caches[i]
                     return _kernels.paged_attention(
                         q, k, v, table, slots, starts, splits=1, block_m=bm,
-                        **({"tree_bits": bits} if tree else {}))
+                        **({"tree_bits": bits if tree == 64 else bits.int()} if tree
+                           else {}))
                 us, out = time_per_call(call, args.calls, args.device, args.replays,
                                         args.repeats)
                 # The chain's words see what the causal mask sees: the same bits at a
@@ -71,7 +76,7 @@ def main() -> None:
                 assert torch.equal(out, want), (T, tree, bm)
                 torch.testing.assert_close(out.float(), ref[next(iter(ref))].float(),
                                            rtol=2e-2, atol=2e-2)
-                row["us"][f"{'tree' if tree else 'chain'} m{bm}"] = round(us, 3)
+                row["us"][f"{f'tree{tree}' if tree else 'chain'} m{bm}"] = round(us, 3)
         rows.append(row)
         print(f"  T {T:2d} ({row['query_rows']:2d} rows, rule m{rule}): " + ", ".join(
             f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)

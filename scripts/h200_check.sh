@@ -39,8 +39,9 @@
 #   treeverify  a draft tree's VERIFY (4-31 nodes) against the chain's and plain decoding's
 #            forward at batch 1, each captured: device time a step, and each step's critical
 #            path over TREE_KERNELS (50) profiled replays (bench_tree_verify_gpu.py)
-#   treeattn paged attention at VERIFY's rows (4-32 tokens): a tree's visibility words and
-#            BLOCK_M 16 / 32 against the chain's mask (bench_tree_attention_gpu.py; no SmolLM2)
+#   treeattn paged attention at VERIFY's rows (4-32 tokens): a tree's visibility words
+#            (int64, and int32 up to 31 rows) and BLOCK_M 16 / 32 against the chain's mask
+#            (bench_tree_attention_gpu.py; no SmolLM2)
 #   adp      ADP: 1 then 2 ranks (torch.distributed.run --standalone) of bench/adp_run.py,
 #            128 equal greedy requests of 256 tokens, batch 64 a rank, 3 rounds of one
 #            generate_batch and 3 of a task per request, the exchange through shared
