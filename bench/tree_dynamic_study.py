@@ -70,8 +70,7 @@ class Recorder:
         stash, self.stash = self.stash, []
         assert len(stash) == len(self.levels), "one top-k a depth"
         for level, values in zip(self.levels, stash):
-            values = values.view(rows, -1, level.width)
-            logp[:, level.children] = values[:, level.child_of, level.rank]
+            level.place(logp, values)
         t = self.tables
         match = tokens == target.index_select(1, t.parents)
         match[:, 0] = True

@@ -747,14 +747,14 @@ class _TreeLevel:
     """One depth d of a draft tree, as ``MtpEagleDrafter.tree_from_root`` runs it: the
     head over rows ``first`` .. ``end`` - 1 (depth >= 1: their ``parents``, ``mask``; up
     to the depth's last row with children: a row past it, a leaf, needs no head output,
-    and no row attends it), then the children of rows ``expand``: ``children[i]`` is
-    rank ``rank[i]`` among the top ``width`` of ``expand[child_of[i]]``'s logits.
+    and no row attends it), then the children of rows ``expand``, ranked among the top
+    ``width`` of their draft logits: ``dest_depth`` [end - first, width] names, for each
+    row of the depth and rank, the node (column of the tokens [B, 1 + N]) it drafts, -1
+    for none (``_kernels.topk_map``'s ``dest``; ``place`` reads the same map).
 
     Where an index is a run of rows (or one row repeated), the rows are taken as a view
     (``parents_of``, ``expanding``): on the GPU each gather is a kernel of its own in a
-    launch-bound step. ``dest_depth`` [end - first, width]: for each row of the depth and
-    rank, the node (column of the tokens [B, 1 + N]) it drafts, -1 for none
-    (``_kernels.topk_map``'s ``dest``)."""
+    launch-bound step."""
 
     def __init__(self, tree: DraftTree, depth: int, device: torch.device) -> None:
         kids = tree.children()
@@ -775,19 +775,16 @@ class _TreeLevel:
         expand = [r for r in rows if r in kids]
         self.expand = torch.tensor(expand, device=device) if expand else None
         self._expand_run = _run(expand)
-        pairs = [(i, c) for i, r in enumerate(expand) for c in kids[r]]
-        self.children = torch.tensor([c for _, c in pairs], device=device)
-        self.child_of = torch.tensor([i for i, _ in pairs], device=device)
-        ranks = [tree.paths[c - 1][-1] for _, c in pairs]
-        self.rank = torch.tensor(ranks, device=device)
-        self.width = max(ranks, default=0) + 1
+        self.width = max(tree.paths[c - 1][-1] for r in expand for c in kids[r]) + 1
         dest = torch.full((self.end - self.first, self.width), -1, dtype=torch.int64)
-        for (i, c), rank in zip(pairs, ranks):
-            dest[expand[i] - self.first, rank] = c
+        for r in expand:
+            for c in kids[r]:
+                dest[r - self.first, tree.paths[c - 1][-1]] = c
         self.dest_depth = dest.to(device)
-        # Placing a depth's ranks [B, end - first, width] from its rows in order.
-        self._depth_src = torch.nonzero(dest.flatten() >= 0).flatten().to(device)
-        self._depth_cols = dest.flatten()[dest.flatten() >= 0].to(device)
+        # For ``place``: (positions in the ranks a request, flattened; their nodes), for
+        # the rows with children and for the whole depth's rows.
+        self._placing = {whole: _placing(d, device) for whole, d in
+                         ((False, dest[[r - self.first for r in expand]]), (True, dest))}
 
     def parents_of(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [B, 1 + N, H] -> the depth's rows' parents' [B, end - first, H]."""
@@ -800,14 +797,17 @@ class _TreeLevel:
 
     def place(self, tokens: torch.Tensor, top: torch.Tensor, *, whole_depth: bool = False
               ) -> None:
-        """Put the ranks ``top`` [B * R, width] (R: the rows with children, or with
-        ``whole_depth`` the depth's rows) into their children's columns of tokens."""
-        rows = tokens.shape[0]
-        if whole_depth:
-            tokens[:, self._depth_cols] = top.view(rows, -1)[:, self._depth_src]
-        else:
-            tokens[:, self.children] = top.view(rows, -1, self.width)[:, self.child_of,
-                                                                      self.rank]
+        """Put ``top`` [B * R, width] (the ranks, or any value per rank; R: the rows with
+        children, or with ``whole_depth`` the depth's rows) into their nodes' columns of
+        ``tokens`` [B, 1 + N]."""
+        src, cols = self._placing[whole_depth]
+        tokens[:, cols] = top.reshape(tokens.shape[0], -1)[:, src]
+
+
+def _placing(dest: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """dest [R, width] (a node or -1) -> (the flat positions with a node, those nodes)."""
+    flat = dest.flatten()
+    return torch.nonzero(flat >= 0).flatten().to(device), flat[flat >= 0].to(device)
 
 
 def _run(index: list[int]) -> tuple[int, int, int] | None:
