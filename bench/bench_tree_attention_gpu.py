@@ -9,7 +9,9 @@ query token count T (batch 1, one context) this times the one kernel (S = 1) wit
 without the tree's words (the words of a chain: row t sees rows 0..t, so both compute the
 same bits, checked; in int64 words and, for trees of <= 31 rows, int32 ones) at BLOCK_M
 16, 32 and the rule's, each in a CUDA graph of ``--calls``
-calls (the model's 30 layers; one cache per call). Prints µs per call; JSON to --out.
+calls (the model's 30 layers; one cache per call); ``--split-mins``: split-KV too, its
+splits from the shapes as in the engine, rows split from that many positions. Prints µs
+per call; JSON to --out.
 
     python bench/bench_tree_attention_gpu.py [--tokens 4,5,8,16,32] [--context 320]
     python bench/bench_tree_attention_gpu.py --device cpu --tokens 4,6 --context 40 \\
@@ -42,6 +44,9 @@ def main() -> None:
     ap.add_argument("--block-ms", default="16,32")
     ap.add_argument("--words", default="64,32",
                     help="the tree's visibility words: int64 and/or int32 (<= 31 rows)")
+    ap.add_argument("--split-mins", default="",
+                    help="also split-KV (splits from the shapes, as the engine) with these "
+                         "split_min values, int64 words at the rule's BLOCK_M: e.g. 64,128")
     ap.add_argument("--max-len", type=int, default=2048)
     ap.add_argument("--page", type=int, default=16)
     ap.add_argument("--calls", type=int, default=30)
@@ -77,6 +82,19 @@ def main() -> None:
                 torch.testing.assert_close(out.float(), ref[next(iter(ref))].float(),
                                            rtol=2e-2, atol=2e-2)
                 row["us"][f"{f'tree{tree}' if tree else 'chain'} m{bm}"] = round(us, 3)
+        for smin in (int(x) for x in args.split_mins.split(",") if x):
+            for tree in (None, 64):
+                def call(i, tree=tree, smin=smin):
+                    k, v = caches[i]
+                    return _kernels.paged_attention(
+                        q, k, v, table, slots, starts, split_min=smin,
+                        **({"tree_bits": bits} if tree else {}))
+                us, out = time_per_call(call, args.calls, args.device, args.replays,
+                                        args.repeats)
+                torch.testing.assert_close(out.float(), ref[rule].float(), rtol=2e-2,
+                                           atol=2e-2)
+                row["us"][f"{f'tree{tree}' if tree else 'chain'} m{rule} "
+                          f"split>={smin}"] = round(us, 3)
         rows.append(row)
         print(f"  T {T:2d} ({row['query_rows']:2d} rows, rule m{rule}): " + ", ".join(
             f"{k} {v:.2f}" for k, v in row["us"].items()), flush=True)

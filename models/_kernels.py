@@ -128,8 +128,9 @@ if triton is not None:
 
     @triton.jit
     def _topk_map_kernel(x_ptr, map_ptr, out_ptr, dest_ptr, N, out_stride, E,
-                         K: tl.constexpr, MAP: tl.constexpr, BLOCK: tl.constexpr,
-                         DEST: tl.constexpr = False, GDC: tl.constexpr = False):
+                         K: tl.constexpr, K_P2: tl.constexpr, MAP: tl.constexpr,
+                         BLOCK: tl.constexpr, DEST: tl.constexpr = False,
+                         GDC: tl.constexpr = False):
         # Row-wise top K of x [B, N] (N <= BLOCK: the row stays in registers), largest first,
         # mapped through map [N] as _argmax_map_kernel's MAP: K rounds of its argmax (ties
         # to the smallest mapped id), each taking its pick out. NaN counts as -inf (draft
@@ -158,18 +159,25 @@ if triton is not None:
         mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
         least = -9223372036854775807 - 1
         key = tl.where(m, (mono.to(tl.int64) << 32) | (4294967295 - ids), least)
+        # The picks gather in a vector: the map's ids are read, and the picks stored, once
+        # after the rounds (a load of map[pick] and a store a round put a memory round trip
+        # between consecutive reductions). The node columns load before the rounds.
+        jj = tl.arange(0, K_P2)
+        km = jj < K
+        if DEST:
+            col = tl.load(dest_ptr + (row % E) * K + jj, mask=km, other=-1)
+        picks = tl.zeros([K_P2], tl.int64)
         for j in tl.static_range(K):
             top = tl.max(key, axis=0)
             key = tl.where(key == top, least, key)
-            pick = 4294967295 - (top & 4294967295)
-            if MAP == 1:
-                pick = tl.load(map_ptr + pick)
-            if DEST:
-                col = tl.load(dest_ptr + (row % E) * K + j)
-                tl.store(out_ptr + (row // E).to(tl.int64) * out_stride + tl.maximum(col, 0),
-                         pick, mask=col >= 0)
-            else:
-                tl.store(out_ptr + row * out_stride + j, pick)
+            picks = tl.where(jj == j, 4294967295 - (top & 4294967295), picks)
+        if MAP == 1:
+            picks = tl.load(map_ptr + picks, mask=km, other=0)
+        if DEST:
+            tl.store(out_ptr + (row // E).to(tl.int64) * out_stride + tl.maximum(col, 0),
+                     picks, mask=km & (col >= 0))
+        else:
+            tl.store(out_ptr + row * out_stride + jj, picks, mask=km)
 
     @triton.jit
     def _argmax_map_kernel(x_ptr, map_ptr, out_ptr, N, out_stride, MAP: tl.constexpr,
@@ -612,7 +620,7 @@ def topk_map(x: torch.Tensor, k: int, index_map: torch.Tensor | None, *,
         dest, e = dest.contiguous(), dest.shape[0]
     _topk_map_kernel[(R,)](x, x if index_map is None else index_map, out,
                            x if dest is None else dest, N, out.stride(0), e, K=k,
-                           MAP=kind, BLOCK=_pow2(N), DEST=dest is not None, num_warps=16,
+                           K_P2=_pow2(k), MAP=kind, BLOCK=_pow2(N), DEST=dest is not None, num_warps=16,
                            **_pdl.launch_kw(x))
     return out
 

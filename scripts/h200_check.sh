@@ -41,7 +41,9 @@
 #            path over TREE_KERNELS (50) profiled replays (bench_tree_verify_gpu.py)
 #   treeattn paged attention at VERIFY's rows (4-32 tokens): a tree's visibility words
 #            (int64, and int32 up to 31 rows) and BLOCK_M 16 / 32 against the chain's mask
-#            (bench_tree_attention_gpu.py; no SmolLM2)
+#            (bench_tree_attention_gpu.py; no SmolLM2; TREEATTN_ARGS: more options)
+#   topk     a draft tree's top-k calls a tree (bench_topk_gpu.py; TOPK_AGAINST: an older
+#            models/_kernels.py to time against; no SmolLM2)
 #   adp      ADP: 1 then 2 ranks (torch.distributed.run --standalone) of bench/adp_run.py,
 #            128 equal greedy requests of 256 tokens, batch 64 a rank, 3 rounds of one
 #            generate_batch and 3 of a task per request, the exchange through shared
@@ -227,8 +229,14 @@ for line in sys.stdin:
     treeattn)
       # Paged attention at VERIFY's rows: a tree's visibility words and BLOCK_M 16 / 32
       # against the chain's causal mask (no SmolLM2 needed).
-      python3 bench/bench_tree_attention_gpu.py --out "$OUT/tree_attention.json" 2>&1 \
-        | grep -v Warn ;;
+      # TREEATTN_ARGS: more of its options (e.g. --split-mins 64,128 --context 200,320).
+      python3 bench/bench_tree_attention_gpu.py --out "$OUT/tree_attention.json" \
+        ${TREEATTN_ARGS:-} 2>&1 | grep -v Warn ;;
+    topk)
+      # A draft tree's top-k calls a tree, this tree's kernel against $TOPK_AGAINST (a copy
+      # of an older models/_kernels.py, carried) when set (no SmolLM2 needed).
+      python3 bench/bench_topk_gpu.py --out "$OUT/topk.json" \
+        ${TOPK_AGAINST:+--against "$TOPK_AGAINST"} 2>&1 | grep -v Warn ;;
     pagesync)
       (cd bench && python3 bench_page_sync_gpu.py --calls 2000 --rounds 3 2>&1 | grep -v Warn) ;;
     tail)

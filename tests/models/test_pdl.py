@@ -212,7 +212,7 @@ def test_kernels_wait_before_reading_activations_or_storing():
         check_kernel(K._topk_map_kernel,
                      {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64",
                       "dest_ptr": "*i64", "N": "i32", "out_stride": "i32", "E": "i32"},
-                     {"K": 3, "MAP": 2, "BLOCK": 4096, "DEST": dest}, weights=set(),
+                     {"K": 3, "K_P2": 4, "MAP": 2, "BLOCK": 4096, "DEST": dest}, weights=set(),
                      num_warps=16)
     check_kernel(K._argmax_map_kernel,
                  {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
