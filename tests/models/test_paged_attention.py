@@ -24,8 +24,11 @@ from ..interpreted import run_interpreted
 REFERENCE = r"""
 import torch
 
-def reference(q, k_cache, v_cache, table, slots, start_pos, pos_offset=0):
-    # Row b's query t sees positions 0..start+t of its slot, gathered page by page.
+def reference(q, k_cache, v_cache, table, slots, start_pos, pos_offset=0, tree_bits=None,
+              tree_back=0):
+    # Row b's query t sees positions 0..start+t of its slot, gathered page by page; with
+    # a draft tree's words, of the tree's rows (from start - tree_back) only those whose
+    # bit its word sets.
     B, T, HQ, D = q.shape
     _, P, HKV, _ = k_cache.shape
     G = HQ // HKV
@@ -38,8 +41,14 @@ def reference(q, k_cache, v_cache, table, slots, start_pos, pos_offset=0):
         k = k_cache.cpu().double()[pages, pos % P]  # [n, HKV, D]
         v = v_cache.cpu().double()[pages, pos % P]
         for t in range(T):
+            seen = torch.ones(start + t + 1, dtype=torch.bool)
+            if tree_bits is not None:
+                first = start - tree_back
+                for p in range(first, start + t + 1):
+                    seen[p] = bool(int(tree_bits[t]) >> (p - first) & 1)
             for h in range(HQ):
                 s = k[: start + t + 1, h // G] @ q[b, t, h].cpu().double() / D ** 0.5
+                s = s.masked_fill(~seen, float("-inf"))
                 out[b, t, h] = torch.softmax(s, 0) @ v[: start + t + 1, h // G]
     return out.view(B, T, HQ * D)
 
@@ -131,6 +140,17 @@ for splits in (1, 4):
     assert torch.equal(wide, narrow), splits
     causal = _kernels.paged_attention(q, k, v, table, torch.tensor([2, 0]), starts, **kw)
     assert not torch.equal(wide, causal)   # the words hide rows the causal mask shows
+# Against the reference, the tree's rows across a tile edge (block_n 32: 27..34 and
+# 58..65), tiles before them whole context (the kernel reads the words only in tiles
+# that reach the tree's rows).
+starts = torch.tensor([29, 60])
+ref = reference(q, k, v, table, torch.tensor([2, 0]), starts, tree_bits=words, tree_back=2)
+for splits in (1, 4):
+    for w in (words, words.int()):
+        got = _kernels.paged_attention(q, k, v, table, torch.tensor([2, 0]), starts,
+                                       splits=splits, block_n=block_n, split_min=split_min,
+                                       tree_bits=w, tree_back=2)
+        assert (got.double() - ref).abs().max() < 2e-5, (splits, w.dtype)
 print("ok")
 """
 
