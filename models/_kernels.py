@@ -354,18 +354,25 @@ if triton is not None:
             kv_off = page[:, None] * s_page + (n % PAGE)[:, None] * s_off + kvh * D + d[None, :]
             k = tl.load(kc_ptr + kv_off, mask=nm[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)).to(tl.float32) * scale
-            ok = (n[None, :] <= limit[:, None]) & nm[None, :]
+            # Masks only where a tile needs them (uniform branches; on an H100 at context
+            # 320, bench_tree_attention_gpu.py): without a tree, only tiles reaching the
+            # rows' first position (those before it are seen by every row and lie inside
+            # the split's range: its bounds are whole tiles, or its end n_end > start),
+            # 7.6-7.7 -> 7.0-7.2 us a call at 1-16 rows; with one, the causal mask in every
+            # tile and the words only in tiles reaching the tree's rows, 9.1 -> 7.2 at 16
+            # rows (the words in the causal branch too: 7.3, and 10 us more a VERIFY).
+            # WORD 32: int32 words (trees of <= 31 rows), shifted in 32 bits.
             if TREE:
-                # Only a tile that reaches the tree's rows reads the words (a uniform
-                # branch: the context's tiles before it skip the shifts, ~1.3 us a call
-                # at 16 rows on an H100). WORD 32: int32 words (trees of <= 31 rows),
-                # shifted in 32 bits.
+                ok = (n[None, :] <= limit[:, None]) & nm[None, :]
                 if n0 + BLOCK_N > first:
                     rel = (n - first).to(tl.int32) if WORD == 32 else n - first
                     bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0),
                                                        WORD - 1)[None, :]) & 1
                     ok = ok & ((rel < 0)[None, :] | (bit != 0))
-            s = tl.where(ok, s, float("-inf"))
+                s = tl.where(ok, s, float("-inf"))
+            elif n0 + BLOCK_N > start:
+                ok = (n[None, :] <= limit[:, None]) & nm[None, :]
+                s = tl.where(ok, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, axis=1))
             # A row may see none of a later split's range (VERIFY's earlier rows near its
             # start): its max stays -inf, and exp(-inf - -inf) would be NaN. (The first
