@@ -298,7 +298,7 @@ if triton is not None:
                                 BLOCK_N: tl.constexpr, SPLITS: tl.constexpr,
                                 SPLIT_MIN: tl.constexpr, LAST_COMBINES: tl.constexpr,
                                 SC: tl.constexpr, S_BLOCK: tl.constexpr,
-                                TREE: tl.constexpr = False, WORD: tl.constexpr = 64,
+                                TREE: tl.constexpr = False,
                                 GDC: tl.constexpr = False):
         # One program per (row, KV head, block of query rows, split). SPLITS = 1: the one
         # kernel (a program walks all of its row's positions). SPLITS > 1 (flash-decoding):
@@ -361,13 +361,12 @@ if triton is not None:
             # 7.6-7.7 -> 7.0-7.2 us a call at 1-16 rows; with one, the causal mask in every
             # tile and the words only in tiles reaching the tree's rows, 9.1 -> 7.2 at 16
             # rows (the words in the causal branch too: 7.3, and 10 us more a VERIFY).
-            # WORD 32: int32 words (trees of <= 31 rows), shifted in 32 bits.
+            # (int32 words shifted in 32 bits were slower still: 10.2 us.)
             if TREE:
                 ok = (n[None, :] <= limit[:, None]) & nm[None, :]
                 if n0 + BLOCK_N > first:
-                    rel = (n - first).to(tl.int32) if WORD == 32 else n - first
-                    bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0),
-                                                       WORD - 1)[None, :]) & 1
+                    rel = n - first
+                    bit = (seen[:, None] >> tl.minimum(tl.maximum(rel, 0), 63)[None, :]) & 1
                     ok = ok & ((rel < 0)[None, :] | (bit != 0))
                 s = tl.where(ok, s, float("-inf"))
             elif n0 + BLOCK_N > start:
@@ -786,8 +785,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     once for rows that did not split). ``tree_bits`` [T] int64 (a draft tree's rows,
     models/_decoder.py ``TreeMask.bits``): query row t sees, besides its causal limit, only
     the tree rows whose bits its word sets, bit j the one stored at start - ``tree_back``
-    + j (at most 63 of them); positions before them all. int32 words (at most 31 rows)
-    are shifted in 32 bits (bench/bench_tree_attention_gpu.py --words), the same mask."""
+    + j (at most 63 of them); positions before them all."""
     B, T, hq, D = q.shape
     _, page, hkv, _ = k_cache.shape
     q = q.contiguous()
@@ -799,19 +797,17 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     combine = _COMBINE if combine is None else combine
     if combine not in ("kernel", "last"):
         raise ValueError(f"combine={combine!r}: 'kernel' or 'last'")
-    word = 32 if tree_bits is not None and tree_bits.dtype == torch.int32 else 64
-    if tree_bits is not None and (tree_bits.shape != (T,) or T + tree_back > word - 1 or
-                                  tree_back < 0 or tree_bits.dtype not in (torch.int32,
-                                                                           torch.int64)):
+    if tree_bits is not None and (tree_bits.shape != (T,) or T + tree_back > 63 or
+                                  tree_back < 0 or tree_bits.dtype != torch.int64):
         raise ValueError(f"paged_attention: tree bits {tuple(tree_bits.shape)} "
                          f"{tree_bits.dtype} for {T} rows, {tree_back} tree rows before "
-                         f"them ({word - 1} at most in all)")
+                         f"them (int64 words, 63 rows at most in all)")
     args = (T, pos_offset, tree_back, 1.0 / math.sqrt(D), k_cache.stride(0),
             k_cache.stride(1), table.stride(0), table.shape[1])
     pdl = _pdl.launch_kw(q)
     meta = dict(HQ=hq, HKV=hkv, D=D, PAGE=page, BLOCK_M=block_m, BLOCK_N=block_n,
                 num_warps=num_warps, **pdl,
-                **({"TREE": True, "WORD": word} if tree_bits is not None else {}))
+                **({"TREE": True} if tree_bits is not None else {}))
     if num_stages is not None:
         meta["num_stages"] = num_stages
     slots, start_pos = slots.contiguous(), start_pos.contiguous()

@@ -40,7 +40,7 @@
 #            forward at batch 1, each captured: device time a step, and each step's critical
 #            path over TREE_KERNELS (50) profiled replays (bench_tree_verify_gpu.py)
 #   treeattn paged attention at VERIFY's rows (4-32 tokens): a tree's visibility words
-#            (int64, and int32 up to 31 rows) and BLOCK_M 16 / 32 against the chain's mask
+#            and BLOCK_M 16 / 32 against the chain's mask, split-KV with --split-mins
 #            (bench_tree_attention_gpu.py; no SmolLM2; TREEATTN_ARGS: more options)
 #   topk     a draft tree's top-k calls a tree (bench_topk_gpu.py; TOPK_AGAINST: an older
 #            models/_kernels.py to time against; no SmolLM2)

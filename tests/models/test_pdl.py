@@ -248,13 +248,12 @@ def test_attention_waits_before_its_early_return_and_counters():
     check_kernel(K._paged_attention_kernel, ATTENTION_SIG,
                  {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64,
                   "SPLITS": 8, "SPLIT_MIN": 512, "LAST_COMBINES": True, "SC": 4,
-                  "S_BLOCK": 8, "TREE": False, "WORD": 64}, weights=set(), sass=True)
-    # A draft tree's rows: the visibility words (int64, or int32) are read after the wait.
-    for word in (64, 32):
-        check_kernel(K._paged_attention_kernel, {**ATTENTION_SIG, "tree_ptr": f"*i{word}"},
-                     {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64,
-                      "SPLITS": 1, "SPLIT_MIN": 0, "LAST_COMBINES": False, "SC": 1,
-                      "S_BLOCK": 1, "TREE": True, "WORD": word}, weights=set())
+                  "S_BLOCK": 8, "TREE": False}, weights=set(), sass=True)
+    # A draft tree's rows: the visibility words are read after the wait.
+    check_kernel(K._paged_attention_kernel, {**ATTENTION_SIG, "tree_ptr": "*i64"},
+                 {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_M": 16, "BLOCK_N": 64,
+                  "SPLITS": 1, "SPLIT_MIN": 0, "LAST_COMBINES": False, "SC": 1,
+                  "S_BLOCK": 1, "TREE": True}, weights=set())
     check_kernel(K._attention_combine_kernel,
                  {"m_ptr": "*fp32", "l_ptr": "*fp32", "acc_ptr": "*fp32", "o_ptr": "*bf16",
                   "start_ptr": "*i64", "n_rows": "i32", "T": "i32", "pos_offset": "i32"},
