@@ -65,7 +65,13 @@ class DraftHead:
             from specloop.models import _kernels  # noqa: PLC0415
             return _kernels.argmax_map(self._matmul(hidden), self.d2t, out,
                                        increasing=self.d2t_increasing)
-        tokens = self.logits(hidden).argmax(dim=-1)
+        if self.d2t is not None and self.d2t_increasing:
+            # The first maximum (or NaN) of the draft rows is the smallest target id's
+            # among them: the padded argmax's pick without the [B, V] scatter (on the CPU
+            # that and the argmax over V cost ~0.8 ms a step against ~0.1 here).
+            tokens = self.d2t[self._matmul(hidden).float().argmax(dim=-1)]
+        else:
+            tokens = self.logits(hidden).argmax(dim=-1)
         return tokens if out is None else out.copy_(tokens)
 
     def top(self, hidden: torch.Tensor, k: int, *, fused: bool = False,

@@ -104,6 +104,13 @@ for index_map, kind in ((d2t, {}), (inc, {"increasing": True})):
     assert torch.equal(got[[0, 1, 2, 4, 5, 6, 7]], want[[0, 1, 2, 4, 5, 6, 7]]), (got, want)
     assert got[3] == index_map.min() and got[1] == index_map.min(), got
 assert torch.equal(_kernels.argmax_map(y, None), y.argmax(dim=-1))
+# The unfused greedy with an increasing map (the CPU's: argmax over the draft rows, then
+# the map; no [B, V] scatter) picks as the kernel does: ties, NaN, +inf, a row of -inf.
+lm_inc = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=8, d2t=inc)
+assert lm_inc.d2t_increasing
+for z in (logits, y):
+    lm_inc._matmul = lambda h, z=z: z
+    assert torch.equal(lm_inc.greedy(hidden), _kernels.argmax_map(z, inc, increasing=True))
 x[0, 30000] = float("nan")
 x[1, 3] = float("nan")
 x[1, 35000] = float("nan")
