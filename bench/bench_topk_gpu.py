@@ -30,28 +30,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import TREES  # noqa: E402
 
 from specloop.models import _kernels  # noqa: E402
+from specloop.models.drafters._mtp import _tree_levels  # noqa: E402
+from specloop.samplers._tree import DraftTree  # noqa: E402
 
 VOCAB, DRAFT_VOCAB = 49152, 16384
 
 
-def depth_calls(paths: list[list[int]]) -> list[tuple[int, int, list[list[int]]]]:
-    """Per depth: (rows ranked, top k, dest [rows, k]): the rows up to the depth's last
-    with children, as the CUDA path ranks them, each pick's node column or -1."""
-    index = {tuple(p): i + 1 for i, p in enumerate(paths)}  # column 0: the root
-    by_depth: dict[int, list[tuple[int, ...]]] = {0: [()]}
-    for p in paths:
-        by_depth.setdefault(len(p), []).append(tuple(p))
-    calls = []
-    for d in sorted(by_depth):
-        parents = by_depth[d]
-        kids = [[c for c in range(32) if (*par, c) in index] for par in parents]
-        if not any(kids):
-            continue
-        rows = max(i for i, k in enumerate(kids) if k) + 1
-        k = max(max(k) + 1 for k in kids if k)
-        dest = [[index.get((*parents[r], j), -1) for j in range(k)] for r in range(rows)]
-        calls.append((rows, k, dest))
-    return calls
+def depth_calls(paths: list[list[int]]) -> list[tuple[int, int, torch.Tensor]]:
+    """Per depth with children: (rows ranked, top k, dest [rows, k]), the drafter's own
+    levels (``_TreeLevel``: the rows up to the depth's last with children, as the CUDA
+    path ranks them, each pick's node column or -1)."""
+    levels = _tree_levels(DraftTree([tuple(p) for p in paths]), torch.device("cpu"))
+    return [(lv.end - lv.first, lv.width, lv.dest_depth) for lv in levels]
 
 
 def load_module(path: str):
@@ -82,7 +72,7 @@ def main() -> None:
         calls = depth_calls(TREES[n])
         logits = [torch.randn(r, DRAFT_VOCAB, generator=gen).to(dev, torch.bfloat16)
                   for r, _, _ in calls]
-        dests = [torch.tensor(d, device=dev) for _, _, d in calls]
+        dests = [d.to(dev) for _, _, d in calls]
         outs = {name: torch.full((1, n + 1), -1, dtype=torch.int64, device=dev)
                 for name in mods}
 

@@ -631,8 +631,8 @@ def topk_map(x: torch.Tensor, k: int, index_map: torch.Tensor | None, *,
         dest, e = dest.contiguous(), dest.shape[0]
     _topk_map_kernel[(R,)](x, x if index_map is None else index_map, out,
                            x if dest is None else dest, N, out.stride(0), e, K=k,
-                           K_P2=_pow2(k), MAP=kind, BLOCK=_pow2(N), DEST=dest is not None, num_warps=16,
-                           **_pdl.launch_kw(x))
+                           K_P2=_pow2(k), MAP=kind, BLOCK=_pow2(N), DEST=dest is not None,
+                           num_warps=16, **_pdl.launch_kw(x))
     return out
 
 
@@ -777,8 +777,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     its output (the bits of ``splits=1``). ``block_n``, ``num_warps``, ``num_stages``: the
     KV tile, warps and software-pipelining stages (None: Triton's default), and ``block_m``
     the query rows a program (None: ``_row_blocks``' rule), parameters for sweeps
-    (bench/bench_paged_attention.py, bench/bench_tree_attention_gpu.py). ``combine`` (None: "last" unless
-    $SPECLOOP_ATTENTION_COMBINE says otherwise): how a split row's partials are added:
+    (bench/bench_paged_attention.py, bench/bench_tree_attention_gpu.py). ``combine``
+    (None: "last" unless $SPECLOOP_ATTENTION_COMBINE says otherwise): how a split row's partials are added:
     "last", by the last of its programs to finish (no second launch; a counter buffer per
     device, kept zero between calls, so calls on one device must not run concurrently on
     two streams); "kernel", by a second kernel (launched whenever splits > 1, returning at
