@@ -24,6 +24,7 @@ from ._args import ModelArgs
 from ._cache import KVCache
 from ._layers import apply_rope, rms_norm, rope_tables
 from ._linear import PackedLinear
+from ._skinny import RopeWrite
 from . import _kernels
 from ._grad import no_grad
 
@@ -347,12 +348,12 @@ class DecoderModel(nn.Module):
         # The GEMMs through the one dispatcher: the skinny-GEMM kernel for few rows on
         # CUDA (models/_linear; ``self.linear.skinny``), else F.linear; each residual add
         # + RMSNorm is the add_rms_norm kernel, or the GEMM's prologue (``skinny_norm``).
-        qkv, x = self.linear.norm_linear(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv, w.bqkv,
-                                         capture)
-        q = _kernels.rope_cache_write(qkv, step.start_pos, step.slots, cache.pages.table,
-                                      cache.max_seq_len, cache.pages.scratch_page,
-                                      self.rope_cos, self.rope_sin, cache.k[i], cache.v[i],
-                                      a.num_heads, step.pos_offset, step.tree_offsets)
+        # RoPE + the K/V cache write after the qkv GEMM, or its epilogue (norm_linear_rope).
+        rope = RopeWrite(step.start_pos, step.slots, cache.pages.table, cache.max_seq_len,
+                         cache.pages.scratch_page, self.rope_cos, self.rope_sin, cache.k[i],
+                         cache.v[i], a.num_heads, step.pos_offset, step.tree_offsets)
+        q, x = self.linear.norm_linear_rope(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv,
+                                            w.bqkv, capture, rope)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset,
                                      tree_bits=step.tree_bits, tree_back=step.tree_back)

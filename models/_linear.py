@@ -406,6 +406,10 @@ class PackedLinear:
         # SwiGLU in the gate-up GEMM's epilogue, the down GEMM without its prologue
         # (norm_mlp); SPECLOOP_SKINNY_GLU=0 keeps the prologue path (the same bits).
         self.glu = self.skinny and os.environ.get("SPECLOOP_SKINNY_GLU", "1") != "0"
+        # RoPE and the K/V cache write in the qkv GEMM's epilogue where its rows run a
+        # one-tile tl.dot of one head a program (norm_linear_rope); SPECLOOP_SKINNY_ROPE=0
+        # keeps the rope kernel after the GEMM (the same bits).
+        self.rope = self.skinny and os.environ.get("SPECLOOP_SKINNY_ROPE", "1") != "0"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
@@ -454,6 +458,26 @@ class PackedLinear:
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
         return self(h, weight, bias), stream
+
+    def norm_linear_rope(self, x: torch.Tensor, delta: torch.Tensor | None,
+                         norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
+                         bias: torch.Tensor | None, capture: torch.Tensor | None,
+                         rope: _skinny.RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm_linear`` on x [B, T, H] with the qkv weight, then
+        ``_kernels.rope_cache_write(qkv, *rope)`` -> (rotated q [B, T, Hq, D], x + delta).
+        Where ``rope`` is on and the rows run a ``rope_fits`` configuration (the shipped
+        table's qkv from 5 rows to 32: one head a program), the norm kernel then one
+        kernel for the product, RoPE and the cache write (``skinny_rope_linear``; such a
+        tl.dot range never takes the norm into its prologue); the same bits either way."""
+        from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
+        if self.rope and x.dim() == 3:
+            config = self._skinny_config(x, weight, bias, silu_mul=False)
+            if config is not None and _skinny.rope_fits(config, weight.shape[1],
+                                                        rope.k_cache.shape[-1]):
+                h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
+                return _skinny.skinny_rope_linear(h, weight, bias, config, rope), stream
+        qkv, stream = self.norm_linear(x, delta, norm_weight, eps, weight, bias, capture)
+        return _kernels.rope_cache_write(qkv, *rope), stream
 
     def norm_mlp(self, x: torch.Tensor, delta: torch.Tensor | None,
                  norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,

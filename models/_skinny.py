@@ -155,6 +155,27 @@ class SkinnyConfig(NamedTuple):
                 f"w{self.num_warps}n{self.num_stages}{rows}")
 
 
+class RopeWrite(NamedTuple):
+    """Where a qkv product's heads go (``skinny_rope_linear``; ``_kernels.rope_cache_write``
+    takes the same, less qkv): rows of positions ``start_pos`` [B] + ``pos_offset``.. in
+    ``slots`` [B], pages through ``table``, rotated by ``cos`` / ``sin`` [positions, D]
+    (``rope_offsets`` [T]: a draft tree's rows, rotated at their depth's position), k and
+    v into ``k_cache`` / ``v_cache`` [pages, page_size, Hkv, D]."""
+
+    start_pos: torch.Tensor
+    slots: torch.Tensor
+    table: torch.Tensor
+    max_seq_len: int
+    scratch_page: int
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    num_heads: int
+    pos_offset: int = 0
+    rope_offsets: torch.Tensor | None = None
+
+
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -238,6 +259,51 @@ if triton is not None:
             tl.store(y_ptr + row.to(tl.int64) * stride_ym + rn,
                      acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
 
+    @triton.jit
+    def _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+        """The one-tile tl.dot's (``ONE_PASS``) tiles of W for the K range [k_lo, k_hi) of
+        W's ``w_rows`` ([BLOCK_N, 1] pointers; rows ``n_ok``): (the first BLOCK_K / 2, then
+        PIECE wide) where PIECE > 0, else (all BLOCK_K, the same again). Loaded before
+        PDL's wait: _dot_one_pass takes them after it."""
+        if PIECE > 0:
+            # The K range as two tiles (K = 576: 512 + 64, where one tile of 1024 runs 64
+            # MMA steps a row block, 28 of them on zero padding): the two tl.dot chained
+            # through the accumulator run the same MMA steps in the same order as one
+            # tile, less those that add zeros, so the same bits.
+            ka = k_lo + tl.arange(0, BLOCK_K // 2)
+            kb = k_lo + BLOCK_K // 2 + tl.arange(0, PIECE)
+            wa = tl.load(w_rows + ka[None, :], mask=n_ok[:, None] & (ka < k_hi)[None, :],
+                         other=0.0)
+            wb = tl.load(w_rows + kb[None, :], mask=n_ok[:, None] & (kb < k_hi)[None, :],
+                         other=0.0)
+        else:
+            ks = k_lo + tl.arange(0, BLOCK_K)
+            wa = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks < k_hi)[None, :],
+                         other=0.0)
+            wb = wa
+        return wa, wb
+
+    @triton.jit
+    def _dot_one_pass(x_rows, m_ok, K, k_lo, k_hi, wa, wb, acc, ACT: tl.constexpr,
+                      BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+        """acc + x's rows ``x_rows`` ([BLOCK_M, 1] pointers; rows ``m_ok``) over [k_lo, k_hi)
+        times _w_one_pass's tiles, transposed: x loaded here (after PDL's wait), one tl.dot
+        a tile. _skinny_kernel's and _skinny_rope_kernel's product, so both give a row the
+        same bits; with one tile the arithmetic of _skinny_kernel's loop when it runs
+        once."""
+        if PIECE > 0:
+            ka = k_lo + tl.arange(0, BLOCK_K // 2)
+            kb = k_lo + BLOCK_K // 2 + tl.arange(0, PIECE)
+            xa = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K, ACT)
+            xb = _load_x(x_rows, kb[None, :], m_ok[:, None] & (kb < k_hi)[None, :], K, ACT)
+            acc = tl.dot(xa, tl.trans(wa), acc, out_dtype=tl.float32)
+            acc = tl.dot(xb, tl.trans(wb), acc, out_dtype=tl.float32)
+        else:
+            ks = k_lo + tl.arange(0, BLOCK_K)
+            a = _load_x(x_rows, ks[None, :], m_ok[:, None] & (ks < k_hi)[None, :], K, ACT)
+            acc += tl.dot(a, tl.trans(wa), out_dtype=tl.float32)
+        return acc
+
     # M is not specialised (Triton would compile M == 1 apart): one compile per config.
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
@@ -269,40 +335,12 @@ if triton is not None:
                 x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 if ONE_PASS:
-                    if PIECE > 0:
-                        # The K range as two tiles (K = 576: 512 + 64, where one tile of
-                        # 1024 runs 64 MMA steps a row block, 28 of them on zero padding):
-                        # W of both before the wait, then the two tl.dot chained through
-                        # the accumulator -- the same MMA steps in the same order as one
-                        # tile, less those that add zeros, so the same bits.
-                        HALF: tl.constexpr = BLOCK_K // 2
-                        ka = k_lo + tl.arange(0, HALF)
-                        kb = k_lo + HALF + tl.arange(0, PIECE)
-                        wa = tl.load(w_rows + ka[None, :],
-                                     mask=n_ok[:, None] & (ka < k_hi)[None, :], other=0.0)
-                        wb = tl.load(w_rows + kb[None, :],
-                                     mask=n_ok[:, None] & (kb < k_hi)[None, :], other=0.0)
-                        if GDC:
-                            tl.extra.cuda.gdc_wait()
-                        xa = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :],
-                                     K, ACT)
-                        xb = _load_x(x_rows, kb[None, :], m_ok[:, None] & (kb < k_hi)[None, :],
-                                     K, ACT)
-                        acc = tl.dot(xa, tl.trans(wa), acc, out_dtype=tl.float32)
-                        acc = tl.dot(xb, tl.trans(wb), acc, out_dtype=tl.float32)
-                    else:
-                        # The program's K range in one tile (BLOCK_K >= k_per_split): W
-                        # before the wait, x after it, one tl.dot; the arithmetic of the
-                        # loop below when it runs once.
-                        ks = k_lo + rk
-                        k_ok = ks < k_hi
-                        w = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & k_ok[None, :],
-                                    other=0.0)
-                        if GDC:
-                            tl.extra.cuda.gdc_wait()
-                        a = _load_x(x_rows, ks[None, :], m_ok[:, None] & k_ok[None, :], K,
-                                    ACT)
-                        acc += tl.dot(a, tl.trans(w), out_dtype=tl.float32)
+                    # W's tiles before the wait, x after it, one tl.dot a tile.
+                    wa, wb = _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K, PIECE)
+                    if GDC:
+                        tl.extra.cuda.gdc_wait()
+                    acc = _dot_one_pass(x_rows, m_ok, K, k_lo, k_hi, wa, wb, acc, ACT, BLOCK_K,
+                                        PIECE)
                 else:
                     if GDC:  # W and x interleave in the pipelined loop: the wait first
                         tl.extra.cuda.gdc_wait()
@@ -363,6 +401,79 @@ if triton is not None:
                     _store_row(y_ptr, row, M, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
                 else:
                     tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
+
+    # M, T and pos_offset vary between calls and only offset rows and positions.
+    @triton.jit(do_not_specialize=["M", "T", "pos_offset"],
+                do_not_specialize_on_alignment=["start_ptr", "slot_ptr", "rope_ptr"])
+    def _skinny_rope_kernel(x_ptr, w_ptr, b_ptr, q_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr,
+                            table_ptr, cos_ptr, sin_ptr, rope_ptr, M, K, stride_xm,
+                            stride_wn, T, pos_offset, max_pos, s_page, s_off, s_table,
+                            pages_per_slot, max_seq_len, scratch_page, HQ: tl.constexpr,
+                            HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_K: tl.constexpr, PIECE: tl.constexpr = 0,
+                            TREE: tl.constexpr = False, GDC: tl.constexpr = False):
+        # The qkv GEMM as _skinny_kernel's one-tile tl.dot with BLOCK_N = D (a program's
+        # output columns are one head: q, k or v), then _kernels._rope_write_kernel's
+        # arithmetic as its epilogue: each sum rounded to x's dtype as the GEMM stores it,
+        # q and k heads rotated at their row's position (TREE: its depth's), q stored
+        # [M, HQ, D], k and v written into their cache pages. The same bits as
+        # skinny_linear then rope_cache_write, without the qkv product's round trip
+        # through memory or the rope kernel's launch.
+        head = tl.program_id(0)
+        pid_m = tl.program_id(2)
+        if GDC:  # PDL: W (and the bias) before the wait; positions, x and stores after
+            tl.extra.cuda.gdc_launch_dependents()
+        rn = head * D + tl.arange(0, D)
+        n_ok = rn < (HQ + 2 * HKV) * D
+        wa, wb = _w_one_pass(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, n_ok, 0, K,
+                             BLOCK_K, PIECE)
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + rn).to(tl.float32)
+        if GDC:
+            tl.extra.cuda.gdc_wait()
+        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_ok = rm < M
+        # Each row's position (token t of its request b), asked before the product so
+        # the loads overlap it; its page and offset as the rope kernel finds them.
+        b = rm // T
+        t = rm % T
+        p = tl.load(start_ptr + b, mask=m_ok, other=0) + pos_offset + t
+        slot = tl.load(slot_ptr + b, mask=m_ok, other=0)
+        acc = _dot_one_pass(x_ptr + rm.to(tl.int64)[:, None] * stride_xm, m_ok, K, 0, K, wa,
+                            wb, tl.zeros([BLOCK_M, D], dtype=tl.float32), 0, BLOCK_K, PIECE)
+        if HAS_BIAS:
+            acc += bias[None, :]
+        y = acc.to(q_ptr.dtype.element_ty)       # the qkv product as the GEMM rounds it
+        index = tl.minimum(p // PAGE, pages_per_slot - 1)
+        page = tl.load(table_ptr + slot * s_table + index, mask=m_ok, other=0).to(tl.int64)
+        page = tl.where(p < max_seq_len, page, scratch_page)
+        cell = page[:, None] * s_page + (p % PAGE)[:, None] * s_off
+        half: tl.constexpr = D // 2
+        if head >= HQ + HKV:                     # a v head: stored as the GEMM rounds it
+            tl.store(vc_ptr + cell + (head - HQ - HKV) * D + tl.arange(0, D)[None, :], y,
+                     mask=m_ok[:, None])
+        else:
+            if TREE:    # a draft tree's row: stored at p, rotated at its depth's position
+                pos = tl.minimum(p - t + tl.load(rope_ptr + t, mask=m_ok, other=0), max_pos)
+            else:
+                pos = tl.minimum(p, max_pos)
+            d = tl.arange(0, half)
+            x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, half]), (0, 2, 1)))
+            x1 = x1.to(tl.float32)
+            x2 = x2.to(tl.float32)
+            c = tl.load(cos_ptr + pos[:, None] * D + d[None, :], mask=m_ok[:, None],
+                        other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + pos[:, None] * D + d[None, :], mask=m_ok[:, None],
+                        other=0.0).to(tl.float32)
+            o1 = (x1 * c - x2 * s).to(q_ptr.dtype.element_ty)
+            o2 = (x2 * c + x1 * s).to(q_ptr.dtype.element_ty)
+            if head < HQ:
+                out = q_ptr + rm.to(tl.int64)[:, None] * (HQ * D) + head * D + d[None, :]
+            else:
+                out = kc_ptr + cell + (head - HQ) * D + d[None, :]
+            tl.store(out, o1, mask=m_ok[:, None])
+            tl.store(out + half, o2, mask=m_ok[:, None])
 
     @triton.jit(do_not_specialize=["M"])
     def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, M, N, K,
@@ -519,6 +630,50 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             out, b, y, M, N, y.stride(0), HAS_BIAS=bias is not None, SPLIT_K=split,
             BLOCK=block, num_warps=4, **pdl)
     return y.view(*x.shape[:-1], N)
+
+
+def rope_fits(config: SkinnyConfig, k: int, head_dim: int) -> bool:
+    """``skinny_rope_linear`` may run ``config`` for K = ``k``: a one-tile tl.dot without
+    split K whose BLOCK_N is one head (``head_dim``)."""
+    return config.one_pass(k) and config.k_splits(k)[0] == 1 and config.block_n == head_dim
+
+
+def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                       config: SkinnyConfig, rope: RopeWrite) -> torch.Tensor:
+    """x [B, T, K] @ weight [(Hq + 2 Hkv) D, K]^T (+ bias) as qkv, then RoPE and the cache
+    write as ``_kernels.rope_cache_write(qkv, *rope)`` does them, in one kernel (a
+    ``rope_fits`` config): -> rotated q [B, T, Hq, D]; k and v go into ``rope``'s caches.
+    The same bits as ``skinny_linear`` then ``rope_cache_write``."""
+    B, T, K = x.shape
+    _, page_size, hkv, D = rope.k_cache.shape
+    hq = rope.num_heads
+    if weight.shape != ((hq + 2 * hkv) * D, K) or not rope_fits(config, K, D) \
+            or weight.stride(1) != 1:
+        raise ValueError(f"skinny_rope_linear: x {tuple(x.shape)}, weight "
+                         f"{tuple(weight.shape)} (rows contiguous) for {hq} + 2 x {hkv} heads "
+                         f"of {D}, config {config.tag()}")
+    x2 = x.reshape(B * T, K)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    M = B * T
+    q = x.new_empty(B, T, hq, D)
+    if M == 0:
+        return q
+    bm = config.block_m(M)
+    tree = rope.rope_offsets is not None
+    start = rope.start_pos.contiguous()
+    piece = one_pass_piece(config, K)
+    _skinny_rope_kernel[(hq + 2 * hkv, 1, triton.cdiv(M, bm))](
+        x2, weight, bias if bias is not None else weight, q, rope.k_cache, rope.v_cache, start,
+        rope.slots.contiguous(), rope.table, rope.cos, rope.sin,
+        rope.rope_offsets if tree else start, M, K, x2.stride(0), weight.stride(0), T,
+        rope.pos_offset, rope.cos.shape[0] - 1, rope.k_cache.stride(0), rope.k_cache.stride(1),
+        rope.table.stride(0), rope.table.shape[1], rope.max_seq_len, rope.scratch_page,
+        HQ=hq, HKV=hkv, D=D, PAGE=page_size, HAS_BIAS=bias is not None, BLOCK_M=bm,
+        BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
+        **({"PIECE": piece} if piece else {}), **({"TREE": True} if tree else {}),
+        **_pdl.launch_kw(x2))
+    return q
 
 
 # SPECLOOP_SKINNY_PIECES=0: a one-tile tl.dot over K runs one BLOCK_K tile, zero padding

@@ -341,6 +341,25 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
 
+@pytest.mark.parametrize("piece, tree", [(64, True), (0, False)])
+def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree):
+    """The qkv GEMM with RoPE and the cache write as its epilogue: W's tiles and the bias
+    before the wait; positions, slots, the block table, x, the rotation tables after."""
+    from specloop.models import _skinny as S
+
+    sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "q_ptr": "*bf16",
+           "kc_ptr": "*bf16", "vc_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
+           "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_ptr": "*i64",
+           "M": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "T": "i32",
+           "pos_offset": "i32", "max_pos": "i32", "s_page": "i32", "s_off": "i32",
+           "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
+           "scratch_page": "i32"}
+    check_kernel(S._skinny_rope_kernel, sig,
+                 dict(HQ=9, HKV=3, D=64, PAGE=16, HAS_BIAS=True, BLOCK_M=16, BLOCK_K=1024,
+                      PIECE=piece, TREE=tree),
+                 weights={"w_ptr", "b_ptr"}, num_warps=8)
+
+
 def test_norm_skinny_and_splitk_reduce():
     from specloop.models import _skinny as S
 
@@ -408,7 +427,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
                             "_argmax_map_kernel", "_topk_map_kernel", "_rope_write_kernel",
                             "_paged_attention_kernel", "_attention_combine_kernel",
                             "_silu_mul_kernel"]),
-                       (S, ["_skinny_kernel", "_norm_skinny_kernel", "_splitk_reduce_kernel"]),
+                       (S, ["_skinny_kernel", "_norm_skinny_kernel", "_splitk_reduce_kernel",
+                            "_skinny_rope_kernel"]),
                        (N, ["_ngram_chain_kernel"])):
         for name in names:
             monkeypatch.setattr(mod, name, _Recorder(name, calls))
@@ -438,6 +458,10 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(True, 16, 16, split_k=2))
     S.skinny_norm_linear(torch.zeros(1, 64), None, torch.ones(64), 1e-5, w, None,
                          SkinnyConfig(False, 2, 1024))
+    S.skinny_rope_linear(torch.zeros(1, 2, 64), torch.zeros(4 * 16, 64), None,
+                         SkinnyConfig(True, 16, 64),
+                         S.RopeWrite(one, one, table, 1024, 0, torch.zeros(64, 16),
+                                     torch.zeros(64, 16), kc, kc, num_heads=2))
     logits, d = torch.zeros(1, 3, 16, dtype=f), torch.zeros(1, 2, dtype=i64)
     G.greedy_verify(d, logits, mode="split")
     G.greedy_verify(d, logits, mode="row")
@@ -449,7 +473,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     assert launched == {"_add_rms_norm_kernel", "_eagle_prologue_kernel", "_argmax_map_kernel",
                         "_topk_map_kernel", "_rope_write_kernel", "_paged_attention_kernel",
                         "_attention_combine_kernel", "_silu_mul_kernel", "_skinny_kernel",
-                        "_norm_skinny_kernel", "_splitk_reduce_kernel", "_ngram_chain_kernel",
+                        "_norm_skinny_kernel", "_splitk_reduce_kernel", "_skinny_rope_kernel",
+                        "_ngram_chain_kernel",
                         "partials", "combine", "row", "chunk_sums", "sample"}, launched
     wrong = [name for name, kw in calls if kw.get("GDC") is not True
              or kw.get("launch_pdl") is not True]

@@ -286,6 +286,7 @@ def counting(module, name):
         return fn(*a, **k)
     setattr(module, name, counted)
 for module, name in ((_skinny, "skinny_linear"), (_skinny, "skinny_norm_linear"),
+                     (_skinny, "skinny_rope_linear"), (_kernels, "rope_cache_write"),
                      (_kernels, "silu_mul"), (_kernels, "add_rms_norm")):
     counting(module, name)
 L, H = model.args.num_layers, model.args.hidden_size
@@ -296,13 +297,18 @@ out = {}
 # every row count), one-tile tl.dot (ONE_PASS: BLOCK_K covers K), which takes no norm
 # prologue: add_rms_norm runs before them.
 # glu: SwiGLU in the gate-up GEMM's epilogue, the down GEMM without its prologue (the same
-# bits as without: checked below).
-for skinny, norm, dot, glu in ((False, False, False, False), (True, False, False, False),
-                               (True, False, False, True), (True, True, False, False),
-                               (True, True, False, True), (True, True, True, False),
-                               (True, True, True, True)):
+# bits as without: checked below). rope: with tl.dot of one head a program (d16: the tiny
+# model's head_dim), RoPE and the cache write in the qkv GEMM's epilogue (the same bits).
+for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
+                                     (True, False, False, False, False),
+                                     (True, False, False, True, False),
+                                     (True, True, False, False, False),
+                                     (True, True, False, True, False),
+                                     (True, True, True, False, False),
+                                     (True, True, True, True, False),
+                                     (True, True, True, True, True)):
     model.linear.skinny = model.linear.skinny_on_cpu = skinny
-    model.linear.skinny_norm, model.linear.glu = norm, glu
+    model.linear.skinny_norm, model.linear.glu, model.linear.rope = norm, glu, rope
     for n in (qkv_n, gate_up_n):
         if dot:
             _linear.SKINNY_TABLE[(n, H, False)] = ((32, f"d16x{H}s1w4n1"),)
@@ -317,7 +323,7 @@ for skinny, norm, dot, glu in ((False, False, False, False), (True, False, False
     # Features captured after every layer (layer 0's by layer 1's norm: norm_linear's copy).
     hidden, feats = model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]), cache,
                           capture=tuple(range(L)))
-    out[skinny, norm, dot, glu] = torch.cat([hidden, feats], dim=-1).float()
+    out[skinny, norm, dot, glu, rope] = torch.cat([hidden, feats], dim=-1).float()
     if dot:      # qkv and gate-up on tl.dot after add_rms_norm, o, silu-down; the final norm
         want = {"skinny_linear": 4 * L, "tl.dot": 2 * L, "add_rms_norm": 2 * L + 1}
     elif norm:   # qkv and gate-up with their norms, o, silu-down; the final norm
@@ -326,14 +332,19 @@ for skinny, norm, dot, glu in ((False, False, False, False), (True, False, False
         want = {"skinny_linear": 4 * L, "add_rms_norm": 2 * L + 1}
     else:
         want = {"silu_mul": L, "add_rms_norm": 2 * L + 1}
+    want["rope_cache_write"] = L
     if glu:      # the same kernels, the gate-up one with the epilogue
         want["glu"] = L
-    assert calls == want, (skinny, norm, dot, glu, calls)
+    if rope:     # qkv's GEMM, RoPE and the cache write as one kernel
+        want.update({"skinny_linear": 3 * L, "tl.dot": L, "skinny_rope_linear": L})
+        del want["rope_cache_write"]
+    assert calls == want, (skinny, norm, dot, glu, rope, calls)
     assert feats.abs().sum() > 0
 for key in ((True, False, False), (True, True, False), (True, True, True)):
-    torch.testing.assert_close(out[key + (False,)], out[False, False, False, False],
+    torch.testing.assert_close(out[key + (False, False)], out[False, False, False, False, False],
                                rtol=2e-2, atol=2e-2)
-    assert torch.equal(out[key + (True,)], out[key + (False,)]), key
+    assert torch.equal(out[key + (True, False)], out[key + (False, False)]), key
+assert torch.equal(out[True, True, True, True, True], out[True, True, True, True, False])
 print("ok")
 """
 
@@ -387,6 +398,75 @@ print("ok")
 """
 
 
+ROPE_CHILD = r"""
+import torch
+from specloop.models import _kernels
+from specloop.models._skinny import (RopeWrite, SkinnyConfig, one_pass_piece, rope_fits,
+                                     skinny_linear, skinny_rope_linear)
+
+torch.manual_seed(0)
+# fp16 (the interpreter's bf16 products are not the GPU's). 3 q heads and 1 kv head of
+# D = 16; pages of 4 positions, 3 slots of 6 pages, max_seq_len 20 (positions past it go to
+# the scratch page); both requests' rows cross page boundaries.
+HQ, HKV, D, P, S = 3, 1, 16, 4, 20
+N = (HQ + 2 * HKV) * D
+cos = torch.randn(40, D).float()
+sin = torch.randn(40, D).float()
+table = torch.randperm(18).to(torch.int32).view(3, 6)
+scratch = 18
+for K, bk in ((48, 64), (64, 64)):    # K = 48 in BLOCK_K 64: two tiles (PIECE 16); 64: one
+    cfg = SkinnyConfig(True, D, bk, num_warps=4, num_stages=1)
+    assert rope_fits(cfg, K, D) and bool(one_pass_piece(cfg, K)) == (K == 48)
+    w = (torch.randn(N, K) * 0.2).half()
+    bias = torch.randn(N).half()
+    for T, starts, tree, b in ((5, [3, 14], None, None), (9, [0, 17], None, bias),
+                               (17, [2, 1], torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4,
+                                                          4, 4, 5, 5, 6]), None)):
+        x = torch.randn(2, T, K).half()
+        start, slots = torch.tensor(starts), torch.tensor([2, 0])
+        kc0 = torch.randn(19, P, HKV, D).half()
+        vc0 = torch.randn(19, P, HKV, D).half()
+        caches = []
+        for fused in (False, True):
+            kc, vc = kc0.clone(), vc0.clone()
+            rope = RopeWrite(start, slots, table, S, scratch, cos, sin, kc, vc, HQ, 1, tree)
+            if fused:
+                q = skinny_rope_linear(x, w, b, cfg, rope)
+            else:
+                q = _kernels.rope_cache_write(skinny_linear(x, w, b, cfg), *rope)
+            caches.append((q, kc, vc))
+        (q0, k0, v0), (q1, k1, v1) = caches
+        where = (K, T, tree is not None, b is not None)
+        assert q1.shape == (2, T, HQ, D) and torch.equal(q1, q0), where
+        assert torch.equal(k1, k0) and torch.equal(v1, v0), where
+        assert not torch.equal(k1, kc0) and not torch.equal(v1, vc0), where
+# Not one head a program, split K, or a broadcast config: refused.
+for c in (SkinnyConfig(True, 32, 64), SkinnyConfig(True, D, 32, split_k=2),
+          SkinnyConfig(False, D, 64)):
+    assert not rope_fits(c, 64, D), c.tag()
+    try:
+        skinny_rope_linear(torch.zeros(1, 1, 64).half(), torch.zeros(N, 64).half(), None, c,
+                           RopeWrite(start, slots, table, S, scratch, cos, sin, kc0, vc0, HQ))
+    except ValueError as e:
+        assert "skinny_rope_linear" in str(e)
+    else:
+        raise AssertionError(c.tag())
+print("ok")
+"""
+
+
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_rope_epilogue_equals_gemm_then_rope_kernel_interpreted():
+    """RoPE and the K/V cache write in the qkv GEMM's epilogue (``skinny_rope_linear``):
+    q and both caches bit for bit ``skinny_linear`` then ``_kernels.rope_cache_write``
+    (fp16, Triton's interpreter), for K in two tiles and in one, 5 / 9 / 17 rows a request
+    (17: two row blocks), two requests whose rows cross page boundaries and run past
+    max_seq_len (the scratch page), a bias, and a draft tree's rows rotated at their
+    depths; configurations that are not one head a program are refused."""
+    run_interpreted(ROPE_CHILD)
+
+
 @pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_glu_epilogue_is_silu_mul_of_the_product_interpreted():
@@ -419,7 +499,9 @@ def test_fused_layer_on_skinny_kernel_interpreted(narrow_llama):
     rounding. Also with the shipped table's form for qkv and gate-up from 2 rows (one-tile
     tl.dot: add_rms_norm before them, no prologue, ``skinny_norm`` on). Each also with
     ``glu`` (SwiGLU in the gate-up GEMM's epilogue, ``norm_mlp``): the same kernels, the
-    same bits. (``logits`` makes the same dispatcher call; the GPU tests cover it.)"""
+    same bits; and with RoPE + the cache write in the one-tile qkv GEMM's epilogue
+    (``norm_linear_rope``): one kernel fewer a layer, the same bits. (``logits`` makes the
+    same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(narrow_llama))
 
 
@@ -912,6 +994,62 @@ def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
             (y1, s1), (y0, s0) = (lin.norm_mlp(x[:m], d[:m], nw, 1e-5, wgu, wd) for lin in lins)
             assert torch.equal(y1, y0) and torch.equal(s1, s0), (norm, m)
     assert 1 in glu_rows and max(glu_rows) == 32, glu_rows
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("pdl", [True, False])
+def test_rope_epilogue_gives_the_rope_kernels_bits_bf16_cuda(monkeypatch, pdl):
+    """``norm_linear_rope`` on SmolLM2's qkv shape (the shipped table, bf16, random weights,
+    a real cos / sin table): q and both caches bit for bit with the epilogue and without
+    (the GEMM then ``rope_cache_write``) at every row count 1..32 (the epilogue from 5 rows,
+    its table's one-tile tl.dot range: counted), one request and two of 4..16 rows whose
+    rows cross pages, a draft tree's rows, eager and with PDL on and off."""
+    from specloop.models import _kernels, _skinny
+
+    monkeypatch.setattr(_skinny._pdl, "_ENV_ON", pdl)
+    HQ, HKV, D, H, P = 9, 3, 64, 576, 16
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    inv = 1.0 / 100000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    angles = torch.arange(2048, device="cuda").float()[:, None] * inv[None, :]
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()     # as DecoderModel keeps them
+    w, nw = rand((HQ + 2 * HKV) * D, H, scale=0.05), 1 + rand(H, scale=0.1)
+    table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
+    kc0, vc0 = rand(65, P, HKV, D), rand(65, P, HKV, D)
+    fused_rows = []
+    real = _skinny.skinny_rope_linear
+
+    def counted(x, *a, **k):
+        fused_rows.append(x.shape[0] * x.shape[1])
+        return real(x, *a, **k)
+    monkeypatch.setattr(_skinny, "skinny_rope_linear", counted)
+    shapes = [(1, m, None) for m in range(1, 33)] + [(2, t, None) for t in (4, 5, 8, 16)]
+    tree = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3], device="cuda")
+    shapes += [(1, 16, tree), (2, 16, tree)]
+    for B, T, offsets in shapes:
+        x, d = rand(B, T, H), rand(B, T, H)
+        start = torch.tensor([13, 250][:B], device="cuda")
+        slots = torch.tensor([3, 1][:B], device="cuda")
+        out = []
+        for on in (True, False):
+            lin = PackedLinear(skinny=True)
+            lin.rope = on
+            kc, vc = kc0.clone(), vc0.clone()
+            rope = _skinny.RopeWrite(start, slots, table, 256, 64, cos, sin, kc, vc, HQ, 0,
+                                     offsets)
+            q, stream = lin.norm_linear_rope(x, d, nw, 1e-5, w, None, None, rope)
+            out.append((q, stream, kc, vc))
+        for a, b in zip(*out):
+            assert torch.equal(a, b), (B, T, offsets is not None)
+    assert min(fused_rows) == 5 and max(fused_rows) == 32, fused_rows
+    # The reference path's rotation, for scale: the epilogue rotates, not just copies.
+    q = out[0][0]
+    assert not torch.equal(q, (_kernels.add_rms_norm(x, d, nw, 1e-5)[0] @ w.T)[..., :HQ * D]
+                           .view_as(q))
 
 
 @pytest.mark.gpu
