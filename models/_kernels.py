@@ -5,7 +5,8 @@ Each kernel computes what a few plain tensor ops of the reference layer compute
 - ``add_rms_norm``: the residual add and the next RMSNorm, one pass over a row;
 - ``rope_cache_write``: RoPE on q and k, and k, v stored in place in their cache pages
   (each token's position, page and offset found from its row's start and slot through
-  the block table, as ``KVCache.locate`` does, so a fused forward builds no index tensors);
+  the block table, as ``KVCache.locate`` does, so a fused forward builds no index tensors;
+  ``_skinny.skinny_rope_linear`` runs the same arithmetic as the qkv GEMM's epilogue);
 - ``paged_attention``: causal attention of T queries per row over the row's real length
   (its ``start_pos`` + T), reading K/V pages through the block table: decode (T = 1),
   VERIFY (T = K + 1) and prefill chunks alike, with lengths as device tensors so one
