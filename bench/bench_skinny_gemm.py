@@ -786,7 +786,8 @@ def compile_offline(cfg, k: int, act: bool = False, norm: bool = False, glu: boo
     split, _ = cfg.k_splits(k)
     const = dict(HAS_BIAS=False, BLOCK_M=cfg.block_m(8), BLOCK_N=cfg.block_n,
                  BLOCK_K=cfg.block_k, TILE=cfg.tile_m > 0, GDC=True, GLU=glu)
-    const.update(dict(HAS_DELTA=True, HAS_COPY=False) if norm else
+    const.update(dict(HAS_DELTA=True, HAS_COPY=False, ROPE=False, HQ=1, HKV=1, D=2, PAGE=1,
+                      TREE=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
                       ONE_PASS=cfg.one_pass(k), PIECE=_skinny.one_pass_piece(cfg, k)))
     sig, attrs = {}, {}

@@ -5,8 +5,8 @@ short Python loop, no nn.Module call per layer. Two paths compute the same funct
 plain tensor ops (the reference; CPU, float64 tests) and, on CUDA, fused Triton kernels
 (residual add + RMSNorm, RoPE + cache write, paged attention over real lengths, SwiGLU:
 nine kernels per layer with the four GEMMs; for few rows the GEMMs run on the
-skinny-GEMM kernel, which takes SwiGLU into the gate-up projection and, where it runs a
-one-tile tl.dot of one head a program, RoPE + the cache write into qkv's, see _linear).
+skinny-GEMM kernel, which takes SwiGLU into the gate-up projection and RoPE + the cache
+write into the qkv projection, see _linear).
 ``DecoderModel.kernels`` picks one.
 """
 

@@ -465,17 +465,25 @@ class PackedLinear:
                          rope: _skinny.RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm_linear`` on x [B, T, H] with the qkv weight, then
         ``_kernels.rope_cache_write(qkv, *rope)`` -> (rotated q [B, T, Hq, D], x + delta).
-        Where ``rope`` is on and the rows run a ``rope_fits`` configuration (the shipped
-        table's qkv from 5 rows to 32: one head a program), the norm kernel then one
-        kernel for the product, RoPE and the cache write (``skinny_rope_linear``; such a
-        tl.dot range never takes the norm into its prologue); the same bits either way."""
+        Where ``rope`` is on and the rows run a ``rope_fits`` configuration, RoPE and the
+        cache write are the GEMM's epilogue: with the norm in its prologue too (a
+        norm-fusable broadcast configuration, pairs of one head a program: the shipped
+        table's qkv at 1-4 rows; ``skinny_norm_linear(rope=...)``), or after the norm
+        kernel (a one-tile tl.dot of one head a program: 5-32 rows;
+        ``skinny_rope_linear``). The same bits either way."""
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         if self.rope and x.dim() == 3:
-            config = self._skinny_config(x, weight, bias, silu_mul=False)
-            if config is not None and _skinny.rope_fits(config, weight.shape[1],
-                                                        rope.k_cache.shape[-1]):
-                h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
-                return _skinny.skinny_rope_linear(h, weight, bias, config, rope), stream
+            D, k = rope.k_cache.shape[-1], weight.shape[1]
+            fused = self._norm_config(x, delta, norm_weight, weight, bias)
+            if fused is not None:
+                if _skinny.rope_fits(fused, k, D):   # norm prologue and rope epilogue
+                    return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight,
+                                                      bias, fused, capture, rope=rope)
+            else:
+                config = self._skinny_config(x, weight, bias, silu_mul=False)
+                if config is not None and config.dot and _skinny.rope_fits(config, k, D):
+                    h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
+                    return _skinny.skinny_rope_linear(h, weight, bias, config, rope), stream
         qkv, stream = self.norm_linear(x, delta, norm_weight, eps, weight, bias, capture)
         return _kernels.rope_cache_write(qkv, *rope), stream
 

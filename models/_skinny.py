@@ -402,6 +402,77 @@ if triton is not None:
                 else:
                     tl.store(y_ptr + (pid_k * M + row).to(tl.int64) * N + rn, acc, mask=y_ok)
 
+    @triton.jit
+    def _rope_w_rows(pid_n, BLOCK_N: tl.constexpr, D: tl.constexpr):
+        """A qkv GEMM program's rows of W where RoPE is its epilogue: D / BLOCK_N programs a
+        head, program j of head h taking BLOCK_N / 2 dims of the head's first half and
+        the same dims of its second half (the pairs RoPE rotates together), so its tile
+        is [first-half sums | second-half sums]; BLOCK_N = D: the head's rows in order.
+        -> (W's rows, the head, the dims of the first half)."""
+        HALF_N: tl.constexpr = BLOCK_N // 2
+        per_head: tl.constexpr = D // BLOCK_N
+        head = pid_n // per_head
+        dims = (pid_n % per_head) * HALF_N + tl.arange(0, HALF_N)
+        c = tl.arange(0, BLOCK_N)
+        rows = head * D + (pid_n % per_head) * HALF_N + c % HALF_N + (c // HALF_N) * (D // 2)
+        return rows, head, dims
+
+    @triton.jit
+    def _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset):
+        """Rows ``rm`` (token t of request b, rows of [B, T]) -> (position, slot, t), as
+        _kernels._rope_write_kernel finds them; loaded after PDL's wait, before the
+        product, so the loads overlap it."""
+        b = rm // T
+        t = rm % T
+        p = tl.load(start_ptr + b, mask=m_ok, other=0) + pos_offset + t
+        slot = tl.load(slot_ptr + b, mask=m_ok, other=0)
+        return p, slot, t
+
+    @triton.jit
+    def _rope_store(acc, rm, m_ok, p, slot, t, head, dims, table_ptr, cos_ptr, sin_ptr,
+                    q_ptr, kc_ptr, vc_ptr, rope_ptr, max_pos, s_page, s_off, s_table,
+                    pages_per_slot, max_seq_len, scratch_page, HQ: tl.constexpr,
+                    HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                    TREE: tl.constexpr):
+        """The qkv epilogue: acc [BM, 2W] fp32 (_rope_w_rows' order: head ``head``'s dims
+        ``dims`` [W] of its first half, then the same of its second) of rows ``rm``, each
+        sum rounded as the GEMM stores it, then _kernels._rope_write_kernel's arithmetic:
+        a q or k head rotated at its row's position (TREE: its depth's) into q [M, HQ, D]
+        or the row's cache page, a v head stored into its page as rounded. The same bits
+        as the qkv product, then rope_cache_write."""
+        W: tl.constexpr = acc.shape[1] // 2
+        half: tl.constexpr = D // 2
+        dtype = q_ptr.dtype.element_ty
+        x1, x2 = tl.split(tl.permute(tl.reshape(acc.to(dtype), [acc.shape[0], 2, W]),
+                                     (0, 2, 1)))
+        index = tl.minimum(p // PAGE, pages_per_slot - 1)
+        page = tl.load(table_ptr + slot * s_table + index, mask=m_ok, other=0).to(tl.int64)
+        page = tl.where(p < max_seq_len, page, scratch_page)
+        cell = page[:, None] * s_page + (p % PAGE)[:, None] * s_off + dims[None, :]
+        ok = m_ok[:, None]
+        if head >= HQ + HKV:                     # a v head: stored as the GEMM rounds it
+            out = vc_ptr + cell + (head - HQ - HKV) * D
+            tl.store(out, x1, mask=ok)
+            tl.store(out + half, x2, mask=ok)
+        else:
+            if TREE:    # a draft tree's row: stored at p, rotated at its depth's position
+                pos = tl.minimum(p - t + tl.load(rope_ptr + t, mask=m_ok, other=0), max_pos)
+            else:
+                pos = tl.minimum(p, max_pos)
+            f1 = x1.to(tl.float32)
+            f2 = x2.to(tl.float32)
+            at = pos[:, None] * D + dims[None, :]
+            c = tl.load(cos_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            s = tl.load(sin_ptr + at, mask=ok, other=0.0).to(tl.float32)
+            o1 = (f1 * c - f2 * s).to(dtype)
+            o2 = (f2 * c + f1 * s).to(dtype)
+            if head < HQ:
+                out = q_ptr + rm.to(tl.int64)[:, None] * (HQ * D) + head * D + dims[None, :]
+            else:
+                out = kc_ptr + cell + (head - HQ) * D
+            tl.store(out, o1, mask=ok)
+            tl.store(out + half, o2, mask=ok)
+
     # M, T and pos_offset vary between calls and only offset rows and positions.
     @triton.jit(do_not_specialize=["M", "T", "pos_offset"],
                 do_not_specialize_on_alignment=["start_ptr", "slot_ptr", "rope_ptr"])
@@ -414,17 +485,12 @@ if triton is not None:
                             BLOCK_K: tl.constexpr, PIECE: tl.constexpr = 0,
                             TREE: tl.constexpr = False, GDC: tl.constexpr = False):
         # The qkv GEMM as _skinny_kernel's one-tile tl.dot with BLOCK_N = D (a program's
-        # output columns are one head: q, k or v), then _kernels._rope_write_kernel's
-        # arithmetic as its epilogue: each sum rounded to x's dtype as the GEMM stores it,
-        # q and k heads rotated at their row's position (TREE: its depth's), q stored
-        # [M, HQ, D], k and v written into their cache pages. The same bits as
-        # skinny_linear then rope_cache_write, without the qkv product's round trip
-        # through memory or the rope kernel's launch.
-        head = tl.program_id(0)
-        pid_m = tl.program_id(2)
+        # output columns are one head: q, k or v) and _rope_store as its epilogue: the
+        # same bits as skinny_linear then rope_cache_write, without the qkv product's
+        # round trip through memory or the rope kernel's launch.
         if GDC:  # PDL: W (and the bias) before the wait; positions, x and stores after
             tl.extra.cuda.gdc_launch_dependents()
-        rn = head * D + tl.arange(0, D)
+        rn, head, dims = _rope_w_rows(tl.program_id(0), D, D)
         n_ok = rn < (HQ + 2 * HKV) * D
         wa, wb = _w_one_pass(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, n_ok, 0, K,
                              BLOCK_K, PIECE)
@@ -432,63 +498,46 @@ if triton is not None:
             bias = tl.load(b_ptr + rn).to(tl.float32)
         if GDC:
             tl.extra.cuda.gdc_wait()
-        rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rm < M
-        # Each row's position (token t of its request b), asked before the product so
-        # the loads overlap it; its page and offset as the rope kernel finds them.
-        b = rm // T
-        t = rm % T
-        p = tl.load(start_ptr + b, mask=m_ok, other=0) + pos_offset + t
-        slot = tl.load(slot_ptr + b, mask=m_ok, other=0)
+        p, slot, t = _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset)
         acc = _dot_one_pass(x_ptr + rm.to(tl.int64)[:, None] * stride_xm, m_ok, K, 0, K, wa,
                             wb, tl.zeros([BLOCK_M, D], dtype=tl.float32), 0, BLOCK_K, PIECE)
         if HAS_BIAS:
             acc += bias[None, :]
-        y = acc.to(q_ptr.dtype.element_ty)       # the qkv product as the GEMM rounds it
-        index = tl.minimum(p // PAGE, pages_per_slot - 1)
-        page = tl.load(table_ptr + slot * s_table + index, mask=m_ok, other=0).to(tl.int64)
-        page = tl.where(p < max_seq_len, page, scratch_page)
-        cell = page[:, None] * s_page + (p % PAGE)[:, None] * s_off
-        half: tl.constexpr = D // 2
-        if head >= HQ + HKV:                     # a v head: stored as the GEMM rounds it
-            tl.store(vc_ptr + cell + (head - HQ - HKV) * D + tl.arange(0, D)[None, :], y,
-                     mask=m_ok[:, None])
-        else:
-            if TREE:    # a draft tree's row: stored at p, rotated at its depth's position
-                pos = tl.minimum(p - t + tl.load(rope_ptr + t, mask=m_ok, other=0), max_pos)
-            else:
-                pos = tl.minimum(p, max_pos)
-            d = tl.arange(0, half)
-            x1, x2 = tl.split(tl.permute(tl.reshape(y, [BLOCK_M, 2, half]), (0, 2, 1)))
-            x1 = x1.to(tl.float32)
-            x2 = x2.to(tl.float32)
-            c = tl.load(cos_ptr + pos[:, None] * D + d[None, :], mask=m_ok[:, None],
-                        other=0.0).to(tl.float32)
-            s = tl.load(sin_ptr + pos[:, None] * D + d[None, :], mask=m_ok[:, None],
-                        other=0.0).to(tl.float32)
-            o1 = (x1 * c - x2 * s).to(q_ptr.dtype.element_ty)
-            o2 = (x2 * c + x1 * s).to(q_ptr.dtype.element_ty)
-            if head < HQ:
-                out = q_ptr + rm.to(tl.int64)[:, None] * (HQ * D) + head * D + d[None, :]
-            else:
-                out = kc_ptr + cell + (head - HQ) * D + d[None, :]
-            tl.store(out, o1, mask=m_ok[:, None])
-            tl.store(out + half, o2, mask=m_ok[:, None])
+        _rope_store(acc, rm, m_ok, p, slot, t, head, dims, table_ptr, cos_ptr, sin_ptr, q_ptr,
+                    kc_ptr, vc_ptr, rope_ptr, max_pos, s_page, s_off, s_table,
+                    pages_per_slot, max_seq_len, scratch_page, HQ, HKV, D, PAGE, TREE)
 
-    @triton.jit(do_not_specialize=["M"])
+    @triton.jit(do_not_specialize=["M", "T", "pos_offset"],
+                do_not_specialize_on_alignment=["start_ptr", "slot_ptr", "rope_ptr"])
     def _norm_skinny_kernel(x_ptr, d_ptr, nw_ptr, w_ptr, b_ptr, y_ptr, s_ptr, c_ptr, M, N, K,
-                            stride_wn, stride_ym, stride_cm, eps, HAS_DELTA: tl.constexpr,
+                            stride_wn, stride_ym, stride_cm, eps, kc_ptr, vc_ptr, start_ptr,
+                            slot_ptr, table_ptr, cos_ptr, sin_ptr, rope_ptr, T, pos_offset,
+                            max_pos, s_page, s_off, s_table, pages_per_slot, max_seq_len,
+                            scratch_page, HAS_DELTA: tl.constexpr,
                             HAS_COPY: tl.constexpr, HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                             BLOCK_K: tl.constexpr, TILE: tl.constexpr = False,
-                            GDC: tl.constexpr = False, GLU: tl.constexpr = False):
+                            GDC: tl.constexpr = False, GLU: tl.constexpr = False,
+                            ROPE: tl.constexpr = False, HQ: tl.constexpr = 1,
+                            HKV: tl.constexpr = 1, D: tl.constexpr = 2,
+                            PAGE: tl.constexpr = 1, TREE: tl.constexpr = False):
         # rms_norm(x + delta) @ W^T with all of K in one tile (BLOCK_K >= K): each row's
         # prologue is _kernels.add_rms_norm's arithmetic (x, delta [M, K] contiguous).
-        # GLU: as _skinny_kernel's (W [2N, K], y [M, N] silu(gate) * up).
+        # GLU: as _skinny_kernel's (W [2N, K], y [M, N] silu(gate) * up). ROPE: W is a qkv
+        # weight, each program takes _rope_w_rows' pairs of one head, and _rope_store
+        # (into q at y_ptr, [M, HQ, D], and the caches: skinny_norm_linear's ``rope``) is
+        # the epilogue; the kc_ptr .. scratch_page arguments serve it alone.
         pid_n = tl.program_id(0)
         if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
             tl.extra.cuda.gdc_launch_dependents()
-        rn, n_ok, rc = _w_rows(pid_n, N, BLOCK_N, GLU)
+        if ROPE:
+            rn, head, dims = _rope_w_rows(pid_n, BLOCK_N, D)
+            n_ok = rn < N
+            rc = rn
+        else:
+            rn, n_ok, rc = _w_rows(pid_n, N, BLOCK_N, GLU)
         rk = tl.arange(0, BLOCK_K)
         k_ok = rk < K
         if TILE:
@@ -503,6 +552,8 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
             rm = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
             m_ok = rm < M
+            if ROPE:
+                p, slot, t = _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset)
             ok = m_ok[:, None, None] & k_ok[None, None, :]
             offs = rm.to(tl.int64)[:, None, None] * K + rk[None, None, :]
             xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
@@ -521,7 +572,13 @@ if triton is not None:
             acc = tl.sum(a.to(tl.float32) * w, axis=2)                  # [BM, BN]
             if HAS_BIAS:
                 acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
-            _store_tile(y_ptr, rm, m_ok, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
+            if ROPE:
+                _rope_store(acc, rm, m_ok, p, slot, t, head, dims, table_ptr, cos_ptr,
+                            sin_ptr, y_ptr, kc_ptr, vc_ptr, rope_ptr, max_pos, s_page, s_off,
+                            s_table, pages_per_slot, max_seq_len, scratch_page, HQ, HKV, D,
+                            PAGE, TREE)
+            else:
+                _store_tile(y_ptr, rm, m_ok, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
         else:
             w = tl.load(w_ptr + rn.to(tl.int64)[:, None] * stride_wn + rk[None, :],
                         mask=n_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
@@ -532,6 +589,9 @@ if triton is not None:
                 tl.extra.cuda.gdc_wait()
             for r in tl.static_range(BLOCK_M):
                 row = tl.program_id(1) * BLOCK_M + r
+                if ROPE:    # the row as a [1] block for _rope_store
+                    rr = row + tl.arange(0, 1)
+                    p, slot, t = _rope_rows(rr, rr < M, start_ptr, slot_ptr, T, pos_offset)
                 ok = k_ok & (rk * 0 + row < M)
                 offs = row.to(tl.int64) * K + rk
                 xs = tl.load(x_ptr + offs, mask=ok, other=0.0)
@@ -550,7 +610,13 @@ if triton is not None:
                 acc = tl.sum(a.to(tl.float32)[None, :] * w, axis=1)
                 if HAS_BIAS:
                     acc += bias
-                _store_row(y_ptr, row, M, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
+                if ROPE:
+                    _rope_store(acc[None, :], rr, rr < M, p, slot, t, head, dims, table_ptr,
+                                cos_ptr, sin_ptr, y_ptr, kc_ptr, vc_ptr, rope_ptr, max_pos,
+                                s_page, s_off, s_table, pages_per_slot, max_seq_len,
+                                scratch_page, HQ, HKV, D, PAGE, TREE)
+                else:
+                    _store_row(y_ptr, row, M, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
 
     @triton.jit(do_not_specialize=["M"])
     def _splitk_reduce_kernel(p_ptr, b_ptr, y_ptr, M, N, stride_ym, HAS_BIAS: tl.constexpr,
@@ -633,9 +699,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def rope_fits(config: SkinnyConfig, k: int, head_dim: int) -> bool:
-    """``skinny_rope_linear`` may run ``config`` for K = ``k``: a one-tile tl.dot without
-    split K whose BLOCK_N is one head (``head_dim``)."""
-    return config.one_pass(k) and config.k_splits(k)[0] == 1 and config.block_n == head_dim
+    """``config`` can end a qkv GEMM over K = ``k`` in the RoPE + cache-write epilogue: a
+    one-tile tl.dot without split K whose BLOCK_N is one head (``skinny_rope_linear``), or
+    a norm-fusable broadcast configuration whose even BLOCK_N divides the head
+    (``skinny_norm_linear(rope=...)``: pairs of one head a program)."""
+    if config.dot:
+        return config.one_pass(k) and config.k_splits(k)[0] == 1 and config.block_n == head_dim
+    return norm_fusable(config, k) and config.block_n % 2 == 0 and head_dim % config.block_n == 0
 
 
 def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -647,8 +717,8 @@ def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     B, T, K = x.shape
     _, page_size, hkv, D = rope.k_cache.shape
     hq = rope.num_heads
-    if weight.shape != ((hq + 2 * hkv) * D, K) or not rope_fits(config, K, D) \
-            or weight.stride(1) != 1:
+    if weight.shape != ((hq + 2 * hkv) * D, K) or not config.dot \
+            or not rope_fits(config, K, D) or weight.stride(1) != 1:
         raise ValueError(f"skinny_rope_linear: x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)} (rows contiguous) for {hq} + 2 x {hkv} heads "
                          f"of {D}, config {config.tag()}")
@@ -726,18 +796,24 @@ def norm_fusable(config: SkinnyConfig, k: int) -> bool:
 def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight: torch.Tensor,
                        eps: float, weight: torch.Tensor, bias: torch.Tensor | None,
                        config: SkinnyConfig, copy_to: torch.Tensor | None = None, *,
-                       glu: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                       glu: bool = False, rope: RopeWrite | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + delta, norm_weight) @ weight^T (+ bias), x + delta) for x, delta
     [..., K], weight [N, K], in one kernel: ``_kernels.add_rms_norm`` (delta None: no add;
     ``copy_to`` also receives x + delta) and the GEMM, the normed rows never stored. The
     config must be ``norm_fusable`` (one pass over K computes each row's RMS first).
-    ``glu``: as ``skinny_linear``'s (the product's silu(gate) * up, [..., N / 2])."""
+    ``glu``: as ``skinny_linear``'s (the product's silu(gate) * up, [..., N / 2]).
+    ``rope`` (x [B, T, K], weight a qkv weight, a ``rope_fits`` config): the product's
+    RoPE and cache write as ``_kernels.rope_cache_write(product, *rope)`` does them, in
+    the same kernel -> (rotated q [B, T, Hq, D], x + delta), the same bits."""
     N, K = weight.shape
     if x.shape[-1] != K or not norm_fusable(config, K) or norm_weight.shape != (K,) or \
-            glu and (N % 2 or not glu_fits(config, K)):
-        raise ValueError(f"skinny_norm_linear: x [..., {x.shape[-1]}], weight [{N}, {K}], "
+            glu and (N % 2 or not glu_fits(config, K)) or rope is not None and (
+                glu or x.dim() != 3 or not rope_fits(config, K, rope.k_cache.shape[-1])
+                or N != (rope.num_heads + 2 * rope.k_cache.shape[2]) * rope.k_cache.shape[3]):
+        raise ValueError(f"skinny_norm_linear: x {tuple(x.shape)}, weight [{N}, {K}], "
                          f"norm weight {tuple(norm_weight.shape)}, config {config.tag()}"
-                         f"{', glu' if glu else ''}")
+                         f"{', glu' if glu else ''}{', rope' if rope is not None else ''}")
     if glu:
         N //= 2
     if weight.stride(1) != 1:
@@ -754,7 +830,22 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
         copy_stride = copy_to.stride(-2) if copy_to.dim() > 1 else K
         if copy_to.dim() > 2 and copy_to.stride(-3) != copy_stride * copy_to.shape[-2]:
             raise ValueError("skinny_norm_linear: copy_to's rows must be evenly strided")
-    y = x.new_empty(*x.shape[:-1], N)
+    if rope is not None:
+        _, page_size, hkv, D = rope.k_cache.shape
+        y = x.new_empty(*x.shape[:-1], rope.num_heads, D)       # q
+        start = rope.start_pos.contiguous()
+        cache_args = (rope.k_cache, rope.v_cache, start, rope.slots.contiguous(), rope.table,
+                      rope.cos, rope.sin,
+                      rope.rope_offsets if rope.rope_offsets is not None else start,
+                      x.shape[1], rope.pos_offset, rope.cos.shape[0] - 1,
+                      rope.k_cache.stride(0), rope.k_cache.stride(1), rope.table.stride(0),
+                      rope.table.shape[1], rope.max_seq_len, rope.scratch_page)
+        rope_kw = dict(ROPE=True, HQ=rope.num_heads, HKV=hkv, D=D, PAGE=page_size,
+                       **({"TREE": True} if rope.rope_offsets is not None else {}))
+    else:
+        y = x.new_empty(*x.shape[:-1], N)
+        cache_args = (x, x, x, x, x, x, x, x, 1, 0, 0, 0, 0, 0, 0, 0, 0)   # not read
+        rope_kw = {}
     if M == 0:
         return y, stream
     bm = config.block_m(M)
@@ -762,8 +853,9 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     _norm_skinny_kernel[grid](
         x, d, norm_weight, weight, bias if bias is not None else weight, y, stream,
         x if copy_to is None else copy_to, M, N, K, weight.stride(0), N, copy_stride, eps,
-        HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None, HAS_BIAS=bias is not None,
-        BLOCK_M=bm, BLOCK_N=config.block_n, BLOCK_K=config.block_k, TILE=config.tile_m > 0,
-        num_warps=config.num_warps, num_stages=config.num_stages, **_pdl.launch_kw(x),
-        **({"GLU": True} if glu else {}))
+        *cache_args, HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k, TILE=config.tile_m > 0, num_warps=config.num_warps,
+        num_stages=config.num_stages, **_pdl.launch_kw(x), **({"GLU": True} if glu else {}),
+        **rope_kw)
     return y, stream

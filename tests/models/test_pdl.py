@@ -303,7 +303,11 @@ SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*b
 NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
             "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
-            "stride_cm": "i32", "eps": "fp32"}
+            "stride_cm": "i32", "eps": "fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
+            "start_ptr": "*i64", "slot_ptr": "*i64", "table_ptr": "*i32", "cos_ptr": "*bf16",
+            "sin_ptr": "*bf16", "rope_ptr": "*i64", "T": "i32", "pos_offset": "i32",
+            "max_pos": "i32", "s_page": "i32", "s_off": "i32", "s_table": "i32",
+            "pages_per_slot": "i32", "max_seq_len": "i32", "scratch_page": "i32"}
 
 
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass",
@@ -363,12 +367,19 @@ def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree):
 def test_norm_skinny_and_splitk_reduce():
     from specloop.models import _skinny as S
 
-    for tile, glu, before in ((False, False, {"nw_ptr", "w_ptr", "b_ptr"}),
-                              (True, False, {"nw_ptr", "w_ptr"}),
-                              (False, True, {"nw_ptr", "w_ptr", "b_ptr"})):
+    # rope: the qkv GEMM with RoPE + the cache write as its epilogue (positions and slots
+    # after the wait, with x), one row at a time and in one reduction.
+    for tile, glu, rope, before in ((False, False, False, {"nw_ptr", "w_ptr", "b_ptr"}),
+                                    (True, False, False, {"nw_ptr", "w_ptr"}),
+                                    (False, True, False, {"nw_ptr", "w_ptr", "b_ptr"}),
+                                    (False, False, True, {"nw_ptr", "w_ptr", "b_ptr"}),
+                                    (True, False, True, {"nw_ptr", "w_ptr"})):
+        extra = dict(ROPE=True, HQ=9, HKV=3, D=64, PAGE=16, TREE=tile) if rope else \
+            dict(ROPE=False, HQ=1, HKV=1, D=2, PAGE=1, TREE=False)   # (the defaults)
         check_kernel(S._norm_skinny_kernel, NORM_SIG,
                      dict(HAS_DELTA=True, HAS_COPY=True, HAS_BIAS=True, BLOCK_M=4 if tile else 1,
-                          BLOCK_N=4 if glu else 2, BLOCK_K=1024, TILE=tile, GLU=glu),
+                          BLOCK_N=4 if glu or rope else 2, BLOCK_K=1024, TILE=tile, GLU=glu,
+                          **extra),
                      weights=before, sass=tile)
     check_kernel(S._splitk_reduce_kernel,
                  {"p_ptr": "*fp32", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32", "N": "i32",
@@ -458,6 +469,10 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(True, 16, 16, split_k=2))
     S.skinny_norm_linear(torch.zeros(1, 64), None, torch.ones(64), 1e-5, w, None,
                          SkinnyConfig(False, 2, 1024))
+    S.skinny_norm_linear(torch.zeros(1, 2, 64), None, torch.ones(64), 1e-5,
+                         torch.zeros(4 * 16, 64), None, SkinnyConfig(False, 4, 1024),
+                         rope=S.RopeWrite(one, one, table, 1024, 0, torch.zeros(64, 16),
+                                          torch.zeros(64, 16), kc, kc, num_heads=2))
     S.skinny_rope_linear(torch.zeros(1, 2, 64), torch.zeros(4 * 16, 64), None,
                          SkinnyConfig(True, 16, 64),
                          S.RopeWrite(one, one, table, 1024, 0, torch.zeros(64, 16),

@@ -304,6 +304,7 @@ for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
                                      (True, False, False, True, False),
                                      (True, True, False, False, False),
                                      (True, True, False, True, False),
+                                     (True, True, False, True, True),
                                      (True, True, True, False, False),
                                      (True, True, True, True, False),
                                      (True, True, True, True, True)):
@@ -335,8 +336,10 @@ for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
     want["rope_cache_write"] = L
     if glu:      # the same kernels, the gate-up one with the epilogue
         want["glu"] = L
-    if rope:     # qkv's GEMM, RoPE and the cache write as one kernel
+    if rope and dot:    # qkv's GEMM, RoPE and the cache write as one kernel
         want.update({"skinny_linear": 3 * L, "tl.dot": L, "skinny_rope_linear": L})
+        del want["rope_cache_write"]
+    elif rope:          # the norm, qkv's GEMM, RoPE and the cache write as one kernel
         del want["rope_cache_write"]
     assert calls == want, (skinny, norm, dot, glu, rope, calls)
     assert feats.abs().sum() > 0
@@ -344,7 +347,8 @@ for key in ((True, False, False), (True, True, False), (True, True, True)):
     torch.testing.assert_close(out[key + (False, False)], out[False, False, False, False, False],
                                rtol=2e-2, atol=2e-2)
     assert torch.equal(out[key + (True, False)], out[key + (False, False)]), key
-assert torch.equal(out[True, True, True, True, True], out[True, True, True, True, False])
+for dot in (False, True):
+    assert torch.equal(out[True, True, dot, True, True], out[True, True, dot, True, False])
 print("ok")
 """
 
@@ -402,7 +406,7 @@ ROPE_CHILD = r"""
 import torch
 from specloop.models import _kernels
 from specloop.models._skinny import (RopeWrite, SkinnyConfig, one_pass_piece, rope_fits,
-                                     skinny_linear, skinny_rope_linear)
+                                     skinny_linear, skinny_norm_linear, skinny_rope_linear)
 
 torch.manual_seed(0)
 # fp16 (the interpreter's bf16 products are not the GPU's). 3 q heads and 1 kv head of
@@ -440,10 +444,51 @@ for K, bk in ((48, 64), (64, 64)):    # K = 48 in BLOCK_K 64: two tiles (PIECE 1
         assert q1.shape == (2, T, HQ, D) and torch.equal(q1, q0), where
         assert torch.equal(k1, k0) and torch.equal(v1, v0), where
         assert not torch.equal(k1, kc0) and not torch.equal(v1, vc0), where
-# Not one head a program, split K, or a broadcast config: refused.
+# With the norm in the prologue too (broadcast configs: rows one by one, and one reduction
+# over 2 rows), pairs of one head a program: q, caches, the stream and its copy as the norm
+# GEMM then the rope kernel.
+K = 64
+w = (torch.randn(N, K) * 0.2).half()
+nw = (1 + 0.1 * torch.randn(K)).half()
+for cfg in (SkinnyConfig(False, 4, 64, num_warps=2), SkinnyConfig(False, 8, 64, tile_m=2),
+            SkinnyConfig(False, 2, 64, tile_m=2, num_warps=2)):
+    assert rope_fits(cfg, K, D), cfg.tag()
+    for T, starts, tree, b in ((1, [3, 19], None, None), (3, [2, 14], None, bias),
+                               (4, [5, 0], torch.tensor([0, 1, 1, 2]), None)):
+        x, d = torch.randn(2, T, K).half(), torch.randn(2, T, K).half()
+        start, slots = torch.tensor(starts), torch.tensor([1, 2])
+        kc0 = torch.randn(19, P, HKV, D).half()
+        vc0 = torch.randn(19, P, HKV, D).half()
+        outs = []
+        for fused in (False, True):
+            kc, vc = kc0.clone(), vc0.clone()
+            copy = torch.zeros(2, T, 2 * K).half()[..., K:]
+            rope = RopeWrite(start, slots, table, S, scratch, cos, sin, kc, vc, HQ, 0, tree)
+            if fused:
+                q, stream = skinny_norm_linear(x, d, nw, 1e-5, w, b, cfg, copy, rope=rope)
+            else:
+                qkv, stream = skinny_norm_linear(x, d, nw, 1e-5, w, b, cfg, copy)
+                q = _kernels.rope_cache_write(qkv, *rope)
+            outs.append((q, kc, vc, stream, copy))
+        where = (cfg.tag(), T, tree is not None, b is not None)
+        for u, v in zip(*outs):
+            assert torch.equal(u, v), where
+        assert outs[1][0].shape == (2, T, HQ, D), where
+# Not one head (or pairs of one) a program, split K, a one-tile tl.dot in the norm form, or
+# a broadcast config without the norm form: refused.
+for c in (SkinnyConfig(False, 3, 64), SkinnyConfig(False, 32, 64)):
+    assert not rope_fits(c, 64, D), c.tag()
+try:
+    skinny_norm_linear(torch.zeros(1, 1, 64).half(), None, nw, 1e-5, w, None,
+                       SkinnyConfig(False, 32, 64),
+                       rope=RopeWrite(start, slots, table, S, scratch, cos, sin, kc0, vc0, HQ))
+except ValueError as e:
+    assert "rope" in str(e)
+else:
+    raise AssertionError("a 32-column program of 16-dim heads")
 for c in (SkinnyConfig(True, 32, 64), SkinnyConfig(True, D, 32, split_k=2),
           SkinnyConfig(False, D, 64)):
-    assert not rope_fits(c, 64, D), c.tag()
+    assert not rope_fits(c, 64, D) or not c.dot, c.tag()
     try:
         skinny_rope_linear(torch.zeros(1, 1, 64).half(), torch.zeros(N, 64).half(), None, c,
                            RopeWrite(start, slots, table, S, scratch, cos, sin, kc0, vc0, HQ))
@@ -463,7 +508,10 @@ def test_rope_epilogue_equals_gemm_then_rope_kernel_interpreted():
     (fp16, Triton's interpreter), for K in two tiles and in one, 5 / 9 / 17 rows a request
     (17: two row blocks), two requests whose rows cross page boundaries and run past
     max_seq_len (the scratch page), a bias, and a draft tree's rows rotated at their
-    depths; configurations that are not one head a program are refused."""
+    depths; with the RMSNorm in the prologue too (``skinny_norm_linear(rope=...)``,
+    broadcast configurations of pairs of one head a program, rows one by one and in one
+    reduction: the stream and its copy too); configurations that are not one head (or
+    pairs of one) a program are refused."""
     run_interpreted(ROPE_CHILD)
 
 
@@ -499,8 +547,9 @@ def test_fused_layer_on_skinny_kernel_interpreted(narrow_llama):
     rounding. Also with the shipped table's form for qkv and gate-up from 2 rows (one-tile
     tl.dot: add_rms_norm before them, no prologue, ``skinny_norm`` on). Each also with
     ``glu`` (SwiGLU in the gate-up GEMM's epilogue, ``norm_mlp``): the same kernels, the
-    same bits; and with RoPE + the cache write in the one-tile qkv GEMM's epilogue
-    (``norm_linear_rope``): one kernel fewer a layer, the same bits. (``logits`` makes the
+    same bits; and with RoPE + the cache write in the qkv GEMM's epilogue
+    (``norm_linear_rope``, after the norm prologue or on the one-tile tl.dot): one
+    kernel fewer a layer, the same bits. (``logits`` makes the
     same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(narrow_llama))
 
@@ -1000,10 +1049,11 @@ def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
 @pytest.mark.parametrize("pdl", [True, False])
 def test_rope_epilogue_gives_the_rope_kernels_bits_bf16_cuda(monkeypatch, pdl):
     """``norm_linear_rope`` on SmolLM2's qkv shape (the shipped table, bf16, random weights,
-    a real cos / sin table): q and both caches bit for bit with the epilogue and without
-    (the GEMM then ``rope_cache_write``) at every row count 1..32 (the epilogue from 5 rows,
-    its table's one-tile tl.dot range: counted), one request and two of 4..16 rows whose
-    rows cross pages, a draft tree's rows, eager and with PDL on and off."""
+    a real cos / sin table): q, the stream and both caches bit for bit with the epilogue
+    and without (the GEMM then ``rope_cache_write``) at every row count 1..32 (counted: the
+    norm prologue's broadcast kernels at 1-4 rows, the one-tile tl.dot from 5), one request
+    and two of 4..16 rows whose rows cross pages, a draft tree's rows, with PDL on and
+    off."""
     from specloop.models import _kernels, _skinny
 
     monkeypatch.setattr(_skinny._pdl, "_ENV_ON", pdl)
@@ -1021,12 +1071,18 @@ def test_rope_epilogue_gives_the_rope_kernels_bits_bf16_cuda(monkeypatch, pdl):
     table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
     kc0, vc0 = rand(65, P, HKV, D), rand(65, P, HKV, D)
     fused_rows = []
-    real = _skinny.skinny_rope_linear
+    real_dot, real_norm = _skinny.skinny_rope_linear, _skinny.skinny_norm_linear
 
-    def counted(x, *a, **k):
+    def dot_counted(x, *a, **k):
         fused_rows.append(x.shape[0] * x.shape[1])
-        return real(x, *a, **k)
-    monkeypatch.setattr(_skinny, "skinny_rope_linear", counted)
+        return real_dot(x, *a, **k)
+
+    def norm_counted(x, *a, **k):
+        if k.get("rope") is not None:
+            fused_rows.append(-x.shape[0] * x.shape[1])
+        return real_norm(x, *a, **k)
+    monkeypatch.setattr(_skinny, "skinny_rope_linear", dot_counted)
+    monkeypatch.setattr(_skinny, "skinny_norm_linear", norm_counted)
     shapes = [(1, m, None) for m in range(1, 33)] + [(2, t, None) for t in (4, 5, 8, 16)]
     tree = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3], device="cuda")
     shapes += [(1, 16, tree), (2, 16, tree)]
@@ -1045,7 +1101,10 @@ def test_rope_epilogue_gives_the_rope_kernels_bits_bf16_cuda(monkeypatch, pdl):
             out.append((q, stream, kc, vc))
         for a, b in zip(*out):
             assert torch.equal(a, b), (B, T, offsets is not None)
-    assert min(fused_rows) == 5 and max(fused_rows) == 32, fused_rows
+    # 1-4 rows: the norm prologue's broadcast kernels (counted negative), 5-32: tl.dot.
+    assert sorted({abs(r) for r in fused_rows}) == list(range(1, 33)), fused_rows
+    assert max(r for r in fused_rows if r < 0) == -1 and min(fused_rows) == -4, fused_rows
+    assert min(r for r in fused_rows if r > 0) == 5, fused_rows
     # The reference path's rotation, for scale: the epilogue rotates, not just copies.
     q = out[0][0]
     assert not torch.equal(q, (_kernels.add_rms_norm(x, d, nw, 1e-5)[0] @ w.T)[..., :HQ * D]
