@@ -418,6 +418,26 @@ cos = torch.randn(40, D).float()
 sin = torch.randn(40, D).float()
 table = torch.randperm(18).to(torch.int32).view(3, 6)
 scratch = 18
+
+
+def same_as_rope_kernel(epilogue, apart, starts, slots, pos_offset, tree, where):
+    # epilogue(rope) and apart(rope) (the product, then rope_cache_write) -> (q, ...) on
+    # copies of one random cache: every output and both caches bit for bit.
+    kc0 = torch.randn(19, P, HKV, D).half()
+    vc0 = torch.randn(19, P, HKV, D).half()
+    outs = []
+    for run in (apart, epilogue):
+        kc, vc = kc0.clone(), vc0.clone()
+        outs.append(tuple(run(RopeWrite(torch.tensor(starts), torch.tensor(slots), table, S,
+                                        scratch, cos, sin, kc, vc, HQ, pos_offset, tree)))
+                    + (kc, vc))
+    for u, v in zip(*outs):
+        assert torch.equal(u, v), where
+    q, kc, vc = outs[1][0], outs[1][-2], outs[1][-1]
+    assert q.shape[-2:] == (HQ, D), where
+    assert not torch.equal(kc, kc0) and not torch.equal(vc, vc0), where
+
+
 for K, bk in ((48, 64), (64, 64)):    # K = 48 in BLOCK_K 64: two tiles (PIECE 16); 64: one
     cfg = SkinnyConfig(True, D, bk, num_warps=4, num_stages=1)
     assert rope_fits(cfg, K, D) and bool(one_pass_piece(cfg, K)) == (K == 48)
@@ -427,61 +447,48 @@ for K, bk in ((48, 64), (64, 64)):    # K = 48 in BLOCK_K 64: two tiles (PIECE 1
                                (17, [2, 1], torch.tensor([0, 1, 1, 2, 2, 2, 3, 3, 3, 3, 4, 4,
                                                           4, 4, 5, 5, 6]), None)):
         x = torch.randn(2, T, K).half()
-        start, slots = torch.tensor(starts), torch.tensor([2, 0])
-        kc0 = torch.randn(19, P, HKV, D).half()
-        vc0 = torch.randn(19, P, HKV, D).half()
-        caches = []
-        for fused in (False, True):
-            kc, vc = kc0.clone(), vc0.clone()
-            rope = RopeWrite(start, slots, table, S, scratch, cos, sin, kc, vc, HQ, 1, tree)
-            if fused:
-                q = skinny_rope_linear(x, w, b, cfg, rope)
-            else:
-                q = _kernels.rope_cache_write(skinny_linear(x, w, b, cfg), *rope)
-            caches.append((q, kc, vc))
-        (q0, k0, v0), (q1, k1, v1) = caches
-        where = (K, T, tree is not None, b is not None)
-        assert q1.shape == (2, T, HQ, D) and torch.equal(q1, q0), where
-        assert torch.equal(k1, k0) and torch.equal(v1, v0), where
-        assert not torch.equal(k1, kc0) and not torch.equal(v1, vc0), where
+        same_as_rope_kernel(
+            lambda rope: (skinny_rope_linear(x, w, b, cfg, rope),),
+            lambda rope: (_kernels.rope_cache_write(skinny_linear(x, w, b, cfg), *rope),),
+            starts, [2, 0], 1, tree, (K, T, tree is not None, b is not None))
 # With the norm in the prologue too (broadcast configs: rows one by one, and one reduction
 # over 2 rows), pairs of one head a program: q, caches, the stream and its copy as the norm
 # GEMM then the rope kernel.
 K = 64
 w = (torch.randn(N, K) * 0.2).half()
 nw = (1 + 0.1 * torch.randn(K)).half()
+
+
+def norm_then_rope(x, d, b, cfg, rope):
+    copy = torch.zeros(*x.shape[:-1], 2 * K).half()[..., K:]
+    qkv, stream = skinny_norm_linear(x, d, nw, 1e-5, w, b, cfg, copy)
+    return _kernels.rope_cache_write(qkv, *rope), stream, copy
+
+
+def norm_rope(x, d, b, cfg, rope):
+    copy = torch.zeros(*x.shape[:-1], 2 * K).half()[..., K:]
+    return skinny_norm_linear(x, d, nw, 1e-5, w, b, cfg, copy, rope=rope) + (copy,)
+
+
 for cfg in (SkinnyConfig(False, 4, 64, num_warps=2), SkinnyConfig(False, 8, 64, tile_m=2),
             SkinnyConfig(False, 2, 64, tile_m=2, num_warps=2)):
     assert rope_fits(cfg, K, D), cfg.tag()
     for T, starts, tree, b in ((1, [3, 19], None, None), (3, [2, 14], None, bias),
                                (4, [5, 0], torch.tensor([0, 1, 1, 2]), None)):
         x, d = torch.randn(2, T, K).half(), torch.randn(2, T, K).half()
-        start, slots = torch.tensor(starts), torch.tensor([1, 2])
-        kc0 = torch.randn(19, P, HKV, D).half()
-        vc0 = torch.randn(19, P, HKV, D).half()
-        outs = []
-        for fused in (False, True):
-            kc, vc = kc0.clone(), vc0.clone()
-            copy = torch.zeros(2, T, 2 * K).half()[..., K:]
-            rope = RopeWrite(start, slots, table, S, scratch, cos, sin, kc, vc, HQ, 0, tree)
-            if fused:
-                q, stream = skinny_norm_linear(x, d, nw, 1e-5, w, b, cfg, copy, rope=rope)
-            else:
-                qkv, stream = skinny_norm_linear(x, d, nw, 1e-5, w, b, cfg, copy)
-                q = _kernels.rope_cache_write(qkv, *rope)
-            outs.append((q, kc, vc, stream, copy))
-        where = (cfg.tag(), T, tree is not None, b is not None)
-        for u, v in zip(*outs):
-            assert torch.equal(u, v), where
-        assert outs[1][0].shape == (2, T, HQ, D), where
+        same_as_rope_kernel(lambda rope: norm_rope(x, d, b, cfg, rope),
+                            lambda rope: norm_then_rope(x, d, b, cfg, rope),
+                            starts, [1, 2], 0, tree, (cfg.tag(), T, tree is not None))
 # Not one head (or pairs of one) a program, split K, a one-tile tl.dot in the norm form, or
 # a broadcast config without the norm form: refused.
+cache = torch.zeros(19, P, HKV, D).half()
+any_rope = RopeWrite(torch.tensor([0]), torch.tensor([0]), table, S, scratch, cos, sin, cache,
+                     cache, HQ)
 for c in (SkinnyConfig(False, 3, 64), SkinnyConfig(False, 32, 64)):
     assert not rope_fits(c, 64, D), c.tag()
 try:
     skinny_norm_linear(torch.zeros(1, 1, 64).half(), None, nw, 1e-5, w, None,
-                       SkinnyConfig(False, 32, 64),
-                       rope=RopeWrite(start, slots, table, S, scratch, cos, sin, kc0, vc0, HQ))
+                       SkinnyConfig(False, 32, 64), rope=any_rope)
 except ValueError as e:
     assert "rope" in str(e)
 else:
@@ -491,7 +498,7 @@ for c in (SkinnyConfig(True, 32, 64), SkinnyConfig(True, D, 32, split_k=2),
     assert not rope_fits(c, 64, D) or not c.dot, c.tag()
     try:
         skinny_rope_linear(torch.zeros(1, 1, 64).half(), torch.zeros(N, 64).half(), None, c,
-                           RopeWrite(start, slots, table, S, scratch, cos, sin, kc0, vc0, HQ))
+                           any_rope)
     except ValueError as e:
         assert "skinny_rope_linear" in str(e)
     else:
