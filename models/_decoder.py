@@ -341,7 +341,9 @@ class DecoderModel(nn.Module):
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The same layer in nine kernels (6 with both skinny fusions); returns the
+        """The same layer in nine kernels (5 with the skinny fusions: the norms in the
+        qkv and gate-up GEMMs' prologues, RoPE + the cache write in qkv's epilogue,
+        SwiGLU in gate-up's; 7 where the norms stay apart); returns the
         residual stream and the MLP output still to be added (the next layer's norm kernel
         adds it). ``capture``: where the first norm kernel also stores its input stream
         x + delta (the last layer's output)."""

@@ -33,8 +33,10 @@ False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 ``norm_linear`` also takes the fused layer's residual add + RMSNorm into the GEMM's
 prologue for the rows of a shape's non-tl.dot ranges where all of those allow
 (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns it off). With the shipped table it does
-at 1 row (qkv and gate-up, its only callers, run ``v`` there); from 2 rows they run tl.dot
-and their norms run as add_rms_norm.
+for qkv at 1-4 rows (``v`` then ``b``) and gate-up at 1 row, its only callers; above those
+they run tl.dot and their norms run as add_rms_norm. ``norm_linear_rope`` also takes RoPE and the K/V
+cache write into the qkv GEMM's epilogue wherever its configuration allows
+(``_skinny.rope_fits``; ``SPECLOOP_SKINNY_ROPE=0`` turns it off).
 """
 
 from __future__ import annotations
@@ -406,9 +408,10 @@ class PackedLinear:
         # SwiGLU in the gate-up GEMM's epilogue, the down GEMM without its prologue
         # (norm_mlp); SPECLOOP_SKINNY_GLU=0 keeps the prologue path (the same bits).
         self.glu = self.skinny and os.environ.get("SPECLOOP_SKINNY_GLU", "1") != "0"
-        # RoPE and the K/V cache write in the qkv GEMM's epilogue where its rows run a
-        # one-tile tl.dot of one head a program (norm_linear_rope); SPECLOOP_SKINNY_ROPE=0
-        # keeps the rope kernel after the GEMM (the same bits).
+        # RoPE and the K/V cache write in the qkv GEMM's epilogue wherever its rows'
+        # configuration allows (norm_linear_rope: the norm's broadcast kernel or a one-tile
+        # tl.dot); SPECLOOP_SKINNY_ROPE=0 keeps the rope kernel after the GEMM (the same
+        # bits).
         self.rope = self.skinny and os.environ.get("SPECLOOP_SKINNY_ROPE", "1") != "0"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
