@@ -789,7 +789,8 @@ def compile_offline(cfg, k: int, act: bool = False, norm: bool = False, glu: boo
     const.update(dict(HAS_DELTA=True, HAS_COPY=False, ROPE=False, HQ=1, HKV=1, D=2, PAGE=1,
                       TREE=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
-                      ONE_PASS=cfg.one_pass(k), PIECE=_skinny.one_pass_piece(cfg, k)))
+                      ONE_PASS=cfg.one_pass(k), PIECE=_skinny.one_pass_piece(cfg, k),
+                      RES=False, NORM=False))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

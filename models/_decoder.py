@@ -360,10 +360,12 @@ class DecoderModel(nn.Module):
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset,
                                      tree_bits=step.tree_bits, tree_back=step.tree_back)
-        # The MLP: on the skinny path SwiGLU in the gate-up GEMM's epilogue (or the down
-        # GEMM's prologue), else silu_mul between the two GEMMs (models/_linear norm_mlp).
-        mlp, x = self.linear.norm_mlp(x, self.linear(o, w.wo), w.mlp_norm, a.rms_norm_eps,
-                                      w.w_gate_up, w.w_down)
+        # The o GEMM and the MLP: on the skinny path SwiGLU in the gate-up GEMM's epilogue
+        # (or the down GEMM's prologue), else silu_mul between the two GEMMs; with
+        # ``stream_norm`` the residual add in o's epilogue, the norm in gate-up's prologue
+        # (models/_linear out_norm_mlp).
+        mlp, x = self.linear.out_norm_mlp(x, o, w.wo, w.mlp_norm, a.rms_norm_eps, w.w_gate_up,
+                                          w.w_down)
         return x, mlp
 
 

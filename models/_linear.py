@@ -34,9 +34,11 @@ False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
 prologue for the rows of a shape's non-tl.dot ranges where all of those allow
 (``skinny_norm``; ``SPECLOOP_SKINNY_NORM=0`` turns it off). With the shipped table it does
 for qkv at 1-4 rows (``v`` then ``b``) and gate-up at 1 row, its only callers; above those
-they run tl.dot and their norms run as add_rms_norm. ``norm_linear_rope`` also takes RoPE and the K/V
-cache write into the qkv GEMM's epilogue wherever its configuration allows
-(``_skinny.rope_fits``; ``SPECLOOP_SKINNY_ROPE=0`` turns it off).
+they run tl.dot and their norms run as add_rms_norm. ``norm_linear_rope`` also takes RoPE
+and the K/V cache write into the qkv GEMM's epilogue wherever its configuration allows
+(``_skinny.rope_fits``; ``SPECLOOP_SKINNY_ROPE=0`` turns it off); ``out_norm_mlp`` with
+``SPECLOOP_SKINNY_STREAM_NORM=1`` the residual add into the o GEMM's epilogue and the
+norm into gate-up's one-tile tl.dot (off by default: not yet timed on a GPU).
 """
 
 from __future__ import annotations
@@ -413,6 +415,12 @@ class PackedLinear:
         # tl.dot); SPECLOOP_SKINNY_ROPE=0 keeps the rope kernel after the GEMM (the same
         # bits).
         self.rope = self.skinny and os.environ.get("SPECLOOP_SKINNY_ROPE", "1") != "0"
+        # The residual add after attention in the o GEMM's epilogue and the next RMSNorm in
+        # the gate-up GEMM's one-tile tl.dot prologue (out_norm_mlp), where both
+        # configurations allow: SPECLOOP_SKINNY_STREAM_NORM=1 (off by default until timed
+        # on a GPU; the norm's own bits, within its sum's rounding).
+        self.stream_norm = self.skinny and \
+            os.environ.get("SPECLOOP_SKINNY_STREAM_NORM", "0") == "1"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
@@ -490,6 +498,37 @@ class PackedLinear:
         qkv, stream = self.norm_linear(x, delta, norm_weight, eps, weight, bias, capture)
         return _kernels.rope_cache_write(qkv, *rope), stream
 
+    def out_norm_mlp(self, x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor,
+                     norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
+                     w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The layer after attention: -> (the MLP's output, x + o @ w_o^T), as
+        ``norm_mlp(x, self(o, w_o), ...)``. With ``stream_norm``, where the o GEMM's
+        configuration takes the residual add in its epilogue (``_skinny.residual_fits``) and
+        the gate-up GEMM's a norm prologue with SwiGLU (``norm_prologue_fits``,
+        ``glu_fits``: the one-tile tl.dot), the o GEMM writes the stream and the gate-up
+        GEMM normalises it as it loads it: no add_rms_norm between them. The stream's bits
+        are the same; the norm's sum of squares adds in another order."""
+        if self.stream_norm and self.glu and \
+                self._norm_config(x, None, norm_weight, w_gate_up, None) is None:
+            c_o = self._skinny_config(o, w_o, None, silu_mul=False)
+            c_gu = self._skinny_config(x, w_gate_up, None, silu_mul=False)
+            k = w_gate_up.shape[1]
+            if c_o is not None and c_gu is not None and norm_weight.dim() == 1 \
+                    and _skinny.residual_fits(c_o, w_o.shape[1]) \
+                    and _skinny.norm_prologue_fits(c_gu, k) and _skinny.glu_fits(c_gu, k):
+                stream = _skinny.skinny_linear(o, w_o, None, c_o, residual=x)
+                act = _skinny.skinny_linear(stream, w_gate_up, None, c_gu, glu=True,
+                                            norm=(norm_weight, eps))
+                return self._down(act, w_down), stream
+        return self.norm_mlp(x, self(o, w_o), norm_weight, eps, w_gate_up, w_down)
+
+    def _down(self, act: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+        """The down GEMM on silu(gate) * up (``norm_mlp``'s activation)."""
+        config = self._skinny_config(act, w_down, None, silu_mul=True, activated=True)
+        if config is not None:
+            return _skinny.skinny_linear(act, w_down, None, config)
+        return self(act, w_down)
+
     def norm_mlp(self, x: torch.Tensor, delta: torch.Tensor | None,
                  norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
                  w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -506,10 +545,7 @@ class PackedLinear:
             activated = self._norm_glu(x, delta, norm_weight, eps, w_gate_up)
             if activated is not None:
                 act, stream = activated
-                config = self._skinny_config(act, w_down, None, silu_mul=True, activated=True)
-                if config is not None:
-                    return _skinny.skinny_linear(act, w_down, None, config), stream
-                return self(act, w_down), stream
+                return self._down(act, w_down), stream
         gate_up, stream = self.norm_linear(x, delta, norm_weight, eps, w_gate_up)
         return self.silu_mul_linear(gate_up, w_down), stream
 

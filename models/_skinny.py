@@ -284,38 +284,72 @@ if triton is not None:
         return wa, wb
 
     @triton.jit
+    def _nw_one_pass(nw_ptr, K, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+        """The RMSNorm weight as _w_one_pass splits K (all of K in one program): (the first
+        BLOCK_K / 2, then PIECE) where PIECE > 0, else (all BLOCK_K, the same again)."""
+        if PIECE > 0:
+            ka = tl.arange(0, BLOCK_K // 2)
+            kb = BLOCK_K // 2 + tl.arange(0, PIECE)
+            na = tl.load(nw_ptr + ka, mask=ka < K, other=0.0)
+            nb = tl.load(nw_ptr + kb, mask=kb < K, other=0.0)
+        else:
+            ks = tl.arange(0, BLOCK_K)
+            na = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
+            nb = na
+        return na, nb
+
+    @triton.jit
     def _dot_one_pass(x_rows, m_ok, K, k_lo, k_hi, wa, wb, acc, ACT: tl.constexpr,
-                      BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+                      BLOCK_K: tl.constexpr, PIECE: tl.constexpr, NORM: tl.constexpr, na, nb,
+                      eps):
         """acc + x's rows ``x_rows`` ([BLOCK_M, 1] pointers; rows ``m_ok``) over [k_lo, k_hi)
         times _w_one_pass's tiles, transposed: x loaded here (after PDL's wait), one tl.dot
         a tile. _skinny_kernel's and _skinny_rope_kernel's product, so both give a row the
         same bits; with one tile the arithmetic of _skinny_kernel's loop when it runs
-        once."""
+        once. NORM (the program's K range all of K): x is the residual stream, and the
+        product is of its RMSNorm (weights ``na``, ``nb`` from _nw_one_pass): add_rms_norm's
+        arithmetic with its sum of squares in this layout's order, x loaded once."""
         if PIECE > 0:
             ka = k_lo + tl.arange(0, BLOCK_K // 2)
             kb = k_lo + BLOCK_K // 2 + tl.arange(0, PIECE)
             xa = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K, ACT)
             xb = _load_x(x_rows, kb[None, :], m_ok[:, None] & (kb < k_hi)[None, :], K, ACT)
+            if NORM:
+                fa = xa.to(tl.float32)
+                fb = xb.to(tl.float32)
+                inv = 1.0 / tl.sqrt((tl.sum(fa * fa, axis=1) + tl.sum(fb * fb, axis=1)) / K
+                                    + eps)
+                xa = na[None, :] * (fa * inv[:, None]).to(xa.dtype)
+                xb = nb[None, :] * (fb * inv[:, None]).to(xb.dtype)
             acc = tl.dot(xa, tl.trans(wa), acc, out_dtype=tl.float32)
             acc = tl.dot(xb, tl.trans(wb), acc, out_dtype=tl.float32)
         else:
             ks = k_lo + tl.arange(0, BLOCK_K)
             a = _load_x(x_rows, ks[None, :], m_ok[:, None] & (ks < k_hi)[None, :], K, ACT)
+            if NORM:
+                fa = a.to(tl.float32)
+                inv = 1.0 / tl.sqrt(tl.sum(fa * fa, axis=1) / K + eps)
+                a = na[None, :] * (fa * inv[:, None]).to(a.dtype)
             acc += tl.dot(a, tl.trans(wa), out_dtype=tl.float32)
         return acc
 
     # M is not specialised (Triton would compile M == 1 apart): one compile per config.
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       k_per_split, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                       DOT: tl.constexpr, SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                       k_per_split, r_ptr, nw_ptr, eps, ACT: tl.constexpr,
+                       HAS_BIAS: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE: tl.constexpr = False, GDC: tl.constexpr = False,
                        ONE_PASS: tl.constexpr = False, GLU: tl.constexpr = False,
-                       PIECE: tl.constexpr = 0):
+                       PIECE: tl.constexpr = 0, RES: tl.constexpr = False,
+                       NORM: tl.constexpr = False):
         # GLU: W is a gate-up weight [2N, K] and y [M, N] is silu(gate) * up (``_glu``;
         # SPLIT_K == 1). N is y's width either way. PIECE (ONE_PASS): the K range in two
         # tiles, BLOCK_K / 2 then PIECE wide (``one_pass_piece``), not one of BLOCK_K.
+        # RES (a 2-D block, SPLIT_K == 1): y = r + the product, each rounded as
+        # add_rms_norm rounds the residual add (r [M, N], y's strides). NORM (ONE_PASS
+        # without split K): x is the residual stream and the product is of its RMSNorm by
+        # nw_ptr's weight (_dot_one_pass).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -335,12 +369,20 @@ if triton is not None:
                 x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
                 if ONE_PASS:
-                    # W's tiles before the wait, x after it, one tl.dot a tile.
+                    # W's tiles (and the norm's weight) before the wait, x after it, one
+                    # tl.dot a tile.
                     wa, wb = _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K, PIECE)
+                    if NORM:
+                        na, nb = _nw_one_pass(nw_ptr, K, BLOCK_K, PIECE)
+                    else:
+                        na, nb = wa, wb     # (not read)
                     if GDC:
                         tl.extra.cuda.gdc_wait()
+                    if RES:     # the stream's block, asked before the product
+                        r = tl.load(r_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                                    mask=m_ok[:, None] & n_ok[None, :], other=0.0)
                     acc = _dot_one_pass(x_rows, m_ok, K, k_lo, k_hi, wa, wb, acc, ACT, BLOCK_K,
-                                        PIECE)
+                                        PIECE, NORM, na, nb, eps)
                 else:
                     if GDC:  # W and x interleave in the pipelined loop: the wait first
                         tl.extra.cuda.gdc_wait()
@@ -365,6 +407,9 @@ if triton is not None:
                             other=0.0).to(tl.float32)
                 if GDC:
                     tl.extra.cuda.gdc_wait()
+                if RES:         # the stream's block, asked before the product
+                    r = tl.load(r_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                                mask=m_ok[:, None] & n_ok[None, :], other=0.0)
                 x_rows = x_ptr + rm.to(tl.int64)[:, None, None] * stride_xm + ks[None, None, :]
                 # x_rows already point at ks (offset 0): the PTX of the code before _load_x.
                 a = _load_x(x_rows, 0, m_ok[:, None, None] & k_ok[None, None, :], K, ACT)
@@ -373,6 +418,8 @@ if triton is not None:
             if SPLIT_K == 1:
                 if HAS_BIAS:
                     acc += tl.load(b_ptr + rn, mask=n_ok, other=0.0).to(tl.float32)[None, :]
+                if RES:         # r + the product as rounded, rounded once more at the store
+                    acc = r.to(tl.float32) + acc.to(y_ptr.dtype.element_ty).to(tl.float32)
                 _store_tile(y_ptr, rm, m_ok, rn, n_ok, rc, acc, N, stride_ym, BLOCK_N, GLU)
             else:
                 # y_ptr is the fp32 scratch [SPLIT_K, M, N]; _splitk_reduce_kernel finishes.
@@ -502,7 +549,8 @@ if triton is not None:
         m_ok = rm < M
         p, slot, t = _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset)
         acc = _dot_one_pass(x_ptr + rm.to(tl.int64)[:, None] * stride_xm, m_ok, K, 0, K, wa,
-                            wb, tl.zeros([BLOCK_M, D], dtype=tl.float32), 0, BLOCK_K, PIECE)
+                            wb, tl.zeros([BLOCK_M, D], dtype=tl.float32), 0, BLOCK_K, PIECE,
+                            False, wa, wb, 0.0)
         if HAS_BIAS:
             acc += bias[None, :]
         _rope_store(acc, rm, m_ok, p, slot, t, head, dims, table_ptr, cos_ptr, sin_ptr, q_ptr,
@@ -645,15 +693,35 @@ def glu_fits(config: SkinnyConfig, k: int) -> bool:
     return config.block_n >= 2 and config.block_n % 2 == 0 and config.k_splits(k)[0] == 1
 
 
+def residual_fits(config: SkinnyConfig, k: int) -> bool:
+    """``config`` can end in the residual add (``skinny_linear(residual=...)``): one
+    program covers K (no split-K partials to add first) and writes a 2-D block (the
+    one-reduction family, or a one-tile tl.dot)."""
+    return config.k_splits(k)[0] == 1 and (config.one_pass(k) or
+                                           not config.dot and config.tile_m > 0)
+
+
+def norm_prologue_fits(config: SkinnyConfig, k: int) -> bool:
+    """``config`` can take the RMSNorm of a stream loaded once in its prologue
+    (``skinny_linear(norm=...)``): a one-tile tl.dot over all of K."""
+    return config.one_pass(k) and config.k_splits(k)[0] == 1
+
+
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  config: SkinnyConfig, *, silu_mul: bool = False,
-                  glu: bool = False) -> torch.Tensor:
+                  config: SkinnyConfig, *, silu_mul: bool = False, glu: bool = False,
+                  residual: torch.Tensor | None = None,
+                  norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [..., K] @ weight [N, K]^T (+ bias [N]) -> [..., N] in x's dtype, by ``config``.
     ``silu_mul``: x is a gate-up output [..., 2K] and the product is silu(gate) * up
     (rounded to x's dtype) @ weight^T. ``glu``: weight is a gate-up weight [2I, K] (gate
     rows, then up rows) and the result is silu(gate) * up [..., I], bit for bit
-    ``_kernels.silu_mul`` of the plain product (``glu_fits`` configurations). x's last dim
-    and weight's rows must be contiguous; x, weight and bias share a dtype (the caller,
+    ``_kernels.silu_mul`` of the plain product (``glu_fits`` configurations).
+    ``residual`` [..., N] (a ``residual_fits`` config): the result is residual + the
+    product, each rounded as ``_kernels.add_rms_norm`` rounds its add (the same bits).
+    ``norm`` (norm weight [K], eps; a ``norm_prologue_fits`` config): x is a residual
+    stream and the product is of its RMSNorm, add_rms_norm's arithmetic but for its sum
+    of squares' order (its own bits, within the sum's rounding). x's last dim and
+    weight's rows must be contiguous; x, weight and bias share a dtype (the caller,
     ``models/_linear``, checks)."""
     N, K = weight.shape
     width = x.shape[-1]
@@ -663,6 +731,14 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     if glu and (silu_mul or N % 2 or not glu_fits(config, K)):
         raise ValueError(f"skinny_linear: glu needs a gate-up weight [2I, K] (got [{N}, {K}])"
                          f" and a glu_fits config (got {config.tag()}), without silu_mul")
+    if residual is not None and (glu or not residual_fits(config, K)
+                                 or residual.shape != (*x.shape[:-1], N)):
+        raise ValueError(f"skinny_linear: residual {tuple(residual.shape)} for [..., {N}] "
+                         f"needs a residual_fits config (got {config.tag()}), without glu")
+    if norm is not None and (silu_mul or not norm_prologue_fits(config, K)
+                             or norm[0].shape != (K,)):
+        raise ValueError(f"skinny_linear: norm needs a weight [{K}] and a norm_prologue_fits "
+                         f"config (got {config.tag()}), without silu_mul")
     if glu:
         N //= 2
     x2 = x.reshape(-1, width)
@@ -681,15 +757,20 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     b = bias if bias is not None else weight
     pdl = _pdl.launch_kw(x2)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
+    r = residual.reshape(M, N).contiguous() if residual is not None else x2
     _skinny_kernel[grid](x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0),
-                         y.stride(0), k_per, ACT=int(silu_mul), HAS_BIAS=bias is not None,
+                         y.stride(0), k_per, r, norm[0] if norm is not None else x2,
+                         norm[1] if norm is not None else 0.0,
+                         ACT=int(silu_mul), HAS_BIAS=bias is not None,
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
                          BLOCK_K=c.block_k, TILE=c.tile_m > 0 and not c.dot,
                          num_warps=c.num_warps,
                          num_stages=c.num_stages, **pdl,
                          **({"ONE_PASS": True} if c.one_pass(K) else {}),
                          **({"PIECE": piece} if (piece := one_pass_piece(c, K)) else {}),
-                         **({"GLU": True} if glu else {}))
+                         **({"GLU": True} if glu else {}),
+                         **({"RES": True} if residual is not None else {}),
+                         **({"NORM": True} if norm is not None else {}))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](

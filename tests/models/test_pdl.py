@@ -299,7 +299,8 @@ def test_tree_path_move_waits_first():
 
 SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
               "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-              "stride_ym": "i32", "k_per_split": "i32"}
+              "stride_ym": "i32", "k_per_split": "i32", "r_ptr": "*bf16", "nw_ptr": "*bf16",
+              "eps": "fp32"}
 NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
             "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
@@ -311,7 +312,8 @@ NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf
 
 
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass",
-                                  "dot_one_pass_glu", "dot_pieces"])
+                                  "dot_one_pass_glu", "dot_pieces", "tile_res",
+                                  "dot_pieces_res", "dot_pieces_norm_glu"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
@@ -335,12 +337,25 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
             # K = 576 as two tiles, 512 + 64 (one_pass_piece): both halves of W before
             "dot_pieces": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
                                BLOCK_N=16, BLOCK_K=1024, TILE=False, ONE_PASS=True,
-                               PIECE=64)}[path]
+                               PIECE=64),
+            # the o GEMM with the residual add (out_norm_mlp): the stream after the wait
+            "tile_res": dict(ACT=0, HAS_BIAS=False, DOT=False, SPLIT_K=1, BLOCK_M=2,
+                             BLOCK_N=4, BLOCK_K=1024, TILE=True, ONE_PASS=False, RES=True),
+            "dot_pieces_res": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1, BLOCK_M=16,
+                                   BLOCK_N=64, BLOCK_K=1024, TILE=False, ONE_PASS=True,
+                                   PIECE=64, RES=True),
+            # gate-up with the stream's RMSNorm in the prologue: its weight before too
+            "dot_pieces_norm_glu": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1,
+                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=1024, TILE=False,
+                                        ONE_PASS=True, PIECE=64, GLU=True, NORM=True)}[path]
     meta.setdefault("GLU", False)
     meta.setdefault("PIECE", 0)
+    meta.setdefault("RES", False)
+    meta.setdefault("NORM", False)
     before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
               "dot_one_pass": {"w_ptr"}, "dot_one_pass_glu": {"w_ptr"},
-              "dot_pieces": {"w_ptr"}}[path]
+              "dot_pieces": {"w_ptr"}, "tile_res": {"w_ptr"}, "dot_pieces_res": {"w_ptr"},
+              "dot_pieces_norm_glu": {"w_ptr", "nw_ptr"}}[path]
     sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 

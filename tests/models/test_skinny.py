@@ -307,11 +307,16 @@ for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
                                      (True, True, False, True, True),
                                      (True, True, True, False, False),
                                      (True, True, True, True, False),
-                                     (True, True, True, True, True)):
+                                     (True, True, True, True, True),
+                                     (True, True, True, True, "stream")):
+    # "stream": rope too, and ``stream_norm`` with o on tl.dot: the residual add after
+    # attention in o's epilogue, the norm in gate-up's prologue.
+    stream = rope == "stream"
     model.linear.skinny = model.linear.skinny_on_cpu = skinny
-    model.linear.skinny_norm, model.linear.glu, model.linear.rope = norm, glu, rope
-    for n in (qkv_n, gate_up_n):
-        if dot:
+    model.linear.skinny_norm, model.linear.glu, model.linear.rope = norm, glu, bool(rope)
+    model.linear.stream_norm = stream
+    for n in (qkv_n, gate_up_n, H):
+        if dot and (n != H or stream):
             _linear.SKINNY_TABLE[(n, H, False)] = ((32, f"d16x{H}s1w4n1"),)
         else:
             _linear.SKINNY_TABLE.pop((n, H, False), None)
@@ -341,6 +346,8 @@ for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
         del want["rope_cache_write"]
     elif rope:          # the norm, qkv's GEMM, RoPE and the cache write as one kernel
         del want["rope_cache_write"]
+    if stream:          # o and gate-up on tl.dot, and gate-up's norm kernel gone
+        want.update({"tl.dot": 2 * L, "add_rms_norm": L + 1})
     assert calls == want, (skinny, norm, dot, glu, rope, calls)
     assert feats.abs().sum() > 0
 for key in ((True, False, False), (True, True, False), (True, True, True)):
@@ -349,6 +356,8 @@ for key in ((True, False, False), (True, True, False), (True, True, True)):
     assert torch.equal(out[key + (True, False)], out[key + (False, False)]), key
 for dot in (False, True):
     assert torch.equal(out[True, True, dot, True, True], out[True, True, dot, True, False])
+torch.testing.assert_close(out[True, True, True, True, "stream"],
+                           out[False, False, False, False, False], rtol=2e-2, atol=2e-2)
 print("ok")
 """
 
@@ -522,6 +531,102 @@ def test_rope_epilogue_equals_gemm_then_rope_kernel_interpreted():
     run_interpreted(ROPE_CHILD)
 
 
+STREAM_CHILD = r"""
+import torch
+from specloop.models import _kernels
+from specloop.models._linear import PackedLinear
+from specloop.models._skinny import (SkinnyConfig, norm_prologue_fits, residual_fits,
+                                     skinny_linear)
+
+torch.manual_seed(0)
+# fp16 (the interpreter's bf16 products are not the GPU's). H = 48 as 32 + 16 (two tiles,
+# PIECE 16) in BLOCK_K 64, or one tile of 64 (BLOCK_K 64 with H = 64).
+for H, I in ((48, 24), (64, 16)):
+    x, o = torch.randn(9, H).half(), torch.randn(9, H).half()
+    wo = (torch.randn(H, H) * 0.2).half()
+    wgu = (torch.randn(2 * I, H) * 0.2).half()
+    nw = (1 + 0.1 * torch.randn(H)).half()
+    # The residual add in the epilogue: add_rms_norm's stream, bit for bit (a 2-D block
+    # of the one-reduction family, and the one-tile tl.dot).
+    for c in (SkinnyConfig(False, 4, 64, tile_m=2, num_warps=2),
+              SkinnyConfig(True, 16, 64, num_warps=4, num_stages=1)):
+        assert residual_fits(c, H), c.tag()
+        for m in (1, 5, 9):
+            y = skinny_linear(o[:m], wo, None, c, residual=x[:m])
+            want = _kernels.add_rms_norm(x[:m], skinny_linear(o[:m], wo, None, c), nw, 1e-5)[1]
+            assert torch.equal(y, want), (H, c.tag(), m)
+    # The norm in the one-tile tl.dot's prologue (with SwiGLU): within fp16 rounding of
+    # add_rms_norm then the GEMM; a row's bits whatever the rows in the call.
+    c = SkinnyConfig(True, 16, 64, num_warps=4, num_stages=1)
+    assert norm_prologue_fits(c, H)
+    act = skinny_linear(x, wgu, None, c, glu=True, norm=(nw, 1e-5))
+    h = _kernels.add_rms_norm(x, None, nw, 1e-5)[0]
+    want = skinny_linear(h, wgu, None, c, glu=True)
+    torch.testing.assert_close(act.float(), want.float(), rtol=2e-2, atol=2e-2)
+    assert (act != want).float().mean() < 0.2          # mostly the same bits
+    for m in (1, 4):
+        assert torch.equal(skinny_linear(x[:m], wgu, None, c, glu=True, norm=(nw, 1e-5)),
+                           act[:m]), (H, m)
+    # out_norm_mlp: the stream as norm_mlp's, the MLP within its rounding.
+    wd = (torch.randn(H, I) * 0.2).half()
+    for stream_norm in (True, False):
+        lin = PackedLinear(skinny=True)
+        lin.skinny_on_cpu, lin.stream_norm, lin.skinny_norm = True, stream_norm, True
+        calls = []
+        real = skinny_linear
+        import specloop.models._skinny as S
+        def counted(*a, **k):
+            calls.append(sorted(n for n in ("residual", "norm") if k.get(n) is not None))
+            return real(*a, **k)
+        S.skinny_linear = counted
+        from specloop.models import _linear as L
+        tab = {(H, H, False): ((16, "d16x64s1w4n1"),), (2 * I, H, False): ((16, "d16x64s1w4n1"),),
+               (H, I, True): ((16, "b2x4x64s1w2n3"),)}
+        saved = dict(L.SKINNY_TABLE)
+        L.SKINNY_TABLE.update(tab)
+        try:
+            mlp, stream = lin.out_norm_mlp(x[:5], o[:5], wo, nw, 1e-5, wgu, wd)
+        finally:
+            L.SKINNY_TABLE.clear()
+            L.SKINNY_TABLE.update(saved)
+            S.skinny_linear = real
+        if stream_norm:
+            assert ["residual"] in calls and ["norm"] in calls, calls
+            fused = (mlp, stream)
+        else:
+            assert all(c == [] for c in calls), calls
+            torch.testing.assert_close(fused[0].float(), mlp.float(), rtol=2e-2, atol=2e-2)
+            assert torch.equal(fused[1], stream)
+# Split K, or the broadcast row path (no 2-D block): no residual add; a looped tl.dot or a
+# broadcast config: no norm prologue.
+for c in (SkinnyConfig(True, 16, 32, split_k=2), SkinnyConfig(False, 4, 64)):
+    assert not residual_fits(c, 64), c.tag()
+    try:
+        skinny_linear(x, wo, None, c, residual=x)
+    except ValueError as e:
+        assert "residual" in str(e)
+    else:
+        raise AssertionError(c.tag())
+for c in (SkinnyConfig(True, 16, 32), SkinnyConfig(False, 4, 64, tile_m=2)):
+    assert not norm_prologue_fits(c, 64), c.tag()
+print("ok")
+"""
+
+
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_stream_norm_epilogue_and_prologue_interpreted():
+    """``stream_norm`` (``SPECLOOP_SKINNY_STREAM_NORM=1``): the residual add in a GEMM's
+    epilogue gives add_rms_norm's stream bit for bit (one-reduction and one-tile tl.dot
+    blocks, 1 / 5 / 9 rows, K in two tiles and one); the RMSNorm of a stream in the
+    one-tile tl.dot's prologue (with SwiGLU) is add_rms_norm then the GEMM within fp16
+    rounding, a row's bits whatever the rows in the call; ``out_norm_mlp`` takes both
+    where the table allows and gives ``norm_mlp``'s stream bit for bit and its output
+    within rounding; configurations that cannot take them are refused (fp16, Triton's
+    interpreter)."""
+    run_interpreted(STREAM_CHILD)
+
+
 @pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
 def test_glu_epilogue_is_silu_mul_of_the_product_interpreted():
@@ -556,7 +661,8 @@ def test_fused_layer_on_skinny_kernel_interpreted(narrow_llama):
     ``glu`` (SwiGLU in the gate-up GEMM's epilogue, ``norm_mlp``): the same kernels, the
     same bits; and with RoPE + the cache write in the qkv GEMM's epilogue
     (``norm_linear_rope``, after the norm prologue or on the one-tile tl.dot): one
-    kernel fewer a layer, the same bits. (``logits`` makes the
+    kernel fewer a layer, the same bits; and with ``stream_norm`` (o on tl.dot with the
+    residual add, gate-up's norm in its prologue): one more fewer, within fp16 rounding. (``logits`` makes the
     same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(narrow_llama))
 
@@ -1050,6 +1156,44 @@ def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
             (y1, s1), (y0, s0) = (lin.norm_mlp(x[:m], d[:m], nw, 1e-5, wgu, wd) for lin in lins)
             assert torch.equal(y1, y0) and torch.equal(s1, s0), (norm, m)
     assert 1 in glu_rows and max(glu_rows) == 32, glu_rows
+
+
+@pytest.mark.gpu
+def test_stream_norm_gives_norm_mlps_stream_bf16_cuda(monkeypatch):
+    """``out_norm_mlp`` with ``stream_norm`` on SmolLM2's o / gate-up / down shapes (the
+    shipped table, bf16, random weights) at 1..32 rows: the stream bit for bit as
+    ``norm_mlp(x, o @ w_o^T)``'s, the MLP's output within bf16 rounding of it; the fused
+    form runs wherever o's configuration takes the residual add and gate-up's is a
+    one-tile tl.dot (counted: from 2 rows, gate-up's tl.dot range)."""
+    from specloop.models import _skinny
+
+    H, I = 576, 1536
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    x, o, nw = rand(32, H), rand(32, H), 1 + rand(H, scale=0.1)
+    wo, wgu, wd = rand(H, H, scale=0.05), rand(2 * I, H, scale=0.05), rand(H, I, scale=0.05)
+    fused_rows = []
+    real = _skinny.skinny_linear
+
+    def counted(x, *a, **k):
+        if k.get("norm") is not None:
+            fused_rows.append(x.shape[0])
+        return real(x, *a, **k)
+    monkeypatch.setattr(_skinny, "skinny_linear", counted)
+    lins = []
+    for on in (True, False):
+        lin = PackedLinear(skinny=True)
+        lin.stream_norm = on
+        lins.append(lin)
+    for m in range(1, 33):
+        (y1, s1), (y0, s0) = (lin.out_norm_mlp(x[:m], o[:m], wo, nw, 1e-5, wgu, wd)
+                              for lin in lins)
+        assert torch.equal(s1, s0), m
+        torch.testing.assert_close(y1.float(), y0.float(), rtol=3e-2, atol=3e-2)
+    assert fused_rows == list(range(2, 33)), fused_rows
 
 
 @pytest.mark.gpu
