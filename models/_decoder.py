@@ -340,13 +340,14 @@ class DecoderModel(nn.Module):
 
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same layer in nine kernels (5 with the skinny fusions: the norms in the
         qkv and gate-up GEMMs' prologues, RoPE + the cache write in qkv's epilogue,
         SwiGLU in gate-up's; 7 where the norms stay apart); returns the
         residual stream and the MLP output still to be added (the next layer's norm kernel
-        adds it). ``capture``: where the first norm kernel also stores its input stream
-        x + delta (the last layer's output)."""
+        adds it; None where the down GEMM added it: ``stream_norm``). ``capture``: where
+        the first norm kernel also stores its input stream x + delta (the last layer's
+        output)."""
         a = self.args
         # The GEMMs through the one dispatcher: the skinny-GEMM kernel for few rows on
         # CUDA (models/_linear; ``self.linear.skinny``), else F.linear; each residual add

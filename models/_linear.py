@@ -37,8 +37,9 @@ for qkv at 1-4 rows (``v`` then ``b``) and gate-up at 1 row, its only callers; a
 they run tl.dot and their norms run as add_rms_norm. ``norm_linear_rope`` also takes RoPE
 and the K/V cache write into the qkv GEMM's epilogue wherever its configuration allows
 (``_skinny.rope_fits``; ``SPECLOOP_SKINNY_ROPE=0`` turns it off); ``out_norm_mlp`` with
-``SPECLOOP_SKINNY_STREAM_NORM=1`` the residual add into the o GEMM's epilogue and the
-norm into gate-up's one-tile tl.dot (off by default: not yet timed on a GPU).
+``SPECLOOP_SKINNY_STREAM_NORM=1`` the residual adds into the o and down GEMMs' epilogues
+and the norms into gate-up's and qkv's one-tile tl.dot (off by default: not yet timed on
+a GPU).
 """
 
 from __future__ import annotations
@@ -415,10 +416,11 @@ class PackedLinear:
         # tl.dot); SPECLOOP_SKINNY_ROPE=0 keeps the rope kernel after the GEMM (the same
         # bits).
         self.rope = self.skinny and os.environ.get("SPECLOOP_SKINNY_ROPE", "1") != "0"
-        # The residual add after attention in the o GEMM's epilogue and the next RMSNorm in
-        # the gate-up GEMM's one-tile tl.dot prologue (out_norm_mlp), where both
-        # configurations allow: SPECLOOP_SKINNY_STREAM_NORM=1 (off by default until timed
-        # on a GPU; the norm's own bits, within its sum's rounding).
+        # The residual adds in the o and down GEMMs' epilogues and the RMSNorms in the
+        # gate-up and qkv GEMMs' one-tile tl.dot prologues (out_norm_mlp,
+        # norm_linear_rope), where the configurations allow: SPECLOOP_SKINNY_STREAM_NORM=1
+        # (off by default until timed on a GPU; the norm's own bits, within its sum's
+        # rounding).
         self.stream_norm = self.skinny and \
             os.environ.get("SPECLOOP_SKINNY_STREAM_NORM", "0") == "1"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
@@ -481,7 +483,9 @@ class PackedLinear:
         norm-fusable broadcast configuration, pairs of one head a program: the shipped
         table's qkv at 1-4 rows; ``skinny_norm_linear(rope=...)``), or after the norm
         kernel (a one-tile tl.dot of one head a program: 5-32 rows;
-        ``skinny_rope_linear``). The same bits either way."""
+        ``skinny_rope_linear``; with ``stream_norm`` and no delta or capture, x is the
+        whole stream and that kernel normalises it as it loads it, no norm kernel). The
+        same bits either way but for that norm's sum of squares."""
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         if self.rope and x.dim() == 3:
             D, k = rope.k_cache.shape[-1], weight.shape[1]
@@ -493,6 +497,10 @@ class PackedLinear:
             else:
                 config = self._skinny_config(x, weight, bias, silu_mul=False)
                 if config is not None and config.dot and _skinny.rope_fits(config, k, D):
+                    if self.stream_norm and delta is None and capture is None \
+                            and norm_weight.dim() == 1:   # the stream, normed as loaded
+                        return _skinny.skinny_rope_linear(x, weight, bias, config, rope,
+                                                          norm=(norm_weight, eps)), x
                     h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
                     return _skinny.skinny_rope_linear(h, weight, bias, config, rope), stream
         qkv, stream = self.norm_linear(x, delta, norm_weight, eps, weight, bias, capture)
@@ -500,14 +508,17 @@ class PackedLinear:
 
     def out_norm_mlp(self, x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor,
                      norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
-                     w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                     w_down: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The layer after attention: -> (the MLP's output, x + o @ w_o^T), as
         ``norm_mlp(x, self(o, w_o), ...)``. With ``stream_norm``, where the o GEMM's
         configuration takes the residual add in its epilogue (``_skinny.residual_fits``) and
         the gate-up GEMM's a norm prologue with SwiGLU (``norm_prologue_fits``,
         ``glu_fits``: the one-tile tl.dot), the o GEMM writes the stream and the gate-up
-        GEMM normalises it as it loads it: no add_rms_norm between them. The stream's bits
-        are the same; the norm's sum of squares adds in another order."""
+        GEMM normalises it as it loads it: no add_rms_norm between them; where the down
+        GEMM's configuration takes the residual add too, -> (None, the stream after the
+        MLP), and the next layer's qkv GEMM normalises that stream as it loads it
+        (``norm_linear_rope`` with no delta). The stream's bits are the same; the norm's
+        sum of squares adds in another order."""
         if self.stream_norm and self.glu and \
                 self._norm_config(x, None, norm_weight, w_gate_up, None) is None:
             c_o = self._skinny_config(o, w_o, None, silu_mul=False)
@@ -519,6 +530,11 @@ class PackedLinear:
                 stream = _skinny.skinny_linear(o, w_o, None, c_o, residual=x)
                 act = _skinny.skinny_linear(stream, w_gate_up, None, c_gu, glu=True,
                                             norm=(norm_weight, eps))
+                c_down = self._skinny_config(act, w_down, None, silu_mul=True, activated=True)
+                if c_down is not None and _skinny.residual_fits(c_down, w_down.shape[1]):
+                    # The stream after the MLP too: the next norm takes no delta.
+                    return None, _skinny.skinny_linear(act, w_down, None, c_down,
+                                                       residual=stream)
                 return self._down(act, w_down), stream
         return self.norm_mlp(x, self(o, w_o), norm_weight, eps, w_gate_up, w_down)
 

@@ -526,21 +526,27 @@ if triton is not None:
     def _skinny_rope_kernel(x_ptr, w_ptr, b_ptr, q_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr,
                             table_ptr, cos_ptr, sin_ptr, rope_ptr, M, K, stride_xm,
                             stride_wn, T, pos_offset, max_pos, s_page, s_off, s_table,
-                            pages_per_slot, max_seq_len, scratch_page, HQ: tl.constexpr,
-                            HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
-                            HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_K: tl.constexpr, PIECE: tl.constexpr = 0,
-                            TREE: tl.constexpr = False, GDC: tl.constexpr = False):
+                            pages_per_slot, max_seq_len, scratch_page, nw_ptr, eps,
+                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                            PAGE: tl.constexpr, HAS_BIAS: tl.constexpr,
+                            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+                            PIECE: tl.constexpr = 0, TREE: tl.constexpr = False,
+                            GDC: tl.constexpr = False, NORM: tl.constexpr = False):
         # The qkv GEMM as _skinny_kernel's one-tile tl.dot with BLOCK_N = D (a program's
         # output columns are one head: q, k or v) and _rope_store as its epilogue: the
         # same bits as skinny_linear then rope_cache_write, without the qkv product's
-        # round trip through memory or the rope kernel's launch.
-        if GDC:  # PDL: W (and the bias) before the wait; positions, x and stores after
+        # round trip through memory or the rope kernel's launch. NORM: x is the residual
+        # stream and the product is of its RMSNorm by nw_ptr's weight (_dot_one_pass).
+        if GDC:  # PDL: W (the bias, the norm's weight) before the wait; the rest after
             tl.extra.cuda.gdc_launch_dependents()
         rn, head, dims = _rope_w_rows(tl.program_id(0), D, D)
         n_ok = rn < (HQ + 2 * HKV) * D
         wa, wb = _w_one_pass(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, n_ok, 0, K,
                              BLOCK_K, PIECE)
+        if NORM:
+            na, nb = _nw_one_pass(nw_ptr, K, BLOCK_K, PIECE)
+        else:
+            na, nb = wa, wb     # (not read)
         if HAS_BIAS:
             bias = tl.load(b_ptr + rn).to(tl.float32)
         if GDC:
@@ -550,7 +556,7 @@ if triton is not None:
         p, slot, t = _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset)
         acc = _dot_one_pass(x_ptr + rm.to(tl.int64)[:, None] * stride_xm, m_ok, K, 0, K, wa,
                             wb, tl.zeros([BLOCK_M, D], dtype=tl.float32), 0, BLOCK_K, PIECE,
-                            False, wa, wb, 0.0)
+                            NORM, na, nb, eps)
         if HAS_BIAS:
             acc += bias[None, :]
         _rope_store(acc, rm, m_ok, p, slot, t, head, dims, table_ptr, cos_ptr, sin_ptr, q_ptr,
@@ -790,16 +796,20 @@ def rope_fits(config: SkinnyConfig, k: int, head_dim: int) -> bool:
 
 
 def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                       config: SkinnyConfig, rope: RopeWrite) -> torch.Tensor:
+                       config: SkinnyConfig, rope: RopeWrite,
+                       norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
     """x [B, T, K] @ weight [(Hq + 2 Hkv) D, K]^T (+ bias) as qkv, then RoPE and the cache
     write as ``_kernels.rope_cache_write(qkv, *rope)`` does them, in one kernel (a
     ``rope_fits`` config): -> rotated q [B, T, Hq, D]; k and v go into ``rope``'s caches.
-    The same bits as ``skinny_linear`` then ``rope_cache_write``."""
+    The same bits as ``skinny_linear`` then ``rope_cache_write``. ``norm`` (weight [K],
+    eps): x is the residual stream, normalised in the prologue as
+    ``skinny_linear(norm=...)`` does."""
     B, T, K = x.shape
     _, page_size, hkv, D = rope.k_cache.shape
     hq = rope.num_heads
     if weight.shape != ((hq + 2 * hkv) * D, K) or not config.dot \
-            or not rope_fits(config, K, D) or weight.stride(1) != 1:
+            or not rope_fits(config, K, D) or weight.stride(1) != 1 \
+            or norm is not None and norm[0].shape != (K,):
         raise ValueError(f"skinny_rope_linear: x {tuple(x.shape)}, weight "
                          f"{tuple(weight.shape)} (rows contiguous) for {hq} + 2 x {hkv} heads "
                          f"of {D}, config {config.tag()}")
@@ -820,10 +830,11 @@ def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         rope.rope_offsets if tree else start, M, K, x2.stride(0), weight.stride(0), T,
         rope.pos_offset, rope.cos.shape[0] - 1, rope.k_cache.stride(0), rope.k_cache.stride(1),
         rope.table.stride(0), rope.table.shape[1], rope.max_seq_len, rope.scratch_page,
+        norm[0] if norm is not None else x2, norm[1] if norm is not None else 0.0,
         HQ=hq, HKV=hkv, D=D, PAGE=page_size, HAS_BIAS=bias is not None, BLOCK_M=bm,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         **({"PIECE": piece} if piece else {}), **({"TREE": True} if tree else {}),
-        **_pdl.launch_kw(x2))
+        **({"NORM": True} if norm is not None else {}), **_pdl.launch_kw(x2))
     return q
 
 

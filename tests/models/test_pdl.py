@@ -372,11 +372,12 @@ def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree):
            "M": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "T": "i32",
            "pos_offset": "i32", "max_pos": "i32", "s_page": "i32", "s_off": "i32",
            "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
-           "scratch_page": "i32"}
+           "scratch_page": "i32", "nw_ptr": "*bf16", "eps": "fp32"}
+    # (NORM with the tree: the stream's norm in the prologue, its weight before the wait)
     check_kernel(S._skinny_rope_kernel, sig,
                  dict(HQ=9, HKV=3, D=64, PAGE=16, HAS_BIAS=True, BLOCK_M=16, BLOCK_K=1024,
-                      PIECE=piece, TREE=tree),
-                 weights={"w_ptr", "b_ptr"}, num_warps=8)
+                      PIECE=piece, TREE=tree, NORM=tree),
+                 weights={"w_ptr", "b_ptr"} | ({"nw_ptr"} if tree else set()), num_warps=8)
 
 
 def test_norm_skinny_and_splitk_reduce():

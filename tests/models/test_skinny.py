@@ -320,6 +320,11 @@ for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
             _linear.SKINNY_TABLE[(n, H, False)] = ((32, f"d16x{H}s1w4n1"),)
         else:
             _linear.SKINNY_TABLE.pop((n, H, False), None)
+    down = (H, model.args.intermediate_size, True)      # a 2-D block: the residual add fits
+    if stream:
+        _linear.SKINNY_TABLE[down] = ((32, "b2x4x64s1w2n3"),)
+    else:
+        _linear.SKINNY_TABLE.pop(down, None)
     calls.clear()
     pages = PageTable(2, 64, 4)
     cache = model.make_cache(2, 64, pages=pages)
@@ -346,10 +351,18 @@ for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
         del want["rope_cache_write"]
     elif rope:          # the norm, qkv's GEMM, RoPE and the cache write as one kernel
         del want["rope_cache_write"]
-    if stream:          # o and gate-up on tl.dot, and gate-up's norm kernel gone
-        want.update({"tl.dot": 2 * L, "add_rms_norm": L + 1})
+    if stream:          # o and gate-up on tl.dot, gate-up's norm kernels gone, and the
+        # down GEMM adds to the stream: qkv's norm kernel only where a layer's input is
+        # captured (its copy; every layer but the first here), and the final norm
+        want.update({"tl.dot": 2 * L, "add_rms_norm": L})
     assert calls == want, (skinny, norm, dot, glu, rope, calls)
     assert feats.abs().sum() > 0
+    if stream:          # without capture: the final norm alone
+        calls.clear()
+        alone = model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]),
+                      model.make_cache(2, 64, pages=pages))
+        assert calls["add_rms_norm"] == 1, calls
+        torch.testing.assert_close(alone.float(), hidden.float(), rtol=2e-2, atol=2e-2)
 for key in ((True, False, False), (True, True, False), (True, True, True)):
     torch.testing.assert_close(out[key + (False, False)], out[False, False, False, False, False],
                                rtol=2e-2, atol=2e-2)
@@ -590,13 +603,34 @@ for H, I in ((48, 24), (64, 16)):
             L.SKINNY_TABLE.clear()
             L.SKINNY_TABLE.update(saved)
             S.skinny_linear = real
-        if stream_norm:
-            assert ["residual"] in calls and ["norm"] in calls, calls
-            fused = (mlp, stream)
+        if stream_norm:      # o, gate-up and (a b-family config) down fused
+            assert calls == [["residual"], ["norm"], ["residual"]], calls
+            assert mlp is None
+            fused = stream
         else:
             assert all(c == [] for c in calls), calls
-            torch.testing.assert_close(fused[0].float(), mlp.float(), rtol=2e-2, atol=2e-2)
-            assert torch.equal(fused[1], stream)
+            torch.testing.assert_close(fused.float(),
+                                       _kernels.add_rms_norm(stream, mlp, nw, 1e-5)[1].float(),
+                                       rtol=2e-2, atol=2e-2)
+# qkv's norm in the RoPE kernel's prologue: add_rms_norm then the kernel, within rounding.
+from specloop.models._skinny import RopeWrite, skinny_rope_linear
+HQ, HKV, D = 2, 1, 16
+wq = (torch.randn((HQ + 2 * HKV) * D, 64) * 0.2).half()
+nw = (1 + 0.1 * torch.randn(64)).half()
+xq = torch.randn(1, 5, 64).half()
+cos, sin = torch.randn(40, D).float(), torch.randn(40, D).float()
+c = SkinnyConfig(True, D, 64, num_warps=4, num_stages=1)
+qs = []
+for norm in (True, False):
+    kc, vc = torch.zeros(4, 16, HKV, D).half(), torch.zeros(4, 16, HKV, D).half()
+    rope = RopeWrite(torch.tensor([3]), torch.tensor([0]), torch.arange(4, dtype=torch.int32)
+                     .view(1, 4), 32, 3, cos, sin, kc, vc, HQ)
+    h = xq if norm else _kernels.add_rms_norm(xq, None, nw, 1e-5)[0]
+    qs.append((skinny_rope_linear(h, wq, None, c, rope, norm=(nw, 1e-5) if norm else None),
+               kc, vc))
+for u, v in zip(*qs):
+    torch.testing.assert_close(u.float(), v.float(), rtol=2e-2, atol=2e-2)
+    assert u.abs().sum() > 0
 # Split K, or the broadcast row path (no 2-D block): no residual add; a looped tl.dot or a
 # broadcast config: no norm prologue.
 for c in (SkinnyConfig(True, 16, 32, split_k=2), SkinnyConfig(False, 4, 64)):
@@ -620,10 +654,10 @@ def test_stream_norm_epilogue_and_prologue_interpreted():
     epilogue gives add_rms_norm's stream bit for bit (one-reduction and one-tile tl.dot
     blocks, 1 / 5 / 9 rows, K in two tiles and one); the RMSNorm of a stream in the
     one-tile tl.dot's prologue (with SwiGLU) is add_rms_norm then the GEMM within fp16
-    rounding, a row's bits whatever the rows in the call; ``out_norm_mlp`` takes both
-    where the table allows and gives ``norm_mlp``'s stream bit for bit and its output
-    within rounding; configurations that cannot take them are refused (fp16, Triton's
-    interpreter)."""
+    rounding, a row's bits whatever the rows in the call, in the RoPE kernel too;
+    ``out_norm_mlp`` takes them where the table allows (o, gate-up and down fused: the
+    stream after the MLP within rounding of ``norm_mlp``'s); configurations that cannot
+    take them are refused (fp16, Triton's interpreter)."""
     run_interpreted(STREAM_CHILD)
 
 
@@ -1159,13 +1193,13 @@ def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
 
 
 @pytest.mark.gpu
-def test_stream_norm_gives_norm_mlps_stream_bf16_cuda(monkeypatch):
+def test_stream_norm_gives_norm_mlps_stream_within_rounding_bf16_cuda(monkeypatch):
     """``out_norm_mlp`` with ``stream_norm`` on SmolLM2's o / gate-up / down shapes (the
-    shipped table, bf16, random weights) at 1..32 rows: the stream bit for bit as
-    ``norm_mlp(x, o @ w_o^T)``'s, the MLP's output within bf16 rounding of it; the fused
-    form runs wherever o's configuration takes the residual add and gate-up's is a
-    one-tile tl.dot (counted: from 2 rows, gate-up's tl.dot range)."""
-    from specloop.models import _skinny
+    shipped table, bf16, random weights) at 1..32 rows: from 2 rows (gate-up's tl.dot
+    range; counted) o, gate-up and down fused, and the stream after the MLP within bf16
+    rounding of ``norm_mlp(x, o @ w_o^T)``'s stream plus its output; at 1 row
+    ``norm_mlp`` itself."""
+    from specloop.models import _kernels, _skinny
 
     H, I = 576, 1536
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -1191,9 +1225,65 @@ def test_stream_norm_gives_norm_mlps_stream_bf16_cuda(monkeypatch):
     for m in range(1, 33):
         (y1, s1), (y0, s0) = (lin.out_norm_mlp(x[:m], o[:m], wo, nw, 1e-5, wgu, wd)
                               for lin in lins)
-        assert torch.equal(s1, s0), m
-        torch.testing.assert_close(y1.float(), y0.float(), rtol=3e-2, atol=3e-2)
+        if m == 1:
+            assert torch.equal(y1, y0) and torch.equal(s1, s0)
+            continue
+        assert y1 is None, m
+        after = _kernels.add_rms_norm(s0, y0, nw, 1e-5)[1]
+        torch.testing.assert_close(s1.float(), after.float(), rtol=3e-2, atol=3e-2)
     assert fused_rows == list(range(2, 33)), fused_rows
+
+
+@pytest.mark.gpu
+def test_stream_norm_decoder_close_and_replay_equals_eager_bf16_cuda(tiny_dirs, monkeypatch):
+    """The fused bf16 decoder (tiny llama, 2 requests x 5 tokens: VERIFY's shape) with
+    ``stream_norm`` and the table putting qkv, o and gate-up on the one-tile tl.dot and
+    down on a 2-D block (so every residual add and norm but the final one is fused):
+    hidden states within bf16 rounding of the default path's, and a CUDA graph's replay
+    gives the eager call's bits (hidden states and the KV cache written)."""
+    from specloop.models import load_model
+
+    model = load_model(tiny_dirs["llama"], dtype=torch.bfloat16, device="cuda").model
+    a = model.args
+    H, I = a.hidden_size, a.intermediate_size
+    qkv_n = (a.num_heads + 2 * a.num_kv_heads) * a.head_dim
+    for n in (qkv_n, 2 * I, H):
+        monkeypatch.setitem(_linear.SKINNY_TABLE, (n, H, False),
+                            ((32, f"d{a.head_dim}x{_pow2(H)}s1w4n1"),))
+    monkeypatch.setitem(_linear.SKINNY_TABLE, (H, I, True),
+                        ((32, f"b2x4x{_pow2(I)}s1w4n3"),))
+    B, T, S = 2, 5, 256
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(0, a.vocab_size, (B, 40), generator=gen).cuda()
+    tokens = torch.randint(0, a.vocab_size, (B, T), generator=gen).cuda()
+    slots = torch.tensor([0, 1], device="cuda")
+    start = torch.tensor([40, 40], device="cuda")
+    outs = {}
+    for on in (False, True):
+        model.linear.stream_norm = on
+        cache = model.make_cache(B, S)
+        model(prompt, torch.zeros(B, dtype=torch.long, device="cuda"), slots, cache)
+        outs[on] = model(tokens, start, slots, cache, kv_len=S).float()
+        if on:
+            eager_k = cache.k.clone()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                model(tokens, start, slots, cache, kv_len=S)       # warm-up
+            torch.cuda.current_stream().wait_stream(side)
+            with torch.cuda.graph(graph):
+                static = model(tokens, start, slots, cache, kv_len=S)
+            graph.replay()
+            torch.cuda.synchronize()
+            assert torch.equal(static.float(), outs[True])
+            assert torch.equal(cache.k, eager_k)
+    torch.testing.assert_close(outs[True], outs[False], rtol=3e-2, atol=3e-2)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
 
 
 @pytest.mark.gpu
