@@ -41,6 +41,8 @@ import torch
 
 from specloop.samplers import _pdl
 
+from ._skinny import RopeWrite
+
 try:  # Triton is optional: without it the decoder runs its reference path.
     import triton
     import triton.language as tl
@@ -223,8 +225,8 @@ if triton is not None:
         tl.store(out_ptr + row * out_stride, best_id)
 
     @triton.jit(**_per_row("start_ptr", "slot_ptr", "rope_ptr", varying=("pos_offset",)))
-    def _rope_write_kernel(qkv_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr, sin_ptr, q_ptr,
-                           kc_ptr, vc_ptr, rope_ptr, T, pos_offset, max_pos, s_page, s_off,
+    def _rope_write_kernel(qkv_ptr, q_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr, table_ptr,
+                           cos_ptr, sin_ptr, rope_ptr, T, pos_offset, max_pos, s_page, s_off,
                            s_table, pages_per_slot, max_seq_len, scratch_page,
                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
                            PAGE: tl.constexpr, BLOCK_QK: tl.constexpr,
@@ -651,14 +653,12 @@ def rope_cache_write(qkv: torch.Tensor, start_pos: torch.Tensor, slots: torch.Te
     B, T = qkv.shape[:2]
     _, page_size, hkv, D = k_cache.shape
     q = qkv.new_empty(B, T, num_heads, D)
-    tree = rope_offsets is not None
+    rope = RopeWrite(start_pos, slots, table, max_seq_len, scratch_page, cos, sin, k_cache,
+                     v_cache, num_heads, pos_offset, rope_offsets)
     _rope_write_kernel[(B * T,)](
-        qkv.contiguous(), start_pos.contiguous(), slots.contiguous(), table, cos, sin,
-        q, k_cache, v_cache, rope_offsets if tree else start_pos, T, pos_offset,
-        cos.shape[0] - 1, k_cache.stride(0), k_cache.stride(1),
-        table.stride(0), table.shape[1], max_seq_len, scratch_page,
+        qkv.contiguous(), q, *rope.kernel_args(T),
         HQ=num_heads, HKV=hkv, D=D, PAGE=page_size, BLOCK_QK=_pow2(num_heads + hkv),
-        BLOCK_V=_pow2(hkv), num_warps=4, **({"TREE": True} if tree else {}),
+        BLOCK_V=_pow2(hkv), num_warps=4, **({"TREE": True} if rope_offsets is not None else {}),
         **_pdl.launch_kw(qkv))
     return q
 

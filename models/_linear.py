@@ -530,17 +530,22 @@ class PackedLinear:
                 stream = _skinny.skinny_linear(o, w_o, None, c_o, residual=x)
                 act = _skinny.skinny_linear(stream, w_gate_up, None, c_gu, glu=True,
                                             norm=(norm_weight, eps))
-                c_down = self._skinny_config(act, w_down, None, silu_mul=True, activated=True)
+                c_down = self._down_config(act, w_down)
                 if c_down is not None and _skinny.residual_fits(c_down, w_down.shape[1]):
                     # The stream after the MLP too: the next norm takes no delta.
                     return None, _skinny.skinny_linear(act, w_down, None, c_down,
                                                        residual=stream)
-                return self._down(act, w_down), stream
+                return self._down(act, w_down, c_down), stream
         return self.norm_mlp(x, self(o, w_o), norm_weight, eps, w_gate_up, w_down)
 
-    def _down(self, act: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-        """The down GEMM on silu(gate) * up (``norm_mlp``'s activation)."""
-        config = self._skinny_config(act, w_down, None, silu_mul=True, activated=True)
+    def _down_config(self, act: torch.Tensor, w_down: torch.Tensor) -> SkinnyConfig | None:
+        """The down GEMM's configuration on silu(gate) * up (``norm_mlp``'s activation):
+        the silu entry's, without the prologue."""
+        return self._skinny_config(act, w_down, None, silu_mul=True, activated=True)
+
+    def _down(self, act: torch.Tensor, w_down: torch.Tensor,
+              config: SkinnyConfig | None) -> torch.Tensor:
+        """The down GEMM on the activation by ``_down_config``'s ``config`` (None: F.linear)."""
         if config is not None:
             return _skinny.skinny_linear(act, w_down, None, config)
         return self(act, w_down)
@@ -561,7 +566,7 @@ class PackedLinear:
             activated = self._norm_glu(x, delta, norm_weight, eps, w_gate_up)
             if activated is not None:
                 act, stream = activated
-                return self._down(act, w_down), stream
+                return self._down(act, w_down, self._down_config(act, w_down)), stream
         gate_up, stream = self.norm_linear(x, delta, norm_weight, eps, w_gate_up)
         return self.silu_mul_linear(gate_up, w_down), stream
 

@@ -175,6 +175,20 @@ class RopeWrite(NamedTuple):
     pos_offset: int = 0
     rope_offsets: torch.Tensor | None = None
 
+    def kernel_args(self, T: int) -> tuple[torch.Tensor | int, ...]:
+        """The arguments every kernel that writes RoPE'd heads takes last, in this order
+        (``_kernels._rope_write_kernel``, ``_skinny_rope_kernel``, ``_norm_skinny_kernel``'s
+        ROPE): kc_ptr, vc_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr, sin_ptr, rope_ptr
+        (the start positions where no tree: not read), T, pos_offset, max_pos, s_page,
+        s_off, s_table, pages_per_slot, max_seq_len, scratch_page."""
+        start = self.start_pos.contiguous()
+        return (self.k_cache, self.v_cache, start, self.slots.contiguous(), self.table,
+                self.cos, self.sin,
+                self.rope_offsets if self.rope_offsets is not None else start, T,
+                self.pos_offset, self.cos.shape[0] - 1, self.k_cache.stride(0),
+                self.k_cache.stride(1), self.table.stride(0), self.table.shape[1],
+                self.max_seq_len, self.scratch_page)
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -523,12 +537,12 @@ if triton is not None:
     # M, T and pos_offset vary between calls and only offset rows and positions.
     @triton.jit(do_not_specialize=["M", "T", "pos_offset"],
                 do_not_specialize_on_alignment=["start_ptr", "slot_ptr", "rope_ptr"])
-    def _skinny_rope_kernel(x_ptr, w_ptr, b_ptr, q_ptr, kc_ptr, vc_ptr, start_ptr, slot_ptr,
-                            table_ptr, cos_ptr, sin_ptr, rope_ptr, M, K, stride_xm,
-                            stride_wn, T, pos_offset, max_pos, s_page, s_off, s_table,
-                            pages_per_slot, max_seq_len, scratch_page, nw_ptr, eps,
-                            HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                            PAGE: tl.constexpr, HAS_BIAS: tl.constexpr,
+    def _skinny_rope_kernel(x_ptr, w_ptr, b_ptr, q_ptr, nw_ptr, M, K, stride_xm, stride_wn,
+                            eps, kc_ptr, vc_ptr, start_ptr, slot_ptr, table_ptr, cos_ptr,
+                            sin_ptr, rope_ptr, T, pos_offset, max_pos, s_page, s_off, s_table,
+                            pages_per_slot, max_seq_len, scratch_page, HQ: tl.constexpr,
+                            HKV: tl.constexpr, D: tl.constexpr, PAGE: tl.constexpr,
+                            HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                             PIECE: tl.constexpr = 0, TREE: tl.constexpr = False,
                             GDC: tl.constexpr = False, NORM: tl.constexpr = False):
@@ -582,7 +596,8 @@ if triton is not None:
         # GLU: as _skinny_kernel's (W [2N, K], y [M, N] silu(gate) * up). ROPE: W is a qkv
         # weight, each program takes _rope_w_rows' pairs of one head, and _rope_store
         # (into q at y_ptr, [M, HQ, D], and the caches: skinny_norm_linear's ``rope``) is
-        # the epilogue; the kc_ptr .. scratch_page arguments serve it alone.
+        # the epilogue; the kc_ptr .. scratch_page arguments (RopeWrite.kernel_args) serve
+        # it alone.
         pid_n = tl.program_id(0)
         if GDC:  # PDL: W and the norm weight (and bias) before the wait, x after
             tl.extra.cuda.gdc_launch_dependents()
@@ -821,19 +836,15 @@ def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if M == 0:
         return q
     bm = config.block_m(M)
-    tree = rope.rope_offsets is not None
-    start = rope.start_pos.contiguous()
     piece = one_pass_piece(config, K)
     _skinny_rope_kernel[(hq + 2 * hkv, 1, triton.cdiv(M, bm))](
-        x2, weight, bias if bias is not None else weight, q, rope.k_cache, rope.v_cache, start,
-        rope.slots.contiguous(), rope.table, rope.cos, rope.sin,
-        rope.rope_offsets if tree else start, M, K, x2.stride(0), weight.stride(0), T,
-        rope.pos_offset, rope.cos.shape[0] - 1, rope.k_cache.stride(0), rope.k_cache.stride(1),
-        rope.table.stride(0), rope.table.shape[1], rope.max_seq_len, rope.scratch_page,
-        norm[0] if norm is not None else x2, norm[1] if norm is not None else 0.0,
-        HQ=hq, HKV=hkv, D=D, PAGE=page_size, HAS_BIAS=bias is not None, BLOCK_M=bm,
+        x2, weight, bias if bias is not None else weight, q,
+        norm[0] if norm is not None else x2, M, K, x2.stride(0), weight.stride(0),
+        norm[1] if norm is not None else 0.0, *rope.kernel_args(T), HQ=hq, HKV=hkv, D=D,
+        PAGE=page_size, HAS_BIAS=bias is not None, BLOCK_M=bm,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
-        **({"PIECE": piece} if piece else {}), **({"TREE": True} if tree else {}),
+        **({"PIECE": piece} if piece else {}),
+        **({"TREE": True} if rope.rope_offsets is not None else {}),
         **({"NORM": True} if norm is not None else {}), **_pdl.launch_kw(x2))
     return q
 
@@ -925,13 +936,7 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
     if rope is not None:
         _, page_size, hkv, D = rope.k_cache.shape
         y = x.new_empty(*x.shape[:-1], rope.num_heads, D)       # q
-        start = rope.start_pos.contiguous()
-        cache_args = (rope.k_cache, rope.v_cache, start, rope.slots.contiguous(), rope.table,
-                      rope.cos, rope.sin,
-                      rope.rope_offsets if rope.rope_offsets is not None else start,
-                      x.shape[1], rope.pos_offset, rope.cos.shape[0] - 1,
-                      rope.k_cache.stride(0), rope.k_cache.stride(1), rope.table.stride(0),
-                      rope.table.shape[1], rope.max_seq_len, rope.scratch_page)
+        cache_args = rope.kernel_args(x.shape[1])
         rope_kw = dict(ROPE=True, HQ=rope.num_heads, HKV=hkv, D=D, PAGE=page_size,
                        **({"TREE": True} if rope.rope_offsets is not None else {}))
     else:

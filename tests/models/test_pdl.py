@@ -221,12 +221,7 @@ def test_kernels_wait_before_reading_activations_or_storing():
     # With a draft tree's rows too: their RoPE offsets are read after the wait.
     for tree in (False, True):
         check_kernel(K._rope_write_kernel,
-                     {"qkv_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
-                      "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32",
-                      "q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-                      "rope_ptr": "*i64", "T": "i32", "pos_offset": "i32", "max_pos": "i32",
-                      "s_page": "i32", "s_off": "i32", "s_table": "i32",
-                      "pages_per_slot": "i32", "max_seq_len": "i32", "scratch_page": "i32"},
+                     {"qkv_ptr": "*bf16", "q_ptr": "*bf16", **CACHE_SIG},
                      {"HQ": 9, "HKV": 3, "D": 64, "PAGE": 16, "BLOCK_QK": 16, "BLOCK_V": 4,
                       "TREE": tree}, weights=set())
     check_kernel(K._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32"},
@@ -297,6 +292,12 @@ def test_tree_path_move_waits_first():
                  {"WIDTH": 192, "PAGE": 16, "D_P2": 4, "BLOCK": 256}, weights=set())
 
 
+# The arguments every kernel that writes RoPE'd heads takes last (RopeWrite.kernel_args).
+CACHE_SIG = {"kc_ptr": "*bf16", "vc_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
+             "table_ptr": "*i32", "cos_ptr": "*bf16", "sin_ptr": "*bf16", "rope_ptr": "*i64",
+             "T": "i32", "pos_offset": "i32", "max_pos": "i32", "s_page": "i32",
+             "s_off": "i32", "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
+             "scratch_page": "i32"}
 SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
               "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
               "stride_ym": "i32", "k_per_split": "i32", "r_ptr": "*bf16", "nw_ptr": "*bf16",
@@ -304,11 +305,7 @@ SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*b
 NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
             "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
-            "stride_cm": "i32", "eps": "fp32", "kc_ptr": "*bf16", "vc_ptr": "*bf16",
-            "start_ptr": "*i64", "slot_ptr": "*i64", "table_ptr": "*i32", "cos_ptr": "*bf16",
-            "sin_ptr": "*bf16", "rope_ptr": "*i64", "T": "i32", "pos_offset": "i32",
-            "max_pos": "i32", "s_page": "i32", "s_off": "i32", "s_table": "i32",
-            "pages_per_slot": "i32", "max_seq_len": "i32", "scratch_page": "i32"}
+            "stride_cm": "i32", "eps": "fp32", **CACHE_SIG}
 
 
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass",
@@ -367,12 +364,8 @@ def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree):
     from specloop.models import _skinny as S
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "q_ptr": "*bf16",
-           "kc_ptr": "*bf16", "vc_ptr": "*bf16", "start_ptr": "*i64", "slot_ptr": "*i64",
-           "table_ptr": "*i32", "cos_ptr": "*fp32", "sin_ptr": "*fp32", "rope_ptr": "*i64",
-           "M": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32", "T": "i32",
-           "pos_offset": "i32", "max_pos": "i32", "s_page": "i32", "s_off": "i32",
-           "s_table": "i32", "pages_per_slot": "i32", "max_seq_len": "i32",
-           "scratch_page": "i32", "nw_ptr": "*bf16", "eps": "fp32"}
+           "nw_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
+           "eps": "fp32", **CACHE_SIG}
     # (NORM with the tree: the stream's norm in the prologue, its weight before the wait)
     check_kernel(S._skinny_rope_kernel, sig,
                  dict(HQ=9, HKV=3, D=64, PAGE=16, HAS_BIAS=True, BLOCK_M=16, BLOCK_K=1024,

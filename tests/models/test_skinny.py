@@ -546,11 +546,20 @@ def test_rope_epilogue_equals_gemm_then_rope_kernel_interpreted():
 
 STREAM_CHILD = r"""
 import torch
-from specloop.models import _kernels
+from specloop.models import _kernels, _linear, _skinny
 from specloop.models._linear import PackedLinear
-from specloop.models._skinny import (SkinnyConfig, norm_prologue_fits, residual_fits,
-                                     skinny_linear)
+from specloop.models._skinny import (RopeWrite, SkinnyConfig, norm_prologue_fits,
+                                     residual_fits, skinny_linear, skinny_rope_linear)
 
+calls = []      # the dispatcher's skinny_linear calls: which of residual / norm each took
+
+
+def counted(*a, **k):
+    calls.append(sorted(n for n in ("residual", "norm") if k.get(n) is not None))
+    return skinny_linear(*a, **k)
+
+
+_skinny.skinny_linear = counted
 torch.manual_seed(0)
 # fp16 (the interpreter's bf16 products are not the GPU's). H = 48 as 32 + 16 (two tiles,
 # PIECE 16) in BLOCK_K 64, or one tile of 64 (BLOCK_K 64 with H = 64).
@@ -580,29 +589,17 @@ for H, I in ((48, 24), (64, 16)):
     for m in (1, 4):
         assert torch.equal(skinny_linear(x[:m], wgu, None, c, glu=True, norm=(nw, 1e-5)),
                            act[:m]), (H, m)
-    # out_norm_mlp: the stream as norm_mlp's, the MLP within its rounding.
+    # out_norm_mlp: the stream as norm_mlp's, the MLP within its rounding (the dispatcher's
+    # calls counted; the table's entries and the wrapper end with this child process).
     wd = (torch.randn(H, I) * 0.2).half()
+    _linear.SKINNY_TABLE.update({(H, H, False): ((16, "d16x64s1w4n1"),),
+                                 (2 * I, H, False): ((16, "d16x64s1w4n1"),),
+                                 (H, I, True): ((16, "b2x4x64s1w2n3"),)})
     for stream_norm in (True, False):
         lin = PackedLinear(skinny=True)
         lin.skinny_on_cpu, lin.stream_norm, lin.skinny_norm = True, stream_norm, True
-        calls = []
-        real = skinny_linear
-        import specloop.models._skinny as S
-        def counted(*a, **k):
-            calls.append(sorted(n for n in ("residual", "norm") if k.get(n) is not None))
-            return real(*a, **k)
-        S.skinny_linear = counted
-        from specloop.models import _linear as L
-        tab = {(H, H, False): ((16, "d16x64s1w4n1"),), (2 * I, H, False): ((16, "d16x64s1w4n1"),),
-               (H, I, True): ((16, "b2x4x64s1w2n3"),)}
-        saved = dict(L.SKINNY_TABLE)
-        L.SKINNY_TABLE.update(tab)
-        try:
-            mlp, stream = lin.out_norm_mlp(x[:5], o[:5], wo, nw, 1e-5, wgu, wd)
-        finally:
-            L.SKINNY_TABLE.clear()
-            L.SKINNY_TABLE.update(saved)
-            S.skinny_linear = real
+        calls.clear()
+        mlp, stream = lin.out_norm_mlp(x[:5], o[:5], wo, nw, 1e-5, wgu, wd)
         if stream_norm:      # o, gate-up and (a b-family config) down fused
             assert calls == [["residual"], ["norm"], ["residual"]], calls
             assert mlp is None
@@ -613,7 +610,6 @@ for H, I in ((48, 24), (64, 16)):
                                        _kernels.add_rms_norm(stream, mlp, nw, 1e-5)[1].float(),
                                        rtol=2e-2, atol=2e-2)
 # qkv's norm in the RoPE kernel's prologue: add_rms_norm then the kernel, within rounding.
-from specloop.models._skinny import RopeWrite, skinny_rope_linear
 HQ, HKV, D = 2, 1, 16
 wq = (torch.randn((HQ + 2 * HKV) * D, 64) * 0.2).half()
 nw = (1 + 0.1 * torch.randn(64)).half()
