@@ -252,8 +252,14 @@ class DecoderModel(nn.Module):
             into = {i: feats[..., j * H:(j + 1) * H] for j, i in enumerate(capture)} \
                 if feats is not None else {}
             x, delta = embeds, None  # residual stream, and what is still to be added to it
+            # Where the next layer's qkv GEMM normalises the stream as it loads it (the
+            # same for every layer: one shape), the down GEMM adds the MLP's output to the
+            # stream; not before a captured layer or the final norm (their norm kernels run
+            # anyway: models/_linear's out_norm_mlp).
+            feeds = self._takes_stream(embeds, weights[0], step, cache) if n > 1 else False
             for i, w in enumerate(weights):
-                x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1))
+                x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1),
+                                             feeds and i + 1 < n and i not in into)
             out = _kernels.add_rms_norm(x, delta, self.norm, eps, into.get(n - 1))[0]
             return (out, feats) if feats is not None else out
         x = embeds  # [B, T, H]
@@ -338,35 +344,44 @@ class DecoderModel(nn.Module):
         gate, up = self.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
         return x + self.linear(F.silu(gate) * up, w.w_down)
 
+    def _rope(self, i: int, step: _Step, cache: KVCache) -> RopeWrite:
+        """Where layer i's qkv product goes (RoPE, the K/V cache's pages)."""
+        a = self.args
+        return RopeWrite(step.start_pos, step.slots, cache.pages.table, cache.max_seq_len,
+                         cache.pages.scratch_page, self.rope_cos, self.rope_sin, cache.k[i],
+                         cache.v[i], a.num_heads, step.pos_offset, step.tree_offsets)
+
+    def _takes_stream(self, x: torch.Tensor, w: _LayerWeights, step: _Step,
+                      cache: KVCache) -> bool:
+        return self.linear.takes_stream(x, w.attn_norm, w.wqkv, w.bqkv,
+                                        self._rope(0, step, cache))
+
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
-                     step: _Step, cache: KVCache, capture: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     step: _Step, cache: KVCache, capture: torch.Tensor | None = None,
+                     feeds_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same layer in nine kernels (5 with the skinny fusions: the norms in the
         qkv and gate-up GEMMs' prologues, RoPE + the cache write in qkv's epilogue,
         SwiGLU in gate-up's; 7 where the norms stay apart); returns the
         residual stream and the MLP output still to be added (the next layer's norm kernel
-        adds it; None where the down GEMM added it: ``stream_norm``). ``capture``: where
-        the first norm kernel also stores its input stream x + delta (the last layer's
-        output)."""
+        adds it; None where the down GEMM added it: ``feeds_stream``, the next layer's
+        qkv GEMM normalising the stream as it loads it). ``capture``: where the first norm
+        kernel also stores its input stream x + delta (the last layer's output)."""
         a = self.args
         # The GEMMs through the one dispatcher: the skinny-GEMM kernel for few rows on
         # CUDA (models/_linear; ``self.linear.skinny``), else F.linear; each residual add
         # + RMSNorm is the add_rms_norm kernel, or the GEMM's prologue (``skinny_norm``).
         # RoPE + the K/V cache write after the qkv GEMM, or its epilogue (norm_linear_rope).
-        rope = RopeWrite(step.start_pos, step.slots, cache.pages.table, cache.max_seq_len,
-                         cache.pages.scratch_page, self.rope_cos, self.rope_sin, cache.k[i],
-                         cache.v[i], a.num_heads, step.pos_offset, step.tree_offsets)
         q, x = self.linear.norm_linear_rope(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv,
-                                            w.bqkv, capture, rope)
+                                            w.bqkv, capture, self._rope(i, step, cache))
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset,
                                      tree_bits=step.tree_bits, tree_back=step.tree_back)
         # The o GEMM and the MLP: on the skinny path SwiGLU in the gate-up GEMM's epilogue
         # (or the down GEMM's prologue), else silu_mul between the two GEMMs; with
-        # ``stream_norm`` the residual add in o's epilogue, the norm in gate-up's prologue
+        # ``mlp_stream`` the residual add in o's epilogue, the norm in gate-up's prologue
         # (models/_linear out_norm_mlp).
         mlp, x = self.linear.out_norm_mlp(x, o, w.wo, w.mlp_norm, a.rms_norm_eps, w.w_gate_up,
-                                          w.w_down)
+                                          w.w_down, feeds_stream)
         return x, mlp
 
 

@@ -37,9 +37,9 @@ for qkv at 1-4 rows (``v`` then ``b``) and gate-up at 1 row, its only callers; a
 they run tl.dot and their norms run as add_rms_norm. ``norm_linear_rope`` also takes RoPE
 and the K/V cache write into the qkv GEMM's epilogue wherever its configuration allows
 (``_skinny.rope_fits``; ``SPECLOOP_SKINNY_ROPE=0`` turns it off); ``out_norm_mlp`` with
-``SPECLOOP_SKINNY_STREAM_NORM=1`` the residual adds into the o and down GEMMs' epilogues
-and the norms into gate-up's and qkv's one-tile tl.dot (off by default: not yet timed on
-a GPU).
+``SPECLOOP_SKINNY_STREAM_NORM`` (``stream_modes``) the residual adds into the down and o
+GEMMs' epilogues and the norms into the next qkv's and gate-up's one-tile tl.dot ("qkv",
+"mlp", both or neither; STREAM_NORM_DEFAULT).
 """
 
 from __future__ import annotations
@@ -362,6 +362,23 @@ if os.environ.get("SPECLOOP_SKINNY_TABLE"):
     SKINNY_TABLE = _table_from_file(os.environ["SPECLOOP_SKINNY_TABLE"])
 
 
+# SPECLOOP_SKINNY_STREAM_NORM's default (stream_modes): which stream fusions run.
+STREAM_NORM_DEFAULT = "0"
+_STREAM_MODES = {"0": (False, False), "1": (True, True), "all": (True, True),
+                 "qkv": (True, False), "mlp": (False, True),
+                 "qkv,mlp": (True, True), "mlp,qkv": (True, True)}
+
+
+def stream_modes(value: str) -> tuple[bool, bool]:
+    """SPECLOOP_SKINNY_STREAM_NORM's value -> (qkv, mlp): "0" neither, "qkv", "mlp", or
+    "1" / "all" / "qkv,mlp" both (PackedLinear's ``qkv_stream``, ``mlp_stream``)."""
+    try:
+        return _STREAM_MODES[value.strip().lower().replace(" ", "")]
+    except KeyError:
+        raise ValueError(f"SPECLOOP_SKINNY_STREAM_NORM={value!r}: want 0, qkv, mlp or 1 "
+                         "(both)") from None
+
+
 def _under_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                     ) -> bool:
     """The product is recorded for backward (training): F.linear's, not a kernel's."""
@@ -416,18 +433,31 @@ class PackedLinear:
         # tl.dot); SPECLOOP_SKINNY_ROPE=0 keeps the rope kernel after the GEMM (the same
         # bits).
         self.rope = self.skinny and os.environ.get("SPECLOOP_SKINNY_ROPE", "1") != "0"
-        # The residual adds in the o and down GEMMs' epilogues and the RMSNorms in the
-        # gate-up and qkv GEMMs' one-tile tl.dot prologues (out_norm_mlp,
-        # norm_linear_rope), where the configurations allow: SPECLOOP_SKINNY_STREAM_NORM=1
-        # (off by default until timed on a GPU; the norm's own bits, within its sum's
-        # rounding).
-        self.stream_norm = self.skinny and \
-            os.environ.get("SPECLOOP_SKINNY_STREAM_NORM", "0") == "1"
+        # The residual stream into the GEMMs' epilogues and the RMSNorms into the next
+        # one-tile tl.dot's prologue, in two places, SPECLOOP_SKINNY_STREAM_NORM naming
+        # which (stream_modes): "qkv", the down GEMM adds the MLP's output to the stream
+        # where the next layer's qkv GEMM normalises the stream as it loads it
+        # (takes_stream: its one-tile tl.dot with RoPE, 5-32 rows with the shipped table);
+        # "mlp", the o GEMM adds attention's output where it runs its one-tile tl.dot
+        # (9-32 rows) and gate-up normalises that stream as it loads it (out_norm_mlp).
+        # The stream's bits are the same; the norm's sum of squares adds in another order.
+        self.qkv_stream, self.mlp_stream = stream_modes(
+            os.environ.get("SPECLOOP_SKINNY_STREAM_NORM", STREAM_NORM_DEFAULT)) \
+            if self.skinny else (False, False)
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
         self._packed: dict[tuple[int, tuple[int, ...], tuple[int, ...]],
                            tuple[torch.Tensor, int, torch.Tensor]] = {}
+
+    @property
+    def stream_norm(self) -> bool:
+        """Both stream fusions on (``qkv_stream`` and ``mlp_stream``); setting it sets both."""
+        return self.qkv_stream and self.mlp_stream
+
+    @stream_norm.setter
+    def stream_norm(self, on: bool) -> None:
+        self.qkv_stream = self.mlp_stream = on
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -483,60 +513,95 @@ class PackedLinear:
         norm-fusable broadcast configuration, pairs of one head a program: the shipped
         table's qkv at 1-4 rows; ``skinny_norm_linear(rope=...)``), or after the norm
         kernel (a one-tile tl.dot of one head a program: 5-32 rows;
-        ``skinny_rope_linear``; with ``stream_norm`` and no delta or capture, x is the
+        ``skinny_rope_linear``; with no delta or capture where ``takes_stream``, x is the
         whole stream and that kernel normalises it as it loads it, no norm kernel). The
         same bits either way but for that norm's sum of squares."""
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
-        if self.rope and x.dim() == 3:
-            D, k = rope.k_cache.shape[-1], weight.shape[1]
-            fused = self._norm_config(x, delta, norm_weight, weight, bias)
-            if fused is not None:
-                if _skinny.rope_fits(fused, k, D):   # norm prologue and rope epilogue
-                    return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight,
-                                                      bias, fused, capture, rope=rope)
-            else:
-                config = self._skinny_config(x, weight, bias, silu_mul=False)
-                if config is not None and config.dot and _skinny.rope_fits(config, k, D):
-                    if self.stream_norm and delta is None and capture is None \
-                            and norm_weight.dim() == 1:   # the stream, normed as loaded
-                        return _skinny.skinny_rope_linear(x, weight, bias, config, rope,
-                                                          norm=(norm_weight, eps)), x
-                    h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
-                    return _skinny.skinny_rope_linear(h, weight, bias, config, rope), stream
+        form, config = self._qkv_form(x, delta, norm_weight, weight, bias, rope)
+        if form == "norm":              # norm prologue and rope epilogue
+            return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
+                                              config, capture, rope=rope)
+        if form == "dot":
+            if delta is None and capture is None and self._normed_as_loaded(
+                    config, weight, norm_weight):        # the stream, normed as loaded
+                return _skinny.skinny_rope_linear(x, weight, bias, config, rope,
+                                                  norm=(norm_weight, eps)), x
+            h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
+            return _skinny.skinny_rope_linear(h, weight, bias, config, rope), stream
         qkv, stream = self.norm_linear(x, delta, norm_weight, eps, weight, bias, capture)
         return _kernels.rope_cache_write(qkv, *rope), stream
 
+    def takes_stream(self, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
+                     bias: torch.Tensor | None, rope: _skinny.RopeWrite) -> bool:
+        """``norm_linear_rope`` on these rows with no delta and no capture would normalise
+        the stream as the qkv GEMM loads it (``qkv_stream``: its one-tile tl.dot with
+        RoPE, no norm-fusable prefix there): the GEMM before it should then add its
+        product to the stream (``out_norm_mlp``'s ``feeds_stream``)."""
+        form, config = self._qkv_form(x, None, norm_weight, weight, bias, rope)
+        return form == "dot" and self._normed_as_loaded(config, weight, norm_weight)
+
+    def _qkv_form(self, x: torch.Tensor, delta: torch.Tensor | None,
+                  norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  rope: _skinny.RopeWrite) -> tuple[str | None, SkinnyConfig | None]:
+        """How ``norm_linear_rope`` runs these rows: ("norm", its config) the norm's
+        broadcast kernel with RoPE, ("dot", its config) the one-tile tl.dot with RoPE,
+        or (None, None) the rope kernel after ``norm_linear``."""
+        if not self.rope or x.dim() != 3:
+            return None, None
+        D, k = rope.k_cache.shape[-1], weight.shape[1]
+        fused = self._norm_config(x, delta, norm_weight, weight, bias)
+        if fused is not None:
+            return ("norm", fused) if _skinny.rope_fits(fused, k, D) else (None, None)
+        config = self._skinny_config(x, weight, bias, silu_mul=False)
+        if config is not None and config.dot and _skinny.rope_fits(config, k, D):
+            return "dot", config
+        return None, None
+
+    def _normed_as_loaded(self, config: SkinnyConfig, weight: torch.Tensor,
+                          norm_weight: torch.Tensor) -> bool:
+        return self.qkv_stream and norm_weight.dim() == 1 and \
+            _skinny.norm_prologue_fits(config, weight.shape[1])
+
     def out_norm_mlp(self, x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor,
                      norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
-                     w_down: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+                     w_down: torch.Tensor, feeds_stream: bool = False
+                     ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The layer after attention: -> (the MLP's output, x + o @ w_o^T), as
-        ``norm_mlp(x, self(o, w_o), ...)``. With ``stream_norm``, where the o GEMM's
-        configuration takes the residual add in its epilogue (``_skinny.residual_fits``) and
-        the gate-up GEMM's a norm prologue with SwiGLU (``norm_prologue_fits``,
-        ``glu_fits``: the one-tile tl.dot), the o GEMM writes the stream and the gate-up
-        GEMM normalises it as it loads it: no add_rms_norm between them; where the down
-        GEMM's configuration takes the residual add too, -> (None, the stream after the
-        MLP), and the next layer's qkv GEMM normalises that stream as it loads it
-        (``norm_linear_rope`` with no delta). The stream's bits are the same; the norm's
+        ``norm_mlp(x, self(o, w_o), ...)``. With ``mlp_stream``, where the o GEMM runs
+        its one-tile tl.dot (which takes the residual add in its epilogue,
+        ``_skinny.residual_fits``) and the gate-up GEMM's configuration a norm prologue
+        with SwiGLU (``norm_prologue_fits``, ``glu_fits``), the o GEMM writes the stream
+        and the gate-up GEMM normalises it as it loads it: no add_rms_norm between them
+        (on the b-family rows of o, 2-8 with the shipped table, an H100 timed that
+        slower: bench/bench_stream_norm_gpu.py). ``feeds_stream`` (the next GEMM
+        ``takes_stream``): where the down GEMM's configuration takes the residual add,
+        -> (None, the stream after the MLP). The stream's bits are the same; the norm's
         sum of squares adds in another order."""
-        if self.stream_norm and self.glu and \
+        act = None
+        if self.mlp_stream and self.glu and norm_weight.dim() == 1 and \
                 self._norm_config(x, None, norm_weight, w_gate_up, None) is None:
             c_o = self._skinny_config(o, w_o, None, silu_mul=False)
             c_gu = self._skinny_config(x, w_gate_up, None, silu_mul=False)
             k = w_gate_up.shape[1]
-            if c_o is not None and c_gu is not None and norm_weight.dim() == 1 \
+            if c_o is not None and c_gu is not None and c_o.dot \
                     and _skinny.residual_fits(c_o, w_o.shape[1]) \
                     and _skinny.norm_prologue_fits(c_gu, k) and _skinny.glu_fits(c_gu, k):
                 stream = _skinny.skinny_linear(o, w_o, None, c_o, residual=x)
                 act = _skinny.skinny_linear(stream, w_gate_up, None, c_gu, glu=True,
                                             norm=(norm_weight, eps))
-                c_down = self._down_config(act, w_down)
-                if c_down is not None and _skinny.residual_fits(c_down, w_down.shape[1]):
-                    # The stream after the MLP too: the next norm takes no delta.
-                    return None, _skinny.skinny_linear(act, w_down, None, c_down,
-                                                       residual=stream)
-                return self._down(act, w_down, c_down), stream
-        return self.norm_mlp(x, self(o, w_o), norm_weight, eps, w_gate_up, w_down)
+        if act is None:
+            delta = self(o, w_o)
+            activated = self._norm_glu(x, delta, norm_weight, eps, w_gate_up) \
+                if self.glu else None
+            if activated is None:
+                return self._norm_silu_down(x, delta, norm_weight, eps, w_gate_up, w_down)
+            act, stream = activated
+        c_down = self._down_config(act, w_down)
+        if feeds_stream and c_down is not None and \
+                _skinny.residual_fits(c_down, w_down.shape[1]):
+            # The stream after the MLP: the next GEMM normalises it, no delta.
+            return None, _skinny.skinny_linear(act, w_down, None, c_down, residual=stream)
+        return self._down(act, w_down, c_down), stream
 
     def _down_config(self, act: torch.Tensor, w_down: torch.Tensor) -> SkinnyConfig | None:
         """The down GEMM's configuration on silu(gate) * up (``norm_mlp``'s activation):
@@ -567,6 +632,13 @@ class PackedLinear:
             if activated is not None:
                 act, stream = activated
                 return self._down(act, w_down, self._down_config(act, w_down)), stream
+        return self._norm_silu_down(x, delta, norm_weight, eps, w_gate_up, w_down)
+
+    def _norm_silu_down(self, x: torch.Tensor, delta: torch.Tensor | None,
+                        norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm_mlp`` without SwiGLU in the gate-up GEMM's epilogue: SwiGLU in the down
+        GEMM's prologue, or the silu_mul kernel between them."""
         gate_up, stream = self.norm_linear(x, delta, norm_weight, eps, w_gate_up)
         return self.silu_mul_linear(gate_up, w_down), stream
 

@@ -296,7 +296,7 @@ for line in sys.stdin:
         for env in $envs; do
           echo "-- $env (round $round)"
           (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
-            --out "$OUT/ab_${env%%=*}_$round.jsonl" --configs "${CONFIGS:-none,eagle3 K=3}" \
+            --out "$OUT/ab_${env//[^A-Za-z0-9_]/_}_$round.jsonl" --configs "${CONFIGS:-none,eagle3 K=3}" \
             --batches "${BATCHES:-1,32}" --runs 3 --min-prompts 16 2>&1 | grep '^{' | cut -c1-150)
         done
       done ;;

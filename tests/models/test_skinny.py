@@ -363,6 +363,15 @@ for skinny, norm, dot, glu, rope in ((False, False, False, False, False),
                       model.make_cache(2, 64, pages=pages))
         assert calls["add_rms_norm"] == 1, calls
         torch.testing.assert_close(alone.float(), hidden.float(), rtol=2e-2, atol=2e-2)
+        # Only the first layer's output captured: the down GEMM before a captured layer
+        # leaves its output to that layer's norm kernel (which stores the copy), the last
+        # layer's to the final norm; the others add it to the stream themselves.
+        calls.clear()
+        first = model(tokens, torch.tensor([0, 5]), torch.tensor([0, 1]),
+                      model.make_cache(2, 64, pages=pages), capture=(0,))
+        assert calls["add_rms_norm"] == 2, calls
+        torch.testing.assert_close(first[1].float(), feats[..., :H].float(), rtol=2e-2,
+                                   atol=2e-2)
 for key in ((True, False, False), (True, True, False), (True, True, True)):
     torch.testing.assert_close(out[key + (False, False)], out[False, False, False, False, False],
                                rtol=2e-2, atol=2e-2)
@@ -599,7 +608,8 @@ for H, I in ((48, 24), (64, 16)):
         lin = PackedLinear(skinny=True)
         lin.skinny_on_cpu, lin.stream_norm, lin.skinny_norm = True, stream_norm, True
         calls.clear()
-        mlp, stream = lin.out_norm_mlp(x[:5], o[:5], wo, nw, 1e-5, wgu, wd)
+        mlp, stream = lin.out_norm_mlp(x[:5], o[:5], wo, nw, 1e-5, wgu, wd,
+                                       feeds_stream=stream_norm)
         if stream_norm:      # o, gate-up and (a b-family config) down fused
             assert calls == [["residual"], ["norm"], ["residual"]], calls
             assert mlp is None
@@ -695,6 +705,24 @@ def test_fused_layer_on_skinny_kernel_interpreted(narrow_llama):
     residual add, gate-up's norm in its prologue): one more fewer, within fp16 rounding. (``logits`` makes the
     same dispatcher call; the GPU tests cover it.)"""
     run_interpreted(LAYER_CHILD, str(narrow_llama))
+
+
+def test_stream_modes_name_both_fusions_and_refuse_others(monkeypatch):
+    """SPECLOOP_SKINNY_STREAM_NORM: 0 / qkv / mlp / 1 set (qkv_stream, mlp_stream) on every
+    new dispatcher (``stream_norm`` sets both); any other value is refused by name."""
+    assert _linear.stream_modes("0") == (False, False)
+    assert _linear.stream_modes("qkv") == (True, False)
+    assert _linear.stream_modes(" MLP ") == (False, True)
+    assert _linear.stream_modes("1") == _linear.stream_modes("qkv, mlp") == (True, True)
+    with pytest.raises(ValueError, match="SPECLOOP_SKINNY_STREAM_NORM='yes'"):
+        _linear.stream_modes("yes")
+    monkeypatch.setattr(_linear, "skinny_available", lambda: True)
+    monkeypatch.setenv("SPECLOOP_SKINNY_STREAM_NORM", "mlp")
+    lin = PackedLinear()
+    assert (lin.qkv_stream, lin.mlp_stream, lin.stream_norm) == (False, True, False)
+    lin.stream_norm = True
+    assert (lin.qkv_stream, lin.mlp_stream) == (True, True)
+    assert not PackedLinear(skinny=False).mlp_stream     # cuBLAS: nothing to fuse into
 
 
 def test_table_tags_parse_and_round_trip():
@@ -1190,11 +1218,12 @@ def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
 
 @pytest.mark.gpu
 def test_stream_norm_gives_norm_mlps_stream_within_rounding_bf16_cuda(monkeypatch):
-    """``out_norm_mlp`` with ``stream_norm`` on SmolLM2's o / gate-up / down shapes (the
-    shipped table, bf16, random weights) at 1..32 rows: from 2 rows (gate-up's tl.dot
-    range; counted) o, gate-up and down fused, and the stream after the MLP within bf16
-    rounding of ``norm_mlp(x, o @ w_o^T)``'s stream plus its output; at 1 row
-    ``norm_mlp`` itself."""
+    """``out_norm_mlp`` with both stream fusions and ``feeds_stream`` on SmolLM2's o /
+    gate-up / down shapes (the shipped table, bf16, random weights) at 1..32 rows: from 2
+    rows the down GEMM adds the residual (its stream bit for bit add_rms_norm's where o
+    runs its b-family rows), from 9 (o's one-tile tl.dot; counted) o and gate-up fused
+    too, the stream after the MLP within bf16 rounding of ``norm_mlp(x, o @ w_o^T)``'s
+    stream plus its output; at 1 row ``norm_mlp`` itself."""
     from specloop.models import _kernels, _skinny
 
     H, I = 576, 1536
@@ -1219,15 +1248,19 @@ def test_stream_norm_gives_norm_mlps_stream_within_rounding_bf16_cuda(monkeypatc
         lin.stream_norm = on
         lins.append(lin)
     for m in range(1, 33):
-        (y1, s1), (y0, s0) = (lin.out_norm_mlp(x[:m], o[:m], wo, nw, 1e-5, wgu, wd)
-                              for lin in lins)
+        (y1, s1), (y0, s0) = (lin.out_norm_mlp(x[:m], o[:m], wo, nw, 1e-5, wgu, wd,
+                                               feeds_stream=True) for lin in lins)
         if m == 1:
             assert torch.equal(y1, y0) and torch.equal(s1, s0)
             continue
         assert y1 is None, m
         after = _kernels.add_rms_norm(s0, y0, nw, 1e-5)[1]
         torch.testing.assert_close(s1.float(), after.float(), rtol=3e-2, atol=3e-2)
-    assert fused_rows == list(range(2, 33)), fused_rows
+        if not _linear.skinny_config(m, H, H).dot:   # o's b-family rows: only down fused
+            assert torch.equal(s1, after), m
+    # Gate-up's norm prologue where o runs its one-tile tl.dot (9-32 rows).
+    assert fused_rows == [m for m in range(2, 33) if _linear.skinny_config(m, H, H).dot], \
+        fused_rows
 
 
 @pytest.mark.gpu
