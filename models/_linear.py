@@ -363,7 +363,7 @@ if os.environ.get("SPECLOOP_SKINNY_TABLE"):
 
 
 # SPECLOOP_SKINNY_STREAM_NORM's default (stream_modes): which stream fusions run.
-STREAM_NORM_DEFAULT = "0"
+STREAM_NORM_DEFAULT = "1"
 _STREAM_MODES = {"0": (False, False), "1": (True, True), "all": (True, True),
                  "qkv": (True, False), "mlp": (False, True),
                  "qkv,mlp": (True, True), "mlp,qkv": (True, True)}
@@ -517,11 +517,12 @@ class PackedLinear:
         whole stream and that kernel normalises it as it loads it, no norm kernel). The
         same bits either way but for that norm's sum of squares."""
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
-        form, config = self._qkv_form(x, delta, norm_weight, weight, bias, rope)
-        if form == "norm":              # norm prologue and rope epilogue
-            return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
-                                              config, capture, rope=rope)
-        if form == "dot":
+        plan = self._qkv_form(x, delta, norm_weight, weight, bias, rope)
+        if plan is not None:
+            form, config = plan
+            if form == "norm":          # norm prologue and rope epilogue
+                return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
+                                                  config, capture, rope=rope)
             if delta is None and capture is None and self._normed_as_loaded(
                     config, weight, norm_weight):        # the stream, normed as loaded
                 return _skinny.skinny_rope_linear(x, weight, bias, config, rope,
@@ -537,25 +538,26 @@ class PackedLinear:
         the stream as the qkv GEMM loads it (``qkv_stream``: its one-tile tl.dot with
         RoPE, no norm-fusable prefix there): the GEMM before it should then add its
         product to the stream (``out_norm_mlp``'s ``feeds_stream``)."""
-        form, config = self._qkv_form(x, None, norm_weight, weight, bias, rope)
-        return form == "dot" and self._normed_as_loaded(config, weight, norm_weight)
+        form = self._qkv_form(x, None, norm_weight, weight, bias, rope)
+        return form is not None and form[0] == "dot" and \
+            self._normed_as_loaded(form[1], weight, norm_weight)
 
     def _qkv_form(self, x: torch.Tensor, delta: torch.Tensor | None,
                   norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  rope: _skinny.RopeWrite) -> tuple[str | None, SkinnyConfig | None]:
+                  rope: _skinny.RopeWrite) -> tuple[str, SkinnyConfig] | None:
         """How ``norm_linear_rope`` runs these rows: ("norm", its config) the norm's
         broadcast kernel with RoPE, ("dot", its config) the one-tile tl.dot with RoPE,
-        or (None, None) the rope kernel after ``norm_linear``."""
+        or None: the rope kernel after ``norm_linear``."""
         if not self.rope or x.dim() != 3:
-            return None, None
+            return None
         D, k = rope.k_cache.shape[-1], weight.shape[1]
         fused = self._norm_config(x, delta, norm_weight, weight, bias)
         if fused is not None:
-            return ("norm", fused) if _skinny.rope_fits(fused, k, D) else (None, None)
+            return ("norm", fused) if _skinny.rope_fits(fused, k, D) else None
         config = self._skinny_config(x, weight, bias, silu_mul=False)
         if config is not None and config.dot and _skinny.rope_fits(config, k, D):
             return "dot", config
-        return None, None
+        return None
 
     def _normed_as_loaded(self, config: SkinnyConfig, weight: torch.Tensor,
                           norm_weight: torch.Tensor) -> bool:
