@@ -11,8 +11,8 @@ Pieces, each "default -> stream":
   down     the down GEMM -> the same adding the residual in its epilogue
   qkv      norm_linear_rope (norm + qkv + RoPE + cache write) with the MLP's delta -> with
            none (the stream, normed as loaded where the rows run a one-tile tl.dot)
-Then the chains in each SPECLOOP_SKINNY_STREAM_NORM mode (0, qkv, mlp, 1), as the decoder
-runs them:
+Then the chains in each SPECLOOP_SKINNY_STREAM_NORM mode (0, qkv, mlp, 1, qkv,mlp-b), as the
+decoder runs them:
   mlp      out_norm_mlp (o, norm, gate-up, down; feeds_stream where the next qkv takes it)
   layer    mlp, then the next layer's qkv on its output (no attention)
 Each row also names the configurations the table gives the rows, so a slow piece can be
@@ -65,9 +65,9 @@ def main() -> None:
         lin = PackedLinear(skinny=True)
         lin.stream_norm = on
         lins[on] = lin
-    for mode in ("0", "qkv", "mlp", "1"):
+    for mode in ("0", "qkv", "mlp", "1", "qkv,mlp-b"):
         lin = PackedLinear(skinny=True)
-        lin.qkv_stream, lin.mlp_stream = stream_modes(mode)
+        lin.qkv_stream, lin.mlp_stream, lin.mlp_stream_b = stream_modes(mode)
         modes[mode] = lin
     shapes = SHAPES_BT if not args.shapes else tuple(
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))

@@ -364,19 +364,32 @@ if os.environ.get("SPECLOOP_SKINNY_TABLE"):
 
 # SPECLOOP_SKINNY_STREAM_NORM's default (stream_modes): which stream fusions run.
 STREAM_NORM_DEFAULT = "1"
-_STREAM_MODES = {"0": (False, False), "1": (True, True), "all": (True, True),
-                 "qkv": (True, False), "mlp": (False, True),
-                 "qkv,mlp": (True, True), "mlp,qkv": (True, True)}
 
 
-def stream_modes(value: str) -> tuple[bool, bool]:
-    """SPECLOOP_SKINNY_STREAM_NORM's value -> (qkv, mlp): "0" neither, "qkv", "mlp", or
-    "1" / "all" / "qkv,mlp" both (PackedLinear's ``qkv_stream``, ``mlp_stream``)."""
-    try:
-        return _STREAM_MODES[value.strip().lower().replace(" ", "")]
-    except KeyError:
-        raise ValueError(f"SPECLOOP_SKINNY_STREAM_NORM={value!r}: want 0, qkv, mlp or 1 "
-                         "(both)") from None
+class StreamModes(NamedTuple):
+    """Which stream fusions a dispatcher runs (``stream_modes``)."""
+
+    qkv: bool = False       # down's residual add, the next qkv's norm prologue
+    mlp: bool = False       # o's residual add, gate-up's norm prologue (o on tl.dot)
+    mlp_b: bool = False     # the same on o's b-family rows where down feeds qkv (5-8 rows)
+
+
+def stream_modes(value: str) -> StreamModes:
+    """SPECLOOP_SKINNY_STREAM_NORM's value -> StreamModes: "0" none, "1" / "all" qkv and
+    mlp, else a comma-separated list of "qkv", "mlp" and "mlp-b" (which implies mlp: o and
+    gate-up fused on o's b-family rows too, where the down GEMM feeds the next qkv; untimed
+    on an H100)."""
+    v = value.strip().lower().replace(" ", "")
+    if v in ("0", ""):
+        return StreamModes()
+    if v in ("1", "all"):
+        return StreamModes(qkv=True, mlp=True)
+    names = set(v.split(","))
+    if not names <= {"qkv", "mlp", "mlp-b"}:
+        raise ValueError(f"SPECLOOP_SKINNY_STREAM_NORM={value!r}: want 0, 1, or a list of "
+                         "qkv, mlp and mlp-b")
+    return StreamModes(qkv="qkv" in names, mlp=bool(names & {"mlp", "mlp-b"}),
+                       mlp_b="mlp-b" in names)
 
 
 def _under_autograd(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
@@ -441,9 +454,10 @@ class PackedLinear:
         # "mlp", the o GEMM adds attention's output where it runs its one-tile tl.dot
         # (9-32 rows) and gate-up normalises that stream as it loads it (out_norm_mlp).
         # The stream's bits are the same; the norm's sum of squares adds in another order.
-        self.qkv_stream, self.mlp_stream = stream_modes(
-            os.environ.get("SPECLOOP_SKINNY_STREAM_NORM", STREAM_NORM_DEFAULT)) \
-            if self.skinny else (False, False)
+        modes = stream_modes(os.environ.get("SPECLOOP_SKINNY_STREAM_NORM",
+                                            STREAM_NORM_DEFAULT)) \
+            if self.skinny else StreamModes()
+        self.qkv_stream, self.mlp_stream, self.mlp_stream_b = modes
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
@@ -452,12 +466,14 @@ class PackedLinear:
 
     @property
     def stream_norm(self) -> bool:
-        """Both stream fusions on (``qkv_stream`` and ``mlp_stream``); setting it sets both."""
+        """Both stream fusions on (``qkv_stream`` and ``mlp_stream``); setting it sets both
+        (and turns ``mlp_stream_b`` off)."""
         return self.qkv_stream and self.mlp_stream
 
     @stream_norm.setter
     def stream_norm(self, on: bool) -> None:
         self.qkv_stream = self.mlp_stream = on
+        self.mlp_stream_b = False
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -575,7 +591,8 @@ class PackedLinear:
         with SwiGLU (``norm_prologue_fits``, ``glu_fits``), the o GEMM writes the stream
         and the gate-up GEMM normalises it as it loads it: no add_rms_norm between them
         (on the b-family rows of o, 2-8 with the shipped table, an H100 timed that
-        slower: bench/bench_stream_norm_gpu.py). ``feeds_stream`` (the next GEMM
+        slower: bench/bench_stream_norm_gpu.py; ``mlp_stream_b`` fuses them there too
+        where ``feeds_stream``, for an A/B). ``feeds_stream`` (the next GEMM
         ``takes_stream``): where the down GEMM's configuration takes the residual add,
         -> (None, the stream after the MLP). The stream's bits are the same; the norm's
         sum of squares adds in another order."""
@@ -585,7 +602,8 @@ class PackedLinear:
             c_o = self._skinny_config(o, w_o, None, silu_mul=False)
             c_gu = self._skinny_config(x, w_gate_up, None, silu_mul=False)
             k = w_gate_up.shape[1]
-            if c_o is not None and c_gu is not None and c_o.dot \
+            if c_o is not None and c_gu is not None \
+                    and (c_o.dot or self.mlp_stream_b and feeds_stream) \
                     and _skinny.residual_fits(c_o, w_o.shape[1]) \
                     and _skinny.norm_prologue_fits(c_gu, k) and _skinny.glu_fits(c_gu, k):
                 stream = _skinny.skinny_linear(o, w_o, None, c_o, residual=x)

@@ -619,6 +619,22 @@ for H, I in ((48, 24), (64, 16)):
             torch.testing.assert_close(fused.float(),
                                        _kernels.add_rms_norm(stream, mlp, nw, 1e-5)[1].float(),
                                        rtol=2e-2, atol=2e-2)
+    # o on a b-family config: o and gate-up fuse only with mlp_stream_b, and only where
+    # the down GEMM feeds the next qkv; the stream as before within rounding. (H = 64:
+    # there gate-up's shape [32, 64] is not o's.)
+    _linear.SKINNY_TABLE[(H, H, False)] = ((16, "b2x4x64s1w2n3"),)
+    cases = ((False, True, [[], [], ["residual"]]), (True, False, [[], [], []]),
+             (True, True, [["residual"], ["norm"], ["residual"]])) if 2 * I != H else ()
+    for b_rows, feeds, want in cases:
+        lin = PackedLinear(skinny=True)
+        lin.skinny_on_cpu, lin.stream_norm, lin.skinny_norm = True, True, True
+        lin.mlp_stream_b = b_rows
+        calls.clear()
+        mlp, stream = lin.out_norm_mlp(x[:5], o[:5], wo, nw, 1e-5, wgu, wd,
+                                       feeds_stream=feeds)
+        assert calls == want, (b_rows, feeds, calls)
+        after = stream if mlp is None else _kernels.add_rms_norm(stream, mlp, nw, 1e-5)[1]
+        torch.testing.assert_close(after.float(), fused.float(), rtol=2e-2, atol=2e-2)
 # qkv's norm in the RoPE kernel's prologue: add_rms_norm then the kernel, within rounding.
 HQ, HKV, D = 2, 1, 16
 wq = (torch.randn((HQ + 2 * HKV) * D, 64) * 0.2).half()
@@ -707,22 +723,28 @@ def test_fused_layer_on_skinny_kernel_interpreted(narrow_llama):
     run_interpreted(LAYER_CHILD, str(narrow_llama))
 
 
-def test_stream_modes_name_both_fusions_and_refuse_others(monkeypatch):
-    """SPECLOOP_SKINNY_STREAM_NORM: 0 / qkv / mlp / 1 set (qkv_stream, mlp_stream) on every
-    new dispatcher (``stream_norm`` sets both); any other value is refused by name."""
-    assert _linear.stream_modes("0") == (False, False)
-    assert _linear.stream_modes("qkv") == (True, False)
-    assert _linear.stream_modes(" MLP ") == (False, True)
-    assert _linear.stream_modes("1") == _linear.stream_modes("qkv, mlp") == (True, True)
-    with pytest.raises(ValueError, match="SPECLOOP_SKINNY_STREAM_NORM='yes'"):
-        _linear.stream_modes("yes")
+def test_stream_modes_name_the_fusions_and_refuse_others(monkeypatch):
+    """SPECLOOP_SKINNY_STREAM_NORM: 0 / 1 / a list of qkv, mlp, mlp-b set (qkv_stream,
+    mlp_stream, mlp_stream_b) on every new dispatcher (``stream_norm`` sets the first
+    two); any other value is refused by name."""
+    M = _linear.StreamModes
+    assert _linear.stream_modes("0") == M()
+    assert _linear.stream_modes("qkv") == M(qkv=True)
+    assert _linear.stream_modes(" MLP ") == M(mlp=True)
+    assert _linear.stream_modes("1") == _linear.stream_modes("qkv, mlp") == M(True, True)
+    assert _linear.stream_modes("qkv,mlp-b") == M(True, True, True)
+    for bad in ("yes", "qkv,o", "2"):
+        with pytest.raises(ValueError, match=f"SPECLOOP_SKINNY_STREAM_NORM='{bad}'"):
+            _linear.stream_modes(bad)
     monkeypatch.setattr(_linear, "skinny_available", lambda: True)
     monkeypatch.setenv("SPECLOOP_SKINNY_STREAM_NORM", "mlp")
     lin = PackedLinear()
     assert (lin.qkv_stream, lin.mlp_stream, lin.stream_norm) == (False, True, False)
     lin.stream_norm = True
-    assert (lin.qkv_stream, lin.mlp_stream) == (True, True)
+    assert (lin.qkv_stream, lin.mlp_stream, lin.mlp_stream_b) == (True, True, False)
     assert not PackedLinear(skinny=False).mlp_stream     # cuBLAS: nothing to fuse into
+    monkeypatch.delenv("SPECLOOP_SKINNY_STREAM_NORM")
+    assert PackedLinear().stream_norm == (_linear.STREAM_NORM_DEFAULT == "1")
 
 
 def test_table_tags_parse_and_round_trip():
