@@ -60,11 +60,7 @@ def main() -> None:
     P = 16
     table = torch.arange(8 * 16, device=dev, dtype=torch.int32).view(8, 16)
     kc, vc = rand(8 * 16 + 1, P, HKV, D), rand(8 * 16 + 1, P, HKV, D)
-    lins, modes = {}, {}
-    for on in (False, True):
-        lin = PackedLinear(skinny=True)
-        lin.stream_norm = on
-        lins[on] = lin
+    modes = {}
     for mode in ("0", "qkv", "mlp", "1", "qkv,mlp-b"):
         lin = PackedLinear(skinny=True)
         lin.qkv_stream, lin.mlp_stream, lin.mlp_stream_b = stream_modes(mode)
@@ -78,7 +74,7 @@ def main() -> None:
         rope = _skinny.RopeWrite(torch.full((B,), 40, device=dev),
                                  torch.arange(B, device=dev), table, 256, 8 * 16, cos, sin,
                                  kc, vc, HQ)
-        lin0, lin1 = lins[False], lins[True]
+        lin0, lin1 = modes["0"], modes["1"]
         x2, o2 = x.view(M, H), o_in.view(M, H)
         h = _kernels.add_rms_norm(x2, None, nw, EPS)[0]
         act = torch.randn(M, I, device=dev, generator=gen).bfloat16()
@@ -124,12 +120,12 @@ def main() -> None:
         for mode, lin in modes.items():
             def mlp(i, lin=lin):
                 wqkv, wo, wgu, wd = weights[i]
-                feeds = lin.takes_stream(x, nw, wqkv, None, rope)
+                feeds = lin.takes_stream(x, nw, wqkv, None, D)
                 return lin.out_norm_mlp(x, o_in, wo, nw, EPS, wgu, wd, feeds)[1]
 
             def layer(i, lin=lin):
                 wqkv, wo, wgu, wd = weights[i]
-                feeds = lin.takes_stream(x, nw, wqkv, None, rope)
+                feeds = lin.takes_stream(x, nw, wqkv, None, D)
                 out, stream = lin.out_norm_mlp(x, o_in, wo, nw, EPS, wgu, wd, feeds)
                 return lin.norm_linear_rope(stream, out, nw, EPS, wqkv, None, None, rope)[0]
             res.setdefault("mlp", {})[mode] = round(time_graph(mlp, LAYERS)[0], 2)

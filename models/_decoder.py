@@ -256,7 +256,9 @@ class DecoderModel(nn.Module):
             # same for every layer: one shape), the down GEMM adds the MLP's output to the
             # stream; not before a captured layer or the final norm (their norm kernels run
             # anyway: models/_linear's out_norm_mlp).
-            feeds = self._takes_stream(embeds, weights[0], step, cache) if n > 1 else False
+            w0 = weights[0]
+            feeds = n > 1 and self.linear.takes_stream(embeds, w0.attn_norm, w0.wqkv, w0.bqkv,
+                                                       self.args.head_dim)
             for i, w in enumerate(weights):
                 x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1),
                                              feeds and i + 1 < n and i not in into)
@@ -344,18 +346,6 @@ class DecoderModel(nn.Module):
         gate, up = self.linear(h, w.w_gate_up).chunk(2, dim=-1)  # [B, T, I] each
         return x + self.linear(F.silu(gate) * up, w.w_down)
 
-    def _rope(self, i: int, step: _Step, cache: KVCache) -> RopeWrite:
-        """Where layer i's qkv product goes (RoPE, the K/V cache's pages)."""
-        a = self.args
-        return RopeWrite(step.start_pos, step.slots, cache.pages.table, cache.max_seq_len,
-                         cache.pages.scratch_page, self.rope_cos, self.rope_sin, cache.k[i],
-                         cache.v[i], a.num_heads, step.pos_offset, step.tree_offsets)
-
-    def _takes_stream(self, x: torch.Tensor, w: _LayerWeights, step: _Step,
-                      cache: KVCache) -> bool:
-        return self.linear.takes_stream(x, w.attn_norm, w.wqkv, w.bqkv,
-                                        self._rope(0, step, cache))
-
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None,
                      feeds_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -371,8 +361,11 @@ class DecoderModel(nn.Module):
         # CUDA (models/_linear; ``self.linear.skinny``), else F.linear; each residual add
         # + RMSNorm is the add_rms_norm kernel, or the GEMM's prologue (``skinny_norm``).
         # RoPE + the K/V cache write after the qkv GEMM, or its epilogue (norm_linear_rope).
+        rope = RopeWrite(step.start_pos, step.slots, cache.pages.table, cache.max_seq_len,
+                         cache.pages.scratch_page, self.rope_cos, self.rope_sin, cache.k[i],
+                         cache.v[i], a.num_heads, step.pos_offset, step.tree_offsets)
         q, x = self.linear.norm_linear_rope(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv,
-                                            w.bqkv, capture, self._rope(i, step, cache))
+                                            w.bqkv, capture, rope)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset,
                                      tree_bits=step.tree_bits, tree_back=step.tree_back)

@@ -533,7 +533,7 @@ class PackedLinear:
         whole stream and that kernel normalises it as it loads it, no norm kernel). The
         same bits either way but for that norm's sum of squares."""
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
-        plan = self._qkv_form(x, delta, norm_weight, weight, bias, rope)
+        plan = self._qkv_form(x, delta, norm_weight, weight, bias, rope.k_cache.shape[-1])
         if plan is not None:
             form, config = plan
             if form == "norm":          # norm prologue and rope epilogue
@@ -549,29 +549,29 @@ class PackedLinear:
         return _kernels.rope_cache_write(qkv, *rope), stream
 
     def takes_stream(self, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
-                     bias: torch.Tensor | None, rope: _skinny.RopeWrite) -> bool:
+                     bias: torch.Tensor | None, head_dim: int) -> bool:
         """``norm_linear_rope`` on these rows with no delta and no capture would normalise
         the stream as the qkv GEMM loads it (``qkv_stream``: its one-tile tl.dot with
         RoPE, no norm-fusable prefix there): the GEMM before it should then add its
         product to the stream (``out_norm_mlp``'s ``feeds_stream``)."""
-        form = self._qkv_form(x, None, norm_weight, weight, bias, rope)
+        form = self._qkv_form(x, None, norm_weight, weight, bias, head_dim)
         return form is not None and form[0] == "dot" and \
             self._normed_as_loaded(form[1], weight, norm_weight)
 
     def _qkv_form(self, x: torch.Tensor, delta: torch.Tensor | None,
                   norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  rope: _skinny.RopeWrite) -> tuple[str, SkinnyConfig] | None:
+                  head_dim: int) -> tuple[str, SkinnyConfig] | None:
         """How ``norm_linear_rope`` runs these rows: ("norm", its config) the norm's
         broadcast kernel with RoPE, ("dot", its config) the one-tile tl.dot with RoPE,
         or None: the rope kernel after ``norm_linear``."""
         if not self.rope or x.dim() != 3:
             return None
-        D, k = rope.k_cache.shape[-1], weight.shape[1]
+        k = weight.shape[1]
         fused = self._norm_config(x, delta, norm_weight, weight, bias)
         if fused is not None:
-            return ("norm", fused) if _skinny.rope_fits(fused, k, D) else None
+            return ("norm", fused) if _skinny.rope_fits(fused, k, head_dim) else None
         config = self._skinny_config(x, weight, bias, silu_mul=False)
-        if config is not None and config.dot and _skinny.rope_fits(config, k, D):
+        if config is not None and config.dot and _skinny.rope_fits(config, k, head_dim):
             return "dot", config
         return None
 
@@ -596,7 +596,6 @@ class PackedLinear:
         ``takes_stream``): where the down GEMM's configuration takes the residual add,
         -> (None, the stream after the MLP). The stream's bits are the same; the norm's
         sum of squares adds in another order."""
-        act = None
         if self.mlp_stream and self.glu and norm_weight.dim() == 1 and \
                 self._norm_config(x, None, norm_weight, w_gate_up, None) is None:
             c_o = self._skinny_config(o, w_o, None, silu_mul=False)
@@ -609,17 +608,18 @@ class PackedLinear:
                 stream = _skinny.skinny_linear(o, w_o, None, c_o, residual=x)
                 act = _skinny.skinny_linear(stream, w_gate_up, None, c_gu, glu=True,
                                             norm=(norm_weight, eps))
-        if act is None:
-            delta = self(o, w_o)
-            activated = self._norm_glu(x, delta, norm_weight, eps, w_gate_up) \
-                if self.glu else None
-            if activated is None:
-                return self._norm_silu_down(x, delta, norm_weight, eps, w_gate_up, w_down)
-            act, stream = activated
+                return self._down_after(act, stream, w_down, feeds_stream)
+        return self.norm_mlp(x, self(o, w_o), norm_weight, eps, w_gate_up, w_down,
+                             feeds_stream)
+
+    def _down_after(self, act: torch.Tensor, stream: torch.Tensor, w_down: torch.Tensor,
+                    feeds_stream: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The down GEMM on the activation -> (its output, the stream), or, where
+        ``feeds_stream`` and its configuration takes the residual add, (None, the stream
+        after the MLP): the next GEMM normalises that stream, no delta."""
         c_down = self._down_config(act, w_down)
         if feeds_stream and c_down is not None and \
                 _skinny.residual_fits(c_down, w_down.shape[1]):
-            # The stream after the MLP: the next GEMM normalises it, no delta.
             return None, _skinny.skinny_linear(act, w_down, None, c_down, residual=stream)
         return self._down(act, w_down, c_down), stream
 
@@ -637,7 +637,8 @@ class PackedLinear:
 
     def norm_mlp(self, x: torch.Tensor, delta: torch.Tensor | None,
                  norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
-                 w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                 w_down: torch.Tensor, feeds_stream: bool = False
+                 ) -> tuple[torch.Tensor | None, torch.Tensor]:
         """-> (the MLP's output, x + delta): rms_norm(x + delta) through the gate-up GEMM
         (``w_gate_up`` [2I, H]: gate rows, then up rows), SwiGLU and the down GEMM
         (``w_down`` [H, I]). Where ``glu`` is on and the skinny kernel runs the gate-up GEMM
@@ -646,19 +647,12 @@ class PackedLinear:
         (SKINNY_TABLE's silu entry) without the prologue, which recomputed silu * up in
         every program (H200, SmolLM2: ~1 us a layer less at 4-5 rows; n-gram K = 4 at
         batch 1 +6.5 % tok/s). Either way the bits of ``norm_linear`` then
-        ``silu_mul_linear``, the path taken otherwise."""
+        ``silu_mul_linear``, the path taken otherwise. ``feeds_stream``: as
+        ``out_norm_mlp``'s (on the GLU path)."""
         if self.glu:
             activated = self._norm_glu(x, delta, norm_weight, eps, w_gate_up)
             if activated is not None:
-                act, stream = activated
-                return self._down(act, w_down, self._down_config(act, w_down)), stream
-        return self._norm_silu_down(x, delta, norm_weight, eps, w_gate_up, w_down)
-
-    def _norm_silu_down(self, x: torch.Tensor, delta: torch.Tensor | None,
-                        norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
-                        w_down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm_mlp`` without SwiGLU in the gate-up GEMM's epilogue: SwiGLU in the down
-        GEMM's prologue, or the silu_mul kernel between them."""
+                return self._down_after(*activated, w_down, feeds_stream)
         gate_up, stream = self.norm_linear(x, delta, norm_weight, eps, w_gate_up)
         return self.silu_mul_linear(gate_up, w_down), stream
 

@@ -189,6 +189,11 @@ class RopeWrite(NamedTuple):
                 self.k_cache.stride(1), self.table.stride(0), self.table.shape[1],
                 self.max_seq_len, self.scratch_page)
 
+    @staticmethod
+    def unused_args(x: torch.Tensor) -> tuple[torch.Tensor | int, ...]:
+        """``kernel_args``' places filled for a kernel launched without RoPE (not read)."""
+        return (x,) * 8 + (1,) + (0,) * 8
+
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -274,41 +279,43 @@ if triton is not None:
                      acc.to(y_ptr.dtype.element_ty), mask=n_ok & (rn * 0 + row < M))
 
     @triton.jit
-    def _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
-        """The one-tile tl.dot's (``ONE_PASS``) tiles of W for the K range [k_lo, k_hi) of
-        W's ``w_rows`` ([BLOCK_N, 1] pointers; rows ``n_ok``): (the first BLOCK_K / 2, then
-        PIECE wide) where PIECE > 0, else (all BLOCK_K, the same again). Loaded before
-        PDL's wait: _dot_one_pass takes them after it."""
+    def _one_pass_ks(k_lo, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+        """The one-tile tl.dot's (``ONE_PASS``) K offsets from k_lo: (the first BLOCK_K / 2,
+        then PIECE wide) where PIECE > 0, else (all BLOCK_K, the same again). K = 576 as
+        512 + 64, where one tile of 1024 runs 64 MMA steps a row block, 28 of them on zero
+        padding: the two tl.dot chained through the accumulator run the same MMA steps in
+        the same order as one tile, less those that add zeros, so the same bits."""
         if PIECE > 0:
-            # The K range as two tiles (K = 576: 512 + 64, where one tile of 1024 runs 64
-            # MMA steps a row block, 28 of them on zero padding): the two tl.dot chained
-            # through the accumulator run the same MMA steps in the same order as one
-            # tile, less those that add zeros, so the same bits.
             ka = k_lo + tl.arange(0, BLOCK_K // 2)
             kb = k_lo + BLOCK_K // 2 + tl.arange(0, PIECE)
-            wa = tl.load(w_rows + ka[None, :], mask=n_ok[:, None] & (ka < k_hi)[None, :],
-                         other=0.0)
+        else:
+            ka = k_lo + tl.arange(0, BLOCK_K)
+            kb = ka
+        return ka, kb
+
+    @triton.jit
+    def _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+        """The one-tile tl.dot's tiles of W (_one_pass_ks' split) for the K range
+        [k_lo, k_hi) of W's ``w_rows`` ([BLOCK_N, 1] pointers; rows ``n_ok``); one tile
+        twice where PIECE is 0. Loaded before PDL's wait: _dot_one_pass takes them after."""
+        ka, kb = _one_pass_ks(k_lo, BLOCK_K, PIECE)
+        wa = tl.load(w_rows + ka[None, :], mask=n_ok[:, None] & (ka < k_hi)[None, :],
+                     other=0.0)
+        if PIECE > 0:
             wb = tl.load(w_rows + kb[None, :], mask=n_ok[:, None] & (kb < k_hi)[None, :],
                          other=0.0)
         else:
-            ks = k_lo + tl.arange(0, BLOCK_K)
-            wa = tl.load(w_rows + ks[None, :], mask=n_ok[:, None] & (ks < k_hi)[None, :],
-                         other=0.0)
             wb = wa
         return wa, wb
 
     @triton.jit
     def _nw_one_pass(nw_ptr, K, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
-        """The RMSNorm weight as _w_one_pass splits K (all of K in one program): (the first
-        BLOCK_K / 2, then PIECE) where PIECE > 0, else (all BLOCK_K, the same again)."""
+        """The RMSNorm weight as _w_one_pass splits K (all of K in one program)."""
+        ka, kb = _one_pass_ks(0, BLOCK_K, PIECE)
+        na = tl.load(nw_ptr + ka, mask=ka < K, other=0.0)
         if PIECE > 0:
-            ka = tl.arange(0, BLOCK_K // 2)
-            kb = BLOCK_K // 2 + tl.arange(0, PIECE)
-            na = tl.load(nw_ptr + ka, mask=ka < K, other=0.0)
             nb = tl.load(nw_ptr + kb, mask=kb < K, other=0.0)
         else:
-            ks = tl.arange(0, BLOCK_K)
-            na = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
             nb = na
         return na, nb
 
@@ -323,9 +330,8 @@ if triton is not None:
         once. NORM (the program's K range all of K): x is the residual stream, and the
         product is of its RMSNorm (weights ``na``, ``nb`` from _nw_one_pass): add_rms_norm's
         arithmetic with its sum of squares in this layout's order, x loaded once."""
+        ka, kb = _one_pass_ks(k_lo, BLOCK_K, PIECE)
         if PIECE > 0:
-            ka = k_lo + tl.arange(0, BLOCK_K // 2)
-            kb = k_lo + BLOCK_K // 2 + tl.arange(0, PIECE)
             xa = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K, ACT)
             xb = _load_x(x_rows, kb[None, :], m_ok[:, None] & (kb < k_hi)[None, :], K, ACT)
             if NORM:
@@ -338,8 +344,7 @@ if triton is not None:
             acc = tl.dot(xa, tl.trans(wa), acc, out_dtype=tl.float32)
             acc = tl.dot(xb, tl.trans(wb), acc, out_dtype=tl.float32)
         else:
-            ks = k_lo + tl.arange(0, BLOCK_K)
-            a = _load_x(x_rows, ks[None, :], m_ok[:, None] & (ks < k_hi)[None, :], K, ACT)
+            a = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K, ACT)
             if NORM:
                 fa = a.to(tl.float32)
                 inv = 1.0 / tl.sqrt(tl.sum(fa * fa, axis=1) / K + eps)
@@ -941,7 +946,7 @@ def skinny_norm_linear(x: torch.Tensor, delta: torch.Tensor | None, norm_weight:
                        **({"TREE": True} if rope.rope_offsets is not None else {}))
     else:
         y = x.new_empty(*x.shape[:-1], N)
-        cache_args = (x, x, x, x, x, x, x, x, 1, 0, 0, 0, 0, 0, 0, 0, 0)   # not read
+        cache_args = RopeWrite.unused_args(x)
         rope_kw = {}
     if M == 0:
         return y, stream
