@@ -790,7 +790,7 @@ def compile_offline(cfg, k: int, act: bool = False, norm: bool = False, glu: boo
                       TREE=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
                       ONE_PASS=cfg.one_pass(k), PIECE=_skinny.one_pass_piece(cfg, k),
-                      RES=False, NORM=False))
+                      RES=False, NORM=False, SLICES=cfg.slices_for(k)))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:

@@ -119,6 +119,8 @@ class SkinnyConfig(NamedTuple):
     num_stages: int = 3
     tile_m: int = 0   # > 0: rows per program; no tl.dot: all reduced in one 2-D
                       # reduction; tl.dot: its M (a power of two >= 16; 0: 16)
+    slices: int = 1   # one-tile tl.dot: its K tile in this many slices, each its own
+                      # tl.dot and accumulator (a power of two; its own bit class)
 
     def block_m(self, rows: int) -> int:
         """Rows of x per program: for tl.dot 16 (padded), or ``tile_m`` where given (a
@@ -151,8 +153,18 @@ class SkinnyConfig(NamedTuple):
         reduction over 4 rows, BLOCK_N 2, BLOCK_K 1024)."""
         family = "d" if self.dot else f"b{self.tile_m}x" if self.tile_m else "v"
         rows = f"m{self.tile_m}" if self.dot and self.tile_m else ""
+        slices = f"k{self.slices}" if self.slices > 1 else ""
         return (f"{family}{self.block_n}x{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}n{self.num_stages}{rows}")
+                f"w{self.num_warps}n{self.num_stages}{rows}{slices}")
+
+    def slices_for(self, k: int) -> int:
+        """The SLICES a launch over K = ``k`` passes: ``slices`` for a one-tile tl.dot
+        without split K whose slices are at least 16 wide, else 1 (its ranges unsliced).
+        (``one_pass_piece`` decides the tiles the slices divide.)"""
+        if self.slices <= 1 or not self.one_pass(k) or self.k_splits(k)[0] > 1:
+            return 1
+        first = self.block_k // 2 if one_pass_piece(self, k) else self.block_k
+        return self.slices if first // self.slices >= 16 else 1
 
 
 class RopeWrite(NamedTuple):
@@ -294,62 +306,145 @@ if triton is not None:
         return ka, kb
 
     @triton.jit
-    def _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+    def _slice_ks(k_lo, BLOCK_K: tl.constexpr, PIECE: tl.constexpr, SLICES: tl.constexpr):
+        """A sliced one-tile tl.dot's K offsets (``SkinnyConfig.slices`` > 1), a tuple:
+        _one_pass_ks' first tile in SLICES slices, then its PIECE tile in slices as wide
+        (one PIECE wide where it is narrower). Each slice is its own tl.dot into its own
+        accumulator (_dot_one_pass), so a row block's chain of dependent MMA steps is one
+        slice's, not all of K's."""
+        if PIECE > 0:
+            FIRST: tl.constexpr = BLOCK_K // 2
+        else:
+            FIRST: tl.constexpr = BLOCK_K
+        SW: tl.constexpr = FIRST // SLICES
+        ks = (k_lo + tl.arange(0, SW),)
+        for s in tl.static_range(1, SLICES):
+            ks = ks + (k_lo + s * SW + tl.arange(0, SW),)
+        if PIECE > SW:
+            for j in tl.static_range(PIECE // SW):
+                ks = ks + (k_lo + FIRST + j * SW + tl.arange(0, SW),)
+        elif PIECE > 0:
+            ks = ks + (k_lo + FIRST + tl.arange(0, PIECE),)
+        return ks
+
+    @triton.jit
+    def _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, PIECE: tl.constexpr,
+                    SLICES: tl.constexpr = 1):
         """The one-tile tl.dot's tiles of W (_one_pass_ks' split) for the K range
         [k_lo, k_hi) of W's ``w_rows`` ([BLOCK_N, 1] pointers; rows ``n_ok``); one tile
-        twice where PIECE is 0. Loaded before PDL's wait: _dot_one_pass takes them after."""
-        ka, kb = _one_pass_ks(k_lo, BLOCK_K, PIECE)
-        wa = tl.load(w_rows + ka[None, :], mask=n_ok[:, None] & (ka < k_hi)[None, :],
-                     other=0.0)
-        if PIECE > 0:
-            wb = tl.load(w_rows + kb[None, :], mask=n_ok[:, None] & (kb < k_hi)[None, :],
-                         other=0.0)
+        twice where PIECE is 0. SLICES > 1: a tuple of _slice_ks' tiles, twice. Loaded
+        before PDL's wait: _dot_one_pass takes them after."""
+        if SLICES > 1:
+            ks = _slice_ks(k_lo, BLOCK_K, PIECE, SLICES)
+            ws = (tl.load(w_rows + ks[0][None, :], mask=n_ok[:, None] & (ks[0] < k_hi)[None, :],
+                          other=0.0),)
+            for i in tl.static_range(1, len(ks)):
+                ws = ws + (tl.load(w_rows + ks[i][None, :],
+                                   mask=n_ok[:, None] & (ks[i] < k_hi)[None, :], other=0.0),)
+            wa = ws
+            wb = ws
         else:
-            wb = wa
+            ka, kb = _one_pass_ks(k_lo, BLOCK_K, PIECE)
+            wa = tl.load(w_rows + ka[None, :], mask=n_ok[:, None] & (ka < k_hi)[None, :],
+                         other=0.0)
+            if PIECE > 0:
+                wb = tl.load(w_rows + kb[None, :], mask=n_ok[:, None] & (kb < k_hi)[None, :],
+                             other=0.0)
+            else:
+                wb = wa
         return wa, wb
 
     @triton.jit
-    def _nw_one_pass(nw_ptr, K, BLOCK_K: tl.constexpr, PIECE: tl.constexpr):
+    def _nw_one_pass(nw_ptr, K, BLOCK_K: tl.constexpr, PIECE: tl.constexpr,
+                     SLICES: tl.constexpr = 1):
         """The RMSNorm weight as _w_one_pass splits K (all of K in one program)."""
-        ka, kb = _one_pass_ks(0, BLOCK_K, PIECE)
-        na = tl.load(nw_ptr + ka, mask=ka < K, other=0.0)
-        if PIECE > 0:
-            nb = tl.load(nw_ptr + kb, mask=kb < K, other=0.0)
+        if SLICES > 1:
+            ks = _slice_ks(0, BLOCK_K, PIECE, SLICES)
+            ns = (tl.load(nw_ptr + ks[0], mask=ks[0] < K, other=0.0),)
+            for i in tl.static_range(1, len(ks)):
+                ns = ns + (tl.load(nw_ptr + ks[i], mask=ks[i] < K, other=0.0),)
+            na = ns
+            nb = ns
         else:
-            nb = na
+            ka, kb = _one_pass_ks(0, BLOCK_K, PIECE)
+            na = tl.load(nw_ptr + ka, mask=ka < K, other=0.0)
+            if PIECE > 0:
+                nb = tl.load(nw_ptr + kb, mask=kb < K, other=0.0)
+            else:
+                nb = na
         return na, nb
+
+    @triton.jit
+    def _dot_slices(x_rows, m_ok, K, k_lo, k_hi, ws, acc, ACT: tl.constexpr,
+                    BLOCK_K: tl.constexpr, PIECE: tl.constexpr, SLICES: tl.constexpr,
+                    NORM: tl.constexpr, ns, eps):
+        """_dot_one_pass with SLICES > 1: x's slices (_slice_ks), each times its tile of W
+        in a tl.dot of its own, the slices' sums added in order, then to ``acc``. Each
+        tl.dot starts from a zero the compiler cannot see (0 * K): from a constant zero
+        it would fold "dot + dot" into one chain of MMA steps again. NORM: the sum of
+        squares over the slices in order (its own bits)."""
+        ks = _slice_ks(k_lo, BLOCK_K, PIECE, SLICES)
+        xs = (_load_x(x_rows, ks[0][None, :], m_ok[:, None] & (ks[0] < k_hi)[None, :], K,
+                      ACT),)
+        for i in tl.static_range(1, len(ks)):
+            xs = xs + (_load_x(x_rows, ks[i][None, :], m_ok[:, None] & (ks[i] < k_hi)[None, :],
+                               K, ACT),)
+        if NORM:
+            f = xs[0].to(tl.float32)
+            ss = tl.sum(f * f, axis=1)
+            for i in tl.static_range(1, len(xs)):
+                f = xs[i].to(tl.float32)
+                ss += tl.sum(f * f, axis=1)
+            inv = 1.0 / tl.sqrt(ss / K + eps)
+            normed = (ns[0][None, :] * (xs[0].to(tl.float32) * inv[:, None]).to(xs[0].dtype),)
+            for i in tl.static_range(1, len(xs)):
+                normed = normed + (ns[i][None, :] * (xs[i].to(tl.float32)
+                                                     * inv[:, None]).to(xs[i].dtype),)
+            xs = normed
+        zero = acc * 0.0 + K.to(tl.float32) * 0.0
+        total = tl.dot(xs[0], tl.trans(ws[0]), zero, out_dtype=tl.float32)
+        for i in tl.static_range(1, len(xs)):
+            total += tl.dot(xs[i], tl.trans(ws[i]), zero, out_dtype=tl.float32)
+        return acc + total
 
     @triton.jit
     def _dot_one_pass(x_rows, m_ok, K, k_lo, k_hi, wa, wb, acc, ACT: tl.constexpr,
                       BLOCK_K: tl.constexpr, PIECE: tl.constexpr, NORM: tl.constexpr, na, nb,
-                      eps):
+                      eps, SLICES: tl.constexpr = 1):
         """acc + x's rows ``x_rows`` ([BLOCK_M, 1] pointers; rows ``m_ok``) over [k_lo, k_hi)
         times _w_one_pass's tiles, transposed: x loaded here (after PDL's wait), one tl.dot
         a tile. _skinny_kernel's and _skinny_rope_kernel's product, so both give a row the
         same bits; with one tile the arithmetic of _skinny_kernel's loop when it runs
         once. NORM (the program's K range all of K): x is the residual stream, and the
         product is of its RMSNorm (weights ``na``, ``nb`` from _nw_one_pass): add_rms_norm's
-        arithmetic with its sum of squares in this layout's order, x loaded once."""
-        ka, kb = _one_pass_ks(k_lo, BLOCK_K, PIECE)
-        if PIECE > 0:
-            xa = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K, ACT)
-            xb = _load_x(x_rows, kb[None, :], m_ok[:, None] & (kb < k_hi)[None, :], K, ACT)
-            if NORM:
-                fa = xa.to(tl.float32)
-                fb = xb.to(tl.float32)
-                inv = 1.0 / tl.sqrt((tl.sum(fa * fa, axis=1) + tl.sum(fb * fb, axis=1)) / K
-                                    + eps)
-                xa = na[None, :] * (fa * inv[:, None]).to(xa.dtype)
-                xb = nb[None, :] * (fb * inv[:, None]).to(xb.dtype)
-            acc = tl.dot(xa, tl.trans(wa), acc, out_dtype=tl.float32)
-            acc = tl.dot(xb, tl.trans(wb), acc, out_dtype=tl.float32)
+        arithmetic with its sum of squares in this layout's order, x loaded once. SLICES >
+        1: _dot_slices (``wa`` and ``na`` the tuples of slices)."""
+        if SLICES > 1:
+            acc = _dot_slices(x_rows, m_ok, K, k_lo, k_hi, wa, acc, ACT, BLOCK_K, PIECE,
+                              SLICES, NORM, na, eps)
         else:
-            a = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K, ACT)
-            if NORM:
-                fa = a.to(tl.float32)
-                inv = 1.0 / tl.sqrt(tl.sum(fa * fa, axis=1) / K + eps)
-                a = na[None, :] * (fa * inv[:, None]).to(a.dtype)
-            acc += tl.dot(a, tl.trans(wa), out_dtype=tl.float32)
+            ka, kb = _one_pass_ks(k_lo, BLOCK_K, PIECE)
+            if PIECE > 0:
+                xa = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K,
+                             ACT)
+                xb = _load_x(x_rows, kb[None, :], m_ok[:, None] & (kb < k_hi)[None, :], K,
+                             ACT)
+                if NORM:
+                    fa = xa.to(tl.float32)
+                    fb = xb.to(tl.float32)
+                    inv = 1.0 / tl.sqrt((tl.sum(fa * fa, axis=1) + tl.sum(fb * fb, axis=1))
+                                        / K + eps)
+                    xa = na[None, :] * (fa * inv[:, None]).to(xa.dtype)
+                    xb = nb[None, :] * (fb * inv[:, None]).to(xb.dtype)
+                acc = tl.dot(xa, tl.trans(wa), acc, out_dtype=tl.float32)
+                acc = tl.dot(xb, tl.trans(wb), acc, out_dtype=tl.float32)
+            else:
+                a = _load_x(x_rows, ka[None, :], m_ok[:, None] & (ka < k_hi)[None, :], K, ACT)
+                if NORM:
+                    fa = a.to(tl.float32)
+                    inv = 1.0 / tl.sqrt(tl.sum(fa * fa, axis=1) / K + eps)
+                    a = na[None, :] * (fa * inv[:, None]).to(a.dtype)
+                acc += tl.dot(a, tl.trans(wa), out_dtype=tl.float32)
         return acc
 
     # M is not specialised (Triton would compile M == 1 apart): one compile per config.
@@ -361,14 +456,15 @@ if triton is not None:
                        TILE: tl.constexpr = False, GDC: tl.constexpr = False,
                        ONE_PASS: tl.constexpr = False, GLU: tl.constexpr = False,
                        PIECE: tl.constexpr = 0, RES: tl.constexpr = False,
-                       NORM: tl.constexpr = False):
+                       NORM: tl.constexpr = False, SLICES: tl.constexpr = 1):
         # GLU: W is a gate-up weight [2N, K] and y [M, N] is silu(gate) * up (``_glu``;
         # SPLIT_K == 1). N is y's width either way. PIECE (ONE_PASS): the K range in two
         # tiles, BLOCK_K / 2 then PIECE wide (``one_pass_piece``), not one of BLOCK_K.
         # RES (a 2-D block, SPLIT_K == 1): y = r + the product, each rounded as
         # add_rms_norm rounds the residual add (r [M, N], y's strides). NORM (ONE_PASS
         # without split K): x is the residual stream and the product is of its RMSNorm by
-        # nw_ptr's weight (_dot_one_pass).
+        # nw_ptr's weight (_dot_one_pass). SLICES (ONE_PASS): the tiles in slices, each its
+        # own tl.dot (_dot_slices).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -390,9 +486,9 @@ if triton is not None:
                 if ONE_PASS:
                     # W's tiles (and the norm's weight) before the wait, x after it, one
                     # tl.dot a tile.
-                    wa, wb = _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K, PIECE)
+                    wa, wb = _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K, PIECE, SLICES)
                     if NORM:
-                        na, nb = _nw_one_pass(nw_ptr, K, BLOCK_K, PIECE)
+                        na, nb = _nw_one_pass(nw_ptr, K, BLOCK_K, PIECE, SLICES)
                     else:
                         na, nb = wa, wb     # (not read)
                     if GDC:
@@ -401,7 +497,7 @@ if triton is not None:
                         r = tl.load(r_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
                                     mask=m_ok[:, None] & n_ok[None, :], other=0.0)
                     acc = _dot_one_pass(x_rows, m_ok, K, k_lo, k_hi, wa, wb, acc, ACT, BLOCK_K,
-                                        PIECE, NORM, na, nb, eps)
+                                        PIECE, NORM, na, nb, eps, SLICES)
                 else:
                     if GDC:  # W and x interleave in the pipelined loop: the wait first
                         tl.extra.cuda.gdc_wait()
@@ -550,7 +646,8 @@ if triton is not None:
                             HAS_BIAS: tl.constexpr,
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                             PIECE: tl.constexpr = 0, TREE: tl.constexpr = False,
-                            GDC: tl.constexpr = False, NORM: tl.constexpr = False):
+                            GDC: tl.constexpr = False, NORM: tl.constexpr = False,
+                            SLICES: tl.constexpr = 1):
         # The qkv GEMM as _skinny_kernel's one-tile tl.dot with BLOCK_N = D (a program's
         # output columns are one head: q, k or v) and _rope_store as its epilogue: the
         # same bits as skinny_linear then rope_cache_write, without the qkv product's
@@ -561,9 +658,9 @@ if triton is not None:
         rn, head, dims = _rope_w_rows(tl.program_id(0), D, D)
         n_ok = rn < (HQ + 2 * HKV) * D
         wa, wb = _w_one_pass(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, n_ok, 0, K,
-                             BLOCK_K, PIECE)
+                             BLOCK_K, PIECE, SLICES)
         if NORM:
-            na, nb = _nw_one_pass(nw_ptr, K, BLOCK_K, PIECE)
+            na, nb = _nw_one_pass(nw_ptr, K, BLOCK_K, PIECE, SLICES)
         else:
             na, nb = wa, wb     # (not read)
         if HAS_BIAS:
@@ -575,7 +672,7 @@ if triton is not None:
         p, slot, t = _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset)
         acc = _dot_one_pass(x_ptr + rm.to(tl.int64)[:, None] * stride_xm, m_ok, K, 0, K, wa,
                             wb, tl.zeros([BLOCK_M, D], dtype=tl.float32), 0, BLOCK_K, PIECE,
-                            NORM, na, nb, eps)
+                            NORM, na, nb, eps, SLICES)
         if HAS_BIAS:
             acc += bias[None, :]
         _rope_store(acc, rm, m_ok, p, slot, t, head, dims, table_ptr, cos_ptr, sin_ptr, q_ptr,
@@ -784,6 +881,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     pdl = _pdl.launch_kw(x2)
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     r = residual.reshape(M, N).contiguous() if residual is not None else x2
+    slices = c.slices_for(K)
     _skinny_kernel[grid](x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0),
                          y.stride(0), k_per, r, norm[0] if norm is not None else x2,
                          norm[1] if norm is not None else 0.0,
@@ -796,7 +894,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          **({"PIECE": piece} if (piece := one_pass_piece(c, K)) else {}),
                          **({"GLU": True} if glu else {}),
                          **({"RES": True} if residual is not None else {}),
-                         **({"NORM": True} if norm is not None else {}))
+                         **({"NORM": True} if norm is not None else {}),
+                         **({"SLICES": slices} if slices > 1 else {}))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
@@ -849,6 +948,7 @@ def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         PAGE=page_size, HAS_BIAS=bias is not None, BLOCK_M=bm,
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         **({"PIECE": piece} if piece else {}),
+        **({"SLICES": slices} if (slices := config.slices_for(K)) > 1 else {}),
         **({"TREE": True} if rope.rope_offsets is not None else {}),
         **({"NORM": True} if norm is not None else {}), **_pdl.launch_kw(x2))
     return q

@@ -310,7 +310,8 @@ NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf
 
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass",
                                   "dot_one_pass_glu", "dot_pieces", "tile_res",
-                                  "dot_pieces_res", "dot_pieces_norm_glu"])
+                                  "dot_pieces_res", "dot_pieces_norm_glu",
+                                  "dot_sliced_norm_glu"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
@@ -344,15 +345,22 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
             # gate-up with the stream's RMSNorm in the prologue: its weight before too
             "dot_pieces_norm_glu": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1,
                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=1024, TILE=False,
-                                        ONE_PASS=True, PIECE=64, GLU=True, NORM=True)}[path]
+                                        ONE_PASS=True, PIECE=64, GLU=True, NORM=True),
+            # the same in four slices of K, each its own tl.dot: every slice's W before
+            "dot_sliced_norm_glu": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1,
+                                        BLOCK_M=16, BLOCK_N=64, BLOCK_K=1024, TILE=False,
+                                        ONE_PASS=True, PIECE=64, GLU=True, NORM=True,
+                                        SLICES=4)}[path]
     meta.setdefault("GLU", False)
     meta.setdefault("PIECE", 0)
     meta.setdefault("RES", False)
     meta.setdefault("NORM", False)
+    meta.setdefault("SLICES", 1)
     before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
               "dot_one_pass": {"w_ptr"}, "dot_one_pass_glu": {"w_ptr"},
               "dot_pieces": {"w_ptr"}, "tile_res": {"w_ptr"}, "dot_pieces_res": {"w_ptr"},
-              "dot_pieces_norm_glu": {"w_ptr", "nw_ptr"}}[path]
+              "dot_pieces_norm_glu": {"w_ptr", "nw_ptr"},
+              "dot_sliced_norm_glu": {"w_ptr", "nw_ptr"}}[path]
     sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
@@ -360,7 +368,8 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
 @pytest.mark.parametrize("piece, tree", [(64, True), (0, False)])
 def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree):
     """The qkv GEMM with RoPE and the cache write as its epilogue: W's tiles and the bias
-    before the wait; positions, slots, the block table, x, the rotation tables after."""
+    before the wait; positions, slots, the block table, x, the rotation tables after
+    (with the tree and the norm: its K in four slices, each its own tl.dot)."""
     from specloop.models import _skinny as S
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "q_ptr": "*bf16",
@@ -369,7 +378,7 @@ def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree):
     # (NORM with the tree: the stream's norm in the prologue, its weight before the wait)
     check_kernel(S._skinny_rope_kernel, sig,
                  dict(HQ=9, HKV=3, D=64, PAGE=16, HAS_BIAS=True, BLOCK_M=16, BLOCK_K=1024,
-                      PIECE=piece, TREE=tree, NORM=tree),
+                      PIECE=piece, TREE=tree, NORM=tree, SLICES=4 if tree else 1),
                  weights={"w_ptr", "b_ptr"} | ({"nw_ptr"} if tree else set()), num_warps=8)
 
 

@@ -197,6 +197,87 @@ def test_one_tile_dot_takes_k_as_two_tiles_where_it_pads_a_quarter(monkeypatch):
     assert _skinny.one_pass_piece(parse_config("d64x1024s1w8n1"), 576) == 0
 
 
+
+def test_sliced_one_tile_dot_launches_its_slices_only_where_they_fit(monkeypatch):
+    """``k<n>`` (``SkinnyConfig.slices``): a one-tile tl.dot without split K passes SLICES
+    where its first tile's slices are at least 16 wide; loops, split K, the broadcast
+    families and too-narrow slices launch unsliced (SLICES absent: the kernel's default 1,
+    the shipped kernels unchanged); the tag round-trips."""
+    from specloop.models import _skinny
+    launches: list = []
+
+    class Recorder:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launches.append(meta)
+    monkeypatch.setattr(_skinny, "_skinny_kernel", Recorder())
+    monkeypatch.setattr(_skinny, "_splitk_reduce_kernel", Recorder())
+    for k, tag, slices in ((576, "d64x1024s1w8n1k4", 4), (576, "d64x1024s1w8n1k8", 8),
+                           (1536, "d32x2048s1w8n1k4", 4), (576, "d64x1024s1w8n1", 1),
+                           (576, "d16x64s1w4n3k4", 1),          # the loop over K
+                           (576, "d16x128s8w4n3k2", 1),         # split K
+                           (64, "d16x64s1w4n1k4", 4),           # 64 / 4 = 16: fits
+                           (32, "d16x32s1w4n1k4", 1)):          # 32 / 4 = 8: too narrow
+        cfg = parse_config(tag)
+        assert cfg.tag() == tag
+        assert cfg.slices_for(k) == slices, (k, tag)
+        launches.clear()
+        _skinny.skinny_linear(torch.zeros(3, k).half(), torch.zeros(40, k).half(), None, cfg)
+        assert launches[0].get("SLICES", 1) == slices, (k, tag)
+    for bad in ("v8x1024s1w2n3k4", "b2x4x1024s1w4n3k2", "d64x1024s1w8n1k3",
+                "d64x1024s1w8n1k1"):
+        with pytest.raises(ValueError, match="not a skinny config tag"):
+            parse_config(bad)
+
+
+SLICES_CHILD = CHECK_SOURCE + r"""
+import torch
+from specloop.models._skinny import SkinnyConfig, skinny_linear
+torch.manual_seed(0)
+# K = 100 in a 128 tile (4 slices of 32), K = 200 as 128 + 128 (PIECE 128: 2 + 2 slices
+# of 64 with 2 slices), K = 150 as 128 + 32 (the piece narrower than a slice: one of 32).
+N = 19
+for K, bk in ((100, 128), (200, 256), (150, 256)):
+    w32, b32 = torch.randn(N, K), torch.randn(N)
+    x32 = torch.randn(17, K) * 2
+    nw = (torch.rand(K) + 0.5)
+    for dtype, eps in ((torch.float32, 1e-6), (torch.float16, 2.0 ** -10)):
+        w, b, nwd = w32.to(dtype), b32.to(dtype), nw.to(dtype)
+        for slices in (2, 4):
+            cfg = SkinnyConfig(True, 16, bk, slices=slices)
+            assert cfg.slices_for(K) == slices
+            y17 = None
+            for M in (1, 5, 16, 17):
+                x = x32[:M].to(dtype)
+                bias = b if M % 2 else None
+                y = skinny_linear(x, w, bias, cfg)
+                check_against_float64(y, x, w, bias, False, dtype, eps, (K, dtype, slices, M))
+                if M == 17:      # a row's bits whatever the rows in the call
+                    for m in (1, 5, 16):
+                        assert torch.equal(y[:m], skinny_linear(x[:m], w, bias, cfg)), m
+                # the residual epilogue and the norm prologue take the slices too
+                r = x32[:M, :N].to(dtype)
+                yr = skinny_linear(x, w, None, cfg, residual=r)
+                check_against_float64(yr - r, x, w, None, False, dtype, 2 * eps, ("res", M))
+                yn = skinny_linear(x, w, None, cfg, norm=(nwd, 1e-5))
+                xf = x.double()
+                h = xf / torch.sqrt((xf * xf).mean(-1, keepdim=True) + 1e-5) * nwd.double()
+                ref = h @ w.double().T
+                scale = h.abs() @ w.double().abs().T
+                assert ((yn.double() - ref).abs() <= 2 * eps * (ref.abs() + scale)
+                        + 1e-5).all(), ("norm", K, dtype, slices, M)
+print("ok")
+"""
+
+
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_sliced_one_tile_dot_equals_float64_reference_interpreted():
+    """A sliced one-tile tl.dot (each slice of K its own tl.dot and accumulator, summed in
+    order) equals the float64 reference within the inputs' rounding (fp32, fp16), with the
+    bias, the residual epilogue and the norm prologue, its PIECE tile in slices or one,
+    and gives a row the same bits whatever the rows in the call."""
+    run_interpreted(SLICES_CHILD)
+
 TILE_CHILD = CHECK_SOURCE + r"""
 import torch
 from specloop.models import _kernels
@@ -1200,6 +1281,72 @@ def test_two_tiles_give_the_one_tiles_bits_bf16_cuda(monkeypatch):
                     monkeypatch.setattr(_skinny, "PIECES", True)
                     assert torch.equal(two, one), (n, glu, tag, m)
 
+
+
+@pytest.mark.gpu
+def test_sliced_one_tile_dot_bf16_cuda():
+    """The sliced one-tile tl.dot (``k2``/``k4``/``k8``) on SmolLM2's VERIFY shapes in bf16:
+    within bf16 rounding of F.linear at 5..32 rows, a row's bits whatever the rows in the
+    call, the same bits as a CUDA graph's replay; SwiGLU's epilogue, the residual epilogue
+    and the qkv kernel with RoPE + the cache write take the slices and stay within
+    rounding of the unsliced path."""
+    from specloop.models import _skinny
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    def close(a, b, where):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2 ** -6, atol=2e-2, msg=where)
+
+    for n, k, tags in ((960, 576, ("d64x1024s1w8n1k2", "d64x1024s1w8n1k4", "d64x1024s1w8n1k8")),
+                       (3072, 576, ("d64x1024s1w8n1k4",)),
+                       (576, 1536, ("d32x2048s1w8n1k2", "d32x2048s1w8n1k4"))):
+        w, x = rand(n, k, scale=0.05), rand(32, k)
+        for tag in tags:
+            cfg = parse_config(tag)
+            assert cfg.slices_for(k) == cfg.slices
+            full = _skinny.skinny_linear(x, w, None, cfg)
+            close(full, F.linear(x, w), (tag, n, k))
+            for m in (5, 8, 16, 31):
+                assert torch.equal(_skinny.skinny_linear(x[:m], w, None, cfg), full[:m]), (tag, m)
+            static = x[:16].clone()
+            graph = torch.cuda.CUDAGraph()
+            _skinny.skinny_linear(static, w, None, cfg)          # compiled before capture
+            with torch.cuda.graph(graph):
+                out = _skinny.skinny_linear(static, w, None, cfg)
+            static.copy_(x[16:])
+            graph.replay()
+            assert torch.equal(out, full[16:]), tag
+            if n == 3072:
+                plain = parse_config(tag)._replace(slices=1)
+                close(_skinny.skinny_linear(x, w, None, cfg, glu=True),
+                      _skinny.skinny_linear(x, w, None, plain, glu=True), (tag, "glu"))
+            if n == k or n == 576:
+                r = rand(32, n)
+                close(_skinny.skinny_linear(x, w, None, cfg, residual=r),
+                      r.float() + F.linear(x, w).float(), (tag, "residual"))
+    # qkv with RoPE and the cache write in the epilogue, sliced against unsliced.
+    HQ, HKV, D, H, P = 9, 3, 64, 576, 16
+    inv = 1.0 / 100000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    emb = torch.arange(2048, device="cuda").float()[:, None] * inv[None, :]
+    emb = torch.cat((emb, emb), -1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    w, nw = rand((HQ + 2 * HKV) * D, H, scale=0.05), 1 + rand(H, scale=0.1)
+    table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
+    kc0, vc0 = rand(65, P, HKV, D), rand(65, P, HKV, D)
+    x = rand(2, 8, H)
+    outs = []
+    for tag in ("d64x1024s1w8n1", "d64x1024s1w8n1k4"):
+        kc, vc = kc0.clone(), vc0.clone()
+        rope = _skinny.RopeWrite(torch.tensor([13, 250], device="cuda"),
+                                 torch.tensor([3, 1], device="cuda"), table, 256, 64, cos,
+                                 sin, kc, vc, HQ)
+        q = _skinny.skinny_rope_linear(x, w, None, parse_config(tag), rope, norm=(nw, 1e-5))
+        outs.append((q, kc, vc))
+    for a, b in zip(*outs):
+        close(a, b, "rope")
+    assert not torch.equal(outs[0][0], outs[1][0])       # another summation order ran
 
 @pytest.mark.gpu
 def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
