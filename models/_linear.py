@@ -162,18 +162,29 @@ DOT_MAX_ROWS = 256
 # norm in the prologue): batch-1 VERIFY at K = 3 takes one kernel less a layer (eagle3 K = 3
 # 0.770 -> 0.743 ms of GPU time an iteration); at 5 rows it lost in the layer bench (history,
 # "The norm in the qkv prologue at VERIFY's rows").
+# Forty-first session: the one-tile tl.dot ranges up to 32 rows take K in two slices (``k2``,
+# SkinnyConfig.slices: each its own tl.dot and accumulator, so a 16-row block's chain of
+# dependent MMA steps is 16 + 4 long for K = 576, not 36; 32 + 32 + 32 for the down GEMM,
+# not 96). H200, 30 layers in a chain (bench_stream_norm_gpu.py, the stream norm on): 11.81
+# -> 10.58 us a layer at 16 rows, 11.88 -> 10.80 at 32, 13.01 -> 12.41 at 8, 11.81 -> 10.95
+# at 4; k4 and k8 less (bench/results/h200_1205i_slices_*.jsonl). Their bits are a class of
+# their own (not cuBLAS's), so they stop at 32 rows, where the stream norm's fused sum of
+# squares already makes 5-32 rows a class apart from 33 and above (the down GEMM's d32x2048
+# splits at 32 for it); d128 tiles with slices spill (offline sm_90: 4,752 bytes of stack).
 SkinnyRanges = tuple[tuple[int, str], ...]
 SKINNY_TABLE: dict[tuple[int, int, bool], SkinnyRanges | None] = {
-    (960, 576, False): ((1, 'v8x1024s1w2n3'), (4, 'b2x4x1024s1w2n3'), (32, 'd64x1024s1w8n1'),
-                        (128, 'd128x1024s1w8n1'), (256, 'd128x1024s1w8n1m32')),
+    (960, 576, False): ((1, 'v8x1024s1w2n3'), (4, 'b2x4x1024s1w2n3'),
+                        (32, 'd64x1024s1w8n1k2'), (128, 'd128x1024s1w8n1'),
+                        (256, 'd128x1024s1w8n1m32')),
     (576, 576, False): ((1, 'v4x1024s1w4n3'), (2, 'b2x2x1024s1w4n3'),
                         (3, 'b2x4x1024s1w4n3'), (4, 'b2x2x1024s1w4n3'),
-                        (8, 'b2x4x1024s1w4n3'), (32, 'd64x1024s1w8n1'),
+                        (8, 'b2x4x1024s1w4n3'), (32, 'd64x1024s1w8n1k2'),
                         (192, 'd128x1024s1w8n1'), (256, 'd128x1024s1w8n1m32')),
-    (3072, 576, False): ((1, 'v4x1024s1w4n3'), (32, 'd64x1024s1w8n1'),
+    (3072, 576, False): ((1, 'v4x1024s1w4n3'), (32, 'd64x1024s1w8n1k2'),
                          (128, 'd128x1024s1w8n1m32')),
     (576, 1536, True): ((1, 'v8x2048s1w8n3'), (8, 'b2x4x2048s1w8n3'),
-                        (64, 'd32x2048s1w8n1'), (128, 'd64x256s1w4n3')),
+                        (32, 'd32x2048s1w8n1k2'), (64, 'd32x2048s1w8n1'),
+                        (128, 'd64x256s1w4n3')),
     (576, 1728, False): ((1, 'v2x2048s1w4n3'), (8, 'b2x2x2048s1w4n3'),
                          (16, 'b4x4x2048s1w4n3')),
     (576, 1152, False): ((1, 'v4x2048s1w4n3'), (4, 'b2x2x2048s1w4n3'),
