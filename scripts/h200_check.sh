@@ -290,12 +290,13 @@ for line in sys.stdin:
       done ;;
     ab)
       # SPECLOOP_SKINNY_NORM=0: the shipped table fuses qkv's and gate-up's norms at 1 row.
-      # ENVS, CONFIGS, BATCHES and ROUNDS (default 1) replace the defaults.
+      # ENVS, CONFIGS, BATCHES and ROUNDS (default 1) replace the defaults; an ENVS entry
+      # A=1+B=2 sets both in one process.
       envs=${ENVS:-"DEFAULT=1 SPECLOOP_PDL=0 SPECLOOP_SKINNY=0 SPECLOOP_ATTENTION_MAX_SPLITS=1 SPECLOOP_SKINNY_NORM=0"}
       for round in $(seq 1 "${ROUNDS:-1}"); do
         for env in $envs; do
           echo "-- $env (round $round)"
-          (export "$env"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
+          (IFS=+ read -ra _vars <<< "$env"; export "${_vars[@]}"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
             --out "$OUT/ab_${env//[^A-Za-z0-9_]/_}_$round.jsonl" --configs "${CONFIGS:-none,eagle3 K=3}" \
             --batches "${BATCHES:-1,32}" --runs 3 --min-prompts 16 2>&1 | grep '^{' | cut -c1-150)
         done
