@@ -311,20 +311,18 @@ if triton is not None:
         _one_pass_ks' first tile in SLICES slices, then its PIECE tile in slices as wide
         (one PIECE wide where it is narrower). Each slice is its own tl.dot into its own
         accumulator (_dot_one_pass), so a row block's chain of dependent MMA steps is one
-        slice's, not all of K's."""
-        if PIECE > 0:
-            FIRST: tl.constexpr = BLOCK_K // 2
-        else:
-            FIRST: tl.constexpr = BLOCK_K
+        slice's, not all of K's. (The tuples here and below grow a slice at a time; mypy
+        types a tuple by its length, hence their ignores.)"""
+        FIRST: tl.constexpr = BLOCK_K // 2 if PIECE > 0 else BLOCK_K
         SW: tl.constexpr = FIRST // SLICES
         ks = (k_lo + tl.arange(0, SW),)
         for s in tl.static_range(1, SLICES):
-            ks = ks + (k_lo + s * SW + tl.arange(0, SW),)
+            ks = ks + (k_lo + s * SW + tl.arange(0, SW),)  # type: ignore[assignment]
         if PIECE > SW:
             for j in tl.static_range(PIECE // SW):
-                ks = ks + (k_lo + FIRST + j * SW + tl.arange(0, SW),)
+                ks = ks + (k_lo + FIRST + j * SW + tl.arange(0, SW),)  # type: ignore[assignment]
         elif PIECE > 0:
-            ks = ks + (k_lo + FIRST + tl.arange(0, PIECE),)
+            ks = ks + (k_lo + FIRST + tl.arange(0, PIECE),)  # type: ignore[assignment]
         return ks
 
     @triton.jit
@@ -339,7 +337,7 @@ if triton is not None:
             ws = (tl.load(w_rows + ks[0][None, :], mask=n_ok[:, None] & (ks[0] < k_hi)[None, :],
                           other=0.0),)
             for i in tl.static_range(1, len(ks)):
-                ws = ws + (tl.load(w_rows + ks[i][None, :],
+                ws = ws + (tl.load(w_rows + ks[i][None, :],  # type: ignore[assignment]
                                    mask=n_ok[:, None] & (ks[i] < k_hi)[None, :], other=0.0),)
             wa = ws
             wb = ws
@@ -362,7 +360,8 @@ if triton is not None:
             ks = _slice_ks(0, BLOCK_K, PIECE, SLICES)
             ns = (tl.load(nw_ptr + ks[0], mask=ks[0] < K, other=0.0),)
             for i in tl.static_range(1, len(ks)):
-                ns = ns + (tl.load(nw_ptr + ks[i], mask=ks[i] < K, other=0.0),)
+                n_i = tl.load(nw_ptr + ks[i], mask=ks[i] < K, other=0.0)
+                ns = ns + (n_i,)  # type: ignore[assignment]
             na = ns
             nb = ns
         else:
@@ -387,8 +386,9 @@ if triton is not None:
         xs = (_load_x(x_rows, ks[0][None, :], m_ok[:, None] & (ks[0] < k_hi)[None, :], K,
                       ACT),)
         for i in tl.static_range(1, len(ks)):
-            xs = xs + (_load_x(x_rows, ks[i][None, :], m_ok[:, None] & (ks[i] < k_hi)[None, :],
-                               K, ACT),)
+            x_i = _load_x(x_rows, ks[i][None, :], m_ok[:, None] & (ks[i] < k_hi)[None, :], K,
+                          ACT)
+            xs = xs + (x_i,)  # type: ignore[assignment]
         if NORM:
             f = xs[0].to(tl.float32)
             ss = tl.sum(f * f, axis=1)
@@ -398,8 +398,8 @@ if triton is not None:
             inv = 1.0 / tl.sqrt(ss / K + eps)
             normed = (ns[0][None, :] * (xs[0].to(tl.float32) * inv[:, None]).to(xs[0].dtype),)
             for i in tl.static_range(1, len(xs)):
-                normed = normed + (ns[i][None, :] * (xs[i].to(tl.float32)
-                                                     * inv[:, None]).to(xs[i].dtype),)
+                h_i = ns[i][None, :] * (xs[i].to(tl.float32) * inv[:, None]).to(xs[i].dtype)
+                normed = normed + (h_i,)  # type: ignore[assignment]
             xs = normed
         zero = acc * 0.0 + K.to(tl.float32) * 0.0
         total = tl.dot(xs[0], tl.trans(ws[0]), zero, out_dtype=tl.float32)
