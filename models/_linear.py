@@ -270,15 +270,27 @@ class _Shape(NamedTuple):
 
 def _shape_of(ranges: tuple[tuple[int, SkinnyConfig], ...], k: int) -> _Shape:
     """``ranges`` (ascending, checked) split into the prefix without tl.dot and the tail;
-    ValueError where a range without tl.dot follows a tl.dot one."""
-    prefix, tail = 0, False
+    ValueError where a range without tl.dot follows a tl.dot one, or where the tail's
+    sliced ranges (``k<n>``) are not one class right after the prefix: the same slice
+    edges (``_skinny.slice_edges``), before any unsliced tl.dot range (cuBLAS's bits), so
+    a row's bits still depend only on which of the three its call falls in."""
+    prefix, tail, unsliced = 0, False, False
+    edges: tuple[int, ...] = ()
     for max_rows, cfg in ranges:
         if cfg.dot:
             tail = True
+            own = _skinny.slice_edges(cfg, k)
+            if own and (unsliced or edges and own != edges):
+                raise ValueError(f"skinny ranges {[(m, c.tag()) for m, c in ranges]}: "
+                                 f"{cfg.tag()} after a tl.dot range of another bit class "
+                                 "(sliced ranges, of one slicing, come right after the "
+                                 "prefix)")
+            edges = edges or own
+            unsliced = unsliced or not own
         elif tail:
             raise ValueError(f"skinny ranges {[(m, c.tag()) for m, c in ranges]}: "
                              f"{cfg.tag()} after a tl.dot range (tl.dot ranges, in cuBLAS's "
-                             "bit class, may only end an entry)")
+                             "bit class or a sliced one, may only end an entry)")
         else:
             prefix = max_rows
     fusable = prefix > 0 and all(_skinny.norm_fusable(c, k) for m, c in ranges

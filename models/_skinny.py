@@ -981,6 +981,25 @@ def _piece(config: SkinnyConfig, k: int) -> int:
     return piece if piece < half else 0
 
 
+def slice_edges(config: SkinnyConfig, k: int) -> tuple[int, ...]:
+    """Where a sliced one-tile tl.dot's slices start in K = ``k`` (``_slice_ks``' tiles,
+    those that reach into K), or () where it runs unsliced: two configurations with the
+    same edges sum a row's products in the same order (each slice its MMA steps in order,
+    the slices added in order), whatever their BLOCK_N, warps or row blocks."""
+    slices = config.slices_for(k)
+    if slices <= 1:
+        return ()
+    piece = one_pass_piece(config, k)
+    first = config.block_k // 2 if piece else config.block_k
+    width = first // slices
+    edges = [s * width for s in range(slices)]
+    if piece > width:
+        edges += [first + j * width for j in range(piece // width)]
+    elif piece:
+        edges.append(first)
+    return tuple(e for e in edges if e < k)
+
+
 def prologue_fits(config: SkinnyConfig, k: int) -> bool:
     """``skinny_linear(silu_mul=True)`` may run ``config`` for an activation of K = ``k``:
     not a one-tile tl.dot (``one_pass``), whose programs hold their whole tile of W across

@@ -923,6 +923,8 @@ def test_skinny_config_row_ranges_and_window(monkeypatch):
     ("v8x64s1w4n3", 4),                                   # the old one-config form
     (),
     [[4, "v8x64s1w4n3"]],                                 # lists
+    ((1, "v8x64s1w4n3"), (4, "d16x64s1w4n1"), (8, "d16x64s1w4n1k2")),   # sliced after
+    ((1, "v8x64s1w4n3"), (4, "d16x64s1w4n1k2"), (8, "d16x64s1w4n1k4")),  # two slicings
 ])
 def test_malformed_table_entries_raise(monkeypatch, entry):
     monkeypatch.setitem(SKINNY_TABLE, (100, 50, False), entry)
@@ -930,6 +932,25 @@ def test_malformed_table_entries_raise(monkeypatch, entry):
         skinny_config(1, 100, 50)
     with pytest.raises(ValueError):
         _linear.check_table({(100, 50, False): entry})
+
+
+def test_sliced_ranges_one_class_after_the_prefix():
+    """The tail's sliced ranges (``k<n>``) may differ in BLOCK_N, warps and row blocks,
+    not in where their slices start (``slice_edges``: the same order of sums), and come
+    before the unsliced ranges; K = 576's d64 and d128 tiles in two slices agree."""
+    from specloop.models import _skinny
+    assert _skinny.slice_edges(parse_config("d64x1024s1w8n1k2"), 576) == (0, 256, 512)
+    assert _skinny.slice_edges(parse_config("d128x1024s1w8n1m32k2"), 576) == (0, 256, 512)
+    assert _skinny.slice_edges(parse_config("d32x2048s1w8n1k2"), 1536) == (0, 512, 1024)
+    assert _skinny.slice_edges(parse_config("d64x1024s1w8n1"), 576) == ()
+    assert _skinny.slice_edges(parse_config("d64x1024s1w8n1k4"), 576) == (0, 128, 256, 384,
+                                                                          512)
+    _linear.check_table({(960, 576, False): (
+        (4, "b2x4x1024s1w2n3"), (16, "d64x1024s1w8n1k2"), (32, "d128x1024s1w8n1m32k2"),
+        (64, "d128x1024s1w8n1"))})
+    for (n, k, silu), entry in SKINNY_TABLE.items():    # the shipped table's slicings
+        for max_rows, tag in entry or ():
+            assert parse_config(tag).slices == 1 or max_rows <= 32, (n, k, silu, tag)
 
 
 def test_check_table_is_not_fooled_by_the_resolve_cache():
