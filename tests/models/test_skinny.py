@@ -141,12 +141,9 @@ def test_skinny_kernel_equals_float64_reference_interpreted():
     run_interpreted(KERNEL_CHILD)
 
 
-@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
-def test_skinny_launcher_takes_one_pass_where_block_k_covers_a_programs_k(monkeypatch):
-    """skinny_linear launches the tl.dot path's one-tile form (ONE_PASS: W before PDL's
-    wait, one tl.dot) exactly where one BLOCK_K covers a program's K range, with or without
-    split-K; the pipelined loop elsewhere; the broadcast families never. (The interpreted
-    test above gives both forms the same arithmetic: only the launch tells them apart.)"""
+@pytest.fixture
+def skinny_launches(monkeypatch) -> list:
+    """The skinny kernels' launches, recorded (each launch's meta keywords), not run."""
     from specloop.models import _skinny
     launches: list = []
 
@@ -155,6 +152,17 @@ def test_skinny_launcher_takes_one_pass_where_block_k_covers_a_programs_k(monkey
             return lambda *args, **meta: launches.append(meta)
     monkeypatch.setattr(_skinny, "_skinny_kernel", Recorder())
     monkeypatch.setattr(_skinny, "_splitk_reduce_kernel", Recorder())
+    return launches
+
+
+@pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
+def test_skinny_launcher_takes_one_pass_where_block_k_covers_a_programs_k(skinny_launches):
+    """skinny_linear launches the tl.dot path's one-tile form (ONE_PASS: W before PDL's
+    wait, one tl.dot) exactly where one BLOCK_K covers a program's K range, with or without
+    split-K; the pipelined loop elsewhere; the broadcast families never. (The interpreted
+    test above gives both forms the same arithmetic: only the launch tells them apart.)"""
+    from specloop.models import _skinny
+    launches = skinny_launches
     w, x = torch.zeros(40, 576).half(), torch.zeros(3, 576).half()
     for tag, one_pass in (("d16x1024s1w4n1", True), ("d64x1024s1w8n2", True),
                           ("d16x128s8w4n3", True),      # 5 splits of one BLOCK_K each
@@ -167,19 +175,14 @@ def test_skinny_launcher_takes_one_pass_where_block_k_covers_a_programs_k(monkey
 
 
 @pytest.mark.skipif(not _linear._skinny.available(), reason="needs Triton")
-def test_one_tile_dot_takes_k_as_two_tiles_where_it_pads_a_quarter(monkeypatch):
+def test_one_tile_dot_takes_k_as_two_tiles_where_it_pads_a_quarter(skinny_launches,
+                                                                  monkeypatch):
     """A one-tile tl.dot whose K range fills at most 3/4 of its power-of-two BLOCK_K runs
     it as BLOCK_K / 2 then the smallest power of two covering the rest (PIECE: K = 576 as
     512 + 64): the launcher passes it, SPECLOOP_SKINNY_PIECES=0 (``PIECES``) keeps one tile,
     and loops, split ranges of one BLOCK_K and the broadcast families never take it."""
     from specloop.models import _skinny
-    launches: list = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: launches.append(meta)
-    monkeypatch.setattr(_skinny, "_skinny_kernel", Recorder())
-    monkeypatch.setattr(_skinny, "_splitk_reduce_kernel", Recorder())
+    launches = skinny_launches
     for k, tag, piece in ((576, "d64x1024s1w8n1", 64), (576, "d128x1024s1w8n1", 64),
                           (1152, "d64x2048s1w8n1", 128), (520, "d16x1024s1w4n1", 16),
                           (1024, "d64x1024s1w8n1", 0),        # fills its tile
@@ -197,20 +200,13 @@ def test_one_tile_dot_takes_k_as_two_tiles_where_it_pads_a_quarter(monkeypatch):
     assert _skinny.one_pass_piece(parse_config("d64x1024s1w8n1"), 576) == 0
 
 
-
-def test_sliced_one_tile_dot_launches_its_slices_only_where_they_fit(monkeypatch):
+def test_sliced_one_tile_dot_launches_its_slices_only_where_they_fit(skinny_launches):
     """``k<n>`` (``SkinnyConfig.slices``): a one-tile tl.dot without split K passes SLICES
     where its first tile's slices are at least 16 wide; loops, split K, the broadcast
     families and too-narrow slices launch unsliced (SLICES absent: the kernel's default 1,
     the shipped kernels unchanged); the tag round-trips."""
     from specloop.models import _skinny
-    launches: list = []
-
-    class Recorder:
-        def __getitem__(self, grid):
-            return lambda *args, **meta: launches.append(meta)
-    monkeypatch.setattr(_skinny, "_skinny_kernel", Recorder())
-    monkeypatch.setattr(_skinny, "_splitk_reduce_kernel", Recorder())
+    launches = skinny_launches
     for k, tag, slices in ((576, "d64x1024s1w8n1k4", 4), (576, "d64x1024s1w8n1k8", 8),
                            (1536, "d32x2048s1w8n1k4", 4), (576, "d64x1024s1w8n1", 1),
                            (576, "d16x64s1w4n3k4", 1),          # the loop over K
