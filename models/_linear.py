@@ -25,8 +25,8 @@ stream in ~0.3-1.5 us); ``models/_skinny``'s kernel splits N (and optionally K) 
 Which configuration runs per (N, K) and row count is SKINNY_TABLE: per shape, row ranges
 each with its configuration (e.g. ``v`` at 1 row and ``b`` for VERIFY's rows, or ``v`` at
 1 row and one-tile tl.dot above, as qkv and gate-up ship), those without
-tl.dot giving a row the same bits and any tl.dot ranges after them F.linear's (see the
-table's comment), filled from
+tl.dot giving a row the same bits, then any sliced tl.dot ranges (``k<n>``, one bit class
+of their own), then tl.dot ranges with F.linear's bits (see the table's comment), filled from
 ``bench/bench_skinny_gemm.py`` on the H200 (it prints the literal); shapes not in it get
 ``default_config``'s guess. ``SPECLOOP_SKINNY=0`` in the environment (or ``skinny =
 False`` on a dispatcher, e.g. ``DecoderModel.linear``) keeps cuBLAS everywhere.
@@ -257,8 +257,8 @@ def default_config(n: int, k: int) -> SkinnyConfig:
 
 class _Shape(NamedTuple):
     """A table entry resolved: ((max rows, config), ...) ascending; ``prefix``, the max
-    rows of its last range without tl.dot (0: none; tl.dot ranges after it are the tail,
-    in cuBLAS's bit class); and whether ``norm_linear`` may take the norm into the prologue
+    rows of its last range without tl.dot (0: none; tl.dot ranges after it are the tail:
+    sliced ranges first, one bit class, then cuBLAS's bit class); and whether ``norm_linear`` may take the norm into the prologue
     for rows <= ``prefix`` (every prefix configuration ``norm_fusable``: one kernel family
     for those rows, so their bits agree; the tail's rows take add_rms_norm as F.linear's
     would)."""
