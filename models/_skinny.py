@@ -401,7 +401,7 @@ if triton is not None:
                 h_i = ns[i][None, :] * (xs[i].to(tl.float32) * inv[:, None]).to(xs[i].dtype)
                 normed = normed + (h_i,)  # type: ignore[assignment]
             xs = normed
-        zero = acc * 0.0 + K.to(tl.float32) * 0.0
+        zero = tl.zeros_like(acc) + K.to(tl.float32) * 0.0
         total = tl.dot(xs[0], tl.trans(ws[0]), zero, out_dtype=tl.float32)
         for i in tl.static_range(1, len(xs)):
             total += tl.dot(xs[i], tl.trans(ws[i]), zero, out_dtype=tl.float32)
