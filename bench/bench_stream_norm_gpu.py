@@ -19,6 +19,8 @@ Each row also names the configurations the table gives the rows, so a slow piece
 traced to its kernel. No model weights needed.
 
     python bench/bench_stream_norm_gpu.py --out rows.jsonl
+    # tables in turns in one process (rows tagged "table"; bench/tables/README.md):
+    python bench/bench_stream_norm_gpu.py --tables code,$PWD/bench/tables/unsliced_1205.json
 """
 
 from __future__ import annotations
@@ -39,9 +41,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="", help="JSON lines here too")
     ap.add_argument("--shapes", default="", help="B x T list, e.g. 1x4,1x5 (default: all)")
+    ap.add_argument("--tables", default="",
+                    help="skinny tables to time in turns, in this process: 'code' (the "
+                         "shipped one) and SPECLOOP_SKINNY_TABLE files, comma-separated")
     args = ap.parse_args()
     from bench_skinny_gemm import time_graph
-    from specloop.models import _kernels, _skinny
+    from specloop.models import _kernels, _linear, _skinny
     from specloop.models._linear import PackedLinear, stream_modes
 
     dev = "cuda"
@@ -68,7 +73,9 @@ def main() -> None:
     shapes = SHAPES_BT if not args.shapes else tuple(
         tuple(int(v) for v in s.split("x")) for s in args.shapes.split(","))
     rows_out = []
-    for B, T in shapes:
+
+    def measure(B: int, T: int) -> dict:
+        """One row: the pieces and the chains at B x T, by the table in force."""
         M = B * T
         x, delta, o_in = rand(B, T, H), rand(B, T, H), rand(B, T, H)
         rope = _skinny.RopeWrite(torch.full((B,), 40, device=dev),
@@ -132,8 +139,19 @@ def main() -> None:
             res.setdefault("layer", {})[mode] = round(time_graph(layer, LAYERS)[0], 2)
         row = {"B": B, "T": T, "rows": M, "us_per_layer": res, "configs": tags,
                "device": torch.cuda.get_device_name()}
-        print(json.dumps(row), flush=True)
-        rows_out.append(row)
+        return row
+
+    tables = [t for t in args.tables.split(",") if t] or ["code"]
+    loaded = {t: _linear.SKINNY_TABLE if t == "code" else _linear._table_from_file(t)
+              for t in tables}
+    for B, T in shapes:
+        for name, skinny_table in loaded.items():   # in turns, one process: drift shared
+            _linear.SKINNY_TABLE = skinny_table
+            row = measure(B, T)
+            if len(loaded) > 1:
+                row["table"] = name
+            print(json.dumps(row), flush=True)
+            rows_out.append(row)
     if args.out:
         with open(args.out, "w") as f:
             for row in rows_out:
