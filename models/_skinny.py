@@ -163,8 +163,7 @@ class SkinnyConfig(NamedTuple):
         (``one_pass_piece`` decides the tiles the slices divide.)"""
         if self.slices <= 1 or not self.one_pass(k) or self.k_splits(k)[0] > 1:
             return 1
-        first = self.block_k // 2 if one_pass_piece(self, k) else self.block_k
-        return self.slices if first // self.slices >= 16 else 1
+        return self.slices if _first_tile(self, k) // self.slices >= 16 else 1
 
 
 class RopeWrite(NamedTuple):
@@ -326,6 +325,16 @@ if triton is not None:
         return ks
 
     @triton.jit
+    def _load_slices(rows, ok, ks, k_hi, K, ACT: tl.constexpr):
+        """A tuple: ``rows`` ([R, 1] pointers; rows ``ok``) at each of _slice_ks' offsets
+        ``ks`` below k_hi, by _load_x (ACT as there: W's tiles with 0, x's with its ACT)."""
+        ts = (_load_x(rows, ks[0][None, :], ok[:, None] & (ks[0] < k_hi)[None, :], K, ACT),)
+        for i in tl.static_range(1, len(ks)):
+            t_i = _load_x(rows, ks[i][None, :], ok[:, None] & (ks[i] < k_hi)[None, :], K, ACT)
+            ts = ts + (t_i,)  # type: ignore[assignment]
+        return ts
+
+    @triton.jit
     def _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K: tl.constexpr, PIECE: tl.constexpr,
                     SLICES: tl.constexpr = 1):
         """The one-tile tl.dot's tiles of W (_one_pass_ks' split) for the K range
@@ -333,12 +342,8 @@ if triton is not None:
         twice where PIECE is 0. SLICES > 1: a tuple of _slice_ks' tiles, twice. Loaded
         before PDL's wait: _dot_one_pass takes them after."""
         if SLICES > 1:
-            ks = _slice_ks(k_lo, BLOCK_K, PIECE, SLICES)
-            ws = (tl.load(w_rows + ks[0][None, :], mask=n_ok[:, None] & (ks[0] < k_hi)[None, :],
-                          other=0.0),)
-            for i in tl.static_range(1, len(ks)):
-                ws = ws + (tl.load(w_rows + ks[i][None, :],  # type: ignore[assignment]
-                                   mask=n_ok[:, None] & (ks[i] < k_hi)[None, :], other=0.0),)
+            ws = _load_slices(w_rows, n_ok, _slice_ks(k_lo, BLOCK_K, PIECE, SLICES), k_hi, 0,
+                              0)
             wa = ws
             wb = ws
         else:
@@ -382,13 +387,7 @@ if triton is not None:
         tl.dot starts from a zero the compiler cannot see (0 * K): from a constant zero
         it would fold "dot + dot" into one chain of MMA steps again. NORM: the sum of
         squares over the slices in order (its own bits)."""
-        ks = _slice_ks(k_lo, BLOCK_K, PIECE, SLICES)
-        xs = (_load_x(x_rows, ks[0][None, :], m_ok[:, None] & (ks[0] < k_hi)[None, :], K,
-                      ACT),)
-        for i in tl.static_range(1, len(ks)):
-            x_i = _load_x(x_rows, ks[i][None, :], m_ok[:, None] & (ks[i] < k_hi)[None, :], K,
-                          ACT)
-            xs = xs + (x_i,)  # type: ignore[assignment]
+        xs = _load_slices(x_rows, m_ok, _slice_ks(k_lo, BLOCK_K, PIECE, SLICES), k_hi, K, ACT)
         if NORM:
             f = xs[0].to(tl.float32)
             ss = tl.sum(f * f, axis=1)
@@ -981,6 +980,12 @@ def _piece(config: SkinnyConfig, k: int) -> int:
     return piece if piece < half else 0
 
 
+def _first_tile(config: SkinnyConfig, k: int) -> int:
+    """The width of a one-tile tl.dot's first tile over K = ``k`` (``_one_pass_ks``):
+    BLOCK_K / 2 where a PIECE tile follows, else all of BLOCK_K."""
+    return config.block_k // 2 if one_pass_piece(config, k) else config.block_k
+
+
 def slice_edges(config: SkinnyConfig, k: int) -> tuple[int, ...]:
     """Where a sliced one-tile tl.dot's slices start in K = ``k`` (``_slice_ks``' tiles,
     those that reach into K), or () where it runs unsliced: two configurations with the
@@ -990,7 +995,7 @@ def slice_edges(config: SkinnyConfig, k: int) -> tuple[int, ...]:
     if slices <= 1:
         return ()
     piece = one_pass_piece(config, k)
-    first = config.block_k // 2 if piece else config.block_k
+    first = _first_tile(config, k)
     width = first // slices
     edges = [s * width for s in range(slices)]
     if piece > width:
