@@ -64,6 +64,17 @@ def norm_linear_checked(x, d, nw, w, bias, cfg, dtype, eps):
     return y
 """
 
+# A check the GLU, RoPE and stream children share (prepended to their source).
+REFUSED_SOURCE = r"""
+def refused(call, word, where):
+    # call() raises a ValueError whose message names ``word``
+    try:
+        call()
+    except ValueError as e:
+        assert word in str(e), (where, str(e))
+    else:
+        raise AssertionError(where)
+"""
 KERNEL_CHILD = CHECK_SOURCE + r"""
 import torch
 import torch.nn.functional as F
@@ -461,7 +472,7 @@ print("ok")
 """
 
 
-GLU_CHILD = r"""
+GLU_CHILD = REFUSED_SOURCE + r"""
 import torch
 from specloop.models import _kernels
 from specloop.models._skinny import SkinnyConfig, glu_fits, skinny_linear, skinny_norm_linear
@@ -500,17 +511,12 @@ for rows in (1, 5):
 for c in (SkinnyConfig(False, 1, 64), SkinnyConfig(False, 4, 32),
           SkinnyConfig(True, 16, 32, split_k=2)):
     assert not glu_fits(c, K), c.tag()
-    try:
-        skinny_linear(x, w, None, c, glu=True)
-    except ValueError as e:
-        assert "glu" in str(e)
-    else:
-        raise AssertionError(c.tag())
+    refused(lambda: skinny_linear(x, w, None, c, glu=True), "glu", c.tag())
 print("ok")
 """
 
 
-ROPE_CHILD = r"""
+ROPE_CHILD = REFUSED_SOURCE + r"""
 import torch
 from specloop.models import _kernels
 from specloop.models._skinny import (RopeWrite, SkinnyConfig, one_pass_piece, rope_fits,
@@ -594,23 +600,15 @@ any_rope = RopeWrite(torch.tensor([0]), torch.tensor([0]), table, S, scratch, co
                      cache, HQ)
 for c in (SkinnyConfig(False, 3, 64), SkinnyConfig(False, 32, 64)):
     assert not rope_fits(c, 64, D), c.tag()
-try:
-    skinny_norm_linear(torch.zeros(1, 1, 64).half(), None, nw, 1e-5, w, None,
-                       SkinnyConfig(False, 32, 64), rope=any_rope)
-except ValueError as e:
-    assert "rope" in str(e)
-else:
-    raise AssertionError("a 32-column program of 16-dim heads")
+refused(lambda: skinny_norm_linear(torch.zeros(1, 1, 64).half(), None, nw, 1e-5, w, None,
+                                   SkinnyConfig(False, 32, 64), rope=any_rope),
+        "rope", "a 32-column program of 16-dim heads")
 for c in (SkinnyConfig(True, 32, 64), SkinnyConfig(True, D, 32, split_k=2),
           SkinnyConfig(False, D, 64)):
     assert not rope_fits(c, 64, D) or not c.dot, c.tag()
-    try:
-        skinny_rope_linear(torch.zeros(1, 1, 64).half(), torch.zeros(N, 64).half(), None, c,
-                           any_rope)
-    except ValueError as e:
-        assert "skinny_rope_linear" in str(e)
-    else:
-        raise AssertionError(c.tag())
+    refused(lambda: skinny_rope_linear(torch.zeros(1, 1, 64).half(),
+                                       torch.zeros(N, 64).half(), None, c, any_rope),
+            "skinny_rope_linear", c.tag())
 print("ok")
 """
 
@@ -630,7 +628,7 @@ def test_rope_epilogue_equals_gemm_then_rope_kernel_interpreted():
     run_interpreted(ROPE_CHILD)
 
 
-STREAM_CHILD = r"""
+STREAM_CHILD = REFUSED_SOURCE + r"""
 import torch
 from specloop.models import _kernels, _linear, _skinny
 from specloop.models._linear import PackedLinear
@@ -734,12 +732,7 @@ for u, v in zip(*qs):
 # broadcast config: no norm prologue.
 for c in (SkinnyConfig(True, 16, 32, split_k=2), SkinnyConfig(False, 4, 64)):
     assert not residual_fits(c, 64), c.tag()
-    try:
-        skinny_linear(x, wo, None, c, residual=x)
-    except ValueError as e:
-        assert "residual" in str(e)
-    else:
-        raise AssertionError(c.tag())
+    refused(lambda: skinny_linear(x, wo, None, c, residual=x), "residual", c.tag())
 for c in (SkinnyConfig(True, 16, 32), SkinnyConfig(False, 4, 64, tile_m=2)):
     assert not norm_prologue_fits(c, 64), c.tag()
 print("ok")
