@@ -161,9 +161,7 @@ class SkinnyConfig(NamedTuple):
         """The SLICES a launch over K = ``k`` passes: ``slices`` for a one-tile tl.dot
         without split K whose slices are at least 16 wide, else 1 (its ranges unsliced).
         (``one_pass_piece`` decides the tiles the slices divide.)"""
-        if self.slices <= 1 or not self.one_pass(k) or self.k_splits(k)[0] > 1:
-            return 1
-        return self.slices if _first_tile(self, k) // self.slices >= 16 else 1
+        return 1 if self.slices <= 1 else _slices(self, k)
 
 
 class RopeWrite(NamedTuple):
@@ -978,6 +976,13 @@ def _piece(config: SkinnyConfig, k: int) -> int:
         return 0
     piece = max(16, _pow2(k - half))
     return piece if piece < half else 0
+
+
+@functools.lru_cache(maxsize=None)     # a table's few (config, K), asked at every launch
+def _slices(config: SkinnyConfig, k: int) -> int:
+    if not config.one_pass(k) or config.k_splits(k)[0] > 1:
+        return 1
+    return config.slices if _first_tile(config, k) // config.slices >= 16 else 1
 
 
 def _first_tile(config: SkinnyConfig, k: int) -> int:
