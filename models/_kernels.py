@@ -15,19 +15,22 @@ Each kernel computes what a few plain tensor ops of the reference layer compute
 - ``silu_mul``: SwiGLU's activation on the fused gate-up output;
 - ``eagle_prologue``: an EAGLE head's input norms (embedding gather, two RMSNorms, concat);
 - ``argmax_map``: a draft step's greedy token (argmax over the reduced vocabulary, mapped
-  to a target id) in one kernel.
+  to a target id) in one kernel; ``topk_map`` a draft tree's children (the top k, mapped,
+  written into their nodes' columns); either with a row over one program, or split over
+  several whose last combines their keys (``_topk_split_kernel``, the same picks).
 
 On Hopper each kernel is launched with Programmatic Dependent Launch (``GDC`` True,
 ``launch_pdl=True``; the switch and the rules are ``specloop.samplers._pdl``'s): a program
 loads its weights (norm weights) before ``gdc_wait`` and everything else, and every store
 or atomic, after it; every program waits, before any early return.
 
-The split-KV "last program combines" counters stay correct under PDL: a counter is reset
-(atomic_xchg to 0) by the program that completes its group, before that grid completes;
-the next attention kernel (next layer, or next step) increments counters only after its
-own ``gdc_wait``, i.e. after the kernel before it has completed, and that one completed
-only after its own wait, and so on back to the attention kernel that reset them: every
-reset is visible before the next increment, as without PDL. Within one grid nothing
+The "last program combines" counters (split-KV attention, the split top-k: one buffer a
+device, ``_counters``) stay correct under PDL: a counter is reset (atomic_xchg to 0) by the
+program that completes its group, before that grid completes; the next kernel that counts
+(next layer, next depth or next step) increments counters only after its own
+``gdc_wait``, i.e. after the kernel before it has completed, and that one completed only
+after its own wait, and so on back to the kernel that reset them: every reset is visible
+before the next increment, as without PDL. Within one grid nothing
 changes (programs of one grid never depended on the launch order of grids).
 """
 
@@ -130,6 +133,57 @@ if triton is not None:
         tl.store(out_ptr + row * 2 * H + H + cols, hw * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit
+    def _top_key(v, ids, m, NAN_MAX: tl.constexpr):
+        """One int64 key a value, ordered as (value, -id): the float's bits made monotonic
+        (negatives' magnitude bits flipped) above, 2^32 - 1 - id below (ids < 2^32), so
+        a top-k round is ONE max reduction (not a max, then a min over the ties' ids).
+        -0.0 counts as 0.0 (equal values tie on the id). NaN counts as -inf, or with
+        NAN_MAX as the maximum (every NaN one value: torch.argmax's order). Past the
+        data (``m`` false): the smallest int64, never picked while a lane holds data."""
+        if NAN_MAX:
+            bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+            bits = tl.where(v != v, 0x7FC00000, bits)
+        else:
+            v = tl.where(v != v, float("-inf"), v)
+            bits = tl.where(v == 0.0, 0.0, v).to(tl.int32, bitcast=True)
+        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+        least = -9223372036854775807 - 1
+        return tl.where(m, (mono.to(tl.int64) << 32) | (4294967295 - ids), least)
+
+    @triton.jit
+    def _top_keys(key, K: tl.constexpr, K_P2: tl.constexpr):
+        """The K largest of ``key`` (a 1-D block of _top_key's keys), largest first, as a
+        [K_P2] vector (the smallest int64 past K): K rounds of one max reduction, each
+        taking its pick out. The picks gather in registers: nothing is stored or loaded
+        between consecutive reductions."""
+        least = -9223372036854775807 - 1
+        jj = tl.arange(0, K_P2)
+        tops = tl.full([K_P2], least, tl.int64)
+        for j in tl.static_range(K):
+            top = tl.max(key, axis=0)
+            key = tl.where(key == top, least, key)
+            tops = tl.where(jj == j, top, tops)
+        return tops
+
+    @triton.jit
+    def _store_picks(tops, row, map_ptr, out_ptr, dest_ptr, out_stride, E, K: tl.constexpr,
+                     K_P2: tl.constexpr, MAP: tl.constexpr, DEST: tl.constexpr):
+        """Row ``row``'s top keys [K_P2] -> their ids (mapped where MAP == 1: an increasing
+        map, ties decided on the index), stored in out[row, :K], or with DEST pick j to
+        out[row // E, dest[row % E, j]] (none where -1)."""
+        jj = tl.arange(0, K_P2)
+        km = jj < K
+        picks = 4294967295 - (tops & 4294967295)
+        if MAP == 1:
+            picks = tl.load(map_ptr + picks, mask=km, other=0)
+        if DEST:
+            col = tl.load(dest_ptr + (row % E) * K + jj, mask=km, other=-1)
+            tl.store(out_ptr + (row // E).to(tl.int64) * out_stride + tl.maximum(col, 0),
+                     picks, mask=km & (col >= 0))
+        else:
+            tl.store(out_ptr + row * out_stride + jj, picks, mask=km)
+
+    @triton.jit
     def _topk_map_kernel(x_ptr, map_ptr, out_ptr, dest_ptr, N, out_stride, E,
                          K: tl.constexpr, K_P2: tl.constexpr, MAP: tl.constexpr,
                          BLOCK: tl.constexpr, DEST: tl.constexpr = False,
@@ -148,39 +202,58 @@ if triton is not None:
         n = tl.arange(0, BLOCK)
         m = n < N
         v = tl.load(x_ptr + row * N + n, mask=m, other=float("-inf")).to(tl.float32)
-        v = tl.where(v != v, float("-inf"), v)
-        v = tl.where(v == 0.0, 0.0, v)      # -0.0 as 0.0: equal values tie on the id
         if MAP == 2:
             ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
         else:
             ids = n.to(tl.int64)
-        # One int64 key a value, ordered as (value, -id): the float's bits made monotonic
-        # (negatives' magnitude bits flipped) above, 2^32 - 1 - id below (ids < 2^32), so
-        # each round is ONE max reduction (not a max, then a min over the ties' ids).
-        # Past N: the smallest int64, never picked (K <= N; a -inf value still is).
-        bits = v.to(tl.int32, bitcast=True)
-        mono = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-        least = -9223372036854775807 - 1
-        key = tl.where(m, (mono.to(tl.int64) << 32) | (4294967295 - ids), least)
-        # The picks gather in a vector: the map's ids are read, and the picks stored, once
-        # after the rounds (a load of map[pick] and a store a round put a memory round trip
-        # between consecutive reductions). The node columns load before the rounds.
-        jj = tl.arange(0, K_P2)
-        km = jj < K
-        if DEST:
-            col = tl.load(dest_ptr + (row % E) * K + jj, mask=km, other=-1)
-        picks = tl.zeros([K_P2], tl.int64)
-        for j in tl.static_range(K):
-            top = tl.max(key, axis=0)
-            key = tl.where(key == top, least, key)
-            picks = tl.where(jj == j, 4294967295 - (top & 4294967295), picks)
-        if MAP == 1:
-            picks = tl.load(map_ptr + picks, mask=km, other=0)
-        if DEST:
-            tl.store(out_ptr + (row // E).to(tl.int64) * out_stride + tl.maximum(col, 0),
-                     picks, mask=km & (col >= 0))
+        tops = _top_keys(_top_key(v, ids, m, False), K, K_P2)
+        _store_picks(tops, row, map_ptr, out_ptr, dest_ptr, out_stride, E, K, K_P2, MAP, DEST)
+
+    @triton.jit
+    def _topk_split_kernel(x_ptr, map_ptr, keys_ptr, cnt_ptr, out_ptr, dest_ptr, N,
+                           out_stride, E, K: tl.constexpr, K_P2: tl.constexpr,
+                           MAP: tl.constexpr, CHUNK: tl.constexpr, S_P2: tl.constexpr,
+                           NAN_MAX: tl.constexpr, DEST: tl.constexpr = False,
+                           GDC: tl.constexpr = False):
+        # _topk_map_kernel's picks (with NAN_MAX and K = 1 _argmax_map_kernel's) from a
+        # row cut into S = num_programs(1) chunks of CHUNK: program (row, s) keeps its
+        # chunk's top K keys in a scratch [R, S, K_P2]; the last of a row's programs to
+        # finish takes the top K of their S * K_P2 keys and stores the picks. The keys are
+        # distinct (an id a value), so the top K of the union is the union's top K
+        # whatever order the programs finish in: the same picks as one program a row, with
+        # a row's values read by S SMs at once instead of one (batch 1's draft step: one
+        # program on one SM for its 16384 logits). The counter discipline is
+        # _paged_attention_kernel's "last program combines" (module doc): every call
+        # leaves the row's counter zero.
+        if GDC:  # nothing to load before the wait (see the module doc)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        row = tl.program_id(0)
+        s = tl.program_id(1)
+        S = tl.num_programs(1)
+        n = s * CHUNK + tl.arange(0, CHUNK)
+        m = n < N
+        v = tl.load(x_ptr + row * N + n, mask=m, other=float("-inf")).to(tl.float32)
+        if MAP == 2:
+            ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
         else:
-            tl.store(out_ptr + row * out_stride + jj, picks, mask=km)
+            ids = n.to(tl.int64)
+        tops = _top_keys(_top_key(v, ids, m, NAN_MAX), K, K_P2)
+        jj = tl.arange(0, K_P2)
+        tl.store(keys_ptr + (row * S + s).to(tl.int64) * K_P2 + jj, tops)
+        # The barrier puts every thread's stores before the release of this program's
+        # increment; the program that brings it to S acquires them all, resets it for the
+        # next call and reads the keys through L2 (.cg: never a stale L1 line).
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if done == S - 1:
+            tl.atomic_xchg(cnt_ptr + row, 0, sem="relaxed", scope="gpu")
+            least = -9223372036854775807 - 1
+            at = tl.arange(0, S_P2 * K_P2)
+            keys = tl.load(keys_ptr + row.to(tl.int64) * S * K_P2 + at, mask=at < S * K_P2,
+                           other=least, cache_modifier=".cg")
+            _store_picks(_top_keys(keys, K, K_P2), row, map_ptr, out_ptr, dest_ptr,
+                         out_stride, E, K, K_P2, MAP, DEST)
 
     @triton.jit
     def _argmax_map_kernel(x_ptr, map_ptr, out_ptr, N, out_stride, MAP: tl.constexpr,
@@ -584,22 +657,61 @@ def eagle_prologue(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.
 
 
 def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
-               out: torch.Tensor | None = None, *, increasing: bool = False) -> torch.Tensor:
+               out: torch.Tensor | None = None, *, increasing: bool = False,
+               split: bool | None = None) -> torch.Tensor:
     """x [B, N] -> i64 [B]: index_map[argmax] (argmax itself without a map); ties go to
-    the smallest mapped id. ``increasing``: the map is (then ties are decided on the
-    index, without reading the map's N ids). ``out``: a [B] view to write (e.g. a column
-    of [B, K])."""
+    the smallest mapped id; NaN is the maximum. ``increasing``: the map is (then ties are
+    decided on the index, without reading the map's N ids). ``out``: a [B] view to write
+    (e.g. a column of [B, K]). ``split``: the row over several programs
+    (``_topk_split_kernel``; None: SPECLOOP_DRAFT_TOPK's default), the same picks."""
     B, N = x.shape
     x = x.contiguous()
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=x.device)
     kind = 0 if index_map is None else 1 if increasing else 2
+    if _split_top(N, split):
+        _top_split(x, index_map, kind, 1, out, None, 1, nan_max=True)
+        return out
     # One program a row, the whole row (up to 16k) in one pass: a launch-bound draft step
     # pays ~3 us for it, not a loop of block reductions (~9 us at 2k a pass).
     _argmax_map_kernel[(B,)](x, x if index_map is None else index_map, out, N,
                              out.stride(0), MAP=kind, BLOCK=min(_pow2(N), 16384),
                              num_warps=16, **_pdl.launch_kw(x))
     return out
+
+
+# A draft step's argmax / top-k over its draft vocabulary: one program a row (the row
+# kernels), or the row cut into chunks of _TOP_CHUNK over that many programs, the last to
+# finish combining their keys (``_topk_split_kernel``: the same picks). H200, batch 1: the
+# row kernels took 5.3 us (argmax, eagle3 K = 3) and 6.8 us (a tree's top-k) a draft depth
+# on the critical path, one SM reading a row's 16384 logits. SPECLOOP_DRAFT_TOPK=split
+# makes the split form the default of argmax_map and topk_map (read once, at import, for
+# an A/B of whole runs); a call's ``split`` decides for itself.
+_TOP_SPLIT = os.environ.get("SPECLOOP_DRAFT_TOPK", "row") == "split"
+_TOP_CHUNK = 1024
+# At most this many chunks a row: the last program holds S * K_P2 keys in registers.
+_TOP_MAX_CHUNKS = 64
+
+
+def _split_top(n: int, split: bool | None) -> bool:
+    """Whether a row of ``n`` runs split (``split`` None: the module's default)."""
+    return (_TOP_SPLIT if split is None else split) and n <= _TOP_CHUNK * _TOP_MAX_CHUNKS
+
+
+def _top_split(x: torch.Tensor, index_map: torch.Tensor | None, kind: int, k: int,
+               out: torch.Tensor, dest: torch.Tensor | None, e: int, *, nan_max: bool) -> None:
+    """``_topk_split_kernel`` over x [R, N] (contiguous): the picks into ``out`` (rows of
+    stride out.stride(0)), or through ``dest`` [E, k] (``topk_map``'s, E = ``e``)."""
+    R, N = x.shape
+    chunk = min(_TOP_CHUNK, _pow2(N))
+    S = -(-N // chunk)
+    k_p2 = _pow2(k)
+    keys = torch.empty(R * S * k_p2, dtype=torch.int64, device=x.device)
+    _topk_split_kernel[(R, S)](
+        x, x if index_map is None else index_map, keys, _counters(x.device, R), out,
+        x if dest is None else dest, N, out.stride(0), e, K=k, K_P2=k_p2, MAP=kind,
+        CHUNK=chunk, S_P2=_pow2(S), NAN_MAX=nan_max, DEST=dest is not None, num_warps=4,
+        **_pdl.launch_kw(x))
 
 
 # A row of topk_map in one block (the shipped heads' draft vocabulary: 16384) and at most
@@ -609,14 +721,15 @@ TOPK_MAX_N, TOPK_MAX_K = 16384, 16
 
 def topk_map(x: torch.Tensor, k: int, index_map: torch.Tensor | None, *,
              increasing: bool = False, out: torch.Tensor | None = None,
-             dest: torch.Tensor | None = None) -> torch.Tensor:
+             dest: torch.Tensor | None = None, split: bool | None = None) -> torch.Tensor:
     """x [R, N] -> i64 [R, k]: index_map[the k largest of each row], largest first (the
     indices themselves without a map); ties go to the smallest mapped id, as ``argmax_map``
     k times; NaN counts as -inf. ``increasing``: as ``argmax_map``'s. N <= TOPK_MAX_N,
     1 <= k <= min(N, TOPK_MAX_K) (``DraftHead.top`` uses torch.topk elsewhere).
     ``out`` [B, W] i64 with ``dest`` [E, k] (R = B * E): pick j of row r is written to
     ``out[r // E, dest[r % E, j]]`` instead, none where dest is -1 (a draft tree's
-    children into their nodes' columns: no gather and scatter after); returns ``out``."""
+    children into their nodes' columns: no gather and scatter after); returns ``out``.
+    ``split``: as ``argmax_map``'s."""
     R, N = x.shape
     if N > TOPK_MAX_N or not 1 <= k <= min(N, TOPK_MAX_K):
         raise ValueError(f"topk_map: k = {k} of N = {N} (at most {TOPK_MAX_K} of "
@@ -632,6 +745,9 @@ def topk_map(x: torch.Tensor, k: int, index_map: torch.Tensor | None, *,
             raise ValueError(f"topk_map: dest {tuple(dest.shape)} for {R} rows of top-{k} "
                              f"into out {None if out is None else tuple(out.shape)}")
         dest, e = dest.contiguous(), dest.shape[0]
+    if _split_top(N, split):
+        _top_split(x, index_map, kind, k, out, dest, e, nan_max=False)
+        return out
     _topk_map_kernel[(R,)](x, x if index_map is None else index_map, out,
                            x if dest is None else dest, N, out.stride(0), e, K=k,
                            K_P2=_pow2(k), MAP=kind, BLOCK=_pow2(N), DEST=dest is not None,

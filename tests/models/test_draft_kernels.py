@@ -62,92 +62,102 @@ for a, b in zip(outs[False], outs[True]):
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 assert outs[True][2].abs().sum() > 0
 
-# Greedy token: argmax over the draft rows mapped to target ids == argmax over the
-# target vocabulary (-inf outside the map), ties included, map in any order.
-d2t = torch.randperm(V)[:200]
-lm = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=8, d2t=d2t)
-hidden = torch.randn(8, H)
-logits = lm._matmul(hidden)
-logits[:4, 10] = logits[:4, 150] = logits[:4].max(dim=1).values + 1    # ties
-full = torch.full((8, V), float("-inf")).index_copy_(1, d2t, logits)
-want = full.argmax(dim=-1)
-out = torch.zeros(8, 3, dtype=torch.int64)
-_kernels.argmax_map(logits, d2t, out[:, 1])
-assert torch.equal(out[:, 1], want), (out[:, 1], want)
-assert torch.equal(out[:4, 1], torch.minimum(d2t[10], d2t[150]).expand(4))
-assert torch.equal(_kernels.argmax_map(full, None), want)
-assert torch.equal(lm.greedy(hidden, fused=True), lm.greedy(hidden, fused=False))
-# An increasing map (ties decided on the index, the map read once).
-inc = torch.sort(d2t).values
-full = torch.full((8, V), float("-inf")).index_copy_(1, inc, logits)
-assert torch.equal(_kernels.argmax_map(logits, inc, increasing=True), full.argmax(dim=-1))
-# Rows longer than one pass (16k): the passes' maxima and ties combine.
-x = torch.randn(2, 40000)
-x[0, 39000] = x[0, 7] = x[1, 20000] = 9.0
-assert _kernels.argmax_map(x, None).tolist() == [7, 20000]
-big = torch.arange(40000) * 2 + 1
-assert _kernels.argmax_map(x, big, increasing=True).tolist() == [15, 40001]
-assert _kernels.argmax_map(x, big.flip(0)).tolist() == [1 + 2 * (39999 - 39000), 40001 - 2]
-# NaN logits (a broken head): NaN is the maximum, as torch.argmax over the target
-# vocabulary has it; never an id outside the map. One NaN, all NaN, NaN and +inf, a NaN in
-# a later pass than a larger number; each map kind. A row of -inf only: the smallest mapped
-# id (torch's argmax over the padded vocabulary gives id 0, mapped or not).
-y = logits.clone()
-y[0, 5] = float("nan")
-y[1, :] = float("nan")
-y[2, 7] = float("inf")
-y[2, 9] = float("nan")
-y[3, :] = float("-inf")
-for index_map, kind in ((d2t, {}), (inc, {"increasing": True})):
-    full = torch.full((8, V), float("-inf")).index_copy_(1, index_map, y)
-    got, want = _kernels.argmax_map(y, index_map, **kind), full.argmax(dim=-1)
-    assert torch.equal(got[[0, 1, 2, 4, 5, 6, 7]], want[[0, 1, 2, 4, 5, 6, 7]]), (got, want)
-    assert got[3] == index_map.min() and got[1] == index_map.min(), got
-assert torch.equal(_kernels.argmax_map(y, None), y.argmax(dim=-1))
-# The unfused greedy with an increasing map (the CPU's: argmax over the draft rows, then
-# the map; no [B, V] scatter) picks as the kernel does: ties, NaN, +inf, a row of -inf.
-lm_inc = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=8, d2t=inc)
-assert lm_inc.d2t_increasing
-for z in (logits, y):
-    lm_inc._matmul = lambda h, z=z: z
-    assert torch.equal(lm_inc.greedy(hidden), _kernels.argmax_map(z, inc, increasing=True))
-x[0, 30000] = float("nan")
-x[1, 3] = float("nan")
-x[1, 35000] = float("nan")
-assert _kernels.argmax_map(x, None).tolist() == [30000, 3] == x.argmax(dim=-1).tolist()
+# The draft picks (argmax_map, topk_map) three ways: one program a row, the row split
+# over programs of 1,024 logits whose last combines their keys, and of 64 (a row of the
+# 200-id map in 4 chunks, a tiny vocabulary's in several): the same picks each way.
+def picks(split, chunk):
+    _kernels._TOP_SPLIT, _kernels._TOP_CHUNK = split, chunk
+    # Greedy token: argmax over the draft rows mapped to target ids == argmax over the
+    # target vocabulary (-inf outside the map), ties included, map in any order.
+    d2t = torch.randperm(V)[:200]
+    lm = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=8, d2t=d2t)
+    hidden = torch.randn(8, H)
+    logits = lm._matmul(hidden)
+    logits[:4, 10] = logits[:4, 150] = logits[:4].max(dim=1).values + 1    # ties
+    full = torch.full((8, V), float("-inf")).index_copy_(1, d2t, logits)
+    want = full.argmax(dim=-1)
+    out = torch.zeros(8, 3, dtype=torch.int64)
+    _kernels.argmax_map(logits, d2t, out[:, 1])
+    assert torch.equal(out[:, 1], want), (out[:, 1], want)
+    assert torch.equal(out[:4, 1], torch.minimum(d2t[10], d2t[150]).expand(4))
+    assert torch.equal(_kernels.argmax_map(full, None), want)
+    assert torch.equal(lm.greedy(hidden, fused=True), lm.greedy(hidden, fused=False))
+    # An increasing map (ties decided on the index, the map read once).
+    inc = torch.sort(d2t).values
+    full = torch.full((8, V), float("-inf")).index_copy_(1, inc, logits)
+    assert torch.equal(_kernels.argmax_map(logits, inc, increasing=True), full.argmax(dim=-1))
+    # Rows longer than one pass (16k): the passes' maxima and ties combine.
+    x = torch.randn(2, 40000)
+    x[0, 39000] = x[0, 7] = x[1, 20000] = 9.0
+    assert _kernels.argmax_map(x, None).tolist() == [7, 20000]
+    big = torch.arange(40000) * 2 + 1
+    assert _kernels.argmax_map(x, big, increasing=True).tolist() == [15, 40001]
+    assert _kernels.argmax_map(x, big.flip(0)).tolist() == [1 + 2 * (39999 - 39000), 40001 - 2]
+    # NaN logits (a broken head): NaN is the maximum, as torch.argmax over the target
+    # vocabulary has it; never an id outside the map. One NaN, all NaN, NaN and +inf, a NaN in
+    # a later pass than a larger number; each map kind. A row of -inf only: the smallest mapped
+    # id (torch's argmax over the padded vocabulary gives id 0, mapped or not).
+    y = logits.clone()
+    y[0, 5] = float("nan")
+    y[1, :] = float("nan")
+    y[2, 7] = float("inf")
+    y[2, 9] = float("nan")
+    y[3, :] = float("-inf")
+    for index_map, kind in ((d2t, {}), (inc, {"increasing": True})):
+        full = torch.full((8, V), float("-inf")).index_copy_(1, index_map, y)
+        got, want = _kernels.argmax_map(y, index_map, **kind), full.argmax(dim=-1)
+        assert torch.equal(got[[0, 1, 2, 4, 5, 6, 7]], want[[0, 1, 2, 4, 5, 6, 7]]), (got, want)
+        assert got[3] == index_map.min() and got[1] == index_map.min(), got
+    assert torch.equal(_kernels.argmax_map(y, None), y.argmax(dim=-1))
+    # The unfused greedy with an increasing map (the CPU's: argmax over the draft rows, then
+    # the map; no [B, V] scatter) picks as the kernel does: ties, NaN, +inf, a row of -inf.
+    lm_inc = DraftHead(model.lm_head_weight, lm_head_tp=False, max_rows=8, d2t=inc)
+    assert lm_inc.d2t_increasing
+    for z in (logits, y):
+        lm_inc._matmul = lambda h, z=z: z
+        assert torch.equal(lm_inc.greedy(hidden), _kernels.argmax_map(z, inc, increasing=True))
+    x[0, 30000] = float("nan")
+    x[1, 3] = float("nan")
+    x[1, 35000] = float("nan")
+    assert _kernels.argmax_map(x, None).tolist() == [30000, 3] == x.argmax(dim=-1).tolist()
 
-# A draft tree's children: the top k of the draft rows, largest first, mapped; ties to the
-# smallest target id (argmax_map's order k times), NaN as -inf; each map kind. Rows: a
-# three-way tie at the top, a NaN, all -inf (the k smallest ids), +0.0 and -0.0 at the top
-# (equal), and plain ones.
-z = logits.clone()
-z[:4, 10] = z[:4, 150] = z[:4, 20] = z[:4].max(dim=1).values + 1
-z[5, 3] = float("nan")
-z[6, :] = float("-inf")
-z[7, :] = -1.0                  # zeros of both signs at the top: equal, so by id
-z[7, [40, 3, 17, 90]] = torch.tensor([0.0, -0.0, -0.0, 0.0])
-plain = torch.where(z.isnan(), float("-inf"), z)
-for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
-    ids = torch.arange(z.shape[1]) if index_map is None else index_map
-    for k in (1, 5, 9):
-        got = _kernels.topk_map(z, k, index_map, **kind)
+    # A draft tree's children: the top k of the draft rows, largest first, mapped; ties to the
+    # smallest target id (argmax_map's order k times), NaN as -inf; each map kind. Rows: a
+    # three-way tie at the top, a NaN, all -inf (the k smallest ids), +0.0 and -0.0 at the top
+    # (equal), and plain ones.
+    z = logits.clone()
+    z[:4, 10] = z[:4, 150] = z[:4, 20] = z[:4].max(dim=1).values + 1
+    z[5, 3] = float("nan")
+    z[6, :] = float("-inf")
+    z[7, :] = -1.0                  # zeros of both signs at the top: equal, so by id
+    z[7, [40, 3, 17, 90]] = torch.tensor([0.0, -0.0, -0.0, 0.0])
+    plain = torch.where(z.isnan(), float("-inf"), z)
+    for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
+        ids = torch.arange(z.shape[1]) if index_map is None else index_map
+        for k in (1, 5, 9):
+            got = _kernels.topk_map(z, k, index_map, **kind)
+            for r in range(8):
+                order = sorted(range(z.shape[1]), key=lambda c: (-plain[r, c].item(), ids[c].item()))
+                assert got[r].tolist() == [ids[c].item() for c in order[:k]], (r, k, got[r])
+    assert torch.equal(lm.top(hidden, 4, fused=True), lm.top(hidden, 4, fused=False))
+    # ... written straight into a tree's node columns: z's 8 rows as 2 requests x 4 rows of a
+    # depth, dest [4, k] naming each (row, rank)'s node, -1 for none (a row without children).
+    dest = torch.tensor([[3, 1, -1], [-1, -1, -1], [2, -1, 6], [-1, 5, -1]])
+    for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
+        top = _kernels.topk_map(z, 3, index_map, **kind)
+        out = torch.full((2, 8), -7, dtype=torch.int64)
+        assert _kernels.topk_map(z, 3, index_map, **kind, out=out, dest=dest) is out
+        want = torch.full((2, 8), -7, dtype=torch.int64)
         for r in range(8):
-            order = sorted(range(z.shape[1]), key=lambda c: (-plain[r, c].item(), ids[c].item()))
-            assert got[r].tolist() == [ids[c].item() for c in order[:k]], (r, k, got[r])
-assert torch.equal(lm.top(hidden, 4, fused=True), lm.top(hidden, 4, fused=False))
-# ... written straight into a tree's node columns: z's 8 rows as 2 requests x 4 rows of a
-# depth, dest [4, k] naming each (row, rank)'s node, -1 for none (a row without children).
-dest = torch.tensor([[3, 1, -1], [-1, -1, -1], [2, -1, 6], [-1, 5, -1]])
-for index_map, kind in ((d2t, {}), (inc, {"increasing": True}), (None, {})):
-    top = _kernels.topk_map(z, 3, index_map, **kind)
-    out = torch.full((2, 8), -7, dtype=torch.int64)
-    assert _kernels.topk_map(z, 3, index_map, **kind, out=out, dest=dest) is out
-    want = torch.full((2, 8), -7, dtype=torch.int64)
-    for r in range(8):
-        for j in range(3):
-            if dest[r % 4, j] >= 0:
-                want[r // 4, dest[r % 4, j]] = top[r, j]
-    assert torch.equal(out, want), (out, want)
+            for j in range(3):
+                if dest[r % 4, j] >= 0:
+                    want[r // 4, dest[r % 4, j]] = top[r, j]
+        assert torch.equal(out, want), (out, want)
+
+
+for split, chunk in ((False, 1024), (True, 1024), (True, 64)):
+    picks(split, chunk)
+_kernels._TOP_SPLIT, _kernels._TOP_CHUNK = False, 1024
 
 # The head's prologue reads its rows through their strides: a slice of a tree's rows and
 # one row repeated (stride 0) give what their copies give.

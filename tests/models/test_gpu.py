@@ -185,19 +185,37 @@ def test_draft_greedy_kernel_equals_argmax_bf16(tiny_dirs):
         logits = lm._matmul(hidden)
         logits[:8, 5] = logits[:8, 100] = 100.0                  # ties
         from specloop.models import _kernels
-        got = _kernels.argmax_map(logits, d2t)
         full = logits.float().new_full((32, V), float("-inf")).index_copy_(1, d2t,
                                                                              logits.float())
-        assert torch.equal(got, full.argmax(dim=-1))
-        # A draft tree's children (top k, mapped, ties to the smallest target id): the
-        # reference sorts the -inf-padded vocabulary by (-logit, id), bf16 logits exact.
         plain = lm._matmul(hidden).float()
         plain_full = plain.new_full((32, V), float("-inf")).index_copy_(1, d2t, plain)
-        for k in (1, 6):
-            want = torch.argsort(-full, dim=-1, stable=True)[:, :k]    # ids ascending
-            assert torch.equal(_kernels.topk_map(logits, k, d2t), want), k
-            want = torch.argsort(-plain_full, dim=-1, stable=True)[:, :k]
-            assert torch.equal(lm.top(hidden, k, fused=True), want), k
+        # One program a row, and the row split over programs (the last combines): again
+        # (the second call finds the counters the first left zero), and replayed in a
+        # CUDA graph.
+        for split in (False, True, True):
+            got = _kernels.argmax_map(logits, d2t, split=split)
+            assert torch.equal(got, full.argmax(dim=-1)), split
+            # A draft tree's children (top k, mapped, ties to the smallest target id): the
+            # reference sorts the -inf-padded vocabulary by (-logit, id), bf16 logits
+            # exact.
+            for k in (1, 6):
+                want = torch.argsort(-full, dim=-1, stable=True)[:, :k]    # ids ascending
+                assert torch.equal(_kernels.topk_map(logits, k, d2t, split=split), want), k
+            _kernels._TOP_SPLIT, before = split, _kernels._TOP_SPLIT
+            try:
+                for k in (1, 6):
+                    want = torch.argsort(-plain_full, dim=-1, stable=True)[:, :k]
+                    assert torch.equal(lm.top(hidden, k, fused=True), want), k
+            finally:
+                _kernels._TOP_SPLIT = before
+        graph, outs = torch.cuda.CUDAGraph(), []
+        with torch.cuda.graph(graph):
+            outs.append(_kernels.argmax_map(logits, d2t, split=True))
+            outs.append(_kernels.topk_map(logits, 6, d2t, split=True))
+        for _ in range(3):
+            graph.replay()
+            assert torch.equal(outs[0], full.argmax(dim=-1))
+            assert torch.equal(outs[1], torch.argsort(-full, dim=-1, stable=True)[:, :6])
 
 
 def test_fused_feature_capture_bf16(tiny_dirs):

@@ -218,6 +218,14 @@ def test_kernels_wait_before_reading_activations_or_storing():
                  {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64", "N": "i32",
                   "out_stride": "i32"}, {"MAP": 2, "BLOCK": 4096}, weights=set(),
                  num_warps=16)
+    # Their split form: the keys' scratch and the row's counter after the wait too.
+    for dest, nan_max in ((False, True), (True, False)):
+        check_kernel(K._topk_split_kernel,
+                     {"x_ptr": "*bf16", "map_ptr": "*i64", "keys_ptr": "*i64",
+                      "cnt_ptr": "*i32", "out_ptr": "*i64", "dest_ptr": "*i64", "N": "i32",
+                      "out_stride": "i32", "E": "i32"},
+                     {"K": 3, "K_P2": 4, "MAP": 2, "CHUNK": 1024, "S_P2": 16,
+                      "NAN_MAX": nan_max, "DEST": dest}, weights=set())
     # With a draft tree's rows too: their RoPE offsets are read after the wait.
     for tree in (False, True):
         check_kernel(K._rope_write_kernel,
@@ -453,9 +461,9 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     calls: list = []
     monkeypatch.setattr(_pdl, "launch_kw", lambda t: _pdl.ON)
     for mod, names in ((K, ["_add_rms_norm_kernel", "_eagle_prologue_kernel",
-                            "_argmax_map_kernel", "_topk_map_kernel", "_rope_write_kernel",
-                            "_paged_attention_kernel", "_attention_combine_kernel",
-                            "_silu_mul_kernel"]),
+                            "_argmax_map_kernel", "_topk_map_kernel", "_topk_split_kernel",
+                            "_rope_write_kernel", "_paged_attention_kernel",
+                            "_attention_combine_kernel", "_silu_mul_kernel"]),
                        (S, ["_skinny_kernel", "_norm_skinny_kernel", "_splitk_reduce_kernel",
                             "_skinny_rope_kernel"]),
                        (N, ["_ngram_chain_kernel"])):
@@ -474,6 +482,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     K.topk_map(torch.zeros(2, 16), 3, None)
     K.topk_map(torch.zeros(2, 16), 2, None, out=torch.zeros(1, 5, dtype=i64),
                dest=torch.zeros(2, 2, dtype=i64))
+    K.argmax_map(torch.zeros(2, 16), None, split=True)
+    K.topk_map(torch.zeros(2, 16), 3, None, split=True)
     kc = torch.zeros(8, 16, 1, 16)
     table, one = torch.zeros(1, 64, dtype=torch.int32), torch.zeros(1, dtype=i64)
     K.rope_cache_write(torch.zeros(1, 1, 4 * 16), one, one, table, 1024, 0,
@@ -504,7 +514,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
                          bonus=one.clone(), start_pos=one.clone())
     launched = {name for name, _ in calls}
     assert launched == {"_add_rms_norm_kernel", "_eagle_prologue_kernel", "_argmax_map_kernel",
-                        "_topk_map_kernel", "_rope_write_kernel", "_paged_attention_kernel",
+                        "_topk_map_kernel", "_topk_split_kernel", "_rope_write_kernel",
+                        "_paged_attention_kernel",
                         "_attention_combine_kernel", "_silu_mul_kernel", "_skinny_kernel",
                         "_norm_skinny_kernel", "_splitk_reduce_kernel", "_skinny_rope_kernel",
                         "_ngram_chain_kernel",
