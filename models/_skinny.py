@@ -644,15 +644,18 @@ if triton is not None:
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                             PIECE: tl.constexpr = 0, TREE: tl.constexpr = False,
                             GDC: tl.constexpr = False, NORM: tl.constexpr = False,
-                            SLICES: tl.constexpr = 1):
-        # The qkv GEMM as _skinny_kernel's one-tile tl.dot with BLOCK_N = D (a program's
-        # output columns are one head: q, k or v) and _rope_store as its epilogue: the
-        # same bits as skinny_linear then rope_cache_write, without the qkv product's
-        # round trip through memory or the rope kernel's launch. NORM: x is the residual
-        # stream and the product is of its RMSNorm by nw_ptr's weight (_dot_one_pass).
+                            SLICES: tl.constexpr = 1, BLOCK_N: tl.constexpr = 0):
+        # The qkv GEMM as _skinny_kernel's one-tile tl.dot and _rope_store as its
+        # epilogue: the same bits as skinny_linear then rope_cache_write, without the qkv
+        # product's round trip through memory or the rope kernel's launch. A program's
+        # output columns are BLOCK_N of one head (0: D, the whole head: q, k or v; less,
+        # _rope_w_rows' pairs of a head, D / BLOCK_N programs a head: more programs for
+        # the same W). NORM: x is the residual stream and the product is of its RMSNorm
+        # by nw_ptr's weight (_dot_one_pass).
+        BN: tl.constexpr = BLOCK_N if BLOCK_N > 0 else D
         if GDC:  # PDL: W (the bias, the norm's weight) before the wait; the rest after
             tl.extra.cuda.gdc_launch_dependents()
-        rn, head, dims = _rope_w_rows(tl.program_id(0), D, D)
+        rn, head, dims = _rope_w_rows(tl.program_id(0), BN, D)
         n_ok = rn < (HQ + 2 * HKV) * D
         wa, wb = _w_one_pass(w_ptr + rn.to(tl.int64)[:, None] * stride_wn, n_ok, 0, K,
                              BLOCK_K, PIECE, SLICES)
@@ -668,7 +671,7 @@ if triton is not None:
         m_ok = rm < M
         p, slot, t = _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset)
         acc = _dot_one_pass(x_ptr + rm.to(tl.int64)[:, None] * stride_xm, m_ok, K, 0, K, wa,
-                            wb, tl.zeros([BLOCK_M, D], dtype=tl.float32), 0, BLOCK_K, PIECE,
+                            wb, tl.zeros([BLOCK_M, BN], dtype=tl.float32), 0, BLOCK_K, PIECE,
                             NORM, na, nb, eps, SLICES)
         if HAS_BIAS:
             acc += bias[None, :]
@@ -903,12 +906,13 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 def rope_fits(config: SkinnyConfig, k: int, head_dim: int) -> bool:
     """``config`` can end a qkv GEMM over K = ``k`` in the RoPE + cache-write epilogue: a
-    one-tile tl.dot without split K whose BLOCK_N is one head (``skinny_rope_linear``), or
-    a norm-fusable broadcast configuration whose even BLOCK_N divides the head
-    (``skinny_norm_linear(rope=...)``: pairs of one head a program)."""
+    one-tile tl.dot without split K (``skinny_rope_linear``), or a norm-fusable broadcast
+    configuration (``skinny_norm_linear(rope=...)``), either with an even BLOCK_N that
+    divides the head (a program takes pairs of one head: ``_rope_w_rows``)."""
+    pairs = config.block_n % 2 == 0 and head_dim % config.block_n == 0
     if config.dot:
-        return config.one_pass(k) and config.k_splits(k)[0] == 1 and config.block_n == head_dim
-    return norm_fusable(config, k) and config.block_n % 2 == 0 and head_dim % config.block_n == 0
+        return config.one_pass(k) and config.k_splits(k)[0] == 1 and pairs
+    return norm_fusable(config, k) and pairs
 
 
 def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -938,11 +942,13 @@ def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         return q
     bm = config.block_m(M)
     piece = one_pass_piece(config, K)
-    _skinny_rope_kernel[(hq + 2 * hkv, 1, triton.cdiv(M, bm))](
+    per_head = D // config.block_n
+    _skinny_rope_kernel[((hq + 2 * hkv) * per_head, 1, triton.cdiv(M, bm))](
         x2, weight, bias if bias is not None else weight, q,
         norm[0] if norm is not None else x2, M, K, x2.stride(0), weight.stride(0),
         norm[1] if norm is not None else 0.0, *rope.kernel_args(T), HQ=hq, HKV=hkv, D=D,
         PAGE=page_size, HAS_BIAS=bias is not None, BLOCK_M=bm,
+        **({"BLOCK_N": config.block_n} if per_head > 1 else {}),
         BLOCK_K=config.block_k, num_warps=config.num_warps, num_stages=config.num_stages,
         **({"PIECE": piece} if piece else {}),
         **({"SLICES": slices} if (slices := config.slices_for(K)) > 1 else {}),

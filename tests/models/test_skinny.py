@@ -609,6 +609,30 @@ for c in (SkinnyConfig(True, 32, 64), SkinnyConfig(True, D, 32, split_k=2),
     refused(lambda: skinny_rope_linear(torch.zeros(1, 1, 64).half(),
                                        torch.zeros(N, 64).half(), None, c, any_rope),
             "skinny_rope_linear", c.tag())
+# The one-tile tl.dot over part of a head a program (pairs of it: D / BLOCK_N programs a
+# head, more programs for the same W): heads of D = 32 (same_as_rope_kernel reads these
+# names), BLOCK_N 16 and 32, the norm in the prologue and K in two slices too.
+D = 32
+N = (HQ + 2 * HKV) * D
+cos = torch.randn(40, D).float()
+sin = torch.randn(40, D).float()
+K = 48
+w = (torch.randn(N, K) * 0.2).half()
+nw = (1 + 0.1 * torch.randn(K)).half()
+bias = torch.randn(N).half()
+for cfg in (SkinnyConfig(True, 16, 64, num_warps=4, num_stages=1),
+            SkinnyConfig(True, 32, 64, num_warps=4, num_stages=1),
+            SkinnyConfig(True, 16, 64, num_warps=4, num_stages=1, slices=2)):
+    assert rope_fits(cfg, K, D), cfg.tag()
+    for T, starts, tree, b, norm in ((5, [3, 14], None, bias, None),
+                                     (6, [2, 1], torch.tensor([0, 1, 1, 2, 2, 3]), None,
+                                      (nw, 1e-5))):
+        x = torch.randn(2, T, K).half()
+        same_as_rope_kernel(
+            lambda rope: (skinny_rope_linear(x, w, b, cfg, rope, norm=norm),),
+            lambda rope: (_kernels.rope_cache_write(skinny_linear(x, w, b, cfg, norm=norm),
+                                                    *rope),),
+            starts, [2, 0], 1, tree, (cfg.tag(), T, tree is not None))
 print("ok")
 """
 
@@ -623,8 +647,9 @@ def test_rope_epilogue_equals_gemm_then_rope_kernel_interpreted():
     max_seq_len (the scratch page), a bias, and a draft tree's rows rotated at their
     depths; with the RMSNorm in the prologue too (``skinny_norm_linear(rope=...)``,
     broadcast configurations of pairs of one head a program, rows one by one and in one
-    reduction: the stream and its copy too); configurations that are not one head (or
-    pairs of one) a program are refused."""
+    reduction: the stream and its copy too); the one-tile tl.dot over pairs of part of a
+    head a program (BLOCK_N 16 of heads of 32), in slices and with the norm too;
+    configurations that are not one head (or pairs of one) a program are refused."""
     run_interpreted(ROPE_CHILD)
 
 
@@ -1324,7 +1349,7 @@ def test_sliced_one_tile_dot_bf16_cuda():
     within bf16 rounding of F.linear at 5..32 rows, a row's bits whatever the rows in the
     call, the same bits as a CUDA graph's replay; SwiGLU's epilogue, the residual epilogue
     and the qkv kernel with RoPE + the cache write take the slices and stay within
-    rounding of the unsliced path."""
+    rounding of the unsliced path; narrower tiles (d32, d16) give d64's sliced bits."""
     from specloop.models import _skinny
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -1382,6 +1407,27 @@ def test_sliced_one_tile_dot_bf16_cuda():
     for a, b in zip(*outs):
         close(a, b, "rope")
     assert not torch.equal(outs[0][0], outs[1][0])       # another summation order ran
+    # Narrower tiles (more programs for the same W: bench/tables/narrow_*.json) give the
+    # sliced class's bits: qkv with RoPE (half, a quarter of a head a program), o with the
+    # residual add, gate-up with GLU.
+    sliced = ("d64x1024s1w8n1k2", "d32x1024s1w8n1k2", "d16x1024s1w8n1k2")
+    outs = []
+    for tag in sliced:
+        kc, vc = kc0.clone(), vc0.clone()
+        rope = _skinny.RopeWrite(torch.tensor([13, 250], device="cuda"),
+                                 torch.tensor([3, 1], device="cuda"), table, 256, 64, cos,
+                                 sin, kc, vc, HQ)
+        outs.append((_skinny.skinny_rope_linear(x, w, None, parse_config(tag), rope,
+                                                norm=(nw, 1e-5)), kc, vc))
+    for tag, got in zip(sliced[1:], outs[1:]):
+        assert all(torch.equal(a, b) for a, b in zip(outs[0], got)), tag
+    xs, r = rand(16, H), rand(16, H)
+    for wt, kw in ((rand(H, H, scale=0.05), {"residual": r}),
+                   (rand(2 * 1536, H, scale=0.05), {"glu": True})):
+        want = _skinny.skinny_linear(xs, wt, None, parse_config(sliced[0]), **kw)
+        for tag in sliced[1:]:
+            assert torch.equal(_skinny.skinny_linear(xs, wt, None, parse_config(tag), **kw),
+                               want), (tag, kw.keys())
 
 @pytest.mark.gpu
 def test_glu_path_gives_the_prologue_paths_bits_bf16_cuda(monkeypatch):
