@@ -790,13 +790,15 @@ def compile_offline(cfg, k: int, act: bool = False, norm: bool = False, glu: boo
                       TREE=False) if norm else
                  dict(ACT=int(act), DOT=cfg.dot, SPLIT_K=split,
                       ONE_PASS=cfg.one_pass(k), PIECE=_skinny.one_pass_piece(cfg, k),
-                      RES=False, NORM=False, SLICES=cfg.slices_for(k)))
+                      RES=False, NORM=False, SLICES=cfg.slices_for(k),
+                      SLICE_PROGRAMS=cfg.slice_grid(k)))
     sig, attrs = {}, {}
     for i, name in enumerate(fn.arg_names):
         if name in const:
             sig[name] = "constexpr"
             continue
-        sig[name] = ("*fp32" if name == "y_ptr" and split > 1 and not norm else "*bf16") \
+        sig[name] = ("*fp32" if name == "p_ptr" or name == "y_ptr" and split > 1 and not norm
+                     else "*i32" if name == "cnt_ptr" else "*bf16") \
             if name.endswith("_ptr") else "fp32" if name == "eps" else "i32"
         if name not in ("M", "eps"):
             attrs[(i,)] = [["tt.divisibility", 16]]

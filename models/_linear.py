@@ -218,7 +218,7 @@ def _table_from_file(path: str) -> dict[tuple[int, int, bool], SkinnyRanges | No
     return table
 
 
-_TAG = re.compile(r"(?:([dv])|b(\d+)x)(\d+)x(\d+)s(\d+)w(\d+)n(\d+)(?:m(\d+))?(?:k(\d+))?")
+_TAG = re.compile(r"(?:([dv])|b(\d+)x)(\d+)x(\d+)s(\d+)w(\d+)n(\d+)(?:m(\d+))?(?:k(\d+)(p)?)?")
 
 
 @functools.lru_cache(maxsize=None)     # a table's few tags, looked up on every call
@@ -227,17 +227,19 @@ def parse_config(tag: str) -> SkinnyConfig:
     m = _TAG.fullmatch(tag)
     if m is None:
         raise ValueError(f"not a skinny config tag: {tag!r}")
-    d, tile_m, *ints, dot_m, slices = m.groups()
+    d, tile_m, *ints, dot_m, slices, programs = m.groups()
     rows = int(tile_m or dot_m or 0)
     k_slices = int(slices or 1)
     # ``b`` blocks of at least one row; a tl.dot block (``m``) of a power of two >= 16 rows;
-    # tl.dot's K tile in a power of two >= 2 of slices (``k``).
+    # tl.dot's K tile in a power of two >= 2 of slices (``k``), optionally each in a
+    # program of its own (``p``).
     if tile_m is not None and rows < 1 or \
             dot_m is not None and (d != "d" or rows < 16 or rows & (rows - 1)) or \
             slices is not None and (d != "d" or k_slices < 2 or k_slices & (k_slices - 1)):
         raise ValueError(f"not a skinny config tag: {tag!r}")
     bn, bk, split, warps, stages = map(int, ints)
-    return SkinnyConfig(d == "d", bn, bk, split, warps, stages, rows, k_slices)
+    return SkinnyConfig(d == "d", bn, bk, split, warps, stages, rows, k_slices,
+                        programs is not None)
 
 
 def one_pass_block_k(k: int) -> int:

@@ -121,6 +121,8 @@ class SkinnyConfig(NamedTuple):
                       # reduction; tl.dot: its M (a power of two >= 16; 0: 16)
     slices: int = 1   # one-tile tl.dot: its K tile in this many slices, each its own
                       # tl.dot and accumulator (a power of two; its own bit class)
+    slice_programs: bool = False  # those slices in programs of their own, the last to
+                                  # finish adding them in order (the same bits)
 
     def block_m(self, rows: int) -> int:
         """Rows of x per program: for tl.dot 16 (padded), or ``tile_m`` where given (a
@@ -154,14 +156,22 @@ class SkinnyConfig(NamedTuple):
         family = "d" if self.dot else f"b{self.tile_m}x" if self.tile_m else "v"
         rows = f"m{self.tile_m}" if self.dot and self.tile_m else ""
         slices = f"k{self.slices}" if self.slices > 1 else ""
+        programs = "p" if self.slice_programs else ""
         return (f"{family}{self.block_n}x{self.block_k}s{self.split_k}"
-                f"w{self.num_warps}n{self.num_stages}{rows}{slices}")
+                f"w{self.num_warps}n{self.num_stages}{rows}{slices}{programs}")
 
     def slices_for(self, k: int) -> int:
         """The SLICES a launch over K = ``k`` passes: ``slices`` for a one-tile tl.dot
         without split K whose slices are at least 16 wide, else 1 (its ranges unsliced).
         (``one_pass_piece`` decides the tiles the slices divide.)"""
         return 1 if self.slices <= 1 else _slices(self, k)
+
+    def slice_grid(self, k: int) -> int:
+        """The programs a row block's slices run in over K = ``k`` (``slice_programs``:
+        one a slice, ``SLICE_PROGRAMS``), or 0: the slices in one program. Only where
+        every slice is as wide (the down GEMM's K = 1536 as 3 x 512; K = 576's 256 + 256
+        + 64 stays in one program) and reaches into K; the same bits either way."""
+        return _slice_grid(self, k) if self.slice_programs else 0
 
 
 class RopeWrite(NamedTuple):
@@ -444,16 +454,49 @@ if triton is not None:
                 acc += tl.dot(a, tl.trans(wa), out_dtype=tl.float32)
         return acc
 
+    @triton.jit
+    def _slice_program(x_s, w_s, acc, K, p_ptr, cnt_ptr, pid_n, pid_j, pid_m,
+                       SLICE_PROGRAMS: tl.constexpr):
+        """Slice ``pid_j`` of a row block's sliced one-tile tl.dot in a program of its own:
+        its product (from a zero the compiler cannot see, as _dot_slices') into the fp32
+        scratch [SLICE_PROGRAMS, programs along M, along N, BLOCK_M, BLOCK_N], then the
+        (n, m) counter; the program that brings it to SLICE_PROGRAMS resets it and adds the
+        slices' products in order, then to ``acc``: _dot_slices' sum, the same bits.
+        -> (that sum, or ``acc`` in the others; how many programs finished before this
+        one: SLICE_PROGRAMS - 1 in the last). The counter discipline is
+        _kernels._paged_attention_kernel's "last program combines" (its module doc)."""
+        BM: tl.constexpr = acc.shape[0]
+        BN: tl.constexpr = acc.shape[1]
+        zero = tl.zeros_like(acc) + K.to(tl.float32) * 0.0
+        part = tl.dot(x_s, tl.trans(w_s), zero, out_dtype=tl.float32)
+        tile = tl.arange(0, BM)[:, None] * BN + tl.arange(0, BN)[None, :]
+        group = pid_m * tl.num_programs(0) + pid_n
+        size = tl.num_programs(2) * tl.num_programs(0) * (BM * BN)
+        at = p_ptr + group.to(tl.int64) * (BM * BN) + tile
+        tl.store(at + pid_j.to(tl.int64) * size, part)
+        # The barrier puts every thread's store before the release of this program's
+        # increment; the last program acquires them all and reads them through L2 (.cg).
+        tl.debug_barrier()
+        done = tl.atomic_add(cnt_ptr + group, 1, sem="acq_rel", scope="gpu")
+        if done == SLICE_PROGRAMS - 1:
+            tl.atomic_xchg(cnt_ptr + group, 0, sem="relaxed", scope="gpu")
+        last = tile * 0 + done == SLICE_PROGRAMS - 1     # (a mask of the tile's shape)
+        total = tl.load(at, mask=last, other=0.0, cache_modifier=".cg")
+        for j in tl.static_range(1, SLICE_PROGRAMS):
+            total += tl.load(at + j * size, mask=last, other=0.0, cache_modifier=".cg")
+        return acc + total, done
+
     # M is not specialised (Triton would compile M == 1 apart): one compile per config.
     @triton.jit(do_not_specialize=["M"])
     def _skinny_kernel(x_ptr, w_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                       k_per_split, r_ptr, nw_ptr, eps, ACT: tl.constexpr,
+                       k_per_split, r_ptr, nw_ptr, eps, p_ptr, cnt_ptr, ACT: tl.constexpr,
                        HAS_BIAS: tl.constexpr, DOT: tl.constexpr, SPLIT_K: tl.constexpr,
                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                        TILE: tl.constexpr = False, GDC: tl.constexpr = False,
                        ONE_PASS: tl.constexpr = False, GLU: tl.constexpr = False,
                        PIECE: tl.constexpr = 0, RES: tl.constexpr = False,
-                       NORM: tl.constexpr = False, SLICES: tl.constexpr = 1):
+                       NORM: tl.constexpr = False, SLICES: tl.constexpr = 1,
+                       SLICE_PROGRAMS: tl.constexpr = 0):
         # GLU: W is a gate-up weight [2N, K] and y [M, N] is silu(gate) * up (``_glu``;
         # SPLIT_K == 1). N is y's width either way. PIECE (ONE_PASS): the K range in two
         # tiles, BLOCK_K / 2 then PIECE wide (``one_pass_piece``), not one of BLOCK_K.
@@ -461,7 +504,10 @@ if triton is not None:
         # add_rms_norm rounds the residual add (r [M, N], y's strides). NORM (ONE_PASS
         # without split K): x is the residual stream and the product is of its RMSNorm by
         # nw_ptr's weight (_dot_one_pass). SLICES (ONE_PASS): the tiles in slices, each its
-        # own tl.dot (_dot_slices).
+        # own tl.dot (_dot_slices). SLICE_PROGRAMS (SLICES of one width, no NORM): program
+        # (n, j, m) takes slice j alone (_slice_program; p_ptr its fp32 scratch, cnt_ptr
+        # a zeroed counter a (n, m)), the last of them adds the slices in order and ends
+        # as the one program would (the same bits).
         pid_n = tl.program_id(0)
         pid_k = tl.program_id(1)
         pid_m = tl.program_id(2)
@@ -480,7 +526,24 @@ if triton is not None:
             if DOT:
                 x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-                if ONE_PASS:
+                if SLICE_PROGRAMS > 0:
+                    # This program's slice of W before the wait, its slice of x after.
+                    SW: tl.constexpr = (BLOCK_K // 2 if PIECE > 0 else BLOCK_K) // SLICES
+                    ks = pid_k * SW + tl.arange(0, SW)
+                    w_s = tl.load(w_rows + ks[None, :],
+                                  mask=n_ok[:, None] & (ks < K)[None, :], other=0.0)
+                    if GDC:
+                        tl.extra.cuda.gdc_wait()
+                    if RES:     # the stream's block, asked before the product
+                        r = tl.load(r_ptr + rm.to(tl.int64)[:, None] * stride_ym + rn[None, :],
+                                    mask=m_ok[:, None] & n_ok[None, :], other=0.0)
+                    x_s = _load_x(x_rows, ks[None, :], m_ok[:, None] & (ks < K)[None, :], K,
+                                  ACT)
+                    acc, done = _slice_program(x_s, w_s, acc, K, p_ptr, cnt_ptr, pid_n,
+                                               pid_k, pid_m, SLICE_PROGRAMS)
+                    # Only the last program stores.
+                    m_ok = m_ok & (rm * 0 + done == SLICE_PROGRAMS - 1)
+                elif ONE_PASS:
                     # W's tiles (and the norm's weight) before the wait, x after it, one
                     # tl.dot a tile.
                     wa, wb = _w_one_pass(w_rows, n_ok, k_lo, k_hi, BLOCK_K, PIECE, SLICES)
@@ -882,9 +945,19 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = y if split == 1 else torch.empty(split, M, N, dtype=torch.float32, device=x.device)
     r = residual.reshape(M, N).contiguous() if residual is not None else x2
     slices = c.slices_for(K)
+    # Slices in programs of their own (not with the norm: each would need all of K's sum
+    # of squares): an fp32 scratch of each program's product and a counter a row block.
+    programs = c.slice_grid(K) if norm is None else 0
+    part, counters = x2, x2
+    if programs:
+        from . import _kernels  # noqa: PLC0415 (it imports this module)
+        grid = (grid[0], programs, grid[2])
+        part = torch.empty(programs * grid[0] * grid[2] * bm * c.block_n,
+                           dtype=torch.float32, device=x.device)
+        counters = _kernels._counters(x.device, grid[0] * grid[2])
     _skinny_kernel[grid](x2, weight, b, out, M, N, K, x2.stride(0), weight.stride(0),
                          y.stride(0), k_per, r, norm[0] if norm is not None else x2,
-                         norm[1] if norm is not None else 0.0,
+                         norm[1] if norm is not None else 0.0, part, counters,
                          ACT=int(silu_mul), HAS_BIAS=bias is not None,
                          DOT=c.dot, SPLIT_K=split, BLOCK_M=bm, BLOCK_N=c.block_n,
                          BLOCK_K=c.block_k, TILE=c.tile_m > 0 and not c.dot,
@@ -895,7 +968,8 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
                          **({"GLU": True} if glu else {}),
                          **({"RES": True} if residual is not None else {}),
                          **({"NORM": True} if norm is not None else {}),
-                         **({"SLICES": slices} if slices > 1 else {}))
+                         **({"SLICES": slices} if slices > 1 else {}),
+                         **({"SLICE_PROGRAMS": programs} if programs else {}))
     if split > 1:
         block = 1024
         _splitk_reduce_kernel[(triton.cdiv(M * N, block),)](
@@ -989,6 +1063,18 @@ def _slices(config: SkinnyConfig, k: int) -> int:
     if not config.one_pass(k) or config.k_splits(k)[0] > 1:
         return 1
     return config.slices if _first_tile(config, k) // config.slices >= 16 else 1
+
+
+@functools.lru_cache(maxsize=None)     # a table's few (config, K), asked at every launch
+def _slice_grid(config: SkinnyConfig, k: int) -> int:
+    slices = config.slices_for(k)
+    if slices <= 1:
+        return 0
+    piece = one_pass_piece(config, k)
+    width = _first_tile(config, k) // slices
+    if piece % width:
+        return 0
+    return len(slice_edges(config, k))
 
 
 def _first_tile(config: SkinnyConfig, k: int) -> int:

@@ -309,7 +309,7 @@ CACHE_SIG = {"kc_ptr": "*bf16", "vc_ptr": "*bf16", "start_ptr": "*i64", "slot_pt
 SKINNY_SIG = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "y_ptr": "*bf16", "M": "i32",
               "N": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
               "stride_ym": "i32", "k_per_split": "i32", "r_ptr": "*bf16", "nw_ptr": "*bf16",
-              "eps": "fp32"}
+              "eps": "fp32", "p_ptr": "*fp32", "cnt_ptr": "*i32"}
 NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf16",
             "b_ptr": "*bf16", "y_ptr": "*bf16", "s_ptr": "*bf16", "c_ptr": "*bf16", "M": "i32",
             "N": "i32", "K": "i32", "stride_wn": "i32", "stride_ym": "i32",
@@ -319,7 +319,7 @@ NORM_SIG = {"x_ptr": "*bf16", "d_ptr": "*bf16", "nw_ptr": "*bf16", "w_ptr": "*bf
 @pytest.mark.parametrize("path", ["broadcast", "tile", "dot_split", "dot_one_pass",
                                   "dot_one_pass_glu", "dot_pieces", "tile_res",
                                   "dot_pieces_res", "dot_pieces_norm_glu",
-                                  "dot_sliced_norm_glu"])
+                                  "dot_sliced_norm_glu", "dot_slice_programs_res"])
 def test_skinny_loads_its_weight_tile_before_the_wait(path):
     from specloop.models import _skinny as S
 
@@ -358,17 +358,25 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
             "dot_sliced_norm_glu": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1,
                                         BLOCK_M=16, BLOCK_N=64, BLOCK_K=1024, TILE=False,
                                         ONE_PASS=True, PIECE=64, GLU=True, NORM=True,
-                                        SLICES=4)}[path]
+                                        SLICES=4),
+            # the down GEMM's three slices of K = 1536, a program each, the residual add
+            # in the last: its slice of W before; the scratch, counter and stream after
+            "dot_slice_programs_res": dict(ACT=0, HAS_BIAS=False, DOT=True, SPLIT_K=1,
+                                           BLOCK_M=16, BLOCK_N=32, BLOCK_K=2048,
+                                           TILE=False, ONE_PASS=True, PIECE=512, RES=True,
+                                           SLICES=2, SLICE_PROGRAMS=3)}[path]
     meta.setdefault("GLU", False)
     meta.setdefault("PIECE", 0)
     meta.setdefault("RES", False)
     meta.setdefault("NORM", False)
     meta.setdefault("SLICES", 1)
+    meta.setdefault("SLICE_PROGRAMS", 0)
     before = {"broadcast": {"w_ptr", "b_ptr"}, "tile": {"w_ptr"}, "dot_split": set(),
               "dot_one_pass": {"w_ptr"}, "dot_one_pass_glu": {"w_ptr"},
               "dot_pieces": {"w_ptr"}, "tile_res": {"w_ptr"}, "dot_pieces_res": {"w_ptr"},
               "dot_pieces_norm_glu": {"w_ptr", "nw_ptr"},
-              "dot_sliced_norm_glu": {"w_ptr", "nw_ptr"}}[path]
+              "dot_sliced_norm_glu": {"w_ptr", "nw_ptr"},
+              "dot_slice_programs_res": {"w_ptr"}}[path]
     sig = dict(SKINNY_SIG, y_ptr="*fp32") if meta["SPLIT_K"] > 1 else SKINNY_SIG
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 

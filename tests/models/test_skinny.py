@@ -272,6 +272,22 @@ for K, bk in ((100, 128), (200, 256), (150, 256)):
                 scale = h.abs() @ w.double().abs().T
                 assert ((yn.double() - ref).abs() <= 2 * eps * (ref.abs() + scale)
                         + 1e-5).all(), ("norm", K, dtype, slices, M)
+                # Each slice in a program of its own (``p``), the last adding them in
+                # order: the one program's bits, with the bias, the residual and GLU;
+                # called twice (the counters each call leaves zero). K = 150 in two
+                # slices (64, 64, then the piece's 32) is not of one width: one program,
+                # as without ``p``; in four, five programs of 32.
+                cp = cfg._replace(slice_programs=True)
+                want = {100: slices, 200: slices, 150: 0 if slices == 2 else 5}[K]
+                assert cp.slice_grid(K) == want, (K, slices, cp.slice_grid(K))
+                wg = torch.cat((w, w.flip(0)))[:2 * 9]
+                for _ in range(2):
+                    assert torch.equal(skinny_linear(x, w, bias, cp), y), (K, slices, M)
+                    assert torch.equal(skinny_linear(x, w, None, cp, residual=r), yr)
+                    assert torch.equal(skinny_linear(x, wg, None, cp, glu=True),
+                                       skinny_linear(x, wg, None, cfg, glu=True))
+                # (with the norm the slices stay in one program: each needs all of K)
+                assert torch.equal(skinny_linear(x, w, None, cp, norm=(nwd, 1e-5)), yn)
 print("ok")
 """
 
@@ -282,7 +298,8 @@ def test_sliced_one_tile_dot_equals_float64_reference_interpreted():
     """A sliced one-tile tl.dot (each slice of K its own tl.dot and accumulator, summed in
     order) equals the float64 reference within the inputs' rounding (fp32, fp16), with the
     bias, the residual epilogue and the norm prologue, its PIECE tile in slices or one,
-    and gives a row the same bits whatever the rows in the call."""
+    and gives a row the same bits whatever the rows in the call; with its slices in
+    programs of their own (``p``) the same bits as in one program."""
     run_interpreted(SLICES_CHILD)
 
 TILE_CHILD = CHECK_SOURCE + r"""
@@ -1349,7 +1366,9 @@ def test_sliced_one_tile_dot_bf16_cuda():
     within bf16 rounding of F.linear at 5..32 rows, a row's bits whatever the rows in the
     call, the same bits as a CUDA graph's replay; SwiGLU's epilogue, the residual epilogue
     and the qkv kernel with RoPE + the cache write take the slices and stay within
-    rounding of the unsliced path; narrower tiles (d32, d16) give d64's sliced bits."""
+    rounding of the unsliced path; narrower tiles (d32, d16) give d64's sliced bits; the
+    down GEMM's slices in programs of their own (``p``) its one program's bits, eager and
+    replayed in a CUDA graph, with the residual add."""
     from specloop.models import _skinny
     gen = torch.Generator(device="cuda").manual_seed(0)
 
@@ -1361,9 +1380,29 @@ def test_sliced_one_tile_dot_bf16_cuda():
 
     for n, k, tags in ((960, 576, ("d64x1024s1w8n1k2", "d64x1024s1w8n1k4", "d64x1024s1w8n1k8")),
                        (3072, 576, ("d64x1024s1w8n1k4",)),
-                       (576, 1536, ("d32x2048s1w8n1k2", "d32x2048s1w8n1k4"))):
+                       (576, 1536, ("d32x2048s1w8n1k2", "d32x2048s1w8n1k4",
+                                    "d32x2048s1w8n1k2p", "d16x2048s1w8n1k2p"))):
         w, x = rand(n, k, scale=0.05), rand(32, k)
         for tag in tags:
+            if tag.endswith("p"):    # the slices in programs of their own: k2's bits
+                cfg, one = parse_config(tag), parse_config("d32x2048s1w8n1k2")
+                assert cfg.slice_grid(k) == 3
+                r = rand(32, n)
+                for m in (5, 16, 32, 32):   # (twice: the counters each call leaves zero)
+                    assert torch.equal(_skinny.skinny_linear(x[:m], w, None, cfg),
+                                       _skinny.skinny_linear(x[:m], w, None, one)), (tag, m)
+                    assert torch.equal(
+                        _skinny.skinny_linear(x[:m], w, None, cfg, residual=r[:m]),
+                        _skinny.skinny_linear(x[:m], w, None, one, residual=r[:m])), tag
+                static, graph = x.clone(), torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    out = _skinny.skinny_linear(static, w, None, cfg, residual=r)
+                for _ in range(3):
+                    static.copy_(rand(32, k))
+                    graph.replay()
+                    assert torch.equal(out, _skinny.skinny_linear(static, w, None, one,
+                                                                  residual=r)), tag
+                continue
             cfg = parse_config(tag)
             assert cfg.slices_for(k) == cfg.slices
             full = _skinny.skinny_linear(x, w, None, cfg)
