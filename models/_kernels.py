@@ -684,10 +684,11 @@ def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
 # kernels), or the row cut into chunks of _TOP_CHUNK over that many programs, the last to
 # finish combining their keys (``_topk_split_kernel``: the same picks). H200, batch 1: the
 # row kernels took 5.3 us (argmax, eagle3 K = 3) and 6.8 us (a tree's top-k) a draft depth
-# on the critical path, one SM reading a row's 16384 logits. SPECLOOP_DRAFT_TOPK=split
-# makes the split form the default of argmax_map and topk_map (read once, at import, for
-# an A/B of whole runs); a call's ``split`` decides for itself.
-_TOP_SPLIT = os.environ.get("SPECLOOP_DRAFT_TOPK", "row") == "split"
+# on the critical path, one SM reading a row's 16384 logits; split, on an H100, eagle3
+# K = 3's iteration took 0.676 -> 0.665 ms of GPU time, the 15-node tree's 0.733 -> 0.724
+# (bench/results/h100_1205k_*). SPECLOOP_DRAFT_TOPK=row keeps one program a row (read
+# once, at import, for an A/B of whole runs); a call's ``split`` decides for itself.
+_TOP_SPLIT = os.environ.get("SPECLOOP_DRAFT_TOPK", "split") != "row"
 _TOP_CHUNK = 1024
 # At most this many chunks a row: the last program holds S * K_P2 keys in registers.
 _TOP_MAX_CHUNKS = 64

@@ -488,10 +488,10 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     K.add_rms_norm(x, x, torch.ones(8), 1e-5)
     K.eagle_prologue(torch.zeros(2, dtype=i64), torch.zeros(10, 8), x, torch.ones(8),
                      torch.ones(8), 1e-5)
-    K.argmax_map(torch.zeros(2, 16), None)
-    K.topk_map(torch.zeros(2, 16), 3, None)
+    K.argmax_map(torch.zeros(2, 16), None, split=False)
+    K.topk_map(torch.zeros(2, 16), 3, None, split=False)
     K.topk_map(torch.zeros(2, 16), 2, None, out=torch.zeros(1, 5, dtype=i64),
-               dest=torch.zeros(2, 2, dtype=i64))
+               dest=torch.zeros(2, 2, dtype=i64), split=False)
     K.argmax_map(torch.zeros(2, 16), None, split=True)
     K.topk_map(torch.zeros(2, 16), 3, None, split=True)
     kc = torch.zeros(8, 16, 1, 16)
