@@ -133,7 +133,11 @@ from specloop.samplers._triton_greedy import tree_greedy_verify
 gen = torch.Generator().manual_seed(0)
 rng = random.Random(0)
 trees = [DraftTree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]),
-         DraftTree.chain(3), DraftTree([(0,), (1,)])]
+         DraftTree.chain(3), DraftTree([(0,), (1,)]),
+         # 31 nodes of depth 4 (32 rows, paths of 5): the engine examples' largest
+         DraftTree([(a,) for a in range(9)] + [(0, b) for b in range(6)] + [(1, 0), (1, 1),
+                   (2, 0), (3, 0), (4, 0)] + [(0, 0, c) for c in range(4)] + [(0, 1, 0),
+                   (1, 0, 0), (0, 2, 0)] + [(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0)])]
 for tree in trees:
     tables = TreeTables.of(tree, "cpu")
     B, R, V = 5, tree.size + 1, 300
