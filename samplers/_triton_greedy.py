@@ -53,6 +53,10 @@ _ROW_BLOCK = 8192
 # SPECLOOP_GREEDY_VERIFY: "split" (default), "row" (see greedy_verify), or "torch" (the
 # torch ops on CUDA too); for an A/B of whole runs, read once, at import.
 _MODE = os.environ.get("SPECLOOP_GREEDY_VERIFY") or "split"
+# SPECLOOP_TREE_WALK: how the tree kernel reads the parents' targets ("store" or
+# "registers": tree_greedy_verify's ``walk``); "registers" is untimed on a GPU (written in
+# the forty-second session without one), for an A/B.
+_TREE_WALK = os.environ.get("SPECLOOP_TREE_WALK") or "store"
 _ENABLED = _MODE != "torch"
 _INT_MAX = 2147483647
 
@@ -184,17 +188,20 @@ def _row_kernel(x_ptr, d_ptr, out_ptr, V, K, s_b, s_t, s_d, T_P2: tl.constexpr,
     _emit(toks, t, b, d_ptr, out_ptr, K, s_d, COUNT)
 
 
-def _tree_kernel(pv_ptr, pi_ptr, tok_ptr, par_ptr, anc_ptr, dep_ptr, out_ptr, path_ptr, R, D,
-                 S, s_tok, T_P2: tl.constexpr, S_P2: tl.constexpr, D_P2: tl.constexpr,
-                 IMAX: tl.constexpr, GDC: tl.constexpr = False):
+def _tree_kernel(pv_ptr, pi_ptr, tok_ptr, tgt_ptr, par_ptr, anc_ptr, dep_ptr, out_ptr,
+                 path_ptr, R, D, S, s_tok, T_P2: tl.constexpr, S_P2: tl.constexpr,
+                 D_P2: tl.constexpr, IMAX: tl.constexpr, REGISTERS: tl.constexpr = False,
+                 GDC: tl.constexpr = False):
     # Row b of a draft tree's greedy VERIFY (samplers/_tree.py accept_tree): its R tree
     # rows' S partials -> their targets; a row is accepted where every row on its path
     # (ancestors anc [R, D+1]) holds its parent's target; the deepest accepted row (the
     # first in the tree's order among equals) ends the path. out [B, D+2]: the path's
-    # drafts, the target after them at n, -1 past it, then n; path [B, D+1]. Everything
-    # after the partials is in registers (the parents' targets gathered from the targets,
-    # the path's row picked by a masked sum): no memory round trip between them. The
-    # tree's tables are constants (built once a tree): loaded before PDL's wait.
+    # drafts, the target after them at n, -1 past it, then n; path [B, D+1]. The tree's
+    # tables are constants (built once a tree): loaded before PDL's wait. The parents'
+    # targets: stored in tgt [B, R] and read back after a barrier, and the path's row
+    # read at the best row's index; or (REGISTERS) gathered from the targets in registers
+    # (tl.gather) and the path's row picked by a masked sum: no memory round trip after
+    # the partials (SPECLOOP_TREE_WALK; the same output).
     if GDC:
         tl.extra.cuda.gdc_launch_dependents()
     t = tl.arange(0, T_P2)
@@ -202,27 +209,41 @@ def _tree_kernel(pv_ptr, pi_ptr, tok_ptr, par_ptr, anc_ptr, dep_ptr, out_ptr, pa
     rows = (t < R)[:, None]
     inside = rows & (j <= D)[None, :]
     anc = tl.load(anc_ptr + t[:, None] * (D + 1) + j[None, :], mask=inside, other=0)
-    # Each path's next row (its drafts: the row after j on the path).
-    nxt = tl.load(anc_ptr + t[:, None] * (D + 1) + j[None, :] + 1,
-                  mask=rows & (j < D)[None, :], other=0)
     parent = tl.load(par_ptr + anc, mask=inside, other=0)
     depth = tl.load(dep_ptr + t, mask=t < R, other=0)
+    if REGISTERS:   # each path's next row (its drafts: the row after j on the path)
+        nxt = tl.load(anc_ptr + t[:, None] * (D + 1) + j[None, :] + 1,
+                      mask=rows & (j < D)[None, :], other=0)
     if GDC:
         tl.extra.cuda.gdc_wait()
     b = tl.program_id(0)
     tgt = _targets(pv_ptr, pi_ptr, b, t, R, S, S_P2, IMAX).to(tl.int64)
     tok_row = tok_ptr + b.to(tl.int64) * s_tok
     mine = tl.load(tok_row + anc, mask=inside, other=0)
-    after = tl.load(tok_row + nxt, mask=rows & (j < D)[None, :], other=0)
-    theirs = tl.gather(tl.broadcast_to(tgt[:, None], (T_P2, D_P2)), parent, 0)
+    tgt_row = tgt_ptr + b.to(tl.int64) * R
+    if REGISTERS:
+        after = tl.load(tok_row + nxt, mask=rows & (j < D)[None, :], other=0)
+        theirs = tl.gather(tl.broadcast_to(tgt[:, None], (T_P2, D_P2)), parent, 0)
+    else:
+        tl.store(tgt_row + t, tgt, mask=t < R)
+        tl.debug_barrier()      # every lane's targets stored before any lane reads them
+        theirs = tl.load(tgt_row + parent, mask=inside, other=0)
     match = (mine == theirs) | (anc == 0) | ~inside
     accepted = tl.min(match.to(tl.int32), axis=1) > 0
     score = tl.where(accepted & (t < R), depth * R + (R - 1 - t), -1)
-    on = t == tl.argmax(score, axis=0)
-    n = tl.sum(tl.where(on, depth, 0), axis=0)
-    path = tl.sum(tl.where(on[:, None], anc, 0), axis=0)
-    drafts = tl.sum(tl.where(on[:, None], after, 0), axis=0)
-    bonus = tl.sum(tl.where(on, tgt, 0), axis=0)
+    best = tl.argmax(score, axis=0)
+    if REGISTERS:
+        on = t == best
+        n = tl.sum(tl.where(on, depth, 0), axis=0)
+        path = tl.sum(tl.where(on[:, None], anc, 0), axis=0)
+        drafts = tl.sum(tl.where(on[:, None], after, 0), axis=0)
+        bonus = tl.sum(tl.where(on, tgt, 0), axis=0)
+    else:
+        n = tl.load(dep_ptr + best)
+        path = tl.load(anc_ptr + best * (D + 1) + j, mask=j <= D, other=0)
+        nxt_row = tl.load(anc_ptr + best * (D + 1) + j + 1, mask=j < D, other=0)
+        drafts = tl.load(tok_row + nxt_row, mask=j < D, other=0)
+        bonus = tl.load(tgt_row + best)
     row = out_ptr + b.to(tl.int64) * (D + 2)
     tl.store(row + j, tl.where(j < n, drafts, tl.where(j == n, bonus, -1)), mask=j <= D)
     tl.store(row + D + 1, n.to(tl.int64))
@@ -311,13 +332,16 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
 def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
                        parents: torch.Tensor, ancestors: torch.Tensor,
                        depths: torch.Tensor, *, chunk: int | None = None,
-                       block: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                       block: int | None = None, walk: str | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft tree's greedy VERIFY in two kernels (``samplers/_tree.accept_tree`` of
     ``target_logits.argmax(-1)``, the same choice): tokens [B, R] (the root and the
     nodes), target_logits [B, R, V], the tree's tables (``TreeTables``: parents [R],
     ancestors [R, D+1], depths [R]) -> (packed [B, D+2]: the path's tokens, the target
     after them, -1 past it, then the count; path [B, D+1]). The partials kernel is
-    greedy_verify's; ``chunk``, ``block`` as its."""
+    greedy_verify's; ``chunk``, ``block`` as its. ``walk`` (None: $SPECLOOP_TREE_WALK,
+    default "store"): "store", the parents' targets through memory; "registers", in
+    registers (``_tree_kernel``'s REGISTERS; the same output)."""
     import triton
 
     partials_kernel, _, _, tree_kernel = _kernels()
@@ -327,12 +351,20 @@ def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
         target_logits = target_logits.contiguous()
     tokens = tokens if tokens.stride(1) == 1 else tokens.contiguous()
     dev = target_logits.device
+    walk = _TREE_WALK if walk is None else walk
+    if walk not in ("store", "registers"):
+        raise ValueError(f"tree_greedy_verify: walk={walk!r} (or $SPECLOOP_TREE_WALK): "
+                         "'store' or 'registers'")
+    registers = walk == "registers"
     packed = torch.empty(B, D + 2, dtype=torch.int64, device=dev)
     path = torch.empty(B, D + 1, dtype=torch.int64, device=dev)
+    # The targets' scratch (the store walk's; the register walk reads none).
+    tgt = packed if registers else torch.empty(B, R, dtype=torch.int64, device=dev)
     pdl = _pdl.launch_kw(target_logits)
     pv, pi, S = _partials(partials_kernel, target_logits, chunk, block, pdl)
-    tree_kernel[(B,)](pv, pi, tokens, parents, ancestors, depths, packed, path, R, D,
+    tree_kernel[(B,)](pv, pi, tokens, tgt, parents, ancestors, depths, packed, path, R, D,
                       S, tokens.stride(0), T_P2=triton.next_power_of_2(R),
+                      **({"REGISTERS": True} if registers else {}),
                       S_P2=triton.next_power_of_2(S), D_P2=triton.next_power_of_2(D + 1),
                       IMAX=_INT_MAX, num_warps=1, **pdl)
     return packed, path

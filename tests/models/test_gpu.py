@@ -298,3 +298,40 @@ def test_page_table_sync_through_the_staging_ring():
         if i % 50 == 49 or i == 200:
             torch.cuda.synchronize()
             assert torch.equal(pages.table.cpu(), pages.host), f"after sync {i}"
+
+
+@pytest.mark.parametrize("walk", ["store", "registers"])
+def test_tree_greedy_verify_walks_equal_accept_tree_cuda(walk):
+    """The tree's greedy VERIFY kernel (``tree_greedy_verify``) with the parents' targets
+    through memory and in registers (``walk``) equals samplers/_tree.accept_tree of the
+    argmax on bf16 logits over SmolLM2's vocabulary, a 15- and a 30-node tree, eager and
+    replayed in a CUDA graph."""
+    from specloop.samplers._tree import DraftTree, TreeTables, accept_tree
+    from specloop.samplers._triton_greedy import tree_greedy_verify
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    trees = [DraftTree([(a,) for a in range(6)] + [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0),
+                                                    (0, 0, 0), (0, 0, 1), (0, 1, 0),
+                                                    (1, 0, 0)]),
+             DraftTree([(a,) for a in range(9)] + [(0, b) for b in range(6)]
+                       + [(1, 0), (1, 1), (2, 0), (3, 0), (4, 0)]
+                       + [(0, 0, c) for c in range(4)] + [(0, 1, 0), (1, 0, 0), (0, 2, 0)]
+                       + [(0, 0, 0, 0), (0, 0, 1, 0), (0, 1, 0, 0)])]
+    for tree in trees:
+        tables = TreeTables.of(tree, "cuda")
+        B, R, V = 8, tree.size + 1, 49152
+        tokens = torch.randint(0, 4, (B, R), device="cuda", generator=gen)
+        logits = torch.randn(B, R, V, device="cuda", generator=gen).bfloat16()
+        best = torch.randint(0, 4, (B, R), device="cuda", generator=gen)
+        logits.scatter_(2, best[..., None], 30.0)
+        want = accept_tree(tables, tokens, logits.argmax(-1))
+        assert want.num_accepted.max() > 0
+        args = (tokens, logits, tables.parents, tables.ancestors, tables.depths)
+        packed, path = tree_greedy_verify(*args, walk=walk)
+        assert torch.equal(packed[:, :-1], want.token_ids), (tree.size, walk)
+        assert torch.equal(packed[:, -1], want.num_accepted) and torch.equal(path, want.path)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            packed_g, path_g = tree_greedy_verify(*args, walk=walk)
+        graph.replay()
+        assert torch.equal(packed_g, packed) and torch.equal(path_g, path)

@@ -148,11 +148,12 @@ for tree in trees:
     best = torch.randint(0, 4, (B, R), generator=gen)
     logits.scatter_(2, best[..., None], 10.0)
     want = accept_tree(tables, tokens, logits.argmax(-1))
-    packed, path = tree_greedy_verify(tokens, logits, tables.parents, tables.ancestors,
-                                      tables.depths, chunk=128, block=64)
-    assert torch.equal(packed[:, :-1], want.token_ids), (tree, packed, want.token_ids)
-    assert torch.equal(packed[:, -1], want.num_accepted)
-    assert torch.equal(path, want.path)
+    for walk in ("store", "registers"):     # the parents' targets through memory, or not
+        packed, path = tree_greedy_verify(tokens, logits, tables.parents, tables.ancestors,
+                                          tables.depths, chunk=128, block=64, walk=walk)
+        assert torch.equal(packed[:, :-1], want.token_ids), (tree, walk, packed)
+        assert torch.equal(packed[:, -1], want.num_accepted)
+        assert torch.equal(path, want.path)
     assert want.num_accepted.max() > 0
 # The path move: the kernel's cache equals KVCache.keep_path's (every layer, pages of 4,
 # rows crossing pages, one row past max_seq_len's end on the scratch page).

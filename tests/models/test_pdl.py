@@ -280,14 +280,16 @@ def test_greedy_kernels_wait_first():
                        "K": "i32", "s_b": "i32", "s_t": "i32", "s_d": "i32"},
                  {"T_P2": 4, "BLOCK": 8192, "IMAX": imax, "COUNT": True}, weights=set(),
                  num_warps=16)
-    # A draft tree's walk (in registers after the partials): the tree's tables (constants)
-    # before the wait.
-    check_kernel(tree, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "tok_ptr": "*i64",
-                        "par_ptr": "*i64", "anc_ptr": "*i64", "dep_ptr": "*i64",
-                        "out_ptr": "*i64", "path_ptr": "*i64", "R": "i32", "D": "i32",
-                        "S": "i32", "s_tok": "i32"},
-                 {"T_P2": 16, "S_P2": 32, "D_P2": 4, "IMAX": imax},
-                 weights={"par_ptr", "anc_ptr", "dep_ptr"}, num_warps=1)
+    # A draft tree's walk (its targets through memory, or in registers): the tree's tables
+    # (constants) before the wait.
+    for registers in (False, True):
+        check_kernel(tree, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "tok_ptr": "*i64",
+                            "tgt_ptr": "*i64", "par_ptr": "*i64", "anc_ptr": "*i64",
+                            "dep_ptr": "*i64", "out_ptr": "*i64", "path_ptr": "*i64",
+                            "R": "i32", "D": "i32", "S": "i32", "s_tok": "i32"},
+                     {"T_P2": 16, "S_P2": 32, "D_P2": 4, "IMAX": imax,
+                      "REGISTERS": registers},
+                     weights={"par_ptr", "anc_ptr", "dep_ptr"}, num_warps=1)
 
 
 def test_tree_path_move_waits_first():
