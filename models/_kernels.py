@@ -166,6 +166,19 @@ if triton is not None:
         return tops
 
     @triton.jit
+    def _row_top_keys(x_ptr, map_ptr, row, N, n, K: tl.constexpr, K_P2: tl.constexpr,
+                      MAP: tl.constexpr, NAN_MAX: tl.constexpr):
+        """The top K keys (_top_keys) of row ``row``'s values at columns ``n`` (those < N)
+        of x [R, N], with their ids: the columns, or (MAP == 2) map[n]."""
+        m = n < N
+        v = tl.load(x_ptr + row * N + n, mask=m, other=float("-inf")).to(tl.float32)
+        if MAP == 2:
+            ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
+        else:
+            ids = n.to(tl.int64)
+        return _top_keys(_top_key(v, ids, m, NAN_MAX), K, K_P2)
+
+    @triton.jit
     def _store_picks(tops, row, map_ptr, out_ptr, dest_ptr, out_stride, E, K: tl.constexpr,
                      K_P2: tl.constexpr, MAP: tl.constexpr, DEST: tl.constexpr):
         """Row ``row``'s top keys [K_P2] -> their ids (mapped where MAP == 1: an increasing
@@ -199,14 +212,8 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         row = tl.program_id(0)
-        n = tl.arange(0, BLOCK)
-        m = n < N
-        v = tl.load(x_ptr + row * N + n, mask=m, other=float("-inf")).to(tl.float32)
-        if MAP == 2:
-            ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
-        else:
-            ids = n.to(tl.int64)
-        tops = _top_keys(_top_key(v, ids, m, False), K, K_P2)
+        tops = _row_top_keys(x_ptr, map_ptr, row, N, tl.arange(0, BLOCK), K, K_P2, MAP,
+                             False)
         _store_picks(tops, row, map_ptr, out_ptr, dest_ptr, out_stride, E, K, K_P2, MAP, DEST)
 
     @triton.jit
@@ -231,14 +238,8 @@ if triton is not None:
         row = tl.program_id(0)
         s = tl.program_id(1)
         S = tl.num_programs(1)
-        n = s * CHUNK + tl.arange(0, CHUNK)
-        m = n < N
-        v = tl.load(x_ptr + row * N + n, mask=m, other=float("-inf")).to(tl.float32)
-        if MAP == 2:
-            ids = tl.load(map_ptr + n, mask=m, other=0).to(tl.int64)
-        else:
-            ids = n.to(tl.int64)
-        tops = _top_keys(_top_key(v, ids, m, NAN_MAX), K, K_P2)
+        tops = _row_top_keys(x_ptr, map_ptr, row, N, s * CHUNK + tl.arange(0, CHUNK), K, K_P2,
+                             MAP, NAN_MAX)
         jj = tl.arange(0, K_P2)
         tl.store(keys_ptr + (row * S + s).to(tl.int64) * K_P2 + jj, tops)
         # The barrier puts every thread's stores before the release of this program's
