@@ -690,7 +690,11 @@ def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
 # (bench/results/h100_1205k_*). SPECLOOP_DRAFT_TOPK=row keeps one program a row (read
 # once, at import, for an A/B of whole runs); a call's ``split`` decides for itself.
 _TOP_SPLIT = os.environ.get("SPECLOOP_DRAFT_TOPK", "split") != "row"
-_TOP_CHUNK = 1024
+# A split program's logits and warps (powers of two; SPECLOOP_DRAFT_TOPK_CHUNK and
+# SPECLOOP_DRAFT_TOPK_WARPS for an A/B: with one warp a round's reduction needs no barrier,
+# with smaller chunks more programs share a row). H100: 1024 and 4 measured, others not.
+_TOP_CHUNK = int(os.environ.get("SPECLOOP_DRAFT_TOPK_CHUNK") or 1024)
+_TOP_WARPS = int(os.environ.get("SPECLOOP_DRAFT_TOPK_WARPS") or 4)
 # At most this many chunks a row: the last program holds S * K_P2 keys in registers.
 _TOP_MAX_CHUNKS = 64
 
@@ -712,7 +716,8 @@ def _top_split(x: torch.Tensor, index_map: torch.Tensor | None, kind: int, k: in
     _topk_split_kernel[(R, S)](
         x, x if index_map is None else index_map, keys, _counters(x.device, R), out,
         x if dest is None else dest, N, out.stride(0), e, K=k, K_P2=k_p2, MAP=kind,
-        CHUNK=chunk, S_P2=_pow2(S), NAN_MAX=nan_max, DEST=dest is not None, num_warps=4,
+        CHUNK=chunk, S_P2=_pow2(S), NAN_MAX=nan_max, DEST=dest is not None,
+        num_warps=_TOP_WARPS,
         **_pdl.launch_kw(x))
 
 
