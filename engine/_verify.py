@@ -23,10 +23,10 @@ import torch
 
 from specloop.graphs import Step, Tensors
 from specloop.graphs._cache import FeedsItself
-from specloop.models import TreeMask
+from specloop.models import DecoderModel, TreeMask
 from specloop.models._host import to_device
 from specloop.samplers import SamplingBatch
-from specloop.samplers._sampler import packed_result
+from specloop.samplers._sampler import DefaultSampler, packed_result
 from specloop.samplers._tree import DraftTree, TreeTables, accept_tree
 from specloop.samplers._triton_greedy import tree_greedy_verify, usable
 
@@ -108,17 +108,32 @@ def pad_draft_probs(q: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([q, pad])
 
 
+def _logits(runner: ModelRunner, hidden: torch.Tensor, keep_dtype: bool) -> torch.Tensor:
+    """VERIFY's logits: f32, or where ``keep_dtype`` and the model is this package's
+    DecoderModel in its own dtype (a model handed in by an embedder keeps the documented
+    ``logits(hidden) -> f32``)."""
+    model = runner.model
+    if keep_dtype and isinstance(model, DecoderModel):
+        return model.logits(hidden, keep_dtype=True)
+    return model.logits(hidden)
+
+
 def make_verify_step(runner: ModelRunner, sampler: Sampler, template: SamplingBatch, *,
                      advanced: bool, kv_len: int | None, feeds_itself: bool = False) -> Step:
     """The step function; ``template`` supplies SamplingBatch's Python flags.
     ``feeds_itself`` (K = 0, for capture): a ``FeedsItself`` step that also writes its
     next inputs (see the module doc)."""
     scratch = runner.cache.scratch_slot
+    # The default sampler's strict verification of an all-greedy batch takes the argmax of
+    # the logits as they are (bf16 compared as f32 in its kernels: the same tokens), so
+    # they stay in the model's dtype (no f32 copy of [B, K+1, V]); anything else reads f32.
+    keep_dtype = (not advanced and template.all_greedy
+                  and type(sampler).verify is DefaultSampler.verify)
 
     def step(inputs: Tensors) -> Tensors:
         tokens, start = inputs["tokens"], inputs["start_pos"]
         hidden, features = runner.forward(tokens, start, inputs["slots"], kv_len=kv_len)
-        logits = runner.model.logits(hidden)
+        logits = _logits(runner, hidden, keep_dtype)
         batch = template.with_columns(inputs)
         result = sampler.verify(tokens[:, 1:], logits, inputs.get("draft_probs"), batch,
                                 start + 1, advanced=advanced)
@@ -161,11 +176,13 @@ def make_tree_verify_step(runner: ModelRunner, sampler: Sampler, template: Sampl
     def step(inputs: Tensors) -> Tensors:
         tokens, start, slots = inputs["tokens"], inputs["start_pos"], inputs["slots"]
         hidden, features = runner.forward(tokens, start, slots, kv_len=kv_len, tree=mask)
-        logits = runner.model.logits(hidden)
+        logits = _logits(runner, hidden, True)
         if template.all_greedy and usable(tokens[:, 1:], logits):
+            # (the kernels compare the model's bf16 as f32: no f32 copy of the logits)
             packed, rows = tree_greedy_verify(tokens, logits, tables.parents,
                                               tables.ancestors, tables.depths)
         else:
+            logits = logits.float()
             positions = (start + 1).unsqueeze(1) + tables.depths
             target = sampler.strict_targets(logits, template.with_columns(inputs), positions)
             result = accept_tree(tables, tokens, target)

@@ -177,10 +177,14 @@ class DecoderModel(nn.Module):
             return self.embed_tokens[tokens]
         return F.embedding(tokens, self.embed_tokens)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [..., H] -> f32 logits [..., V]."""
+    def logits(self, hidden: torch.Tensor, *, keep_dtype: bool = False) -> torch.Tensor:
+        """hidden [..., H] -> f32 logits [..., V] (``keep_dtype``: in the model's dtype,
+        for a reader that widens them itself: the greedy VERIFY kernels compare bf16 as
+        f32, an exact widening, so the f32 copy of VERIFY's [B, T, V] logits, a kernel of
+        its own, buys them nothing)."""
         with torch.no_grad():
-            return self.linear(hidden, self.lm_head_weight).float()
+            out = self.linear(hidden, self.lm_head_weight)
+            return out if keep_dtype else out.float()
 
     def make_cache(self, num_slots: int, max_seq_len: int, **kw: Any) -> KVCache:
         """A KVCache for this model, on its device and in its dtype (``kw``: page_size,
