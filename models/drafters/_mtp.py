@@ -353,18 +353,20 @@ class MtpEagleDrafter(Drafter):
             loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
             caught_up()     # before anything reads seq_lens
+            # VERIFY's tokens [Bp, 1 + K]: column 0 for the step's first token (step()
+            # writes it), the drafts after it, so no concatenation (a kernel) joins them.
             if tree is not None:
-                return {"token_ids": self.tree_from_root(hidden, seq_lens, inputs["slots"],
-                                                         tree, kv_len)}
+                return {"tokens": self.tree_from_root(hidden, seq_lens, inputs["slots"],
+                                                      tree, kv_len, root_column=True)}
             if not k:
-                return {"token_ids": seq_lens.new_zeros(seq_lens.shape[0], 0)}
+                return {"tokens": seq_lens.new_empty(seq_lens.shape[0], 1)}
             if greedy:      # argmax drafts, each written into its column of the output
-                ids = seq_lens.new_empty(seq_lens.shape[0], k)
-                for j in range(k):
-                    if j:
+                ids = seq_lens.new_empty(seq_lens.shape[0], k + 1)
+                for j in range(1, k + 1):
+                    if j > 1:
                         hidden = loop.send(ids[:, j - 1])
                     self.lm.greedy(hidden, out=ids[:, j], fused=self.head.block.uses_kernels)
-                return {"token_ids": ids}
+                return {"tokens": ids}
             tokens: list[torch.Tensor] = []
             probs: list[torch.Tensor | None] = []
             for j in range(k):
@@ -399,7 +401,12 @@ class MtpEagleDrafter(Drafter):
                           "cu_start": start, "write_slots": slots, "cu_last": last,
                           "slots": slots, "seq_lens": seq_lens,
                           **{name: inputs[name] for name in SamplingBatch.COLUMNS}}, caught_up)
-            out["tokens"] = torch.cat([tokens.gather(1, last[:, None]), out["token_ids"]], 1)
+            if "tokens" in out:     # the drafts' buffer has VERIFY's first column free
+                torch.gather(tokens, 1, last[:, None], out=out["tokens"][:, :1])
+                out["token_ids"] = out["tokens"][:, 1:]
+            else:                   # sampled drafts (graph_outputs' stack)
+                out["tokens"] = torch.cat([tokens.gather(1, last[:, None]),
+                                           out["token_ids"]], 1)
             out["start_pos"] = start
             return out
 
@@ -631,8 +638,8 @@ class MtpEagleDrafter(Drafter):
         return DraftProposal(tokens)
 
     def tree_from_root(self, root: torch.Tensor, seq_lens: torch.Tensor,
-                       slots: torch.Tensor, tree: DraftTree, kv_len: int | None = None
-                       ) -> torch.Tensor:
+                       slots: torch.Tensor, tree: DraftTree, kv_len: int | None = None,
+                       *, root_column: bool = False) -> torch.Tensor:
         """The tree's drafts from the root's head output ``root`` [B, H] (the catch-up's
         last row, at L - 2; ``seq_lens`` [B] the rows' lengths L): one head forward per
         depth over that depth's nodes, each fed its token and its parent's output hidden
@@ -642,10 +649,12 @@ class MtpEagleDrafter(Drafter):
         logits. The chain's nodes (0,), (0, 0), ... get the chain's tokens. ``kv_len``:
         the head's attended length (the cache's whole length: static shapes, no host
         sync, capturable; None: the positions written). -> token_ids [B, N], the nodes
-        in the tree's order."""
+        in the tree's order (``root_column``: [B, 1 + N], column 0 unwritten, for the
+        caller's root token: VERIFY's input without a concatenation)."""
         fused = self.head.block.uses_kernels and self.lm.fused_top_fits(
             max(level.width for level in self._tree_plan(tree, root.device)))
-        steps = self._tree_steps(root, seq_lens, slots, tree, kv_len, whole_depth=fused)
+        steps = self._tree_steps(root, seq_lens, slots, tree, kv_len, whole_depth=fused,
+                                 root_column=root_column)
         try:
             ask = next(steps)
             while True:
@@ -661,7 +670,8 @@ class MtpEagleDrafter(Drafter):
 
     @inference_mode
     def _tree_steps(self, root: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
-                    tree: DraftTree, kv_len: int | None, *, whole_depth: bool = False
+                    tree: DraftTree, kv_len: int | None, *, whole_depth: bool = False,
+                    root_column: bool = False
                     ) -> Generator[tuple[torch.Tensor, _TreeLevel, torch.Tensor],
                                    torch.Tensor | None, torch.Tensor]:
         """``tree_from_root`` as a generator: at each depth it runs the head, then yields
@@ -672,11 +682,15 @@ class MtpEagleDrafter(Drafter):
         ``level.dest_depth``). The R rows: the depth's rows with children
         (``level.expand``), or with ``whole_depth`` all its rows up to the last with
         children (``level.first`` .. ``level.end`` - 1: the head's output as it is, no
-        gather; a row without children has no destination). Returns token_ids [B, N]."""
+        gather; a row without children has no destination). Returns token_ids [B, N]
+        (``root_column``: with the unwritten column 0 before them, [B, 1 + N])."""
         rows, n = root.shape[0], tree.size
         hidden = root.new_empty(rows, n + 1, root.shape[-1])
         hidden[:, 0] = root
-        tokens = torch.zeros(rows, n + 1, dtype=torch.int64, device=root.device)
+        # Not zeroed (a fill kernel less): every node's column is written at its parent's
+        # depth (it is some rank of its parent), before any depth reads it; column 0 (the
+        # root's) is never read here.
+        tokens = torch.empty(rows, n + 1, dtype=torch.int64, device=root.device)
         for level in self._tree_plan(tree, root.device):
             a, b = level.first, level.end
             if level.mask is not None:      # depth >= 1: the head over its rows
@@ -688,7 +702,7 @@ class MtpEagleDrafter(Drafter):
             top = yield ranked.flatten(0, 1), level, tokens
             if top is not None:
                 level.place(tokens, top, whole_depth=whole_depth)
-        return tokens[:, 1:]
+        return tokens if root_column else tokens[:, 1:]
 
     async def _draft_tree_tp(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
         """The draft tree under LM-head TP (eager): the head on this rank's rows, and at
