@@ -485,7 +485,7 @@ class PackedLinear:
         # where the next layer's qkv GEMM normalises the stream as it loads it
         # (takes_stream: its one-tile tl.dot with RoPE, 5-32 rows with the shipped table);
         # "mlp", the o GEMM adds attention's output where it runs its one-tile tl.dot
-        # (9-32 rows) and gate-up normalises that stream as it loads it (out_norm_mlp).
+        # (5-32 rows) and gate-up normalises that stream as it loads it (out_norm_mlp).
         # The stream's bits are the same; the norm's sum of squares adds in another order.
         modes = stream_modes(os.environ.get("SPECLOOP_SKINNY_STREAM_NORM",
                                             STREAM_NORM_DEFAULT)) \
