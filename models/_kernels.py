@@ -594,6 +594,26 @@ if triton is not None:
         tl.store(o_ptr + rows[:, None] * D + d[None, :], out.to(o_ptr.dtype.element_ty),
                  mask=live[:, None])
 
+    @triton.jit(**_per_row("v_ptr", "meta_ptr", "len_ptr"))
+    def _draft_glue_kernel(v_ptr, meta_ptr, len_ptr, last_ptr, tok_ptr, start_ptr, W, s_v,
+                           s_meta, s_len, BLOCK_W: tl.constexpr, GDC: tl.constexpr = False):
+        # draft_glue's row b (see there): integer ops, the same values as the torch ops.
+        if GDC:  # nothing to load before the wait (see the module doc)
+            tl.extra.cuda.gdc_launch_dependents()
+            tl.extra.cuda.gdc_wait()
+        b = tl.program_id(0)
+        w = tl.arange(0, BLOCK_W)
+        row = v_ptr + b.to(tl.int64) * s_v
+        tok = tl.load(row + w, mask=w < W, other=0)
+        tl.store(tok_ptr + b.to(tl.int64) * W + w, tl.maximum(tok, 0), mask=w < W)
+        last = tl.load(row + W) * tl.load(meta_ptr + s_meta + b)
+        start = tl.load(len_ptr + s_len + b)
+        at = start + last
+        tl.store(last_ptr + b, last)
+        tl.store(start_ptr + b, start)
+        tl.store(len_ptr + b, tl.load(meta_ptr + 2 * s_meta + b) + at)
+        tl.store(len_ptr + s_len + b, tl.load(meta_ptr + 3 * s_meta + b) + at)
+
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr,
                          GDC: tl.constexpr = False):
@@ -985,6 +1005,41 @@ def keep_path(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
         table.stride(0), table.shape[1], max_seq_len, scratch_page, WIDTH=hkv * D,
         PAGE=page, D_P2=_pow2(d1), BLOCK=_pow2(hkv * D), num_warps=4,
         **_pdl.launch_kw(k_cache))
+
+
+def draft_glue_fits(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor
+                    ) -> bool:
+    """``draft_glue`` takes these: int64, rows contiguous, meta [4, B], lengths [2, B]."""
+    B = verified.shape[0]
+    return (verified.dim() == 2 and verified.shape[1] >= 1
+            and all(t.dtype == torch.int64 and t.stride(-1) == 1
+                    for t in (verified, meta, lengths))
+            and meta.shape == (4, B) and lengths.shape == (2, B))
+
+
+def draft_glue(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A draft graph step's integer glue (``MtpEagleDrafter.graph_step``) in one kernel:
+    verified [B, W+1] (each row's catch-up tokens, then its last catch-up row), meta
+    [4, B] (slot, 1 on real rows, the length's and VERIFY position's offsets), lengths
+    [2, B] (the catch-up start in row 1) -> (last [B] = verified[:, W] * meta[1], tokens
+    [B, W] = verified[:, :W] clamped at 0, the catch-up start [B] as it was), and lengths
+    becomes meta[2:] + start + last (the length, VERIFY's position), which the torch ops
+    write after the catch-up has read the start (here it reads the copy). All int64."""
+    if not draft_glue_fits(verified, meta, lengths):
+        raise ValueError(f"draft_glue: verified {tuple(verified.shape)}, meta "
+                         f"{tuple(meta.shape)}, lengths {tuple(lengths.shape)} (int64, rows "
+                         "contiguous; meta [4, B], lengths [2, B])")
+    B, W = verified.shape[0], verified.shape[1] - 1
+    last = verified.new_empty(B)
+    tokens = verified.new_empty(B, W)
+    start = verified.new_empty(B)
+    if B:
+        _draft_glue_kernel[(B,)](verified, meta, lengths, last, tokens, start, W,
+                                 verified.stride(0), meta.stride(0), lengths.stride(0),
+                                 BLOCK_W=_pow2(max(W, 1)), num_warps=1,
+                                 **_pdl.launch_kw(verified))
+    return last, tokens, start
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

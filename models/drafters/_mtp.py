@@ -389,16 +389,27 @@ class MtpEagleDrafter(Drafter):
             # Integer glue, as exact in the graph as on the host: the last catch-up row
             # (padding rows: 0), tokens -1 past a VERIFY's bonus made a valid id (0), each
             # row's length and VERIFY's position (one add for both: offsets + start + last,
-            # written over the start once the catch-up has read it).
-            last = verified[:, width] * is_real
-            tokens = verified[:, :width].clamp(min=0)
-            at = start + last
+            # written over the start once the catch-up has read it). With the kernels, one
+            # kernel for all of it (_kernels.draft_glue: the catch-up reads a copy of the
+            # start), not four.
+            from specloop.models import _kernels  # noqa: PLC0415
+            if self.head.block.uses_kernels and _kernels.draft_glue_fits(verified, meta,
+                                                                         lengths):
+                last, tokens, cu_start = _kernels.draft_glue(verified, meta, lengths)
 
-            def caught_up() -> None:
-                torch.add(meta[2:], at, out=lengths)
+                def caught_up() -> None:
+                    pass
+            else:
+                last = verified[:, width] * is_real
+                tokens = verified[:, :width].clamp(min=0)
+                at = start + last
+                cu_start = start
+
+                def caught_up() -> None:
+                    torch.add(meta[2:], at, out=lengths)
 
             out = drafts({"cu_tokens": tokens, "cu_hidden": inputs["cu_hidden"],
-                          "cu_start": start, "write_slots": slots, "cu_last": last,
+                          "cu_start": cu_start, "write_slots": slots, "cu_last": last,
                           "slots": slots, "seq_lens": seq_lens,
                           **{name: inputs[name] for name in SamplingBatch.COLUMNS}}, caught_up)
             if "tokens" in out:     # the drafts' buffer has VERIFY's first column free

@@ -6,7 +6,8 @@ start + pos_offset inside the kernels, the head's prologue kernel (embedding, en
 hnorm, concat), the per-part fnorm, the greedy draft token as one argmax-and-map
 kernel (ties to the smallest target id, whatever the map's order), and a draft tree's
 children as one top-k-and-map kernel (the same order, k times), written into their nodes'
-columns; the prologue reading strided rows (a tree's parents as a view). The same comparisons
+columns; the prologue reading strided rows (a tree's parents as a view); the draft graph
+step's integer glue in one kernel. The same comparisons
 run on CUDA in bf16 in tests/models/test_gpu.py.
 """
 
@@ -158,6 +159,31 @@ def picks(split, chunk):
 for split, chunk in ((False, 1024), (True, 1024), (True, 64)):
     picks(split, chunk)
 _kernels._TOP_SPLIT, _kernels._TOP_CHUNK = False, 1024
+
+# The draft graph step's integer glue in one kernel (draft_glue) equals its torch ops: the
+# last catch-up row (0 on padding rows), tokens clamped at 0 (a VERIFY's -1 past its
+# bonus), the start as it was, and lengths = offsets + start + last; rows of a packed
+# VERIFY output (a view with one more column) and of a flat input buffer alike.
+gen = torch.Generator().manual_seed(3)
+for B, W in ((1, 4), (5, 3), (8, 1)):
+    packed = torch.randint(-1, 50, (B, W + 2), generator=gen)
+    verified = packed[:, :W + 1]                      # rows contiguous, a row stride W + 2
+    verified[:, W] = torch.randint(0, W, (B,), generator=gen)
+    meta = torch.stack([torch.arange(B), (torch.arange(B) < B - 1).long(),
+                        torch.randint(0, 3, (B,), generator=gen),
+                        torch.randint(0, 3, (B,), generator=gen)])
+    lengths = torch.randint(0, 100, (2, B), generator=gen)
+    want_lengths = lengths.clone()
+    last = verified[:, W] * meta[1]
+    at = want_lengths[1] + last
+    want = (last, verified[:, :W].clamp(min=0), lengths[1].clone())
+    torch.add(meta[2:], at, out=want_lengths)
+    assert _kernels.draft_glue_fits(verified, meta, lengths)
+    got = _kernels.draft_glue(verified, meta, lengths)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w), (B, W, g, w)
+    assert torch.equal(lengths, want_lengths), (lengths, want_lengths)
+assert not _kernels.draft_glue_fits(verified, meta.t().contiguous().t(), lengths)
 
 # The head's prologue reads its rows through their strides: a slice of a tree's rows and
 # one row repeated (stride 0) give what their copies give.

@@ -234,6 +234,11 @@ def test_kernels_wait_before_reading_activations_or_storing():
                       "TREE": tree}, weights=set())
     check_kernel(K._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32"},
                  {"BLOCK": 1024}, weights=set())
+    check_kernel(K._draft_glue_kernel,
+                 {"v_ptr": "*i64", "meta_ptr": "*i64", "len_ptr": "*i64", "last_ptr": "*i64",
+                  "tok_ptr": "*i64", "start_ptr": "*i64", "W": "i32", "s_v": "i32",
+                  "s_meta": "i32", "s_len": "i32"}, {"BLOCK_W": 4}, weights=set(),
+                 num_warps=1)
 
 
 ATTENTION_SIG = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "table_ptr": "*i32",
@@ -476,7 +481,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     for mod, names in ((K, ["_add_rms_norm_kernel", "_eagle_prologue_kernel",
                             "_argmax_map_kernel", "_topk_map_kernel", "_topk_split_kernel",
                             "_rope_write_kernel", "_paged_attention_kernel",
-                            "_attention_combine_kernel", "_silu_mul_kernel"]),
+                            "_attention_combine_kernel", "_silu_mul_kernel",
+                            "_draft_glue_kernel"]),
                        (S, ["_skinny_kernel", "_norm_skinny_kernel", "_splitk_reduce_kernel",
                             "_skinny_rope_kernel"]),
                        (N, ["_ngram_chain_kernel"])):
@@ -505,6 +511,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     for splits, combine in ((1, "last"), (4, "last"), (4, "kernel")):
         K.paged_attention(q, kc, kc, table, one, one, splits=splits, combine=combine)
     K.silu_mul(torch.zeros(2, 16))
+    K.draft_glue(torch.zeros(2, 3, dtype=i64), torch.zeros(4, 2, dtype=i64),
+                 torch.zeros(2, 2, dtype=i64))
     w = torch.zeros(4, 64)
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(False, 2, 1024))
     S.skinny_linear(torch.zeros(1, 64), w, None, SkinnyConfig(True, 16, 16, split_k=2))
@@ -529,7 +537,8 @@ def test_every_launch_of_a_step_passes_the_switch(monkeypatch):
     assert launched == {"_add_rms_norm_kernel", "_eagle_prologue_kernel", "_argmax_map_kernel",
                         "_topk_map_kernel", "_topk_split_kernel", "_rope_write_kernel",
                         "_paged_attention_kernel",
-                        "_attention_combine_kernel", "_silu_mul_kernel", "_skinny_kernel",
+                        "_attention_combine_kernel", "_silu_mul_kernel",
+                        "_draft_glue_kernel", "_skinny_kernel",
                         "_norm_skinny_kernel", "_splitk_reduce_kernel", "_skinny_rope_kernel",
                         "_ngram_chain_kernel",
                         "partials", "combine", "row", "chunk_sums", "sample"}, launched
