@@ -9,7 +9,7 @@ random target (models/testing.py) with a random eagle3 head, fp32, chain forced 
 
     python bench/bench_chain_host.py [--batches 1,32] [--iterations 400] [--runs 3]
         [--method eagle3] [--k 3] [--profile prof.txt] [--closed [--sampled]]
-        [--adaptive-at K] [--cycle 0,0,0,0,0,0,4,4] [--steady]
+        [--adaptive-at K] [--cycle 0,0,0,0,0,0,4,4] [--steady] [--tree 15]
 
 Per run: the copies into the graphs' static inputs an iteration, by input (each a torch
 call on the host: what a replay costs beyond its ~2.5 µs launch); each state's mean time
@@ -46,7 +46,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests' helpers
-from _common import quiet_logs  # noqa: E402
+from _common import TREES, quiet_logs  # noqa: E402
 from bench_host_overhead import StateTimes  # noqa: E402
 
 from specloop.graphs import CudaGraphCache, GraphKey  # noqa: E402
@@ -130,13 +130,17 @@ class FrozenReplayCache(CudaGraphCache):
         return False
 
 
-def config(path, method, k, batch, adaptive=False):
+def config(path, method, k, batch, adaptive=False, tree=None):
     from specloop.engine import EngineConfig  # noqa: PLC0415
+    spec = {"method": method, "num_draft_tokens": k, "adaptive": adaptive}
+    if tree is not None:    # a draft tree (_common.TREES' node count): K is its depth
+        spec["tree"] = TREES[tree]
+        spec["num_draft_tokens"] = max(len(p) for p in TREES[tree])
     return EngineConfig.from_dict({
         "model": {"name": str(path), "dtype": "float32", "device": "cpu",
                   "max_seq_len": 1 << 15, "chat_template": False},
         "scheduler": {"max_batch_size": batch, "max_num_tokens": 4096},
-        "speculative": {"method": method, "num_draft_tokens": k, "adaptive": adaptive},
+        "speculative": spec,
         "graphs": {"batch_buckets": [batch]},
         "components": {"graph_cache": "bench_chain_host:FrozenReplayCache"}})
 
@@ -316,6 +320,8 @@ def main() -> None:
     ap.add_argument("--cycle", default="", metavar="K,K,..",
                     help="batch 1, adaptive K held to this cycle: state times per move (a "
                          "cycle through K = 0 chains with --method ngram only)")
+    ap.add_argument("--tree", type=int, default=None, metavar="N",
+                    help="draft the tree of N nodes (bench/_common.TREES) instead of a chain")
     ap.add_argument("--cycle-batch", type=int, default=1,
                     help="--cycle: this many endless requests (default 1)")
     args = ap.parse_args()
@@ -338,7 +344,8 @@ def main() -> None:
                           flush=True)
             return
         for batch in map(int, args.batches.split(",")):
-            cfg = config(path, args.method, args.k, batch, args.adaptive_at is not None)
+            cfg = config(path, args.method, args.k, batch, args.adaptive_at is not None,
+                         args.tree)
             if args.closed:
                 rows, per_k = anyio.run(closed_rounds, cfg, loaded, batch, args.runs,
                                         args.sampled, args.adaptive_at)
