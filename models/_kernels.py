@@ -690,7 +690,7 @@ def argmax_map(x: torch.Tensor, index_map: torch.Tensor | None,
     if out is None:
         out = torch.empty(B, dtype=torch.int64, device=x.device)
     kind = 0 if index_map is None else 1 if increasing else 2
-    if _split_top(N, split):
+    if _runs_split(N, split):
         _top_split(x, index_map, kind, 1, out, None, 1, nan_max=True)
         return out
     # One program a row, the whole row (up to 16k) in one pass: a launch-bound draft step
@@ -719,7 +719,7 @@ _TOP_WARPS = int(os.environ.get("SPECLOOP_DRAFT_TOPK_WARPS") or 4)
 _TOP_MAX_CHUNKS = 64
 
 
-def _split_top(n: int, split: bool | None) -> bool:
+def _runs_split(n: int, split: bool | None) -> bool:
     """Whether a row of ``n`` runs split (``split`` None: the module's default)."""
     return (_TOP_SPLIT if split is None else split) and n <= _TOP_CHUNK * _TOP_MAX_CHUNKS
 
@@ -737,8 +737,7 @@ def _top_split(x: torch.Tensor, index_map: torch.Tensor | None, kind: int, k: in
         x, x if index_map is None else index_map, keys, _counters(x.device, R), out,
         x if dest is None else dest, N, out.stride(0), e, K=k, K_P2=k_p2, MAP=kind,
         CHUNK=chunk, S_P2=_pow2(S), NAN_MAX=nan_max, DEST=dest is not None,
-        num_warps=_TOP_WARPS,
-        **_pdl.launch_kw(x))
+        num_warps=_TOP_WARPS, **_pdl.launch_kw(x))
 
 
 # A row of topk_map in one block (the shipped heads' draft vocabulary: 16384) and at most
@@ -772,7 +771,7 @@ def topk_map(x: torch.Tensor, k: int, index_map: torch.Tensor | None, *,
             raise ValueError(f"topk_map: dest {tuple(dest.shape)} for {R} rows of top-{k} "
                              f"into out {None if out is None else tuple(out.shape)}")
         dest, e = dest.contiguous(), dest.shape[0]
-    if _split_top(N, split):
+    if _runs_split(N, split):
         _top_split(x, index_map, kind, k, out, dest, e, nan_max=False)
         return out
     _topk_map_kernel[(R,)](x, x if index_map is None else index_map, out,

@@ -344,6 +344,7 @@ class MtpEagleDrafter(Drafter):
             k = 0
 
         greedy = not advanced and type(sampler).draft is DefaultSampler.draft
+        from specloop.models import _kernels  # noqa: PLC0415 (step's glue kernel)
         # Made before any capture (not in one: its memory and zero-fill outside graphs).
         lengths = self._lengths_of(template.size)
 
@@ -392,7 +393,6 @@ class MtpEagleDrafter(Drafter):
             # written over the start once the catch-up has read it). With the kernels, one
             # kernel for all of it (_kernels.draft_glue: the catch-up reads a copy of the
             # start), not four.
-            from specloop.models import _kernels  # noqa: PLC0415
             if self.head.block.uses_kernels and _kernels.draft_glue_fits(verified, meta,
                                                                          lengths):
                 last, tokens, cu_start = _kernels.draft_glue(verified, meta, lengths)
