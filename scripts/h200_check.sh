@@ -31,6 +31,9 @@
 #   host     each iteration's wall and the host's wait for the GPU (HOST_BATCH, HOST_CONFIGS,
 #            HOST_SETS, HOST_PROFILE=1: cProfile too; batch 1's three configs ~1.5 min)
 #   syncs    batch 1: synchronizing CUDA calls outside the read-back, by engine line
+#   kernels  one steady batch-1 iteration's device work in order, by launch (KERNEL_CONFIGS,
+#            default "none,eagle3 tree31"; bench/trace_kernels.py on profiler traces):
+#            $OUT/kernels_<config>.txt
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   tail     the skinny GEMM's tl.dot tail at 32-256 rows against cuBLAS (no SmolLM2 needed)
 #   pagesync PageTable.sync's host time a call, the staging ring against the earlier syncs,
@@ -300,6 +303,15 @@ for line in sys.stdin:
             --out "$OUT/ab_${env//[^A-Za-z0-9_]/_}_$round.jsonl" --configs "${CONFIGS:-none,eagle3 K=3}" \
             --batches "${BATCHES:-1,32}" --runs 3 --min-prompts 16 2>&1 | grep '^{' | cut -c1-150)
         done
+      done ;;
+    kernels)
+      rm -rf /tmp/kernel_traces && mkdir -p /tmp/kernel_traces
+      (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" --out /tmp/kernel_traces/rows.jsonl \
+        --configs "${KERNEL_CONFIGS:-none,eagle3 tree31}" --batches 1 --runs 1 --min-prompts 16 \
+        --trace-dir /tmp/kernel_traces 2>&1 | grep '^{' | cut -c1-150)
+      for t in /tmp/kernel_traces/trace_b1_*.json; do
+        n=$(basename "$t" .json); n=${n#trace_b1_}
+        python3 bench/trace_kernels.py "$t" --top 20 --out "$OUT/kernels_$n.txt" | tail -24
       done ;;
     layer)
       # A SmolLM2 layer without attention (30 layers' weights, CUDA graphs) through the
