@@ -696,23 +696,25 @@ class MtpEagleDrafter(Drafter):
         gather; a row without children has no destination). Returns token_ids [B, N]
         (``root_column``: with the unwritten column 0 before them, [B, 1 + N])."""
         rows, n = root.shape[0], tree.size
-        hidden = root.new_empty(rows, n + 1, root.shape[-1])
-        hidden[:, 0] = root
         # Not zeroed (a fill kernel less): every node's column is written at its parent's
-        # depth (it is some rank of its parent), before any depth reads it; column 0 (the
-        # root's) is never read here.
+        # depth (it is some rank of its parent), before any depth reads it.
         tokens = torch.empty(rows, n + 1, dtype=torch.int64, device=root.device)
+        # Each depth's head output as the head returns it, read by the next depth: no
+        # buffer of every node's rows to copy them into (a copy kernel a depth).
+        above = root[:, None]   # depth 0's rows: the root alone
         for level in self._tree_plan(tree, root.device):
             a, b = level.first, level.end
-            if level.mask is not None:      # depth >= 1: the head over its rows
-                hidden[:, a:b] = self.head(
-                    tokens[:, a:b], level.parents_of(hidden), seq_lens + (a - 2), slots,
-                    self.cache, kv_len=kv_len, tree=level.mask)
+            if level.mask is None:          # depth 0
+                out = above
+            else:                           # depth >= 1: the head over its rows
+                out = self.head(tokens[:, a:b], level.parents_of(above), seq_lens + (a - 2),
+                                slots, self.cache, kv_len=kv_len, tree=level.mask)
             assert level.expand is not None, "every depth above the deepest has children"
-            ranked = hidden[:, a:b] if whole_depth else level.expanding(hidden)
+            ranked = out if whole_depth else level.expanding(out)
             top = yield ranked.flatten(0, 1), level, tokens
             if top is not None:
                 level.place(tokens, top, whole_depth=whole_depth)
+            above = out
         return tokens if root_column else tokens[:, 1:]
 
     async def _draft_tree_tp(self, ctx: DraftContext, tree: DraftTree) -> DraftProposal:
@@ -788,7 +790,9 @@ class _TreeLevel:
         rows = rows[:rows.index(max(r for r in rows if r in kids)) + 1]
         self.first, self.end = rows[0], rows[-1] + 1
         self.mask: TreeMask | None = None
-        parents = [tree.parents[r] for r in rows]
+        # Indices into the depth above's rows (its head output, from its first row).
+        above = min((r for r, d in enumerate(tree.depths) if d == depth - 1), default=0)
+        parents = [tree.parents[r] - above for r in rows]
         self.parents = torch.tensor(parents, device=device)
         self._parent_run = _run(parents)
         if depth:
@@ -799,7 +803,9 @@ class _TreeLevel:
                                  tree.visible(device)[a:b, 1:b])
         expand = [r for r in rows if r in kids]
         self.expand = torch.tensor(expand, device=device) if expand else None
-        self._expand_run = _run(expand)
+        # Indices into this depth's own rows (its head output).
+        self._expand_index = torch.tensor([r - self.first for r in expand], device=device)
+        self._expand_run = _run([r - self.first for r in expand])
         self.width = max(tree.paths[c - 1][-1] for r in expand for c in kids[r]) + 1
         dest = torch.full((self.end - self.first, self.width), -1, dtype=torch.int64)
         for r in expand:
@@ -811,14 +817,16 @@ class _TreeLevel:
         self._placing = {whole: _placing(d, device) for whole, d in
                          ((False, dest[[r - self.first for r in expand]]), (True, dest))}
 
-    def parents_of(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, 1 + N, H] -> the depth's rows' parents' [B, end - first, H]."""
-        return _take(hidden, self.parents, self._parent_run)
+    def parents_of(self, above: torch.Tensor) -> torch.Tensor:
+        """The depth above's head output [B, its rows, H] -> this depth's rows' parents'
+        [B, end - first, H]."""
+        return _take(above, self.parents, self._parent_run)
 
-    def expanding(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden [B, 1 + N, H] -> the rows with children [B, len(expand), H]."""
+    def expanding(self, out: torch.Tensor) -> torch.Tensor:
+        """This depth's head output [B, end - first, H] -> its rows with children
+        [B, len(expand), H]."""
         assert self.expand is not None
-        return _take(hidden, self.expand, self._expand_run)
+        return _take(out, self._expand_index, self._expand_run)
 
     def place(self, tokens: torch.Tensor, top: torch.Tensor, *, whole_depth: bool = False
               ) -> None:
