@@ -232,13 +232,18 @@ class DecoderModel(nn.Module):
         capture: tuple[int, ...] = (),
         pos_offset: int = 0,
         tree: TreeMask | None = None,
+        last: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input).
         ``pos_offset``: the rows sit at start_pos + pos_offset.. (the fused kernels add it
-        themselves: a draft step needs no position tensor of its own)."""
+        themselves: a draft step needs no position tensor of its own). ``last`` [B]: the
+        output of row last[b] of each b alone, [B, H] (every row still runs and writes its
+        K/V; the final norm reads the one row: a draft's catch-up, no gather after it)."""
         n = self._num_layers(num_layers, cache)
         if list(capture) != sorted(set(capture)) or any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
+        if last is not None and capture:
+            raise ValueError("forward_embeds: last= with captured layers")
         fused = self.uses_kernels
         if tree is not None:
             tree.check(embeds.shape[1])
@@ -266,7 +271,8 @@ class DecoderModel(nn.Module):
             for i, w in enumerate(weights):
                 x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1),
                                              feeds and i + 1 < n and i not in into)
-            out = _kernels.add_rms_norm(x, delta, self.norm, eps, into.get(n - 1))[0]
+            out = _kernels.add_rms_norm(x, delta, self.norm, eps, into.get(n - 1),
+                                        pick=last)[0]
             return (out, feats) if feats is not None else out
         x = embeds  # [B, T, H]
         captured = []  # the residual stream after the captured layers
@@ -274,6 +280,8 @@ class DecoderModel(nn.Module):
             x = self._layer(i, w, x, step, cache)
             if i in capture:
                 captured.append(x)
+        if last is not None:
+            x = x.gather(1, last.reshape(-1, 1, 1).expand(-1, 1, x.shape[-1]))[:, 0]
         out = rms_norm(x, self.norm, eps)
         return (out, torch.cat(captured, dim=-1)) if capture else out
 

@@ -75,20 +75,30 @@ def _per_row(*index_args: str, varying: tuple[str, ...] = ()) -> dict[str, list[
 
 if triton is not None:
 
-    @triton.jit
-    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, copy_ptr, H, copy_stride,
-                             eps, W_ROWS: tl.constexpr, HAS_DELTA: tl.constexpr,
-                             HAS_COPY: tl.constexpr, BLOCK: tl.constexpr,
+    @triton.jit(**_per_row("pick_ptr"))
+    def _add_rms_norm_kernel(x_ptr, d_ptr, w_ptr, h_ptr, out_ptr, copy_ptr, pick_ptr, H,
+                             copy_stride, T, eps, W_ROWS: tl.constexpr,
+                             HAS_DELTA: tl.constexpr, HAS_COPY: tl.constexpr,
+                             PICK: tl.constexpr, BLOCK: tl.constexpr,
                              GDC: tl.constexpr = False):
+        # PICK: program b normalizes row b * T + pick[b] alone, into h row b (one row of
+        # each T: a catch-up's last, no gather kernel after). W_ROWS > 1 with PICK: the
+        # weight row of the row normalized.
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < H
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
-        # W_ROWS > 1: row r is scaled by weight row r % W_ROWS (one weight per feature part).
-        w = tl.load(w_ptr + (row % W_ROWS) * H + cols, mask=m, other=0.0)  # a weight: before
+        if not PICK:
+            # W_ROWS > 1: row r is scaled by weight row r % W_ROWS (one weight per feature
+            # part).
+            w = tl.load(w_ptr + (row % W_ROWS) * H + cols, mask=m, other=0.0)  # before
         if GDC:
             tl.extra.cuda.gdc_wait()
+        h_row = row
+        if PICK:    # the pick is an earlier kernel's output: after the wait
+            row = row * T + tl.load(pick_ptr + row)
+            w = tl.load(w_ptr + (row % W_ROWS) * H + cols, mask=m, other=0.0)
         x = tl.load(x_ptr + row * H + cols, mask=m, other=0.0)
         if HAS_DELTA:
             # Rounded to the stream's dtype like the reference's ``x + y``.
@@ -100,7 +110,7 @@ if triton is not None:
             tl.store(copy_ptr + row * copy_stride + cols, x, mask=m)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
-        tl.store(h_ptr + row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
+        tl.store(h_ptr + h_row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
 
     @triton.jit(**_per_row("tok_ptr"))
     def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, H, eps, T,
@@ -630,15 +640,25 @@ if triton is not None:
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float, copy_to: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 eps: float, copy_to: torch.Tensor | None = None,
+                 pick: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """-> (rms_norm(x + delta), x + delta) for x, delta [..., H]; delta None: no add.
     ``weight`` [H], or [W, H]: row r of x scaled by weight row r % W. ``copy_to`` [..., H]
-    (rows strided, last dim contiguous): also receives x + delta (same store)."""
+    (rows strided, last dim contiguous): also receives x + delta (same store). ``pick``
+    [B] (x [B, T, H]): the norm of row pick[b] of each b alone, [B, H] (the sum still at
+    its own row of the second output, whose other rows are then unwritten)."""
     H = x.shape[-1]
     x = x.contiguous()
     rows = x.numel() // H
     h = torch.empty_like(x)
+    T = 1
+    if pick is not None:
+        if x.dim() != 3 or pick.shape != (x.shape[0],) or copy_to is not None:
+            raise ValueError(f"add_rms_norm: pick {tuple(pick.shape)} for x "
+                             f"{tuple(x.shape)} (one row of each [T, H], no copy_to)")
+        rows, T = x.shape[0], x.shape[1]
+        h = x.new_empty(rows, H)
+        pick = pick.contiguous()
     out = torch.empty_like(x) if delta is not None else x
     d = delta.contiguous() if delta is not None else x
     copy_stride = 0
@@ -648,9 +668,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
         copy_stride = copy_to.stride(-2) if copy_to.dim() > 1 else H
         if copy_to.dim() > 2 and copy_to.stride(-3) != copy_stride * copy_to.shape[-2]:
             raise ValueError("add_rms_norm: copy_to's rows must be evenly strided")
-    _add_rms_norm_kernel[(rows,)](x, d, weight, h, out, x if copy_to is None else copy_to, H,
-                                  copy_stride, eps, W_ROWS=weight.numel() // H,
-                                  HAS_DELTA=delta is not None, HAS_COPY=copy_to is not None,
+    _add_rms_norm_kernel[(rows,)](x, d, weight, h, out, x if copy_to is None else copy_to,
+                                  x if pick is None else pick, H, copy_stride, T, eps,
+                                  W_ROWS=weight.numel() // H, HAS_DELTA=delta is not None,
+                                  HAS_COPY=copy_to is not None, PICK=pick is not None,
                                   BLOCK=_pow2(H), num_warps=4, **_pdl.launch_kw(x))
     return h, out
 

@@ -252,11 +252,11 @@ class MtpEagleDrafter(Drafter):
         [B, W, H], cu_start [B], write_slots [B], cu_last [B], slots [B], seq_lens [B].
         With k = 0 it yields the catch-up's hidden state once (the caller drafts nothing)."""
         cache, slots, seq_lens = self.cache, inputs["slots"], inputs["seq_lens"]
-        out = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
-                        inputs["write_slots"], cache, kv_len=kv_len)
-        # Each row's last catch-up row (one gather: a draft step is launch-bound on a GPU).
-        last = inputs["cu_last"].view(-1, 1, 1).expand(-1, 1, out.shape[-1])
-        hidden = out.gather(1, last)[:, 0]
+        # Each row's last catch-up row alone out of the head (its final norm reads that row:
+        # no gather kernel after it; a draft step is launch-bound on a GPU).
+        hidden = self.head(inputs["cu_tokens"], inputs["cu_hidden"], inputs["cu_start"],
+                           inputs["write_slots"], cache, kv_len=kv_len,
+                           last=inputs["cu_last"])
         tokens: torch.Tensor    # sent in by the caller after each step
         # k = 0 (adaptive K): the catch-up alone (yielded once, never sent to), so the
         # head's cache stays current.

@@ -102,10 +102,12 @@ class MtpEagleHead(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
                 slots: torch.Tensor, cache: KVCache, kv_len: int | None = None,
-                pos_offset: int = 0, tree: TreeMask | None = None) -> torch.Tensor:
+                pos_offset: int = 0, tree: TreeMask | None = None,
+                last: torch.Tensor | None = None) -> torch.Tensor:
         """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos +
         pos_offset.. -> the head's hidden [B, T, H]; logits come from the shared LM head.
-        ``tree``: the rows are draft-tree nodes (models/_decoder.py ``TreeMask``)."""
+        ``tree``: the rows are draft-tree nodes (models/_decoder.py ``TreeMask``).
+        ``last`` [B]: row last[b]'s output alone, [B, H] (``forward_embeds``'s)."""
         if self.block.uses_kernels:
             # Embedding gather, both norms and the concat in one kernel (the same bits as
             # a norm kernel each: a draft step is launch-bound on the GPU).
@@ -116,7 +118,8 @@ class MtpEagleHead(torch.nn.Module):
             x = torch.cat([self.norm(self.block.embed(tokens).to(self.dtype), self.enorm),
                            self.norm(hidden.to(self.dtype), self.hnorm)], dim=-1)
         return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,
-                                         kv_len=kv_len, pos_offset=pos_offset, tree=tree)
+                                         kv_len=kv_len, pos_offset=pos_offset, tree=tree,
+                                         last=last)
 
 
 def load_or_init(head: HeadT, path: str | Path | None) -> HeadT:

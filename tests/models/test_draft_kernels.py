@@ -7,7 +7,8 @@ hnorm, concat), the per-part fnorm, the greedy draft token as one argmax-and-map
 kernel (ties to the smallest target id, whatever the map's order), and a draft tree's
 children as one top-k-and-map kernel (the same order, k times), written into their nodes'
 columns; the prologue reading strided rows (a tree's parents as a view); the draft graph
-step's integer glue in one kernel. The same comparisons
+step's integer glue in one kernel; the head's output for one row of each (its final
+norm reading that row alone). The same comparisons
 run on CUDA in bf16 in tests/models/test_gpu.py.
 """
 
@@ -58,7 +59,14 @@ for fused in (False, True):
     step = head(tokens[:, :1], cu[:, -1:], starts + 6, slots, cache, pos_offset=-2)
     # The step's K/V went to position start + 4 (after the catch-up's 0..3).
     page, off = cache.locate(slots, (starts + 4)[:, None])
-    outs[fused] = (cu, step, cache.k[0][page, off], cache.v[0][page, off])
+    # The catch-up again with one row of each out (the final norm reads it alone): the
+    # same K/V written, that row's output.
+    last = torch.tensor([3, 0, 2])
+    k_before = cache.k.clone()
+    picked = head(tokens, feats, starts, slots, cache, last=last)
+    assert torch.equal(cache.k, k_before)
+    torch.testing.assert_close(picked, cu[torch.arange(3), last], rtol=0, atol=0)
+    outs[fused] = (cu, step, cache.k[0][page, off], cache.v[0][page, off], picked)
 for a, b in zip(outs[False], outs[True]):
     torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
 assert outs[True][2].abs().sum() > 0

@@ -196,12 +196,16 @@ def test_checker_catches_a_load_or_store_before_the_wait():
 def test_kernels_wait_before_reading_activations_or_storing():
     from specloop.models import _kernels as K
 
-    check_kernel(K._add_rms_norm_kernel,
-                 {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16",
-                  "out_ptr": "*bf16", "copy_ptr": "*bf16", "H": "i32", "copy_stride": "i32",
-                  "eps": "fp32"},
-                 {"W_ROWS": 1, "HAS_DELTA": True, "HAS_COPY": True, "BLOCK": 1024},
-                 weights={"w_ptr"})
+    norm = {"x_ptr": "*bf16", "d_ptr": "*bf16", "w_ptr": "*bf16", "h_ptr": "*bf16",
+            "out_ptr": "*bf16", "copy_ptr": "*bf16", "pick_ptr": "*i64", "H": "i32",
+            "copy_stride": "i32", "T": "i32", "eps": "fp32"}
+    check_kernel(K._add_rms_norm_kernel, norm,
+                 {"W_ROWS": 1, "HAS_DELTA": True, "HAS_COPY": True, "PICK": False,
+                  "BLOCK": 1024}, weights={"w_ptr"})
+    # With a pick the weight's row depends on the picked row: read after the wait.
+    check_kernel(K._add_rms_norm_kernel, norm,
+                 {"W_ROWS": 1, "HAS_DELTA": True, "HAS_COPY": False, "PICK": True,
+                  "BLOCK": 1024}, weights=set())
     check_kernel(K._eagle_prologue_kernel,
                  {"tok_ptr": "*i64", "emb_ptr": "*bf16", "hid_ptr": "*bf16", "ew_ptr": "*bf16",
                   "hw_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32",
