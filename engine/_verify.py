@@ -168,9 +168,9 @@ def make_tree_verify_step(runner: ModelRunner, sampler: Sampler, template: Sampl
     the accepted path's then move to start_pos + depth (``KVCache.keep_path``), where a
     chain's would be. A row's target token is the sampler's ``strict_targets`` at the
     position it predicts (start_pos + 1 + its depth). On CUDA an all-greedy batch's
-    argmax, walk and move are three kernels (``samplers._triton_greedy.tree_greedy_verify``,
-    ``models._kernels.keep_path``), not ~35 small torch ops (~2.5 µs of device time each
-    on the H200)."""
+    argmax, walk and move (with the path's feature rows) are three kernels
+    (``samplers._triton_greedy.tree_greedy_verify``, ``models._kernels.keep_path``), not
+    ~35 small torch ops (~2.5 µs of device time each on the H200)."""
     tables, mask = tree_layout(tree, torch.device(runner.device))
 
     def step(inputs: Tensors) -> Tensors:
@@ -188,9 +188,10 @@ def make_tree_verify_step(runner: ModelRunner, sampler: Sampler, template: Sampl
             result = accept_tree(tables, tokens, target)
             packed = torch.cat([result.token_ids, result.num_accepted[:, None]], dim=1)
             rows = result.path
-        runner.cache.keep_path(slots, start, rows)
-        path = rows[:, :, None].expand(-1, -1, features.shape[-1])
+        # The path's K/V moved and its feature rows gathered (one kernel on CUDA).
+        kept = runner.cache.keep_path(slots, start, rows, features)
+        assert kept is not None
         return {"token_ids": packed[:, :-1], "num_accepted": packed[:, -1],
-                "hidden": features.gather(1, path), "packed": packed}
+                "hidden": kept, "packed": packed}
 
     return step

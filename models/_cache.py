@@ -262,8 +262,8 @@ class KVCache:
 
         return gather(self.k), gather(self.v)
 
-    def keep_path(self, slots: torch.Tensor, start_pos: torch.Tensor, path: torch.Tensor
-                  ) -> None:
+    def keep_path(self, slots: torch.Tensor, start_pos: torch.Tensor, path: torch.Tensor,
+                  rows: torch.Tensor | None = None) -> torch.Tensor | None:
         """After a draft tree's VERIFY (rows stored at start_pos + row): the K/V of row
         ``path[b, j]`` move to position start_pos + j, every layer, so the accepted path
         sits where a chain's would (``path`` [B, D + 1], row 0 the root, stored there
@@ -271,16 +271,20 @@ class KVCache:
         depth, so no source is overwritten first either way). Positions past a row's
         accepted drafts receive some row's entries: past the committed length, they are
         masked, then overwritten, as a chain's rejected drafts. On CUDA one kernel
-        (``_kernels.keep_path``: the same moves), else the torch ops below."""
+        (``_kernels.keep_path``: the same moves), else the torch ops below. ``rows``
+        [B, R, F] (VERIFY's per-row features): also -> the path's rows of it [B, D + 1, F]
+        (in the same kernel on CUDA)."""
         if self.k.is_cuda and _kernels.available():
-            _kernels.keep_path(self.k, self.v, self.pages.table, slots, start_pos, path,
-                               self.max_seq_len, self.pages.scratch_page)
-            return
+            return _kernels.keep_path(self.k, self.v, self.pages.table, slots, start_pos,
+                                      path, self.max_seq_len, self.pages.scratch_page, rows)
         dest = start_pos[:, None] + torch.arange(path.shape[1], device=path.device)
         src_page, src_off = self.locate(slots, start_pos[:, None] + path)
         dst_page, dst_off = self.locate(slots, dest)
         for store in (self.k, self.v):
             store[:, dst_page, dst_off] = store[:, src_page, src_off]
+        if rows is None:
+            return None
+        return rows.gather(1, path[:, :, None].expand(-1, -1, rows.shape[-1]))
 
     def clear_slot(self, slot: int) -> None:
         """Zero one slot's pages (never needed for correctness; useful for debugging)."""

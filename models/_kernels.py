@@ -519,22 +519,36 @@ if triton is not None:
                     tl.store(o_ptr + q_off, out.to(o_ptr.dtype.element_ty), mask=rm[:, None])
 
     @triton.jit(**_per_row("slot_ptr", "start_ptr", "path_ptr"))
-    def _keep_path_kernel(k_ptr, v_ptr, table_ptr, slot_ptr, start_ptr, path_ptr, D1,
-                          s_layer, s_page, s_off, s_table, pages_per_slot, max_seq_len,
-                          scratch_page, WIDTH: tl.constexpr, PAGE: tl.constexpr,
-                          D_P2: tl.constexpr, BLOCK: tl.constexpr,
+    def _keep_path_kernel(k_ptr, v_ptr, table_ptr, slot_ptr, start_ptr, path_ptr, src_ptr,
+                          dst_ptr, D1, s_layer, s_page, s_off, s_table, pages_per_slot,
+                          max_seq_len, scratch_page, R, F, WIDTH: tl.constexpr,
+                          PAGE: tl.constexpr, D_P2: tl.constexpr, BLOCK: tl.constexpr,
+                          ROWS: tl.constexpr = False, F_BLOCK: tl.constexpr = 1,
                           GDC: tl.constexpr = False):
         # Program (row b, layer): the K/V of tree row path[b, j] (stored at start + it)
         # move to start + j, j < D1, WIDTH = Hkv * D values each. Every load first, a
-        # barrier, then the stores: a row's destination may be another's source.
+        # barrier, then the stores: a row's destination may be another's source. ROWS: one
+        # program more a row (the last along axis 1) gathers the path's rows of src
+        # [B, R, F] into dst [B, D1, F] (VERIFY's feature rows for the drafter: no gather
+        # kernel of their own).
         if GDC:
             tl.extra.cuda.gdc_launch_dependents()
             tl.extra.cuda.gdc_wait()
         b = tl.program_id(0)
         layer = tl.program_id(1).to(tl.int64)
         j = tl.arange(0, D_P2)
-        e = tl.arange(0, BLOCK)
         rows = j < D1
+        if ROWS:
+            if tl.program_id(1) == tl.num_programs(1) - 1:
+                f = tl.arange(0, F_BLOCK)
+                got = tl.load(path_ptr + b * D1 + j, mask=rows, other=0)
+                fm = rows[:, None] & (f < F)[None, :]
+                x = tl.load(src_ptr + (b.to(tl.int64) * R + got)[:, None] * F + f[None, :],
+                            mask=fm)
+                tl.store(dst_ptr + (b.to(tl.int64) * D1 + j)[:, None] * F + f[None, :], x,
+                         mask=fm)
+                return
+        e = tl.arange(0, BLOCK)
         start = tl.load(start_ptr + b)
         slot = tl.load(slot_ptr + b)
         src = start + tl.load(path_ptr + b * D1 + j, mask=rows, other=0)
@@ -1011,20 +1025,30 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 def keep_path(k_cache: torch.Tensor, v_cache: torch.Tensor, table: torch.Tensor,
               slots: torch.Tensor, start_pos: torch.Tensor, path: torch.Tensor,
-              max_seq_len: int, scratch_page: int) -> None:
+              max_seq_len: int, scratch_page: int, rows: torch.Tensor | None = None
+              ) -> torch.Tensor | None:
     """``KVCache.keep_path`` in one kernel: for every layer of k_cache / v_cache [L, pages,
     page_size, Hkv, D], row b's entries at start_pos[b] + path[b, j] move to start_pos[b]
-    + j (pages through ``table``; positions past ``max_seq_len``: ``scratch_page``)."""
+    + j (pages through ``table``; positions past ``max_seq_len``: ``scratch_page``).
+    ``rows`` [B, R, F]: also -> rows[b, path[b, j]] [B, D1, F] (one program more a row)."""
     L, _, page, hkv, D = k_cache.shape
     B, d1 = path.shape
+    out = None
+    if rows is not None:
+        rows = rows.contiguous()
+        out = rows.new_empty(B, d1, rows.shape[2])
     if B == 0:
-        return
-    _keep_path_kernel[(B, L)](
+        return out
+    R, F = (rows.shape[1], rows.shape[2]) if rows is not None else (0, 0)
+    _keep_path_kernel[(B, L + (rows is not None))](
         k_cache, v_cache, table, slots.contiguous(), start_pos.contiguous(),
-        path.contiguous(), d1, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        table.stride(0), table.shape[1], max_seq_len, scratch_page, WIDTH=hkv * D,
-        PAGE=page, D_P2=_pow2(d1), BLOCK=_pow2(hkv * D), num_warps=4,
+        path.contiguous(), k_cache if rows is None else rows, k_cache if out is None else out,
+        d1, k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        table.stride(0), table.shape[1], max_seq_len, scratch_page, R, F, WIDTH=hkv * D,
+        PAGE=page, D_P2=_pow2(d1), BLOCK=_pow2(hkv * D), ROWS=rows is not None,
+        F_BLOCK=_pow2(F) if rows is not None else 1, num_warps=4,
         **_pdl.launch_kw(k_cache))
+    return out
 
 
 def draft_glue_fits(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor

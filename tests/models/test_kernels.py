@@ -179,6 +179,21 @@ for kernel in (False, True):
         cache.keep_path(slots, start, path)
     caches.append(cache)
 assert torch.equal(caches[0].k, caches[1].k) and torch.equal(caches[0].v, caches[1].v)
+# With the path's feature rows gathered by one program more a row: the same moves, and the
+# rows equal torch's gather (F not a power of two: the masked tail).
+feats = torch.randn(3, 7, 40)
+for kernel in (False, True):
+    cache = KVCache(args, 3, 32, pages=pages)
+    cache.k.copy_(torch.randn(cache.k.shape, generator=torch.Generator().manual_seed(1)))
+    cache.v.copy_(torch.randn(cache.v.shape, generator=torch.Generator().manual_seed(2)))
+    if kernel:
+        kept = _kernels.keep_path(cache.k, cache.v, pages.table, slots, start, path, 32,
+                                  pages.scratch_page, feats)
+    else:
+        kept = cache.keep_path(slots, start, path, feats)
+    assert torch.equal(cache.k, caches[0].k) and torch.equal(cache.v, caches[0].v)
+    want = torch.stack([feats[b, path[b]] for b in range(3)])
+    assert torch.equal(kept, want), kernel
 print("ok")
 """
 

@@ -304,12 +304,16 @@ def test_greedy_kernels_wait_first():
 def test_tree_path_move_waits_first():
     from specloop.models import _kernels as K
 
-    check_kernel(K._keep_path_kernel,
-                 {"k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32", "slot_ptr": "*i64",
-                  "start_ptr": "*i64", "path_ptr": "*i64", "D1": "i32", "s_layer": "i32",
-                  "s_page": "i32", "s_off": "i32", "s_table": "i32", "pages_per_slot": "i32",
-                  "max_seq_len": "i32", "scratch_page": "i32"},
-                 {"WIDTH": 192, "PAGE": 16, "D_P2": 4, "BLOCK": 256}, weights=set())
+    for rows in (False, True):      # with the path's feature rows gathered too
+        check_kernel(K._keep_path_kernel,
+                     {"k_ptr": "*bf16", "v_ptr": "*bf16", "table_ptr": "*i32",
+                      "slot_ptr": "*i64", "start_ptr": "*i64", "path_ptr": "*i64",
+                      "src_ptr": "*bf16", "dst_ptr": "*bf16", "D1": "i32", "s_layer": "i32",
+                      "s_page": "i32", "s_off": "i32", "s_table": "i32",
+                      "pages_per_slot": "i32", "max_seq_len": "i32", "scratch_page": "i32",
+                      "R": "i32", "F": "i32"},
+                     {"WIDTH": 192, "PAGE": 16, "D_P2": 4, "BLOCK": 256, "ROWS": rows,
+                      "F_BLOCK": 2048 if rows else 1}, weights=set())
 
 
 # The arguments every kernel that writes RoPE'd heads takes last (RopeWrite.kernel_args).
