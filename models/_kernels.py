@@ -619,8 +619,9 @@ if triton is not None:
                  mask=live[:, None])
 
     @triton.jit(**_per_row("v_ptr", "meta_ptr", "len_ptr"))
-    def _draft_glue_kernel(v_ptr, meta_ptr, len_ptr, last_ptr, tok_ptr, start_ptr, W, s_v,
-                           s_meta, s_len, BLOCK_W: tl.constexpr, GDC: tl.constexpr = False):
+    def _draft_glue_kernel(v_ptr, meta_ptr, len_ptr, last_ptr, tok_ptr, start_ptr, first_ptr,
+                           W, s_v, s_meta, s_len, s_first, BLOCK_W: tl.constexpr,
+                           FIRST: tl.constexpr = False, GDC: tl.constexpr = False):
         # draft_glue's row b (see there): integer ops, the same values as the torch ops.
         if GDC:  # nothing to load before the wait (see the module doc)
             tl.extra.cuda.gdc_launch_dependents()
@@ -631,6 +632,9 @@ if triton is not None:
         tok = tl.load(row + w, mask=w < W, other=0)
         tl.store(tok_ptr + b.to(tl.int64) * W + w, tl.maximum(tok, 0), mask=w < W)
         last = tl.load(row + W) * tl.load(meta_ptr + s_meta + b)
+        if FIRST:   # VERIFY's first token: the last catch-up row's
+            tl.store(first_ptr + b.to(tl.int64) * s_first,
+                     tl.sum(tl.where(w == last, tl.maximum(tok, 0), 0), axis=0))
         start = tl.load(len_ptr + s_len + b)
         at = start + last
         tl.store(last_ptr + b, last)
@@ -1061,7 +1065,8 @@ def draft_glue_fits(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.T
             and meta.shape == (4, B) and lengths.shape == (2, B))
 
 
-def draft_glue(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor
+def draft_glue(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor,
+               first: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A draft graph step's integer glue (``MtpEagleDrafter.graph_step``) in one kernel:
     verified [B, W+1] (each row's catch-up tokens, then its last catch-up row), meta
@@ -1069,20 +1074,27 @@ def draft_glue(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor
     [2, B] (the catch-up start in row 1) -> (last [B] = verified[:, W] * meta[1], tokens
     [B, W] = verified[:, :W] clamped at 0, the catch-up start [B] as it was), and lengths
     becomes meta[2:] + start + last (the length, VERIFY's position), which the torch ops
-    write after the catch-up has read the start (here it reads the copy). All int64."""
-    if not draft_glue_fits(verified, meta, lengths):
+    write after the catch-up has read the start (here it reads the copy). All int64.
+    ``first`` [B] (int64, any stride: a column of VERIFY's tokens): also receives
+    tokens[b, last[b]], VERIFY's first token (no gather kernel for it)."""
+    if not draft_glue_fits(verified, meta, lengths) or (
+            first is not None and (first.dtype != torch.int64
+                                   or first.shape != (verified.shape[0],))):
         raise ValueError(f"draft_glue: verified {tuple(verified.shape)}, meta "
-                         f"{tuple(meta.shape)}, lengths {tuple(lengths.shape)} (int64, rows "
-                         "contiguous; meta [4, B], lengths [2, B])")
+                         f"{tuple(meta.shape)}, lengths {tuple(lengths.shape)}, first "
+                         f"{None if first is None else tuple(first.shape)} (int64, rows "
+                         "contiguous; meta [4, B], lengths [2, B], first [B])")
     B, W = verified.shape[0], verified.shape[1] - 1
     last = verified.new_empty(B)
     tokens = verified.new_empty(B, W)
     start = verified.new_empty(B)
     if B:
-        _draft_glue_kernel[(B,)](verified, meta, lengths, last, tokens, start, W,
-                                 verified.stride(0), meta.stride(0), lengths.stride(0),
-                                 BLOCK_W=_pow2(max(W, 1)), num_warps=1,
-                                 **_pdl.launch_kw(verified))
+        _draft_glue_kernel[(B,)](verified, meta, lengths, last, tokens, start,
+                                 last if first is None else first, W, verified.stride(0),
+                                 meta.stride(0), lengths.stride(0),
+                                 0 if first is None else first.stride(0),
+                                 BLOCK_W=_pow2(max(W, 1)), FIRST=first is not None,
+                                 num_warps=1, **_pdl.launch_kw(verified))
     return last, tokens, start
 
 

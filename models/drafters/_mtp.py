@@ -348,21 +348,26 @@ class MtpEagleDrafter(Drafter):
         # Made before any capture (not in one: its memory and zero-fill outside graphs).
         lengths = self._lengths_of(template.size)
 
-        def drafts(inputs: dict[str, torch.Tensor], caught_up: Callable[[], None]
-                   ) -> dict[str, torch.Tensor]:
+        # VERIFY's tokens [Bp, 1 + K] (a tree's: 1 + its nodes) where the drafts go into
+        # their columns (a tree, greedy drafts): made before the glue, whose kernel writes
+        # column 0 (the step's first token), the drafts after it; no concatenation or
+        # gather kernel joins them.
+        drafted = tree.size if tree is not None else k if greedy else 0
+
+        def drafts(inputs: dict[str, torch.Tensor], caught_up: Callable[[], None],
+                   ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
             batch, seq_lens = template.with_columns(inputs), inputs["seq_lens"]
             loop = self._draft_steps(inputs, kv_len=kv_len, k=k)
             hidden = next(loop)
             caught_up()     # before anything reads seq_lens
-            # VERIFY's tokens [Bp, 1 + K]: column 0 for the step's first token (step()
-            # writes it), the drafts after it, so no concatenation (a kernel) joins them.
             if tree is not None:
                 return {"tokens": self.tree_from_root(hidden, seq_lens, inputs["slots"],
-                                                      tree, kv_len, root_column=True)}
+                                                      tree, kv_len, root_column=True,
+                                                      into=ids)}
             if not k:
                 return {"tokens": seq_lens.new_empty(seq_lens.shape[0], 1)}
             if greedy:      # argmax drafts, each written into its column of the output
-                ids = seq_lens.new_empty(seq_lens.shape[0], k + 1)
+                assert ids is not None
                 for j in range(1, k + 1):
                     if j > 1:
                         hidden = loop.send(ids[:, j - 1])
@@ -393,9 +398,13 @@ class MtpEagleDrafter(Drafter):
             # written over the start once the catch-up has read it). With the kernels, one
             # kernel for all of it (_kernels.draft_glue: the catch-up reads a copy of the
             # start), not four.
+            ids = verified.new_empty(verified.shape[0], 1 + drafted) if drafted else None
+            first_written = False
             if self.head.block.uses_kernels and _kernels.draft_glue_fits(verified, meta,
                                                                          lengths):
-                last, tokens, cu_start = _kernels.draft_glue(verified, meta, lengths)
+                last, tokens, cu_start = _kernels.draft_glue(
+                    verified, meta, lengths, None if ids is None else ids[:, 0])
+                first_written = ids is not None
 
                 def caught_up() -> None:
                     pass
@@ -411,9 +420,11 @@ class MtpEagleDrafter(Drafter):
             out = drafts({"cu_tokens": tokens, "cu_hidden": inputs["cu_hidden"],
                           "cu_start": cu_start, "write_slots": slots, "cu_last": last,
                           "slots": slots, "seq_lens": seq_lens,
-                          **{name: inputs[name] for name in SamplingBatch.COLUMNS}}, caught_up)
+                          **{name: inputs[name] for name in SamplingBatch.COLUMNS}}, caught_up,
+                         ids)
             if "tokens" in out:     # the drafts' buffer has VERIFY's first column free
-                torch.gather(tokens, 1, last[:, None], out=out["tokens"][:, :1])
+                if not first_written:
+                    torch.gather(tokens, 1, last[:, None], out=out["tokens"][:, :1])
                 out["token_ids"] = out["tokens"][:, 1:]
             else:                   # sampled drafts (graph_outputs' stack)
                 out["tokens"] = torch.cat([tokens.gather(1, last[:, None]),
@@ -650,7 +661,8 @@ class MtpEagleDrafter(Drafter):
 
     def tree_from_root(self, root: torch.Tensor, seq_lens: torch.Tensor,
                        slots: torch.Tensor, tree: DraftTree, kv_len: int | None = None,
-                       *, root_column: bool = False) -> torch.Tensor:
+                       *, root_column: bool = False, into: torch.Tensor | None = None
+                       ) -> torch.Tensor:
         """The tree's drafts from the root's head output ``root`` [B, H] (the catch-up's
         last row, at L - 2; ``seq_lens`` [B] the rows' lengths L): one head forward per
         depth over that depth's nodes, each fed its token and its parent's output hidden
@@ -661,11 +673,12 @@ class MtpEagleDrafter(Drafter):
         the head's attended length (the cache's whole length: static shapes, no host
         sync, capturable; None: the positions written). -> token_ids [B, N], the nodes
         in the tree's order (``root_column``: [B, 1 + N], column 0 unwritten, for the
-        caller's root token: VERIFY's input without a concatenation)."""
+        caller's root token: VERIFY's input without a concatenation; ``into``: that
+        [B, 1 + N] buffer, made by the caller)."""
         fused = self.head.block.uses_kernels and self.lm.fused_top_fits(
             max(level.width for level in self._tree_plan(tree, root.device)))
         steps = self._tree_steps(root, seq_lens, slots, tree, kv_len, whole_depth=fused,
-                                 root_column=root_column)
+                                 root_column=root_column, into=into)
         try:
             ask = next(steps)
             while True:
@@ -682,7 +695,7 @@ class MtpEagleDrafter(Drafter):
     @inference_mode
     def _tree_steps(self, root: torch.Tensor, seq_lens: torch.Tensor, slots: torch.Tensor,
                     tree: DraftTree, kv_len: int | None, *, whole_depth: bool = False,
-                    root_column: bool = False
+                    root_column: bool = False, into: torch.Tensor | None = None
                     ) -> Generator[tuple[torch.Tensor, _TreeLevel, torch.Tensor],
                                    torch.Tensor | None, torch.Tensor]:
         """``tree_from_root`` as a generator: at each depth it runs the head, then yields
@@ -698,7 +711,8 @@ class MtpEagleDrafter(Drafter):
         rows, n = root.shape[0], tree.size
         # Not zeroed (a fill kernel less): every node's column is written at its parent's
         # depth (it is some rank of its parent), before any depth reads it.
-        tokens = torch.empty(rows, n + 1, dtype=torch.int64, device=root.device)
+        tokens = torch.empty(rows, n + 1, dtype=torch.int64, device=root.device) \
+            if into is None else into
         # Each depth's head output as the head returns it, read by the next depth: no
         # buffer of every node's rows to copy them into (a copy kernel a depth).
         above = root[:, None]   # depth 0's rows: the root alone
