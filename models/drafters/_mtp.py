@@ -721,8 +721,9 @@ class MtpEagleDrafter(Drafter):
             if level.mask is None:          # depth 0
                 out = above
             else:                           # depth >= 1: the head over its rows
-                out = self.head(tokens[:, a:b], level.parents_of(above), seq_lens + (a - 2),
-                                slots, self.cache, kv_len=kv_len, tree=level.mask)
+                # At L - 2 + a: the offset goes to the kernels as a constant (no add kernel).
+                out = self.head(tokens[:, a:b], level.parents_of(above), seq_lens, slots,
+                                self.cache, kv_len=kv_len, pos_offset=a - 2, tree=level.mask)
             assert level.expand is not None, "every depth above the deepest has children"
             ranked = out if whole_depth else level.expanding(out)
             top = yield ranked.flatten(0, 1), level, tokens
