@@ -97,16 +97,23 @@ def into_verify_inputs(step: Step, verify_in: Tensors) -> Step:
     which then copies nothing for them. The copies run inside the draft graph, where the
     replay copied them from the host before (a torch call each an iteration, ~10-25 µs
     on the H200's host; the same device work). An output of another shape or dtype than
-    VERIFY's input is left as it is (copied at the replay, as before)."""
+    VERIFY's input is left as it is (copied at the replay, as before). A step with
+    ``outputs_into`` (models/drafters/_protocol.DraftGraphStep) writes them there itself."""
     targets = {name: verify_in[name] for name in VERIFY_INPUTS if name in verify_in}
     if not targets:
         return step
+    # A step that can write them there itself (``outputs_into``: a DraftGraphStep, duck-
+    # typed) returns those very tensors: no copy kernel in the graph for them.
+    into = getattr(step, "outputs_into", None)
+    inner: Step = into(targets) if into is not None else step
 
     def written(inputs: Tensors) -> Tensors:
-        out = step(inputs)
+        out = inner(inputs)
         moved = {}
         for name, static in targets.items():
             made = out.get(name)
+            if made is static:
+                continue
             if made is not None and made.shape == static.shape and made.dtype == static.dtype:
                 static.copy_(made)
                 moved[name] = static

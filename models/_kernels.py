@@ -620,8 +620,9 @@ if triton is not None:
 
     @triton.jit(**_per_row("v_ptr", "meta_ptr", "len_ptr"))
     def _draft_glue_kernel(v_ptr, meta_ptr, len_ptr, last_ptr, tok_ptr, start_ptr, first_ptr,
-                           W, s_v, s_meta, s_len, s_first, BLOCK_W: tl.constexpr,
-                           FIRST: tl.constexpr = False, GDC: tl.constexpr = False):
+                           pos_ptr, W, s_v, s_meta, s_len, s_first, BLOCK_W: tl.constexpr,
+                           FIRST: tl.constexpr = False, POS: tl.constexpr = False,
+                           GDC: tl.constexpr = False):
         # draft_glue's row b (see there): integer ops, the same values as the torch ops.
         if GDC:  # nothing to load before the wait (see the module doc)
             tl.extra.cuda.gdc_launch_dependents()
@@ -640,7 +641,10 @@ if triton is not None:
         tl.store(last_ptr + b, last)
         tl.store(start_ptr + b, start)
         tl.store(len_ptr + b, tl.load(meta_ptr + 2 * s_meta + b) + at)
-        tl.store(len_ptr + s_len + b, tl.load(meta_ptr + 3 * s_meta + b) + at)
+        position = tl.load(meta_ptr + 3 * s_meta + b) + at
+        tl.store(len_ptr + s_len + b, position)
+        if POS:     # VERIFY's position into its own input too
+            tl.store(pos_ptr + b, position)
 
     @triton.jit
     def _silu_mul_kernel(gu_ptr, out_ptr, inter, BLOCK: tl.constexpr,
@@ -1066,7 +1070,7 @@ def draft_glue_fits(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.T
 
 
 def draft_glue(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor,
-               first: torch.Tensor | None = None
+               first: torch.Tensor | None = None, position: torch.Tensor | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A draft graph step's integer glue (``MtpEagleDrafter.graph_step``) in one kernel:
     verified [B, W+1] (each row's catch-up tokens, then its last catch-up row), meta
@@ -1076,25 +1080,34 @@ def draft_glue(verified: torch.Tensor, meta: torch.Tensor, lengths: torch.Tensor
     becomes meta[2:] + start + last (the length, VERIFY's position), which the torch ops
     write after the catch-up has read the start (here it reads the copy). All int64.
     ``first`` [B] (int64, any stride: a column of VERIFY's tokens): also receives
-    tokens[b, last[b]], VERIFY's first token (no gather kernel for it)."""
+    tokens[b, last[b]], VERIFY's first token (no gather kernel for it). ``position`` [B]
+    (int64, contiguous: VERIFY's own input): also receives VERIFY's position (lengths[1]
+    after the call; no copy kernel for it)."""
+    B = verified.shape[0]
     if not draft_glue_fits(verified, meta, lengths) or (
-            first is not None and (first.dtype != torch.int64
-                                   or first.shape != (verified.shape[0],))):
+            first is not None and (first.dtype != torch.int64 or first.shape != (B,))) or (
+            position is not None and not (position.dtype == torch.int64
+                                          and position.shape == (B,)
+                                          and position.is_contiguous())):
         raise ValueError(f"draft_glue: verified {tuple(verified.shape)}, meta "
                          f"{tuple(meta.shape)}, lengths {tuple(lengths.shape)}, first "
-                         f"{None if first is None else tuple(first.shape)} (int64, rows "
-                         "contiguous; meta [4, B], lengths [2, B], first [B])")
+                         f"{None if first is None else tuple(first.shape)}, position "
+                         f"{None if position is None else tuple(position.shape)} (int64, "
+                         "rows contiguous; meta [4, B], lengths [2, B], first and position "
+                         "[B])")
     B, W = verified.shape[0], verified.shape[1] - 1
     last = verified.new_empty(B)
     tokens = verified.new_empty(B, W)
     start = verified.new_empty(B)
     if B:
         _draft_glue_kernel[(B,)](verified, meta, lengths, last, tokens, start,
-                                 last if first is None else first, W, verified.stride(0),
-                                 meta.stride(0), lengths.stride(0),
+                                 last if first is None else first,
+                                 last if position is None else position, W,
+                                 verified.stride(0), meta.stride(0), lengths.stride(0),
                                  0 if first is None else first.stride(0),
                                  BLOCK_W=_pow2(max(W, 1)), FIRST=first is not None,
-                                 num_warps=1, **_pdl.launch_kw(verified))
+                                 POS=position is not None, num_warps=1,
+                                 **_pdl.launch_kw(verified))
     return last, tokens, start
 
 

@@ -28,9 +28,9 @@ from ._heads import check_method, check_sha256, check_target, head_metadata, res
 from ._lm_head import DraftHead
 from ._mtp_head import MtpEagleHead, load_or_init
 from ._pending_rows import PendingRows
-from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, PrefillReplay, Step,
-                        graph_int_inputs, graph_outputs, replay_proposal, sample_draft_step,
-                        stack_proposal, static_or_view)
+from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftGraphStep, DraftProposal,
+                        PrefillReplay, Step, graph_int_inputs, graph_outputs, replay_proposal,
+                        sample_draft_step, stack_proposal, static_or_view)
 
 # The drafting loop: yields the head's hidden state per step, is sent that step's tokens.
 DraftLoop = Generator[torch.Tensor, torch.Tensor, None]
@@ -384,7 +384,8 @@ class MtpEagleDrafter(Drafter):
                 probs.append(sample.probs)
             return graph_outputs(tokens, probs, advanced)
 
-        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        def step(inputs: dict[str, torch.Tensor], into: dict[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor]:
             verified, meta = inputs["verified"], inputs["meta"]
             width = verified.shape[1] - 1
             slots, is_real = meta[0], meta[1]
@@ -398,13 +399,21 @@ class MtpEagleDrafter(Drafter):
             # written over the start once the catch-up has read it). With the kernels, one
             # kernel for all of it (_kernels.draft_glue: the catch-up reads a copy of the
             # start), not four.
-            ids = verified.new_empty(verified.shape[0], 1 + drafted) if drafted else None
+            rows = verified.shape[0]
+            # VERIFY's tokens and position where ``into`` names them (its static inputs:
+            # DraftGraphStep), else the step's own.
+            ids = _int64_into(into.get("tokens"), (rows, 1 + drafted)) if drafted else None
+            if drafted and ids is None:
+                ids = verified.new_empty(rows, 1 + drafted)
+            position = _int64_into(into.get("start_pos"), (rows,))
             first_written = False
             if self.head.block.uses_kernels and _kernels.draft_glue_fits(verified, meta,
                                                                          lengths):
                 last, tokens, cu_start = _kernels.draft_glue(
-                    verified, meta, lengths, None if ids is None else ids[:, 0])
+                    verified, meta, lengths, None if ids is None else ids[:, 0], position)
                 first_written = ids is not None
+                if position is not None:
+                    start = position
 
                 def caught_up() -> None:
                     pass
@@ -432,7 +441,7 @@ class MtpEagleDrafter(Drafter):
             out["start_pos"] = start
             return out
 
-        return step
+        return DraftGraphStep(step)
 
     @inference_mode
     def _eager_inputs(self, ctx: DraftContext) -> dict[str, torch.Tensor]:
@@ -850,6 +859,14 @@ class _TreeLevel:
         ``tokens`` [B, 1 + N]."""
         src, cols = self._placing[whole_depth]
         tokens[:, cols] = top.reshape(tokens.shape[0], -1)[:, src]
+
+
+def _int64_into(t: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor | None:
+    """``t`` where a draft graph may write that output into it: int64 of ``shape``, rows
+    contiguous (the kernels' columns); else None."""
+    ok = t is not None and t.dtype == torch.int64 and tuple(t.shape) == shape and \
+        t.stride(-1) == 1
+    return t if ok else None
 
 
 def _placing(dest: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -312,6 +312,24 @@ class Drafter(Protocol):
         return None
 
 
+@attrs.frozen
+class DraftGraphStep:
+    """A draft graph's step whose outputs VERIFY reads next (``tokens``, ``start_pos``)
+    may be written straight into tensors the caller names: ``fn(inputs, into)``, ``into``
+    empty for its own. Called as the step itself; ``outputs_into(into)`` is the step
+    writing into those (its VERIFY's static inputs, so neither the draft graph nor the
+    replay copies them: graphs/_capture.into_verify_inputs). An output returned as the
+    very tensor named was written there."""
+
+    fn: Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+    def __call__(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self.fn(inputs, {})
+
+    def outputs_into(self, into: dict[str, torch.Tensor]) -> Step:
+        return lambda inputs: self.fn(inputs, into)
+
+
 def static_or_view(tensor: torch.Tensor, into: dict[str, torch.Tensor] | None, name: str
                    ) -> torch.Tensor:
     """For ``chained_inputs``: ``tensor`` itself when it is the draft graph's static input

@@ -78,6 +78,26 @@ def test_draft_step_writes_verify_inputs():
     # No VERIFY input of those names: the step itself.
     assert into_verify_inputs(draft, {"seeds": verify_in["slots"]}) is draft
 
+    # A step that writes them there itself (DraftGraphStep's outputs_into): handed the
+    # targets, it returns them, and nothing is copied over what it wrote.
+    from specloop.models.drafters._protocol import DraftGraphStep
+    seen = []
+
+    def writes(inputs, into):
+        seen.append(sorted(into))
+        tokens = into.get("tokens", torch.empty(2, 3, dtype=torch.int64))
+        torch.add(inputs["x"], 2, out=tokens)
+        return {"tokens": tokens, "start_pos": inputs["x"][:, 0] * 100}
+
+    own = DraftGraphStep(writes)({"x": torch.tensor([[1, 2, 3], [4, 5, 6]])})
+    assert seen == [[]] and own["tokens"] is not verify_in["tokens"]
+    step = into_verify_inputs(DraftGraphStep(writes), verify_in)
+    out = step({"x": torch.tensor([[1, 2, 3], [4, 5, 6]])})
+    assert seen[-1] == ["slots", "start_pos", "tokens"]
+    assert out["tokens"] is verify_in["tokens"] and out["start_pos"] is verify_in["start_pos"]
+    assert verify_in["tokens"].tolist() == [[3, 4, 5], [6, 7, 8]]
+    assert verify_in["start_pos"].tolist() == [100, 400]    # not written: copied
+
 
 @pytest.mark.parametrize("spec", CHAINING_SPECS)
 async def test_chained_verify_takes_the_draft_graphs_writes(tiny_dir, tiny_loaded, spec):

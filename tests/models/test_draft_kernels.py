@@ -189,12 +189,14 @@ for B, W in ((1, 4), (5, 3), (8, 1)):
     assert _kernels.draft_glue_fits(verified, meta, lengths)
     # VERIFY's first token into a column of its tokens buffer (strided) too.
     first = torch.full((B, 6), -7)
-    got = _kernels.draft_glue(verified, meta, lengths, first=first[:, 0])
+    position = torch.full((B,), -7)
+    got = _kernels.draft_glue(verified, meta, lengths, first=first[:, 0], position=position)
     for g, w in zip(got, want):
         assert torch.equal(g, w), (B, W, g, w)
     assert torch.equal(lengths, want_lengths), (lengths, want_lengths)
     assert torch.equal(first[:, 0], want[1].gather(1, last[:, None])[:, 0]), first
     assert (first[:, 1:] == -7).all()
+    assert torch.equal(position, want_lengths[1]), position
 assert not _kernels.draft_glue_fits(verified, meta.t().contiguous().t(), lengths)
 
 # The head's prologue reads its rows through their strides: a slice of a tree's rows and

@@ -238,13 +238,14 @@ def test_kernels_wait_before_reading_activations_or_storing():
                       "TREE": tree}, weights=set())
     check_kernel(K._silu_mul_kernel, {"gu_ptr": "*bf16", "out_ptr": "*bf16", "inter": "i32"},
                  {"BLOCK": 1024}, weights=set())
-    for first in (False, True):
+    for first in (False, True):     # VERIFY's first token and position written too
         check_kernel(K._draft_glue_kernel,
                      {"v_ptr": "*i64", "meta_ptr": "*i64", "len_ptr": "*i64",
                       "last_ptr": "*i64", "tok_ptr": "*i64", "start_ptr": "*i64",
-                      "first_ptr": "*i64", "W": "i32", "s_v": "i32", "s_meta": "i32",
-                      "s_len": "i32", "s_first": "i32"}, {"BLOCK_W": 4, "FIRST": first},
-                     weights=set(), num_warps=1)
+                      "first_ptr": "*i64", "pos_ptr": "*i64", "W": "i32", "s_v": "i32",
+                      "s_meta": "i32", "s_len": "i32", "s_first": "i32"},
+                     {"BLOCK_W": 4, "FIRST": first, "POS": first}, weights=set(),
+                     num_warps=1)
 
 
 ATTENTION_SIG = {"q_ptr": "*bf16", "kc_ptr": "*bf16", "vc_ptr": "*bf16", "table_ptr": "*i32",
