@@ -112,14 +112,17 @@ if triton is not None:
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
         tl.store(h_ptr + h_row * H + cols, w * (xf * inv).to(x.dtype), mask=m)
 
-    @triton.jit(**_per_row("tok_ptr"))
-    def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, H, eps, T,
-                               tok_sb, tok_st, hid_sb, hid_st,
-                               BLOCK: tl.constexpr, GDC: tl.constexpr = False):
+    @triton.jit(**_per_row("tok_ptr", "rows_ptr"))
+    def _eagle_prologue_kernel(tok_ptr, emb_ptr, hid_ptr, ew_ptr, hw_ptr, out_ptr, rows_ptr,
+                               H, eps, T, tok_sb, tok_st, hid_sb, hid_st,
+                               BLOCK: tl.constexpr, ROWS: tl.constexpr = False,
+                               GDC: tl.constexpr = False):
         # One token row of an EAGLE head's input: [enorm(emb(t)); hnorm(h)] (each norm as
         # _add_rms_norm_kernel computes it, so the bits are the unfused kernels'). Row
         # (b, t) of [B, T] reads tokens and hidden through their strides (a draft tree's
-        # parents as a view: a slice, or one row repeated with stride 0; no gather).
+        # parents as a view: a slice, or one row repeated with stride 0; no gather), or
+        # with ROWS hidden's row rows[t] (a tree's parents that are no view: a constant
+        # table, made once a tree, so read before the wait with the weights).
         row = tl.program_id(0)
         b, t = row // T, row % T
         cols = tl.arange(0, BLOCK)
@@ -128,6 +131,9 @@ if triton is not None:
             tl.extra.cuda.gdc_launch_dependents()
         ew = tl.load(ew_ptr + cols, mask=m, other=0.0)  # the norm weights: before the wait
         hw = tl.load(hw_ptr + cols, mask=m, other=0.0)
+        h_t = t
+        if ROWS:
+            h_t = tl.load(rows_ptr + t)
         if GDC:
             tl.extra.cuda.gdc_wait()
         # a token: after (so its embedding row)
@@ -136,7 +142,7 @@ if triton is not None:
         ef = e.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(ef * ef, axis=0) / H + eps)
         tl.store(out_ptr + row * 2 * H + cols, ew * (ef * inv).to(e.dtype), mask=m)
-        x = tl.load(hid_ptr + b.to(tl.int64) * hid_sb + t.to(tl.int64) * hid_st + cols,
+        x = tl.load(hid_ptr + b.to(tl.int64) * hid_sb + h_t.to(tl.int64) * hid_st + cols,
                     mask=m, other=0.0)
         xf = x.to(tl.float32)
         inv = 1.0 / tl.sqrt(tl.sum(xf * xf, axis=0) / H + eps)
@@ -699,11 +705,14 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 
 def eagle_prologue(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.Tensor,
-                   enorm: torch.Tensor, hnorm: torch.Tensor, eps: float) -> torch.Tensor:
+                   enorm: torch.Tensor, hnorm: torch.Tensor, eps: float,
+                   rows: torch.Tensor | None = None) -> torch.Tensor:
     """tokens [B, T] or [B] i64, hidden [B, T, H] or [B, H] -> [..., 2H] =
     [rms_norm(embedding[tokens], enorm); rms_norm(hidden, hnorm)] in one kernel (an EAGLE
     head's fc input). Both are read through their strides: views (a slice of a draft
-    tree's rows, a row expanded) need no copy."""
+    tree's rows, a row expanded) need no copy. ``rows`` [T] i64 (tokens [B, T], hidden
+    [B, S, H]): hidden's rows ``rows`` are the T rows (``hidden.index_select(1, rows)``
+    without its kernel; a constant table: it is read before PDL's wait)."""
     H = embedding.shape[1]
     flat = hidden.dim() == 2
     if flat:
@@ -711,12 +720,19 @@ def eagle_prologue(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.
     if hidden.dim() != 3 or hidden.stride(-1) != 1:
         raise ValueError(f"eagle_prologue: hidden {tuple(hidden.shape)} with strides "
                          f"{hidden.stride()} (want [B, T, H], H contiguous)")
-    B, T = hidden.shape[:2]
+    B, T = hidden.shape[0], tokens.shape[1]
+    if rows is None and hidden.shape[1] != T or rows is not None and (
+            flat or rows.shape != (T,) or rows.dtype != torch.int64):
+        raise ValueError(f"eagle_prologue: tokens {tuple(tokens.shape)}, hidden "
+                         f"{tuple(hidden.shape)}, rows "
+                         f"{None if rows is None else tuple(rows.shape)} (rows [T] int64 "
+                         "index hidden's rows; else hidden has tokens' T rows)")
     out = hidden.new_empty(B, T, 2 * H)
-    _eagle_prologue_kernel[(B * T,)](tokens, embedding, hidden, enorm, hnorm, out, H, eps,
+    _eagle_prologue_kernel[(B * T,)](tokens, embedding, hidden, enorm, hnorm, out,
+                                     hidden if rows is None else rows.contiguous(), H, eps,
                                      T, tokens.stride(0), tokens.stride(1), hidden.stride(0),
-                                     hidden.stride(1), BLOCK=_pow2(H), num_warps=4,
-                                     **_pdl.launch_kw(hidden))
+                                     hidden.stride(1), BLOCK=_pow2(H), ROWS=rows is not None,
+                                     num_warps=4, **_pdl.launch_kw(hidden))
     return out.squeeze(1) if flat else out
 
 

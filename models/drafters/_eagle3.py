@@ -71,12 +71,16 @@ class Eagle3Head(MtpEagleHead):
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
                 slots: torch.Tensor, cache: KVCache, kv_len: int | None = None,
                 pos_offset: int = 0, tree: TreeMask | None = None,
-                last: torch.Tensor | None = None) -> torch.Tensor:
+                last: torch.Tensor | None = None, hidden_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         # Target rows carry F*H features (F >= 2); the head's own outputs (steps >= 1), H.
         if hidden.shape[-1] != self.block.args.hidden_size:
+            if hidden_rows is not None:     # (the tree's parents are the head's own rows)
+                hidden, hidden_rows = hidden.index_select(1, hidden_rows), None
             hidden = self.project(hidden)
         return super().forward(tokens, hidden, start_pos, slots, cache, kv_len=kv_len,
-                               pos_offset=pos_offset, tree=tree, last=last)
+                               pos_offset=pos_offset, tree=tree, last=last,
+                               hidden_rows=hidden_rows)
 
 
 def file_feature_layers(path: str | Path) -> tuple[int, ...] | None:

@@ -731,8 +731,11 @@ class MtpEagleDrafter(Drafter):
                 out = above
             else:                           # depth >= 1: the head over its rows
                 # At L - 2 + a: the offset goes to the kernels as a constant (no add kernel).
-                out = self.head(tokens[:, a:b], level.parents_of(above), seq_lens, slots,
-                                self.cache, kv_len=kv_len, pos_offset=a - 2, tree=level.mask)
+                # Parents that form no view are read by index (the head's prologue).
+                parents, index = level.parents_in(above)
+                out = self.head(tokens[:, a:b], parents, seq_lens, slots, self.cache,
+                                kv_len=kv_len, pos_offset=a - 2, tree=level.mask,
+                                hidden_rows=index)
             assert level.expand is not None, "every depth above the deepest has children"
             ranked = out if whole_depth else level.expanding(out)
             top = yield ranked.flatten(0, 1), level, tokens
@@ -805,7 +808,8 @@ class _TreeLevel:
 
     Where an index is a run of rows (or one row repeated), the rows are taken as a view
     (``parents_of``, ``expanding``): on the GPU each gather is a kernel of its own in a
-    launch-bound step."""
+    launch-bound step. Parents that are no view go to the head as an index
+    (``parents_in``), which its prologue kernel reads."""
 
     def __init__(self, tree: DraftTree, depth: int, device: torch.device) -> None:
         kids = tree.children()
@@ -845,6 +849,13 @@ class _TreeLevel:
         """The depth above's head output [B, its rows, H] -> this depth's rows' parents'
         [B, end - first, H]."""
         return _take(above, self.parents, self._parent_run)
+
+    def parents_in(self, above: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``parents_of`` as (rows, None) where they form a view, else (``above``, the
+        parents' index into it): the head reads them by index (no gather)."""
+        if self._parent_run is None:
+            return above, self.parents
+        return self.parents_of(above), None
 
     def expanding(self, out: torch.Tensor) -> torch.Tensor:
         """This depth's head output [B, end - first, H] -> its rows with children

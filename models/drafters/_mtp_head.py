@@ -103,18 +103,25 @@ class MtpEagleHead(torch.nn.Module):
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, start_pos: torch.Tensor,
                 slots: torch.Tensor, cache: KVCache, kv_len: int | None = None,
                 pos_offset: int = 0, tree: TreeMask | None = None,
-                last: torch.Tensor | None = None) -> torch.Tensor:
+                last: torch.Tensor | None = None, hidden_rows: torch.Tensor | None = None
+                ) -> torch.Tensor:
         """tokens [B, T] (t_{p+1}), hidden [B, T, H] (h_p) at positions start_pos +
         pos_offset.. -> the head's hidden [B, T, H]; logits come from the shared LM head.
         ``tree``: the rows are draft-tree nodes (models/_decoder.py ``TreeMask``).
-        ``last`` [B]: row last[b]'s output alone, [B, H] (``forward_embeds``'s)."""
+        ``last`` [B]: row last[b]'s output alone, [B, H] (``forward_embeds``'s).
+        ``hidden_rows`` [T] i64: hidden is [B, S, H] and row t reads its row
+        hidden_rows[t] (a draft tree's parents; the prologue kernel reads them, no
+        gather)."""
         if self.block.uses_kernels:
             # Embedding gather, both norms and the concat in one kernel (the same bits as
             # a norm kernel each: a draft step is launch-bound on the GPU).
             from specloop.models import _kernels  # noqa: PLC0415
             x = _kernels.eagle_prologue(tokens, self.block.embed_tokens, hidden, self.enorm,
-                                        self.hnorm, self.block.args.rms_norm_eps)
+                                        self.hnorm, self.block.args.rms_norm_eps,
+                                        rows=hidden_rows)
         else:
+            if hidden_rows is not None:
+                hidden = hidden.index_select(1, hidden_rows)
             x = torch.cat([self.norm(self.block.embed(tokens).to(self.dtype), self.enorm),
                            self.norm(hidden.to(self.dtype), self.hnorm)], dim=-1)
         return self.block.forward_embeds(self.block.linear(x, self.fc), start_pos, slots, cache,

@@ -6,7 +6,8 @@ start + pos_offset inside the kernels, the head's prologue kernel (embedding, en
 hnorm, concat), the per-part fnorm, the greedy draft token as one argmax-and-map
 kernel (ties to the smallest target id, whatever the map's order), and a draft tree's
 children as one top-k-and-map kernel (the same order, k times), written into their nodes'
-columns; the prologue reading strided rows (a tree's parents as a view); the draft graph
+columns; the prologue reading strided rows (a tree's parents as a view) or rows by index
+(parents that are no view); the draft graph
 step's integer glue in one kernel; the head's output for one row of each (its final
 norm reading that row alone). The same comparisons
 run on CUDA in bf16 in tests/models/test_gpu.py.
@@ -211,6 +212,13 @@ for view, tview in ((rows[:, 2:5], toks[:, 2:5]), (rows[:, 1:2].expand(-1, 4, -1
     want = _kernels.eagle_prologue(tview.contiguous(), emb, view.contiguous(), ones, ones * 2,
                                    1e-5)
     assert torch.equal(got, want) and got.shape == (*view.shape[:-1], 2 * H)
+# Or by index (a tree's parents that form no view): hidden's rows [0, 0, 3, 6, 2] read as
+# index_select gives them.
+index = torch.tensor([0, 0, 3, 6, 2])
+got = _kernels.eagle_prologue(toks[:, :5], emb, rows, ones, ones * 2, 1e-5, rows=index)
+want = _kernels.eagle_prologue(toks[:, :5], emb, rows.index_select(1, index), ones, ones * 2,
+                               1e-5)
+assert torch.equal(got, want) and got.shape == (2, 5, 2 * H)
 print("ok")
 """
 

@@ -206,12 +206,14 @@ def test_kernels_wait_before_reading_activations_or_storing():
     check_kernel(K._add_rms_norm_kernel, norm,
                  {"W_ROWS": 1, "HAS_DELTA": True, "HAS_COPY": False, "PICK": True,
                   "BLOCK": 1024}, weights=set())
-    check_kernel(K._eagle_prologue_kernel,
-                 {"tok_ptr": "*i64", "emb_ptr": "*bf16", "hid_ptr": "*bf16", "ew_ptr": "*bf16",
-                  "hw_ptr": "*bf16", "out_ptr": "*bf16", "H": "i32", "eps": "fp32",
-                  "T": "i32", "tok_sb": "i32", "tok_st": "i32", "hid_sb": "i32",
-                  "hid_st": "i32"},
-                 {"BLOCK": 1024}, weights={"ew_ptr", "hw_ptr"})
+    for rows in (False, True):      # a tree's parents by index: the constant table before
+        check_kernel(K._eagle_prologue_kernel,
+                     {"tok_ptr": "*i64", "emb_ptr": "*bf16", "hid_ptr": "*bf16",
+                      "ew_ptr": "*bf16", "hw_ptr": "*bf16", "out_ptr": "*bf16",
+                      "rows_ptr": "*i64", "H": "i32", "eps": "fp32", "T": "i32",
+                      "tok_sb": "i32", "tok_st": "i32", "hid_sb": "i32", "hid_st": "i32"},
+                     {"BLOCK": 1024, "ROWS": rows},
+                     weights={"ew_ptr", "hw_ptr"} | ({"rows_ptr"} if rows else set()))
     for dest in (False, True):     # a draft tree's children, into their nodes' columns too
         check_kernel(K._topk_map_kernel,
                      {"x_ptr": "*bf16", "map_ptr": "*i64", "out_ptr": "*i64",
