@@ -173,3 +173,31 @@ def test_every_bench_script_imports():
     assert out.returncode == 0, out.stderr[-2000:]
     count, bad = out.stdout.strip().split(" ", 1)
     assert int(count) > 40 and bad == "{}", out.stdout
+
+
+def test_trace_kernels_orders_one_iteration_by_launch(monkeypatch):
+    """bench/trace_kernels.py: iterations end at the read-back (device to host), the
+    partial first and last are dropped, the most common sequence is summarized by
+    position (median gap and duration), and kernels of one graph replay share a launch
+    label."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    trace_kernels = importlib.import_module("trace_kernels")
+    events, ts, corr = [], 0, 0
+    for it in range(6):
+        for launch, names in (("cudaGraphLaunch", ["glue", "head"]),
+                              ("cudaMemcpyAsync", ["Memcpy DtoH (Device -> Pinned)"])):
+            corr += 1
+            events.append({"cat": "cuda_runtime", "name": launch, "ts": ts, "dur": 1,
+                           "args": {"correlation": corr}})
+            for name in names:
+                dur = 5 if name == "head" and it == 3 else 2     # one slow iteration
+                events.append({"cat": "gpu_memcpy" if "Memcpy" in name else "kernel",
+                               "name": name, "ts": ts, "dur": dur,
+                               "args": {"correlation": corr}})
+                ts += dur + 1
+    seen, common, rows = trace_kernels.summarize({"traceEvents": events})
+    assert (seen, common) == (4, 4)
+    assert [(label, name) for label, name, _, _ in rows] == [
+        ("01 GraphLaunch", "glue"), ("01 GraphLaunch", "head"),
+        ("02 MemcpyAsync", "Memcpy DtoH (Device -> Pinned)")]
+    assert [(gap, dur) for _, _, gap, dur in rows] == [(0.0, 2), (1, 2), (1, 2)]
