@@ -57,18 +57,17 @@ def summarize(trace: dict) -> tuple[int, int, list[tuple[str, str, float, float]
     common, count = sigs.most_common(1)[0]
     same = [it for it in its if signature(it, launch) == common]
     rows = []
-    labels: list[str] = []
     group, last_corr = 0, None
     for j, (call, name) in enumerate(common):
         corr = same[0][j]["args"].get("correlation")
         if corr != last_corr:
             group += 1
             last_corr = corr
-        labels.append(f"{group:02d} {call.replace('cuda', '')[:14]}")
+        label = f"{group:02d} {call.replace('cuda', '')[:14]}"
         gaps = [it[j]["ts"] - (it[j - 1]["ts"] + it[j - 1]["dur"]) if j else 0.0
                 for it in same]
         durs = [it[j]["dur"] for it in same]
-        rows.append((labels[-1], name, statistics.median(gaps), statistics.median(durs)))
+        rows.append((label, name, statistics.median(gaps), statistics.median(durs)))
     return len(its), count, rows
 
 

@@ -677,10 +677,10 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
     its own row of the second output, whose other rows are then unwritten)."""
     H = x.shape[-1]
     x = x.contiguous()
-    rows = x.numel() // H
-    h = torch.empty_like(x)
-    T = 1
-    if pick is not None:
+    if pick is None:
+        rows, T = x.numel() // H, 1
+        h = torch.empty_like(x)
+    else:
         if x.dim() != 3 or pick.shape != (x.shape[0],) or copy_to is not None:
             raise ValueError(f"add_rms_norm: pick {tuple(pick.shape)} for x "
                              f"{tuple(x.shape)} (one row of each [T, H], no copy_to)")
@@ -721,7 +721,7 @@ def eagle_prologue(tokens: torch.Tensor, embedding: torch.Tensor, hidden: torch.
         raise ValueError(f"eagle_prologue: hidden {tuple(hidden.shape)} with strides "
                          f"{hidden.stride()} (want [B, T, H], H contiguous)")
     B, T = hidden.shape[0], tokens.shape[1]
-    if rows is None and hidden.shape[1] != T or rows is not None and (
+    if (hidden.shape[1] != T) if rows is None else (
             flat or rows.shape != (T,) or rows.dtype != torch.int64):
         raise ValueError(f"eagle_prologue: tokens {tuple(tokens.shape)}, hidden "
                          f"{tuple(hidden.shape)}, rows "

@@ -349,10 +349,11 @@ class MtpEagleDrafter(Drafter):
         lengths = self._lengths_of(template.size)
 
         # VERIFY's tokens [Bp, 1 + K] (a tree's: 1 + its nodes) where the drafts go into
-        # their columns (a tree, greedy drafts): made before the glue, whose kernel writes
-        # column 0 (the step's first token), the drafts after it; no concatenation or
-        # gather kernel joins them.
-        drafted = tree.size if tree is not None else k if greedy else 0
+        # their columns (a tree, greedy drafts, none at K = 0): made before the glue, which
+        # writes column 0 (the step's first token), the drafts after it; no concatenation
+        # joins them. Sampled drafts are stacked (graph_outputs) and joined after.
+        in_columns = tree is not None or greedy or not k
+        drafted = tree.size if tree is not None else k
 
         def drafts(inputs: dict[str, torch.Tensor], caught_up: Callable[[], None],
                    ids: torch.Tensor | None) -> dict[str, torch.Tensor]:
@@ -365,7 +366,7 @@ class MtpEagleDrafter(Drafter):
                                                       tree, kv_len, root_column=True,
                                                       into=ids)}
             if not k:
-                return {"tokens": seq_lens.new_empty(seq_lens.shape[0], 1)}
+                return {"tokens": ids}
             if greedy:      # argmax drafts, each written into its column of the output
                 assert ids is not None
                 for j in range(1, k + 1):
@@ -402,16 +403,16 @@ class MtpEagleDrafter(Drafter):
             rows = verified.shape[0]
             # VERIFY's tokens and position where ``into`` names them (its static inputs:
             # DraftGraphStep), else the step's own.
-            ids = _int64_into(into.get("tokens"), (rows, 1 + drafted)) if drafted else None
-            if drafted and ids is None:
-                ids = verified.new_empty(rows, 1 + drafted)
+            ids = None
+            if in_columns:
+                ids = _int64_into(into.get("tokens"), (rows, 1 + drafted))
+                if ids is None:
+                    ids = verified.new_empty(rows, 1 + drafted)
             position = _int64_into(into.get("start_pos"), (rows,))
-            first_written = False
             if self.head.block.uses_kernels and _kernels.draft_glue_fits(verified, meta,
                                                                          lengths):
                 last, tokens, cu_start = _kernels.draft_glue(
                     verified, meta, lengths, None if ids is None else ids[:, 0], position)
-                first_written = ids is not None
                 if position is not None:
                     start = position
 
@@ -422,6 +423,8 @@ class MtpEagleDrafter(Drafter):
                 tokens = verified[:, :width].clamp(min=0)
                 at = start + last
                 cu_start = start
+                if ids is not None:
+                    torch.gather(tokens, 1, last[:, None], out=ids[:, :1])
 
                 def caught_up() -> None:
                     torch.add(meta[2:], at, out=lengths)
@@ -431,10 +434,8 @@ class MtpEagleDrafter(Drafter):
                           "slots": slots, "seq_lens": seq_lens,
                           **{name: inputs[name] for name in SamplingBatch.COLUMNS}}, caught_up,
                          ids)
-            if "tokens" in out:     # the drafts' buffer has VERIFY's first column free
-                if not first_written:
-                    torch.gather(tokens, 1, last[:, None], out=out["tokens"][:, :1])
-                out["token_ids"] = out["tokens"][:, 1:]
+            if ids is not None:     # the drafts in their columns, column 0 written above
+                out["token_ids"] = ids[:, 1:]
             else:                   # sampled drafts (graph_outputs' stack)
                 out["tokens"] = torch.cat([tokens.gather(1, last[:, None]),
                                            out["token_ids"]], 1)
@@ -830,10 +831,10 @@ class _TreeLevel:
             self.mask = TreeMask(torch.full((b - a,), depth - a, device=device),
                                  tree.visible(device)[a:b, 1:b])
         expand = [r for r in rows if r in kids]
-        self.expand = torch.tensor(expand, device=device) if expand else None
-        # Indices into this depth's own rows (its head output).
-        self._expand_index = torch.tensor([r - self.first for r in expand], device=device)
-        self._expand_run = _run([r - self.first for r in expand])
+        # The rows with children as indices into this depth's own rows (its head output).
+        own = [r - self.first for r in expand]
+        self.expand = torch.tensor(own, device=device) if expand else None
+        self._expand_run = _run(own)
         self.width = max(tree.paths[c - 1][-1] for r in expand for c in kids[r]) + 1
         dest = torch.full((self.end - self.first, self.width), -1, dtype=torch.int64)
         for r in expand:
@@ -843,7 +844,7 @@ class _TreeLevel:
         # For ``place``: (positions in the ranks a request, flattened; their nodes), for
         # the rows with children and for the whole depth's rows.
         self._placing = {whole: _placing(d, device) for whole, d in
-                         ((False, dest[[r - self.first for r in expand]]), (True, dest))}
+                         ((False, dest[own]), (True, dest))}
 
     def parents_of(self, above: torch.Tensor) -> torch.Tensor:
         """The depth above's head output [B, its rows, H] -> this depth's rows' parents'
@@ -861,7 +862,7 @@ class _TreeLevel:
         """This depth's head output [B, end - first, H] -> its rows with children
         [B, len(expand), H]."""
         assert self.expand is not None
-        return _take(out, self._expand_index, self._expand_run)
+        return _take(out, self.expand, self._expand_run)
 
     def place(self, tokens: torch.Tensor, top: torch.Tensor, *, whole_depth: bool = False
               ) -> None:
