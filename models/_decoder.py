@@ -214,9 +214,20 @@ class DecoderModel(nn.Module):
         concatenated: (hidden, features [B, T, len(capture) * H]), e.g. for an EAGLE-3 head.
         ``tree``: the T rows are a draft tree's (``TreeMask``), not a sequence.
         """
+        gather = None
+        if self.uses_kernels and tokens.dim() == 2:
+            embeds = self.embed_tokens.new_empty(*tokens.shape, self.args.hidden_size)
+            # The first layer's qkv GEMM loads the embeddings itself where it can (it
+            # writes them into ``embeds``, the residual stream): no kernel for the lookup.
+            if self.linear.gathers_embeddings(
+                    embeds, self.attn_norm[0], self.wqkv[0],
+                    None if self.bqkv is None else self.bqkv[0], self.args.head_dim):
+                gather = (tokens, self.embed_tokens)
+        if gather is None:
+            embeds = self.embed(tokens)
         return self.forward_embeds(
-            self.embed(tokens), start_pos, slots, cache, num_layers=num_layers, kv_len=kv_len,
-            capture=capture, tree=tree,
+            embeds, start_pos, slots, cache, num_layers=num_layers, kv_len=kv_len,
+            capture=capture, tree=tree, gather=gather,
         )
 
     @no_grad
@@ -233,12 +244,16 @@ class DecoderModel(nn.Module):
         pos_offset: int = 0,
         tree: TreeMask | None = None,
         last: torch.Tensor | None = None,
+        gather: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Like ``forward`` on input embeddings [B, T, H] (e.g. an MTP head's fused input).
         ``pos_offset``: the rows sit at start_pos + pos_offset.. (the fused kernels add it
         themselves: a draft step needs no position tensor of its own). ``last`` [B]: the
         output of row last[b] of each b alone, [B, H] (every row still runs and writes its
-        K/V; the final norm reads the one row: a draft's catch-up, no gather after it)."""
+        K/V; the final norm reads the one row: a draft's catch-up, no gather after it).
+        ``gather`` (tokens [B, T], the embedding table; the fused path): ``embeds`` is
+        written by the first layer's qkv GEMM, which looks the tokens up as it loads them
+        (``forward``)."""
         n = self._num_layers(num_layers, cache)
         if list(capture) != sorted(set(capture)) or any(not 0 <= i < n for i in capture):
             raise ValueError(f"capture={capture}: layers must be increasing and < {n}")
@@ -270,7 +285,8 @@ class DecoderModel(nn.Module):
                                                        self.args.head_dim)
             for i, w in enumerate(weights):
                 x, delta = self._fused_layer(i, w, x, delta, step, cache, into.get(i - 1),
-                                             feeds and i + 1 < n and i not in into)
+                                             feeds and i + 1 < n and i not in into,
+                                             gather if i == 0 else None)
             out = _kernels.add_rms_norm(x, delta, self.norm, eps, into.get(n - 1),
                                         pick=last)[0]
             return (out, feats) if feats is not None else out
@@ -360,7 +376,9 @@ class DecoderModel(nn.Module):
 
     def _fused_layer(self, i: int, w: _LayerWeights, x: torch.Tensor, delta: torch.Tensor | None,
                      step: _Step, cache: KVCache, capture: torch.Tensor | None = None,
-                     feeds_stream: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     feeds_stream: bool = False,
+                     gather: tuple[torch.Tensor, torch.Tensor] | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The same layer in nine kernels (5 with the skinny fusions: the norms in the
         qkv and gate-up GEMMs' prologues, RoPE + the cache write in qkv's epilogue,
         SwiGLU in gate-up's; 7 where the norms stay apart); returns the
@@ -377,7 +395,7 @@ class DecoderModel(nn.Module):
                          cache.pages.scratch_page, self.rope_cos, self.rope_sin, cache.k[i],
                          cache.v[i], a.num_heads, step.pos_offset, step.tree_offsets)
         q, x = self.linear.norm_linear_rope(x, delta, w.attn_norm, a.rms_norm_eps, w.wqkv,
-                                            w.bqkv, capture, rope)
+                                            w.bqkv, capture, rope, gather)
         o = _kernels.paged_attention(q, cache.k[i], cache.v[i], cache.pages.table, step.slots,
                                      step.start_pos, step.pos_offset,
                                      tree_bits=step.tree_bits, tree_back=step.tree_back)

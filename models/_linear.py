@@ -491,6 +491,11 @@ class PackedLinear:
                                             STREAM_NORM_DEFAULT)) \
             if self.skinny else StreamModes()
         self.qkv_stream, self.mlp_stream, self.mlp_stream_b = modes
+        # The first layer's qkv GEMM loads the tokens' embeddings itself where it
+        # normalises the stream as loaded (gathers_embeddings): no embedding kernel
+        # before it. SPECLOOP_GATHER_EMBEDDINGS=0 keeps that kernel (the same bits).
+        self.gather_embeddings = self.skinny and \
+            os.environ.get("SPECLOOP_GATHER_EMBEDDINGS", "1") != "0"
         # Tests: the skinny kernel also on CPU tensors (Triton's interpreter runs it there).
         self.skinny_on_cpu = False
         # (data_ptr, shape, stride) -> (the weight, its version when packed, the packing)
@@ -554,7 +559,9 @@ class PackedLinear:
     def norm_linear_rope(self, x: torch.Tensor, delta: torch.Tensor | None,
                          norm_weight: torch.Tensor, eps: float, weight: torch.Tensor,
                          bias: torch.Tensor | None, capture: torch.Tensor | None,
-                         rope: _skinny.RopeWrite) -> tuple[torch.Tensor, torch.Tensor]:
+                         rope: _skinny.RopeWrite,
+                         gather: tuple[torch.Tensor, torch.Tensor] | None = None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
         """``norm_linear`` on x [B, T, H] with the qkv weight, then
         ``_kernels.rope_cache_write(qkv, *rope)`` -> (rotated q [B, T, Hq, D], x + delta).
         Where ``rope`` is on and the rows run a ``rope_fits`` configuration, RoPE and the
@@ -564,9 +571,17 @@ class PackedLinear:
         kernel (a one-tile tl.dot of one head a program: 5-32 rows;
         ``skinny_rope_linear``; with no delta or capture where ``takes_stream``, x is the
         whole stream and that kernel normalises it as it loads it, no norm kernel). The
-        same bits either way but for that norm's sum of squares."""
+        same bits either way but for that norm's sum of squares. ``gather`` (tokens
+        [B, T], the embedding table): x is to hold the tokens' embeddings, written here
+        (the first layer): by the qkv GEMM as it loads them where it normalises the stream
+        as loaded (``gathers_embeddings``), else by indexing first."""
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         plan = self._qkv_form(x, delta, norm_weight, weight, bias, rope.k_cache.shape[-1])
+        if gather is not None and not (plan is not None and delta is None and capture is None
+                                       and plan[0] == "dot" and self._normed_as_loaded(
+                                           plan[1], weight, norm_weight)):
+            torch.index_select(gather[1], 0, gather[0].reshape(-1), out=x.view(-1, x.shape[-1]))
+            gather = None
         if plan is not None:
             form, config = plan
             if form == "norm":          # norm prologue and rope epilogue
@@ -575,11 +590,19 @@ class PackedLinear:
             if delta is None and capture is None and self._normed_as_loaded(
                     config, weight, norm_weight):        # the stream, normed as loaded
                 return _skinny.skinny_rope_linear(x, weight, bias, config, rope,
-                                                  norm=(norm_weight, eps)), x
+                                                  norm=(norm_weight, eps), gather=gather), x
             h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
             return _skinny.skinny_rope_linear(h, weight, bias, config, rope), stream
         qkv, stream = self.norm_linear(x, delta, norm_weight, eps, weight, bias, capture)
         return _kernels.rope_cache_write(qkv, *rope), stream
+
+    def gathers_embeddings(self, x: torch.Tensor, norm_weight: torch.Tensor,
+                           weight: torch.Tensor, bias: torch.Tensor | None, head_dim: int
+                           ) -> bool:
+        """The first layer's qkv GEMM on rows x [B, T, H] (no delta, no capture) loads
+        the embeddings itself (``norm_linear_rope``'s ``gather``): where it normalises
+        the stream as loaded (``takes_stream``; ``gather_embeddings``)."""
+        return self.gather_embeddings and self.takes_stream(x, norm_weight, weight, bias, head_dim)
 
     def takes_stream(self, x: torch.Tensor, norm_weight: torch.Tensor, weight: torch.Tensor,
                      bias: torch.Tensor | None, head_dim: int) -> bool:

@@ -707,14 +707,17 @@ if triton is not None:
                             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
                             PIECE: tl.constexpr = 0, TREE: tl.constexpr = False,
                             GDC: tl.constexpr = False, NORM: tl.constexpr = False,
-                            SLICES: tl.constexpr = 1, BLOCK_N: tl.constexpr = 0):
+                            SLICES: tl.constexpr = 1, BLOCK_N: tl.constexpr = 0,
+                            tok_ptr=None, stream_ptr=None, GATHER: tl.constexpr = False):
         # The qkv GEMM as _skinny_kernel's one-tile tl.dot and _rope_store as its
         # epilogue: the same bits as skinny_linear then rope_cache_write, without the qkv
         # product's round trip through memory or the rope kernel's launch. A program's
         # output columns are BLOCK_N of one head (0: D, the whole head: q, k or v; less,
         # _rope_w_rows' pairs of a head, D / BLOCK_N programs a head: more programs for
         # the same W). NORM: x is the residual stream and the product is of its RMSNorm
-        # by nw_ptr's weight (_dot_one_pass).
+        # by nw_ptr's weight (_dot_one_pass). GATHER: x_ptr is the embedding table and
+        # row m's is row tok_ptr[m] of it (no embedding kernel before the first layer);
+        # program 0 also stores those rows, the residual stream, at stream_ptr [M, K].
         BN: tl.constexpr = BLOCK_N if BLOCK_N > 0 else D
         if GDC:  # PDL: W (the bias, the norm's weight) before the wait; the rest after
             tl.extra.cuda.gdc_launch_dependents()
@@ -733,9 +736,21 @@ if triton is not None:
         rm = tl.program_id(2) * BLOCK_M + tl.arange(0, BLOCK_M)
         m_ok = rm < M
         p, slot, t = _rope_rows(rm, m_ok, start_ptr, slot_ptr, T, pos_offset)
-        acc = _dot_one_pass(x_ptr + rm.to(tl.int64)[:, None] * stride_xm, m_ok, K, 0, K, wa,
-                            wb, tl.zeros([BLOCK_M, BN], dtype=tl.float32), 0, BLOCK_K, PIECE,
+        if GATHER:
+            x_rows = x_ptr + tl.load(tok_ptr + rm, mask=m_ok, other=0).to(tl.int64)[:, None] \
+                * stride_xm
+        else:
+            x_rows = x_ptr + rm.to(tl.int64)[:, None] * stride_xm
+        acc = _dot_one_pass(x_rows, m_ok, K, 0, K, wa, wb,
+                            tl.zeros([BLOCK_M, BN], dtype=tl.float32), 0, BLOCK_K, PIECE,
                             NORM, na, nb, eps, SLICES)
+        if GATHER:
+            if tl.program_id(0) == 0:
+                for k0 in range(0, K, BLOCK_K):
+                    rk = k0 + tl.arange(0, BLOCK_K)
+                    ok = m_ok[:, None] & (rk < K)[None, :]
+                    tl.store(stream_ptr + rm.to(tl.int64)[:, None] * K + rk[None, :],
+                             tl.load(x_rows + rk[None, :], mask=ok), mask=ok)
         if HAS_BIAS:
             acc += bias[None, :]
         _rope_store(acc, rm, m_ok, p, slot, t, head, dims, table_ptr, cos_ptr, sin_ptr, q_ptr,
@@ -991,14 +1006,23 @@ def rope_fits(config: SkinnyConfig, k: int, head_dim: int) -> bool:
 
 def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                        config: SkinnyConfig, rope: RopeWrite,
-                       norm: tuple[torch.Tensor, float] | None = None) -> torch.Tensor:
+                       norm: tuple[torch.Tensor, float] | None = None,
+                       gather: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """x [B, T, K] @ weight [(Hq + 2 Hkv) D, K]^T (+ bias) as qkv, then RoPE and the cache
     write as ``_kernels.rope_cache_write(qkv, *rope)`` does them, in one kernel (a
     ``rope_fits`` config): -> rotated q [B, T, Hq, D]; k and v go into ``rope``'s caches.
     The same bits as ``skinny_linear`` then ``rope_cache_write``. ``norm`` (weight [K],
     eps): x is the residual stream, normalised in the prologue as
-    ``skinny_linear(norm=...)`` does."""
+    ``skinny_linear(norm=...)`` does. ``gather`` (tokens [B, T] int64, an embedding table
+    [V, K]): x's rows are the table's rows of the tokens, and the kernel writes them into
+    x (contiguous; its content on entry is not read): the first layer with its embedding
+    lookup, no kernel of its own."""
     B, T, K = x.shape
+    if gather is not None and (gather[0].shape != (B, T) or gather[1].dim() != 2
+                               or gather[1].shape[1] != K or not x.is_contiguous()
+                               or gather[1].stride(1) != 1):
+        raise ValueError(f"skinny_rope_linear: gather tokens {tuple(gather[0].shape)} and "
+                         f"table {tuple(gather[1].shape)} for x {tuple(x.shape)} (contiguous)")
     _, page_size, hkv, D = rope.k_cache.shape
     hq = rope.num_heads
     if weight.shape != ((hq + 2 * hkv) * D, K) or not config.dot \
@@ -1017,9 +1041,11 @@ def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     bm = config.block_m(M)
     piece = one_pass_piece(config, K)
     per_head = D // config.block_n
+    # Gathering, the kernel reads the table's rows (its x) and stores them into x.
+    src, tokens = (x2, x2) if gather is None else (gather[1], gather[0].reshape(M))
     _skinny_rope_kernel[((hq + 2 * hkv) * per_head, 1, triton.cdiv(M, bm))](
-        x2, weight, bias if bias is not None else weight, q,
-        norm[0] if norm is not None else x2, M, K, x2.stride(0), weight.stride(0),
+        src, weight, bias if bias is not None else weight, q,
+        norm[0] if norm is not None else x2, M, K, src.stride(0), weight.stride(0),
         norm[1] if norm is not None else 0.0, *rope.kernel_args(T), HQ=hq, HKV=hkv, D=D,
         PAGE=page_size, HAS_BIAS=bias is not None, BLOCK_M=bm,
         **({"BLOCK_N": config.block_n} if per_head > 1 else {}),
@@ -1027,7 +1053,8 @@ def skinny_rope_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         **({"PIECE": piece} if piece else {}),
         **({"SLICES": slices} if (slices := config.slices_for(K)) > 1 else {}),
         **({"TREE": True} if rope.rope_offsets is not None else {}),
-        **({"NORM": True} if norm is not None else {}), **_pdl.launch_kw(x2))
+        **({"NORM": True} if norm is not None else {}), tok_ptr=tokens, stream_ptr=x2,
+        **({"GATHER": True} if gather is not None else {}), **_pdl.launch_kw(x2))
     return q
 
 

@@ -402,23 +402,27 @@ def test_skinny_loads_its_weight_tile_before_the_wait(path):
     check_kernel(S._skinny_kernel, sig, meta, weights=before, sass=path == "broadcast")
 
 
-@pytest.mark.parametrize("piece, tree", [(64, True), (0, False)])
-def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree):
+@pytest.mark.parametrize("piece, tree, gather", [(64, True, False), (0, False, False),
+                                                 (64, False, True)])
+def test_skinny_rope_loads_weight_and_bias_before_the_wait(piece, tree, gather):
     """The qkv GEMM with RoPE and the cache write as its epilogue: W's tiles and the bias
     before the wait; positions, slots, the block table, x, the rotation tables after
-    (with the tree and the norm: its K in four slices, each its own tl.dot)."""
+    (with the tree and the norm: its K in four slices, each its own tl.dot). ``gather``
+    (the first layer's embedding lookup, with the norm): the tokens and the table's rows
+    after the wait too."""
     from specloop.models import _skinny as S
 
     sig = {"x_ptr": "*bf16", "w_ptr": "*bf16", "b_ptr": "*bf16", "q_ptr": "*bf16",
            "nw_ptr": "*bf16", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_wn": "i32",
-           "eps": "fp32", **CACHE_SIG}
+           "eps": "fp32", **CACHE_SIG, "tok_ptr": "*i64", "stream_ptr": "*bf16"}
     # (NORM with the tree: the stream's norm in the prologue, its weight before the wait;
     # and half a head a program)
+    norm = tree or gather
     check_kernel(S._skinny_rope_kernel, sig,
                  dict(HQ=9, HKV=3, D=64, PAGE=16, HAS_BIAS=True, BLOCK_M=16, BLOCK_K=1024,
-                      PIECE=piece, TREE=tree, NORM=tree, SLICES=4 if tree else 1,
-                      BLOCK_N=32 if tree else 0),
-                 weights={"w_ptr", "b_ptr"} | ({"nw_ptr"} if tree else set()), num_warps=8)
+                      PIECE=piece, TREE=tree, NORM=norm, SLICES=4 if tree else 1,
+                      BLOCK_N=32 if tree else 0, GATHER=gather),
+                 weights={"w_ptr", "b_ptr"} | ({"nw_ptr"} if norm else set()), num_warps=8)
 
 
 def test_norm_skinny_and_splitk_reduce():

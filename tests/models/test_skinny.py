@@ -650,6 +650,22 @@ for cfg in (SkinnyConfig(True, 16, 64, num_warps=4, num_stages=1),
             lambda rope: (_kernels.rope_cache_write(skinny_linear(x, w, b, cfg, norm=norm),
                                                     *rope),),
             starts, [2, 0], 1, tree, (cfg.tag(), T, tree is not None))
+        # The first layer's lookup in the kernel (``gather``): rows of an embedding table
+        # by token, written into the stream too; its content on entry not read.
+        if norm is not None:
+            emb = torch.randn(23, K).half()
+            tok = torch.randint(0, 23, (2, T))
+            stream = torch.full((2, T, K), float("nan")).half()
+            same_as_rope_kernel(
+                lambda rope: (skinny_rope_linear(stream, w, b, cfg, rope, norm=norm,
+                                                 gather=(tok, emb)), stream),
+                lambda rope: (skinny_rope_linear(emb[tok], w, b, cfg, rope, norm=norm),
+                              emb[tok]),
+                starts, [2, 0], 1, tree, (cfg.tag(), T, "gather"))
+refused(lambda: skinny_rope_linear(torch.zeros(2, 3, K).half(), w, None, cfg, any_rope,
+                                   norm=(nw, 1e-5), gather=(torch.zeros(2, 4).long(),
+                                                            torch.zeros(9, K).half())),
+        "gather tokens (2, 4)", "x (2, 3, 48)")
 print("ok")
 """
 
