@@ -1687,6 +1687,61 @@ def test_rope_epilogue_gives_the_rope_kernels_bits_bf16_cuda(monkeypatch, pdl):
 
 
 @pytest.mark.gpu
+def test_first_layer_lookup_gives_the_embedding_kernels_bits_bf16_cuda(monkeypatch):
+    """``norm_linear_rope(gather=...)`` (the first layer looking the tokens up itself) on
+    SmolLM2's qkv shape (the shipped table, bf16, random weights and embedding table): q,
+    the stream it writes and both caches bit for bit against the lookup first, at every
+    row count 1..32, one request and two, a draft tree's rows; the kernel gathers at 5-32
+    rows (the stream normed as loaded), below that the lookup runs first."""
+    from specloop.models import _skinny
+
+    HQ, HKV, D, H, P, V = 9, 3, 64, 576, 16, 1000
+    gen = torch.Generator(device="cuda").manual_seed(1)
+
+    def rand(*shape, scale=1.0):
+        return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
+
+    inv = 1.0 / 100000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    angles = torch.arange(2048, device="cuda").float()[:, None] * inv[None, :]
+    emb = torch.cat((angles, angles), -1)
+    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    w, nw, embed = rand((HQ + 2 * HKV) * D, H, scale=0.05), 1 + rand(H, scale=0.1), rand(V, H)
+    table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
+    kc0, vc0 = rand(65, P, HKV, D), rand(65, P, HKV, D)
+    gathered = []
+    real = _skinny.skinny_rope_linear
+
+    def counted(x, *a, **k):
+        if k.get("gather") is not None:
+            gathered.append(x.shape[0] * x.shape[1])
+        return real(x, *a, **k)
+    monkeypatch.setattr(_skinny, "skinny_rope_linear", counted)
+    lin = PackedLinear(skinny=True)
+    tree = torch.tensor([0, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3], device="cuda")
+    shapes = [(1, m, None) for m in range(1, 33)] + [(2, t, None) for t in (4, 5, 16)]
+    shapes += [(1, 16, tree), (2, 16, tree)]
+    for B, T, offsets in shapes:
+        tokens = torch.randint(0, V, (B, T), device="cuda", generator=gen)
+        start = torch.tensor([13, 250][:B], device="cuda")
+        slots = torch.tensor([3, 1][:B], device="cuda")
+        assert lin.gathers_embeddings(embed[tokens], nw, w, None, D) == (B * T >= 5)
+        out = []
+        for gather in (True, False):
+            kc, vc = kc0.clone(), vc0.clone()
+            rope = _skinny.RopeWrite(start, slots, table, 256, 64, cos, sin, kc, vc, HQ, 0,
+                                     offsets)
+            x = torch.full((B, T, H), float("nan"), device="cuda").bfloat16() if gather \
+                else embed[tokens]
+            q, stream = lin.norm_linear_rope(x, None, nw, 1e-5, w, None, None, rope,
+                                             (tokens, embed) if gather else None)
+            out.append((q, stream, kc, vc))
+        for a, b in zip(*out):
+            assert torch.equal(a, b), (B, T, offsets is not None)
+        assert torch.equal(out[0][1], embed[tokens])
+    assert sorted(set(gathered)) == list(range(5, 33)), gathered
+
+
+@pytest.mark.gpu
 def test_skinny_norm_linear_matches_add_rms_norm_bf16_cuda():
     """The RMSNorm prologue in bf16 on the GPU (the interpreter cannot check bf16 there):
     the stream and its copy equal add_rms_norm's bits, y is F.linear of its h within bf16
