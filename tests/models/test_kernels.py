@@ -205,3 +205,62 @@ def test_tree_verify_kernels_equal_the_torch_ops():
     samplers/_tree.accept_tree of the argmax, and the path-move kernel equals
     KVCache.keep_path (interpreted)."""
     run_interpreted(TREE_VERIFY_CHILD)
+
+
+GATHER_CHILD = r"""
+import random, sys, torch
+from specloop.models import PageTable, load_model, _linear, _skinny
+from specloop.models._linear import PackedLinear
+
+model = load_model(sys.argv[1], dtype=torch.float16).model
+a = model.args
+H, D = a.hidden_size, a.head_dim
+qkv_n = (a.num_heads + 2 * a.num_kv_heads) * D
+# The qkv GEMM on the one-tile tl.dot (RoPE in its epilogue, the stream normed as loaded)
+# at 5-32 rows; the other GEMMs as the dispatcher has them without a table entry.
+_linear.SKINNY_TABLE[(qkv_n, H, False)] = ((32, f"d{D}x{1 << (H - 1).bit_length()}s1w4n1"),)
+gathered = []
+real = _skinny.skinny_rope_linear
+
+
+def counted(x, *args, **kw):
+    gathered.append(kw.get("gather") is not None)
+    return real(x, *args, **kw)
+
+
+_skinny.skinny_rope_linear = counted
+model.kernels = True
+V, starts, T = a.vocab_size, [7, 13], 5
+out = {}
+for gather in (True, False):
+    lin = PackedLinear(skinny=True)
+    lin.skinny_on_cpu, lin.gather_embeddings = True, gather
+    model.linear = lin
+    rng = random.Random(0)
+    pages = PageTable(2, 64, 4)
+    cache = model.make_cache(2, 64, pages=pages)
+    for slot, start in enumerate(starts):    # prompts of 7 and 13 rows: gathered too
+        pages.resize(slot, start + T)
+        ids = torch.tensor([[rng.randrange(V) for _ in range(start)]])
+        model(ids, torch.tensor([0]), torch.tensor([slot]), cache)
+    tokens = torch.tensor([[rng.randrange(V) for _ in range(T)] for _ in starts])
+    hidden = model(tokens, torch.tensor(starts), torch.tensor([0, 1]), cache)
+    out[gather] = (hidden, cache.k.clone(), cache.v.clone())
+    # Every layer of each of the three forwards took the tl.dot; the first layer's with
+    # the lookup in it where gathering.
+    assert gathered == ([gather] + [False] * (a.num_layers - 1)) * 3, gathered
+    gathered.clear()
+for x, y in zip(out[True], out[False]):
+    assert torch.equal(x, y)
+assert torch.isfinite(out[True][0]).all()
+print("ok")
+"""
+
+
+@pytest.mark.xdist_group("interpreted")   # one interpreter server (tests/interpreted.py)
+def test_first_layer_lookup_in_the_qkv_gemm_gives_the_same_bits(tiny_dirs):
+    """The first layer's qkv GEMM looking the tokens' embeddings up itself
+    (``PackedLinear.gather_embeddings``, ``skinny_rope_linear(gather=...)``) gives the
+    decoder the bits of the embedding lookup first: hidden states and both caches,
+    prefill rows and a VERIFY of 5 rows (interpreted, float16, the tiny llama)."""
+    run_interpreted(GATHER_CHILD, str(tiny_dirs["llama"]))
