@@ -23,7 +23,7 @@ between the two graphs. docs/architecture.md, "One step ahead".
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import attrs
 import torch
@@ -74,6 +74,9 @@ class RunAhead:
         self.in_graph = True
         self.in_graph_steps = 0     # steps queued with the inputs the graph wrote
         self.after_chain_steps = 0  # of them, after a K = 0 step the chain queued
+        # Steps not queued: the batch's rows all end at the VERIFY before them
+        # (``batch_likely_ends``); the chain's too (``DeviceChain.queue``).
+        self.ends_skipped = 0
         self._chained_read: ReadBack | None = None     # that step's (``chained_k0``)
         # (key, batch, read-back) of the last VERIFY replayed from a captured graph.
         self._replayed: tuple[GraphKey, tuple[Request, ...], ReadBack] | None = None
@@ -132,7 +135,7 @@ class RunAhead:
         nxt = adaptive.next_k(rec.padded_batch_size, k if rec.tree is None else w.k,
                               stay=not taken, classes=classes,
                               tail_rows=w.tail_rows(rec.batch) if taken else 0, tree=tree)
-        hidden, queued = None, False
+        hidden, queued, ends = None, False, self.ends_skipped
         if nxt == 0 and k == 0:
             self.queue(rec, pending, rows)
             queued = self.queued is not None
@@ -147,7 +150,10 @@ class RunAhead:
         else:
             w.runner.keep_ahead = 0
         dropped, self._expected = self._expected and not taken, queued
-        w.clock.timed = w.clock.timed and not dropped and (taken or not queued)
+        # Nor is a batch's last iteration that ran unchained, queueing nothing as its rows
+        # end there (a stretch's cost is that of chained iterations).
+        w.clock.timed = w.clock.timed and not dropped and \
+            (taken or not queued and self.ends_skipped == ends)
         return hidden
 
     def schedule(self, running: list[Request], admitted: list[Request]) -> list[Request]:
@@ -175,6 +181,12 @@ class RunAhead:
         if self.blocked(batch):
             return
         joining = [r for r in self.joining if r.slot is not None]  # not cancelled since
+        if not joining and batch_likely_ends(batch, rec.k):
+            # Every row ends at VERIFY n for certain (its one token left): nothing would
+            # take the step (batch 1's last iteration of each request).
+            w.runner.keep_ahead = 0
+            self.ends_skipped += 1
+            return
         if joining:
             self._queue_joined(rec, pending, rows, joining)
             return
@@ -284,6 +296,40 @@ class RunAhead:
             hidden = hidden.index_select(0, index)
         w.on_verified([r.batch_slot for r in batch], [r.seq_len - 1 for r in batch],
                       hidden, [0] * len(batch))
+
+
+# A step is not queued behind VERIFY n when the batch's rows all end there by length with
+# at least this probability (``batch_likely_ends``).
+ENDS_LIKELY = 0.5
+
+
+def batch_likely_ends(batch: Sequence[Request], most: int,
+                      acceptance: Callable[[], Sequence[float]] | None = None) -> bool:
+    """Whether VERIFY n (queued, not read back) likely ends every row of ``batch`` by
+    length (max_tokens, or the cache's: ``Request.stop_length``), so that a step queued
+    behind it for the same rows would be device work thrown away, ahead of whatever the
+    host queues next (at batch 1: the next request's prefill). VERIFY n commits 1 +
+    accepted tokens a row, at most ``most`` accepted (its K, a tree's depth): a row with
+    one token left ends for certain; with ``left`` more, with the probability that
+    ``left - 1`` drafts or more are accepted, ``acceptance()[left - 2]`` (the rank's
+    acceptance per position, at-least counts: ``EngineStats``), asked only then; the
+    rows independently, ENDS_LIKELY or more for all. A stop token may end rows sooner:
+    not counted (a step queued then is dropped, as before). Early out at the first row
+    that keeps the product below the bar (usually the first row: no per-row work)."""
+    p, rates = 1.0, None
+    for r in batch:
+        limit = r.stop_length
+        left = limit - len(r.token_ids) if limit else most + 2
+        if left <= 1:
+            continue
+        if left - 1 > most or acceptance is None:
+            return False
+        if rates is None:
+            rates = acceptance()
+        p *= rates[left - 2] if left - 2 < len(rates) else 0.0
+        if p < ENDS_LIKELY:
+            return False
+    return bool(batch)
 
 
 def subset_rows(batch: Sequence[Request], queued: Sequence[Request], seq_lens: Sequence[int]

@@ -214,3 +214,68 @@ async def test_joined_iterations_do_not_make_k0_look_dear(tiny_dir, tiny_loaded)
     assert joined >= 3 and cost.samples[(16, 0)] >= 3
     # Before the joining iteration was disturbed: T(8, 0) = 0.105 s (a spill learned).
     assert all(t < spill / 2 for t in cost.measured.values()), cost.measured
+
+
+def test_batch_likely_ends_by_the_rows_tokens_left():
+    """``batch_likely_ends``: a row with one token left ends at VERIFY n for certain; with
+    ``left`` more, by the acceptance of ``left - 1`` drafts or more (asked only then); the
+    rows' product against ENDS_LIKELY; no limit known yet, more left than the step can
+    commit, or an empty batch: no."""
+    from specloop.engine._ahead import ENDS_LIKELY, batch_likely_ends
+    from specloop.engine._request import Request
+
+    def row(length, limit):
+        r = Request("r", (1,), SamplingParams(), 0, [1] * length)
+        r.stop_length = limit
+        return r
+
+    asked = []
+
+    def rates():
+        asked.append(1)
+        return [0.9, 0.6, 0.2]
+    assert ENDS_LIKELY == 0.5
+    assert batch_likely_ends([row(9, 10)], 0) and batch_likely_ends([row(9, 10)] * 3, 3, rates)
+    assert not asked                                        # certain: no rates asked
+    assert not batch_likely_ends([row(8, 10)], 0)           # K = 0 commits one token
+    assert batch_likely_ends([row(8, 10)], 3, rates)        # 2 left: P(1+ accepted) 0.9
+    assert batch_likely_ends([row(7, 10)], 3, rates)        # 3 left: 0.6
+    assert not batch_likely_ends([row(7, 10), row(7, 10)], 3, rates)    # 0.36
+    assert batch_likely_ends([row(7, 10), row(9, 10)], 3, rates)        # 0.6 x 1
+    assert not batch_likely_ends([row(6, 10)], 3, rates)    # 4 left: 0.2
+    assert not batch_likely_ends([row(5, 10)], 3, rates)    # 5 left: past K + 1
+    assert not batch_likely_ends([row(8, 10)], 3, lambda: [])   # no acceptance yet
+    assert not batch_likely_ends([row(9, 0)], 3, rates)     # no limit known yet
+    assert not batch_likely_ends([row(8, 10)], 3)           # no rates: certain ends only
+    assert not batch_likely_ends([], 3, rates)
+
+
+async def test_no_step_is_queued_behind_a_batchs_last_verify(tiny_dir, tiny_loaded):
+    """Batch 1, no speculation, requests one after another: the last VERIFY of each
+    request (its one token left) queues no step ahead, which nothing would take (device
+    work ahead of the next request's prefill); every other iteration takes the step the
+    last one queued, and the tokens are the eager path's."""
+    prompts = [PROMPTS[0], PROMPTS[1]]
+
+    async def run(ahead):
+        log: list[tuple[bool, tuple]] = []
+        async with AsyncEngine(make_config(tiny_dir), model=tiny_loaded) as engine:
+            worker = engine.worker
+            worker.verify_inline = worker.ahead.always = ahead
+            _watch(worker, log)
+            tokens = []
+            for i, p in enumerate(prompts):
+                out = []
+                async for o in engine.generate(p, _params(7, 2 * i)):
+                    out.extend(o.token_ids)
+                tokens.append(out)
+            skipped = worker.ahead.ends_skipped
+        return tokens, log, skipped
+
+    eager, _, _ = await run(False)
+    ahead, log, skipped = await run(True)
+    assert ahead == eager and [len(t) for t in ahead] == [7, 7]
+    assert skipped == 2                         # one a request: its last VERIFY's
+    taken = [t for t, _ in log]
+    # Each request: its first iteration after prefill queues its own step, then takes.
+    assert taken.count(False) == 2 and sum(taken) == len(taken) - 2, taken

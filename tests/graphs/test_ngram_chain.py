@@ -278,8 +278,10 @@ async def test_chained_ngram_equals_eager(tiny_dir, tiny_loaded, max_batch_size)
     checked = assert_drafts_are_the_hosts(planted.RECORDERS, reqs, chained)
     assert checked > 2 * sum(len(out) for out in chained) // 3
     assert chain.taken_steps > 0
-    if max_batch_size == 2:     # requests joining: some chained steps dropped
-        assert chain.queued_steps > chain.taken_steps
+    if max_batch_size == 2:     # requests ending and joining: where the batch's rows
+        # all end at a VERIFY, nothing is chained behind it (it would be dropped)
+        assert chain.worker.ahead.ends_skipped > 0
+        assert chain.queued_steps >= chain.taken_steps
     else:                       # requests leaving: some taken for fewer rows
         assert chain.subset_steps > 0
     # Drafts were accepted (else equal outputs would say little about the drafts).
