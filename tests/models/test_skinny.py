@@ -1620,6 +1620,14 @@ def _pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def _rope_tables_cuda(D: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A real cos / sin table of 2048 positions (theta 1e5), bf16, as DecoderModel keeps it."""
+    inv = 1.0 / 100000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
+    angles = torch.arange(2048, device="cuda").float()[:, None] * inv[None, :]
+    emb = torch.cat((angles, angles), -1)
+    return emb.cos().bfloat16(), emb.sin().bfloat16()
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("pdl", [True, False])
 def test_rope_epilogue_gives_the_rope_kernels_bits_bf16_cuda(monkeypatch, pdl):
@@ -1638,10 +1646,7 @@ def test_rope_epilogue_gives_the_rope_kernels_bits_bf16_cuda(monkeypatch, pdl):
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
 
-    inv = 1.0 / 100000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
-    angles = torch.arange(2048, device="cuda").float()[:, None] * inv[None, :]
-    emb = torch.cat((angles, angles), -1)
-    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()     # as DecoderModel keeps them
+    cos, sin = _rope_tables_cuda(D)
     w, nw = rand((HQ + 2 * HKV) * D, H, scale=0.05), 1 + rand(H, scale=0.1)
     table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
     kc0, vc0 = rand(65, P, HKV, D), rand(65, P, HKV, D)
@@ -1701,10 +1706,7 @@ def test_first_layer_lookup_gives_the_embedding_kernels_bits_bf16_cuda(monkeypat
     def rand(*shape, scale=1.0):
         return (torch.randn(*shape, device="cuda", generator=gen) * scale).bfloat16()
 
-    inv = 1.0 / 100000.0 ** (torch.arange(0, D, 2, device="cuda").float() / D)
-    angles = torch.arange(2048, device="cuda").float()[:, None] * inv[None, :]
-    emb = torch.cat((angles, angles), -1)
-    cos, sin = emb.cos().bfloat16(), emb.sin().bfloat16()
+    cos, sin = _rope_tables_cuda(D)
     w, nw, embed = rand((HQ + 2 * HKV) * D, H, scale=0.05), 1 + rand(H, scale=0.1), rand(V, H)
     table = torch.randperm(64, device="cuda").to(torch.int32).view(4, 16)
     kc0, vc0 = rand(65, P, HKV, D), rand(65, P, HKV, D)
