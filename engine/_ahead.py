@@ -181,11 +181,8 @@ class RunAhead:
         if self.blocked(batch):
             return
         joining = [r for r in self.joining if r.slot is not None]  # not cancelled since
-        if not joining and batch_likely_ends(batch, rec.k):
-            # Every row ends at VERIFY n for certain (its one token left): nothing would
-            # take the step (batch 1's last iteration of each request).
-            w.runner.keep_ahead = 0
-            self.ends_skipped += 1
+        # (K = 0: only rows with one token left end at VERIFY n for certain)
+        if not joining and self.skips_ending(batch, rec.k):
             return
         if joining:
             self._queue_joined(rec, pending, rows, joining)
@@ -205,6 +202,18 @@ class RunAhead:
                                   scratch_slot=w.runner.cache.scratch_slot,
                                   device=w.runner.device)
         self.queued = Ahead(tuple(batch), seq_lens, w._queue_verify(rec, inputs))
+
+    def skips_ending(self, batch: Sequence[Request], most: int,
+                     acceptance: Callable[[], Sequence[float]] | None = None) -> bool:
+        """Whether no step is queued (or chained) behind VERIFY n because every row of
+        ``batch`` likely ends there (``batch_likely_ends``, whose arguments these are):
+        nothing would take it (batch 1's last iteration of each request), and its device
+        work would run ahead of what comes next. Counted in ``ends_skipped``."""
+        if not batch_likely_ends(batch, most, acceptance):
+            return False
+        self.worker.runner.keep_ahead = 0
+        self.ends_skipped += 1
+        return True
 
     def _reserve(self, batch: Sequence[Request]) -> None:
         """Pages for the position the step writes, kept by RESCAN's trim; where adaptive

@@ -35,7 +35,7 @@ from specloop.graphs import GraphKey
 from specloop.models._grad import inference
 from specloop.models._host import int64_tensor, to_device
 
-from ._ahead import batch_likely_ends, subset_rows
+from ._ahead import subset_rows
 from ._request import Request
 
 if TYPE_CHECKING:
@@ -127,13 +127,9 @@ class DeviceChain:
         batch = tuple(rec.batch)
         # Requests admitted now join at the next iteration: in this step, after the batch.
         joining = self._joining()
-        if not joining and batch_likely_ends(
+        if not joining and w.ahead.skips_ending(
                 rec.batch, rec.k if rec.tree is None else rec.tree.depth,
                 lambda: w.stats.acceptance_per_position):
-            # Every row likely ends at VERIFY n: the step would be device work thrown
-            # away ahead of what comes next (at batch 1, the next request's prefill).
-            w.runner.keep_ahead = 0
-            w.ahead.ends_skipped += 1
             return None
         full = batch if not joining else (*batch, *joining)
         lengths = [len(r.token_ids) for r in full]      # seq_len

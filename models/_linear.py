@@ -577,9 +577,10 @@ class PackedLinear:
         as loaded (``gathers_embeddings``), else by indexing first."""
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         plan = self._qkv_form(x, delta, norm_weight, weight, bias, rope.k_cache.shape[-1])
-        if gather is not None and not (plan is not None and delta is None and capture is None
-                                       and plan[0] == "dot" and self._normed_as_loaded(
-                                           plan[1], weight, norm_weight)):
+        # The stream, normed as loaded: the one-tile tl.dot with no delta or capture.
+        as_loaded = plan is not None and plan[0] == "dot" and delta is None and \
+            capture is None and self._normed_as_loaded(plan[1], weight, norm_weight)
+        if gather is not None and not as_loaded:
             torch.index_select(gather[1], 0, gather[0].reshape(-1), out=x.view(-1, x.shape[-1]))
             gather = None
         if plan is not None:
@@ -587,8 +588,7 @@ class PackedLinear:
             if form == "norm":          # norm prologue and rope epilogue
                 return _skinny.skinny_norm_linear(x, delta, norm_weight, eps, weight, bias,
                                                   config, capture, rope=rope)
-            if delta is None and capture is None and self._normed_as_loaded(
-                    config, weight, norm_weight):        # the stream, normed as loaded
+            if as_loaded:
                 return _skinny.skinny_rope_linear(x, weight, bias, config, rope,
                                                   norm=(norm_weight, eps), gather=gather), x
             h, stream = _kernels.add_rms_norm(x, delta, norm_weight, eps, capture)
