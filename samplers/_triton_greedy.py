@@ -57,6 +57,8 @@ _MODE = os.environ.get("SPECLOOP_GREEDY_VERIFY") or "split"
 # "registers": tree_greedy_verify's ``walk``); "registers" is untimed on a GPU (written in
 # the forty-second session without one), for an A/B.
 _TREE_WALK = os.environ.get("SPECLOOP_TREE_WALK") or "store"
+# SPECLOOP_TREE_WARPS: the tree kernel's warps (default: ``tree_warps``), for an A/B.
+_TREE_WARPS = int(os.environ.get("SPECLOOP_TREE_WARPS") or 0)
 _ENABLED = _MODE != "torch"
 _INT_MAX = 2147483647
 
@@ -68,6 +70,17 @@ def usable(d: torch.Tensor, target_logits: torch.Tensor) -> bool:
             and target_logits.shape[2] > 0 and d.dtype == torch.int64
             and d.shape == (target_logits.shape[0], target_logits.shape[1] - 1)
             and _triton_importable())
+
+
+def tree_warps(t_p2: int, s_p2: int) -> int:
+    """The tree kernel's warps for its [T_P2, S_P2] partials: one warp a 128 of them, 1 to
+    4. The kernel is one program a row, so its time is one block's instruction stream:
+    with one warp the 31-node tree's (T_P2 32) is ~1,900 instructions (offline sm_90
+    SASS, 132 registers, 190 shuffles), with four ~550 a warp (44 registers), the
+    15-node tree's 1,000 against 380 (on the H200 the kernel took 9.4 µs of tree31's
+    critical path at one warp, 3.0 of tree15's). The output is the same at any count:
+    maxima and first indices, in any order."""
+    return _TREE_WARPS or min(4, max(1, t_p2 * s_p2 // 128))
 
 
 def chunk_size(rows: int, vocab: int) -> int:
@@ -332,8 +345,8 @@ def _run(d: torch.Tensor | None, target_logits: torch.Tensor, *, mode: str | Non
 def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
                        parents: torch.Tensor, ancestors: torch.Tensor,
                        depths: torch.Tensor, *, chunk: int | None = None,
-                       block: int | None = None, walk: str | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
+                       block: int | None = None, walk: str | None = None,
+                       warps: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A draft tree's greedy VERIFY in two kernels (``samplers/_tree.accept_tree`` of
     ``target_logits.argmax(-1)``, the same choice): tokens [B, R] (the root and the
     nodes), target_logits [B, R, V], the tree's tables (``TreeTables``: parents [R],
@@ -341,7 +354,8 @@ def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
     after them, -1 past it, then the count; path [B, D+1]). The partials kernel is
     greedy_verify's; ``chunk``, ``block`` as its. ``walk`` (None: $SPECLOOP_TREE_WALK,
     default "store"): "store", the parents' targets through memory; "registers", in
-    registers (``_tree_kernel``'s REGISTERS; the same output)."""
+    registers (``_tree_kernel``'s REGISTERS; the same output). ``warps``: the tree
+    kernel's (None: ``tree_warps``)."""
     import triton
 
     partials_kernel, _, _, tree_kernel = _kernels()
@@ -362,11 +376,12 @@ def tree_greedy_verify(tokens: torch.Tensor, target_logits: torch.Tensor,
     tgt = packed if registers else torch.empty(B, R, dtype=torch.int64, device=dev)
     pdl = _pdl.launch_kw(target_logits)
     pv, pi, S = _partials(partials_kernel, target_logits, chunk, block, pdl)
+    t_p2, s_p2 = triton.next_power_of_2(R), triton.next_power_of_2(S)
     tree_kernel[(B,)](pv, pi, tokens, tgt, parents, ancestors, depths, packed, path, R, D,
-                      S, tokens.stride(0), T_P2=triton.next_power_of_2(R),
+                      S, tokens.stride(0), T_P2=t_p2,
                       **({"REGISTERS": True} if registers else {}),
-                      S_P2=triton.next_power_of_2(S), D_P2=triton.next_power_of_2(D + 1),
-                      IMAX=_INT_MAX, num_warps=1, **pdl)
+                      S_P2=s_p2, D_P2=triton.next_power_of_2(D + 1),
+                      IMAX=_INT_MAX, num_warps=warps or tree_warps(t_p2, s_p2), **pdl)
     return packed, path
 
 

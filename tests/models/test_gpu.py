@@ -300,12 +300,13 @@ def test_page_table_sync_through_the_staging_ring():
             assert torch.equal(pages.table.cpu(), pages.host), f"after sync {i}"
 
 
-@pytest.mark.parametrize("walk", ["store", "registers"])
-def test_tree_greedy_verify_walks_equal_accept_tree_cuda(walk):
+@pytest.mark.parametrize("walk,warps", [("store", None), ("registers", None), ("store", 1)])
+def test_tree_greedy_verify_walks_equal_accept_tree_cuda(walk, warps):
     """The tree's greedy VERIFY kernel (``tree_greedy_verify``) with the parents' targets
-    through memory and in registers (``walk``) equals samplers/_tree.accept_tree of the
-    argmax on bf16 logits over SmolLM2's vocabulary, a 15- and a 30-node tree, eager and
-    replayed in a CUDA graph."""
+    through memory and in registers (``walk``), at its default warps (4 for these trees:
+    ``tree_warps``) and at one, equals samplers/_tree.accept_tree of the argmax on bf16
+    logits over SmolLM2's vocabulary, a 15- and a 30-node tree, eager and replayed in a
+    CUDA graph."""
     from specloop.samplers._tree import DraftTree, TreeTables, accept_tree
     from specloop.samplers._triton_greedy import tree_greedy_verify
 
@@ -327,11 +328,11 @@ def test_tree_greedy_verify_walks_equal_accept_tree_cuda(walk):
         want = accept_tree(tables, tokens, logits.argmax(-1))
         assert want.num_accepted.max() > 0
         args = (tokens, logits, tables.parents, tables.ancestors, tables.depths)
-        packed, path = tree_greedy_verify(*args, walk=walk)
+        packed, path = tree_greedy_verify(*args, walk=walk, warps=warps)
         assert torch.equal(packed[:, :-1], want.token_ids), (tree.size, walk)
         assert torch.equal(packed[:, -1], want.num_accepted) and torch.equal(path, want.path)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            packed_g, path_g = tree_greedy_verify(*args, walk=walk)
+            packed_g, path_g = tree_greedy_verify(*args, walk=walk, warps=warps)
         graph.replay()
         assert torch.equal(packed_g, packed) and torch.equal(path_g, path)

@@ -17,6 +17,7 @@ tile and split-K).
 
 from __future__ import annotations
 
+import itertools
 import re
 import warnings
 
@@ -295,15 +296,17 @@ def test_greedy_kernels_wait_first():
                  {"T_P2": 4, "BLOCK": 8192, "IMAX": imax, "COUNT": True}, weights=set(),
                  num_warps=16)
     # A draft tree's walk (its targets through memory, or in registers): the tree's tables
-    # (constants) before the wait.
-    for registers in (False, True):
+    # (constants) before the wait, at the warps the launcher gives the 15- and 31-node
+    # trees (tree_warps).
+    for registers, t_p2 in itertools.product((False, True), (16, 32)):
         check_kernel(tree, {"pv_ptr": "*fp32", "pi_ptr": "*i32", "tok_ptr": "*i64",
                             "tgt_ptr": "*i64", "par_ptr": "*i64", "anc_ptr": "*i64",
                             "dep_ptr": "*i64", "out_ptr": "*i64", "path_ptr": "*i64",
                             "R": "i32", "D": "i32", "S": "i32", "s_tok": "i32"},
-                     {"T_P2": 16, "S_P2": 32, "D_P2": 4, "IMAX": imax,
+                     {"T_P2": t_p2, "S_P2": 32, "D_P2": 8, "IMAX": imax,
                       "REGISTERS": registers},
-                     weights={"par_ptr", "anc_ptr", "dep_ptr"}, num_warps=1)
+                     weights={"par_ptr", "anc_ptr", "dep_ptr"},
+                     num_warps=G.tree_warps(t_p2, 32))
 
 
 def test_tree_path_move_waits_first():
