@@ -183,11 +183,13 @@ def device_sync(device: str):
 
 
 async def generate_round(engine, prompts, n: int, consumer: str = "stream",
-                         temperature: float = 0.0) -> None:
+                         temperature: float = 0.0, times: list | None = None) -> None:
     """Every prompt at once: greedy (``temperature`` > 0: sampled, request i seeded i),
     ``n`` tokens each, EOS ignored. consumer "stream": one ``generate`` task per request
     (a server's path); "batch": one ``generate_batch`` for all (a batch job's path, like
-    transformers' ``generate``)."""
+    transformers' ``generate``). ``times`` (stream only): each request's
+    (submitted, first output, last output) ``perf_counter`` seconds and its count of
+    outputs appended."""
     from specloop.samplers import SamplingParams  # noqa: PLC0415
 
     def params(i: int) -> SamplingParams:
@@ -199,29 +201,62 @@ async def generate_round(engine, prompts, n: int, consumer: str = "stream",
         return
 
     async def one(i, ids):
+        submitted = first = last = time.perf_counter()
+        outputs = 0
         async for _ in engine.generate(ids, params(i)):
-            pass
+            last = time.perf_counter()
+            outputs += 1
+            if outputs == 1:
+                first = last
+        if times is not None:
+            times.append((submitted, first, last, outputs))
 
     async with anyio.create_task_group() as tg:
         for i, ids in enumerate(prompts):
             tg.start_soon(one, i, ids)
 
 
-async def timed_round(engine, prompts, n: int, sync, temperature: float = 0.0) -> float:
-    """Wall seconds of one generate_round, the device synchronized on both sides."""
+async def timed_round(engine, prompts, n: int, sync, temperature: float = 0.0,
+                      times: list | None = None) -> float:
+    """Wall seconds of one generate_round, the device synchronized on both sides.
+    ``times``: each request's (submitted, first output, last output, outputs, the round's
+    end)."""
     sync()
     start = time.perf_counter()
-    await generate_round(engine, prompts, n, temperature=temperature)
+    mine: list | None = [] if times is not None else None
+    await generate_round(engine, prompts, n, temperature=temperature, times=mine)
     sync()
-    return time.perf_counter() - start
+    end = time.perf_counter()
+    if times is not None:
+        times.extend((*t, end) for t in mine)
+    return end - start
 
 
-async def timed_sets(engine, sets, n: int, sync, temperature: float = 0.0) -> float:
-    """Wall seconds of one timed_round per prompt set, one after another."""
+async def timed_sets(engine, sets, n: int, sync, temperature: float = 0.0,
+                     times: list | None = None) -> float:
+    """Wall seconds of one timed_round per prompt set, one after another (``times``: as
+    timed_round's, every round's)."""
     wall = 0.0
     for prompts in sets:
-        wall += await timed_round(engine, prompts, n, sync, temperature)
+        wall += await timed_round(engine, prompts, n, sync, temperature, times)
     return wall
+
+
+def request_times(times: list) -> dict:
+    """Where a closed round's wall goes, per request, from timed_round's ``times``
+    (medians, ms): ``ttft_ms`` submitted → first output (the front door, admission,
+    prefill, the first iteration), ``ms_per_output`` first → last output over the outputs
+    after the first (an output an iteration that committed tokens), ``end_ms`` last
+    output → the round's end (the generator's close, the task group, the device sync).
+    At batch 1 they add up to the round's wall: what a request pays beyond its steady
+    iterations is ``ttft_ms`` + ``end_ms`` less about one ``ms_per_output``."""
+    if not times:
+        return {}
+    med = statistics.median
+    return {"ttft_ms": round(med(f - s for s, f, _, _, _ in times) * 1e3, 3),
+            "ms_per_output": round(med((la - f) / max(n - 1, 1)
+                                       for _, f, la, n, _ in times) * 1e3, 4),
+            "end_ms": round(med(e - la for _, _, la, _, e in times) * 1e3, 3)}
 
 
 async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,

@@ -25,7 +25,7 @@ import torch
 
 from _common import (TREES, add_round_args, critical_path_us, device_events, device_sync,
                      emit_row, engine_config, generate_round, held_out_sets, host_python_us,
-                     quiet_logs, speed_row, timed_sets, union_us)
+                     quiet_logs, request_times, speed_row, timed_sets, union_us)
 
 HEAD = "smollm2-135m-instruct-eagle3"
 CONFIGS = {"none": {"method": "none"},
@@ -253,6 +253,9 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             if name in observed:
                 observed[name]["timed"] = len(observed[name]["seen"])
         walls = {name: [] for name in names}
+        # Each request's submission, first and last output, outputs, its round's end: where
+        # a closed round's wall goes beyond the steady iterations (``request_times``).
+        request_log: dict = {name: [] for name in names}
         # The host's speed before each timed run (host_python_us): it differs by ~1.9x
         # between processes on the lent H200, and host-bound rows (batch >= 2 with
         # speculation) move with it.
@@ -261,7 +264,8 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
         for _ in range(runs):
             for name, engine in engines.items():
                 speeds[name].append(host_python_us())
-                walls[name].append(await timed_sets(engine, sets, tokens, sync, temperature))
+                walls[name].append(await timed_sets(engine, sets, tokens, sync, temperature,
+                                                    request_log[name]))
         # Steps queued ahead in the timed runs (``chain_queued_taken``: the engine's whole
         # life, profiled round included).
         for name, engine in engines.items():
@@ -296,6 +300,7 @@ async def measure(names, loaded, sets, tokens, runs, traces, device="cuda", stac
             chained = None if chain is None else [chain.queued_steps, chain.taken_steps]
             out[name] = ([batch * len(sets) * tokens / w for w in walls[name]], al,
                          {"iteration_ms": round(wall_ms, 3), "host_python_us": speeds[name],
+                          **request_times(request_log[name]),
                           "states_ms": states,
                           "per_position": per_position, "by_move_states_us": moves,
                           "by_move_then_states_us": moves_then,

@@ -35,6 +35,32 @@ def test_steady_rounds_scale_the_requests_with_the_batch(common):
                                   32) == 70
 
 
+def test_request_times_split_a_closed_rounds_wall(common):
+    """``timed_round``'s per-request times: the wait for the first output, the pace after
+    it (per output, not per token: an output may carry several), and the round's end
+    after the last output; they add up to the round's wall at batch 1."""
+    import anyio
+
+    class Engine:   # a request: 3 ms to the first output, then 4 outputs 1 ms apart
+        async def generate(self, ids, params):
+            await anyio.sleep(0.003)
+            for _ in range(4):
+                yield [1]
+                await anyio.sleep(0.001)
+
+    times: list = []
+    wall = anyio.run(common.timed_round, Engine(), [[1, 2]], 8, lambda: None, 0.0, times)
+    [(submitted, first, last, outputs, end)] = times
+    assert outputs == 4 and submitted < first < last <= end
+    got = common.request_times(times)
+    assert 2.5 <= got["ttft_ms"] < 300 and 0.8 <= got["ms_per_output"] < 100
+    assert got["end_ms"] >= 0.8          # the sleep after the last output
+    # Short of the wall by the task's start only (submitted - the round's start).
+    parts = got["ttft_ms"] + 3 * got["ms_per_output"] + got["end_ms"]
+    assert -0.01 <= wall * 1e3 - parts < 20
+    assert common.request_times([]) == {}
+
+
 def test_adaptive_vs_mix_prices_each_k_at_its_fixed_engine(common):
     """``vs_mix``: adaptive's wall per iteration over the same K mix at the fixed configs'
     walls (K = 0 at "none"'s); None when a K it ran has no fixed config beside it."""
