@@ -169,6 +169,8 @@ def _stop_server() -> None:
             proc.wait(timeout=10)
         except Exception:
             _kill(proc)
+        finally:
+            proc.stdout.close()     # the answers' pipe (else a ResourceWarning at exit)
         # Reaped: RUSAGE_CHILDREN now holds the server's children too (counted once).
         forked_cpu_seconds -= _server_children_cpu
         _server_children_cpu = 0.0
