@@ -154,6 +154,17 @@ def test_chunk_rule():
         assert c == 16384 or rows * -(-49152 // c) <= _triton_greedy._MAX_PROGRAMS
 
 
+def test_tree_warps_rule(monkeypatch):
+    """The tree walk's warps: one per 128 of its [T_P2, S_P2] partials, 1 to 4 (the 31-node
+    tree's one warp ran ~1,900 instructions: samplers/_triton_greedy.tree_warps), unless
+    $SPECLOOP_TREE_WARPS (read at import) sets them."""
+    rule = _triton_greedy.tree_warps
+    assert [rule(t, 32) for t in (2, 4, 8, 16, 32, 64)] == [1, 1, 2, 4, 4, 4]
+    assert rule(32, 1) == 1 and rule(32, 8) == 2
+    monkeypatch.setattr(_triton_greedy, "_TREE_WARPS", 1)
+    assert rule(32, 32) == 1
+
+
 def test_cpu_keeps_the_torch_path():
     x = torch.randn(2, 3, 50)
     d = x.argmax(-1)[:, :-1]
