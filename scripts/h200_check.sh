@@ -301,7 +301,13 @@ for line in sys.stdin:
           echo "-- $env (round $round)"
           (IFS=+ read -ra _vars <<< "$env"; export "${_vars[@]}"; cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" \
             --out "$OUT/ab_${env//[^A-Za-z0-9_]/_}_$round.jsonl" --configs "${CONFIGS:-none,eagle3 K=3}" \
-            --batches "${BATCHES:-1,32}" --runs 3 --min-prompts 16 2>&1 | grep '^{' | cut -c1-150)
+            --batches "${BATCHES:-1,32}" --runs 3 --min-prompts 16 2>&1 | grep '^{' | python3 -c '
+import json, sys
+for line in sys.stdin:   # a row: the ratio, its wall and GPU an iteration, where a request goes
+    r = json.loads(line)
+    print(r["batch"], r["config"], r["tok_s"], "vs none", r["vs_none"], "AL", r["al"],
+          "wall/GPU ms", r.get("iteration_ms"), r.get("gpu_union_ms_per_iter"),
+          "ttft/output/end ms", r.get("ttft_ms"), r.get("ms_per_output"), r.get("end_ms"))')
         done
       done ;;
     kernels)
