@@ -328,7 +328,9 @@ def batch_likely_ends(batch: Sequence[Request], most: int,
     p, rates = 1.0, None
     for r in batch:
         limit = r.stop_length
-        left = limit - len(r.token_ids) if limit else most + 2
+        if not limit:       # no length to end by
+            return False
+        left = limit - len(r.token_ids)
         if left <= 1:
             continue
         if left - 1 > most or acceptance is None:

@@ -215,7 +215,7 @@ class DecoderModel(nn.Module):
         ``tree``: the T rows are a draft tree's (``TreeMask``), not a sequence.
         """
         gather = None
-        if self.uses_kernels and tokens.dim() == 2:
+        if self.uses_kernels and tokens.dim() == 2 and self.linear.gather_embeddings:
             embeds = self.embed_tokens.new_empty(*tokens.shape, self.args.hidden_size)
             # The first layer's qkv GEMM loads the embeddings itself where it can (it
             # writes them into ``embeds``, the residual stream): no kernel for the lookup.

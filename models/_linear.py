@@ -578,8 +578,8 @@ class PackedLinear:
         from . import _kernels  # noqa: PLC0415  (Triton: the fused path's module)
         plan = self._qkv_form(x, delta, norm_weight, weight, bias, rope.k_cache.shape[-1])
         # The stream, normed as loaded: the one-tile tl.dot with no delta or capture.
-        as_loaded = plan is not None and plan[0] == "dot" and delta is None and \
-            capture is None and self._normed_as_loaded(plan[1], weight, norm_weight)
+        as_loaded = delta is None and capture is None and \
+            self._normed_as_loaded(plan, weight, norm_weight)
         if gather is not None and not as_loaded:
             torch.index_select(gather[1], 0, gather[0].reshape(-1), out=x.view(-1, x.shape[-1]))
             gather = None
@@ -610,9 +610,8 @@ class PackedLinear:
         the stream as the qkv GEMM loads it (``qkv_stream``: its one-tile tl.dot with
         RoPE, no norm-fusable prefix there): the GEMM before it should then add its
         product to the stream (``out_norm_mlp``'s ``feeds_stream``)."""
-        form = self._qkv_form(x, None, norm_weight, weight, bias, head_dim)
-        return form is not None and form[0] == "dot" and \
-            self._normed_as_loaded(form[1], weight, norm_weight)
+        return self._normed_as_loaded(self._qkv_form(x, None, norm_weight, weight, bias,
+                                                     head_dim), weight, norm_weight)
 
     def _qkv_form(self, x: torch.Tensor, delta: torch.Tensor | None,
                   norm_weight: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -631,10 +630,12 @@ class PackedLinear:
             return "dot", config
         return None
 
-    def _normed_as_loaded(self, config: SkinnyConfig, weight: torch.Tensor,
+    def _normed_as_loaded(self, plan: tuple[str, SkinnyConfig] | None, weight: torch.Tensor,
                           norm_weight: torch.Tensor) -> bool:
-        return self.qkv_stream and norm_weight.dim() == 1 and \
-            _skinny.norm_prologue_fits(config, weight.shape[1])
+        """Whether the qkv ``plan`` (``_qkv_form``'s, with no delta or capture) normalises
+        the stream as its one-tile tl.dot loads it."""
+        return plan is not None and plan[0] == "dot" and self.qkv_stream and \
+            norm_weight.dim() == 1 and _skinny.norm_prologue_fits(plan[1], weight.shape[1])
 
     def out_norm_mlp(self, x: torch.Tensor, o: torch.Tensor, w_o: torch.Tensor,
                      norm_weight: torch.Tensor, eps: float, w_gate_up: torch.Tensor,
