@@ -493,3 +493,30 @@ def test_serve_bench_default_config_is_a_file_with_ngram(monkeypatch):
     config = Path(seen[0].config)
     assert config.is_file(), config
     assert EngineConfig.from_toml(str(config)).speculative.method == "ngram"
+
+
+async def test_ttft_probe_splits_each_request_into_parts_that_add_up(common, tiny_dir,
+                                                                    tiny_loaded):
+    """bench/probe_ttft_gpu.py's ``Timeline`` on a tiny n-gram engine at batch 1: one
+    admission a request, paired in order; its parts (door, hops, the target's and the
+    drafter's prefill, the first iteration) add up to the request's ttft."""
+    probe = importlib.import_module("probe_ttft_gpu")
+    prompts = [[[5, 17, 99, 3, 42]], [[200, 201, 202, 200, 201]], [[7, 8, 9]]]
+    timeline = probe.Timeline(cuda=False)
+    async with AsyncEngine(make_config(tiny_dir, method="ngram", max_batch_size=1),
+                           model=tiny_loaded, observers=[timeline]) as engine:
+        timeline.watch(engine.worker)
+        times: list = []
+        await common.timed_sets(engine, prompts, 4, lambda: None, 0.0, times)
+    assert [a["prompt"] for a in timeline.admits] == [5, 5, 3]
+    got = probe.split(timeline, times)
+    parts = ("door", "hop_in", "target", "drafter", "hop_out", "first_iter")
+    assert all(got[p] >= 0 for p in parts)
+    # Medians of parts need not add up to the median's sum: check one request's.
+    single = probe.Timeline(cuda=False)
+    single.admits, single.transitions = timeline.admits[:1], timeline.transitions
+    first = probe.split(single, times[:1])
+    assert sum(first[p] for p in parts) == pytest.approx(first["ttft"], abs=0.5)
+    assert first["states"]["VERIFY"] > 0 and first["states"]["SCHEDULE"] > 0
+    with pytest.raises(RuntimeError, match="3 admissions for 2 requests"):
+        probe.split(timeline, times[:2])
