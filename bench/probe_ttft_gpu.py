@@ -16,6 +16,9 @@ of held-out chat prompts (greedy, EOS ignored), for each config in one process:
 - ``ttft`` and a steady ``per_output``, as profile_spec_gpu.py's.
 
 All medians in µs; each config's rows in the prompts' order. Output: JSON lines.
+``--profile N``: N more requests a config under cProfile, the prefill's thread and the
+event loop's side from the admission to the first iteration's RESCAN apart, their
+functions by cumulative time written beside --out (``<out>.<config>.prof.txt``).
 
     python bench/probe_ttft_gpu.py --prompts prompts.jsonl --configs "none,eagle3 tree31"
 """
@@ -23,7 +26,10 @@ All medians in µs; each config's rows in the prompts' order. Output: JSON lines
 from __future__ import annotations
 
 import argparse
+import cProfile
 import collections
+import io
+import pstats
 import statistics
 import time
 
@@ -43,9 +49,17 @@ class Timeline:
         self.cuda = cuda
         self.admits: list[dict] = []
         self.transitions: list[tuple[str, float, float]] = []   # state, start, µs
+        # With ``profiling``: cProfile of the prefill's thread and of the loop's side from
+        # the admission to the first RESCAN after it (``loop_profile`` on while it runs).
+        self.profiling = False
+        self.thread_profile, self.loop_profile = cProfile.Profile(), cProfile.Profile()
+        self._loop_on = False
 
     def on_transition(self, event) -> None:
         self.transitions.append((event.state.value, event.started_at, event.duration_us))
+        if self._loop_on and event.state.value == "RESCAN":
+            self.loop_profile.disable()
+            self._loop_on = False
 
     def event(self):
         if not self.cuda:
@@ -61,12 +75,17 @@ class Timeline:
         async def timed_admit():
             start = time.perf_counter()
             n = len(self.admits)
+            if self.profiling and worker.scheduler.num_requests and not self._loop_on:
+                self.loop_profile.enable()
+                self._loop_on = True
             admitted = await admit()
             if admitted and len(self.admits) > n:
                 self.admits[-1].update(admit_start=start, admit_end=time.perf_counter())
             return admitted
 
         def timed_prefill(admitted):
+            if self.profiling:
+                self.thread_profile.enable()
             row = {"thread_start": time.perf_counter(), "e0": self.event()}
             hidden = runner.prefill_many(admitted)
             row.update(target_end=time.perf_counter(), e1=self.event())
@@ -75,10 +94,20 @@ class Timeline:
                                      [r.token_ids[:-1] for r in admitted], hidden)
             row.update(thread_end=time.perf_counter(), e2=self.event(),
                        prompt=len(admitted[0].token_ids))
+            if self.profiling:
+                self.thread_profile.disable()
             self.admits.append(row)
 
         worker._admit = timed_admit
         worker._prefill = timed_prefill
+
+    def profiles(self, top: int = 30) -> str:
+        out = io.StringIO()
+        for title, prof in (("prefill thread", self.thread_profile),
+                            ("event loop, admission to the first RESCAN", self.loop_profile)):
+            out.write(f"== {title}\n")
+            pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
+        return out.getvalue()
 
     def clear(self) -> None:
         self.admits.clear()
@@ -117,7 +146,39 @@ def split(timeline: Timeline, times: list) -> dict:
             "states": {k: round(med(v), 1) for k, v in states.items()}}
 
 
-async def measure(names, loaded, sets, tokens, runs, device="cuda"):
+def prefill_kernels(worker, width: int, reps: int = 10) -> dict:
+    """The target's prefill graph at [1, ``width``] (warm-up's padding-row example)
+    replayed ``reps`` times under torch.profiler: its device time a replay (CUDA events)
+    and every kernel's launches and µs a replay, longest first; {"captured": False}
+    where no graph holds that shape."""
+    from torch.profiler import ProfilerActivity, profile  # noqa: PLC0415
+    runner = worker.runner
+    cache = runner.prefill_cache
+    found = [(key, example) for key, _, example in runner.prefill_graphs()
+             if key.batch_size == 1 and key.tokens == width]
+    if cache is None or not found or not cache.has(found[0][0]):
+        return {"captured": False}
+    key, example = found[0]
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        cache.replay(key, example)
+    end.record()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            cache.replay(key, example)
+        torch.cuda.synchronize()
+    kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    kernels.sort(key=lambda e: -e.self_device_time_total)
+    return {"captured": True, "replay_us": round(start.elapsed_time(end) * 1e3 / reps, 1),
+            "kernels": {e.key[:70]: [round(e.count / reps, 2),
+                                     round(e.self_device_time_total / reps, 1)]
+                        for e in kernels}}
+
+
+async def measure(names, loaded, sets, tokens, runs, device="cuda", profile=0):
     sync, out = device_sync(device), {}
     import contextlib  # noqa: PLC0415
     async with contextlib.AsyncExitStack() as stack:
@@ -146,6 +207,16 @@ async def measure(names, loaded, sets, tokens, runs, device="cuda"):
                              for k in runs_[0]["states"]}
             row["per_run_ttft"] = [r["ttft"] for r in runs_]
             out[name] = {**row, **request_times(logs[name])}
+        for name, engine in engines.items():
+            if device == "cuda":
+                # The median prompt's padded width (n = its length - 1 tokens prefilled).
+                n = int(statistics.median(len(p[0]) for p in sets)) - 1
+                width = max(16, 1 << (n - 1).bit_length())
+                out[name]["prefill_graph"] = prefill_kernels(engine.worker, width)
+            if profile:
+                timelines[name].profiling = True
+                await timed_sets(engine, (sets * profile)[:profile], tokens, sync)
+                out[name]["profile"] = timelines[name].profiles()
     return out
 
 
@@ -155,14 +226,22 @@ def main() -> None:
     ap.add_argument("--configs", default="none,eagle3 tree31")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--profile", type=int, default=0,
+                    help="this many more requests a config under cProfile (text beside --out)")
     args = ap.parse_args()
     quiet_logs()
     names = args.configs.split(",")
     for loaded, batch, sets in held_out_sets(args, min_prompts=args.min_prompts):
         if batch != 1:
             raise SystemExit("probe_ttft_gpu.py splits batch-1 requests: --batches 1")
-        got = anyio.run(measure, names, loaded, sets, args.tokens, args.runs, args.device)
+        got = anyio.run(measure, names, loaded, sets, args.tokens, args.runs, args.device,
+                        args.profile)
         for name in names:
+            text = got[name].pop("profile", None)
+            if text is not None:
+                slug = "".join(c for c in name if c.isalnum())
+                with open(f"{args.out}.{slug}.prof.txt", "w") as f:
+                    f.write(text)
             emit_row({"config": name, "device": torch.cuda.get_device_name()
                       if args.device == "cuda" else args.device, **got[name]}, args.out)
 
