@@ -30,6 +30,7 @@ import cProfile
 import collections
 import io
 import pstats
+import sys
 import statistics
 import time
 
@@ -51,13 +52,22 @@ class Timeline:
         self.transitions: list[tuple[str, float, float]] = []   # state, start, µs
         # With ``profiling``: cProfile of the prefill's thread and of the loop's side from
         # the admission to the first RESCAN after it (``loop_profile`` on while it runs).
+        # From Python 3.12 a profiler sees every thread (sys.monitoring) and only one may
+        # be on: the loop's then covers the thread too.
         self.profiling = False
+        self.per_thread = sys.version_info < (3, 12)
         self.thread_profile, self.loop_profile = cProfile.Profile(), cProfile.Profile()
         self._loop_on = False
+        # Host µs of each call ``time_calls`` wraps, made inside a prefill ("prefill:") or
+        # between its end and the first RESCAN after it ("first:"), per request.
+        self.calls: dict[str, list[float]] = collections.defaultdict(list)
+        self._window: str | None = None
 
     def on_transition(self, event) -> None:
         self.transitions.append((event.state.value, event.started_at, event.duration_us))
-        if self._loop_on and event.state.value == "RESCAN":
+        if event.state.value.upper() == "RESCAN":
+            self._window = None
+        if self._loop_on and event.state.value.upper() == "RESCAN":
             self.loop_profile.disable()
             self._loop_on = False
 
@@ -67,6 +77,28 @@ class Timeline:
         e = torch.cuda.Event(enable_timing=True)
         e.record()
         return e
+
+    def time_calls(self, obj, names: str, label: str) -> None:
+        """Time ``obj``'s methods ``names`` (space-separated) when called inside a prefill;
+        an object that takes no attributes (slotted) is left alone."""
+        for name in names.split():
+            fn = getattr(obj, name, None)
+            if fn is None:
+                continue
+
+            def timed(*a, _fn=fn, _key=f"{label}.{name}", **kw):
+                window = self._window
+                if window is None:
+                    return _fn(*a, **kw)
+                t0 = time.perf_counter()
+                try:
+                    return _fn(*a, **kw)
+                finally:
+                    self.calls[f"{window}:{_key}"].append((time.perf_counter() - t0) * 1e6)
+            try:
+                setattr(obj, name, timed)
+            except (AttributeError, TypeError):
+                pass
 
     def watch(self, worker) -> None:
         admit, prefill = worker._admit, worker._prefill
@@ -83,9 +115,21 @@ class Timeline:
                 self.admits[-1].update(admit_start=start, admit_end=time.perf_counter())
             return admitted
 
+        self.time_calls(runner, "to_device", "runner")
+        self.time_calls(runner.pages, "sync resize", "pages")
+        if runner.prefill_cache is not None:
+            self.time_calls(runner.prefill_cache, "replay", "cache")
+        if drafter is not None:
+            self.time_calls(drafter, "prefill_many _prefill_rows propose propose_tree "
+                            "chained_inputs", "drafter")
+            if getattr(drafter, "pending", None) is not None:
+                self.time_calls(drafter.pending, "prompt", "pending")
+        self.time_calls(worker, "_verify _queue_verify _collect_verify", "worker")
+
         def timed_prefill(admitted):
-            if self.profiling:
+            if self.profiling and self.per_thread:
                 self.thread_profile.enable()
+            self._window = "prefill"
             row = {"thread_start": time.perf_counter(), "e0": self.event()}
             hidden = runner.prefill_many(admitted)
             row.update(target_end=time.perf_counter(), e1=self.event())
@@ -94,7 +138,8 @@ class Timeline:
                                      [r.token_ids[:-1] for r in admitted], hidden)
             row.update(thread_end=time.perf_counter(), e2=self.event(),
                        prompt=len(admitted[0].token_ids))
-            if self.profiling:
+            self._window = "first"
+            if self.profiling and self.per_thread:
                 self.thread_profile.disable()
             self.admits.append(row)
 
@@ -103,13 +148,16 @@ class Timeline:
 
     def profiles(self, top: int = 30) -> str:
         out = io.StringIO()
-        for title, prof in (("prefill thread", self.thread_profile),
-                            ("event loop, admission to the first RESCAN", self.loop_profile)):
+        parts = [("event loop, admission to the first RESCAN", self.loop_profile)]
+        if self.per_thread:
+            parts.insert(0, ("prefill thread", self.thread_profile))
+        for title, prof in parts:
             out.write(f"== {title}\n")
             pstats.Stats(prof, stream=out).sort_stats("cumulative").print_stats(top)
         return out.getvalue()
 
     def clear(self) -> None:
+        self.calls.clear()
         self.admits.clear()
         self.transitions.clear()
 
@@ -142,10 +190,14 @@ def split(timeline: Timeline, times: list) -> dict:
         for state, dur in seen.items():
             states[state].append(dur)
     med = statistics.median
-    return {**{k: round(med(v), 1) for k, v in parts.items()},
+    # Each timed call's µs a prefill (all its calls in the run over the prefills).
+    calls = {k: [round(sum(v) / len(times), 1), round(len(v) / len(times), 2)]
+             for k, v in timeline.calls.items()}
+    return {**{k: round(med(v), 1) for k, v in parts.items()}, "calls": calls,
             "states": {k: round(med(v), 1) for k, v in states.items()}}
 
 
+@torch.inference_mode()
 def prefill_kernels(worker, width: int, reps: int = 10) -> dict:
     """The target's prefill graph at [1, ``width``] (warm-up's padding-row example)
     replayed ``reps`` times under torch.profiler: its device time a replay (CUDA events)
@@ -201,7 +253,8 @@ async def measure(names, loaded, sets, tokens, runs, device="cuda", profile=0):
         for name in names:
             runs_ = parts[name]
             row = {k: round(statistics.median(r[k] for r in runs_), 1)
-                   for k in runs_[0] if k != "states"}
+                   for k in runs_[0] if k not in ("states", "calls")}
+            row["calls"] = runs_[-1]["calls"]
             row["states"] = {k: round(statistics.median(r["states"].get(k, 0.0)
                                                         for r in runs_), 1)
                              for k in runs_[0]["states"]}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import operator
+import os
 import time
 from typing import TYPE_CHECKING, Callable, Sequence, TypeVar
 
@@ -92,6 +93,8 @@ class RankWorker:
         self.scheduler = Scheduler(config.scheduler.max_batch_size,
                                    config.scheduler.max_num_tokens)
         self._limiter = anyio.CapacityLimiter(1)
+        # Prefill on the event loop's thread, not a worker thread's (``_admit``).
+        self.prefill_inline = prefill_inline(runner.device)
         self.stats = EngineStats()
         self._sampling_cache: dict[int | None, tuple[tuple[Request, ...], SamplingBatch]] = {}
         self.group_sync = config.group_sync_greedy_flag
@@ -251,7 +254,11 @@ class RankWorker:
         admitted = self.scheduler.admit()
         if admitted:
             mark = self.clock.prefill_started()
-            await self.run_sync(self.clock.on_device(lambda: self._prefill(admitted)))
+            prefill = self.clock.on_device(lambda: self._prefill(admitted))
+            if self.prefill_inline:
+                prefill()
+            else:
+                await self.run_sync(prefill)
             self.clock.prefill_done(mark)
         return admitted
 
@@ -700,3 +707,17 @@ def _kept_runs(last: tuple[Request, ...], batch: list[Request]
     if j == 0 or 2 * j < n or len(runs) > 4 + n // 4:
         return None
     return runs, batch[j:]
+
+
+def prefill_inline(device: torch.device) -> bool:
+    """Whether SCHEDULE runs the prefill on the event loop's thread. On the CPU a worker
+    thread's: the forward computes for milliseconds with the GIL released (torch's ops
+    release it), so the loop serves the other requests' consumers meanwhile. On a GPU
+    the forward is kernel launches (graph replays) that hold the GIL: a thread lets
+    nothing else run, and its two hops cost ~0.2-0.3 ms each on the lent H100's host
+    (bench/probe_ttft_gpu.py). ``SPECLOOP_PREFILL_INLINE`` (1 or 0) sets it for an A/B."""
+    env = os.environ.get("SPECLOOP_PREFILL_INLINE")
+    if env:
+        return env == "1"
+    return device.type == "cuda"
+

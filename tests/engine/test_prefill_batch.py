@@ -177,3 +177,45 @@ def test_head_prefill_at_padded_shapes_writes_what_one_forward_per_prompt_does(
 
     for a, b in zip(run(()), run(prefill_shapes(8, 64))):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
+
+
+async def test_inline_prefill_runs_on_the_loops_thread_and_equals_the_threads(
+        tiny_dir, tiny_loaded):
+    """``Worker.prefill_inline`` (a GPU's default: launches that hold the GIL, where a
+    worker thread's two hops cost ~0.5 ms a prefill): the prefill runs on the event loop's
+    thread, a worker thread's otherwise; staggered requests (admitted while others run)
+    get the same tokens either way."""
+    import threading   # noqa: PLC0415
+
+    prompts = [[(13 * i + 5 * j) % 300 + 3 for j in range(n)] for i, n in enumerate(LENGTHS)]
+    params = [SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=i, max_tokens=5 + i,
+                             ignore_eos=True) for i in range(len(prompts))]
+
+    async def run(inline):
+        threads = set()
+        async with AsyncEngine(make_config(tiny_dir, method="ngram"),
+                               model=tiny_loaded) as engine:
+            worker = engine.worker
+            assert worker.prefill_inline is False       # the CPU's default
+            worker.prefill_inline = inline
+            prefill = worker._prefill
+            worker._prefill = lambda admitted: (threads.add(threading.get_ident()),
+                                                prefill(admitted))
+            out = await serve_staggered(engine, [(p, q, 0.01 * (i % 3)) for i, (p, q) in
+                                                 enumerate(zip(prompts, params))])
+        return out, threads
+
+    (want, threaded), (got, inline) = await run(False), await run(True)
+    assert got == want
+    assert inline == {threading.get_ident()} and threading.get_ident() not in threaded
+
+
+def test_prefill_inline_on_a_gpu_unless_the_environment_says(monkeypatch):
+    from specloop.engine._worker import prefill_inline  # noqa: PLC0415
+
+    monkeypatch.delenv("SPECLOOP_PREFILL_INLINE", raising=False)
+    assert prefill_inline(torch.device("cuda")) and not prefill_inline(torch.device("cpu"))
+    monkeypatch.setenv("SPECLOOP_PREFILL_INLINE", "0")
+    assert not prefill_inline(torch.device("cuda"))
+    monkeypatch.setenv("SPECLOOP_PREFILL_INLINE", "1")
+    assert prefill_inline(torch.device("cpu"))
