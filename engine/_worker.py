@@ -719,5 +719,5 @@ def prefill_inline(device: torch.device) -> bool:
     env = os.environ.get("SPECLOOP_PREFILL_INLINE")
     if env:
         return env == "1"
-    return device.type == "cuda"
+    return bool(device.type == "cuda")
 
