@@ -16,7 +16,7 @@ from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
 from specloop.models import KVCache, LoadedModel, PageTable, TreeMask
 from specloop.models._prefill import padded_shape, prefill_shapes
 from specloop.models._grad import inference_mode
-from specloop.models._host import current_stream, to_device
+from specloop.models._host import StagingRing, current_stream, to_device
 
 from ._request import Request
 
@@ -83,6 +83,8 @@ class ModelRunner:
             getattr(self.model, "uses_kernels", False))
         # The graph cache holding the prefill graphs (``prefill_graphs``), set at warm-up.
         self.prefill_cache: GraphCache | None = None
+        # Pinned host buffers for a graphed prefill's inputs (``_prefill_rows``).
+        self._prefill_staging = StagingRing(self.device, torch.int64)
 
     def forward(self, tokens: torch.Tensor, start_pos: torch.Tensor, slots: torch.Tensor,
                 *, kv_len: int | None = None, tree: TreeMask | None = None
@@ -208,11 +210,25 @@ class ModelRunner:
         padding rows are the scratch slot's."""
         real = len(group)
         rows, width = self._shape(real, max(n for *_, n in group))
+        key = prefill_key(rows, width)
+        cache = self.prefill_cache
+        graphed = cache is not None and cache.has(key)
+        statics = getattr(cache, "static_inputs", None) if graphed else None
         # tokens [rows, width] and starts [2, rows] (positions, slots) in one host buffer,
-        # written through numpy, and one copy: under a server's load a prefill runs nearly
-        # every iteration, and a torch.tensor of a row's ids, a second tensor and a second
-        # copy cost ~60 us of the H200's host (bench/bench_host_ops_gpu.py).
-        host: numpy.ndarray = numpy.zeros(rows * (width + 2), dtype=numpy.int64)
+        # written through numpy: under a server's load a prefill runs nearly every
+        # iteration, and a torch.tensor of a row's ids, a second tensor and a second copy
+        # cost ~60 us of the H200's host (bench/bench_host_ops_gpu.py). A graph's: a
+        # pinned buffer of the staging ring copied straight into its static inputs (no
+        # buffer pinned, allocated or copied again a call: at admission each CUDA call
+        # took 20-150 us of the lent H100's host, bench/probe_ttft_gpu.py).
+        size = rows * (width + 2)
+        if statics is not None:
+            ring = self._prefill_staging
+            host, buffer = ring.take(size)
+            host = host[:size]
+            host[:] = 0
+        else:
+            host = numpy.zeros(size, dtype=numpy.int64)
         tokens, starts = host[:rows * width].reshape(rows, width), host[rows * width:]
         for row, (_, request, n) in enumerate(group):
             self.pages.resize(request.batch_slot, request.seq_len)
@@ -220,12 +236,14 @@ class ModelRunner:
             starts[row] = request.num_cached
             starts[rows + row] = request.batch_slot
         starts[rows + real:] = self.cache.scratch_slot     # padding rows: the scratch slot
-        packed = self.to_device(torch.from_numpy(host))
-        inputs = {"tokens": packed[:rows * width].view(rows, width),
-                  "starts": packed[rows * width:].view(2, rows)}
-        key = prefill_key(rows, width)
-        cache = self.prefill_cache
-        if cache is not None and cache.has(key):
+        if statics is not None:
+            inputs = statics(key)
+            ring.copy_into(buffer, [inputs["tokens"], inputs["starts"]])
+        else:
+            packed = self.to_device(torch.from_numpy(host))
+            inputs = {"tokens": packed[:rows * width].view(rows, width),
+                      "starts": packed[rows * width:].view(2, rows)}
+        if cache is not None and graphed:
             self.pages.sync()   # an eager forward syncs the table itself
             # The graph's outputs are its own until its next replay: keep the rows.
             features = cache.replay(key, inputs)["features"][:real].clone()

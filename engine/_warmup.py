@@ -117,19 +117,36 @@ def prefill_graphs(runner: ModelRunner, drafter: Drafter | None, graph_cache: Gr
     """The target's prefill steps at its padded shapes (none where it does not pad), and
     the drafter's at the same shapes (stage "draft-prefill"), which it replays through
     the cache once captured."""
-    from ._runner import prefill_key  # noqa: PLC0415
-
     steps = runner.prefill_graphs()
     if drafter is None or not steps:
         return steps
-
-    def replay(shape: tuple[int, int], inputs: Tensors) -> Tensors | None:
-        key = prefill_key(*shape, stage="draft-prefill")
-        return graph_cache.replay(key, inputs) if graph_cache.has(key) else None
-
     shapes = [(key.batch_size, key.tokens) for key, _, _ in steps]
-    return steps + [(prefill_key(*shape, stage="draft-prefill"), step, example)
-                    for shape, step, example in drafter.prefill_graphs(shapes, replay)]
+    return steps + [(_draft_prefill_key(shape), step, example)
+                    for shape, step, example in drafter.prefill_graphs(
+                        shapes, DraftPrefillReplay(graph_cache))]
+
+
+class DraftPrefillReplay:
+    """A drafter's prefill graphs in ``cache`` (stage "draft-prefill"), by padded shape:
+    the ``PrefillReplay`` warm-up hands to ``Drafter.prefill_graphs``."""
+
+    def __init__(self, cache: GraphCache) -> None:
+        self.cache = cache
+
+    def __call__(self, shape: tuple[int, int], inputs: Tensors) -> Tensors | None:
+        key = _draft_prefill_key(shape)
+        return self.cache.replay(key, inputs) if self.cache.has(key) else None
+
+    def static_inputs(self, shape: tuple[int, int]) -> Tensors | None:
+        key = _draft_prefill_key(shape)
+        statics = getattr(self.cache, "static_inputs", None)
+        return statics(key) if statics is not None and self.cache.has(key) else None
+
+
+def _draft_prefill_key(shape: tuple[int, int]) -> GraphKey:
+    from ._runner import prefill_key  # noqa: PLC0415
+
+    return prefill_key(*shape, stage="draft-prefill")
 
 
 def calibrate(*, config: EngineConfig, runner: ModelRunner, drafter: Drafter | None,

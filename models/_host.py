@@ -104,6 +104,19 @@ class StagingRing:
             self._events[i].synchronize()   # the copy that last read it: done, nearly always
         return self._numpy[i], i
 
+    def copy_into(self, i: int, dsts: list[torch.Tensor]) -> None:
+        """Queue the copy of host buffer ``i``'s leading elements into ``dsts``
+        (contiguous device tensors of this ring's dtype), one after another in the buffer:
+        straight into where they are read (a graph's static inputs), no device buffer of
+        the ring's between."""
+        host, start = self._host[i], 0
+        for dst in dsts:
+            n = dst.numel()
+            dst.view(-1).copy_(host[start:start + n], non_blocking=True)
+            start += n
+        if self._events and dsts:
+            self._events[i].record(current_stream(dsts[0].device.index))
+
     def copy(self, i: int, n: int) -> torch.Tensor:
         """Queue the copy of host buffer ``i``'s first ``n`` elements; -> their device
         copy (valid until the next ``copy`` is queued behind what reads it)."""

@@ -20,7 +20,7 @@ from specloop.samplers._tree import DraftTree
 
 from .._decoder import DecoderModel, TreeMask
 from .._grad import inference_mode
-from .._host import copy_into, int64_tensor, to_device
+from .._host import StagingRing, copy_into, int64_tensor, to_device
 from .._linear import bf16_packing_available
 from .._prefill import padded_shape
 from ._errors import DrafterConfigError
@@ -101,6 +101,8 @@ class MtpEagleDrafter(Drafter):
         # Set by prefill_graphs at warm-up: the padded shapes and their graphs' replay.
         self._prefill_shapes: frozenset[tuple[int, int]] = frozenset()
         self._prefill_replay: PrefillReplay | None = None
+        # Pinned host buffers for a captured shape's slots and tokens (``_prefill_into``).
+        self._prefill_staging = StagingRing(self.cache.device, torch.int64)
         # Per draft tree: its levels' index tensors (``_tree_plan``).
         self._tree_plans: dict[DraftTree, list[_TreeLevel]] = {}
 
@@ -191,6 +193,13 @@ class MtpEagleDrafter(Drafter):
         real, width = len(group), max(len(ids) - 1 for _, ids, _ in group)
         shape = padded_shape(real, width)
         rows, width = shape if shape in self._prefill_shapes else (real, width)
+        replay = self._prefill_replay
+        statics = replay.static_inputs((rows, width)) if replay is not None else None
+        if replay is not None and statics is not None:
+            self._prefill_into(statics, group, rows, width)
+            self.cache.pages.sync()
+            replay((rows, width), statics)
+            return
         host = torch.zeros(rows, width + 1, dtype=torch.int64)
         host[:, 0] = self.scratch       # padding rows: the scratch slot
         for row, (slot, ids, _) in enumerate(group):
@@ -203,11 +212,34 @@ class MtpEagleDrafter(Drafter):
         for row, (_, ids, h) in enumerate(group):
             features[row, :len(ids) - 1] = h[:len(ids) - 1]
         inputs = {"tokens": host[:, 1:], "features": features, "slots": host[:, 0]}
-        replay = self._prefill_replay
         if replay is not None:
             self.cache.pages.sync()     # an eager forward syncs the table itself
         if replay is None or replay((rows, width), inputs) is None:
             self._prefill_step(inputs)
+
+    def _prefill_into(self, statics: dict[str, torch.Tensor],
+                      group: list[tuple[int, Sequence[int], torch.Tensor]], rows: int,
+                      width: int) -> None:
+        """A captured shape's inputs written in place into its graph's static inputs: the
+        slots and tokens from a pinned buffer of the staging ring (one copy each, nothing
+        pinned or allocated a call), each row's feature rows copied in. Past a row's
+        prompt the tokens are 0 and the features keep what the last prefill left there
+        (finite: earlier prompts' rows, or the capture's zeros): padding, whose head K/V
+        the catch-up writes again before any query reads them (positions past a
+        prompt's) or that lands in the scratch page (padding rows)."""
+        ring = self._prefill_staging
+        flat, buffer = ring.take(rows * (width + 1))
+        slots = flat[:rows]
+        tokens = flat[rows:rows * (width + 1)].reshape(rows, width)
+        slots[:] = self.scratch         # padding rows: the scratch slot
+        tokens[:] = 0
+        features = statics["features"]
+        for row, (slot, ids, h) in enumerate(group):
+            n = len(ids) - 1
+            slots[row] = slot
+            tokens[row, :n] = ids[1:]
+            features[row, :n].copy_(h[:n], non_blocking=True)
+        ring.copy_into(buffer, [statics["slots"], statics["tokens"]])
 
     def _prefill_step(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         slots = inputs["slots"]

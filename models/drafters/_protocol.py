@@ -14,11 +14,25 @@ from specloop.samplers._tree import DraftTree
 from .._host import int64_tensor, to_device
 
 T = TypeVar("T")
-# A step over static tensors (a CUDA graph's body), and the replay of a drafter's prefill
-# graph for a padded shape (rows, tokens per row): its outputs, or None where not captured.
+# A step over static tensors (a CUDA graph's body).
 Step = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-PrefillReplay = Callable[[tuple[int, int], dict[str, torch.Tensor]],
-                         dict[str, torch.Tensor] | None]
+
+
+class PrefillReplay(Protocol):
+    """The replay of a drafter's prefill graphs, by padded shape (rows, tokens per row),
+    which warm-up hands to ``Drafter.prefill_graphs``."""
+
+    def __call__(self, shape: tuple[int, int], inputs: dict[str, torch.Tensor]
+                 ) -> dict[str, torch.Tensor] | None:
+        """Replay ``shape``'s graph on ``inputs``: its outputs (overwritten by its next
+        replay), or None where ``shape`` was not captured."""
+        ...
+
+    def static_inputs(self, shape: tuple[int, int]) -> dict[str, torch.Tensor] | None:
+        """``shape``'s captured graph's static inputs, which the drafter may write in place
+        (queued on the stream) and hand back as the inputs themselves: the replay then
+        copies nothing for them. None where not captured or the cache shows none."""
+        ...
 
 
 @attrs.frozen

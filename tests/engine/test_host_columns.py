@@ -257,3 +257,22 @@ def test_sampling_rows_equal_from_params_but_greedy_batches_seeds(data):
         if greedy and pad is not None and pad != len(batch) and before is not None \
                 and before[0] != tuple(batch) and before[1].all_greedy:
             assert all(getattr(got, n) is getattr(before[1], n) for n in got.COLUMNS)
+
+
+@given(sizes=st.lists(st.lists(st.integers(1, 700), min_size=1, max_size=3),
+                      min_size=1, max_size=20))
+@settings(max_examples=40, deadline=None)
+def test_staging_ring_copies_each_buffer_into_its_destinations_in_order(sizes):
+    """``StagingRing.copy_into``: a buffer's leading elements land in the destinations one
+    after another (each flattened), whatever the buffer's turn in the ring and however
+    large a take grows the buffers."""
+    from specloop.models._host import StagingRing
+
+    ring = StagingRing(torch.device("cpu"), torch.int64)
+    for call, parts in enumerate(sizes):
+        host, i = ring.take(sum(parts))
+        host[:sum(parts)] = [1000 * call + j for j in range(sum(parts))]
+        dsts = [torch.full((n,), -1, dtype=torch.int64).view(1, n) for n in parts]
+        ring.copy_into(i, dsts)
+        got = torch.cat([d.view(-1) for d in dsts]).tolist()
+        assert got == [1000 * call + j for j in range(sum(parts))]

@@ -219,3 +219,126 @@ def test_prefill_inline_on_a_gpu_unless_the_environment_says(monkeypatch):
     assert not prefill_inline(torch.device("cuda"))
     monkeypatch.setenv("SPECLOOP_PREFILL_INLINE", "1")
     assert prefill_inline(torch.device("cpu"))
+
+
+def test_graphed_prefill_writes_its_inputs_into_the_graphs_static_inputs(tiny_loaded):
+    """A captured prefill shape's inputs go from the runner's staging ring straight into
+    the graph's static inputs (handed to the replay, which copies nothing), one ring
+    buffer a forward, the ring taken round more than once: hidden states and prompt K/V
+    equal the eager padded forward's (on the CPU, a cache that replays as
+    ``CudaGraphCache`` does)."""
+    from specloop.engine._request import Request
+    from specloop.engine._runner import ModelRunner
+
+    from ..graphs.test_chain_into_verify import GraphLikeCache
+
+    handed: list[bool] = []
+
+    class Handed(GraphLikeCache):
+        def replay(self, key, inputs):
+            statics = self._graphs[key].inputs
+            handed.append(all(inputs[name] is statics[name] for name in statics))
+            return super().replay(key, inputs)
+
+    # One-row forwards (16 and 64 wide, the 200-token prompt in chunks), then a group.
+    alone = [5, 17, 40, 9, 12, 3, 200, 30, 2]
+    grouped = [6, 11, 4]
+
+    def run(graphs):
+        runner = ModelRunner(tiny_loaded, num_slots=16, max_seq_len=256,
+                             max_prefill_tokens=64)
+        runner.batch_prefill = runner.pad_prefill = True
+        if graphs:
+            cache = Handed(buckets=(1,))
+            with torch.inference_mode():
+                for key, step, example in runner.prefill_graphs():
+                    cache.capture(key, step, example)
+            runner.prefill_cache = cache
+        requests = [Request(f"r{i}", (), GREEDY, 0,
+                            [(13 * i + j) % 300 + 1 for j in range(n)], slot=i)
+                    for i, n in enumerate(alone + grouped)]
+        hidden = [h for r in requests[:len(alone)] for h in runner.prefill_many([r])]
+        hidden += runner.prefill_many(requests[len(alone):])
+        kv = []
+        for r in requests:
+            pages = torch.tensor(runner.pages.pages_of(r.slot))
+            kv.append(torch.stack([runner.cache.k[:, pages], runner.cache.v[:, pages]])
+                      .flatten(2, 3)[:, :, :r.seq_len - 1])
+        return hidden, kv
+
+    (h1, kv1), (h2, kv2) = run(False), run(True)
+    # 8 one-row forwards, the long prompt's 4 chunks and the group's one: past the ring's
+    # 8 buffers.
+    assert handed == [True] * 13
+    for a, b, ka, kb in zip(h1, h2, kv1, kv2):
+        assert a.shape == b.shape and torch.equal(a, b) and torch.equal(ka, kb)
+
+
+def test_head_prefill_graphs_take_their_inputs_in_place(tiny_dir, tiny_loaded):
+    """The MTP head's prefill at captured shapes (``DraftPrefillReplay``, warm-up's): its
+    slots, tokens and feature rows are written into the graph's static inputs and handed
+    to the replay (which copies nothing); the stale padding a shape's last, longer prompt
+    left there changes nothing: head K/V at every prompt position equal one eager forward
+    per prompt. On the CPU, a cache that replays as ``CudaGraphCache`` does (the head's
+    graphs are captured on a GPU only: its fused kernels)."""
+    from specloop.engine._runner import prefill_key
+    from specloop.engine._warmup import DraftPrefillReplay
+    from specloop.models._prefill import prefill_shapes
+
+    from ..graphs.test_chain_into_verify import GraphLikeCache
+
+    handed: list[bool] = []
+
+    class Handed(GraphLikeCache):
+        def replay(self, key, inputs):
+            statics = self._graphs[key].inputs
+            handed.append(all(inputs[name] is statics[name] for name in statics))
+            return super().replay(key, inputs)
+
+    # Alone, one after another: 14 then 9 on the 1 x 16 shape (9's padding is 14's stale
+    # rows), 40 then 21 on 1 x 64 and 1 x 32; then [2, 3, 5] together on 4 x 16.
+    alone, together = [14, 9, 40, 21], [5, 3, 2]
+    lengths = alone + together
+
+    def run(graphs):
+        engine = AsyncEngine(make_config(tiny_dir, method="mtp_eagle", max_batch_size=8),
+                             model=tiny_loaded)
+        engine._build()
+        runner, drafter = engine.worker.runner, engine.worker.drafter
+        if graphs:
+            cache = Handed(buckets=(1,))
+            drafter.batch_prefill = True
+            shapes = prefill_shapes(8, 64)
+            drafter._prefill_shapes = frozenset(shapes)
+            drafter._prefill_replay = DraftPrefillReplay(cache)
+            size = drafter.head.feature_size
+            with torch.inference_mode():
+                for rows, width in shapes:
+                    cache.capture(prefill_key(rows, width, stage="draft-prefill"),
+                                  drafter._prefill_step,
+                                  {"tokens": torch.zeros(rows, width, dtype=torch.int64),
+                                   "features": torch.zeros(rows, width, size,
+                                                           dtype=drafter.cache.dtype),
+                                   "slots": torch.full((rows,), drafter.scratch)})
+        gen = torch.Generator().manual_seed(0)
+        slots = list(range(len(lengths)))
+        ids = [[(7 * s + j) % 300 + 3 for j in range(n)] for s, n in zip(slots, lengths)]
+        hidden = [torch.randn(n, drafter.head.feature_size, generator=gen,
+                              dtype=torch.float64) for n in lengths]
+        for s, n in zip(slots, lengths):
+            runner.pages.resize(s, n + 1)
+        for s in range(len(alone)):
+            drafter.prefill_many([s], [ids[s]], [hidden[s]])
+        rest = slots[len(alone):]
+        drafter.prefill_many(rest, [ids[s] for s in rest], [hidden[s] for s in rest])
+        kv = []
+        for s, n in zip(slots, lengths):
+            pages = torch.tensor(runner.pages.pages_of(s))
+            kv.append(torch.stack([drafter.cache.k[:, pages], drafter.cache.v[:, pages]])
+                      .flatten(2, 3)[:, :, :n - 1])
+        return kv
+
+    want, got = run(False), run(True)
+    assert handed == [True] * 5
+    for a, b in zip(want, got):
+        assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
