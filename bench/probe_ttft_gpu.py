@@ -116,12 +116,14 @@ class Timeline:
             return admitted
 
         self.time_calls(runner, "to_device", "runner")
+        if getattr(runner, "_prefill_staging", None) is not None:
+            self.time_calls(runner._prefill_staging, "take copy_into", "ring")
         self.time_calls(runner.pages, "sync resize", "pages")
         if runner.prefill_cache is not None:
             self.time_calls(runner.prefill_cache, "replay", "cache")
         if drafter is not None:
-            self.time_calls(drafter, "prefill_many _prefill_rows propose propose_tree "
-                            "chained_inputs", "drafter")
+            self.time_calls(drafter, "prefill_many _prefill_rows _prefill_into propose "
+                            "propose_tree chained_inputs", "drafter")
             if getattr(drafter, "pending", None) is not None:
                 self.time_calls(drafter.pending, "prompt", "pending")
         self.time_calls(worker, "_verify _queue_verify _collect_verify", "worker")

@@ -34,6 +34,10 @@
 #   kernels  one steady batch-1 iteration's device work in order, by launch (KERNEL_CONFIGS,
 #            default "none,eagle3 tree31"; bench/trace_kernels.py on profiler traces):
 #            $OUT/kernels_<config>.txt
+#   ttft     where a batch-1 request's time to first output goes (bench/probe_ttft_gpu.py:
+#            the front door, the prefill's host and device time, the first iteration, the
+#            timed calls inside; TTFT_CONFIGS, default "none,ngram K=4,eagle3 tree31";
+#            ENVS as for ab, one process each): $OUT/ttft_<env>.jsonl
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   tail     the skinny GEMM's tl.dot tail at 32-256 rows against cuBLAS (no SmolLM2 needed)
 #   pagesync PageTable.sync's host time a call, the staging ring against the earlier syncs,
@@ -309,6 +313,20 @@ for line in sys.stdin:   # a row: the ratio, its wall and GPU an iteration, wher
           "wall/GPU ms", r.get("iteration_ms"), r.get("gpu_union_ms_per_iter"),
           "ttft/output/end ms", r.get("ttft_ms"), r.get("ms_per_output"), r.get("end_ms"))')
         done
+      done ;;
+    ttft)
+      for env in ${ENVS:-DEFAULT=1}; do
+        echo "-- $env"
+        (IFS=+ read -ra _vars <<< "$env"; export "${_vars[@]}"; cd bench && python3 probe_ttft_gpu.py --prompts "$PROMPTS" \
+          --out "$OUT/ttft_${env//[^A-Za-z0-9_]/_}.jsonl" --configs "${TTFT_CONFIGS:-none,ngram K=4,eagle3 tree31}" \
+          --runs 2 2>&1 | grep '^{' | python3 -c '
+import json, sys
+for line in sys.stdin:   # a row: the parts of a ttft (us, medians), the timed calls
+    r = json.loads(line)
+    print(r["config"], {k: r[k] for k in ("door", "hop_in", "target", "drafter", "hop_out",
+                                          "first_iter", "ttft", "target_gpu", "drafter_gpu")})
+    print("   states", r["states"], "calls", r["calls"])
+    print("   prefill graph us", r.get("prefill_graph", {}).get("replay_us"))')
       done ;;
     kernels)
       rm -rf /tmp/kernel_traces && mkdir -p /tmp/kernel_traces
