@@ -115,23 +115,11 @@ def test_prefill_graphs_replay_what_the_padded_eager_forward_computes(tmp_path):
     def run(graphs):
         runner = ModelRunner(loaded, num_slots=8, max_seq_len=256, max_prefill_tokens=64)
         runner.feature_layers = (0, 1)
-        cache = None
-        if graphs:
-            cache = CudaGraphCache(buckets=(1,))
-            with torch.inference_mode():
-                for key, step, example in runner.prefill_graphs():
-                    cache.capture(key, step, example)
-            runner.prefill_cache = cache
+        cache = capture_prefill(runner, CudaGraphCache(buckets=(1,))) if graphs else None
         requests = [Request(f"r{i}", (), GREEDY, 0, [(13 * i + j) % 380 + 1 for j in range(n)],
                             slot=7 - i) for i, n in enumerate(lengths)]
         hidden = runner.prefill_many(requests)
-        kv = []
-        for r in requests:
-            pages = torch.tensor(runner.pages.pages_of(r.slot), device="cuda")
-            n = r.seq_len - 1
-            kv.append(torch.stack([runner.cache.k[:, pages], runner.cache.v[:, pages]])
-                      .flatten(2, 3)[:, :, :n])
-        return hidden, kv, cache
+        return hidden, prompt_kv(runner, requests), cache
 
     (h1, kv1, _), (h2, kv2, cache) = run(False), run(True)
     replayed = {(key.batch_size, key.tokens): n for key, n in cache.replay_counts().items()
@@ -168,12 +156,7 @@ def test_head_prefill_at_padded_shapes_writes_what_one_forward_per_prompt_does(
         for s, n in zip(slots, lengths):
             runner.pages.resize(s, n + 1)
         drafter.prefill_many(slots, ids, hidden)
-        kv = []
-        for s, n in zip(slots, lengths):
-            pages = torch.tensor(runner.pages.pages_of(s))
-            kv.append(torch.stack([drafter.cache.k[:, pages], drafter.cache.v[:, pages]])
-                      .flatten(2, 3)[:, :, :n - 1])
-        return kv
+        return kv_at(runner.pages, drafter.cache, [(s, n - 1) for s, n in zip(slots, lengths)])
 
     for a, b in zip(run(()), run(prefill_shapes(8, 64))):
         assert a.shape == b.shape and torch.allclose(a, b, atol=1e-12)
@@ -221,6 +204,45 @@ def test_prefill_inline_on_a_gpu_unless_the_environment_says(monkeypatch):
     assert prefill_inline(torch.device("cpu"))
 
 
+def capture_prefill(runner, cache):
+    """``runner``'s prefill graphs captured in ``cache``, which its prefill then replays."""
+    with torch.inference_mode():
+        for key, step, example in runner.prefill_graphs():
+            cache.capture(key, step, example)
+    runner.prefill_cache = cache
+    return cache
+
+
+def kv_at(pages, cache, rows) -> list[torch.Tensor]:
+    """``cache``'s K/V of each (slot, n) of ``rows`` at the slot's first n positions
+    through the page table ``pages``, [2, layers, n, ...]."""
+    kv = []
+    for slot, n in rows:
+        at = torch.tensor(pages.pages_of(slot), device=cache.k.device)
+        kv.append(torch.stack([cache.k[:, at], cache.v[:, at]]).flatten(2, 3)[:, :, :n])
+    return kv
+
+
+def prompt_kv(runner, requests) -> list[torch.Tensor]:
+    """Each request's target K/V at its prompt's positions but the last (what prefill
+    writes)."""
+    return kv_at(runner.pages, runner.cache, [(r.slot, r.seq_len - 1) for r in requests])
+
+
+def handed_cache(handed: list[bool]) -> type:
+    """A cache that replays as ``CudaGraphCache`` does on the CPU (test_chain_into_verify's)
+    and appends to ``handed``, at each replay, whether every input handed in was the
+    graph's static input itself (nothing to copy)."""
+    from ..graphs.test_chain_into_verify import GraphLikeCache
+
+    class Handed(GraphLikeCache):
+        def replay(self, key, inputs):
+            statics = self._graphs[key].inputs
+            handed.append(all(inputs[name] is statics[name] for name in statics))
+            return super().replay(key, inputs)
+    return Handed
+
+
 def test_graphed_prefill_writes_its_inputs_into_the_graphs_static_inputs(tiny_loaded):
     """A captured prefill shape's inputs go from the runner's staging ring straight into
     the graph's static inputs (handed to the replay, which copies nothing), one ring
@@ -230,15 +252,8 @@ def test_graphed_prefill_writes_its_inputs_into_the_graphs_static_inputs(tiny_lo
     from specloop.engine._request import Request
     from specloop.engine._runner import ModelRunner
 
-    from ..graphs.test_chain_into_verify import GraphLikeCache
-
     handed: list[bool] = []
-
-    class Handed(GraphLikeCache):
-        def replay(self, key, inputs):
-            statics = self._graphs[key].inputs
-            handed.append(all(inputs[name] is statics[name] for name in statics))
-            return super().replay(key, inputs)
+    Handed = handed_cache(handed)
 
     # One-row forwards (16 and 64 wide, the 200-token prompt in chunks), then a group.
     alone = [5, 17, 40, 9, 12, 3, 200, 30, 2]
@@ -249,22 +264,13 @@ def test_graphed_prefill_writes_its_inputs_into_the_graphs_static_inputs(tiny_lo
                              max_prefill_tokens=64)
         runner.batch_prefill = runner.pad_prefill = True
         if graphs:
-            cache = Handed(buckets=(1,))
-            with torch.inference_mode():
-                for key, step, example in runner.prefill_graphs():
-                    cache.capture(key, step, example)
-            runner.prefill_cache = cache
+            capture_prefill(runner, Handed(buckets=(1,)))
         requests = [Request(f"r{i}", (), GREEDY, 0,
                             [(13 * i + j) % 300 + 1 for j in range(n)], slot=i)
                     for i, n in enumerate(alone + grouped)]
         hidden = [h for r in requests[:len(alone)] for h in runner.prefill_many([r])]
         hidden += runner.prefill_many(requests[len(alone):])
-        kv = []
-        for r in requests:
-            pages = torch.tensor(runner.pages.pages_of(r.slot))
-            kv.append(torch.stack([runner.cache.k[:, pages], runner.cache.v[:, pages]])
-                      .flatten(2, 3)[:, :, :r.seq_len - 1])
-        return hidden, kv
+        return hidden, prompt_kv(runner, requests)
 
     (h1, kv1), (h2, kv2) = run(False), run(True)
     # 8 one-row forwards, the long prompt's 4 chunks and the group's one: past the ring's
@@ -285,15 +291,8 @@ def test_head_prefill_graphs_take_their_inputs_in_place(tiny_dir, tiny_loaded):
     from specloop.engine._warmup import DraftPrefillReplay
     from specloop.models._prefill import prefill_shapes
 
-    from ..graphs.test_chain_into_verify import GraphLikeCache
-
     handed: list[bool] = []
-
-    class Handed(GraphLikeCache):
-        def replay(self, key, inputs):
-            statics = self._graphs[key].inputs
-            handed.append(all(inputs[name] is statics[name] for name in statics))
-            return super().replay(key, inputs)
+    Handed = handed_cache(handed)
 
     # Alone, one after another: 14 then 9 on the 1 x 16 shape (9's padding is 14's stale
     # rows), 40 then 21 on 1 x 64 and 1 x 32; then [2, 3, 5] together on 4 x 16.
@@ -331,12 +330,7 @@ def test_head_prefill_graphs_take_their_inputs_in_place(tiny_dir, tiny_loaded):
             drafter.prefill_many([s], [ids[s]], [hidden[s]])
         rest = slots[len(alone):]
         drafter.prefill_many(rest, [ids[s] for s in rest], [hidden[s] for s in rest])
-        kv = []
-        for s, n in zip(slots, lengths):
-            pages = torch.tensor(runner.pages.pages_of(s))
-            kv.append(torch.stack([drafter.cache.k[:, pages], drafter.cache.v[:, pages]])
-                      .flatten(2, 3)[:, :, :n - 1])
-        return kv
+        return kv_at(runner.pages, drafter.cache, [(s, n - 1) for s, n in zip(slots, lengths)])
 
     want, got = run(False), run(True)
     assert handed == [True] * 5
