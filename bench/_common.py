@@ -23,7 +23,10 @@ HELD_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "prompts_hel
 # Draft trees of depth 3 for the shipped eagle3 head (speculative.tree), by node count:
 # the trees that accept most on held-out prompts 200-263 (bench/tree_acceptance.py --skip
 # 200 --prompts 64 --fit ...; bench/results/cpu_1204_tree_fit_200_263.json, and *_big
-# for 23 and 31 nodes).
+# for 23 and 31 nodes; cpu_1206_tree_fit_200_263_wide.json for 47, the most the tree
+# attention's 63 rows take: AL 2.77 offline against 2.66 for 31 nodes; deeper trees of 31
+# nodes, cpu_1206_tree_fit_200_263_deep.json: 2.73-2.76 at depth 4, 2.75-2.77 at 5, each
+# level one more head forward, ~33 us of a 0.7 ms iteration on the H100).
 TREES = {
     4: [[0], [1], [0, 0], [0, 0, 0]],
     7: [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]],
@@ -38,6 +41,11 @@ TREES = {
          [0, 3], [0, 4], [0, 6], [1, 0], [1, 1], [1, 2], [2, 0], [2, 1],
          [3, 0], [4, 0], [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0],
          [0, 2, 0], [0, 4, 0], [1, 0, 0], [1, 0, 1], [2, 0, 0]],
+    47: [[0], [1], [2], [3], [4], [5], [6], [7], [8], [9], [10], [12], [0, 0], [0, 1],
+         [0, 2], [0, 3], [0, 4], [0, 5], [0, 6], [0, 7], [0, 8], [1, 0], [1, 1], [1, 2],
+         [2, 0], [2, 1], [3, 0], [4, 0], [5, 0], [6, 0], [7, 0], [0, 0, 0], [0, 0, 1],
+         [0, 0, 2], [0, 0, 3], [0, 0, 4], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 3, 0],
+         [0, 4, 0], [1, 0, 0], [1, 0, 1], [1, 1, 0], [1, 2, 0], [2, 0, 0], [3, 0, 0]],
 }
 
 
