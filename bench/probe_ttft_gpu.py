@@ -128,23 +128,30 @@ class Timeline:
                 self.time_calls(drafter.pending, "prompt", "pending")
         self.time_calls(worker, "_verify _queue_verify _collect_verify", "worker")
 
+        # The worker's own prefill, the target's part marked where it returns.
+        row: dict = {}
+        target_prefill = runner.prefill_many
+
+        def marked_target(*args, **kw):
+            hidden = target_prefill(*args, **kw)
+            row.update(target_end=time.perf_counter(), e1=self.event())
+            return hidden
+
         def timed_prefill(admitted):
             if self.profiling and self.per_thread:
                 self.thread_profile.enable()
             self._window = "prefill"
-            row = {"thread_start": time.perf_counter(), "e0": self.event()}
-            hidden = runner.prefill_many(admitted)
-            row.update(target_end=time.perf_counter(), e1=self.event())
-            if drafter is not None:
-                drafter.prefill_many([r.batch_slot for r in admitted],
-                                     [r.token_ids[:-1] for r in admitted], hidden)
+            row.clear()
+            row.update(thread_start=time.perf_counter(), e0=self.event())
+            prefill(admitted)
             row.update(thread_end=time.perf_counter(), e2=self.event(),
                        prompt=len(admitted[0].token_ids))
             self._window = "first"
             if self.profiling and self.per_thread:
                 self.thread_profile.disable()
-            self.admits.append(row)
+            self.admits.append(dict(row))
 
+        runner.prefill_many = marked_target
         worker._admit = timed_admit
         worker._prefill = timed_prefill
 

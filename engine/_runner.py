@@ -175,34 +175,39 @@ class ModelRunner:
     def release(self, slot: int) -> None:
         self.pages.release(slot)
 
-    def prefill_many(self, requests: list[Request]) -> list[torch.Tensor]:
+    def prefill_many(self, requests: list[Request], headroom: int = 0
+                     ) -> list[torch.Tensor]:
         """``prefill`` of each request, in order. With ``batch_prefill``, requests whose
         prompt fits one chunk share forwards of at most ``max_prefill_tokens`` tokens
         counting the padding (rows right-padded to the longest; with ``pad_prefill`` rows
-        and width to ``padded_shape``); longer prompts are prefilled alone, in chunks."""
+        and width to ``padded_shape``); longer prompts are prefilled alone, in chunks.
+        ``headroom``: each request's pages hold that many positions past its prompt too
+        (what its first step reserves: the page table's copy at the prefill carries
+        them, not another one a moment later)."""
         if not self.batch_prefill:
-            return [self.prefill(r) for r in requests]
+            return [self.prefill(r, headroom) for r in requests]
         out: dict[int, torch.Tensor] = {}
         group: list[tuple[int, Request, int]] = []   # (index, request, tokens to write)
         for i, request in enumerate(requests):
             n = request.seq_len - 1 - request.num_cached
             if not 0 < n <= self.max_prefill_tokens:
-                out[i] = self.prefill(request)
+                out[i] = self.prefill(request, headroom)
                 continue
             width = max([n] + [m for *_, m in group])
             ends = [r.num_cached + width for _, r, _ in group] + [request.num_cached + width]
             rows, padded = self._shape(len(group) + 1, width)
             if group and (rows * padded > self.max_prefill_tokens
                           or max(ends) > self.max_seq_len):
-                out.update(self._prefill_rows(group))
+                out.update(self._prefill_rows(group, headroom))
                 group = []
             group.append((i, request, n))
         if group:
-            out.update(self._prefill_rows(group))
+            out.update(self._prefill_rows(group, headroom))
         return [out[i] for i in range(len(requests))]
 
     @inference_mode
-    def _prefill_rows(self, group: list[tuple[int, Request, int]]) -> dict[int, torch.Tensor]:
+    def _prefill_rows(self, group: list[tuple[int, Request, int]], headroom: int = 0
+                      ) -> dict[int, torch.Tensor]:
         """One forward over [B, T] (padded to ``padded_shape``): row b writes its request's
         next n_b prompt tokens. The padding (token 0) past them writes K/V into the row's
         own pages past its length (its next steps overwrite those positions before any
@@ -231,7 +236,7 @@ class ModelRunner:
             host = numpy.zeros(size, dtype=numpy.int64)
         tokens, starts = host[:rows * width].reshape(rows, width), host[rows * width:]
         for row, (_, request, n) in enumerate(group):
-            self.pages.resize(request.batch_slot, request.seq_len)
+            self.pages.resize(request.batch_slot, request.seq_len + headroom)
             tokens[row, :n] = request.token_ids[request.num_cached:request.num_cached + n]
             starts[row] = request.num_cached
             starts[rows + row] = request.batch_slot
@@ -280,13 +285,13 @@ class ModelRunner:
         return out
 
     @inference_mode
-    def prefill(self, request: Request) -> torch.Tensor:
+    def prefill(self, request: Request, headroom: int = 0) -> torch.Tensor:
         """Write K/V for every token but the last (VERIFY forwards the last one), in chunks
         of max_prefill_tokens; returns what the drafter reads for them, [P, H] (or
         [P, F*H] with feature layers). On a GPU each chunk is a padded forward of one row
-        (``_prefill_rows``: a graph's when captured)."""
+        (``_prefill_rows``: a graph's when captured). ``headroom``: as ``prefill_many``'s."""
         end = request.seq_len - 1
-        self.pages.resize(request.batch_slot, request.seq_len)
+        self.pages.resize(request.batch_slot, request.seq_len + headroom)
         # Padded (a GPU's): one-row forwards at padded shapes, a graph's when captured.
         slot = None if self.pad_prefill and self.batch_prefill else torch.tensor(
             [request.batch_slot], device=self.device)
@@ -295,7 +300,7 @@ class ModelRunner:
         while request.num_cached < end:
             n = min(end - request.num_cached, self.max_prefill_tokens)
             if slot is None:
-                hidden.append(self._prefill_rows([(0, request, n)])[0])
+                hidden.append(self._prefill_rows([(0, request, n)], headroom)[0])
                 continue
             chunk = request.token_ids[request.num_cached:request.num_cached + n]
             tokens = torch.tensor([chunk], device=self.device)

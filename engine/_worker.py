@@ -263,7 +263,13 @@ class RankWorker:
         return admitted
 
     def _prefill(self, admitted: list[Request]) -> None:
-        hidden = self.runner.prefill_many(admitted)
+        # The pages the first chained step reserves (its VERIFY's rows and the next
+        # catch-up's past the prompt), taken now: the prefill's copy of the page table
+        # carries them, not a second copy in the first iteration (80-120 us of the lent
+        # H100's host each at admission, bench/probe_ttft_gpu.py).
+        chain = self.chain
+        hidden = self.runner.prefill_many(
+            admitted, headroom=chain.keep_ahead - 1 if chain is not None else 0)
         if self.drafter is not None:
             self.drafter.prefill_many([r.batch_slot for r in admitted],
                                       [r.token_ids[:-1] for r in admitted], hidden)

@@ -39,7 +39,8 @@ async def test_batched_prefill_equals_one_forward_per_request(tiny_dir, tiny_loa
             runner.batch_prefill = batched
             runner.pad_prefill = batched and padded
             forward_rows = runner._prefill_rows
-            runner._prefill_rows = lambda group: rows.append(len(group)) or forward_rows(group)
+            runner._prefill_rows = lambda group, *rest: (rows.append(len(group))
+                                                         or forward_rows(group, *rest))
             drafter = engine.worker.drafter
             if drafter is not None:
                 prefill = drafter.prefill
