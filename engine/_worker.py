@@ -726,4 +726,3 @@ def prefill_inline(device: torch.device) -> bool:
     if env:
         return env == "1"
     return bool(device.type == "cuda")
-
