@@ -16,6 +16,8 @@ of held-out chat prompts (greedy, EOS ignored), for each config in one process:
 - ``ttft`` and a steady ``per_output``, as profile_spec_gpu.py's.
 
 All medians in µs; each config's rows in the prompts' order. Output: JSON lines.
+``--spin-us U``: the loop's thread kept busy U µs before each request (a core slow to
+come back from the last round's device sync would show as parts that shrink with it).
 ``--profile N``: N more requests a config under cProfile, the prefill's thread and the
 event loop's side from the admission to the first iteration's RESCAN apart, their
 functions by cumulative time written beside --out (``<out>.<config>.prof.txt``).
@@ -38,7 +40,7 @@ import anyio
 import torch
 
 from _common import (add_round_args, device_sync, emit_row, held_out_sets, quiet_logs,
-                     request_times, timed_sets)
+                     request_times, timed_round, timed_sets)
 from profile_spec_gpu import bench_engine
 
 
@@ -239,7 +241,14 @@ def prefill_kernels(worker, width: int, reps: int = 10) -> dict:
                         for e in kernels}}
 
 
-async def measure(names, loaded, sets, tokens, runs, device="cuda", profile=0):
+def spin(us: float) -> None:
+    """Keep this thread busy for ``us`` µs (``--spin-us``)."""
+    end = time.perf_counter() + us / 1e6
+    while time.perf_counter() < end:
+        pass
+
+
+async def measure(names, loaded, sets, tokens, runs, device="cuda", profile=0, spin_us=0.0):
     sync, out = device_sync(device), {}
     import contextlib  # noqa: PLC0415
     async with contextlib.AsyncExitStack() as stack:
@@ -255,7 +264,12 @@ async def measure(names, loaded, sets, tokens, runs, device="cuda", profile=0):
             for name, engine in engines.items():
                 timelines[name].clear()
                 times: list = []
-                await timed_sets(engine, sets, tokens, sync, 0.0, times)
+                if spin_us:
+                    for prompts in sets:
+                        spin(spin_us)
+                        await timed_round(engine, prompts, tokens, sync, 0.0, times)
+                else:
+                    await timed_sets(engine, sets, tokens, sync, 0.0, times)
                 sync()
                 parts[name].append(split(timelines[name], times))
                 logs[name].extend(times)
@@ -288,6 +302,10 @@ def main() -> None:
     ap.add_argument("--configs", default="none,eagle3 tree31")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
     ap.add_argument("--min-prompts", type=int, default=16)
+    ap.add_argument("--spin-us", type=float, default=0.0,
+                    help="keep the loop's thread busy this long before each request (after "
+                         "the last round's device sync): if the parts shrink, the host's "
+                         "core was slow to wake from that sync, not the calls themselves")
     ap.add_argument("--profile", type=int, default=0,
                     help="this many more requests a config under cProfile (text beside --out)")
     args = ap.parse_args()
@@ -297,7 +315,7 @@ def main() -> None:
         if batch != 1:
             raise SystemExit("probe_ttft_gpu.py splits batch-1 requests: --batches 1")
         got = anyio.run(measure, names, loaded, sets, args.tokens, args.runs, args.device,
-                        args.profile)
+                        args.profile, args.spin_us)
         for name in names:
             text = got[name].pop("profile", None)
             if text is not None:

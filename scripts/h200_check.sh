@@ -37,7 +37,8 @@
 #   ttft     where a batch-1 request's time to first output goes (bench/probe_ttft_gpu.py:
 #            the front door, the prefill's host and device time, the first iteration, the
 #            timed calls inside; TTFT_CONFIGS, default "none,ngram K=4,eagle3 tree31";
-#            ENVS as for ab, one process each): $OUT/ttft_<env>.jsonl
+#            ENVS as for ab, one process each; TTFT_ARGS: more options, e.g.
+#            "--spin-us 3000" to keep the core busy before each request): $OUT/ttft_<env>.jsonl
 #   skinny, attention  the kernel benches (no SmolLM2 needed)
 #   tail     the skinny GEMM's tl.dot tail at 32-256 rows against cuBLAS (no SmolLM2 needed)
 #   pagesync PageTable.sync's host time a call, the staging ring against the earlier syncs,
@@ -319,7 +320,7 @@ for line in sys.stdin:   # a row: the ratio, its wall and GPU an iteration, wher
         echo "-- $env"
         (IFS=+ read -ra _vars <<< "$env"; export "${_vars[@]}"; cd bench && python3 probe_ttft_gpu.py --prompts "$PROMPTS" \
           --out "$OUT/ttft_${env//[^A-Za-z0-9_]/_}.jsonl" --configs "${TTFT_CONFIGS:-none,ngram K=4,eagle3 tree31}" \
-          --runs 2 2>&1 | grep '^{' | python3 -c '
+          --runs 2 ${TTFT_ARGS:-} 2>&1 | grep '^{' | python3 -c '
 import json, sys
 for line in sys.stdin:   # a row: the parts of a ttft (us, medians), the timed calls
     r = json.loads(line)
