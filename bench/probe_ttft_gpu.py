@@ -30,10 +30,11 @@ from __future__ import annotations
 import argparse
 import cProfile
 import collections
+import contextlib
 import io
 import pstats
-import sys
 import statistics
+import sys
 import time
 
 import anyio
@@ -250,7 +251,6 @@ def spin(us: float) -> None:
 
 async def measure(names, loaded, sets, tokens, runs, device="cuda", profile=0, spin_us=0.0):
     sync, out = device_sync(device), {}
-    import contextlib  # noqa: PLC0415
     async with contextlib.AsyncExitStack() as stack:
         engines, timelines = {}, {}
         for name in names:

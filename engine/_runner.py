@@ -216,9 +216,10 @@ class ModelRunner:
         real = len(group)
         rows, width = self._shape(real, max(n for *_, n in group))
         key = prefill_key(rows, width)
-        cache = self.prefill_cache
-        graphed = cache is not None and cache.has(key)
-        statics = getattr(cache, "static_inputs", None) if graphed else None
+        cache = self.prefill_cache      # the graph's, where captured
+        if cache is not None and not cache.has(key):
+            cache = None
+        statics = getattr(cache, "static_inputs", None)
         # tokens [rows, width] and starts [2, rows] (positions, slots) in one host buffer,
         # written through numpy: under a server's load a prefill runs nearly every
         # iteration, and a torch.tensor of a row's ids, a second tensor and a second copy
@@ -248,7 +249,7 @@ class ModelRunner:
             packed = self.to_device(torch.from_numpy(host))
             inputs = {"tokens": packed[:rows * width].view(rows, width),
                       "starts": packed[rows * width:].view(2, rows)}
-        if cache is not None and graphed:
+        if cache is not None:
             self.pages.sync()   # an eager forward syncs the table itself
             # The graph's outputs are its own until its next replay: keep the rows.
             features = cache.replay(key, inputs)["features"][:real].clone()
