@@ -87,6 +87,7 @@
 #            the same machine for both, whose host speed differs between machines;
 #            CODEAB_BENCH=process: bench_process_gpu.py instead, PROCESS_* as for process
 #            (defaults: batch 64, ProcessEngine, steady load, none / eagle3 K=2 / adaptive);
+#            CODEAB_BENCH=steady: the steady step's runs (BATCHES default 64,128,256, RUNS);
 #            CODEAB_BENCH=adp: the adp step's 1- and 2-rank runs (ADP_*; nvidia-h200-x2),
 #            each rank's tok/s, AL and chained steps queued / taken
 #   pin      CPU placement: the same runs unpinned and pinned to $CPUS (taskset), in turns
@@ -370,6 +371,14 @@ for line in sys.stdin:   # a row: the parts of a ttft (us, medians), the timed c
             PYTHONPATH=$path adp_runs "$OUT/adp_${v}_$round"
             rm -f "$OUT/adp_${v}_$round"/trace_*.json
             grep -h "tok/s per round\|acceptance length" "$OUT/adp_${v}_$round"/w*.log
+            continue
+          fi
+          if [ "${CODEAB_BENCH:-profile}" = steady ]; then
+            # The steady step's runs (BATCHES, RUNS as there): adaptive against none and K = 3
+            (cd bench && PYTHONPATH=$path python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
+               --out "$OUT/codeab_${v}_$round.jsonl" --runs "${RUNS:-3}" --buckets serving \
+               --arrival steady --batches "${BATCHES:-64,128,256}" \
+               --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(")
             continue
           fi
           if [ "${CODEAB_BENCH:-profile}" = process ]; then
