@@ -110,7 +110,9 @@ def check_topk(widths) -> dict:
             picked = inverse[got]
             ok = bool((picked >= 0).all()) and torch.equal(
                 x.float().gather(1, picked.clamp(min=0)), x.float().topk(k).values)
-            dest = torch.arange(k, device="cuda")[None].expand(3, -1).contiguous()
+            # 24 rows as 8 requests x 3 parents, each parent's picks into its own columns
+            # (one pick dropped: a rank without a node).
+            dest = torch.arange(3 * k, device="cuda").view(3, k).clone()
             dest[1, -1] = -1
             placed = torch.full((8, 3 * k), -7, dtype=torch.int64, device="cuda")
             _kernels.topk_map(x, k, d2t, out=placed, dest=dest, split=split)
@@ -128,6 +130,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--trees", default="31,47")
     ap.add_argument("--device", default="cuda", help="cpu: a smoke test of this script")
+    ap.add_argument("--kernels-only", action="store_true", help="the top-k check alone")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     quiet_logs()
@@ -140,7 +143,7 @@ def main() -> None:
         widths = sorted({max(p[-1] for p in TREES[int(n)]) + 1 for n in args.trees.split(",")})
         rows.append({"topk_kernel": check_topk(widths)})
     original, reference = verify.tree_greedy_verify, verify.accept_tree
-    for n in [int(t) for t in args.trees.split(",")]:
+    for n in [] if args.kernels_only else [int(t) for t in args.trees.split(",")]:
         spec = {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD,
                 "tree": TREES[n]}
         config = engine_config(spec, 1, args.device)
