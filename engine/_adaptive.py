@@ -21,9 +21,7 @@ median of the last RECENT (each K runs FIRST_SAMPLES times in a row at the first
 before the rule decides there, later buckets borrow its times, each K's moved by the
 change in its own warm-up time and all scaled to the bucket's own measured one, and
 EXPLORE_RUN choices in EXPLORE_EVERY try the K values in turn, and EXPLORE_RUN in
-EXPLORE_NEAR the contender, the K within NEAR_RATE of the rule's (once their ratio is
-paired, each run after which the rule keeps its K doubles the wait for the next, up to
-NEAR_BACKOFF EXPLORE_NEARs); a K not WELL_MEASURED
+EXPLORE_NEAR the contender, the K within NEAR_RATE of the rule's; a K not WELL_MEASURED
 at a bucket is priced from the K measured most there, and a K not running from the K
 running, by their ratio learned in pairs once PAIRED_MIN have come, at most by their
 warm-up times' difference before; a head's K kept at a settled
@@ -152,17 +150,6 @@ PAIRED_MIN = 8
 # costs a few % of 3 iterations in EXPLORE_NEAR).
 NEAR_RATE = 0.9
 EXPLORE_NEAR = 32
-# Once a contender's ratio to the rule's K is paired (PAIRED_MIN) at a bucket, each near
-# run after which the rule keeps its K doubles the wait for the next one there, up to
-# NEAR_BACKOFF EXPLORE_NEARs; one after which the rule takes the contender's K brings it
-# back to one. A contender priced within NEAR_RATE stays one for as long as the two K
-# values stay that close, and every run of it then costs what it trails by, twice over
-# the switches: on the H100 at batch 128 under steady load (eagle3 K <= 3) K = 2 ran 6-7 %
-# of adaptive K's iterations, at 1.9-2.1 ms each against 1.8 for K = 3's, for 0.96 of
-# fixed K = 3's tokens/s (forty-seventh session). The evidence then comes from 3 runs in
-# NEAR_BACKOFF x EXPLORE_NEAR choices (its explore turns besides), enough to keep a pair
-# learned over PAIR_WINDOW samples current.
-NEAR_BACKOFF = 8
 # Once settled at a bucket, a drafter without draft classes holds the K the rule chose
 # again (the same as the last iteration's) for the next HOLD - 1 choices at that bucket,
 # without computing E(k) or T(b, k): on this repository's CPU the rule took ~25 of
@@ -797,10 +784,6 @@ class AdaptiveK:
         self._hold: tuple[int, int, int] | None = None
         # The near run (EXPLORE_NEAR) the rule is in and its K (None: none near enough).
         self._near: tuple[int, int | None] = (-1, None)
-        # Per bucket: (the wait between near runs there in EXPLORE_NEARs, the first run
-        # due, the last run whose end set them) (NEAR_BACKOFF); and the near run's bucket.
-        self._near_wait: dict[int, tuple[int, int, int]] = {}
-        self._near_bucket = 0
         # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
         self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
 
@@ -1206,12 +1189,9 @@ class AdaptiveK:
                     k = choose_by_rate(self.candidates, expected, times)
             # An explored run just ended: an EXPLORE_EVERY turn, or the near run
             # ``_contender`` chose at this EXPLORE_NEAR's start.
-            near_ended = calls % EXPLORE_NEAR == EXPLORE_RUN and \
+            explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN or \
+                calls % EXPLORE_NEAR == EXPLORE_RUN and \
                 self._near[0] == calls // EXPLORE_NEAR and self._near[1] is not None
-            explored = near_ended or \
-                calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN
-            if near_ended:
-                self._back_off(k)
             last = None if self._last is None else self._last[1]
             # After an explored run the rule's K is back without a gate.
             if not explored and last is not None and last != k:
@@ -1224,7 +1204,7 @@ class AdaptiveK:
                         (turn // n_k) % EXPLORE_RARELY == 0:
                     k = explore
             elif calls >= EXPLORE_NEAR and calls % EXPLORE_NEAR < EXPLORE_RUN and \
-                    bucket in self._settled and self._near_due(bucket, calls // EXPLORE_NEAR):
+                    bucket in self._settled:
                 k = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
             if k == last and not self.classes and bucket in self._settled and \
                     _may_hold(calls):
@@ -1247,30 +1227,8 @@ class AdaptiveK:
                     rate = expected[c] / max(times[c] + paid, 1e-9)
                     if rate >= best_rate:
                         best, best_rate = c, rate
-            self._near, self._near_bucket = (run, best), bucket
+            self._near = (run, best)
         return k if self._near[1] is None else self._near[1]
-
-    def _near_due(self, bucket: int, run: int) -> bool:
-        """Whether the ``run``-th EXPLORE_NEAR may hold a near run at ``bucket``
-        (NEAR_BACKOFF; the run under way, once started, runs on)."""
-        wait = self._near_wait.get(bucket)
-        return wait is None or run >= wait[1] or self._near[0] == run
-
-    def _back_off(self, k: int) -> None:
-        """The near run ``self._near`` ended and the rule chose ``k``: the wait for the
-        next one at its bucket (NEAR_BACKOFF), once its contender's ratio to ``k`` is
-        paired; the same for a run already counted (``next_k`` and ``choose`` may both
-        run the rule at one choice)."""
-        run, contender = self._near
-        bucket = self._near_bucket
-        wait, _, counted = self._near_wait.get(bucket, (1, 0, -1))
-        if counted == run or contender is None:
-            return
-        if contender == k:
-            wait = 1
-        elif self.cost.ratio(bucket, contender, k) is not None:
-            wait = min(2 * wait, NEAR_BACKOFF)
-        self._near_wait[bucket] = (wait, run + wait, run)
 
 
 @attrs.define

@@ -11,8 +11,7 @@ from hypothesis import strategies as st
 from specloop.comm import CollectiveMismatchError, LocalGroup
 from specloop.engine import AsyncEngine
 from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_NEAR, EXPLORE_RARELY,
-                                       EXPLORE_RUN, FIRST_SAMPLES, HOLD, NEAR_BACKOFF,
-                                       NEAR_RATE,
+                                       EXPLORE_RUN, FIRST_SAMPLES, HOLD, NEAR_RATE,
                                        OVERHEAD_CAP, OVERHEAD_MIN, PAIRED_MIN, RECENT,
                                        SCALE, WELL_MEASURED,
                                        AdaptiveK, CostTable,
@@ -1099,76 +1098,39 @@ def _turn(c):
     return None
 
 
-def _near_starts(picks, contender=3, rule=2):
-    """The choices that start a near run of ``contender`` (outside the EXPLORE_EVERY
-    turns); every other choice from the second EXPLORE_NEAR on is ``rule``'s or a turn's."""
-    starts = []
-    for start in range(2 * EXPLORE_NEAR, len(picks) - EXPLORE_NEAR + 1, EXPLORE_NEAR):
-        run = picks[start:start + EXPLORE_RUN]
-        if start % EXPLORE_EVERY == 0:      # a turn of EXPLORE_EVERY instead
-            assert run == [_turn(start)] * EXPLORE_RUN, start
-        elif run == [contender] * EXPLORE_RUN:
-            starts.append(start)
-        else:
-            assert run == [rule] * EXPLORE_RUN, (start, run)
-        assert picks[start + EXPLORE_RUN:start + EXPLORE_NEAR] == \
-            [rule] * (EXPLORE_NEAR - EXPLORE_RUN), start
-    return starts
-
-
-def test_a_contender_runs_near_and_less_often_once_it_keeps_losing():
+def test_a_contender_runs_once_in_every_explore_near_choices():
     """K = 2 is the best and K = 3 within 4 % of it (a contender: within NEAR_RATE once
     the switch there and back is paid over EXPLORE_RUN), K = 0 and K = 1 far behind. Once
-    settled, the first EXPLORE_RUN choices of an EXPLORE_NEAR run K = 3 (outside the
+    settled, the first EXPLORE_RUN choices of every EXPLORE_NEAR run K = 3 (outside the
     turns of EXPLORE_EVERY, which try each K in turn), and the rule's K = 2 is back right
     after: the switch back, paid over SWITCH_HORIZON, would not beat K = 3 by
     SWITCH_MARGIN, so behind the switch gate K = 3 would hold until the next turn. K = 0
-    and K = 1 run at their turns only. Near runs come every EXPLORE_NEAR until K = 3's
-    ratio to K = 2 is paired, then, as K = 2 keeps winning, at waits doubling up to
-    NEAR_BACKOFF EXPLORE_NEARs (a wait ending on a turn: the next EXPLORE_NEAR). Without
-    near runs the contender is measured once in EXPLORE_EVERY x len(KS) choices, and the
-    pair that decides learns its ratio from ~1 sample in 1000. The biased twins: without
-    the backoff (NEAR_BACKOFF = 1) a run every EXPLORE_NEAR for good, 6-9 % of the
-    choices at the losing K; K = 3 far behind too (below NEAR_RATE): no near run, K = 3
-    runs at its turns only; and so when it is within NEAR_RATE only before the switch
-    there and back is paid (a run would cost more than the evidence is worth)."""
+    and K = 1 run at their turns only. Without near runs the contender is measured once
+    in EXPLORE_EVERY x len(KS) choices, and the pair that decides learns its ratio from ~1
+    sample in 1000. The biased twin, K = 3 far behind too (below NEAR_RATE): no near run,
+    K = 3 runs at its turns only; and so when it is within NEAR_RATE only before the
+    switch there and back is paid (a run would cost more than the evidence is worth)."""
     rates = {0: 0.7, 1: 0.8, 2: 1.0, 3: 0.96}
     # A switch costs 8 % of T(2): K = 3's rate with both switches over EXPLORE_RUN is
     # ~0.92 of K = 2's (a contender), K = 2's over SWITCH_HORIZON ~1.02 x K = 3's (< 1.03).
-    choices = 10 * EXPLORE_EVERY
-    picks = _near_runs(rates, switch=0.08, choices=choices)
+    picks = _near_runs(rates, switch=0.08)
     settled = FIRST_SAMPLES * len(KS)
     assert picks[1:settled + 1] == [k for k in KS for _ in range(FIRST_SAMPLES)]
     for c in range(settled + 1, len(picks)):
         if picks[c] in (0, 1):
             assert _turn(c) == picks[c], c
     # (The first near run, calls 33-34, is cut short by ``calls > EXPLORE_NEAR``.)
-    runs = [start // EXPLORE_NEAR for start in _near_starts(picks)]
-    # The schedule: a wait of 1 while unpaired (K = 3's own samples come from the near
-    # runs, one each, and from its turns), then 2, 4, ... NEAR_BACKOFF; a run due on a
-    # turn runs one EXPLORE_NEAR later, and the wait counts from where it ran.
-    turn = EXPLORE_EVERY // EXPLORE_NEAR
-    unpaired = next(i for i, (a, b) in enumerate(zip(runs, runs[1:]))
-                    if b - a > 1 + ((a + 1) % turn == 0))
-    assert PAIRED_MIN - 2 <= unpaired <= PAIRED_MIN + 2, runs
-    want, wait = runs[:unpaired + 1], 1
-    while len(want) < len(runs):
-        wait = min(2 * wait, NEAR_BACKOFF)
-        due = want[-1] + wait
-        want.append(due + (due % turn == 0))
-    assert runs == want, (runs, want)
-    assert runs[-1] - runs[-2] >= NEAR_BACKOFF, runs
-    late = picks[-4 * EXPLORE_EVERY:]
-    assert late.count(3) <= 4 * EXPLORE_RUN * (1 + EXPLORE_EVERY // (EXPLORE_NEAR * NEAR_BACKOFF))
-
-    # Without the backoff: a run in every EXPLORE_NEAR that is no turn.
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr("specloop.engine._adaptive.NEAR_BACKOFF", 1)
-        every = _near_runs(rates, switch=0.08)
-    starts = _near_starts(every)
-    assert starts == [s for s in range(2 * EXPLORE_NEAR, len(every) - EXPLORE_NEAR + 1,
-                                       EXPLORE_NEAR) if s % EXPLORE_EVERY], starts
-    assert len(starts) >= 25
+    runs = 0
+    for start in range(2 * EXPLORE_NEAR, len(picks) - EXPLORE_NEAR + 1, EXPLORE_NEAR):
+        run = picks[start:start + EXPLORE_RUN]
+        if start % EXPLORE_EVERY == 0:      # a turn of EXPLORE_EVERY instead
+            assert run == [_turn(start)] * EXPLORE_RUN, start
+        else:
+            assert run == [3] * EXPLORE_RUN, (start, run)
+            runs += 1
+        assert picks[start + EXPLORE_RUN:start + EXPLORE_NEAR] == \
+            [2] * (EXPLORE_NEAR - EXPLORE_RUN), start
+    assert runs >= 25
 
     # K = 3 far behind; and near before the switches' cost, not after it (0.93 x K = 2's
     # rate, ~0.89 with both switches paid over EXPLORE_RUN; the first near run, K = 3's
@@ -1179,29 +1141,6 @@ def test_a_contender_runs_near_and_less_often_once_it_keeps_losing():
         for c in range(since, len(far)):
             assert far[c] == (_turn(c) if _turn(c) is not None else 2), (rate, c)
         assert far[since:].count(3) == EXPLORE_RUN      # its turn only
-
-
-def test_a_near_run_whose_contender_wins_brings_the_runs_back():
-    """The wait between near runs (NEAR_BACKOFF) doubles at each run after which the rule
-    keeps its K, once the pair is learned, and not before; a run after which the rule
-    takes the contender's K brings it back to one; a run counted once though the rule
-    ran twice at its end (``next_k``, then ``choose``)."""
-    adaptive = AdaptiveK(KS, CostTable({(1, k): 1.0 for k in KS}))
-
-    def ended(run, k, contender=3):
-        adaptive._near, adaptive._near_bucket = (run, contender), 1
-        adaptive._back_off(k)
-        return adaptive._near_wait[1][:2]
-
-    assert ended(5, 2) == (1, 6)                # not paired yet: the next EXPLORE_NEAR
-    adaptive.cost.paired[(1, 2, 3)] = 0.05
-    assert ended(6, 2) == (2, 8)
-    assert ended(6, 2) == (2, 8)                # the same run again: counted once
-    assert not adaptive._near_due(1, 7) and adaptive._near_due(1, 8)
-    assert ended(8, 2) == (4, 12)
-    assert ended(12, 2) == (8, 20) and ended(20, 2) == (NEAR_BACKOFF, 20 + NEAR_BACKOFF)
-    assert ended(28, 3) == (1, 29)              # the contender won
-    assert adaptive._near_due(2, 0)             # another bucket: its own wait
 
 
 _STRETCHES = st.tuples(st.integers(0, 3), st.sampled_from([1, 2, 3, 3, 3, 16, 20, 30]),
