@@ -15,7 +15,7 @@
 #   serving  the same at batch 32 with graphs for every bucket (the engine's default)
 #   busy     GPU busy / wall at batch 1, no speculation, 256 tokens (issue 12)
 #   steady   adaptive against none and K = 3 under steady load, batch 1 .. 256 (issue 13;
-#            BATCHES, RUNS as for closed)
+#            BATCHES, RUNS as for closed; STEADY_CONFIGS replaces "none,K=3,adaptive<=3")
 #   curve    the throughput curve, specloop against transformers compiled, batch 1 .. 256
 #            (CURVE, HF_CURVE: the batch sizes), and batch 64's table; a PNG (issue 12)
 #   process  the engine core in its own process (ProcessEngine) against AsyncEngine and
@@ -172,7 +172,7 @@ for step in "$@"; do
       (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
         --out "$OUT/adaptive_steady.jsonl" --runs "${RUNS:-3}" --buckets serving --arrival steady \
         --batches "${BATCHES:-1,8,32,64,128,256}" \
-        --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(") ;;
+        --configs "${STEADY_CONFIGS:-none,K=3,adaptive<=3}" 2>&1 | grep "max(") ;;
     curve)
       # Tokens/s over batch 1 ... 256 (CURVE), specloop (a generate task per request, one
       # run a batch) against transformers compiled (HF_CURVE), after the batch-64 table
