@@ -29,6 +29,10 @@ model as the rule's objective (an oracle that knows the batch drains). The H200'
 ProcessEngine closed rounds at batch 32 are best matched by ``--spread 0.3 --row-cost 0``
 (docs/performance-history.md, "The batch's tail, and a K not well measured").
 
+``--rise R``: a row's acceptance rises through its answer (the batch's tail, the rows
+with most tokens left, then accepts less than the batch: under a server's load those are
+the rows that joined last).
+
 ``--unseen MS``: every iteration takes MS more than the rule's clock says, at any K (the
 prefill, disturbed iterations' extra, the mean over the median: the H200's steady load at
 batch 32, 0.35 ms), told to the rule only as the iteration's time with its prefill
@@ -162,9 +166,19 @@ class Rows:
     def requests(self) -> list[Row]:
         return list(self.rows)
 
+    def _now(self, row: Row, accept: list[float]) -> list[float]:
+        """``--rise R``: the row's acceptance x (1 + R (2 f - 1)), f the share of its tokens
+        done (R = 0: as drawn)."""
+        rise = self.args.rise
+        if not rise or not self.tokens:
+            return accept
+        factor = 1 + rise * (2 * (row.stop_length - row.left) / row.stop_length - 1)
+        return [min(a * factor, 0.98) for a in accept]
+
     def step(self, k: int) -> tuple[int, list[int]]:
         """-> (tokens that count, each row's accepted drafts) for an iteration drafting k."""
-        counts = [accepted(k, 1, accept, self.rng)[0] for accept in self.accept]
+        counts = [accepted(k, 1, self._now(row, accept), self.rng)[0]
+                  for row, accept in zip(self.rows, self.accept)]
         if not self.tokens:
             return sum(n + 1 for n in counts), counts
         useful = [min(n + 1, row.left) for n, row in zip(counts, self.rows)]
@@ -333,6 +347,11 @@ def parser() -> argparse.ArgumentParser:
                     help="every iteration takes MS more at any K than the rule's clock "
                          "times, seen only in its time with the prefill (X(b); the H200's "
                          "steady load at batch 32: 0.35)")
+    ap.add_argument("--rise", type=float, default=0.0, metavar="R",
+                    help="--closed, --refill: a row's acceptance rises through its answer, "
+                         "x (1 - R) at its first token to x (1 + R) at its last (the shipped "
+                         "eagle3 head on held-out prompts: E(3) 1.93 over answer positions "
+                         "0-15, 3.0 from 192 on; bench/acceptance_by_position.py)")
     ap.add_argument("--row-cost", type=float, default=0.5,
                     help="--closed: the share of an iteration's time that scales with "
                          "its bucket")

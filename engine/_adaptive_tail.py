@@ -13,7 +13,9 @@ the batch's rows (at least TAIL_MIN_ROWS; none in a batch no larger) with the mo
 left to their limit keep acceptance counts of their own (decayed as the pooled ones), and
 E(k) comes from those, with TAIL_PRIOR_ROWS pseudo-rows at the pooled acceptance. In a
 closed round the rows with most left are the slowest; under steady load they are the
-newest, whose acceptance is the pooled one. ``bench/adaptive_sim.py`` (``--closed``,
+newest, early in their answers, where a head accepts least: so the tail decides only
+while the batch drains (no request joined for TAIL_QUIET iterations), the pooled counts
+otherwise. ``bench/adaptive_sim.py`` (``--closed``,
 ``--refill``; ``--pooled`` for the rule without the tail) gives the rule 0.97-1.00 of the
 best fixed K in closed rounds at batch 32 with the tail, 0.92-0.97 without, and the same
 under steady load. On the H200 it did not move the closed rounds: there the tail quarter
@@ -21,8 +23,9 @@ accepted ~0.9x the mean row (the simulation's spread gives ~0.6x), and K = 1 and
 came out level for it (docs/performance-history.md, "The batch's tail, and a K not well
 measured").
 
-Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance);
-the tail itself (a sort of the batch by tokens left) only when the batch's size moved by
+Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance); a
+superset test of the batch against its requests at the last join, and that set rebuilt
+at each join (~4 us at batch 128 on this repository's CPU); the tail itself (a sort of the batch by tokens left) only when the batch's size moved by
 a quarter or every TAIL_EVERY iterations.
 """
 
@@ -52,6 +55,20 @@ TAIL_PRIOR_ROWS = 4.0
 # (bench_process_gpu.py --timers; the rows with most tokens left stay the tail while
 # others end, so a choice ages slowly).
 TAIL_EVERY = 8
+# The tail decides E(k) only once no request has joined the batch for this many
+# iterations (the batch drains: a closed round, the end of a burst); before, ``rows`` says
+# none and E(k) is the pooled counts' (the tail's own counts are kept all along). Under a
+# server's load a request joins every few iterations, and the tail, the rows with most
+# tokens left, is then the newest rows, early in their answers, where a head accepts
+# least: the shipped eagle3 head's E(3) is 1.93 over answer positions 0-15 and 3.0 from
+# 192 on, E(3) / E(2) 1.08 against 1.16 over whole answers (held-out prompts, CPU;
+# bench/acceptance_by_position.py). Priced from them, the rule drafted less than the batch
+# pays for: bench/adaptive_sim.py at batch 128 under steady load, acceptance rising
+# through an answer (--rise 0.25; 6 seeds, medians): 0.970 of the best fixed K with the
+# tail at every iteration, 0.986 with it only while the batch drains, 0.988 with the
+# pooled counts; batch 32: 0.993, 0.998, 0.998. Closed rounds at batch 32, the tail's
+# case: 0.992 at every iteration, 0.988 once quiet for 8 (16: 0.989), 0.967 pooled.
+TAIL_QUIET = 8
 
 
 def _left(request: Request) -> int:
@@ -68,10 +85,19 @@ class BatchTail:
         self.members: frozenset[Request] = frozenset()
         self._size = -1
         self._age = 0
+        # The batch's requests as of the last join (those that left since stay until the
+        # next: a superset test is one C-level pass), and the iterations since.
+        self._seen: set[Request] = set()
+        self._quiet = 0
 
     def rows(self, batch: Sequence[Request]) -> int:
         """The tail's rows in ``batch`` (the next iteration's): 0 where the batch has no
-        tail."""
+        tail, or has had a request join within TAIL_QUIET iterations (its members are
+        chosen and counted all the same)."""
+        if self._seen.issuperset(batch):
+            self._quiet += 1
+        else:
+            self._seen, self._quiet = set(batch), 0
         self._age += 1
         n, size = len(batch), self._size
         if self._age >= TAIL_EVERY or abs(n - size) * 4 > size or \
@@ -80,7 +106,7 @@ class BatchTail:
             take = max(TAIL_MIN_ROWS, round(n * TAIL_SHARE))
             self.members = frozenset() if take >= n else \
                 frozenset(sorted(batch, key=_left, reverse=True)[:take])
-        return len(self.members)
+        return len(self.members) if self._quiet >= TAIL_QUIET else 0
 
     def accepted(self, batch: Sequence[Request], num_accepted: Sequence[int]
                  ) -> list[int] | None:

@@ -12,7 +12,7 @@ from specloop.engine._adaptive import (SCALE, AdaptiveK, CostTable, acceptance_f
                                        choose_by_rate, expected_by_k,
                                        tail_expected_from_counts)
 from specloop.engine._adaptive_tail import (TAIL_EVERY, TAIL_MIN_ROWS, TAIL_PRIOR_ROWS,
-                                            TAIL_SHARE, BatchTail)
+                                            TAIL_QUIET, TAIL_SHARE, BatchTail)
 from specloop.samplers import SamplingParams
 
 from .conftest import make_config, serve_staggered
@@ -28,13 +28,20 @@ class Row:
         self.stop_length, self.token_ids = limit, [0] * length
 
 
+def quiet(tail: BatchTail, batch: list) -> int:
+    """``tail.rows(batch)`` once the batch has had no join for TAIL_QUIET iterations."""
+    for _ in range(TAIL_QUIET):
+        tail.rows(batch)
+    return tail.rows(batch)
+
+
 def test_the_tail_is_the_rows_with_most_tokens_left():
     rng = random.Random(5)
     for _ in range(30):
         n = rng.randint(1, 40)
         batch = [Row(300, length) for length in rng.sample(range(10, 290), n)]
         tail = BatchTail()
-        rows = tail.rows(batch)
+        rows = quiet(tail, batch)
         take = max(TAIL_MIN_ROWS, round(n * TAIL_SHARE))
         if take >= n:
             assert rows == 0 and tail.accepted(batch, [1] * n) is None
@@ -74,6 +81,29 @@ def test_the_tail_is_chosen_again_when_the_batch_changes_size_by_a_quarter_or_ag
     assert fresh not in tail.members and tail.members == frozenset(batch[4:8])
     del batch[4:]                          # 4 rows: no tail, at once
     assert tail.rows(batch) == 0 and tail.accepted(batch, [1] * 4) is None
+
+
+def test_the_tail_decides_only_once_the_batch_drains():
+    """A batch that a request joined within TAIL_QUIET iterations has no tail for the rule
+    (``rows`` 0: E(k) the pooled counts'; under a server's load the rows with most left
+    are the newest, early in their answers, where a head accepts least), though its
+    members are chosen and counted all along; rows that leave keep it on. The biased twin,
+    TAIL_QUIET 0: the tail decides while requests join."""
+    batch = [Row(100, length) for length in range(10, 30)]        # 20 rows: a tail of 5
+    tail = BatchTail()
+    assert [tail.rows(batch) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
+    assert tail.members == frozenset(batch[:5])                     # chosen all the same
+    assert tail.accepted(batch, [1] * 20) == [1] * 5                # and counted
+    assert tail.rows(batch) == 5                                    # quiet: it decides
+    del batch[7]
+    assert tail.rows(batch) == 5                                    # a row left: still
+    batch.append(Row(100, 0))                                       # a request joined
+    assert [tail.rows(batch) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
+    assert tail.rows(batch) == 5
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("specloop.engine._adaptive_tail.TAIL_QUIET", 0)
+        batch.append(Row(100, 0))
+        assert tail.rows(batch) == 5
 
 
 def draining(tail: bool):
@@ -162,11 +192,13 @@ def ragged(n=14):
 
 
 @pytest.mark.parametrize("world", [1, 2])
-async def test_ranks_agree_on_k_from_their_tails(tiny_dir, tiny_loaded, world):
+async def test_ranks_agree_on_k_from_their_tails(tiny_dir, tiny_loaded, world, monkeypatch):
     """mtp_eagle under adaptive K with batches of up to 12 rows a rank (tails of 3-4
     rows): tails ride the SYNC row on every rank that has one, every rank runs the same K
     each iteration (LM-head TP: a K apart would enter different collectives), and greedy
-    rows equal greedy without speculation."""
+    rows equal greedy without speculation. (TAIL_QUIET 0: the tail decides while requests
+    join, so the staggered arrivals leave tails in most iterations.)"""
+    monkeypatch.setattr("specloop.engine._adaptive_tail.TAIL_QUIET", 0)
     config = make_config(tiny_dir, method="mtp_eagle", k=3, rejection=True,
                          max_batch_size=12, speculative={"adaptive": True},
                          parallel={"world_size": world, "attention_dp": world > 1,

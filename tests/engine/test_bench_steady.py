@@ -333,6 +333,26 @@ def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
     assert steady["vs_best"] > 0.97, steady
 
 
+def test_adaptive_sim_the_tail_waits_for_the_batch_to_drain(common):
+    """A server's load at batch 64 where a row's acceptance rises through its answer
+    (``--rise 0.5``; the shipped head on held-out prompts: E(3) 1.93 over an answer's first
+    16 positions, 3.0 from 192 on). The tail (most tokens left) is then the newest rows,
+    which accept least: the rule that prices E(k) from it at every iteration
+    (``TAIL_QUIET=0``, the biased twin) drafts K = 1 for about half the run and loses to
+    fixed K = 3; with the tail only while the batch drains (no join for TAIL_QUIET
+    iterations: never here) it drafts K = 3 as the pooled counts do."""
+    sim = importlib.import_module("adaptive_sim")
+    args = ["--iterations", "1500", "--seeds", "1", "--sigma", "0", "--dwell", "0",
+            "--batch", "64", "--refill", "128", "--lengths", "0.5", "--rise", "0.5",
+            "--times", "1.0,1.25,1.4,1.4", "--accept", "0.55,0.45,0.40"]
+    (every,) = sim.main(args + ["--set", "TAIL_QUIET=0"])
+    (drained,) = sim.main(args)
+    (pooled,) = sim.main(args + ["--pooled"])
+    assert every["best_k"] == 3 and every["vs_best"] < 0.98 and every["chosen"][1] > 400, every
+    assert drained["vs_best"] > 0.99 and drained["chosen"][3] > 1200, drained
+    assert abs(drained["vs_best"] - pooled["vs_best"]) < 0.005, (drained, pooled)
+
+
 def test_adaptive_sim_drain_objective_is_the_slowest_rows_rate(common):
     """``--drain-objective``'s E(k): one row (no slowest of several) keeps E(k); K = 0
     (no variance) keeps 1; with rows, a larger K's spread costs it more: here K = 1's
