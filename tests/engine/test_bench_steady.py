@@ -540,3 +540,47 @@ async def test_ttft_probe_splits_each_request_into_parts_that_add_up(common, tin
     assert first["states"]["VERIFY"] > 0 and first["states"]["SCHEDULE"] > 0
     with pytest.raises(RuntimeError, match="3 admissions for 2 requests"):
         probe.split(timeline, times[:2])
+
+
+def test_acceptance_by_position_counts_a_chain_per_band(common):
+    """bench/acceptance_by_position.py: a chain of k accepts the leading zero ranks of a
+    start's true path, at most k (a path cut by a token outside the draft vocabulary ends
+    there); each band's E(k) is 1 + the mean over its starts, the last band open."""
+    study = importlib.import_module("acceptance_by_position")
+    assert [study.chain_accepted((0, 0, 1), k) for k in (1, 2, 3)] == [1, 2, 2]
+    assert study.chain_accepted((2, 0, 0), 3) == 0 and study.chain_accepted((0,), 3) == 1
+    answers = [[(0, 0, 0), (1,), (0, 1, 0), (0, 0, 0)],
+               [(0, 0, 0), (0, 0, 0), (3, 0, 0)]]
+    bands = study.by_band(answers, [0, 2])
+    assert [b["band"] for b in bands] == [[0, 2], [2, None]]
+    assert [b["starts"] for b in bands] == [4, 3]
+    # Band 0..1: starts (0,0,0), (1,), (0,0,0), (0,0,0): chains of 3 accept 3, 0, 3, 3.
+    assert bands[0]["E1"] == 1.75 and bands[0]["E3"] == 3.25
+    # Band 2..: (0,1,0), (0,0,0), (3,0,0): chains of 2 accept 1, 2, 0.
+    assert bands[1]["E2"] == 2.0 and bands[1]["E3/E2"] == round((1 + 4 / 3) / 2.0, 4)
+
+
+def test_probe_tree_counts_tries_hits_and_siblings(common):
+    """bench/probe_tree_gpu.py's ``NodeCounts`` on one hand-made VERIFY of the tree
+    ((0), (1), (0, 0)): a node is tried where its parent is on the accepted path and hits
+    where its token is then the target's after the parent; siblings drafting one token
+    count as duplicates; a path that differs from ``accept_tree``'s is a mismatch."""
+    import torch
+
+    from specloop.samplers._tree import DraftTree, accept_tree
+
+    probe = importlib.import_module("probe_tree_gpu")
+    counts = probe.NodeCounts(DraftTree([(0,), (1,), (0, 0)]))
+    # Columns: root, (0), (1), (0, 0). Row 0: (0) hits (target after the root is 7), then
+    # (0, 0) misses; row 1: (1) hits, (0) and (1) hold one token (duplicates).
+    tokens = torch.tensor([[5, 7, 8, 9], [5, 6, 6, 2]])
+    target = torch.tensor([[7, 4, 0, 0], [6, 1, 3, 0]])
+    want = accept_tree(counts.tables, tokens, target)
+    counts.add(tokens, target, want.num_accepted, want.path)
+    row = counts.row()
+    assert row["calls"] == 1 and row["kernel_mismatch"] == 0
+    by = {tuple(n["path"]): (n["tries"], n["hits"], n["dup"]) for n in row["nodes"]}
+    assert by[(0,)] == (2, 2, 1) and by[(1,)] == (2, 1, 1)
+    assert by[(0, 0)] == (2, 0, 0)
+    counts.add(tokens, target, want.num_accepted + 1, want.path)     # a wrong count
+    assert counts.row()["kernel_mismatch"] == 1
