@@ -25,8 +25,9 @@ measured").
 
 Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance); a
 superset test of the batch against its requests at the last join, and that set rebuilt
-at each join (~4 us at batch 128 on this repository's CPU); the tail itself (a sort of the batch by tokens left) only when the batch's size moved by
-a quarter or every TAIL_EVERY iterations.
+at each join (~4 us at batch 128 on this repository's CPU); the tail itself (a sort of
+the batch by tokens left) only when the batch's size moved by a quarter or every
+TAIL_EVERY iterations.
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class BatchTail:
         self.members: frozenset[Request] = frozenset()
         self._size = -1
         self._age = 0
-        # The batch's requests as of the last join (those that left since stay until the
-        # next: a superset test is one C-level pass), and the iterations since.
+        # The batch's requests as of the last join (a superset test is one C-level pass;
+        # those that left since are let go once they are half of it), and the iterations
+        # since the join.
         self._seen: set[Request] = set()
         self._quiet = 0
 
@@ -94,8 +96,11 @@ class BatchTail:
         """The tail's rows in ``batch`` (the next iteration's): 0 where the batch has no
         tail, or has had a request join within TAIL_QUIET iterations (its members are
         chosen and counted all the same)."""
-        if self._seen.issuperset(batch):
+        seen = self._seen
+        if seen.issuperset(batch):
             self._quiet += 1
+            if len(seen) > 2 * len(batch):      # no join: finished requests let go
+                self._seen = set(batch)
         else:
             self._seen, self._quiet = set(batch), 0
         self._age += 1
