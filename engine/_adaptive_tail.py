@@ -25,7 +25,7 @@ measured").
 
 Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance); a
 superset test of the batch against its requests at the last join, and that set rebuilt
-at each join (~4 us at batch 128 on this repository's CPU); the tail itself (a sort of
+at each join (~4-6 us at batch 128 on this repository's CPU); the tail itself (a sort of
 the batch by tokens left) only when the batch's size moved by a quarter or every
 TAIL_EVERY iterations.
 """
