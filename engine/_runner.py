@@ -13,6 +13,7 @@ import structlog
 import torch
 
 from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
+from specloop.graphs._cache import captured_inputs
 from specloop.models import KVCache, LoadedModel, PageTable, TreeMask
 from specloop.models._prefill import padded_shape, prefill_shapes
 from specloop.models._grad import inference_mode
@@ -219,7 +220,7 @@ class ModelRunner:
         cache = self.prefill_cache      # the graph's, where captured
         if cache is not None and not cache.has(key):
             cache = None
-        statics = getattr(cache, "static_inputs", None)
+        statics = captured_inputs(cache, key) if cache is not None else None
         # tokens [rows, width] and starts [2, rows] (positions, slots) in one host buffer,
         # written through numpy: under a server's load a prefill runs nearly every
         # iteration, and a torch.tensor of a row's ids, a second tensor and a second copy
@@ -243,7 +244,7 @@ class ModelRunner:
             starts[rows + row] = request.batch_slot
         starts[rows + real:] = self.cache.scratch_slot     # padding rows: the scratch slot
         if statics is not None:
-            inputs = statics(key)
+            inputs = statics
             ring.copy_into(buffer, [inputs["tokens"], inputs["starts"]])
         else:
             packed = self.to_device(torch.from_numpy(host))

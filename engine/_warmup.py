@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from specloop.graphs import GraphCache, GraphKey, SamplingPath, Step, Tensors
+from specloop.graphs._cache import captured_inputs
 from specloop.graphs._capture import DraftBuilder, capture_variants, graph_template, warm_up
 from specloop.models._grad import inference_mode
 from specloop.samplers import Sampler, SamplingBatch, SpecMetadata
@@ -138,9 +139,7 @@ class DraftPrefillReplay:
         return self.cache.replay(key, inputs) if self.cache.has(key) else None
 
     def static_inputs(self, shape: tuple[int, int]) -> Tensors | None:
-        key = _draft_prefill_key(shape)
-        statics = getattr(self.cache, "static_inputs", None)
-        return statics(key) if statics is not None and self.cache.has(key) else None
+        return captured_inputs(self.cache, _draft_prefill_key(shape))
 
 
 def _draft_prefill_key(shape: tuple[int, int]) -> GraphKey:

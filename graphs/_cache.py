@@ -110,6 +110,13 @@ class EagerGraphCache(GraphCache):
         raise RuntimeError(f"no captured graph for {key}")
 
 
+def captured_inputs(cache: GraphCache, key: GraphKey) -> Tensors | None:
+    """``key``'s static inputs where ``cache`` captured it and shows them (the optional
+    ``static_inputs``), to be written in place; else None."""
+    statics = getattr(cache, "static_inputs", None)
+    return statics(key) if statics is not None and cache.has(key) else None
+
+
 def bucket_for(batch_size: int, buckets: Iterable[int]) -> int | None:
     """The smallest bucket that holds ``batch_size``, or None when none does."""
     return next((b for b in sorted(buckets) if b >= batch_size), None)
