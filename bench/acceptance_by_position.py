@@ -22,17 +22,19 @@ import torch
 
 from _common import quiet_logs
 from held_out_prompts import read as held_out
-from tree_acceptance import NAME, greedy_answers, load_head, rank_paths
+from tree_acceptance import NAME, accepted, greedy_answers, load_head, rank_paths
+
+from specloop.samplers._tree import DraftTree
 
 DEPTH = 3
 
 
+DEPTH_CHAINS = {k: set(DraftTree.chain(k).paths) for k in range(1, DEPTH + 1)}
+
+
 def chain_accepted(path: tuple[int, ...], k: int) -> int:
     """Drafts a chain of ``k`` accepts at a start whose true path has ranks ``path``."""
-    n = 0
-    while n < min(k, len(path)) and path[n] == 0:
-        n += 1
-    return n
+    return accepted(path, DEPTH_CHAINS[k])
 
 
 def by_band(per_answer: list[list[tuple[int, ...]]], bands: list[int]) -> list[dict]:

@@ -29,8 +29,7 @@ import torch
 
 from _common import (HELD_OUT, TREES, chat_prompts, engine_config, held_out_texts,
                      load_smol, quiet_logs)
-
-HEAD = "smollm2-135m-instruct-eagle3"
+from profile_spec_gpu import CONFIGS
 
 
 class NodeCounts:
@@ -144,9 +143,8 @@ def main() -> None:
         rows.append({"topk_kernel": check_topk(widths)})
     original, reference = verify.tree_greedy_verify, verify.accept_tree
     for n in [] if args.kernels_only else [int(t) for t in args.trees.split(",")]:
-        spec = {"method": "eagle3", "num_draft_tokens": 3, "draft_weights": HEAD,
-                "tree": TREES[n]}
-        config = engine_config(spec, 1, args.device)
+        # The bench's own config of the tree (profile_spec_gpu.py's rows).
+        config = engine_config(CONFIGS[f"eagle3 tree{n}"], 1, args.device)
         al_graphs = anyio.run(run_engine, config, loaded, prompts, args.tokens)
         eager = attrs.evolve(config, components=attrs.evolve(config.components,
                                                              graph_cache="eager"))
