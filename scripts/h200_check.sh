@@ -87,7 +87,8 @@
 #            the same machine for both, whose host speed differs between machines;
 #            CODEAB_BENCH=process: bench_process_gpu.py instead, PROCESS_* as for process
 #            (defaults: batch 64, ProcessEngine, steady load, none / eagle3 K=2 / adaptive);
-#            CODEAB_BENCH=steady: the steady step's runs (BATCHES default 64,128,256, RUNS);
+#            CODEAB_BENCH=steady: the steady step's runs (BATCHES default 64,128,256, RUNS,
+#            STEADY_CONFIGS);
 #            CODEAB_BENCH=adp: the adp step's 1- and 2-rank runs (ADP_*; nvidia-h200-x2),
 #            each rank's tok/s, AL and chained steps queued / taken
 #   pin      CPU placement: the same runs unpinned and pinned to $CPUS (taskset), in turns
@@ -121,6 +122,14 @@ use_table() {
   if [ "$1" = code ]; then unset SPECLOOP_SKINNY_TABLE; return 0; fi
   if [ ! -f "$1" ]; then echo "no such table file: $1"; return 1; fi
   export SPECLOOP_SKINNY_TABLE=$(realpath "$1")
+}
+# The steady step's runs into $1 (BATCHES defaulting to $2, RUNS, STEADY_CONFIGS), the
+# project from $PYTHONPATH as set (codeab's old tree, or the installed one).
+steady_runs() {
+  (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
+    --out "$1" --runs "${RUNS:-3}" --buckets serving --arrival steady \
+    --batches "${BATCHES:-$2}" \
+    --configs "${STEADY_CONFIGS:-none,K=3,adaptive<=3}" 2>&1 | grep "max(")
 }
 # The adp step's runs: 1 then 2 ranks under torchrun into folder $1 (o1.json, w1.log, ...),
 # the project from $PYTHONPATH as set (codeab's old tree, or the installed one).
@@ -169,10 +178,7 @@ for step in "$@"; do
         --batches 1 --methods none --skip-hf --curve "" --hf-curve "" --profile-batches 1 \
         2>&1 | grep -i "busy\|tok/s" | cut -c1-200 | tail -6) ;;
     steady)
-      (cd bench && python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
-        --out "$OUT/adaptive_steady.jsonl" --runs "${RUNS:-3}" --buckets serving --arrival steady \
-        --batches "${BATCHES:-1,8,32,64,128,256}" \
-        --configs "${STEADY_CONFIGS:-none,K=3,adaptive<=3}" 2>&1 | grep "max(") ;;
+      steady_runs "$OUT/adaptive_steady.jsonl" 1,8,32,64,128,256 ;;
     curve)
       # Tokens/s over batch 1 ... 256 (CURVE), specloop (a generate task per request, one
       # run a batch) against transformers compiled (HF_CURVE), after the batch-64 table
@@ -374,11 +380,8 @@ for line in sys.stdin:   # a row: the parts of a ttft (us, medians), the timed c
             continue
           fi
           if [ "${CODEAB_BENCH:-profile}" = steady ]; then
-            # The steady step's runs (BATCHES, RUNS as there): adaptive against none and K = 3
-            (cd bench && PYTHONPATH=$path python3 bench_adaptive_gpu.py --prompts "$PROMPTS" \
-               --out "$OUT/codeab_${v}_$round.jsonl" --runs "${RUNS:-3}" --buckets serving \
-               --arrival steady --batches "${BATCHES:-64,128,256}" \
-               --configs "none,K=3,adaptive<=3" 2>&1 | grep "max(")
+            # The steady step's runs (BATCHES, RUNS, STEADY_CONFIGS as there)
+            PYTHONPATH=$path steady_runs "$OUT/codeab_${v}_$round.jsonl" 64,128,256
             continue
           fi
           if [ "${CODEAB_BENCH:-profile}" = process ]; then
