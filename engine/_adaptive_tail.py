@@ -23,11 +23,12 @@ accepted ~0.9x the mean row (the simulation's spread gives ~0.6x), and K = 1 and
 came out level for it (docs/performance-history.md, "The batch's tail, and a K not well
 measured").
 
-Host work per iteration: a set lookup a row at RESCAN (the tail's rows' acceptance); a
-superset test of the batch against its requests at the last join, and that set rebuilt
-at each join (~4-6 us at batch 128 on this repository's CPU); the tail itself (a sort of
-the batch by tokens left) only when the batch's size moved by a quarter or every
-TAIL_EVERY iterations.
+Host work per iteration: a superset test of the batch against its requests at the last
+join, and that set rebuilt at each join (~4-6 us at batch 128 on this repository's CPU);
+while the batch is quiet, also a set lookup a row at RESCAN (the tail's rows' acceptance)
+and the tail itself (a sort of the batch by tokens left) when the batch's size moved by a
+quarter or every TAIL_EVERY iterations. Under a server's load the batch is never quiet
+for long, and the tail costs the superset test alone.
 """
 
 from __future__ import annotations
@@ -58,7 +59,8 @@ TAIL_PRIOR_ROWS = 4.0
 TAIL_EVERY = 8
 # The tail decides E(k) only once no request has joined the batch for this many
 # iterations (the batch drains: a closed round, the end of a burst); before, ``rows`` says
-# none and E(k) is the pooled counts' (the tail's own counts are kept all along). Under a
+# none and E(k) is the pooled counts', and the tail is neither chosen nor counted (its
+# counts are the drains' own, held from one drain to the next). Under a
 # server's load a request joins every few iterations, and the tail, the rows with most
 # tokens left, is then the newest rows, early in their answers, where a head accepts
 # least: the shipped eagle3 head's E(3) is 1.93 over answer positions 0-15 and 3.0 from
@@ -78,12 +80,15 @@ def _left(request: Request) -> int:
     return limit - len(request.token_ids) if limit else -1
 
 
+_NONE: frozenset[Request] = frozenset()
+
+
 class BatchTail:
     """One rank's tail: which rows of its batch are in it (``rows`` before the choice of
     K, ``accepted`` of them after VERIFY)."""
 
     def __init__(self) -> None:
-        self.members: frozenset[Request] = frozenset()
+        self.members = _NONE
         self._size = -1
         self._age = 0
         # The batch's requests as of the last join (a superset test is one C-level pass;
@@ -94,8 +99,9 @@ class BatchTail:
 
     def rows(self, batch: Sequence[Request]) -> int:
         """The tail's rows in ``batch`` (the next iteration's): 0 where the batch has no
-        tail, or has had a request join within TAIL_QUIET iterations (its members are
-        chosen and counted all the same)."""
+        tail, or has had a request join within TAIL_QUIET iterations (then it has no
+        members either: none is counted, and it is chosen afresh once the batch is
+        quiet)."""
         seen = self._seen
         if seen.issuperset(batch):
             self._quiet += 1
@@ -103,15 +109,18 @@ class BatchTail:
                 self._seen = set(batch)
         else:
             self._seen, self._quiet = set(batch), 0
+        if self._quiet < TAIL_QUIET:
+            self.members, self._size = _NONE, -1
+            return 0
         self._age += 1
         n, size = len(batch), self._size
         if self._age >= TAIL_EVERY or abs(n - size) * 4 > size or \
                 (n <= TAIL_MIN_ROWS and self.members):
             self._size, self._age = n, 0
             take = max(TAIL_MIN_ROWS, round(n * TAIL_SHARE))
-            self.members = frozenset() if take >= n else \
+            self.members = _NONE if take >= n else \
                 frozenset(sorted(batch, key=_left, reverse=True)[:take])
-        return len(self.members) if self._quiet >= TAIL_QUIET else 0
+        return len(self.members)
 
     def accepted(self, batch: Sequence[Request], num_accepted: Sequence[int]
                  ) -> list[int] | None:

@@ -58,7 +58,7 @@ def test_the_tail_is_the_rows_with_most_tokens_left():
 def test_the_tail_is_chosen_again_when_the_batch_changes_size_by_a_quarter_or_ages():
     batch = [Row(100, length) for length in range(10, 30)]        # 20 rows: a tail of 5
     tail = BatchTail()
-    tail.rows(batch)
+    quiet(tail, batch)
     first = tail.members
     assert first == frozenset(batch[:5])
     for row in batch[:5]:
@@ -73,12 +73,13 @@ def test_the_tail_is_chosen_again_when_the_batch_changes_size_by_a_quarter_or_ag
     del batch[12]
     tail.rows(batch)                       # a row ended (19): held (a server's load)
     assert tail.members == frozenset(batch[5:10])
-    fresh = Row(0, 5)                      # not committed yet: no limit known, last
-    batch.append(fresh)
-    tail.rows(batch)                       # 20 again: held
-    assert tail.members == frozenset(batch[5:10])
-    del batch[:6]                          # 14 rows: moved by more than a quarter
+    del batch[:6]                          # 13 rows: moved by more than a quarter
     tail.rows(batch)
+    assert tail.members == frozenset(batch[4:8])
+    fresh = Row(0, 5)                      # not committed yet: no limit known, last
+    batch.append(fresh)                    # a request joined: no tail until quiet again
+    assert tail.rows(batch) == 0 and not tail.members
+    assert quiet(tail, batch) == TAIL_MIN_ROWS
     assert fresh not in tail.members and tail.members == frozenset(batch[4:8])
     del batch[4:]                          # 4 rows: no tail, at once
     assert tail.rows(batch) == 0 and tail.accepted(batch, [1] * 4) is None
@@ -87,19 +88,23 @@ def test_the_tail_is_chosen_again_when_the_batch_changes_size_by_a_quarter_or_ag
 def test_the_tail_decides_only_once_the_batch_drains():
     """A batch that a request joined within TAIL_QUIET iterations has no tail for the rule
     (``rows`` 0: E(k) the pooled counts'; under a server's load the rows with most left
-    are the newest, early in their answers, where a head accepts least), though its
-    members are chosen and counted all along; rows that leave keep it on. The biased twin,
-    TAIL_QUIET 0: the tail decides while requests join."""
+    are the newest, early in their answers, where a head accepts least), and none is
+    chosen or counted then (under that load the tail would cost its sort and a lookup a
+    row every iteration for nothing); once quiet it is chosen and counted, and rows that
+    leave keep it on. The biased twin, TAIL_QUIET 0: the tail decides while requests
+    join."""
     batch = [Row(100, length) for length in range(10, 30)]        # 20 rows: a tail of 5
     tail = BatchTail()
     assert [tail.rows(batch) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
-    assert tail.members == frozenset(batch[:5])                     # chosen all the same
-    assert tail.accepted(batch, [1] * 20) == [1] * 5                # and counted
+    assert not tail.members and tail.accepted(batch, [1] * 20) is None  # nor counted
     assert tail.rows(batch) == 5                                    # quiet: it decides
+    assert tail.members == frozenset(batch[:5])
+    assert tail.accepted(batch, [1] * 20) == [1] * 5                # and is counted
     del batch[7]
     assert tail.rows(batch) == 5                                    # a row left: still
     batch.append(Row(100, 0))                                       # a request joined
     assert [tail.rows(batch) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
+    assert tail.accepted(batch, [1] * len(batch)) is None
     assert tail.rows(batch) == 5
     # Requests that left are let go once they are half of those held (an idle engine's
     # last batch is not kept alive by its tail), and that is no join.

@@ -4,6 +4,7 @@ steady and closed modes, host_wait_gpu.py at a batch with eagle3 configs."""
 
 import importlib
 import json
+import statistics
 from pathlib import Path
 
 import pytest
@@ -321,14 +322,16 @@ def test_adaptive_sim_the_tail_drafts_for_the_slowest_rows(common):
               "--accept", "0.524,0.5,0.458", "--spread", "0.5"]
     (tail,) = sim.main(common + ["--closed", "128"])
     (pooled,) = sim.main(common + ["--closed", "128", "--pooled"])
-    (biased,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3"])
+    # (three seeds, their median: one seed's closed rounds move it by +-0.01 at this bar)
+    biased = sim.main(common + ["--closed", "128", "--first-bias", "1.3", "--seeds", "3"])
     (stuck,) = sim.main(common + ["--closed", "128", "--first-bias", "1.3",
                                   "--set", "WELL_MEASURED=0", "--set", "EXPLORE_NEAR=100000",
                                   "--set", "FRESH_SPAN=0"])
     (steady,) = sim.main(common + ["--refill", "128"])
     assert tail["best_k"] == 1 and tail["vs_best"] > 0.97, tail
     assert pooled["vs_best"] < tail["vs_best"] - 0.03, pooled
-    assert biased["vs_best"] > 0.97 and biased["chosen"][1] > 1000, biased
+    assert statistics.median(b["vs_best"] for b in biased) > 0.97, biased
+    assert all(b["chosen"][1] > 1000 for b in biased), biased
     assert stuck["vs_best"] < 0.92 and stuck["chosen"][1] < 50, stuck
     assert steady["vs_best"] > 0.97, steady
 
