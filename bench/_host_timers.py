@@ -7,6 +7,10 @@ its mix's").
     timers = HostTimers(ADAPTIVE_CALLS); timers.install()
     before = timers.snapshot(); ...; spent = timers.since(before)   # {label: seconds}
     timers.uninstall()
+
+``CoreTimers``: the same inside a ``ProcessEngine``'s core (its own process), as an
+iteration observer the core builds from its config (``bench_process_gpu.py
+--core-timers``): the parent reads the totals off the stats it fetches.
 """
 
 from __future__ import annotations
@@ -62,6 +66,16 @@ CHAIN_CALLS = (
 )
 
 
+# A ProcessEngine core's own traffic with its parent (its pipe front door): the outputs
+# RESCAN hands over as rows, each message sent, and the parent's messages read.
+# (``deliver_rows`` is timed on the instance: the worker holds the bound method from
+# before the observers are built.)
+CORE_CALLS = (
+    ("specloop.engine._core_process", "PipeFrontDoor", "send"),
+    ("specloop.engine._core_process", "PipeFrontDoor", "take_message"),
+    ("specloop.engine._core_process", "PipeFrontDoor", "has_news"),
+)
+
 class HostTimers:
     def __init__(self, calls=ADAPTIVE_CALLS + CHAIN_CALLS) -> None:
         self.calls = calls
@@ -103,3 +117,51 @@ class HostTimers:
         """Seconds in each function since ``before`` (a ``snapshot``)."""
         return {k: v - before.get(k, 0.0) for k, v in self.seconds.items()
                 if v - before.get(k, 0.0) > 0}
+
+
+class CoreTimers:
+    """An iteration observer (``components.observers = ["_host_timers:CoreTimers"]``) for
+    an engine core in a process of its own (``ProcessEngine``), where the bench cannot
+    install timers: built there from the config, it installs ``HostTimers`` (adaptive
+    K's, the chained step's and the pipe's calls) in that process, adds up each
+    iteration state's time from its events, and hangs both running totals on the
+    worker's stats (at RESCAN's first commit, the first place that holds them), which the
+    parent fetches across the pipe before and after a timed stretch: ``host_timers``
+    {label: seconds}, ``host_states_us`` {state: µs}. Each timed call costs ~1 µs more,
+    and its wall holds whatever waits inside it, the GIL's included (on the CPU the model
+    runs in a worker thread: a call as small as ``IterationClock.tick`` then reads
+    milliseconds).
+    """
+
+    def __init__(self, config: object = None) -> None:
+        from specloop.engine._outputs import Outputs  # noqa: PLC0415 - the core's own
+
+        self.timers = HostTimers(ADAPTIVE_CALLS + CHAIN_CALLS + CORE_CALLS)
+        self.timers.install()
+        self.states: dict[str, float] = {}
+        seconds, states = self.timers.seconds, self.states
+        commit = Outputs.commit     # (the timed one)
+
+        @functools.wraps(commit)
+        def showing(outputs, *args, **kwargs):
+            stats = outputs.stats
+            if getattr(stats, "host_timers", None) is not seconds:     # the first commit
+                stats.host_timers, stats.host_states_us = seconds, states
+                if outputs.deliver_rows is not None:
+                    outputs.deliver_rows = self.timers._timed(
+                        outputs.deliver_rows, "PipeFrontDoor.deliver_rows")
+            return commit(outputs, *args, **kwargs)
+        Outputs.commit = showing
+
+    def on_transition(self, event) -> None:
+        name, states = event.state.name, self.states
+        states[name] = states.get(name, 0.0) + event.duration_us
+
+
+def per_iteration(after: dict[str, float], before: dict[str, float], iterations: int,
+                  scale: float = 1.0) -> dict[str, float]:
+    """Each label's growth from ``before`` to ``after`` (``CoreTimers``' totals) a
+    iteration, times ``scale`` (1e6: seconds to µs), rounded to 0.1."""
+    per = max(iterations, 1)
+    return {k: round((v - before.get(k, 0.0)) * scale / per, 1)
+            for k, v in sorted(after.items()) if v > before.get(k, 0.0)}

@@ -12,10 +12,15 @@ request's consumer woken, detokenizing), which ``ProcessEngine`` moves to this p
         [--batches 1,32,64,128] [--runs 3] [--tokens 128] [--min-prompts 32]
         [--kinds process,process-pinned,in-process] [--consumer stream|batch] [--device cpu]
         [--buckets serving] [--min-rounds 4]
-        [--arrival steady [--requests N] [--spread 0.5]] [--timers] [--replicas 3]
+        [--arrival steady [--requests N] [--spread 0.5]] [--timers] [--core-timers]
+        [--replicas 3]
 
 ``--timers``: for each in-process engine, µs an iteration in adaptive K's calls and the
 chained step's queueing (bench/_host_timers.py) and in each iteration state.
+``--core-timers``: the same inside each ``ProcessEngine``'s core (``core_timers_us``,
+``core_states_us``; bench/_host_timers.py ``CoreTimers``, an observer the core builds,
+whose totals ride the stats the parent fetches): the host time of the engine as served,
+without this process's front door in it.
 
 ``--kinds process-pinned``: a ``ProcessEngine`` whose core pins its loop thread
 (``parallel.pin_host_cores = "on"``), taking turns with the unpinned one run by run.
@@ -47,11 +52,13 @@ import attrs
 from _common import (add_arrival_args, add_round_args, device_sync, emit_row, engine_config,
                      generate_round, held_out_sets, held_out_texts, host_python_us,
                      quiet_logs, speed_row, steady_load, steady_setup)
+from _host_timers import per_iteration
 from profile_spec_gpu import CONFIGS
 
 
 async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets,
-                  steady=None, core_log_level="warning", timers=None, replicas=1):
+                  steady=None, core_log_level="warning", timers=None, replicas=1,
+                  core_timers=False):
     """-> {(name, kind): (rates, AL, extra)}; every engine built and warmed first (a whole
     round: adaptive K explores its K values then), then ``runs`` runs in which the engines
     take turns, each run starting one engine further on. ``steady``: (prompts to cycle,
@@ -62,7 +69,9 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
     iteration states' (observers), µs an iteration over its timed runs. ``replicas``:
     engines of each ProcessEngine kind per config (each core its own process, so its own
     draw of the host's speed), taking turns with the others; a key's rates are all its
-    replicas' runs, replica after replica, and ``replica_medians`` each one's median."""
+    replicas' runs, replica after replica, and ``replica_medians`` each one's median.
+    ``core_timers``: each ProcessEngine core times its own calls and states
+    (``CoreTimers``), µs an iteration over the timed runs."""
     from bench_host_overhead import StateTimes  # noqa: PLC0415
     from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
 
@@ -80,7 +89,8 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 for replica in range(1 if kind == "in-process" else replicas):
                     engine = AsyncEngine(config, model=loaded, observers=observers) \
                         if kind == "in-process" \
-                        else ProcessEngine(_pinned(config, kind), log_level=core_log_level)
+                        else ProcessEngine(_pinned(_core_timed(config, core_timers), kind),
+                                           log_level=core_log_level)
                     engines[name, kind, replica] = await stack.enter_async_context(engine)
         for engine in engines.values():
             await generate_round(engine, sets[0], tokens, consumer)
@@ -122,7 +132,37 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                                       for s, v in states[pair].total_us.items()}
                 extra["timers_us"] = {s: round(v * 1e6 / per, 1)
                                       for s, v in sorted(spent.get(pair, {}).items())}
+            if core_timers and pair[1] != "in-process":
+                spent_core, states_core = core_totals(keys, deltas, pair)
+                extra["core_timers_us"] = per_iteration(spent_core, {}, iterations, 1e6)
+                extra["core_states_us"] = per_iteration(states_core, {}, iterations)
     return out
+
+
+def _core_timed(config, on: bool):
+    """``config`` with the core's own timers among its observers (``--core-timers``)."""
+    if not on:
+        return config
+    observers = (*config.components.observers, "_host_timers:CoreTimers")
+    return attrs.evolve(config, components=attrs.evolve(config.components,
+                                                        observers=observers))
+
+
+def core_totals(keys, deltas, pair) -> tuple[dict[str, float], dict[str, float]]:
+    """(seconds in each timed call, µs in each state) the cores of ``pair``'s engines
+    spent over the timed runs: the growth of ``CoreTimers``' totals on their stats
+    (``deltas``: {key: (after, before)}), summed over the replicas."""
+    calls: dict[str, float] = {}
+    states: dict[str, float] = {}
+    for key in keys:
+        if key[:2] != pair:
+            continue
+        after, before = deltas[key]
+        for into, name in ((calls, "host_timers"), (states, "host_states_us")):
+            then = getattr(before, name, {})
+            for label, total in getattr(after, name, {}).items():
+                into[label] = into.get(label, 0.0) + total - then.get(label, 0.0)
+    return calls, states
 
 
 def merge_replicas(keys, deltas, rates, walls, speeds):
@@ -245,6 +285,9 @@ def main() -> None:
     ap.add_argument("--timers", action="store_true",
                     help="in-process engines: µs an iteration in adaptive K's calls "
                          "(bench/_host_timers.py) and in each iteration state")
+    ap.add_argument("--core-timers", action="store_true",
+                    help="each ProcessEngine core: µs an iteration in its calls and states "
+                         "(bench/_host_timers.py CoreTimers), over the timed runs")
     ap.add_argument("--replicas", type=int, default=1,
                     help="ProcessEngines per config and kind (each core its own process: "
                          "the lent H200's host runs at one of two speeds a process, so one "
@@ -267,7 +310,7 @@ def main() -> None:
         steady = steady_setup(args, loaded.tokenizer, texts, batch)
         got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
                         args.device, args.consumer, args.buckets, steady,
-                        args.core_log_level, timers, args.replicas)
+                        args.core_log_level, timers, args.replicas, args.core_timers)
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})

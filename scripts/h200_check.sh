@@ -23,6 +23,9 @@
 #            PROCESS_KINDS, PROCESS_ARRIVAL (closed | steady), RUNS, MIN_ROUNDS, STEADY_ROUNDS
 #            (steady: requests a run as a multiple of the batch, default 4; the timed window
 #            is STEADY_ROUNDS - 2 batches of finishes); bench_process_gpu.py;
+#            PROCESS_CORE_TIMERS=1: each core's own host time a call and a state, µs an
+#            iteration (bench/_host_timers.py CoreTimers: the engine as served, no front
+#            door of this process in it; PROCESS_TIMERS=1 is the in-process engines');
 #            PROCESS_CORE_LOG=info: the core's adaptive_k events, every 256 choices, in
 #            $OUT/process.log or codeab's logs; REPLICAS=N: N ProcessEngine cores a
 #            config, each its own draw of the host's speed, runs spread over them)
@@ -210,6 +213,7 @@ for step in "$@"; do
         --arrival "${PROCESS_ARRIVAL:-closed}" --steady-rounds "${STEADY_ROUNDS:-4}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
         --replicas "${REPLICAS:-1}" \
         $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
+        $([ "${PROCESS_CORE_TIMERS:-0}" = 1 ] && echo --core-timers) \
         --configs "${PROCESS_CONFIGS:-none,eagle3 K=1,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \
         2>&1 | grep -v Warn | tee "$OUT/process.log" | python3 -c '
 import json, sys
@@ -223,7 +227,7 @@ for line in sys.stdin:
           "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
           "replicas", r.get("replica_medians"),
           "K", r["iterations_per_k"])
-    for extra in ("states_us", "timers_us"):
+    for extra in ("states_us", "timers_us", "core_states_us", "core_timers_us"):
         if r.get(extra):
             print("   ", extra, r[extra])') ;;
     closed)
@@ -391,8 +395,9 @@ for line in sys.stdin:   # a row: the parts of a ttft (us, medians), the timed c
                --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
                --batches "${PROCESS_BATCHES:-64}" --kinds "${PROCESS_KINDS:-process}" \
                --arrival "${PROCESS_ARRIVAL:-steady}" --steady-rounds "${STEADY_ROUNDS:-4}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
-        --replicas "${REPLICAS:-1}" \
+               --replicas "${REPLICAS:-1}" \
                $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
+               $([ "${PROCESS_CORE_TIMERS:-0}" = 1 ] && echo --core-timers) \
                --configs "${PROCESS_CONFIGS:-none,eagle3 K=2,eagle3 adaptive<=3}" \
                > "$OUT/codeab_${v}_$round.log" 2>&1 || tail -6 "$OUT/codeab_${v}_$round.log"
              grep '^{' "$OUT/codeab_${v}_$round.log" | python3 -c '
@@ -403,8 +408,11 @@ for line in sys.stdin:
           "ms/it", r["iteration_ms"], "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
           "replicas", r.get("replica_medians"),
           "K", r["iterations_per_k"])
-    if r.get("timers_us"):  # PROCESS_TIMERS=1: µs an iteration, calls of 5 µs or more
-        print("    timers_us", {k: v for k, v in r["timers_us"].items() if v >= 5})')
+    for extra in ("timers_us", "core_timers_us"):  # PROCESS_TIMERS=1, PROCESS_CORE_TIMERS=1:
+        if r.get(extra):                         # µs an iteration, calls of 5 µs or more
+            print("   ", extra, {k: v for k, v in r[extra].items() if v >= 5})
+    if r.get("core_states_us"):
+        print("    core_states_us", r["core_states_us"])')
             continue
           fi
           (cd bench && PYTHONPATH=$path python3 profile_spec_gpu.py --prompts "$PROMPTS" \

@@ -423,7 +423,8 @@ def test_host_timers_time_methods_and_static_ones_and_restore_them(monkeypatch):
     staticmethod still called without an instance); uninstalled, the originals are back."""
     monkeypatch.syspath_prepend(str(BENCH))
     timers_mod = importlib.import_module("_host_timers")
-    for module, cls, name in timers_mod.ADAPTIVE_CALLS + timers_mod.CHAIN_CALLS:
+    for module, cls, name in timers_mod.ADAPTIVE_CALLS + timers_mod.CHAIN_CALLS + \
+            timers_mod.CORE_CALLS:
         assert name in vars(getattr(importlib.import_module(module), cls)), (cls, name)
     from specloop.engine._chain import DeviceChain, in_order
 
@@ -587,3 +588,45 @@ def test_probe_tree_counts_tries_hits_and_siblings(common):
     assert by[(0, 0)] == (2, 0, 0)
     counts.add(tokens, target, want.num_accepted + 1, want.path)     # a wrong count
     assert counts.row()["kernel_mismatch"] == 1
+
+
+@pytest.mark.slow
+async def test_core_timers_ride_the_stats_a_process_engine_hands_over(common, tiny_dir):
+    """``bench_process_gpu.py --core-timers``: the core builds ``CoreTimers`` from its
+    config (the bench's folder is on the spawned process's path), times its own calls and
+    states there, and the parent reads their growth off the stats it fetches: over a
+    stretch of requests (speculative: the draft path too) the core's commit, its rows to
+    the pipe and every state's time grew, per iteration; a core without the observer
+    hands over no totals."""
+    from specloop.engine import ProcessEngine
+    from specloop.samplers import SamplingParams
+
+    from .conftest import PROMPTS
+
+    bench = importlib.import_module("bench_process_gpu")
+    timers = importlib.import_module("_host_timers")
+    config = make_config(tiny_dir, method="ngram", k=2)
+    assert bench._core_timed(config, False) is config
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def serve(engine):
+        for prompt in PROMPTS[:3]:
+            async for _ in engine.generate(prompt, params):
+                pass
+
+    async with ProcessEngine(bench._core_timed(config, True)) as engine:
+        await serve(engine)
+        before = await engine.fetch_stats()
+        await serve(engine)
+        after = await engine.fetch_stats()
+    key, pair = ("ngram", "process", 0), ("ngram", "process")
+    calls, states = bench.core_totals([key], {key: (after, before)}, pair)
+    iterations = after.num_iterations - before.num_iterations
+    per_call = timers.per_iteration(calls, {}, iterations, 1e6)
+    assert iterations > 10 and per_call["Outputs.commit"] > 0, per_call
+    assert per_call["PipeFrontDoor.deliver_rows"] > 0, per_call
+    per_state = timers.per_iteration(states, {}, iterations)
+    assert {"SCHEDULE", "SYNC", "DRAFT", "VERIFY", "RESCAN"} <= set(per_state), per_state
+    async with ProcessEngine(config) as plain:
+        await serve(plain)
+        assert not hasattr(await plain.fetch_stats(), "host_timers")
