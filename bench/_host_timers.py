@@ -42,7 +42,8 @@ ADAPTIVE_CALLS = (
 
 # Inside the chained step's queueing (``DeviceChain.queue``) and RESCAN: where a drafting
 # iteration's host time goes under a server's load (nested calls count in each: a row is
-# the time inside that function, its callees' included).
+# the time inside that function, its callees' included; not a coroutine function, whose
+# call only makes the coroutine: RESCAN's whole time is its state's).
 CHAIN_CALLS = (
     ("specloop.engine._chain", "DeviceChain", "_joined_key"),
     ("specloop.engine._chain", "DeviceChain", "_joined_rows"),
@@ -50,7 +51,6 @@ CHAIN_CALLS = (
     ("specloop.engine._chain", "DeviceChain", "_can_queue"),
     ("specloop.engine._chain", "DeviceChain", "collected"),
     ("specloop.engine._worker", "RankWorker", "_sampling_batch"),
-    ("specloop.engine._worker", "RankWorker", "rescan"),
     ("specloop.engine._worker", "RankWorker", "_collect_verify"),
     ("specloop.engine._outputs", "Outputs", "commit"),
     ("specloop.engine._runner", "ModelRunner", "start_read_back"),
