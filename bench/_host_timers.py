@@ -76,6 +76,7 @@ CORE_CALLS = (
     ("specloop.engine._core_process", "PipeFrontDoor", "has_news"),
 )
 
+
 class HostTimers:
     def __init__(self, calls=ADAPTIVE_CALLS + CHAIN_CALLS) -> None:
         self.calls = calls
@@ -158,10 +159,10 @@ class CoreTimers:
         states[name] = states.get(name, 0.0) + event.duration_us
 
 
-def per_iteration(after: dict[str, float], before: dict[str, float], iterations: int,
+def per_iteration(totals: dict[str, float], iterations: int,
                   scale: float = 1.0) -> dict[str, float]:
-    """Each label's growth from ``before`` to ``after`` (``CoreTimers``' totals) a
-    iteration, times ``scale`` (1e6: seconds to µs), rounded to 0.1."""
+    """Each label's total over a timed stretch (``HostTimers.since``, a state's µs,
+    ``CoreTimers``' growth) an iteration, times ``scale`` (1e6: seconds to µs), rounded
+    to 0.1; labels that took no time left out."""
     per = max(iterations, 1)
-    return {k: round((v - before.get(k, 0.0)) * scale / per, 1)
-            for k, v in sorted(after.items()) if v > before.get(k, 0.0)}
+    return {k: round(v * scale / per, 1) for k, v in sorted(totals.items()) if v > 0}

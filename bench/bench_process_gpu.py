@@ -127,15 +127,12 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
         for pair, (pair_rates, al, extra, iterations) in merged.items():
             out[pair] = (pair_rates, al, extra)
             if timers is not None and pair[1] == "in-process":
-                per = max(iterations, 1)
-                extra["states_us"] = {s: round(v / per, 1)
-                                      for s, v in states[pair].total_us.items()}
-                extra["timers_us"] = {s: round(v * 1e6 / per, 1)
-                                      for s, v in sorted(spent.get(pair, {}).items())}
+                extra["states_us"] = per_iteration(states[pair].total_us, iterations)
+                extra["timers_us"] = per_iteration(spent.get(pair, {}), iterations, 1e6)
             if core_timers and pair[1] != "in-process":
                 spent_core, states_core = core_totals(keys, deltas, pair)
-                extra["core_timers_us"] = per_iteration(spent_core, {}, iterations, 1e6)
-                extra["core_states_us"] = per_iteration(states_core, {}, iterations)
+                extra["core_timers_us"] = per_iteration(spent_core, iterations, 1e6)
+                extra["core_states_us"] = per_iteration(states_core, iterations)
     return out
 
 

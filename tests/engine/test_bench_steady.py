@@ -622,8 +622,8 @@ async def test_core_timers_ride_the_stats_a_process_engine_hands_over(common, ti
     key, pair = ("ngram", "process", 0), ("ngram", "process")
     calls, states = bench.core_totals([key], {key: (after, before)}, pair)
     iterations = after.num_iterations - before.num_iterations
-    per_call = timers.per_iteration(calls, {}, iterations, 1e6)
+    per_call = timers.per_iteration(calls, iterations, 1e6)
     assert iterations > 10 and per_call["Outputs.commit"] > 0, per_call
     assert per_call["PipeFrontDoor.deliver_rows"] > 0, per_call
-    per_state = timers.per_iteration(states, {}, iterations)
+    per_state = timers.per_iteration(states, iterations)
     assert {"SCHEDULE", "SYNC", "DRAFT", "VERIFY", "RESCAN"} <= set(per_state), per_state
