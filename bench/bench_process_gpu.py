@@ -98,6 +98,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
         for times in states.values():
             times.total_us.clear()
         walls = {key: [] for key in engines}
+        core_runs: dict[tuple, list] = {}   # key -> [(stats after, before) a run]
         rates = {key: [] for key in engines}
         speeds = {key: [] for key in engines}
         keys = list(engines)
@@ -107,6 +108,9 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 speeds[key].append(host_python_us())
                 sync()
                 mark = timers.snapshot() if timers is not None else None
+                # The core's totals around this run only: between its runs the core idles
+                # in SCHEDULE (polling its pipe), which the totals would count too.
+                core_mark = await _stats(engine) if core_timers else None
                 start = time.perf_counter()
                 if steady is None:
                     for prompts in sets:
@@ -116,6 +120,8 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                                             spread=steady[2])
                 sync()
                 walls[key].append(time.perf_counter() - start)
+                if core_mark is not None:
+                    core_runs.setdefault(key, []).append((await _stats(engine), core_mark))
                 if mark is not None:
                     mine = spent.setdefault(key[:2], {})
                     for label, sec in timers.since(mark).items():
@@ -130,7 +136,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 extra["states_us"] = per_iteration(states[pair].total_us, iterations)
                 extra["timers_us"] = per_iteration(spent.get(pair, {}), iterations, 1e6)
             if core_timers and pair[1] != "in-process":
-                spent_core, states_core = core_totals(keys, deltas, pair)
+                spent_core, states_core = core_totals(keys, core_runs, pair)
                 extra["core_timers_us"] = per_iteration(spent_core, iterations, 1e6)
                 extra["core_states_us"] = per_iteration(states_core, iterations)
     return out
@@ -145,20 +151,21 @@ def _core_timed(config, on: bool):
                                                         observers=observers))
 
 
-def core_totals(keys, deltas, pair) -> tuple[dict[str, float], dict[str, float]]:
+def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float]]:
     """(seconds in each timed call, µs in each state) the cores of ``pair``'s engines
-    spent over the timed runs: the growth of ``CoreTimers``' totals on their stats
-    (``deltas``: {key: (after, before)}), summed over the replicas."""
+    spent in the timed runs: the growth of ``CoreTimers``' totals on their stats over
+    each run (``runs``: {key: [(after, before), ...]}), summed over the runs and the
+    replicas."""
     calls: dict[str, float] = {}
     states: dict[str, float] = {}
     for key in keys:
         if key[:2] != pair:
             continue
-        after, before = deltas[key]
-        for into, name in ((calls, "host_timers"), (states, "host_states_us")):
-            then = getattr(before, name, {})
-            for label, total in getattr(after, name, {}).items():
-                into[label] = into.get(label, 0.0) + total - then.get(label, 0.0)
+        for after, before in runs.get(key, ()):
+            for into, name in ((calls, "host_timers"), (states, "host_states_us")):
+                then = getattr(before, name, {})
+                for label, total in getattr(after, name, {}).items():
+                    into[label] = into.get(label, 0.0) + total - then.get(label, 0.0)
     return calls, states
 
 

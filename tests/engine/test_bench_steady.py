@@ -620,7 +620,7 @@ async def test_core_timers_ride_the_stats_a_process_engine_hands_over(common, ti
         await serve(engine)
         after = await engine.fetch_stats()
     key, pair = ("ngram", "process", 0), ("ngram", "process")
-    calls, states = bench.core_totals([key], {key: (after, before)}, pair)
+    calls, states = bench.core_totals([key], {key: [(after, before)]}, pair)
     iterations = after.num_iterations - before.num_iterations
     per_call = timers.per_iteration(calls, iterations, 1e6)
     assert iterations > 10 and per_call["Outputs.commit"] > 0, per_call
