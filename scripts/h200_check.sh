@@ -7,6 +7,11 @@
 # short summary; steps run in the order given. ~2 min each for tests, profile, busy and
 # closed, ~4 min for steady: split them over calls (10 minutes a call at most).
 #   tests    the GPU test suite (no SmolLM2 needed)
+#   bars     the open issues' speed bars in one table (bench/open_bars.py): batch 1 in two
+#            processes (none, n-gram K=4, the 31-node tree; the ab step), then a server's
+#            load at BARS_BATCHES (default 1,8,32; none, K=2, K=3, adaptive<=3; the process
+#            step), ~6 min; a second call with BARS_AB=0 BARS_BATCHES=64,128,256 for the
+#            rest (then open_bars.py here over both calls' files)
 #   profile  eagle3 against no speculation, batch 1 and 32, closed rounds (issue 13)
 #   trees    draft trees at batch 1 (issue 13's 1.6x bar): the chain of 3 and the fitted
 #            trees of 7, 15 and 31 nodes, adaptive K with the 15-node tree, against no
@@ -206,6 +211,14 @@ for step in "$@"; do
       # adaptive on warm-up's times, batch 1, 4 held-out prompts x 64 tokens).
       (cd bench && python3 sync_points_gpu.py --prompts "$PROMPTS" --out "$OUT/syncs.json" \
         2>&1 | grep '^{' | cut -c1-900) ;;
+    bars)
+      if [ "${BARS_AB:-1}" = 1 ]; then
+        OUT=$OUT ENVS="DEFAULT=1 DEFAULT=2" CONFIGS="none,ngram K=4,eagle3 tree31" BATCHES=1 \
+          ROUNDS=1 bash "$0" ab
+      fi
+      OUT=$OUT PROCESS_ARRIVAL=steady PROCESS_BATCHES="${BARS_BATCHES:-1,8,32}" RUNS=3 \
+        PROCESS_CONFIGS="none,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3" bash "$0" process
+      python3 bench/open_bars.py $(ls "$OUT"/ab_DEFAULT_[12]_1.jsonl 2>/dev/null) "$OUT/process.jsonl" ;;
     process)
       (cd bench && python3 bench_process_gpu.py --prompts "$PROMPTS" --out "$OUT/process.jsonl" \
         --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \

@@ -627,3 +627,47 @@ async def test_core_timers_ride_the_stats_a_process_engine_hands_over(common, ti
     assert per_call["PipeFrontDoor.deliver_rows"] > 0, per_call
     per_state = timers.per_iteration(states, iterations)
     assert {"SCHEDULE", "SYNC", "DRAFT", "VERIFY", "RESCAN"} <= set(per_state), per_state
+
+
+def test_open_bars_judges_each_bar_from_one_lease_rows(monkeypatch):
+    """bench/open_bars.py: batch 1's bars from each process's own ratios (the best fixed
+    eagle3 config; n-gram over its AL), batch 32's and adaptive K's from a server's load
+    (the medians), each judged against its bar; a row from another device is not the H200
+    bar's "met"."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    bars = importlib.import_module("open_bars")
+    h200, h100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
+
+    def ab(device, tree, ngram):
+        return [{"batch": 1, "config": "none", "vs_none": 1.0, "al": 1.0, "device": device},
+                {"batch": 1, "config": "ngram K=4", "vs_none": ngram, "al": 1.4,
+                 "device": device},
+                {"batch": 1, "config": "eagle3 K=3", "vs_none": 1.3, "al": 1.9,
+                 "device": device},
+                {"batch": 1, "config": "eagle3 tree31", "vs_none": tree, "al": 2.6,
+                 "device": device}]
+
+    def served(batch, none, k2, k3, adaptive, device=h200):
+        return [{"batch": batch, "config": c, "median": m, "kind": "process", "device": device}
+                for c, m in (("none", none), ("eagle3 K=2", k2), ("eagle3 K=3", k3),
+                             ("eagle3 adaptive<=3", adaptive),
+                             ("eagle3 adaptive{2+3}", 10 * k3))]     # not the shipped rule
+
+    verdicts = bars.judge([("a", ab(h200, 1.62, 1.12)), ("b", ab(h200, 1.58, 1.15)),
+                           ("p", served(32, 100.0, 120.0, 110.0, 118.0)
+                            + served(128, 100.0, 110.0, 112.0, 106.0))])
+    by = {v.measure: v for v in verdicts}
+    first = by[bars.BAR_BATCH1[1]]
+    assert first.figures == [1.62, 1.58] and first.met == "met"          # median 1.60
+    assert by[bars.BAR_NGRAM[1]].figures == pytest.approx([0.8, 1.15 / 1.4])
+    assert by[bars.BAR_NGRAM[1]].met == "met"
+    assert by[bars.BAR_BATCH32[1]].figures == pytest.approx([1.2])
+    at32, at128 = (by[f"{bars.BAR_ADAPTIVE[1]}: {b}"] for b in (32, 128))
+    assert at32.figures == pytest.approx([118 / 120]) and at32.met == "met"
+    assert at128.figures == pytest.approx([106 / 112]) and at128.met == "not met"
+    # The biased twins: a batch-1 ratio under its bar, and the same rows from an H100.
+    low = bars.judge([("a", ab(h200, 1.55, 1.05))])
+    assert [v.met for v in low[:2]] == ["not met", "not met"]
+    other = bars.judge([("a", ab(h100, 1.7, 1.2))])
+    assert other[0].met == "met there; the bar is the H200's"
+    assert "| 13 | batch 1" in bars.table(verdicts) and "not run" in bars.table(low)
