@@ -77,16 +77,30 @@ CORE_CALLS = (
 )
 
 
+# Triton compiling a kernel specialisation: called on a cache miss only, so 0 where warm-up
+# compiled every shape served, else ~0.1-0.5 s a kernel inside a timed run (a stall a fixed
+# engine may never meet: adaptive K's eager catch-up after K = 0, or a new row count). Where
+# Triton (or this private method) is missing, nothing is timed for it.
+COMPILE_CALLS = (("triton.runtime.jit", "JITFunction", "_do_compile"),)
+OPTIONAL = frozenset(COMPILE_CALLS)
+
+
 class HostTimers:
-    def __init__(self, calls=ADAPTIVE_CALLS + CHAIN_CALLS) -> None:
+    def __init__(self, calls=ADAPTIVE_CALLS + CHAIN_CALLS + COMPILE_CALLS) -> None:
         self.calls = calls
         self.seconds: dict[str, float] = {}
         self._originals: list[tuple[type, str, object]] = []
 
     def install(self) -> None:
-        for module, cls_name, name in self.calls:
-            cls = getattr(importlib.import_module(module), cls_name)
-            original = cls.__dict__[name]
+        for call in self.calls:
+            module, cls_name, name = call
+            try:
+                cls = getattr(importlib.import_module(module), cls_name)
+                original = cls.__dict__[name]
+            except (ImportError, AttributeError, KeyError):
+                if call in OPTIONAL:
+                    continue
+                raise
             label = f"{cls_name}.{name}"
             if isinstance(original, staticmethod):
                 setattr(cls, name, staticmethod(self._timed(original.__func__, label)))
@@ -128,7 +142,8 @@ class CoreTimers:
     iteration state's time from its events, and hangs both running totals on the
     worker's stats (at RESCAN's first commit, the first place that holds them), which the
     parent fetches across the pipe before and after a timed stretch: ``host_timers``
-    {label: seconds}, ``host_states_us`` {state: µs}. Each timed call costs ~1 µs more,
+    {label: seconds}, ``host_states_us`` {state: µs}; ``JITFunction._do_compile``: Triton
+    compiling a kernel during the runs (COMPILE_CALLS). Each timed call costs ~1 µs more,
     and its wall holds whatever waits inside it, the GIL's included (on the CPU the model
     runs in a worker thread: a call as small as ``IterationClock.tick`` then reads
     milliseconds).
@@ -137,7 +152,7 @@ class CoreTimers:
     def __init__(self, config: object = None) -> None:
         from specloop.engine._outputs import Outputs  # noqa: PLC0415 - the core's own
 
-        self.timers = HostTimers(ADAPTIVE_CALLS + CHAIN_CALLS + CORE_CALLS)
+        self.timers = HostTimers(ADAPTIVE_CALLS + CHAIN_CALLS + CORE_CALLS + COMPILE_CALLS)
         self.timers.install()
         self.states: dict[str, float] = {}
         seconds, states = self.timers.seconds, self.states

@@ -29,8 +29,9 @@
 #            (steady: requests a run as a multiple of the batch, default 4; the timed window
 #            is STEADY_ROUNDS - 2 batches of finishes); bench_process_gpu.py;
 #            PROCESS_CORE_TIMERS=1: each core's own host time a call and a state, µs an
-#            iteration (bench/_host_timers.py CoreTimers: the engine as served, no front
-#            door of this process in it; PROCESS_TIMERS=1 is the in-process engines');
+#            iteration over its timed runs (bench/_host_timers.py CoreTimers: the engine as
+#            served, no front door of this process in it; JITFunction._do_compile: Triton
+#            compiling during the runs; PROCESS_TIMERS=1 is the in-process engines');
 #            PROCESS_CORE_LOG=info: the core's adaptive_k events, every 256 choices, in
 #            $OUT/process.log or codeab's logs; REPLICAS=N: N ProcessEngine cores a
 #            config, each its own draw of the host's speed, runs spread over them)

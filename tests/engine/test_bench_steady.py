@@ -3,6 +3,7 @@ model, and the bench scripts' CPU smoke modes (slow: SmolLM2): bench_adaptive_gp
 steady and closed modes, host_wait_gpu.py at a batch with eagle3 configs."""
 
 import importlib
+import importlib.util
 import json
 import statistics
 from pathlib import Path
@@ -671,3 +672,26 @@ def test_open_bars_judges_each_bar_from_one_lease_rows(monkeypatch):
     other = bars.judge([("a", ab(h100, 1.7, 1.2))])
     assert other[0].met == "met there; the bar is the H200's"
     assert "| 13 | batch 1" in bars.table(verdicts) and "not run" in bars.table(low)
+
+
+def test_host_timers_skip_an_optional_call_that_is_missing(monkeypatch):
+    """bench/_host_timers.py: Triton's compile (COMPILE_CALLS) is timed where it exists and
+    skipped where it does not; a missing call of the engine's own is an error (a renamed
+    method would otherwise drop out of every table unseen)."""
+    monkeypatch.syspath_prepend(str(BENCH))
+    timers_mod = importlib.import_module("_host_timers")
+    missing = ("specloop.engine._outputs", "Outputs", "no_such_method")
+    monkeypatch.setattr(timers_mod, "OPTIONAL", timers_mod.OPTIONAL | {missing})
+    timers = timers_mod.HostTimers(timers_mod.CORE_CALLS + (missing,)
+                                   + timers_mod.COMPILE_CALLS)
+    timers.install()
+    try:
+        labels = {f"{cls.__name__}.{name}" for cls, name, _ in timers._originals}
+        assert "Outputs.no_such_method" not in labels and "PipeFrontDoor.send" in labels
+        if importlib.util.find_spec("triton") is not None:
+            assert "JITFunction._do_compile" in labels
+    finally:
+        timers.uninstall()
+    required = timers_mod.HostTimers((("specloop.engine._outputs", "Outputs", "nope"),))
+    with pytest.raises(KeyError):
+        required.install()
