@@ -142,8 +142,10 @@ class CoreTimers:
     iteration state's time from its events, and hangs both running totals on the
     worker's stats (at RESCAN's first commit, the first place that holds them), which the
     parent fetches across the pipe before and after a timed stretch: ``host_timers``
-    {label: seconds}, ``host_states_us`` {state: µs}; ``JITFunction._do_compile``: Triton
-    compiling a kernel during the runs (COMPILE_CALLS). Each timed call costs ~1 µs more,
+    {label: seconds}, ``host_states_us`` {state: µs}, ``host_moves_us`` {"K before>K":
+    [iterations, wall µs, µs waiting for the GPU]}: what an iteration at each K costs in
+    this engine, beside a fixed engine's (adaptive K's mix); ``JITFunction._do_compile``:
+    Triton compiling a kernel during the runs (COMPILE_CALLS). Each timed call costs ~1 µs more,
     and its wall holds whatever waits inside it, the GIL's included (on the CPU the model
     runs in a worker thread: a call as small as ``IterationClock.tick`` then reads
     milliseconds).
@@ -155,6 +157,12 @@ class CoreTimers:
         self.timers = HostTimers(ADAPTIVE_CALLS + CHAIN_CALLS + CORE_CALLS + COMPILE_CALLS)
         self.timers.install()
         self.states: dict[str, float] = {}
+        # Per move (the K before > this iteration's K): [iterations, wall µs, µs waiting
+        # for the GPU in the read-back], summed; an iteration's wall is its states' time.
+        self.moves: dict[str, list[float]] = {}
+        self._wall = 0.0
+        self._waited = 0.0          # the read-back's total when the iteration began
+        self._last_k: int | None = None
         seconds, states = self.timers.seconds, self.states
         commit = Outputs.commit     # (the timed one)
 
@@ -163,6 +171,7 @@ class CoreTimers:
             stats = outputs.stats
             if getattr(stats, "host_timers", None) is not seconds:     # the first commit
                 stats.host_timers, stats.host_states_us = seconds, states
+                stats.host_moves_us = self.moves
                 if outputs.deliver_rows is not None:
                     outputs.deliver_rows = self.timers._timed(
                         outputs.deliver_rows, "PipeFrontDoor.deliver_rows")
@@ -172,6 +181,19 @@ class CoreTimers:
     def on_transition(self, event) -> None:
         name, states = event.state.name, self.states
         states[name] = states.get(name, 0.0) + event.duration_us
+        if not event.batch_size:        # an idle iteration (SYNC -> DONE): no move
+            self._wall = 0.0
+            return
+        self._wall += event.duration_us
+        if event.next_state.name != "DONE":
+            return
+        waited = self.timers.seconds.get("ModelRunner.finish_read_back", 0.0)
+        k = event.num_draft_tokens
+        move = self.moves.setdefault(f"{self._last_k}>{k}", [0, 0.0, 0.0])
+        move[0] += 1
+        move[1] += self._wall
+        move[2] += (waited - self._waited) * 1e6
+        self._wall, self._waited, self._last_k = 0.0, waited, k
 
 
 def per_iteration(totals: dict[str, float], iterations: int,

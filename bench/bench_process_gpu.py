@@ -136,9 +136,10 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 extra["states_us"] = per_iteration(states[pair].total_us, iterations)
                 extra["timers_us"] = per_iteration(spent.get(pair, {}), iterations, 1e6)
             if core_timers and pair[1] != "in-process":
-                spent_core, states_core = core_totals(keys, core_runs, pair)
+                spent_core, states_core, moves_core = core_totals(keys, core_runs, pair)
                 extra["core_timers_us"] = per_iteration(spent_core, iterations, 1e6)
                 extra["core_states_us"] = per_iteration(states_core, iterations)
+                extra["core_moves_us"] = per_move(moves_core)
     return out
 
 
@@ -151,13 +152,15 @@ def _core_timed(config, on: bool):
                                                         observers=observers))
 
 
-def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float]]:
-    """(seconds in each timed call, µs in each state) the cores of ``pair``'s engines
-    spent in the timed runs: the growth of ``CoreTimers``' totals on their stats over
-    each run (``runs``: {key: [(after, before), ...]}), summed over the runs and the
-    replicas."""
+def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float],
+                                           dict[str, list[float]]]:
+    """(seconds in each timed call, µs in each state, [iterations, wall µs, µs waiting
+    for the GPU] per move of K) the cores of ``pair``'s engines spent in the timed runs:
+    the growth of ``CoreTimers``' totals on their stats over each run (``runs``: {key:
+    [(after, before), ...]}), summed over the runs and the replicas."""
     calls: dict[str, float] = {}
     states: dict[str, float] = {}
+    moves: dict[str, list[float]] = {}
     for key in keys:
         if key[:2] != pair:
             continue
@@ -166,7 +169,18 @@ def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float]]:
                 then = getattr(before, name, {})
                 for label, total in getattr(after, name, {}).items():
                     into[label] = into.get(label, 0.0) + total - then.get(label, 0.0)
-    return calls, states
+            then = getattr(before, "host_moves_us", {})
+            for move, totals in getattr(after, "host_moves_us", {}).items():
+                grown = [t - b for t, b in zip(totals, then.get(move, (0, 0.0, 0.0)))]
+                moves[move] = [m + g for m, g in zip(moves.get(move, (0, 0.0, 0.0)), grown)]
+    return calls, states, moves
+
+
+def per_move(moves: dict[str, list[float]], least: int = 10) -> dict[str, dict[str, float]]:
+    """Per move of K ("K before>K") seen ``least`` times or more: iterations, and the mean
+    wall and wait for the GPU an iteration, µs (``core_totals``' moves)."""
+    return {move: {"n": int(n), "wall": round(wall / n, 1), "wait": round(wait / n, 1)}
+            for move, (n, wall, wait) in sorted(moves.items()) if n >= least}
 
 
 def merge_replicas(keys, deltas, rates, walls, speeds):

@@ -241,7 +241,7 @@ for line in sys.stdin:
           "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
           "replicas", r.get("replica_medians"),
           "K", r["iterations_per_k"])
-    for extra in ("states_us", "timers_us", "core_states_us", "core_timers_us"):
+    for extra in ("states_us", "timers_us", "core_states_us", "core_timers_us", "core_moves_us"):
         if r.get(extra):
             print("   ", extra, r[extra])') ;;
     closed)

@@ -621,13 +621,19 @@ async def test_core_timers_ride_the_stats_a_process_engine_hands_over(common, ti
         await serve(engine)
         after = await engine.fetch_stats()
     key, pair = ("ngram", "process", 0), ("ngram", "process")
-    calls, states = bench.core_totals([key], {key: [(after, before)]}, pair)
+    calls, states, moves = bench.core_totals([key], {key: [(after, before)]}, pair)
     iterations = after.num_iterations - before.num_iterations
     per_call = timers.per_iteration(calls, iterations, 1e6)
     assert iterations > 10 and per_call["Outputs.commit"] > 0, per_call
     assert per_call["PipeFrontDoor.deliver_rows"] > 0, per_call
     per_state = timers.per_iteration(states, iterations)
     assert {"SCHEDULE", "SYNC", "DRAFT", "VERIFY", "RESCAN"} <= set(per_state), per_state
+    # Every iteration with rows is one move of K (fixed K = 2: "2>2", the first "None>2"),
+    # its wall the sum of its states' and its wait for the read-back a part of it.
+    per_move = bench.per_move(moves, least=1)
+    assert set(per_move) <= {"2>2", "None>2"} and per_move["2>2"]["n"] > 10, per_move
+    assert 0 <= per_move["2>2"]["wait"] < per_move["2>2"]["wall"], per_move
+    assert sum(m["n"] for m in per_move.values()) == iterations, (per_move, iterations)
 
 
 def test_open_bars_judges_each_bar_from_one_lease_rows(monkeypatch):
