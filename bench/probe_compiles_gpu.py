@@ -2,7 +2,8 @@
 engine (tiny random model and head, CUDA graphs, bf16) serves K switches and prompts of
 many lengths -- each such compile stalls serving (~0.5 s a kernel). Prints, per new cache
 entry: the kernel, the engine state it appeared in, the iteration's K and batch, and the
-specialisation key; the last line is JSON {"new": count, "kernels": [...]}.
+specialisation key; the last line is JSON {"new": count, "kernels": [...], "engine_counted":
+the compiles the engine's own watch counted (engine/_compile_watch.py)}.
 
     python bench/probe_compiles_gpu.py [eagle3|ngram] [--pattern every|stretches] [--before]
 
@@ -43,9 +44,11 @@ def use_code_before() -> None:
     MtpEagleDrafter.warm_up_eager = lambda self, max_batch_size, sampler: None
 
 
-def probe(method: str, pattern: list[int], tokens: int) -> list[dict]:
-    """-> one record per kernel specialisation compiled after warm-up."""
+def probe(method: str, pattern: list[int], tokens: int) -> tuple[list[dict], int]:
+    """-> (one record per kernel specialisation compiled after warm-up, the compiles the
+    engine itself counted while serving: ``EngineStats.kernels_compiled_while_serving``)."""
     found: list[dict] = []
+    counted = [0]
     seen: list = [None]
 
     def check(state: str, k: int | None, batch: int | None) -> None:
@@ -85,9 +88,10 @@ def probe(method: str, pattern: list[int], tokens: int) -> list[dict]:
                 async for _ in engine.generate([5 + 7 * j % 300 for j in range(13 + i)],
                                                params, request_id=f"alone{i}"):
                     pass
+            counted[0] = engine.stats.kernels_compiled_while_serving
     anyio.run(main)
     check("after serving", None, None)      # what compiled after the last transition
-    return found
+    return found, counted[0]
 
 
 def main() -> None:
@@ -100,14 +104,15 @@ def main() -> None:
     if args.before:
         use_code_before()
     print("jit functions", len(jit_functions()))
-    found = probe(args.method, PATTERNS[args.pattern], args.tokens)
+    found, counted = probe(args.method, PATTERNS[args.pattern], args.tokens)
     print("new entries after warm-up", len(found))
     by: dict = {}
     for f in found:
         by.setdefault((f["kernel"], f["state"], f["k"]), []).append(f["key"])
     for (kern, state, k), keys in sorted(by.items(), key=str):
         print(f"{kern:40s} {state:15s} K={k} n={len(keys)}  e.g. {keys[0][:220]}")
-    print(json.dumps({"new": len(found), "kernels": sorted({f["kernel"] for f in found})}))
+    print(json.dumps({"new": len(found), "kernels": sorted({f["kernel"] for f in found}),
+                      "engine_counted": counted}))
 
 
 if __name__ == "__main__":

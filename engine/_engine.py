@@ -12,6 +12,7 @@ import torch
 from specloop.comm import pin_loop_thread
 from specloop.samplers import SpecMetadata
 
+from ._compile_watch import watch as watch_compiles
 from ._components import (build_communicator, build_drafter, build_graph_cache,
                           build_observers, build_sampler)
 from ._config import EngineConfig
@@ -65,6 +66,8 @@ class AsyncEngine(FrontEnd):
         self.tokenizer: Tokenizer | None = None       # both set in __aenter__ (_build)
         self._exchange: OutputExchange | None = None  # the worker's (set in _build too)
         self._done = anyio.Event()
+        # Stops watching Triton's compiles (set once warm-up is done, in _build).
+        self._unwatch_compiles: Callable[[], None] = lambda: None
         self._init_front_end()
 
     # lifecycle (FrontEnd's __aenter__ / __aexit__) ---------------------------------------
@@ -79,6 +82,7 @@ class AsyncEngine(FrontEnd):
         return (self._loop,)
 
     async def _release(self) -> None:
+        self._unwatch_compiles()
         await self._close_comm()
 
     def _close_front(self) -> None:
@@ -115,11 +119,24 @@ class AsyncEngine(FrontEnd):
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
             front=self.front)
         self.worker.warmup_graphs()
+        self._unwatch_compiles = watch_compiles(self._compiled(self.worker.stats))
         self._exchange = self.worker.exchange   # the loop's end hands over what it held
         # components.observers first, then those passed in.
         self.observers = (*build_observers(cfg), *self.observers)
         log.info("engine_built", rank=self.comm.rank, model=cfg.model.name,
                  device=str(device), method=cfg.speculative.method, k=cfg.speculative.k)
+
+    def _compiled(self, stats: EngineStats) -> Callable[[str, str], None]:
+        """What a Triton compile while serving does (engine/_compile_watch.py): a warning
+        event, and a count in the stats."""
+        rank = self.comm.rank
+
+        def compiled(kernel: str, specialisation: str) -> None:
+            stats.kernels_compiled_while_serving += 1
+            log.warning("kernel_compiled_while_serving", rank=rank, kernel=kernel,
+                        specialisation=specialisation[:300],
+                        count=stats.kernels_compiled_while_serving)
+        return compiled
 
     async def _loop(self) -> None:
         worker, exchange = self._built, self._exchange

@@ -25,6 +25,9 @@ class EngineStats:
         self.num_accepted_tokens = 0
         self.num_generated_tokens = 0
         self.num_overlapped_iterations = 0
+        # Triton kernels compiled after warm-up (each a stall of every request in flight;
+        # engine/_compile_watch.py).
+        self.kernels_compiled_while_serving = 0
         self.drafted_per_position: list[int] = []
         self.accepted_per_position: list[int] = []
         self.iterations_per_k: collections.Counter[int] = collections.Counter()

@@ -1,0 +1,83 @@
+"""engine/_compile_watch.py: a Triton compile while an engine serves is a
+``kernel_compiled_while_serving`` warning and counts in its stats; the process's one
+post-compile hook chains to the hook found, and goes back to it when the last engine
+stops watching."""
+
+import types
+
+import pytest
+from structlog.testing import capture_logs
+
+from specloop.engine import AsyncEngine
+from specloop.engine import _compile_watch as watch_mod
+
+from .conftest import make_config
+
+
+def compile_event(module="specloop.models._kernels", name="_paged_attention_kernel"):
+    """What Triton passes its post-compile hook (the parts the watch reads)."""
+    return {"fn": types.SimpleNamespace(module=module, name=name),
+            "repr": f"{name}[num_warps=4](q: *bf16, n: i32)", "key": ("k",)}
+
+
+@pytest.fixture
+def knobs(monkeypatch):
+    """A stand-in for ``triton.knobs.runtime`` holding a hook someone installed before."""
+    seen = []
+    runtime = types.SimpleNamespace(jit_post_compile_hook=lambda **kw: seen.append(kw))
+    monkeypatch.setattr(watch_mod, "_runtime_knobs", lambda: runtime)
+    monkeypatch.setattr(watch_mod, "_watchers", {})
+    monkeypatch.setattr(watch_mod, "_previous", [])
+    return runtime, seen
+
+
+def test_every_watcher_hears_each_compile_and_the_hook_found_still_runs(knobs):
+    runtime, seen = knobs
+    before = runtime.jit_post_compile_hook
+    heard_a, heard_b = [], []
+    stop_a = watch_mod.watch(lambda kernel, spec: heard_a.append(kernel))
+    stop_b = watch_mod.watch(lambda kernel, spec: heard_b.append(spec))
+    runtime.jit_post_compile_hook(**compile_event())
+    assert heard_a == ["specloop.models._kernels._paged_attention_kernel"]
+    assert heard_b[0].startswith("_paged_attention_kernel[num_warps=4]")
+    assert len(seen) == 1                       # the hook found before runs too
+    stop_a()
+    stop_a()                                    # idempotent
+    runtime.jit_post_compile_hook(**compile_event(name="_skinny_kernel"))
+    assert len(heard_a) == 1 and len(heard_b) == 2
+    assert runtime.jit_post_compile_hook is not before      # b still watches
+    stop_b()
+    assert runtime.jit_post_compile_hook is before          # the last one gives it back
+
+
+def test_a_hook_installed_after_ours_is_left_in_place(knobs):
+    runtime, _ = knobs
+    stop = watch_mod.watch(lambda kernel, spec: None)
+    theirs = runtime.jit_post_compile_hook = lambda **kw: None    # e.g. torch's nvshmem init
+    stop()
+    assert runtime.jit_post_compile_hook is theirs
+
+
+def test_without_triton_knobs_nothing_is_watched(monkeypatch):
+    monkeypatch.setattr(watch_mod, "_runtime_knobs", lambda: None)
+    stop = watch_mod.watch(lambda kernel, spec: pytest.fail("no hook to call this"))
+    stop()
+
+
+async def test_an_engine_warns_and_counts_a_compile_after_warm_up(knobs, tiny_dir):
+    """Once built (warm-up done), a compile is a warning event naming the kernel and
+    counts in the engine's stats; closed, the engine stops watching. The biased twin: a
+    compile before the engine was built (warm-up's) counts nowhere."""
+    runtime, _ = knobs
+    runtime.jit_post_compile_hook(**compile_event())    # before any engine: warm-up's
+    async with AsyncEngine(make_config(tiny_dir)) as engine:
+        assert engine.stats.kernels_compiled_while_serving == 0
+        with capture_logs() as logs:
+            runtime.jit_post_compile_hook(**compile_event())
+        assert engine.stats.kernels_compiled_while_serving == 1
+        (event,) = [e for e in logs if e["event"] == "kernel_compiled_while_serving"]
+        assert event["log_level"] == "warning" and event["count"] == 1
+        assert event["kernel"] == "specloop.models._kernels._paged_attention_kernel"
+    runtime.jit_post_compile_hook(**compile_event())
+    assert engine.stats.kernels_compiled_while_serving == 1
+    assert not watch_mod._watchers
