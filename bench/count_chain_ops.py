@@ -8,6 +8,12 @@ closed rounds"): if the two paths launched different device work per iteration (
 into the graphs' inputs, glue ops), it would show here as a different op count.
 
     python bench/count_chain_ops.py [--batches 1,8] [--iterations 200] [--k 3]
+        [--mix 3,3,3,3,2,2,2,2]
+
+``--mix``: adaptive K drafting that cycle of K (its rule answers it, choice by choice)
+against fixed K at each K of the cycle, weighted as the cycle weighs them: what the
+switches add (copies into the draft graph's inputs when K rises, glue) shows as ops an
+iteration above the mix's.
 
 Per batch: iterations, chained steps taken, event-loop thread CPU per iteration, adaptive
 K's choices, aten ops per iteration; then every op whose count differs by > 0.05 an
@@ -50,7 +56,8 @@ async def run(cfg, loaded, batch, iterations, mode):
     from specloop.engine import AsyncEngine  # noqa: PLC0415
     async with AsyncEngine(cfg, model=loaded) as engine:
         worker = engine.worker
-        force_chain(worker)
+        # Adaptive K's one-rank path (its next K queued early, as on one GPU rank).
+        force_chain(worker, adaptive_at=-1 if worker.adaptive is not None else None)
         async with anyio.create_task_group() as tg:
             start_endless(tg, engine, batch)
             await until(engine, 40)
@@ -75,18 +82,23 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8")
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--mix", default="", help="a cycle of K for adaptive K to draft")
     args = ap.parse_args()
     quiet_logs()
     torch.set_num_threads(1)
-    # Adaptive K held at K: its rule always answers K (the path, not the choice, is compared).
-    adaptive.AdaptiveK._rule = lambda self, rows, bucket, calls: args.k
+    cycle = [int(k) for k in args.mix.split(",")] if args.mix else [args.k]
+    # Adaptive K held to the cycle: its rule answers it (the path, not the choice, is
+    # compared); a fixed engine runs each K of it.
+    adaptive.AdaptiveK._rule = lambda self, rows, bucket, calls: cycle[calls % len(cycle)]
+    ks = sorted(set(cycle))
     with tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_checkpoint(tmp, vocab_size=384, num_layers=2, hidden=64, seed=1)
         loaded = load_model(path, dtype=torch.float32)
         for batch in map(int, args.batches.split(",")):
             per = {}
-            for name, on in (("fixed", False), ("adaptive", True)):
-                cfg = config(path, "eagle3", args.k, batch)
+            runs = [(f"fixed {k}", k, False) for k in ks] + [("adaptive", max(ks), True)]
+            for name, k, on in runs:
+                cfg = config(path, "eagle3", k, batch)
                 cfg = attrs.evolve(cfg, speculative=attrs.evolve(cfg.speculative, adaptive=on))
                 mode = OpCount()
                 with mode:
@@ -96,8 +108,14 @@ def main() -> None:
                 print(f"batch {batch} {name}: {done} iterations, {taken} chained steps taken, "
                       f"thread CPU {us:.0f} us an iteration, K chosen {chosen}, "
                       f"{sum(per[name].values()):.1f} aten ops an iteration", flush=True)
-            for op in sorted(set(per["fixed"]) | set(per["adaptive"])):
-                a, b = per["fixed"].get(op, 0.0), per["adaptive"].get(op, 0.0)
+            # The fixed engines' ops weighted as the cycle weighs each K.
+            fixed = collections.Counter()
+            for k in cycle:
+                for op, n in per[f"fixed {k}"].items():
+                    fixed[op] += n / len(cycle)
+            print(f"batch {batch} the fixed mix: {sum(fixed.values()):.1f} aten ops an iteration")
+            for op in sorted(set(fixed) | set(per["adaptive"])):
+                a, b = fixed.get(op, 0.0), per["adaptive"].get(op, 0.0)
                 if abs(a - b) > 0.05:
                     print(f"  {op:48s} fixed {a:6.2f}  adaptive {b:6.2f}")
 
