@@ -12,18 +12,23 @@ counts in ``EngineStats.kernels_compiled_while_serving``.
 
 The hook is one per process: a module-level function, installed at the first watch and
 given back at the last unwatch, that calls the hook installed before it (if any), then
-every watching engine's callback. A Triton without ``knobs`` (before 3.4) watches nothing.
+every watching engine's callback — except while an engine of the process warms up
+(``warming``): its compiles are warm-up's, not a stall of the others' serving (a bench
+builds several engines in one process, one after the other). A Triton without ``knobs``
+(before 3.4) watches nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 # Each watching engine's callback, given (the kernel's "module.name", its specialisation).
 _watchers: dict[int, Callable[[str, str], None]] = {}
 _previous: list[Any] = []       # [the hook found at install] while installed
 _next_id = [0]
+_warming = [0]                  # engines of this process warming up now
 
 
 def _runtime_knobs() -> Any | None:
@@ -37,6 +42,8 @@ def _runtime_knobs() -> Any | None:
 def _hook(**kwargs: Any) -> Any:
     previous = _previous[0] if _previous else None
     result = previous(**kwargs) if previous is not None else None
+    if _warming[0]:
+        return result
     info = kwargs.get("fn")
     kernel = f"{getattr(info, 'module', '?')}.{getattr(info, 'name', '?')}"
     specialisation = str(kwargs.get("repr", ""))
@@ -66,3 +73,13 @@ def watch(callback: Callable[[str, str], None]) -> Callable[[], None]:
             runtime.jit_post_compile_hook = _previous[0] if _previous else None
         _previous.clear()
     return unwatch
+
+
+@contextlib.contextmanager
+def warming() -> Iterator[None]:
+    """While an engine warms up: compiles are warm-up's, reported to no watcher."""
+    _warming[0] += 1
+    try:
+        yield
+    finally:
+        _warming[0] -= 1

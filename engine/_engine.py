@@ -12,6 +12,7 @@ import torch
 from specloop.comm import pin_loop_thread
 from specloop.samplers import SpecMetadata
 
+from ._compile_watch import warming as compiles_of_warm_up
 from ._compile_watch import watch as watch_compiles
 from ._components import (build_communicator, build_drafter, build_graph_cache,
                           build_observers, build_sampler)
@@ -118,7 +119,8 @@ class AsyncEngine(FrontEnd):
             config=cfg, runner=runner, drafter=drafter,
             sampler=build_sampler(cfg), comm=self.comm, graph_cache=build_graph_cache(cfg),
             front=self.front)
-        self.worker.warmup_graphs()
+        with compiles_of_warm_up():
+            self.worker.warmup_graphs()
         self._unwatch_compiles = watch_compiles(self._compiled(self.worker.stats))
         self._exchange = self.worker.exchange   # the loop's end hands over what it held
         # components.observers first, then those passed in.

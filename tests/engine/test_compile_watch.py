@@ -50,6 +50,20 @@ def test_every_watcher_hears_each_compile_and_the_hook_found_still_runs(knobs):
     assert runtime.jit_post_compile_hook is before          # the last one gives it back
 
 
+def test_compiles_while_an_engine_warms_up_are_reported_to_none(knobs):
+    """Another engine of the process warming up compiles for itself: not a stall of the
+    watching engine's serving (its biased twin: the same compile after warm-up is)."""
+    runtime, seen = knobs
+    heard = []
+    stop = watch_mod.watch(lambda kernel, spec: heard.append(kernel))
+    with watch_mod.warming():
+        runtime.jit_post_compile_hook(**compile_event())
+    assert heard == [] and len(seen) == 1       # the hook found still hears it
+    runtime.jit_post_compile_hook(**compile_event())
+    assert len(heard) == 1
+    stop()
+
+
 def test_a_hook_installed_after_ours_is_left_in_place(knobs):
     runtime, _ = knobs
     stop = watch_mod.watch(lambda kernel, spec: None)
@@ -64,13 +78,26 @@ def test_without_triton_knobs_nothing_is_watched(monkeypatch):
     stop()
 
 
-async def test_an_engine_warns_and_counts_a_compile_after_warm_up(knobs, tiny_dir):
+async def test_an_engine_warns_and_counts_a_compile_after_warm_up(knobs, tiny_dir,
+                                                                  monkeypatch):
     """Once built (warm-up done), a compile is a warning event naming the kernel and
-    counts in the engine's stats; closed, the engine stops watching. The biased twin: a
-    compile before the engine was built (warm-up's) counts nowhere."""
+    counts in the engine's stats; closed, the engine stops watching. The biased twins: a
+    compile before the engine was built, or in another engine's warm-up (each warm-up
+    here compiles one), counts nowhere."""
+    from specloop.engine._worker import RankWorker
+
     runtime, _ = knobs
+    warm_up = RankWorker.warmup_graphs
+
+    def compiling_warm_up(worker):
+        warm_up(worker)
+        runtime.jit_post_compile_hook(**compile_event(name="_warm_up_kernel"))
+    monkeypatch.setattr(RankWorker, "warmup_graphs", compiling_warm_up)
     runtime.jit_post_compile_hook(**compile_event())    # before any engine: warm-up's
     async with AsyncEngine(make_config(tiny_dir)) as engine:
+        assert engine.stats.kernels_compiled_while_serving == 0
+        async with AsyncEngine(make_config(tiny_dir)):      # another's warm-up: not counted
+            pass
         assert engine.stats.kernels_compiled_while_serving == 0
         with capture_logs() as logs:
             runtime.jit_post_compile_hook(**compile_event())
