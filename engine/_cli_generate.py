@@ -189,6 +189,10 @@ def summary_line(progress: Progress, config: EngineConfig, interrupted: bool) ->
             per = " ".join(f"{a:.2f}" for a in stats.acceptance_per_position)
             line += f", acceptance per position {per}"
         line += progress.scope
+        # Each a stall of the whole batch (engine/_compile_watch.py): said where any came.
+        compiled = stats.kernels_compiled_while_serving
+        if compiled:
+            line += f", {compiled} kernel(s) compiled while serving"
     k = f"K {config.speculative.k}"
     if config.speculative.adaptive and config.speculative.k:
         per_k = dict(sorted(stats.iterations_per_k.items())) if stats is not None else {}

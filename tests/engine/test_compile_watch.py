@@ -108,3 +108,18 @@ async def test_an_engine_warns_and_counts_a_compile_after_warm_up(knobs, tiny_di
     runtime.jit_post_compile_hook(**compile_event())
     assert engine.stats.kernels_compiled_while_serving == 1
     assert not watch_mod._watchers
+
+
+def test_generate_summary_says_how_many_kernels_compiled_while_serving(tiny_dir):
+    """`specloop generate`'s summary line names the compiles (each a stall of the whole
+    batch) where any came, and says nothing of them where none did."""
+    from specloop.engine._cli_generate import Progress, summary_line
+    from specloop.engine._stats import EngineStats
+
+    config = make_config(tiny_dir)
+    stats = EngineStats()
+    quiet = summary_line(Progress(completions=[], stats=stats), config, False)
+    assert "compiled" not in quiet
+    stats.kernels_compiled_while_serving = 2
+    line = summary_line(Progress(completions=[], stats=stats), config, False)
+    assert ", 2 kernel(s) compiled while serving" in line
