@@ -18,6 +18,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from specloop.engine import EngineClosedError
+
 from ._metrics import ServeMetrics
 from ._protocol import ApiError, ParsedRequest, parse
 from ._run import RequestRun, finish_reason
@@ -82,7 +84,24 @@ async def _health(state: ServerState, request: Request) -> Response:
 
 
 async def _metrics(state: ServerState, request: Request) -> Response:
+    stats = await _engine_stats(state.engine)
+    if stats is not None:
+        state.metrics.from_stats(stats)
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+
+async def _engine_stats(engine: Any) -> Any:
+    """The engine's counters (a ``ProcessEngine``'s fetched from its core), or None where
+    there is no engine, or its core has gone (the scrape still answers)."""
+    if engine is None:
+        return None
+    fetch = getattr(engine, "fetch_stats", None)
+    if fetch is None:
+        return engine.stats
+    try:
+        return await fetch()
+    except EngineClosedError:
+        return None
 
 
 Handler = Callable[["ServerState", Request, Any], Awaitable[Response]]

@@ -4,11 +4,15 @@ server's view of each request. One registry per server (no global state)."""
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from prometheus_client import (CollectorRegistry, Counter, Gauge, Histogram,
                                generate_latest)
 
 from specloop.engine import IterationState, TransitionEvent
+
+if TYPE_CHECKING:
+    from specloop.engine import EngineStats
 
 P = "specloop:"
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5,
@@ -64,6 +68,11 @@ class ServeMetrics:
             P + "iterations_overlapped",
             "Iterations whose step was queued ahead or chained behind the last one (host "
             "and GPU overlapped), by whether it was", ["overlapped"], registry=r)
+        self.kernels_compiled = Counter(
+            P + "kernels_compiled_while_serving",
+            "Triton kernels compiled after warm-up (each a stall of every request in "
+            "flight; EngineStats.kernels_compiled_while_serving)", registry=r)
+        self._compiled_seen = 0
         self.running = Gauge(P + "num_requests_running", "Requests in flight", registry=r)
         self.slots_free = Gauge(P + "kv_slots_free", "Free KV-cache slots (rank 0)",
                                 registry=r)
@@ -94,6 +103,14 @@ class ServeMetrics:
             hits = sum(1 for n in accepted if n > position)
             if hits:
                 self.accepted_per_pos.labels(position=str(position)).inc(hits)
+
+    # the engine's counters (read at each scrape) -------------------------------------------
+    def from_stats(self, stats: EngineStats) -> None:
+        """The counters that live in the engine's stats, brought up to ``stats``."""
+        compiled = stats.kernels_compiled_while_serving
+        if compiled > self._compiled_seen:
+            self.kernels_compiled.inc(compiled - self._compiled_seen)
+            self._compiled_seen = compiled
 
     # requests ---------------------------------------------------------------------------
     def request_started(self, prompt_tokens: int) -> None:

@@ -1,10 +1,12 @@
 """/health answers while the engine runs and fails once it has died; requests then get 503
-(the server itself stays up so a supervisor can see it)."""
+(the server itself stays up so a supervisor can see it). /metrics reads the engine's
+counters at each scrape."""
 
 from __future__ import annotations
 
 import anyio
 import httpx
+import pytest
 
 from specloop.engine import EngineConfig
 from specloop.models.drafters import Drafter
@@ -122,3 +124,45 @@ async def test_the_address_is_announced_once_it_accepts_connections(monkeypatch,
         port = sock.getsockname()[1]
         await _server._serve_http(state, ServeOptions(), sock)
     assert connected == [port]
+
+
+@pytest.mark.parametrize("kind", ["in-process", "core-process"])
+async def test_metrics_count_the_kernels_the_engine_compiled_while_serving(kind):
+    """/metrics reads the engine's compile count at each scrape (a ProcessEngine's fetched
+    from its core) into `specloop:kernels_compiled_while_serving_total`, which only grows;
+    an engine whose core has gone still gets its scrape answered."""
+    import types
+
+    from specloop.engine import EngineClosedError, EngineStats
+    from specloop.serve._app import ServerState, build_app
+    from specloop.serve._metrics import ServeMetrics
+    from specloop.serve._spec import SpecTracker
+
+    stats, gone = EngineStats(), [False]
+
+    async def fetch_stats():
+        if gone[0]:
+            raise EngineClosedError("the engine core closed before it sent its stats")
+        return stats
+    engine = types.SimpleNamespace(stats=stats) if kind == "in-process" else \
+        types.SimpleNamespace(fetch_stats=fetch_stats)
+    state = ServerState(engine=engine, model_name="m", metrics=ServeMetrics(num_draft_tokens=2),
+                        spec=SpecTracker(2))
+    name = "specloop:kernels_compiled_while_serving_total"
+
+    async def scrape() -> float:
+        transport = httpx.ASGITransport(app=build_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            response = await client.get("/metrics")
+        assert response.status_code == 200
+        (line,) = [x for x in response.text.splitlines() if x.startswith(name + " ")]
+        return float(line.split()[1])
+
+    assert await scrape() == 0.0
+    stats.kernels_compiled_while_serving = 2
+    assert await scrape() == 2.0
+    stats.kernels_compiled_while_serving = 5
+    assert await scrape() == 5.0 and await scrape() == 5.0      # counted once
+    if kind == "core-process":
+        gone[0] = True
+        assert await scrape() == 5.0
