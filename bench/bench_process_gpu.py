@@ -109,7 +109,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 sync()
                 mark = timers.snapshot() if timers is not None else None
                 # The core's totals around this run only: between its runs the core idles
-                # in SCHEDULE (polling its pipe), which the totals would count too.
+                # in SCHEDULE (waiting on its pipe), which the totals would count too.
                 core_mark = await _stats(engine) if core_timers else None
                 start = time.perf_counter()
                 if steady is None:
@@ -233,9 +233,7 @@ def _pinned(config, kind: str):
 
 async def _stats(engine):
     """A copy of the engine's counters (the core's, across the pipe)."""
-    import copy  # noqa: PLC0415
-    fetch = getattr(engine, "fetch_stats", None)
-    return await fetch() if fetch is not None else copy.deepcopy(engine.stats)
+    return await engine.fetch_stats()
 
 
 def fixed_k(name: str) -> tuple[str, int] | None:

@@ -86,13 +86,12 @@ def judge(files: Iterable[tuple[str, list[dict]]]) -> list[Verdict]:
                 batch32.figures.append(max(fixed) / at["none"]["median"])
                 batch32.devices.add(at["none"]["device"])
             best = fixed + ([at["none"]["median"]] if "none" in at else [])
-            for c, r in at.items():
-                if c == ADAPTIVE and best:
-                    v = adaptive.setdefault(b, Verdict(BAR_ADAPTIVE[0],
-                                                       f"{BAR_ADAPTIVE[1]}: {b}",
-                                                       BAR_ADAPTIVE[2]))
-                    v.figures.append(r["median"] / max(best))
-                    v.devices.add(r["device"])
+            rule = at.get(ADAPTIVE)
+            if rule is not None and best:
+                v = adaptive.setdefault(b, Verdict(BAR_ADAPTIVE[0], f"{BAR_ADAPTIVE[1]}: {b}",
+                                                   BAR_ADAPTIVE[2]))
+                v.figures.append(rule["median"] / max(best))
+                v.devices.add(rule["device"])
     return [batch1, ngram, batch32, *(adaptive[b] for b in sorted(adaptive))]
 
 

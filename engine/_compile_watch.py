@@ -25,9 +25,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 # Each watching engine's callback, given (the kernel's "module.name", its specialisation).
-_watchers: dict[int, Callable[[str, str], None]] = {}
+_watchers: set[Callable[[str, str], None]] = set()
 _previous: list[Any] = []       # [the hook found at install] while installed
-_next_id = [0]
 _warming = [0]                  # engines of this process warming up now
 
 
@@ -47,7 +46,7 @@ def _hook(**kwargs: Any) -> Any:
     info = kwargs.get("fn")
     kernel = f"{getattr(info, 'module', '?')}.{getattr(info, 'name', '?')}"
     specialisation = str(kwargs.get("repr", ""))
-    for callback in list(_watchers.values()):
+    for callback in list(_watchers):
         callback(kernel, specialisation)
     return result
 
@@ -61,12 +60,13 @@ def watch(callback: Callable[[str, str], None]) -> Callable[[], None]:
     if runtime.jit_post_compile_hook is not _hook:
         _previous[:] = [runtime.jit_post_compile_hook]
         runtime.jit_post_compile_hook = _hook
-    key = _next_id[0]
-    _next_id[0] += 1
-    _watchers[key] = callback
+    _watchers.add(callback)
 
     def unwatch() -> None:
-        if _watchers.pop(key, None) is None or _watchers:
+        if callback not in _watchers:
+            return
+        _watchers.discard(callback)
+        if _watchers:
             return
         # The last watcher gone: give back the hook found, unless another took it since.
         if runtime.jit_post_compile_hook is _hook:

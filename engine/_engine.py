@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import TYPE_CHECKING, Any, Callable, Coroutine, Sequence
 
 import anyio
@@ -218,6 +219,11 @@ class AsyncEngine(FrontEnd):
     @property
     def stats(self) -> EngineStats:
         return self._built.stats
+
+    async def fetch_stats(self) -> EngineStats:
+        """A copy of ``stats``: ``ProcessEngine.fetch_stats``' call, so that a server or a
+        bench reads either engine's counters the same way."""
+        return copy.deepcopy(self.stats)
 
     @property
     def num_free_slots(self) -> int:

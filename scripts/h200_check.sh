@@ -425,8 +425,9 @@ for line in sys.stdin:
     for extra in ("timers_us", "core_timers_us"):  # PROCESS_TIMERS=1, PROCESS_CORE_TIMERS=1:
         if r.get(extra):                         # µs an iteration, calls of 5 µs or more
             print("   ", extra, {k: v for k, v in r[extra].items() if v >= 5})
-    if r.get("core_states_us"):
-        print("    core_states_us", r["core_states_us"])')
+    for extra in ("core_states_us", "core_moves_us"):
+        if r.get(extra):
+            print("   ", extra, r[extra])')
             continue
           fi
           (cd bench && PYTHONPATH=$path python3 profile_spec_gpu.py --prompts "$PROMPTS" \

@@ -26,7 +26,7 @@ from ._run import RequestRun, finish_reason
 from ._spec import SpecTracker
 
 if TYPE_CHECKING:
-    from specloop.engine import AsyncEngine, ProcessEngine
+    from specloop.engine import AsyncEngine, EngineStats, ProcessEngine
 
 
 class _Tokenizer(Protocol):
@@ -90,16 +90,13 @@ async def _metrics(state: ServerState, request: Request) -> Response:
     return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
 
 
-async def _engine_stats(engine: Any) -> Any:
+async def _engine_stats(engine: AsyncEngine | ProcessEngine | None) -> EngineStats | None:
     """The engine's counters (a ``ProcessEngine``'s fetched from its core), or None where
     there is no engine, or its core has gone (the scrape still answers)."""
     if engine is None:
         return None
-    fetch = getattr(engine, "fetch_stats", None)
-    if fetch is None:
-        return engine.stats
     try:
-        return await fetch()
+        return await engine.fetch_stats()
     except EngineClosedError:
         return None
 

@@ -26,7 +26,7 @@ def knobs(monkeypatch):
     seen = []
     runtime = types.SimpleNamespace(jit_post_compile_hook=lambda **kw: seen.append(kw))
     monkeypatch.setattr(watch_mod, "_runtime_knobs", lambda: runtime)
-    monkeypatch.setattr(watch_mod, "_watchers", {})
+    monkeypatch.setattr(watch_mod, "_watchers", set())
     monkeypatch.setattr(watch_mod, "_previous", [])
     return runtime, seen
 

@@ -131,6 +131,7 @@ async def test_metrics_count_the_kernels_the_engine_compiled_while_serving(kind)
     """/metrics reads the engine's compile count at each scrape (a ProcessEngine's fetched
     from its core) into `specloop:kernels_compiled_while_serving_total`, which only grows;
     an engine whose core has gone still gets its scrape answered."""
+    import copy
     import types
 
     from specloop.engine import EngineClosedError, EngineStats
@@ -144,8 +145,9 @@ async def test_metrics_count_the_kernels_the_engine_compiled_while_serving(kind)
         if gone[0]:
             raise EngineClosedError("the engine core closed before it sent its stats")
         return stats
-    engine = types.SimpleNamespace(stats=stats) if kind == "in-process" else \
-        types.SimpleNamespace(fetch_stats=fetch_stats)
+    async def copied():     # AsyncEngine.fetch_stats: a copy of its live counters
+        return copy.deepcopy(stats)
+    engine = types.SimpleNamespace(fetch_stats=copied if kind == "in-process" else fetch_stats)
     state = ServerState(engine=engine, model_name="m", metrics=ServeMetrics(num_draft_tokens=2),
                         spec=SpecTracker(2))
     name = "specloop:kernels_compiled_while_serving_total"
