@@ -10,8 +10,11 @@
 # Run from the project root after `make setup` (it reads .venv). Then, on the device, three
 # calls back to back while the machine stays warm (30 s idle), each starting with
 # `source scripts/device_env.sh` (never piped: its exports are needed):
-#   1. carry [".whl", ".models/smol3/a"]   e.g. ... ; bash scripts/h200_check.sh tests
-#   2. carry [".models/smol3/b"]
+#   1. carry [".models/smol3/a"]
+#   2. carry [".whl", ".models/smol3/b"]   e.g. ... ; bash scripts/h200_check.sh tests
+#      (the tracked tree, ~31 MB since 2026-12-06, and part a leave no room for .whl: the
+#      device tool refuses a call over 64 MiB; device_env.sh installs what .whl brings once,
+#      into /tmp/site, which later calls keep)
 #   3. carry [".whl2", ".models/smol3/c"]   the model is complete: profile, tables, busy ...
 #      (".whl2" only where the call serves: bench_serve.py)
 set -euo pipefail
