@@ -142,9 +142,12 @@ class CoreTimers:
     iteration state's time from its events, and hangs both running totals on the
     worker's stats (at RESCAN's first commit, the first place that holds them), which the
     parent fetches across the pipe before and after a timed stretch: ``host_timers``
-    {label: seconds}, ``host_states_us`` {state: µs}, ``host_moves_us`` {"K before>K":
+    {label: seconds}, ``host_states_us`` {state: µs}, ``host_moves_us`` {"K before>K@B":
     [iterations, wall µs, µs waiting for the GPU]}: what an iteration at each K costs in
-    this engine, beside a fixed engine's (adaptive K's mix); ``JITFunction._do_compile``:
+    this engine, beside a fixed engine's (adaptive K's mix), at each class B of the
+    iteration's rows (the power of two at or above them, adaptive K's classes: under a
+    server's load the rule picks small K where the batch drains, so a K's mean over every
+    class is not a fixed engine's); ``JITFunction._do_compile``:
     Triton compiling a kernel during the runs (COMPILE_CALLS). Each timed call costs ~1 µs more,
     and its wall holds whatever waits inside it, the GIL's included (on the CPU the model
     runs in a worker thread: a call as small as ``IterationClock.tick`` then reads
@@ -157,8 +160,8 @@ class CoreTimers:
         self.timers = HostTimers(ADAPTIVE_CALLS + CHAIN_CALLS + CORE_CALLS + COMPILE_CALLS)
         self.timers.install()
         self.states: dict[str, float] = {}
-        # Per move (the K before > this iteration's K): [iterations, wall µs, µs waiting
-        # for the GPU in the read-back], summed; an iteration's wall is its states' time.
+        # Per move and rows' class ("K before>K@B"): [iterations, wall µs, µs waiting for
+        # the GPU in the read-back], summed; an iteration's wall is its states' time.
         self.moves: dict[str, list[float]] = {}
         self._wall = 0.0
         self._waited = 0.0          # the read-back's total when the iteration began
@@ -188,8 +191,9 @@ class CoreTimers:
         if event.next_state.name != "DONE":
             return
         waited = self.timers.seconds.get("ModelRunner.finish_read_back", 0.0)
-        k = event.num_draft_tokens
-        move = self.moves.setdefault(f"{self._last_k}>{k}", [0, 0.0, 0.0])
+        k, rows = event.num_draft_tokens, event.batch_size
+        move = self.moves.setdefault(f"{self._last_k}>{k}@{1 << (rows - 1).bit_length()}",
+                                     [0, 0.0, 0.0])
         move[0] += 1
         move[1] += self._wall
         move[2] += (waited - self._waited) * 1e6

@@ -177,8 +177,9 @@ def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float],
 
 
 def per_move(moves: dict[str, list[float]], least: int = 10) -> dict[str, dict[str, float]]:
-    """Per move of K ("K before>K") seen ``least`` times or more: iterations, and the mean
-    wall and wait for the GPU an iteration, µs (``core_totals``' moves)."""
+    """Per move of K and class of rows ("K before>K@B") seen ``least`` times or more:
+    iterations, and the mean wall and wait for the GPU an iteration, µs (``core_totals``'
+    moves)."""
     return {move: {"n": int(n), "wall": round(wall / n, 1), "wait": round(wait / n, 1)}
             for move, (n, wall, wait) in sorted(moves.items()) if n >= least}
 

@@ -628,11 +628,12 @@ async def test_core_timers_ride_the_stats_a_process_engine_hands_over(common, ti
     assert per_call["PipeFrontDoor.deliver_rows"] > 0, per_call
     per_state = timers.per_iteration(states, iterations)
     assert {"SCHEDULE", "SYNC", "DRAFT", "VERIFY", "RESCAN"} <= set(per_state), per_state
-    # Every iteration with rows is one move of K (fixed K = 2: "2>2", the first "None>2"),
-    # its wall the sum of its states' and its wait for the read-back a part of it.
+    # Every iteration with rows is one move of K at its rows' class (fixed K = 2, one
+    # request at a time: "2>2@1", the first "None>2@1"), its wall the sum of its states'
+    # and its wait for the read-back a part of it.
     per_move = bench.per_move(moves, least=1)
-    assert set(per_move) <= {"2>2", "None>2"} and per_move["2>2"]["n"] > 10, per_move
-    assert 0 <= per_move["2>2"]["wait"] < per_move["2>2"]["wall"], per_move
+    assert set(per_move) <= {"2>2@1", "None>2@1"} and per_move["2>2@1"]["n"] > 10, per_move
+    assert 0 <= per_move["2>2@1"]["wait"] < per_move["2>2@1"]["wall"], per_move
     assert sum(m["n"] for m in per_move.values()) == iterations, (per_move, iterations)
 
 

@@ -13,6 +13,19 @@ from specloop.engine import _compile_watch as watch_mod
 
 from .conftest import make_config
 
+try:    # the real hook's test (GPU) compiles a kernel of its own
+    import triton
+    import triton.language as tl
+except ImportError:     # pragma: no cover - the CPU venv has Triton (interpreted tests)
+    triton = None
+
+if triton is not None:
+    @triton.jit
+    def _watched_add_one(x_ptr, n, BLOCK: tl.constexpr):
+        offs = tl.arange(0, BLOCK)
+        mask = offs < n
+        tl.store(x_ptr + offs, tl.load(x_ptr + offs, mask=mask) + 1.0, mask=mask)
+
 
 def compile_event(module="specloop.models._kernels", name="_paged_attention_kernel"):
     """What Triton passes its post-compile hook (the parts the watch reads)."""
@@ -123,3 +136,27 @@ def test_generate_summary_says_how_many_kernels_compiled_while_serving(tiny_dir)
     stats.kernels_compiled_while_serving = 2
     line = summary_line(Progress(completions=[], stats=stats), config, False)
     assert ", 2 kernel(s) compiled while serving" in line
+
+
+@pytest.mark.gpu
+def test_the_real_triton_hook_reports_a_compile():
+    """On CUDA, Triton itself calls the watch's hook with what it reads (the kernel's
+    module and name, its specialisation): a first launch of a kernel in this process is
+    heard; a second launch of the same specialisation compiles nothing and is not. (The
+    fakes above stand in for the hook's arguments; bench/probe_compiles_gpu.py's
+    `engine_counted` reads 0 where nothing compiles, which a dead hook would read too.)"""
+    import torch
+    heard = []
+    stop = watch_mod.watch(lambda kernel, spec: heard.append((kernel, spec)))
+    try:
+        x = torch.zeros(8, device="cuda")
+        _watched_add_one[(1,)](x, 8, BLOCK=8)
+        first = list(heard)
+        _watched_add_one[(1,)](x, 8, BLOCK=8)
+        torch.cuda.synchronize()
+    finally:
+        stop()
+    assert torch.equal(x.cpu(), torch.full((8,), 2.0))
+    assert [k for k, _ in first] == [f"{__name__}._watched_add_one"], first
+    assert "_watched_add_one" in first[0][1]
+    assert heard == first
