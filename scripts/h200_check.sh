@@ -165,8 +165,10 @@ for step in "$@"; do
       # GPU has room for all of them.
       par=""
       if python3 -c "import xdist" 2>/dev/null; then par="-n ${TEST_WORKERS:-8} --dist loadgroup"; fi
+      # The whole log in $OUT/tests.log: a later step's output can push the summary out of
+      # the call's output tail (fiftieth session).
       python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:benchmark --tb=short $par 2>&1 \
-        | grep -v CUDAGraph.cpp | tail -15 ;;
+        | grep -v CUDAGraph.cpp | tee "$OUT/tests.log" | tail -15 ;;
     profile)
       (cd bench && python3 profile_spec_gpu.py --prompts "$PROMPTS" --out "$OUT/spec.jsonl" \
         --configs "none,eagle3 K=3,eagle3 K=5" --batches 1,32 --runs 3 --min-prompts 16 2>&1 \
