@@ -1155,6 +1155,10 @@ class AdaptiveK:
             "times_ms": {k: round(t * 1e3, 3) for k, t in times.items()},
             "measured_ms": {k: round(cost.measured[(bucket, k)] * 1e3, 3)
                             for k in self.candidates if (bucket, k) in cost.measured},
+            # Warm-up's times of the graph bucket serving this class: what a K not yet
+            # measured, or priced from another K (``moved``), starts from.
+            "warmup_ms": {k: round(t * 1e3, 3) for k in self.candidates
+                          for t in (cost._device(bucket, k),) if t is not None},
             "samples": {k: cost.samples.get((bucket, k), 0) for k in self.candidates},
             "switch_ms": {k: round(cost.switch[(bucket, k)] * 1e3, 3)
                           for k in self.candidates if (bucket, k) in cost.switch},

@@ -265,7 +265,7 @@ async def test_the_rules_view_is_logged_at_info(tiny_dir, tiny_loaded, monkeypat
     monkeypatch.setattr(_worker, "ADAPTIVE_LOG_EVERY", 8)
     config = make_config(tiny_dir, method="mtp_eagle", k=3, max_batch_size=12,
                          speculative={"adaptive": True})
-    seen, choices = {}, {}
+    seen, choices, costs = {}, {}, {}
     for level in (logging.INFO, logging.WARNING):
         structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(level))
         try:
@@ -274,6 +274,7 @@ async def test_the_rules_view_is_logged_at_info(tiny_dir, tiny_loaded, monkeypat
                     await serve_staggered(engine, ragged())
                     # Each run's own: staggered arrivals make the count timing's.
                     choices[level] = engine.worker.adaptive.choices
+                    costs[level] = engine.worker.adaptive.cost
         finally:
             structlog.configure(
                 wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
@@ -286,5 +287,11 @@ async def test_the_rules_view_is_logged_at_info(tiny_dir, tiny_loaded, monkeypat
     # len(KS) - 1 times, and never more often than it was chosen.
     assert len(KS) - 1 <= last["switches"] < last["choices"]
     assert set(last["expected"]) == set(last["times_ms"]) == set(last["samples"]) == set(KS)
+    # Warm-up's time for each K at the graph bucket serving this class: what a K not yet
+    # measured starts from (the table the engine calibrated, not made up here).
+    cost = costs[logging.INFO]
+    assert last["warmup_ms"] == {k: round(cost._device(last["bucket"], k) * 1e3, 3)
+                                 for k in KS}
+    assert all(t > 0 for t in last["warmup_ms"].values())
     assert last["expected"][0] == 1.0 and last["bucket"] in (1, 2, 4, 8, 16)
     assert any(e["tail_rows"] for e in events)
