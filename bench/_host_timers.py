@@ -83,6 +83,9 @@ CORE_CALLS = (
 # Triton (or this private method) is missing, nothing is timed for it.
 COMPILE_CALLS = (("triton.runtime.jit", "JITFunction", "_do_compile"),)
 OPTIONAL = frozenset(COMPILE_CALLS)
+# An iteration whose read-back waited less than this for the GPU was host-bound (the
+# read-back's own call, a finished event's query, costs a few µs).
+HOST_BOUND_US = 20.0
 
 
 class HostTimers:
@@ -143,7 +146,8 @@ class CoreTimers:
     worker's stats (at RESCAN's first commit, the first place that holds them), which the
     parent fetches across the pipe before and after a timed stretch: ``host_timers``
     {label: seconds}, ``host_states_us`` {state: µs}, ``host_moves_us`` {"K before>K@B":
-    [iterations, wall µs, µs waiting for the GPU]}: what an iteration at each K costs in
+    [iterations, wall µs, µs waiting for the GPU, iterations that waited less than
+    HOST_BOUND_US]}: what an iteration at each K costs in
     this engine, beside a fixed engine's (adaptive K's mix), at each class B of the
     iteration's rows (the power of two at or above them, adaptive K's classes: under a
     server's load the rule picks small K where the batch drains, so a K's mean over every
@@ -161,7 +165,9 @@ class CoreTimers:
         self.timers.install()
         self.states: dict[str, float] = {}
         # Per move and rows' class ("K before>K@B"): [iterations, wall µs, µs waiting for
-        # the GPU in the read-back], summed; an iteration's wall is its states' time.
+        # the GPU in the read-back, host-bound iterations], summed; an iteration's wall is
+        # its states' time. A mean wait well above zero can hide host-bound iterations
+        # (each then costs its host time, not the GPU's): counted apart.
         self.moves: dict[str, list[float]] = {}
         self._wall = 0.0
         self._waited = 0.0          # the read-back's total when the iteration began
@@ -193,10 +199,12 @@ class CoreTimers:
         waited = self.timers.seconds.get("ModelRunner.finish_read_back", 0.0)
         k, rows = event.num_draft_tokens, event.batch_size
         move = self.moves.setdefault(f"{self._last_k}>{k}@{1 << (rows - 1).bit_length()}",
-                                     [0, 0.0, 0.0])
+                                     [0, 0.0, 0.0, 0])
+        wait_us = (waited - self._waited) * 1e6
         move[0] += 1
         move[1] += self._wall
-        move[2] += (waited - self._waited) * 1e6
+        move[2] += wait_us
+        move[3] += wait_us < HOST_BOUND_US
         self._wall, self._waited, self._last_k = 0.0, waited, k
 
 

@@ -155,7 +155,7 @@ def _core_timed(config, on: bool):
 def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float],
                                            dict[str, list[float]]]:
     """(seconds in each timed call, µs in each state, [iterations, wall µs, µs waiting
-    for the GPU] per move of K) the cores of ``pair``'s engines spent in the timed runs:
+    for the GPU, host-bound iterations] per move of K) the cores of ``pair``'s engines spent in the timed runs:
     the growth of ``CoreTimers``' totals on their stats over each run (``runs``: {key:
     [(after, before), ...]}), summed over the runs and the replicas."""
     calls: dict[str, float] = {}
@@ -171,17 +171,20 @@ def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float],
                     into[label] = into.get(label, 0.0) + total - then.get(label, 0.0)
             then = getattr(before, "host_moves_us", {})
             for move, totals in getattr(after, "host_moves_us", {}).items():
-                grown = [t - b for t, b in zip(totals, then.get(move, (0, 0.0, 0.0)))]
-                moves[move] = [m + g for m, g in zip(moves.get(move, (0, 0.0, 0.0)), grown)]
+                grown = [t - b for t, b in zip(totals, then.get(move, (0, 0.0, 0.0, 0)))]
+                moves[move] = [m + g for m, g in zip(moves.get(move, (0, 0.0, 0.0, 0)),
+                                                     grown)]
     return calls, states, moves
 
 
 def per_move(moves: dict[str, list[float]], least: int = 10) -> dict[str, dict[str, float]]:
     """Per move of K and class of rows ("K before>K@B") seen ``least`` times or more:
-    iterations, and the mean wall and wait for the GPU an iteration, µs (``core_totals``'
+    iterations, the mean wall and wait for the GPU an iteration, µs, and the share of
+    them that were host-bound (``CoreTimers``: waited < HOST_BOUND_US) (``core_totals``'
     moves)."""
-    return {move: {"n": int(n), "wall": round(wall / n, 1), "wait": round(wait / n, 1)}
-            for move, (n, wall, wait) in sorted(moves.items()) if n >= least}
+    return {move: {"n": int(n), "wall": round(wall / n, 1), "wait": round(wait / n, 1),
+                   "host_bound": round(bound / n, 3)}
+            for move, (n, wall, wait, bound) in sorted(moves.items()) if n >= least}
 
 
 def merge_replicas(keys, deltas, rates, walls, speeds):
