@@ -19,6 +19,8 @@ import functools
 import importlib
 import time
 
+from adaptive_sim import bucket_of      # the rule's class of a batch's rows
+
 # (module, class, method): adaptive K's calls on one GPU rank's path, and the chained
 # step's queueing (inside ``_adaptive_next``, and a fixed K's own) to set them beside.
 ADAPTIVE_CALLS = (
@@ -198,8 +200,7 @@ class CoreTimers:
             return
         waited = self.timers.seconds.get("ModelRunner.finish_read_back", 0.0)
         k, rows = event.num_draft_tokens, event.batch_size
-        move = self.moves.setdefault(f"{self._last_k}>{k}@{1 << (rows - 1).bit_length()}",
-                                     [0, 0.0, 0.0, 0])
+        move = self.moves.setdefault(f"{self._last_k}>{k}@{bucket_of(rows)}", [0, 0.0, 0.0, 0])
         wait_us = (waited - self._waited) * 1e6
         move[0] += 1
         move[1] += self._wall

@@ -171,9 +171,9 @@ def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float],
                     into[label] = into.get(label, 0.0) + total - then.get(label, 0.0)
             then = getattr(before, "host_moves_us", {})
             for move, totals in getattr(after, "host_moves_us", {}).items():
-                grown = [t - b for t, b in zip(totals, then.get(move, (0, 0.0, 0.0, 0)))]
-                moves[move] = [m + g for m, g in zip(moves.get(move, (0, 0.0, 0.0, 0)),
-                                                     grown)]
+                none = [0] * len(totals)        # a move first seen in this run
+                grown = [t - b for t, b in zip(totals, then.get(move, none))]
+                moves[move] = [m + g for m, g in zip(moves.get(move, none), grown)]
     return calls, states, moves
 
 
