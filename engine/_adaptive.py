@@ -296,6 +296,11 @@ class CostTable:
     # Per bucket: X(b), the iteration's cost beyond T(b, k) at any K (OVERHEAD_WINDOW),
     # added to every K's T there (``times``).
     overhead: dict[int, float] = attrs.Factory(dict)
+    # Per bucket, what X(b)'s samples hold (``summary``'s ``overhead_split_ms``; the rule
+    # does not read it): [samples, disturbed ones, sum of x over the undisturbed, over
+    # the disturbed, sum of the prefill (full less the clock's time)]. An admission's
+    # cost is per request, so per token at any K, where X(b) charges it per iteration.
+    overhead_parts: dict[int, list[float]] = attrs.Factory(dict)
     _over: dict[int, _RecentMean] = attrs.field(factory=dict, init=False, repr=False)
     # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
     _first: dict[tuple[int, int], tuple[list[float], list[float]]] = attrs.field(
@@ -423,16 +428,26 @@ class CostTable:
             return over[_nearest_class(over, bucket)] if over else 0.0
         return x
 
-    def iteration_overhead(self, bucket: int, k: int, full: float) -> None:
+    def iteration_overhead(self, bucket: int, k: int, full: float, seconds: float = 0.0,
+                           disturbed: bool = False) -> None:
         """An iteration at (bucket, k) that kept its K took ``full`` seconds with its
-        prefill: one sample of X(b), ``full`` less T(bucket, k) as learned (at most
-        OVERHEAD_CAP times it)."""
+        prefill (``seconds`` without; ``disturbed``: it or the next admitted requests):
+        one sample of X(b), ``full`` less T(bucket, k) as learned (at most OVERHEAD_CAP
+        times it)."""
         t = self.measured.get((bucket, k))
         if t is None:
             return
         x = full - t
         if x > OVERHEAD_CAP * t:
             x = OVERHEAD_CAP * t
+        parts = self.overhead_parts.get(bucket)
+        if parts is None:
+            parts = self.overhead_parts[bucket] = [0, 0, 0.0, 0.0, 0.0]
+        parts[0] += 1
+        parts[1] += disturbed
+        parts[3 if disturbed else 2] += x
+        if seconds:
+            parts[4] += full - seconds
         recent = self._over.get(bucket)
         if recent is None:
             recent = self._over[bucket] = _RecentMean(OVERHEAD_WINDOW)
@@ -721,6 +736,17 @@ def _fresh_window(stamps: collections.deque[int], limit: int) -> bool:
     return len(stamps) == RECENT and stamps[0] > limit
 
 
+def _overhead_split(parts: list[float] | None) -> dict[str, float]:
+    """``CostTable.overhead_parts`` of a bucket as the summary gives it (ms)."""
+    if not parts or not parts[0]:
+        return {}
+    n, disturbed = parts[0], parts[1]
+    return {"undisturbed": round(parts[2] / max(n - disturbed, 1) * 1e3, 3),
+            "disturbed": round(parts[3] / max(disturbed, 1) * 1e3, 3),
+            "disturbed_share": round(disturbed / n, 3),
+            "prefill": round(parts[4] / n * 1e3, 3)}
+
+
 def _median_low(values: Sequence[float]) -> float:
     """``statistics.median_low`` in less host time (once an iteration on one GPU rank)."""
     return sorted(values)[(len(values) - 1) // 2]
@@ -786,6 +812,11 @@ class AdaptiveK:
         self._near: tuple[int, int | None] = (-1, None)
         # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
         self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
+        # Per (bucket, K): [iterations, sum of E(k) as the rule last took it there, sum
+        # of the tokens a row those iterations made] over iterations without a tail
+        # (``summary``'s ``e_check``; the rule does not read it): whether E(k) is priced
+        # above what the K makes where the rule picks it.
+        self.e_check: dict[tuple[int, int], list[float]] = {}
 
     @property
     def reached(self) -> list[float]:
@@ -836,6 +867,16 @@ class AdaptiveK:
         self._own_tail = None       # its prior is the pooled counts
         if tail_accepted:
             self._count(self._tail_reached, self._tail_accepted, k, tail_accepted)
+        else:
+            view_bucket, view_expected = self._view[0], self._view[1]
+            last = self._last
+            if last is not None and last[0] == view_bucket and k in view_expected:
+                check = self.e_check.get((view_bucket, k))
+                if check is None:
+                    check = self.e_check[(view_bucket, k)] = [0, 0.0, 0.0]
+                check[0] += 1
+                check[1] += view_expected[k]
+                check[2] += 1 + sum(num_accepted) / len(num_accepted)
         pooled = self.classes
         if classes is None:
             # Every row unclassed (no per-row work: a host-bound batch of 32-256 rows pays
@@ -978,7 +1019,8 @@ class AdaptiveK:
         if learn:   # learned once the K after it is known (``leaving`` its K)
             cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
             if not switched and k == last_k and full_us:
-                cost.iteration_overhead(last_bucket, last_k, full_us / 1e6)
+                cost.iteration_overhead(last_bucket, last_k, full_us / 1e6, seconds,
+                                        disturbed)
         before = self._before = None if last is None else last_k
         self.switches += before is not None and before != k
         self._last = (bucket, k)
@@ -1164,6 +1206,14 @@ class AdaptiveK:
                           for k in self.candidates if (bucket, k) in cost.switch},
             # X(b): in times_ms, beyond measured_ms (OVERHEAD_WINDOW).
             "overhead_ms": round(cost.overhead_at(bucket) * 1e3, 3),
+            # What X(b)'s samples here held, over the engine's life: the mean x of the
+            # undisturbed and of the disturbed iterations, the share disturbed, the mean
+            # prefill in them.
+            "overhead_split_ms": _overhead_split(cost.overhead_parts.get(bucket)),
+            # Per K: iterations (no tail), E(k) as priced, tokens a row they made.
+            "e_check": {k: [int(n), round(e / n, 3), round(r / n, 3)]
+                        for (b, k), (n, e, r) in sorted(self.e_check.items())
+                        if b == bucket and n},
             # Paired pricing: the K running, and each other K's T over the running one's
             # where PAIRED_MIN pairs have priced it.
             "running": running,

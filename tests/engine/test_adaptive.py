@@ -296,6 +296,38 @@ def test_iteration_overhead_is_a_capped_mean_per_bucket():
     assert cost.overhead_at(16) > 0
 
 
+def test_overhead_split_tells_admissions_from_every_iterations_cost():
+    """``overhead_parts`` (the summary's ``overhead_split_ms``): X(b)'s samples split into
+    the undisturbed iterations' mean x, the disturbed ones' and their share, and the mean
+    prefill (full less the clock's time); the rule's X(b) is their mean as before."""
+    from specloop.engine._adaptive import _overhead_split
+    cost = CostTable({(8, 1): 1e-3})
+    cost.measured[(8, 1)] = 1e-3
+    for i in range(OVERHEAD_MIN):
+        disturbed = i % 4 == 0      # a quarter admitted: 0.5 ms prefill, 0.3 ms more
+        seconds = 1.4e-3 if disturbed else 1.1e-3
+        cost.iteration_overhead(8, 1, seconds + (0.5e-3 if disturbed else 0.0), seconds,
+                                disturbed)
+    split = _overhead_split(cost.overhead_parts[8])
+    assert split == {"undisturbed": 0.1, "disturbed": 0.9, "disturbed_share": 0.25,
+                     "prefill": 0.125}
+    assert cost.overhead_at(8) == pytest.approx((12 * 0.1e-3 + 4 * 0.9e-3) / 16)
+    assert _overhead_split(None) == {}
+
+
+def test_e_check_compares_the_priced_e_with_the_tokens_made():
+    """``e_check``: per (bucket, K), the iterations without a tail, E(k) as the rule last
+    priced it at that bucket, and the tokens a row they made (1 + accepted drafts)."""
+    adaptive = AdaptiveK(KS, CostTable({(4, k): 1e-3 for k in KS}, learn=False))
+    adaptive.record(3, [3, 3, 1, 1])            # counts: the rule prices E(k) from them
+    k = adaptive.choose([adaptive.facts()], 4)
+    priced = adaptive._view[1][k]      # E(k) as the rule took it (the summary rounds it)
+    adaptive.record(k, [0, 1, 2, 1])
+    adaptive.record(k, [1] * 4, tail_accepted=[1])     # the batch drains: not checked
+    assert adaptive.e_check == {(4, k): [1, priced, 2.0]}
+    assert adaptive.summary()["e_check"] == {k: [1, round(priced, 3), 2.0]}
+
+
 def test_measured_time_decides_over_warm_up():
     """Drafting's host work (which warm-up does not time) makes K = 3 dear: once each K was
     measured, the rule follows the measurements, not the warm-up table."""

@@ -295,3 +295,17 @@ async def test_the_rules_view_is_logged_at_info(tiny_dir, tiny_loaded, monkeypat
     assert all(t > 0 for t in last["warmup_ms"].values())
     assert last["expected"][0] == 1.0 and last["bucket"] in (1, 2, 4, 8, 16)
     assert any(e["tail_rows"] for e in events)
+    # E(k) as priced against the tokens a row made, per drafting K: each within what a
+    # K can make (1 .. K + 1), and the iterations the engine's own check counted.
+    checks = [e["e_check"] for e in events if e["e_check"]]
+    assert checks, "no event carried e_check"
+    for check in checks:
+        assert set(check) <= set(KS) - {0}, check
+        for k, (n, priced, made) in check.items():
+            assert n > 0 and 1.0 <= priced <= k + 1 and 1.0 <= made <= k + 1, check
+    # X(b)'s samples split by disturbance, where the bucket had samples.
+    splits = [e["overhead_split_ms"] for e in events if e["overhead_split_ms"]]
+    for split in splits:
+        assert set(split) == {"undisturbed", "disturbed", "disturbed_share", "prefill"}
+        assert 0.0 <= split["disturbed_share"] <= 1.0 and split["prefill"] >= 0.0
+    assert cost.overhead_parts or not splits
