@@ -35,6 +35,11 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 K=5": {"method": "eagle3", "num_draft_tokens": 5, "draft_weights": HEAD},
            "eagle3 adaptive<=3": {"method": "eagle3", "num_draft_tokens": 3,
                                   "draft_weights": HEAD, "adaptive": True},
+           # The rule as before the fifty-first session: admissions' cost in X(b), charged
+           # to every iteration (``speculative.adaptive_admissions``).
+           "eagle3 adaptive<=3 x-admissions": {"method": "eagle3", "num_draft_tokens": 3,
+                                               "draft_weights": HEAD, "adaptive": True,
+                                               "adaptive_admissions": "per_iteration"},
            # Adaptive K's machinery over fewer K values (``adaptive_k``): among {3} alone it
            # runs K = 3 every iteration; set beside "eagle3 K=3" and "adaptive<=3" they part
            # the machinery's own cost from the mix's.

@@ -177,6 +177,16 @@ CLASSED_ROWS = 64
 OVERHEAD_WINDOW = 256
 OVERHEAD_MIN = 16
 OVERHEAD_CAP = 3.0
+# ADMISSIONS_PER_TOKEN: X(b) learns from undisturbed iterations only. What a disturbed
+# one costs beyond them (the prefill, no step queued ahead) is paid per admission, and
+# requests finish, so are admitted, in proportion to the tokens an iteration makes: per
+# token at any K, a cost that leaves the ranking of E(k) / T(b, k) as it is, where X(b)
+# charged it to every iteration and so favoured the K making more tokens an iteration.
+# On an H100 at batch 32 under a server's load (fifty-first session) the undisturbed
+# iterations' x was 0.03-0.05 ms, the disturbed ones' 0.76 (a third to two fifths of
+# them): X(b) 0.28-0.39 ms lifted T(32, 2) by more than T(32, 3) in proportion, and the
+# rule drafted K = 3 in 70 % of its iterations where its own T(32, 3) / T(32, 2) (1.139)
+# and E(3) / E(2) (1.10) gave K = 2, as did fixed K = 2's 8 % more tokens/s.
 
 
 def expected_tokens(acceptance: Sequence[float], k: int) -> float:
@@ -301,6 +311,9 @@ class CostTable:
     # the disturbed, sum of the prefill (full less the clock's time)]. An admission's
     # cost is per request, so per token at any K, where X(b) charges it per iteration.
     overhead_parts: dict[int, list[float]] = attrs.Factory(dict)
+    # Whether X(b) learns from disturbed iterations too (``speculative.adaptive_admissions
+    # = "per_iteration"``, the rule before the fifty-first session): ADMISSIONS_PER_TOKEN.
+    admissions_in_overhead: bool = False
     _over: dict[int, _RecentMean] = attrs.field(factory=dict, init=False, repr=False)
     # Per (bucket, K): its first measurements, undisturbed ones and disturbed ones.
     _first: dict[tuple[int, int], tuple[list[float], list[float]]] = attrs.field(
@@ -448,6 +461,8 @@ class CostTable:
         parts[3 if disturbed else 2] += x
         if seconds:
             parts[4] += full - seconds
+        if disturbed and not self.admissions_in_overhead:
+            return      # an admission's cost: per token at any K (ADMISSIONS_PER_TOKEN)
         recent = self._over.get(bucket)
         if recent is None:
             recent = self._over[bucket] = _RecentMean(OVERHEAD_WINDOW)

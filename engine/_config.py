@@ -124,6 +124,13 @@ class SpeculativeConfig:
     adaptive: bool = False
     # The K values adaptive chooses among (each captured as graphs); None: 0 .. K.
     adaptive_k: tuple[int, ...] | None = attrs.field(default=None)
+    # How adaptive K charges what admitting requests costs (the prefill, the iteration
+    # without a step queued ahead): "per_token" (requests end, so are admitted, in
+    # proportion to the tokens made: the same per token at any K, so it does not move
+    # the choice) or "per_iteration" (added to every K's time, as before; for comparing).
+    adaptive_admissions: str = attrs.field(
+        default="per_token",
+        validator=_in("speculative", ("per_token", "per_iteration")))
     # A static draft tree (docs/configuration.md, "Draft trees"): its nodes' paths of
     # sibling ranks, e.g. [[0], [1], [0, 0]]; batches verified strictly (greedy, or
     # sampled without rejection sampling) draft and verify it, batches on the advanced

@@ -179,6 +179,7 @@ class RankWorker:
         if spec.adaptive and self.k:
             cost = calibrate(config=self.config, runner=self.runner, drafter=self.drafter,
                              graph_cache=self.graph_cache, verify=verify, draft=draft)
+            cost.admissions_in_overhead = spec.adaptive_admissions == "per_iteration"
             classes = self.drafter.num_draft_classes if self.drafter is not None else 0
             self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN,
                                       tail=True, tree=self.tree is not None)
