@@ -261,6 +261,8 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     cost = _adaptive.CostTable({(b, k): t / 1e3 for b in buckets
                                 for k, t in enumerate(scaled(warm, b, args))})
     # The batch's tail (the engine's, for a drafter without classes) unless --pooled.
+    if args.admissions_per_iteration:
+        cost.admissions_in_overhead = True      # the rule before the fifty-first session
     rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN, tail=not args.pooled)
     if args.drain_objective and args.closed:
         # An oracle for "the batch drains" (closed rounds: always): the rule's E(k) as
@@ -343,6 +345,10 @@ def parser() -> argparse.ArgumentParser:
                          "refilled) takes MS more at any K, and it and the one before it "
                          "are disturbed to the rule, as the engine's clock flags them (the "
                          "H200's steady load: a prefill's host work, no step queued ahead)")
+    ap.add_argument("--admissions-per-iteration", action="store_true",
+                    help="X(b) learns from disturbed iterations too (speculative."
+                         "adaptive_admissions = 'per_iteration', the rule before the "
+                         "fifty-first session); default: admissions per token")
     ap.add_argument("--unseen", type=float, default=0.0, metavar="MS",
                     help="every iteration takes MS more at any K than the rule's clock "
                          "times, seen only in its time with the prefill (X(b); the H200's "
