@@ -227,6 +227,13 @@ async def measure(cfg, loaded, batch, iterations, profiler, adaptive_at=None, st
                      if worker.chain is not None else 0.0)
             ended_here = len(ended) - ended_before
             copied = {name: n / done for name, n in (copies or {}).items()}
+            if adaptive_at is not None and adaptive_at < 0:
+                # The rule's view at the end (--adaptive-at -1): its times against the
+                # fixed K's walls on this host.
+                view = worker.adaptive.summary()
+                print("  rule:", {k: view[k] for k in (
+                    "bucket", "chosen", "measured_ms", "samples", "paired", "running",
+                    "times_ms", "expected", "overhead_ms", "switch_ms")})
             tg.cancel_scope.cancel()
     return elapsed / done * 1e6, states, share, medians, thread, ended_here, copied
 

@@ -705,3 +705,26 @@ def test_host_timers_skip_an_optional_call_that_is_missing(monkeypatch):
     required = timers_mod.HostTimers((("specloop.engine._outputs", "Outputs", "nope"),))
     with pytest.raises(KeyError):
         required.install()
+
+
+def test_adaptive_samples_are_grouped_by_k_kind_place_and_disturbance(common, tmp_path):
+    """bench/adaptive_samples_host.py: ``group`` puts each learned sample of one bucket
+    under (K, own / switch / leave, its place in its run of that K, capped, disturbed);
+    ``recorded_samples`` sees a real rule's ``observe`` calls and puts the method back."""
+    bench = importlib.import_module("adaptive_samples_host")
+    from specloop.engine._adaptive import CostTable
+
+    samples = [(8, 3, 1e-3, False, False, False), (8, 3, 2e-3, True, False, False),
+               (8, 3, 3e-3, False, False, True), (4, 1, 9e-3, False, False, False),
+               (8, 2, 4e-3, False, True, False), (8, 2, 5e-3, False, False, False),
+               (8, 2, 6e-3, False, False, False), (8, 2, 7e-3, False, False, False)]
+    grouped = bench.group(samples, 8, cap=3)
+    assert grouped == {(3, "own", 1, False): [1.0], (3, "own", 2, True): [2.0],
+                       (3, "leave", 3, False): [3.0], (2, "switch", 1, False): [4.0],
+                       (2, "own", 2, False): [5.0], (2, "own", 3, False): [6.0, 7.0]}
+    original = CostTable.observe
+    with bench.recorded_samples() as seen:
+        cost = CostTable({(1, 0): 1e-3, (1, 1): 2e-3})
+        cost.observe(1, 1, 3e-3, disturbed=True)
+    assert seen == [(1, 1, 3e-3, True, False, False)] and cost.samples[(1, 1)] == 1
+    assert CostTable.observe is original
