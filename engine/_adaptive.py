@@ -29,11 +29,12 @@ bucket is held HOLD - 1 more choices without the rule). The iterations on either
 side of a switch of K teach that K's switch cost instead, which the rule pays before it
 leaves the last K (``_stay``); an engine's first BURN_IN iterations teach nothing. An
 iteration that admitted requests, or whose next one did, is disturbed and learned only where no undisturbed one was (its extra cost
-is the same at any K, and at a round's start it would all fall on K = 0). What those
-iterations, the prefill and the tail of the times above their medians cost an iteration
-at any K is added to every K's T(b, k): X(b), the mean of the bucket's recent iterations'
-time with their prefill less their K's T (OVERHEAD_WINDOW); a cost paid per iteration
-favours the K that makes more tokens an iteration. On one GPU
+is the same at any K, and at a round's start it would all fall on K = 0). What the tail
+of the times above their medians costs an iteration at any K is added to every K's
+T(b, k): X(b), the mean of the bucket's recent undisturbed iterations' time with their
+prefill less their K's T (OVERHEAD_WINDOW); a cost paid per iteration favours the K that
+makes more tokens an iteration. What an admission costs (the disturbed iterations' extra,
+the prefill) is paid per token at any K and left out (ADMISSIONS_PER_TOKEN). On one GPU
 rank ``next_k`` takes the next choice early and ``commit`` holds the next iteration to
 it, so the worker can queue that step ahead (K = 0: as without speculation; K > 0: DRAFT
 + VERIFY chained on the device). Ties go to the smaller K. Every input is agreed by the
@@ -164,16 +165,16 @@ HOLD = 4
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
 # What an iteration costs beyond its K's T(b, k), the same at any K (``CostTable.overhead``):
-# the prefill its clock leaves out (it admitted requests), the disturbed iterations' extra
-# (no step queued ahead of them), and how far the mean lies above T(b, k), a median. On the H200
-# under a server's load (steady arrival, eagle3) the fixed engines' wall per iteration
-# exceeded the rule's T(b, k) by the same ~0.35 ms at K = 1, 2 and 3 at batch 32 (0.46-0.52
-# at 64, ~0.75 at 128): a per-iteration cost, which favours the K that makes more tokens
-# an iteration, and without it the rule chose K = 1 where fixed K = 3 made 2.5 % more
-# tokens/s (twenty-sixth session). X(b) is the mean of the bucket's last OVERHEAD_WINDOW
-# samples (iterations that neither switched K nor were the first samples of theirs), each
-# at most OVERHEAD_CAP times its T(b, k) (one 100 ms pause moves it by 1 %), once
-# OVERHEAD_MIN have come (the nearest bucket's before).
+# how far the mean lies above T(b, k), a median (and, until the fifty-first session, the
+# prefill its clock leaves out and the disturbed iterations' extra: ADMISSIONS_PER_TOKEN).
+# On the H200 under a server's load (steady arrival, eagle3) the fixed engines' wall per
+# iteration exceeded the rule's T(b, k) by the same ~0.35 ms at K = 1, 2 and 3 at batch 32
+# (0.46-0.52 at 64, ~0.75 at 128), read then as a per-iteration cost, which favours the K
+# that makes more tokens an iteration: without it the rule chose K = 1 where fixed K = 3
+# made 2.5 % more tokens/s (twenty-sixth session). X(b) is the mean of the bucket's last
+# OVERHEAD_WINDOW samples (undisturbed iterations that neither switched K nor were the
+# first samples of theirs), each at most OVERHEAD_CAP times its T(b, k) (one 100 ms pause
+# moves it by 1 %), once OVERHEAD_MIN have come (the nearest bucket's before).
 OVERHEAD_WINDOW = 256
 OVERHEAD_MIN = 16
 OVERHEAD_CAP = 3.0
@@ -303,7 +304,8 @@ class CostTable:
     switch: dict[tuple[int, int], float] = attrs.Factory(dict)
     # Disturbed measurements left out (where undisturbed ones were), for benches.
     ignored: int = 0
-    # Per bucket: X(b), the iteration's cost beyond T(b, k) at any K (OVERHEAD_WINDOW),
+    # Per bucket: X(b), the iteration's cost beyond T(b, k) at any K (OVERHEAD_WINDOW;
+    # undisturbed iterations, ADMISSIONS_PER_TOKEN),
     # added to every K's T there (``times``).
     overhead: dict[int, float] = attrs.Factory(dict)
     # Per bucket, what X(b)'s samples hold (``summary``'s ``overhead_split_ms``; the rule
