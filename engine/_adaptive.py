@@ -310,8 +310,8 @@ class CostTable:
     overhead: dict[int, float] = attrs.Factory(dict)
     # Per bucket, what X(b)'s samples hold (``summary``'s ``overhead_split_ms``; the rule
     # does not read it): [samples, disturbed ones, sum of x over the undisturbed, over
-    # the disturbed, sum of the prefill (full less the clock's time)]. An admission's
-    # cost is per request, so per token at any K, where X(b) charges it per iteration.
+    # the disturbed, sum of the prefill (full less the clock's time)]; the disturbed ones
+    # are not X(b)'s (ADMISSIONS_PER_TOKEN).
     overhead_parts: dict[int, list[float]] = attrs.Factory(dict)
     # Whether X(b) learns from disturbed iterations too (``speculative.adaptive_admissions
     # = "per_iteration"``, the rule before the fifty-first session): ADMISSIONS_PER_TOKEN.
@@ -448,7 +448,8 @@ class CostTable:
         """An iteration at (bucket, k) that kept its K took ``full`` seconds with its
         prefill (``seconds`` without; ``disturbed``: it or the next admitted requests):
         one sample of X(b), ``full`` less T(bucket, k) as learned (at most OVERHEAD_CAP
-        times it)."""
+        times it), unless disturbed (ADMISSIONS_PER_TOKEN; ``admissions_in_overhead``:
+        disturbed too); ``overhead_parts`` counts it in any case."""
         t = self.measured.get((bucket, k))
         if t is None:
             return
