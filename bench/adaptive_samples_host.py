@@ -14,7 +14,7 @@ work (the stand-in graphs accept one draft a row at any K), a K priced above the
 one says which samples make it so.
 
     python bench/adaptive_samples_host.py [--batch 64] [--iterations 1500] [--closed]
-        [--runs-cap 5]
+        [--runs-cap 5] [--set EXPLORE_RUN=4]
 """
 
 from __future__ import annotations
@@ -75,7 +75,14 @@ def main() -> None:
     ap.add_argument("--closed", action="store_true",
                     help="endless requests instead of a server's load (nothing disturbed)")
     ap.add_argument("--runs-cap", type=int, default=5)
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="one of engine/_adaptive.py's integer constants for the run, "
+                         "e.g. --set EXPLORE_RUN=4 (a variant of the rule to compare)")
     args = ap.parse_args()
+    from specloop.engine import _adaptive  # noqa: PLC0415
+    for item in args.set:
+        name, value = item.split("=", 1)
+        setattr(_adaptive, name, type(getattr(_adaptive, name))(int(value)))
     chain.quiet_logs()
     torch.set_num_threads(1)
     from specloop.models import load_model  # noqa: PLC0415
