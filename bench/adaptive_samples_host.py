@@ -33,6 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import bench_chain_host as chain  # noqa: E402
+from adaptive_sim import rule_constants  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -76,18 +77,15 @@ def main() -> None:
                     help="endless requests instead of a server's load (nothing disturbed)")
     ap.add_argument("--runs-cap", type=int, default=5)
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                    help="one of engine/_adaptive.py's integer constants for the run, "
-                         "e.g. --set EXPLORE_RUN=4 (a variant of the rule to compare)")
+                    help="one of engine/_adaptive.py's constants for the run, e.g. "
+                         "--set EXPLORE_RUN=4 (adaptive_sim.rule_constants)")
     args = ap.parse_args()
-    from specloop.engine import _adaptive  # noqa: PLC0415
-    for item in args.set:
-        name, value = item.split("=", 1)
-        setattr(_adaptive, name, type(getattr(_adaptive, name))(int(value)))
     chain.quiet_logs()
     torch.set_num_threads(1)
     from specloop.models import load_model  # noqa: PLC0415
     from specloop.models.testing import write_tiny_checkpoint  # noqa: PLC0415
-    with recorded_samples() as samples, tempfile.TemporaryDirectory() as tmp:
+    with rule_constants(args.set), recorded_samples() as samples, \
+            tempfile.TemporaryDirectory() as tmp:
         path = write_tiny_checkpoint(tmp, vocab_size=384, num_layers=2, hidden=64, seed=1)
         loaded = load_model(path, dtype=torch.float32)
         cfg = chain.config(path, "eagle3", 3, args.batch, True, None)

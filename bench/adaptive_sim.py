@@ -49,12 +49,14 @@ variant of the rule to compare); several may be given.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import inspect
 import math
 import random
 import statistics
 import sys
+from typing import Iterator
 
 
 def _load(path: str):
@@ -364,6 +366,27 @@ def parser() -> argparse.ArgumentParser:
     return ap
 
 
+@contextlib.contextmanager
+def rule_constants(items: list[str], adaptive=None) -> Iterator[None]:
+    """While open, each "NAME=VALUE" of ``items`` sets that constant of
+    engine/_adaptive.py (``adaptive``: that module or another version of it) or of
+    engine/_adaptive_tail.py, in the constant's own type; the values before are back after."""
+    from specloop.engine import _adaptive_tail  # noqa: PLC0415
+    if adaptive is None:
+        from specloop.engine import _adaptive as adaptive  # noqa: PLC0415
+    saved = {}
+    try:
+        for item in items:
+            name, value = item.split("=", 1)
+            module = adaptive if hasattr(adaptive, name) else _adaptive_tail
+            saved[name] = (module, getattr(module, name))
+            setattr(module, name, type(saved[name][1])(value))
+        yield
+    finally:
+        for name, (module, value) in saved.items():
+            setattr(module, name, value)
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parser().parse_args(argv)
     import specloop.engine  # noqa: PLC0415
@@ -373,25 +396,18 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.module:     # run_rule imports the module in its place
         _adaptive = _load(args.module)
         sys.modules["specloop.engine._adaptive"] = specloop.engine._adaptive = _adaptive
-    saved = {}
-    for item in args.set:
-        name, value = item.split("=", 1)
-        module = _adaptive if hasattr(_adaptive, name) else _adaptive_tail
-        saved[name] = (module, getattr(module, name))
-        setattr(module, name, type(saved[name][1])(value))     # the constant's own type
     rows = []
     try:
-        for seed in range(args.seeds):
-            fixed = {k: run_fixed(k, args, seed) for k in range(len(args.times))}
-            rate, chosen = run_rule(args, seed)
-            best = max(fixed, key=fixed.get)
-            rows.append({"seed": seed, "fixed": {k: round(v, 3) for k, v in fixed.items()},
-                         "rule": round(rate, 3), "vs_best": round(rate / fixed[best], 3),
-                         "best_k": best, "chosen": chosen})
-            print(rows[-1], flush=True)
+        with rule_constants(args.set, _adaptive):
+            for seed in range(args.seeds):
+                fixed = {k: run_fixed(k, args, seed) for k in range(len(args.times))}
+                rate, chosen = run_rule(args, seed)
+                best = max(fixed, key=fixed.get)
+                rows.append({"seed": seed, "fixed": {k: round(v, 3) for k, v in fixed.items()},
+                             "rule": round(rate, 3), "vs_best": round(rate / fixed[best], 3),
+                             "best_k": best, "chosen": chosen})
+                print(rows[-1], flush=True)
     finally:
-        for name, (module, value) in saved.items():
-            setattr(module, name, value)
         sys.modules["specloop.engine._adaptive"] = specloop.engine._adaptive = tree
     ratios = [r["vs_best"] for r in rows]
     print(f"rule / best fixed K: median {statistics.median(ratios):.3f} "
