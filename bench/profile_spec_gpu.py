@@ -40,6 +40,12 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 adaptive<=3 x-admissions": {"method": "eagle3", "num_draft_tokens": 3,
                                                "draft_weights": HEAD, "adaptive": True,
                                                "adaptive_admissions": "per_iteration"},
+           # A run's second iteration after a switch learned as nothing, explored runs of
+           # four (``speculative.adaptive_settling``; the fifty-second session's lead at
+           # batch 256: the rule priced K = 2 at 0.95 x K = 3 where it ran 0.92).
+           "eagle3 adaptive<=3 settling": {"method": "eagle3", "num_draft_tokens": 3,
+                                           "draft_weights": HEAD, "adaptive": True,
+                                           "adaptive_settling": 1},
            # Adaptive K's machinery over fewer K values (``adaptive_k``): among {3} alone it
            # runs K = 3 every iteration; set beside "eagle3 K=3" and "adaptive<=3" they part
            # the machinery's own cost from the mix's.

@@ -78,10 +78,24 @@ REST_WEIGHT = 0.2
 # K = 0 one.
 EXPLORE_EVERY = 256
 EXPLORE_RATE, EXPLORE_RARELY = 0.6, 8
-# An explored K runs EXPLORE_RUN iterations in a row: the first after another K and the
-# last before the next are switches (learned as its switch cost), the one between them
-# its own time.
+# An explored K runs EXPLORE_RUN iterations in a row (EXPLORE_RUN + the rule's
+# ``settling``): the first after another K and the last before the next are switches
+# (learned as its switch cost), the ``settling`` after the first are learned as nothing,
+# the one left between them is its own time.
 EXPLORE_RUN = 3
+# The default ``settling`` (``speculative.adaptive_settling``): iterations after a switch's
+# first that are learned as nothing, where a run's second iteration still pays for the
+# switch (a step queued ahead: the first one's extra work spills into it). On this
+# repository's CPU chained path at batch 64 (fifty-first session,
+# bench/adaptive_samples_host.py) K = 3's own samples at a run's second place took 0.706
+# ms against 0.600 from the fifth on, and a K measured only in explore runs of three was
+# priced 1.025-1.139x the running one where every K costs the same there (1.002-1.083
+# with one settling iteration); on an H100 at batch 256 (fifty-second session) the rule's
+# paired T(2) / T(3) read 0.949-0.954 where warm-up's device times gave 0.918 and the
+# fixed engines' throughput 0.916. Not the default: in bench/adaptive_sim.py's batch 32
+# (no spill) one settling iteration lost 1-1.5 % on 4 seeds of 4 (0.971 against 0.986 of
+# the best fixed K), where the H100 met 0.97 with none; untimed on a GPU.
+SETTLING = 0
 # Iterations each K runs at the first bucket before the rule decides there (later buckets
 # borrow its times until each K has as many of its own); their median is T until then
 # (the first drafting iteration after a K = 0 stretch catches the head up eagerly; a host
@@ -742,10 +756,11 @@ def _median_of_recent(recent: dict[Key, collections.deque[float]], key: Key,
     return _median_low(window)
 
 
-def _may_hold(calls: int) -> bool:
-    """Whether the ``calls``-th choice may be held (HOLD): not one of the first
-    EXPLORE_RUN + 1 of its EXPLORE_NEAR (near runs, explore turns, the choice after)."""
-    return calls % EXPLORE_NEAR > EXPLORE_RUN
+def _may_hold(calls: int, run: int) -> bool:
+    """Whether the ``calls``-th choice may be held (HOLD): not one of the first ``run``
+    (an explored run's length) + 1 of its EXPLORE_NEAR (near runs, explore turns, the
+    choice after)."""
+    return calls % EXPLORE_NEAR > run
 
 
 def _fresh_window(stamps: collections.deque[int], limit: int) -> bool:
@@ -786,8 +801,13 @@ class AdaptiveK:
     tree there: ``calibrate``)."""
 
     def __init__(self, candidates: Sequence[int], cost: CostTable, classes: int = 0,
-                 burn_in: int = 0, tail: bool = False, tree: bool = False) -> None:
+                 burn_in: int = 0, tail: bool = False, tree: bool = False,
+                 settling: int | None = None) -> None:
         self.candidates = tuple(sorted(set(candidates)))
+        # Iterations after a switch's first learned as nothing (SETTLING), and the length
+        # of an explored run that leaves one own sample between its switches.
+        self.settling = SETTLING if settling is None else settling
+        self.explore_run = EXPLORE_RUN + self.settling
         self.burn_in = burn_in      # iterations not learned (BURN_IN for an engine's)
         self.k_max = self.candidates[-1]
         self.cost = cost
@@ -801,6 +821,7 @@ class AdaptiveK:
         self._full_us = 0
         self._last: tuple[int, int] | None = None   # (bucket, k) of the last iteration
         self._before: int | None = None     # the K of the iteration before it
+        self._run = 0       # the last iteration's place in its run of one K (SETTLING)
         self._calls = 0             # choices so far: the same count on every rank
         self._settled: set[int] = set()     # buckets where every K has its first samples
         self._committed: int | None = None     # ``commit``: the next choice
@@ -976,7 +997,8 @@ class AdaptiveK:
     def _held(self, bucket: int, calls: int) -> int | None:
         """The K held for the ``calls``-th choice at ``bucket`` (HOLD), or None."""
         hold = self._hold
-        if hold is None or calls > hold[2] or hold[0] != bucket or not _may_hold(calls):
+        if hold is None or calls > hold[2] or hold[0] != bucket or \
+                not _may_hold(calls, self.explore_run):
             return None
         return hold[1]
 
@@ -1034,11 +1056,18 @@ class AdaptiveK:
             k = self._held(bucket, calls)
             if k is None:
                 k = self._rule(self._expected(rows, tree), bucket, calls)
-        if learn:   # learned once the K after it is known (``leaving`` its K)
+        # Learned once the K after it is known (``leaving`` its K); a run's ``settling``
+        # iterations after its first (``switched``) are not where its K has its first
+        # samples (SETTLING; before them, any sample is worth more than none).
+        if learn and not (1 < self._run <= 1 + self.settling and
+                          cost.tried(last_bucket, last_k)):
             cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
             if not switched and k == last_k and full_us:
                 cost.iteration_overhead(last_bucket, last_k, full_us / 1e6, seconds,
                                         disturbed)
+        # (The engine's first K follows no switch: nothing to settle.)
+        self._run = 2 + self.settling if last is None else \
+            self._run + 1 if k == last_k else 1
         before = self._before = None if last is None else last_k
         self.switches += before is not None and before != k
         self._last = (bucket, k)
@@ -1261,25 +1290,26 @@ class AdaptiveK:
                     k = choose_by_rate(self.candidates, expected, times)
             # An explored run just ended: an EXPLORE_EVERY turn, or the near run
             # ``_contender`` chose at this EXPLORE_NEAR's start.
-            explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == EXPLORE_RUN or \
-                calls % EXPLORE_NEAR == EXPLORE_RUN and \
+            run = self.explore_run
+            explored = calls > EXPLORE_EVERY and calls % EXPLORE_EVERY == run or \
+                calls % EXPLORE_NEAR == run and \
                 self._near[0] == calls // EXPLORE_NEAR and self._near[1] is not None
             last = None if self._last is None else self._last[1]
             # After an explored run the rule's K is back without a gate.
             if not explored and last is not None and last != k:
                 k = self._stay(k, last, expected, times, bucket)
-            if calls >= EXPLORE_EVERY and calls % EXPLORE_EVERY < EXPLORE_RUN:
+            if calls >= EXPLORE_EVERY and calls % EXPLORE_EVERY < run:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
                 explore = self.candidates[turn % n_k]
                 rate = {c: expected[c] / max(times[c], 1e-9) for c in (k, explore)}
                 if rate[explore] >= EXPLORE_RATE * rate[k] or \
                         (turn // n_k) % EXPLORE_RARELY == 0:
                     k = explore
-            elif calls >= EXPLORE_NEAR and calls % EXPLORE_NEAR < EXPLORE_RUN and \
+            elif calls >= EXPLORE_NEAR and calls % EXPLORE_NEAR < run and \
                     bucket in self._settled:
                 k = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
             if k == last and not self.classes and bucket in self._settled and \
-                    _may_hold(calls):
+                    _may_hold(calls, run):
                 self._hold = (bucket, k, calls + HOLD - 1)
         return k
 
@@ -1295,7 +1325,7 @@ class AdaptiveK:
             best, best_rate = None, NEAR_RATE * rate_k
             for c in self.candidates:
                 if c != k:
-                    paid = (self.cost.switch_cost(bucket, c) + there) / EXPLORE_RUN
+                    paid = (self.cost.switch_cost(bucket, c) + there) / self.explore_run
                     rate = expected[c] / max(times[c] + paid, 1e-9)
                     if rate >= best_rate:
                         best, best_rate = c, rate

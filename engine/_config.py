@@ -131,6 +131,10 @@ class SpeculativeConfig:
     adaptive_admissions: str = attrs.field(
         default="per_token",
         validator=_in("speculative", ("per_token", "per_iteration")))
+    # Adaptive K: iterations after a switch of K's first that the rule learns as nothing
+    # (they still pay for the switch where a step is queued ahead); each explored run is
+    # that much longer. 0: none (docs/configuration.md, "Adaptive K").
+    adaptive_settling: int = attrs.field(default=0, validator=_at_least("speculative", 0))
     # A static draft tree (docs/configuration.md, "Draft trees"): its nodes' paths of
     # sibling ranks, e.g. [[0], [1], [0, 0]]; batches verified strictly (greedy, or
     # sampled without rejection sampling) draft and verify it, batches on the advanced

@@ -182,7 +182,8 @@ class RankWorker:
             cost.admissions_in_overhead = spec.adaptive_admissions == "per_iteration"
             classes = self.drafter.num_draft_classes if self.drafter is not None else 0
             self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN,
-                                      tail=True, tree=self.tree is not None)
+                                      tail=True, tree=self.tree is not None,
+                                      settling=spec.adaptive_settling)
             self.clock = IterationClock(self.adaptive, device=self.runner.device)
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 

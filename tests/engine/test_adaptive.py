@@ -274,11 +274,13 @@ def test_a_cost_every_iteration_pays_favours_the_k_that_makes_more_tokens():
         return chosen[-300:], cost
 
     without, cost = run(0.0)
-    assert cost.overhead_at(32) == 0.0 and without.count(1) >= 0.9 * len(without)
+    # (The other K runs a near run of EXPLORE_RUN in every EXPLORE_NEAR: a contender.)
+    most = (1 - (EXPLORE_RUN + 1) / EXPLORE_NEAR) * len(without)
+    assert cost.overhead_at(32) == 0.0 and without.count(1) >= most
     with_x, cost = run(0.35e-3)
     assert cost.overhead_at(32) == pytest.approx(0.35e-3)
     assert cost.time(32, 3) == pytest.approx(clean[3] + 0.35e-3)
-    assert with_x.count(3) >= 0.9 * len(with_x)
+    assert with_x.count(3) >= most
 
 
 def test_iteration_overhead_is_a_capped_mean_per_bucket():
@@ -719,14 +721,21 @@ def test_config():
     with pytest.raises(ConfigError, match="speculative.adaptive_admissions"):
         make_config("x", method="ngram", k=2,
                     speculative={"adaptive": True, "adaptive_admissions": "per_request"})
+    assert make_config("x", method="ngram", k=2).speculative.adaptive_settling == 0
+    with pytest.raises(ConfigError, match="speculative.adaptive_settling"):
+        make_config("x", method="ngram", k=2,
+                    speculative={"adaptive": True, "adaptive_settling": -1})
 
 
 async def test_adaptive_admissions_reaches_the_cost_table(tiny_dir, tiny_loaded):
-    for mode, in_x in (("per_token", False), ("per_iteration", True)):
+    for mode, in_x, settling in (("per_token", False, 0), ("per_iteration", True, 1)):
         config = make_config(tiny_dir, method="mtp_eagle", k=2,
-                             speculative={"adaptive": True, "adaptive_admissions": mode})
+                             speculative={"adaptive": True, "adaptive_admissions": mode,
+                                          "adaptive_settling": settling})
         async with AsyncEngine(config, model=tiny_loaded) as engine:
             assert engine.worker.adaptive.cost.admissions_in_overhead is in_x
+            assert engine.worker.adaptive.settling == settling
+            assert engine.worker.adaptive.explore_run == EXPLORE_RUN + settling
 
 
 # The engine -------------------------------------------------------------------------------
@@ -1210,22 +1219,62 @@ def test_a_contender_runs_once_in_every_explore_near_choices():
             [2] * (EXPLORE_NEAR - EXPLORE_RUN), start
     assert runs >= 25
 
-    # K = 3 far behind; and near before the switches' cost, not after it (0.93 x K = 2's
+    # K = 3 far behind; and near before the switches' cost, not after it (0.92 x K = 2's
     # rate, ~0.89 with both switches paid over EXPLORE_RUN; the first near run, K = 3's
     # switch cost not learned yet, may try it).
-    assert 0.8 < NEAR_RATE < 0.93
-    for rate, since in ((0.8, settled + 1), (0.93, 2 * EXPLORE_NEAR)):
+    assert 0.8 < NEAR_RATE < 0.92
+    for rate, since in ((0.8, settled + 1), (0.92, 2 * EXPLORE_NEAR)):
         far = _near_runs({**rates, 3: rate}, switch=0.08)
         for c in range(since, len(far)):
             assert far[c] == (_turn(c) if _turn(c) is not None else 2), (rate, c)
         assert far[since:].count(3) == EXPLORE_RUN      # its turn only
 
 
+def _spilling_runs(spill, settling, choices=2 * EXPLORE_EVERY):
+    """A learning AdaptiveK (``settling``) at batch 1 as ``_near_runs`` (K = 2 the best,
+    K = 3 a contender at 0.96 of its rate), where a switch's extra time spills into the
+    next iteration (a step queued ahead): a run's first iteration takes T(k) x (1 + 2
+    spill), its second T(k) x (1 + spill). -> (its CostTable, T per K)."""
+    adaptive = AdaptiveK(KS, CostTable({}), settling=settling)
+    adaptive.record(3, [3, 3, 2, 1, 3, 0, 2, 3])
+    expected = adaptive._expected_here(None)
+    rates = {0: 0.7, 1: 0.8, 2: 1.0, 3: 0.96}
+    times = {k: expected[k] / (expected[2] * rates[k]) for k in KS}
+    cost = adaptive.cost = CostTable({(1, k): t for k, t in times.items()})
+    last, place = None, 0
+    for _ in range(choices):
+        k = adaptive.choose([adaptive.facts()], 1)
+        place = place + 1 if k == last else 1
+        last = k
+        adaptive.measured(times[k] * (1 + {1: 2 * spill, 2: spill}.get(place, 0.0)))
+    return cost, times
+
+
+def test_a_runs_second_iteration_is_learned_as_nothing():
+    """``settling`` (``speculative.adaptive_settling``) 1: a run's first iteration teaches
+    its K's switch cost, its second nothing (it still pays for the switch where a step is
+    queued ahead: on this repository's CPU chained path at batch 64, K = 3's own samples at
+    a run's second place took 0.706 ms against 0.600 from the fifth on), its third on the
+    K's own time; explored runs are one longer. K = 3, the contender the rule measures in
+    near runs only, is then priced from K = 2 by their true ratio. The biased twin, the
+    default (0: runs of EXPLORE_RUN, the second learned as own): K = 3 priced by the spill
+    above it, as an H100 at batch 256 priced K = 2 at 0.95 x K = 3 where warm-up's device
+    times and the fixed engines' throughput said 0.92."""
+    assert AdaptiveK(KS, CostTable({}), settling=1).explore_run == EXPLORE_RUN + 1
+    cost, times = _spilling_runs(spill=0.04, settling=1)
+    assert cost.running(1) == 2
+    assert cost.ratio(1, 3, 2) == pytest.approx(times[3] / times[2], rel=0.01)
+    cost, times = _spilling_runs(spill=0.04, settling=0)
+    assert cost.running(1) == 2
+    assert cost.ratio(1, 3, 2) > 1.03 * times[3] / times[2]
+
+
 _STRETCHES = st.tuples(st.integers(0, 3), st.sampled_from([1, 2, 3, 3, 3, 16, 20, 30]),
                        st.floats(0.8, 1.4), st.integers(0, 12))
 # Episodes as the rule runs them: a long stretch of one K, then an explored run of another
-# (three: one own sample between a switch and a leaving), now and then the roles swapped.
-_EPISODES = st.tuples(st.sampled_from([16, 20, 30]), st.sampled_from([1, 3, 3, 3, 5]),
+# (three or four: one own sample between a switch and a leaving, the second of four
+# SETTLING, which ``AdaptiveK`` leaves out), now and then the roles swapped.
+_EPISODES = st.tuples(st.sampled_from([16, 20, 30]), st.sampled_from([1, 3, 3, 4, 5]),
                       st.floats(0.8, 1.4), st.integers(0, 12), st.booleans())
 
 
