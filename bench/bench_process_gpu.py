@@ -82,7 +82,8 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
     async with contextlib.AsyncExitStack() as stack:
         engines = {}     # (name, kind, replica) -> engine
         for name in names:
-            spec = {k: v for k, v in CONFIGS[name].items() if k not in ("unchained", "fixed_times")}
+            spec = {k: v for k, v in CONFIGS[name].items()
+                    if k not in ("unchained", "fixed_times", "twin")}
             config = engine_config(spec, batch, device, buckets)
             for kind in kinds:
                 observers = [states[name, kind]] if timers is not None else []
@@ -240,11 +241,18 @@ async def _stats(engine):
     return await engine.fetch_stats()
 
 
+def judged(name: str) -> bool:
+    """Whether ``adaptive_vs_max`` judges the config against the others (an adaptive one,
+    or a fixed one's ``twin``) rather than counting it among them."""
+    return bool(CONFIGS[name].get("adaptive") or CONFIGS[name].get("twin"))
+
+
 def fixed_k(name: str) -> tuple[str, int] | None:
     """(method, K) of a fixed config of CONFIGS ("none": K = 0 of any method), or None for
-    an adaptive one."""
+    one ``judged`` (an adaptive one, a twin: ``adaptive_vs_mix`` prices its iterations at
+    the fixed configs')."""
     spec = CONFIGS[name]
-    if spec.get("adaptive"):
+    if judged(name):
         return None
     return ("", 0) if spec["method"] == "none" else (spec["method"], spec["num_draft_tokens"])
 
@@ -272,11 +280,12 @@ def adaptive_vs_mix(name: str, per_k: dict, iteration_ms: float,
 
 
 def adaptive_vs_max(batch, kind, names, rates) -> None:
-    """Issue 13's adaptive bar: each adaptive config's median over the best other config's
-    median, and run by run (a run's adaptive over the best other in that run)."""
-    others = [n for n in names if "adaptive" not in n]
+    """Issue 13's adaptive bar: each ``judged`` config's median over the best other
+    config's median, and run by run (a run's adaptive over the best other in that run). A
+    fixed config's twin, judged so, is what a rule that always drafts that K scores."""
+    others = [n for n in names if not judged(n)]
     for name in names:
-        if "adaptive" not in name or not others:
+        if not judged(name) or not others:
             continue
         best = max(statistics.median(rates[n]) for n in others)
         paired = [rate / max(rates[n][i] for n in others) for i, rate in enumerate(rates[name])]

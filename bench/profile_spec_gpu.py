@@ -40,6 +40,12 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 adaptive<=3 x-admissions": {"method": "eagle3", "num_draft_tokens": 3,
                                                "draft_weights": HEAD, "adaptive": True,
                                                "adaptive_admissions": "per_iteration"},
+           # The same engine as "eagle3 K=2", judged as a rule would be (bench_process_gpu.py
+           # ``adaptive_vs_max``: over the best of the others): what a rule that always
+           # drafts the best fixed K scores there, the bar's noise floor where K = 2 and 3
+           # run level (batch 64-256 on the H100, fifty-second session).
+           "eagle3 K=2 twin": {"method": "eagle3", "num_draft_tokens": 2,
+                               "draft_weights": HEAD, "twin": True},
            # A run's second iteration after a switch learned as nothing, explored runs of
            # four (``speculative.adaptive_settling``; the fifty-second session's lead at
            # batch 256: the rule priced K = 2 at 0.95 x K = 3 where it ran 0.92).
