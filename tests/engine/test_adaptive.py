@@ -274,13 +274,11 @@ def test_a_cost_every_iteration_pays_favours_the_k_that_makes_more_tokens():
         return chosen[-300:], cost
 
     without, cost = run(0.0)
-    # (The other K runs a near run of EXPLORE_RUN in every EXPLORE_NEAR: a contender.)
-    most = (1 - (EXPLORE_RUN + 1) / EXPLORE_NEAR) * len(without)
-    assert cost.overhead_at(32) == 0.0 and without.count(1) >= most
+    assert cost.overhead_at(32) == 0.0 and without.count(1) >= 0.9 * len(without)
     with_x, cost = run(0.35e-3)
     assert cost.overhead_at(32) == pytest.approx(0.35e-3)
     assert cost.time(32, 3) == pytest.approx(clean[3] + 0.35e-3)
-    assert with_x.count(3) >= most
+    assert with_x.count(3) >= 0.9 * len(with_x)
 
 
 def test_iteration_overhead_is_a_capped_mean_per_bucket():
@@ -1219,11 +1217,11 @@ def test_a_contender_runs_once_in_every_explore_near_choices():
             [2] * (EXPLORE_NEAR - EXPLORE_RUN), start
     assert runs >= 25
 
-    # K = 3 far behind; and near before the switches' cost, not after it (0.92 x K = 2's
+    # K = 3 far behind; and near before the switches' cost, not after it (0.93 x K = 2's
     # rate, ~0.89 with both switches paid over EXPLORE_RUN; the first near run, K = 3's
     # switch cost not learned yet, may try it).
-    assert 0.8 < NEAR_RATE < 0.92
-    for rate, since in ((0.8, settled + 1), (0.92, 2 * EXPLORE_NEAR)):
+    assert 0.8 < NEAR_RATE < 0.93
+    for rate, since in ((0.8, settled + 1), (0.93, 2 * EXPLORE_NEAR)):
         far = _near_runs({**rates, 3: rate}, switch=0.08)
         for c in range(since, len(far)):
             assert far[c] == (_turn(c) if _turn(c) is not None else 2), (rate, c)
