@@ -60,7 +60,9 @@ class Verdict:
 
 
 def is_fixed_eagle3(config: str) -> bool:
-    return config.startswith("eagle3") and "adaptive" not in config
+    """A fixed eagle3 config the bars take the best of (an adaptive one, or a fixed one's
+    twin, judged as a rule is, is not)."""
+    return config.startswith("eagle3") and "adaptive" not in config and "twin" not in config
 
 
 def judge(files: Iterable[tuple[str, list[dict]]]) -> list[Verdict]:

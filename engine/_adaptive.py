@@ -93,8 +93,8 @@ EXPLORE_RUN = 3
 # with one settling iteration); on an H100 at batch 256 (fifty-second session) the rule's
 # paired T(2) / T(3) read 0.949-0.954 where warm-up's device times gave 0.918 and the
 # fixed engines' throughput 0.916. Not the default: in bench/adaptive_sim.py's batch 32
-# (no spill) one settling iteration lost 1-1.5 % on 4 seeds of 4 (0.971 against 0.986 of
-# the best fixed K), where the H100 met 0.97 with none; untimed on a GPU.
+# (no spill) one settling iteration read 0.980 of the best fixed K against 0.985 without
+# (8 seeds, lower on 5), where the H100 met 0.97 with none; untimed on a GPU.
 SETTLING = 0
 # Iterations each K runs at the first bucket before the rule decides there (later buckets
 # borrow its times until each K has as many of its own); their median is T until then

@@ -662,7 +662,8 @@ def test_open_bars_judges_each_bar_from_one_lease_rows(monkeypatch):
         return [{"batch": batch, "config": c, "median": m, "kind": "process", "device": device}
                 for c, m in (("none", none), ("eagle3 K=2", k2), ("eagle3 K=3", k3),
                              ("eagle3 adaptive<=3", adaptive),
-                             ("eagle3 adaptive{2+3}", 10 * k3))]     # not the shipped rule
+                             ("eagle3 adaptive{2+3}", 10 * k3),      # not the shipped rule
+                             ("eagle3 K=2 twin", 10 * k2))]     # judged, not among the best
 
     verdicts = bars.judge([("a", ab(h200, 1.62, 1.12)), ("b", ab(h200, 1.58, 1.15)),
                            ("p", served(32, 100.0, 120.0, 110.0, 118.0)
