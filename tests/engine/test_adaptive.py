@@ -3,6 +3,7 @@
 import collections
 
 import anyio
+import attrs
 import pytest
 import torch
 from hypothesis import example, given, settings
@@ -876,12 +877,16 @@ async def test_ngram_rows_are_classed_and_the_group_agrees(tiny_dir, tiny_loaded
     assert sum(1 for c in range(4) if any(sum(a._reached[c]) for a in seen)) >= 2
 
 
-async def test_group_agrees_on_k_from_its_own_timings(tiny_dir, tiny_loaded):
+@pytest.mark.parametrize("settling", [0, 1])
+async def test_group_agrees_on_k_from_its_own_timings(tiny_dir, tiny_loaded, settling):
     """The engine's own table, learning from each rank's measured times (which differ):
-    the agreed values (the slowest rank's time) keep K equal on every rank."""
+    the agreed values (the slowest rank's time) keep K equal on every rank; with
+    ``adaptive_settling`` too (which samples a rank leaves out follows the agreed K)."""
     reqs = staggered(6)
-    results = await run_group(2, lm_head_tp(tiny_dir, 2), tiny_loaded, reqs,
-                              fixed_cost=False)
+    config = lm_head_tp(tiny_dir, 2)
+    config = attrs.evolve(config, speculative=attrs.evolve(config.speculative,
+                                                           adaptive_settling=settling))
+    results = await run_group(2, config, tiny_loaded, reqs, fixed_cost=False)
     check_greedy(tiny_loaded, reqs, results[0][0])
     logs = [dict(ks) for _, ks in results]
     common = logs[0].keys() & logs[1].keys()
