@@ -42,6 +42,11 @@ load (twenty-sixth session): ``--batch 32 --refill 128 --lengths 0.5 --times
 0.35`` (the rule's learned T, fixed walls less 0.35 ms; docs/performance-history.md,
 "What every iteration pays").
 
+``--spill S``: a switch of K costs the run's first iteration 2 S more and its second S
+more (x T(k)): the extra work of a switch spilling into the next iteration where a step
+is queued ahead (``speculative.adaptive_settling``; ``--set SETTLING=1`` leaves the second
+out of what the rule learns).
+
 ``--set NAME=VALUE`` changes one of engine/_adaptive.py's constants for the run (a
 variant of the rule to compare); several may be given.
 """
@@ -279,6 +284,9 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     full = "full" in inspect.signature(rule.measured).parameters
     tokens = seconds = 0.0
     admits = False      # --disturbed: this iteration admits the rows the last one refilled
+    # --spill: the last iteration's K, this one's place in its run of one K, and whether
+    # that run began with a switch
+    last_k, place, switched = None, 0, False
     for _ in range(args.iterations):
         active, batch = rows.active, rows.requests()
         tail_rows = rule.tail.rows(batch) if rule.tail is not None else 0
@@ -287,6 +295,15 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
         took = clock.iteration(k)
         if args.first_bias != 1 and not rule.cost.tried(rule.cost.bucket(active), k):
             took *= args.first_bias     # a K's first samples, as the H200's ran
+        if k == last_k:
+            place += 1
+        else:
+            place, switched = 1, last_k is not None
+        if args.spill and switched and place <= 2:
+            # A switch's extra work (a step queued ahead): 2 x spill on the run's first
+            # iteration, spill on its second.
+            took *= 1 + args.spill * (3 - place)
+        last_k = k
         if admits:
             took += args.disturbed / 1e3
         seconds += took + args.unseen / 1e3
@@ -347,6 +364,11 @@ def parser() -> argparse.ArgumentParser:
                          "refilled) takes MS more at any K, and it and the one before it "
                          "are disturbed to the rule, as the engine's clock flags them (the "
                          "H200's steady load: a prefill's host work, no step queued ahead)")
+    ap.add_argument("--spill", type=float, default=0.0, metavar="S",
+                    help="the rule's switches of K cost its run's first iteration "
+                         "x (1 + 2 S) and its second x (1 + S) (a step queued ahead: the "
+                         "switch's extra work spills into the next iteration; "
+                         "speculative.adaptive_settling leaves the second out)")
     ap.add_argument("--admissions-per-iteration", action="store_true",
                     help="X(b) learns from disturbed iterations too (speculative."
                          "adaptive_admissions = 'per_iteration', the rule before the "

@@ -92,9 +92,9 @@ EXPLORE_RUN = 3
 # priced 1.025-1.139x the running one where every K costs the same there (1.002-1.083
 # with one settling iteration); on an H100 at batch 256 (fifty-second session) the rule's
 # paired T(2) / T(3) read 0.949-0.954 where warm-up's device times gave 0.918 and the
-# fixed engines' throughput 0.916. Not the default: in bench/adaptive_sim.py's batch 32
-# (no spill) one settling iteration read 0.980 of the best fixed K against 0.985 without
-# (8 seeds, lower on 5), where the H100 met 0.97 with none; untimed on a GPU.
+# fixed engines' throughput 0.916. Not the default: in bench/adaptive_sim.py one settling
+# iteration read ~1 % less of the best fixed K than none, at batch 32 and at a batch-256
+# model, with a spill modelled (--spill) or not (24 seeds each); untimed on a GPU.
 SETTLING = 0
 # Iterations each K runs at the first bucket before the rule decides there (later buckets
 # borrow its times until each K has as many of its own); their median is T until then

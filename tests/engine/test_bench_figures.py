@@ -246,3 +246,26 @@ def test_trace_kernels_orders_one_iteration_by_launch(monkeypatch):
         ("01 GraphLaunch", "glue"), ("01 GraphLaunch", "head"),
         ("02 MemcpyAsync", "Memcpy DtoH (Device -> Pinned)")]
     assert [(gap, dur) for _, _, gap, dur in rows] == [(0.0, 2), (1, 2), (1, 2)]
+
+
+def test_adaptive_sim_spill_charges_a_switch_to_its_run_first_two_iterations(common,
+                                                                             monkeypatch):
+    """bench/adaptive_sim.py ``--spill S``: after a switch of K, the run's first iteration
+    takes 2 S more (x its T) and its second S more; a run that began no switch (the first)
+    and later iterations nothing; the fixed engines (no switches) nothing."""
+    from specloop.engine import _adaptive
+
+    sim = importlib.import_module("adaptive_sim")
+    base = ["--batch", "4", "--sigma", "0", "--dwell", "0", "--times", "1.0,1.0",
+            "--accept", "0.5", "--iterations", "12", "--seeds", "1"]
+    cycle = [0, 0, 0, 1, 1, 1, 1, 0, 1, 1, 0, 0]
+    calls = iter(cycle)
+    monkeypatch.setattr(_adaptive.AdaptiveK, "choose", lambda self, *a, **kw: next(calls))
+    took = []
+    monkeypatch.setattr(_adaptive.AdaptiveK, "measured",
+                        lambda self, seconds, *a: took.append(round(seconds * 1e3, 6)))
+    sim.run_rule(sim.parser().parse_args(base + ["--spill", "0.1"]), 0)
+    assert took == [1.0, 1.0, 1.0, 1.2, 1.1, 1.0, 1.0, 1.2, 1.2, 1.1, 1.2, 1.1]
+    args = sim.parser().parse_args(base + ["--spill", "0.1"])
+    assert sim.run_fixed(0, args, 0) == sim.run_fixed(
+        0, sim.parser().parse_args(base), 0)
