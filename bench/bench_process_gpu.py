@@ -36,7 +36,8 @@ Each row: one (batch, config, kind); ``vs_none`` its median over the same kind's
 config's median, ``vs_in_process`` over the in-process engine of the same config (runs
 paired by order), ``al`` from the engine's (the core's) stats; an adaptive config's
 ``vs_mix``: its wall per iteration over its K mix's at the fixed configs' beside it
-(``adaptive_vs_mix``).
+(``adaptive_vs_mix``; each by the median of its runs' walls per iteration,
+``iteration_ms_median``, where ``iteration_ms`` is all runs' wall over their iterations).
 """
 
 from __future__ import annotations
@@ -99,6 +100,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
         for times in states.values():
             times.total_us.clear()
         walls = {key: [] for key in engines}
+        run_iterations = {key: [] for key in engines}   # each run's iterations
         core_runs: dict[tuple, list] = {}   # key -> [(stats after, before) a run]
         rates = {key: [] for key in engines}
         speeds = {key: [] for key in engines}
@@ -109,9 +111,10 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 speeds[key].append(host_python_us())
                 sync()
                 mark = timers.snapshot() if timers is not None else None
-                # The core's totals around this run only: between its runs the core idles
-                # in SCHEDULE (waiting on its pipe), which the totals would count too.
-                core_mark = await _stats(engine) if core_timers else None
+                # The counters (and the core's totals) around this run only: between its
+                # runs the core idles in SCHEDULE (waiting on its pipe), which the totals
+                # would count too.
+                run_mark = await _stats(engine)
                 start = time.perf_counter()
                 if steady is None:
                     for prompts in sets:
@@ -121,8 +124,10 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                                             spread=steady[2])
                 sync()
                 walls[key].append(time.perf_counter() - start)
-                if core_mark is not None:
-                    core_runs.setdefault(key, []).append((await _stats(engine), core_mark))
+                run_end = await _stats(engine)
+                run_iterations[key].append(run_end.num_iterations - run_mark.num_iterations)
+                if core_timers:
+                    core_runs.setdefault(key, []).append((run_end, run_mark))
                 if mark is not None:
                     mine = spent.setdefault(key[:2], {})
                     for label, sec in timers.since(mark).items():
@@ -130,7 +135,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 rates[key].append(batch * len(sets) * tokens / walls[key][-1]
                                   if steady is None else got["tok_s"])
         deltas = {key: (await _stats(engine), before[key]) for key, engine in engines.items()}
-        merged = merge_replicas(keys, deltas, rates, walls, speeds)
+        merged = merge_replicas(keys, deltas, rates, walls, speeds, run_iterations)
         for pair, (pair_rates, al, extra, iterations) in merged.items():
             out[pair] = (pair_rates, al, extra)
             if timers is not None and pair[1] == "in-process":
@@ -188,13 +193,16 @@ def per_move(moves: dict[str, list[float]], least: int = 10) -> dict[str, dict[s
             for move, (n, wall, wait, bound) in sorted(moves.items()) if n >= least}
 
 
-def merge_replicas(keys, deltas, rates, walls, speeds):
+def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
     """-> {(name, kind): (rates, AL, extra, iterations)} from each engine's
     ``keys`` (name, kind, replica): its counters after and before the timed runs
-    (``deltas``: {key: (stats, first)}), its runs' tokens/s, walls and host speeds. A
-    pair's counters are summed over its replicas; its rates, walls and speeds listed
-    replica after replica (``keys``' order); ``replica_medians`` where it has more than
-    one."""
+    (``deltas``: {key: (stats, first)}), its runs' tokens/s, walls and host speeds (and
+    iterations, ``run_iterations``). A pair's counters are summed over its replicas; its
+    rates, walls and speeds listed replica after replica (``keys``' order);
+    ``replica_medians`` where it has more than one. ``iteration_ms``: all its runs' wall
+    over all their iterations (one slow run moves it); ``iteration_ms_runs`` each run's,
+    and ``iteration_ms_median`` their median (what ``vs_mix`` compares: the runs'
+    tokens/s are compared by medians too)."""
     counts: dict[tuple[str, str], list] = {}
     for key in keys:
         stats, first = deltas[key]
@@ -217,6 +225,12 @@ def merge_replicas(keys, deltas, rates, walls, speeds):
                  "overlapped": round(overlapped / max(iterations, 1), 3),
                  "iteration_ms": round(sum(w for key in mine for w in walls[key]) * 1e3
                                        / max(iterations, 1), 3)}
+        if run_iterations is not None:
+            per_run = [round(w * 1e3 / n, 3) for key in mine
+                       for w, n in zip(walls[key], run_iterations[key]) if n]
+            extra["iteration_ms_runs"] = per_run
+            if per_run:
+                extra["iteration_ms_median"] = round(statistics.median(per_run), 3)
         if len(mine) > 1:
             extra["replica_medians"] = [round(statistics.median(rates[key]), 1)
                                         for key in mine]
@@ -343,13 +357,15 @@ def main() -> None:
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
-            fixed_ms = {n: got[n, kind][2]["iteration_ms"] for n in names
+            def per_iteration_ms(extra):    # the runs' median where each run was counted
+                return extra.get("iteration_ms_median", extra["iteration_ms"])
+            fixed_ms = {n: per_iteration_ms(got[n, kind][2]) for n in names
                         if fixed_k(n) is not None}
             for name in names:
                 rates, al, extra = got[name, kind]
                 if fixed_k(name) is None:
                     extra = {**extra, "vs_mix": adaptive_vs_mix(
-                        name, extra["iterations_per_k"], extra["iteration_ms"], fixed_ms)}
+                        name, extra["iterations_per_k"], per_iteration_ms(extra), fixed_ms)}
                     print(f"batch {batch} {kind}: {name} ms an iteration / its K mix's at "
                           f"the fixed configs' = {extra['vs_mix']}", flush=True)
                 paired = None

@@ -243,7 +243,8 @@ for line in sys.stdin:
     except ValueError:
         print(line.rstrip()); continue
     print(r["batch"], r["kind"], r["config"], r["median"], "vs none", r["vs_none"], "AL", r["al"],
-          "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"], "host", r["host_python_us"],
+          "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"],
+          "median", r.get("iteration_ms_median"), "host", r["host_python_us"],
           "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
           "replicas", r.get("replica_medians"),
           "K", r["iterations_per_k"])

@@ -119,8 +119,12 @@ def test_replicas_merge_their_counters_and_keep_each_runs(common):
     rates = {keys[0]: [1.0, 3.0], keys[1]: [5.0, 7.0], keys[2]: [2.0]}
     walls = {keys[0]: [0.01, 0.01], keys[1]: [0.02, 0.0], keys[2]: [0.1]}
     speeds = {keys[0]: [1, 2], keys[1]: [3, 4], keys[2]: [5]}
-    merged = bench.merge_replicas(keys, deltas, rates, walls, speeds)
+    merged = bench.merge_replicas(keys, deltas, rates, walls, speeds,
+                                  {keys[0]: [4, 6], keys[1]: [5, 0], keys[2]: [50]})
     got_rates, al, extra, iterations = merged["a", "process"]
+    # Each run's wall over its iterations (a run of none left out), and their median.
+    assert extra["iteration_ms_runs"] == [2.5, pytest.approx(1.667), 4.0]
+    assert extra["iteration_ms_median"] == 2.5
     assert got_rates == [1.0, 3.0, 5.0, 7.0] and iterations == 20
     assert al == pytest.approx(1 + 100 / 200)          # (60 + 40) / (100 + 100)
     assert extra["iterations_per_k"] == {2: 12, 3: 18}  # 8 + 10 at K = 3
