@@ -1057,8 +1057,8 @@ class AdaptiveK:
             if k is None:
                 k = self._rule(self._expected(rows, tree), bucket, calls)
         # Learned once the K after it is known (``leaving`` its K); a run's ``settling``
-        # iterations after its first (``switched``) are not where its K has its first
-        # samples (SETTLING; before them, any sample is worth more than none).
+        # iterations after its first (``switched``) are not, once its K has its first
+        # samples at that bucket (SETTLING; before them any sample is worth more than none).
         if learn and not (1 < self._run <= 1 + self.settling and
                           cost.tried(last_bucket, last_k)):
             cost.observe(last_bucket, last_k, seconds, disturbed, switched, k != last_k)
