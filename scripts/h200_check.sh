@@ -11,8 +11,10 @@
 #            processes (none, n-gram K=4, the 31-node tree; the ab step), then a server's
 #            load at BARS_BATCHES (default 1,8,32; none, K=2, K=3, adaptive<=3; the process
 #            step; BARS_STEADY_ROUNDS, default 8: requests a run as a multiple of the
-#            batch), ~6 min; a second call with BARS_AB=0 BARS_BATCHES=64,128,256 for the
-#            rest (then open_bars.py here over both calls' files)
+#            batch; BARS_CONFIGS to run others, e.g. with "eagle3 K=2 twin", what a
+#            rule always drafting K = 2 reads, the bar's noise floor), ~6 min; a second
+#            call with BARS_AB=0 BARS_BATCHES=64,128,256 for the rest (then open_bars.py
+#            here over both calls' files)
 #   profile  eagle3 against no speculation, batch 1 and 32, closed rounds (issue 13)
 #   trees    draft trees at batch 1 (issue 13's 1.6x bar): the chain of 3 and the fitted
 #            trees of 7, 15 and 31 nodes, adaptive K with the 15-node tree, against no
@@ -224,7 +226,8 @@ for step in "$@"; do
       # ~0.2 s on an H100, and one pause moved a run by a quarter (fifty-first session).
       OUT=$OUT PROCESS_ARRIVAL=steady PROCESS_BATCHES="${BARS_BATCHES:-1,8,32}" RUNS=3 \
         STEADY_ROUNDS="${BARS_STEADY_ROUNDS:-8}" \
-        PROCESS_CONFIGS="none,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3" bash "$0" process
+        PROCESS_CONFIGS="${BARS_CONFIGS:-none,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \
+        bash "$0" process
       python3 bench/open_bars.py $(ls "$OUT"/ab_DEFAULT_[12]_1.jsonl 2>/dev/null) "$OUT/process.jsonl" ;;
     process)
       (cd bench && python3 bench_process_gpu.py --prompts "$PROMPTS" --out "$OUT/process.jsonl" \
