@@ -35,7 +35,9 @@ With an adaptive config among ``--configs`` ("eagle3 adaptive<=3") it also print
 Each row: one (batch, config, kind); ``vs_none`` its median over the same kind's first
 config's median, ``vs_in_process`` over the in-process engine of the same config (runs
 paired by order), ``al`` from the engine's (the core's) stats; an adaptive config's
-``vs_mix``: its wall per iteration over its K mix's at the fixed configs' beside it
+``mix_vs_best``: its AL over its K mix's wall per iteration against the best fixed
+config's AL over its own (what its choices are worth), and ``vs_mix``: its wall per
+iteration over its K mix's at the fixed configs' beside it
 (``adaptive_vs_mix``; each by the median of its runs' walls per iteration,
 ``iteration_ms_median``, where ``iteration_ms`` is all runs' wall over their iterations).
 """
@@ -271,15 +273,11 @@ def fixed_k(name: str) -> tuple[str, int] | None:
     return ("", 0) if spec["method"] == "none" else (spec["method"], spec["num_draft_tokens"])
 
 
-def adaptive_vs_mix(name: str, per_k: dict, iteration_ms: float,
-                    fixed_ms: dict[str, float]) -> float | None:
-    """An adaptive config's wall per iteration over its K mix's: each K's share of its
-    iterations (``per_k``, {"K": count}) at the same method's fixed config's wall per
-    iteration in the same process (``fixed_ms``: {config: ms}; K = 0 at "none"'s, which
-    does not feed a head). Above 1: adaptive's iterations cost more than the same K values
-    run by fixed engines (its own work, its switches, a K = 0 that feeds the head);
-    None where a K of the mix has no fixed config beside it. (The twenty-fifth session's
-    batch 32-128: 1.05-1.13, docs/performance-history.md, "Long steady windows".)"""
+def mix_ms(name: str, per_k: dict, fixed_ms: dict[str, float]) -> float | None:
+    """The wall per iteration of ``name``'s K mix (``per_k``, {"K": count}) at the same
+    method's fixed configs' walls per iteration in the same process (``fixed_ms``:
+    {config: ms}; K = 0 at "none"'s, which does not feed a head); None where a K of the mix
+    has no fixed config beside it."""
     method = CONFIGS[name]["method"]
     at = {}
     for config, ms in fixed_ms.items():
@@ -289,8 +287,40 @@ def adaptive_vs_mix(name: str, per_k: dict, iteration_ms: float,
     counts = {int(k): n for k, n in per_k.items() if n}
     if not counts or any(k not in at for k in counts):
         return None
-    mix = sum(at[k] * n for k, n in counts.items()) / sum(counts.values())
-    return round(iteration_ms / mix, 3)
+    return sum(at[k] * n for k, n in counts.items()) / sum(counts.values())
+
+
+def adaptive_vs_mix(name: str, per_k: dict, iteration_ms: float,
+                    fixed_ms: dict[str, float]) -> float | None:
+    """An adaptive config's wall per iteration over its K mix's (``mix_ms``). Above 1:
+    adaptive's iterations cost more than the same K values run by fixed engines (its own
+    work, its switches, a K = 0 that feeds the head): what it loses in running its
+    choices. None where a K of the mix has no fixed config beside it. (The twenty-fifth
+    session's batch 32-128: 1.05-1.13, docs/performance-history.md, "Long steady
+    windows".)"""
+    mix = mix_ms(name, per_k, fixed_ms)
+    return None if mix is None else round(iteration_ms / mix, 3)
+
+
+def mix_vs_best(name: str, per_k: dict, al: float | None, fixed_ms: dict[str, float],
+                fixed_al: dict[str, float | None]) -> float | None:
+    """What an adaptive config's choices are worth: the tokens a row its iterations made
+    (``al``, its drafting iterations'; 1 at K = 0) over its K mix's wall per iteration (``mix_ms``), against the best fixed
+    config of its method's AL over its own wall per iteration ("none": 1 token). Below 1:
+    its K values, run as the fixed engines run them, make fewer tokens a ms than the best
+    one K; over ``vs_mix`` it is its rate an iteration over the best's (admissions and
+    the runs' ends aside). None without AL or a complete mix."""
+    mix, method = mix_ms(name, per_k, fixed_ms), CONFIGS[name]["method"]
+    rates = [(fixed_al.get(n) or 1.0) / ms for n, ms in fixed_ms.items()
+             if ms and fixed_k(n) is not None and fixed_k(n)[0] in ("", method)]
+    if mix is None or al is None or not rates:
+        return None
+    # AL counts drafting rows only: a K = 0 iteration makes one token a row (its rows
+    # taken as many as a drafting iteration's).
+    total = sum(per_k.values())
+    at_0 = sum(n for k, n in per_k.items() if int(k) == 0)     # keys: ints, or str in JSON
+    made = (al * (total - at_0) + at_0) / total
+    return round(made / mix / max(rates), 3)
 
 
 def adaptive_vs_max(batch, kind, names, rates) -> None:
@@ -361,13 +391,19 @@ def main() -> None:
                 return extra.get("iteration_ms_median", extra["iteration_ms"])
             fixed_ms = {n: per_iteration_ms(got[n, kind][2]) for n in names
                         if fixed_k(n) is not None}
+            fixed_al = {n: got[n, kind][1] for n in fixed_ms}
             for name in names:
                 rates, al, extra = got[name, kind]
                 if fixed_k(name) is None:
-                    extra = {**extra, "vs_mix": adaptive_vs_mix(
-                        name, extra["iterations_per_k"], per_iteration_ms(extra), fixed_ms)}
+                    per_k = extra["iterations_per_k"]
+                    extra = {**extra,
+                             "vs_mix": adaptive_vs_mix(name, per_k, per_iteration_ms(extra),
+                                                       fixed_ms),
+                             "mix_vs_best": mix_vs_best(name, per_k, al, fixed_ms, fixed_al)}
                     print(f"batch {batch} {kind}: {name} ms an iteration / its K mix's at "
-                          f"the fixed configs' = {extra['vs_mix']}", flush=True)
+                          f"the fixed configs' = {extra['vs_mix']} (running its choices); "
+                          f"its AL / its mix's ms against the best fixed config's = "
+                          f"{extra['mix_vs_best']} (its choices)", flush=True)
                 paired = None
                 if kind != "in-process" and (name, "in-process") in got and args.replicas == 1:
                     paired = [round(a / b, 3) for a, b in zip(rates, got[name, "in-process"][0])]

@@ -249,6 +249,7 @@ for line in sys.stdin:
           "vs in-process", r["vs_in_process"], "ms/it", r["iteration_ms"],
           "median", r.get("iteration_ms_median"), "host", r["host_python_us"],
           "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
+          "mix vs best", r.get("mix_vs_best"),
           "replicas", r.get("replica_medians"),
           "K", r["iterations_per_k"])
     for extra in ("states_us", "timers_us", "core_states_us", "core_timers_us", "core_moves_us"):

@@ -76,6 +76,21 @@ def test_adaptive_vs_mix_prices_each_k_at_its_fixed_engine(common):
         pytest.approx(1.0)
     assert bench.fixed_k("eagle3 adaptive{3}") is None
     assert bench.fixed_k("none") == ("", 0) and bench.fixed_k("eagle3 K=3") == ("eagle3", 3)
+    # Its choices: AL 2.0 (its drafting iterations'; 3 of its 4, the K = 0 one makes 1
+    # token: 1.75 an iteration) over the mix's 2.25 ms against the best fixed config's
+    # rate (K = 3: AL 2.4 over 3.0 ms = 0.8 a ms; K = 1: 1.5 / 2.0 = 0.75; none: 1 / 1).
+    als = {"none": None, "eagle3 K=1": 1.5, "eagle3 K=3": 2.4, "ngram K=4": 3.0}
+    eagle = dict(fixed)                     # n-gram's K = 4 is another method's: not counted
+    assert bench.mix_vs_best("eagle3 adaptive<=3", per_k, 2.0, eagle, als) == \
+        pytest.approx(1.75 / 2.25 / 1.0, abs=1e-3)      # none's 1 token a ms is the best
+    eagle["none"] = 2.0
+    assert bench.mix_vs_best("eagle3 adaptive<=3", per_k, 2.0, eagle, als) == \
+        pytest.approx((1.75 / ((2 + 2 + 6) / 4)) / 0.8, abs=1e-3)
+    assert bench.mix_vs_best("eagle3 adaptive<=3", per_k, None, eagle, als) is None
+    # The engine's counters key K by int (the rows' JSON by str): the same figure.
+    by_int = {int(k): n for k, n in per_k.items()}
+    assert bench.mix_vs_best("eagle3 adaptive<=3", by_int, 2.0, eagle, als) == \
+        bench.mix_vs_best("eagle3 adaptive<=3", per_k, 2.0, eagle, als)
     # A twin is judged like a rule, its iterations priced at its fixed config's.
     assert bench.fixed_k("eagle3 K=2 twin") is None
     assert bench.adaptive_vs_mix("eagle3 K=2 twin", {"2": 4}, 2.2, {"eagle3 K=2": 2.0}) == \
