@@ -47,8 +47,9 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 K=2 twin": {"method": "eagle3", "num_draft_tokens": 2,
                                "draft_weights": HEAD, "twin": True},
            # A run's second iteration after a switch learned as nothing, explored runs of
-           # four (``speculative.adaptive_settling``; the fifty-second session's lead at
-           # batch 256: the rule priced K = 2 at 0.95 x K = 3 where it ran 0.92).
+           # four (``speculative.adaptive_settling``; the lead from the fifty-first
+           # session's batch 256: the rule priced K = 2 at 1.15 x K = 3 where fixed K = 2
+           # iterated 25 % cheaper).
            "eagle3 adaptive<=3 settling": {"method": "eagle3", "num_draft_tokens": 3,
                                            "draft_weights": HEAD, "adaptive": True,
                                            "adaptive_settling": 1},

@@ -90,9 +90,10 @@ EXPLORE_RUN = 3
 # bench/adaptive_samples_host.py) K = 3's own samples at a run's second place took 0.706
 # ms against 0.600 from the fifth on, and a K measured only in explore runs of three was
 # priced 1.025-1.139x the running one where every K costs the same there (1.002-1.083
-# with one settling iteration); on an H100 at batch 256 (fifty-second session) the rule's
-# paired T(2) / T(3) read 0.949-0.954 where warm-up's device times gave 0.918 and the
-# fixed engines' throughput 0.916. Not the default: in bench/adaptive_sim.py one settling
+# with one settling iteration); the fifty-first session's H100 at batch 256 priced T(2)
+# 1.15x T(3) where fixed K = 2 iterated 25 % cheaper (the fifty-second's paired T(2) /
+# T(3) there, 0.91-0.96 mostly, matched warm-up's 0.918 and the fixed engines'
+# 0.916-0.945). Not the default: in bench/adaptive_sim.py one settling
 # iteration read ~1 % less of the best fixed K than none, at batch 32 and at a batch-256
 # model, with a spill modelled (--spill) or not (24 seeds each); untimed on a GPU.
 SETTLING = 0

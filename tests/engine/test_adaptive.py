@@ -1261,8 +1261,8 @@ def test_a_runs_second_iteration_is_learned_as_nothing():
     K's own time; explored runs are one longer. K = 3, the contender the rule measures in
     near runs only, is then priced from K = 2 by their true ratio. The biased twin, the
     default (0: runs of EXPLORE_RUN, the second learned as own): K = 3 priced by the spill
-    above it, as an H100 at batch 256 priced K = 2 at 0.95 x K = 3 where warm-up's device
-    times and the fixed engines' throughput said 0.92."""
+    above it (an H100 at batch 256, fifty-first session, priced K = 2 at 1.15 x K = 3 where
+    fixed K = 2 iterated 25 % cheaper)."""
     assert AdaptiveK(KS, CostTable({}), settling=1).explore_run == EXPLORE_RUN + 1
     cost, times = _spilling_runs(spill=0.04, settling=1)
     assert cost.running(1) == 2
