@@ -273,17 +273,29 @@ def fixed_k(name: str) -> tuple[str, int] | None:
     return ("", 0) if spec["method"] == "none" else (spec["method"], spec["num_draft_tokens"])
 
 
+def same_method(name: str, fixed: dict[str, float]) -> list[tuple[int, str]]:
+    """(K, config) of each fixed config among ``fixed``'s keys that runs ``name``'s method
+    ("none": K = 0 of any method), in ``fixed``'s order."""
+    method, found = CONFIGS[name]["method"], []
+    for config in fixed:
+        k = fixed_k(config)
+        if k is not None and k[0] in ("", method):
+            found.append((k[1], config))
+    return found
+
+
+def per_iteration_ms(extra: dict) -> float:
+    """A row's wall per iteration: the median of its runs' where each run was counted
+    (``iteration_ms_median``), else all runs' wall over their iterations."""
+    return extra.get("iteration_ms_median", extra["iteration_ms"])
+
+
 def mix_ms(name: str, per_k: dict, fixed_ms: dict[str, float]) -> float | None:
     """The wall per iteration of ``name``'s K mix (``per_k``, {"K": count}) at the same
     method's fixed configs' walls per iteration in the same process (``fixed_ms``:
     {config: ms}; K = 0 at "none"'s, which does not feed a head); None where a K of the mix
     has no fixed config beside it."""
-    method = CONFIGS[name]["method"]
-    at = {}
-    for config, ms in fixed_ms.items():
-        found = fixed_k(config)
-        if found is not None and found[0] in ("", method):
-            at[found[1]] = ms
+    at = {k: fixed_ms[config] for k, config in same_method(name, fixed_ms)}
     counts = {int(k): n for k, n in per_k.items() if n}
     if not counts or any(k not in at for k in counts):
         return None
@@ -305,14 +317,15 @@ def adaptive_vs_mix(name: str, per_k: dict, iteration_ms: float,
 def mix_vs_best(name: str, per_k: dict, al: float | None, fixed_ms: dict[str, float],
                 fixed_al: dict[str, float | None]) -> float | None:
     """What an adaptive config's choices are worth: the tokens a row its iterations made
-    (``al``, its drafting iterations'; 1 at K = 0) over its K mix's wall per iteration (``mix_ms``), against the best fixed
-    config of its method's AL over its own wall per iteration ("none": 1 token). Below 1:
-    its K values, run as the fixed engines run them, make fewer tokens a ms than the best
-    one K; over ``vs_mix`` it is its rate an iteration over the best's (admissions and
-    the runs' ends aside). None without AL or a complete mix."""
-    mix, method = mix_ms(name, per_k, fixed_ms), CONFIGS[name]["method"]
-    rates = [(fixed_al.get(n) or 1.0) / ms for n, ms in fixed_ms.items()
-             if ms and fixed_k(n) is not None and fixed_k(n)[0] in ("", method)]
+    (``al``, its drafting iterations'; 1 at K = 0) over its K mix's wall per iteration
+    (``mix_ms``), against the best fixed config of its method's AL over its own wall per
+    iteration ("none": 1 token). Below 1: its K values, run as the fixed engines run
+    them, make fewer tokens a ms than the best one K; over ``vs_mix`` it is its rate an
+    iteration over the best's (admissions and the runs' ends aside). None without AL or a
+    complete mix."""
+    mix = mix_ms(name, per_k, fixed_ms)
+    rates = [(fixed_al.get(n) or 1.0) / fixed_ms[n]
+             for _, n in same_method(name, fixed_ms) if fixed_ms[n]]
     if mix is None or al is None or not rates:
         return None
     # AL counts drafting rows only: a K = 0 iteration makes one token a row (its rows
@@ -387,8 +400,6 @@ def main() -> None:
         for kind in kinds:
             base = statistics.median(got[names[0], kind][0])
             adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
-            def per_iteration_ms(extra):    # the runs' median where each run was counted
-                return extra.get("iteration_ms_median", extra["iteration_ms"])
             fixed_ms = {n: per_iteration_ms(got[n, kind][2]) for n in names
                         if fixed_k(n) is not None}
             fixed_al = {n: got[n, kind][1] for n in fixed_ms}

@@ -1162,16 +1162,22 @@ def test_a_k_just_left_is_evidence_once_not_for_a_stretch():
     # window x a ratio learned from the stretch (1.3 t2 again).
     assert cost.times(1, [2, 3])[2] == pytest.approx(t2)
 
-def _near_runs(rates, switch, choices=4 * EXPLORE_EVERY + EXPLORE_NEAR):
-    """A learning AdaptiveK at batch 1 whose K's rates E(k) / T(k) are ``rates`` (x K = 2's,
-    whose T is 1; acceptance fixed: one record before the first choice, E(k) from it):
-    its choices, picks[c] the c-th (from 1). Every iteration at K takes T(k), the first
-    after another K ``switch`` more (each K's switch cost, once learned)."""
-    adaptive = AdaptiveK(KS, CostTable({}))
+def _rated_rule(rates, settling=0):
+    """A learning AdaptiveK (``settling``) at batch 1 whose K's rates E(k) / T(k) are
+    ``rates`` (x K = 2's, whose T is 1; acceptance fixed: one record before the first
+    choice, E(k) from it), warm-up's table at those T. -> (the rule, T per K)."""
+    adaptive = AdaptiveK(KS, CostTable({}), settling=settling)
     adaptive.record(3, [3, 3, 2, 1, 3, 0, 2, 3])
     expected = adaptive._expected_here(None)
     times = {k: expected[k] / (expected[2] * rates[k]) for k in KS}   # K = 2's rate: 1
     adaptive.cost = CostTable({(1, k): t for k, t in times.items()})
+    return adaptive, times
+
+
+def _near_runs(rates, switch, choices=4 * EXPLORE_EVERY + EXPLORE_NEAR):
+    """``_rated_rule``'s choices, picks[c] the c-th (from 1). Every iteration at K takes
+    T(k), the first after another K ``switch`` more (each K's switch cost, once learned)."""
+    adaptive, times = _rated_rule(rates)
     picks = [None]
     for _ in range(choices):
         k = adaptive.choose([adaptive.facts()], 1)
@@ -1234,16 +1240,12 @@ def test_a_contender_runs_once_in_every_explore_near_choices():
 
 
 def _spilling_runs(spill, settling, choices=2 * EXPLORE_EVERY):
-    """A learning AdaptiveK (``settling``) at batch 1 as ``_near_runs`` (K = 2 the best,
-    K = 3 a contender at 0.96 of its rate), where a switch's extra time spills into the
-    next iteration (a step queued ahead): a run's first iteration takes T(k) x (1 + 2
-    spill), its second T(k) x (1 + spill). -> (its CostTable, T per K)."""
-    adaptive = AdaptiveK(KS, CostTable({}), settling=settling)
-    adaptive.record(3, [3, 3, 2, 1, 3, 0, 2, 3])
-    expected = adaptive._expected_here(None)
-    rates = {0: 0.7, 1: 0.8, 2: 1.0, 3: 0.96}
-    times = {k: expected[k] / (expected[2] * rates[k]) for k in KS}
-    cost = adaptive.cost = CostTable({(1, k): t for k, t in times.items()})
+    """``_rated_rule`` (K = 2 the best, K = 3 a contender at 0.96 of its rate) where a
+    switch's extra time spills into the next iteration (a step queued ahead): a run's
+    first iteration takes T(k) x (1 + 2 spill), its second T(k) x (1 + spill).
+    -> (its CostTable, T per K)."""
+    adaptive, times = _rated_rule({0: 0.7, 1: 0.8, 2: 1.0, 3: 0.96}, settling)
+    cost = adaptive.cost
     last, place = None, 0
     for _ in range(choices):
         k = adaptive.choose([adaptive.facts()], 1)
