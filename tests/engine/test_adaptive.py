@@ -84,6 +84,21 @@ def test_counts_are_the_conditional_acceptance_per_position():
         assert (one.reached, one.accepted) == (many.reached, many.accepted)
 
 
+@settings(max_examples=60, deadline=None)
+@given(k=st.integers(1, 3), rows=st.integers(1, 300), seed=st.integers(0, 2**16))
+def test_counts_of_many_rows_are_the_brute_counts(k, rows, seed):
+    """Above BYTES_ROWS rows ``record`` counts on the rows' bytes: the same counts (and
+    the same accepted drafts in ``e_check``) as row by row, at every K and row count."""
+    import random
+    rng = random.Random(seed)
+    accepted = [rng.randrange(k + 1) for _ in range(rows)]
+    adaptive = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS}))
+    made = adaptive._count(adaptive._reached[0], adaptive._accepted[0], k, accepted)
+    reached, expect = brute_counts(accepted, k)
+    assert adaptive.reached[:k] == reached and adaptive.accepted[:k] == expect
+    assert made == sum(accepted)
+
+
 def test_choice_depends_only_on_the_gathered_columns():
     """Two ranks with different local state, handed the same columns, choose alike; the
     group's acceptance is the pooled counts'."""
