@@ -56,15 +56,12 @@ import torch
 from specloop.graphs import bucket_for
 
 from ._adaptive_tail import TAIL_PRIOR_ROWS, BatchTail
+from ._stats import accepted_at_least
 
 # Counts travel as integers in 1/SCALE units (the exchange is an int64 tensor).
 SCALE = 16
 # Per-iteration decay of the counts (an iteration with drafts only): ~50 iterations' memory.
 DECAY = 0.98
-# Above this many rows an iteration's acceptance counts are taken on the rows' bytes (at
-# K >= 2): on this repository's CPU, K = 3 at 64 rows 1.3 against 1.8 us, at 256 3.6
-# against 6.7 (the list's own count compares Python ints); at 32 rows level.
-BYTES_ROWS = 48
 # Prior: PRIOR_ROWS pseudo-rows at acceptance PRIOR_ACCEPT for every position, so a
 # position never drafted yet looks worth a try, and one lucky row does not decide.
 PRIOR_ROWS, PRIOR_ACCEPT = 2.0, 0.5
@@ -895,35 +892,45 @@ class AdaptiveK:
 
     def record(self, k: int, num_accepted: Sequence[int],
                classes: Sequence[int] | None = None,
-               tail_accepted: Sequence[int] | None = None, *, tree: bool = False) -> None:
+               tail_accepted: Sequence[int] | None = None, *, tree: bool = False,
+               at_least: Sequence[int] | None = None) -> None:
         """After VERIFY: each row drafted k and had ``num_accepted`` of them accepted;
         ``classes``: each row's class as the choice of k saw it (None: unclassed);
         ``tail_accepted``: the tail's rows' (``tail.accepted``; None: no tail). A class's
         counts, and the tail's, decay at the iterations that drafted rows of them.
-        ``tree``: the iteration drafted the tree (k its depth): its own counts only."""
+        ``tree``: the iteration drafted the tree (k its depth): its own counts only.
+        ``at_least``: ``accepted_at_least(num_accepted, k)`` where the caller has it (RESCAN
+        counts once for the stats and the rule)."""
         if k == 0 or not num_accepted:
             return
+        rows = len(num_accepted)
         if tree:
             assert self.tree, "a tree's iteration is recorded where the rule knows the tree"
-            self._count(self._tree_reached, self._tree_accepted, k, num_accepted)
+            self._count(self._tree_reached, self._tree_accepted, k, rows,
+                        at_least or accepted_at_least(num_accepted, k))
             self._own_tree = None
             return
         self._own_tail = None       # its prior is the pooled counts
         if tail_accepted:
-            self._count(self._tail_reached, self._tail_accepted, k, tail_accepted)
+            self._count(self._tail_reached, self._tail_accepted, k, len(tail_accepted),
+                        accepted_at_least(tail_accepted, k))
         pooled = self.classes
         if classes is None:
             # Every row unclassed (no per-row work: a host-bound batch of 32-256 rows pays
             # for each).
-            made = self._count(self._reached[pooled], self._accepted[pooled], k,
-                               num_accepted)
+            at_least = at_least or accepted_at_least(num_accepted, k)
+            self._count(self._reached[pooled], self._accepted[pooled], k, rows, at_least)
+            made = sum(at_least)
         else:
             by_class: dict[int, list[int]] = {}
             for c, n in zip(classes, num_accepted):
                 by_class.setdefault(c, []).append(n)
             made = 0
             for c, accepted_rows in by_class.items():
-                made += self._count(self._reached[c], self._accepted[c], k, accepted_rows)
+                class_at_least = accepted_at_least(accepted_rows, k)
+                self._count(self._reached[c], self._accepted[c], k, len(accepted_rows),
+                            class_at_least)
+                made += sum(class_at_least)
                 self._own_expected[c] = None
         self._own_expected[pooled] = None
         if not tail_accepted:
@@ -935,28 +942,22 @@ class AdaptiveK:
                     check = self.e_check[(view_bucket, k)] = [0, 0.0, 0.0]
                 check[0] += 1
                 check[1] += view_expected[k]
-                check[2] += 1 + made / len(num_accepted)
+                check[2] += 1 + made / rows
 
-    def _count(self, reached_c: list[float], accepted_c: list[float], k: int,
-               num_accepted: Sequence[int]) -> int:
-        """Decay a class's counts and add an iteration's rows (``num_accepted``, each in
-        0 .. k) -> the drafts they accepted in all."""
-        at_least = len(num_accepted)    # rows with n >= j, for j = 0, 1, ...
-        # k passes in C, not a Python loop a row; over BYTES_ROWS rows on their bytes.
-        counted = bytes(num_accepted).count if at_least > BYTES_ROWS and k > 1 else \
-            num_accepted.count
-        made = 0
+    def _count(self, reached_c: list[float], accepted_c: list[float], k: int, rows: int,
+               at_least: Sequence[int]) -> None:
+        """Decay a class's counts and add an iteration's ``rows`` rows that drafted k,
+        ``at_least`` of them with each draft accepted (``accepted_at_least``)."""
+        reached = rows          # draft j+1 was looked at: drafts 1..j accepted
         for j in range(k):
-            reached = at_least          # draft j+1 was looked at: drafts 1..j accepted
-            at_least -= counted(j)
-            made += at_least            # sum(n) = the rows with n >= j+1, over j
+            now = at_least[j]
             reached_c[j] = reached_c[j] * DECAY + reached
-            accepted_c[j] = accepted_c[j] * DECAY + at_least
+            accepted_c[j] = accepted_c[j] * DECAY + now
+            reached = now
         if k < self.k_max:      # (an empty range's loop costs ~10 % of the call)
             for j in range(k, self.k_max):
                 reached_c[j] *= DECAY
                 accepted_c[j] *= DECAY
-        return made
 
     def measured(self, seconds: float, full: float | None = None) -> None:
         """The iteration just run took ``seconds`` (prefill excluded), ``full`` with its

@@ -19,6 +19,7 @@ from specloop.engine._adaptive import (EXPLORE_EVERY, EXPLORE_NEAR, EXPLORE_RARE
                                        acceptance_from_counts, choose_by_rate, choose_k,
                                        expected_tokens)
 from specloop.engine._states import IterationState
+from specloop.engine._stats import EngineStats, accepted_at_least
 from specloop.engine._errors import ConfigError
 from specloop.samplers import SamplingParams
 
@@ -80,23 +81,29 @@ def test_counts_are_the_conditional_acceptance_per_position():
         for a in (one, many):
             a.record(3, [1, 3])
         one.record(k, [n])
-        many._count(many._reached[0], many._accepted[0], k, [n])
+        many._count(many._reached[0], many._accepted[0], k, 1, accepted_at_least([n], k))
         assert (one.reached, one.accepted) == (many.reached, many.accepted)
 
 
 @settings(max_examples=60, deadline=None)
 @given(k=st.integers(1, 3), rows=st.integers(1, 300), seed=st.integers(0, 2**16))
 def test_counts_of_many_rows_are_the_brute_counts(k, rows, seed):
-    """Above BYTES_ROWS rows ``record`` counts on the rows' bytes: the same counts (and
-    the same accepted drafts in ``e_check``) as row by row, at every K and row count."""
+    """Above BYTES_ROWS rows an iteration is counted on the rows' bytes
+    (``accepted_at_least``): the same counts as row by row, at every K and row count, in
+    the rule, the stats and the accepted drafts ``e_check`` adds up."""
     import random
     rng = random.Random(seed)
     accepted = [rng.randrange(k + 1) for _ in range(rows)]
-    adaptive = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS}))
-    made = adaptive._count(adaptive._reached[0], adaptive._accepted[0], k, accepted)
     reached, expect = brute_counts(accepted, k)
-    assert adaptive.reached[:k] == reached and adaptive.accepted[:k] == expect
-    assert made == sum(accepted)
+    at_least = accepted_at_least(accepted, k)
+    assert at_least == expect and sum(at_least) == sum(accepted)
+    for given_counts in (None, at_least):
+        adaptive = AdaptiveK(KS, CostTable({(1, c): 1.0 for c in KS}))
+        adaptive.record(k, accepted, at_least=given_counts)
+        assert adaptive.reached[:k] == reached and adaptive.accepted[:k] == expect
+    stats = EngineStats()
+    stats.record_iteration(rows, k, sum(accepted), accepted)
+    assert stats.drafted_per_position == [rows] * k and stats.accepted_per_position == expect
 
 
 def test_choice_depends_only_on_the_gathered_columns():
