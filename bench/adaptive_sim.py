@@ -63,6 +63,8 @@ import statistics
 import sys
 from typing import Iterator
 
+from bench_adaptive_host import tail_rows_of
+
 
 def _load(path: str):
     """Another version of engine/_adaptive.py, as a module (it imports ``._adaptive_tail``
@@ -138,6 +140,7 @@ class Rows:
         self.factors = random.Random(rng.getrandbits(32))
         self.tokens = args.closed or args.refill
         self.refilled = 0       # --refill: rows replaced by the last step (new requests)
+        self.admitted = 0       # rows that ever joined (the scheduler's ``admitted``)
         self.accept: list[list[float]] = []
         self.rows: list[Row] = []
         self._refill()
@@ -159,6 +162,7 @@ class Rows:
         args = self.args
         self.rows = [Row(self._tokens() if self.tokens else 1 << 30)
                      for _ in range(args.batch)]
+        self.admitted += args.batch
         self.accept = [self._row() for _ in self.rows] if self.tokens else \
             [args.accept] * args.batch
 
@@ -197,6 +201,7 @@ class Rows:
                 if row.left <= 0:
                     self.rows[i], self.accept[i] = Row(self._tokens()), self._row()
                     self.refilled += 1
+            self.admitted += self.refilled
             return sum(useful), counts
         kept = [i for i, row in enumerate(self.rows) if row.left > 0]
         self.accept = [self.accept[i] for i in kept]
@@ -289,7 +294,7 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     last_k, place, switched = None, 0, False
     for _ in range(args.iterations):
         active, batch = rows.active, rows.requests()
-        tail_rows = rule.tail.rows(batch) if rule.tail is not None else 0
+        tail_rows = tail_rows_of(rule.tail, batch, rows.admitted)
         k = rule.choose([rule.facts(None, tail_rows)], active)
         clock.times = scaled(args.times, active, args)
         took = clock.iteration(k)

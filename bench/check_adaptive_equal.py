@@ -21,7 +21,7 @@ import sys
 
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from bench_adaptive_host import load_revision, make_clock  # noqa: E402
+from bench_adaptive_host import load_revision, make_clock, tail_rows_of  # noqa: E402
 
 from specloop.engine import _adaptive as new  # noqa: E402
 
@@ -111,6 +111,28 @@ class FakeEvent:
         return FakeEvent.ms
 
 
+class Joins:
+    """A rank's admissions as the tail is told them (``Scheduler.admitted``), counted where
+    a tail before the fifty-third session told a join itself: a row of the batch it had not
+    seen at its last call (a superset test). Both versions are then told the same joins
+    (a row admitted and gone before the tail's next call is none for either)."""
+
+    def __init__(self) -> None:
+        self.seen: set = set()
+        self.admitted = 0
+
+    def __call__(self, rows) -> int:
+        if not self.seen.issuperset(rows):
+            self.seen, self.admitted = set(rows), self.admitted + 1
+        return self.admitted
+
+
+def tails_of(a, b, rows, joins: Joins) -> tuple[int, int]:
+    """``tail.rows`` of both versions' rules, told the same joins."""
+    admitted = joins(rows)
+    return tail_rows_of(a.tail, rows, admitted), tail_rows_of(b.tail, rows, admitted)
+
+
 def one_rank_tail(ref, seed):
     """A head's rule on one rank as the worker runs it (engine/_worker.py, _ahead.py):
     SCHEDULE's tick and prefill, SYNC's choice (committed, else from the facts), RESCAN's
@@ -122,6 +144,7 @@ def one_rank_tail(ref, seed):
     # Steady load at one size, or batches that grow and drain.
     size = rng.choice([8, 32, 64]) if seed % 2 else rng.randrange(1, 64)
     rows = [Row(rng) for _ in range(size)]
+    joins = Joins()
     k = 0
     for i in range(ITERATIONS):
         FakeEvent.done = rng.random() < 0.9
@@ -147,8 +170,8 @@ def one_rank_tail(ref, seed):
             if a.committed:
                 ka, kb = a.choose_committed(batch), b.choose_committed(batch)
             else:
-                fa = a.facts(None, a.tail.rows(rows))
-                fb = b.facts(None, b.tail.rows(rows))
+                ta, tb = tails_of(a, b, rows, joins)
+                fa, fb = a.facts(None, ta), b.facts(None, tb)
                 assert fa == fb, (seed, i)
                 ka, kb = a.choose([fa], batch), b.choose([fb], batch)
             assert ka == kb, (seed, i, ka, kb)
@@ -164,10 +187,9 @@ def one_rank_tail(ref, seed):
                 row.token_ids += [0] * (n + 1)
             if rng.random() < 0.85:     # VERIFY: the next K taken early
                 taken = rng.random() < 0.9
-                na = a.next_k(batch, k, stay=not taken,
-                              tail_rows=a.tail.rows(rows) if taken else 0)
-                nb = b.next_k(batch, k, stay=not taken,
-                              tail_rows=b.tail.rows(rows) if taken else 0)
+                ta, tb = tails_of(a, b, rows, joins) if taken else (0, 0)
+                na = a.next_k(batch, k, stay=not taken, tail_rows=ta)
+                nb = b.next_k(batch, k, stay=not taken, tail_rows=tb)
                 assert na == nb, (seed, i, na, nb)
                 assert a._view == b._view, (seed, i)
                 assert a._tail_here() == b._tail_here(), (seed, i)
@@ -193,12 +215,13 @@ def group(ref, seed):
     classes, tail = (seed % 3, False) if seed % 2 else (0, True)
     ranks = [(build(ref, classes, tail), build(new, classes, tail)) for _ in range(2)]
     batches = [[Row(rng) for _ in range(rng.randrange(1, 40))] for _ in ranks]
+    joins = [Joins() for _ in ranks]
     for i in range(ITERATIONS):
         gathered, told = ([], []), []
-        for (a, b), rows in zip(ranks, batches):
+        for (a, b), rows, rank_joins in zip(ranks, batches, joins):
             cls = None if not classes or rng.random() < 0.3 else \
                 [rng.randrange(classes + 1) for _ in rows]
-            tails = (a.tail.rows(rows), b.tail.rows(rows)) if tail else (0, 0)
+            tails = tails_of(a, b, rows, rank_joins) if tail else (0, 0)
             fa, fb = a.facts(cls, tails[0]), b.facts(cls, tails[1])
             assert fa == fb, (seed, i)
             gathered[0].append(fa)

@@ -23,12 +23,13 @@ accepted ~0.9x the mean row (the simulation's spread gives ~0.6x), and K = 1 and
 came out level for it (docs/performance-history.md, "The batch's tail, and a K not well
 measured").
 
-Host work per iteration: a superset test of the batch against its requests at the last
-join, and that set rebuilt at each join (~4-6 us at batch 128 on this repository's CPU);
-while the batch is quiet, also a set lookup a row at RESCAN (the tail's rows' acceptance)
-and the tail itself (a sort of the batch by tokens left) when the batch's size moved by a
-quarter or every TAIL_EVERY iterations. Under a server's load the batch is never quiet
-for long, and the tail costs the superset test alone.
+Host work per iteration: an integer compare (the scheduler's admissions against the last
+seen); while the batch is quiet, also a set lookup a row at RESCAN (the tail's rows'
+acceptance) and the tail itself (a sort of the batch by tokens left) when the batch's size
+moved by a quarter or every TAIL_EVERY iterations. Under a server's load the batch is
+never quiet for long, and the tail costs the compare alone (a superset test of the batch
+against its requests at the last join before, and that set rebuilt at each join: ~7 us at
+batch 256 on this repository's CPU, nearly every iteration under load).
 """
 
 from __future__ import annotations
@@ -91,24 +92,22 @@ class BatchTail:
         self.members = _NONE
         self._size = -1
         self._age = 0
-        # The batch's requests as of the last join (a superset test is one C-level pass;
-        # those that left since are let go once they are half of it), and the iterations
-        # since the join.
-        self._seen: set[Request] = set()
+        # The scheduler's admissions as of the last ``rows`` (``Scheduler.admitted``: a
+        # request joins the batch only through an admission), and the iterations since
+        # one.
+        self._admitted = 0
         self._quiet = 0
 
-    def rows(self, batch: Sequence[Request]) -> int:
-        """The tail's rows in ``batch`` (the next iteration's): 0 where the batch has no
-        tail, or has had a request join within TAIL_QUIET iterations (then it has no
-        members either: none is counted, and it is chosen afresh once the batch is
-        quiet)."""
-        seen = self._seen
-        if seen.issuperset(batch):
+    def rows(self, batch: Sequence[Request], admitted: int) -> int:
+        """The tail's rows in ``batch`` (the next iteration's), ``admitted`` the requests
+        its rank's scheduler has admitted so far (``Scheduler.admitted``): 0 where the
+        batch has no tail, or has had a request admitted within TAIL_QUIET iterations
+        (then it has no members either: none is counted, and it is chosen afresh once the
+        batch is quiet)."""
+        if admitted == self._admitted:
             self._quiet += 1
-            if len(seen) > 2 * len(batch):      # no join: finished requests let go
-                self._seen = set(batch)
         else:
-            self._seen, self._quiet = set(batch), 0
+            self._admitted, self._quiet = admitted, 0
         if self._quiet < TAIL_QUIET:
             self.members, self._size = _NONE, -1
             return 0

@@ -39,6 +39,9 @@ class Scheduler:
         self.slots = SlotAllocator(max_batch_size)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        # Requests admitted so far: the only way into the batch (adaptive K's tail tells a
+        # join by it, engine/_adaptive_tail.py).
+        self.admitted = 0
 
     @property
     def num_requests(self) -> int:
@@ -64,6 +67,7 @@ class Scheduler:
             budget -= prompt_tokens
             admitted.append(request)
             self.running.append(request)
+        self.admitted += len(admitted)
         return admitted
 
     def finish(self, request: Request, reason: FinishReason) -> None:

@@ -338,7 +338,7 @@ class RankWorker:
     def tail_rows(self, batch: list[Request]) -> int:
         """Adaptive K's tail rows in ``batch`` (``BatchTail.rows``; 0 without a tail)."""
         tail = self.adaptive.tail if self.adaptive is not None else None
-        return tail.rows(batch) if tail is not None else 0
+        return tail.rows(batch, self.scheduler.admitted) if tail is not None else 0
 
     def _all_greedy(self, batch: list[Request]) -> bool:
         """Whether every request of ``batch`` samples greedily: one C-level pass over the

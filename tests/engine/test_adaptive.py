@@ -1375,7 +1375,7 @@ def _drive(adaptive, times, choices, *, one_rank, rows=8, seed=0):
 
     batch = [Row() for _ in range(rows)]
     for _ in range(choices):
-        tail_rows = adaptive.tail.rows(batch)
+        tail_rows = adaptive.tail.rows(batch, rows)     # no join after the first rows
         if one_rank and picks:
             adaptive.commit(adaptive.next_k(rows, k, tail_rows=tail_rows))
             k = adaptive.choose_committed(rows)

@@ -29,11 +29,13 @@ class Row:
         self.stop_length, self.token_ids = limit, [0] * length
 
 
-def quiet(tail: BatchTail, batch: list) -> int:
-    """``tail.rows(batch)`` once the batch has had no join for TAIL_QUIET iterations."""
+def quiet(tail: BatchTail, batch: list, admitted: int | None = None) -> int:
+    """``tail.rows(batch)`` once the batch has had no join for TAIL_QUIET iterations
+    (``admitted``: the scheduler's admissions so far, the batch's rows by default)."""
+    admitted = len(batch) if admitted is None else admitted
     for _ in range(TAIL_QUIET):
-        tail.rows(batch)
-    return tail.rows(batch)
+        tail.rows(batch, admitted)
+    return tail.rows(batch, admitted)
 
 
 def test_the_tail_is_the_rows_with_most_tokens_left():
@@ -57,65 +59,71 @@ def test_the_tail_is_the_rows_with_most_tokens_left():
 
 def test_the_tail_is_chosen_again_when_the_batch_changes_size_by_a_quarter_or_ages():
     batch = [Row(100, length) for length in range(10, 30)]        # 20 rows: a tail of 5
-    tail = BatchTail()
+    tail, admitted = BatchTail(), 20
     quiet(tail, batch)
     first = tail.members
     assert first == frozenset(batch[:5])
     for row in batch[:5]:
         row.token_ids = [0] * 99           # the tail's rows nearly done
     for _ in range(TAIL_EVERY - 1):
-        tail.rows(batch)
+        tail.rows(batch, admitted)
         assert tail.members == first       # held between choices
-    tail.rows(batch)
+    tail.rows(batch, admitted)
     assert tail.members == frozenset(batch[5:10])     # aged: chosen again
     for row in batch[5:10]:
         row.token_ids = [0] * 99           # these nearly done too
     del batch[12]
-    tail.rows(batch)                       # a row ended (19): held (a server's load)
+    tail.rows(batch, admitted)             # a row ended (19): held (a server's load)
     assert tail.members == frozenset(batch[5:10])
     del batch[:6]                          # 13 rows: moved by more than a quarter
-    tail.rows(batch)
+    tail.rows(batch, admitted)
     assert tail.members == frozenset(batch[4:8])
     fresh = Row(0, 5)                      # not committed yet: no limit known, last
     batch.append(fresh)                    # a request joined: no tail until quiet again
-    assert tail.rows(batch) == 0 and not tail.members
-    assert quiet(tail, batch) == TAIL_MIN_ROWS
+    admitted += 1
+    assert tail.rows(batch, admitted) == 0 and not tail.members
+    assert quiet(tail, batch, admitted) == TAIL_MIN_ROWS
     assert fresh not in tail.members and tail.members == frozenset(batch[4:8])
     del batch[4:]                          # 4 rows: no tail, at once
-    assert tail.rows(batch) == 0 and tail.accepted(batch, [1] * 4) is None
+    assert tail.rows(batch, admitted) == 0 and tail.accepted(batch, [1] * 4) is None
 
 
 def test_the_tail_decides_only_once_the_batch_drains():
-    """A batch that a request joined within TAIL_QUIET iterations has no tail for the rule
-    (``rows`` 0: E(k) the pooled counts'; under a server's load the rows with most left
-    are the newest, early in their answers, where a head accepts least), and none is
-    chosen or counted then (under that load the tail would cost its sort and a lookup a
-    row every iteration for nothing); once quiet it is chosen and counted, and rows that
-    leave keep it on. The biased twin, TAIL_QUIET 0: the tail decides while requests
-    join."""
+    """A batch that a request joined within TAIL_QUIET iterations (the scheduler admitted
+    one: ``Scheduler.admitted`` moved) has no tail for the rule (``rows`` 0: E(k) the
+    pooled counts'; under a server's load the rows with most left are the newest, early
+    in their answers, where a head accepts least), and none is chosen or counted then
+    (under that load the tail would cost its sort and a lookup a row every iteration for
+    nothing); once quiet it is chosen and counted, and rows that leave keep it on. The
+    biased twin, TAIL_QUIET 0: the tail decides while requests join."""
     batch = [Row(100, length) for length in range(10, 30)]        # 20 rows: a tail of 5
-    tail = BatchTail()
-    assert [tail.rows(batch) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
+    tail, admitted = BatchTail(), 20
+    assert [tail.rows(batch, admitted) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
     assert not tail.members and tail.accepted(batch, [1] * 20) is None  # nor counted
-    assert tail.rows(batch) == 5                                    # quiet: it decides
+    assert tail.rows(batch, admitted) == 5                          # quiet: it decides
     assert tail.members == frozenset(batch[:5])
     assert tail.accepted(batch, [1] * 20) == [1] * 5                # and is counted
     del batch[7]
-    assert tail.rows(batch) == 5                                    # a row left: still
+    assert tail.rows(batch, admitted) == 5                          # a row left: still
     batch.append(Row(100, 0))                                       # a request joined
-    assert [tail.rows(batch) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
+    admitted += 1
+    assert [tail.rows(batch, admitted) for _ in range(TAIL_QUIET)] == [0] * TAIL_QUIET
     assert tail.accepted(batch, [1] * len(batch)) is None
-    assert tail.rows(batch) == 5
-    # Requests that left are let go once they are half of those held (an idle engine's
-    # last batch is not kept alive by its tail), and that is no join.
+    assert tail.rows(batch, admitted) == 5
+    # A request admitted and gone before the tail's next call is a join all the same (the
+    # batch did not drain meanwhile).
+    assert tail.rows(batch, admitted + 1) == 0
+    admitted += 1
+    assert quiet(tail, batch, admitted) == 5
+    # Requests that left are not kept alive by the tail (an idle engine's last batch).
     gone = weakref.ref(batch[0])
     del batch[:11]
-    assert tail.rows(batch) == TAIL_MIN_ROWS       # 9 rows: chosen again, still quiet
-    assert gone() is None and len(tail._seen) == len(batch) == 9
+    assert tail.rows(batch, admitted) == TAIL_MIN_ROWS       # 9 rows: chosen again
+    assert gone() is None
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("specloop.engine._adaptive_tail.TAIL_QUIET", 0)
         batch.append(Row(100, 0))
-        assert tail.rows(batch) > 0
+        assert tail.rows(batch, admitted + 1) > 0
 
 
 def draining(tail: bool):
