@@ -64,10 +64,10 @@ class EngineStats:
         self.num_draft_tokens += rows * k
         self.num_accepted_tokens += accepted
         self.iterations_per_k[k] += 1
-        if not k or (per_row is None and at_least is None):
-            return
-        if at_least is None:
+        if at_least is None and per_row is not None:
             at_least = accepted_at_least(per_row, k)
+        if not k or at_least is None:
+            return
         grow = k - len(self.drafted_per_position)
         if grow > 0:
             self.drafted_per_position += [0] * grow

@@ -474,9 +474,9 @@ async def test_one_rank_records_the_classes_its_k_was_committed_with(tiny_dir, t
             events.append(("committed",))
             return committed(batch)
 
-        def logged_record(k, accepted, classes=None, tail_accepted=None):
+        def logged_record(k, accepted, classes=None, tail_accepted=None, **options):
             events.append(("record", k, None if classes is None else list(classes)))
-            record(k, accepted, classes, tail_accepted)
+            record(k, accepted, classes, tail_accepted, **options)
         w.draft_classes, adaptive.commit = logged_classes, logged_commit
         adaptive.choose_committed, adaptive.record = logged_committed, logged_record
         for prompt, params in ngram_requests()[:3]:
