@@ -72,18 +72,21 @@ def _module(name: str, source: str):
 _TAKES_ADMITTED: dict[type, bool] = {}
 
 
-def tail_rows_of(tail, batch, admitted: int) -> int:
-    """``tail.rows`` of any version of engine/_adaptive_tail.py: 0 without a tail; with
-    the scheduler's admissions so far (``admitted``) where it takes them (since the
+def tail_rows_call(tail):
+    """``tail.rows`` of any version of engine/_adaptive_tail.py as a call (batch,
+    admitted) -> rows: the scheduler's admissions so far where it takes them (since the
     fifty-third session), else the batch alone (before: it told a join by a superset test
     of the batch)."""
-    if tail is None:
-        return 0
     kind = type(tail)
     takes = _TAKES_ADMITTED.get(kind)
     if takes is None:
         takes = _TAKES_ADMITTED[kind] = "admitted" in inspect.signature(kind.rows).parameters
-    return tail.rows(batch, admitted) if takes else tail.rows(batch)
+    return tail.rows if takes else (lambda batch, _admitted: tail.rows(batch))
+
+
+def tail_rows_of(tail, batch, admitted: int) -> int:
+    """``tail_rows_call(tail)(batch, admitted)``, 0 without a tail."""
+    return 0 if tail is None else tail_rows_call(tail)(batch, admitted)
 
 
 def make(module, learn: bool):
@@ -189,8 +192,7 @@ def _loop_tail(adaptive, iteration, now: list[float], n: int, batch_size: int,
     batch = [_Row(rng) for _ in range(batch_size)]
     tail, k, clock, spent = adaptive.tail, 0, time.perf_counter, 0.0
     admitted = batch_size       # the scheduler's admissions so far (``Scheduler.admitted``)
-    rows_of = tail.rows if "admitted" in inspect.signature(type(tail).rows).parameters \
-        else (lambda rows, _admitted: tail.rows(rows))     # an older tail: the batch alone
+    rows_of = tail_rows_call(tail)     # bound once: the loop times the call itself
     iteration.tick()
     events = _FakeEvent.calls
     split = [0.0] * len(CALLS)
