@@ -268,7 +268,7 @@ def request_times(times: list) -> dict:
 
 
 async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,
-                      spread: float = 0.0, seed: int = 0) -> dict:
+                      spread: float = 0.0, seed: int = 0, on_mark=None) -> dict:
     """Steady load (a server's, as vLLM's ``benchmark_serving --max-concurrency``): greedy,
     ``n`` tokens each, EOS ignored, one ``generate`` task per request; ``in_flight``
     requests at all times, a new one submitted (``prompts`` cycled) whenever one finishes,
@@ -279,7 +279,10 @@ async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,
     a server's requests end apart. Measured over the window from the ``in_flight``-th
     finish (every request then was submitted into a full engine) to the last submission
     (after it the engine drains: a closed round's tail): -> {"tok_s": tokens delivered in
-    the window / its seconds, "window_s", "window_tokens", "requests"}."""
+    the window / its seconds, "window_s", "window_tokens", "requests"}. ``on_mark``: an
+    async callable, started (not awaited: the submissions go on) with "start" and "end" as
+    the window opens and closes, for what a bench counts over the window only (the
+    engine's counters: its iterations there, not the fill's and the drain's)."""
     from specloop.samplers import SamplingParams  # noqa: PLC0415
 
     if requests <= 2 * in_flight:   # the last submission comes at finish requests - in_flight
@@ -299,6 +302,8 @@ async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,
         finished += 1
         if finished == in_flight:
             marks["start"] = (time.perf_counter(), produced)
+            if on_mark is not None:
+                tg.start_soon(on_mark, "start")
         if submitted < requests:
             submit()
 
@@ -309,6 +314,8 @@ async def steady_load(engine, prompts, n: int, in_flight: int, requests: int,
             submitted += 1
             if submitted == requests:
                 marks["end"] = (time.perf_counter(), produced)
+                if on_mark is not None:
+                    tg.start_soon(on_mark, "end")
 
         for _ in range(in_flight):
             submit()

@@ -40,6 +40,8 @@ config's AL over its own (what its choices are worth), and ``vs_mix``: its wall 
 iteration over its K mix's at the fixed configs' beside it
 (``adaptive_vs_mix``; each by the median of its runs' walls per iteration,
 ``iteration_ms_median``, where ``iteration_ms`` is all runs' wall over their iterations).
+Under ``--arrival steady`` the counters, walls and core timers behind these are each run's
+window's (``Window``), the iterations its tokens/s measure.
 """
 
 from __future__ import annotations
@@ -98,12 +100,12 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                     engines[name, kind, replica] = await stack.enter_async_context(engine)
         for engine in engines.values():
             await generate_round(engine, sets[0], tokens, consumer)
-        before = {key: await _stats(engine) for key, engine in engines.items()}
         for times in states.values():
             times.total_us.clear()
         walls = {key: [] for key in engines}
         run_iterations = {key: [] for key in engines}   # each run's iterations
-        core_runs: dict[tuple, list] = {}   # key -> [(stats after, before) a run]
+        # key -> [(stats after, before) a run]: around the run, or its steady window
+        counted: dict[tuple, list] = {key: [] for key in engines}
         rates = {key: [] for key in engines}
         speeds = {key: [] for key in engines}
         keys = list(engines)
@@ -122,29 +124,32 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                     for prompts in sets:
                         await generate_round(engine, prompts, tokens, consumer)
                 else:
+                    window = Window(engine)
                     got = await steady_load(engine, steady[0], tokens, batch, steady[1],
-                                            spread=steady[2])
+                                            spread=steady[2], on_mark=window.mark)
                 sync()
-                walls[key].append(time.perf_counter() - start)
-                run_end = await _stats(engine)
-                run_iterations[key].append(run_end.num_iterations - run_mark.num_iterations)
-                if core_timers:
-                    core_runs.setdefault(key, []).append((run_end, run_mark))
+                wall = time.perf_counter() - start
+                if steady is None:
+                    pair = (await _stats(engine), run_mark)
+                else:   # the window's iterations only: not the fill's and the drain's
+                    wall, pair = window.span()
+                walls[key].append(wall)
+                run_iterations[key].append(pair[0].num_iterations - pair[1].num_iterations)
+                counted[key].append(pair)
                 if mark is not None:
                     mine = spent.setdefault(key[:2], {})
                     for label, sec in timers.since(mark).items():
                         mine[label] = mine.get(label, 0.0) + sec
                 rates[key].append(batch * len(sets) * tokens / walls[key][-1]
                                   if steady is None else got["tok_s"])
-        deltas = {key: (await _stats(engine), before[key]) for key, engine in engines.items()}
-        merged = merge_replicas(keys, deltas, rates, walls, speeds, run_iterations)
+        merged = merge_replicas(keys, counted, rates, walls, speeds, run_iterations)
         for pair, (pair_rates, al, extra, iterations) in merged.items():
             out[pair] = (pair_rates, al, extra)
             if timers is not None and pair[1] == "in-process":
                 extra["states_us"] = per_iteration(states[pair].total_us, iterations)
                 extra["timers_us"] = per_iteration(spent.get(pair, {}), iterations, 1e6)
             if core_timers and pair[1] != "in-process":
-                spent_core, states_core, moves_core = core_totals(keys, core_runs, pair)
+                spent_core, states_core, moves_core = core_totals(keys, counted, pair)
                 extra["core_timers_us"] = per_iteration(spent_core, iterations, 1e6)
                 extra["core_states_us"] = per_iteration(states_core, iterations)
                 extra["core_moves_us"] = per_move(moves_core)
@@ -163,9 +168,10 @@ def _core_timed(config, on: bool):
 def core_totals(keys, runs, pair) -> tuple[dict[str, float], dict[str, float],
                                            dict[str, list[float]]]:
     """(seconds in each timed call, µs in each state, [iterations, wall µs, µs waiting
-    for the GPU, host-bound iterations] per move of K) the cores of ``pair``'s engines spent in the timed runs:
-    the growth of ``CoreTimers``' totals on their stats over each run (``runs``: {key:
-    [(after, before), ...]}), summed over the runs and the replicas."""
+    for the GPU, host-bound iterations] per move of K) the cores of ``pair``'s engines
+    spent in the timed runs: the growth of ``CoreTimers``' totals on their stats over each
+    run, or its steady window (``runs``: {key: [(after, before), ...]}), summed over the
+    runs and the replicas."""
     calls: dict[str, float] = {}
     states: dict[str, float] = {}
     moves: dict[str, list[float]] = {}
@@ -197,8 +203,9 @@ def per_move(moves: dict[str, list[float]], least: int = 10) -> dict[str, dict[s
 
 def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
     """-> {(name, kind): (rates, AL, extra, iterations)} from each engine's
-    ``keys`` (name, kind, replica): its counters after and before the timed runs
-    (``deltas``: {key: (stats, first)}), its runs' tokens/s, walls and host speeds (and
+    ``keys`` (name, kind, replica): its counters after and before each timed run, or its
+    steady window (``deltas``: {key: [(stats, first), ...]}), its runs' tokens/s, walls
+    (over the same spans) and host speeds (and
     iterations, ``run_iterations``). A pair's counters are summed over its replicas; its
     rates, walls and speeds listed replica after replica (``keys``' order);
     ``replica_medians`` where it has more than one. ``iteration_ms``: all its runs' wall
@@ -207,14 +214,14 @@ def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
     tokens/s are compared by medians too)."""
     counts: dict[tuple[str, str], list] = {}
     for key in keys:
-        stats, first = deltas[key]
         got = counts.setdefault(key[:2], [0, 0, 0, 0, {}])
-        got[0] += stats.num_drafting_rows - first.num_drafting_rows
-        got[1] += stats.num_accepted_tokens - first.num_accepted_tokens
-        got[2] += stats.num_iterations - first.num_iterations
-        got[3] += stats.num_overlapped_iterations - first.num_overlapped_iterations
-        for k, n in stats.iterations_per_k.items():
-            got[4][k] = got[4].get(k, 0) + n - first.iterations_per_k.get(k, 0)
+        for stats, first in deltas[key]:
+            got[0] += stats.num_drafting_rows - first.num_drafting_rows
+            got[1] += stats.num_accepted_tokens - first.num_accepted_tokens
+            got[2] += stats.num_iterations - first.num_iterations
+            got[3] += stats.num_overlapped_iterations - first.num_overlapped_iterations
+            for k, n in stats.iterations_per_k.items():
+                got[4][k] = got[4].get(k, 0) + n - first.iterations_per_k.get(k, 0)
     merged = {}
     for pair, (drafting, accepted, iterations, overlapped, per_k) in counts.items():
         mine = [key for key in keys if key[:2] == pair]
@@ -255,6 +262,29 @@ def _pinned(config, kind: str):
 async def _stats(engine):
     """A copy of the engine's counters (the core's, across the pipe)."""
     return await engine.fetch_stats()
+
+
+class Window:
+    """The engine's counters as a steady run's window opens and closes (``steady_load``'s
+    ``on_mark``), each with the time its copy came: the iterations, K mix, AL and core
+    timers of the window alone, which its tokens/s measure. Around the whole run they
+    counted the fill and the drain too, where an adaptive engine drafts K = 0 as the
+    batch empties (~10 % of its iterations at batch 256, the fifty-second session's
+    ``h100_1206l_b32_256_before.jsonl``) and a fixed one its K: neither is in the
+    window's tokens/s."""
+
+    def __init__(self, engine) -> None:
+        self.engine = engine
+        self.marks: dict[str, tuple[float, object]] = {}
+
+    async def mark(self, name: str) -> None:
+        stats = await _stats(self.engine)
+        self.marks[name] = (time.perf_counter(), stats)
+
+    def span(self) -> tuple[float, tuple[object, object]]:
+        """-> (seconds between the two copies, (counters at the end, at the start))."""
+        (t0, first), (t1, last) = self.marks["start"], self.marks["end"]
+        return t1 - t0, (last, first)
 
 
 def judged(name: str) -> bool:

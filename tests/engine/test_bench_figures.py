@@ -128,9 +128,12 @@ def test_replicas_merge_their_counters_and_keep_each_runs(common):
 
     zero = stats(0, 0, 0, 0, {})
     keys = [("a", "process", 0), ("a", "process", 1), ("k", "process", 0)]
-    deltas = {keys[0]: (stats(110, 60, 20, 20, {2: 12, 3: 18}), stats(10, 0, 10, 10, {3: 10})),
-              keys[1]: (stats(100, 40, 10, 9, {3: 10}), zero),
-              keys[2]: (stats(50, 50, 50, 50, {3: 50}), zero)}
+    # Each run's counters after and before it (or its steady window): summed.
+    deltas = {keys[0]: [(stats(60, 30, 14, 14, {2: 4, 3: 10}), stats(10, 0, 10, 10, {3: 10})),
+                        (stats(110, 60, 20, 20, {2: 12, 3: 18}),
+                         stats(60, 30, 14, 14, {2: 4, 3: 10}))],
+              keys[1]: [(stats(100, 40, 10, 9, {3: 10}), zero)],
+              keys[2]: [(stats(50, 50, 50, 50, {3: 50}), zero)]}
     rates = {keys[0]: [1.0, 3.0], keys[1]: [5.0, 7.0], keys[2]: [2.0]}
     walls = {keys[0]: [0.01, 0.01], keys[1]: [0.02, 0.0], keys[2]: [0.1]}
     speeds = {keys[0]: [1, 2], keys[1]: [3, 4], keys[2]: [5]}
