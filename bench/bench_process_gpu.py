@@ -106,6 +106,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
         run_iterations = {key: [] for key in engines}   # each run's iterations
         # key -> [(stats after, before) a run]: around the run, or its steady window
         counted: dict[tuple, list] = {key: [] for key in engines}
+        lags: dict[tuple, list] = {}   # (name, kind) -> each steady run's [start, end] ms
         rates = {key: [] for key in engines}
         speeds = {key: [] for key in engines}
         keys = list(engines)
@@ -133,6 +134,8 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                     pair = (await _stats(engine), run_mark)
                 else:   # the window's iterations only: not the fill's and the drain's
                     wall, pair = window.span()
+                    lags.setdefault(key[:2], []).append(
+                        [window.lags_ms["start"], window.lags_ms["end"]])
                 walls[key].append(wall)
                 run_iterations[key].append(pair[0].num_iterations - pair[1].num_iterations)
                 counted[key].append(pair)
@@ -145,6 +148,8 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
         merged = merge_replicas(keys, counted, rates, walls, speeds, run_iterations)
         for pair, (pair_rates, al, extra, iterations) in merged.items():
             out[pair] = (pair_rates, al, extra)
+            if pair in lags:
+                extra["window_lag_ms"] = lags[pair]
             if timers is not None and pair[1] == "in-process":
                 extra["states_us"] = per_iteration(states[pair].total_us, iterations)
                 extra["timers_us"] = per_iteration(spent.get(pair, {}), iterations, 1e6)
@@ -276,10 +281,16 @@ class Window:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.marks: dict[str, tuple[float, object]] = {}
+        self.lags_ms: dict[str, float] = {}
 
     async def mark(self, name: str) -> None:
+        asked = time.perf_counter()
         stats = await _stats(self.engine)
-        self.marks[name] = (time.perf_counter(), stats)
+        got = time.perf_counter()
+        self.marks[name] = (got, stats)
+        # How long the copy took to come (the core answers at its next SCHEDULE, behind
+        # the outputs on its pipe): a late end mark counts drain iterations in the window.
+        self.lags_ms[name] = round((got - asked) * 1e3, 2)
 
     def span(self) -> tuple[float, tuple[object, object]]:
         """-> (seconds between the two copies, (counters at the end, at the start))."""

@@ -363,6 +363,25 @@ def test_e_check_compares_the_priced_e_with_the_tokens_made():
     assert adaptive.summary()["e_check"] == {k: [1, round(priced, 3), 2.0]}
 
 
+def test_lived_means_count_undisturbed_stretches_beside_the_median():
+    """``CostTable.lived`` (the summary's ``lived_ms``): per (bucket, K), the undisturbed
+    iterations of a stretch over the engine's life and their mean, whatever the median
+    ``measured`` holds: a heavy tail (one slow iteration in four) moves the mean, not the
+    median; a disturbed iteration and a switch's first or last are not counted."""
+    adaptive = AdaptiveK(KS, CostTable({(4, k): 1e-3 for k in KS}))
+    cost = adaptive.cost
+    times = [1e-3, 1e-3, 1e-3, 3e-3] * 5
+    for seconds in times:
+        cost.observe(4, 2, seconds)
+    cost.observe(4, 2, 9e-3, disturbed=True)
+    cost.observe(4, 2, 9e-3, switched=True)
+    cost.observe(4, 2, 9e-3, leaving=True)
+    assert cost.lived[(4, 2)] == [len(times), pytest.approx(sum(times))]
+    assert cost.measured[(4, 2)] == pytest.approx(1e-3)     # the median: the tail unseen
+    adaptive._view = (4, {k: 1.0 for k in KS}, {k: 1e-3 for k in KS})
+    assert adaptive.summary()["lived_ms"] == {2: [len(times), 1.5]}
+
+
 def test_admissions_do_not_tip_batch_32_to_the_k_making_more_tokens():
     """Figures like the fifty-first session's at batch 32 on an H100 (a server's load,
     eagle3): the rule's own T(32, 2) 0.989 ms, T(32, 3) 1.126 (their ratio the fixed

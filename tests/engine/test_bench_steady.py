@@ -23,6 +23,25 @@ def common(monkeypatch):
     return importlib.import_module("_common")
 
 
+async def test_steady_window_counts_the_windows_iterations(common, tiny_dir, tiny_loaded):
+    """``steady_load``'s ``on_mark`` (bench_process_gpu.py ``Window``): the engine's
+    counters as the window opens and closes, each once; the window's iterations are fewer
+    than the run's (the fill and the drain are out), and each copy's lag is kept."""
+    bench = importlib.import_module("bench_process_gpu")
+    prompts = [[5, 17, 99, 3, 42], [200, 201, 202], [7, 8]]
+    async with AsyncEngine(make_config(tiny_dir, max_batch_size=4), model=tiny_loaded) as engine:
+        before = await engine.fetch_stats()
+        window = bench.Window(engine)
+        got = await common.steady_load(engine, prompts, 6, 3, 12, on_mark=window.mark)
+        after = await engine.fetch_stats()
+    seconds, (last, first) = window.span()
+    assert set(window.marks) == set(window.lags_ms) == {"start", "end"}
+    assert 0 < seconds and got["window_tokens"] > 0
+    assert before.num_iterations <= first.num_iterations < last.num_iterations
+    assert last.num_iterations - first.num_iterations < \
+        after.num_iterations - before.num_iterations
+
+
 async def test_steady_load_keeps_the_engine_full(common, tiny_dir, tiny_loaded):
     """``in_flight`` requests at all times (a new one as each finishes, prompts cycled),
     ``requests`` in all, each its ``n`` tokens; the window's rate is its tokens over its
