@@ -116,23 +116,23 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                 speeds[key].append(host_python_us())
                 sync()
                 mark = timers.snapshot() if timers is not None else None
-                # The counters (and the core's totals) around this run only: between its
-                # runs the core idles in SCHEDULE (waiting on its pipe), which the totals
-                # would count too.
-                run_mark = await _stats(engine)
-                start = time.perf_counter()
+                # The counters (and the core's totals) around this run only (between its
+                # runs the core idles in SCHEDULE, waiting on its pipe, which the totals
+                # would count too); under steady load around its window only, not the
+                # fill's and the drain's iterations.
                 if steady is None:
+                    run_mark = await _stats(engine)
+                    start = time.perf_counter()
                     for prompts in sets:
                         await generate_round(engine, prompts, tokens, consumer)
+                    sync()
+                    wall = time.perf_counter() - start
+                    pair = (await _stats(engine), run_mark)
                 else:
                     window = Window(engine)
                     got = await steady_load(engine, steady[0], tokens, batch, steady[1],
                                             spread=steady[2], on_mark=window.mark)
-                sync()
-                wall = time.perf_counter() - start
-                if steady is None:
-                    pair = (await _stats(engine), run_mark)
-                else:   # the window's iterations only: not the fill's and the drain's
+                    sync()
                     wall, pair = window.span()
                     lags.setdefault(key[:2], []).append(
                         [window.lags_ms["start"], window.lags_ms["end"]])
