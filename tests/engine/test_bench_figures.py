@@ -99,7 +99,8 @@ def test_adaptive_vs_mix_prices_each_k_at_its_fixed_engine(common):
 
 def test_adaptive_vs_max_judges_rules_and_twins_against_the_rest(common, capsys):
     """The bar's line: an adaptive config and a fixed config's twin over the best of the
-    others (neither counts among them), by medians and run by run."""
+    others (neither counts among them), by medians and run by run, and against the one
+    config best by medians run by run."""
     bench = importlib.import_module("bench_process_gpu")
     rates = {"eagle3 K=2": [100.0, 90.0, 110.0], "eagle3 K=3": [95.0, 99.0, 80.0],
              "eagle3 adaptive<=3": [97.0, 96.0, 99.0], "eagle3 K=2 twin": [120.0, 90.0, 99.0]}
@@ -107,9 +108,9 @@ def test_adaptive_vs_max_judges_rules_and_twins_against_the_rest(common, capsys)
     lines = capsys.readouterr().out.splitlines()
     assert lines == [
         "batch 128 process: eagle3 adaptive<=3 / max(others) = 0.970 (medians); runs "
-        "0.970 0.970 0.900",
+        "0.970 0.970 0.900; / eagle3 K=2 run by run: median 0.970",
         "batch 128 process: eagle3 K=2 twin / max(others) = 0.990 (medians); runs "
-        "1.200 0.909 0.900"]
+        "1.200 0.909 0.900; / eagle3 K=2 run by run: median 1.000"]
 
 
 def test_replicas_merge_their_counters_and_keep_each_runs(common):
