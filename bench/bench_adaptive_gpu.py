@@ -208,7 +208,7 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
                     wall = await timed_sets(engine, sets, tokens, sync)
                     rates[name].append(batch * len(sets) * tokens / wall)
                 else:
-                    got = await steady_load(engine, steady[0], tokens, batch, steady[1],
+                    got = await steady_load(engine, steady[0], tokens, steady[3], steady[1],
                                             spread=steady[2])
                     rates[name].append(got["tok_s"])
                     windows[name].append((round(got["window_s"], 3), got["window_tokens"]))

@@ -130,7 +130,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                     pair = (await _stats(engine), run_mark)
                 else:
                     window = Window(engine)
-                    got = await steady_load(engine, steady[0], tokens, batch, steady[1],
+                    got = await steady_load(engine, steady[0], tokens, steady[3], steady[1],
                                             spread=steady[2], on_mark=window.mark)
                     sync()
                     wall, pair = window.span()
@@ -239,6 +239,13 @@ def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
                  "overlapped": round(overlapped / max(iterations, 1), 3),
                  "iteration_ms": round(sum(w for key in mine for w in walls[key]) * 1e3
                                        / max(iterations, 1), 3)}
+        # Rows an iteration, run by run: under steady load the batch the window ran at
+        # (the H200 at 256 in flight, fifty-fourth session: 148-236 rows, varying run to
+        # run, where the client's replacements of finished requests lagged).
+        extra["rows_runs"] = [round((stats.num_verify_rows - first.num_verify_rows)
+                                    / (stats.num_iterations - first.num_iterations), 1)
+                              for key in mine for stats, first in deltas[key]
+                              if stats.num_iterations > first.num_iterations]
         if run_iterations is not None:
             per_run = [round(w * 1e3 / n, 3) for key in mine
                        for w, n in zip(walls[key], run_iterations[key]) if n]
@@ -471,6 +478,7 @@ def main() -> None:
                                    arrival=args.arrival,
                                    prompts_per_run=batch * len(sets) if steady is None
                                    else steady[1],
+                                   in_flight=None if steady is None else steady[3],
                                    vs_in_process=paired, **extra), args.out)
 
 

@@ -123,9 +123,10 @@ def test_replicas_merge_their_counters_and_keep_each_runs(common):
     bench = importlib.import_module("bench_process_gpu")
 
     def stats(drafting, accepted, iterations, overlapped, per_k):
+        # Every row drafted: verified rows are the drafting rows.
         return SimpleNamespace(num_drafting_rows=drafting, num_accepted_tokens=accepted,
                                num_iterations=iterations, num_overlapped_iterations=overlapped,
-                               iterations_per_k=per_k)
+                               iterations_per_k=per_k, num_verify_rows=drafting)
 
     zero = stats(0, 0, 0, 0, {})
     keys = [("a", "process", 0), ("a", "process", 1), ("k", "process", 0)]
@@ -144,6 +145,8 @@ def test_replicas_merge_their_counters_and_keep_each_runs(common):
     # Each run's wall over its iterations (a run of none left out), and their median.
     assert extra["iteration_ms_runs"] == [2.5, pytest.approx(1.667), 4.0]
     assert extra["iteration_ms_median"] == 2.5
+    # Each run's rows an iteration (its verified rows over its iterations).
+    assert extra["rows_runs"] == [12.5, 8.3, 10.0]
     assert got_rates == [1.0, 3.0, 5.0, 7.0] and iterations == 20
     assert al == pytest.approx(1 + 100 / 200)          # (60 + 40) / (100 + 100)
     assert extra["iterations_per_k"] == {2: 12, 3: 18}  # 8 + 10 at K = 3
