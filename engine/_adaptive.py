@@ -1051,7 +1051,7 @@ class AdaptiveK:
             held = self._rule(expected, bucket, calls)
         hold = self._hold
         if self.rest and held == k and hold is not None and hold[0] == bucket and \
-                hold[1] == k and calls - self._awake_since >= AWAKE:
+                hold[1] == k and not tail_rows and calls - self._awake_since >= AWAKE:
             self._rest_left, self._resting = self.rest, (bucket, k)
             self._rest_rows = padded_batch_size
         return held

@@ -295,18 +295,3 @@ def test_adaptive_sim_spill_charges_a_switch_to_its_run_first_two_iterations(com
     args = sim.parser().parse_args(base + ["--spill", "0.1"])
     assert sim.run_fixed(0, args, 0) == sim.run_fixed(
         0, sim.parser().parse_args(base), 0)
-
-
-def test_adaptive_sim_rests_on_one_ranks_path(common):
-    """bench/adaptive_sim.py ``--rest N``: one GPU rank's calls with the rule resting
-    (its rest iterations are no choices), ``--rule-ms`` charged to the awake ones only:
-    with the rule's host work modelled, resting makes more tokens per ms than the same
-    path awake at every iteration (``--one-rank``), on the same seeds."""
-    sim = importlib.import_module("adaptive_sim")
-    base = ["--batch", "8", "--sigma", "0.05", "--slow", "1", "--dwell", "0",
-            "--iterations", "1500", "--rule-ms", "0.1"]
-    awake_rate, awake = sim.run_rule(sim.parser().parse_args(base + ["--one-rank"]), 0)
-    rest_rate, rested = sim.run_rule(sim.parser().parse_args(base + ["--rest", "192"]), 0)
-    assert sum(awake.values()) == 1500
-    assert sum(rested.values()) < 1500 * 0.6       # most iterations rested
-    assert rest_rate > awake_rate
