@@ -275,8 +275,7 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     # The batch's tail (the engine's, for a drafter without classes) unless --pooled.
     if args.admissions_per_iteration:
         cost.admissions_in_overhead = True      # the rule before the fifty-first session
-    rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN, tail=not args.pooled,
-                               **({"rest": args.rest} if args.rest else {}))
+    rule = _adaptive.AdaptiveK(ks, cost, burn_in=_adaptive.BURN_IN, tail=not args.pooled)
     if args.drain_objective and args.closed:
         # An oracle for "the batch drains" (closed rounds: always): the rule's E(k) as
         # the tokens an iteration that end the round soonest, at the rows' mean tokens left.
@@ -293,20 +292,12 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     # --spill: the last iteration's K, this one's place in its run of one K, and whether
     # that run began with a switch
     last_k, place, switched = None, 0, False
-    # --rest: one GPU rank's calls (the next K committed early, SYNC taking it, nothing
-    # timed nor counted while the rule rests); --rule-ms: the rule's host work, paid by
-    # the iterations it is awake in.
-    one_rank = args.one_rank or bool(args.rest)
     for _ in range(args.iterations):
         active, batch = rows.active, rows.requests()
-        if one_rank and rule.committed:
-            k = rule.choose_committed(active)
-        else:
-            tail_rows = tail_rows_of(rule.tail, batch, rows.admitted)
-            k = rule.choose([rule.facts(None, tail_rows)], active)
-        resting = getattr(rule, "resting", False)
+        tail_rows = tail_rows_of(rule.tail, batch, rows.admitted)
+        k = rule.choose([rule.facts(None, tail_rows)], active)
         clock.times = scaled(args.times, active, args)
-        took = clock.iteration(k) + (0.0 if resting else args.rule_ms / 1e3)
+        took = clock.iteration(k)
         if args.first_bias != 1 and not rule.cost.tried(rule.cost.bucket(active), k):
             took *= args.first_bias     # a K's first samples, as the H200's ran
         if k == last_k:
@@ -323,19 +314,12 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
         seconds += took + args.unseen / 1e3
         useful, counts = rows.step(k)
         tokens += useful
-        if not resting:
-            rule.record(k, counts, None,
-                        rule.tail.accepted(batch, counts) if rule.tail is not None else None)
-        if one_rank:
-            # The next K, committed before this iteration's time is known (RunAhead).
-            rule.commit(rule.next_k(rows.active, k,
-                                    tail_rows=tail_rows_of(rule.tail, rows.requests(),
-                                                           rows.admitted)))
-        if not resting:
-            if full:
-                rule.measured(took, took + args.unseen / 1e3)
-            else:
-                rule.measured(took)
+        rule.record(k, counts, None,
+                    rule.tail.accepted(batch, counts) if rule.tail is not None else None)
+        if full:
+            rule.measured(took, took + args.unseen / 1e3)
+        else:
+            rule.measured(took)
         # As the engine's clock: an iteration that admitted requests, and the one before it,
         # are disturbed (IterationClock.tick, prefill_done).
         if args.disturbed and (admits or rows.refilled):
@@ -348,14 +332,6 @@ def parser() -> argparse.ArgumentParser:
     """The command line (tests parse their arguments with it)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--batch", type=int, default=8)
-    ap.add_argument("--rest", type=int, default=0, metavar="N",
-                    help="one GPU rank's path, the rule resting N iterations after AWAKE "
-                         "choices (speculative.adaptive_rest)")
-    ap.add_argument("--one-rank", action="store_true",
-                    help="one GPU rank's path (the next K committed early) without rest")
-    ap.add_argument("--rule-ms", type=float, default=0.0, metavar="MS",
-                    help="the rule's own host work, added to each iteration it is awake "
-                         "in (the H200 at batch 32: ~0.025-0.04)")
     ap.add_argument("--times", type=parse_floats, default=[0.709, 0.883, 0.960, 0.949])
     ap.add_argument("--warmup", type=parse_floats, default=None)
     ap.add_argument("--accept", type=parse_floats, default=[0.50, 0.51, 0.59])

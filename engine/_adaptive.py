@@ -181,10 +181,7 @@ HOLD = 4
 # AWAKE choices awake (two near runs' worth) at a choice that holds its K, the rule rests
 # for ``rest`` iterations: the K it held runs on as a fixed K's would, with no time
 # measured, no acceptance counted and no choice computed (``resting``), until the bucket
-# changes, the batch has a quarter fewer rows than at the rest's start (it drains: its
-# tail would decide; a steady load's short quiet spells, which turn the tail on, do not
-# wake it: at batch 32 they cut most rests short in bench/adaptive_sim.py) or a step is
-# not queued ahead. The rule's
+# changes, the batch drains (its tail decides) or a step is not queued ahead. The rule's
 # own work an iteration (~25-40 us on the H200's host: ``next_k``, ``choose_committed``,
 # ``record``, the clock) and its near runs' explored K are paid in the awake share only; a
 # change of load wakes it at its first iteration. Choices (``choices``) count awake
@@ -882,7 +879,6 @@ class AdaptiveK:
         self.rest = rest
         self._rest_left = 0
         self._resting: tuple[int, int] = (0, 0)
-        self._rest_rows = 0     # the batch's rows as the rest began
         self._awake_since = 0
         self.resting = False
         self.rested = 0
@@ -1040,7 +1036,7 @@ class AdaptiveK:
             return k
         bucket, calls = self.cost.bucket(padded_batch_size), self._calls + 1
         if self._rest_left:
-            if self._rest_holds(padded_batch_size):
+            if self._resting[0] == bucket and not tail_rows:
                 return self._resting[1]
             self._wake()    # the load changed: the rule chooses again from this choice on
         held = self._held(bucket, calls)
@@ -1053,15 +1049,7 @@ class AdaptiveK:
         if self.rest and held == k and hold is not None and hold[0] == bucket and \
                 hold[1] == k and not tail_rows and calls - self._awake_since >= AWAKE:
             self._rest_left, self._resting = self.rest, (bucket, k)
-            self._rest_rows = padded_batch_size
         return held
-
-    def _rest_holds(self, padded_batch_size: int) -> bool:
-        """Whether a rest goes on at a batch of ``padded_batch_size`` rows: the same
-        class, and not a quarter fewer rows than at its start (a batch that drains: its
-        tail's E(k) would decide)."""
-        return self.cost.bucket(padded_batch_size) == self._resting[0] and \
-            4 * padded_batch_size >= 3 * self._rest_rows
 
     def _wake(self) -> None:
         """End a rest: the rule's choices from the next one on (AWAKE of them before
@@ -1106,8 +1094,8 @@ class AdaptiveK:
         assert self._committed is not None, "choose_committed after commit only"
         measured, self._measured_us = self._measured_us, 0
         full, self._full_us = self._full_us, 0
-        if self._rest_left and not self._rest_holds(padded_batch_size):
-            self._wake()    # the load changed: the K committed, but a choice (learned)
+        if self._rest_left and self.cost.bucket(padded_batch_size) != self._resting[0]:
+            self._wake()    # its batch is of another class: the K committed, a choice
         if self._rest_left:
             # A rest's iteration (``next_k`` committed it): nothing learned, nor counted
             # as a choice; the last iteration's time, if any was taken, is dropped.

@@ -482,8 +482,7 @@ def test_rest_holds_the_k_learns_nothing_and_wakes_at_a_new_bucket():
     """``adaptive_rest``: once settled, after AWAKE choices at a held K the rule rests
     ``rest`` iterations in a row: the K held, no choice counted, no time learned, no
     acceptance counted; then AWAKE choices again before the next rest. A batch of
-    another class wakes it at once (its first iteration is the rule's choice, counted),
-    and so does one a quarter smaller than at the rest's start (a batch that drains).
+    another class wakes it at once (its first iteration is the rule's choice, counted).
     Without ``rest``, or with draft classes (no hold), it never rests."""
     from specloop.engine._adaptive import AWAKE
 
@@ -520,16 +519,6 @@ def test_rest_holds_the_k_learns_nothing_and_wakes_at_a_new_bucket():
     assert seen[first + 4][1]                   # resting at batch 1
     assert not seen[first + 5][1]               # the batch of 8 is the rule's
     assert seen[first + 5][2] == seen[first + 4][2] + 1
-
-    # A batch a quarter smaller than at the rest's start (one that drains) wakes it too;
-    # a row or two fewer (a steady load's) does not.
-    cost = table()
-    seen = _one_rank_iterations(AdaptiveK(KS, cost, rest=rest), cost, [8] * 600)
-    start = next(i for i, r in enumerate(seen) if r[1])
-    cost = table()
-    batches = [8] * (start + 3) + [7, 6, 6, 5, 5, 5]
-    seen = _one_rank_iterations(AdaptiveK(KS, cost, rest=rest), cost, batches)
-    assert [r[1] for r in seen[start:]] == [True] * 6 + [False] * 3
 
     # rest = 0 (the default), and a drafter with classes: never.
     cost = table()
