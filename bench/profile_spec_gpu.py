@@ -35,13 +35,6 @@ CONFIGS = {"none": {"method": "none"},
            "eagle3 K=5": {"method": "eagle3", "num_draft_tokens": 5, "draft_weights": HEAD},
            "eagle3 adaptive<=3": {"method": "eagle3", "num_draft_tokens": 3,
                                   "draft_weights": HEAD, "adaptive": True},
-           # Resting (``speculative.adaptive_rest``): after AWAKE (64) choices the rule
-           # holds its K for 192 iterations without measuring, counting or choosing (a
-           # quarter of the iterations awake), where its own host work an iteration cost
-           # ~3 % at batch 32 on the H200 (fifty-fourth session).
-           "eagle3 adaptive<=3 rest": {"method": "eagle3", "num_draft_tokens": 3,
-                                       "draft_weights": HEAD, "adaptive": True,
-                                       "adaptive_rest": 192},
            # The rule as before the fifty-first session: admissions' cost in X(b), charged
            # to every iteration (``speculative.adaptive_admissions``).
            "eagle3 adaptive<=3 x-admissions": {"method": "eagle3", "num_draft_tokens": 3,

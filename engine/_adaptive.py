@@ -177,16 +177,6 @@ EXPLORE_NEAR = 32
 # them); not for a drafter with classes (n-gram: a row's class changes iteration to
 # iteration, and with it the best K).
 HOLD = 4
-# Rest (``speculative.adaptive_rest``): on one GPU rank, once settled at a bucket, after
-# AWAKE choices awake (two near runs' worth) at a choice that holds its K, the rule rests
-# for ``rest`` iterations: the K it held runs on as a fixed K's would, with no time
-# measured, no acceptance counted and no choice computed (``resting``), until the bucket
-# changes, the batch drains (its tail decides) or a step is not queued ahead. The rule's
-# own work an iteration (~25-40 us on the H200's host: ``next_k``, ``choose_committed``,
-# ``record``, the clock) and its near runs' explored K are paid in the awake share only; a
-# change of load wakes it at its first iteration. Choices (``choices``) count awake
-# iterations only, so the explore schedule resumes where it stopped.
-AWAKE = 2 * EXPLORE_NEAR
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -827,7 +817,7 @@ class AdaptiveK:
 
     def __init__(self, candidates: Sequence[int], cost: CostTable, classes: int = 0,
                  burn_in: int = 0, tail: bool = False, tree: bool = False,
-                 settling: int | None = None, rest: int = 0) -> None:
+                 settling: int | None = None) -> None:
         self.candidates = tuple(sorted(set(candidates)))
         # Iterations after a switch's first learned as nothing (SETTLING), and the length
         # of an explored run that leaves one own sample between its switches.
@@ -872,16 +862,6 @@ class AdaptiveK:
         self._own_tree: float | None = None
         # HOLD: (bucket, K, the last choice held) after a choice that kept its K, or None.
         self._hold: tuple[int, int, int] | None = None
-        # Rest (AWAKE): iterations a rest lasts (0: never), the rest iterations committed
-        # and not yet run, the bucket and K held, the choice the rule last woke at,
-        # whether the iteration SYNC took last is a rest's (``resting``), and the rest
-        # iterations run so far (``summary``).
-        self.rest = rest
-        self._rest_left = 0
-        self._resting: tuple[int, int] = (0, 0)
-        self._awake_since = 0
-        self.resting = False
-        self.rested = 0
         # The near run (EXPLORE_NEAR) the rule is in and its K (None: none near enough).
         self._near: tuple[int, int | None] = (-1, None)
         # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
@@ -1035,27 +1015,13 @@ class AdaptiveK:
         if stay:
             return k
         bucket, calls = self.cost.bucket(padded_batch_size), self._calls + 1
-        if self._rest_left:
-            if self._resting[0] == bucket and not tail_rows:
-                return self._resting[1]
-            self._wake()    # the load changed: the rule chooses again from this choice on
         held = self._held(bucket, calls)
-        if held is None:
-            expected = self._tail_here() if tail_rows else self._expected_here(classes)
-            if tree:
-                expected = self._with_tree(expected, self._tree_here())
-            held = self._rule(expected, bucket, calls)
-        hold = self._hold
-        if self.rest and held == k and hold is not None and hold[0] == bucket and \
-                hold[1] == k and not tail_rows and calls - self._awake_since >= AWAKE:
-            self._rest_left, self._resting = self.rest, (bucket, k)
-        return held
-
-    def _wake(self) -> None:
-        """End a rest: the rule's choices from the next one on (AWAKE of them before
-        another rest)."""
-        self._rest_left = 0
-        self._awake_since = self._calls
+        if held is not None:
+            return held
+        expected = self._tail_here() if tail_rows else self._expected_here(classes)
+        if tree:
+            expected = self._with_tree(expected, self._tree_here())
+        return self._rule(expected, bucket, calls)
 
     def _held(self, bucket: int, calls: int) -> int | None:
         """The K held for the ``calls``-th choice at ``bucket`` (HOLD), or None."""
@@ -1080,9 +1046,6 @@ class AdaptiveK:
         gathers them). Learn the last iteration's time (the slowest rank's), pool the
         counts, apply the rule (or take the K held by ``commit``). ``tree``: the group
         agrees this batch may draft the tree (K = k_max then drafts it)."""
-        if self._rest_left:     # a step not queued ahead: the rule takes this choice
-            self._wake()
-        self.resting = False
         times = [row[-1] for row in rows]
         # The slowest rank's time; disturbed when any rank's was.
         return self._choose(rows, max(map(abs, times)), min(times) < 0, padded_batch_size,
@@ -1094,19 +1057,6 @@ class AdaptiveK:
         assert self._committed is not None, "choose_committed after commit only"
         measured, self._measured_us = self._measured_us, 0
         full, self._full_us = self._full_us, 0
-        if self._rest_left and self.cost.bucket(padded_batch_size) != self._resting[0]:
-            self._wake()    # its batch is of another class: the K committed, a choice
-        if self._rest_left:
-            # A rest's iteration (``next_k`` committed it): nothing learned, nor counted
-            # as a choice; the last iteration's time, if any was taken, is dropped.
-            self._rest_left -= 1
-            if not self._rest_left:         # the rest's last: AWAKE choices before another
-                self._awake_since = self._calls
-            self.resting = True
-            self.rested += 1
-            k, self._committed = self._committed, None
-            return k
-        self.resting = False
         return self._choose(None, abs(measured), measured < 0, padded_batch_size, full)
 
     def _choose(self, rows: list[list[int]] | None, measured_us: int, disturbed: bool,
@@ -1350,9 +1300,7 @@ class AdaptiveK:
             "paired": {} if running is None else {
                 k: round(ratio, 3) for k in self.candidates if k != running
                 for ratio in (cost.ratio(bucket, k, running),) if ratio is not None},
-            "tail_rows": None if self.tail is None else len(self.tail.members),
-            # Iterations run resting (AWAKE), over the engine's life.
-            "rested": self.rested}
+            "tail_rows": None if self.tail is None else len(self.tail.members)}
 
     def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket``, E(k) ``expected``."""

@@ -135,10 +135,6 @@ class SpeculativeConfig:
     # (they still pay for the switch where a step is queued ahead); each explored run is
     # that much longer. 0: none (docs/configuration.md, "Adaptive K").
     adaptive_settling: int = attrs.field(default=0, validator=_at_least("speculative", 0))
-    # Adaptive K on one GPU rank: once settled, after AWAKE choices the rule rests this many
-    # iterations, its K held, measuring and counting nothing (a change of the batch's
-    # class wakes it). 0: never rests (docs/configuration.md, "Adaptive K").
-    adaptive_rest: int = attrs.field(default=0, validator=_at_least("speculative", 0))
     # A static draft tree (docs/configuration.md, "Draft trees"): its nodes' paths of
     # sibling ranks, e.g. [[0], [1], [0, 0]]; batches verified strictly (greedy, or
     # sampled without rejection sampling) draft and verify it, batches on the advanced

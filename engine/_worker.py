@@ -183,8 +183,7 @@ class RankWorker:
             classes = self.drafter.num_draft_classes if self.drafter is not None else 0
             self.adaptive = AdaptiveK(spec.k_values, cost, classes, burn_in=BURN_IN,
                                       tail=True, tree=self.tree is not None,
-                                      settling=spec.adaptive_settling,
-                                      rest=spec.adaptive_rest)
+                                      settling=spec.adaptive_settling)
             self.clock = IterationClock(self.adaptive, device=self.runner.device)
             self.ahead.at_k0 = self.verify_inline and self.comm.world_size == 1
 
@@ -300,8 +299,7 @@ class RankWorker:
                 rec.num_draft_tokens = adaptive.choose(
                     [adaptive.facts(rec.draft_classes, self.tail_rows(rec.batch))],
                     rec.padded_batch_size, tree=rec.tree_agreed)
-            # A rest's iteration is not timed (the rule learns nothing from it).
-            self.clock.timed = not adaptive.resting
+            self.clock.timed = True
             self._log_adaptive()
         # Held for one iteration only (an empty one included: its rows may not come back).
         self.committed_classes = {}
@@ -331,7 +329,7 @@ class RankWorker:
         engine core's log) reads to see why K is what it is. Filtered out, it costs a
         modulo an iteration."""
         adaptive = self.adaptive
-        if adaptive is None or adaptive.choices % ADAPTIVE_LOG_EVERY or adaptive.resting:
+        if adaptive is None or adaptive.choices % ADAPTIVE_LOG_EVERY:
             return
         bound = log.bind()
         if enabled_for(bound, logging.INFO):
@@ -668,11 +666,9 @@ class RankWorker:
             self.stats.record_iteration(len(rec.batch), drafted, sum(at_least),
                                         at_least=at_least)
             adaptive = self.adaptive
-            if adaptive is None or adaptive.resting:
-                pass    # a rest's iteration counts nothing (engine/_adaptive.py, AWAKE)
-            elif rec.tree is not None:
+            if adaptive is not None and rec.tree is not None:
                 adaptive.record(drafted, accepted, tree=True, at_least=at_least)
-            else:
+            elif adaptive is not None:
                 tail = adaptive.tail
                 adaptive.record(k, accepted, rec.draft_classes,
                                 tail.accepted(rec.batch, accepted) if tail is not None else None,

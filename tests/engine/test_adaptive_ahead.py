@@ -35,8 +35,7 @@ class StaticOutputs(StepReplayCache):
 
 
 def ahead_config(tiny_dir, method, **kw):
-    speculative = {"adaptive": True, **kw.pop("speculative", {})}
-    data = make_config(tiny_dir, method=method, k=3, speculative=speculative,
+    data = make_config(tiny_dir, method=method, k=3, speculative={"adaptive": True},
                        **kw).to_dict()
     data["components"]["graph_cache"] = "tests.engine.test_adaptive_ahead:StaticOutputs"
     data["graphs"] = {"batch_buckets": [1, 2, 4]}
@@ -453,93 +452,3 @@ async def test_k0_stretches_take_a_page_once_per_page(tiny_dir, tiny_loaded, met
     assert out == reference_greedy(tiny_loaded, PROMPTS[0], tokens)
     assert sum(used) >= tokens - 4      # K = 0 steps queued ahead and taken
     assert sum(syncs) <= tokens // page + 4, (sum(syncs), len(syncs))
-
-
-# Rest (speculative.adaptive_rest) ------------------------------------------------------
-def _one_rank_iterations(adaptive, cost, batches, accepted=(3, 2, 3, 1, 0, 3, 2)):
-    """One GPU rank's calls as the worker makes them, an iteration per entry of
-    ``batches`` (its rows): the clock hands the last iteration's time over (when it was
-    timed), SYNC takes the committed choice (else ``choose``), RESCAN counts its
-    acceptance unless it rested, VERIFY commits the next K. -> per iteration (K, resting,
-    choices, learned samples at its bucket, the decayed rows counted)."""
-    k, timed, seen = 0, False, []
-    for batch in batches:
-        bucket = cost.bucket(batch)
-        if timed:
-            adaptive.measured(cost.device[(bucket, k)])
-        k = adaptive.choose_committed(batch) if adaptive.committed else \
-            adaptive.choose([adaptive.facts()], batch)
-        timed = not adaptive.resting
-        if not adaptive.resting and k:
-            adaptive.record(k, [min(a, k) for a in accepted])
-        seen.append((k, adaptive.resting, adaptive.choices,
-                     sum(cost.samples.get((bucket, c), 0) for c in KS), sum(adaptive.reached)))
-        adaptive.commit(adaptive.next_k(batch, k))
-    return seen
-
-
-def test_rest_holds_the_k_learns_nothing_and_wakes_at_a_new_bucket():
-    """``adaptive_rest``: once settled, after AWAKE choices at a held K the rule rests
-    ``rest`` iterations in a row: the K held, no choice counted, no time learned, no
-    acceptance counted; then AWAKE choices again before the next rest. A batch of
-    another class wakes it at once (its first iteration is the rule's choice, counted).
-    Without ``rest``, or with draft classes (no hold), it never rests."""
-    from specloop.engine._adaptive import AWAKE
-
-    def table():
-        return CostTable({(b, k): 0.001 * (1 + 0.1 * k * b) for b in (1, 8) for k in KS})
-
-    rest = 40
-    cost = table()
-    seen = _one_rank_iterations(AdaptiveK(KS, cost, rest=rest), cost, [1] * 600)
-    rests = [i for i, (_, resting, *_rest) in enumerate(seen) if resting]
-    assert rests, "the rule never rested"
-    first = rests[0]
-    assert seen[first - 1][2] >= AWAKE         # AWAKE choices at least before it
-    stretch = seen[first:first + rest]
-    assert all(r[1] for r in stretch) and not seen[first + rest][1]
-    # K held; choices, learned samples and counts as they were when it started.
-    assert {r[0] for r in stretch} == {seen[first - 1][0]}
-    assert {r[2:] for r in stretch} == {seen[first - 1][2:]}
-    # Awake again: choices count, samples are learned, and AWAKE of them pass before
-    # the next rest.
-    after = seen[first + rest:]
-    nxt = next(i for i, r in enumerate(after) if r[1])
-    assert after[nxt - 1][2] - seen[first - 1][2] >= AWAKE
-    assert after[nxt - 1][3] > seen[first - 1][3]
-    # Resting as much as AWAKE and ``rest`` allow (the explore turns come in the awake
-    # choices only).
-    assert sum(r[1] for r in seen) >= 0.6 * rest / (rest + AWAKE + 8) * (len(seen) - first)
-
-    # A batch of another class wakes it at its first iteration.
-    cost = table()
-    adaptive = AdaptiveK(KS, cost, rest=rest)
-    batches = [1] * (first + 5) + [8] * 60
-    seen = _one_rank_iterations(adaptive, cost, batches)
-    assert seen[first + 4][1]                   # resting at batch 1
-    assert not seen[first + 5][1]               # the batch of 8 is the rule's
-    assert seen[first + 5][2] == seen[first + 4][2] + 1
-
-    # rest = 0 (the default), and a drafter with classes: never.
-    cost = table()
-    assert not any(r[1] for r in _one_rank_iterations(AdaptiveK(KS, cost), cost, [1] * 600))
-    cost = table()
-    classed = AdaptiveK(KS, cost, classes=2, rest=rest)
-    assert not any(r[1] for r in _one_rank_iterations(classed, cost, [1] * 600))
-
-
-async def test_rest_changes_no_token_and_rests_on_one_rank(tiny_dir, tiny_loaded):
-    """The engine with ``speculative.adaptive_rest`` on one GPU rank's path (on CPU):
-    greedy equals no speculation token for token, it rested, and its rest iterations
-    were neither choices nor timed (choices + rested = the adaptive iterations)."""
-    used = []
-    config = ahead_config(tiny_dir, "eagle3", speculative={"adaptive_rest": 24})
-    tokens = 240
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    async with AsyncEngine(config, model=tiny_loaded) as engine:
-        queue_ahead_on_cpu(engine.worker, used)
-        out = await collect(engine, PROMPTS[1], params)
-        adaptive, stats = engine.worker.adaptive, engine.stats
-    assert out == reference_greedy(tiny_loaded, PROMPTS[1], tokens)
-    assert adaptive.rested >= 24, (adaptive.rested, adaptive.choices, sum(used))
-    assert adaptive.choices + adaptive.rested == stats.num_iterations
