@@ -422,13 +422,14 @@ def add_arrival_args(ap) -> None:
                          "32 that was ~0.2 s on the H200, and runs spread +-9 %%)")
     ap.add_argument("--spread", type=float, default=0.5,
                     help="steady: request lengths uniform in tokens x (1 +- spread)")
-    ap.add_argument("--steady-queue", type=float, default=0.0,
+    ap.add_argument("--steady-queue", type=float, default=0.25,
                     help="steady: requests kept waiting beyond the batch, as a share of it "
                          "(0.25 at batch 256: 64 more in flight), so a finished row is "
                          "replaced from the engine's queue at its next iteration, not when "
                          "this process has handed the finish to its client and submitted "
                          "another (on the H200 at 256 in flight the batch ran at 148-236 "
-                         "rows without)")
+                         "rows without, and runs spread +-5 %%; with 0.25 on an H100 "
+                         "252-253 rows, +-1 %%); 0: the load before the fifty-fifth session")
 
 
 def steady_setup(args, tokenizer, texts: list[str], batch: int):

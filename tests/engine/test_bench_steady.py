@@ -125,6 +125,7 @@ def test_bench_adaptive_steady_smoke_on_cpu(common, smollm2, tmp_path, monkeypat
     learned = tmp_path / "learned.jsonl"
     rows = _bench_rows(common, smollm2, tmp_path, monkeypatch, [
         "--configs", "none,adaptive<=3", "--arrival", "steady", "--requests", "3",
+        "--steady-queue", "0",
         "--spread", "0.5", "--learn-log", str(learned)])
     assert [r["config"] for r in rows] == ["none", "adaptive<=3"]
     # --learn-log: the adaptive config's choices with the times they saw, and a run mark.
@@ -748,3 +749,31 @@ def test_adaptive_samples_are_grouped_by_k_kind_place_and_disturbance(common, tm
         cost.observe(1, 1, 3e-3, disturbed=True)
     assert seen == [(1, 1, 3e-3, True, False, False)] and cost.samples[(1, 1)] == 1
     assert CostTable.observe is original
+
+
+def test_steady_setup_keeps_a_queue_beyond_the_batch(common):
+    """``--steady-queue``: the requests in flight are the batch and that share of it more
+    (rounded up), waiting in the engine's queue so a finished row is replaced there at
+    once; 0 keeps the batch alone, and closed rounds have no steady setup."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    common.add_arrival_args(ap)
+
+    def in_flight(*argv, batch=256):
+        args = ap.parse_args(["--arrival", "steady", "--steady-rounds", "8", *argv])
+        prompts, requests, spread, flight = common.steady_setup(
+            args, _Tokenizer(), ["a", "b"], batch)
+        assert requests == max(8 * batch, 32) and spread == 0.5 and len(prompts) == requests
+        return flight
+    assert in_flight() == 256 + 64                  # the default, 0.25
+    assert in_flight("--steady-queue", "0") == 256
+    assert in_flight("--steady-queue", "0.25", batch=3) == 4
+    assert common.steady_setup(ap.parse_args([]), _Tokenizer(), ["a"], 8) is None
+
+
+class _Tokenizer:
+    """A chat encoder, as ``chat_prompts`` takes it."""
+
+    def encode_chat(self, messages):
+        return [len(m["content"]) for m in messages]
