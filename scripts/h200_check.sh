@@ -253,6 +253,7 @@ for line in sys.stdin:
           "overlapped", r.get("overlapped"), "vs mix", r.get("vs_mix"),
           "mix vs best", r.get("mix_vs_best"),
           "replicas", r.get("replica_medians"),
+          "rows", r.get("rows_runs"),
           "K", r["iterations_per_k"])
     for extra in ("states_us", "timers_us", "core_states_us", "core_timers_us", "core_moves_us"):
         if r.get(extra):
