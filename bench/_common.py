@@ -12,6 +12,7 @@ import statistics
 import sys
 import threading
 import time
+from typing import NamedTuple
 
 import anyio
 import structlog
@@ -432,16 +433,22 @@ def add_arrival_args(ap) -> None:
                          "252-253 rows, +-1 %%); 0: the load before the fifty-fifth session")
 
 
-def steady_setup(args, tokenizer, texts: list[str], batch: int):
-    """``--arrival steady``: (the chat prompts to cycle, requests a run, spread, requests
-    in flight: the batch and ``--steady-queue``'s share of it), as ``steady_load`` takes
-    them; None for closed rounds."""
+class SteadySetup(NamedTuple):
+    """A steady run's load, as ``steady_load`` takes it."""
+
+    prompts: list           # the chat prompts to cycle
+    requests: int           # requests a run
+    spread: float           # of the lengths
+    in_flight: int          # the batch and ``--steady-queue``'s share of it
+
+
+def steady_setup(args, tokenizer, texts: list[str], batch: int) -> SteadySetup | None:
+    """``--arrival steady``: the run's load; None for closed rounds."""
     if args.arrival != "steady":
         return None
     requests = steady_requests(args, batch)
-    in_flight = batch + math.ceil(args.steady_queue * batch)
-    return chat_prompts(tokenizer, texts, requests, cycle=True), requests, args.spread, \
-        in_flight
+    return SteadySetup(chat_prompts(tokenizer, texts, requests, cycle=True), requests,
+                       args.spread, batch + math.ceil(args.steady_queue * batch))
 
 
 def steady_requests(args, batch: int) -> int:

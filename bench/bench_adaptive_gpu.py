@@ -208,8 +208,8 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
                     wall = await timed_sets(engine, sets, tokens, sync)
                     rates[name].append(batch * len(sets) * tokens / wall)
                 else:
-                    got = await steady_load(engine, steady[0], tokens, steady[3], steady[1],
-                                            spread=steady[2])
+                    got = await steady_load(engine, steady.prompts, tokens, steady.in_flight,
+                                            steady.requests, spread=steady.spread)
                     rates[name].append(got["tok_s"])
                     windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
                 runs_traced[name].append(traces[name].take(
@@ -221,7 +221,7 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
             stats, adaptive = engine.stats, engine.worker.adaptive
             extra[name] = {
                 "runs_traced": runs_traced[name],
-                **({} if steady is None else {"requests": steady[1], "spread": steady[2],
+                **({} if steady is None else {"requests": steady.requests, "spread": steady.spread,
                                               "window_s_tokens": windows[name]}),
                 "al": round(stats.mean_acceptance_length, 3),
                 "per_position": [round(a, 3) for a in stats.acceptance_per_position],

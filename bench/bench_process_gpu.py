@@ -130,8 +130,9 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                     pair = (await _stats(engine), run_mark)
                 else:
                     window = Window(engine)
-                    got = await steady_load(engine, steady[0], tokens, steady[3], steady[1],
-                                            spread=steady[2], on_mark=window.mark)
+                    got = await steady_load(engine, steady.prompts, tokens, steady.in_flight,
+                                            steady.requests, spread=steady.spread,
+                                            on_mark=window.mark)
                     sync()
                     wall, pair = window.span()
                     lags.setdefault(key[:2], []).append(
@@ -218,15 +219,24 @@ def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
     and ``iteration_ms_median`` their median (what ``vs_mix`` compares: the runs'
     tokens/s are compared by medians too)."""
     counts: dict[tuple[str, str], list] = {}
+    # Rows an iteration, run by run: under steady load the batch the window ran at (the
+    # H200 at 256 in flight, fifty-fourth session: 148-236 rows, varying run to run, where
+    # the client's replacements of finished requests lagged).
+    rows: dict[tuple[str, str], list[float]] = {}
     for key in keys:
         got = counts.setdefault(key[:2], [0, 0, 0, 0, {}])
+        mine = rows.setdefault(key[:2], [])
         for stats, first in deltas[key]:
             got[0] += stats.num_drafting_rows - first.num_drafting_rows
             got[1] += stats.num_accepted_tokens - first.num_accepted_tokens
-            got[2] += stats.num_iterations - first.num_iterations
+            iterations = stats.num_iterations - first.num_iterations
+            got[2] += iterations
             got[3] += stats.num_overlapped_iterations - first.num_overlapped_iterations
             for k, n in stats.iterations_per_k.items():
                 got[4][k] = got[4].get(k, 0) + n - first.iterations_per_k.get(k, 0)
+            if iterations > 0:
+                mine.append(round((stats.num_verify_rows - first.num_verify_rows)
+                                  / iterations, 1))
     merged = {}
     for pair, (drafting, accepted, iterations, overlapped, per_k) in counts.items():
         mine = [key for key in keys if key[:2] == pair]
@@ -239,13 +249,7 @@ def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
                  "overlapped": round(overlapped / max(iterations, 1), 3),
                  "iteration_ms": round(sum(w for key in mine for w in walls[key]) * 1e3
                                        / max(iterations, 1), 3)}
-        # Rows an iteration, run by run: under steady load the batch the window ran at
-        # (the H200 at 256 in flight, fifty-fourth session: 148-236 rows, varying run to
-        # run, where the client's replacements of finished requests lagged).
-        extra["rows_runs"] = [round((stats.num_verify_rows - first.num_verify_rows)
-                                    / (stats.num_iterations - first.num_iterations), 1)
-                              for key in mine for stats, first in deltas[key]
-                              if stats.num_iterations > first.num_iterations]
+        extra["rows_runs"] = rows[pair]
         if run_iterations is not None:
             per_run = [round(w * 1e3 / n, 3) for key in mine
                        for w, n in zip(walls[key], run_iterations[key]) if n]
@@ -477,8 +481,8 @@ def main() -> None:
                                    kind=kind, consumer=args.consumer, buckets=args.buckets,
                                    arrival=args.arrival,
                                    prompts_per_run=batch * len(sets) if steady is None
-                                   else steady[1],
-                                   in_flight=None if steady is None else steady[3],
+                                   else steady.requests,
+                                   in_flight=None if steady is None else steady.in_flight,
                                    vs_in_process=paired, **extra), args.out)
 
 
