@@ -14,7 +14,7 @@ from specloop.samplers import Sampler, SamplingBatch
 
 from .._grad import inference_mode
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, check_fixed_k,
+from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, fixed_k_graph_step,
                         graph_int_inputs, graph_outputs, replay_proposal)
 
 
@@ -73,15 +73,8 @@ class EarlyExitDrafter(Drafter):
     def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
                    num_draft_tokens: int | None = None
                    ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        """``_draft_steps`` on static tensors (kv_len fixed), for CUDA-graph capture."""
-        check_fixed_k(self, num_draft_tokens)
-        kv_len = self.cache.max_seq_len
-
-        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-            return self._draft_steps(inputs, sampler, template.with_columns(inputs),
-                                    advanced=advanced, kv_len=kv_len)
-
-        return step
+        return fixed_k_graph_step(self, num_draft_tokens, self._draft_steps, sampler, template,
+                                  advanced=advanced, kv_len=self.cache.max_seq_len)
 
     def can_graph(self, advanced: bool) -> bool:
         return True

@@ -220,7 +220,7 @@ class Drafter(Protocol):
         ``probs`` [Bp, K, V]); called only where ``can_graph`` is True. The engine
         passes the step's K as ``num_draft_tokens``: any K from 1 to
         ``self.num_draft_tokens`` when ``variable_k`` is True (adaptive K captures one
-        step per K), else always ``self.num_draft_tokens`` (``check_fixed_k``)."""
+        step per K), else always ``self.num_draft_tokens`` (``fixed_k_graph_step``)."""
         raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
                            "(its can_graph is False)")
 
@@ -352,13 +352,24 @@ def static_or_view(tensor: torch.Tensor, into: dict[str, torch.Tensor] | None, n
     return tensor if into is not None and into.get(name) is tensor else tensor[:]
 
 
-def check_fixed_k(drafter: Drafter, num_draft_tokens: int | None) -> None:
-    """For a drafter whose ``variable_k`` is False: a ``graph_step`` asked for another K
-    than the drafter's own is a caller's bug, not something to draft silently."""
+def fixed_k_graph_step(drafter: Drafter, num_draft_tokens: int | None,
+                       draft_steps: Callable[..., dict[str, torch.Tensor]], sampler: Sampler,
+                       template: SamplingBatch, *, advanced: bool, kv_len: int
+                       ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+    """``graph_step`` of a drafter whose ``variable_k`` is False (draft model, early exit):
+    its ``draft_steps(inputs, sampler, batch, advanced=, kv_len=)`` on static tensors (the
+    graph's sampling columns, ``kv_len`` fixed), for CUDA-graph capture. A step asked for
+    another K than the drafter's own is a caller's bug, not something to draft silently."""
     if num_draft_tokens not in (None, drafter.num_draft_tokens):
         raise ValueError(f"{type(drafter).__name__} drafts a fixed K = "
                          f"{drafter.num_draft_tokens} (its variable_k is False); "
                          f"graph_step got num_draft_tokens = {num_draft_tokens}")
+
+    def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return draft_steps(inputs, sampler, template.with_columns(inputs), advanced=advanced,
+                           kv_len=kv_len)
+
+    return step
 
 
 class VerifyObserver(Protocol):
