@@ -8,6 +8,7 @@ from ._topk import distributed_topk
 from ._call import CollectiveCall
 from ._counter import CollectiveCounter, collective_label
 from ._errors import CollectiveMismatchError, CollectiveTimeoutError, CommError, InjectedFault
+from ._forwarding import ForwardingCommunicator
 from ._local import LocalCommunicator, LocalGroup
 from ._protocol import Communicator, ReduceOp
 from ._single import SingleRankCommunicator
@@ -21,6 +22,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "CommError",
     "Communicator",
+    "ForwardingCommunicator",
     "InjectedFault",
     "LocalCommunicator",
     "LocalGroup",

@@ -3,12 +3,13 @@ from __future__ import annotations
 
 import collections
 import contextlib
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Awaitable, Iterator
+from typing import Any, TypeVar
 
-import torch
+from ._forwarding import ForwardingCommunicator
+from ._protocol import Communicator
 
-from ._protocol import Communicator, ReduceOp
+T = TypeVar("T")
 
 
 class _Tally:
@@ -19,7 +20,7 @@ class _Tally:
         self.counts: collections.Counter[tuple[str | None, str, str]] = collections.Counter()
 
 
-class CollectiveCounter(Communicator):
+class CollectiveCounter(ForwardingCommunicator):
     """A Communicator that forwards to `inner` and counts each collective it enters.
 
     Counts are keyed by (label, op, group). Set `label` (or use `labelled(...)`) to
@@ -28,20 +29,8 @@ class CollectiveCounter(Communicator):
     """
 
     def __init__(self, inner: Communicator, *, _tally: _Tally | None = None) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._tally = _tally or _Tally()
-
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
-
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
 
     @property
     def label(self) -> str | None:
@@ -80,53 +69,16 @@ class CollectiveCounter(Communicator):
             out[label] += n
         return dict(out)
 
-    @property
-    def timeout_s(self) -> float | None:
-        return self.inner.timeout_s
-
-    @property
-    def host_tensors(self) -> bool:
-        return self.inner.host_tensors
-
-    def bounded(self, seconds: float) -> CollectiveCounter:
-        """The inner communicator's bounded view, still counted here."""
-        return CollectiveCounter(self.inner.bounded(seconds), _tally=self._tally)
-
-    def close(self) -> None:
-        self.inner.close()
+    def _wrap(self, inner: Communicator) -> CollectiveCounter:
+        return CollectiveCounter(inner, _tally=self._tally)     # the same counts
 
     def reset(self) -> None:
         self._tally.counts.clear()
 
-    def _record(self, op: str) -> None:
+    async def _around(self, op: str, call: Awaitable[T],
+                      shape: tuple[int, ...] | None = None) -> T:
         self._tally.counts[(self._tally.label, op, self.inner.name)] += 1
-
-    async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        self._record("all_gather")
-        return await self.inner.all_gather(tensor)
-
-    async def all_gather_object(self, obj: Any) -> list[Any]:
-        self._record("all_gather_object")
-        return await self.inner.all_gather_object(obj)
-
-    async def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        self._record("all_gather_bytes")
-        return await self.inner.all_gather_bytes(data)
-
-    async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        self._record("all_reduce")
-        return await self.inner.all_reduce(tensor, op)
-
-    async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        self._record("broadcast_object")
-        return await self.inner.broadcast_object(obj, src)
-
-    async def barrier(self) -> None:
-        self._record("barrier")
-        await self.inner.barrier()
-
-    async def subgroup(self, ranks: Sequence[int], name: str) -> CollectiveCounter:
-        return CollectiveCounter(await self.inner.subgroup(ranks, name), _tally=self._tally)
+        return await call
 
 
 def collective_label(comm: object, label: str | None) -> contextlib.AbstractContextManager[None]:

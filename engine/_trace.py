@@ -14,14 +14,11 @@ import json
 import time
 from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, TypeVar
 
-from specloop.comm import Communicator, ReduceOp
+from specloop.comm import Communicator, ForwardingCommunicator
 
 from ._states import TransitionEvent
-
-if TYPE_CHECKING:
-    import torch
 
 T = TypeVar("T")
 ITERATION_TID, COLLECTIVES_TID = 0, 1
@@ -94,67 +91,20 @@ class TraceRecorder:
         self.written = True
 
 
-class TracedCommunicator(Communicator):
+class TracedCommunicator(ForwardingCommunicator):
     """Forwards to ``inner`` and records each collective as a slice on the rank's track."""
 
     def __init__(self, inner: Communicator, recorder: TraceRecorder) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self._recorder = recorder
 
-    @property
-    def rank(self) -> int:
-        return self.inner.rank
+    def _wrap(self, inner: Communicator) -> TracedCommunicator:
+        return TracedCommunicator(inner, self._recorder)
 
-    @property
-    def world_size(self) -> int:
-        return self.inner.world_size
-
-    @property
-    def name(self) -> str:
-        return self.inner.name
-
-    @property
-    def timeout_s(self) -> float | None:
-        return self.inner.timeout_s
-
-    @property
-    def host_tensors(self) -> bool:
-        return self.inner.host_tensors
-
-    def bounded(self, seconds: float) -> TracedCommunicator:
-        return TracedCommunicator(self.inner.bounded(seconds), self._recorder)
-
-    def close(self) -> None:
-        self.inner.close()
-
-    async def _traced(self, op: str, call: Awaitable[T],
+    async def _around(self, op: str, call: Awaitable[T],
                       shape: tuple[int, ...] | None = None) -> T:
         start = _now_us()
         try:
             return await call
         finally:
             self._recorder.collective(self.rank, op, self.name, start, _now_us(), shape)
-
-    async def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
-        return await self._traced("all_gather", self.inner.all_gather(tensor),
-                                  tuple(tensor.shape))
-
-    async def all_gather_object(self, obj: Any) -> list[Any]:
-        return await self._traced("all_gather_object", self.inner.all_gather_object(obj))
-
-    async def all_gather_bytes(self, data: bytes) -> list[bytes]:
-        return await self._traced("all_gather_bytes", self.inner.all_gather_bytes(data),
-                                  (len(data),))
-
-    async def all_reduce(self, tensor: torch.Tensor, op: ReduceOp = "sum") -> torch.Tensor:
-        return await self._traced("all_reduce", self.inner.all_reduce(tensor, op),
-                                  tuple(tensor.shape))
-
-    async def broadcast_object(self, obj: Any, src: int = 0) -> Any:
-        return await self._traced("broadcast_object", self.inner.broadcast_object(obj, src))
-
-    async def barrier(self) -> None:
-        await self._traced("barrier", self.inner.barrier())
-
-    async def subgroup(self, ranks: Sequence[int], name: str) -> TracedCommunicator:
-        return TracedCommunicator(await self.inner.subgroup(ranks, name), self._recorder)
