@@ -225,7 +225,7 @@ def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
     rows: dict[tuple[str, str], list[float]] = {}
     for key in keys:
         got = counts.setdefault(key[:2], [0, 0, 0, 0, {}])
-        mine = rows.setdefault(key[:2], [])
+        run_rows = rows.setdefault(key[:2], [])
         for stats, first in deltas[key]:
             got[0] += stats.num_drafting_rows - first.num_drafting_rows
             got[1] += stats.num_accepted_tokens - first.num_accepted_tokens
@@ -235,7 +235,7 @@ def merge_replicas(keys, deltas, rates, walls, speeds, run_iterations=None):
             for k, n in stats.iterations_per_k.items():
                 got[4][k] = got[4].get(k, 0) + n - first.iterations_per_k.get(k, 0)
             if iterations > 0:
-                mine.append(round((stats.num_verify_rows - first.num_verify_rows)
+                run_rows.append(round((stats.num_verify_rows - first.num_verify_rows)
                                   / iterations, 1))
     merged = {}
     for pair, (drafting, accepted, iterations, overlapped, per_k) in counts.items():

@@ -7,7 +7,8 @@ import specloop.comm as comm
 
 EXPECTED = {
     "CollectiveCall", "CollectiveCounter", "CollectiveMismatchError", "CollectiveTimeoutError",
-    "CommError", "Communicator", "ForwardingCommunicator", "InjectedFault", "LocalCommunicator", "LocalGroup", "ReduceOp",
+    "CommError", "Communicator", "ForwardingCommunicator", "InjectedFault", "LocalCommunicator",
+    "LocalGroup", "ReduceOp",
     "SingleRankCommunicator", "TorchDistributedCommunicator", "TorchrunEnv", "collective_label",
     "distributed_argmax", "distributed_topk", "pin_loop_thread",
 }
@@ -35,7 +36,8 @@ def test_comm_imports_nothing_of_the_project():
 
 def test_implementations_satisfy_the_protocol():
     group = comm.LocalGroup(2)
-    for c in (comm.SingleRankCommunicator(), group.communicator(0), comm.CollectiveCounter(group.communicator(1)),
+    for c in (comm.SingleRankCommunicator(), group.communicator(0),
+              comm.CollectiveCounter(group.communicator(1)),
               comm.ForwardingCommunicator(group.communicator(1))):
         assert isinstance(c, comm.Communicator)
 
