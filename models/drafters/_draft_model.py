@@ -6,7 +6,7 @@ accepted stay valid, and each propose first feeds the tokens it has not seen (1 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import attrs
 import torch
@@ -15,7 +15,7 @@ from specloop.samplers import Sampler, SamplingBatch
 
 from .._grad import inference_mode
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, fixed_k_graph_step,
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, FixedKGraphDrafter,
                         graph_int_inputs, graph_outputs, replay_proposal)
 
 # Tokens the draft cache can lag behind: the last committed one, plus the bonus token
@@ -30,7 +30,7 @@ class _SlotState:
     written: tuple[int, ...] = ()
 
 
-class DraftModelDrafter(Drafter):
+class DraftModelDrafter(FixedKGraphDrafter):
     def __init__(self, config: Any, deps: DrafterDeps) -> None:
         from specloop.models import KVCache, load_model  # noqa: PLC0415
 
@@ -156,15 +156,6 @@ class DraftModelDrafter(Drafter):
             "slots": ctx.slot_list() + [self.cache.scratch_slot] * pad,
             "seq_lens": ctx.seq_len_list() + [1] * pad,
         })
-
-    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
-                   num_draft_tokens: int | None = None
-                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        return fixed_k_graph_step(self, num_draft_tokens, self._draft_steps, sampler, template,
-                                  advanced=advanced, kv_len=self.cache.max_seq_len)
-
-    def can_graph(self, advanced: bool) -> bool:
-        return True
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         if ctx.replay is not None:

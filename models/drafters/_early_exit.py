@@ -6,7 +6,7 @@ equal the target's, so drafts write into the target cache and VERIFY overwrites 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -14,11 +14,11 @@ from specloop.samplers import Sampler, SamplingBatch
 
 from .._grad import inference_mode
 from ._errors import DrafterConfigError
-from ._protocol import (DraftContext, Drafter, DrafterDeps, DraftProposal, fixed_k_graph_step,
+from ._protocol import (DraftContext, DrafterDeps, DraftProposal, FixedKGraphDrafter,
                         graph_int_inputs, graph_outputs, replay_proposal)
 
 
-class EarlyExitDrafter(Drafter):
+class EarlyExitDrafter(FixedKGraphDrafter):
     def __init__(self, config: Any, deps: DrafterDeps) -> None:
         self.num_draft_tokens = config.speculative.num_draft_tokens
         self.model = deps.target.model
@@ -69,15 +69,6 @@ class EarlyExitDrafter(Drafter):
             "last": [t[-1] for t in ctx.token_ids] + [0] * pad,
             "seq_lens": ctx.seq_len_list() + [1] * pad,
             "slots": ctx.slot_list() + [self.cache.scratch_slot] * pad})
-
-    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
-                   num_draft_tokens: int | None = None
-                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-        return fixed_k_graph_step(self, num_draft_tokens, self._draft_steps, sampler, template,
-                                  advanced=advanced, kv_len=self.cache.max_seq_len)
-
-    def can_graph(self, advanced: bool) -> bool:
-        return True
 
     async def propose(self, ctx: DraftContext) -> DraftProposal:
         if ctx.replay is not None:

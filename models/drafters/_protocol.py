@@ -220,7 +220,7 @@ class Drafter(Protocol):
         ``probs`` [Bp, K, V]); called only where ``can_graph`` is True. The engine
         passes the step's K as ``num_draft_tokens``: any K from 1 to
         ``self.num_draft_tokens`` when ``variable_k`` is True (adaptive K captures one
-        step per K), else always ``self.num_draft_tokens`` (``fixed_k_graph_step``)."""
+        step per K), else always ``self.num_draft_tokens`` (``FixedKGraphDrafter``)."""
         raise RuntimeError(f"{type(self).__name__} does not run in CUDA graphs "
                            "(its can_graph is False)")
 
@@ -352,24 +352,39 @@ def static_or_view(tensor: torch.Tensor, into: dict[str, torch.Tensor] | None, n
     return tensor if into is not None and into.get(name) is tensor else tensor[:]
 
 
-def fixed_k_graph_step(drafter: Drafter, num_draft_tokens: int | None,
-                       draft_steps: Callable[..., dict[str, torch.Tensor]], sampler: Sampler,
-                       template: SamplingBatch, *, advanced: bool, kv_len: int
-                       ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
-    """``graph_step`` of a drafter whose ``variable_k`` is False (draft model, early exit):
-    its ``draft_steps(inputs, sampler, batch, advanced=, kv_len=)`` on static tensors (the
-    graph's sampling columns, ``kv_len`` fixed), for CUDA-graph capture. A step asked for
-    another K than the drafter's own is a caller's bug, not something to draft silently."""
-    if num_draft_tokens not in (None, drafter.num_draft_tokens):
-        raise ValueError(f"{type(drafter).__name__} drafts a fixed K = "
-                         f"{drafter.num_draft_tokens} (its variable_k is False); "
-                         f"graph_step got num_draft_tokens = {num_draft_tokens}")
+class FixedKGraphDrafter(Drafter):
+    """The base of a drafter whose K is its own (``variable_k`` False) and whose whole
+    K-step proposal is one function, ``_draft_steps(inputs, sampler, batch, advanced=,
+    kv_len=)``, over the tensors ``graph_inputs`` builds, attending up to ``cache``'s
+    length (draft model, early exit): it runs in CUDA graphs on every sampling path, its
+    ``graph_step`` that function on the graph's static tensors (its sampling columns,
+    ``kv_len`` the cache's ``max_seq_len``). A step asked for another K than its own is a
+    caller's bug, not something to draft silently."""
 
-    def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return draft_steps(inputs, sampler, template.with_columns(inputs), advanced=advanced,
-                           kv_len=kv_len)
+    cache: Any      # a KVCache: its max_seq_len fixes a graph's attended length
 
-    return step
+    def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler: Sampler,
+                     batch: SamplingBatch, *, advanced: bool, kv_len: int | None
+                     ) -> dict[str, torch.Tensor]:
+        raise NotImplementedError
+
+    def can_graph(self, advanced: bool) -> bool:
+        return True
+
+    def graph_step(self, sampler: Sampler, template: SamplingBatch, *, advanced: bool,
+                   num_draft_tokens: int | None = None
+                   ) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]:
+        if num_draft_tokens not in (None, self.num_draft_tokens):
+            raise ValueError(f"{type(self).__name__} drafts a fixed K = "
+                             f"{self.num_draft_tokens} (its variable_k is False); "
+                             f"graph_step got num_draft_tokens = {num_draft_tokens}")
+        kv_len = self.cache.max_seq_len
+
+        def step(inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            return self._draft_steps(inputs, sampler, template.with_columns(inputs),
+                                     advanced=advanced, kv_len=kv_len)
+
+        return step
 
 
 class VerifyObserver(Protocol):

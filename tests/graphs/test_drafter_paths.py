@@ -76,3 +76,22 @@ async def test_eager_and_graph_step_give_identical_drafts(tiny_dir, tiny_draft_d
         assert (probs is None) == (g_probs is None) == (not rejection)
         if probs is not None:
             torch.testing.assert_close(g_probs, probs, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("method", ["draft_model", "early_exit"])
+async def test_a_fixed_k_drafter_refuses_a_step_of_another_k(tiny_dir, tiny_draft_dir,
+                                                            tiny_loaded, method):
+    """A drafter whose K is its own (``FixedKGraphDrafter``) captures its own K (asked for
+    it or for none) and refuses any other, naming both, rather than draft K = 3 where the
+    graph cache keyed another K."""
+    engine = AsyncEngine(config(tiny_dir, True, method, rejection=False,
+                                draft_dir=tiny_draft_dir), model=tiny_loaded)
+    engine._build()
+    drafter = engine.worker.drafter
+    assert not drafter.variable_k and drafter.num_draft_tokens == 3
+    # (The steps are built, not run: the test above runs them. No sampler or template is
+    # read until a step runs.)
+    for k in (None, 3):
+        assert callable(drafter.graph_step(None, None, advanced=False, num_draft_tokens=k))
+    with pytest.raises(ValueError, match=r"fixed K = 3 .*num_draft_tokens = 2"):
+        drafter.graph_step(None, None, advanced=False, num_draft_tokens=2)
