@@ -366,7 +366,11 @@ class FixedKGraphDrafter(Drafter):
     def _draft_steps(self, inputs: dict[str, torch.Tensor], sampler: Sampler,
                      batch: SamplingBatch, *, advanced: bool, kv_len: int | None
                      ) -> dict[str, torch.Tensor]:
-        raise NotImplementedError
+        """The one drafting loop, eager (``kv_len`` None, the real rows) and graph alike
+        (``kv_len`` fixed, padded rows): ``token_ids`` [B, K] and, when ``advanced``,
+        ``probs`` [B, K, V]."""
+        raise NotImplementedError(f"{type(self).__name__} subclasses FixedKGraphDrafter "
+                                  "without its _draft_steps")
 
     def can_graph(self, advanced: bool) -> bool:
         return True
