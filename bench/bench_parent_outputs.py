@@ -24,7 +24,7 @@ def make_engine():
                                                "device": "cpu", "chat_template": False}})
     engine = ProcessEngine(config)
     _, engine.tokenizer = load_tokenizer(resolve_model_path("smollm2-135m-instruct"))
-    engine._core = {"k": 0, "vocab_size": 49152}
+    engine._core = {"k": 0, "verify_drafts": 0, "vocab_size": 49152}
     engine._state = "running"       # its request side only: no core is started
     return engine
 

@@ -777,3 +777,15 @@ class _Tokenizer:
 
     def encode_chat(self, messages):
         return [len(m["content"]) for m in messages]
+
+
+def test_parent_outputs_bench_delivers_every_output(common, smollm2_dir):
+    """``bench_parent_outputs.py`` feeds a ``ProcessEngine``'s parent as a core would, with
+    no core: every output of every request reaches its consumer, as rank 0's rows and as
+    another rank's block (its own assertion), and a time comes back. It rotted once
+    unnoticed (the parent's core facts gained ``verify_drafts``)."""
+    import anyio  # noqa: PLC0415
+
+    bench = importlib.import_module("bench_parent_outputs")
+    for blocks in (False, True):
+        assert anyio.run(bench.run, 4, 3, blocks) > 0
