@@ -109,9 +109,10 @@ class PipeFrontDoor:
         news, self._news = self._news, []
         # The parent put every request on rank 0; the group's loads are known here.
         requests = [request for m in news for _, request in m.assignments]
+        caps = [m.max_running for m in news if m.max_running is not None]
         return FrontDoorMessage(assign(requests) if requests else (),
                                 tuple(c for m in news for c in m.cancels),
-                                any(m.shutdown for m in news))
+                                any(m.shutdown for m in news), caps[-1] if caps else None)
 
     def deliver(self, outputs: Iterable[RequestOutput]) -> None:
         self.deliver_rows([output_row(o) for o in outputs])

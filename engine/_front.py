@@ -20,7 +20,7 @@ import anyio.abc
 
 from specloop.samplers import SamplingParams, derive_seed
 
-from ._errors import EngineClosedError, EngineStateError, RequestError
+from ._errors import ConfigError, EngineClosedError, EngineStateError, RequestError
 from ._frontdoor_state import FrontDoor, OutputChannel
 from ._request import NewRequest, RequestOutput
 from ._stop import TextStream
@@ -190,6 +190,24 @@ class FrontEnd:
         """End a request (see docs/embedding.md); unknown or finished ids are ignored, so
         is every id once the engine closed (its streams have all ended)."""
         self._front_door.cancel(request_id)
+
+    def set_max_running(self, max_running: int | None) -> None:
+        """Cap each rank's running batch at ``max_running`` requests (None: the config's
+        ``scheduler.max_batch_size`` again) from the next iteration on, on every rank of a
+        group (it rides SCHEDULE's exchange). Requests beyond it wait in the queue; lowering
+        it ends no running request, it stops admissions until the batch is below it. For a
+        server that sheds load at run time, and a bench that runs every batch size on one
+        engine (the graphs are the ones captured for ``max_batch_size``'s buckets)."""
+        self._check_front()
+        top = self.config.scheduler.max_batch_size
+        if max_running is None:
+            max_running = top
+        if isinstance(max_running, bool) or not isinstance(max_running, int) or \
+                not 1 <= max_running <= top:
+            raise ConfigError("max_running", max_running,
+                              f"must be an int from 1 to scheduler.max_batch_size ({top})",
+                              "or None for max_batch_size")
+        self._front_door.limit_running(max_running)
 
     def _admit(self, prompt: object, params: object, request_id: object) -> NewRequest:
         """The request as submitted, every argument checked (callers' types unchecked)."""

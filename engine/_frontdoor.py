@@ -15,11 +15,14 @@ if TYPE_CHECKING:
 @attrs.frozen
 class FrontDoorMessage:
     """Rank 0's part of the SCHEDULE exchange: new requests, each with the rank that serves
-    it, the request ids to cancel, and whether the group shuts down after this iteration."""
+    it, the request ids to cancel, whether the group shuts down after this iteration, and
+    the running batch's cap a rank from this SCHEDULE on (``FrontEnd.set_max_running``;
+    None: unchanged)."""
 
     assignments: tuple[tuple[int, NewRequest], ...] = ()
     cancels: tuple[str, ...] = ()
     shutdown: bool = False
+    max_running: int | None = None
 
 
 # The message of an iteration with no news (most of them): one shared instance, compared

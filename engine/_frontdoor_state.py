@@ -129,6 +129,8 @@ class FrontDoor:
         self._streams: dict[str, tuple[OutputChannel, TextStream | None]] = {}
         self._wake = anyio.Event()
         self.closing = False
+        # The running batch's cap the next SCHEDULE takes to every rank (None: no change).
+        self._max_running: int | None = None
 
     @property
     def open_request_ids(self) -> set[str]:
@@ -137,8 +139,8 @@ class FrontDoor:
 
     @property
     def has_news(self) -> bool:
-        """Requests or cancels the next SCHEDULE takes."""
-        return bool(self._inbox or self._cancels)
+        """Requests, cancels or a new cap the next SCHEDULE takes."""
+        return bool(self._inbox or self._cancels) or self._max_running is not None
 
     @property
     def num_live(self) -> int:
@@ -168,6 +170,13 @@ class FrontDoor:
             self._cancels.append(request_id)
             self._wake.set()
 
+    def limit_running(self, max_running: int) -> None:
+        """Cap every rank's running batch at ``max_running`` requests from the next
+        SCHEDULE on (checked by the caller, ``FrontEnd.set_max_running``); a later call
+        before that SCHEDULE replaces it."""
+        self._max_running = max_running
+        self._wake.set()
+
     def abandon(self, request_id: str) -> None:
         """The consumer left before the final output: drop its stream and cancel the
         request; the id stays reserved until the engine is done with it. Never raises."""
@@ -181,7 +190,7 @@ class FrontDoor:
         self._wake.set()
 
     async def wait_for_work(self, timeout: float | None) -> None:
-        if self._inbox or self._cancels or self.closing:
+        if self.has_news or self.closing:
             return
         with anyio.move_on_after(timeout):
             await self._wake.wait()
@@ -189,15 +198,16 @@ class FrontDoor:
 
     def take_message(self, assign: Callable[[list[NewRequest]], tuple[tuple[int, NewRequest], ...]]
                      ) -> FrontDoorMessage:
-        if not (self._inbox or self._cancels or self.closing):
+        if not (self.has_news or self.closing):
             return NO_MESSAGE    # most iterations: no news, one shared empty message
         new, self._inbox = list(self._inbox.values()), {}
         cancels, self._cancels = tuple(self._cancels), []
+        cap, self._max_running = self._max_running, None
         if self.closing:
             for request in new:
                 self._end(request.request_id, FinishReason.CANCELLED)
             new = []
-        return FrontDoorMessage(assign(new), cancels, self.closing)
+        return FrontDoorMessage(assign(new), cancels, self.closing, cap)
 
     def deliver(self, outputs: Iterable[RequestOutput]) -> None:
         """Each output to its request's channel, through its ``TextStream`` when it has

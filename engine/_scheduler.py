@@ -32,11 +32,16 @@ class SlotAllocator:
 
 
 class Scheduler:
-    """Admits waiting requests between iterations, up to the batch and prefill budgets."""
+    """Admits waiting requests between iterations, up to the batch (its slots and
+    ``max_running``) and the prefill budget."""
 
     def __init__(self, max_batch_size: int, max_num_tokens: int) -> None:
         self.max_num_tokens = max_num_tokens
         self.slots = SlotAllocator(max_batch_size)
+        # The running batch's cap (``FrontEnd.set_max_running``, at most the slots):
+        # lowering it ends no running request, it only stops admissions until the batch
+        # is below it.
+        self.max_running = max_batch_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         # Requests admitted so far: the only way into the batch (adaptive K's tail tells a
@@ -58,7 +63,7 @@ class Scheduler:
         """
         admitted: list[Request] = []
         budget = self.max_num_tokens
-        while self.waiting and self.slots.num_free:
+        while self.waiting and self.slots.num_free and len(self.running) < self.max_running:
             prompt_tokens = len(self.waiting[0].token_ids) - 1
             if admitted and prompt_tokens > budget:
                 break

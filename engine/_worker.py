@@ -244,6 +244,8 @@ class RankWorker:
         return S.SYNC
 
     def _apply(self, message: FrontDoorMessage) -> None:
+        if message.max_running is not None:     # before this SCHEDULE admits anyone
+            self.scheduler.max_running = message.max_running
         for rank, new in message.assignments:
             if rank == self.comm.rank:
                 self.scheduler.add(Request.from_new(new))
