@@ -13,7 +13,7 @@ request's consumer woken, detokenizing), which ``ProcessEngine`` moves to this p
         [--kinds process,process-pinned,in-process] [--consumer stream|batch] [--device cpu]
         [--buckets serving] [--min-rounds 4]
         [--arrival steady [--requests N] [--spread 0.5]] [--timers] [--core-timers]
-        [--replicas 3]
+        [--replicas 3] [--one-engine]
 
 ``--timers``: for each in-process engine, µs an iteration in adaptive K's calls and the
 chained step's queueing (bench/_host_timers.py) and in each iteration state.
@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import time
 
@@ -61,12 +62,65 @@ from _host_timers import per_iteration
 from profile_spec_gpu import CONFIGS
 
 
+async def open_engines(stack, names, kinds, loaded, batch, device, buckets, core_log_level,
+                       states=None, replicas=1, core_timers=False) -> dict:
+    """-> {(name, kind, replica): engine}, each entered on ``stack``, built for ``batch``
+    (its ``scheduler.max_batch_size`` and graph buckets). ``states``: {(name, kind):
+    observer} for the in-process engines (``--timers``); the rest as ``measure``'s."""
+    from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
+
+    engines = {}
+    for name in names:
+        spec = {k: v for k, v in CONFIGS[name].items()
+                if k not in ("unchained", "fixed_times", "twin")}
+        config = engine_config(spec, batch, device, buckets)
+        for kind in kinds:
+            observers = [states[name, kind]] if states is not None else []
+            for replica in range(1 if kind == "in-process" else replicas):
+                engine = AsyncEngine(config, model=loaded, observers=observers) \
+                    if kind == "in-process" \
+                    else ProcessEngine(_pinned(_core_timed(config, core_timers), kind),
+                                       log_level=core_log_level)
+                engines[name, kind, replica] = await stack.enter_async_context(engine)
+    return engines
+
+
+async def sweep(per_batch, names, kinds, loaded, tokens, runs, device, consumer, buckets,
+                core_log_level="warning", timers=None, replicas=1, core_timers=False,
+                report=None) -> dict:
+    """``--one-engine``: every batch of ``per_batch`` ([(batch, sets, steady)]) on the same
+    engines, built once a config (and kind, replica) for the largest batch and capped at
+    each one in turn (``set_max_running``): a config's process and host draw the same at
+    every batch, and one engine start a config instead of one a batch (~15-20 s each on
+    the H200, most of a sweep's time). ``report(batch, sets, steady, result)`` as each
+    batch is done (a sweep cut short keeps the batches it measured). -> {batch:
+    ``measure``'s result}."""
+    from bench_host_overhead import StateTimes  # noqa: PLC0415
+
+    states = {(name, kind): StateTimes() for name in names for kind in kinds}
+    top = max(batch for batch, _, _ in per_batch)
+    async with contextlib.AsyncExitStack() as stack:
+        engines = await open_engines(stack, names, kinds, loaded, top, device, buckets,
+                                     core_log_level, states if timers is not None else None,
+                                     replicas, core_timers)
+        results = {}
+        for batch, sets, steady in per_batch:
+            got = results[batch] = await measure(
+                names, kinds, loaded, sets, tokens, runs, device, consumer, buckets, steady,
+                core_log_level, timers, replicas, core_timers, engines=engines, states=states)
+            if report is not None:
+                report(batch, sets, steady, got)
+        return results
+
+
 async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, buckets,
                   steady=None, core_log_level="warning", timers=None, replicas=1,
-                  core_timers=False):
+                  core_timers=False, engines=None, states=None):
     """-> {(name, kind): (rates, AL, extra)}; every engine built and warmed first (a whole
     round: adaptive K explores its K values then), then ``runs`` runs in which the engines
-    take turns, each run starting one engine further on. ``steady``: (prompts to cycle,
+    take turns, each run starting one engine further on. ``engines`` (``sweep``): open
+    already, built for a larger batch and capped at this one here, with ``states`` their
+    in-process observers. ``steady``: (prompts to cycle,
     requests a run, spread of the lengths): a run is steady load (``steady_load``), not
     closed rounds over ``sets``. ``core_log_level``: the ProcessEngine core's (its stderr;
     "info" shows adaptive K's ``adaptive_k`` events). ``timers``: a ``HostTimers``
@@ -78,26 +132,21 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
     ``core_timers``: each ProcessEngine core times its own calls and states
     (``CoreTimers``), µs an iteration over the timed runs."""
     from bench_host_overhead import StateTimes  # noqa: PLC0415
-    from specloop.engine import AsyncEngine, ProcessEngine  # noqa: PLC0415
 
     batch, sync = len(sets[0]), device_sync(device)
     out = {}
-    states = {(name, kind): StateTimes() for name in names for kind in kinds}
+    if states is None:
+        states = {(name, kind): StateTimes() for name in names for kind in kinds}
     spent: dict[tuple[str, str], dict[str, float]] = {}
     async with contextlib.AsyncExitStack() as stack:
-        engines = {}     # (name, kind, replica) -> engine
-        for name in names:
-            spec = {k: v for k, v in CONFIGS[name].items()
-                    if k not in ("unchained", "fixed_times", "twin")}
-            config = engine_config(spec, batch, device, buckets)
-            for kind in kinds:
-                observers = [states[name, kind]] if timers is not None else []
-                for replica in range(1 if kind == "in-process" else replicas):
-                    engine = AsyncEngine(config, model=loaded, observers=observers) \
-                        if kind == "in-process" \
-                        else ProcessEngine(_pinned(_core_timed(config, core_timers), kind),
-                                           log_level=core_log_level)
-                    engines[name, kind, replica] = await stack.enter_async_context(engine)
+        if engines is None:     # (name, kind, replica) -> engine
+            engines = await open_engines(stack, names, kinds, loaded, batch, device, buckets,
+                                         core_log_level,
+                                         states if timers is not None else None, replicas,
+                                         core_timers)
+        else:
+            for engine in engines.values():
+                engine.set_max_running(batch)
         for engine in engines.values():
             await generate_round(engine, sets[0], tokens, consumer)
         for times in states.values():
@@ -433,6 +482,10 @@ def main() -> None:
     ap.add_argument("--core-timers", action="store_true",
                     help="each ProcessEngine core: µs an iteration in its calls and states "
                          "(bench/_host_timers.py CoreTimers), over the timed runs")
+    ap.add_argument("--one-engine", action="store_true",
+                    help="one engine a config (and kind, replica) for every batch: built "
+                         "for the largest and capped at each batch in turn "
+                         "(set_max_running); one start a config instead of one a batch")
     ap.add_argument("--replicas", type=int, default=1,
                     help="ProcessEngines per config and kind (each core its own process: "
                          "the lent H200's host runs at one of two speeds a process, so one "
@@ -450,41 +503,54 @@ def main() -> None:
     if unknown:     # a misspelt kind would otherwise run as an unpinned ProcessEngine
         ap.error(f"--kinds: unknown {', '.join(unknown)} (known: {', '.join(KINDS)})")
     texts = held_out_texts(args.prompts)
+    per_batch, loaded = [], None
     for loaded, batch, sets in held_out_sets(args, cycle=True, min_prompts=args.min_prompts,
                                              min_rounds=args.min_rounds):
-        steady = steady_setup(args, loaded.tokenizer, texts, batch)
-        got = anyio.run(measure, names, kinds, loaded, sets, args.tokens, args.runs,
-                        args.device, args.consumer, args.buckets, steady,
-                        args.core_log_level, timers, args.replicas, args.core_timers)
-        for kind in kinds:
-            base = statistics.median(got[names[0], kind][0])
-            adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
-            fixed_ms = {n: per_iteration_ms(got[n, kind][2]) for n in names
-                        if fixed_k(n) is not None}
-            fixed_al = {n: got[n, kind][1] for n in fixed_ms}
-            for name in names:
-                rates, al, extra = got[name, kind]
-                if fixed_k(name) is None:
-                    per_k = extra["iterations_per_k"]
-                    extra = {**extra,
-                             "vs_mix": adaptive_vs_mix(name, per_k, per_iteration_ms(extra),
-                                                       fixed_ms),
-                             "mix_vs_best": mix_vs_best(name, per_k, al, fixed_ms, fixed_al)}
-                    print(f"batch {batch} {kind}: {name} ms an iteration / its K mix's at "
-                          f"the fixed configs' = {extra['vs_mix']} (running its choices); "
-                          f"its AL / its mix's ms against the best fixed config's = "
-                          f"{extra['mix_vs_best']} (its choices)", flush=True)
-                paired = None
-                if kind != "in-process" and (name, "in-process") in got and args.replicas == 1:
-                    paired = [round(a / b, 3) for a, b in zip(rates, got[name, "in-process"][0])]
-                emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device,
-                                   kind=kind, consumer=args.consumer, buckets=args.buckets,
-                                   arrival=args.arrival,
-                                   prompts_per_run=batch * len(sets) if steady is None
-                                   else steady.requests,
-                                   in_flight=None if steady is None else steady.in_flight,
-                                   vs_in_process=paired, **extra), args.out)
+        per_batch.append((batch, sets, steady_setup(args, loaded.tokenizer, texts, batch)))
+    common = (names, kinds, loaded)
+    rest = (args.tokens, args.runs, args.device, args.consumer, args.buckets)
+    options = (args.core_log_level, timers, args.replicas, args.core_timers)
+    report = functools.partial(report_batch, args, names, kinds)
+    if args.one_engine:
+        anyio.run(sweep, per_batch, *common, *rest, *options, report)
+    else:
+        for batch, sets, steady in per_batch:
+            report(batch, sets, steady,
+                   anyio.run(measure, *common, sets, *rest, steady, *options))
 
+
+def report_batch(args, names, kinds, batch, sets, steady, got) -> None:
+    """One batch's ``measure`` result: issue 13's ratios printed, a row a config and kind
+    printed and appended to ``--out``."""
+    for kind in kinds:
+        base = statistics.median(got[names[0], kind][0])
+        adaptive_vs_max(batch, kind, names, {n: got[n, kind][0] for n in names})
+        fixed_ms = {n: per_iteration_ms(got[n, kind][2]) for n in names
+                    if fixed_k(n) is not None}
+        fixed_al = {n: got[n, kind][1] for n in fixed_ms}
+        for name in names:
+            rates, al, extra = got[name, kind]
+            if fixed_k(name) is None:
+                per_k = extra["iterations_per_k"]
+                extra = {**extra,
+                         "vs_mix": adaptive_vs_mix(name, per_k, per_iteration_ms(extra),
+                                                   fixed_ms),
+                         "mix_vs_best": mix_vs_best(name, per_k, al, fixed_ms, fixed_al)}
+                print(f"batch {batch} {kind}: {name} ms an iteration / its K mix's at "
+                      f"the fixed configs' = {extra['vs_mix']} (running its choices); "
+                      f"its AL / its mix's ms against the best fixed config's = "
+                      f"{extra['mix_vs_best']} (its choices)", flush=True)
+            paired = None
+            if kind != "in-process" and (name, "in-process") in got and args.replicas == 1:
+                paired = [round(a / b, 3) for a, b in zip(rates, got[name, "in-process"][0])]
+            emit_row(speed_row(batch, name, rates, base, al, args.tokens, args.device,
+                               kind=kind, consumer=args.consumer, buckets=args.buckets,
+                               arrival=args.arrival,
+                               prompts_per_run=batch * len(sets) if steady is None
+                               else steady.requests,
+                               in_flight=None if steady is None else steady.in_flight,
+                               one_engine=args.one_engine,
+                               vs_in_process=paired, **extra), args.out)
 
 if __name__ == "__main__":
     main()

@@ -39,7 +39,10 @@
 #            compiling during the runs; PROCESS_TIMERS=1 is the in-process engines');
 #            PROCESS_CORE_LOG=info: the core's adaptive_k events, every 256 choices, in
 #            $OUT/process.log or codeab's logs; REPLICAS=N: N ProcessEngine cores a
-#            config, each its own draw of the host's speed, runs spread over them)
+#            config, each its own draw of the host's speed, runs spread over them;
+#            ONE_ENGINE=1: one engine a config (and replica) for every batch, built for
+#            the largest and capped at each (set_max_running): one start a config, not
+#            one a batch, so batch 1 .. 256 fits one call)
 #   closed   the same in closed rounds (BATCHES, RUNS, MIN_ROUNDS: bench_adaptive_gpu.py's
 #            --batches, --runs, --min-rounds; MIN_ROUNDS defaults to 4)
 #   host     each iteration's wall and the host's wait for the GPU (HOST_BATCH, HOST_CONFIGS,
@@ -236,7 +239,7 @@ for step in "$@"; do
         --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
         --batches "${PROCESS_BATCHES:-1,8,32,64,128,256}" --kinds "${PROCESS_KINDS:-process}" \
         --arrival "${PROCESS_ARRIVAL:-closed}" --steady-rounds "${STEADY_ROUNDS:-4}" --steady-queue "${STEADY_QUEUE:-0.25}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
-        --replicas "${REPLICAS:-1}" \
+        --replicas "${REPLICAS:-1}" $([ "${ONE_ENGINE:-0}" = 1 ] && echo --one-engine) \
         $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
         $([ "${PROCESS_CORE_TIMERS:-0}" = 1 ] && echo --core-timers) \
         --configs "${PROCESS_CONFIGS:-none,eagle3 K=1,eagle3 K=2,eagle3 K=3,eagle3 adaptive<=3}" \

@@ -295,3 +295,38 @@ def test_adaptive_sim_spill_charges_a_switch_to_its_run_first_two_iterations(com
     args = sim.parser().parse_args(base + ["--spill", "0.1"])
     assert sim.run_fixed(0, args, 0) == sim.run_fixed(
         0, sim.parser().parse_args(base), 0)
+
+
+async def test_one_engine_sweep_caps_one_engine_a_config_at_each_batch(common, monkeypatch,
+                                                                       tiny_dir, tiny_loaded):
+    """``bench_process_gpu.py --one-engine`` (``sweep``): each config's engine is built once,
+    for the largest batch, and capped at each batch in turn (``set_max_running``): under
+    steady load with requests waiting beyond the batch, every window runs at most that
+    batch's rows, and each batch is reported as it is done."""
+    from .conftest import PROMPTS, make_config
+
+    bench = importlib.import_module("bench_process_gpu")
+    built = []
+
+    def config(spec, batch, device, buckets):
+        built.append((spec["method"], batch))
+        return make_config(tiny_dir, method=spec["method"], max_batch_size=batch)
+
+    monkeypatch.setattr(bench, "engine_config", config)
+    per_batch = []
+    for batch in (1, 3):
+        sets = [PROMPTS[:batch]]
+        # Twice the batch in flight: the cap, not the client, holds the batch.
+        steady = common.SteadySetup(PROMPTS, 8 * batch, 0.0, 2 * batch)
+        per_batch.append((batch, sets, steady))
+    reported = []
+    got = await bench.sweep(per_batch, ["none", "ngram K=4"], ["in-process"], tiny_loaded,
+                            6, 1, "cpu", "stream", "serving",
+                            report=lambda batch, *rest: reported.append(batch))
+    assert sorted(built) == [("ngram", 3), ("none", 3)]      # one engine a config
+    assert reported == [1, 3] and sorted(got) == [1, 3]
+    for batch in (1, 3):
+        for name in ("none", "ngram K=4"):
+            rates, _, extra = got[batch][name, "in-process"]
+            assert rates[0] > 0
+            assert 0 < max(extra["rows_runs"]) <= batch
