@@ -166,8 +166,7 @@ class DeviceChain:
             keeps = w.on_verified is not None
             wants = keeps or not self.through_k0
             if joining:
-                out = self._joined_rows(self._rows(pending[0], rows, len(batch), self.k + 1,
-                                                   hidden=wants), joining, padded)
+                out = self._joined_rows(pending[0], rows, joining, padded, wants, into)
             else:
                 out = self._rows(pending[0], rows, padded, self.k + 1, hidden=wants,
                                  into=into)
@@ -225,28 +224,81 @@ class DeviceChain:
         key, captured, _ = self.worker.next_key(rec, list(full), k)
         return key if captured else None
 
-    def _joined_rows(self, out: dict[str, torch.Tensor], joining: Sequence[Request],
-                     padded: int) -> dict[str, torch.Tensor]:
-        """``out`` (VERIFY n's rows of the batch, ``_rows`` at the batch's own size)
-        followed by a row for each joining request, as ``Drafter.chains_joiners`` has
-        it (its prompt's last token, then -1, count 0; feature row 0 the drafter's
-        ``joining_rows``, the rest zero), then padding rows (zero) up to ``padded``."""
+    def _joined_rows(self, verified: dict[str, torch.Tensor], rows: Sequence[int],
+                     joining: Sequence[Request], padded: int, hidden: bool,
+                     into: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+        """VERIFY n's rows of the batch (``rows`` of ``verified``), each padded to the draft
+        graph's catch-up width, followed by a row for each joining request, as
+        ``Drafter.chains_joiners`` has it (its prompt's last token, then -1, count 0;
+        feature row 0 the drafter's ``joining_rows``, the rest zero), then padding rows
+        (zero) up to ``padded``. Written into the draft graph's static inputs where
+        ``into`` shows a head's (``_joined_into``: under a server's load most iterations
+        of a large batch take a joiner, and an adaptive K narrower than the graph would
+        otherwise pad its rows in new tensors, concatenate them again and have the
+        replay copy both); else new tensors."""
+        width = self.k + 1
+        first = self.drafter.joining_rows([r.batch_slot for r in joining])
+        real = len(rows)
+        if into is not None and hidden and first is not None:
+            written = self._joined_into(self._rows(verified, rows, real, width, pad=False),
+                                        joining, first, into, padded)
+            if written is not None:
+                return written
+        out = self._rows(verified, rows, real, width, hidden=hidden)
         packed, features = out["packed"], out["hidden"]
-        real, columns = packed.shape
+        columns = packed.shape[1]
         extra = padded - real
+        added = to_device(int64_tensor(self._joiner_rows(joining, extra, columns)),
+                          packed.device).view(extra, columns)
+        packed = torch.cat([packed, added.to(packed.dtype)])
+        if first is not None:
+            rows_ = features.new_zeros(extra, features.shape[1], features.shape[2])
+            rows_[:len(joining), 0] = first
+            features = torch.cat([features[:real], rows_])
+        return {"packed": packed, "hidden": features, "token_ids": packed[:, :-1],
+                "num_accepted": packed[:, -1]}
+
+    @staticmethod
+    def _joiner_rows(joining: Sequence[Request], extra: int, columns: int) -> list[int]:
+        """The joining rows and the padding rows after them, ``columns`` each (VERIFY's
+        layout: the tokens, then the count), flat: a joiner's prompt's last token, -1 in
+        the other token columns, count 0; padding rows zero."""
         host = [0] * (extra * columns)
         for i, r in enumerate(joining):
             host[i * columns:(i + 1) * columns] = \
                 [r.token_ids[-1], *[-1] * (columns - 2), 0]
-        added = to_device(int64_tensor(host), packed.device).view(extra, columns)
-        packed = torch.cat([packed, added.to(packed.dtype)])
-        first = self.drafter.joining_rows([r.batch_slot for r in joining])
-        if first is not None:
-            rows = features.new_zeros(extra, features.shape[1], features.shape[2])
-            rows[:len(joining), 0] = first
-            features = torch.cat([features[:real], rows])
-        return {"packed": packed, "hidden": features, "token_ids": packed[:, :-1],
-                "num_accepted": packed[:, -1]}
+        return host
+
+    def _joined_into(self, out: dict[str, torch.Tensor], joining: Sequence[Request],
+                     first: torch.Tensor, into: dict[str, torch.Tensor], padded: int
+                     ) -> dict[str, torch.Tensor] | None:
+        """``_joined_rows`` written into a head's draft graph's static inputs
+        (``verified`` [padded, width + 1], the count last, and ``cu_hidden`` [padded,
+        width, F]): the batch's rows (``out``, VERIFY n's K_n + 1 token columns, maybe
+        fewer than ``width``: the columns past them keep what the last replay left, past
+        every row's accepted count, as ``_into_statics``), then the joiners' and padding
+        rows whole. None where ``into`` lacks the inputs or they are not those shapes."""
+        verified, static = into.get("verified"), into.get("cu_hidden")
+        packed, features = out["packed"], out["hidden"]
+        width = self.k + 1
+        if verified is None or static is None or verified.shape != (padded, width + 1) or \
+                static.shape != (padded, width, features.shape[2]):
+            return None
+        real, n = packed.shape[0], packed.shape[1] - 1
+        if n == width:
+            verified[:real].copy_(packed, non_blocking=True)
+        else:
+            verified[:real, :n].copy_(packed[:, :-1], non_blocking=True)
+            verified[:real, width].copy_(packed[:, -1], non_blocking=True)
+        extra = padded - real
+        added = to_device(int64_tensor(self._joiner_rows(joining, extra, width + 1)),
+                          verified.device)
+        verified[real:].copy_(added.view(extra, width + 1), non_blocking=True)
+        static[:real, :n].copy_(features, non_blocking=True)
+        static[real:].zero_()
+        static[real:real + len(joining), 0] = first
+        return {"packed": verified, "hidden": static, "token_ids": verified[:, :-1],
+                "num_accepted": verified[:, -1]}
 
     @staticmethod
     def _hidden_kept(verified: torch.Tensor, into: dict[str, torch.Tensor] | None,
@@ -263,8 +315,8 @@ class DeviceChain:
 
     @staticmethod
     def _rows(out: dict[str, torch.Tensor], rows: Sequence[int], padded: int, width: int,
-              hidden: bool = True, into: dict[str, torch.Tensor] | None = None
-              ) -> dict[str, torch.Tensor]:
+              hidden: bool = True, into: dict[str, torch.Tensor] | None = None,
+              pad: bool = True) -> dict[str, torch.Tensor]:
         """VERIFY's outputs the chain reads, ``padded`` rows, with the batch's rows first
         when requests left since that VERIFY was queued (its padding rows after them: any
         row; a K = 0 step queued ahead, or a chained step, for more requests may have
@@ -276,8 +328,9 @@ class DeviceChain:
         wrote them. A narrower VERIFY's rows, in order, are copied into the draft graph's
         static inputs where ``into`` shows them (``_into_statics``: no padded tensors,
         and the replay copies none of them); their padding columns are then whatever the
-        last replay left there, which no real row reads."""
-        short = width - out["token_ids"].shape[1]
+        last replay left there, which no real row reads. ``pad`` False: a narrower
+        VERIFY's rows are returned narrower (``_joined_into`` writes them)."""
+        short = width - out["token_ids"].shape[1] if pad else 0
         packed, features = out["packed"], out["hidden"]
         ordered = in_order(rows)
         if ordered and short <= 0 and packed.shape[0] == padded:
@@ -296,6 +349,10 @@ class DeviceChain:
             packed = packed.index_select(0, at)
             if hidden:
                 features = features.index_select(0, at)
+            if short > 0:   # requests left: their rows gathered, then into the statics
+                written = DeviceChain._into_statics(packed, features, into, width, hidden)
+                if written is not None:
+                    return written
         if short > 0:
             packed = torch.cat([packed[:, :-1], packed.new_zeros(packed.shape[0], short),
                                 packed[:, -1:]], dim=1)

@@ -396,3 +396,86 @@ async def test_chained_under_adaptive_with_a_tree_equals_unchained(tiny_dir, tin
     assert (len(tree), len(tree)) in kinds, kinds
     assert any(a == len(tree) and b in (1, 2) for a, b in kinds), kinds
     assert any(a in (1, 2) and b == len(tree) for a, b in kinds), kinds
+
+
+async def test_joined_rows_go_into_the_draft_graphs_statics(tiny_dir, tiny_loaded,
+                                                           monkeypatch):
+    """A chained step that takes joiners under adaptive K writes the batch's rows (fewer
+    token columns than the draft graph's where VERIFY drafted fewer), the joiners' and the
+    padding rows straight into the draft graph's static inputs (``_joined_into``: no
+    padded tensors to concatenate, nothing for the replay to copy); the tokens equal the
+    unchained engine's."""
+    import random
+
+    from specloop.engine._chain import DeviceChain
+    from specloop.samplers import SamplingParams
+
+    from ..engine.test_ahead_steady import _steady
+
+    joined_into, written = DeviceChain._joined_into, []
+
+    def seen(self, out, joining, first, into, padded):
+        got = joined_into(self, out, joining, first, into, padded)
+        written.append((out["packed"].shape[1] - 1, got is not None))
+        return got
+    monkeypatch.setattr(DeviceChain, "_joined_into", seen)
+
+    def greedy(max_tokens, i):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    rng = random.Random(5)
+    lengths = [rng.randint(3, 20) for _ in range(14)]
+    outs = {}
+    for chained in (False, True):
+        cfg = chain_config(tiny_dir, True, method="eagle3", k=3, rejection=True,
+                           speculative={"adaptive": True})
+        async with AsyncEngine(cfg, model=tiny_loaded) as engine:
+            one_rank_adaptive(engine.worker, chained, PATTERN)
+            outs[chained] = await _steady(engine, lengths, 4, params=greedy)
+    assert outs[True] == outs[False]
+    assert written and all(ok for _, ok in written), written
+    # Narrower VERIFYs among them (K = 1, 2: 2, 3 token columns against the graph's 4).
+    assert {n for n, _ in written} & {2, 3}, written
+
+
+@pytest.mark.parametrize("k_n", [3, 1])
+@pytest.mark.parametrize("rows", [[0, 1, 2], [0, 2, 3]])    # in order; a request left
+def test_joined_into_writes_what_the_padded_rows_hold(k_n, rows):
+    """``_joined_into`` against the tensors ``_joined_rows`` builds without statics (the
+    path before it): the same batch rows in the columns a draft reads (VERIFY n's K_n + 1
+    tokens and the count; the columns past them are left as the last replay wrote them),
+    the same joiner and padding rows whole, the same feature rows (joiners' first row the
+    drafter's, zero elsewhere)."""
+    from types import SimpleNamespace
+
+    from specloop.engine._chain import DeviceChain
+
+    k, padded, features_dim = 3, 8, 5
+    width = k + 1
+    gen = torch.Generator().manual_seed(0)
+    first = torch.randn(2, features_dim, generator=gen)
+    chain = DeviceChain.__new__(DeviceChain)
+    chain.k = k
+    chain.drafter = SimpleNamespace(joining_rows=lambda slots: first)
+    joining = [SimpleNamespace(token_ids=[7, 8, 9], batch_slot=5),
+               SimpleNamespace(token_ids=[4, 11], batch_slot=6)]
+    # VERIFY n at K_n, its bucket's 4 rows: tokens then the count.
+    packed = torch.randint(0, 50, (4, k_n + 2), generator=gen)
+    packed[:, -1] = torch.randint(0, k_n + 1, (4,), generator=gen)
+    verified = {"packed": packed, "hidden": torch.randn(4, k_n + 1, features_dim, generator=gen),
+                "token_ids": packed[:, :-1], "num_accepted": packed[:, -1]}
+    before = chain._joined_rows(verified, rows, joining, padded, True, None)
+    statics = {"verified": torch.full((padded, width + 1), -7),
+               "cu_hidden": torch.full((padded, width, features_dim), 3.0)}
+    after = chain._joined_rows(verified, rows, joining, padded, True, statics)
+    assert after["packed"] is statics["verified"] and after["hidden"] is statics["cu_hidden"]
+    real, n = len(rows), k_n + 1
+    assert torch.equal(after["packed"][:real, :n], before["packed"][:real, :n])
+    assert torch.equal(after["num_accepted"], before["num_accepted"])
+    assert torch.equal(after["packed"][real:], before["packed"][real:])
+    assert torch.equal(after["hidden"][:real, :n], before["hidden"][:real, :n])
+    assert torch.equal(after["hidden"][real:], before["hidden"][real:])
+    assert torch.equal(after["hidden"][real:real + 2, 0], first)
+    # Past VERIFY n's columns the batch's rows keep what was there (no draft reads them).
+    if n < width:
+        assert (after["packed"][:real, n:width] == -7).all()

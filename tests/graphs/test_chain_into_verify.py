@@ -160,20 +160,22 @@ async def _chain_host_copies(tmp_path, monkeypatch, method, k, batch, iterations
 async def test_what_a_chained_iteration_copies_under_a_servers_load(tmp_path, monkeypatch):
     """``bench/bench_chain_host.py``'s engine (the chain forced on, a cache whose replays
     copy inputs as ``CudaGraphCache``'s and count the copies) under a server's load at
-    batch 8: each iteration copies VERIFY n's rows into the draft graph (``verified``,
-    ``cu_hidden``) and, at a join, the batch's ``meta`` and ``slots``; not the sampling
-    columns of an all-greedy batch (new views of the same tensors at each join copied all
-    six before), nor VERIFY's tokens and positions (the draft graph writes them in VERIFY's
-    own inputs). 13.8 copies an iteration at batch 32 before the two changes, 3.4 after."""
+    batch 8: each iteration without a joiner copies VERIFY n's rows into the draft graph
+    (``verified``, ``cu_hidden``; one taking a joiner writes them, and the joiner's, into
+    its static inputs: ``DeviceChain._joined_into``) and, at a join, the batch's ``meta``
+    and ``slots``; not the sampling columns of an all-greedy batch (new views of the same
+    tensors at each join copied all six before), nor VERIFY's tokens and positions (the
+    draft graph writes them in VERIFY's own inputs). 13.8 copies an iteration at batch 32
+    before the first two changes, 3.4 after, ~2.9 with joiners written in place."""
     from specloop.samplers import SamplingBatch
 
     ended, copied = await _chain_host_copies(tmp_path, monkeypatch, "eagle3", 3, 8, 120,
                                              steady=True)
     assert ended > 0                                    # requests ended and joined
     assert not set(copied) & {*SamplingBatch.COLUMNS, "tokens", "start_pos"}, copied
-    assert 0.9 < copied["verified"] <= 1.01 and copied["cu_hidden"] == copied["verified"]
+    assert 0.5 < copied["verified"] < 0.95 and copied["cu_hidden"] == copied["verified"]
     assert 0 < copied.get("meta", 0) < 1
-    assert sum(copied.values()) < 4, copied
+    assert sum(copied.values()) < 3.5, copied
 
 
 GRAPH_LIKE = "tests.graphs.test_chain_into_verify:GraphLikeCache"
