@@ -132,8 +132,7 @@ class FrontEnd:
         new = self._admit(prompt, params, request_id)
         # The front door detokenizes as it delivers (and ends the request at a stop
         # string): what the channel holds is what the caller gets.
-        channel = self._front_door.submit(new, text=TextStream(self._tokenizer,
-                                                               new.params.stop))
+        channel = self._front_door.submit(new, text=self._text_stream(new))
         finished = False        # the last output was (the engine's, or a stop string's)
         try:
             # One wake-up per iteration at most: all outputs sent meanwhile come at once.
@@ -169,10 +168,10 @@ class FrontEnd:
         if not news:
             return
         channel = OutputChannel(len(news))
-        front, tokenizer = self._front_door, self._tokenizer
+        front = self._front_door
         for new in news:
             # Detokenized as delivered; a stop string ends its request at the front door.
-            front.submit(new, channel, TextStream(tokenizer, new.params.stop))
+            front.submit(new, channel, self._text_stream(new))
         live = {new.request_id for new in news}     # whose last output is not out yet
         try:
             while live and (outputs := await channel.take()):
@@ -190,6 +189,12 @@ class FrontEnd:
         """End a request (see docs/embedding.md); unknown or finished ids are ignored, so
         is every id once the engine closed (its streams have all ended)."""
         self._front_door.cancel(request_id)
+
+    def _text_stream(self, new: NewRequest) -> TextStream | None:
+        """The request's detokenizer and stop-string matcher, which the front door runs
+        as it delivers; None with ``detokenize=False`` (token ids only, ``text`` "")."""
+        params = new.params
+        return TextStream(self._tokenizer, params.stop) if params.detokenize else None
 
     def set_max_running(self, max_running: int | None) -> None:
         """Cap each rank's running batch at ``max_running`` requests (None: the config's

@@ -2,6 +2,7 @@
 LocalGroup (it rides SCHEDULE's exchange) and through a ProcessEngine's pipe."""
 
 import anyio
+import attrs
 import pytest
 
 from specloop.engine import AsyncEngine, ConfigError, EngineClosedError, ProcessEngine
@@ -101,6 +102,9 @@ async def test_every_rank_of_a_group_takes_the_cap(tiny_dir, tiny_loaded):
 
 @pytest.mark.slow
 async def test_a_process_engine_takes_the_cap_through_its_pipe(tiny_dir, tiny_loaded):
+    """The cap reaches the core in its pipe's message; and (one spawn for both) a
+    ``detokenize=False`` request's outputs come back as token ids with no text, the same
+    ids as a detokenized one's."""
     config = make_config(tiny_dir, method="ngram", max_batch_size=4)
     reqs = [(p, q, 0) for p, q in zip(PROMPTS, PARAMS)]
     async with AsyncEngine(config, model=tiny_loaded) as engine:
@@ -110,4 +114,11 @@ async def test_a_process_engine_takes_the_cap_through_its_pipe(tiny_dir, tiny_lo
         with anyio.fail_after(120):
             engine.set_max_running(2)
             assert await serve_staggered(engine, reqs) == expected
+            texts = {}
+            for detokenize in (True, False):
+                params = attrs.evolve(PARAMS[3], detokenize=detokenize)
+                outs = [out async for out in engine.generate(PROMPTS[3], params)]
+                texts[detokenize] = "".join(out.text for out in outs)
+                assert [t for out in outs for t in out.token_ids] == expected[3]
+            assert texts[True] and texts[False] == ""
     assert seen.largest[0] == 2

@@ -108,3 +108,33 @@ async def test_engine_ends_at_a_stop_string_spanning_tokens(tiny_loaded, tiny_di
         again = await _run(engine, "The quick brown fox", SamplingParams(
             temperature=0, max_tokens=40, ignore_eos=True, stop="never there"))
         assert again == (full, full_ids, FinishReason.LENGTH)
+
+
+def test_detokenize_off_refuses_stop_strings_by_name():
+    assert SamplingParams(detokenize=False).detokenize is False
+    with pytest.raises(SamplingParamsError, match=r"detokenize = False .*stop strings "
+                                                  r"\('x',\).*stop_token_ids"):
+        SamplingParams(detokenize=False, stop="x")
+    with pytest.raises(SamplingParamsError, match="detokenize = 0 .*must be a bool"):
+        SamplingParams(detokenize=0)
+
+
+@pytest.mark.parametrize("method", ["none", "ngram"])
+async def test_detokenize_off_gives_the_same_tokens_and_no_text(tiny_loaded, tiny_dir,
+                                                                method):
+    """``detokenize=False``: the same token ids, every output's text empty, in ``generate``
+    and in ``generate_batch`` beside a request that does detokenize (its text unchanged)."""
+    config = make_config(tiny_dir, method=method, k=3, max_batch_size=2)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    ids_only = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, detokenize=False)
+    async with AsyncEngine(config, model=tiny_loaded) as engine:
+        text, ids, reason = await _run(engine, "The quick brown fox", greedy)
+        assert text and text == engine.tokenizer.decode(ids)
+        assert await _run(engine, "The quick brown fox", ids_only) == ("", ids, reason)
+        got: dict[str, tuple[str, list[int]]] = {}
+        async for outs in engine.generate_batch(["The quick brown fox"] * 2,
+                                                [greedy, ids_only]):
+            for out in outs:
+                t, i = got.get(out.request_id, ("", []))
+                got[out.request_id] = (t + out.text, i + list(out.token_ids))
+        assert sorted(got.values(), key=lambda v: v[0]) == [("", ids), (text, ids)]
