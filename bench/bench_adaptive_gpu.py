@@ -209,7 +209,8 @@ async def measure_batch(names, loaded, sets, tokens, runs, device, buckets, stea
                     rates[name].append(batch * len(sets) * tokens / wall)
                 else:
                     got = await steady_load(engine, steady.prompts, tokens, steady.in_flight,
-                                            steady.requests, spread=steady.spread)
+                                            steady.requests, spread=steady.spread,
+                                            detokenize=steady.detokenize)
                     rates[name].append(got["tok_s"])
                     windows[name].append((round(got["window_s"], 3), got["window_tokens"]))
                 runs_traced[name].append(traces[name].take(

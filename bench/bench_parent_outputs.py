@@ -2,7 +2,7 @@
 consumers (a task per request, text detokenized as delivered), fed as a core would feed
 them, with no core: rank 0's own rows (``("out", rows, events)``) or another rank's block
 (``("blocks", [bytes])``, decoded by handle here). No speculation (one token an output),
-the SmolLM2 tokenizer. A group of ranks serves at most this many tokens a second through
+the SmolLM2 tokenizer; rank 0's rows also with ``detokenize=False`` (token ids only). A group of ranks serves at most this many tokens a second through
 one parent, whatever its GPUs do.
 
     python bench/bench_parent_outputs.py [--requests 128] [--iterations 200] [--runs 3]
@@ -29,14 +29,16 @@ def make_engine():
     return engine
 
 
-async def run(requests: int, iterations: int, blocks: bool) -> float:
-    """µs an output, consumers included."""
+async def run(requests: int, iterations: int, blocks: bool, detokenize: bool = True) -> float:
+    """µs an output, consumers included; ``detokenize`` False: token ids only (no
+    detokenizer at the front door, ``SamplingParams.detokenize``)."""
     from specloop.engine._request import FinishReason, RequestOutput
     from specloop.engine._wire import encode_rows, make_row
     from specloop.samplers import SamplingParams
 
     engine = make_engine()
-    params = SamplingParams(temperature=0, max_tokens=iterations, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=iterations, ignore_eos=True,
+                            detokenize=detokenize)
     received = [0]
 
     async def consume(i: int) -> None:
@@ -75,10 +77,11 @@ def main() -> None:
     ap.add_argument("--iterations", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    for blocks in (False, True):
-        us = sorted(anyio.run(run, args.requests, args.iterations, blocks)
+    for blocks, detokenize in ((False, True), (False, False), (True, True)):
+        us = sorted(anyio.run(run, args.requests, args.iterations, blocks, detokenize)
                     for _ in range(args.runs))
-        print(f"{'another rank (blocks)' if blocks else 'rank 0 (rows)'}: "
+        print(f"{'another rank (blocks)' if blocks else 'rank 0 (rows)'}"
+              f"{'' if detokenize else ', token ids only (detokenize=False)'}: "
               f"{', '.join(f'{u:.2f}' for u in us)} us an output "
               f"({1e6 / us[len(us) // 2]:,.0f} outputs a second at the median)", flush=True)
 

@@ -181,7 +181,7 @@ async def measure(names, kinds, loaded, sets, tokens, runs, device, consumer, bu
                     window = Window(engine)
                     got = await steady_load(engine, steady.prompts, tokens, steady.in_flight,
                                             steady.requests, spread=steady.spread,
-                                            on_mark=window.mark)
+                                            on_mark=window.mark, detokenize=steady.detokenize)
                     sync()
                     wall, pair = window.span()
                     lags.setdefault(key[:2], []).append(

@@ -32,7 +32,9 @@
 #            (steady: requests a run as a multiple of the batch, default 4; the timed window
 #            is STEADY_ROUNDS - 2 batches of finishes; STEADY_QUEUE: requests waiting beyond
 #            the batch as a share of it, so the batch stays full, default 0.25, 0 the load
-#            before the fifty-fifth session); bench_process_gpu.py;
+#            before the fifty-fifth session; STEADY_TEXT=on: the requests ask for text, as
+#            before the fifty-eighth session, off (default) token ids only, which the
+#            client then keeps up with at 256); bench_process_gpu.py;
 #            PROCESS_CORE_TIMERS=1: each core's own host time a call and a state, µs an
 #            iteration over its timed runs (bench/_host_timers.py CoreTimers: the engine as
 #            served, no front door of this process in it; JITFunction._do_compile: Triton
@@ -238,7 +240,7 @@ for step in "$@"; do
       (cd bench && python3 bench_process_gpu.py --prompts "$PROMPTS" --out "$OUT/process.jsonl" \
         --runs "${RUNS:-3}" --buckets serving --min-prompts 32 --min-rounds "${MIN_ROUNDS:-4}" \
         --batches "${PROCESS_BATCHES:-1,8,32,64,128,256}" --kinds "${PROCESS_KINDS:-process}" \
-        --arrival "${PROCESS_ARRIVAL:-closed}" --steady-rounds "${STEADY_ROUNDS:-4}" --steady-queue "${STEADY_QUEUE:-0.25}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
+        --arrival "${PROCESS_ARRIVAL:-closed}" --steady-rounds "${STEADY_ROUNDS:-4}" --steady-queue "${STEADY_QUEUE:-0.25}" --steady-text "${STEADY_TEXT:-off}" --core-log-level "${PROCESS_CORE_LOG:-warning}" \
         --replicas "${REPLICAS:-1}" $([ "${ONE_ENGINE:-0}" = 1 ] && echo --one-engine) \
         $([ "${PROCESS_TIMERS:-0}" = 1 ] && echo --timers) \
         $([ "${PROCESS_CORE_TIMERS:-0}" = 1 ] && echo --core-timers) \

@@ -35,6 +35,32 @@ def test_steady_rounds_scale_the_requests_with_the_batch(common):
                                   32) == 70
 
 
+def test_steady_requests_ask_for_token_ids_unless_text_is_on(common):
+    """``--steady-text`` (default off): a steady run's requests ask for token ids only
+    (``SamplingParams.detokenize=False``), all its client reads; on: text as before."""
+    import anyio
+
+    asked = []
+
+    class Engine:
+        async def generate(self, ids, params):
+            asked.append(params.detokenize)
+            yield type("Out", (), {"token_ids": (1,) * params.max_tokens})()
+
+    class Tokenizer:
+        def encode_chat(self, messages):
+            return [1, 2]
+
+    for argv, want in (((), False), (("--steady-text", "on"), True)):
+        args = _args(common, "--arrival", "steady", *argv)
+        steady = common.steady_setup(args, Tokenizer(), ["a question"], 2)
+        assert steady.detokenize is want
+        asked.clear()
+        anyio.run(common.steady_load, Engine(), steady.prompts, 4, 2, 6, 0.0, 0, None,
+                  steady.detokenize)
+        assert asked and set(asked) == {want}
+
+
 def test_request_times_split_a_closed_rounds_wall(common):
     """``timed_round``'s per-request times: the wait for the first output, the pace after
     it (per output, not per token: an output may carry several), and the round's end

@@ -762,7 +762,7 @@ def test_steady_setup_keeps_a_queue_beyond_the_batch(common):
 
     def in_flight(*argv, batch=256):
         args = ap.parse_args(["--arrival", "steady", "--steady-rounds", "8", *argv])
-        prompts, requests, spread, flight = common.steady_setup(
+        prompts, requests, spread, flight, _ = common.steady_setup(
             args, _Tokenizer(), ["a", "b"], batch)
         assert requests == max(8 * batch, 32) and spread == 0.5 and len(prompts) == requests
         return flight
@@ -787,5 +787,5 @@ def test_parent_outputs_bench_delivers_every_output(common, smollm2_dir):
     import anyio  # noqa: PLC0415
 
     bench = importlib.import_module("bench_parent_outputs")
-    for blocks in (False, True):
-        assert anyio.run(bench.run, 4, 3, blocks) > 0
+    for blocks, detokenize in ((False, True), (False, False), (True, True)):
+        assert anyio.run(bench.run, 4, 3, blocks, detokenize) > 0
