@@ -252,9 +252,9 @@ class DeviceChain:
                           packed.device).view(extra, columns)
         packed = torch.cat([packed, added.to(packed.dtype)])
         if first is not None:
-            rows_ = features.new_zeros(extra, features.shape[1], features.shape[2])
-            rows_[:len(joining), 0] = first
-            features = torch.cat([features[:real], rows_])
+            joiners = features.new_zeros(extra, features.shape[1], features.shape[2])
+            joiners[:len(joining), 0] = first
+            features = torch.cat([features[:real], joiners])
         return {"packed": packed, "hidden": features, "token_ids": packed[:, :-1],
                 "num_accepted": packed[:, -1]}
 
