@@ -148,7 +148,7 @@ class FrontEnd:
             if not finished:
                 # The consumer left early (break, cancel scope, error): cancel the request
                 # and free its slot; its id stays in use until the engine is done with it.
-                self._front_door.abandon(new.request_id)
+                self._front_door.abandon(new.request_id, new.handle)
 
     async def generate_batch(self, prompts: Sequence[str | list[int]],
                              params: SamplingParams | Sequence[SamplingParams] | None = None
@@ -172,18 +172,19 @@ class FrontEnd:
         for new in news:
             # Detokenized as delivered; a stop string ends its request at the front door.
             front.submit(new, channel, self._text_stream(new))
-        live = {new.request_id for new in news}     # whose last output is not out yet
+        # Whose last output is not out yet, with its handle (``abandon``'s).
+        live = {new.request_id: new.handle for new in news}
         try:
             while live and (outputs := await channel.take()):
                 for output in outputs:
                     if output.error is not None:
                         raise EngineClosedError(output.error) from self._failure
                     if output.finished:
-                        live.discard(output.request_id)
+                        live.pop(output.request_id, None)
                 yield outputs
         finally:
-            for request_id in live:
-                front.abandon(request_id)
+            for request_id, handle in live.items():
+                front.abandon(request_id, handle)
 
     def cancel(self, request_id: str) -> None:
         """End a request (see docs/embedding.md); unknown or finished ids are ignored, so

@@ -177,9 +177,15 @@ class FrontDoor:
         self._max_running = max_running
         self._wake.set()
 
-    def abandon(self, request_id: str) -> None:
+    def abandon(self, request_id: str, handle: int | None = None) -> None:
         """The consumer left before the final output: drop its stream and cancel the
-        request; the id stays reserved until the engine is done with it. Never raises."""
+        request; the id stays reserved until the engine is done with it. Never raises.
+        ``handle``: the request the consumer served (``NewRequest.handle``); if the id is
+        no longer that request's (its final output was delivered, still untaken, when the
+        consumer left, and a new request took the id since), nothing is done: the new
+        request is not the consumer's to end."""
+        if handle is not None and self._live.get(request_id) != handle:
+            return
         stream = self._streams.pop(request_id, None)
         if stream is not None:
             stream[0].close()

@@ -110,6 +110,29 @@ async def test_abandon_closes_the_stream_cancels_and_keeps_the_id_until_final():
     assert door.open_request_ids == set()
 
 
+async def test_a_consumer_leaving_late_never_ends_a_request_reusing_its_id():
+    """The final output is delivered (the id released) but not yet taken when its consumer
+    leaves (a timeout fired on a loaded host); meanwhile a new request took the id. The
+    late consumer's ``abandon`` names its own request (the handle) and touches nothing of
+    the new one: its stream stays open, no cancel goes out. (Found by
+    test_lifecycle_props.py's steps-queued-ahead property on a busy 2-core box: the new
+    request's stream ended with no final output.)"""
+    door = FrontDoor()
+    old = door.submit(new(0, "a"))
+    door.take_message(one_rank)
+    door.deliver([final("a")])              # released; still in the old channel
+    fresh = door.submit(new(1, "a"))
+    door.abandon("a", 0)                    # the old consumer leaves now
+    message = door.take_message(one_rank)
+    assert ids(message) == ["a"] and message.cancels == ()
+    assert "a" in door.open_request_ids
+    door.deliver([RequestOutput("a", (5,), "", False)])
+    assert [o.token_ids for o in await take(fresh)] == [(5,)]      # still its stream
+    assert (await take(old))[0].finished                          # the old one's final
+    door.abandon("a", 1)                    # its own consumer leaving does end it
+    assert await take(fresh) == [] and door.take_message(one_rank).cancels == ("a",)
+
+
 async def test_closing_cancels_what_was_not_handed_out_and_shuts_the_group_down():
     door = FrontDoor()
     running = door.submit(new(0))
