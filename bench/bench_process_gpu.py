@@ -25,6 +25,10 @@ without this process's front door in it.
 ``--kinds process-pinned``: a ``ProcessEngine`` whose core pins its loop thread
 (``parallel.pin_host_cores = "on"``), taking turns with the unpinned one run by run.
 
+``--one-engine``: one engine a config (and kind, replica) for every batch of
+``--batches``, built for the largest and capped at each batch in turn
+(``set_max_running``; ``sweep``): one engine start a config instead of one a batch.
+
 ``--arrival steady``: a run is steady load instead of closed rounds (a server's: ``batch``
 requests in flight, a new one as each finishes; bench/_common.py ``steady_load``, as
 bench_adaptive_gpu.py's), tokens/s over its window.
