@@ -122,3 +122,24 @@ async def test_a_process_engine_takes_the_cap_through_its_pipe(tiny_dir, tiny_lo
                 assert [t for out in outs for t in out.token_ids] == expected[3]
             assert texts[True] and texts[False] == ""
     assert seen.largest[0] == 2
+
+
+async def test_only_the_front_door_rank_takes_a_cap(tiny_dir, tiny_loaded):
+    """Another rank of a group has no front door: its ``set_max_running`` raises
+    ``EngineClosedError`` naming rank 0, as its ``generate`` does."""
+    from specloop.comm import LocalGroup
+
+    config = adp_config(tiny_dir, 2, method="ngram", max_batch_size=4)
+
+    async def rank_main(comm):
+        async with AsyncEngine(config, communicator=comm, model=tiny_loaded) as engine:
+            if comm.rank == 1:
+                with pytest.raises(EngineClosedError, match="rank 1 is not the front door"):
+                    engine.set_max_running(2)
+                await engine.wait_closed()
+                return None
+            engine.set_max_running(2)
+            return await serve_staggered(engine, [(PROMPTS[0], PARAMS[0], 0)])
+
+    results = await LocalGroup(2, timeout=5.0).run(rank_main)
+    assert len(results[0][0]) == PARAMS[0].max_tokens
