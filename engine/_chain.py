@@ -279,22 +279,19 @@ class DeviceChain:
         every row's accepted count, as ``_into_statics``), then the joiners' and padding
         rows whole. None where ``into`` lacks the inputs or they are not those shapes."""
         verified, static = into.get("verified"), into.get("cu_hidden")
-        packed, features = out["packed"], out["hidden"]
         width = self.k + 1
         if verified is None or static is None or verified.shape != (padded, width + 1) or \
-                static.shape != (padded, width, features.shape[2]):
+                static.shape != (padded, width, out["hidden"].shape[2]):
             return None
-        real, n = packed.shape[0], packed.shape[1] - 1
-        if n == width:
-            verified[:real].copy_(packed, non_blocking=True)
-        else:
-            verified[:real, :n].copy_(packed[:, :-1], non_blocking=True)
-            verified[:real, width].copy_(packed[:, -1], non_blocking=True)
+        real = out["packed"].shape[0]
+        # The batch's rows: as a narrower VERIFY's go in (its first ``real`` rows).
+        self._into_statics(out["packed"], out["hidden"],
+                           {"verified": verified[:real], "cu_hidden": static[:real]}, width,
+                           True)
         extra = padded - real
         added = to_device(int64_tensor(self._joiner_rows(joining, extra, width + 1)),
                           verified.device)
         verified[real:].copy_(added.view(extra, width + 1), non_blocking=True)
-        static[:real, :n].copy_(features, non_blocking=True)
         static[real:].zero_()
         static[real:real + len(joining), 0] = first
         return {"packed": verified, "hidden": static, "token_ids": verified[:, :-1],
@@ -368,7 +365,8 @@ class DeviceChain:
                       into: dict[str, torch.Tensor] | None, width: int, hidden: bool
                       ) -> dict[str, torch.Tensor] | None:
         """VERIFY n's tokens and counts (``packed`` [padded, K_n + 2], fewer token columns
-        than the draft graph's ``width``) and, with ``hidden``, its feature rows
+        than the draft graph's ``width``, or as many: ``_joined_into``'s rows at the
+        largest K) and, with ``hidden``, its feature rows
         (``features`` [padded, K_n + 1, F]) copied into the draft graph's static inputs,
         which are returned in ``_rows``' form (the replay then copies none of them):
 
@@ -402,8 +400,11 @@ class DeviceChain:
                     static.shape != (rows, width, features.shape[2]):
                 return None
             static[:, :n].copy_(features, non_blocking=True)
-            verified[:, :n].copy_(packed[:, :-1], non_blocking=True)
-            verified[:, width].copy_(packed[:, -1], non_blocking=True)
+            if n == width:      # VERIFY's own layout (``_joined_into``'s rows at K_max)
+                verified.copy_(packed, non_blocking=True)
+            else:
+                verified[:, :n].copy_(packed[:, :-1], non_blocking=True)
+                verified[:, width].copy_(packed[:, -1], non_blocking=True)
             return {"packed": verified, "hidden": static, "token_ids": verified[:, :-1],
                     "num_accepted": verified[:, -1]}
         accepted = into.get("accepted")

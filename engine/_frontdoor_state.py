@@ -204,7 +204,7 @@ class FrontDoor:
 
     def take_message(self, assign: Callable[[list[NewRequest]], tuple[tuple[int, NewRequest], ...]]
                      ) -> FrontDoorMessage:
-        if not (self.has_news or self.closing):
+        if not (self._inbox or self._cancels or self.closing or self._max_running is not None):
             return NO_MESSAGE    # most iterations: no news, one shared empty message
         new, self._inbox = list(self._inbox.values()), {}
         cancels, self._cancels = tuple(self._cancels), []
