@@ -327,6 +327,14 @@ class CostTable:
     # session) the rule's T(3) / T(2) read 1.09 while its K = 3 iterations averaged 1.18x
     # its K = 2 ones in the same runs.
     lived: dict[tuple[int, int], list[float]] = attrs.Factory(dict)
+    # The same for the disturbed iterations of a stretch (the rule learns none of them once
+    # an undisturbed one came; the clock leaves out the prefill's device time): against
+    # ``lived``, what admitting costs an iteration at each K beyond the prefill (its step
+    # not queued ahead, joiners). Under a server's load at batch 256 nearly every iteration
+    # admits; on the H100 (fifty-ninth session) the rule's T(3) / T(2) read ~1.07 there
+    # while fixed K = 3 iterated 1.09x fixed K = 2, and the rule drafted K = 3 where K = 2
+    # made 2 % more tokens/s: whether that cost grows with K is what this tells.
+    lived_disturbed: dict[tuple[int, int], list[float]] = attrs.Factory(dict)
     # Per bucket: X(b), the iteration's cost beyond T(b, k) at any K (OVERHEAD_WINDOW;
     # undisturbed iterations, ADMISSIONS_PER_TOKEN),
     # added to every K's T there (``times``).
@@ -620,10 +628,11 @@ class CostTable:
         if not self.learn or device is None:
             return
         key = (bucket, k)
-        if not (disturbed or switched or leaving):
-            lived = self.lived.get(key)
+        if not (switched or leaving):
+            kept = self.lived_disturbed if disturbed else self.lived
+            lived = kept.get(key)
             if lived is None:
-                lived = self.lived[key] = [0, 0.0]
+                lived = kept[key] = [0, 0.0]
             lived[0] += 1
             lived[1] += seconds
         first = self._first.get(key)
@@ -1282,6 +1291,10 @@ class AdaptiveK:
             # engine's life (``CostTable.lived``): against measured_ms, a median's bias.
             "lived_ms": {k: [int(n), round(t / n * 1e3, 3)] for k in self.candidates
                          for n, t in (cost.lived.get((bucket, k), (0, 0.0)),) if n},
+            # The same for its disturbed stretch iterations (``CostTable.lived_disturbed``).
+            "disturbed_ms": {k: [int(n), round(t / n * 1e3, 3)] for k in self.candidates
+                             for n, t in (cost.lived_disturbed.get((bucket, k), (0, 0.0)),)
+                             if n},
             "switch_ms": {k: round(cost.switch[(bucket, k)] * 1e3, 3)
                           for k in self.candidates if (bucket, k) in cost.switch},
             # X(b): in times_ms, beyond measured_ms (OVERHEAD_WINDOW).

@@ -367,19 +367,25 @@ def test_lived_means_count_undisturbed_stretches_beside_the_median():
     """``CostTable.lived`` (the summary's ``lived_ms``): per (bucket, K), the undisturbed
     iterations of a stretch over the engine's life and their mean, whatever the median
     ``measured`` holds: a heavy tail (one slow iteration in four) moves the mean, not the
-    median; a disturbed iteration and a switch's first or last are not counted."""
+    median; a disturbed iteration and a switch's first or last are not counted. The
+    disturbed ones of a stretch are counted apart (``lived_disturbed``, ``disturbed_ms``)."""
     adaptive = AdaptiveK(KS, CostTable({(4, k): 1e-3 for k in KS}))
     cost = adaptive.cost
     times = [1e-3, 1e-3, 1e-3, 3e-3] * 5
     for seconds in times:
         cost.observe(4, 2, seconds)
     cost.observe(4, 2, 9e-3, disturbed=True)
+    cost.observe(4, 2, 5e-3, disturbed=True)
     cost.observe(4, 2, 9e-3, switched=True)
     cost.observe(4, 2, 9e-3, leaving=True)
+    cost.observe(4, 2, 9e-3, disturbed=True, switched=True)
     assert cost.lived[(4, 2)] == [len(times), pytest.approx(sum(times))]
     assert cost.measured[(4, 2)] == pytest.approx(1e-3)     # the median: the tail unseen
+    # The disturbed ones apart (``disturbed_ms``), a switch's first or last not counted.
+    assert cost.lived_disturbed == {(4, 2): [2, pytest.approx(14e-3)]}
     adaptive._view = (4, {k: 1.0 for k in KS}, {k: 1e-3 for k in KS})
     assert adaptive.summary()["lived_ms"] == {2: [len(times), 1.5]}
+    assert adaptive.summary()["disturbed_ms"] == {2: [2, 7.0]}
 
 
 def test_admissions_do_not_tip_batch_32_to_the_k_making_more_tokens():
