@@ -852,6 +852,17 @@ class AdaptiveK:
         # Choices per K (a plain dict: a Counter's increment costs 3x, every iteration).
         self.chosen: dict[int, int] = {}
         self.switches = 0           # choices whose K is not the last one's (``summary``)
+        # Choices per (way, K) (``summary``'s ``ways``; the rule does not read it): how
+        # each was made: ``rule`` (the rate's best), ``kept`` (the last K, the rule's
+        # within SWITCH_MARGIN of it), ``first`` (a K's first samples), ``explore``
+        # (EXPLORE_EVERY's turn), ``near`` (EXPLORE_NEAR's contender), ``held`` (HOLD),
+        # ``stay`` (one GPU rank: the iteration before took no step queued ahead). On the
+        # H100 at batch 64 (fifty-ninth session) one run in twelve drafted K = 0 for ~1,100
+        # of its choices where T and E(k) in the events priced K = 2 20 % faster: this
+        # tells which way those came.
+        self.ways: dict[tuple[str, int], int] = {}
+        self._way = "rule"          # the way of ``_rule``'s last choice
+        self._ahead_way = "rule"    # the way of ``next_k``'s last choice (``commit``)
         # E(k) per class (the last: all pooled) from this rank's counts alone
         # (``_expected_here``), each kept until ``record`` changes it: one GPU rank asks
         # every iteration (``next_k``).
@@ -1022,15 +1033,19 @@ class AdaptiveK:
         queued ahead is followed by one that is, so a K gets timed as it runs in a
         stretch). Commits nothing: ``commit`` does, once the step is queued."""
         if stay:
+            self._ahead_way = "stay"
             return k
         bucket, calls = self.cost.bucket(padded_batch_size), self._calls + 1
         held = self._held(bucket, calls)
         if held is not None:
+            self._ahead_way = "held"
             return held
         expected = self._tail_here() if tail_rows else self._expected_here(classes)
         if tree:
             expected = self._with_tree(expected, self._tree_here())
-        return self._rule(expected, bucket, calls)
+        k = self._rule(expected, bucket, calls)
+        self._ahead_way = self._way
+        return k
 
     def _held(self, bucket: int, calls: int) -> int | None:
         """The K held for the ``calls``-th choice at ``bucket`` (HOLD), or None."""
@@ -1085,15 +1100,19 @@ class AdaptiveK:
         k = self._committed
         if k is not None:
             self._committed = None
+            way = self._ahead_way
         else:
             if learn and not cost.tried(last_bucket, last_k):
                 # A first sample: the rule's next pick.
                 cost.observe(last_bucket, last_k, seconds, disturbed, switched)
                 learn = False
             assert rows is not None
-            k = self._held(bucket, calls)
+            k, way = self._held(bucket, calls), "held"
             if k is None:
                 k = self._rule(self._expected(rows, tree), bucket, calls)
+                way = self._way
+        ways, key = self.ways, (way, k)
+        ways[key] = ways.get(key, 0) + 1
         # Learned once the K after it is known (``leaving`` its K); a run's ``settling``
         # iterations after its first (``switched``) are not, once its K has its first
         # samples at that bucket (SETTLING; before them any sample is worth more than none).
@@ -1277,6 +1296,8 @@ class AdaptiveK:
         return {
             "choices": self._calls, "chosen": dict(sorted(self.chosen.items())),
             "switches": self.switches,
+            "ways": {way: {k: n for (w, k), n in sorted(self.ways.items()) if w == way}
+                     for way in sorted({w for w, _ in self.ways})},
             "bucket": bucket,
             "expected": {k: round(e, 3) for k, e in expected.items()},
             "times_ms": {k: round(t * 1e3, 3) for k, t in times.items()},
@@ -1320,6 +1341,7 @@ class AdaptiveK:
         times = self.cost.times(bucket, self.candidates)
         self._view = (bucket, expected, times)
         k = choose_by_rate(self.candidates, expected, times)
+        self._way = "rule"
         if self.cost.learn:
             # Host work differs by K (drafting's own), which warm-up cannot time: each K
             # runs FIRST_SAMPLES times at the first bucket before the rule decides there
@@ -1330,6 +1352,7 @@ class AdaptiveK:
                 if not untried:
                     self._settled.add(bucket)
                 elif not self._settled:
+                    self._way = "first"
                     return untried[0]
                 else:
                     times = self._borrowed(bucket)
@@ -1344,16 +1367,20 @@ class AdaptiveK:
             # After an explored run the rule's K is back without a gate.
             if not explored and last is not None and last != k:
                 k = self._stay(k, last, expected, times, bucket)
+                if k == last:
+                    self._way = "kept"
             if calls >= EXPLORE_EVERY and calls % EXPLORE_EVERY < run:
                 turn, n_k = calls // EXPLORE_EVERY, len(self.candidates)
                 explore = self.candidates[turn % n_k]
                 rate = {c: expected[c] / max(times[c], 1e-9) for c in (k, explore)}
                 if rate[explore] >= EXPLORE_RATE * rate[k] or \
                         (turn // n_k) % EXPLORE_RARELY == 0:
-                    k = explore
+                    k, self._way = explore, "explore"
             elif calls >= EXPLORE_NEAR and calls % EXPLORE_NEAR < run and \
                     bucket in self._settled:
-                k = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
+                near = self._contender(calls // EXPLORE_NEAR, k, expected, times, bucket)
+                if near != k:
+                    k, self._way = near, "near"
             if k == last and not self.classes and bucket in self._settled and \
                     _may_hold(calls, run):
                 self._hold = (bucket, k, calls + HOLD - 1)

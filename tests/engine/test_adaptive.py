@@ -526,6 +526,14 @@ def test_every_k_gets_explored_in_turn():
                                                      EXPLORE_EVERY)]
     assert runs == [[k] * EXPLORE_RUN for k in (1, 2, 3)]
     assert sorted(set(picks[first:])) == list(KS)
+    # ``ways``: how each choice was made, every choice counted once.
+    ways = adaptive.summary()["ways"]
+    assert ways["first"] == {k: FIRST_SAMPLES for k in KS}
+    # (the fourth turn, K = 0's, begins at the last pick)
+    assert ways["explore"] == {0: 1, **{k: EXPLORE_RUN for k in (1, 2, 3)}}
+    assert sum(n for by_k in ways.values() for n in by_k.values()) == len(picks)
+    assert set(ways) <= {"first", "explore", "rule", "held", "kept", "near"}
+    assert all(set(ways[w]) == {0} for w in ways if w not in ("first", "explore"))
     fixed = AdaptiveK(KS, CostTable({(1, k): 1.0 + 10.0 * k for k in KS}, learn=False))
     assert {fixed.choose([fixed.facts()], 1) for _ in range(EXPLORE_EVERY * 4)} == {0}
 

@@ -85,6 +85,8 @@ def test_next_k_is_the_next_choice():
     fresh.commit(1)
     assert fresh.choose([fresh.facts()], 1) == 1
     assert fresh.choose([fresh.facts()], 1) == 3
+    # The summary's ``ways``: the committed choice came by ``stay``, the next by the rule.
+    assert fresh.summary()["ways"] == {"stay": {1: 1}, "rule": {3: 1}}
 
 
 # The worker's side ------------------------------------------------------------------------
