@@ -19,7 +19,8 @@ slow host: ``bench/results/h200_1202q_adaptive_diag_steady.jsonl``).
         [--iterations 3000] [--seeds 5] [--set RECENT=45 --set SWITCH_MARGIN=0]
         [--closed 128 | --refill 128] [--spread 0.5] [--row-cost 0.5] [--pooled]
         [--first-bias 1.3] [--drain-objective] [--lengths 0.5] [--disturbed 0.8]
-        [--unseen 0.35] [--module /tmp/old_adaptive.py]    (another version of engine/_adaptive.py, e.g.
+        [--unseen 0.35] [--ahead 0.9]
+        [--module /tmp/old_adaptive.py]    (another version of engine/_adaptive.py, e.g.
                                             ``git show <commit>:engine/_adaptive.py``)
 
 ``--closed``: rounds of rows that end after their tokens; ``--refill``: each row replaced
@@ -46,6 +47,13 @@ load (twenty-sixth session): ``--batch 32 --refill 128 --lengths 0.5 --times
 more (x T(k)): the extra work of a switch spilling into the next iteration where a step
 is queued ahead (``speculative.adaptive_settling``; ``--set SETTLING=1`` leaves the second
 out of what the rule learns).
+
+``--ahead Q``: one GPU rank's path (engine/_ahead.py): the next iteration's K taken early
+(``next_k``; ``stay`` after an iteration that took no step queued ahead) and committed
+where its step can be queued (K = 0 after K = 0, a drafting K after a drafting K: the
+chain), the step taken by the next iteration with probability Q (else dropped: that
+iteration is not timed, as the worker's clock), a committed choice made by
+``choose_committed``. Rows also get ``k0_run``, the longest stretch of K = 0 choices.
 
 ``--set NAME=VALUE`` changes one of engine/_adaptive.py's constants for the run (a
 variant of the rule to compare); several may be given.
@@ -259,8 +267,8 @@ def drain_expected(expected: dict[int, float], left: float, rows: int) -> dict[i
     return out
 
 
-def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
-    """Tokens per ms of the rule, and how often it chose each K."""
+def run_rule(args, seed: int) -> tuple[float, dict[int, int], int]:
+    """Tokens per ms of the rule, how often it chose each K, its longest K = 0 stretch."""
     from specloop.engine import _adaptive  # noqa: PLC0415
 
     rng, noise = random.Random(seed), random.Random(seed + 10_000)
@@ -292,10 +300,27 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
     # --spill: the last iteration's K, this one's place in its run of one K, and whether
     # that run began with a switch
     last_k, place, switched = None, 0, False
+    # --ahead: whether this iteration took the step the last one queued, and whether one
+    # was queued for it (a step queued and not taken is dropped: the iteration untimed).
+    taken = queued = False
+    rng_ahead = random.Random(seed + 20_000)
+    run_k0 = k0_run = 0      # the K = 0 stretch now, and the longest
     for _ in range(args.iterations):
         active, batch = rows.active, rows.requests()
         tail_rows = tail_rows_of(rule.tail, batch, rows.admitted)
-        k = rule.choose([rule.facts(None, tail_rows)], active)
+        if rule.committed:
+            k = rule.choose_committed(active)
+        else:
+            k = rule.choose([rule.facts(None, tail_rows)], active)
+        timed = True
+        if args.ahead is not None:
+            nxt = rule.next_k(active, k, stay=not taken, tail_rows=tail_rows if taken else 0)
+            dropped = queued and not taken
+            queued = (nxt == 0) == (k == 0)
+            if queued:
+                rule.commit(nxt)
+            timed = not dropped and (taken or not queued)
+            taken = queued and rng_ahead.random() < args.ahead
         clock.times = scaled(args.times, active, args)
         took = clock.iteration(k)
         if args.first_bias != 1 and not rule.cost.tried(rule.cost.bucket(active), k):
@@ -316,16 +341,19 @@ def run_rule(args, seed: int) -> tuple[float, dict[int, int]]:
         tokens += useful
         rule.record(k, counts, None,
                     rule.tail.accepted(batch, counts) if rule.tail is not None else None)
-        if full:
-            rule.measured(took, took + args.unseen / 1e3)
-        else:
-            rule.measured(took)
-        # As the engine's clock: an iteration that admitted requests, and the one before it,
-        # are disturbed (IterationClock.tick, prefill_done).
-        if args.disturbed and (admits or rows.refilled):
-            rule.disturb()
+        if timed:
+            if full:
+                rule.measured(took, took + args.unseen / 1e3)
+            else:
+                rule.measured(took)
+            # As the engine's clock: an iteration that admitted requests, and the one
+            # before it, are disturbed (IterationClock.tick, prefill_done).
+            if args.disturbed and (admits or rows.refilled):
+                rule.disturb()
         admits = bool(args.disturbed) and rows.refilled > 0
-    return tokens / (seconds * 1e3), dict(sorted(rule.chosen.items()))
+        run_k0 = run_k0 + 1 if k == 0 else 0
+        k0_run = max(k0_run, run_k0)
+    return tokens / (seconds * 1e3), dict(sorted(rule.chosen.items())), k0_run
 
 
 def parser() -> argparse.ArgumentParser:
@@ -387,6 +415,10 @@ def parser() -> argparse.ArgumentParser:
                          "x (1 - R) at its first token to x (1 + R) at its last (the shipped "
                          "eagle3 head on held-out prompts: E(3) 1.93 over answer positions "
                          "0-15, 3.0 from 192 on; bench/acceptance_by_position.py)")
+    ap.add_argument("--ahead", type=float, default=None, metavar="Q",
+                    help="one GPU rank's path: the next K taken early and committed where "
+                         "its step can be queued, the step taken with probability Q (else "
+                         "dropped, the iteration untimed)")
     ap.add_argument("--row-cost", type=float, default=0.5,
                     help="--closed: the share of an iteration's time that scales with "
                          "its bucket")
@@ -428,11 +460,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with rule_constants(args.set, _adaptive):
             for seed in range(args.seeds):
                 fixed = {k: run_fixed(k, args, seed) for k in range(len(args.times))}
-                rate, chosen = run_rule(args, seed)
+                rate, chosen, k0_run = run_rule(args, seed)
                 best = max(fixed, key=fixed.get)
                 rows.append({"seed": seed, "fixed": {k: round(v, 3) for k, v in fixed.items()},
                              "rule": round(rate, 3), "vs_best": round(rate / fixed[best], 3),
-                             "best_k": best, "chosen": chosen})
+                             "best_k": best, "chosen": chosen, "k0_run": k0_run})
                 print(rows[-1], flush=True)
     finally:
         sys.modules["specloop.engine._adaptive"] = specloop.engine._adaptive = tree

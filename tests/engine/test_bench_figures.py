@@ -356,3 +356,46 @@ async def test_one_engine_sweep_caps_one_engine_a_config_at_each_batch(common, m
             rates, _, extra = got[batch][name, "in-process"]
             assert rates[0] > 0
             assert 0 < max(extra["rows_runs"]) <= batch
+
+
+def test_adaptive_sim_ahead_commits_the_next_k_and_leaves_dropped_steps_untimed(common,
+                                                                               monkeypatch):
+    """bench/adaptive_sim.py ``--ahead Q``: one GPU rank's path. The next K is taken early
+    (``next_k``) and committed where its step can be queued, and the choice is then
+    ``choose_committed``'s; an iteration whose queued step was dropped is not timed, nor
+    one that queued a step it did not take itself. Q = 1: every iteration is timed but the
+    first and the first after each switch between K = 0 and a drafting K (no step can be
+    queued across it); Q = 0: no queued step is ever taken, so nothing is timed and ``stay`` holds
+    the first K all run (as the worker would). Without ``--ahead`` every iteration is
+    timed and chosen by ``choose``."""
+    from specloop.engine import _adaptive
+
+    sim = importlib.import_module("adaptive_sim")
+    base = ["--batch", "4", "--sigma", "0", "--dwell", "0", "--times", "1.0,1.2",
+            "--accept", "0.5", "--iterations", "200", "--seeds", "1"]
+    timed, committed = [], []
+    measured, choose_committed = (_adaptive.AdaptiveK.measured,
+                                  _adaptive.AdaptiveK.choose_committed)
+
+    def counting_measured(self, seconds, *a):
+        timed.append(seconds)
+        return measured(self, seconds, *a)
+
+    def counting_committed(self, batch):
+        committed.append(batch)
+        return choose_committed(self, batch)
+    monkeypatch.setattr(_adaptive.AdaptiveK, "measured", counting_measured)
+    monkeypatch.setattr(_adaptive.AdaptiveK, "choose_committed", counting_committed)
+
+    def run(*extra):
+        timed.clear()
+        committed.clear()
+        return sim.run_rule(sim.parser().parse_args(base + list(extra)), 0)
+
+    _, chosen, _ = run()
+    assert len(timed) == 200 and not committed and sum(chosen.values()) == 200
+    _, chosen, _ = run("--ahead", "1")
+    assert 190 <= len(timed) < 200 and len(committed) >= 150 and sum(chosen.values()) == 200
+    _, chosen, k0_run = run("--ahead", "0")
+    assert timed == [] and len(committed) == 199
+    assert chosen == {0: 200} and k0_run == 200
