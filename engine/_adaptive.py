@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 import time
 from typing import Any, Callable, Hashable, Iterable, Sequence, TypeVar
 
@@ -177,6 +178,23 @@ EXPLORE_NEAR = 32
 # them); not for a drafter with classes (n-gram: a row's class changes iteration to
 # iteration, and with it the best K).
 HOLD = 4
+# At a bucket not settled (a K there has no first samples yet), what the rule prices from
+# the nearest settled bucket's times (``_borrowed``): "all" (the default) every K, each
+# moved by its warm-up difference and all scaled by the bucket's most-sampled K; "untried"
+# only the K values not WELL_MEASURED there, the others at their own price
+# (``CostTable.times``).
+# Under a server's load at batch >= 64 most iterations admit, and K = 0, run only at its
+# explore turns, gets its first undisturbed samples after thousands of choices: the bucket
+# stays unsettled. On the H100 (fifty-ninth session) one batch-64 run drafted K = 0 ~1,100
+# times: K = 0, then the bucket's most-sampled K, scaled bucket 8's times into K = 2 at 1.39
+# ms against its own 1.15 and K = 3 within SWITCH_MARGIN of K = 0, which was kept; K = 2's
+# own price made it 23 % faster (test_unsettled_bucket_borrows_only_for_untried_ks). Not
+# the default until timed on a GPU (SPECLOOP_ADAPTIVE_BORROW=untried for an A/B): in
+# bench/adaptive_sim.py's closed rounds at batch 64 (--closed 128 --lengths 0.5 --ahead
+# 0.8, 16 seeds) it read 0.982 of the best fixed K against 0.988, 11 seeds of 16 lower;
+# there every K's time scales with the bucket by one factor, as borrowing assumes, and a
+# drain's own medians are few and noisy.
+ADAPTIVE_BORROW = os.environ.get("SPECLOOP_ADAPTIVE_BORROW", "all")
 # Rows a batch's classes are asked for (``Drafter.draft_classes`` runs on the host each
 # iteration, ~3 us a row for n-gram); a larger batch's rows are unclassed.
 CLASSED_ROWS = 64
@@ -1255,7 +1273,8 @@ class AdaptiveK:
         rate_last = expected[last] / max(times[last], 1e-9)
         return k if rate_k > rate_last * (1 + SWITCH_MARGIN) else last
 
-    def _borrowed(self, bucket: int) -> dict[int, float]:
+    def _borrowed(self, bucket: int, own: dict[int, float] | None = None
+                  ) -> dict[int, float]:
         """T(bucket, k) at a bucket not settled, from the nearest settled one's measured
         times: each K's moved by the change in its own warm-up device time between the
         two buckets (drafting K tokens makes VERIFY's rows K + 1 times the batch's, so its
@@ -1267,7 +1286,9 @@ class AdaptiveK:
         graph bucket each; eager warm-up times only the smallest and the largest batch,
         whose growth is not this pair's), and never below the settled time shrunk in
         proportion to the warm-up times (measured iterations can run below warm-up's, so
-        the difference alone could reach zero and make that K look free)."""
+        the difference alone could reach zero and make that K look free). ``own``
+        (ADAPTIVE_BORROW "untried"): the bucket's own prices, kept for every K
+        WELL_MEASURED here."""
         cost = self.cost
         near = _nearest_class(self._settled, bucket)
 
@@ -1279,7 +1300,11 @@ class AdaptiveK:
             most = max(here, key=lambda c: (cost.samples.get((bucket, c), 0), c))
             scale = cost.measured[(bucket, most)] / max(estimate[most], 1e-9)
         x = cost.overhead_at(bucket)
-        return {c: t * scale + x for c, t in estimate.items()}
+        if own is None:
+            return {c: t * scale + x for c, t in estimate.items()}
+        samples = cost.samples
+        return {c: own[c] if samples.get((bucket, c), 0) >= WELL_MEASURED else t * scale + x
+                for c, t in estimate.items()}
 
     @property
     def choices(self) -> int:
@@ -1355,7 +1380,8 @@ class AdaptiveK:
                     self._way = "first"
                     return untried[0]
                 else:
-                    times = self._borrowed(bucket)
+                    times = self._borrowed(
+                        bucket, times if ADAPTIVE_BORROW == "untried" else None)
                     k = choose_by_rate(self.candidates, expected, times)
             # An explored run just ended: an EXPLORE_EVERY turn, or the near run
             # ``_contender`` chose at this EXPLORE_NEAR's start.

@@ -575,6 +575,42 @@ def test_a_new_bucket_borrows_the_settled_ones_times():
     assert adaptive.choose([adaptive.facts()], 8) == 3
 
 
+def test_unsettled_bucket_borrows_only_for_untried_ks(monkeypatch):
+    """The H100's batch-64 excursion (fifty-ninth session, sweep 3's events): bucket 64
+    unsettled (K = 1 never tried there), K = 0 its most-sampled K after an explore turn,
+    K = 2 and 3 measured there at 1.15 and 1.30 ms. Borrowing every K from bucket 8
+    (ADAPTIVE_BORROW "all", the default) scales bucket 8's times by K = 0's ratio: K = 2
+    at 1.39 ms, K = 3 within SWITCH_MARGIN of K = 0, and the rule keeps K = 0. Borrowing
+    only for the K not WELL_MEASURED there ("untried": K = 1) prices K = 2 at its own
+    1.15 ms: 23 % faster, taken."""
+    from specloop.engine import _adaptive
+    warm = {1: (0.385, 0.478, 0.52, 0.533), 8: (0.456, 0.499, 0.561, 0.582),
+            64: (0.613, 0.899, 1.078, 1.157)}
+    cost = CostTable({(b, k): t * 1e-3 for b, ts in warm.items() for k, t in enumerate(ts)})
+    adaptive = AdaptiveK(KS, cost)
+    for bucket, times in ((1, [1.2 * t for t in warm[1]]), (8, (0.544, 0.649, 0.704, 0.692))):
+        for k in KS:
+            for _ in range(20):
+                cost.observe(bucket, k, times[k] * 1e-3)
+    adaptive._settled |= {1, 8}
+    for k, n, t in ((2, 38, 1.15), (3, 11, 1.30), (0, 114, 0.80)):
+        for _ in range(n):
+            cost.observe(64, k, t * 1e-3)
+    assert [cost.tried(64, k) for k in KS] == [True, False, True, True]
+    own = cost.times(64, KS)
+    assert own[2] == pytest.approx(1.15e-3) and own[3] == pytest.approx(1.30e-3)
+    assert adaptive._borrowed(64)[2] == pytest.approx(1.393e-3, rel=1e-3)
+    assert adaptive._borrowed(64, own) == pytest.approx(
+        {0: own[0], 1: adaptive._borrowed(64)[1], 2: own[2], 3: own[3]})
+    expected = {0: 1.0, 1: 1.51, 2: 1.772, 3: 1.854}
+    picks = {}
+    for mode in ("all", "untried"):
+        monkeypatch.setattr(_adaptive, "ADAPTIVE_BORROW", mode)
+        adaptive._last = (64, 0)                    # K = 0 running
+        picks[mode] = adaptive._rule(expected, 64, 5000)     # no explore or near turn
+    assert picks == {"all": 0, "untried": 2}
+
+
 def _settled_at(bucket, device, offset):
     """An AdaptiveK whose first bucket ``bucket`` settled with each K measured at its
     warm-up time + ``offset``."""
