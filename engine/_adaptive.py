@@ -904,6 +904,9 @@ class AdaptiveK:
         self._near: tuple[int, int | None] = (-1, None)
         # The last decision's (bucket, E(k), T(b, k) before the rule's gates): ``summary``.
         self._view: tuple[int, dict[int, float], dict[int, float]] = (0, {}, {})
+        # The settled bucket the last decision's times were borrowed from (``_borrowed``),
+        # or None: the view's times are then those prices, not the bucket's own.
+        self._view_from: int | None = None
         # Per (bucket, K): [iterations, sum of E(k) as the rule last took it there, sum
         # of the tokens a row those iterations made] over iterations without a tail
         # (``summary``'s ``e_check``; the rule does not read it): whether E(k) is priced
@@ -1324,6 +1327,9 @@ class AdaptiveK:
             "ways": {way: {k: n for (w, k), n in sorted(self.ways.items()) if w == way}
                      for way in sorted({w for w, _ in self.ways})},
             "bucket": bucket,
+            # The settled bucket whose times ``times_ms`` were borrowed from (the bucket
+            # not settled: a K without first samples there), or None.
+            "borrowed_from": self._view_from,
             "expected": {k: round(e, 3) for k, e in expected.items()},
             "times_ms": {k: round(t * 1e3, 3) for k, t in times.items()},
             "measured_ms": {k: round(cost.measured[(bucket, k)] * 1e3, 3)
@@ -1364,7 +1370,7 @@ class AdaptiveK:
     def _rule(self, expected: dict[int, float], bucket: int, calls: int) -> int:
         """The choice of the ``calls``-th iteration at ``bucket``, E(k) ``expected``."""
         times = self.cost.times(bucket, self.candidates)
-        self._view = (bucket, expected, times)
+        self._view, self._view_from = (bucket, expected, times), None
         k = choose_by_rate(self.candidates, expected, times)
         self._way = "rule"
         if self.cost.learn:
@@ -1382,6 +1388,8 @@ class AdaptiveK:
                 else:
                     times = self._borrowed(
                         bucket, times if ADAPTIVE_BORROW == "untried" else None)
+                    self._view = (bucket, expected, times)
+                    self._view_from = _nearest_class(self._settled, bucket)
                     k = choose_by_rate(self.candidates, expected, times)
             # An explored run just ended: an EXPLORE_EVERY turn, or the near run
             # ``_contender`` chose at this EXPLORE_NEAR's start.

@@ -609,6 +609,16 @@ def test_unsettled_bucket_borrows_only_for_untried_ks(monkeypatch):
         adaptive._last = (64, 0)                    # K = 0 running
         picks[mode] = adaptive._rule(expected, 64, 5000)     # no explore or near turn
     assert picks == {"all": 0, "untried": 2}
+    # The event shows the prices that decided, and where they came from.
+    summary = adaptive.summary()
+    assert summary["borrowed_from"] == 8 and summary["times_ms"][2] == 1.15
+    monkeypatch.setattr(_adaptive, "ADAPTIVE_BORROW", "all")
+    adaptive._rule(expected, 64, 5000)
+    assert adaptive.summary()["times_ms"][2] == pytest.approx(1.393, abs=1e-3)
+    for _ in range(FIRST_SAMPLES):              # K = 1's first samples: bucket 64 settles
+        cost.observe(64, 1, 1.1e-3)
+    adaptive._rule(expected, 64, 5000)
+    assert adaptive.summary()["borrowed_from"] is None and 64 in adaptive._settled
 
 
 def _settled_at(bucket, device, offset):
