@@ -183,9 +183,9 @@ HOLD = 4
 # moved by its warm-up difference and all scaled by the bucket's most-sampled K; "untried"
 # only the K values not WELL_MEASURED there, the others at their own price
 # (``CostTable.times``).
-# Under a server's load at batch >= 64 most iterations admit, and K = 0, run only at its
-# explore turns, gets its first undisturbed samples after thousands of choices: the bucket
-# stays unsettled. On the H100 (fifty-ninth session) one batch-64 run drafted K = 0 ~1,100
+# Under a server's load at batch >= 64 most iterations admit, and a K the rule runs only at
+# its explore turns (K = 0 or 1 there) gets its first undisturbed samples after thousands
+# of choices: the bucket stays unsettled. On the H100 (fifty-ninth session) one batch-64 run drafted K = 0 ~1,100
 # times: K = 0, then the bucket's most-sampled K, scaled bucket 8's times into K = 2 at 1.39
 # ms against its own 1.15 and K = 3 within SWITCH_MARGIN of K = 0, which was kept; K = 2's
 # own price made it 23 % faster (test_unsettled_bucket_borrows_only_for_untried_ks). Not
@@ -1291,9 +1291,9 @@ class AdaptiveK:
         proportion to the warm-up times (measured iterations can run below warm-up's, so
         the difference alone could reach zero and make that K look free). ``own``
         (ADAPTIVE_BORROW "untried"): the bucket's own prices, kept for every K
-        WELL_MEASURED here."""
+        WELL_MEASURED here. The settled bucket is kept for ``summary`` (``_view_from``)."""
         cost = self.cost
-        near = _nearest_class(self._settled, bucket)
+        near = self._view_from = _nearest_class(self._settled, bucket)
 
         estimate = {c: moved(cost.measured[(near, c)], cost.own_device(near, c),
                              cost.own_device(bucket, c)) for c in self.candidates}
@@ -1389,7 +1389,6 @@ class AdaptiveK:
                     times = self._borrowed(
                         bucket, times if ADAPTIVE_BORROW == "untried" else None)
                     self._view = (bucket, expected, times)
-                    self._view_from = _nearest_class(self._settled, bucket)
                     k = choose_by_rate(self.candidates, expected, times)
             # An explored run just ended: an EXPLORE_EVERY turn, or the near run
             # ``_contender`` chose at this EXPLORE_NEAR's start.
