@@ -2,8 +2,9 @@
 consumers (a task per request, text detokenized as delivered), fed as a core would feed
 them, with no core: rank 0's own rows (``("out", rows, events)``) or another rank's block
 (``("blocks", [bytes])``, decoded by handle here). No speculation (one token an output),
-the SmolLM2 tokenizer; rank 0's rows also with ``detokenize=False`` (token ids only). A group of ranks serves at most this many tokens a second through
-one parent, whatever its GPUs do.
+the SmolLM2 tokenizer; rank 0's rows also with ``detokenize=False`` (token ids only). A
+group of ranks serves at most this many tokens a second through one parent, whatever its
+GPUs do.
 
     python bench/bench_parent_outputs.py [--requests 128] [--iterations 200] [--runs 3]
 """

@@ -556,5 +556,6 @@ def report_batch(args, names, kinds, batch, sets, steady, got) -> None:
                                one_engine=args.one_engine,
                                vs_in_process=paired, **extra), args.out)
 
+
 if __name__ == "__main__":
     main()

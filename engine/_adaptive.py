@@ -182,14 +182,14 @@ HOLD = 4
 # the nearest settled bucket's times (``_borrowed``): "all" (the default) every K, each
 # moved by its warm-up difference and all scaled by the bucket's most-sampled K; "untried"
 # only the K values not WELL_MEASURED there, the others at their own price
-# (``CostTable.times``).
-# Under a server's load at batch >= 64 most iterations admit, and a K the rule runs only at
-# its explore turns (K = 0 or 1 there) gets its first undisturbed samples after thousands
-# of choices: the bucket stays unsettled. On the H100 (fifty-ninth session) one batch-64 run drafted K = 0 ~1,100
-# times: K = 0, then the bucket's most-sampled K, scaled bucket 8's times into K = 2 at 1.39
-# ms against its own 1.15 and K = 3 within SWITCH_MARGIN of K = 0, which was kept; K = 2's
-# own price made it 23 % faster (test_unsettled_bucket_borrows_only_for_untried_ks). Not
-# the default until timed on a GPU (SPECLOOP_ADAPTIVE_BORROW=untried for an A/B): in
+# (``CostTable.times``). Under a server's load at batch >= 64 most iterations admit, and a
+# K the rule runs only at its explore turns (K = 0 or 1 there) gets its first undisturbed
+# samples after thousands of choices: the bucket stays unsettled. On the H100
+# (fifty-ninth session) one batch-64 run drafted K = 0 ~1,100 times: K = 0, then the
+# bucket's most-sampled K, scaled bucket 8's times into K = 2 at 1.39 ms against its own
+# 1.15 and K = 3 within SWITCH_MARGIN of K = 0, which was kept; K = 2's own price made it
+# 23 % faster (test_unsettled_bucket_borrows_only_for_untried_ks). Not the default until
+# timed on a GPU (SPECLOOP_ADAPTIVE_BORROW=untried for an A/B): in
 # bench/adaptive_sim.py's closed rounds at batch 64 (--closed 128 --lengths 0.5 --ahead
 # 0.8, 16 seeds) it read 0.982 of the best fixed K against 0.988, 11 seeds of 16 lower;
 # there every K's time scales with the bucket by one factor, as borrowing assumes, and a
